@@ -1,0 +1,135 @@
+// The compute backend: every numeric operation a model needs, behind one
+// interface so the same model code runs on the CPU reference and on CUDA.
+//
+// Conventions, for every backend:
+//  - Matrices are row-major. Pointers passed to ops are the backend's own
+//    memory (from Allocate); the CPU backend's memory is ordinary host memory.
+//  - Ops may run asynchronously on the backend's stream; CopyToHost and
+//    Synchronize return only once all previously issued work is done.
+//  - Every op returns a Status; a failure names the op and the cause. Shapes
+//    are validated (negative sizes, null pointers) before anything runs.
+#ifndef PSTRAIN_KERNELS_BACKEND_H_
+#define PSTRAIN_KERNELS_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace pstrain::kernels {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // A human-readable name for logs: "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)".
+  virtual std::string Name() const = 0;
+
+  // Memory on the backend's device. Allocate(0) returns a valid, unusable
+  // pointer that Free accepts.
+  virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
+  virtual void Free(void* ptr) = 0;
+  virtual absl::Status CopyToDevice(const void* host, void* device,
+                                    size_t bytes) = 0;
+  virtual absl::Status CopyToHost(const void* device, void* host,
+                                  size_t bytes) = 0;
+  // Waits for all issued work; reports any deferred asynchronous error.
+  virtual absl::Status Synchronize() = 0;
+
+  // c[m, n] = alpha * op(a) * op(b) + beta * c, with op(a) of shape [m, k]
+  // and op(b) of shape [k, n]; op(x) is x, or x transposed when trans_x.
+  // a is stored [m, k] (or [k, m] when trans_a), b [k, n] (or [n, k]).
+  // beta == 0 means c is write-only (its old contents, even NaN, are ignored).
+  virtual absl::Status Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n,
+                            int64_t k, float alpha, const float* a,
+                            const float* b, float beta, float* c) = 0;
+
+  // y[r, c] += bias[c] for a [rows, cols] matrix y.
+  virtual absl::Status AddBias(int64_t rows, int64_t cols, const float* bias,
+                               float* y) = 0;
+
+  // bias_grad[c] = sum over r of dy[r, c] (overwrites bias_grad).
+  virtual absl::Status BiasGrad(int64_t rows, int64_t cols, const float* dy,
+                                float* bias_grad) = 0;
+
+  // y = max(x, 0); y may alias x.
+  virtual absl::Status Relu(int64_t n, const float* x, float* y) = 0;
+
+  // dx = dy where y > 0, else 0 (y is the ReLU output); dx may alias dy.
+  virtual absl::Status ReluGrad(int64_t n, const float* y, const float* dy,
+                                float* dx) = 0;
+
+  // Fused, numerically stable softmax cross-entropy over a [rows, cols]
+  // logits matrix with integer labels in [0, cols):
+  //   loss_r = logsumexp(logits_r) - logits_r[label_r]
+  //   dlogits[r, c] = (softmax(logits_r)[c] - [c == label_r]) * grad_scale
+  // dlogits may be null (forward only) and may alias logits. On return
+  // *loss_sum (host) is the sum of loss_r and *num_correct (host) the number
+  // of rows whose first maximal logit is at the label. A label out of range
+  // is an InvalidArgument error.
+  virtual absl::Status SoftmaxCrossEntropy(int64_t rows, int64_t cols,
+                                           const float* logits,
+                                           const int32_t* labels,
+                                           float grad_scale, float* dlogits,
+                                           double* loss_sum,
+                                           int64_t* num_correct) = 0;
+
+  // y = alpha * x + y.
+  virtual absl::Status Axpy(int64_t n, float alpha, const float* x,
+                            float* y) = 0;
+
+  // x = alpha * x.
+  virtual absl::Status Scale(int64_t n, float alpha, float* x) = 0;
+
+  // x[i] = value.
+  virtual absl::Status Fill(int64_t n, float value, float* x) = 0;
+};
+
+// Picks a backend from a --device flag value: "cpu", "auto" (a GPU when one
+// is visible, otherwise the CPU, said once in the log) or "cuda:N".
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
+    const std::string& device);
+
+// An array of T in a backend's memory, freed on destruction. Move-only.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  static absl::StatusOr<DeviceArray> Create(Backend* backend, size_t size) {
+    absl::StatusOr<void*> ptr = backend->Allocate(size * sizeof(T));
+    if (!ptr.ok()) return ptr.status();
+    return DeviceArray(backend, static_cast<T*>(*ptr), size);
+  }
+  DeviceArray(DeviceArray&& other) noexcept { *this = std::move(other); }
+  DeviceArray& operator=(DeviceArray&& other) noexcept {
+    std::swap(backend_, other.backend_);
+    std::swap(data_, other.data_);
+    std::swap(size_, other.size_);
+    return *this;
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() {
+    if (backend_ != nullptr) backend_->Free(data_);
+  }
+
+  T* data() const { return data_; }
+  size_t size() const { return size_; }
+  size_t bytes() const { return size_ * sizeof(T); }
+
+ private:
+  DeviceArray(Backend* backend, T* data, size_t size)
+      : backend_(backend), data_(data), size_(size) {}
+
+  Backend* backend_ = nullptr;
+  T* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace pstrain::kernels
+
+#endif  // PSTRAIN_KERNELS_BACKEND_H_

@@ -1,0 +1,63 @@
+// Models trained by the worker. A model declares its parameters (the schema
+// the servers hold) and computes the mean loss of a batch and its gradient
+// with respect to every parameter, using only the compute backend.
+#ifndef PSTRAIN_WORKER_MODEL_H_
+#define PSTRAIN_WORKER_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "proto/ps.pb.h"
+
+namespace pstrain {
+
+// A batch resident in the backend's memory.
+struct DeviceBatch {
+  int64_t rows = 0;
+  const float* features = nullptr;  // [rows, input_dim], row-major
+  const int32_t* labels = nullptr;  // [rows], each in [0, num_classes)
+};
+
+struct BatchResult {
+  double loss_sum = 0;  // sum of per-example losses (mean = loss_sum / rows)
+  int64_t num_correct = 0;
+  int64_t rows = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  // The parameters, in a fixed order: the schema registered on the servers.
+  // Element counts are the products of the shapes.
+  virtual const std::vector<DenseTensorSpec>& Params() const = 0;
+
+  // Forward and backward on one batch. params[i] and grads[i] point at
+  // backend memory holding Params()[i]; grads receive the gradient of the
+  // *mean* loss over the batch (overwritten). batch.rows <= max_batch.
+  virtual absl::StatusOr<BatchResult> ComputeGradients(
+      const std::vector<const float*>& params, const DeviceBatch& batch,
+      const std::vector<float*>& grads) = 0;
+
+  // Forward only: loss and accuracy of a batch.
+  virtual absl::StatusOr<BatchResult> Evaluate(
+      const std::vector<const float*>& params, const DeviceBatch& batch) = 0;
+};
+
+// A multi-layer perceptron: input -> [Linear -> ReLU] per hidden size ->
+// Linear -> softmax cross-entropy. With no hidden layers it is softmax
+// (multinomial logistic) regression. Parameters are named "fc{i}/weight"
+// ([in, out], Glorot-uniform init) and "fc{i}/bias" ([out], zeros).
+// Workspace for batches of up to max_batch rows is allocated once here.
+absl::StatusOr<std::unique_ptr<Model>> CreateMlp(
+    kernels::Backend* backend, int64_t input_dim,
+    const std::vector<int64_t>& hidden_sizes, int64_t num_classes,
+    int64_t max_batch);
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_WORKER_MODEL_H_
