@@ -1,0 +1,93 @@
+#include "common/cli.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "glog/logging.h"
+
+namespace pstrain {
+namespace {
+
+std::string& ProgramName() {
+  static std::string* name = new std::string("program");
+  return *name;
+}
+
+sigset_t TerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  return set;
+}
+
+}  // namespace
+
+void InitProgram(int argc, char** argv, const char* usage) {
+  const std::string path = argv[0];
+  ProgramName() = path.substr(path.find_last_of('/') + 1);
+  absl::SetProgramUsageMessage(usage);
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::vector<std::string> extra(rest.begin() + 1, rest.end());
+    std::fprintf(stderr,
+                 "%s: unexpected argument(s): %s (flags are --name=value)\n",
+                 ProgramName().c_str(), absl::StrJoin(extra, " ").c_str());
+    std::exit(2);
+  }
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+}
+
+void ExitOnFlagErrors(const std::vector<absl::Status>& checks) {
+  bool failed = false;
+  for (const absl::Status& status : checks) {
+    if (status.ok()) continue;
+    std::fprintf(stderr, "%s: %s\n", ProgramName().c_str(),
+                 std::string(status.message()).c_str());
+    failed = true;
+  }
+  if (failed) std::exit(2);
+}
+
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::string& contents) {
+  const std::string temporary = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream out(temporary, std::ios::trunc);
+    out << contents;
+    out.close();
+    if (!out) {
+      return absl::InternalError(absl::StrCat("cannot write ", temporary));
+    }
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::remove(temporary.c_str());
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", temporary, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+void BlockTerminationSignals() {
+  sigset_t set = TerminationSignals();
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int WaitForTerminationSignal() {
+  sigset_t set = TerminationSignals();
+  int signal_number = 0;
+  while (sigwait(&set, &signal_number) != 0) {
+  }
+  return signal_number;
+}
+
+}  // namespace pstrain

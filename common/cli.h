@@ -1,0 +1,35 @@
+// Start-up plumbing both binaries share: flag errors reported one line each
+// with a non-zero exit, the port file a launcher waits for, and SIGTERM/SIGINT
+// turned into an ordinary wait.
+#ifndef PSTRAIN_COMMON_CLI_H_
+#define PSTRAIN_COMMON_CLI_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace pstrain {
+
+// Parses flags (absl) and sets up glog to log to stderr. Positional
+// arguments are refused. Returns nothing; exits 2 on a parse error.
+void InitProgram(int argc, char** argv, const char* usage);
+
+// Prints "<program>: <message>" for every failed status and exits with 2 if
+// there was one. Collect the checks first so a user sees every problem found.
+void ExitOnFlagErrors(const std::vector<absl::Status>& checks);
+
+// Writes `contents` to `path` atomically (temporary file + rename), so a
+// reader polling for the file never sees it half written.
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::string& contents);
+
+// Blocks SIGINT and SIGTERM in this thread and every thread created after
+// it; call before starting threads. WaitForTerminationSignal then returns
+// the signal number when one arrives.
+void BlockTerminationSignals();
+int WaitForTerminationSignal();
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_COMMON_CLI_H_

@@ -1,0 +1,160 @@
+#include "common/partition.h"
+
+#include <cmath>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace pstrain {
+namespace {
+
+constexpr int64_t kMaxTensorElements = int64_t{1} << 40;
+
+std::string ShapeString(const DenseTensorSpec& tensor) {
+  return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
+}
+
+}  // namespace
+
+int64_t NumElements(const DenseTensorSpec& tensor) {
+  int64_t n = 1;
+  for (int64_t d : tensor.shape()) n *= d;
+  return n;
+}
+
+absl::Status ValidateSchema(const ModelSchema& schema) {
+  if (schema.dense_size() == 0) {
+    return absl::InvalidArgumentError("schema has no tensors");
+  }
+  if (schema.block_elements() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "schema block_elements must be >= 1, got ", schema.block_elements()));
+  }
+  absl::flat_hash_set<std::string> names;
+  for (int i = 0; i < schema.dense_size(); ++i) {
+    const DenseTensorSpec& tensor = schema.dense(i);
+    const std::string where =
+        absl::StrCat("tensor ", i, " ('", tensor.name(), "')");
+    if (tensor.name().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": empty name"));
+    }
+    if (!names.insert(tensor.name()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": duplicate name"));
+    }
+    if (tensor.shape_size() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": empty shape"));
+    }
+    int64_t elements = 1;
+    for (int64_t d : tensor.shape()) {
+      if (d < 1 || d > kMaxTensorElements ||
+          elements > kMaxTensorElements / d) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": shape ", ShapeString(tensor),
+            " must have dimensions >= 1 and at most 2^40 elements"));
+      }
+      elements *= d;
+    }
+    const InitSpec& init = tensor.init();
+    if (!InitSpec::Kind_IsValid(init.kind())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": unknown init kind ", init.kind()));
+    }
+    if (!std::isfinite(init.value()) || !std::isfinite(init.scale()) ||
+        init.scale() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": init value and scale must be finite, scale >= 0"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string FirstSchemaDifference(const ModelSchema& expected,
+                                  const ModelSchema& actual) {
+  if (expected.seed() != actual.seed()) {
+    return absl::StrCat("seed ", expected.seed(), " vs ", actual.seed());
+  }
+  if (expected.block_elements() != actual.block_elements()) {
+    return absl::StrCat("block_elements ", expected.block_elements(), " vs ",
+                        actual.block_elements());
+  }
+  const int common = std::min(expected.dense_size(), actual.dense_size());
+  for (int i = 0; i < common; ++i) {
+    const DenseTensorSpec& a = expected.dense(i);
+    const DenseTensorSpec& b = actual.dense(i);
+    const std::string where = absl::StrCat("tensor ", i, " ('", a.name(), "')");
+    if (a.name() != b.name()) {
+      return absl::StrCat(where, ": name '", a.name(), "' vs '", b.name(), "'");
+    }
+    if (ShapeString(a) != ShapeString(b)) {
+      return absl::StrCat(where, ": shape ", ShapeString(a), " vs ",
+                          ShapeString(b));
+    }
+    if (a.init().SerializeAsString() != b.init().SerializeAsString()) {
+      return absl::StrCat(where, ": init {", a.init().ShortDebugString(),
+                          "} vs {", b.init().ShortDebugString(), "}");
+    }
+  }
+  if (expected.dense_size() != actual.dense_size()) {
+    return absl::StrCat("tensor count ", expected.dense_size(), " vs ",
+                        actual.dense_size());
+  }
+  return "";
+}
+
+absl::StatusOr<Partition> Partition::Create(const ModelSchema& schema,
+                                            int num_shards) {
+  if (absl::Status s = ValidateSchema(schema); !s.ok()) return s;
+  if (num_shards < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_shards must be >= 1, got ", num_shards));
+  }
+  Partition p;
+  p.num_shards_ = num_shards;
+  p.shard_blocks_.resize(num_shards);
+  const int64_t block_elements = schema.block_elements();
+  for (int t = 0; t < schema.dense_size(); ++t) {
+    const int64_t elements = NumElements(schema.dense(t));
+    p.tensor_elements_.push_back(elements);
+    p.tensor_first_block_.push_back(static_cast<int>(p.blocks_.size()));
+    p.tensor_index_[schema.dense(t).name()] = t;
+    for (int64_t offset = 0, b = 0; offset < elements;
+         offset += block_elements, ++b) {
+      BlockLocation loc;
+      loc.tensor = t;
+      loc.block = b;
+      loc.offset = offset;
+      loc.length = std::min(block_elements, elements - offset);
+      loc.shard = static_cast<int>(p.blocks_.size() % num_shards);
+      p.shard_blocks_[loc.shard].push_back(static_cast<int>(p.blocks_.size()));
+      p.blocks_.push_back(loc);
+    }
+  }
+  return p;
+}
+
+int Partition::FindTensor(absl::string_view tensor) const {
+  auto it = tensor_index_.find(tensor);
+  return it == tensor_index_.end() ? -1 : it->second;
+}
+
+absl::StatusOr<int> Partition::FindBlock(absl::string_view tensor,
+                                         int64_t block) const {
+  const int t = FindTensor(tensor);
+  if (t < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown tensor '", tensor, "'"));
+  }
+  const int first = tensor_first_block_[t];
+  const int end = t + 1 < NumTensors() ? tensor_first_block_[t + 1]
+                                       : static_cast<int>(blocks_.size());
+  if (block < 0 || block >= end - first) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor, "' has blocks [0, ", end - first,
+                     "), got block ", block));
+  }
+  return first + static_cast<int>(block);
+}
+
+}  // namespace pstrain
