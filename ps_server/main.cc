@@ -1,0 +1,151 @@
+// ps_server: one shard of the parameter server.
+//
+//   ps_server --port=5000 --shard_id=0 --num_shards=2 --num_workers=4
+//             --mode=sync --optimizer=adam --learning_rate=0.001
+//
+// Serves until SIGTERM or SIGINT, then finishes in-flight calls (bounded by
+// --shutdown_grace_s) and exits 0.
+#include <grpcpp/grpcpp.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/cli.h"
+#include "common/protocol.h"
+#include "glog/logging.h"
+#include "ps_server/service.h"
+#include "ps_server/shard.h"
+
+ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
+ABSL_FLAG(int, port, 0, "Port to listen on; 0 picks a free one.");
+ABSL_FLAG(std::string, port_file, "",
+          "If set, the chosen port is written here once serving (atomically).");
+ABSL_FLAG(int, shard_id, 0, "This server's shard, in [0, num_shards).");
+ABSL_FLAG(int, num_shards, 1, "Number of parameter-server shards.");
+ABSL_FLAG(int, num_workers, 1, "Number of workers in the job.");
+ABSL_FLAG(std::string, mode, "sync", "Consistency: sync or async.");
+ABSL_FLAG(std::string, optimizer, "sgd", "sgd, momentum or adam.");
+ABSL_FLAG(double, learning_rate, 0.1, "Optimizer learning rate.");
+ABSL_FLAG(double, momentum, 0.9,
+          "Momentum coefficient (--optimizer=momentum).");
+ABSL_FLAG(double, adam_beta1, 0.9, "Adam beta1.");
+ABSL_FLAG(double, adam_beta2, 0.999, "Adam beta2.");
+ABSL_FLAG(double, adam_epsilon, 1e-8, "Adam epsilon.");
+ABSL_FLAG(std::string, nonfinite_gradients, "reject",
+          "A gradient containing NaN/Inf: 'reject' the push with an error, or "
+          "'skip' it (acknowledged, not applied, counted in stats).");
+ABSL_FLAG(double, max_pull_wait_s, 120,
+          "Longest a sync pull waits for its step before DEADLINE_EXCEEDED.");
+ABSL_FLAG(int, max_message_mb, pstrain::kDefaultMaxMessageBytes >> 20,
+          "Largest request or response accepted, in MiB.");
+ABSL_FLAG(double, shutdown_grace_s, 5,
+          "On SIGTERM, how long in-flight calls may take to finish.");
+
+namespace pstrain {
+namespace {
+
+absl::Status CheckPositive(const char* flag, double value) {
+  if (std::isfinite(value) && value > 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be a positive number, got ", value));
+}
+
+int Main() {
+  ShardOptions options;
+  options.shard_id = absl::GetFlag(FLAGS_shard_id);
+  options.num_shards = absl::GetFlag(FLAGS_num_shards);
+  options.num_workers = absl::GetFlag(FLAGS_num_workers);
+  options.optimizer.name = absl::GetFlag(FLAGS_optimizer);
+  options.optimizer.learning_rate = absl::GetFlag(FLAGS_learning_rate);
+  options.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
+  options.optimizer.beta1 = absl::GetFlag(FLAGS_adam_beta1);
+  options.optimizer.beta2 = absl::GetFlag(FLAGS_adam_beta2);
+  options.optimizer.epsilon = absl::GetFlag(FLAGS_adam_epsilon);
+
+  std::vector<absl::Status> checks;
+  absl::StatusOr<ConsistencyMode> mode =
+      ParseConsistencyMode(absl::GetFlag(FLAGS_mode));
+  checks.push_back(mode.status());
+  if (mode.ok()) options.mode = *mode;
+  const std::string nonfinite = absl::GetFlag(FLAGS_nonfinite_gradients);
+  if (nonfinite != "reject" && nonfinite != "skip") {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--nonfinite_gradients must be reject or skip, got '",
+                     nonfinite, "'")));
+  }
+  options.skip_nonfinite_gradients = nonfinite == "skip";
+  const int port = absl::GetFlag(FLAGS_port);
+  if (port < 0 || port > 65535) {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--port must be in [0, 65535], got ", port)));
+  }
+  const double max_pull_wait_s = absl::GetFlag(FLAGS_max_pull_wait_s);
+  checks.push_back(CheckPositive("max_pull_wait_s", max_pull_wait_s));
+  checks.push_back(
+      CheckPositive("shutdown_grace_s", absl::GetFlag(FLAGS_shutdown_grace_s)));
+  const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  if (max_message_mb < 1 || max_message_mb > 2047) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--max_message_mb must be in [1, 2047], got ", max_message_mb)));
+  }
+  ExitOnFlagErrors(checks);
+  options.max_pull_wait = absl::Seconds(max_pull_wait_s);
+
+  absl::StatusOr<std::unique_ptr<Shard>> shard = Shard::Create(options);
+  ExitOnFlagErrors({shard.status()});
+
+  BlockTerminationSignals();
+  ParameterServerService service(shard->get());
+  grpc::ServerBuilder builder;
+  int selected_port = 0;
+  const std::string address =
+      absl::StrCat(absl::GetFlag(FLAGS_host), ":", port);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(),
+                           &selected_port);
+  builder.SetMaxReceiveMessageSize(max_message_mb << 20);
+  builder.SetMaxSendMessageSize(max_message_mb << 20);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || selected_port == 0) {
+    LOG(ERROR) << "cannot listen on " << address
+               << " (address in use or not local?)";
+    return 1;
+  }
+  LOG(INFO) << "ps_server shard " << options.shard_id << "/"
+            << options.num_shards << " listening on "
+            << absl::GetFlag(FLAGS_host) << ":" << selected_port << ", mode "
+            << ConsistencyModeName(options.mode) << ", " << options.num_workers
+            << " workers, optimizer " << options.optimizer.name;
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty()) {
+    absl::Status written =
+        WriteFileAtomically(port_file, absl::StrCat(selected_port, "\n"));
+    if (!written.ok()) {
+      LOG(ERROR) << written;
+      server->Shutdown();
+      return 1;
+    }
+  }
+
+  const int signal_number = WaitForTerminationSignal();
+  LOG(INFO) << "signal " << signal_number << ": shutting down";
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(
+                       absl::GetFlag(FLAGS_shutdown_grace_s) * 1000)));
+  const StatsResponse stats = (*shard)->Stats();
+  LOG(INFO) << "final stats: " << stats.ShortDebugString();
+  return 0;
+}
+
+}  // namespace
+}  // namespace pstrain
+
+int main(int argc, char** argv) {
+  pstrain::InitProgram(argc, argv,
+                       "ps_server: one shard of the parameter server");
+  return pstrain::Main();
+}

@@ -1,0 +1,119 @@
+#include "ps_server/optimizer.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace pstrain {
+namespace {
+
+// w -= lr * g
+class Sgd : public Optimizer {
+ public:
+  explicit Sgd(float lr) : lr_(lr) {}
+  int state_per_element() const override { return 0; }
+  void Update(int64_t, absl::Span<float> param, absl::Span<const float> grad,
+              absl::Span<float>) const override {
+    const size_t n = param.size();
+    float* w = param.data();
+    const float* g = grad.data();
+    for (size_t i = 0; i < n; ++i) w[i] -= lr_ * g[i];
+  }
+
+ private:
+  float lr_;
+};
+
+// Heavy-ball momentum as PyTorch defines it: v = mu * v + g; w -= lr * v.
+class Momentum : public Optimizer {
+ public:
+  Momentum(float lr, float mu) : lr_(lr), mu_(mu) {}
+  int state_per_element() const override { return 1; }
+  void Update(int64_t, absl::Span<float> param, absl::Span<const float> grad,
+              absl::Span<float> state) const override {
+    const size_t n = param.size();
+    float* w = param.data();
+    const float* g = grad.data();
+    float* v = state.data();
+    for (size_t i = 0; i < n; ++i) {
+      v[i] = mu_ * v[i] + g[i];
+      w[i] -= lr_ * v[i];
+    }
+  }
+
+ private:
+  float lr_, mu_;
+};
+
+// Adam (Kingma & Ba) with bias correction folded into the step size.
+class Adam : public Optimizer {
+ public:
+  Adam(float lr, float beta1, float beta2, float eps)
+      : lr_(lr), beta1_(beta1), beta2_(beta2), eps_(eps) {}
+  int state_per_element() const override { return 2; }
+  void Update(int64_t update_count, absl::Span<float> param,
+              absl::Span<const float> grad,
+              absl::Span<float> state) const override {
+    const size_t n = param.size();
+    float* w = param.data();
+    const float* g = grad.data();
+    float* m = state.data();
+    float* v = state.data() + n;
+    const double t = static_cast<double>(update_count);
+    const float correction1 = static_cast<float>(1 - std::pow(beta1_, t));
+    const float correction2 = static_cast<float>(1 - std::pow(beta2_, t));
+    const float step = lr_ / correction1;
+    const float inv_sqrt_c2 = 1.0f / std::sqrt(correction2);
+    for (size_t i = 0; i < n; ++i) {
+      m[i] = beta1_ * m[i] + (1 - beta1_) * g[i];
+      v[i] = beta2_ * v[i] + (1 - beta2_) * g[i] * g[i];
+      w[i] -= step * m[i] / (std::sqrt(v[i]) * inv_sqrt_c2 + eps_);
+    }
+  }
+
+ private:
+  float lr_, beta1_, beta2_, eps_;
+};
+
+absl::Status CheckRange(const char* flag, float value, float lo, float hi,
+                        bool hi_inclusive) {
+  const bool ok = std::isfinite(value) && value >= lo &&
+                  (hi_inclusive ? value <= hi : value < hi);
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be in [", lo, ", ", hi,
+                   hi_inclusive ? "]" : ")", ", got ", value));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(
+    const OptimizerConfig& c) {
+  if (!std::isfinite(c.learning_rate) || c.learning_rate <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--learning_rate must be a positive number, got ", c.learning_rate));
+  }
+  if (c.name == "sgd") return std::make_unique<Sgd>(c.learning_rate);
+  if (c.name == "momentum") {
+    if (absl::Status s = CheckRange("momentum", c.momentum, 0, 1, false);
+        !s.ok()) {
+      return s;
+    }
+    return std::make_unique<Momentum>(c.learning_rate, c.momentum);
+  }
+  if (c.name == "adam") {
+    for (absl::Status s : {CheckRange("adam_beta1", c.beta1, 0, 1, false),
+                           CheckRange("adam_beta2", c.beta2, 0, 1, false),
+                           CheckRange("adam_epsilon", c.epsilon, 0, 1, true)}) {
+      if (!s.ok()) return s;
+    }
+    if (c.epsilon <= 0) {
+      return absl::InvalidArgumentError("--adam_epsilon must be positive");
+    }
+    return std::make_unique<Adam>(c.learning_rate, c.beta1, c.beta2, c.epsilon);
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--optimizer must be sgd, momentum or adam, got '", c.name, "'"));
+}
+
+}  // namespace pstrain

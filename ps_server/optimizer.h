@@ -1,0 +1,45 @@
+// Server-side optimizers. Each owns no memory: the shard keeps the parameter,
+// the optimizer state (state_per_element() floats per parameter, laid out
+// slot-major: all of slot 0, then all of slot 1) and the update count.
+#ifndef PSTRAIN_PS_SERVER_OPTIMIZER_H_
+#define PSTRAIN_PS_SERVER_OPTIMIZER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace pstrain {
+
+struct OptimizerConfig {
+  std::string name = "sgd";  // sgd | momentum | adam
+  float learning_rate = 0.1f;
+  float momentum = 0.9f;  // momentum
+  float beta1 = 0.9f;     // adam
+  float beta2 = 0.999f;   // adam
+  float epsilon = 1e-8f;  // adam
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+
+  // Refuses unknown names and out-of-range hyper-parameters, naming the flag.
+  static absl::StatusOr<std::unique_ptr<Optimizer>> Create(
+      const OptimizerConfig& config);
+
+  virtual int state_per_element() const = 0;
+
+  // Applies one update to `param` with gradient `grad`. `update_count` is
+  // 1 for the first update this block receives (Adam's bias correction).
+  // state.size() == state_per_element() * param.size().
+  virtual void Update(int64_t update_count, absl::Span<float> param,
+                      absl::Span<const float> grad,
+                      absl::Span<float> state) const = 0;
+};
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_PS_SERVER_OPTIMIZER_H_

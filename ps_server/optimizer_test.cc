@@ -1,0 +1,100 @@
+#include "ps_server/optimizer.h"
+
+#include <cmath>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace pstrain {
+namespace {
+
+std::unique_ptr<Optimizer> Make(OptimizerConfig config) {
+  absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(config);
+  EXPECT_TRUE(opt.ok()) << opt.status();
+  return std::move(*opt);
+}
+
+TEST(OptimizerTest, SgdIsOneStepAgainstTheGradient) {
+  OptimizerConfig config;
+  config.learning_rate = 0.5f;
+  auto sgd = Make(config);
+  std::vector<float> w = {1, 2, 3};
+  sgd->Update(1, absl::MakeSpan(w), std::vector<float>{2, -4, 0.5f}, {});
+  EXPECT_EQ(w, (std::vector<float>{0, 4, 2.75f}));
+}
+
+TEST(OptimizerTest, MomentumMatchesClosedForm) {
+  // Constant gradient g: v_t = g (1 - mu^t) / (1 - mu),
+  // w_T = w_0 - lr * g * sum_t (1 - mu^t) / (1 - mu).
+  OptimizerConfig config{"momentum", 0.1f, 0.9f};
+  auto opt = Make(config);
+  std::vector<float> w = {1.0f}, v(1, 0.0f);
+  const float g = 2.0f;
+  for (int t = 1; t <= 10; ++t) {
+    opt->Update(t, absl::MakeSpan(w), std::vector<float>{g}, absl::MakeSpan(v));
+  }
+  double expected = 1.0;
+  for (int t = 1; t <= 10; ++t) {
+    expected -= 0.1 * g * (1 - std::pow(0.9, t)) / (1 - 0.9);
+  }
+  EXPECT_NEAR(w[0], expected, 1e-5);
+  EXPECT_NEAR(v[0], g * (1 - std::pow(0.9, 10)) / 0.1, 1e-5);
+}
+
+TEST(OptimizerTest, AdamMatchesClosedForm) {
+  // With a constant gradient g the bias-corrected moments are exactly g and
+  // g^2, so each step moves w by lr * g / (|g| + eps) = lr * sign(g) (eps->0).
+  OptimizerConfig config;
+  config.name = "adam";
+  config.learning_rate = 0.01f;
+  config.epsilon = 1e-8f;
+  auto opt = Make(config);
+  ASSERT_EQ(opt->state_per_element(), 2);
+  std::vector<float> w = {0.5f, -0.5f}, state(4, 0.0f);
+  for (int t = 1; t <= 5; ++t) {
+    opt->Update(t, absl::MakeSpan(w), std::vector<float>{3.0f, -0.25f},
+                absl::MakeSpan(state));
+  }
+  EXPECT_NEAR(w[0], 0.5 - 5 * 0.01, 1e-6);
+  EXPECT_NEAR(w[1], -0.5 + 5 * 0.01, 1e-6);
+  // Raw (uncorrected) first moment after 5 steps: g (1 - beta1^5).
+  EXPECT_NEAR(state[0], 3.0 * (1 - std::pow(0.9, 5)), 1e-5);
+  EXPECT_NEAR(state[2], 9.0 * (1 - std::pow(0.999, 5)), 1e-5);
+}
+
+TEST(OptimizerTest, AdamFirstStepWithVaryingGradient) {
+  // t = 1: m_hat = g, v_hat = g^2 -> w -= lr * g / (|g| + eps).
+  OptimizerConfig config;
+  config.name = "adam";
+  config.learning_rate = 0.1f;
+  config.epsilon = 0.5f;
+  auto opt = Make(config);
+  std::vector<float> w = {0.0f}, state(2, 0.0f);
+  opt->Update(1, absl::MakeSpan(w), std::vector<float>{2.0f},
+              absl::MakeSpan(state));
+  EXPECT_NEAR(w[0], -0.1 * 2.0 / (2.0 + 0.5), 1e-6);
+}
+
+TEST(OptimizerTest, BadConfigsNameTheFlag) {
+  OptimizerConfig unknown;
+  unknown.name = "adagrad2";
+  EXPECT_NE(Optimizer::Create(unknown).status().message().find("--optimizer"),
+            std::string::npos);
+  OptimizerConfig bad_lr;
+  bad_lr.learning_rate = -1;
+  EXPECT_NE(
+      Optimizer::Create(bad_lr).status().message().find("--learning_rate"),
+      std::string::npos);
+  OptimizerConfig bad_momentum{"momentum", 0.1f, 1.5f};
+  EXPECT_NE(
+      Optimizer::Create(bad_momentum).status().message().find("--momentum"),
+      std::string::npos);
+  OptimizerConfig bad_beta;
+  bad_beta.name = "adam";
+  bad_beta.beta2 = 1.0f;
+  EXPECT_NE(Optimizer::Create(bad_beta).status().message().find("--adam_beta2"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace pstrain
