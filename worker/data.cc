@@ -1,0 +1,494 @@
+#include "worker/data.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+
+namespace pstrain {
+namespace {
+
+// Independent streams of the counter-based generator, so that e.g. the noise
+// draw of example i can never coincide with one of its feature draws.
+enum Stream : uint64_t {
+  kTeacherStream = 1,
+  kFeatureStream = 2,
+  kNoiseStream = 3,
+  kNoiseClassStream = 4,
+};
+
+// The splitmix64 finalizer: a bijection on 64 bits with full avalanche, which
+// is what makes hashing a counter as good as drawing from a sequential RNG.
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Every random number is a hash of where it is used rather than of what was
+// drawn before it; that is what lets any worker generate any example alone.
+uint64_t Hash(uint64_t seed, uint64_t stream, uint64_t a, uint64_t b) {
+  uint64_t h = Mix(seed);
+  h = Mix(h ^ stream);
+  h = Mix(h ^ a);
+  return Mix(h ^ b);
+}
+
+// Uniform in the open interval (0, 1): never 0, so log() in Box-Muller is
+// finite, and never 1, so floor(u * n) < n.
+double Uniform(uint64_t h) {
+  return (static_cast<double>(h >> 11) + 0.5) * 0x1.0p-53;
+}
+
+constexpr double kPi = 3.14159265358979323846;
+
+double Normal(uint64_t seed, uint64_t stream, uint64_t a, uint64_t b) {
+  const double u1 = Uniform(Hash(seed, stream, a, 2 * b));
+  const double u2 = Uniform(Hash(seed, stream, a, 2 * b + 1));
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * kPi * u2);
+}
+
+absl::Status ValidateShard(const ShardSpec& shard) {
+  if (shard.count < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard.count must be >= 1, got ", shard.count));
+  }
+  if (shard.index < 0 || shard.index >= shard.count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard.index must be in [0, shard.count = ", shard.count,
+                     "), got ", shard.index));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateReaderOptions(int64_t num_features, int64_t num_classes,
+                                   const ShardSpec& shard) {
+  if (num_features < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_features must be >= 0 (0 = infer), got ", num_features));
+  }
+  if (num_classes < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_classes must be >= 2, got ", num_classes));
+  }
+  return ValidateShard(shard);
+}
+
+bool InShard(int64_t example_index, const ShardSpec& shard) {
+  return example_index % shard.count == shard.index;
+}
+
+// Reads a text file line by line, handing out lines with comments (when the
+// format has them), CR of CRLF endings and surrounding whitespace removed.
+class LineReader {
+ public:
+  LineReader(const std::string& path, char comment)
+      : path_(path), comment_(comment), in_(path) {}
+
+  absl::Status OpenStatus() const {
+    if (in_.is_open()) return absl::OkStatus();
+    return absl::NotFoundError(
+        absl::StrCat(path_, ": cannot open: ", std::strerror(errno)));
+  }
+
+  // False at the end of the file; blank (after stripping) lines are returned
+  // so that callers see every line number, and skip them themselves.
+  bool Next(absl::string_view* line) {
+    if (!std::getline(in_, buffer_)) return false;
+    ++line_number_;
+    absl::string_view view = buffer_;
+    // Spreadsheet exports often start with a UTF-8 byte order mark.
+    if (line_number_ == 1 && absl::StartsWith(view, "\xEF\xBB\xBF")) {
+      view.remove_prefix(3);
+    }
+    if (comment_ != '\0') {
+      const size_t pos = view.find(comment_);
+      if (pos != absl::string_view::npos) view = view.substr(0, pos);
+    }
+    *line = absl::StripAsciiWhitespace(view);
+    return true;
+  }
+
+  absl::Status ReadStatus() const {
+    if (in_.bad()) {
+      return absl::DataLossError(absl::StrCat(path_, ": read error"));
+    }
+    return absl::OkStatus();
+  }
+
+  // "path:line", the prefix of errors about the current line.
+  std::string Where() const { return absl::StrCat(path_, ":", line_number_); }
+
+  absl::Status Error(absl::string_view what) const {
+    return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", what));
+  }
+
+ private:
+  std::string path_;
+  char comment_;
+  std::ifstream in_;
+  std::string buffer_;
+  int64_t line_number_ = 0;
+};
+
+// Parses an integer class label; -1/+1 are the binary convention of LIBSVM.
+absl::Status ParseLabel(const LineReader& reader, absl::string_view text,
+                        int64_t num_classes, bool allow_plus_minus_one,
+                        int32_t* label) {
+  int64_t value;
+  if (!absl::SimpleAtoi(text, &value)) {
+    return reader.Error(absl::StrCat("label '", text, "' is not an integer"));
+  }
+  if (allow_plus_minus_one && num_classes == 2 && value == -1) value = 0;
+  if (value < 0 || value >= num_classes) {
+    return reader.Error(absl::StrCat("label ", value, " is out of range [0, ",
+                                     num_classes, ")"));
+  }
+  *label = static_cast<int32_t>(value);
+  return absl::OkStatus();
+}
+
+absl::Status ParseValue(const LineReader& reader, absl::string_view text,
+                        absl::string_view what, float* value) {
+  if (!absl::SimpleAtof(text, value)) {
+    return reader.Error(absl::StrCat(what, " '", text, "' is not a number"));
+  }
+  // A NaN or Inf feature would silently poison every parameter it touches.
+  if (!std::isfinite(*value)) {
+    return reader.Error(
+        absl::StrCat(what, " '", text, "' is not a finite float"));
+  }
+  return absl::OkStatus();
+}
+
+// Only text makes a header: an empty field (a trailing comma, say) on the
+// first line is a malformed example, which should be reported, not dropped.
+bool IsHeader(const std::vector<absl::string_view>& fields) {
+  for (absl::string_view field : fields) {
+    float unused;
+    if (!absl::StripAsciiWhitespace(field).empty() &&
+        !absl::SimpleAtof(field, &unused)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+absl::StatusOr<Dataset> MakeSyntheticClassification(
+    const SyntheticOptions& options, int64_t first_index, int64_t count,
+    ShardSpec shard) {
+  if (options.num_features < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_features must be >= 1, got ", options.num_features));
+  }
+  if (options.num_classes < 2 ||
+      options.num_classes > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_classes must be in [2, 2^31), got ", options.num_classes));
+  }
+  // Written so that NaN fails too.
+  if (!(options.label_noise >= 0.0 && options.label_noise <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "label_noise must be in [0, 1], got ", options.label_noise));
+  }
+  if (options.num_classes >
+      std::numeric_limits<int64_t>::max() / options.num_features) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_classes * num_features overflows: ", options.num_classes, " * ",
+        options.num_features));
+  }
+  if (absl::Status status = ValidateShard(shard); !status.ok()) return status;
+  if (first_index < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_index must be >= 0, got ", first_index));
+  }
+  if (count < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("count must be >= 0, got ", count));
+  }
+  if (count > std::numeric_limits<int64_t>::max() - first_index) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first_index + count overflows: ", first_index, " + ", count));
+  }
+
+  const int64_t num_features = options.num_features;
+  const int64_t num_classes = options.num_classes;
+  Dataset data;
+  data.num_features = num_features;
+  data.num_classes = num_classes;
+
+  // The first global index >= first_index that belongs to this shard.
+  const int64_t offset =
+      (shard.index - first_index % shard.count + shard.count) % shard.count;
+  if (offset >= count) return data;
+  const int64_t start = first_index + offset;
+  const int64_t rows = (count - offset - 1) / shard.count + 1;
+  if (rows > std::numeric_limits<int64_t>::max() / num_features) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "count * num_features overflows: ", rows, " * ", num_features));
+  }
+
+  std::vector<double> teacher(num_classes * num_features);
+  for (int64_t c = 0; c < num_classes; ++c) {
+    for (int64_t j = 0; j < num_features; ++j) {
+      teacher[c * num_features + j] =
+          Normal(options.seed, kTeacherStream, c, j);
+    }
+  }
+
+  data.features.resize(rows * num_features);
+  data.labels.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint64_t i = static_cast<uint64_t>(start + r * shard.count);
+    float* x = &data.features[r * num_features];
+    for (int64_t j = 0; j < num_features; ++j) {
+      x[j] = static_cast<float>(Normal(options.seed, kFeatureStream, i, j));
+    }
+    // The label is computed from the stored floats, so that the teacher is
+    // exactly right on the data a model sees, not on a rounded-away version.
+    int64_t best = 0;
+    double best_score = -std::numeric_limits<double>::infinity();
+    for (int64_t c = 0; c < num_classes; ++c) {
+      const double* t = &teacher[c * num_features];
+      double score = 0;
+      for (int64_t j = 0; j < num_features; ++j) score += t[j] * x[j];
+      if (score > best_score) {
+        best_score = score;
+        best = c;
+      }
+    }
+    if (Uniform(Hash(options.seed, kNoiseStream, i, 0)) < options.label_noise) {
+      const double u = Uniform(Hash(options.seed, kNoiseClassStream, i, 0));
+      best = std::min(static_cast<int64_t>(u * num_classes), num_classes - 1);
+    }
+    data.labels[r] = static_cast<int32_t>(best);
+  }
+  return data;
+}
+
+double SyntheticBestAccuracy(const SyntheticOptions& options) {
+  return (1.0 - options.label_noise) +
+         options.label_noise / static_cast<double>(options.num_classes);
+}
+
+absl::StatusOr<Dataset> ReadCsv(const std::string& path, int64_t num_features,
+                                int64_t num_classes, ShardSpec shard) {
+  if (absl::Status status =
+          ValidateReaderOptions(num_features, num_classes, shard);
+      !status.ok()) {
+    return status;
+  }
+  LineReader reader(path, '\0');
+  if (absl::Status status = reader.OpenStatus(); !status.ok()) return status;
+
+  Dataset data;
+  data.num_classes = num_classes;
+  bool first_line = true;
+  bool width_known = num_features > 0;
+  int64_t example_index = 0;
+  absl::string_view line;
+  std::vector<absl::string_view> fields;
+  while (reader.Next(&line)) {
+    if (line.empty()) continue;
+    const bool header_candidate = first_line;
+    first_line = false;
+    const bool kept = InShard(example_index, shard);
+    // Every shard looks at the first line and the first example, kept or not,
+    // so that all of them agree on the header and on the inferred width.
+    if (!kept && !header_candidate && width_known) {
+      ++example_index;
+      continue;
+    }
+    fields = absl::StrSplit(line, ',');
+    if (header_candidate && IsHeader(fields)) continue;
+    if (!width_known) {
+      num_features = static_cast<int64_t>(fields.size()) - 1;
+      if (num_features < 1) {
+        return reader.Error(
+            "cannot infer num_features: the first example has no feature "
+            "columns");
+      }
+      width_known = true;
+    }
+    ++example_index;
+    if (!kept) continue;
+    if (static_cast<int64_t>(fields.size()) != num_features + 1) {
+      return reader.Error(absl::StrCat("expected ", num_features + 1,
+                                       " columns (label + ", num_features,
+                                       " features), got ", fields.size()));
+    }
+    int32_t label;
+    if (absl::Status status =
+            ParseLabel(reader, fields[0], num_classes, false, &label);
+        !status.ok()) {
+      return status;
+    }
+    data.labels.push_back(label);
+    for (int64_t j = 1; j <= num_features; ++j) {
+      float value;
+      if (absl::Status status =
+              ParseValue(reader, absl::StripAsciiWhitespace(fields[j]),
+                         absl::StrCat("column ", j + 1), &value);
+          !status.ok()) {
+        return status;
+      }
+      data.features.push_back(value);
+    }
+  }
+  if (absl::Status status = reader.ReadStatus(); !status.ok()) return status;
+  if (example_index == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no examples"));
+  }
+  data.num_features = num_features;
+  return data;
+}
+
+absl::StatusOr<Dataset> ReadLibsvm(const std::string& path,
+                                   int64_t num_features, int64_t num_classes,
+                                   ShardSpec shard) {
+  if (absl::Status status =
+          ValidateReaderOptions(num_features, num_classes, shard);
+      !status.ok()) {
+    return status;
+  }
+  LineReader reader(path, '#');
+  if (absl::Status status = reader.OpenStatus(); !status.ok()) return status;
+
+  // The width may only be known at the end of the file, so kept examples are
+  // held sparse until then.
+  const bool infer = num_features == 0;
+  int64_t max_index = 0;
+  std::vector<int32_t> labels;
+  std::vector<int64_t> indices;
+  std::vector<float> values;
+  std::vector<size_t> row_ends;
+  int64_t example_index = 0;
+  absl::string_view line;
+  while (reader.Next(&line)) {
+    if (line.empty()) continue;
+    const bool kept = InShard(example_index, shard);
+    ++example_index;
+    if (!kept && !infer) continue;
+    std::vector<absl::string_view> tokens =
+        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    if (!kept) {
+      // Indices only, no values and no checks: the shard that keeps this line
+      // validates it, but every shard must agree on the width.
+      for (size_t k = 1; k < tokens.size(); ++k) {
+        const size_t colon = tokens[k].find(':');
+        int64_t index;
+        if (colon != absl::string_view::npos &&
+            absl::SimpleAtoi(tokens[k].substr(0, colon), &index)) {
+          max_index = std::max(max_index, index);
+        }
+      }
+      continue;
+    }
+    int32_t label;
+    if (absl::Status status =
+            ParseLabel(reader, tokens[0], num_classes, true, &label);
+        !status.ok()) {
+      return status;
+    }
+    labels.push_back(label);
+    int64_t previous = 0;
+    for (size_t k = 1; k < tokens.size(); ++k) {
+      const absl::string_view token = tokens[k];
+      const size_t colon = token.find(':');
+      int64_t index;
+      if (colon == absl::string_view::npos ||
+          !absl::SimpleAtoi(token.substr(0, colon), &index)) {
+        return reader.Error(absl::StrCat("'", token, "' is not index:value"));
+      }
+      if (index < 1 || (!infer && index > num_features)) {
+        return reader.Error(absl::StrCat(
+            "index ", index, " is out of range [1, ",
+            infer ? std::string("inf") : absl::StrCat(num_features), "]"));
+      }
+      if (index <= previous) {
+        return reader.Error(absl::StrCat(
+            "index ", index, " does not increase (previous ", previous, ")"));
+      }
+      previous = index;
+      float value;
+      if (absl::Status status =
+              ParseValue(reader, token.substr(colon + 1),
+                         absl::StrCat("value of index ", index), &value);
+          !status.ok()) {
+        return status;
+      }
+      indices.push_back(index);
+      values.push_back(value);
+    }
+    max_index = std::max(max_index, previous);
+    row_ends.push_back(indices.size());
+  }
+  if (absl::Status status = reader.ReadStatus(); !status.ok()) return status;
+  if (example_index == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no examples"));
+  }
+  if (infer) {
+    if (max_index < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": cannot infer num_features: no feature indices in the file"));
+    }
+    num_features = max_index;
+  }
+  // A stray huge index would otherwise turn into an impossible allocation.
+  if (!labels.empty() &&
+      num_features > std::numeric_limits<int64_t>::max() /
+                         static_cast<int64_t>(labels.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", labels.size(), " examples of ", num_features,
+                     " features overflow"));
+  }
+
+  Dataset data;
+  data.num_features = num_features;
+  data.num_classes = num_classes;
+  data.labels = std::move(labels);
+  data.features.assign(data.labels.size() * num_features, 0.0f);
+  size_t begin = 0;
+  for (size_t r = 0; r < row_ends.size(); ++r) {
+    float* row = &data.features[r * num_features];
+    for (size_t k = begin; k < row_ends[r]; ++k) {
+      row[indices[k] - 1] = values[k];
+    }
+    begin = row_ends[r];
+  }
+  return data;
+}
+
+void BatchCursor::Next(int64_t rows, float* features, int32_t* labels) {
+  // Documented as the caller's error; doing nothing beats dividing by zero.
+  if (data_ == nullptr || data_->size() == 0 || rows <= 0) return;
+  const int64_t size = data_->size();
+  const int64_t width = data_->num_features;
+  while (rows > 0) {
+    const int64_t n = std::min(rows, size - position_);
+    std::copy_n(data_->features.data() + position_ * width, n * width,
+                features);
+    std::copy_n(data_->labels.data() + position_, n, labels);
+    features += n * width;
+    labels += n;
+    rows -= n;
+    position_ += n;
+    if (position_ == size) position_ = 0;
+  }
+}
+
+}  // namespace pstrain
