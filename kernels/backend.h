@@ -8,6 +8,7 @@
 //    Synchronize return only once all previously issued work is done.
 //  - Every op returns a Status; a failure names the op and the cause. Shapes
 //    are validated (negative sizes, null pointers) before anything runs.
+//  - Outputs never overlap inputs unless an op says it may alias.
 #ifndef PSTRAIN_KERNELS_BACKEND_H_
 #define PSTRAIN_KERNELS_BACKEND_H_
 
@@ -90,7 +91,8 @@ class Backend {
 };
 
 // Picks a backend from a --device flag value: "cpu", "auto" (a GPU when one
-// is visible, otherwise the CPU, said once in the log) or "cuda:N".
+// is visible and this build has the CUDA backend, otherwise the CPU, said
+// once in the log) or "cuda:N" (Unavailable when it cannot be had).
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
     const std::string& device);
 
@@ -100,6 +102,9 @@ class DeviceArray {
  public:
   DeviceArray() = default;
   static absl::StatusOr<DeviceArray> Create(Backend* backend, size_t size) {
+    if (size > SIZE_MAX / sizeof(T)) {
+      return absl::InvalidArgumentError("DeviceArray: size overflows");
+    }
     absl::StatusOr<void*> ptr = backend->Allocate(size * sizeof(T));
     if (!ptr.ok()) return ptr.status();
     return DeviceArray(backend, static_cast<T*>(*ptr), size);

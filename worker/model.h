@@ -28,6 +28,7 @@ struct BatchResult {
   int64_t rows = 0;
 };
 
+// A model owns its workspace: one instance serves one thread at a time.
 class Model {
  public:
   virtual ~Model() = default;
