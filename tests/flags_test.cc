@@ -1,0 +1,79 @@
+// A bad flag makes either binary exit non-zero with one line saying what
+// and why, before it does anything else.
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+#include "tests/test_cluster.h"
+
+namespace pstrain {
+namespace {
+
+struct FlagCase {
+  std::string binary;
+  std::vector<std::string> flags;
+  std::string expected;  // in the one stderr line
+};
+
+void PrintTo(const FlagCase& c, std::ostream* os) {
+  *os << c.binary;
+  for (const std::string& flag : c.flags) *os << " " << flag;
+}
+
+class FlagsTest : public ::testing::TestWithParam<FlagCase> {};
+
+TEST_P(FlagsTest, ExitsWithOneClearLine) {
+  const FlagCase& c = GetParam();
+  std::vector<std::string> argv = {testing::BinaryPath(c.binary)};
+  argv.insert(argv.end(), c.flags.begin(), c.flags.end());
+  absl::StatusOr<std::unique_ptr<testing::Process>> process =
+      testing::Process::Start(argv, testing::TestDir(), "flags");
+  ASSERT_TRUE(process.ok()) << process.status();
+  absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 2);
+  const std::string err = (*process)->Stderr();
+  const std::vector<std::string> lines =
+      absl::StrSplit(err, '\n', absl::SkipEmpty());
+  EXPECT_EQ(lines.size(), 1u) << err;
+  EXPECT_NE(err.find(c.expected), std::string::npos) << err;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    BadFlags, FlagsTest,
+    ::testing::Values(
+        FlagCase{"ps_server/ps_server", {"--mode=bulk"}, "--mode must be"},
+        FlagCase{"ps_server/ps_server", {"--port=70000"}, "--port must be"},
+        FlagCase{"ps_server/ps_server",
+                 {"--shard_id=2", "--num_shards=2"},
+                 "--shard_id must be in [0, 2)"},
+        FlagCase{"ps_server/ps_server",
+                 {"--optimizer=lamb"},
+                 "--optimizer must be sgd, momentum or adam"},
+        FlagCase{"ps_server/ps_server",
+                 {"--learning_rate=-1"},
+                 "--learning_rate must be"},
+        FlagCase{"ps_server/ps_server", {"stray"}, "unexpected argument"},
+        FlagCase{"worker/worker", {}, "--ps_hosts is required"},
+        FlagCase{"worker/worker",
+                 {"--ps_hosts=a:1", "--worker_id=3", "--num_workers=2"},
+                 "--worker_id must be in [0, --num_workers=2)"},
+        FlagCase{"worker/worker",
+                 {"--ps_hosts=a:1", "--model=cnn"},
+                 "--model must be softmax or mlp"},
+        FlagCase{"worker/worker",
+                 {"--ps_hosts=a:1", "--hidden=32,x"},
+                 "--hidden must be positive integers"},
+        FlagCase{"worker/worker",
+                 {"--ps_hosts=a:1", "--device=tpu"},
+                 "--device must be auto, cpu or cuda:N"},
+        FlagCase{"worker/worker",
+                 {"--ps_hosts=nohostport"},
+                 "--ps_hosts entries must be host:port"},
+        FlagCase{"worker/worker",
+                 {"--ps_hosts=a:1", "--data=csv"},
+                 "--data=csv needs --train_file"}));
+
+}  // namespace
+}  // namespace pstrain

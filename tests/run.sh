@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole test suite: install what is missing, build, run every test
+# (unit and multi-process), and close with "tests: N passed, M failed"
+# counted over individual test cases.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+deploy/setup.sh || exit 1
+bazel test //... "$@"
+status=$?
+
+passed=0
+failed=0
+while IFS= read -r -d '' xml; do
+  header=$(grep -o '<testsuites[^>]*>' "$xml" | head -n 1)
+  [[ -n "$header" ]] || continue
+  attribute() { sed -n "s/.* $1=\"\([0-9]*\)\".*/\1/p" <<<"$header"; }
+  tests=$(attribute tests)
+  failures=$(attribute failures)
+  errors=$(attribute errors)
+  disabled=$(attribute disabled)
+  bad=$((${failures:-0} + ${errors:-0}))
+  failed=$((failed + bad))
+  passed=$((passed + ${tests:-0} - bad - ${disabled:-0}))
+done < <(find -L bazel-testlogs/ -name test.xml -print0 2>/dev/null)
+
+if ((status != 0 && failed == 0)); then
+  failed=1  # a build failure or a test that died before writing its report
+fi
+echo "tests: $passed passed, $failed failed"
+exit "$status"

@@ -1,0 +1,96 @@
+// Real processes for multi-process tests: ps_server and worker binaries
+// started from the test's runfiles on loopback ports they pick themselves
+// (reported through port files), every wait bounded, every process killed
+// when the owning object goes away.
+#ifndef PSTRAIN_TESTS_TEST_CLUSTER_H_
+#define PSTRAIN_TESTS_TEST_CLUSTER_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace pstrain::testing {
+
+// Path of a binary of this repository in the test's runfiles, e.g.
+// BinaryPath("ps_server/ps_server").
+std::string BinaryPath(const std::string& target_path);
+
+// A directory for this test's files (under TEST_TMPDIR).
+std::string TestDir();
+
+class Process {
+ public:
+  // Starts argv with stdout and stderr redirected to files in `dir` named
+  // <name>.out and <name>.log.
+  static absl::StatusOr<std::unique_ptr<Process>> Start(
+      const std::vector<std::string>& argv, const std::string& dir,
+      const std::string& name);
+  ~Process();  // SIGKILL if still running
+
+  // The exit code (or 128 + signal) once the process ends, or
+  // DeadlineExceeded (the process is then killed).
+  absl::StatusOr<int> Wait(absl::Duration timeout);
+  void Signal(int signal_number);
+  bool running();
+
+  std::string Stdout() const;
+  std::string Stderr() const;
+  pid_t pid() const { return pid_; }
+
+ private:
+  Process(pid_t pid, std::string stdout_path, std::string stderr_path)
+      : pid_(pid),
+        stdout_path_(std::move(stdout_path)),
+        stderr_path_(std::move(stderr_path)) {}
+
+  pid_t pid_;
+  int exit_code_ = -1;
+  std::string stdout_path_, stderr_path_;
+};
+
+struct ClusterOptions {
+  int num_shards = 1;
+  int num_workers = 1;
+  std::string mode = "sync";
+  std::vector<std::string> server_flags;  // extra, e.g. "--learning_rate=0.1"
+};
+
+// A set of running ps_server shards.
+class TestCluster {
+ public:
+  static absl::StatusOr<std::unique_ptr<TestCluster>> Start(
+      const ClusterOptions& options, const std::string& name);
+
+  // "127.0.0.1:p0,127.0.0.1:p1,..."
+  std::string PsHosts() const;
+  std::vector<std::string> HostList() const;
+
+  // Runs one worker per entry of `worker_flags` (each gets --ps_hosts,
+  // --worker_id, --num_workers added) and waits for all of them. Returns
+  // each worker's stdout; fails with its stderr tail if one exits non-zero.
+  absl::StatusOr<std::vector<std::string>> RunWorkers(
+      const std::vector<std::vector<std::string>>& worker_flags,
+      absl::Duration timeout);
+
+  Process& server(int shard) { return *servers_[shard]; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  ClusterOptions options_;
+  std::string dir_;
+  std::vector<std::unique_ptr<Process>> servers_;
+  std::vector<int> ports_;
+};
+
+// The numeric value of "key" in the worker's final JSON line, or NotFound.
+absl::StatusOr<double> FinalJsonNumber(const std::string& worker_stdout,
+                                       const std::string& key);
+
+}  // namespace pstrain::testing
+
+#endif  // PSTRAIN_TESTS_TEST_CLUSTER_H_

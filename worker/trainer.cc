@@ -1,0 +1,230 @@
+#include "worker/trainer.h"
+
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/partition.h"
+
+namespace pstrain {
+namespace {
+
+// The model's parameters and gradients, in host memory (for the wire) and
+// in backend memory (for compute).
+struct ParameterBuffers {
+  std::vector<std::vector<float>> host_params, host_grads;
+  std::vector<kernels::DeviceArray<float>> device_params, device_grads;
+
+  absl::Status Allocate(const Model& model, kernels::Backend& backend) {
+    for (const DenseTensorSpec& spec : model.Params()) {
+      const int64_t n = NumElements(spec);
+      host_params.emplace_back(n);
+      host_grads.emplace_back(n);
+      for (auto* device : {&device_params, &device_grads}) {
+        absl::StatusOr<kernels::DeviceArray<float>> array =
+            kernels::DeviceArray<float>::Create(&backend, n);
+        if (!array.ok()) return array.status();
+        device->push_back(std::move(*array));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  template <typename T, typename Array>
+  static std::vector<T*> Pointers(Array& arrays) {
+    std::vector<T*> out;
+    for (auto& a : arrays) out.push_back(a.data());
+    return out;
+  }
+
+  absl::Status PullToDevice(PsClient& client, int worker_id, int64_t step,
+                            kernels::Backend& backend) {
+    absl::Status pulled =
+        client.Pull(worker_id, step, Pointers<float>(host_params));
+    if (!pulled.ok()) return pulled;
+    for (size_t i = 0; i < host_params.size(); ++i) {
+      absl::Status copied =
+          backend.CopyToDevice(host_params[i].data(), device_params[i].data(),
+                               device_params[i].bytes());
+      if (!copied.ok()) return copied;
+    }
+    return absl::OkStatus();
+  }
+};
+
+// A host batch and its copy in backend memory.
+struct BatchBuffers {
+  std::vector<float> host_features;
+  std::vector<int32_t> host_labels;
+  kernels::DeviceArray<float> features;
+  kernels::DeviceArray<int32_t> labels;
+
+  absl::Status Allocate(int64_t rows, int64_t num_features,
+                        kernels::Backend& backend) {
+    host_features.resize(rows * num_features);
+    host_labels.resize(rows);
+    absl::StatusOr<kernels::DeviceArray<float>> f =
+        kernels::DeviceArray<float>::Create(&backend, rows * num_features);
+    if (!f.ok()) return f.status();
+    absl::StatusOr<kernels::DeviceArray<int32_t>> l =
+        kernels::DeviceArray<int32_t>::Create(&backend, rows);
+    if (!l.ok()) return l.status();
+    features = std::move(*f);
+    labels = std::move(*l);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<DeviceBatch> Upload(int64_t rows, int64_t num_features,
+                                     kernels::Backend& backend) {
+    absl::Status s = backend.CopyToDevice(host_features.data(), features.data(),
+                                          rows * num_features * sizeof(float));
+    if (s.ok()) {
+      s = backend.CopyToDevice(host_labels.data(), labels.data(),
+                               rows * sizeof(int32_t));
+    }
+    if (!s.ok()) return s;
+    return DeviceBatch{rows, features.data(), labels.data()};
+  }
+};
+
+absl::StatusOr<BatchResult> Evaluate(Model& model, kernels::Backend& backend,
+                                     const std::vector<const float*>& params,
+                                     const Dataset& test, int64_t max_batch,
+                                     BatchBuffers& batch) {
+  BatchResult total;
+  for (int64_t first = 0; first < test.size(); first += max_batch) {
+    const int64_t rows = std::min(max_batch, test.size() - first);
+    std::copy_n(test.features.begin() + first * test.num_features,
+                rows * test.num_features, batch.host_features.begin());
+    std::copy_n(test.labels.begin() + first, rows, batch.host_labels.begin());
+    absl::StatusOr<DeviceBatch> device =
+        batch.Upload(rows, test.num_features, backend);
+    if (!device.ok()) return device.status();
+    absl::StatusOr<BatchResult> result = model.Evaluate(params, *device);
+    if (!result.ok()) return result.status();
+    total.loss_sum += result->loss_sum;
+    total.num_correct += result->num_correct;
+    total.rows += result->rows;
+  }
+  return total;
+}
+
+}  // namespace
+
+absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
+                                  const std::string& mode, PsClient& client,
+                                  Model& model, kernels::Backend& backend,
+                                  const Dataset& train, const Dataset& test) {
+  if (train.size() == 0) {
+    return absl::FailedPreconditionError(
+        "this worker's shard of the training data is empty");
+  }
+  ParameterBuffers buffers;
+  if (absl::Status s = buffers.Allocate(model, backend); !s.ok()) return s;
+  BatchBuffers batch;
+  if (absl::Status s =
+          batch.Allocate(options.batch_size, train.num_features, backend);
+      !s.ok()) {
+    return s;
+  }
+  const std::vector<const float*> params =
+      ParameterBuffers::Pointers<const float>(buffers.device_params);
+  const std::vector<float*> grads =
+      ParameterBuffers::Pointers<float>(buffers.device_grads);
+  const std::vector<const float*> host_grads =
+      ParameterBuffers::Pointers<const float>(buffers.host_grads);
+
+  TrainResult result;
+  result.mode = mode;
+  BatchCursor cursor(&train);
+  BatchResult window;
+  const absl::Time start = absl::Now();
+  absl::Time window_start = start;
+  for (int64_t step = 0; step < options.steps; ++step) {
+    cursor.Next(options.batch_size, batch.host_features.data(),
+                batch.host_labels.data());
+    absl::StatusOr<DeviceBatch> device_batch =
+        batch.Upload(options.batch_size, train.num_features, backend);
+    if (!device_batch.ok()) return device_batch.status();
+    if (absl::Status s =
+            buffers.PullToDevice(client, options.worker_id, step, backend);
+        !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<BatchResult> batch_result =
+        model.ComputeGradients(params, *device_batch, grads);
+    if (!batch_result.ok()) return batch_result.status();
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (absl::Status s =
+              backend.CopyToHost(grads[i], buffers.host_grads[i].data(),
+                                 buffers.device_grads[i].bytes());
+          !s.ok()) {
+        return s;
+      }
+    }
+    absl::StatusOr<int> duplicates =
+        client.Push(options.worker_id, step, host_grads);
+    if (!duplicates.ok()) return duplicates.status();
+    result.duplicate_pushes += *duplicates;
+
+    window.loss_sum += batch_result->loss_sum;
+    window.num_correct += batch_result->num_correct;
+    window.rows += batch_result->rows;
+    const bool last = step + 1 == options.steps;
+    if ((options.log_every > 0 && (step + 1) % options.log_every == 0) ||
+        last) {
+      const absl::Time now = absl::Now();
+      result.final_loss = window.loss_sum / window.rows;
+      result.train_accuracy =
+          static_cast<double>(window.num_correct) / window.rows;
+      if (options.log_every > 0 && options.progress != nullptr) {
+        absl::FPrintF(options.progress,
+                      "worker %d step %d/%d loss %.4f train_acc %.3f "
+                      "samples/s %.0f\n",
+                      options.worker_id, step + 1, options.steps,
+                      result.final_loss, result.train_accuracy,
+                      window.rows / absl::ToDoubleSeconds(now - window_start));
+        std::fflush(options.progress);
+      }
+      window = BatchResult();
+      window_start = now;
+    }
+  }
+  result.steps = options.steps;
+  result.wall_time_s = absl::ToDoubleSeconds(absl::Now() - start);
+  result.samples_per_sec =
+      options.steps * options.batch_size / std::max(result.wall_time_s, 1e-9);
+
+  // The model after the last update (sync: waits for every worker's last
+  // gradient).
+  if (absl::Status s = buffers.PullToDevice(client, options.worker_id,
+                                            options.steps, backend);
+      !s.ok()) {
+    return s;
+  }
+  if (test.size() > 0) {
+    absl::StatusOr<BatchResult> evaluation =
+        Evaluate(model, backend, params, test, options.batch_size, batch);
+    if (!evaluation.ok()) return evaluation.status();
+    result.test_examples = evaluation->rows;
+    result.test_loss = evaluation->loss_sum / evaluation->rows;
+    result.test_accuracy =
+        static_cast<double>(evaluation->num_correct) / evaluation->rows;
+  }
+  return result;
+}
+
+std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
+                      const std::string& device) {
+  return absl::StrFormat(
+      "{\"event\":\"final\",\"mode\":\"%s\",\"worker_id\":%d,"
+      "\"num_workers\":%d,\"device\":\"%s\",\"steps\":%d,"
+      "\"final_loss\":%.6f,\"train_accuracy\":%.4f,\"test_loss\":%.6f,"
+      "\"test_accuracy\":%.4f,\"test_examples\":%d,\"samples_per_sec\":%.1f,"
+      "\"wall_time_s\":%.3f,\"duplicate_pushes\":%d}",
+      r.mode, worker_id, num_workers, device, r.steps, r.final_loss,
+      r.train_accuracy, r.test_loss, r.test_accuracy, r.test_examples,
+      r.samples_per_sec, r.wall_time_s, r.duplicate_pushes);
+}
+
+}  // namespace pstrain

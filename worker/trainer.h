@@ -1,0 +1,53 @@
+// The worker's training loop: pull (step) -> forward/backward on the
+// backend -> push (step), then a final pull and a held-out evaluation.
+#ifndef PSTRAIN_WORKER_TRAINER_H_
+#define PSTRAIN_WORKER_TRAINER_H_
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "worker/data.h"
+#include "worker/model.h"
+#include "worker/ps_client.h"
+
+namespace pstrain {
+
+struct TrainerOptions {
+  int worker_id = 0;
+  int num_workers = 1;
+  int64_t steps = 100;
+  int64_t batch_size = 64;  // this worker's; the model's max_batch
+  int64_t log_every = 20;   // 0: no progress lines
+  std::FILE* progress = stdout;
+};
+
+struct TrainResult {
+  std::string mode;
+  int64_t steps = 0;
+  double final_loss = 0;  // mean training loss over the last log window
+  double train_accuracy = 0;
+  double test_loss = 0;
+  double test_accuracy = 0;
+  int64_t test_examples = 0;
+  double samples_per_sec = 0;
+  double wall_time_s = 0;
+  int64_t duplicate_pushes = 0;
+};
+
+// Trains `model` against the servers behind `client` (already registered,
+// in mode `mode`) and evaluates the final model on `test` (may be empty).
+absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
+                                  const std::string& mode, PsClient& client,
+                                  Model& model, kernels::Backend& backend,
+                                  const Dataset& train, const Dataset& test);
+
+// The one-line JSON summary a script reads: {"event":"final",...}.
+std::string FinalJson(const TrainResult& result, int worker_id, int num_workers,
+                      const std::string& device);
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_WORKER_TRAINER_H_
