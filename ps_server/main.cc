@@ -133,6 +133,7 @@ int Main() {
 
   const int signal_number = WaitForTerminationSignal();
   LOG(INFO) << "signal " << signal_number << ": shutting down";
+  (*shard)->BeginShutdown();
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(
                        absl::GetFlag(FLAGS_shutdown_grace_s) * 1000)));

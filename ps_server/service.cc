@@ -19,7 +19,9 @@ grpc::Status ParameterServerService::Pull(grpc::ServerContext* context,
                                           PullResponse* response) {
   // gRPC reports "no deadline" as the far future; Shard caps the wait anyway.
   const absl::Time deadline = absl::FromChrono(context->deadline());
-  return ToGrpcStatus(shard_->Pull(*request, deadline, response));
+  return ToGrpcStatus(shard_->Pull(*request, deadline, response, [context] {
+    return context->IsCancelled();
+  }));
 }
 
 grpc::Status ParameterServerService::Push(grpc::ServerContext*,

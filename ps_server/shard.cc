@@ -11,6 +11,12 @@
 #include "common/tensor_codec.h"
 
 namespace pstrain {
+namespace {
+
+// How often a waiting sync pull checks whether its caller has gone away.
+constexpr absl::Duration kCancellationCheck = absl::Milliseconds(100);
+
+}  // namespace
 
 struct Shard::Block {
   const BlockLocation* location = nullptr;
@@ -405,8 +411,14 @@ void Shard::EncodeBlocks(const Model& model, const std::vector<int>& locals,
   }
 }
 
+void Shard::BeginShutdown() {
+  absl::MutexLock lock(&mu_);
+  shutting_down_ = true;
+}
+
 absl::Status Shard::Pull(const PullRequest& request, absl::Time deadline,
-                         PullResponse* response) {
+                         PullResponse* response,
+                         const std::function<bool()>& cancelled) {
   absl::StatusOr<const Model*> model = ValidateCommon(
       request.protocol_version(), request.worker_id(), request.step());
   if (!model.ok()) return Reject(model.status());
@@ -424,18 +436,30 @@ absl::Status Shard::Pull(const PullRequest& request, absl::Time deadline,
     }
     const absl::Time wait_until =
         std::min(deadline, absl::Now() + options_.max_pull_wait);
-    auto reached = [this, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return version_ >= step;
+    auto released = [this, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return version_ >= step || shutting_down_;
     };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&reached), wait_until)) {
-      std::vector<int> missing;
-      for (int w = 0; w < options_.num_workers; ++w) {
-        if (!contributed_[w]) missing.push_back(w);
+    // Woken by the last push of the step or by shutdown; the slices only
+    // bound how late a cancelled caller is noticed.
+    while (!mu_.AwaitWithDeadline(
+        absl::Condition(&released),
+        std::min(wait_until, absl::Now() + kCancellationCheck))) {
+      if (cancelled != nullptr && cancelled()) {
+        return absl::CancelledError("the caller cancelled the pull");
       }
-      return absl::DeadlineExceededError(absl::StrCat(
-          "step ", step, " is not complete: still waiting for the step ",
-          version_, " gradients of workers [", absl::StrJoin(missing, ", "),
-          "]"));
+      if (absl::Now() >= wait_until) {
+        std::vector<int> missing;
+        for (int w = 0; w < options_.num_workers; ++w) {
+          if (!contributed_[w]) missing.push_back(w);
+        }
+        return absl::DeadlineExceededError(absl::StrCat(
+            "step ", step, " is not complete: still waiting for the step ",
+            version_, " gradients of workers [", absl::StrJoin(missing, ", "),
+            "]"));
+      }
+    }
+    if (shutting_down_ && version_ < step) {
+      return absl::UnavailableError("the server is shutting down");
     }
     if (version_ > step) {
       return Reject(absl::FailedPreconditionError(

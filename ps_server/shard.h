@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,11 +60,18 @@ class Shard {
 
   absl::StatusOr<RegisterModelResponse> Register(
       const RegisterModelRequest& request);
-  // `deadline` is the caller's; the wait is also capped by max_pull_wait.
+  // `deadline` is the caller's; the wait is also capped by max_pull_wait,
+  // and ends early (CANCELLED) once `cancelled` returns true, e.g. because
+  // the caller went away.
   absl::Status Pull(const PullRequest& request, absl::Time deadline,
-                    PullResponse* response);
+                    PullResponse* response,
+                    const std::function<bool()>& cancelled = nullptr);
   absl::Status Push(const PushRequest& request, PushResponse* response);
   StatsResponse Stats() const;
+
+  // Releases every waiting pull with UNAVAILABLE and refuses new calls, so
+  // the server can stop without waiting for workers that will never push.
+  void BeginShutdown();
 
   // Counts a request refused before it reached the shard (e.g. by gRPC).
   void CountRejected() { requests_rejected_.fetch_add(1); }
@@ -112,6 +120,7 @@ class Shard {
 
   mutable absl::Mutex mu_;
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   // sync: who has pushed the current step, and how many of them were finite.
   std::vector<bool> contributed_ ABSL_GUARDED_BY(mu_);
   int contributors_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,5 +1,6 @@
 #include "ps_server/shard.h"
 
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <thread>
@@ -155,6 +156,36 @@ TEST(ShardSyncTest, PullTimesOutNamingTheMissingWorkers) {
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(status.message().find("workers [0, 2]"), std::string::npos)
       << status;
+}
+
+TEST(ShardSyncTest, ShutdownReleasesWaitingPulls) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  PushResponse response;
+  ASSERT_TRUE(f.shard->Push(UniformPush(0, 0, 1.0f), &response).ok());
+  absl::Status pull_status;
+  std::thread puller([&] {
+    PullResponse pulled;
+    pull_status = f.shard->Pull(PullAt(0, 1), absl::InfiniteFuture(), &pulled);
+  });
+  f.shard->BeginShutdown();
+  puller.join();
+  EXPECT_EQ(pull_status.code(), absl::StatusCode::kUnavailable) << pull_status;
+}
+
+TEST(ShardSyncTest, CancelledCallerStopsWaiting) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  std::atomic<bool> cancelled{false};
+  absl::Status pull_status;
+  std::thread puller([&] {
+    PullResponse pulled;
+    pull_status = f.shard->Pull(PullAt(0, 1), absl::InfiniteFuture(), &pulled,
+                                [&] { return cancelled.load(); });
+  });
+  PushResponse response;
+  ASSERT_TRUE(f.shard->Push(UniformPush(1, 0, 1.0f), &response).ok());
+  cancelled = true;
+  puller.join();
+  EXPECT_EQ(pull_status.code(), absl::StatusCode::kCancelled) << pull_status;
 }
 
 TEST(ShardSyncTest, StepsOutOfOrderAreRefused) {
