@@ -1,0 +1,566 @@
+#!/usr/bin/env bash
+# Starts a whole pstrain job (S ps_server shards + W workers) on this machine,
+# waits for it, and cleans up after itself. See usage() or --help.
+#
+# Exit status: 0 the job finished; 1 a server or worker failed; 2 bad usage;
+# 124 --timeout_s expired; 128+N killed by signal N (130 for Ctrl-C).
+# Whatever happens, every process this script started is stopped before it
+# exits (SIGTERM, then SIGKILL after a grace period), and the logs stay in the
+# run directory.
+set -euo pipefail
+
+readonly PROG=launch.sh
+readonly PORT_WAIT_S=30        # how long servers may take to write their port
+readonly STOP_GRACE_S=10       # SIGTERM -> SIGKILL grace when stopping
+readonly LOG_TAIL_LINES=20     # lines of a failed process's log shown
+readonly POLL_S=0.1
+
+usage() {
+  cat <<'EOF'
+Usage: deploy/local/launch.sh [options] [-- extra flags...]
+
+Runs a parameter-server training job on this machine: S ps_server shards on
+127.0.0.1 (free ports picked by the servers), then W workers against them.
+Streams worker 0's progress, prints every worker's final JSON line
+({"event":"final",...}) on stdout, stops the servers and exits 0.
+
+Options:
+  --servers=S      number of ps_server shards (default 2)
+  --workers=W      number of workers (default 2)
+  --mode=MODE      sync or async (default sync)
+  --bin_dir=DIR    directory holding the ps_server and worker binaries
+                   (default: bazel-bin/ps_server/ps_server and
+                   bazel-bin/worker/worker of this repository)
+  --run_dir=DIR    where port files and logs go (default: a new
+                   /tmp/pstrain-run.XXXXXX)
+  --timeout_s=N    deadline of the whole job in seconds (default 600); when
+                   it expires everything is killed and the exit status is 124
+  -h, --help       print this help and exit
+
+Extra flags after "--":
+  --server.FLAG=V  passed to every ps_server as --FLAG=V
+  --worker.FLAG=V  passed to every worker as --FLAG=V
+  --FLAG=V         passed to every worker (model/data flags)
+
+Flags the launcher sets itself (host, port, port_file, shard_id, num_shards,
+num_workers, mode; ps_hosts, worker_id, num_workers) cannot be overridden.
+
+Files in the run directory: psI.port, psI.log (server I, stdout+stderr),
+workerK.out (worker K's stdout: progress and final JSON), workerK.log
+(worker K's stderr).
+
+Exit status: 0 success, 1 a server or worker failed, 2 bad usage,
+124 timeout, 128+N killed by signal N.
+
+Example:
+  bazel build //ps_server:ps_server //worker:worker
+  deploy/local/launch.sh --servers=2 --workers=4 --mode=async -- \
+      --steps=1000 --model=mlp --hidden=128,64 --server.optimizer=adam
+EOF
+}
+
+# One line on stderr, exit 2.
+usage_error() {
+  printf '%s: %s\n' "$PROG" "$*" >&2
+  exit 2
+}
+
+info() {
+  printf '%s: %s\n' "$PROG" "$*" >&2
+}
+
+# --- State used by the cleanup trap (set before any trap can fire) ----------
+
+declare -A LIVE=()      # pid -> label, for every started process not yet reaped
+SERVER_PIDS=()
+WORKER_PIDS=()
+RUN=""
+FIFO=""
+FORCE_KILL=0
+CLEANED_UP=0
+
+# --- Time ---------------------------------------------------------------------
+
+# Sets NOW_MS to the wall clock in milliseconds, without forking.
+now_ms() {
+  if [[ -n "${EPOCHREALTIME:-}" ]]; then
+    local t=${EPOCHREALTIME/[.,]/}
+    NOW_MS=$((10#$t / 1000))
+  else
+    NOW_MS=$(($(date +%s%N) / 1000000))
+  fi
+}
+
+pause() {
+  # A Ctrl-C kills sleep; the trap then runs, so do not let set -e act first.
+  sleep "$POLL_S" || true
+}
+
+# --- Process bookkeeping ------------------------------------------------------
+
+# Reaps pid (must have exited or be about to) and sets REAPED_RC.
+reap() {
+  local pid=$1
+  REAPED_RC=0
+  wait "$pid" 2>/dev/null || REAPED_RC=$?
+  unset "LIVE[$pid]"
+}
+
+# True while pid is running and is still our child (never signal a pid that
+# has been reused by someone else's process). A zombie counts as exited.
+alive() {
+  local pid=$1 stat state ppid
+  kill -0 "$pid" 2>/dev/null || return 1
+  [[ -r /proc/$pid/stat ]] || return 0
+  IFS= read -r stat 2>/dev/null </proc/"$pid"/stat || return 1
+  read -r state ppid _ <<<"${stat##*) }"
+  [[ "$state" != Z && "$ppid" == "$$" ]]
+}
+
+# Waits up to n polls for pid to exit by itself.
+wait_exit() {
+  local pid=$1 n=$2 i
+  for ((i = 0; i < n; i++)); do
+    alive "$pid" || return 0
+    pause
+  done
+  return 1
+}
+
+# Describes an exit status: "status 3" or "signal 9 (SIGKILL)".
+describe_rc() {
+  local rc=$1
+  if ((rc > 128 && rc < 160)); then
+    local name
+    name=$(kill -l "$((rc - 128))" 2>/dev/null || echo '?')
+    printf 'signal %d (SIG%s)' "$((rc - 128))" "$name"
+  else
+    printf 'status %d' "$rc"
+  fi
+}
+
+show_log_tail() {
+  local file=$1
+  printf '%s: last %d lines of %s:\n' "$PROG" "$LOG_TAIL_LINES" "$file" >&2
+  if [[ -s "$file" ]]; then
+    tail -n "$LOG_TAIL_LINES" "$file" | sed 's/^/  | /' >&2 || true
+  else
+    printf '  | (empty)\n' >&2
+  fi
+}
+
+# Sends SIGTERM to the given pids, waits up to STOP_GRACE_S seconds for them to
+# exit (SIGKILL after that, or at once on a second Ctrl-C), and reaps them all.
+# Appends to STOP_KILLED the labels of processes that needed SIGKILL, and to
+# STOP_FAILED those that exited non-zero after SIGTERM.
+STOP_KILLED=()
+STOP_FAILED=()
+stop_pids() {
+  local pid pending=() killed=" "
+  for pid in "$@"; do
+    [[ -n "${LIVE[$pid]+x}" ]] || continue
+    pending+=("$pid")
+    if alive "$pid"; then
+      kill -TERM "$pid" 2>/dev/null || true
+    fi
+  done
+  ((${#pending[@]} > 0)) || return 0
+  now_ms
+  local deadline=$((NOW_MS + STOP_GRACE_S * 1000)) still
+  while :; do
+    still=()
+    for pid in "${pending[@]}"; do
+      alive "$pid" && still+=("$pid")
+    done
+    ((${#still[@]} > 0)) || break
+    now_ms
+    if ((NOW_MS >= deadline || FORCE_KILL)); then
+      for pid in "${still[@]}"; do
+        STOP_KILLED+=("${LIVE[$pid]}")
+        killed+="$pid "
+        kill -KILL "$pid" 2>/dev/null || true
+      done
+      break
+    fi
+    pause
+  done
+  local label
+  for pid in "${pending[@]}"; do
+    label=${LIVE[$pid]}
+    reap "$pid"
+    if ((REAPED_RC != 0)) && [[ "$killed" != *" $pid "* ]]; then
+      STOP_FAILED+=("$label: $(describe_rc "$REAPED_RC")")
+    fi
+  done
+  # stderr off: keeps bash's own "Killed ..." job notices out of the output.
+} 2>/dev/null
+
+stop_stream() {
+  # The tail follows worker 0 (--pid) and ends on its own once that exits;
+  # give it a moment to print the last lines, then stop it and the sed.
+  if [[ -n "${STREAM_TAIL:-}" && -n "${LIVE[$STREAM_TAIL]+x}" ]]; then
+    wait_exit "$STREAM_TAIL" 20 || true
+    stop_pids "$STREAM_TAIL"
+  fi
+  if [[ -n "${STREAM_SED:-}" && -n "${LIVE[$STREAM_SED]+x}" ]]; then
+    wait_exit "$STREAM_SED" 10 || true
+    stop_pids "$STREAM_SED"
+  fi
+  if [[ -n "$FIFO" ]]; then
+    rm -f "$FIFO"
+  fi
+}
+
+cleanup() {
+  local rc=$?
+  set +e
+  ((CLEANED_UP)) && return
+  CLEANED_UP=1
+  # A second Ctrl-C (or TERM) during cleanup skips the grace period.
+  trap 'FORCE_KILL=1' INT TERM HUP
+  if ((${#LIVE[@]} > 0)); then
+    info "stopping ${#LIVE[@]} process(es) started by this run (SIGTERM, SIGKILL after ${STOP_GRACE_S}s; Ctrl-C again to SIGKILL now)"
+    stop_pids "${WORKER_PIDS[@]}"
+    stop_stream
+    stop_pids "${SERVER_PIDS[@]}"
+    # Anything else (none expected).
+    stop_pids "${!LIVE[@]}"
+    if ((${#STOP_KILLED[@]} > 0)); then
+      info "had to SIGKILL: ${STOP_KILLED[*]}"
+    fi
+  fi
+  [[ -n "$FIFO" ]] && rm -f "$FIFO"
+  if ((rc != 0)) && [[ -n "$RUN" ]]; then
+    printf 'logs: %s\n' "$RUN" >&2
+  fi
+  trap - EXIT
+  exit "$rc"
+}
+
+on_signal() {
+  local name=$1 number=$2
+  trap 'FORCE_KILL=1' INT TERM HUP
+  printf '\n' >&2
+  info "caught SIG$name: stopping the job"
+  exit $((128 + number))
+}
+
+# --- Options ------------------------------------------------------------------
+
+SERVERS=2
+WORKERS=2
+MODE=sync
+BIN_DIR=""
+BIN_DIR_SET=0
+RUN_DIR=""
+RUN_DIR_SET=0
+TIMEOUT_S=600
+SERVER_FLAGS=()
+WORKER_FLAGS=()
+
+check_count() {
+  local name=$1 value=$2
+  [[ "$value" =~ ^[1-9][0-9]{0,8}$ ]] ||
+    usage_error "--$name must be an integer >= 1, got '$value'"
+}
+
+readonly SERVER_OWNED=" host port port_file shard_id num_shards num_workers mode "
+readonly WORKER_OWNED=" ps_hosts worker_id num_workers "
+
+# Splits one extra flag into SERVER_FLAGS / WORKER_FLAGS.
+add_extra_flag() {
+  local arg=$1 target rest name
+  case "$arg" in
+    --server.*) target=server rest=${arg#--server.} ;;
+    --worker.*) target=worker rest=${arg#--worker.} ;;
+    --?*) target=worker rest=${arg#--} ;;
+    *) usage_error "extra argument '$arg' after -- is not a --flag" ;;
+  esac
+  name=${rest%%=*}
+  [[ "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] ||
+    usage_error "extra flag '$arg' has no valid flag name"
+  if [[ $target == server ]]; then
+    [[ "$SERVER_OWNED" != *" $name "* ]] ||
+      usage_error "extra flag '$arg': the launcher sets --$name of ps_server itself (see --help)"
+    SERVER_FLAGS+=("--$rest")
+  else
+    [[ "$WORKER_OWNED" != *" $name "* ]] ||
+      usage_error "extra flag '$arg': the launcher sets --$name of worker itself (see --help)"
+    WORKER_FLAGS+=("--$rest")
+  fi
+}
+
+parse_args() {
+  local arg name value
+  while (($# > 0)); do
+    arg=$1
+    shift
+    case "$arg" in
+      -h | --help)
+        usage
+        exit 0
+        ;;
+      --)
+        while (($# > 0)); do
+          add_extra_flag "$1"
+          shift
+        done
+        break
+        ;;
+      --servers* | --workers* | --mode* | --bin_dir* | --run_dir* | --timeout_s*)
+        if [[ "$arg" == *=* ]]; then
+          name=${arg%%=*}
+          value=${arg#*=}
+        else
+          name=$arg
+          case "$name" in
+            --servers | --workers | --mode | --bin_dir | --run_dir | --timeout_s) ;;
+            *) usage_error "unknown option '$arg' (see --help)" ;;
+          esac
+          (($# > 0)) || usage_error "$name needs a value"
+          value=$1
+          shift
+        fi
+        case "$name" in
+          --servers) SERVERS=$value ;;
+          --workers) WORKERS=$value ;;
+          --mode) MODE=$value ;;
+          --bin_dir) BIN_DIR=$value BIN_DIR_SET=1 ;;
+          --run_dir) RUN_DIR=$value RUN_DIR_SET=1 ;;
+          --timeout_s) TIMEOUT_S=$value ;;
+          *) usage_error "unknown option '$arg' (see --help)" ;;
+        esac
+        ;;
+      --*)
+        usage_error "unknown option '$arg' (flags for workers/servers go after --, see --help)"
+        ;;
+      *)
+        usage_error "unexpected argument '$arg' (see --help)"
+        ;;
+    esac
+  done
+
+  check_count servers "$SERVERS"
+  check_count workers "$WORKERS"
+  check_count timeout_s "$TIMEOUT_S"
+  [[ "$MODE" == sync || "$MODE" == async ]] ||
+    usage_error "--mode must be sync or async, got '$MODE'"
+
+  local script_dir repo
+  script_dir=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
+  repo=$(cd -- "$script_dir/../.." && pwd)
+  if ((BIN_DIR_SET)); then
+    [[ -n "$BIN_DIR" ]] || usage_error "--bin_dir must not be empty"
+    [[ -d "$BIN_DIR" ]] || usage_error "--bin_dir '$BIN_DIR' is not a directory"
+    PS_BIN=$BIN_DIR/ps_server
+    WORKER_BIN=$BIN_DIR/worker
+    local how="in --bin_dir"
+  else
+    PS_BIN=$repo/bazel-bin/ps_server/ps_server
+    WORKER_BIN=$repo/bazel-bin/worker/worker
+    local how="(build with: bazel build //ps_server:ps_server //worker:worker, or pass --bin_dir)"
+  fi
+  local bin
+  for bin in "$PS_BIN" "$WORKER_BIN"; do
+    [[ -e "$bin" ]] || usage_error "binary $bin not found $how"
+    [[ -f "$bin" && -x "$bin" ]] || usage_error "binary $bin is not an executable file"
+  done
+
+  if ((RUN_DIR_SET)); then
+    [[ -n "$RUN_DIR" ]] || usage_error "--run_dir must not be empty"
+    mkdir -p -- "$RUN_DIR" 2>/dev/null ||
+      usage_error "--run_dir '$RUN_DIR' cannot be created"
+    [[ -d "$RUN_DIR" && -w "$RUN_DIR" ]] ||
+      usage_error "--run_dir '$RUN_DIR' is not a writable directory"
+  fi
+}
+
+# --- Job ----------------------------------------------------------------------
+
+# Fails the job with exit status 124 if the job deadline has passed.
+check_job_deadline() {
+  now_ms
+  if ((NOW_MS >= JOB_DEADLINE_MS)); then
+    info "timed out: the job did not finish within --timeout_s=$TIMEOUT_S s; killing everything"
+    exit 124
+  fi
+}
+
+start_servers() {
+  local i pid
+  for ((i = 0; i < SERVERS; i++)); do
+    rm -f -- "$RUN/ps$i.port"
+    "$PS_BIN" --host=127.0.0.1 --port=0 --port_file="$RUN/ps$i.port" \
+      --shard_id="$i" --num_shards="$SERVERS" --num_workers="$WORKERS" \
+      --mode="$MODE" ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} \
+      >"$RUN/ps$i.log" 2>&1 &
+    pid=$!
+    LIVE[$pid]="ps_server $i (pid $pid)"
+    SERVER_PIDS+=("$pid")
+  done
+}
+
+# Waits for every server's port file; sets PS_HOSTS.
+wait_for_ports() {
+  local ports=() i pid port ready
+  now_ms
+  local deadline=$((NOW_MS + PORT_WAIT_S * 1000))
+  while :; do
+    ready=0
+    for ((i = 0; i < SERVERS; i++)); do
+      if [[ -n "${ports[i]:-}" ]]; then
+        ready=$((ready + 1))
+        continue
+      fi
+      pid=${SERVER_PIDS[i]}
+      if [[ -s "$RUN/ps$i.port" ]]; then
+        port=$(<"$RUN/ps$i.port")
+        port=${port//[[:space:]]/}
+        if [[ ! "$port" =~ ^[1-9][0-9]{0,4}$ ]]; then
+          info "ps_server $i wrote a bad port '$port' to $RUN/ps$i.port"
+          exit 1
+        fi
+        ports[i]=$port
+        ready=$((ready + 1))
+      elif ! alive "$pid"; then
+        reap "$pid"
+        info "ps_server $i exited with $(describe_rc "$REAPED_RC") before it was serving"
+        show_log_tail "$RUN/ps$i.log"
+        exit 1
+      fi
+    done
+    ((ready < SERVERS)) || break
+    check_job_deadline
+    now_ms
+    if ((NOW_MS >= deadline)); then
+      for ((i = 0; i < SERVERS; i++)); do
+        if [[ -z "${ports[i]:-}" ]]; then
+          info "ps_server $i did not write $RUN/ps$i.port within $PORT_WAIT_S s"
+          show_log_tail "$RUN/ps$i.log"
+        fi
+      done
+      exit 1
+    fi
+    pause
+  done
+  PS_HOSTS=""
+  for ((i = 0; i < SERVERS; i++)); do
+    PS_HOSTS+="${PS_HOSTS:+,}127.0.0.1:${ports[i]}"
+  done
+  info "$SERVERS ps_server(s) serving ($MODE): $PS_HOSTS"
+}
+
+start_workers() {
+  local k pid
+  for ((k = 0; k < WORKERS; k++)); do
+    "$WORKER_BIN" --ps_hosts="$PS_HOSTS" --worker_id="$k" \
+      --num_workers="$WORKERS" ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"} \
+      >"$RUN/worker$k.out" 2>"$RUN/worker$k.log" &
+    pid=$!
+    LIVE[$pid]="worker $k (pid $pid)"
+    WORKER_PIDS+=("$pid")
+    if ((k == 0)); then
+      start_stream "$pid"
+    fi
+  done
+  info "$WORKERS worker(s) started; streaming worker 0"
+}
+
+# Streams worker 0's stdout to ours, prefixed with "[worker 0] ", leaving out
+# its final JSON line (printed raw once the job is done). tail and sed are
+# joined by a FIFO so both are our own children and can be stopped by pid.
+start_stream() {
+  local worker0=$1
+  FIFO=$RUN/.worker0.fifo
+  rm -f -- "$FIFO"
+  mkfifo -- "$FIFO"
+  sed -u -e '/^{"event":"final"/d' -e 's/^/[worker 0] /' <"$FIFO" &
+  STREAM_SED=$!
+  LIVE[$STREAM_SED]="sed (pid $STREAM_SED)"
+  tail -n +1 -s "$POLL_S" -f --pid="$worker0" -- "$RUN/worker0.out" >"$FIFO" &
+  STREAM_TAIL=$!
+  LIVE[$STREAM_TAIL]="tail (pid $STREAM_TAIL)"
+}
+
+wait_for_workers() {
+  local remaining=$WORKERS k pid i
+  local -a done_workers=()
+  while ((remaining > 0)); do
+    for ((k = 0; k < WORKERS; k++)); do
+      [[ -z "${done_workers[k]:-}" ]] || continue
+      pid=${WORKER_PIDS[k]}
+      alive "$pid" && continue
+      reap "$pid"
+      done_workers[k]=1
+      remaining=$((remaining - 1))
+      if ((REAPED_RC != 0)); then
+        info "worker $k failed: exited with $(describe_rc "$REAPED_RC")"
+        show_log_tail "$RUN/worker$k.log"
+        exit 1
+      fi
+    done
+    ((remaining > 0)) || break
+    for ((i = 0; i < SERVERS; i++)); do
+      pid=${SERVER_PIDS[i]}
+      [[ -n "${LIVE[$pid]+x}" ]] || continue
+      alive "$pid" && continue
+      reap "$pid"
+      info "ps_server $i died during training: exited with $(describe_rc "$REAPED_RC")"
+      show_log_tail "$RUN/ps$i.log"
+      exit 1
+    done
+    check_job_deadline
+    pause
+  done
+}
+
+print_results() {
+  local k line
+  local -a finals=()
+  for ((k = 0; k < WORKERS; k++)); do
+    line=$(grep '^{"event":"final"' "$RUN/worker$k.out" | tail -n 1) || true
+    if [[ -z "$line" ]]; then
+      info "worker $k exited 0 but printed no final JSON line to $RUN/worker$k.out"
+      show_log_tail "$RUN/worker$k.log"
+      exit 1
+    fi
+    finals+=("$line")
+  done
+  printf '%s\n' "${finals[@]}"
+}
+
+main() {
+  parse_args "$@"
+
+  trap cleanup EXIT
+  trap 'on_signal INT 2' INT
+  trap 'on_signal TERM 15' TERM
+  trap 'on_signal HUP 1' HUP
+
+  now_ms
+  JOB_DEADLINE_MS=$((NOW_MS + TIMEOUT_S * 1000))
+  if [[ -n "$RUN_DIR" ]]; then
+    RUN=$(cd -- "$RUN_DIR" && pwd)
+  else
+    RUN=$(mktemp -d /tmp/pstrain-run.XXXXXX)
+  fi
+  info "run dir $RUN; $SERVERS server(s), $WORKERS worker(s), mode $MODE, timeout ${TIMEOUT_S}s"
+
+  start_servers
+  wait_for_ports
+  start_workers
+  wait_for_workers
+  stop_stream
+  print_results
+
+  stop_pids "${SERVER_PIDS[@]}"
+  if ((${#STOP_KILLED[@]} > 0)); then
+    info "warning: had to SIGKILL ${STOP_KILLED[*]} after ${STOP_GRACE_S}s"
+  fi
+  if ((${#STOP_FAILED[@]} > 0)); then
+    info "warning: after SIGTERM: ${STOP_FAILED[*]}"
+  fi
+  printf 'logs: %s\n' "$RUN"
+}
+
+main "$@"
