@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kernels/cpu_backend.h"
+#include "kernels/cuda_backend.h"
 
 namespace pstrain::kernels {
 namespace {
@@ -30,12 +31,50 @@ bool ParseDeviceOrdinal(absl::string_view text, int* ordinal) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
-    const std::string& device) {
-  if (device == "cpu") return std::make_unique<CpuBackend>();
+    const BackendOptions& options) {
+  const std::string& device = options.device;
+  Precision precision;
+  if (options.precision == "fp32") {
+    precision = Precision::kFp32;
+  } else if (options.precision == "bf16") {
+    precision = Precision::kBf16;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--precision must be fp32 or bf16, got '", options.precision, "'"));
+  }
+  // bf16 only changes how the CUDA backend runs GEMMs; the CPU reference
+  // has no bf16 path, and silently running fp32 would mislead benchmarks.
+  const auto bf16_needs_gpu = [](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--precision=bf16 needs a CUDA device: ", why));
+  };
+
+  if (device == "cpu") {
+    if (precision == Precision::kBf16) {
+      return bf16_needs_gpu("--device=cpu");
+    }
+    return std::make_unique<CpuBackend>();
+  }
   if (device == "auto") {
-    // Until the CUDA backend lands, "auto" can only mean the CPU.
-    LOG_FIRST_N(INFO, 1) << "no CUDA backend in this build; using the CPU "
-                            "backend";
+    std::string why_none;
+    if (CudaDeviceCount(&why_none) > 0) {
+      // One worker per GPU: CUDA_VISIBLE_DEVICES picks the GPU, and the
+      // first visible one is the worker's.
+      absl::StatusOr<std::unique_ptr<Backend>> backend =
+          CreateCudaBackend(0, precision);
+      if (backend.ok()) {
+        LOG_FIRST_N(INFO, 1)
+            << "--device=auto: using " << DescribeCudaDevice(0)
+            << (precision == Precision::kBf16 ? " (bf16 GEMMs)" : "");
+      }
+      return backend;
+    }
+    if (precision == Precision::kBf16) {
+      return bf16_needs_gpu(
+          absl::StrCat("--device=auto found no GPU (", why_none, ")"));
+    }
+    LOG_FIRST_N(INFO, 1) << "no GPU visible (" << why_none
+                         << "); using the CPU backend";
     return std::make_unique<CpuBackend>();
   }
   constexpr absl::string_view kCudaPrefix = "cuda:";
@@ -43,11 +82,31 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
   if (absl::StartsWith(device, kCudaPrefix) &&
       ParseDeviceOrdinal(absl::string_view(device).substr(kCudaPrefix.size()),
                          &ordinal)) {
-    return absl::UnavailableError(absl::StrCat(
-        "--device=", device, ": this build has no CUDA backend yet"));
+    absl::StatusOr<std::unique_ptr<Backend>> backend =
+        CreateCudaBackend(ordinal, precision);
+    if (!backend.ok()) {
+      // The message already starts with "cuda:N"; make it name the flag.
+      const absl::string_view message = backend.status().message();
+      return absl::Status(
+          backend.status().code(),
+          absl::StartsWith(message, device)
+              ? absl::StrCat("--device=", message)
+              : absl::StrCat("--device=", device, ": ", message));
+    }
+    LOG(INFO) << "--device=" << device << ": using "
+              << DescribeCudaDevice(ordinal)
+              << (precision == Precision::kBf16 ? " (bf16 GEMMs)" : "");
+    return backend;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--device must be auto, cpu or cuda:N, got '", device, "'"));
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
+    const std::string& device) {
+  BackendOptions options;
+  options.device = device;
+  return CreateBackend(options);
 }
 
 }  // namespace pstrain::kernels

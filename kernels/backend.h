@@ -88,11 +88,45 @@ class Backend {
 
   // x[i] = value.
   virtual absl::Status Fill(int64_t n, float value, float* x) = 0;
+
+  // Embedding lookup: out[i, :] = table[indices[i], :] for i in
+  // [0, num_indices), with table of shape [table_rows, dim] and out of shape
+  // [num_indices, dim] (write-only). indices live in backend memory.
+  // An index outside [0, table_rows) is an InvalidArgument error. The CPU
+  // backend checks every index before writing; the CUDA backend finds it on
+  // the device, writes zeros to that row, and returns the error from the
+  // next call that synchronizes with the host (CopyToHost, Synchronize,
+  // SoftmaxCrossEntropy).
+  virtual absl::Status Gather(int64_t num_indices, int64_t dim,
+                              int64_t table_rows, const float* table,
+                              const int64_t* indices, float* out) = 0;
+
+  // Embedding gradient: table[indices[i], :] += grads[i, :] for i in
+  // [0, num_indices). Repeated indices accumulate (the CPU in order of i;
+  // the CUDA backend with atomics, so in no fixed order: sums of repeated
+  // rows can differ in the last bits from run to run). Out-of-range indices
+  // as for Gather (the CUDA backend skips those rows).
+  virtual absl::Status ScatterAdd(int64_t num_indices, int64_t dim,
+                                  int64_t table_rows, const float* grads,
+                                  const int64_t* indices, float* table) = 0;
 };
 
-// Picks a backend from a --device flag value: "cpu", "auto" (a GPU when one
-// is visible and this build has the CUDA backend, otherwise the CPU, said
-// once in the log) or "cuda:N" (Unavailable when it cannot be had).
+// What to build a backend for; the fields mirror the worker's flags.
+struct BackendOptions {
+  // "cpu", "auto" (a GPU when one is visible and this build has the CUDA
+  // backend, otherwise the CPU, said once in the log) or "cuda:N"
+  // (Unavailable when that device cannot be had).
+  std::string device = "auto";
+  // "fp32", or "bf16": GEMM inputs are rounded to bfloat16 and multiplied
+  // with fp32 accumulation and fp32 output (CUDA only; every other op and
+  // all stored tensors stay fp32).
+  std::string precision = "fp32";
+};
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
+    const BackendOptions& options);
+
+// Shorthand for an fp32 backend on `device`.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
     const std::string& device);
 

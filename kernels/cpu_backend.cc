@@ -14,39 +14,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "kernels/op_checks.h"
 
 namespace pstrain::kernels {
 namespace {
 
-struct Dim {
-  const char* name;
-  int64_t value;
-};
-
-struct Ptr {
-  const char* name;
-  const void* ptr;
-  bool needed;  // whether the op touches it for the given sizes
-};
-
-// Sizes are checked before pointers so that "needed" (computed from the
-// sizes by the caller) is only trusted once the sizes are known to be sane.
-absl::Status Validate(absl::string_view op, std::initializer_list<Dim> dims,
-                      std::initializer_list<Ptr> ptrs) {
-  for (const Dim& dim : dims) {
-    if (dim.value < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": ", dim.name, " must be non-negative, got ", dim.value));
-    }
-  }
-  for (const Ptr& p : ptrs) {
-    if (p.needed && p.ptr == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(op, ": ", p.name, " is null"));
-    }
-  }
-  return absl::OkStatus();
-}
+using internal::Validate;
 
 // c[0, n) += s * b[0, n). The fixed-width inner loop over restrict pointers
 // is what lets GCC vectorize it at -O2 (plain loops need -O3 there).
@@ -321,6 +294,78 @@ absl::Status CpuBackend::Fill(int64_t n, float value, float* x) {
     return s;
   }
   std::fill(x, x + n, value);
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Every index is checked before anything is written, so a bad batch leaves
+// the outputs as they were.
+absl::Status CheckIndices(absl::string_view op, int64_t num_indices,
+                          int64_t table_rows, const int64_t* indices) {
+  for (int64_t i = 0; i < num_indices; ++i) {
+    if (indices[i] < 0 || indices[i] >= table_rows) {
+      return absl::InvalidArgumentError(
+          internal::IndexOutOfRangeMessage(op, i, indices[i], table_rows));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CpuBackend::Gather(int64_t num_indices, int64_t dim,
+                                int64_t table_rows, const float* table,
+                                const int64_t* indices, float* out) {
+  const bool any = num_indices > 0 && dim > 0;
+  if (absl::Status s = Validate("Gather",
+                                {{"num_indices", num_indices},
+                                 {"dim", dim},
+                                 {"table_rows", table_rows}},
+                                {{"table", table, any},
+                                 {"indices", indices, num_indices > 0},
+                                 {"out", out, any}});
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckIndices("Gather", num_indices, table_rows, indices);
+      !s.ok()) {
+    return s;
+  }
+  if (!any) return absl::OkStatus();
+  for (int64_t i = 0; i < num_indices; ++i) {
+    std::memcpy(out + i * dim, table + indices[i] * dim, dim * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::ScatterAdd(int64_t num_indices, int64_t dim,
+                                    int64_t table_rows, const float* grads,
+                                    const int64_t* indices, float* table) {
+  const bool any = num_indices > 0 && dim > 0;
+  if (absl::Status s = Validate("ScatterAdd",
+                                {{"num_indices", num_indices},
+                                 {"dim", dim},
+                                 {"table_rows", table_rows}},
+                                {{"grads", grads, any},
+                                 {"indices", indices, num_indices > 0},
+                                 {"table", table, any}});
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          CheckIndices("ScatterAdd", num_indices, table_rows, indices);
+      !s.ok()) {
+    return s;
+  }
+  if (!any) return absl::OkStatus();
+  for (int64_t i = 0; i < num_indices; ++i) {
+    float* row = table + indices[i] * dim;
+    const float* g = grads + i * dim;
+    // grads and table are distinct arrays (the op forbids overlap), so the
+    // vectorizable row kernel applies.
+    AxpyRow(dim, 1.0f, g, row);
+  }
   return absl::OkStatus();
 }
 

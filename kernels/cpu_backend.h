@@ -56,6 +56,12 @@ class CpuBackend final : public Backend {
   absl::Status Axpy(int64_t n, float alpha, const float* x, float* y) override;
   absl::Status Scale(int64_t n, float alpha, float* x) override;
   absl::Status Fill(int64_t n, float value, float* x) override;
+  absl::Status Gather(int64_t num_indices, int64_t dim, int64_t table_rows,
+                      const float* table, const int64_t* indices,
+                      float* out) override;
+  absl::Status ScatterAdd(int64_t num_indices, int64_t dim, int64_t table_rows,
+                          const float* grads, const int64_t* indices,
+                          float* table) override;
 };
 
 }  // namespace pstrain::kernels

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/cuda_backend.h"
 
 namespace pstrain::kernels {
 namespace {
@@ -498,28 +499,147 @@ TEST(CpuBackendTest, AxpyScaleFill) {
               HasSubstr("Axpy: x is null"));
 }
 
+TEST(CpuBackendTest, GatherCopiesRows) {
+  CpuBackend backend;
+  const int64_t table_rows = 5, dim = 3;
+  const std::vector<float> table = RandomVector(table_rows * dim, 21);
+  // Repeats and out-of-order indices.
+  const std::vector<int64_t> indices = {4, 0, 4, 2};
+  std::vector<float> out(indices.size() * dim, kNaN);
+  ASSERT_TRUE(backend
+                  .Gather(indices.size(), dim, table_rows, table.data(),
+                          indices.data(), out.data())
+                  .ok());
+  for (size_t i = 0; i < indices.size(); ++i) {
+    for (int64_t d = 0; d < dim; ++d) {
+      EXPECT_EQ(out[i * dim + d], table[indices[i] * dim + d]) << i << "," << d;
+    }
+  }
+  EXPECT_TRUE(
+      backend.Gather(0, dim, table_rows, nullptr, nullptr, nullptr).ok());
+}
+
+TEST(CpuBackendTest, ScatterAddAccumulatesRepeatedRows) {
+  CpuBackend backend;
+  const int64_t table_rows = 4, dim = 2;
+  std::vector<float> table = {1, 2, 3, 4, 5, 6, 7, 8};
+  const std::vector<int64_t> indices = {3, 1, 3};
+  const std::vector<float> grads = {10, 20, 30, 40, 50, 60};
+  ASSERT_TRUE(backend
+                  .ScatterAdd(indices.size(), dim, table_rows, grads.data(),
+                              indices.data(), table.data())
+                  .ok());
+  EXPECT_EQ(table, (std::vector<float>{1, 2, 33, 44, 5, 6, 67, 88}));
+}
+
+TEST(CpuBackendTest, GatherAndScatterAddRejectBadIndices) {
+  CpuBackend backend;
+  const int64_t table_rows = 3, dim = 2;
+  std::vector<float> table(table_rows * dim, 1.0f);
+  const std::vector<float> before = table;
+  std::vector<float> out(4, kNaN);
+  for (int64_t bad : {int64_t{3}, int64_t{-1}}) {
+    const std::vector<int64_t> indices = {0, bad};
+    absl::Status s = backend.Gather(2, dim, table_rows, table.data(),
+                                    indices.data(), out.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(),
+                HasSubstr("Gather: indices[1] = " + std::to_string(bad) +
+                          " is outside the table's rows [0, 3)"));
+    s = backend.ScatterAdd(2, dim, table_rows, out.data(), indices.data(),
+                           table.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("ScatterAdd: indices[1]"));
+  }
+  // Nothing was written.
+  EXPECT_EQ(table, before);
+  for (float x : out) EXPECT_TRUE(std::isnan(x));
+
+  const std::vector<int64_t> indices = {0};
+  EXPECT_THAT(
+      backend.Gather(1, 2, 3, nullptr, indices.data(), out.data()).message(),
+      HasSubstr("Gather: table is null"));
+  EXPECT_THAT(
+      backend.ScatterAdd(1, -2, 3, out.data(), indices.data(), table.data())
+          .message(),
+      HasSubstr("ScatterAdd: dim must be non-negative"));
+}
+
 TEST(CreateBackendTest, Cpu) {
   absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend("cpu");
   ASSERT_TRUE(backend.ok()) << backend.status();
   EXPECT_EQ((*backend)->Name(), "cpu");
+  BackendOptions options;
+  options.device = "cpu";
+  backend = CreateBackend(options);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  EXPECT_EQ((*backend)->Name(), "cpu");
 }
 
-TEST(CreateBackendTest, AutoFallsBackToCpu) {
+// "auto" is the GPU where one is visible, else the CPU; both are fine here.
+TEST(CreateBackendTest, AutoPicksWhatIsVisible) {
+  const bool gpu = CudaDeviceCount() > 0;
   for (int i = 0; i < 2; ++i) {
     absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend("auto");
     ASSERT_TRUE(backend.ok()) << backend.status();
-    EXPECT_EQ((*backend)->Name(), "cpu");
+    if (gpu) {
+      EXPECT_THAT((*backend)->Name(), ::testing::StartsWith("cuda:0 ("));
+    } else {
+      EXPECT_EQ((*backend)->Name(), "cpu");
+    }
   }
 }
 
-TEST(CreateBackendTest, CudaIsUnavailable) {
-  for (const std::string device : {"cuda:0", "cuda:3", "cuda:12"}) {
+TEST(CreateBackendTest, CudaBeyondTheVisibleDevicesIsUnavailable) {
+  const int count = CudaDeviceCount();
+  for (int ordinal : {count, count + 3, count + 12}) {
+    const std::string device = "cuda:" + std::to_string(ordinal);
     absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(device);
     EXPECT_EQ(backend.status().code(), absl::StatusCode::kUnavailable)
         << device;
+    EXPECT_THAT(backend.status().message(), HasSubstr("--device=" + device))
+        << backend.status();
+    if (!CudaBackendCompiled()) {
+      EXPECT_THAT(backend.status().message(),
+                  HasSubstr("this build has no CUDA backend"));
+    } else if (count == 0) {
+      EXPECT_THAT(backend.status().message(),
+                  HasSubstr("no CUDA device visible"));
+    } else {
+      EXPECT_THAT(backend.status().message(),
+                  HasSubstr("CUDA device(s) visible"));
+    }
+  }
+}
+
+TEST(CreateBackendTest, Precision) {
+  BackendOptions options;
+  options.device = "cpu";
+  options.precision = "fp32";
+  EXPECT_TRUE(CreateBackend(options).ok());
+
+  options.precision = "bf16";
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(options);
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(backend.status().message(),
+              HasSubstr("--precision=bf16 needs a CUDA device"));
+
+  if (CudaDeviceCount() == 0) {
+    options.device = "auto";
+    backend = CreateBackend(options);
+    EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(backend.status().message(),
-                HasSubstr("--device=" + device +
-                          ": this build has no CUDA backend yet"));
+                HasSubstr("--precision=bf16 needs a CUDA device"));
+  }
+
+  for (const std::string precision : {"fp16", "", "BF16", "tf32"}) {
+    options.device = "cpu";
+    options.precision = precision;
+    backend = CreateBackend(options);
+    EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(
+        backend.status().message(),
+        HasSubstr("--precision must be fp32 or bf16, got '" + precision + "'"));
   }
 }
 

@@ -452,6 +452,17 @@ class CountingBackend : public Backend {
   absl::Status Fill(int64_t n, float value, float* x) override {
     return inner_->Fill(n, value, x);
   }
+  absl::Status Gather(int64_t num_indices, int64_t dim, int64_t table_rows,
+                      const float* table, const int64_t* indices,
+                      float* out) override {
+    return inner_->Gather(num_indices, dim, table_rows, table, indices, out);
+  }
+  absl::Status ScatterAdd(int64_t num_indices, int64_t dim,
+                          int64_t table_rows, const float* grads,
+                          const int64_t* indices, float* table) override {
+    return inner_->ScatterAdd(num_indices, dim, table_rows, grads, indices,
+                              table);
+  }
 
  private:
   std::unique_ptr<Backend> inner_;
