@@ -11,8 +11,10 @@
 
 namespace pstrain {
 
-// Parses flags (absl) and sets up glog to log to stderr. Positional
-// arguments are refused. Returns nothing; exits 2 on a parse error.
+// Parses flags (absl), sets up glog to log to stderr, and keeps the
+// allocator from returning freed memory to the OS (big message buffers
+// would otherwise be page-faulted in again on every call). Positional
+// arguments are refused. Exits 2 on a parse error.
 void InitProgram(int argc, char** argv, const char* usage);
 
 // Prints "<program>: <message>" for every failed status and exits with 2 if

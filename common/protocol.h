@@ -2,6 +2,7 @@
 #ifndef PSTRAIN_COMMON_PROTOCOL_H_
 #define PSTRAIN_COMMON_PROTOCOL_H_
 
+#include <cstddef>
 #include <cstdint>
 
 namespace pstrain {
@@ -12,6 +13,11 @@ inline constexpr uint32_t kProtocolVersion = 1;
 
 // gRPC's default receive cap is 4 MiB, far below one dense block batch.
 inline constexpr int kDefaultMaxMessageBytes = 512 << 20;
+
+// Tensor payloads smaller than this are copied into the message's header
+// bytes rather than sent as their own slice: for a bias vector the copy is
+// cheaper than the slice bookkeeping.
+inline constexpr size_t kInlineBelowBytes = 4096;
 
 }  // namespace pstrain
 

@@ -1,40 +1,130 @@
 #include "ps_server/service.h"
 
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/grpc_bytes.h"
 #include "common/grpc_status.h"
+#include "common/protocol.h"
+#include "common/wire.h"
 
 namespace pstrain {
+namespace {
 
-grpc::Status ParameterServerService::RegisterModel(
-    grpc::ServerContext*, const RegisterModelRequest* request,
+grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
+                                 const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+// Parses a small protobuf request (no tensor payload) from raw bytes.
+template <typename Message>
+absl::Status ParseSmall(const grpc::ByteBuffer& buffer, Message* message) {
+  ReceivedBytes bytes;
+  if (!bytes.Load(buffer)) {
+    return absl::InvalidArgumentError("unreadable request buffer");
+  }
+  std::string flat;
+  flat.reserve(bytes.size());
+  for (absl::string_view piece : bytes.views())
+    flat.append(piece.data(), piece.size());
+  if (!message->ParseFromString(flat)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed ", Message::descriptor()->name(), " (",
+                     flat.size(), " bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+// The blocks of a pull response and the encoded message that references
+// them; kept alive by the response's slices until gRPC has sent them.
+struct PullReply {
+  std::vector<PulledBlock> blocks;
+  WireMessage message;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
+    grpc::CallbackServerContext* context, const RegisterModelRequest* request,
     RegisterModelResponse* response) {
   absl::StatusOr<RegisterModelResponse> result = shard_->Register(*request);
-  if (!result.ok()) return ToGrpcStatus(result.status());
-  *response = std::move(*result);
-  return grpc::Status::OK;
+  if (result.ok()) *response = std::move(*result);
+  return Finish(context, result.status());
 }
 
-grpc::Status ParameterServerService::Pull(grpc::ServerContext* context,
-                                          const PullRequest* request,
-                                          PullResponse* response) {
-  // gRPC reports "no deadline" as the far future; Shard caps the wait anyway.
+grpc::ServerUnaryReactor* ParameterServerService::Pull(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  PullRequest pull;
+  if (absl::Status s = ParseSmall(*request, &pull); !s.ok()) {
+    shard_->CountRejected();
+    return Finish(context, s);
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // gRPC reports "no deadline" as the far future; Shard caps the wait.
   const absl::Time deadline = absl::FromChrono(context->deadline());
-  return ToGrpcStatus(shard_->Pull(*request, deadline, response, [context] {
-    return context->IsCancelled();
-  }));
+  shard_->Pull(
+      pull, deadline,
+      [reactor, response](absl::Status status,
+                          std::vector<PulledBlock> blocks) {
+        if (!status.ok()) {
+          reactor->Finish(ToGrpcStatus(status));
+          return;
+        }
+        auto reply = std::make_shared<PullReply>();
+        reply->blocks = std::move(blocks);
+        std::vector<OutgoingBlock> outgoing;
+        outgoing.reserve(reply->blocks.size());
+        for (const PulledBlock& b : reply->blocks) {
+          outgoing.push_back(OutgoingBlock{
+              {*b.tensor, b.block, FLOAT32, b.version},
+              absl::string_view(reinterpret_cast<const char*>(b.values.data()),
+                                b.values.size() * sizeof(float))});
+        }
+        reply->message = EncodePullResponse(outgoing, kInlineBelowBytes);
+        *response = PiecesToByteBuffer(reply->message.Pieces(), reply);
+        reactor->Finish(grpc::Status::OK);
+      });
+  return reactor;
 }
 
-grpc::Status ParameterServerService::Push(grpc::ServerContext*,
-                                          const PushRequest* request,
-                                          PushResponse* response) {
-  return ToGrpcStatus(shard_->Push(*request, response));
+grpc::ServerUnaryReactor* ParameterServerService::Push(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  ReceivedBytes bytes;
+  if (!bytes.Load(*request)) {
+    shard_->CountRejected();
+    return Finish(context,
+                  absl::InvalidArgumentError("unreadable request buffer"));
+  }
+  absl::StatusOr<WirePushRequest> push = ParsePushRequest(bytes.views());
+  if (!push.ok()) {
+    shard_->CountRejected();
+    return Finish(context,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "malformed PushRequest: ", push.status().message())));
+  }
+  absl::StatusOr<PushResponse> result = shard_->Push(*push);
+  if (!result.ok()) return Finish(context, result.status());
+  bool own_buffer = false;
+  grpc::Status serialized = grpc::SerializationTraits<PushResponse>::Serialize(
+      *result, response, &own_buffer);
+  return Finish(
+      context,
+      absl::Status(static_cast<absl::StatusCode>(serialized.error_code()),
+                   serialized.error_message()));
 }
 
-grpc::Status ParameterServerService::Stats(grpc::ServerContext*,
-                                           const StatsRequest*,
-                                           StatsResponse* response) {
+grpc::ServerUnaryReactor* ParameterServerService::Stats(
+    grpc::CallbackServerContext* context, const StatsRequest*,
+    StatsResponse* response) {
   *response = shard_->Stats();
-  return grpc::Status::OK;
+  return Finish(context, absl::OkStatus());
 }
 
 }  // namespace pstrain

@@ -1,5 +1,8 @@
-// The gRPC face of a shard: converts between the wire and Shard's
-// absl::Status API. Holds no state of its own.
+// The gRPC face of a shard, on gRPC's callback API: no thread is held while
+// a sync pull waits for its step. Push and Pull are raw methods so tensor
+// payloads are neither copied into nor out of protobuf strings: a push is
+// decoded straight from the received slices into the shard, and a pull's
+// response references the copied block values.
 #ifndef PSTRAIN_PS_SERVER_SERVICE_H_
 #define PSTRAIN_PS_SERVER_SERVICE_H_
 
@@ -8,19 +11,26 @@
 
 namespace pstrain {
 
-class ParameterServerService final : public ParameterServer::Service {
+using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Pull<
+    ParameterServer::WithRawCallbackMethod_Push<
+        ParameterServer::CallbackService>>;
+
+class ParameterServerService final : public ParameterServerRawService {
  public:
   explicit ParameterServerService(Shard* shard) : shard_(shard) {}
 
-  grpc::Status RegisterModel(grpc::ServerContext* context,
-                             const RegisterModelRequest* request,
-                             RegisterModelResponse* response) override;
-  grpc::Status Pull(grpc::ServerContext* context, const PullRequest* request,
-                    PullResponse* response) override;
-  grpc::Status Push(grpc::ServerContext* context, const PushRequest* request,
-                    PushResponse* response) override;
-  grpc::Status Stats(grpc::ServerContext* context, const StatsRequest* request,
-                     StatsResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterModel(
+      grpc::CallbackServerContext* context, const RegisterModelRequest* request,
+      RegisterModelResponse* response) override;
+  grpc::ServerUnaryReactor* Pull(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
+                                  const StatsRequest* request,
+                                  StatsResponse* response) override;
 
  private:
   Shard* shard_;

@@ -6,9 +6,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/protocol.h"
 #include "common/tensor_codec.h"
+#include "common/wire.h"
 #include "gtest/gtest.h"
 
 namespace pstrain {
@@ -59,14 +61,30 @@ Fixture MakeShard(ConsistencyMode mode, int num_workers, int shard_id = 0,
   return f;
 }
 
-// A push carrying `value` for every element of every block of shard 0 of 1.
+// A push carrying `value` for every element of every block of shard 0 of 1,
+// serialized and parsed back as the service does.
+struct Push {
+  std::string bytes;
+  WirePushRequest wire;
+};
+
+std::unique_ptr<Push> Encode(const PushRequest& request) {
+  auto push = std::make_unique<Push>();
+  push->bytes = request.SerializeAsString();
+  const absl::string_view view = push->bytes;
+  absl::StatusOr<WirePushRequest> wire =
+      ParsePushRequest(absl::MakeConstSpan(&view, 1));
+  EXPECT_TRUE(wire.ok()) << wire.status();
+  push->wire = std::move(*wire);
+  return push;
+}
+
 PushRequest UniformPush(int worker, int64_t step, float value,
                         int64_t pulled_version = 0) {
   PushRequest push;
   push.set_protocol_version(kProtocolVersion);
   push.set_worker_id(worker);
   push.set_step(step);
-  push.set_pulled_version(pulled_version);
   const std::vector<std::pair<std::string, int>> blocks = {
       {"w", 4}, {"w", 2}, {"b", 2}};
   int64_t index = 0;
@@ -74,9 +92,14 @@ PushRequest UniformPush(int worker, int64_t step, float value,
     TensorBlock* block = push.add_blocks();
     block->set_tensor(name);
     block->set_block(name == "w" ? index++ : 0);
+    block->set_version(pulled_version);
     EncodeFloat32(std::vector<float>(length, value), block->mutable_data());
   }
   return push;
+}
+
+absl::StatusOr<PushResponse> DoPush(Shard& shard, const PushRequest& request) {
+  return shard.Push(Encode(request)->wire);
 }
 
 PullRequest PullAt(int worker, int64_t step) {
@@ -87,114 +110,127 @@ PullRequest PullAt(int worker, int64_t step) {
   return pull;
 }
 
-// Element 0 of "w" after a pull.
-float FirstWeight(const PullResponse& response) {
-  std::vector<float> values(4);
-  EXPECT_TRUE(DecodeToFloat32(FLOAT32, response.blocks(0).data(),
-                              absl::MakeSpan(values))
-                  .ok());
-  return values[0];
-}
+// A pull's answer, which may arrive on another thread.
+struct PullResult {
+  absl::Notification done;
+  absl::Status status;
+  std::vector<PulledBlock> blocks;
+
+  Shard::PullDone Callback() {
+    return [this](absl::Status s, std::vector<PulledBlock> b) {
+      status = std::move(s);
+      blocks = std::move(b);
+      done.Notify();
+    };
+  }
+  // Element 0 of the first block ("w" block 0).
+  float FirstWeight() const { return blocks.at(0).values.at(0); }
+};
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(5); }
 
+// Pulls and waits for the answer (bounded: the shard answers by `deadline`).
+std::unique_ptr<PullResult> DoPull(Shard& shard, const PullRequest& request,
+                                   absl::Time deadline) {
+  auto result = std::make_unique<PullResult>();
+  shard.Pull(request, deadline, result->Callback());
+  EXPECT_TRUE(result->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  return result;
+}
+
 TEST(ShardSyncTest, AppliesTheMeanOnceWhenEveryWorkerHasPushed) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 2);
-  PushResponse response;
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 0, 1.0f), &response).ok());
-  EXPECT_EQ(response.version(), 0);  // waiting for worker 1
-  ASSERT_TRUE(f.shard->Push(UniformPush(1, 0, 3.0f), &response).ok());
-  EXPECT_EQ(response.version(), 1);
-  PullResponse pulled;
-  ASSERT_TRUE(f.shard->Pull(PullAt(0, 1), Soon(), &pulled).ok());
-  EXPECT_EQ(pulled.version(), 1);
-  // w = 1 - 0.5 * mean(1, 3) = 0
-  EXPECT_FLOAT_EQ(FirstWeight(pulled), 0.0f);
+  absl::StatusOr<PushResponse> pushed = DoPush(*f.shard, UniformPush(0, 0, 1));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(pushed->blocks_applied(), 3);
+  EXPECT_EQ(f.shard->Stats().version(), 0);  // waiting for worker 1
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 3)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 1);
+  auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  ASSERT_EQ(pulled->blocks.size(), 3u);
+  EXPECT_EQ(pulled->blocks[0].version, 1);
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 * mean(1, 3)
 }
 
 TEST(ShardSyncTest, RepeatedPushIsAcknowledgedNotApplied) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 2);
-  PushResponse response;
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 0, 1.0f), &response).ok());
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 0, 100.0f), &response).ok());
-  EXPECT_TRUE(response.duplicate());
-  EXPECT_EQ(response.version(), 0);  // a repeat must not complete the step
-  ASSERT_TRUE(f.shard->Push(UniformPush(1, 0, 3.0f), &response).ok());
-  EXPECT_FALSE(response.duplicate());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  absl::StatusOr<PushResponse> repeat =
+      DoPush(*f.shard, UniformPush(0, 0, 100));
+  ASSERT_TRUE(repeat.ok());
+  EXPECT_EQ(repeat->blocks_duplicate(), 3);
+  EXPECT_EQ(repeat->blocks_applied(), 0);
+  EXPECT_EQ(f.shard->Stats().version(), 0);  // a repeat must not complete it
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 3)).ok());
   // A retry of a finished step is a duplicate too.
-  ASSERT_TRUE(f.shard->Push(UniformPush(1, 0, 3.0f), &response).ok());
-  EXPECT_TRUE(response.duplicate());
-  PullResponse pulled;
-  ASSERT_TRUE(f.shard->Pull(PullAt(1, 1), Soon(), &pulled).ok());
-  EXPECT_FLOAT_EQ(FirstWeight(pulled), 0.0f);
-  EXPECT_EQ(f.shard->Stats().pushes_duplicate(), 2);
-  EXPECT_EQ(f.shard->Stats().pushes_applied(), 2);
+  absl::StatusOr<PushResponse> late = DoPush(*f.shard, UniformPush(1, 0, 3));
+  ASSERT_TRUE(late.ok());
+  EXPECT_EQ(late->blocks_duplicate(), 3);
+  auto pulled = DoPull(*f.shard, PullAt(1, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok());
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);
+  EXPECT_EQ(f.shard->Stats().blocks_duplicate(), 6);
+  EXPECT_EQ(f.shard->Stats().blocks_applied(), 6);
 }
 
 TEST(ShardSyncTest, PullWaitsForTheStepAndIsReleasedByTheLastPush) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 2);
-  PushResponse response;
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 0, 1.0f), &response).ok());
-  absl::Status pull_status;
-  PullResponse pulled;
-  std::thread puller(
-      [&] { pull_status = f.shard->Pull(PullAt(0, 1), Soon(), &pulled); });
-  ASSERT_TRUE(f.shard->Push(UniformPush(1, 0, 3.0f), &response).ok());
-  puller.join();
-  ASSERT_TRUE(pull_status.ok()) << pull_status;
-  EXPECT_EQ(pulled.version(), 1);
-  EXPECT_FLOAT_EQ(FirstWeight(pulled), 0.0f);
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  PullResult result;
+  f.shard->Pull(PullAt(0, 1), Soon(), result.Callback());
+  EXPECT_FALSE(result.done.HasBeenNotified());  // waits: no thread held
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 3)).ok());
+  ASSERT_TRUE(result.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(result.status.ok()) << result.status;
+  EXPECT_EQ(result.blocks[0].version, 1);
+  EXPECT_FLOAT_EQ(result.FirstWeight(), 0.0f);
+}
+
+TEST(ShardSyncTest, BlocksCompleteIndependently) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  // Both workers push only "b": that block moves on, "w" stays at step 0.
+  for (int worker = 0; worker < 2; ++worker) {
+    PushRequest push = UniformPush(worker, 0, 2);
+    push.mutable_blocks()->DeleteSubrange(0, 2);
+    ASSERT_TRUE(DoPush(*f.shard, push).ok());
+  }
+  PullRequest only_b = PullAt(0, 1);
+  BlockRef* ref = only_b.add_blocks();
+  ref->set_tensor("b");
+  ref->set_block(0);
+  auto pulled = DoPull(*f.shard, only_b, Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_FLOAT_EQ(pulled->blocks[0].values[0], -1.0f);  // 0 - 0.5 * 2
+  EXPECT_EQ(f.shard->Stats().version(), 0);             // the slowest block
 }
 
 TEST(ShardSyncTest, PullTimesOutNamingTheMissingWorkers) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 3);
-  PushResponse response;
-  ASSERT_TRUE(f.shard->Push(UniformPush(1, 0, 1.0f), &response).ok());
-  PullResponse pulled;
-  const absl::Status status = f.shard->Pull(
-      PullAt(1, 1), absl::Now() + absl::Milliseconds(50), &pulled);
-  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_NE(status.message().find("workers [0, 2]"), std::string::npos)
-      << status;
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());
+  auto pulled =
+      DoPull(*f.shard, PullAt(1, 1), absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(pulled->status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(pulled->status.message().find("workers [0, 2]"), std::string::npos)
+      << pulled->status;
 }
 
 TEST(ShardSyncTest, ShutdownReleasesWaitingPulls) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 2);
-  PushResponse response;
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 0, 1.0f), &response).ok());
-  absl::Status pull_status;
-  std::thread puller([&] {
-    PullResponse pulled;
-    pull_status = f.shard->Pull(PullAt(0, 1), absl::InfiniteFuture(), &pulled);
-  });
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  PullResult result;
+  f.shard->Pull(PullAt(0, 1), absl::InfiniteFuture(), result.Callback());
   f.shard->BeginShutdown();
-  puller.join();
-  EXPECT_EQ(pull_status.code(), absl::StatusCode::kUnavailable) << pull_status;
-}
-
-TEST(ShardSyncTest, CancelledCallerStopsWaiting) {
-  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
-  std::atomic<bool> cancelled{false};
-  absl::Status pull_status;
-  std::thread puller([&] {
-    PullResponse pulled;
-    pull_status = f.shard->Pull(PullAt(0, 1), absl::InfiniteFuture(), &pulled,
-                                [&] { return cancelled.load(); });
-  });
-  PushResponse response;
-  ASSERT_TRUE(f.shard->Push(UniformPush(1, 0, 1.0f), &response).ok());
-  cancelled = true;
-  puller.join();
-  EXPECT_EQ(pull_status.code(), absl::StatusCode::kCancelled) << pull_status;
+  ASSERT_TRUE(result.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(result.status.code(), absl::StatusCode::kUnavailable)
+      << result.status;
 }
 
 TEST(ShardSyncTest, StepsOutOfOrderAreRefused) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 2);
-  PushResponse response;
-  EXPECT_EQ(f.shard->Push(UniformPush(0, 1, 1.0f), &response).code(),
+  EXPECT_EQ(DoPush(*f.shard, UniformPush(0, 1, 1)).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  PullResponse pulled;
-  EXPECT_EQ(f.shard->Pull(PullAt(0, 2), Soon(), &pulled).code(),
+  EXPECT_EQ(DoPull(*f.shard, PullAt(0, 2), Soon())->status.code(),
             absl::StatusCode::kOutOfRange);
   EXPECT_EQ(f.shard->Stats().version(), 0);
 }
@@ -211,41 +247,48 @@ TEST(ShardSyncTest, SkippedNonFiniteGradientStillCountsTowardQuorum) {
   request.set_num_shards(1);
   request.set_num_workers(2);
   ASSERT_TRUE(shard->Register(request).ok());
-  PushResponse response;
-  ASSERT_TRUE(shard->Push(UniformPush(0, 0, NAN), &response).ok());
-  ASSERT_TRUE(shard->Push(UniformPush(1, 0, 2.0f), &response).ok());
-  EXPECT_EQ(response.version(), 1);
-  PullResponse pulled;
-  ASSERT_TRUE(shard->Pull(PullAt(0, 1), Soon(), &pulled).ok());
-  EXPECT_FLOAT_EQ(FirstWeight(pulled), 0.0f);  // 1 - 0.5 * 2: NaN left out
-  EXPECT_EQ(shard->Stats().nonfinite_gradients_skipped(), 1);
+  ASSERT_TRUE(DoPush(*shard, UniformPush(0, 0, NAN)).ok());
+  ASSERT_TRUE(DoPush(*shard, UniformPush(1, 0, 2)).ok());
+  EXPECT_EQ(shard->Stats().version(), 1);
+  auto pulled = DoPull(*shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok());
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 * 2: NaN left out
+  EXPECT_EQ(shard->Stats().nonfinite_gradients_skipped(), 3);  // per block
 }
 
 TEST(ShardAsyncTest, AppliesEachPushAndRecordsStaleness) {
   Fixture f = MakeShard(ConsistencyMode::kAsync, 2);
-  PushResponse response;
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 0, 1.0f, 0), &response).ok());
-  EXPECT_EQ(response.version(), 1);
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1, 0)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 1);
   // Worker 1 computed against version 0 while worker 0's push landed.
-  ASSERT_TRUE(f.shard->Push(UniformPush(1, 0, 1.0f, 0), &response).ok());
-  EXPECT_EQ(response.version(), 2);
-  PullResponse pulled;
-  ASSERT_TRUE(f.shard->Pull(PullAt(0, 7), Soon(), &pulled).ok());
-  EXPECT_EQ(pulled.version(), 2);
-  EXPECT_FLOAT_EQ(FirstWeight(pulled), 0.0f);  // 1 - 0.5 - 0.5
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1, 0)).ok());
+  auto pulled = DoPull(*f.shard, PullAt(0, 7), Soon());
+  ASSERT_TRUE(pulled->status.ok());
+  EXPECT_EQ(pulled->blocks[0].version, 2);
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 - 0.5
   const StatsResponse stats = f.shard->Stats();
   EXPECT_EQ(stats.staleness_max(), 1);
   EXPECT_DOUBLE_EQ(stats.staleness_mean(), 0.5);
 }
 
+TEST(ShardAsyncTest, PulledVersionFromTheFutureIsRefused) {
+  Fixture f = MakeShard(ConsistencyMode::kAsync, 1);
+  absl::StatusOr<PushResponse> pushed =
+      DoPush(*f.shard, UniformPush(0, 0, 1, /*pulled_version=*/5));
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(pushed.status().message().find("pulled version"), std::string::npos)
+      << pushed.status();
+}
+
 TEST(ShardAsyncTest, RetriedStepIsNotAppliedTwice) {
   Fixture f = MakeShard(ConsistencyMode::kAsync, 1);
-  PushResponse response;
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 5, 1.0f), &response).ok());
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 5, 1.0f), &response).ok());
-  EXPECT_TRUE(response.duplicate());
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 4, 1.0f), &response).ok());
-  EXPECT_TRUE(response.duplicate());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 5, 1)).ok());
+  absl::StatusOr<PushResponse> repeat = DoPush(*f.shard, UniformPush(0, 5, 1));
+  ASSERT_TRUE(repeat.ok());
+  EXPECT_EQ(repeat->blocks_duplicate(), 3);
+  absl::StatusOr<PushResponse> older = DoPush(*f.shard, UniformPush(0, 4, 1));
+  ASSERT_TRUE(older.ok());
+  EXPECT_EQ(older->blocks_duplicate(), 3);
   EXPECT_EQ(f.shard->Stats().version(), 1);
 }
 
@@ -255,16 +298,15 @@ TEST(ShardAsyncTest, ConcurrentPushesAreAllApplied) {
   for (int w = 0; w < 4; ++w) {
     threads.emplace_back([&, w] {
       for (int step = 0; step < 50; ++step) {
-        PushResponse response;
-        EXPECT_TRUE(f.shard->Push(UniformPush(w, step, 0.01f), &response).ok());
+        EXPECT_TRUE(DoPush(*f.shard, UniformPush(w, step, 0.01f)).ok());
       }
     });
   }
   for (std::thread& t : threads) t.join();
-  PullResponse pulled;
-  ASSERT_TRUE(f.shard->Pull(PullAt(0, 0), Soon(), &pulled).ok());
-  EXPECT_EQ(pulled.version(), 200);
-  EXPECT_NEAR(FirstWeight(pulled), 1.0f - 200 * 0.5f * 0.01f, 1e-4);
+  auto pulled = DoPull(*f.shard, PullAt(0, 0), Soon());
+  ASSERT_TRUE(pulled->status.ok());
+  EXPECT_EQ(pulled->blocks[0].version, 200);
+  EXPECT_NEAR(pulled->FirstWeight(), 1.0f - 200 * 0.5f * 0.01f, 1e-4);
 }
 
 // Each bad request gets its code and leaves the shard unchanged.
@@ -278,85 +320,76 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
   };
   std::vector<Case> cases;
   {
-    PushRequest p = UniformPush(0, 0, 1.0f);
+    PushRequest p = UniformPush(0, 0, 1);
     p.mutable_blocks(0)->set_tensor("nope");
     cases.push_back({"unknown tensor", p, absl::StatusCode::kInvalidArgument,
                      "unknown tensor 'nope'"});
   }
   {
-    PushRequest p = UniformPush(0, 0, 1.0f);
+    PushRequest p = UniformPush(0, 0, 1);
     p.mutable_blocks(0)->mutable_data()->resize(12);
     cases.push_back({"wrong length", p, absl::StatusCode::kInvalidArgument,
                      "payload has 12 bytes, expected 16"});
   }
   {
-    PushRequest p = UniformPush(0, 0, 1.0f);
+    PushRequest p = UniformPush(0, 0, 1);
     p.mutable_blocks(1)->set_block(7);
     cases.push_back({"block out of range", p,
                      absl::StatusCode::kInvalidArgument, "got block 7"});
   }
+  cases.push_back({"worker id", UniformPush(2, 0, 1),
+                   absl::StatusCode::kInvalidArgument,
+                   "worker_id must be in [0, 2)"});
+  cases.push_back({"negative step", UniformPush(0, -1, 1),
+                   absl::StatusCode::kInvalidArgument, "step must be >= 0"});
+  cases.push_back({"future step", UniformPush(0, 9, 1),
+                   absl::StatusCode::kFailedPrecondition, "push for step 9"});
   {
-    PushRequest p = UniformPush(2, 0, 1.0f);
-    cases.push_back({"worker id", p, absl::StatusCode::kInvalidArgument,
-                     "worker_id must be in [0, 2)"});
-  }
-  {
-    PushRequest p = UniformPush(0, -1, 1.0f);
-    cases.push_back({"negative step", p, absl::StatusCode::kInvalidArgument,
-                     "step must be >= 0"});
-  }
-  {
-    PushRequest p = UniformPush(0, 9, 1.0f);
-    cases.push_back({"future step", p, absl::StatusCode::kFailedPrecondition,
-                     "push for step 9"});
-  }
-  {
-    PushRequest p = UniformPush(0, 0, 1.0f);
-    std::vector<float> values = {1, 2, INFINITY, 4};
-    EncodeFloat32(values, p.mutable_blocks(0)->mutable_data());
+    PushRequest p = UniformPush(0, 0, 1);
+    EncodeFloat32(std::vector<float>{1, 2, INFINITY, 4},
+                  p.mutable_blocks(0)->mutable_data());
     cases.push_back({"non-finite", p, absl::StatusCode::kInvalidArgument,
                      "element 2 is NaN or infinite"});
   }
   {
-    PushRequest p = UniformPush(0, 0, 1.0f);
-    p.mutable_blocks()->RemoveLast();
-    cases.push_back({"missing block", p, absl::StatusCode::kInvalidArgument,
-                     "must carry all 3 blocks"});
-  }
-  {
-    PushRequest p = UniformPush(0, 0, 1.0f);
+    PushRequest p = UniformPush(0, 0, 1);
     *p.add_blocks() = p.blocks(0);
     cases.push_back({"duplicate block", p, absl::StatusCode::kInvalidArgument,
                      "appears twice"});
   }
   {
-    PushRequest p = UniformPush(0, 0, 1.0f);
-    p.mutable_blocks(0)->set_dtype(BFLOAT16);
+    PushRequest p = UniformPush(0, 0, 1);
+    p.mutable_blocks(0)->set_dtype(static_cast<DataType>(9));
     cases.push_back(
-        {"wire type", p, absl::StatusCode::kInvalidArgument, "BFLOAT16"});
+        {"wire type", p, absl::StatusCode::kInvalidArgument, "wire type 9"});
   }
   {
-    PushRequest p = UniformPush(0, 0, 1.0f);
+    PushRequest p = UniformPush(0, 0, 1);
+    p.mutable_blocks(0)->set_dtype(BFLOAT16);  // 16 bytes = 8 bf16, not 4
+    cases.push_back({"wire type length", p, absl::StatusCode::kInvalidArgument,
+                     "expected 8 (4 BFLOAT16 elements)"});
+  }
+  {
+    PushRequest p = UniformPush(0, 0, 1);
     p.set_protocol_version(99);
     cases.push_back({"protocol", p, absl::StatusCode::kFailedPrecondition,
                      "protocol version 99"});
   }
   for (const Case& c : cases) {
-    PushResponse response;
-    const absl::Status status = f.shard->Push(c.push, &response);
+    const absl::Status status = DoPush(*f.shard, c.push).status();
     EXPECT_EQ(status.code(), c.code) << c.name << ": " << status;
     EXPECT_NE(status.message().find(c.message), std::string::npos)
         << c.name << ": " << status;
   }
   // Nothing was accumulated: one good push from each worker gives exactly
   // one update with the mean of the good gradients.
-  PushResponse response;
-  ASSERT_TRUE(f.shard->Push(UniformPush(0, 0, 2.0f), &response).ok());
-  EXPECT_FALSE(response.duplicate());
-  ASSERT_TRUE(f.shard->Push(UniformPush(1, 0, 2.0f), &response).ok());
-  PullResponse pulled;
-  ASSERT_TRUE(f.shard->Pull(PullAt(0, 1), Soon(), &pulled).ok());
-  EXPECT_FLOAT_EQ(FirstWeight(pulled), 0.0f);
+  absl::StatusOr<PushResponse> good = DoPush(*f.shard, UniformPush(0, 0, 2));
+  ASSERT_TRUE(good.ok());
+  EXPECT_EQ(good->blocks_applied(), 3);
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 2)).ok());
+  auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok());
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);
   EXPECT_EQ(f.shard->Stats().requests_rejected(),
             static_cast<int64_t>(cases.size()));
 }
@@ -368,12 +401,11 @@ TEST(ShardValidationTest, BlocksOfAnotherShardAreRefused) {
   BlockRef* ref = pull.add_blocks();
   ref->set_tensor("w");
   ref->set_block(0);  // global block 0 lives on shard 0
-  PullResponse pulled;
-  const absl::Status status = f.shard->Pull(pull, Soon(), &pulled);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(status.message().find("lives on shard 0, this is shard 1"),
+  auto pulled = DoPull(*f.shard, pull, Soon());
+  EXPECT_EQ(pulled->status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(pulled->status.message().find("lives on shard 0, this is shard 1"),
             std::string::npos)
-      << status;
+      << pulled->status;
 }
 
 TEST(ShardRegisterTest, IdempotentAndRefusesADifferentSchema) {
@@ -402,10 +434,9 @@ TEST(ShardRegisterTest, IdempotentAndRefusesADifferentSchema) {
 TEST(ShardRegisterTest, RequestsBeforeRegistrationAreRefused) {
   ShardOptions options;
   auto shard = std::move(*Shard::Create(options));
-  PullResponse pulled;
-  const absl::Status status = shard->Pull(PullAt(0, 0), Soon(), &pulled);
-  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(status.message().find("RegisterModel"), std::string::npos);
+  auto pulled = DoPull(*shard, PullAt(0, 0), Soon());
+  EXPECT_EQ(pulled->status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(pulled->status.message().find("RegisterModel"), std::string::npos);
 }
 
 }  // namespace

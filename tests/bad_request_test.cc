@@ -167,7 +167,7 @@ TEST_F(BadRequestTest, EachBadRequestGetsItsStatusAndTheServerKeepsServing) {
   ASSERT_TRUE(Call(&ParameterServer::Stub::Push,
                    Push(1, 0, std::vector<float>(8, 3.0f)), &response)
                   .ok());
-  EXPECT_EQ(response.version(), 1);
+  EXPECT_EQ(response.blocks_applied(), 1);
   EXPECT_FLOAT_EQ(PullFirstWeight(1), 0.0f);
   EXPECT_TRUE(cluster_->server(0).running());
 }

@@ -37,7 +37,8 @@ std::vector<std::string> ModelFlags(int batch) {
 }
 
 ModelSchema Schema() {
-  auto backend = std::move(*kernels::CreateBackend("cpu"));
+  auto backend =
+      std::move(*kernels::CreateBackend(kernels::BackendOptions{"cpu"}));
   auto model = std::move(*CreateMlp(backend.get(), 12, {16}, 3, 1));
   ModelSchema schema;
   schema.set_seed(11);

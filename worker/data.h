@@ -54,9 +54,8 @@ double SyntheticBestAccuracy(const SyntheticOptions& options);
 // [0, num_classes)), then num_features numbers. A first line that does not
 // parse as numbers is taken as a header and skipped. num_features == 0 means
 // infer it from the first example. Errors name the file and line.
-absl::StatusOr<Dataset> ReadCsv(const std::string& path,
-                                int64_t num_features, int64_t num_classes,
-                                ShardSpec shard);
+absl::StatusOr<Dataset> ReadCsv(const std::string& path, int64_t num_features,
+                                int64_t num_classes, ShardSpec shard);
 
 // LIBSVM / SVMlight: "label index:value index:value ..." with 1-based,
 // increasing indices; "# comments" ignored. Labels are integers in

@@ -28,6 +28,9 @@ ABSL_FLAG(std::string, ps_hosts, "",
 ABSL_FLAG(int, worker_id, 0, "This worker's index, in [0, num_workers).");
 ABSL_FLAG(int, num_workers, 1, "Number of workers in the job.");
 ABSL_FLAG(std::string, device, "auto", "Compute device: auto, cpu or cuda:N.");
+ABSL_FLAG(std::string, precision, "fp32",
+          "GEMM precision: fp32, or bf16 (bf16 inputs, fp32 accumulation; "
+          "needs a CUDA device).");
 ABSL_FLAG(std::string, model, "mlp",
           "softmax (multinomial logistic regression) or mlp.");
 ABSL_FLAG(std::string, hidden, "64",
@@ -36,8 +39,9 @@ ABSL_FLAG(int64_t, steps, 300, "Training steps.");
 ABSL_FLAG(int64_t, batch_size, 64, "Examples per step on this worker.");
 ABSL_FLAG(int64_t, log_every, 50, "Steps between progress lines (0: none).");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial model and synthetic data.");
-ABSL_FLAG(int64_t, block_elements, 1 << 18,
-          "Dense tensors are cut into blocks of this many floats.");
+ABSL_FLAG(int64_t, block_elements, 1 << 17,
+          "Dense tensors are cut into blocks of this many floats: the unit of "
+          "transfer (one RPC carries about one block) and of consistency.");
 ABSL_FLAG(std::string, data, "synthetic",
           "Training data: synthetic, csv or libsvm.");
 ABSL_FLAG(std::string, train_file, "", "Training file (csv/libsvm).");
@@ -55,6 +59,12 @@ ABSL_FLAG(double, connect_timeout_s, 60,
           "How long to wait for the servers to come up.");
 ABSL_FLAG(int, max_message_mb, pstrain::kDefaultMaxMessageBytes >> 20,
           "Largest message sent or received, in MiB.");
+ABSL_FLAG(int, connections_per_shard, 4,
+          "TCP connections to each ps_server; a shard's RPCs are spread over "
+          "them.");
+ABSL_FLAG(std::string, gradient_wire_type, "fp32",
+          "Gradients on the wire: fp32, or fp16/bf16 to halve the bytes "
+          "(servers decode to fp32).");
 
 namespace pstrain {
 namespace {
@@ -182,13 +192,28 @@ int Main() {
   client_options.connect_timeout =
       absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
   client_options.max_message_bytes = max_message_mb << 20;
+  client_options.connections_per_shard =
+      absl::GetFlag(FLAGS_connections_per_shard);
+  const std::string wire_type = absl::GetFlag(FLAGS_gradient_wire_type);
+  if (wire_type == "fp32") {
+    client_options.gradient_wire_type = FLOAT32;
+  } else if (wire_type == "fp16") {
+    client_options.gradient_wire_type = FLOAT16;
+  } else if (wire_type == "bf16") {
+    client_options.gradient_wire_type = BFLOAT16;
+  } else {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--gradient_wire_type must be fp32, fp16 or bf16, got '",
+                     wire_type, "'")));
+  }
   absl::StatusOr<std::unique_ptr<PsClient>> client =
       PsClient::Create(client_options);
   if (!absl::GetFlag(FLAGS_ps_hosts).empty()) checks.push_back(client.status());
   ExitOnFlagErrors(checks);
   // Checked one at a time from here: each may log or do real work.
   absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
-      kernels::CreateBackend(absl::GetFlag(FLAGS_device));
+      kernels::CreateBackend(kernels::BackendOptions{
+          absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_precision)});
   ExitOnFlagErrors({backend.status()});
   absl::StatusOr<Data> data = LoadData({worker_id, num_workers});
   ExitOnFlagErrors({data.status()});

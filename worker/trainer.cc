@@ -162,10 +162,10 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
         return s;
       }
     }
-    absl::StatusOr<int> duplicates =
+    absl::StatusOr<int64_t> duplicates =
         client.Push(options.worker_id, step, host_grads);
     if (!duplicates.ok()) return duplicates.status();
-    result.duplicate_pushes += *duplicates;
+    result.duplicate_blocks += *duplicates;
 
     window.loss_sum += batch_result->loss_sum;
     window.num_correct += batch_result->num_correct;
@@ -221,10 +221,10 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"num_workers\":%d,\"device\":\"%s\",\"steps\":%d,"
       "\"final_loss\":%.6f,\"train_accuracy\":%.4f,\"test_loss\":%.6f,"
       "\"test_accuracy\":%.4f,\"test_examples\":%d,\"samples_per_sec\":%.1f,"
-      "\"wall_time_s\":%.3f,\"duplicate_pushes\":%d}",
+      "\"wall_time_s\":%.3f,\"duplicate_blocks\":%d}",
       r.mode, worker_id, num_workers, device, r.steps, r.final_loss,
       r.train_accuracy, r.test_loss, r.test_accuracy, r.test_examples,
-      r.samples_per_sec, r.wall_time_s, r.duplicate_pushes);
+      r.samples_per_sec, r.wall_time_s, r.duplicate_blocks);
 }
 
 }  // namespace pstrain

@@ -34,7 +34,7 @@ struct TrainResult {
   int64_t test_examples = 0;
   double samples_per_sec = 0;
   double wall_time_s = 0;
-  int64_t duplicate_pushes = 0;
+  int64_t duplicate_blocks = 0;  // pushes the servers had already received
 };
 
 // Trains `model` against the servers behind `client` (already registered,
