@@ -9,6 +9,8 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgoogle-glog-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  slurm-wlm munge        # deploy/slurm/test_slurm.sh: a real local Slurm cluster
+  nodejs                 # deploy/k8s manifest validation (npm: see the end)
 )
 
 missing=()
@@ -28,4 +30,21 @@ fi
 
 if [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
   echo "setup: no CUDA toolkit at /usr/local/cuda; building the CPU backend only"
+fi
+
+# deploy/k8s/manifests_test: node packages of the offline manifest validator
+# (kubernetes-models, js-yaml; versions pinned by its package-lock.json).
+# npm is installed here, not in the list above, because a nodejs from another
+# source (e.g. NodeSource) already bundles npm and conflicts with Debian's.
+k8s_validate="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/k8s/validate"
+if [[ ! -d "$k8s_validate/node_modules" ]]; then
+  if ! command -v npm >/dev/null; then
+    echo "setup: installing npm"
+    sudo=""
+    [[ $(id -u) -eq 0 ]] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends npm >/dev/null
+  fi
+  echo "setup: npm ci --prefix deploy/k8s/validate"
+  npm ci --prefix "$k8s_validate" --no-audit --no-fund --loglevel=error >/dev/null
 fi

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Offline checks of the Kubernetes deployment (no cluster needed):
+#  1. every deploy/k8s/*.yaml passes validate/validate.js (Kubernetes schema
+#     from kubernetes-models, unknown fields, cross-references, pstrain rules);
+#  2. each testdata/bad_*.yaml is rejected with the errors it lists
+#     ("# expect:" lines): typo'd fields, wrong types, inconsistent objects;
+#  3. scale_workers.sh, run against a stand-in kubectl that records its calls,
+#     patches the ConfigMap and the Job so that the manifests stay valid and
+#     consistent (validated after applying the recorded merge patches), and
+#     patching only one of them is caught; bad arguments exit 2.
+#
+#   bash deploy/k8s/manifests_test.sh      # directly
+#   bazel test //deploy/k8s:manifests_test
+#
+# Needs node and the npm packages of validate/ (deploy/setup.sh installs
+# them: npm ci --prefix deploy/k8s/validate).
+set -euo pipefail
+
+fail() { printf 'manifests_test: FAIL: %s\n' "$*" >&2; exit 1; }
+
+runfiles=${RUNFILES_DIR:-${TEST_SRCDIR:-}}
+if [[ -n "$runfiles" && -e "$runfiles/pstrain/deploy/k8s/validate/validate.js" ]]; then
+  dir=$runfiles/pstrain/deploy/k8s
+else
+  dir=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
+fi
+command -v node >/dev/null || fail "node not found (apt-get install nodejs; see deploy/setup.sh)"
+# node resolves require() from the real path of validate.js, i.e. the source
+# tree's deploy/k8s/validate/node_modules (not part of the runfiles).
+validate=$(readlink -f -- "$dir/validate/validate.js")
+[[ -d "$(dirname -- "$validate")/node_modules/kubernetes-models" ]] ||
+  fail "$(dirname -- "$validate")/node_modules is missing: run deploy/setup.sh (npm ci --prefix deploy/k8s/validate)"
+
+tmp=$(mktemp -d "${TEST_TMPDIR:-/tmp}/manifests_test.XXXXXX")
+trap 'rm -rf -- "$tmp"' EXIT
+
+manifests=("$dir"/*.yaml)
+((${#manifests[@]} >= 5)) || fail "expected the manifests in $dir, found: ${manifests[*]}"
+
+echo "== 1. the manifests are valid"
+node "$validate" "${manifests[@]}" || fail "deploy/k8s manifests are invalid"
+
+echo "== 2. broken manifests are rejected"
+bad=("$dir"/testdata/bad_*.yaml)
+((${#bad[@]} >= 3)) || fail "expected testdata/bad_*.yaml, found: ${bad[*]}"
+node "$validate" --expect-invalid "${bad[@]}" || fail "a broken manifest was accepted or not for the expected reason"
+# And the plain mode must fail on them (exit 1), not crash.
+rc=0
+node "$validate" "$dir/testdata/bad_fields.yaml" >"$tmp/plain.out" 2>&1 || rc=$?
+((rc == 1)) || { cat "$tmp/plain.out"; fail "validate.js on bad_fields.yaml exited $rc, want 1"; }
+
+echo "== 3. scale_workers.sh"
+cat >"$tmp/kubectl" <<'EOF'
+#!/usr/bin/env bash
+# Stand-in kubectl: records its arguments, one per line, then "<<end>>".
+printf '%s\n' "$@" >>"$KUBECTL_LOG"
+echo '<<end>>' >>"$KUBECTL_LOG"
+EOF
+chmod +x "$tmp/kubectl"
+scale=$dir/scale_workers.sh
+
+export KUBECTL_LOG=$tmp/scale5.log
+KUBECTL="$tmp/kubectl" bash "$scale" -n training 5 2>"$tmp/scale.err" || { cat "$tmp/scale.err"; fail "scale_workers.sh 5 failed"; }
+grep -qx -- '--namespace' "$KUBECTL_LOG" && grep -qx training "$KUBECTL_LOG" ||
+  fail "scale_workers.sh -n training did not pass the namespace: $(tr '\n' ' ' <"$KUBECTL_LOG")"
+node "$validate" --kubectl-log="$KUBECTL_LOG" "${manifests[@]}" >"$tmp/scaled.out" ||
+  { cat "$tmp/scaled.out"; fail "the manifests are invalid after scale_workers.sh 5"; }
+cat "$tmp/scaled.out"
+grep -q 'patched ConfigMap/pstrain-config: {"data":{"NUM_WORKERS":"5"}}' "$tmp/scaled.out" ||
+  fail "scale_workers.sh 5 did not set NUM_WORKERS to \"5\""
+grep -q 'patched Job/worker: {"spec":{"parallelism":5,"completions":5}}' "$tmp/scaled.out" ||
+  fail "scale_workers.sh 5 did not set parallelism = completions = 5"
+
+# Only the Job patched (ConfigMap left at 2): must be caught.
+awk 'BEGIN{RS="<<end>>\n"; ORS=""} /\njob\n/ {print $0 "<<end>>\n"}' "$KUBECTL_LOG" >"$tmp/job_only.log"
+grep -q '^job$' "$tmp/job_only.log" || fail "could not extract the Job patch from the log"
+rc=0
+node "$validate" --kubectl-log="$tmp/job_only.log" "${manifests[@]}" >"$tmp/job_only.out" || rc=$?
+((rc == 1)) && grep -q 'parallelism 5 != NUM_WORKERS 2' "$tmp/job_only.out" ||
+  { cat "$tmp/job_only.out"; fail "patching only the Job was not caught (exit $rc)"; }
+
+# --dry-run runs nothing; bad counts are usage errors.
+export KUBECTL_LOG=$tmp/dry.log
+KUBECTL="$tmp/kubectl" bash "$scale" --dry-run 3 2>/dev/null || fail "--dry-run failed"
+[[ ! -e "$KUBECTL_LOG" ]] || fail "--dry-run ran kubectl"
+for arg in 0 -3 abc ""; do
+  rc=0
+  KUBECTL="$tmp/kubectl" bash "$scale" "$arg" 2>/dev/null || rc=$?
+  ((rc == 2)) || fail "scale_workers.sh '$arg' exited $rc, want 2"
+done
+[[ ! -e "$KUBECTL_LOG" ]] || fail "scale_workers.sh ran kubectl for a bad count"
+
+echo "manifests_test: PASS"
