@@ -27,7 +27,23 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(int, shard_id, 0, "This server's shard, in [0, num_shards).");
 ABSL_FLAG(int, num_shards, 1, "Number of parameter-server shards.");
 ABSL_FLAG(int, num_workers, 1, "Number of workers in the job.");
-ABSL_FLAG(std::string, mode, "sync", "Consistency: sync or async.");
+ABSL_FLAG(std::string, mode, "sync",
+          "Consistency: sync (bulk-synchronous), async (apply on arrival) or "
+          "ssp (async with a bound on how far ahead a worker may run).");
+ABSL_FLAG(int, staleness, 3,
+          "ssp: a worker may be at most this many steps ahead of the slowest.");
+ABSL_FLAG(int, max_workers, 0,
+          "Elastic jobs: worker ids may go up to max_workers - 1 and workers "
+          "may join and leave at step boundaries (0: --num_workers, fixed).");
+ABSL_FLAG(int, replicas_to_aggregate, 0,
+          "sync with backup workers: apply a step once this many gradients "
+          "are in; later ones are dropped and counted (0: every worker).");
+ABSL_FLAG(double, worker_lease_s, 10,
+          "A worker not heard from (requests or heartbeats) for this long is "
+          "dropped, and sync steps stop waiting for it.");
+ABSL_FLAG(double, inject_drop_push_response_probability, 0,
+          "Fault injection: after applying a push, answer UNAVAILABLE with "
+          "this probability (the client retries; nothing may apply twice).");
 ABSL_FLAG(std::string, optimizer, "sgd", "sgd, momentum or adam.");
 ABSL_FLAG(double, learning_rate, 0.1, "Optimizer learning rate.");
 ABSL_FLAG(double, momentum, 0.9,
@@ -59,6 +75,9 @@ int Main() {
   options.shard_id = absl::GetFlag(FLAGS_shard_id);
   options.num_shards = absl::GetFlag(FLAGS_num_shards);
   options.num_workers = absl::GetFlag(FLAGS_num_workers);
+  options.max_workers = absl::GetFlag(FLAGS_max_workers);
+  options.ssp_staleness = absl::GetFlag(FLAGS_staleness);
+  options.replicas_to_aggregate = absl::GetFlag(FLAGS_replicas_to_aggregate);
   options.optimizer.name = absl::GetFlag(FLAGS_optimizer);
   options.optimizer.learning_rate = absl::GetFlag(FLAGS_learning_rate);
   options.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
@@ -85,6 +104,15 @@ int Main() {
   }
   const double max_pull_wait_s = absl::GetFlag(FLAGS_max_pull_wait_s);
   checks.push_back(CheckPositive("max_pull_wait_s", max_pull_wait_s));
+  const double lease_s = absl::GetFlag(FLAGS_worker_lease_s);
+  checks.push_back(CheckPositive("worker_lease_s", lease_s));
+  const double drop_probability =
+      absl::GetFlag(FLAGS_inject_drop_push_response_probability);
+  if (!(drop_probability >= 0 && drop_probability <= 1)) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--inject_drop_push_response_probability must be in [0, 1], got ",
+        drop_probability)));
+  }
   checks.push_back(
       CheckPositive("shutdown_grace_s", absl::GetFlag(FLAGS_shutdown_grace_s)));
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
@@ -94,12 +122,15 @@ int Main() {
   }
   ExitOnFlagErrors(checks);
   options.max_pull_wait = absl::Seconds(max_pull_wait_s);
+  options.worker_lease = absl::Seconds(lease_s);
 
   absl::StatusOr<std::unique_ptr<Shard>> shard = Shard::Create(options);
   ExitOnFlagErrors({shard.status()});
 
   BlockTerminationSignals();
-  ParameterServerService service(shard->get());
+  ServiceOptions service_options;
+  service_options.drop_push_response_probability = drop_probability;
+  ParameterServerService service(shard->get(), service_options);
   grpc::ServerBuilder builder;
   int selected_port = 0;
   const std::string address =

@@ -111,6 +111,11 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(
   }
   absl::StatusOr<PushResponse> result = shard_->Push(*push);
   if (!result.ok()) return Finish(context, result.status());
+  if (DropThisResponse()) {
+    return Finish(context, absl::UnavailableError(
+                               "push response dropped by fault injection "
+                               "(--inject_drop_push_response_probability)"));
+  }
   bool own_buffer = false;
   grpc::Status serialized = grpc::SerializationTraits<PushResponse>::Serialize(
       *result, response, &own_buffer);
@@ -118,6 +123,28 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(
       context,
       absl::Status(static_cast<absl::StatusCode>(serialized.error_code()),
                    serialized.error_message()));
+}
+
+bool ParameterServerService::DropThisResponse() {
+  if (options_.drop_push_response_probability <= 0) return false;
+  absl::MutexLock lock(&random_mu_);
+  if (!absl::Bernoulli(random_, options_.drop_push_response_probability)) {
+    return false;
+  }
+  dropped_.fetch_add(1);
+  return true;
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::Heartbeat(
+    grpc::CallbackServerContext* context, const HeartbeatRequest* request,
+    HeartbeatResponse*) {
+  return Finish(context, shard_->Heartbeat(*request));
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::Leave(
+    grpc::CallbackServerContext* context, const LeaveRequest* request,
+    LeaveResponse*) {
+  return Finish(context, shard_->Leave(*request));
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Stats(

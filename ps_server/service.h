@@ -6,6 +6,10 @@
 #ifndef PSTRAIN_PS_SERVER_SERVICE_H_
 #define PSTRAIN_PS_SERVER_SERVICE_H_
 
+#include <atomic>
+
+#include "absl/random/random.h"
+#include "absl/synchronization/mutex.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/shard.h"
 
@@ -15,9 +19,18 @@ using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Pull<
     ParameterServer::WithRawCallbackMethod_Push<
         ParameterServer::CallbackService>>;
 
+struct ServiceOptions {
+  // Fault injection for exactly-once tests: after applying a push, answer
+  // UNAVAILABLE with this probability, as if the response was lost, so the
+  // client retries a push the shard already has.
+  double drop_push_response_probability = 0;
+};
+
 class ParameterServerService final : public ParameterServerRawService {
  public:
-  explicit ParameterServerService(Shard* shard) : shard_(shard) {}
+  explicit ParameterServerService(Shard* shard,
+                                  const ServiceOptions& options = {})
+      : shard_(shard), options_(options) {}
 
   grpc::ServerUnaryReactor* RegisterModel(
       grpc::CallbackServerContext* context, const RegisterModelRequest* request,
@@ -31,9 +44,24 @@ class ParameterServerService final : public ParameterServerRawService {
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
                                   const StatsRequest* request,
                                   StatsResponse* response) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
+                                      const HeartbeatRequest* request,
+                                      HeartbeatResponse* response) override;
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context,
+                                  const LeaveRequest* request,
+                                  LeaveResponse* response) override;
+
+  // Push responses dropped on purpose (drop_push_response_probability).
+  int64_t push_responses_dropped() const { return dropped_.load(); }
 
  private:
+  bool DropThisResponse();
+
   Shard* shard_;
+  const ServiceOptions options_;
+  std::atomic<int64_t> dropped_{0};
+  absl::Mutex random_mu_;
+  absl::BitGen random_ ABSL_GUARDED_BY(random_mu_);
 };
 
 }  // namespace pstrain

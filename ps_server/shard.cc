@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -14,9 +15,10 @@
 namespace pstrain {
 namespace {
 
-// How often expired sync pulls are answered; a late answer is at most this
-// much past the caller's deadline.
+// How often the reaper answers expired pulls and checks leases: a late
+// answer is at most this much past its deadline.
 constexpr absl::Duration kReaperInterval = absl::Milliseconds(20);
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 
 void AtomicMax(std::atomic<int64_t>& target, int64_t value) {
   int64_t current = target.load();
@@ -36,12 +38,13 @@ struct Shard::Block {
   mutable absl::Mutex mu;
   std::vector<float> value ABSL_GUARDED_BY(mu);
   std::vector<float> state ABSL_GUARDED_BY(mu);  // optimizer slots
-  // sync: this step's gradient sum and who has contributed to it.
+  // sync: this step's gradient sum, and the last step each worker
+  // contributed to (== version: counted in this step).
   std::vector<float> gradient_sum ABSL_GUARDED_BY(mu);
-  std::vector<bool> contributed ABSL_GUARDED_BY(mu);
+  std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
   int contributors ABSL_GUARDED_BY(mu) = 0;
   int finite_contributors ABSL_GUARDED_BY(mu) = 0;
-  // async: the last step applied per worker (-1: none).
+  // async/ssp: the last step applied per worker (-1: none).
   std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
 };
 
@@ -60,15 +63,35 @@ struct Shard::Waiter {
   PullDone done;
 };
 
+struct Shard::WorkerState {
+  bool member = false;   // counted in quorums from joined_at
+  bool pending = false;  // (re)joining: a member from its next pull
+  int64_t joined_at = kNever;
+  uint64_t incarnation = 0;  // 0: not yet seen
+  absl::Time last_seen;
+  // One past the last step pushed here: the ssp clock, and where a
+  // restarted async/ssp worker resumes so its pushes are not repeats.
+  int64_t next_step = 0;
+};
+
 absl::StatusOr<ConsistencyMode> ParseConsistencyMode(absl::string_view name) {
   if (name == "sync") return ConsistencyMode::kSync;
   if (name == "async") return ConsistencyMode::kAsync;
+  if (name == "ssp") return ConsistencyMode::kSsp;
   return absl::InvalidArgumentError(
-      absl::StrCat("--mode must be sync or async, got '", name, "'"));
+      absl::StrCat("--mode must be sync, async or ssp, got '", name, "'"));
 }
 
 std::string ConsistencyModeName(ConsistencyMode mode) {
-  return mode == ConsistencyMode::kSync ? "sync" : "async";
+  switch (mode) {
+    case ConsistencyMode::kSync:
+      return "sync";
+    case ConsistencyMode::kAsync:
+      return "async";
+    case ConsistencyMode::kSsp:
+      return "ssp";
+  }
+  return "?";
 }
 
 absl::StatusOr<std::unique_ptr<Shard>> Shard::Create(
@@ -86,20 +109,50 @@ absl::StatusOr<std::unique_ptr<Shard>> Shard::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("--num_workers must be >= 1, got ", options.num_workers));
   }
+  if (options.max_workers != 0 && options.max_workers < options.num_workers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_workers must be >= --num_workers (",
+                     options.num_workers, "), got ", options.max_workers));
+  }
+  if (options.ssp_staleness < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--staleness must be >= 0, got ", options.ssp_staleness));
+  }
+  if (options.replicas_to_aggregate < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--replicas_to_aggregate must be >= 0, got ",
+                     options.replicas_to_aggregate));
+  }
+  if (options.worker_lease <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--worker_lease_s must be positive");
+  }
   if (options.max_pull_wait <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("max pull wait must be positive");
+    return absl::InvalidArgumentError("--max_pull_wait_s must be positive");
   }
   absl::StatusOr<std::unique_ptr<Optimizer>> optimizer =
       Optimizer::Create(options.optimizer);
   if (!optimizer.ok()) return optimizer.status();
-  return std::unique_ptr<Shard>(new Shard(options, std::move(*optimizer)));
+  ShardOptions resolved = options;
+  if (resolved.max_workers == 0) resolved.max_workers = options.num_workers;
+  return std::unique_ptr<Shard>(new Shard(resolved, std::move(*optimizer)));
 }
 
 Shard::Shard(const ShardOptions& options, std::unique_ptr<Optimizer> optimizer)
     : options_(options), optimizer_(std::move(optimizer)) {
-  if (options_.mode == ConsistencyMode::kSync) {
-    reaper_ = std::thread([this] { ReapExpiredWaiters(); });
+  {
+    absl::MutexLock lock(&mu_);
+    workers_.resize(options_.max_workers);
+    const absl::Time now = absl::Now();
+    for (int w = 0; w < options_.max_workers; ++w) {
+      workers_[w].last_seen = now;  // the lease of an expected worker starts
+      if (w < options_.num_workers) {
+        workers_[w].member = true;
+        workers_[w].joined_at = 0;
+      }
+    }
+    PublishMembershipLocked();
   }
+  reaper_ = std::thread([this] { RunReaper(); });
 }
 
 Shard::~Shard() {
@@ -110,6 +163,48 @@ Shard::~Shard() {
 absl::Status Shard::Reject(absl::Status status) {
   requests_rejected_.fetch_add(1);
   return status;
+}
+
+// ---------------------------------------------------------------------------
+// Registration and the model.
+
+absl::Status Shard::InstallModel(const ModelSchema& schema) {
+  absl::StatusOr<Partition> partition =
+      Partition::Create(schema, options_.num_shards);
+  if (!partition.ok()) return partition.status();
+  auto model = std::make_unique<Model>();
+  model->schema = schema;
+  model->partition = std::move(*partition);
+  const std::vector<BlockLocation>& all = model->partition.blocks();
+  model->local_of_global.assign(all.size(), -1);
+  const int slots = optimizer_->state_per_element();
+  for (int g : model->partition.BlocksOfShard(options_.shard_id)) {
+    const BlockLocation& loc = all[g];
+    const DenseTensorSpec& tensor = model->schema.dense(loc.tensor);
+    auto block = std::make_unique<Block>();
+    block->location = &loc;
+    block->tensor_name = &tensor.name();
+    {
+      absl::MutexLock block_lock(&block->mu);
+      block->value.resize(loc.length);
+      FillInitialValues(tensor.init(), model->schema.seed(), tensor.name(),
+                        loc.offset, absl::MakeSpan(block->value));
+      block->state.assign(slots * loc.length, 0.0f);
+      if (options_.mode == ConsistencyMode::kSync) {
+        block->gradient_sum.assign(loc.length, 0.0f);
+        block->last_contributed.assign(options_.max_workers, -1);
+      } else {
+        block->last_step.assign(options_.max_workers, -1);
+      }
+    }
+    model->local_of_global[g] = static_cast<int>(model->blocks.size());
+    model->num_elements += loc.length;
+    model->blocks.push_back(std::move(block));
+  }
+  register_mu_.AssertHeld();
+  model_owner_ = std::move(model);
+  model_.store(model_owner_.get(), std::memory_order_release);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RegisterModelResponse> Shard::Register(
@@ -125,73 +220,173 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
         " shards but this server was started with --num_shards=",
         options_.num_shards, ": --ps_hosts must list every shard in order")));
   }
-  if (request.num_workers() != options_.num_workers) {
+  const bool elastic = options_.max_workers > options_.num_workers;
+  if (!elastic && request.num_workers() != options_.num_workers) {
     return Reject(absl::FailedPreconditionError(
         absl::StrCat("client expects ", request.num_workers(),
                      " workers but this server was started with --num_workers=",
-                     options_.num_workers)));
+                     options_.num_workers, " (and no larger --max_workers)")));
+  }
+  const int worker = request.worker_id();
+  if (worker < -1 || worker >= options_.max_workers) {
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("worker_id must be in [0, ", options_.max_workers,
+                     ") or -1 for an observer, got ", worker)));
   }
   if (absl::Status s = ValidateSchema(request.schema()); !s.ok()) {
     return Reject(absl::InvalidArgumentError(
         absl::StrCat("invalid model schema: ", s.message())));
   }
 
-  absl::MutexLock lock(&register_mu_);
   RegisterModelResponse response;
   response.set_mode(ConsistencyModeName(options_.mode));
-  if (model_owner_ != nullptr) {
-    const std::string difference =
-        FirstSchemaDifference(model_owner_->schema, request.schema());
-    if (!difference.empty()) {
-      return Reject(absl::FailedPreconditionError(absl::StrCat(
-          "a different model is already registered on this shard: ",
-          difference)));
+  {
+    absl::MutexLock lock(&register_mu_);
+    if (model_owner_ != nullptr) {
+      const std::string difference =
+          FirstSchemaDifference(model_owner_->schema, request.schema());
+      if (!difference.empty()) {
+        return Reject(absl::FailedPreconditionError(absl::StrCat(
+            "a different model is already registered on this shard: ",
+            difference)));
+      }
+      response.set_created(false);
+    } else {
+      if (absl::Status s = InstallModel(request.schema()); !s.ok()) {
+        return Reject(s);
+      }
+      response.set_created(true);
     }
-    response.set_created(false);
-    return response;
+  }
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (options_.mode == ConsistencyMode::kSync) {
+    // A joining worker starts at the step the job is at.
+    int64_t step = 0;
+    for (const auto& block : model->blocks) {
+      step = std::max(step, block->version.load());
+    }
+    response.set_step(step);
+  } else if (worker >= 0) {
+    absl::MutexLock lock(&mu_);
+    response.set_step(workers_[worker].next_step);
   }
 
-  absl::StatusOr<Partition> partition =
-      Partition::Create(request.schema(), options_.num_shards);
-  if (!partition.ok()) return Reject(partition.status());
-  auto model = std::make_unique<Model>();
-  model->schema = request.schema();
-  model->partition = std::move(*partition);
-  const std::vector<BlockLocation>& all = model->partition.blocks();
-  model->local_of_global.assign(all.size(), -1);
-  const int slots = optimizer_->state_per_element();
-  const bool sync = options_.mode == ConsistencyMode::kSync;
-  for (int g : model->partition.BlocksOfShard(options_.shard_id)) {
-    const BlockLocation& loc = all[g];
-    const DenseTensorSpec& tensor = model->schema.dense(loc.tensor);
-    auto block = std::make_unique<Block>();
-    block->location = &loc;
-    block->tensor_name = &tensor.name();
+  if (worker >= 0) {
+    bool dropped = false;
     {
-      absl::MutexLock block_lock(&block->mu);
-      block->value.resize(loc.length);
-      FillInitialValues(tensor.init(), model->schema.seed(), tensor.name(),
-                        loc.offset, absl::MakeSpan(block->value));
-      block->state.assign(slots * loc.length, 0.0f);
-      if (sync) {
-        block->gradient_sum.assign(loc.length, 0.0f);
-        block->contributed.assign(options_.num_workers, false);
-      } else {
-        block->last_step.assign(options_.num_workers, -1);
+      absl::MutexLock lock(&mu_);
+      WorkerState& state = workers_[worker];
+      const bool restarted =
+          state.incarnation != 0 && state.incarnation != request.incarnation();
+      if (restarted || !state.member) {
+        // Its predecessor's step must not wait for it: it joins afresh at
+        // the step of its next pull.
+        dropped = state.member;
+        state.member = false;
+        state.joined_at = kNever;
+        state.pending = true;
+        PublishMembershipLocked();
       }
+      state.incarnation = request.incarnation();
+      state.last_seen = absl::Now();
     }
-    model->local_of_global[g] = static_cast<int>(model->blocks.size());
-    model->num_elements += loc.length;
-    model->blocks.push_back(std::move(block));
+    if (dropped) CompleteReadyBlocks();
   }
-  model_owner_ = std::move(model);
-  model_.store(model_owner_.get(), std::memory_order_release);
-  response.set_created(true);
   return response;
 }
 
+// ---------------------------------------------------------------------------
+// Membership.
+
+void Shard::PublishMembershipLocked() {
+  auto membership = std::make_shared<Membership>(workers_.size(), kNever);
+  for (size_t w = 0; w < workers_.size(); ++w) {
+    if (workers_[w].member) (*membership)[w] = workers_[w].joined_at;
+  }
+  membership_ = std::move(membership);
+}
+
+std::shared_ptr<const Shard::Membership> Shard::membership() const {
+  absl::MutexLock lock(&mu_);
+  return membership_;
+}
+
+void Shard::TouchLocked(int worker) {
+  WorkerState& state = workers_[worker];
+  state.last_seen = absl::Now();
+  // Back after its lease expired (or a new id): it rejoins at its next pull.
+  if (!state.member) state.pending = true;
+}
+
+void Shard::JoinIfPendingLocked(int worker, int64_t step) {
+  WorkerState& state = workers_[worker];
+  if (!state.pending) return;
+  state.pending = false;
+  state.member = true;
+  state.joined_at = step;
+  state.next_step = std::max(state.next_step, step);
+  PublishMembershipLocked();
+}
+
+int64_t Shard::MinMemberClockLocked() const {
+  int64_t min_clock = kNever;
+  for (const WorkerState& state : workers_) {
+    if (state.member) min_clock = std::min(min_clock, state.next_step);
+  }
+  return min_clock;
+}
+
+bool Shard::ExpireLeases() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time expired_before = absl::Now() - options_.worker_lease;
+  bool dropped = false;
+  for (WorkerState& state : workers_) {
+    if ((state.member || state.pending) && state.last_seen < expired_before) {
+      dropped |= state.member;
+      state.member = false;
+      state.pending = false;
+      state.joined_at = kNever;
+    }
+  }
+  if (dropped) PublishMembershipLocked();
+  return dropped;
+}
+
+absl::Status Shard::Heartbeat(const HeartbeatRequest& request) {
+  if (request.worker_id() < 0 || request.worker_id() >= options_.max_workers) {
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("worker_id must be in [0, ", options_.max_workers,
+                     "), got ", request.worker_id())));
+  }
+  absl::MutexLock lock(&mu_);
+  TouchLocked(request.worker_id());
+  return absl::OkStatus();
+}
+
+absl::Status Shard::Leave(const LeaveRequest& request) {
+  if (request.worker_id() < 0 || request.worker_id() >= options_.max_workers) {
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("worker_id must be in [0, ", options_.max_workers,
+                     "), got ", request.worker_id())));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    WorkerState& state = workers_[request.worker_id()];
+    state.member = false;
+    state.pending = false;
+    state.joined_at = kNever;
+    PublishMembershipLocked();
+  }
+  CompleteReadyBlocks();
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Push.
+
 absl::StatusOr<const Shard::Model*> Shard::ValidateCommon(
-    uint32_t protocol_version, int worker_id, int64_t step) const {
+    uint32_t protocol_version, int worker_id, int64_t step,
+    bool allow_observer) const {
   if (protocol_version != kProtocolVersion) {
     return absl::FailedPreconditionError(absl::StrCat(
         "protocol version ", protocol_version,
@@ -199,13 +394,15 @@ absl::StatusOr<const Shard::Model*> Shard::ValidateCommon(
   }
   const Model* model = model_.load(std::memory_order_acquire);
   if (model == nullptr) {
-    return absl::FailedPreconditionError(
+    // NOT_FOUND tells a client to register (again, after a restart).
+    return absl::NotFoundError(
         "no model is registered on this shard: call RegisterModel first");
   }
-  if (worker_id < 0 || worker_id >= options_.num_workers) {
-    return absl::InvalidArgumentError(absl::StrCat("worker_id must be in [0, ",
-                                                   options_.num_workers,
-                                                   "), got ", worker_id));
+  if ((worker_id < 0 && !(allow_observer && worker_id == -1)) ||
+      worker_id >= options_.max_workers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker_id must be in [0, ", options_.max_workers, ")",
+        allow_observer ? " or -1 for an observer" : "", ", got ", worker_id));
   }
   if (step < 0) {
     return absl::InvalidArgumentError(
@@ -249,6 +446,10 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
                        " bytes, expected ", expected, " (", loc.length, " ",
                        DataType_Name(wire.dtype), " elements)"));
     }
+    if (wire.version < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": pulled version must be >= 0, got ", wire.version));
+    }
     BlockPush push{local, &wire, false};
     const int64_t bad = FindNonFiniteSegments(wire.dtype, wire.data);
     if (bad >= 0) {
@@ -259,70 +460,114 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
       }
       push.nonfinite = true;
     }
-    if (options_.mode == ConsistencyMode::kAsync &&
-        (wire.version < 0 ||
-         wire.version > model.blocks[local]->version.load())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": pulled version must be in [0, ",
-          model.blocks[local]->version.load(), "], got ", wire.version));
-    }
     pushes.push_back(push);
   }
   return pushes;
 }
 
+void Shard::FastForwardLocked(const Model& model, int64_t step) {
+  int64_t lost = 0;
+  for (const auto& block : model.blocks) {
+    absl::MutexLock block_lock(&block->mu);
+    const int64_t version = block->version.load();
+    if (version >= step) continue;
+    lost = std::max(lost, step - version);
+    std::fill(block->gradient_sum.begin(), block->gradient_sum.end(), 0.0f);
+    block->contributors = 0;
+    block->finite_contributors = 0;
+    block->version.store(step);
+  }
+  steps_lost_.fetch_add(lost);
+  recovering_ = false;
+}
+
 absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
   absl::StatusOr<const Model*> model =
-      ValidateCommon(request.protocol_version, request.worker_id, request.step);
+      ValidateCommon(request.protocol_version, request.worker_id, request.step,
+                     /*allow_observer=*/false);
   if (!model.ok()) return Reject(model.status());
   absl::StatusOr<std::vector<BlockPush>> pushes =
       ValidatePushBlocks(**model, request);
   if (!pushes.ok()) return Reject(pushes.status());
-  if (options_.mode == ConsistencyMode::kSync) {
-    // Checked for every block before any is applied, so a refused push
-    // changes nothing.
-    for (const BlockPush& push : *pushes) {
-      const Block& block = *(*model)->blocks[push.local];
-      const int64_t version = block.version.load();
-      if (request.step > version) {
+  const bool sync = options_.mode == ConsistencyMode::kSync;
+  {
+    absl::MutexLock lock(&mu_);
+    TouchLocked(request.worker_id);
+    if (sync) {
+      // Checked for every block before any is applied, so a refused push
+      // changes nothing.
+      for (const BlockPush& push : *pushes) {
+        const Block& block = *(*model)->blocks[push.local];
+        const int64_t version = block.version.load();
+        if (request.step <= version) continue;
+        if (recovering_) {
+          FastForwardLocked(**model, request.step);
+          break;
+        }
         return Reject(absl::FailedPreconditionError(absl::StrCat(
             "push for step ", request.step, " but tensor '", *block.tensor_name,
             "' block ", block.location->block, " is at step ", version,
             ": a sync worker pushes the step it pulled")));
       }
+      recovering_ = false;
     }
   }
+
   PushResponse response;
   bool completed_a_step = false;
+  const std::shared_ptr<const Membership> members =
+      sync ? membership() : nullptr;
   for (const BlockPush& push : *pushes) {
     Block& block = *(*model)->blocks[push.local];
-    const int64_t before = block.version.load();
-    const bool applied = options_.mode == ConsistencyMode::kSync
-                             ? PushSyncBlock(block, request, push)
-                             : PushAsyncBlock(block, request, push);
-    if (applied) {
-      response.set_blocks_applied(response.blocks_applied() + 1);
-    } else {
-      response.set_blocks_duplicate(response.blocks_duplicate() + 1);
+    bool completed = false;
+    const BlockResult result =
+        sync ? PushSyncBlock(block, *members, request, push, &completed)
+             : PushAsyncBlock(block, request, push);
+    completed_a_step |= completed;
+    switch (result) {
+      case BlockResult::kApplied:
+        response.set_blocks_applied(response.blocks_applied() + 1);
+        break;
+      case BlockResult::kDuplicate:
+        response.set_blocks_duplicate(response.blocks_duplicate() + 1);
+        break;
+      case BlockResult::kLate:
+        response.set_blocks_late(response.blocks_late() + 1);
+        break;
     }
-    completed_a_step |= block.version.load() != before;
   }
   blocks_applied_.fetch_add(response.blocks_applied());
   blocks_duplicate_.fetch_add(response.blocks_duplicate());
-  if (completed_a_step && options_.mode == ConsistencyMode::kSync) {
+  blocks_late_.fetch_add(response.blocks_late());
+  if (!sync) {
+    {
+      absl::MutexLock lock(&mu_);
+      WorkerState& state = workers_[request.worker_id];
+      state.next_step = std::max(state.next_step, request.step + 1);
+    }
+    if (options_.mode == ConsistencyMode::kSsp) ReleaseReadyWaiters();
+  } else if (completed_a_step) {
     ReleaseReadyWaiters();
   }
   return response;
 }
 
-bool Shard::PushSyncBlock(Block& block, const WirePushRequest& request,
-                          const BlockPush& push) {
+Shard::BlockResult Shard::PushSyncBlock(Block& block,
+                                        const Membership& membership,
+                                        const WirePushRequest& request,
+                                        const BlockPush& push,
+                                        bool* completed) {
   const int worker = request.worker_id;
   absl::MutexLock lock(&block.mu);
   const int64_t version = block.version.load();
-  // A step behind the block, or a worker already counted for this one: every
-  // worker's gradient for a finished step was received, so this is a retry.
-  if (request.step < version || block.contributed[worker]) return false;
+  if (request.step < version) {
+    // The step is over: a retry of a gradient it counted, or one it
+    // completed without (backup workers, or a worker dropped by lease).
+    return block.last_contributed[worker] >= request.step
+               ? BlockResult::kDuplicate
+               : BlockResult::kLate;
+  }
+  if (block.last_contributed[worker] == version) return BlockResult::kDuplicate;
   if (push.nonfinite) {
     nonfinite_skipped_.fetch_add(1);
   } else {
@@ -332,10 +577,22 @@ bool Shard::PushSyncBlock(Block& block, const WirePushRequest& request,
         .IgnoreError();
     ++block.finite_contributors;
   }
-  block.contributed[worker] = true;
-  if (++block.contributors < options_.num_workers) return true;
+  block.last_contributed[worker] = version;
+  ++block.contributors;
+  *completed = CompleteIfReadyLocked(block, membership);
+  return BlockResult::kApplied;
+}
 
-  // The last gradient of the step: apply the mean once.
+bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
+  const int64_t version = block.version.load();
+  int required = 0;
+  for (int64_t joined_at : membership) required += joined_at <= version;
+  if (options_.replicas_to_aggregate > 0) {
+    required = std::min(required, options_.replicas_to_aggregate);
+  }
+  // With no member left, nobody's gradient can complete the step: pulls
+  // wait (with their deadline) for a worker to join.
+  if (required == 0 || block.contributors < required) return false;
   if (block.finite_contributors > 0) {
     const float inverse = 1.0f / static_cast<float>(block.finite_contributors);
     for (float& g : block.gradient_sum) g *= inverse;
@@ -343,15 +600,27 @@ bool Shard::PushSyncBlock(Block& block, const WirePushRequest& request,
                        block.gradient_sum, absl::MakeSpan(block.state));
   }
   std::fill(block.gradient_sum.begin(), block.gradient_sum.end(), 0.0f);
-  std::fill(block.contributed.begin(), block.contributed.end(), false);
   block.contributors = 0;
   block.finite_contributors = 0;
   block.version.store(version + 1);
   return true;
 }
 
-bool Shard::PushAsyncBlock(Block& block, const WirePushRequest& request,
-                           const BlockPush& push) {
+void Shard::CompleteReadyBlocks() {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr || options_.mode != ConsistencyMode::kSync) return;
+  const std::shared_ptr<const Membership> members = membership();
+  bool completed = false;
+  for (const auto& block : model->blocks) {
+    absl::MutexLock lock(&block->mu);
+    completed |= CompleteIfReadyLocked(*block, *members);
+  }
+  if (completed) ReleaseReadyWaiters();
+}
+
+Shard::BlockResult Shard::PushAsyncBlock(Block& block,
+                                         const WirePushRequest& request,
+                                         const BlockPush& push) {
   // Reused per thread: no allocation per push once warm.
   thread_local std::vector<float> gradient;
   if (!push.nonfinite) {
@@ -362,22 +631,27 @@ bool Shard::PushAsyncBlock(Block& block, const WirePushRequest& request,
   }
   absl::MutexLock lock(&block.mu);
   int64_t& last = block.last_step[request.worker_id];
-  if (request.step <= last) return false;
+  if (request.step <= last) return BlockResult::kDuplicate;
   last = request.step;
   if (push.nonfinite) {
     nonfinite_skipped_.fetch_add(1);
-    return true;
+    return BlockResult::kApplied;
   }
   const int64_t version = block.version.load();
-  const int64_t staleness = version - push.wire->version;
+  // A version from the future is possible only after this shard restored an
+  // older checkpoint: the gradient is then as fresh as it can be.
+  const int64_t staleness = std::max<int64_t>(0, version - push.wire->version);
   staleness_sum_.fetch_add(staleness);
   AtomicMax(staleness_max_, staleness);
   async_applies_.fetch_add(1);
   optimizer_->Update(version + 1, absl::MakeSpan(block.value), gradient,
                      absl::MakeSpan(block.state));
   block.version.store(version + 1);
-  return true;
+  return BlockResult::kApplied;
 }
+
+// ---------------------------------------------------------------------------
+// Pull.
 
 absl::StatusOr<std::vector<int>> Shard::ResolvePullBlocks(
     const Model& model, const PullRequest& request) const {
@@ -424,76 +698,96 @@ std::vector<PulledBlock> Shard::CopyBlocks(
   return out;
 }
 
+bool Shard::WaiterReadyLocked(const Waiter& waiter) const {
+  if (options_.mode == ConsistencyMode::kSsp) {
+    const int64_t min_clock = MinMemberClockLocked();
+    return min_clock == kNever ||
+           waiter.step - min_clock <= options_.ssp_staleness;
+  }
+  const Model* model = model_.load(std::memory_order_acquire);
+  for (int local : waiter.locals) {
+    if (model->blocks[local]->version.load() < waiter.step) return false;
+  }
+  return true;
+}
+
 void Shard::Pull(const PullRequest& request, absl::Time deadline,
                  PullDone done) {
-  absl::StatusOr<const Model*> model = ValidateCommon(
-      request.protocol_version(), request.worker_id(), request.step());
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(request.protocol_version(), request.worker_id(),
+                     request.step(), /*allow_observer=*/true);
   if (!model.ok()) return done(Reject(model.status()), {});
+  const int worker = request.worker_id();
   absl::StatusOr<std::vector<int>> locals = ResolvePullBlocks(**model, request);
   if (!locals.ok()) return done(Reject(locals.status()), {});
-  if (options_.mode == ConsistencyMode::kAsync) {
-    return done(absl::OkStatus(), CopyBlocks(**model, *locals));
-  }
-
   const int64_t step = request.step();
+  auto waiter = std::make_unique<Waiter>();
+  waiter->locals = std::move(*locals);
+  waiter->step = step;
   {
-    absl::ReleasableMutexLock lock(&waiters_mu_);
-    bool ready = true;
-    for (int local : *locals) {
-      const Block& block = *(*model)->blocks[local];
-      const int64_t version = block.version.load();
-      const std::string where = absl::StrCat("tensor '", *block.tensor_name,
-                                             "' block ", block.location->block);
-      if (version > step) {
-        lock.Release();
-        return done(Reject(absl::FailedPreconditionError(
-                        absl::StrCat("pull for step ", step, " but ", where,
-                                     " is already at step ", version))),
-                    {});
+    absl::ReleasableMutexLock lock(&mu_);
+    if (worker >= 0) {
+      TouchLocked(worker);
+      if (options_.mode != ConsistencyMode::kAsync) {
+        JoinIfPendingLocked(worker, step);
       }
-      if (version + 1 < step) {
-        lock.Release();
-        return done(Reject(absl::OutOfRangeError(absl::StrCat(
-                        "pull for step ", step, " but ", where, " is at step ",
-                        version, ": a worker can be at most one step ahead"))),
-                    {});
-      }
-      ready &= version == step;
     }
-    if (!ready) {
+    if (options_.mode == ConsistencyMode::kSync) {
+      for (int local : waiter->locals) {
+        const Block& block = *(*model)->blocks[local];
+        const int64_t version = block.version.load();
+        if (version + 1 >= step) continue;
+        if (recovering_) {
+          FastForwardLocked(**model, step);
+          break;
+        }
+        lock.Release();
+        return done(
+            Reject(absl::OutOfRangeError(absl::StrCat(
+                "pull for step ", step, " but tensor '", *block.tensor_name,
+                "' block ", block.location->block, " is at step ", version,
+                ": a worker can be at most one step ahead"))),
+            {});
+      }
+      recovering_ = false;
+    }
+    if (options_.mode != ConsistencyMode::kAsync &&
+        !WaiterReadyLocked(*waiter)) {
       if (shutting_down_) {
         lock.Release();
         return done(absl::UnavailableError("the server is shutting down"), {});
       }
-      auto waiter = std::make_unique<Waiter>();
-      waiter->locals = std::move(*locals);
-      waiter->step = step;
       waiter->deadline =
           std::min(deadline, absl::Now() + options_.max_pull_wait);
       waiter->done = std::move(done);
       waiters_.push_back(std::move(waiter));
       return;
     }
+    if (options_.mode == ConsistencyMode::kSsp) {
+      const int64_t min_clock = MinMemberClockLocked();
+      if (min_clock != kNever) AtomicMax(ssp_gap_max_, step - min_clock);
+    }
   }
-  done(absl::OkStatus(), CopyBlocks(**model, *locals));
+  done(absl::OkStatus(), CopyBlocks(**model, waiter->locals));
 }
 
 void Shard::ReleaseReadyWaiters() {
   const Model* model = model_.load(std::memory_order_acquire);
   std::vector<std::unique_ptr<Waiter>> ready;
   {
-    absl::MutexLock lock(&waiters_mu_);
-    auto is_ready = [model](const std::unique_ptr<Waiter>& w) {
-      for (int local : w->locals) {
-        if (model->blocks[local]->version.load() < w->step) return false;
-      }
-      return true;
-    };
-    auto split = std::stable_partition(
-        waiters_.begin(), waiters_.end(),
-        [&](const std::unique_ptr<Waiter>& w) { return !is_ready(w); });
+    absl::MutexLock lock(&mu_);
+    auto split = std::stable_partition(waiters_.begin(), waiters_.end(),
+                                       [&](const std::unique_ptr<Waiter>& w) {
+                                         return !WaiterReadyLocked(*w);
+                                       });
     std::move(split, waiters_.end(), std::back_inserter(ready));
     waiters_.erase(split, waiters_.end());
+    if (options_.mode == ConsistencyMode::kSsp && !ready.empty()) {
+      const int64_t min_clock = MinMemberClockLocked();
+      for (const auto& w : ready) {
+        if (min_clock != kNever) AtomicMax(ssp_gap_max_, w->step - min_clock);
+      }
+    }
   }
   // Answered outside the lock: copying blocks and sending take time.
   for (std::unique_ptr<Waiter>& w : ready) {
@@ -501,65 +795,91 @@ void Shard::ReleaseReadyWaiters() {
   }
 }
 
-std::string Shard::DescribeMissing(const Waiter& waiter) const {
+std::string Shard::DescribeWait(const Waiter& waiter) const {
+  if (options_.mode == ConsistencyMode::kSsp) {
+    absl::MutexLock lock(&mu_);
+    std::vector<int> behind;
+    for (size_t w = 0; w < workers_.size(); ++w) {
+      if (workers_[w].member &&
+          waiter.step - workers_[w].next_step > options_.ssp_staleness) {
+        behind.push_back(static_cast<int>(w));
+      }
+    }
+    return absl::StrCat("waiting for workers [", absl::StrJoin(behind, ", "),
+                        "] to come within ", options_.ssp_staleness, " steps");
+  }
   const Model* model = model_.load(std::memory_order_acquire);
+  const std::shared_ptr<const Membership> members = membership();
   for (int local : waiter.locals) {
     const Block& block = *model->blocks[local];
     absl::MutexLock lock(&block.mu);
-    if (block.version.load() >= waiter.step) continue;
+    const int64_t version = block.version.load();
+    if (version >= waiter.step) continue;
     std::vector<int> missing;
-    for (int w = 0; w < options_.num_workers; ++w) {
-      if (!block.contributed[w]) missing.push_back(w);
+    for (size_t w = 0; w < members->size(); ++w) {
+      if ((*members)[w] <= version && block.last_contributed[w] != version) {
+        missing.push_back(static_cast<int>(w));
+      }
     }
     return absl::StrCat(
         "tensor '", *block.tensor_name, "' block ", block.location->block,
-        " is still waiting for the step ", block.version.load(),
-        " gradients of workers [", absl::StrJoin(missing, ", "), "]");
+        " is still waiting for the step ", version, " gradients of workers [",
+        absl::StrJoin(missing, ", "), "]");
   }
   return "the step completed as the deadline passed";
 }
 
-void Shard::ReapExpiredWaiters() {
+void Shard::RunReaper() {
   while (true) {
-    std::vector<std::unique_ptr<Waiter>> expired;
     bool stop = false;
     {
-      absl::MutexLock lock(&waiters_mu_);
-      waiters_mu_.AwaitWithTimeout(absl::Condition(&shutting_down_),
-                                   kReaperInterval);
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&shutting_down_), kReaperInterval);
       stop = shutting_down_;
+    }
+    if (stop) return;
+    if (ExpireLeases()) {
+      CompleteReadyBlocks();
+      ReleaseReadyWaiters();  // ssp: a dropped laggard no longer holds others
+    }
+    std::vector<std::unique_ptr<Waiter>> expired;
+    {
+      absl::MutexLock lock(&mu_);
       const absl::Time now = absl::Now();
-      auto split = std::stable_partition(waiters_.begin(), waiters_.end(),
-                                         [&](const std::unique_ptr<Waiter>& w) {
-                                           return !stop && w->deadline > now;
-                                         });
+      auto split = std::stable_partition(
+          waiters_.begin(), waiters_.end(),
+          [&](const std::unique_ptr<Waiter>& w) { return w->deadline > now; });
       std::move(split, waiters_.end(), std::back_inserter(expired));
       waiters_.erase(split, waiters_.end());
     }
     for (std::unique_ptr<Waiter>& w : expired) {
-      if (stop) {
-        w->done(absl::UnavailableError("the server is shutting down"), {});
-      } else {
-        w->done(
-            absl::DeadlineExceededError(absl::StrCat(
-                "step ", w->step, " is not complete: ", DescribeMissing(*w))),
-            {});
-      }
+      w->done(absl::DeadlineExceededError(absl::StrCat(
+                  "step ", w->step, " is not complete: ", DescribeWait(*w))),
+              {});
     }
-    if (stop) return;
   }
 }
 
 void Shard::BeginShutdown() {
   std::vector<std::unique_ptr<Waiter>> waiting;
   {
-    absl::MutexLock lock(&waiters_mu_);
+    absl::MutexLock lock(&mu_);
     shutting_down_ = true;
     waiting.swap(waiters_);
   }
   for (std::unique_ptr<Waiter>& w : waiting) {
     w->done(absl::UnavailableError("the server is shutting down"), {});
   }
+}
+
+int64_t Shard::MinVersion() const {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr || model->blocks.empty()) return 0;
+  int64_t min_version = kNever;
+  for (const auto& block : model->blocks) {
+    min_version = std::min(min_version, block->version.load());
+  }
+  return min_version;
 }
 
 StatsResponse Shard::Stats() const {
@@ -572,14 +892,11 @@ StatsResponse Shard::Stats() const {
   if (model != nullptr) {
     stats.set_num_blocks(model->blocks.size());
     stats.set_num_elements(model->num_elements);
-    int64_t min_version = model->blocks.empty() ? 0 : INT64_MAX;
-    for (const auto& block : model->blocks) {
-      min_version = std::min(min_version, block->version.load());
-    }
-    stats.set_version(min_version);
   }
+  stats.set_version(MinVersion());
   stats.set_blocks_applied(blocks_applied_.load());
   stats.set_blocks_duplicate(blocks_duplicate_.load());
+  stats.set_late_gradients_dropped(blocks_late_.load());
   stats.set_requests_rejected(requests_rejected_.load());
   stats.set_pulls_served(pulls_served_.load());
   stats.set_nonfinite_gradients_skipped(nonfinite_skipped_.load());
@@ -589,6 +906,13 @@ StatsResponse Shard::Stats() const {
     stats.set_staleness_mean(static_cast<double>(staleness_sum_.load()) /
                              applies);
   }
+  stats.set_steps_lost(steps_lost_.load());
+  stats.set_ssp_gap_max(ssp_gap_max_.load());
+  absl::MutexLock lock(&mu_);
+  int members = 0;
+  for (const WorkerState& state : workers_) members += state.member;
+  stats.set_members(members);
+  stats.set_waiting_pulls(waiters_.size());
   return stats;
 }
 

@@ -1,19 +1,30 @@
 // One parameter-server shard: its blocks of every dense tensor, their
-// optimizer state, and the consistency protocol. This is the one place where
-// a push is applied. It knows nothing of gRPC: the service adapts it.
+// optimizer state, job membership, and the consistency protocol. This is
+// the one place where a push is applied. It knows nothing of gRPC: the
+// service adapts it.
 //
 // Blocks are the unit of transfer, locking and consistency. Each block has a
 // version: the number of updates applied to it.
-// sync:  a block at version v sums each worker's step-v gradient; when all
-//        num_workers have pushed it, the mean is applied once and the block
-//        moves to v + 1. Pull(step t) answers once every requested block is
-//        at version t (or fails at its deadline), so it returns exactly the
-//        model after t updates.
+// sync:  a block at version v sums the step-v gradients of the workers; once
+//        the step's quorum is in (every member, or --replicas_to_aggregate of
+//        them), the mean is applied once and the block moves to v + 1.
+//        Gradients for a step that completed without them are dropped and
+//        counted as late. Pull(step t) answers once every requested block is
+//        at version >= t (exactly t unless the worker fell behind).
 // async: every push is applied on arrival under the block's lock; staleness
 //        (block version at apply - version the worker pulled) is recorded.
-// Both:  a block push is identified by (worker_id, step); a repeat is
+// ssp:   applied as async, but Pull(step c) waits while some member's clock
+//        (steps it has pushed) is more than the staleness bound behind c.
+// Always: a block push is identified by (worker_id, step); a repeat is
 //        acknowledged as a duplicate and never applied twice. Every request
-//        is validated completely before it touches state.
+//        is validated completely before it touches state, and every wait has
+//        a deadline.
+//
+// Membership: workers [0, num_workers) are expected from the start. A worker
+// that misses its lease (no request or heartbeat for --worker_lease_s) is
+// dropped and the steps stop waiting for it; a worker that comes back, a new
+// incarnation of a worker id, or a new id below max_workers (elastic
+// scale-up) joins at the step of its next pull. Leave drops one at once.
 #ifndef PSTRAIN_PS_SERVER_SHARD_H_
 #define PSTRAIN_PS_SERVER_SHARD_H_
 
@@ -35,24 +46,32 @@
 
 namespace pstrain {
 
-enum class ConsistencyMode { kSync, kAsync };
+enum class ConsistencyMode { kSync, kAsync, kSsp };
 
-// "sync" | "async"; anything else is InvalidArgument naming --mode.
+// "sync" | "async" | "ssp"; anything else is InvalidArgument naming --mode.
 absl::StatusOr<ConsistencyMode> ParseConsistencyMode(absl::string_view name);
 std::string ConsistencyModeName(ConsistencyMode mode);
 
 struct ShardOptions {
   int shard_id = 0;
   int num_shards = 1;
+  // Workers expected from the start; ids may go up to max_workers - 1
+  // (0: max_workers = num_workers, a fixed-size job).
   int num_workers = 1;
+  int max_workers = 0;
   ConsistencyMode mode = ConsistencyMode::kSync;
+  // ssp: how many steps a worker may be ahead of the slowest member.
+  int ssp_staleness = 3;
+  // sync: apply a step once this many gradients are in (0: every member).
+  int replicas_to_aggregate = 0;
+  // A member not heard from for this long is dropped from the quorum.
+  absl::Duration worker_lease = absl::Seconds(10);
   OptimizerConfig optimizer;
   // A gradient with NaN/Inf is refused (false) or acknowledged and left out
   // of the update, counted in stats (true). In sync mode a skipped worker
   // still counts toward the block's quorum; the mean is over finite ones.
   bool skip_nonfinite_gradients = false;
-  // Upper bound on how long a sync Pull waits for its step, whatever the
-  // caller's deadline.
+  // Upper bound on how long a pull waits, whatever the caller's deadline.
   absl::Duration max_pull_wait = absl::Minutes(2);
 };
 
@@ -64,11 +83,16 @@ struct PulledBlock {
   std::vector<float> values;
 };
 
+// The saved state of one block (see ps_server/checkpoint.h).
+struct BlockSnapshot;
+struct ShardSnapshot;
+struct RestoredShard;
+
 class Shard {
  public:
   // Called exactly once per Pull: inline when the blocks are ready, else
-  // later from the push that completes the step, the deadline reaper, or
-  // BeginShutdown.
+  // later from the push that releases it, the reaper (deadline, lease
+  // expiry), or BeginShutdown.
   using PullDone =
       std::function<void(absl::Status, std::vector<PulledBlock> blocks)>;
 
@@ -78,10 +102,22 @@ class Shard {
 
   absl::StatusOr<RegisterModelResponse> Register(
       const RegisterModelRequest& request);
-  // `deadline` is the caller's; a sync wait is also capped by max_pull_wait.
+  // `deadline` is the caller's; a wait is also capped by max_pull_wait.
   void Pull(const PullRequest& request, absl::Time deadline, PullDone done);
   absl::StatusOr<PushResponse> Push(const WirePushRequest& request);
+  absl::Status Heartbeat(const HeartbeatRequest& request);
+  absl::Status Leave(const LeaveRequest& request);
   StatsResponse Stats() const;
+
+  // Installs a model restored from a checkpoint, before any Register. Until
+  // the first worker request, a sync shard then accepts a step ahead of its
+  // blocks by moving them forward to it (the lost steps are counted).
+  absl::Status Restore(const RestoredShard& restored);
+  // Copies the model's state (each block consistent under its lock), or
+  // FailedPrecondition before a model is registered.
+  absl::StatusOr<ShardSnapshot> Snapshot(int64_t sequence) const;
+  // The smallest block version: the step every block has completed.
+  int64_t MinVersion() const;
 
   // Counts a request refused before it reached the shard (unparseable).
   void CountRejected() { requests_rejected_.fetch_add(1); }
@@ -94,64 +130,98 @@ class Shard {
   struct Block;
   struct Model;
   struct Waiter;
+  struct WorkerState;
+  // For each worker id, the first step whose quorum counts it (kNever when
+  // it is not a member). Replaced, never modified, so block completion can
+  // read it without the shard's lock.
+  using Membership = std::vector<int64_t>;
   // A validated block of a push: its local index and the wire block.
   struct BlockPush {
     int local = 0;
     const WireBlock* wire = nullptr;
     bool nonfinite = false;
   };
+  enum class BlockResult { kApplied, kDuplicate, kLate };
 
   Shard(const ShardOptions& options, std::unique_ptr<Optimizer> optimizer);
 
   absl::Status Reject(absl::Status status);
-  // Validation shared by every call.
   absl::StatusOr<const Model*> ValidateCommon(uint32_t protocol_version,
-                                              int worker_id,
-                                              int64_t step) const;
+                                              int worker_id, int64_t step,
+                                              bool allow_observer) const;
   absl::StatusOr<std::vector<BlockPush>> ValidatePushBlocks(
       const Model& model, const WirePushRequest& request) const;
   absl::StatusOr<std::vector<int>> ResolvePullBlocks(
       const Model& model, const PullRequest& request) const;
+  absl::Status InstallModel(const ModelSchema& schema);
 
-  // Applies one block of a push; returns false for a duplicate.
-  bool PushSyncBlock(Block& block, const WirePushRequest& request,
-                     const BlockPush& push);
-  bool PushAsyncBlock(Block& block, const WirePushRequest& request,
-                      const BlockPush& push);
+  BlockResult PushSyncBlock(Block& block, const Membership& membership,
+                            const WirePushRequest& request,
+                            const BlockPush& push, bool* completed);
+  BlockResult PushAsyncBlock(Block& block, const WirePushRequest& request,
+                             const BlockPush& push);
+  // Applies the block's step if its quorum is in; true when it did.
+  bool CompleteIfReadyLocked(Block& block, const Membership& membership)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  void CompleteReadyBlocks();
+  // A restored sync shard meeting its first worker at `step`: moves every
+  // block forward to it.
+  void FastForwardLocked(const Model& model, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Membership, under mu_.
+  void TouchLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void JoinIfPendingLocked(int worker, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PublishMembershipLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<const Membership> membership() const;
+  int64_t MinMemberClockLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops members whose lease expired; true when any was dropped.
+  bool ExpireLeases() ABSL_LOCKS_EXCLUDED(mu_);
 
   std::vector<PulledBlock> CopyBlocks(const Model& model,
                                       const std::vector<int>& locals) const;
-  // Answers the waiting pulls whose blocks have all reached their step.
-  void ReleaseReadyWaiters();
-  // Fails waiters past their deadline; runs on reaper_ until shutdown.
-  void ReapExpiredWaiters();
-  std::string DescribeMissing(const Waiter& waiter) const;
+  bool WaiterReadyLocked(const Waiter& waiter) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers the waiting pulls that may now proceed.
+  void ReleaseReadyWaiters() ABSL_LOCKS_EXCLUDED(mu_);
+  // Expires waiters and leases; runs on reaper_ until shutdown.
+  void RunReaper();
+  std::string DescribeWait(const Waiter& waiter) const;
 
   const ShardOptions options_;
   const std::unique_ptr<Optimizer> optimizer_;
 
-  // Set once by the first successful Register, then immutable (the blocks'
-  // values change under their own locks).
+  // Set once (Register or Restore), then immutable (the blocks' values
+  // change under their own locks).
   absl::Mutex register_mu_;
   std::unique_ptr<Model> model_owner_ ABSL_GUARDED_BY(register_mu_);
   std::atomic<const Model*> model_{nullptr};
 
-  // Sync pulls waiting for their step. A pull checks block versions and
-  // enqueues under waiters_mu_; a completed block publishes its version and
-  // then scans under waiters_mu_, so no wake-up is lost.
-  mutable absl::Mutex waiters_mu_;
-  std::vector<std::unique_ptr<Waiter>> waiters_ ABSL_GUARDED_BY(waiters_mu_);
-  bool shutting_down_ ABSL_GUARDED_BY(waiters_mu_) = false;
+  // Coordination: membership, ssp clocks and waiting pulls. Lock order:
+  // mu_ before any block's mu, never the reverse. A pull checks and
+  // enqueues under mu_; whatever may release it changes state first and
+  // then scans under mu_, so no wake-up is lost.
+  mutable absl::Mutex mu_;
+  std::vector<WorkerState> workers_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const Membership> membership_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  // Restored and not yet met by a worker (sync fast-forward allowed).
+  bool recovering_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;
 
   std::atomic<int64_t> blocks_applied_{0};
   std::atomic<int64_t> blocks_duplicate_{0};
+  std::atomic<int64_t> blocks_late_{0};
   std::atomic<int64_t> requests_rejected_{0};
   mutable std::atomic<int64_t> pulls_served_{0};
   std::atomic<int64_t> nonfinite_skipped_{0};
   std::atomic<int64_t> staleness_sum_{0};
   std::atomic<int64_t> staleness_max_{0};
   std::atomic<int64_t> async_applies_{0};
+  std::atomic<int64_t> steps_lost_{0};
+  std::atomic<int64_t> ssp_gap_max_{0};
 };
 
 }  // namespace pstrain

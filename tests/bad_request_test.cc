@@ -104,7 +104,7 @@ TEST_F(BadRequestTest, EachBadRequestGetsItsStatusAndTheServerKeepsServing) {
     pull.set_protocol_version(kProtocolVersion);
     PullResponse response;
     grpc::Status status = Call(&ParameterServer::Stub::Pull, pull, &response);
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
     EXPECT_NE(status.error_message().find("RegisterModel"), std::string::npos);
   }
   ModelSchema no_tensors = Schema();

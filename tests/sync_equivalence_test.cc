@@ -75,7 +75,7 @@ std::vector<std::vector<float>> TrainAndPull(int workers, int shards,
   client_options.rpc_timeout = absl::Seconds(10);
   auto client = std::move(*PsClient::Create(client_options));
   const ModelSchema schema = Schema();
-  EXPECT_TRUE(client->Register(schema, workers).ok());
+  EXPECT_TRUE(client->Register(schema, workers, /*worker_id=*/-1).ok());
   std::vector<std::vector<float>> tensors;
   std::vector<float*> pointers;
   for (const DenseTensorSpec& spec : schema.dense()) {
@@ -83,8 +83,8 @@ std::vector<std::vector<float>> TrainAndPull(int workers, int shards,
   }
   for (auto& t : tensors) pointers.push_back(t.data());
   // sync: the model after exactly kSteps updates; async: the current one.
-  const absl::Status pulled = client->Pull(0, kSteps, pointers);
-  EXPECT_TRUE(pulled.ok()) << pulled;
+  const absl::StatusOr<int64_t> pulled = client->Pull(kSteps, pointers);
+  EXPECT_TRUE(pulled.ok()) << pulled.status();
   return tensors;
 }
 

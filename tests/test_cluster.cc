@@ -131,54 +131,144 @@ void Process::Signal(int signal_number) {
 std::string Process::Stdout() const { return ReadFile(stdout_path_); }
 std::string Process::Stderr() const { return ReadFile(stderr_path_); }
 
+std::vector<std::string> TestCluster::ServerArgv(int shard, int port) const {
+  std::vector<std::string> argv = {
+      BinaryPath("ps_server/ps_server"),
+      "--host=127.0.0.1",
+      absl::StrCat("--port=", port),
+      absl::StrCat("--port_file=", dir_, "/ps", shard, ".port"),
+      absl::StrCat("--shard_id=", shard),
+      absl::StrCat("--num_shards=", options_.num_shards),
+      absl::StrCat("--num_workers=", options_.num_workers),
+      absl::StrCat("--mode=", options_.mode)};
+  argv.insert(argv.end(), options_.server_flags.begin(),
+              options_.server_flags.end());
+  return argv;
+}
+
+absl::Status TestCluster::WaitForPortFile(int shard, absl::Duration timeout) {
+  const std::string port_file = absl::StrCat(dir_, "/ps", shard, ".port");
+  const absl::Time deadline = absl::Now() + timeout;
+  int port = 0;
+  while (!absl::SimpleAtoi(absl::StripAsciiWhitespace(ReadFile(port_file)),
+                           &port)) {
+    if (!servers_[shard]->running()) {
+      return absl::InternalError(absl::StrCat("ps_server ", shard,
+                                              " exited before serving:\n",
+                                              Tail(servers_[shard]->Stderr())));
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("ps_server ", shard, " wrote no port file in ",
+                       absl::FormatDuration(timeout)));
+    }
+    absl::SleepFor(kPoll);
+  }
+  ports_[shard] = port;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(
     const ClusterOptions& options, const std::string& name) {
   auto cluster = std::make_unique<TestCluster>();
   cluster->options_ = options;
   cluster->dir_ = absl::StrCat(TestDir(), "/", name);
   mkdir(cluster->dir_.c_str(), 0755);
-  const std::string binary = BinaryPath("ps_server/ps_server");
+  cluster->ports_.assign(options.num_shards, 0);
   for (int s = 0; s < options.num_shards; ++s) {
-    const std::string port_file =
-        absl::StrCat(cluster->dir_, "/ps", s, ".port");
-    std::remove(port_file.c_str());
-    std::vector<std::string> argv = {
-        binary,
-        "--host=127.0.0.1",
-        "--port=0",
-        absl::StrCat("--port_file=", port_file),
-        absl::StrCat("--shard_id=", s),
-        absl::StrCat("--num_shards=", options.num_shards),
-        absl::StrCat("--num_workers=", options.num_workers),
-        absl::StrCat("--mode=", options.mode)};
-    argv.insert(argv.end(), options.server_flags.begin(),
-                options.server_flags.end());
-    absl::StatusOr<std::unique_ptr<Process>> server =
-        Process::Start(argv, cluster->dir_, absl::StrCat("ps", s));
+    std::remove(absl::StrCat(cluster->dir_, "/ps", s, ".port").c_str());
+    absl::StatusOr<std::unique_ptr<Process>> server = Process::Start(
+        cluster->ServerArgv(s, 0), cluster->dir_, absl::StrCat("ps", s));
     if (!server.ok()) return server.status();
     cluster->servers_.push_back(std::move(*server));
   }
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
   for (int s = 0; s < options.num_shards; ++s) {
-    const std::string port_file =
-        absl::StrCat(cluster->dir_, "/ps", s, ".port");
-    int port = 0;
-    while (!absl::SimpleAtoi(absl::StripAsciiWhitespace(ReadFile(port_file)),
-                             &port)) {
-      if (!cluster->servers_[s]->running()) {
-        return absl::InternalError(
-            absl::StrCat("ps_server ", s, " exited before serving:\n",
-                         Tail(cluster->servers_[s]->Stderr())));
-      }
-      if (absl::Now() > deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrCat("ps_server ", s, " wrote no port file in 30s"));
-      }
-      absl::SleepFor(kPoll);
+    if (absl::Status st = cluster->WaitForPortFile(s, absl::Seconds(30));
+        !st.ok()) {
+      return st;
     }
-    cluster->ports_.push_back(port);
   }
   return cluster;
+}
+
+void TestCluster::KillServer(int shard) {
+  servers_[shard]->Signal(SIGKILL);
+  servers_[shard]->Wait(absl::Seconds(10)).IgnoreError();
+}
+
+absl::Status TestCluster::StopServer(int shard) {
+  servers_[shard]->Signal(SIGTERM);
+  absl::StatusOr<int> code = servers_[shard]->Wait(absl::Seconds(30));
+  if (!code.ok()) return code.status();
+  if (*code != 0) {
+    return absl::InternalError(absl::StrCat("ps_server ", shard, " exited ",
+                                            *code, ":\n",
+                                            Tail(servers_[shard]->Stderr())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TestCluster::RestartServer(
+    int shard, const std::vector<std::string>& extra_flags) {
+  const std::string port_file = absl::StrCat(dir_, "/ps", shard, ".port");
+  std::remove(port_file.c_str());
+  std::vector<std::string> argv = ServerArgv(shard, ports_[shard]);
+  argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+  absl::StatusOr<std::unique_ptr<Process>> server = Process::Start(
+      argv, dir_, absl::StrCat("ps", shard, "_restart", ++restarts_));
+  if (!server.ok()) return server.status();
+  servers_[shard] = std::move(*server);
+  return WaitForPortFile(shard, absl::Seconds(30));
+}
+
+absl::StatusOr<std::unique_ptr<Process>> TestCluster::StartWorker(
+    int worker_id, int num_workers, const std::vector<std::string>& flags) {
+  std::vector<std::string> argv = {BinaryPath("worker/worker"),
+                                   absl::StrCat("--ps_hosts=", PsHosts()),
+                                   absl::StrCat("--worker_id=", worker_id),
+                                   absl::StrCat("--num_workers=", num_workers)};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  return Process::Start(argv, dir_,
+                        absl::StrCat("worker", worker_id, "_", ++restarts_));
+}
+
+absl::StatusOr<std::vector<StatsResponse>> TestCluster::Stats() {
+  if (observer_ == nullptr) {
+    PsClientOptions options;
+    options.hosts = HostList();
+    options.rpc_timeout = absl::Seconds(5);
+    options.retry_window = absl::ZeroDuration();
+    absl::StatusOr<std::unique_ptr<PsClient>> client =
+        PsClient::Create(options);
+    if (!client.ok()) return client.status();
+    observer_ = std::move(*client);
+  }
+  return observer_->Stats();
+}
+
+absl::Status TestCluster::WaitForStats(
+    const std::function<bool(const StatsResponse&)>& done,
+    absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string last;
+  while (absl::Now() < deadline) {
+    absl::StatusOr<std::vector<StatsResponse>> stats = Stats();
+    if (stats.ok()) {
+      bool all = true;
+      last.clear();
+      for (const StatsResponse& shard : *stats) {
+        all &= done(shard);
+        absl::StrAppend(&last, shard.ShortDebugString(), "\n");
+      }
+      if (all) return absl::OkStatus();
+    } else {
+      last = std::string(stats.status().message());
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("condition on the servers' stats not met in ",
+                   absl::FormatDuration(timeout), "; last seen:\n", last));
 }
 
 std::vector<std::string> TestCluster::HostList() const {
@@ -197,12 +287,8 @@ absl::StatusOr<std::vector<std::string>> TestCluster::RunWorkers(
   const int n = static_cast<int>(worker_flags.size());
   std::vector<std::unique_ptr<Process>> workers;
   for (int k = 0; k < n; ++k) {
-    std::vector<std::string> argv = {
-        BinaryPath("worker/worker"), absl::StrCat("--ps_hosts=", PsHosts()),
-        absl::StrCat("--worker_id=", k), absl::StrCat("--num_workers=", n)};
-    argv.insert(argv.end(), worker_flags[k].begin(), worker_flags[k].end());
     absl::StatusOr<std::unique_ptr<Process>> worker =
-        Process::Start(argv, dir_, absl::StrCat("worker", k));
+        StartWorker(k, n, worker_flags[k]);
     if (!worker.ok()) return worker.status();
     workers.push_back(std::move(*worker));
   }

@@ -7,12 +7,15 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "proto/ps.pb.h"
+#include "worker/ps_client.h"
 
 namespace pstrain::testing {
 
@@ -77,14 +80,39 @@ class TestCluster {
       const std::vector<std::vector<std::string>>& worker_flags,
       absl::Duration timeout);
 
+  // Starts one worker; the caller waits for it.
+  absl::StatusOr<std::unique_ptr<Process>> StartWorker(
+      int worker_id, int num_workers, const std::vector<std::string>& flags);
+
+  // Kills shard `shard` with SIGKILL / stops it with SIGTERM and waits.
+  void KillServer(int shard);
+  absl::Status StopServer(int shard);
+  // Starts shard `shard` again on the port it had, with the cluster's flags
+  // plus `extra_flags`, and waits until it serves.
+  absl::Status RestartServer(int shard,
+                             const std::vector<std::string>& extra_flags = {});
+
+  // Every shard's stats, read by an observer (not a worker).
+  absl::StatusOr<std::vector<StatsResponse>> Stats();
+  // Polls Stats until `done` holds for the stats of every shard, or fails
+  // when `timeout` passes (the message shows the last stats seen).
+  absl::Status WaitForStats(
+      const std::function<bool(const StatsResponse&)>& done,
+      absl::Duration timeout);
+
   Process& server(int shard) { return *servers_[shard]; }
   const std::string& dir() const { return dir_; }
 
  private:
+  std::vector<std::string> ServerArgv(int shard, int port) const;
+  absl::Status WaitForPortFile(int shard, absl::Duration timeout);
+
   ClusterOptions options_;
   std::string dir_;
   std::vector<std::unique_ptr<Process>> servers_;
   std::vector<int> ports_;
+  int restarts_ = 0;
+  std::unique_ptr<PsClient> observer_;
 };
 
 // The numeric value of "key" in the worker's final JSON line, or NotFound.

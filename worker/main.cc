@@ -5,9 +5,11 @@
 //
 // Prints a progress line every --log_every steps and, at the end, one JSON
 // line ({"event":"final",...}) with the held-out evaluation.
+#include <atomic>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -32,7 +34,10 @@ ABSL_FLAG(std::string, precision, "fp32",
           "GEMM precision: fp32, or bf16 (bf16 inputs, fp32 accumulation; "
           "needs a CUDA device).");
 ABSL_FLAG(std::string, model, "mlp",
-          "softmax (multinomial logistic regression) or mlp.");
+          "softmax (multinomial logistic regression), mlp, or probe (a "
+          "diagnostic whose gradient is exactly 1: with SGD at learning rate "
+          "1 every weight ends at minus the number of updates applied).");
+ABSL_FLAG(int64_t, probe_elements, 1000, "Size of the probe model's tensor.");
 ABSL_FLAG(std::string, hidden, "64",
           "Hidden layer sizes of the mlp, comma-separated.");
 ABSL_FLAG(int64_t, steps, 300, "Training steps.");
@@ -62,6 +67,17 @@ ABSL_FLAG(int, max_message_mb, pstrain::kDefaultMaxMessageBytes >> 20,
 ABSL_FLAG(int, connections_per_shard, 4,
           "TCP connections to each ps_server; a shard's RPCs are spread over "
           "them.");
+ABSL_FLAG(double, heartbeat_interval_s, 2,
+          "How often to renew this worker's lease on the servers (keep it "
+          "well under their --worker_lease_s).");
+ABSL_FLAG(double, retry_window_s, 120,
+          "How long a failed pull or push is retried (server restarting, "
+          "peers slow) before the worker gives up.");
+ABSL_FLAG(double, inject_duplicate_push_probability, 0,
+          "Fault injection: resend a successful push with this probability "
+          "(the servers must not apply it twice).");
+ABSL_FLAG(int64_t, inject_step_delay_ms, 0,
+          "Fault injection: make every step this much slower (a straggler).");
 ABSL_FLAG(std::string, gradient_wire_type, "fp32",
           "Gradients on the wire: fp32, or fp16/bf16 to halve the bytes "
           "(servers decode to fp32).");
@@ -152,9 +168,23 @@ int Main() {
         absl::StrCat("--worker_id must be in [0, --num_workers=", num_workers,
                      "), got ", worker_id)));
   }
-  if (model_name != "softmax" && model_name != "mlp") {
+  if (model_name != "softmax" && model_name != "mlp" && model_name != "probe") {
     checks.push_back(absl::InvalidArgumentError(absl::StrCat(
-        "--model must be softmax or mlp, got '", model_name, "'")));
+        "--model must be softmax, mlp or probe, got '", model_name, "'")));
+  }
+  checks.push_back(CheckAtLeast("heartbeat_interval_s",
+                                absl::GetFlag(FLAGS_heartbeat_interval_s), 0));
+  checks.push_back(
+      CheckAtLeast("retry_window_s", absl::GetFlag(FLAGS_retry_window_s), 0));
+  checks.push_back(CheckAtLeast("inject_step_delay_ms",
+                                absl::GetFlag(FLAGS_inject_step_delay_ms), 0));
+  const double duplicate_probability =
+      absl::GetFlag(FLAGS_inject_duplicate_push_probability);
+  if (!(duplicate_probability >= 0 && duplicate_probability <= 1)) {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--inject_duplicate_push_probability must be in [0, 1], "
+                     "got ",
+                     duplicate_probability)));
   }
   absl::StatusOr<std::vector<int64_t>> hidden =
       ParseHidden(absl::GetFlag(FLAGS_hidden));
@@ -194,6 +224,11 @@ int Main() {
   client_options.max_message_bytes = max_message_mb << 20;
   client_options.connections_per_shard =
       absl::GetFlag(FLAGS_connections_per_shard);
+  client_options.heartbeat_interval =
+      absl::Seconds(absl::GetFlag(FLAGS_heartbeat_interval_s));
+  client_options.retry_window =
+      absl::Seconds(absl::GetFlag(FLAGS_retry_window_s));
+  client_options.inject_duplicate_push_probability = duplicate_probability;
   const std::string wire_type = absl::GetFlag(FLAGS_gradient_wire_type);
   if (wire_type == "fp32") {
     client_options.gradient_wire_type = FLOAT32;
@@ -224,9 +259,13 @@ int Main() {
 
   const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
   absl::StatusOr<std::unique_ptr<Model>> model =
-      CreateMlp(backend->get(), data->train.num_features,
-                model_name == "softmax" ? std::vector<int64_t>{} : *hidden,
-                absl::GetFlag(FLAGS_num_classes), batch_size);
+      model_name == "probe"
+          ? CreateProbeModel(backend->get(),
+                             absl::GetFlag(FLAGS_probe_elements))
+          : CreateMlp(backend->get(), data->train.num_features,
+                      model_name == "softmax" ? std::vector<int64_t>{}
+                                              : *hidden,
+                      absl::GetFlag(FLAGS_num_classes), batch_size);
   if (!model.ok()) {
     LOG(ERROR) << "cannot build the model: " << model.status();
     return 1;
@@ -237,10 +276,14 @@ int Main() {
   for (const DenseTensorSpec& spec : (*model)->Params()) {
     *schema.add_dense() = spec;
   }
-  absl::StatusOr<std::string> mode = (*client)->Register(schema, num_workers);
-  if (!mode.ok()) {
-    LOG(ERROR) << "cannot register the model: " << mode.status();
+  absl::StatusOr<Registration> registration =
+      (*client)->Register(schema, num_workers, worker_id);
+  if (!registration.ok()) {
+    LOG(ERROR) << "cannot register the model: " << registration.status();
     return 1;
+  }
+  if (registration->start_step > 0) {
+    LOG(INFO) << "joining a running job at step " << registration->start_step;
   }
 
   TrainerOptions options;
@@ -249,8 +292,21 @@ int Main() {
   options.steps = absl::GetFlag(FLAGS_steps);
   options.batch_size = batch_size;
   options.log_every = absl::GetFlag(FLAGS_log_every);
-  absl::StatusOr<TrainResult> result = Train(
-      options, *mode, **client, **model, **backend, data->train, data->test);
+  options.start_step = registration->start_step;
+  // SIGTERM/SIGINT: finish the step in hand, leave the job, report.
+  static std::atomic<bool> stop_requested{false};
+  std::thread([] {
+    const int signal_number = WaitForTerminationSignal();
+    LOG(INFO) << "signal " << signal_number
+              << ": stopping after this step and leaving the job";
+    stop_requested = true;
+  }).detach();
+  options.stop = &stop_requested;
+  options.step_delay =
+      absl::Milliseconds(absl::GetFlag(FLAGS_inject_step_delay_ms));
+  absl::StatusOr<TrainResult> result =
+      Train(options, registration->mode, **client, **model, **backend,
+            data->train, data->test);
   if (!result.ok()) {
     LOG(ERROR) << "training failed: " << result.status();
     return 1;
@@ -268,5 +324,7 @@ int Main() {
 int main(int argc, char** argv) {
   pstrain::InitProgram(argc, argv,
                        "worker: trains a model against the parameter servers");
+  // Before any thread starts, so signals reach only the waiting thread.
+  pstrain::BlockTerminationSignals();
   return pstrain::Main();
 }

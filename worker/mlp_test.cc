@@ -457,9 +457,9 @@ class CountingBackend : public Backend {
                       float* out) override {
     return inner_->Gather(num_indices, dim, table_rows, table, indices, out);
   }
-  absl::Status ScatterAdd(int64_t num_indices, int64_t dim,
-                          int64_t table_rows, const float* grads,
-                          const int64_t* indices, float* table) override {
+  absl::Status ScatterAdd(int64_t num_indices, int64_t dim, int64_t table_rows,
+                          const float* grads, const int64_t* indices,
+                          float* table) override {
     return inner_->ScatterAdd(num_indices, dim, table_rows, grads, indices,
                               table);
   }

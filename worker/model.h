@@ -59,6 +59,14 @@ absl::StatusOr<std::unique_ptr<Model>> CreateMlp(
     const std::vector<int64_t>& hidden_sizes, int64_t num_classes,
     int64_t max_batch);
 
+// A diagnostic model for the parameter servers, not for learning: one tensor
+// "probe/w" of num_elements zeros whose gradient is exactly 1 everywhere, every
+// step. With SGD at learning rate 1 every element ends at minus the number of
+// updates applied (exact in float32 up to 2^24), so a lost or doubly applied
+// push shows in every element. Its loss is 0 and it classifies nothing.
+absl::StatusOr<std::unique_ptr<Model>> CreateProbeModel(
+    kernels::Backend* backend, int64_t num_elements);
+
 }  // namespace pstrain
 
 #endif  // PSTRAIN_WORKER_MODEL_H_

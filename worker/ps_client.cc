@@ -1,29 +1,23 @@
 #include "worker/ps_client.h"
 
 #include <chrono>
+#include <limits>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/random/distributions.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_bytes.h"
 #include "common/grpc_status.h"
 #include "common/protocol.h"
 #include "common/tensor_codec.h"
+#include "glog/logging.h"
 
 namespace pstrain {
 namespace {
 
 constexpr char kServicePath[] = "/pstrain.ParameterServer/";
-
-template <typename Message>
-grpc::ByteBuffer Serialize(const Message& message) {
-  grpc::ByteBuffer buffer;
-  bool own_buffer = false;
-  grpc::SerializationTraits<Message>::Serialize(message, &buffer, &own_buffer)
-      .IgnoreError();  // cannot fail for a message we built
-  return buffer;
-}
 
 template <typename Message>
 absl::Status Deserialize(grpc::ByteBuffer& buffer, Message* message) {
@@ -37,18 +31,30 @@ absl::Status Deserialize(grpc::ByteBuffer& buffer, Message* message) {
 
 }  // namespace
 
-// One RPC in flight: everything it references lives here until it is done.
+// One RPC: what it sends and how to take its answer; the per-attempt gRPC
+// state is rebuilt for every retry.
 struct PsClient::Call {
   int shard = 0;
   int connection = 0;
   const Group* group = nullptr;
-  grpc::ClientContext context;
-  grpc::ByteBuffer request, response;
-  WireMessage message;  // a push's encoded request, referenced by `request`
+  std::string flat;     // the request, when small (control messages, pulls)
+  WireMessage message;  // a push's request, referencing gradient memory
   bool wait_for_ready = false;
   // Runs on a gRPC thread when the RPC succeeded; may turn it into an error.
   std::function<absl::Status(Call&)> on_response;
+
+  std::unique_ptr<grpc::ClientContext> context;
+  grpc::ByteBuffer request, response;
   absl::Status status;
+
+  grpc::ByteBuffer MakeRequest() const {
+    if (message.num_pieces() == 0) {
+      grpc::Slice slice(flat.data(), flat.size());
+      return grpc::ByteBuffer(&slice, 1);
+    }
+    // No keep-alive: the message and what it references outlive the call.
+    return PiecesToByteBuffer(message.Pieces());
+  }
 };
 
 absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Create(
@@ -73,7 +79,10 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Create(
   return std::unique_ptr<PsClient>(new PsClient(options));
 }
 
-PsClient::PsClient(const PsClientOptions& options) : options_(options) {
+PsClient::PsClient(const PsClientOptions& options)
+    : options_(options),
+      incarnation_(absl::Uniform<uint64_t>(
+          absl::BitGen(), 1, std::numeric_limits<uint64_t>::max())) {
   for (const std::string& host : options.hosts) {
     for (int c = 0; c < options.connections_per_shard; ++c) {
       grpc::ChannelArguments args;
@@ -90,66 +99,106 @@ PsClient::PsClient(const PsClientOptions& options) : options_(options) {
   }
 }
 
-PsClient::~PsClient() = default;
+PsClient::~PsClient() { StopHeartbeats(); }
 
-absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
-                              absl::Duration timeout) {
+void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
+                            const std::vector<size_t>& which,
+                            absl::Duration timeout) {
   absl::Mutex mu;
-  size_t pending = calls.size();
+  size_t pending = which.size();
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout);
-  const std::string method_name = absl::StrCat(kServicePath, method);
-  for (Call& call : calls) {
-    call.context.set_deadline(deadline);
-    call.context.set_wait_for_ready(call.wait_for_ready);
+  const std::string short_name = method.substr(method.rfind('/') + 1);
+  for (size_t i : which) {
+    Call& call = calls[i];
+    call.context = std::make_unique<grpc::ClientContext>();
+    call.context->set_deadline(deadline);
+    call.context->set_wait_for_ready(call.wait_for_ready);
+    call.request = call.MakeRequest();
+    call.response.Clear();
     Connection(call.shard, call.connection)
-        .UnaryCall(&call.context, method_name, grpc::StubOptions(),
+        .UnaryCall(call.context.get(), method, grpc::StubOptions(),
                    &call.request, &call.response,
-                   [&mu, &pending, &call, method](grpc::Status status) {
-                     call.status = FromGrpcStatus(status, method);
+                   [&mu, &pending, &call, &short_name](grpc::Status status) {
+                     call.status = FromGrpcStatus(status, short_name);
                      if (call.status.ok() && call.on_response) {
                        absl::Status handled = call.on_response(call);
                        if (!handled.ok()) {
                          call.status = absl::Status(
                              handled.code(),
-                             absl::StrCat(method, ": ", handled.message()));
+                             absl::StrCat(short_name, ": ", handled.message()));
                        }
                      }
                      absl::MutexLock lock(&mu);
                      --pending;
                    });
   }
-  {
-    // Terminates: gRPC runs every callback by the deadline set above.
-    absl::MutexLock lock(&mu);
-    mu.Await(absl::Condition(
-        +[](size_t* left) { return *left == 0; }, &pending));
-  }
-  for (const Call& call : calls) {
-    if (!call.status.ok()) {
-      return absl::Status(
-          call.status.code(),
-          absl::StrCat("shard ", call.shard, " (", options_.hosts[call.shard],
-                       "): ", call.status.message()));
-    }
-  }
-  return absl::OkStatus();
+  // Terminates: gRPC runs every callback by the deadline set above.
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(
+      +[](size_t* left) { return *left == 0; }, &pending));
 }
 
-absl::StatusOr<std::string> PsClient::Register(const ModelSchema& schema,
-                                               int num_workers) {
-  absl::StatusOr<Partition> partition = Partition::Create(schema, num_shards());
-  if (!partition.ok()) return partition.status();
+absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
+                              absl::Duration timeout, bool retry) {
+  const std::string full_method = absl::StrCat(kServicePath, method);
+  std::vector<size_t> which(calls.size());
+  for (size_t i = 0; i < which.size(); ++i) which[i] = i;
+  const absl::Time give_up = absl::Now() + options_.retry_window;
+  absl::Duration backoff = absl::Milliseconds(50);
+  while (true) {
+    StartAndWait(full_method, calls, which, timeout);
+    std::vector<size_t> failed;
+    bool retryable = retry;
+    bool reregister = false;
+    for (size_t i : which) {
+      if (calls[i].status.ok()) continue;
+      failed.push_back(i);
+      switch (calls[i].status.code()) {
+        case absl::StatusCode::kUnavailable:       // down or restarting
+        case absl::StatusCode::kDeadlineExceeded:  // peers slow or dead
+          break;
+        case absl::StatusCode::kNotFound:  // restarted with no model
+          reregister = true;
+          break;
+        default:
+          retryable = false;
+      }
+    }
+    if (failed.empty()) return absl::OkStatus();
+    const Call& first = calls[failed.front()];
+    const absl::Status error(
+        first.status.code(),
+        absl::StrCat("shard ", first.shard, " (", options_.hosts[first.shard],
+                     "): ", first.status.message()));
+    if (!retryable || absl::Now() + backoff > give_up) return error;
+    LOG(WARNING) << error << "; retrying " << failed.size() << " call(s) in "
+                 << absl::FormatDuration(backoff);
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(5));
+    if (reregister) {
+      if (absl::Status s = RegisterOnShards(); !s.ok()) {
+        LOG(WARNING) << "registering again failed: " << s;
+      }
+    }
+    which = std::move(failed);
+  }
+}
+
+absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
   RegisterModelRequest request;
   request.set_protocol_version(kProtocolVersion);
-  *request.mutable_schema() = schema;
+  *request.mutable_schema() = schema_;
   request.set_num_shards(num_shards());
-  request.set_num_workers(num_workers);
+  request.set_num_workers(num_workers_);
+  request.set_worker_id(worker_id_);
+  request.set_incarnation(incarnation_);
+  const std::string bytes = request.SerializeAsString();
   std::vector<Call> calls(num_shards());
   std::vector<RegisterModelResponse> responses(num_shards());
   for (int s = 0; s < num_shards(); ++s) {
     calls[s].shard = s;
-    calls[s].request = Serialize(request);
+    calls[s].flat = bytes;
     calls[s].wait_for_ready = true;  // servers may still be starting
     calls[s].on_response = [&responses, s](Call& call) {
       return Deserialize(call.response, &responses[s]);
@@ -159,18 +208,40 @@ absl::StatusOr<std::string> PsClient::Register(const ModelSchema& schema,
       !s.ok()) {
     return s;
   }
-  for (int s = 1; s < num_shards(); ++s) {
-    if (responses[s].mode() != responses[0].mode()) {
+  return responses;
+}
+
+absl::Status PsClient::RegisterOnShards() { return RegisterCalls().status(); }
+
+absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
+                                                int num_workers,
+                                                int worker_id) {
+  absl::StatusOr<Partition> partition = Partition::Create(schema, num_shards());
+  if (!partition.ok()) return partition.status();
+  StopHeartbeats();
+  schema_ = schema;
+  num_workers_ = num_workers;
+  worker_id_ = worker_id;
+  absl::StatusOr<std::vector<RegisterModelResponse>> responses =
+      RegisterCalls();
+  if (!responses.ok()) return responses.status();
+  Registration registration;
+  registration.mode = (*responses)[0].mode();
+  for (int s = 0; s < num_shards(); ++s) {
+    const RegisterModelResponse& response = (*responses)[s];
+    if (response.mode() != registration.mode) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "shards disagree on the mode: shard 0 runs ", responses[0].mode(),
-          ", shard ", s, " runs ", responses[s].mode()));
+          "shards disagree on the mode: shard 0 runs ", registration.mode,
+          ", shard ", s, " runs ", response.mode()));
     }
+    registration.start_step =
+        std::max(registration.start_step, response.step());
   }
+  mode_ = registration.mode;
 
   // Group each shard's blocks into RPCs of at most one block's bytes (small
   // tensors share an RPC), dealt round-robin over the shard's connections.
   partition_ = std::make_unique<Partition>(std::move(*partition));
-  schema_ = schema;
   groups_.clear();
   const int64_t group_elements = schema.block_elements();
   for (int s = 0; s < num_shards(); ++s) {
@@ -203,7 +274,53 @@ absl::StatusOr<std::string> PsClient::Register(const ModelSchema& schema,
   }
   block_versions_.assign(partition_->blocks().size(), 0);
   encoded_.assign(partition_->blocks().size(), std::string());
-  return responses[0].mode();
+  if (worker_id_ >= 0 && options_.heartbeat_interval > absl::ZeroDuration()) {
+    heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+  }
+  return registration;
+}
+
+void PsClient::HeartbeatLoop() {
+  HeartbeatRequest request;
+  request.set_worker_id(worker_id_);
+  request.set_incarnation(incarnation_);
+  const std::string bytes = request.SerializeAsString();
+  absl::Time last_warning = absl::InfinitePast();
+  while (!stop_heartbeats_.WaitForNotificationWithTimeout(
+      options_.heartbeat_interval)) {
+    std::vector<Call> calls(num_shards());
+    for (int s = 0; s < num_shards(); ++s) {
+      calls[s].shard = s;
+      calls[s].flat = bytes;
+    }
+    absl::Status status =
+        RunAll("Heartbeat", calls, options_.heartbeat_interval);
+    // A server that is down is the pulls' and pushes' problem to retry;
+    // here it is only worth a line now and then.
+    if (!status.ok() && absl::Now() - last_warning > absl::Seconds(30)) {
+      LOG(WARNING) << "heartbeat: " << status;
+      last_warning = absl::Now();
+    }
+  }
+}
+
+void PsClient::StopHeartbeats() {
+  if (!heartbeat_thread_.joinable()) return;
+  stop_heartbeats_.Notify();
+  heartbeat_thread_.join();
+}
+
+absl::Status PsClient::Leave() {
+  StopHeartbeats();
+  if (worker_id_ < 0) return absl::OkStatus();
+  LeaveRequest request;
+  request.set_worker_id(worker_id_);
+  std::vector<Call> calls(num_shards());
+  for (int s = 0; s < num_shards(); ++s) {
+    calls[s].shard = s;
+    calls[s].flat = request.SerializeAsString();
+  }
+  return RunAll("Leave", calls, options_.rpc_timeout);
 }
 
 absl::Status PsClient::StoreBlocks(const Group& group,
@@ -237,8 +354,8 @@ absl::Status PsClient::StoreBlocks(const Group& group,
   return absl::OkStatus();
 }
 
-absl::Status PsClient::Pull(int worker_id, int64_t step,
-                            const std::vector<float*>& tensors) {
+absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
+                                       const std::vector<float*>& tensors) {
   if (partition_ == nullptr) {
     return absl::FailedPreconditionError("Pull before Register");
   }
@@ -248,9 +365,9 @@ absl::Status PsClient::Pull(int worker_id, int64_t step,
                                                    partition_->NumTensors()));
   }
   // The block list of each group is serialized once; the step and worker
-  // are the two fields that change, appended as protobuf allows.
+  // are appended per call, as protobuf allows.
   PullRequest header;
-  header.set_worker_id(worker_id);
+  header.set_worker_id(worker_id_);
   header.set_step(step);
   const std::string per_call = header.SerializeAsString();
   std::vector<Call> calls(groups_.size());
@@ -259,9 +376,7 @@ absl::Status PsClient::Pull(int worker_id, int64_t step,
     call.group = &groups_[i];
     call.shard = groups_[i].shard;
     call.connection = groups_[i].connection;
-    const std::string bytes = groups_[i].pull_request + per_call;
-    grpc::Slice slice(bytes.data(), bytes.size());
-    call.request = grpc::ByteBuffer(&slice, 1);
+    call.flat = groups_[i].pull_request + per_call;
     // Decoded on gRPC's thread as each response lands, while other RPCs are
     // still in flight; groups write disjoint memory.
     call.on_response = [this, &tensors](Call& c) {
@@ -275,11 +390,21 @@ absl::Status PsClient::Pull(int worker_id, int64_t step,
       return StoreBlocks(*c.group, *response, tensors);
     };
   }
-  return RunAll("Pull", calls, options_.rpc_timeout);
+  if (absl::Status s =
+          RunAll("Pull", calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  if (mode_ != "sync") return step;
+  // Blocks past `step` mean the job moved on without this worker: continue
+  // from the step every block is at.
+  int64_t at = std::numeric_limits<int64_t>::max();
+  for (int64_t version : block_versions_) at = std::min(at, version);
+  return block_versions_.empty() ? step : std::max(at, step);
 }
 
-absl::StatusOr<int64_t> PsClient::Push(
-    int worker_id, int64_t step, const std::vector<const float*>& gradients) {
+absl::StatusOr<PsClient::PushResult> PsClient::Push(
+    int64_t step, const std::vector<const float*>& gradients) {
   if (partition_ == nullptr) {
     return absl::FailedPreconditionError("Push before Register");
   }
@@ -312,22 +437,44 @@ absl::StatusOr<int64_t> PsClient::Push(
     Call& call = calls[i];
     call.shard = group.shard;
     call.connection = group.connection;
-    call.message = EncodePushRequest(kProtocolVersion, worker_id, step, blocks,
+    call.message = EncodePushRequest(kProtocolVersion, worker_id_, step, blocks,
                                      kInlineBelowBytes);
-    // No keep-alive: the gradients, encoded_ and call.message outlive RunAll.
-    call.request = PiecesToByteBuffer(call.message.Pieces());
     call.on_response = [&responses, i](Call& c) {
       return Deserialize(c.response, &responses[i]);
     };
   }
-  if (absl::Status s = RunAll("Push", calls, options_.rpc_timeout); !s.ok()) {
+  if (absl::Status s =
+          RunAll("Push", calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
     return s;
   }
-  int64_t duplicates = 0;
+  PushResult result;
   for (const PushResponse& response : responses) {
-    duplicates += response.blocks_duplicate();
+    result.blocks_duplicate += response.blocks_duplicate();
+    result.blocks_late += response.blocks_late();
   }
-  return duplicates;
+  if (options_.inject_duplicate_push_probability > 0) {
+    std::vector<Call> again(calls.size());
+    std::vector<size_t> chosen;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (!absl::Bernoulli(random_,
+                           options_.inject_duplicate_push_probability)) {
+        continue;
+      }
+      again[chosen.size()].shard = calls[i].shard;
+      again[chosen.size()].connection = calls[i].connection;
+      again[chosen.size()].message = std::move(calls[i].message);
+      chosen.push_back(i);
+    }
+    again.resize(chosen.size());
+    injected_duplicates_ += static_cast<int64_t>(chosen.size());
+    if (absl::Status s =
+            RunAll("Push", again, options_.rpc_timeout, /*retry=*/true);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return result;
 }
 
 absl::StatusOr<std::vector<StatsResponse>> PsClient::Stats() {
@@ -335,7 +482,6 @@ absl::StatusOr<std::vector<StatsResponse>> PsClient::Stats() {
   std::vector<StatsResponse> responses(num_shards());
   for (int s = 0; s < num_shards(); ++s) {
     calls[s].shard = s;
-    calls[s].request = Serialize(StatsRequest());
     calls[s].on_response = [&responses, s](Call& call) {
       return Deserialize(call.response, &responses[s]);
     };

@@ -15,9 +15,12 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/random/random.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/partition.h"
 #include "common/wire.h"
@@ -38,6 +41,23 @@ struct PsClientOptions {
   int connections_per_shard = 4;
   // Element type of pushed gradients on the wire (servers decode to fp32).
   DataType gradient_wire_type = FLOAT32;
+  // How often a registered worker renews its lease on every shard (well
+  // under the servers' --worker_lease_s). Zero: no heartbeats.
+  absl::Duration heartbeat_interval = absl::Seconds(2);
+  // How long a failed pull or push (server down or restarting, a step that
+  // timed out waiting for peers) is retried, with exponential backoff,
+  // before the error is returned. Retries are safe: a repeated push is
+  // acknowledged as a duplicate, never applied twice.
+  absl::Duration retry_window = absl::Seconds(120);
+  // Fault injection for exactly-once tests: after a successful push RPC,
+  // send it again with this probability, as a client whose response was
+  // lost would.
+  double inject_duplicate_push_probability = 0;
+};
+
+struct Registration {
+  std::string mode;        // the servers' consistency mode
+  int64_t start_step = 0;  // where a (re)joining worker starts
 };
 
 class PsClient {
@@ -47,23 +67,37 @@ class PsClient {
   ~PsClient();
 
   // Registers the schema on every shard (idempotent) and fixes the block
-  // layout used by Pull and Push. Returns the servers' consistency mode.
-  absl::StatusOr<std::string> Register(const ModelSchema& schema,
-                                       int num_workers);
+  // layout used by Pull and Push. With worker_id >= 0 this process joins
+  // the job as that worker (heartbeats start); -1 is an observer that may
+  // only pull.
+  absl::StatusOr<Registration> Register(const ModelSchema& schema,
+                                        int num_workers, int worker_id);
 
   // Fills tensors[i] (host memory of schema.dense(i)'s element count) with
-  // the model at `step` (sync: after exactly `step` updates; async: the
-  // current one) and remembers each block's version for the next Push.
-  absl::Status Pull(int worker_id, int64_t step,
-                    const std::vector<float*>& tensors);
+  // the model at `step` (sync: after `step` updates; async/ssp: the current
+  // one) and remembers each block's version for the next Push. Returns the
+  // step the pulled model is at: `step`, or in sync mode a later one when
+  // this worker fell behind (its gradient for `step` would be dropped).
+  absl::StatusOr<int64_t> Pull(int64_t step,
+                               const std::vector<float*>& tensors);
 
   // Sends the gradient of every tensor; the memory must stay unchanged until
-  // Push returns. Returns the number of blocks the servers reported as
-  // duplicates (already received, not applied again).
-  absl::StatusOr<int64_t> Push(int worker_id, int64_t step,
-                               const std::vector<const float*>& gradients);
+  // Push returns.
+  struct PushResult {
+    int64_t blocks_duplicate = 0;  // already received, not applied again
+    int64_t blocks_late = 0;       // sync: the step had completed without it
+  };
+  absl::StatusOr<PushResult> Push(int64_t step,
+                                  const std::vector<const float*>& gradients);
+
+  // Tells every shard this worker is done; later steps stop waiting for it.
+  // Stops the heartbeats.
+  absl::Status Leave();
 
   absl::StatusOr<std::vector<StatsResponse>> Stats();
+
+  // Pushes resent by inject_duplicate_push_probability.
+  int64_t injected_duplicate_pushes() const { return injected_duplicates_; }
 
   int num_shards() const { return static_cast<int>(options_.hosts.size()); }
 
@@ -80,9 +114,19 @@ class PsClient {
   explicit PsClient(const PsClientOptions& options);
 
   // Starts `calls` of `method` ("Pull") at once and waits for all of them;
-  // returns the first failure, naming the shard.
+  // with `retry`, calls that failed for a transient reason are started
+  // again with backoff until the retry window closes. Returns the first
+  // failure left, naming the shard.
   absl::Status RunAll(const char* method, std::vector<Call>& calls,
-                      absl::Duration timeout);
+                      absl::Duration timeout, bool retry = false);
+  // One round of RunAll over calls[i] for i in `which`.
+  void StartAndWait(const std::string& method, std::vector<Call>& calls,
+                    const std::vector<size_t>& which, absl::Duration timeout);
+  // Registers schema_ as worker_id_ on every shard (again after a restart).
+  absl::StatusOr<std::vector<RegisterModelResponse>> RegisterCalls();
+  absl::Status RegisterOnShards();
+  void HeartbeatLoop();
+  void StopHeartbeats();
   grpc::GenericStub& Connection(int shard, int connection) {
     return *stubs_[shard * options_.connections_per_shard + connection];
   }
@@ -90,6 +134,10 @@ class PsClient {
                            const std::vector<float*>& tensors);
 
   PsClientOptions options_;
+  const uint64_t incarnation_;
+  int worker_id_ = -1;
+  int num_workers_ = 0;
+  std::string mode_;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;  // [shard][conn]
   std::vector<std::unique_ptr<ParameterServer::Stub>> control_;  // per shard
   std::unique_ptr<Partition> partition_;
@@ -98,6 +146,11 @@ class PsClient {
   std::vector<int64_t> block_versions_;  // per global block, from Pull
   // Reused across steps: encoded gradients when the wire type is not fp32.
   std::vector<std::string> encoded_;
+  int64_t injected_duplicates_ = 0;
+  absl::BitGen random_;
+
+  absl::Notification stop_heartbeats_;
+  std::thread heartbeat_thread_;
 };
 
 }  // namespace pstrain

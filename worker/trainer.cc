@@ -37,18 +37,19 @@ struct ParameterBuffers {
     return out;
   }
 
-  absl::Status PullToDevice(PsClient& client, int worker_id, int64_t step,
-                            kernels::Backend& backend) {
-    absl::Status pulled =
-        client.Pull(worker_id, step, Pointers<float>(host_params));
-    if (!pulled.ok()) return pulled;
+  // Returns the step the pulled model is at (see PsClient::Pull).
+  absl::StatusOr<int64_t> PullToDevice(PsClient& client, int64_t step,
+                                       kernels::Backend& backend) {
+    absl::StatusOr<int64_t> at =
+        client.Pull(step, Pointers<float>(host_params));
+    if (!at.ok()) return at.status();
     for (size_t i = 0; i < host_params.size(); ++i) {
       absl::Status copied =
           backend.CopyToDevice(host_params[i].data(), device_params[i].data(),
                                device_params[i].bytes());
       if (!copied.ok()) return copied;
     }
-    return absl::OkStatus();
+    return at;
   }
 };
 
@@ -136,20 +137,28 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
 
   TrainResult result;
   result.mode = mode;
+  result.start_step = options.start_step;
   BatchCursor cursor(&train);
   BatchResult window;
   const absl::Time start = absl::Now();
   absl::Time window_start = start;
-  for (int64_t step = 0; step < options.steps; ++step) {
+  int64_t step = options.start_step;
+  while (step < options.steps) {
+    if (options.stop != nullptr && options.stop->load()) {
+      result.stopped_early = true;
+      break;
+    }
     cursor.Next(options.batch_size, batch.host_features.data(),
                 batch.host_labels.data());
     absl::StatusOr<DeviceBatch> device_batch =
         batch.Upload(options.batch_size, train.num_features, backend);
     if (!device_batch.ok()) return device_batch.status();
-    if (absl::Status s =
-            buffers.PullToDevice(client, options.worker_id, step, backend);
-        !s.ok()) {
-      return s;
+    absl::StatusOr<int64_t> at = buffers.PullToDevice(client, step, backend);
+    if (!at.ok()) return at.status();
+    if (*at > step) {  // the job went on without this worker: catch up
+      result.steps_skipped += *at - step;
+      step = *at;
+      if (step >= options.steps) break;
     }
     absl::StatusOr<BatchResult> batch_result =
         model.ComputeGradients(params, *device_batch, grads);
@@ -162,17 +171,22 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
         return s;
       }
     }
-    absl::StatusOr<int64_t> duplicates =
-        client.Push(options.worker_id, step, host_grads);
-    if (!duplicates.ok()) return duplicates.status();
-    result.duplicate_blocks += *duplicates;
+    if (options.step_delay > absl::ZeroDuration()) {
+      absl::SleepFor(options.step_delay);
+    }
+    absl::StatusOr<PsClient::PushResult> pushed = client.Push(step, host_grads);
+    if (!pushed.ok()) return pushed.status();
+    result.duplicate_blocks += pushed->blocks_duplicate;
+    result.late_blocks += pushed->blocks_late;
+    ++result.steps_run;
+    ++step;
 
     window.loss_sum += batch_result->loss_sum;
     window.num_correct += batch_result->num_correct;
     window.rows += batch_result->rows;
-    const bool last = step + 1 == options.steps;
-    if ((options.log_every > 0 && (step + 1) % options.log_every == 0) ||
-        last) {
+    const bool last = step == options.steps;
+    if (((options.log_every > 0 && step % options.log_every == 0) || last) &&
+        window.rows > 0) {
       const absl::Time now = absl::Now();
       result.final_loss = window.loss_sum / window.rows;
       result.train_accuracy =
@@ -181,8 +195,8 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
         absl::FPrintF(options.progress,
                       "worker %d step %d/%d loss %.4f train_acc %.3f "
                       "samples/s %.0f\n",
-                      options.worker_id, step + 1, options.steps,
-                      result.final_loss, result.train_accuracy,
+                      options.worker_id, step, options.steps, result.final_loss,
+                      result.train_accuracy,
                       window.rows / absl::ToDoubleSeconds(now - window_start));
         std::fflush(options.progress);
       }
@@ -192,16 +206,17 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   }
   result.steps = options.steps;
   result.wall_time_s = absl::ToDoubleSeconds(absl::Now() - start);
-  result.samples_per_sec =
-      options.steps * options.batch_size / std::max(result.wall_time_s, 1e-9);
+  result.samples_per_sec = result.steps_run * options.batch_size /
+                           std::max(result.wall_time_s, 1e-9);
+  result.injected_duplicate_pushes = client.injected_duplicate_pushes();
 
-  // The model after the last update (sync: waits for every worker's last
-  // gradient).
-  if (absl::Status s = buffers.PullToDevice(client, options.worker_id,
-                                            options.steps, backend);
-      !s.ok()) {
-    return s;
-  }
+  // The model after the last update (sync: waits for every member's last
+  // gradient; a worker stopping early takes the step it reached), then
+  // leave so nobody waits for this worker.
+  absl::StatusOr<int64_t> final_step = buffers.PullToDevice(
+      client, result.stopped_early ? step : options.steps, backend);
+  if (!final_step.ok()) return final_step.status();
+  if (absl::Status s = client.Leave(); !s.ok()) return s;
   if (test.size() > 0) {
     absl::StatusOr<BatchResult> evaluation =
         Evaluate(model, backend, params, test, options.batch_size, batch);
@@ -221,10 +236,14 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"num_workers\":%d,\"device\":\"%s\",\"steps\":%d,"
       "\"final_loss\":%.6f,\"train_accuracy\":%.4f,\"test_loss\":%.6f,"
       "\"test_accuracy\":%.4f,\"test_examples\":%d,\"samples_per_sec\":%.1f,"
-      "\"wall_time_s\":%.3f,\"duplicate_blocks\":%d}",
+      "\"wall_time_s\":%.3f,\"start_step\":%d,\"steps_run\":%d,"
+      "\"steps_skipped\":%d,\"duplicate_blocks\":%d,\"late_blocks\":%d,"
+      "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s}",
       r.mode, worker_id, num_workers, device, r.steps, r.final_loss,
       r.train_accuracy, r.test_loss, r.test_accuracy, r.test_examples,
-      r.samples_per_sec, r.wall_time_s, r.duplicate_blocks);
+      r.samples_per_sec, r.wall_time_s, r.start_step, r.steps_run,
+      r.steps_skipped, r.duplicate_blocks, r.late_blocks,
+      r.injected_duplicate_pushes, r.stopped_early ? "true" : "false");
 }
 
 }  // namespace pstrain

@@ -3,11 +3,13 @@
 #ifndef PSTRAIN_WORKER_TRAINER_H_
 #define PSTRAIN_WORKER_TRAINER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "worker/data.h"
 #include "worker/model.h"
@@ -18,10 +20,15 @@ namespace pstrain {
 struct TrainerOptions {
   int worker_id = 0;
   int num_workers = 1;
+  int64_t start_step = 0;  // a worker (re)joining a running job starts late
   int64_t steps = 100;
   int64_t batch_size = 64;  // this worker's; the model's max_batch
   int64_t log_every = 20;   // 0: no progress lines
   std::FILE* progress = stdout;
+  // Fault injection: extra time per step, as a straggler would take.
+  absl::Duration step_delay = absl::ZeroDuration();
+  // Set (e.g. by SIGTERM) to stop after the current step and leave the job.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 struct TrainResult {
@@ -34,11 +41,18 @@ struct TrainResult {
   int64_t test_examples = 0;
   double samples_per_sec = 0;
   double wall_time_s = 0;
+  int64_t start_step = 0;
+  int64_t steps_run = 0;         // steps this worker computed
+  int64_t steps_skipped = 0;     // sync: steps the job finished without it
   int64_t duplicate_blocks = 0;  // pushes the servers had already received
+  int64_t late_blocks = 0;       // sync: gradients for a finished step
+  int64_t injected_duplicate_pushes = 0;
+  bool stopped_early = false;
 };
 
-// Trains `model` against the servers behind `client` (already registered,
-// in mode `mode`) and evaluates the final model on `test` (may be empty).
+// Trains `model` against the servers behind `client` (already registered as
+// this worker, in mode `mode`), leaves the job, and evaluates the final
+// model on `test` (may be empty).
 absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
                                   const std::string& mode, PsClient& client,
                                   Model& model, kernels::Backend& backend,

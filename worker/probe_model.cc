@@ -1,0 +1,56 @@
+#include "absl/strings/str_cat.h"
+#include "worker/model.h"
+
+namespace pstrain {
+namespace {
+
+class ProbeModel : public Model {
+ public:
+  ProbeModel(kernels::Backend* backend, int64_t num_elements)
+      : backend_(backend) {
+    DenseTensorSpec spec;
+    spec.set_name("probe/w");
+    spec.add_shape(num_elements);
+    spec.mutable_init()->set_kind(InitSpec::ZEROS);
+    params_.push_back(spec);
+  }
+
+  const std::vector<DenseTensorSpec>& Params() const override {
+    return params_;
+  }
+
+  absl::StatusOr<BatchResult> ComputeGradients(
+      const std::vector<const float*>& params, const DeviceBatch& batch,
+      const std::vector<float*>& grads) override {
+    if (params.size() != 1 || grads.size() != 1) {
+      return absl::InvalidArgumentError("the probe model has one tensor");
+    }
+    if (absl::Status s = backend_->Fill(params_[0].shape(0), 1.0f, grads[0]);
+        !s.ok()) {
+      return s;
+    }
+    return BatchResult{0.0, 0, batch.rows};
+  }
+
+  absl::StatusOr<BatchResult> Evaluate(const std::vector<const float*>&,
+                                       const DeviceBatch& batch) override {
+    return BatchResult{0.0, 0, batch.rows};
+  }
+
+ private:
+  kernels::Backend* backend_;
+  std::vector<DenseTensorSpec> params_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Model>> CreateProbeModel(
+    kernels::Backend* backend, int64_t num_elements) {
+  if (num_elements < 1 || num_elements > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "probe model size must be in [1, 2^30], got ", num_elements));
+  }
+  return std::unique_ptr<Model>(new ProbeModel(backend, num_elements));
+}
+
+}  // namespace pstrain
