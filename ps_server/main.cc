@@ -17,6 +17,7 @@
 #include "common/cli.h"
 #include "common/protocol.h"
 #include "glog/logging.h"
+#include "ps_server/checkpointer.h"
 #include "ps_server/service.h"
 #include "ps_server/shard.h"
 
@@ -58,6 +59,16 @@ ABSL_FLAG(double, max_pull_wait_s, 120,
           "Longest a sync pull waits for its step before DEADLINE_EXCEEDED.");
 ABSL_FLAG(int, max_message_mb, pstrain::kDefaultMaxMessageBytes >> 20,
           "Largest request or response accepted, in MiB.");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Directory for checkpoints, shared by every shard of the job. At "
+          "start the newest valid checkpoint there is restored, also when it "
+          "was written by a different number of shards (resharding).");
+ABSL_FLAG(int64_t, checkpoint_every_steps, 0,
+          "sync: checkpoint each time every block has done this many more "
+          "steps (0: off).");
+ABSL_FLAG(double, checkpoint_every_s, 0,
+          "Checkpoint at least this often, in seconds (0: off).");
+ABSL_FLAG(int, keep_checkpoints, 3, "Checkpoints kept per shard.");
 ABSL_FLAG(double, shutdown_grace_s, 5,
           "On SIGTERM, how long in-flight calls may take to finish.");
 
@@ -120,6 +131,26 @@ int Main() {
     checks.push_back(absl::InvalidArgumentError(absl::StrCat(
         "--max_message_mb must be in [1, 2047], got ", max_message_mb)));
   }
+  const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  CheckpointerOptions checkpoint_options;
+  checkpoint_options.dir = checkpoint_dir;
+  checkpoint_options.keep_last = absl::GetFlag(FLAGS_keep_checkpoints);
+  checkpoint_options.every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
+  checkpoint_options.every =
+      absl::Seconds(absl::GetFlag(FLAGS_checkpoint_every_s));
+  if (checkpoint_options.every_steps < 0 ||
+      checkpoint_options.every < absl::ZeroDuration() ||
+      checkpoint_options.keep_last < 1) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--checkpoint_every_steps and --checkpoint_every_s must be >= 0 and "
+        "--keep_checkpoints >= 1"));
+  }
+  if (checkpoint_dir.empty() &&
+      (checkpoint_options.every_steps > 0 ||
+       checkpoint_options.every > absl::ZeroDuration())) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--checkpoint_every_steps/--checkpoint_every_s need --checkpoint_dir"));
+  }
   ExitOnFlagErrors(checks);
   options.max_pull_wait = absl::Seconds(max_pull_wait_s);
   options.worker_lease = absl::Seconds(lease_s);
@@ -127,10 +158,28 @@ int Main() {
   absl::StatusOr<std::unique_ptr<Shard>> shard = Shard::Create(options);
   ExitOnFlagErrors({shard.status()});
 
+  std::unique_ptr<Checkpointer> checkpointer;
+  if (!checkpoint_dir.empty()) {
+    checkpointer = std::make_unique<Checkpointer>(
+        shard->get(), options.shard_id, options.num_shards, checkpoint_options);
+    absl::StatusOr<std::string> restored = checkpointer->Restore();
+    if (!restored.ok()) {
+      LOG(ERROR) << "cannot restore from " << checkpoint_dir << ": "
+                 << restored.status();
+      return 1;
+    }
+    LOG(INFO) << (restored->empty()
+                      ? absl::StrCat("no checkpoint in ", checkpoint_dir,
+                                     ": starting fresh")
+                      : *restored);
+  }
+
   BlockTerminationSignals();
+  if (checkpointer != nullptr) checkpointer->Start();
   ServiceOptions service_options;
   service_options.drop_push_response_probability = drop_probability;
-  ParameterServerService service(shard->get(), service_options);
+  ParameterServerService service(shard->get(), service_options,
+                                 checkpointer.get());
   grpc::ServerBuilder builder;
   int selected_port = 0;
   const std::string address =
@@ -168,6 +217,11 @@ int Main() {
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(
                        absl::GetFlag(FLAGS_shutdown_grace_s) * 1000)));
+  if (checkpointer != nullptr) {
+    if (absl::Status s = checkpointer->Stop(); !s.ok()) {
+      LOG(ERROR) << "final checkpoint failed: " << s;
+    }
+  }
   const StatsResponse stats = (*shard)->Stats();
   LOG(INFO) << "final stats: " << stats.ShortDebugString();
   return 0;

@@ -147,6 +147,18 @@ grpc::ServerUnaryReactor* ParameterServerService::Leave(
   return Finish(context, shard_->Leave(*request));
 }
 
+grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
+    grpc::CallbackServerContext* context, const CheckpointRequest*,
+    CheckpointResponse* response) {
+  if (checkpointer_ == nullptr) {
+    return Finish(context, absl::FailedPreconditionError(
+                               "this server has no --checkpoint_dir"));
+  }
+  absl::StatusOr<std::string> path = checkpointer_->CheckpointNow();
+  if (path.ok()) response->set_path(*path);
+  return Finish(context, path.status());
+}
+
 grpc::ServerUnaryReactor* ParameterServerService::Stats(
     grpc::CallbackServerContext* context, const StatsRequest*,
     StatsResponse* response) {

@@ -11,6 +11,7 @@
 #include "absl/random/random.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/ps.grpc.pb.h"
+#include "ps_server/checkpointer.h"
 #include "ps_server/shard.h"
 
 namespace pstrain {
@@ -28,9 +29,11 @@ struct ServiceOptions {
 
 class ParameterServerService final : public ParameterServerRawService {
  public:
+  // `checkpointer` may be null (no --checkpoint_dir).
   explicit ParameterServerService(Shard* shard,
-                                  const ServiceOptions& options = {})
-      : shard_(shard), options_(options) {}
+                                  const ServiceOptions& options = {},
+                                  Checkpointer* checkpointer = nullptr)
+      : shard_(shard), options_(options), checkpointer_(checkpointer) {}
 
   grpc::ServerUnaryReactor* RegisterModel(
       grpc::CallbackServerContext* context, const RegisterModelRequest* request,
@@ -50,6 +53,9 @@ class ParameterServerService final : public ParameterServerRawService {
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context,
                                   const LeaveRequest* request,
                                   LeaveResponse* response) override;
+  grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
+                                       const CheckpointRequest* request,
+                                       CheckpointResponse* response) override;
 
   // Push responses dropped on purpose (drop_push_response_probability).
   int64_t push_responses_dropped() const { return dropped_.load(); }
@@ -59,6 +65,7 @@ class ParameterServerService final : public ParameterServerRawService {
 
   Shard* shard_;
   const ServiceOptions options_;
+  Checkpointer* checkpointer_;
   std::atomic<int64_t> dropped_{0};
   absl::Mutex random_mu_;
   absl::BitGen random_ ABSL_GUARDED_BY(random_mu_);

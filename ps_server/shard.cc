@@ -11,6 +11,7 @@
 #include "common/init.h"
 #include "common/protocol.h"
 #include "common/tensor_codec.h"
+#include "ps_server/checkpoint.h"
 
 namespace pstrain {
 namespace {
@@ -870,6 +871,87 @@ void Shard::BeginShutdown() {
   for (std::unique_ptr<Waiter>& w : waiting) {
     w->done(absl::UnavailableError("the server is shutting down"), {});
   }
+}
+
+absl::Status Shard::Restore(const RestoredShard& restored) {
+  if (restored.optimizer != options_.optimizer.name) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the checkpoint was written with --optimizer=", restored.optimizer,
+        ", this server runs --optimizer=", options_.optimizer.name,
+        ": their state does not carry over"));
+  }
+  absl::MutexLock lock(&register_mu_);
+  if (model_owner_ != nullptr) {
+    return absl::FailedPreconditionError(
+        "a model is already registered; restore before serving");
+  }
+  if (absl::Status s = InstallModel(restored.schema); !s.ok()) return s;
+  const Model& model = *model_owner_;
+  if (restored.blocks.size() != model.blocks.size()) {
+    return absl::DataLossError(
+        absl::StrCat("the checkpoint holds ", restored.blocks.size(),
+                     " blocks of this shard, expected ", model.blocks.size()));
+  }
+  for (const BlockSnapshot& saved : restored.blocks) {
+    const int local =
+        saved.global_block >= 0 &&
+                saved.global_block <
+                    static_cast<int64_t>(model.local_of_global.size())
+            ? model.local_of_global[saved.global_block]
+            : -1;
+    if (local < 0) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint block ", saved.global_block, " is not on this shard"));
+    }
+    Block& block = *model.blocks[local];
+    absl::MutexLock block_lock(&block.mu);
+    if (saved.value.size() != block.value.size() ||
+        saved.optimizer_state.size() != block.state.size()) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint block ", saved.global_block, " has ", saved.value.size(),
+          "+", saved.optimizer_state.size(), " floats, expected ",
+          block.value.size(), "+", block.state.size()));
+    }
+    block.value = saved.value;
+    block.state = saved.optimizer_state;
+    block.version.store(saved.version);
+    // Workers beyond either job's size start with no history.
+    for (size_t w = 0;
+         w < std::min(saved.last_step.size(), block.last_step.size()); ++w) {
+      block.last_step[w] = saved.last_step[w];
+    }
+  }
+  absl::MutexLock state_lock(&mu_);
+  recovering_ = options_.mode == ConsistencyMode::kSync;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShardSnapshot> Shard::Snapshot(int64_t sequence) const {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr) {
+    return absl::FailedPreconditionError("no model is registered yet");
+  }
+  ShardSnapshot snapshot;
+  snapshot.schema = model->schema;
+  snapshot.mode = ConsistencyModeName(options_.mode);
+  snapshot.optimizer = options_.optimizer.name;
+  snapshot.shard_id = options_.shard_id;
+  snapshot.num_shards = options_.num_shards;
+  snapshot.sequence = sequence;
+  const std::vector<int>& globals =
+      model->partition.BlocksOfShard(options_.shard_id);
+  snapshot.blocks.resize(globals.size());
+  for (size_t i = 0; i < globals.size(); ++i) {
+    const Block& block = *model->blocks[i];
+    BlockSnapshot& out = snapshot.blocks[i];
+    out.global_block = globals[i];
+    absl::MutexLock lock(&block.mu);
+    out.version = block.version.load();
+    out.value = block.value;
+    out.optimizer_state = block.state;
+    out.last_step = block.last_step;
+  }
+  return snapshot;
 }
 
 int64_t Shard::MinVersion() const {

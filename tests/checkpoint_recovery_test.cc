@@ -1,0 +1,249 @@
+// Server failures with real processes: a shard killed with SIGKILL and
+// restarted from its checkpoint while the job runs, a corrupt newest
+// checkpoint, and a job checkpointed on 3 shards restored onto 2.
+#include <dirent.h>
+#include <signal.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/partition.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "ps_server/checkpoint.h"
+#include "tests/test_cluster.h"
+#include "worker/model.h"
+#include "worker/ps_client.h"
+
+namespace pstrain {
+namespace {
+
+using testing::ClusterOptions;
+using testing::FinalJsonNumber;
+using testing::Process;
+using testing::TestCluster;
+
+constexpr uint64_t kSeed = 5;
+constexpr int kBlockElements = 64;
+
+std::vector<std::string> WorkerFlags(int steps) {
+  return {"--model=mlp",
+          "--hidden=16",
+          "--num_features=12",
+          "--num_classes=3",
+          "--train_examples=4096",
+          "--test_examples=512",
+          "--batch_size=16",
+          absl::StrCat("--seed=", kSeed),
+          absl::StrCat("--block_elements=", kBlockElements),
+          "--log_every=0",
+          "--device=cpu",
+          "--heartbeat_interval_s=0.2",
+          "--retry_window_s=60",
+          absl::StrCat("--steps=", steps)};
+}
+
+// The schema the workers above register, for an observer.
+ModelSchema Schema() {
+  auto backend = std::move(*kernels::CreateBackend("cpu"));
+  auto model = std::move(*CreateMlp(backend.get(), 12, {16}, 3, 1));
+  ModelSchema schema;
+  schema.set_seed(kSeed);
+  schema.set_block_elements(kBlockElements);
+  for (const DenseTensorSpec& spec : model->Params()) {
+    *schema.add_dense() = spec;
+  }
+  return schema;
+}
+
+// The whole model as an observer sees it at `step`.
+std::vector<std::vector<float>> PullModel(TestCluster& cluster, int64_t step) {
+  PsClientOptions options;
+  options.hosts = cluster.HostList();
+  auto client = std::move(*PsClient::Create(options));
+  const ModelSchema schema = Schema();
+  EXPECT_TRUE(client->Register(schema, 2, /*worker_id=*/-1).ok());
+  std::vector<std::vector<float>> tensors;
+  std::vector<float*> pointers;
+  for (const DenseTensorSpec& spec : schema.dense()) {
+    tensors.emplace_back(NumElements(spec), NAN);
+  }
+  for (auto& t : tensors) pointers.push_back(t.data());
+  absl::StatusOr<int64_t> pulled = client->Pull(step, pointers);
+  EXPECT_TRUE(pulled.ok()) << pulled.status();
+  return tensors;
+}
+
+std::unique_ptr<TestCluster> StartCluster(const ClusterOptions& options,
+                                          const std::string& name) {
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, name);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  return cluster.ok() ? std::move(*cluster) : nullptr;
+}
+
+std::string Finish(Process& worker) {
+  absl::StatusOr<int> code = worker.Wait(absl::Seconds(120));
+  EXPECT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(code.value_or(-1), 0) << worker.Stderr();
+  return worker.Stdout();
+}
+
+std::vector<std::string> CheckpointFiles(const std::string& dir) {
+  std::vector<std::string> files;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* entry = readdir(d)) {
+      if (absl::EndsWith(entry->d_name, ".pstrain")) {
+        files.push_back(absl::StrCat(dir, "/", entry->d_name));
+      }
+    }
+    closedir(d);
+  }
+  std::sort(files.begin(), files.end());  // sequence order: 12 digits
+  return files;
+}
+
+TEST(CheckpointRecoveryTest, KilledServerRestartsFromItsCheckpoint) {
+  const std::string dir = absl::StrCat(testing::TestDir(), "/ckpt_kill");
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  constexpr int kInterval = 10;
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
+                          absl::StrCat("--checkpoint_every_steps=", kInterval),
+                          "--learning_rate=0.2"};
+  auto cluster = StartCluster(options, "kill_server");
+  ASSERT_NE(cluster, nullptr);
+  constexpr int kSteps = 150;
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < 2; ++k) {
+    workers.push_back(std::move(*cluster->StartWorker(k, 2, [&] {
+      auto flags = WorkerFlags(kSteps);
+      flags.push_back("--inject_step_delay_ms=5");
+      return flags;
+    }())));
+  }
+  ASSERT_TRUE(cluster
+                  ->WaitForStats(
+                      [](const StatsResponse& s) { return s.version() >= 40; },
+                      absl::Seconds(60))
+                  .ok());
+  cluster->KillServer(1);
+  const absl::Status restarted = cluster->RestartServer(1);
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  for (auto& worker : workers) {
+    const std::string out = Finish(*worker);
+    absl::StatusOr<double> accuracy = FinalJsonNumber(out, "test_accuracy");
+    ASSERT_TRUE(accuracy.ok()) << out;
+    EXPECT_GE(*accuracy, 0.6) << out;
+  }
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ((*stats)[0].version(), kSteps);
+  EXPECT_EQ((*stats)[1].version(), kSteps);
+  // The restarted shard lost at most the steps since its last checkpoint
+  // (plus the one in flight when it was killed).
+  const int64_t lost = (*stats)[1].steps_lost();
+  EXPECT_LE(lost, kInterval + 1);
+  EXPECT_EQ((*stats)[0].steps_lost(), 0);
+  std::cout << "[ recovery ] shard 1 killed at step >= 40 and restored; "
+            << lost << " step(s) lost (interval " << kInterval << ")\n";
+}
+
+TEST(CheckpointRecoveryTest, CorruptNewestCheckpointFallsBackToThePrevious) {
+  const std::string dir = absl::StrCat(testing::TestDir(), "/ckpt_corrupt");
+  ClusterOptions options;
+  options.num_shards = 1;
+  options.num_workers = 1;
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
+                          "--checkpoint_every_steps=10", "--learning_rate=0.2"};
+  auto cluster = StartCluster(options, "corrupt");
+  ASSERT_NE(cluster, nullptr);
+  absl::StatusOr<std::vector<std::string>> outputs =
+      cluster->RunWorkers({WorkerFlags(45)}, absl::Seconds(60));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  const absl::Status stopped = cluster->StopServer(0);
+  ASSERT_TRUE(stopped.ok()) << stopped;  // final checkpoint at step 45
+
+  const std::vector<std::string> files =
+      CheckpointFiles(absl::StrCat(dir, "/shard-0-of-1"));
+  ASSERT_GE(files.size(), 2u);
+  // The step each file holds, as the store reads it: drop the newest files
+  // one by one from a copy of the directory.
+  auto step_of_newest = [&](size_t keep) -> int64_t {
+    const std::string copy = absl::StrCat(dir, "_copy", keep);
+    const std::string shard_dir = absl::StrCat(copy, "/shard-0-of-1");
+    std::filesystem::create_directories(shard_dir);
+    for (size_t i = 0; i < keep; ++i) {
+      std::filesystem::copy(files[i], shard_dir);
+    }
+    absl::StatusOr<RestoredShard> restored =
+        CheckpointStore(copy, 10).LoadForShard(0, 1);
+    EXPECT_TRUE(restored.ok()) << restored.status();
+    return restored.ok() ? restored->blocks[0].version : -1;
+  };
+  const int64_t newest_step = step_of_newest(files.size());
+  const int64_t previous_step = step_of_newest(files.size() - 1);
+  EXPECT_EQ(newest_step, 45);  // the final checkpoint
+  ASSERT_LT(previous_step, newest_step);
+  {
+    std::fstream newest(files.back(),
+                        std::ios::in | std::ios::out | std::ios::binary);
+    newest.seekp(200);
+    newest.put('\x5a');  // inside the payload: only the CRC can tell
+  }
+  const absl::Status restarted = cluster->RestartServer(0);
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ((*stats)[0].version(), previous_step);
+  const std::string log = cluster->server(0).Stderr();
+  EXPECT_NE(log.find("checkpoint skipped"), std::string::npos) << log;
+  EXPECT_NE(log.find(files.back()), std::string::npos) << log;
+}
+
+TEST(CheckpointRecoveryTest, ThreeShardsRestoreOntoTwo) {
+  const std::string dir = absl::StrCat(testing::TestDir(), "/ckpt_reshard");
+  ClusterOptions options;
+  options.num_shards = 3;
+  options.num_workers = 2;
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
+                          "--learning_rate=0.2"};
+  auto three = StartCluster(options, "reshard3");
+  ASSERT_NE(three, nullptr);
+  constexpr int kSteps = 30;
+  ASSERT_TRUE(three
+                  ->RunWorkers({WorkerFlags(kSteps), WorkerFlags(kSteps)},
+                               absl::Seconds(60))
+                  .ok());
+  const auto before = PullModel(*three, kSteps);
+  for (int s = 0; s < 3; ++s) {
+    const absl::Status stopped = three->StopServer(s);
+    ASSERT_TRUE(stopped.ok()) << stopped;
+  }
+
+  options.num_shards = 2;
+  auto two = StartCluster(options, "reshard2");
+  ASSERT_NE(two, nullptr);
+  const auto after = PullModel(*two, kSteps);
+  ASSERT_EQ(before.size(), after.size());
+  for (size_t t = 0; t < before.size(); ++t) {
+    EXPECT_EQ(before[t], after[t]) << "tensor " << t;
+  }
+  absl::StatusOr<std::vector<StatsResponse>> stats = two->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  for (const StatsResponse& shard : *stats) {
+    EXPECT_EQ(shard.version(), kSteps);
+  }
+  EXPECT_NE(two->server(0).Stderr().find("resharded from 3 shards"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace pstrain
