@@ -38,9 +38,6 @@ absl::StatusOr<std::string> Checkpointer::Restore() {
       store_.LoadForShard(shard_id_, num_shards_);
   if (absl::IsNotFound(restored.status())) return std::string();
   if (!restored.ok()) return restored.status();
-  for (const std::string& skipped : restored->files_skipped) {
-    LOG(WARNING) << "checkpoint skipped: " << skipped;
-  }
   if (absl::Status s = shard_->Restore(*restored); !s.ok()) return s;
   int64_t min_version = INT64_MAX, max_version = 0;
   for (const BlockSnapshot& block : restored->blocks) {

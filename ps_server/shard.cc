@@ -725,6 +725,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
   auto waiter = std::make_unique<Waiter>();
   waiter->locals = std::move(*locals);
   waiter->step = step;
+  bool completed = false;  // a lost gradient completed some block's step
   {
     absl::ReleasableMutexLock lock(&mu_);
     if (worker >= 0) {
@@ -751,6 +752,24 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
             {});
       }
       recovering_ = false;
+      // A member pulling step s has pushed step s - 1 everywhere; a block
+      // here without its gradient lost it with this shard's previous life
+      // (killed, restored from a checkpoint). Waiting for it would wait
+      // forever, so it counts as given, like a skipped non-finite one.
+      if (worker >= 0 && step >= 1 && (*membership_)[worker] <= step - 1) {
+        for (int local : waiter->locals) {
+          Block& block = *(*model)->blocks[local];
+          absl::MutexLock block_lock(&block.mu);
+          if (block.version.load() != step - 1 ||
+              block.last_contributed[worker] == step - 1) {
+            continue;
+          }
+          block.last_contributed[worker] = step - 1;
+          ++block.contributors;
+          gradients_lost_.fetch_add(1);
+          completed |= CompleteIfReadyLocked(block, *membership_);
+        }
+      }
     }
     if (options_.mode != ConsistencyMode::kAsync &&
         !WaiterReadyLocked(*waiter)) {
@@ -762,6 +781,8 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
           std::min(deadline, absl::Now() + options_.max_pull_wait);
       waiter->done = std::move(done);
       waiters_.push_back(std::move(waiter));
+      lock.Release();
+      if (completed) ReleaseReadyWaiters();
       return;
     }
     if (options_.mode == ConsistencyMode::kSsp) {
@@ -769,6 +790,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
       if (min_clock != kNever) AtomicMax(ssp_gap_max_, step - min_clock);
     }
   }
+  if (completed) ReleaseReadyWaiters();
   done(absl::OkStatus(), CopyBlocks(**model, waiter->locals));
 }
 
@@ -989,6 +1011,7 @@ StatsResponse Shard::Stats() const {
                              applies);
   }
   stats.set_steps_lost(steps_lost_.load());
+  stats.set_gradients_lost(gradients_lost_.load());
   stats.set_ssp_gap_max(ssp_gap_max_.load());
   absl::MutexLock lock(&mu_);
   int members = 0;

@@ -221,6 +221,7 @@ class Shard {
   std::atomic<int64_t> staleness_max_{0};
   std::atomic<int64_t> async_applies_{0};
   std::atomic<int64_t> steps_lost_{0};
+  std::atomic<int64_t> gradients_lost_{0};
   std::atomic<int64_t> ssp_gap_max_{0};
 };
 

@@ -205,6 +205,18 @@ TEST(ShardSyncTest, BlocksCompleteIndependently) {
   EXPECT_EQ(f.shard->Stats().version(), 0);             // the slowest block
 }
 
+// A member pulling step 1 must have pushed step 0: a shard that does not
+// have its gradient lost it (killed and restored) and must not wait for it.
+TEST(ShardSyncTest, PullOfTheNextStepAccountsForALostGradient) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 2)).ok());
+  auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_EQ(pulled->blocks[0].version, 1);
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);     // 1 - 0.5 * 2 (worker 1's)
+  EXPECT_EQ(f.shard->Stats().gradients_lost(), 3);  // one per block
+}
+
 TEST(ShardSyncTest, PullTimesOutNamingTheMissingWorkers) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 3);
   ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());

@@ -115,16 +115,24 @@ TEST(FaultToleranceTest, BackupWorkersDoNotWaitForAStraggler) {
                         With(MlpFlags(kSteps), {"--inject_step_delay_ms=100"}));
   ASSERT_TRUE(w0 && w1 && w2);
   const std::string out0 = Finish(*w0), out1 = Finish(*w1), out2 = Finish(*w2);
-  // The straggler found the job far ahead of it: the steps did not wait.
-  // (Waiting for it would have made it compute every step.)
-  EXPECT_GE(Number(out2, "steps_skipped"), 20) << out2;
-  EXPECT_LE(Number(out2, "steps_run"), 40) << out2;
+  // The steps did not wait for the straggler: it computed few of them (had
+  // they waited, it would have computed every one), finding the job ahead
+  // of it whenever it pulled. Depending on how late it started it joined
+  // part-way or at the end; either way every step is accounted for.
+  EXPECT_EQ(Number(out0, "steps_run"), kSteps);
+  EXPECT_EQ(Number(out1, "steps_run"), kSteps);
+  EXPECT_LE(Number(out2, "steps_run"), kSteps / 2) << out2;
+  EXPECT_EQ(Number(out2, "start_step") + Number(out2, "steps_skipped") +
+                Number(out2, "steps_run"),
+            kSteps)
+      << out2;
   absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
   ASSERT_TRUE(stats.ok());
+  // Gradients that arrived after their step completed were dropped, and
+  // each worker was told so.
   const double late_reported = Number(out0, "late_blocks") +
                                Number(out1, "late_blocks") +
                                Number(out2, "late_blocks");
-  EXPECT_GT((*stats)[0].late_gradients_dropped(), 0);
   EXPECT_EQ((*stats)[0].late_gradients_dropped(), late_reported);
   EXPECT_EQ((*stats)[0].version(), kSteps);
   EXPECT_GE(Number(out0, "test_accuracy"), 0.6) << out0;

@@ -262,10 +262,10 @@ int Main() {
       model_name == "probe"
           ? CreateProbeModel(backend->get(),
                              absl::GetFlag(FLAGS_probe_elements))
-          : CreateMlp(backend->get(), data->train.num_features,
-                      model_name == "softmax" ? std::vector<int64_t>{}
-                                              : *hidden,
-                      absl::GetFlag(FLAGS_num_classes), batch_size);
+          : CreateMlp(
+                backend->get(), data->train.num_features,
+                model_name == "softmax" ? std::vector<int64_t>{} : *hidden,
+                absl::GetFlag(FLAGS_num_classes), batch_size);
   if (!model.ok()) {
     LOG(ERROR) << "cannot build the model: " << model.status();
     return 1;
@@ -291,7 +291,29 @@ int Main() {
   options.num_workers = num_workers;
   options.steps = absl::GetFlag(FLAGS_steps);
   options.batch_size = batch_size;
-  options.log_every = absl::GetFlag(FLAGS_log_every);
+  const int64_t log_every = absl::GetFlag(FLAGS_log_every);
+  double window_examples = 0, window_seconds = 0, window_loss = 0;
+  int64_t window_correct_steps = 0;
+  double window_accuracy = 0;
+  options.on_step = [&](const StepReport& r) {
+    window_examples += r.examples;
+    window_seconds += r.step_seconds;
+    window_loss += r.loss;
+    window_accuracy += r.train_accuracy;
+    ++window_correct_steps;
+    if (log_every <= 0 || (r.step % log_every != 0 && r.step != r.steps)) {
+      return;
+    }
+    std::printf(
+        "worker %d step %lld/%lld loss %.4f train_acc %.3f samples/s %.0f\n",
+        worker_id, static_cast<long long>(r.step),
+        static_cast<long long>(r.steps), window_loss / window_correct_steps,
+        window_accuracy / window_correct_steps,
+        window_examples / std::max(window_seconds, 1e-9));
+    std::fflush(stdout);
+    window_examples = window_seconds = window_loss = window_accuracy = 0;
+    window_correct_steps = 0;
+  };
   options.start_step = registration->start_step;
   // SIGTERM/SIGINT: finish the step in hand, leave the job, report.
   static std::atomic<bool> stop_requested{false};

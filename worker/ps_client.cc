@@ -114,6 +114,10 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
     call.context = std::make_unique<grpc::ClientContext>();
     call.context->set_deadline(deadline);
     call.context->set_wait_for_ready(call.wait_for_ready);
+    if (!options_.auth_token.empty()) {
+      call.context->AddMetadata("authorization",
+                                absl::StrCat("Bearer ", options_.auth_token));
+    }
     call.request = call.MakeRequest();
     call.response.Clear();
     Connection(call.shard, call.connection)

@@ -49,6 +49,10 @@ struct PsClientOptions {
   // before the error is returned. Retries are safe: a repeated push is
   // acknowledged as a duplicate, never applied twice.
   absl::Duration retry_window = absl::Seconds(120);
+  // Channel security (TLS / mutual TLS); null means plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // Sent as "authorization: Bearer <token>" on every call when not empty.
+  std::string auth_token;
   // Fault injection for exactly-once tests: after a successful push RPC,
   // send it again with this probability, as a client whose response was
   // lost would.

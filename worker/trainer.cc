@@ -141,9 +141,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   BatchCursor cursor(&train);
   BatchResult window;
   const absl::Time start = absl::Now();
-  absl::Time window_start = start;
   int64_t step = options.start_step;
   while (step < options.steps) {
+    const absl::Time step_start = absl::Now();
     if (options.stop != nullptr && options.stop->load()) {
       result.stopped_early = true;
       break;
@@ -181,28 +181,29 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     ++result.steps_run;
     ++step;
 
-    window.loss_sum += batch_result->loss_sum;
-    window.num_correct += batch_result->num_correct;
-    window.rows += batch_result->rows;
-    const bool last = step == options.steps;
-    if (((options.log_every > 0 && step % options.log_every == 0) || last) &&
-        window.rows > 0) {
-      const absl::Time now = absl::Now();
-      result.final_loss = window.loss_sum / window.rows;
-      result.train_accuracy =
-          static_cast<double>(window.num_correct) / window.rows;
-      if (options.log_every > 0 && options.progress != nullptr) {
-        absl::FPrintF(options.progress,
-                      "worker %d step %d/%d loss %.4f train_acc %.3f "
-                      "samples/s %.0f\n",
-                      options.worker_id, step, options.steps, result.final_loss,
-                      result.train_accuracy,
-                      window.rows / absl::ToDoubleSeconds(now - window_start));
-        std::fflush(options.progress);
-      }
-      window = BatchResult();
-      window_start = now;
+    // The final loss and accuracy average the last tenth of the job.
+    if (step > options.steps - std::max<int64_t>(1, options.steps / 10)) {
+      window.loss_sum += batch_result->loss_sum;
+      window.num_correct += batch_result->num_correct;
+      window.rows += batch_result->rows;
     }
+    if (options.on_step) {
+      const absl::Time now = absl::Now();
+      StepReport report;
+      report.step = step;
+      report.steps = options.steps;
+      report.loss = batch_result->loss_sum / batch_result->rows;
+      report.train_accuracy =
+          static_cast<double>(batch_result->num_correct) / batch_result->rows;
+      report.examples = batch_result->rows;
+      report.step_seconds = absl::ToDoubleSeconds(now - step_start);
+      options.on_step(report);
+    }
+  }
+  if (window.rows > 0) {
+    result.final_loss = window.loss_sum / window.rows;
+    result.train_accuracy =
+        static_cast<double>(window.num_correct) / window.rows;
   }
   result.steps = options.steps;
   result.wall_time_s = absl::ToDoubleSeconds(absl::Now() - start);

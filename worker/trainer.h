@@ -5,7 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdio>
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -17,14 +17,24 @@
 
 namespace pstrain {
 
+// What one step did, for progress output and metrics.
+struct StepReport {
+  int64_t step = 0;  // steps done (1-based)
+  int64_t steps = 0;
+  double loss = 0;            // this step's batch mean
+  double train_accuracy = 0;  // this step's batch
+  int64_t examples = 0;
+  double step_seconds = 0;  // wall time of the step, pull to push
+};
+
 struct TrainerOptions {
   int worker_id = 0;
   int num_workers = 1;
   int64_t start_step = 0;  // a worker (re)joining a running job starts late
   int64_t steps = 100;
   int64_t batch_size = 64;  // this worker's; the model's max_batch
-  int64_t log_every = 20;   // 0: no progress lines
-  std::FILE* progress = stdout;
+  // Called after every step (on the training thread).
+  std::function<void(const StepReport&)> on_step;
   // Fault injection: extra time per step, as a straggler would take.
   absl::Duration step_delay = absl::ZeroDuration();
   // Set (e.g. by SIGTERM) to stop after the current step and leave the job.
@@ -34,7 +44,7 @@ struct TrainerOptions {
 struct TrainResult {
   std::string mode;
   int64_t steps = 0;
-  double final_loss = 0;  // mean training loss over the last log window
+  double final_loss = 0;  // mean training loss over the last 10% of steps
   double train_accuracy = 0;
   double test_loss = 0;
   double test_accuracy = 0;
