@@ -49,9 +49,29 @@ struct PullReply {
 
 }  // namespace
 
+bool ParameterServerService::Authorized(grpc::CallbackServerContext* context,
+                                        grpc::ServerUnaryReactor** refused) {
+  if (options_.auth_token.empty()) return true;
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  const std::string expected = absl::StrCat("Bearer ", options_.auth_token);
+  if (it != metadata.end() &&
+      absl::string_view(it->second.data(), it->second.size()) == expected) {
+    return true;
+  }
+  shard_->CountRejected();
+  *refused = Finish(
+      context, absl::UnauthenticatedError("missing or wrong bearer token (see "
+                                          "--auth_token_file)"));
+  return false;
+}
+
 grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
     grpc::CallbackServerContext* context, const RegisterModelRequest* request,
     RegisterModelResponse* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
   absl::StatusOr<RegisterModelResponse> result = shard_->Register(*request);
   if (result.ok()) *response = std::move(*result);
   return Finish(context, result.status());
@@ -60,6 +80,9 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
 grpc::ServerUnaryReactor* ParameterServerService::Pull(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
     grpc::ByteBuffer* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
   PullRequest pull;
   if (absl::Status s = ParseSmall(*request, &pull); !s.ok()) {
     shard_->CountRejected();
@@ -96,6 +119,9 @@ grpc::ServerUnaryReactor* ParameterServerService::Pull(
 grpc::ServerUnaryReactor* ParameterServerService::Push(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
     grpc::ByteBuffer* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
   ReceivedBytes bytes;
   if (!bytes.Load(*request)) {
     shard_->CountRejected();
@@ -138,18 +164,27 @@ bool ParameterServerService::DropThisResponse() {
 grpc::ServerUnaryReactor* ParameterServerService::Heartbeat(
     grpc::CallbackServerContext* context, const HeartbeatRequest* request,
     HeartbeatResponse*) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
   return Finish(context, shard_->Heartbeat(*request));
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Leave(
     grpc::CallbackServerContext* context, const LeaveRequest* request,
     LeaveResponse*) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
   return Finish(context, shard_->Leave(*request));
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
     grpc::CallbackServerContext* context, const CheckpointRequest*,
     CheckpointResponse* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
   if (checkpointer_ == nullptr) {
     return Finish(context, absl::FailedPreconditionError(
                                "this server has no --checkpoint_dir"));
@@ -162,6 +197,9 @@ grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
 grpc::ServerUnaryReactor* ParameterServerService::Stats(
     grpc::CallbackServerContext* context, const StatsRequest*,
     StatsResponse* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
   *response = shard_->Stats();
   return Finish(context, absl::OkStatus());
 }

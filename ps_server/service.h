@@ -25,6 +25,9 @@ struct ServiceOptions {
   // UNAVAILABLE with this probability, as if the response was lost, so the
   // client retries a push the shard already has.
   double drop_push_response_probability = 0;
+  // When not empty, every call must carry "authorization: Bearer <token>";
+  // others are refused UNAUTHENTICATED before they are read.
+  std::string auth_token;
 };
 
 class ParameterServerService final : public ParameterServerRawService {
@@ -62,6 +65,9 @@ class ParameterServerService final : public ParameterServerRawService {
 
  private:
   bool DropThisResponse();
+  // False (and answers UNAUTHENTICATED) when the call lacks the token.
+  bool Authorized(grpc::CallbackServerContext* context,
+                  grpc::ServerUnaryReactor** refused);
 
   Shard* shard_;
   const ServiceOptions options_;

@@ -153,8 +153,10 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     absl::StatusOr<DeviceBatch> device_batch =
         batch.Upload(options.batch_size, train.num_features, backend);
     if (!device_batch.ok()) return device_batch.status();
+    const absl::Time pull_start = absl::Now();
     absl::StatusOr<int64_t> at = buffers.PullToDevice(client, step, backend);
     if (!at.ok()) return at.status();
+    const absl::Duration pull_time = absl::Now() - pull_start;
     if (*at > step) {  // the job went on without this worker: catch up
       result.steps_skipped += *at - step;
       step = *at;
@@ -174,8 +176,10 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     if (options.step_delay > absl::ZeroDuration()) {
       absl::SleepFor(options.step_delay);
     }
+    const absl::Time push_start = absl::Now();
     absl::StatusOr<PsClient::PushResult> pushed = client.Push(step, host_grads);
     if (!pushed.ok()) return pushed.status();
+    const absl::Duration push_time = absl::Now() - push_start;
     result.duplicate_blocks += pushed->blocks_duplicate;
     result.late_blocks += pushed->blocks_late;
     ++result.steps_run;
@@ -197,6 +201,8 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
           static_cast<double>(batch_result->num_correct) / batch_result->rows;
       report.examples = batch_result->rows;
       report.step_seconds = absl::ToDoubleSeconds(now - step_start);
+      report.pull_seconds = absl::ToDoubleSeconds(pull_time);
+      report.push_seconds = absl::ToDoubleSeconds(push_time);
       options.on_step(report);
     }
   }

@@ -25,6 +25,8 @@ struct StepReport {
   double train_accuracy = 0;  // this step's batch
   int64_t examples = 0;
   double step_seconds = 0;  // wall time of the step, pull to push
+  double pull_seconds = 0;
+  double push_seconds = 0;
 };
 
 struct TrainerOptions {
