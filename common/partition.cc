@@ -15,7 +15,20 @@ std::string ShapeString(const DenseTensorSpec& tensor) {
   return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
 }
 
+uint64_t Mix64(uint64_t x) {  // splitmix64's finalizer
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
 }  // namespace
+
+int SparseShardOf(absl::string_view table, uint64_t id, int num_shards) {
+  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a of the name: stable everywhere
+  for (unsigned char c : table) h = (h ^ c) * 0x100000001b3ULL;
+  return static_cast<int>(Mix64(h ^ Mix64(id)) %
+                          static_cast<uint64_t>(num_shards));
+}
 
 int64_t NumElements(const DenseTensorSpec& tensor) {
   int64_t n = 1;
@@ -67,6 +80,26 @@ absl::Status ValidateSchema(const ModelSchema& schema) {
           where, ": init value and scale must be finite, scale >= 0"));
     }
   }
+  for (int i = 0; i < schema.sparse_size(); ++i) {
+    const SparseTableSpec& table = schema.sparse(i);
+    const std::string where =
+        absl::StrCat("sparse table ", i, " ('", table.name(), "')");
+    if (table.name().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": empty name"));
+    }
+    if (!names.insert(table.name()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": duplicate name"));
+    }
+    if (table.dim() < 1 || table.dim() > 65536) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": dim must be in [1, 65536], got ", table.dim()));
+    }
+    if (!InitSpec::Kind_IsValid(table.init().kind()) ||
+        !std::isfinite(table.init().scale()) || table.init().scale() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": bad init"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -99,6 +132,20 @@ std::string FirstSchemaDifference(const ModelSchema& expected,
   if (expected.dense_size() != actual.dense_size()) {
     return absl::StrCat("tensor count ", expected.dense_size(), " vs ",
                         actual.dense_size());
+  }
+  const int common_sparse =
+      std::min(expected.sparse_size(), actual.sparse_size());
+  for (int i = 0; i < common_sparse; ++i) {
+    if (expected.sparse(i).SerializeAsString() !=
+        actual.sparse(i).SerializeAsString()) {
+      return absl::StrCat("sparse table ", i, " ('", expected.sparse(i).name(),
+                          "'): {", expected.sparse(i).ShortDebugString(),
+                          "} vs {", actual.sparse(i).ShortDebugString(), "}");
+    }
+  }
+  if (expected.sparse_size() != actual.sparse_size()) {
+    return absl::StrCat("sparse table count ", expected.sparse_size(), " vs ",
+                        actual.sparse_size());
   }
   return "";
 }

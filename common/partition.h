@@ -40,6 +40,10 @@ std::string FirstSchemaDifference(const ModelSchema& expected,
 
 int64_t NumElements(const DenseTensorSpec& tensor);
 
+// The shard holding row `id` of sparse table `table`: a hash of both, so
+// tables spread independently and any shard count works.
+int SparseShardOf(absl::string_view table, uint64_t id, int num_shards);
+
 class Partition {
  public:
   // The schema must pass ValidateSchema; num_shards >= 1.

@@ -151,6 +151,33 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(
                    serialized.error_message()));
 }
 
+grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
+    grpc::CallbackServerContext* context, const SparsePullRequest* request,
+    SparsePullResponse* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  shard_->SparsePull(
+      *request, absl::FromChrono(context->deadline()),
+      [reactor, response](absl::Status status, SparsePullResponse result) {
+        if (status.ok()) *response = std::move(result);
+        reactor->Finish(ToGrpcStatus(status));
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::SparsePush(
+    grpc::CallbackServerContext* context, const SparsePushRequest* request,
+    SparsePushResponse* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
+  absl::StatusOr<SparsePushResponse> result = shard_->SparsePush(*request);
+  if (result.ok()) *response = std::move(*result);
+  return Finish(context, result.status());
+}
+
 bool ParameterServerService::DropThisResponse() {
   if (options_.drop_push_response_probability <= 0) return false;
   absl::MutexLock lock(&random_mu_);

@@ -56,6 +56,12 @@ class ParameterServerService final : public ParameterServerRawService {
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context,
                                   const LeaveRequest* request,
                                   LeaveResponse* response) override;
+  grpc::ServerUnaryReactor* SparsePull(grpc::CallbackServerContext* context,
+                                       const SparsePullRequest* request,
+                                       SparsePullResponse* response) override;
+  grpc::ServerUnaryReactor* SparsePush(grpc::CallbackServerContext* context,
+                                       const SparsePushRequest* request,
+                                       SparsePushResponse* response) override;
   grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
                                        const CheckpointRequest* request,
                                        CheckpointResponse* response) override;

@@ -49,19 +49,43 @@ struct Shard::Block {
   std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
 };
 
+// A sparse table's rows on this shard and its step protocol (the rows
+// themselves are thread-safe in SparseTable).
+struct Shard::SparseState {
+  const SparseTableSpec* spec = nullptr;
+  std::unique_ptr<SparseTable> table;
+  std::atomic<int64_t> version{0};
+  std::atomic<int64_t> rows_pulled{0}, rows_pushed{0};
+
+  mutable absl::Mutex mu;
+  // sync: this step's per-row gradient sums and who has contributed.
+  absl::flat_hash_map<uint64_t, std::vector<float>> gradient_sum
+      ABSL_GUARDED_BY(mu);
+  std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
+  int contributors ABSL_GUARDED_BY(mu) = 0;
+  // async/ssp: the last step applied per worker (-1: none).
+  std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
+};
+
 struct Shard::Model {
   ModelSchema schema;
   Partition partition;
+  std::vector<std::unique_ptr<SparseState>> sparse;  // schema order
+  absl::flat_hash_map<std::string, int> sparse_index;
   std::vector<std::unique_ptr<Block>> blocks;  // this shard's, global order
   std::vector<int> local_of_global;            // -1 when on another shard
   int64_t num_elements = 0;
 };
 
+// A pull waiting for its step: for dense blocks `locals`, or for sparse
+// table `sparse`. `answer` is called once, with OK when the pull may proceed
+// (it then copies what was asked for) or with why it may not.
 struct Shard::Waiter {
   std::vector<int> locals;
+  int sparse = -1;
   int64_t step = 0;
   absl::Time deadline;
-  PullDone done;
+  std::function<void(absl::Status)> answer;
 };
 
 struct Shard::WorkerState {
@@ -179,6 +203,19 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
   const std::vector<BlockLocation>& all = model->partition.blocks();
   model->local_of_global.assign(all.size(), -1);
   const int slots = optimizer_->state_per_element();
+  int64_t shard_elements = 0;
+  for (int g : model->partition.BlocksOfShard(options_.shard_id)) {
+    shard_elements += all[g].length;
+  }
+  // Values, optimizer state and (sync) the step's gradient sum.
+  const int64_t floats_per_element = 1 + slots + 1;
+  if (shard_elements > options_.max_shard_bytes / 4 / floats_per_element) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the model needs ", shard_elements, " elements on this shard (",
+        shard_elements * 4 * floats_per_element >> 20,
+        " MiB with optimizer state); --max_shard_memory_gb allows ",
+        options_.max_shard_bytes >> 20, " MiB: use more shards"));
+  }
   for (int g : model->partition.BlocksOfShard(options_.shard_id)) {
     const BlockLocation& loc = all[g];
     const DenseTensorSpec& tensor = model->schema.dense(loc.tensor);
@@ -201,6 +238,42 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
     model->local_of_global[g] = static_cast<int>(model->blocks.size());
     model->num_elements += loc.length;
     model->blocks.push_back(std::move(block));
+  }
+  for (const SparseTableSpec& spec : model->schema.sparse()) {
+    SparseTableOptions table_options;
+    table_options.name = spec.name();
+    table_options.dim = spec.dim();
+    table_options.init = spec.init();
+    table_options.seed = model->schema.seed();
+    const SparseOptimizer& o = spec.optimizer();
+    table_options.optimizer.name = o.name();
+    table_options.optimizer.learning_rate = o.learning_rate();
+    table_options.optimizer.initial_accumulator = o.initial_accumulator();
+    table_options.optimizer.beta1 = o.beta1();
+    table_options.optimizer.beta2 = o.beta2();
+    table_options.optimizer.epsilon = o.epsilon();
+    table_options.optimizer.ftrl_alpha = o.ftrl_alpha();
+    table_options.optimizer.ftrl_beta = o.ftrl_beta();
+    table_options.optimizer.ftrl_l1 = o.ftrl_l1();
+    table_options.optimizer.ftrl_l2 = o.ftrl_l2();
+    table_options.max_rows = options_.sparse_max_rows;
+    table_options.admit_after = options_.sparse_admit_after;
+    absl::StatusOr<std::unique_ptr<SparseTable>> table =
+        SparseTable::Create(table_options);
+    if (!table.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sparse table '", spec.name(), "': ", table.status().message()));
+    }
+    auto state = std::make_unique<SparseState>();
+    state->spec = &spec;
+    state->table = std::move(*table);
+    {
+      absl::MutexLock state_lock(&state->mu);
+      state->last_contributed.assign(options_.max_workers, -1);
+      state->last_step.assign(options_.max_workers, -1);
+    }
+    model->sparse_index[spec.name()] = static_cast<int>(model->sparse.size());
+    model->sparse.push_back(std::move(state));
   }
   register_mu_.AssertHeld();
   model_owner_ = std::move(model);
@@ -405,9 +478,11 @@ absl::StatusOr<const Shard::Model*> Shard::ValidateCommon(
         "worker_id must be in [0, ", options_.max_workers, ")",
         allow_observer ? " or -1 for an observer" : "", ", got ", worker_id));
   }
-  if (step < 0) {
+  // Steps count updates; 2^53 leaves every step + 1 exact and safe.
+  constexpr int64_t kMaxStep = int64_t{1} << 53;
+  if (step < 0 || step >= kMaxStep) {
     return absl::InvalidArgumentError(
-        absl::StrCat("step must be >= 0, got ", step));
+        absl::StrCat("step must be in [0, 2^53), got ", step));
   }
   return model;
 }
@@ -480,6 +555,7 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
   }
   steps_lost_.fetch_add(lost);
   recovering_ = false;
+  recovery_horizon_ = std::max(recovery_horizon_, step);
 }
 
 absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
@@ -494,6 +570,16 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
   {
     absl::MutexLock lock(&mu_);
     TouchLocked(request.worker_id);
+    // async/ssp steps only identify a worker's pushes; one far ahead of its
+    // last would make every later push look like a repeat.
+    constexpr int64_t kMaxStepJump = int64_t{1} << 20;
+    if (!sync &&
+        request.step > workers_[request.worker_id].next_step + kMaxStepJump) {
+      return Reject(absl::OutOfRangeError(absl::StrCat(
+          "push for step ", request.step, " is far ahead of worker ",
+          request.worker_id, "'s next step ",
+          workers_[request.worker_id].next_step)));
+    }
     if (sync) {
       // Checked for every block before any is applied, so a refused push
       // changes nothing.
@@ -616,7 +702,258 @@ void Shard::CompleteReadyBlocks() {
     absl::MutexLock lock(&block->mu);
     completed |= CompleteIfReadyLocked(*block, *members);
   }
+  for (const auto& state : model->sparse) {
+    absl::MutexLock lock(&state->mu);
+    completed |= CompleteSparseIfReadyLocked(*state, *members);
+  }
   if (completed) ReleaseReadyWaiters();
+}
+
+// ---------------------------------------------------------------------------
+// Sparse tables.
+
+absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
+    const Model& model, absl::string_view table, absl::Span<const uint64_t> ids,
+    bool unique) const {
+  auto it = model.sparse_index.find(table);
+  if (it == model.sparse_index.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown sparse table '", table, "'"));
+  }
+  constexpr size_t kMaxIds = size_t{1} << 24;
+  if (ids.size() > kMaxIds) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sparse request for ", ids.size(), " ids; at most ", kMaxIds));
+  }
+  for (uint64_t id : ids) {
+    const int owner = SparseShardOf(table, id, options_.num_shards);
+    if (owner != options_.shard_id) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "row ", id, " of sparse table '", table, "' lives on shard ", owner,
+          ", this is shard ", options_.shard_id));
+    }
+  }
+  if (unique) {
+    absl::flat_hash_set<uint64_t> seen;
+    seen.reserve(ids.size());
+    for (uint64_t id : ids) {
+      if (!seen.insert(id).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "row ", id, " of sparse table '", table,
+            "' appears twice in one push: sum its gradients first"));
+      }
+    }
+  }
+  return model.sparse[it->second].get();
+}
+
+bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
+                                        const Membership& membership) {
+  const int64_t version = state.version.load();
+  int required = 0;
+  for (int64_t joined_at : membership) required += joined_at <= version;
+  if (options_.replicas_to_aggregate > 0) {
+    required = std::min(required, options_.replicas_to_aggregate);
+  }
+  if (required == 0 || state.contributors < required) return false;
+  // Rows a worker did not touch count as a zero gradient from it, as in the
+  // dense path: the mean is over every contributor.
+  const int64_t dim = state.spec->dim();
+  std::vector<uint64_t> ids;
+  std::vector<float> grads;
+  ids.reserve(state.gradient_sum.size());
+  grads.reserve(state.gradient_sum.size() * dim);
+  const float inverse = 1.0f / static_cast<float>(state.contributors);
+  for (auto& [id, sum] : state.gradient_sum) {
+    ids.push_back(id);
+    for (float g : sum) grads.push_back(g * inverse);
+  }
+  // Ids are unique (map keys) and lengths consistent: this cannot fail.
+  state.table->Push(ids, grads).IgnoreError();
+  state.gradient_sum.clear();
+  state.contributors = 0;
+  state.version.store(version + 1);
+  return true;
+}
+
+void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
+                       SparsePullDone done) {
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(request.protocol_version(), request.worker_id(),
+                     request.step(), /*allow_observer=*/true);
+  if (!model.ok()) return done(Reject(model.status()), {});
+  const std::vector<uint64_t> ids(request.ids().begin(), request.ids().end());
+  absl::StatusOr<SparseState*> state =
+      ValidateSparse(**model, request.table(), ids, /*unique=*/false);
+  if (!state.ok()) return done(Reject(state.status()), {});
+  SparseState* table = *state;
+  const int64_t step = request.step();
+  const int worker = request.worker_id();
+  auto answer = [table, ids, done = std::move(done)](absl::Status status) {
+    if (!status.ok()) return done(std::move(status), {});
+    SparsePullResponse response;
+    std::string* values = response.mutable_values();
+    values->resize(ids.size() * table->spec->dim() * sizeof(float));
+    if (absl::Status pulled = table->table->Pull(
+            ids, absl::MakeSpan(reinterpret_cast<float*>(values->data()),
+                                ids.size() * table->spec->dim()));
+        !pulled.ok()) {
+      return done(std::move(pulled), {});
+    }
+    response.set_version(table->version.load());
+    table->rows_pulled.fetch_add(ids.size());
+    done(absl::OkStatus(), std::move(response));
+  };
+  if (options_.mode == ConsistencyMode::kAsync) return answer(absl::OkStatus());
+
+  auto waiter = std::make_unique<Waiter>();
+  waiter->sparse = (*model)->sparse_index.at(request.table());
+  waiter->step = step;
+  bool completed = false;
+  {
+    absl::ReleasableMutexLock lock(&mu_);
+    if (worker >= 0) {
+      TouchLocked(worker);
+      JoinIfPendingLocked(worker, step);
+    }
+    if (options_.mode == ConsistencyMode::kSync) {
+      const int64_t version = table->version.load();
+      if (version + 1 < step) {
+        lock.Release();
+        return answer(Reject(absl::OutOfRangeError(
+            absl::StrCat("sparse pull for step ", step, " but table '",
+                         request.table(), "' is at step ", version,
+                         ": a worker can be at most one step ahead"))));
+      }
+      // As for blocks: a member pulling step s has pushed s - 1.
+      if (worker >= 0 && step >= 1 && step - 1 <= recovery_horizon_ &&
+          (*membership_)[worker] <= step - 1) {
+        absl::MutexLock state_lock(&table->mu);
+        if (table->version.load() == step - 1 &&
+            table->last_contributed[worker] != step - 1) {
+          table->last_contributed[worker] = step - 1;
+          ++table->contributors;
+          gradients_lost_.fetch_add(1);
+          completed = CompleteSparseIfReadyLocked(*table, *membership_);
+        }
+      }
+    }
+    if (!WaiterReadyLocked(*waiter)) {
+      if (shutting_down_) {
+        lock.Release();
+        return answer(absl::UnavailableError("the server is shutting down"));
+      }
+      waiter->deadline =
+          std::min(deadline, absl::Now() + options_.max_pull_wait);
+      waiter->answer = std::move(answer);
+      waiters_.push_back(std::move(waiter));
+      lock.Release();
+      if (completed) ReleaseReadyWaiters();
+      return;
+    }
+  }
+  if (completed) ReleaseReadyWaiters();
+  answer(absl::OkStatus());
+}
+
+absl::StatusOr<SparsePushResponse> Shard::SparsePush(
+    const SparsePushRequest& request) {
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(request.protocol_version(), request.worker_id(),
+                     request.step(), /*allow_observer=*/false);
+  if (!model.ok()) return Reject(model.status());
+  const std::vector<uint64_t> ids(request.ids().begin(), request.ids().end());
+  absl::StatusOr<SparseState*> state =
+      ValidateSparse(**model, request.table(), ids, /*unique=*/true);
+  if (!state.ok()) return Reject(state.status());
+  SparseState& table = **state;
+  const int64_t dim = table.spec->dim();
+  const int64_t element_bytes = WireElementBytes(request.dtype());
+  if (element_bytes == 0) {
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("sparse push: wire type ",
+                     static_cast<int>(request.dtype()), " is not supported")));
+  }
+  ByteSegments payload;
+  payload.push_back(request.gradients());
+  if (request.gradients().size() !=
+      static_cast<uint64_t>(ids.size() * dim * element_bytes)) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+        "sparse push to '", request.table(), "': ", request.gradients().size(),
+        " gradient bytes for ", ids.size(), " rows of dim ", dim, ", expected ",
+        ids.size() * dim * element_bytes)));
+  }
+  const int64_t bad = FindNonFiniteSegments(request.dtype(), payload);
+  if (bad >= 0) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+        "sparse push to '", request.table(), "': row ", ids[bad / dim],
+        " has a NaN or infinite gradient; the push was not applied")));
+  }
+  std::vector<float> grads(ids.size() * dim);
+  DecodeSegments(request.dtype(), payload, absl::MakeSpan(grads),
+                 /*accumulate=*/false)
+      .IgnoreError();  // validated above
+  SparsePushResponse response;
+  bool completed = false;
+  {
+    absl::MutexLock lock(&mu_);
+    TouchLocked(request.worker_id());
+  }
+  if (options_.mode == ConsistencyMode::kSync) {
+    const std::shared_ptr<const Membership> members = membership();
+    absl::MutexLock lock(&table.mu);
+    const int64_t version = table.version.load();
+    if (request.step() > version) {
+      return Reject(absl::FailedPreconditionError(
+          absl::StrCat("sparse push for step ", request.step(), " but table '",
+                       request.table(), "' is at step ", version)));
+    }
+    if (request.step() < version) {
+      const bool duplicate =
+          table.last_contributed[request.worker_id()] >= request.step();
+      response.set_duplicate(duplicate);
+      response.set_late(!duplicate);
+      (duplicate ? blocks_duplicate_ : blocks_late_).fetch_add(1);
+      return response;
+    }
+    if (table.last_contributed[request.worker_id()] == version) {
+      response.set_duplicate(true);
+      blocks_duplicate_.fetch_add(1);
+      return response;
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      std::vector<float>& sum = table.gradient_sum[ids[i]];
+      if (sum.empty()) sum.assign(dim, 0.0f);
+      for (int64_t j = 0; j < dim; ++j) sum[j] += grads[i * dim + j];
+    }
+    table.last_contributed[request.worker_id()] = version;
+    ++table.contributors;
+    completed = CompleteSparseIfReadyLocked(table, *members);
+  } else {
+    {
+      absl::MutexLock lock(&table.mu);
+      int64_t& last = table.last_step[request.worker_id()];
+      if (request.step() <= last) {
+        response.set_duplicate(true);
+        blocks_duplicate_.fetch_add(1);
+        return response;
+      }
+      last = request.step();
+    }
+    SparsePushResult pushed;
+    // Validated above (unique ids, sizes, finite): this cannot fail.
+    table.table->Push(ids, grads, &pushed).IgnoreError();
+    response.set_rows_dropped(static_cast<int32_t>(pushed.dropped_unadmitted));
+    absl::MutexLock lock(&mu_);
+    WorkerState& w = workers_[request.worker_id()];
+    w.next_step = std::max(w.next_step, request.step() + 1);
+  }
+  table.rows_pushed.fetch_add(ids.size());
+  blocks_applied_.fetch_add(1);
+  if (completed || options_.mode == ConsistencyMode::kSsp) {
+    ReleaseReadyWaiters();
+  }
+  return response;
 }
 
 Shard::BlockResult Shard::PushAsyncBlock(Block& block,
@@ -706,6 +1043,9 @@ bool Shard::WaiterReadyLocked(const Waiter& waiter) const {
            waiter.step - min_clock <= options_.ssp_staleness;
   }
   const Model* model = model_.load(std::memory_order_acquire);
+  if (waiter.sparse >= 0) {
+    return model->sparse[waiter.sparse]->version.load() >= waiter.step;
+  }
   for (int local : waiter.locals) {
     if (model->blocks[local]->version.load() < waiter.step) return false;
   }
@@ -753,10 +1093,13 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
       }
       recovering_ = false;
       // A member pulling step s has pushed step s - 1 everywhere; a block
-      // here without its gradient lost it with this shard's previous life
-      // (killed, restored from a checkpoint). Waiting for it would wait
-      // forever, so it counts as given, like a skipped non-finite one.
-      if (worker >= 0 && step >= 1 && (*membership_)[worker] <= step - 1) {
+      // of a restored shard without its gradient for a step that was in
+      // flight when the shard died lost it with the shard's previous life.
+      // Waiting for it would wait forever, so it counts as given, like a
+      // skipped non-finite one. Nowhere else: a client that pulls before it
+      // pushes must not complete a step without its gradient.
+      if (worker >= 0 && step >= 1 && step - 1 <= recovery_horizon_ &&
+          (*membership_)[worker] <= step - 1) {
         for (int local : waiter->locals) {
           Block& block = *(*model)->blocks[local];
           absl::MutexLock block_lock(&block.mu);
@@ -779,7 +1122,13 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
       }
       waiter->deadline =
           std::min(deadline, absl::Now() + options_.max_pull_wait);
-      waiter->done = std::move(done);
+      const Model* m = *model;
+      std::vector<int> locals = waiter->locals;
+      waiter->answer = [this, m, locals = std::move(locals),
+                        done = std::move(done)](absl::Status status) {
+        if (!status.ok()) return done(std::move(status), {});
+        done(absl::OkStatus(), CopyBlocks(*m, locals));
+      };
       waiters_.push_back(std::move(waiter));
       lock.Release();
       if (completed) ReleaseReadyWaiters();
@@ -795,7 +1144,6 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
 }
 
 void Shard::ReleaseReadyWaiters() {
-  const Model* model = model_.load(std::memory_order_acquire);
   std::vector<std::unique_ptr<Waiter>> ready;
   {
     absl::MutexLock lock(&mu_);
@@ -813,9 +1161,7 @@ void Shard::ReleaseReadyWaiters() {
     }
   }
   // Answered outside the lock: copying blocks and sending take time.
-  for (std::unique_ptr<Waiter>& w : ready) {
-    w->done(absl::OkStatus(), CopyBlocks(*model, w->locals));
-  }
+  for (std::unique_ptr<Waiter>& w : ready) w->answer(absl::OkStatus());
 }
 
 std::string Shard::DescribeWait(const Waiter& waiter) const {
@@ -833,6 +1179,21 @@ std::string Shard::DescribeWait(const Waiter& waiter) const {
   }
   const Model* model = model_.load(std::memory_order_acquire);
   const std::shared_ptr<const Membership> members = membership();
+  if (waiter.sparse >= 0) {
+    const SparseState& table = *model->sparse[waiter.sparse];
+    absl::MutexLock lock(&table.mu);
+    const int64_t version = table.version.load();
+    std::vector<int> missing;
+    for (size_t w = 0; w < members->size(); ++w) {
+      if ((*members)[w] <= version && table.last_contributed[w] != version) {
+        missing.push_back(static_cast<int>(w));
+      }
+    }
+    return absl::StrCat("sparse table '", table.spec->name(),
+                        "' is still waiting for the step ", version,
+                        " pushes of workers [", absl::StrJoin(missing, ", "),
+                        "]");
+  }
   for (int local : waiter.locals) {
     const Block& block = *model->blocks[local];
     absl::MutexLock lock(&block.mu);
@@ -876,9 +1237,8 @@ void Shard::RunReaper() {
       waiters_.erase(split, waiters_.end());
     }
     for (std::unique_ptr<Waiter>& w : expired) {
-      w->done(absl::DeadlineExceededError(absl::StrCat(
-                  "step ", w->step, " is not complete: ", DescribeWait(*w))),
-              {});
+      w->answer(absl::DeadlineExceededError(absl::StrCat(
+          "step ", w->step, " is not complete: ", DescribeWait(*w))));
     }
   }
 }
@@ -891,7 +1251,7 @@ void Shard::BeginShutdown() {
     waiting.swap(waiters_);
   }
   for (std::unique_ptr<Waiter>& w : waiting) {
-    w->done(absl::UnavailableError("the server is shutting down"), {});
+    w->answer(absl::UnavailableError("the server is shutting down"));
   }
 }
 
@@ -943,8 +1303,13 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
       block.last_step[w] = saved.last_step[w];
     }
   }
+  int64_t newest = 0;
+  for (const BlockSnapshot& saved : restored.blocks) {
+    newest = std::max(newest, saved.version);
+  }
   absl::MutexLock state_lock(&mu_);
   recovering_ = options_.mode == ConsistencyMode::kSync;
+  recovery_horizon_ = newest;
   return absl::OkStatus();
 }
 
@@ -996,6 +1361,21 @@ StatsResponse Shard::Stats() const {
   if (model != nullptr) {
     stats.set_num_blocks(model->blocks.size());
     stats.set_num_elements(model->num_elements);
+    for (const auto& state : model->sparse) {
+      const SparseTableStats table = state->table->Stats();
+      SparseStats* out = stats.add_sparse();
+      out->set_name(state->spec->name());
+      out->set_version(state->version.load());
+      out->set_rows(table.rows);
+      out->set_rows_created(table.rows_created);
+      out->set_rows_evicted(table.rows_evicted);
+      out->set_pulls_unadmitted(table.pulls_unadmitted);
+      out->set_pushes_dropped_unadmitted(table.pushes_dropped_unadmitted);
+      out->set_ids_pending_admission(table.ids_pending_admission);
+      out->set_memory_bytes(table.memory_bytes);
+      out->set_rows_pulled(state->rows_pulled.load());
+      out->set_rows_pushed(state->rows_pushed.load());
+    }
   }
   stats.set_version(MinVersion());
   stats.set_blocks_applied(blocks_applied_.load());

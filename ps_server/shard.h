@@ -43,6 +43,7 @@
 #include "common/wire.h"
 #include "proto/ps.pb.h"
 #include "ps_server/optimizer.h"
+#include "ps_server/sparse_table.h"
 
 namespace pstrain {
 
@@ -73,6 +74,14 @@ struct ShardOptions {
   bool skip_nonfinite_gradients = false;
   // Upper bound on how long a pull waits, whatever the caller's deadline.
   absl::Duration max_pull_wait = absl::Minutes(2);
+  // Sparse tables: rows kept per table on this shard (0: unbounded; least
+  // recently used rows are evicted beyond it), and how many sightings of an
+  // id it takes before a row is created for it (0 or 1: the first).
+  int64_t sparse_max_rows = 0;
+  int sparse_admit_after = 0;
+  // The most memory one shard's dense parameters and optimizer state may
+  // take; a larger model is refused at registration (RESOURCE_EXHAUSTED).
+  int64_t max_shard_bytes = int64_t{16} << 30;
 };
 
 // A copy of one block's values, taken under its lock, ready to send.
@@ -105,6 +114,17 @@ class Shard {
   // `deadline` is the caller's; a wait is also capped by max_pull_wait.
   void Pull(const PullRequest& request, absl::Time deadline, PullDone done);
   absl::StatusOr<PushResponse> Push(const WirePushRequest& request);
+
+  // Rows of a sparse table (all of them on this shard), with the same step
+  // semantics as Pull/Push: sync pulls wait for the table's step, sync
+  // pushes are summed per row until every member has pushed the step (an
+  // empty push counts), then the mean is applied once.
+  using SparsePullDone =
+      std::function<void(absl::Status, SparsePullResponse response)>;
+  void SparsePull(const SparsePullRequest& request, absl::Time deadline,
+                  SparsePullDone done);
+  absl::StatusOr<SparsePushResponse> SparsePush(
+      const SparsePushRequest& request);
   absl::Status Heartbeat(const HeartbeatRequest& request);
   absl::Status Leave(const LeaveRequest& request);
   StatsResponse Stats() const;
@@ -128,6 +148,7 @@ class Shard {
 
  private:
   struct Block;
+  struct SparseState;
   struct Model;
   struct Waiter;
   struct WorkerState;
@@ -161,9 +182,17 @@ class Shard {
   BlockResult PushAsyncBlock(Block& block, const WirePushRequest& request,
                              const BlockPush& push);
   // Applies the block's step if its quorum is in; true when it did.
-  bool CompleteIfReadyLocked(Block& block, const Membership& membership)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // Requires block.mu (not annotated: Block is incomplete here).
+  bool CompleteIfReadyLocked(Block& block, const Membership& membership);
   void CompleteReadyBlocks();
+  // Sparse counterparts of the block step protocol.
+  // Requires state.mu.
+  bool CompleteSparseIfReadyLocked(SparseState& state,
+                                   const Membership& membership);
+  absl::StatusOr<SparseState*> ValidateSparse(const Model& model,
+                                              absl::string_view table,
+                                              absl::Span<const uint64_t> ids,
+                                              bool unique) const;
   // A restored sync shard meeting its first worker at `step`: moves every
   // block forward to it.
   void FastForwardLocked(const Model& model, int64_t step)
@@ -209,6 +238,9 @@ class Shard {
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   // Restored and not yet met by a worker (sync fast-forward allowed).
   bool recovering_ ABSL_GUARDED_BY(mu_) = false;
+  // A restored shard may have lost gradients of steps up to this one (the
+  // steps in flight when it crashed); -1 when it never restored.
+  int64_t recovery_horizon_ ABSL_GUARDED_BY(mu_) = -1;
   std::thread reaper_;
 
   std::atomic<int64_t> blocks_applied_{0};

@@ -2,6 +2,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "common/tensor_codec.h"
 #include "common/wire.h"
 #include "gtest/gtest.h"
+#include "ps_server/checkpoint.h"
 
 namespace pstrain {
 namespace {
@@ -205,16 +208,34 @@ TEST(ShardSyncTest, BlocksCompleteIndependently) {
   EXPECT_EQ(f.shard->Stats().version(), 0);             // the slowest block
 }
 
-// A member pulling step 1 must have pushed step 0: a shard that does not
-// have its gradient lost it (killed and restored) and must not wait for it.
-TEST(ShardSyncTest, PullOfTheNextStepAccountsForALostGradient) {
-  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
-  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 2)).ok());
-  auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
+// A member pulling step 1 must have pushed step 0. A restored shard that
+// does not have the gradient lost it in its crash, and must not wait for it;
+// any other shard must wait, or a client pulling before it pushes would
+// complete a step without its gradient.
+TEST(ShardSyncTest, OnlyARestoredShardAccountsForALostGradient) {
+  Fixture original = MakeShard(ConsistencyMode::kSync, 2);
+  absl::StatusOr<ShardSnapshot> snapshot = original.shard->Snapshot(0);
+  ASSERT_TRUE(snapshot.ok());
+  RestoredShard restored;
+  restored.schema = snapshot->schema;
+  restored.mode = snapshot->mode;
+  restored.optimizer = snapshot->optimizer;
+  restored.blocks = snapshot->blocks;
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(restored).ok());
+  ASSERT_TRUE(DoPush(*shard, UniformPush(1, 0, 2)).ok());
+  auto pulled = DoPull(*shard, PullAt(0, 1), Soon());
   ASSERT_TRUE(pulled->status.ok()) << pulled->status;
   EXPECT_EQ(pulled->blocks[0].version, 1);
-  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);     // 1 - 0.5 * 2 (worker 1's)
-  EXPECT_EQ(f.shard->Stats().gradients_lost(), 3);  // one per block
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);   // 1 - 0.5 * 2 (worker 1's)
+  EXPECT_EQ(shard->Stats().gradients_lost(), 3);  // one per block
+
+  // The shard that never crashed waits for worker 0's gradient instead.
+  ASSERT_TRUE(DoPush(*original.shard, UniformPush(1, 0, 2)).ok());
+  auto waited = DoPull(*original.shard, PullAt(0, 1),
+                       absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(waited->status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(original.shard->Stats().gradients_lost(), 0);
 }
 
 TEST(ShardSyncTest, PullTimesOutNamingTheMissingWorkers) {
@@ -353,7 +374,7 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
                    absl::StatusCode::kInvalidArgument,
                    "worker_id must be in [0, 2)"});
   cases.push_back({"negative step", UniformPush(0, -1, 1),
-                   absl::StatusCode::kInvalidArgument, "step must be >= 0"});
+                   absl::StatusCode::kInvalidArgument, "step must be in [0, 2^53)"});
   cases.push_back({"future step", UniformPush(0, 9, 1),
                    absl::StatusCode::kFailedPrecondition, "push for step 9"});
   {
@@ -404,6 +425,195 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
   EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);
   EXPECT_EQ(f.shard->Stats().requests_rejected(),
             static_cast<int64_t>(cases.size()));
+}
+
+// A schema with one sparse table "emb" of dim 2, zeros, SGD at rate 1.
+Fixture MakeSparseShard(ConsistencyMode mode, int num_workers) {
+  Fixture f;
+  f.options.mode = mode;
+  f.options.num_workers = num_workers;
+  f.options.max_pull_wait = absl::Seconds(5);
+  f.shard = std::move(*Shard::Create(f.options));
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  *request.mutable_schema() = TestSchema();
+  SparseTableSpec* table = request.mutable_schema()->add_sparse();
+  table->set_name("emb");
+  table->set_dim(2);
+  table->mutable_optimizer()->set_name("sgd");
+  table->mutable_optimizer()->set_learning_rate(1.0f);
+  request.set_num_shards(1);
+  request.set_num_workers(num_workers);
+  absl::StatusOr<RegisterModelResponse> registered = f.shard->Register(request);
+  EXPECT_TRUE(registered.ok()) << registered.status();
+  return f;
+}
+
+SparsePushRequest SparsePushOf(int worker, int64_t step,
+                               std::vector<uint64_t> ids,
+                               std::vector<float> grads) {
+  SparsePushRequest push;
+  push.set_protocol_version(kProtocolVersion);
+  push.set_worker_id(worker);
+  push.set_step(step);
+  push.set_table("emb");
+  for (uint64_t id : ids) push.add_ids(id);
+  EncodeFloat32(grads, push.mutable_gradients());
+  return push;
+}
+
+std::vector<float> SparseRows(Shard& shard, int64_t step,
+                              std::vector<uint64_t> ids) {
+  SparsePullRequest pull;
+  pull.set_protocol_version(kProtocolVersion);
+  pull.set_worker_id(-1);
+  pull.set_step(step);
+  pull.set_table("emb");
+  for (uint64_t id : ids) pull.add_ids(id);
+  absl::Notification done;
+  std::vector<float> rows;
+  shard.SparsePull(pull, Soon(),
+                   [&](absl::Status status, SparsePullResponse response) {
+                     EXPECT_TRUE(status.ok()) << status;
+                     rows.resize(response.values().size() / sizeof(float));
+                     std::memcpy(rows.data(), response.values().data(),
+                                 response.values().size());
+                     done.Notify();
+                   });
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  return rows;
+}
+
+TEST(ShardSparseTest, SyncAppliesTheMeanOfEveryWorkersRowsOnce) {
+  Fixture f = MakeSparseShard(ConsistencyMode::kSync, 2);
+  ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2})).ok());
+  // A retry is acknowledged, not added.
+  absl::StatusOr<SparsePushResponse> again =
+      f.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2}));
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->duplicate());
+  ASSERT_TRUE(
+      f.shard->SparsePush(SparsePushOf(1, 0, {7, 9}, {4, 4, 6, 6})).ok());
+  // Untouched rows count as zero from a worker, as in the dense path:
+  // row 7 = -(2 + 4) / 2, row 9 = -(0 + 6) / 2, row 11 untouched.
+  EXPECT_EQ(SparseRows(*f.shard, 1, {7, 9, 11}),
+            (std::vector<float>{-3, -3, -3, -3, 0, 0}));
+  EXPECT_EQ(f.shard->Stats().sparse(0).version(), 1);
+}
+
+TEST(ShardSparseTest, AsyncAppliesEachPushOnArrival) {
+  Fixture f = MakeSparseShard(ConsistencyMode::kAsync, 2);
+  ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2})).ok());
+  ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(1, 0, {7}, {4, 4})).ok());
+  EXPECT_EQ(SparseRows(*f.shard, 0, {7}), (std::vector<float>{-6, -6}));
+}
+
+TEST(ShardSparseTest, BadSparsePushesAreRefusedAndChangeNothing) {
+  Fixture f = MakeSparseShard(ConsistencyMode::kAsync, 1);
+  struct Case {
+    std::string name;
+    SparsePushRequest push;
+    std::string message;
+  };
+  std::vector<Case> cases = {
+      {"duplicate id", SparsePushOf(0, 0, {7, 7}, {1, 1, 1, 1}),
+       "appears twice"},
+      {"wrong length", SparsePushOf(0, 0, {7}, {1, 1, 1}), "expected 8"},
+      {"nan", SparsePushOf(0, 0, {7}, {1, NAN}), "NaN"},
+  };
+  SparsePushRequest unknown = SparsePushOf(0, 0, {7}, {1, 1});
+  unknown.set_table("nope");
+  cases.push_back({"unknown table", unknown, "unknown sparse table 'nope'"});
+  for (const Case& c : cases) {
+    const absl::Status status = f.shard->SparsePush(c.push).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.name;
+    EXPECT_NE(status.message().find(c.message), std::string::npos)
+        << c.name << ": " << status;
+  }
+  EXPECT_EQ(SparseRows(*f.shard, 0, {7}), (std::vector<float>{0, 0}));
+}
+
+// The sparse path equals the dense path on a small vocabulary: the same row
+// gradients from two workers, sent as sparse rows to a table and as a full
+// dense tensor (zeros for untouched rows), give the same model under sync
+// SGD, step after step.
+TEST(ShardSparseTest, SparsePathEqualsDensePath) {
+  constexpr int kVocab = 50, kDim = 4, kSteps = 20;
+  ShardOptions options;
+  options.num_workers = 2;
+  options.optimizer.learning_rate = 0.3f;
+  options.max_pull_wait = absl::Seconds(5);
+  auto shard = std::move(*Shard::Create(options));
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  ModelSchema& schema = *request.mutable_schema();
+  schema.set_block_elements(64);  // several blocks
+  DenseTensorSpec* dense = schema.add_dense();
+  dense->set_name("emb_dense");
+  dense->add_shape(kVocab);
+  dense->add_shape(kDim);  // ZEROS init
+  SparseTableSpec* table = schema.add_sparse();
+  table->set_name("emb");
+  table->set_dim(kDim);  // ZEROS init
+  table->mutable_optimizer()->set_name("sgd");
+  table->mutable_optimizer()->set_learning_rate(0.3f);
+  request.set_num_shards(1);
+  request.set_num_workers(2);
+  ASSERT_TRUE(shard->Register(request).ok());
+  absl::StatusOr<Partition> partition = Partition::Create(schema, 1);
+  ASSERT_TRUE(partition.ok());
+
+  std::mt19937 random(7);
+  std::uniform_real_distribution<float> value(-1, 1);
+  for (int step = 0; step < kSteps; ++step) {
+    for (int worker = 0; worker < 2; ++worker) {
+      // A random subset of rows with random gradients.
+      std::vector<uint64_t> ids;
+      std::vector<float> rows;
+      std::vector<float> full(kVocab * kDim, 0.0f);
+      for (int id = 0; id < kVocab; ++id) {
+        if (random() % 3 != 0) continue;
+        ids.push_back(id);
+        for (int j = 0; j < kDim; ++j) {
+          const float g = value(random);
+          rows.push_back(g);
+          full[id * kDim + j] = g;
+        }
+      }
+      ASSERT_TRUE(
+          shard->SparsePush(SparsePushOf(worker, step, ids, rows)).ok());
+      PushRequest push;
+      push.set_protocol_version(kProtocolVersion);
+      push.set_worker_id(worker);
+      push.set_step(step);
+      for (const BlockLocation& loc : partition->blocks()) {
+        TensorBlock* block = push.add_blocks();
+        block->set_tensor("emb_dense");
+        block->set_block(loc.block);
+        EncodeFloat32(absl::MakeConstSpan(full).subspan(loc.offset, loc.length),
+                      block->mutable_data());
+      }
+      ASSERT_TRUE(DoPush(*shard, push).ok());
+    }
+  }
+  std::vector<uint64_t> all(kVocab);
+  for (int id = 0; id < kVocab; ++id) all[id] = id;
+  const std::vector<float> sparse = SparseRows(*shard, kSteps, all);
+  auto pulled = DoPull(*shard, PullAt(0, kSteps), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  std::vector<float> dense_values;
+  for (const PulledBlock& block : pulled->blocks) {
+    dense_values.insert(dense_values.end(), block.values.begin(),
+                        block.values.end());
+  }
+  ASSERT_EQ(sparse.size(), dense_values.size());
+  double max_difference = 0;
+  for (size_t i = 0; i < sparse.size(); ++i) {
+    max_difference =
+        std::max<double>(max_difference, std::abs(sparse[i] - dense_values[i]));
+  }
+  EXPECT_LE(max_difference, 1e-6);
+  EXPECT_GT(std::abs(sparse[0]) + std::abs(sparse[kDim]), 0.1);  // it moved
 }
 
 TEST(ShardValidationTest, BlocksOfAnotherShardAreRefused) {

@@ -1,6 +1,7 @@
 #include "worker/ps_client.h"
 
 #include <chrono>
+#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -477,6 +478,114 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
         !s.ok()) {
       return s;
     }
+  }
+  return result;
+}
+
+absl::Status PsClient::PullSparse(int table, int64_t step,
+                                  absl::Span<const uint64_t> ids, float* out) {
+  if (table < 0 || table >= schema_.sparse_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no sparse table ", table, " in the model"));
+  }
+  const SparseTableSpec& spec = schema_.sparse(table);
+  const int64_t dim = spec.dim();
+  // positions[s]: where shard s's rows go in `out`.
+  std::vector<std::vector<size_t>> positions(num_shards());
+  std::vector<SparsePullRequest> requests(num_shards());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int s = SparseShardOf(spec.name(), ids[i], num_shards());
+    positions[s].push_back(i);
+    requests[s].add_ids(ids[i]);
+  }
+  std::vector<Call> calls;
+  calls.reserve(num_shards());
+  std::vector<int> shard_of_call;
+  for (int s = 0; s < num_shards(); ++s) {
+    if (positions[s].empty()) continue;
+    requests[s].set_protocol_version(kProtocolVersion);
+    requests[s].set_worker_id(worker_id_);
+    requests[s].set_step(step);
+    requests[s].set_table(spec.name());
+    shard_of_call.push_back(s);
+  }
+  calls.resize(shard_of_call.size());
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const int s = shard_of_call[c];
+    calls[c].shard = s;
+    calls[c].connection = c % options_.connections_per_shard;
+    calls[c].flat = requests[s].SerializeAsString();
+    calls[c].on_response = [&positions, s, dim, out](Call& call) {
+      SparsePullResponse response;
+      if (absl::Status st = Deserialize(call.response, &response); !st.ok()) {
+        return st;
+      }
+      const std::vector<size_t>& where = positions[s];
+      if (response.values().size() != where.size() * dim * sizeof(float)) {
+        return absl::DataLossError(
+            absl::StrCat("sparse pull returned ", response.values().size(),
+                         " bytes for ", where.size(), " rows of dim ", dim));
+      }
+      const char* values = response.values().data();
+      for (size_t r = 0; r < where.size(); ++r) {
+        std::memcpy(out + where[r] * dim, values + r * dim * sizeof(float),
+                    dim * sizeof(float));
+      }
+      return absl::OkStatus();
+    };
+  }
+  return RunAll("SparsePull", calls, options_.rpc_timeout, /*retry=*/true);
+}
+
+absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
+    int table, int64_t step, absl::Span<const uint64_t> ids,
+    const float* grads) {
+  if (table < 0 || table >= schema_.sparse_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no sparse table ", table, " in the model"));
+  }
+  const SparseTableSpec& spec = schema_.sparse(table);
+  const int64_t dim = spec.dim();
+  const DataType wire_type = options_.gradient_wire_type;
+  std::vector<SparsePushRequest> requests(num_shards());
+  std::vector<std::vector<float>> rows(num_shards());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int s = SparseShardOf(spec.name(), ids[i], num_shards());
+    requests[s].add_ids(ids[i]);
+    rows[s].insert(rows[s].end(), grads + i * dim, grads + (i + 1) * dim);
+  }
+  std::vector<int> shard_of_call;
+  for (int s = 0; s < num_shards(); ++s) {
+    // Sync steps complete only when every member has pushed, even nothing.
+    if (requests[s].ids_size() == 0 && mode_ != "sync") continue;
+    requests[s].set_protocol_version(kProtocolVersion);
+    requests[s].set_worker_id(worker_id_);
+    requests[s].set_step(step);
+    requests[s].set_table(spec.name());
+    requests[s].set_dtype(wire_type);
+    EncodeFromFloat32(wire_type, rows[s], requests[s].mutable_gradients());
+    shard_of_call.push_back(s);
+  }
+  std::vector<Call> calls(shard_of_call.size());
+  std::vector<SparsePushResponse> responses(calls.size());
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const int s = shard_of_call[c];
+    calls[c].shard = s;
+    calls[c].connection = c % options_.connections_per_shard;
+    calls[c].flat = requests[s].SerializeAsString();
+    calls[c].on_response = [&responses, c](Call& call) {
+      return Deserialize(call.response, &responses[c]);
+    };
+  }
+  if (absl::Status st =
+          RunAll("SparsePush", calls, options_.rpc_timeout, /*retry=*/true);
+      !st.ok()) {
+    return st;
+  }
+  PushResult result;
+  for (const SparsePushResponse& response : responses) {
+    result.blocks_duplicate += response.duplicate();
+    result.blocks_late += response.late();
   }
   return result;
 }

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/partition.h"
 #include "common/wire.h"
 #include "proto/ps.grpc.pb.h"
@@ -93,6 +94,18 @@ class PsClient {
   };
   absl::StatusOr<PushResult> Push(int64_t step,
                                   const std::vector<const float*>& gradients);
+
+  // Sparse table `table` (index into the schema's sparse tables): fills
+  // out[i * dim ..] with the rows of `ids` (unique), asking each shard for
+  // the rows it holds, all at once. Sync: the rows after `step` updates.
+  absl::Status PullSparse(int table, int64_t step,
+                          absl::Span<const uint64_t> ids, float* out);
+  // Sends one gradient row per id (ids unique, grads [ids, dim]). In sync
+  // mode every shard gets a push, empty where the batch touched none of its
+  // rows, so the table's step completes everywhere.
+  absl::StatusOr<PushResult> PushSparse(int table, int64_t step,
+                                        absl::Span<const uint64_t> ids,
+                                        const float* grads);
 
   // Tells every shard this worker is done; later steps stop waiting for it.
   // Stops the heartbeats.

@@ -1,0 +1,697 @@
+#include "ps_server/sparse_table.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/init.h"
+
+namespace pstrain {
+namespace {
+
+constexpr uint32_t kNil = std::numeric_limits<uint32_t>::max();
+// Row storage grows in chunks that double with the stripe (so small tables
+// stay small) up to this many rows (so growth never copies rows).
+constexpr int64_t kMinChunkRows = 16;
+constexpr int64_t kMaxChunkRows = 4096;
+constexpr int kMaxStripes = 4096;
+constexpr int64_t kMaxDim = int64_t{1} << 20;
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+absl::Status CheckRange(const char* flag, float value, float lo, float hi,
+                        bool lo_inclusive, bool hi_inclusive) {
+  const bool ok = std::isfinite(value) &&
+                  (lo_inclusive ? value >= lo : value > lo) &&
+                  (hi_inclusive ? value <= hi : value < hi);
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be in ", lo_inclusive ? "[" : "(", lo,
+                   ", ", hi, hi_inclusive ? "]" : ")", ", got ", value));
+}
+
+absl::Status CheckPositive(const char* flag, float value) {
+  if (std::isfinite(value) && value > 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be a positive number, got ", value));
+}
+
+absl::Status CheckNonNegative(const char* flag, float value) {
+  if (std::isfinite(value) && value >= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be a non-negative number, got ", value));
+}
+
+bool AllFinite(absl::Span<const float> v) {
+  for (float x : v) {
+    if (!std::isfinite(x)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status ValidateSparseOptimizer(const SparseOptimizerConfig& c) {
+  if (c.name == "sgd") {
+    return CheckPositive("sparse_learning_rate", c.learning_rate);
+  }
+  if (c.name == "adagrad") {
+    for (absl::Status s :
+         {CheckPositive("sparse_learning_rate", c.learning_rate),
+          CheckPositive("sparse_adagrad_initial_accumulator",
+                        c.initial_accumulator)}) {
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  if (c.name == "adam") {
+    for (absl::Status s :
+         {CheckPositive("sparse_learning_rate", c.learning_rate),
+          CheckRange("sparse_adam_beta1", c.beta1, 0, 1, true, false),
+          CheckRange("sparse_adam_beta2", c.beta2, 0, 1, true, false),
+          CheckRange("sparse_adam_epsilon", c.epsilon, 0, 1, false, true)}) {
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  if (c.name == "ftrl") {
+    for (absl::Status s : {CheckPositive("ftrl_alpha", c.ftrl_alpha),
+                           CheckNonNegative("ftrl_beta", c.ftrl_beta),
+                           CheckNonNegative("ftrl_l1", c.ftrl_l1),
+                           CheckNonNegative("ftrl_l2", c.ftrl_l2)}) {
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--sparse_optimizer must be sgd, adagrad, adam or ftrl, "
+                   "got '",
+                   c.name, "'"));
+}
+
+uint64_t DenseCompatibleIdLimit(int64_t dim) {
+  return (uint64_t{1} << 63) / static_cast<uint64_t>(std::max<int64_t>(dim, 1));
+}
+
+void FillSparseRowInitialValues(const InitSpec& init, uint64_t seed,
+                                absl::string_view table, uint64_t id,
+                                absl::Span<float> out) {
+  const int64_t dim = static_cast<int64_t>(out.size());
+  if (id < DenseCompatibleIdLimit(dim)) {
+    // id * dim + dim - 1 <= 2^63 - 1: no overflow.
+    FillInitialValues(init, seed, table, static_cast<int64_t>(id) * dim, out);
+  } else if (init.kind() == InitSpec::UNIFORM ||
+             init.kind() == InitSpec::NORMAL) {
+    FillInitialValues(init, seed, absl::StrCat(table, "#", id), 0, out);
+  } else {
+    // Constant kinds do not look at the name; skip building it.
+    FillInitialValues(init, seed, table, 0, out);
+  }
+}
+
+// One row's bookkeeping. Its floats (value, then state slot-major) live in
+// the stripe's chunks at `data`.
+struct RowMeta {
+  uint64_t id;
+  int64_t update_count;
+  float* data;
+  uint32_t prev;  // towards more recently used; kNil at the head
+  uint32_t next;  // towards less recently used; kNil at the tail
+};
+
+struct alignas(64) SparseTable::Stripe {
+  mutable absl::Mutex mu;
+  int64_t capacity = 0;  // rows; 0: unbounded. Fixed at construction.
+
+  absl::flat_hash_map<uint64_t, uint32_t> index ABSL_GUARDED_BY(mu);
+  std::vector<RowMeta> rows ABSL_GUARDED_BY(mu);  // by slot; never shrinks
+  std::vector<std::unique_ptr<float[]>> chunks ABSL_GUARDED_BY(mu);
+  int64_t allocated_rows ABSL_GUARDED_BY(mu) = 0;  // row capacity of chunks
+  float* chunk_cursor ABSL_GUARDED_BY(mu) = nullptr;
+  int64_t chunk_rows_left ABSL_GUARDED_BY(mu) = 0;
+  // LRU list over slots, maintained only when capacity > 0.
+  uint32_t lru_head ABSL_GUARDED_BY(mu) = kNil;  // most recently used
+  uint32_t lru_tail ABSL_GUARDED_BY(mu) = kNil;  // least recently used
+
+  // Admission (admit_after > 1): sightings of non-resident ids. A count of
+  // admit_after marks an admitted id whose row was evicted.
+  absl::flat_hash_map<uint64_t, uint32_t> sightings ABSL_GUARDED_BY(mu);
+  int64_t remembered ABSL_GUARDED_BY(mu) = 0;  // entries with count >= N
+
+  int64_t rows_created ABSL_GUARDED_BY(mu) = 0;
+  int64_t rows_evicted ABSL_GUARDED_BY(mu) = 0;
+  int64_t rows_loaded ABSL_GUARDED_BY(mu) = 0;
+  int64_t pulls_unadmitted ABSL_GUARDED_BY(mu) = 0;
+  int64_t pushes_dropped ABSL_GUARDED_BY(mu) = 0;
+  int64_t forgotten ABSL_GUARDED_BY(mu) = 0;
+
+  void Unlink(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    RowMeta& r = rows[slot];
+    if (r.prev != kNil) {
+      rows[r.prev].next = r.next;
+    } else {
+      lru_head = r.next;
+    }
+    if (r.next != kNil) {
+      rows[r.next].prev = r.prev;
+    } else {
+      lru_tail = r.prev;
+    }
+    r.prev = r.next = kNil;
+  }
+
+  void PushFront(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    RowMeta& r = rows[slot];
+    r.prev = kNil;
+    r.next = lru_head;
+    if (lru_head != kNil) rows[lru_head].prev = slot;
+    lru_head = slot;
+    if (lru_tail == kNil) lru_tail = slot;
+  }
+};
+
+absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
+    const SparseTableOptions& o) {
+  if (o.name.empty()) {
+    return absl::InvalidArgumentError("sparse table: the name is empty");
+  }
+  const std::string where = absl::StrCat("sparse table '", o.name, "': ");
+  if (o.dim < 1 || o.dim > kMaxDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "dim must be in [1, ", kMaxDim, "], got ", o.dim));
+  }
+  if (o.max_rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "max_rows must be >= 0 (0: unbounded), got ", o.max_rows));
+  }
+  if (o.admit_after < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "admit_after must be >= 0, got ", o.admit_after));
+  }
+  if (o.admit_after > 1 && o.max_pending_ids < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "max_pending_ids must be >= 1, got ", o.max_pending_ids));
+  }
+  if (o.num_stripes < 1 || o.num_stripes > kMaxStripes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "num_stripes must be in [1, ", kMaxStripes,
+                     "], got ", o.num_stripes));
+  }
+  if (!std::isfinite(o.init.value()) || !std::isfinite(o.init.scale())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "init value and scale must be finite"));
+  }
+  if (absl::Status s = ValidateSparseOptimizer(o.optimizer); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(where, s.message()));
+  }
+  Kind kind = Kind::kSgd;
+  if (o.optimizer.name == "adagrad") kind = Kind::kAdagrad;
+  if (o.optimizer.name == "adam") kind = Kind::kAdam;
+  if (o.optimizer.name == "ftrl") kind = Kind::kFtrl;
+  int stripes = o.num_stripes;
+  if (o.max_rows > 0 && o.max_rows < stripes) {
+    stripes = static_cast<int>(o.max_rows);
+  }
+  return std::unique_ptr<SparseTable>(new SparseTable(o, kind, stripes));
+}
+
+namespace {
+int StatePerElement(int kind) {
+  // sgd, adagrad, adam, ftrl
+  static constexpr int kState[] = {0, 1, 2, 2};
+  return kState[kind];
+}
+}  // namespace
+
+SparseTable::SparseTable(const SparseTableOptions& options, Kind kind,
+                         int num_stripes)
+    : options_(options),
+      kind_(kind),
+      state_per_element_(StatePerElement(static_cast<int>(kind))),
+      row_floats_(options.dim * (1 + state_per_element_)),
+      sightings_capacity_(std::max<int64_t>(
+          1, (options.max_pending_ids + num_stripes - 1) / num_stripes)) {
+  stripes_.reserve(num_stripes);
+  for (int i = 0; i < num_stripes; ++i) {
+    auto s = std::make_unique<Stripe>();
+    if (options_.max_rows > 0) {
+      s->capacity = options_.max_rows / num_stripes +
+                    (i < options_.max_rows % num_stripes ? 1 : 0);
+    }
+    stripes_.push_back(std::move(s));
+  }
+}
+
+SparseTable::~SparseTable() = default;
+
+int SparseTable::StripeOf(uint64_t id) const {
+  // Top bits of a salted mix: independent of the bits absl's hash tables use
+  // inside a stripe and of a shard placement hash on (table, id).
+  const uint64_t h = SplitMix64(id ^ 0x6a09e667f3bcc909ULL) >> 32;
+  return static_cast<int>((h * stripes_.size()) >> 32);
+}
+
+int64_t SparseTable::StripeCapacity(int stripe) const {
+  return stripes_[stripe]->capacity;
+}
+
+void SparseTable::InitialValue(uint64_t id, absl::Span<float> out) const {
+  if (kind_ == Kind::kFtrl) {
+    std::fill(out.begin(), out.end(), 0.0f);
+    return;
+  }
+  FillSparseRowInitialValues(options_.init, options_.seed, options_.name, id,
+                             out);
+}
+
+void SparseTable::InitRowState(absl::Span<float> state) const {
+  const float v =
+      kind_ == Kind::kAdagrad ? options_.optimizer.initial_accumulator : 0.0f;
+  std::fill(state.begin(), state.end(), v);
+}
+
+void SparseTable::GroupByStripe(absl::Span<const uint64_t> ids,
+                                std::vector<uint32_t>* order,
+                                std::vector<uint32_t>* begin) const {
+  const size_t n = ids.size();
+  const size_t num = stripes_.size();
+  order->resize(n);
+  begin->assign(num + 1, 0);
+  if (num == 1) {
+    for (size_t i = 0; i < n; ++i) (*order)[i] = static_cast<uint32_t>(i);
+    (*begin)[1] = static_cast<uint32_t>(n);
+    return;
+  }
+  std::vector<uint32_t> stripe(n);
+  for (size_t i = 0; i < n; ++i) {
+    stripe[i] = static_cast<uint32_t>(StripeOf(ids[i]));
+    ++(*begin)[stripe[i] + 1];
+  }
+  for (size_t s = 0; s < num; ++s) (*begin)[s + 1] += (*begin)[s];
+  std::vector<uint32_t> next(begin->begin(), begin->end() - 1);
+  for (size_t i = 0; i < n; ++i) {
+    (*order)[next[stripe[i]]++] = static_cast<uint32_t>(i);
+  }
+}
+
+uint32_t SparseTable::FindAndTouch(Stripe& s, uint64_t id) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  auto it = s.index.find(id);
+  if (it == s.index.end()) return kNil;
+  const uint32_t slot = it->second;
+  if (s.capacity > 0 && s.lru_head != slot) {
+    s.Unlink(slot);
+    s.PushFront(slot);
+  }
+  return slot;
+}
+
+// Takes a slot for `id` (evicting the LRU row of a full stripe), fills it
+// with the initial value and state and makes it most recently used. The
+// caller updates the admission table and the counters.
+uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  uint32_t slot;
+  if (s.capacity > 0 && static_cast<int64_t>(s.index.size()) >= s.capacity) {
+    slot = s.lru_tail;
+    s.Unlink(slot);
+    const uint64_t victim = s.rows[slot].id;
+    s.index.erase(victim);
+    ++s.rows_evicted;
+    if (options_.admit_after > 1) RememberEvicted(s, victim);
+  } else {
+    if (s.chunk_rows_left == 0) {
+      int64_t rows = std::clamp<int64_t>(static_cast<int64_t>(s.rows.size()),
+                                         kMinChunkRows, kMaxChunkRows);
+      if (s.capacity > 0) rows = std::min(rows, s.capacity - s.allocated_rows);
+      s.chunks.emplace_back(new float[rows * row_floats_]);
+      s.chunk_cursor = s.chunks.back().get();
+      s.chunk_rows_left = rows;
+      s.allocated_rows += rows;
+    }
+    slot = static_cast<uint32_t>(s.rows.size());
+    s.rows.push_back(RowMeta{id, 0, s.chunk_cursor, kNil, kNil});
+    s.chunk_cursor += row_floats_;
+    --s.chunk_rows_left;
+  }
+  RowMeta& r = s.rows[slot];
+  r.id = id;
+  r.update_count = 0;
+  InitialValue(id, absl::MakeSpan(r.data, options_.dim));
+  InitRowState(
+      absl::MakeSpan(r.data + options_.dim, row_floats_ - options_.dim));
+  s.index.emplace(id, slot);
+  if (s.capacity > 0) s.PushFront(slot);
+  return slot;
+}
+
+// Halves every count, forgetting zeros, until the table is at most half
+// full. Counts never exceed admit_after, so this ends after at most
+// log2(admit_after) + 1 passes, and the next one is at least capacity/2
+// insertions away: amortised O(log N) per new id.
+void SparseTable::AgeSightings(Stripe& s) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const size_t target = static_cast<size_t>(sightings_capacity_ / 2);
+  while (s.sightings.size() > target) {
+    for (auto it = s.sightings.begin(); it != s.sightings.end();) {
+      it->second >>= 1;
+      if (it->second == 0) {
+        s.sightings.erase(it++);
+        ++s.forgotten;
+      } else {
+        ++it;
+      }
+    }
+  }
+  s.remembered = 0;
+  for (const auto& [id, count] : s.sightings) {
+    if (count >= static_cast<uint32_t>(options_.admit_after)) ++s.remembered;
+  }
+}
+
+// Counts one sighting of a non-resident id; returns its count.
+uint32_t SparseTable::CountSighting(Stripe& s, uint64_t id) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  auto it = s.sightings.find(id);
+  if (it == s.sightings.end()) {
+    if (static_cast<int64_t>(s.sightings.size()) >= sightings_capacity_) {
+      AgeSightings(s);
+    }
+    it = s.sightings.emplace(id, 0).first;
+  }
+  return ++it->second;
+}
+
+void SparseTable::RememberEvicted(Stripe& s, uint64_t id) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const uint32_t n = static_cast<uint32_t>(options_.admit_after);
+  auto it = s.sightings.find(id);
+  if (it == s.sightings.end()) {
+    if (static_cast<int64_t>(s.sightings.size()) >= sightings_capacity_) {
+      AgeSightings(s);
+    }
+    s.sightings.emplace(id, n);
+    ++s.remembered;
+  } else {
+    if (it->second < n) ++s.remembered;
+    it->second = n;
+  }
+}
+
+float SparseTable::FtrlWeight(float z, float n) const {
+  const SparseOptimizerConfig& c = options_.optimizer;
+  if (std::fabs(z) <= c.ftrl_l1) return 0.0f;
+  return -(z - std::copysign(c.ftrl_l1, z)) /
+         ((c.ftrl_beta + std::sqrt(n)) / c.ftrl_alpha + c.ftrl_l2);
+}
+
+void SparseTable::ApplyGradient(int64_t t, float* w, const float* g) const {
+  const int64_t d = options_.dim;
+  const SparseOptimizerConfig& c = options_.optimizer;
+  switch (kind_) {
+    case Kind::kSgd: {
+      const float lr = c.learning_rate;
+      for (int64_t i = 0; i < d; ++i) w[i] -= lr * g[i];
+      break;
+    }
+    case Kind::kAdagrad: {
+      const float lr = c.learning_rate;
+      float* acc = w + d;
+      for (int64_t i = 0; i < d; ++i) {
+        acc[i] += g[i] * g[i];
+        w[i] -= lr * g[i] / std::sqrt(acc[i]);
+      }
+      break;
+    }
+    case Kind::kAdam: {
+      float* m = w + d;
+      float* v = w + 2 * d;
+      const double td = static_cast<double>(t);
+      const float step =
+          c.learning_rate / static_cast<float>(1 - std::pow(c.beta1, td));
+      const float inv_sqrt_c2 =
+          1.0f / std::sqrt(static_cast<float>(1 - std::pow(c.beta2, td)));
+      for (int64_t i = 0; i < d; ++i) {
+        m[i] = c.beta1 * m[i] + (1 - c.beta1) * g[i];
+        v[i] = c.beta2 * v[i] + (1 - c.beta2) * g[i] * g[i];
+        w[i] -= step * m[i] / (std::sqrt(v[i]) * inv_sqrt_c2 + c.epsilon);
+      }
+      break;
+    }
+    case Kind::kFtrl: {
+      float* z = w + d;
+      float* n = w + 2 * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float n_new = n[i] + g[i] * g[i];
+        const float sigma = (std::sqrt(n_new) - std::sqrt(n[i])) / c.ftrl_alpha;
+        z[i] += g[i] - sigma * w[i];
+        n[i] = n_new;
+        w[i] = FtrlWeight(z[i], n[i]);
+      }
+      break;
+    }
+  }
+}
+
+absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
+                               absl::Span<float> out) {
+  const int64_t d = options_.dim;
+  if (out.size() != ids.size() * static_cast<size_t>(d)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sparse table '", options_.name, "': pull of ", ids.size(),
+                     " ids of dim ", d, " into ", out.size(), " floats"));
+  }
+  std::vector<uint32_t> order, begin;
+  GroupByStripe(ids, &order, &begin);
+  const uint32_t admit_after = static_cast<uint32_t>(options_.admit_after);
+  for (size_t si = 0; si < stripes_.size(); ++si) {
+    if (begin[si] == begin[si + 1]) continue;
+    Stripe& s = *stripes_[si];
+    absl::MutexLock lock(&s.mu);
+    for (uint32_t k = begin[si]; k < begin[si + 1]; ++k) {
+      const uint32_t i = order[k];
+      const uint64_t id = ids[i];
+      float* dst = out.data() + static_cast<size_t>(i) * d;
+      uint32_t slot = FindAndTouch(s, id);
+      if (slot == kNil) {
+        if (admit_after > 1) {
+          const uint32_t count = CountSighting(s, id);
+          if (count < admit_after) {
+            ++s.pulls_unadmitted;
+            InitialValue(id, absl::MakeSpan(dst, d));
+            continue;
+          }
+          s.sightings.erase(id);
+          if (count > admit_after) --s.remembered;  // it was remembered
+        }
+        slot = CreateRow(s, id);
+        ++s.rows_created;
+      }
+      std::memcpy(dst, s.rows[slot].data, d * sizeof(float));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
+                               absl::Span<const float> grads,
+                               SparsePushResult* result) {
+  SparsePushResult local;
+  if (result == nullptr) result = &local;
+  *result = SparsePushResult();
+  const int64_t d = options_.dim;
+  if (grads.size() != ids.size() * static_cast<size_t>(d)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sparse table '", options_.name, "': push of ", ids.size(),
+        " ids of dim ", d, " with ", grads.size(), " gradient floats"));
+  }
+  if (!AllFinite(grads)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sparse table '", options_.name,
+                     "': push with a non-finite gradient; nothing applied"));
+  }
+  if (ids.size() > 1) {
+    std::vector<uint64_t> sorted(ids.begin(), ids.end());
+    std::sort(sorted.begin(), sorted.end());
+    auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+    if (dup != sorted.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sparse table '", options_.name, "': id ", *dup,
+          " appears more than once in one push; sum its gradients first. "
+          "Nothing applied"));
+    }
+  }
+  std::vector<uint32_t> order, begin;
+  GroupByStripe(ids, &order, &begin);
+  const uint32_t admit_after = static_cast<uint32_t>(options_.admit_after);
+  for (size_t si = 0; si < stripes_.size(); ++si) {
+    if (begin[si] == begin[si + 1]) continue;
+    Stripe& s = *stripes_[si];
+    absl::MutexLock lock(&s.mu);
+    for (uint32_t k = begin[si]; k < begin[si + 1]; ++k) {
+      const uint32_t i = order[k];
+      const uint64_t id = ids[i];
+      uint32_t slot = FindAndTouch(s, id);
+      if (slot == kNil) {
+        if (admit_after > 1) {
+          auto it = s.sightings.find(id);
+          if (it == s.sightings.end() || it->second < admit_after) {
+            ++s.pushes_dropped;
+            ++result->dropped_unadmitted;
+            continue;
+          }
+          s.sightings.erase(it);
+          --s.remembered;
+        }
+        slot = CreateRow(s, id);
+        ++s.rows_created;
+        ++result->rows_created;
+      }
+      ++result->rows_applied;
+      RowMeta& r = s.rows[slot];
+      ApplyGradient(++r.update_count, r.data,
+                    grads.data() + static_cast<size_t>(i) * d);
+    }
+  }
+  return absl::OkStatus();
+}
+
+SparseTableStats SparseTable::Stats() const {
+  SparseTableStats st;
+  st.memory_bytes = sizeof(*this) + stripes_.capacity() * sizeof(stripes_[0]);
+  for (const auto& sp : stripes_) {
+    const Stripe& s = *sp;
+    absl::ReaderMutexLock lock(&s.mu);
+    st.rows += static_cast<int64_t>(s.index.size());
+    st.rows_created += s.rows_created;
+    st.rows_evicted += s.rows_evicted;
+    st.rows_loaded += s.rows_loaded;
+    st.pulls_unadmitted += s.pulls_unadmitted;
+    st.pushes_dropped_unadmitted += s.pushes_dropped;
+    st.ids_pending_admission +=
+        static_cast<int64_t>(s.sightings.size()) - s.remembered;
+    st.evicted_ids_remembered += s.remembered;
+    st.pending_ids_forgotten += s.forgotten;
+    // A flat_hash_map holds capacity() slots plus one control byte each.
+    using IndexEntry = std::pair<const uint64_t, uint32_t>;
+    st.memory_bytes +=
+        sizeof(Stripe) +
+        s.allocated_rows * row_floats_ * static_cast<int64_t>(sizeof(float)) +
+        static_cast<int64_t>(s.chunks.capacity() * sizeof(s.chunks[0])) +
+        static_cast<int64_t>(s.rows.capacity() * sizeof(RowMeta)) +
+        static_cast<int64_t>(s.index.capacity() * (sizeof(IndexEntry) + 1)) +
+        static_cast<int64_t>(s.sightings.capacity() * (sizeof(IndexEntry) + 1));
+  }
+  return st;
+}
+
+void SparseTable::ForEachRow(const RowVisitor& visit) const {
+  const int64_t d = options_.dim;
+  for (const auto& sp : stripes_) {
+    const Stripe& s = *sp;
+    absl::ReaderMutexLock lock(&s.mu);
+    auto emit = [&](const RowMeta& r) {
+      visit(r.id, absl::MakeConstSpan(r.data, d),
+            absl::MakeConstSpan(r.data + d, row_floats_ - d), r.update_count);
+    };
+    if (s.capacity > 0) {
+      for (uint32_t slot = s.lru_tail; slot != kNil; slot = s.rows[slot].prev) {
+        emit(s.rows[slot]);
+      }
+    } else {
+      // Unbounded: no evictions, so every slot is resident, in creation
+      // order (the order of first touch; there is no LRU to keep).
+      for (const RowMeta& r : s.rows) emit(r);
+    }
+  }
+}
+
+absl::Status SparseTable::LoadRow(uint64_t id, absl::Span<const float> value,
+                                  absl::Span<const float> state,
+                                  int64_t update_count) {
+  const int64_t d = options_.dim;
+  const std::string where =
+      absl::StrCat("sparse table '", options_.name, "': row ", id, ": ");
+  if (value.size() != static_cast<size_t>(d) ||
+      state.size() != static_cast<size_t>(row_floats_ - d)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "expected ", d, " values and ", row_floats_ - d,
+        " state floats, got ", value.size(), " and ", state.size()));
+  }
+  if (update_count < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "negative update count ", update_count));
+  }
+  if (!AllFinite(value) || !AllFinite(state)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "non-finite value or state"));
+  }
+  std::vector<float> ftrl_w;
+  switch (kind_) {
+    case Kind::kSgd:
+      break;
+    case Kind::kAdagrad:
+      for (float acc : state) {
+        if (acc <= 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, "adagrad accumulator must be > 0"));
+        }
+      }
+      break;
+    case Kind::kAdam:
+      for (int64_t i = 0; i < d; ++i) {
+        if (state[d + i] < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, "adam second moment must be >= 0"));
+        }
+      }
+      break;
+    case Kind::kFtrl:
+      ftrl_w.resize(d);
+      for (int64_t i = 0; i < d; ++i) {
+        if (state[d + i] < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, "ftrl n must be >= 0"));
+        }
+        ftrl_w[i] = FtrlWeight(state[i], state[d + i]);
+        if (!std::isfinite(ftrl_w[i])) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, "ftrl (z, n) give a non-finite weight"));
+        }
+      }
+      value = ftrl_w;
+      break;
+  }
+  Stripe& s = *stripes_[StripeOf(id)];
+  absl::MutexLock lock(&s.mu);
+  uint32_t slot = FindAndTouch(s, id);
+  if (slot == kNil) {
+    if (options_.admit_after > 1) {
+      auto it = s.sightings.find(id);
+      if (it != s.sightings.end()) {
+        if (it->second >= static_cast<uint32_t>(options_.admit_after)) {
+          --s.remembered;
+        }
+        s.sightings.erase(it);
+      }
+    }
+    slot = CreateRow(s, id);
+  }
+  ++s.rows_loaded;
+  RowMeta& r = s.rows[slot];
+  r.update_count = update_count;
+  std::copy(value.begin(), value.end(), r.data);
+  std::copy(state.begin(), state.end(), r.data + d);
+  return absl::OkStatus();
+}
+
+}  // namespace pstrain

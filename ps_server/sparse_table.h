@@ -1,0 +1,248 @@
+// Server-side sparse embedding table: rows of `dim` floats keyed by uint64
+// feature id, created on demand, each with its own optimizer state, so a
+// table far larger than any worker never travels whole.
+//
+// Initial values. Row `id` starts at a pure function of (seed, table name,
+// id, element), independent of the shard count, the stripe count and the
+// order in which ids arrive (see FillSparseRowInitialValues). For ids below
+// DenseCompatibleIdLimit(dim) (2^63 / dim: every vocabulary that could also be
+// a dense tensor) row `id` equals rows [id*dim, id*dim + dim) of a dense
+// [vocab, dim] tensor with the same name, seed and InitSpec, so a sparse table
+// and the dense tensor it replaces start identical.
+//
+// Optimizers (per row, state stored beside the row, slot-major within a
+// row: all `dim` floats of slot 0, then all of slot 1):
+//   sgd      w -= lr * g                                       (no state)
+//   adagrad  acc += g^2; w -= lr * g / sqrt(acc)               (acc, starts at
+//            initial_accumulator)
+//   adam     lazy: only rows in a push move; t is the row's own update count
+//            m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+//            w -= lr / (1-b1^t) * m / (sqrt(v / (1-b2^t)) + eps)   (m, v)
+//   ftrl     FTRL-proximal (McMahan et al. 2013), per coordinate      (z, n)
+//            sigma = (sqrt(n + g^2) - sqrt(n)) / alpha
+//            z += g - sigma * w; n += g^2
+//            w = 0 if |z| <= l1 else
+//                -(z - sign(z) l1) / ((beta + sqrt(n)) / alpha + l2)
+//            The stored value IS w(z, n), recomputed after every update.
+//            FTRL's weights start at 0 by definition (z = n = 0), so an ftrl
+//            table ignores InitSpec: its initial values are all zeros.
+//
+// Concurrency. Rows live in `num_stripes` stripes chosen by a hash of the id,
+// each with its own mutex, row index, LRU list and admission counters. Pull,
+// Push, LoadRow, ForEachRow and Stats may be called from any thread. A row's
+// update is atomic with respect to every other access to that row; concurrent
+// pushes to one row serialize, pushes to rows in different stripes run in
+// parallel. A Push (or Pull) spanning several stripes is applied stripe by
+// stripe, not atomically as a whole.
+//
+// Memory control (both optional, both counted in Stats):
+//   max_rows     Each stripe holds at most its share of max_rows (the shares
+//                sum to exactly max_rows; num_stripes is lowered to max_rows
+//                if larger, so every share is >= 1). Creating a row in a full
+//                stripe evicts that stripe's least recently used row (a pull
+//                or push touches a row). So rows <= max_rows always, and the
+//                guarantee is per stripe: a row survives as long as fewer than
+//                its stripe's share of *other* ids of its stripe were touched
+//                since it was last touched. In particular the
+//                min-share most recently used rows always survive. With
+//                num_stripes = 1 the LRU is exact and global. An evicted row
+//                loses its value and optimizer state.
+//   admit_after  N > 1: an id's row is created by the pull that sees it the
+//                N-th time (every occurrence in a Pull counts; pushes do not).
+//                Before that, pulls return the initial values without storing
+//                anything and pushes are dropped (counted). Sightings are
+//                counted exactly per id in a per-stripe table of at most
+//                ceil(max_pending_ids / num_stripes) ids; when it fills, all
+//                its counts are halved and zeros forgotten (TinyLFU-style
+//                aging) until it is at most half full, so memory is bounded
+//                and ids seen once long ago fade out. An admitted row that was
+//                evicted is remembered there with count N, so a push that
+//                arrives after its eviction re-creates it from its initial
+//                value and applies; aging may eventually forget it.
+//   N <= 1: every id is admitted; a push to an absent (never pulled or
+//           evicted) row creates it from its initial value, then applies.
+#ifndef PSTRAIN_PS_SERVER_SPARSE_TABLE_H_
+#define PSTRAIN_PS_SERVER_SPARSE_TABLE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "proto/ps.pb.h"
+
+namespace pstrain {
+
+struct SparseOptimizerConfig {
+  std::string name = "sgd";     // --sparse_optimizer: sgd|adagrad|adam|ftrl
+  float learning_rate = 0.05f;  // --sparse_learning_rate (not ftrl)
+  float initial_accumulator = 0.1f;  // --sparse_adagrad_initial_accumulator
+  float beta1 = 0.9f;                // --sparse_adam_beta1
+  float beta2 = 0.999f;              // --sparse_adam_beta2
+  float epsilon = 1e-8f;             // --sparse_adam_epsilon
+  float ftrl_alpha = 0.05f;          // --ftrl_alpha (ftrl's learning rate)
+  float ftrl_beta = 1.0f;            // --ftrl_beta
+  float ftrl_l1 = 0.0f;              // --ftrl_l1
+  float ftrl_l2 = 0.0f;              // --ftrl_l2
+};
+
+// Refuses unknown names and out-of-range hyper-parameters of the chosen
+// optimizer with InvalidArgument naming the flag (the comments above).
+absl::Status ValidateSparseOptimizer(const SparseOptimizerConfig& config);
+
+struct SparseTableOptions {
+  std::string name;  // the table's name; with `seed`, keys the initial values
+  int64_t dim = 8;
+  InitSpec init;  // ignored by ftrl (its weights start at 0)
+  uint64_t seed = 0;
+  SparseOptimizerConfig optimizer;
+  // 0: unbounded. Otherwise at most this many rows, evicting least recently
+  // used rows per stripe (see the file comment).
+  int64_t max_rows = 0;
+  // 0 or 1: rows are created on first sight. N > 1: on the N-th pull.
+  int admit_after = 0;
+  // Bound on the ids whose sightings are being counted (admit_after > 1).
+  int64_t max_pending_ids = int64_t{1} << 20;
+  // Lock stripes; lowered to max_rows when that is smaller.
+  int num_stripes = 64;
+};
+
+struct SparseTableStats {
+  int64_t rows = 0;                       // resident now
+  int64_t rows_created = 0;               // by Pull/Push, re-creations too
+  int64_t rows_evicted = 0;               // LRU evictions
+  int64_t rows_loaded = 0;                // LoadRow calls that stored a row
+  int64_t pulls_unadmitted = 0;           // pulled ids answered, not stored
+  int64_t pushes_dropped_unadmitted = 0;  // gradients dropped, id unadmitted
+  int64_t ids_pending_admission = 0;      // ids with 0 < sightings < N
+  int64_t evicted_ids_remembered = 0;     // admitted, evicted, still known
+  int64_t pending_ids_forgotten = 0;      // dropped by admission aging
+  // Heap bytes held by the table: row values and state, per-row bookkeeping
+  // and the capacity of its hash tables (measured, not modelled). Row storage
+  // grows per stripe in chunks that double up to 4096 rows (never beyond the
+  // stripe's share under max_rows), so it may hold up to ~2x the resident
+  // rows' floats while growing, and never moves a row once stored.
+  int64_t memory_bytes = 0;
+};
+
+// What one Push did, row by row (exact even under concurrent pushes, unlike
+// differences of Stats()).
+struct SparsePushResult {
+  int64_t rows_applied = 0;        // gradients applied (includes re-created)
+  int64_t rows_created = 0;        // absent admitted rows re-created first
+  int64_t dropped_unadmitted = 0;  // gradients dropped: id not admitted
+};
+
+// Ids below this bound initialise like rows of a dense [vocab, dim] tensor.
+uint64_t DenseCompatibleIdLimit(int64_t dim);
+
+// The initial value of row `id` (out.size() == dim) of table `table`:
+//   id < DenseCompatibleIdLimit(dim):
+//     FillInitialValues(init, seed, table, id * dim, out)
+//     i.e. row id of a dense [vocab, dim] tensor named `table`;
+//   otherwise (where id * dim would overflow int64):
+//     FillInitialValues(init, seed, StrCat(table, "#", id), 0, out)
+//     i.e. its own tensor named "<table>#<decimal id>".
+// Either way a pure function of (init, seed, table, id, element index).
+void FillSparseRowInitialValues(const InitSpec& init, uint64_t seed,
+                                absl::string_view table, uint64_t id,
+                                absl::Span<float> out);
+
+class SparseTable {
+ public:
+  // Validates the options (InvalidArgument naming the offending one).
+  static absl::StatusOr<std::unique_ptr<SparseTable>> Create(
+      const SparseTableOptions& options);
+  ~SparseTable();
+  SparseTable(const SparseTable&) = delete;
+  SparseTable& operator=(const SparseTable&) = delete;
+
+  int64_t dim() const { return options_.dim; }
+  // Optimizer state floats per value float (sgd 0, adagrad 1, adam 2,
+  // ftrl 2); a row's state holds state_per_element() * dim() floats.
+  int state_per_element() const { return state_per_element_; }
+  const SparseTableOptions& options() const { return options_; }
+  int num_stripes() const { return static_cast<int>(stripes_.size()); }
+  // The stripe holding `id` and its row share (0: unbounded). For tests and
+  // diagnostics: the LRU guarantee is stated per stripe.
+  int StripeOf(uint64_t id) const;
+  int64_t StripeCapacity(int stripe) const;
+
+  // The value row `id` starts at (zeros for ftrl); touches nothing.
+  void InitialValue(uint64_t id, absl::Span<float> out) const;
+
+  // Copies row ids[i] to out[i*dim, (i+1)*dim). Ids may repeat and come in any
+  // order. An absent id counts a sighting; an admitted one is created from its
+  // initial value (evicting if the stripe is full), an unadmitted one gets its
+  // initial value without being stored. InvalidArgument (and nothing done) if
+  // out.size() != ids.size() * dim.
+  absl::Status Pull(absl::Span<const uint64_t> ids, absl::Span<float> out);
+
+  // Applies grads[i*dim, (i+1)*dim) to row ids[i] with the table's optimizer.
+  // Ids must be unique within a call (the caller aggregates per id);
+  // InvalidArgument, before anything changes, on a duplicate, a size mismatch
+  // or a non-finite gradient. An absent admitted id (admit_after <= 1, or
+  // evicted after admission) is re-created from its initial value, then
+  // updated; an unadmitted id's gradient is dropped and counted. `result`,
+  // when given, receives this call's counts (zeros on error).
+  absl::Status Push(absl::Span<const uint64_t> ids,
+                    absl::Span<const float> grads,
+                    SparsePushResult* result = nullptr);
+
+  SparseTableStats Stats() const;
+
+  using RowVisitor =
+      std::function<void(uint64_t id, absl::Span<const float> value,
+                         absl::Span<const float> state, int64_t update_count)>;
+  // Visits every resident row, stripe by stripe (each stripe's rows from least
+  // to most recently used, so loading them back in visit order rebuilds each
+  // stripe's LRU order). A stripe is locked while its rows are visited: the
+  // visitor must not call back into this table. Not a global snapshot.
+  void ForEachRow(const RowVisitor& visit) const;
+
+  // Stores a row as ForEachRow gave it (overwriting a resident one), marking
+  // the id admitted and most recently used; may evict. For ftrl the value is
+  // recomputed from (z, n) and `value` only size-checked. InvalidArgument on
+  // wrong sizes, non-finite numbers, a negative update count or state no
+  // optimizer could have produced (adagrad acc <= 0, adam v < 0, ftrl n < 0).
+  absl::Status LoadRow(uint64_t id, absl::Span<const float> value,
+                       absl::Span<const float> state, int64_t update_count);
+
+ private:
+  enum class Kind { kSgd, kAdagrad, kAdam, kFtrl };
+  struct Stripe;
+
+  SparseTable(const SparseTableOptions& options, Kind kind, int num_stripes);
+
+  // Orders the positions of `ids` by stripe: positions of stripe s are
+  // order[begin[s], begin[s+1]).
+  void GroupByStripe(absl::Span<const uint64_t> ids,
+                     std::vector<uint32_t>* order,
+                     std::vector<uint32_t>* begin) const;
+
+  // All below: the stripe's mutex is held.
+  uint32_t FindAndTouch(Stripe& s, uint64_t id) const;
+  uint32_t CreateRow(Stripe& s, uint64_t id) const;
+  void InitRowState(absl::Span<float> state) const;
+  uint32_t CountSighting(Stripe& s, uint64_t id) const;
+  void RememberEvicted(Stripe& s, uint64_t id) const;
+  void AgeSightings(Stripe& s) const;
+  void ApplyGradient(int64_t t, float* row, const float* g) const;
+  float FtrlWeight(float z, float n) const;
+
+  const SparseTableOptions options_;
+  const Kind kind_;
+  const int state_per_element_;
+  const int64_t row_floats_;          // dim * (1 + state_per_element)
+  const int64_t sightings_capacity_;  // per stripe
+  std::vector<std::unique_ptr<Stripe>> stripes_;
+};
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_PS_SERVER_SPARSE_TABLE_H_

@@ -1,0 +1,37 @@
+// The worker's --model=ctr path: CTR data, the sparse-table model, and its
+// final JSON line. The binary's main parses the shared flags and hands over.
+#ifndef PSTRAIN_WORKER_CTR_MAIN_H_
+#define PSTRAIN_WORKER_CTR_MAIN_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "kernels/backend.h"
+#include "worker/ps_client.h"
+#include "worker/trainer.h"
+
+namespace pstrain {
+
+struct CtrWorkerContext {
+  int worker_id = 0;
+  int num_workers = 1;
+  int64_t steps = 100;
+  int64_t batch_size = 128;
+  uint64_t seed = 1;
+  int64_t block_elements = 1 << 17;
+  std::string train_file, test_file;  // with --ctr_data=criteo|libsvm
+  PsClient* client = nullptr;
+  kernels::Backend* backend = nullptr;
+  std::function<void(const StepReport&)> on_step;
+  const std::atomic<bool>* stop = nullptr;
+};
+
+// Checks the CTR flags (exits 2 with one line per problem), loads the data,
+// registers, trains, prints the final JSON line. Returns the exit code.
+int RunCtrWorker(const CtrWorkerContext& context);
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_WORKER_CTR_MAIN_H_

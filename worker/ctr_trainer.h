@@ -1,0 +1,85 @@
+// A click-through-rate model whose embedding tables live sharded on the
+// parameter servers: each step pulls only the rows its batch touches and
+// pushes only their gradients.
+//
+//   field f's ids -> mean embedding bag E_f [batch, dim]   (sparse table f)
+//   h = relu(sum_f E_f W1_f + dense W1_dense + b1)         (dense tensors)
+//   logits = h W2 + b2, two classes; softmax cross-entropy on them is the
+//   logistic loss of the score logit_1 - logit_0.
+//
+// The first layer is a sum of per-field products rather than one product of
+// the concatenated bags: the same function, with no concatenation op.
+#ifndef PSTRAIN_WORKER_CTR_TRAINER_H_
+#define PSTRAIN_WORKER_CTR_TRAINER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "proto/ps.pb.h"
+#include "worker/ctr_data.h"
+#include "worker/ps_client.h"
+#include "worker/trainer.h"
+
+namespace pstrain {
+
+struct CtrModelOptions {
+  int num_fields = 0;
+  int num_dense = 0;
+  int64_t dim = 8;
+  int64_t hidden = 32;
+  uint64_t seed = 1;
+  int64_t block_elements = 1 << 17;
+  InitSpec embedding_init;  // rows are created with it on the servers
+  SparseOptimizer sparse_optimizer;
+};
+
+// The model's schema: dense layers and one sparse table per field
+// (CtrTableName(f)).
+ModelSchema CtrSchema(const CtrModelOptions& options);
+
+struct CtrTrainerOptions {
+  int worker_id = 0;
+  int64_t start_step = 0;
+  int64_t steps = 100;
+  int64_t batch_size = 128;
+  std::function<void(const StepReport&)> on_step;
+  const std::atomic<bool>* stop = nullptr;
+};
+
+struct CtrResult {
+  std::string mode;
+  int64_t steps = 0;
+  int64_t steps_run = 0;
+  double final_loss = 0;  // training logloss over the last tenth of steps
+  double auc = 0;         // held out
+  double logloss = 0;     // held out
+  int64_t test_examples = 0;
+  double samples_per_sec = 0;
+  double wall_time_s = 0;
+  int64_t rows_pulled = 0;  // sparse rows moved: the job never moves a table
+  int64_t rows_pushed = 0;
+  bool stopped_early = false;
+};
+
+// Trains against servers that `client` is registered with (CtrSchema, as
+// this worker), leaves the job, and evaluates on `test` (may be empty).
+absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
+                                   const CtrTrainerOptions& options,
+                                   const std::string& mode, PsClient& client,
+                                   kernels::Backend& backend,
+                                   const CtrDataset& train,
+                                   const CtrDataset& test);
+
+// The final JSON line; `true_auc`/`true_logloss` are those of the data's
+// ground truth when known (synthetic data), else NaN (omitted).
+std::string CtrFinalJson(const CtrResult& result, int worker_id,
+                         int num_workers, const std::string& device,
+                         double true_auc, double true_logloss);
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_WORKER_CTR_TRAINER_H_
