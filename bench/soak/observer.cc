@@ -1,0 +1,129 @@
+// observer: reads a probe-model job from outside, as worker -1 (never a
+// member, never pushes). For bench/soak/soak.sh.
+//
+//   observer --ps_hosts=H0,H1 --num_workers=8 --probe_elements=65536
+//            --block_elements=8192 [--expect_updates=T]
+//
+// Prints one line per shard with its Stats:
+//   shard=0 version=... blocks_applied=... blocks_duplicate=...
+//   requests_rejected=... late=... members=...
+// With --expect_updates=T (T >= 0) it also registers the probe schema (the
+// same one the workers register), pulls the whole tensor and checks the
+// probe's exact invariant: with SGD at learning rate 1 and a gradient of
+// exactly 1 per element per update, every element is -T. It prints
+//   check elements=N expected=-T min=... max=... mismatches=M
+// and exits 1 when M > 0 (0 otherwise; 2 on a bad flag, 3 when the servers
+// cannot be read).
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/cli.h"
+#include "kernels/backend.h"
+#include "worker/model.h"
+#include "worker/ps_client.h"
+
+ABSL_FLAG(std::string, ps_hosts, "", "host:port of every shard, in order.");
+ABSL_FLAG(int, num_workers, 1, "The job's --num_workers.");
+ABSL_FLAG(int64_t, probe_elements, 1000, "The workers' --probe_elements.");
+ABSL_FLAG(int64_t, block_elements, 1 << 17, "The workers' --block_elements.");
+ABSL_FLAG(uint64_t, seed, 1, "The workers' --seed.");
+ABSL_FLAG(int64_t, expect_updates, -1,
+          "Check that every element is minus this (the number of unit "
+          "updates applied); -1: only print stats.");
+ABSL_FLAG(double, rpc_timeout_s, 30, "Deadline of each call.");
+
+namespace pstrain {
+namespace {
+
+int Main() {
+  PsClientOptions options;
+  options.hosts =
+      absl::StrSplit(absl::GetFlag(FLAGS_ps_hosts), ',', absl::SkipEmpty());
+  options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
+  options.connect_timeout = options.rpc_timeout;
+  options.retry_window = absl::ZeroDuration();
+  options.heartbeat_interval = absl::ZeroDuration();
+  options.connections_per_shard = 1;
+  if (options.hosts.empty()) {
+    ExitOnFlagErrors({absl::InvalidArgumentError("--ps_hosts is required")});
+  }
+  absl::StatusOr<std::unique_ptr<PsClient>> client = PsClient::Create(options);
+  ExitOnFlagErrors({client.status()});
+
+  absl::StatusOr<std::vector<StatsResponse>> stats = (*client)->Stats();
+  if (!stats.ok()) {
+    std::fprintf(stderr, "observer: stats: %s\n",
+                 stats.status().ToString().c_str());
+    return 3;
+  }
+  for (const StatsResponse& s : *stats) {
+    std::printf(
+        "shard=%d version=%lld blocks_applied=%lld blocks_duplicate=%lld "
+        "requests_rejected=%lld late=%lld members=%d\n",
+        s.shard_id(), static_cast<long long>(s.version()),
+        static_cast<long long>(s.blocks_applied()),
+        static_cast<long long>(s.blocks_duplicate()),
+        static_cast<long long>(s.requests_rejected()),
+        static_cast<long long>(s.late_gradients_dropped()), s.members());
+  }
+  const int64_t expected_updates = absl::GetFlag(FLAGS_expect_updates);
+  if (expected_updates < 0) return 0;
+
+  // The workers' schema, built the way they build it.
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
+      kernels::CreateBackend("cpu");
+  ExitOnFlagErrors({backend.status()});
+  const int64_t elements = absl::GetFlag(FLAGS_probe_elements);
+  absl::StatusOr<std::unique_ptr<Model>> probe =
+      CreateProbeModel(backend->get(), elements);
+  ExitOnFlagErrors({probe.status()});
+  ModelSchema schema;
+  schema.set_seed(absl::GetFlag(FLAGS_seed));
+  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements));
+  *schema.add_dense() = (*probe)->Params()[0];
+  absl::StatusOr<Registration> registered = (*client)->Register(
+      schema, absl::GetFlag(FLAGS_num_workers), /*worker_id=*/-1);
+  if (!registered.ok()) {
+    std::fprintf(stderr, "observer: register: %s\n",
+                 registered.status().ToString().c_str());
+    return 3;
+  }
+  std::vector<float> w(elements, NAN);
+  absl::StatusOr<int64_t> pulled = (*client)->Pull(0, {w.data()});
+  if (!pulled.ok()) {
+    std::fprintf(stderr, "observer: pull: %s\n",
+                 pulled.status().ToString().c_str());
+    return 3;
+  }
+  const float expected = -static_cast<float>(expected_updates);
+  int64_t mismatches = 0;
+  float lo = INFINITY, hi = -INFINITY;
+  for (float v : w) {
+    mismatches += v != expected;
+    lo = std::fmin(lo, v);
+    hi = std::fmax(hi, v);
+  }
+  std::printf(
+      "check elements=%lld expected=%.1f min=%.1f max=%.1f "
+      "mismatches=%lld\n",
+      static_cast<long long>(elements), expected, lo, hi,
+      static_cast<long long>(mismatches));
+  return mismatches == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace pstrain
+
+int main(int argc, char** argv) {
+  pstrain::InitProgram(argc, argv,
+                       "observer: reads a probe job's stats and checks its "
+                       "exact invariant");
+  return pstrain::Main();
+}
