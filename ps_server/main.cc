@@ -2,25 +2,50 @@
 //
 //   ps_server --port=5000 --shard_id=0 --num_shards=2 --num_workers=4
 //             --mode=sync --optimizer=adam --learning_rate=0.001
+//   ps_server --cluster_spec=job.json --shard_id=1 --metrics_port=9100
 //
-// Serves until SIGTERM or SIGINT, then finishes in-flight calls (bounded by
+// Serves the ParameterServer service, grpc.health.v1 (also on its own
+// plaintext --health_port, for probes that cannot do TLS) and server
+// reflection; Prometheus metrics on --metrics_port. Serves until SIGTERM or
+// SIGINT, then reports NOT_SERVING, finishes in-flight calls (bounded by
 // --shutdown_grace_s) and exits 0.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/cli.h"
+#include "common/cluster_spec.h"
+#include "common/metrics.h"
 #include "common/protocol.h"
+#include "common/tls.h"
 #include "glog/logging.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/service.h"
 #include "ps_server/shard.h"
 
+ABSL_FLAG(std::string, cluster_spec, "",
+          "JSON file describing the job ({\"ps\": [host:port...], "
+          "\"workers\": N, \"max_workers\": M, \"mode\": ..., \"task\": "
+          "{\"type\": \"ps\", \"index\": i}, \"ps_flags\": {flag: "
+          "value...}}); it sets --num_shards, --shard_id, --port, "
+          "--num_workers, --max_workers, --mode and the ps_flags unless given "
+          "on the command line. Empty: the JSON in $PSTRAIN_CLUSTER, if set.");
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
 ABSL_FLAG(int, port, 0, "Port to listen on; 0 picks a free one.");
 ABSL_FLAG(std::string, port_file, "",
@@ -68,9 +93,32 @@ ABSL_FLAG(int64_t, checkpoint_every_steps, 0,
           "steps (0: off).");
 ABSL_FLAG(double, checkpoint_every_s, 0,
           "Checkpoint at least this often, in seconds (0: off).");
+ABSL_FLAG(double, max_shard_memory_gb, 16,
+          "Refuse (RESOURCE_EXHAUSTED) a model whose parameters and "
+          "optimizer state would take more memory than this on one shard.");
 ABSL_FLAG(int, keep_checkpoints, 3, "Checkpoints kept per shard.");
 ABSL_FLAG(double, shutdown_grace_s, 5,
           "On SIGTERM, how long in-flight calls may take to finish.");
+ABSL_FLAG(int, metrics_port, 0,
+          "Serve Prometheus metrics on http://<metrics_host>:PORT/metrics "
+          "(0: off; -1: a free port, see --metrics_port_file).");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
+          "Address the metrics endpoint listens on.");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "If set, the metrics port is written here once serving.");
+ABSL_FLAG(int, health_port, 0,
+          "Also serve grpc.health.v1 alone, in plaintext, on this port (for "
+          "Kubernetes grpc probes, which cannot do TLS); 0: off. Health is "
+          "always served on --port as well.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve TLS (with --tls_key).");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require client certificates signed by it (mutual "
+          "TLS).");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding a shared token: every call must carry "
+          "'authorization: Bearer <token>' (health and reflection excepted).");
 
 namespace pstrain {
 namespace {
@@ -81,7 +129,52 @@ absl::Status CheckPositive(const char* flag, double value) {
       absl::StrCat("--", flag, " must be a positive number, got ", value));
 }
 
-int Main() {
+// The metrics interceptor counts request bytes of these methods by reading
+// their request as a grpc::ByteBuffer, which they must stay.
+constexpr const char* kRawRequestMethods[] = {"/pstrain.ParameterServer/Push",
+                                              "/pstrain.ParameterServer/Pull"};
+using RawUnaryMethod = grpc::ServerUnaryReactor* (
+    ParameterServerService::*)(grpc::CallbackServerContext*,
+                               const grpc::ByteBuffer*, grpc::ByteBuffer*);
+static_assert(
+    std::is_same_v<decltype(&ParameterServerService::Push), RawUnaryMethod> &&
+        std::is_same_v<decltype(&ParameterServerService::Pull), RawUnaryMethod>,
+    "update kRawRequestMethods");
+
+// Leaves server reflection out of a server: libgrpc++_reflection adds its
+// plugin to every ServerBuilder when it loads, and the plaintext health port
+// is for probes, not for describing the API to anyone who can reach it.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>*
+                         plugins) override {
+    plugins->erase(
+        std::remove_if(plugins->begin(), plugins->end(),
+                       [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+                         return p->name() == "proto_server_reflection";
+                       }),
+        plugins->end());
+  }
+};
+
+absl::Status CheckPort(const char* flag, int port, int minimum = 0) {
+  if (port >= minimum && port <= 65535) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--", flag, " must be in [", minimum, ", 65535], got ", port));
+}
+
+int Main(int argc, char** argv) {
+  absl::StatusOr<std::vector<FlagSetting>> from_spec = ApplyClusterSpec(
+      ClusterRole::kPs, absl::GetFlag(FLAGS_cluster_spec), argc, argv);
+  ExitOnFlagErrors({from_spec.status()});
+  if (!from_spec->empty()) {
+    std::vector<std::string> applied;
+    for (const FlagSetting& f : *from_spec) {
+      applied.push_back(absl::StrCat("--", f.name, "=", f.value));
+    }
+    LOG(INFO) << "from the cluster spec: " << absl::StrJoin(applied, " ");
+  }
   ShardOptions options;
   options.shard_id = absl::GetFlag(FLAGS_shard_id);
   options.num_shards = absl::GetFlag(FLAGS_num_shards);
@@ -109,10 +202,19 @@ int Main() {
   }
   options.skip_nonfinite_gradients = nonfinite == "skip";
   const int port = absl::GetFlag(FLAGS_port);
-  if (port < 0 || port > 65535) {
-    checks.push_back(absl::InvalidArgumentError(
-        absl::StrCat("--port must be in [0, 65535], got ", port)));
-  }
+  checks.push_back(CheckPort("port", port));
+  const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  checks.push_back(CheckPort("metrics_port", metrics_port, -1));
+  const int health_port = absl::GetFlag(FLAGS_health_port);
+  checks.push_back(CheckPort("health_port", health_port));
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials({absl::GetFlag(FLAGS_tls_cert),
+                             absl::GetFlag(FLAGS_tls_key),
+                             absl::GetFlag(FLAGS_tls_client_ca)});
+  checks.push_back(credentials.status());
+  absl::StatusOr<std::string> auth_token =
+      ReadAuthToken(absl::GetFlag(FLAGS_auth_token_file));
+  checks.push_back(auth_token.status());
   const double max_pull_wait_s = absl::GetFlag(FLAGS_max_pull_wait_s);
   checks.push_back(CheckPositive("max_pull_wait_s", max_pull_wait_s));
   const double lease_s = absl::GetFlag(FLAGS_worker_lease_s);
@@ -153,6 +255,8 @@ int Main() {
   }
   ExitOnFlagErrors(checks);
   options.max_pull_wait = absl::Seconds(max_pull_wait_s);
+  options.max_shard_bytes = static_cast<int64_t>(
+      absl::GetFlag(FLAGS_max_shard_memory_gb) * (int64_t{1} << 30));
   options.worker_lease = absl::Seconds(lease_s);
 
   absl::StatusOr<std::unique_ptr<Shard>> shard = Shard::Create(options);
@@ -175,31 +279,101 @@ int Main() {
   }
 
   BlockTerminationSignals();
+  std::unique_ptr<MetricsEndpoint> metrics;
+  if (metrics_port != 0) {
+    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> started =
+        MetricsEndpoint::Start(absl::GetFlag(FLAGS_metrics_host),
+                               std::max(metrics_port, 0),
+                               absl::GetFlag(FLAGS_metrics_port_file));
+    if (!started.ok()) {
+      LOG(ERROR) << started.status();
+      return 1;
+    }
+    metrics = std::move(*started);
+    Shard* shard_ptr = shard->get();
+    metrics->Add(std::make_shared<ShardStatsCollector>(
+        [shard_ptr] { return shard_ptr->Stats(); }));
+    LOG(INFO) << "metrics on http://" << absl::GetFlag(FLAGS_metrics_host)
+              << ":" << metrics->port() << "/metrics";
+  }
   if (checkpointer != nullptr) checkpointer->Start();
   ServiceOptions service_options;
   service_options.drop_push_response_probability = drop_probability;
+  service_options.auth_token = *auth_token;
   ParameterServerService service(shard->get(), service_options,
                                  checkpointer.get());
+  // Global in gRPC: every server built from here on gets the health service
+  // and (see WithoutReflection) reflection.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int selected_port = 0;
   const std::string address =
       absl::StrCat(absl::GetFlag(FLAGS_host), ":", port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(),
-                           &selected_port);
+  builder.AddListeningPort(address, *credentials, &selected_port);
   builder.SetMaxReceiveMessageSize(max_message_mb << 20);
   builder.SetMaxSendMessageSize(max_message_mb << 20);
   builder.RegisterService(&service);
+  if (metrics != nullptr) {
+    // An interceptor, not a wrapper around the service: it sees every call
+    // (refused ones, health and reflection too) from arrival to status,
+    // without the service knowing about metrics.
+    std::vector<
+        std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+        interceptors;
+    interceptors.push_back(std::make_unique<RpcMetricsInterceptorFactory>(
+        metrics->registry(),
+        absl::flat_hash_set<std::string>(std::begin(kRawRequestMethods),
+                                         std::end(kRawRequestMethods))));
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || selected_port == 0) {
     LOG(ERROR) << "cannot listen on " << address
                << " (address in use or not local?)";
     return 1;
   }
+  grpc::CallbackGenericService no_service;
+  std::unique_ptr<grpc::Server> health_server;
+  if (health_port != 0) {
+    grpc::ServerBuilder health_builder;
+    health_builder.SetOption(std::make_unique<WithoutReflection>());
+    // gRPC refuses a server with no service of its own to poll for; this
+    // one answers every method but health UNIMPLEMENTED, as none would.
+    health_builder.RegisterCallbackGenericService(&no_service);
+    int health_selected = 0;
+    const std::string health_address =
+        absl::StrCat(absl::GetFlag(FLAGS_host), ":", health_port);
+    health_builder.AddListeningPort(
+        health_address, grpc::InsecureServerCredentials(), &health_selected);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_selected == 0) {
+      LOG(ERROR) << "cannot listen on " << health_address << " (--health_port)";
+      server->Shutdown();
+      return 1;
+    }
+  }
+  // SERVING for the whole server ("") and the service by name, on both.
+  auto set_serving = [&](bool serving) {
+    for (grpc::Server* s : {server.get(), health_server.get()}) {
+      if (s == nullptr) continue;
+      s->GetHealthCheckService()->SetServingStatus(serving);
+      s->GetHealthCheckService()->SetServingStatus("pstrain.ParameterServer",
+                                                   serving);
+    }
+  };
+  set_serving(true);
   LOG(INFO) << "ps_server shard " << options.shard_id << "/"
             << options.num_shards << " listening on "
             << absl::GetFlag(FLAGS_host) << ":" << selected_port << ", mode "
             << ConsistencyModeName(options.mode) << ", " << options.num_workers
-            << " workers, optimizer " << options.optimizer.name;
+            << " workers, optimizer " << options.optimizer.name
+            << (absl::GetFlag(FLAGS_tls_cert).empty()        ? ", plaintext"
+                : absl::GetFlag(FLAGS_tls_client_ca).empty() ? ", TLS"
+                                                             : ", mutual TLS")
+            << (auth_token->empty() ? "" : ", bearer token required")
+            << (health_server ? absl::StrCat(", health on port ", health_port)
+                              : "");
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
     absl::Status written =
@@ -213,10 +387,12 @@ int Main() {
 
   const int signal_number = WaitForTerminationSignal();
   LOG(INFO) << "signal " << signal_number << ": shutting down";
+  set_serving(false);  // probes and balancers stop sending work first
   (*shard)->BeginShutdown();
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(
                        absl::GetFlag(FLAGS_shutdown_grace_s) * 1000)));
+  if (health_server != nullptr) health_server->Shutdown();
   if (checkpointer != nullptr) {
     if (absl::Status s = checkpointer->Stop(); !s.ok()) {
       LOG(ERROR) << "final checkpoint failed: " << s;
@@ -233,5 +409,8 @@ int Main() {
 int main(int argc, char** argv) {
   pstrain::InitProgram(argc, argv,
                        "ps_server: one shard of the parameter server");
-  return pstrain::Main();
+  // Before any thread starts (the shard's, gRPC's, the metrics server's),
+  // so SIGTERM reaches only the thread waiting for it.
+  pstrain::BlockTerminationSignals();
+  return pstrain::Main(argc, argv);
 }

@@ -134,7 +134,7 @@ TEST_F(BadRequestTest, EachBadRequestGetsItsStatusAndTheServerKeepsServing) {
       {"worker id", Push(5, 0, std::vector<float>(8, 1.0f)),
        grpc::StatusCode::INVALID_ARGUMENT, "worker_id"},
       {"negative step", Push(0, -3, std::vector<float>(8, 1.0f)),
-       grpc::StatusCode::INVALID_ARGUMENT, "step must be >= 0"},
+       grpc::StatusCode::INVALID_ARGUMENT, "step must be in [0, 2^53)"},
       {"future step", Push(0, 4, std::vector<float>(8, 1.0f)),
        grpc::StatusCode::FAILED_PRECONDITION, "step 4"},
       {"nan", Push(0, 0, {1, 1, 1, NAN, 1, 1, 1, 1}),

@@ -61,7 +61,7 @@ INSTANTIATE_TEST_SUITE_P(
                  "--worker_id must be in [0, --num_workers=2)"},
         FlagCase{"worker/worker",
                  {"--ps_hosts=a:1", "--model=cnn"},
-                 "--model must be softmax, mlp or probe"},
+                 "--model must be softmax, mlp, probe or ctr"},
         FlagCase{"worker/worker",
                  {"--ps_hosts=a:1", "--hidden=32,x"},
                  "--hidden must be positive integers"},

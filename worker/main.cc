@@ -2,9 +2,15 @@
 //
 //   worker --ps_hosts=ps0:5000,ps1:5000 --worker_id=0 --num_workers=4
 //          --model=mlp --hidden=128,64 --steps=1000 --batch_size=64
+//   worker --cluster_spec=job.json --worker_id=3 --metrics_csv=run.csv
 //
-// Prints a progress line every --log_every steps and, at the end, one JSON
-// line ({"event":"final",...}) with the held-out evaluation.
+// Shows a progress bar on a terminal, or prints a progress line every
+// --log_every steps otherwise, and at the end one JSON line
+// ({"event":"final",...}) with the held-out evaluation. Optionally serves
+// Prometheus metrics (--metrics_port) and writes one CSV row per step
+// (--metrics_csv).
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdio>
 #include <memory>
@@ -15,16 +21,30 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "common/cli.h"
+#include "common/cluster_spec.h"
+#include "common/metrics.h"
 #include "common/protocol.h"
+#include "common/run_output.h"
+#include "common/tls.h"
 #include "glog/logging.h"
 #include "kernels/backend.h"
+#include "worker/ctr_main.h"
 #include "worker/data.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
 #include "worker/trainer.h"
 
+ABSL_FLAG(std::string, cluster_spec, "",
+          "JSON file describing the job ({\"ps\": [host:port...], "
+          "\"workers\": N, \"max_workers\": M, \"task\": {\"type\": "
+          "\"worker\", \"index\": i}, \"worker_flags\": {flag: value...}}); "
+          "it sets --ps_hosts, --worker_id, --num_workers and the "
+          "worker_flags unless given on the command line. Empty: the JSON in "
+          "$PSTRAIN_CLUSTER, if set.");
 ABSL_FLAG(std::string, ps_hosts, "",
           "Comma-separated host:port of every ps_server, in shard order.");
 ABSL_FLAG(int, worker_id, 0, "This worker's index, in [0, num_workers).");
@@ -42,7 +62,38 @@ ABSL_FLAG(std::string, hidden, "64",
           "Hidden layer sizes of the mlp, comma-separated.");
 ABSL_FLAG(int64_t, steps, 300, "Training steps.");
 ABSL_FLAG(int64_t, batch_size, 64, "Examples per step on this worker.");
-ABSL_FLAG(int64_t, log_every, 50, "Steps between progress lines (0: none).");
+ABSL_FLAG(int64_t, log_every, 50,
+          "Steps between progress lines when stdout is not a terminal (0: no "
+          "progress output at all).");
+ABSL_FLAG(std::string, progress, "auto",
+          "auto: a progress bar updated in place when stdout is a terminal, "
+          "plain lines every --log_every steps otherwise; bar; lines.");
+ABSL_FLAG(std::string, metrics_csv, "",
+          "Write one row per step here: step,time_s,loss,train_accuracy,"
+          "samples_per_sec,pull_ms,push_ms (bench/plot/plot_runs.sh plots "
+          "them).");
+ABSL_FLAG(int, metrics_port, 0,
+          "Serve Prometheus metrics on http://<metrics_host>:PORT/metrics "
+          "(0: off; -1: a free port, see --metrics_port_file).");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
+          "Address the metrics endpoint listens on.");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "If set, the metrics port is written here once serving.");
+ABSL_FLAG(double, metrics_linger_s, 0,
+          "After training, keep serving the final metrics this long (or "
+          "until SIGTERM) so a scraper sees them.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle the servers' certificates must chain to; setting "
+          "any --tls_* flag turns TLS on (no --tls_ca: the system's roots).");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM client certificate for mutual TLS (with --tls_key).");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "Name to expect in the servers' certificates instead of the host "
+          "in --ps_hosts (e.g. when dialling an IP address).");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding the servers' shared token, sent as 'authorization: "
+          "Bearer <token>' on every call.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial model and synthetic data.");
 ABSL_FLAG(int64_t, block_elements, 1 << 17,
           "Dense tensors are cut into blocks of this many floats: the unit of "
@@ -152,7 +203,127 @@ absl::StatusOr<Data> LoadData(ShardSpec shard) {
   return data;
 }
 
-int Main() {
+absl::Status CheckPort(const char* flag, int port, int minimum) {
+  if (port >= minimum && port <= 65535) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--", flag, " must be in [", minimum, ", 65535], got ", port));
+}
+
+// Progress for a person (a bar redrawn in place) or for a log (a line every
+// --log_every steps), plus the optional CSV and Prometheus metrics, all fed
+// from the trainer's per-step report.
+class StepOutput {
+ public:
+  StepOutput(int worker_id, bool bar, int64_t log_every,
+             std::unique_ptr<MetricsCsv> csv, WorkerMetrics* metrics)
+      : worker_id_(worker_id),
+        bar_(bar),
+        log_every_(log_every),
+        csv_(std::move(csv)),
+        metrics_(metrics) {}
+
+  // Time 0 of the CSV and of the ETA; `start_step`: where this worker
+  // joins (0 unless it joins a running job).
+  void Start(int64_t start_step) {
+    start_ = last_draw_ = absl::Now();
+    start_step_ = start_step;
+  }
+
+  void OnStep(const StepReport& r) {
+    const absl::Time now = absl::Now();
+    const double step_rate =
+        r.step_seconds > 0 ? r.examples / r.step_seconds : 0;
+    if (metrics_ != nullptr) {
+      metrics_->Observe({r.step, r.steps, r.loss, r.train_accuracy, r.examples,
+                         r.step_seconds, r.pull_seconds, r.push_seconds});
+    }
+    if (csv_ != nullptr) {
+      absl::Status written = csv_->Append(
+          r.step, absl::ToDoubleSeconds(now - start_), r.loss, r.train_accuracy,
+          step_rate, r.pull_seconds * 1e3, r.push_seconds * 1e3);
+      if (!written.ok()) {
+        LOG(ERROR) << written << "; no more CSV rows";
+        csv_.reset();
+      }
+    }
+    window_examples_ += r.examples;
+    window_seconds_ += r.step_seconds;
+    window_loss_ += r.loss;
+    window_accuracy_ += r.train_accuracy;
+    ++window_steps_;
+    if (log_every_ <= 0) return;
+    if (bar_) {
+      // Redrawn at most 10 times a second: a terminal is slower than a step.
+      if (now - last_draw_ < absl::Milliseconds(100) && r.step != r.steps) {
+        return;
+      }
+      const double elapsed = absl::ToDoubleSeconds(now - start_);
+      const int64_t done = r.step - start_step_;
+      const double eta =
+          done > 0 ? elapsed / done * static_cast<double>(r.steps - r.step)
+                   : -1;
+      std::printf("\r%s\033[K",
+                  FormatProgressBar(
+                      r.step, r.steps, r.loss,
+                      window_examples_ / std::max(window_seconds_, 1e-9), eta)
+                      .c_str());
+      line_open_ = r.step != r.steps;
+      if (!line_open_) std::printf("\n");
+      std::fflush(stdout);
+      last_draw_ = now;
+      ResetWindow();
+      return;
+    }
+    if (r.step % log_every_ != 0 && r.step != r.steps) return;
+    std::printf(
+        "worker %d step %lld/%lld loss %.4f train_acc %.3f samples/s %.0f\n",
+        worker_id_, static_cast<long long>(r.step),
+        static_cast<long long>(r.steps), window_loss_ / window_steps_,
+        window_accuracy_ / window_steps_,
+        window_examples_ / std::max(window_seconds_, 1e-9));
+    std::fflush(stdout);
+    ResetWindow();
+  }
+
+  // Ends a bar left mid-line (a worker stopped early), so what follows
+  // starts on a line of its own.
+  void Finish() {
+    if (line_open_) {
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+
+ private:
+  void ResetWindow() {
+    window_examples_ = window_seconds_ = window_loss_ = window_accuracy_ = 0;
+    window_steps_ = 0;
+  }
+
+  const int worker_id_;
+  const bool bar_;
+  const int64_t log_every_;
+  std::unique_ptr<MetricsCsv> csv_;
+  WorkerMetrics* const metrics_;
+  absl::Time start_ = absl::Now(), last_draw_ = absl::Now();
+  int64_t start_step_ = 0;
+  double window_examples_ = 0, window_seconds_ = 0, window_loss_ = 0;
+  double window_accuracy_ = 0;
+  int64_t window_steps_ = 0;
+  bool line_open_ = false;  // a bar is drawn and its line not ended
+};
+
+int Main(int argc, char** argv) {
+  absl::StatusOr<std::vector<FlagSetting>> from_spec = ApplyClusterSpec(
+      ClusterRole::kWorker, absl::GetFlag(FLAGS_cluster_spec), argc, argv);
+  ExitOnFlagErrors({from_spec.status()});
+  if (!from_spec->empty()) {
+    std::vector<std::string> applied;
+    for (const FlagSetting& f : *from_spec) {
+      applied.push_back(absl::StrCat("--", f.name, "=", f.value));
+    }
+    LOG(INFO) << "from the cluster spec: " << absl::StrJoin(applied, " ");
+  }
   const int worker_id = absl::GetFlag(FLAGS_worker_id);
   const int num_workers = absl::GetFlag(FLAGS_num_workers);
   const std::string model_name = absl::GetFlag(FLAGS_model);
@@ -168,9 +339,10 @@ int Main() {
         absl::StrCat("--worker_id must be in [0, --num_workers=", num_workers,
                      "), got ", worker_id)));
   }
-  if (model_name != "softmax" && model_name != "mlp" && model_name != "probe") {
+  if (model_name != "softmax" && model_name != "mlp" && model_name != "probe" &&
+      model_name != "ctr") {
     checks.push_back(absl::InvalidArgumentError(absl::StrCat(
-        "--model must be softmax, mlp or probe, got '", model_name, "'")));
+        "--model must be softmax, mlp, probe or ctr, got '", model_name, "'")));
   }
   checks.push_back(CheckAtLeast("heartbeat_interval_s",
                                 absl::GetFlag(FLAGS_heartbeat_interval_s), 0));
@@ -215,7 +387,31 @@ int Main() {
     checks.push_back(absl::InvalidArgumentError(absl::StrCat(
         "--max_message_mb must be in [1, 2047], got ", max_message_mb)));
   }
+  const std::string progress = absl::GetFlag(FLAGS_progress);
+  if (progress != "auto" && progress != "bar" && progress != "lines") {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--progress must be auto, bar or lines, got '", progress, "'")));
+  }
+  const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  checks.push_back(CheckPort("metrics_port", metrics_port, -1));
+  checks.push_back(CheckAtLeast("metrics_linger_s",
+                                absl::GetFlag(FLAGS_metrics_linger_s), 0));
+  absl::StatusOr<std::unique_ptr<MetricsCsv>> csv;
+  if (!absl::GetFlag(FLAGS_metrics_csv).empty()) {
+    csv = MetricsCsv::Open(absl::GetFlag(FLAGS_metrics_csv));
+    checks.push_back(csv.status());
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      MakeChannelCredentials(
+          {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+           absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_server_name)});
+  checks.push_back(credentials.status());
+  absl::StatusOr<std::string> auth_token =
+      ReadAuthToken(absl::GetFlag(FLAGS_auth_token_file));
+  checks.push_back(auth_token.status());
   PsClientOptions client_options;
+  if (credentials.ok()) client_options.credentials = *credentials;
+  if (auth_token.ok()) client_options.auth_token = *auth_token;
   client_options.hosts = absl::StrSplit(absl::GetFlag(FLAGS_ps_hosts), ',');
   client_options.rpc_timeout =
       absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
@@ -245,11 +441,56 @@ int Main() {
       PsClient::Create(client_options);
   if (!absl::GetFlag(FLAGS_ps_hosts).empty()) checks.push_back(client.status());
   ExitOnFlagErrors(checks);
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint;
+  std::unique_ptr<WorkerMetrics> metrics;
+  if (metrics_port != 0) {
+    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> started =
+        MetricsEndpoint::Start(absl::GetFlag(FLAGS_metrics_host),
+                               std::max(metrics_port, 0),
+                               absl::GetFlag(FLAGS_metrics_port_file));
+    if (!started.ok()) {
+      LOG(ERROR) << started.status();
+      return 1;
+    }
+    metrics_endpoint = std::move(*started);
+    metrics = std::make_unique<WorkerMetrics>(metrics_endpoint->registry(),
+                                              worker_id);
+    LOG(INFO) << "metrics on http://" << absl::GetFlag(FLAGS_metrics_host)
+              << ":" << metrics_endpoint->port() << "/metrics";
+  }
   // Checked one at a time from here: each may log or do real work.
   absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
       kernels::CreateBackend(kernels::BackendOptions{
           absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_precision)});
   ExitOnFlagErrors({backend.status()});
+  if (model_name == "ctr") {  // sparse embedding tables: worker/ctr_main.h
+    static std::atomic<bool> ctr_stop{false};
+    std::thread([] {
+      WaitForTerminationSignal();
+      ctr_stop = true;
+    }).detach();
+    const bool ctr_bar =
+        progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO) == 1);
+    StepOutput ctr_output(worker_id, ctr_bar, absl::GetFlag(FLAGS_log_every),
+                          csv.ok() ? std::move(*csv) : nullptr, metrics.get());
+    CtrWorkerContext ctr;
+    ctr.worker_id = worker_id;
+    ctr.num_workers = num_workers;
+    ctr.steps = absl::GetFlag(FLAGS_steps);
+    ctr.batch_size = absl::GetFlag(FLAGS_batch_size);
+    ctr.seed = absl::GetFlag(FLAGS_seed);
+    ctr.block_elements = absl::GetFlag(FLAGS_block_elements);
+    ctr.train_file = absl::GetFlag(FLAGS_train_file);
+    ctr.test_file = absl::GetFlag(FLAGS_test_file);
+    ctr.client = client->get();
+    ctr.backend = backend->get();
+    ctr.on_step = [&ctr_output](const StepReport& r) { ctr_output.OnStep(r); };
+    ctr.stop = &ctr_stop;
+    ctr_output.Start(0);
+    const int code = RunCtrWorker(ctr);
+    ctr_output.Finish();
+    return code;
+  }
   absl::StatusOr<Data> data = LoadData({worker_id, num_workers});
   ExitOnFlagErrors({data.status()});
   LOG(INFO) << "worker " << worker_id << "/" << num_workers << " on "
@@ -291,29 +532,11 @@ int Main() {
   options.num_workers = num_workers;
   options.steps = absl::GetFlag(FLAGS_steps);
   options.batch_size = batch_size;
-  const int64_t log_every = absl::GetFlag(FLAGS_log_every);
-  double window_examples = 0, window_seconds = 0, window_loss = 0;
-  int64_t window_correct_steps = 0;
-  double window_accuracy = 0;
-  options.on_step = [&](const StepReport& r) {
-    window_examples += r.examples;
-    window_seconds += r.step_seconds;
-    window_loss += r.loss;
-    window_accuracy += r.train_accuracy;
-    ++window_correct_steps;
-    if (log_every <= 0 || (r.step % log_every != 0 && r.step != r.steps)) {
-      return;
-    }
-    std::printf(
-        "worker %d step %lld/%lld loss %.4f train_acc %.3f samples/s %.0f\n",
-        worker_id, static_cast<long long>(r.step),
-        static_cast<long long>(r.steps), window_loss / window_correct_steps,
-        window_accuracy / window_correct_steps,
-        window_examples / std::max(window_seconds, 1e-9));
-    std::fflush(stdout);
-    window_examples = window_seconds = window_loss = window_accuracy = 0;
-    window_correct_steps = 0;
-  };
+  const bool bar =
+      progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO) == 1);
+  StepOutput output(worker_id, bar, absl::GetFlag(FLAGS_log_every),
+                    csv.ok() ? std::move(*csv) : nullptr, metrics.get());
+  options.on_step = [&output](const StepReport& r) { output.OnStep(r); };
   options.start_step = registration->start_step;
   // SIGTERM/SIGINT: finish the step in hand, leave the job, report.
   static std::atomic<bool> stop_requested{false};
@@ -326,9 +549,11 @@ int Main() {
   options.stop = &stop_requested;
   options.step_delay =
       absl::Milliseconds(absl::GetFlag(FLAGS_inject_step_delay_ms));
+  output.Start(registration->start_step);
   absl::StatusOr<TrainResult> result =
       Train(options, registration->mode, **client, **model, **backend,
             data->train, data->test);
+  output.Finish();
   if (!result.ok()) {
     LOG(ERROR) << "training failed: " << result.status();
     return 1;
@@ -337,6 +562,15 @@ int Main() {
       "%s\n",
       FinalJson(*result, worker_id, num_workers, (*backend)->Name()).c_str());
   std::fflush(stdout);
+  const double linger_s = absl::GetFlag(FLAGS_metrics_linger_s);
+  if (metrics_endpoint != nullptr && linger_s > 0 && !stop_requested) {
+    LOG(INFO) << "serving the final metrics for " << linger_s
+              << " s (SIGTERM ends it)";
+    const absl::Time until = absl::Now() + absl::Seconds(linger_s);
+    while (absl::Now() < until && !stop_requested) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  }
   return 0;
 }
 
@@ -348,5 +582,5 @@ int main(int argc, char** argv) {
                        "worker: trains a model against the parameter servers");
   // Before any thread starts, so signals reach only the waiting thread.
   pstrain::BlockTerminationSignals();
-  return pstrain::Main();
+  return pstrain::Main(argc, argv);
 }

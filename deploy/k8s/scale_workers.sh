@@ -12,13 +12,12 @@
 #      Kubernetes >= 1.27 (ElasticIndexedJob) and completions == parallelism,
 #      which this keeps.
 #
-# The servers are not touched: ps_server's --num_workers (the sync quorum and
-# the worker count it accepts) is fixed when it starts. Letting a running job
-# follow the new membership at a step boundary is a separate feature (elastic
-# membership on the servers); until the binaries have it, scale before the job
-# starts (or restart it: kubectl delete job worker; kubectl rollout restart
-# statefulset ps; kubectl apply -f deploy/k8s/), since pods started with
-# different worker counts are refused by the servers.
+# The servers are not touched: they run with --max_workers=MAX_WORKERS
+# (configmap.yaml), so a running sync job follows the new membership at a
+# step boundary. New pods join at the step the job is at; the pods of
+# removed indexes get SIGTERM, finish their step and leave the job. Keep N
+# <= MAX_WORKERS: the servers refuse worker ids >= MAX_WORKERS (raising
+# MAX_WORKERS needs a new job: the servers read it when they start).
 #
 # Environment: KUBECTL (default kubectl) is the command run, e.g.
 # KUBECTL="kubectl --context=prod". Exit status: 0 done, 1 kubectl failed,

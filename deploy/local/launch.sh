@@ -35,6 +35,19 @@ Options:
                    /tmp/pstrain-run.XXXXXX)
   --timeout_s=N    deadline of the whole job in seconds (default 600); when
                    it expires everything is killed and the exit status is 124
+  --tls_dir=DIR    TLS with client certificates (mutual TLS) on every
+                   channel, from the files deploy/tls/make_certs.sh writes:
+                   servers get --tls_cert=DIR/server.pem --tls_key=DIR/server.key
+                   --tls_client_ca=DIR/ca.pem, workers --tls_ca=DIR/ca.pem
+                   --tls_cert=DIR/client.pem --tls_key=DIR/client.key (the
+                   server certificate must name 127.0.0.1)
+  --auth_token_file=FILE  every server requires, every worker sends, the
+                   token in FILE (--auth_token_file on both)
+  --metrics        Prometheus endpoints on free 127.0.0.1 ports for every
+                   server and worker (ports in psI.metrics_port and
+                   workerK.metrics_port; the servers' URLs are printed)
+  --csv            each worker writes workerK.csv (--metrics_csv), for
+                   bench/plot/plot_runs.sh
   -h, --help       print this help and exit
 
 Extra flags after "--":
@@ -43,11 +56,18 @@ Extra flags after "--":
   --FLAG=V         passed to every worker (model/data flags)
 
 Flags the launcher sets itself (host, port, port_file, shard_id, num_shards,
-num_workers, mode; ps_hosts, worker_id, num_workers) cannot be overridden.
+num_workers, mode; cluster_spec, ps_hosts, worker_id, num_workers) cannot be
+overridden.
 
-Files in the run directory: psI.port, psI.log (server I, stdout+stderr),
-workerK.out (worker K's stdout: progress and final JSON), workerK.log
-(worker K's stderr).
+The job is described once, in RUN/cluster.json (the cluster description of
+README.md: {"ps": [...], "workers": W, "mode": ...}), written when every
+server is up; each worker gets --cluster_spec=RUN/cluster.json and its
+--worker_id.
+
+Files in the run directory: cluster.json, psI.port, psI.log (server I,
+stdout+stderr), workerK.out (worker K's stdout: progress and final JSON),
+workerK.log (worker K's stderr); with --metrics psI.metrics_port and
+workerK.metrics_port, with --csv workerK.csv.
 
 Exit status: 0 success, 1 a server or worker failed, 2 bad usage,
 124 timeout, 128+N killed by signal N.
@@ -255,6 +275,10 @@ BIN_DIR_SET=0
 RUN_DIR=""
 RUN_DIR_SET=0
 TIMEOUT_S=600
+TLS_DIR=""
+AUTH_TOKEN_FILE=""
+METRICS=0
+CSV=0
 SERVER_FLAGS=()
 WORKER_FLAGS=()
 
@@ -265,7 +289,7 @@ check_count() {
 }
 
 readonly SERVER_OWNED=" host port port_file shard_id num_shards num_workers mode "
-readonly WORKER_OWNED=" ps_hosts worker_id num_workers "
+readonly WORKER_OWNED=" cluster_spec ps_hosts worker_id num_workers "
 
 # Splits one extra flag into SERVER_FLAGS / WORKER_FLAGS.
 add_extra_flag() {
@@ -299,6 +323,19 @@ parse_args() {
       -h | --help)
         usage
         exit 0
+        ;;
+      --metrics) METRICS=1 ;;
+      --csv) CSV=1 ;;
+      --tls_dir=* | --auth_token_file=*)
+        name=${arg%%=*}
+        value=${arg#*=}
+        [[ -n "$value" ]] || usage_error "$name must not be empty"
+        if [[ $name == --tls_dir ]]; then TLS_DIR=$value; else AUTH_TOKEN_FILE=$value; fi
+        ;;
+      --tls_dir | --auth_token_file)
+        (($# > 0)) || usage_error "$arg needs a value"
+        if [[ $arg == --tls_dir ]]; then TLS_DIR=$1; else AUTH_TOKEN_FILE=$1; fi
+        shift
         ;;
       --)
         while (($# > 0)); do
@@ -340,6 +377,24 @@ parse_args() {
     esac
   done
 
+  if [[ -n "$TLS_DIR" ]]; then
+    local f
+    for f in ca.pem server.pem server.key client.pem client.key; do
+      [[ -r "$TLS_DIR/$f" ]] ||
+        usage_error "--tls_dir: $TLS_DIR/$f is missing (make them with deploy/tls/make_certs.sh $TLS_DIR)"
+    done
+    TLS_DIR=$(cd -- "$TLS_DIR" && pwd)
+    SERVER_FLAGS=(--tls_cert="$TLS_DIR/server.pem" --tls_key="$TLS_DIR/server.key"
+      --tls_client_ca="$TLS_DIR/ca.pem" ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"})
+    WORKER_FLAGS=(--tls_ca="$TLS_DIR/ca.pem" --tls_cert="$TLS_DIR/client.pem"
+      --tls_key="$TLS_DIR/client.key" ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"})
+  fi
+  if [[ -n "$AUTH_TOKEN_FILE" ]]; then
+    [[ -r "$AUTH_TOKEN_FILE" ]] || usage_error "--auth_token_file '$AUTH_TOKEN_FILE' is not readable"
+    AUTH_TOKEN_FILE=$(cd -- "$(dirname -- "$AUTH_TOKEN_FILE")" && pwd)/$(basename -- "$AUTH_TOKEN_FILE")
+    SERVER_FLAGS=(--auth_token_file="$AUTH_TOKEN_FILE" ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"})
+    WORKER_FLAGS=(--auth_token_file="$AUTH_TOKEN_FILE" ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"})
+  fi
   check_count servers "$SERVERS"
   check_count workers "$WORKERS"
   check_count timeout_s "$TIMEOUT_S"
@@ -386,13 +441,25 @@ check_job_deadline() {
   fi
 }
 
+# Per-process metrics flags (--metrics): a free port, reported in a file.
+metrics_flags() {
+  METRICS_FLAGS=()
+  if ((METRICS)); then
+    rm -f -- "$RUN/$1.metrics_port"
+    METRICS_FLAGS=(--metrics_port=-1 --metrics_host=127.0.0.1
+      --metrics_port_file="$RUN/$1.metrics_port")
+  fi
+}
+
 start_servers() {
   local i pid
   for ((i = 0; i < SERVERS; i++)); do
     rm -f -- "$RUN/ps$i.port"
+    metrics_flags "ps$i"
     "$PS_BIN" --host=127.0.0.1 --port=0 --port_file="$RUN/ps$i.port" \
       --shard_id="$i" --num_shards="$SERVERS" --num_workers="$WORKERS" \
-      --mode="$MODE" ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} \
+      --mode="$MODE" ${METRICS_FLAGS[@]+"${METRICS_FLAGS[@]}"} \
+      ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} \
       >"$RUN/ps$i.log" 2>&1 &
     pid=$!
     LIVE[$pid]="ps_server $i (pid $pid)"
@@ -444,17 +511,34 @@ wait_for_ports() {
     pause
   done
   PS_HOSTS=""
+  local json=""
   for ((i = 0; i < SERVERS; i++)); do
     PS_HOSTS+="${PS_HOSTS:+,}127.0.0.1:${ports[i]}"
+    json+="${json:+, }\"127.0.0.1:${ports[i]}\""
   done
+  # The job's one description, which every worker reads (--cluster_spec).
+  printf '{"ps": [%s], "workers": %d, "mode": "%s"}\n' "$json" "$WORKERS" "$MODE" \
+    >"$RUN/cluster.json.tmp" && mv -f -- "$RUN/cluster.json.tmp" "$RUN/cluster.json"
   info "$SERVERS ps_server(s) serving ($MODE): $PS_HOSTS"
+  if ((METRICS)); then
+    local urls="" port
+    for ((i = 0; i < SERVERS; i++)); do
+      port=$(cat -- "$RUN/ps$i.metrics_port" 2>/dev/null) || port="?"
+      urls+="${urls:+ }http://127.0.0.1:${port//[[:space:]]/}/metrics"
+    done
+    info "server metrics: $urls (workers: $RUN/worker*.metrics_port)"
+  fi
 }
 
 start_workers() {
   local k pid
   for ((k = 0; k < WORKERS; k++)); do
-    "$WORKER_BIN" --ps_hosts="$PS_HOSTS" --worker_id="$k" \
-      --num_workers="$WORKERS" ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"} \
+    metrics_flags "worker$k"
+    local csv=()
+    ((CSV)) && csv=(--metrics_csv="$RUN/worker$k.csv")
+    "$WORKER_BIN" --cluster_spec="$RUN/cluster.json" --worker_id="$k" \
+      ${METRICS_FLAGS[@]+"${METRICS_FLAGS[@]}"} ${csv[@]+"${csv[@]}"} \
+      ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"} \
       >"$RUN/worker$k.out" 2>"$RUN/worker$k.log" &
     pid=$!
     LIVE[$pid]="worker $k (pid $pid)"

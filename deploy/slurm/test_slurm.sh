@@ -362,6 +362,10 @@ for i in 0 1; do
 done
 grep -q "servers serving: 127.0.0.1:$PS_BASE,127.0.0.1:$((PS_BASE + 1))\$" "$T/job-A.out" ||
   fail "job A: ps_hosts is not 127.0.0.1:$PS_BASE,127.0.0.1:$((PS_BASE + 1))"
+# The workers found the servers through the cluster description
+# (PSTRAIN_CLUSTER), not through flags.
+grep -q "from the cluster spec: --ps_hosts=127.0.0.1:$PS_BASE,127.0.0.1:$((PS_BASE + 1))" "$T/run-A/workers.log" ||
+  fail "job A: the workers did not take --ps_hosts from PSTRAIN_CLUSTER"
 # The servers were stopped with SIGTERM (clean shutdown), not killed.
 grep -q 'shutting down' "$T/run-A/servers.log" || fail "job A: servers did not shut down on SIGTERM"
 

@@ -27,7 +27,8 @@
 //     probe ports exist; and pstrain's own rules for the ConfigMap
 //     "pstrain-config", StatefulSet "ps" and Job "worker": NUM_SHARDS ==
 //     replicas == entries of PS_HOSTS (ps-<i>.<service>...:PS_PORT), NUM_WORKERS
-//     == parallelism == completions, MODE sync|async.
+//     == parallelism == completions <= MAX_WORKERS (when set), MODE
+//     sync|async; a grpc probe's port is one the container declares.
 //
 // --kubectl-log=LOG: LOG is what a stand-in kubectl recorded for
 // scale_workers.sh: each call's arguments one per line, then a line "<<end>>".
@@ -302,12 +303,18 @@ function crossErrors(docs) {
           }
         });
         const portNames = new Set((c.ports || []).map((p) => p && p.name).filter(Boolean));
+        const portNumbers = new Set((c.ports || []).map((p) => p && p.containerPort));
         for (const probe of ['readinessProbe', 'livenessProbe', 'startupProbe']) {
           for (const kind of ['tcpSocket', 'httpGet']) {
             const port = get(c, probe, kind, 'port');
             if (typeof port === 'string' && !portNames.has(port)) {
               add(doc, `${base}/${probe}/${kind}/port`, `no container port named "${port}"`);
             }
+          }
+          // grpc probes take a number only: it must be one the container declares.
+          const grpcPort = get(c, probe, 'grpc', 'port');
+          if (typeof grpcPort === 'number' && !portNumbers.has(grpcPort)) {
+            add(doc, `${base}/${probe}/grpc/port`, `no containerPort ${grpcPort} for the grpc probe`);
           }
         }
       });
@@ -327,6 +334,13 @@ function crossErrors(docs) {
     const workers = int('NUM_WORKERS');
     if ('NUM_SHARDS' in data && Number.isNaN(shards)) add(cm, '/data/NUM_SHARDS', 'NUM_SHARDS must be a positive integer');
     if ('NUM_WORKERS' in data && Number.isNaN(workers)) add(cm, '/data/NUM_WORKERS', 'NUM_WORKERS must be a positive integer');
+    if ('MAX_WORKERS' in data) {
+      const max = int('MAX_WORKERS');
+      if (Number.isNaN(max)) add(cm, '/data/MAX_WORKERS', 'MAX_WORKERS must be a positive integer');
+      else if (!Number.isNaN(workers) && max < workers) {
+        add(cm, '/data/MAX_WORKERS', `NUM_WORKERS ${data.NUM_WORKERS} > MAX_WORKERS ${data.MAX_WORKERS} (the servers refuse worker ids >= MAX_WORKERS)`);
+      }
+    }
     const ps = find('StatefulSet', 'ps');
     if (!ps) add(cm, '', 'no StatefulSet "ps" (the servers) in the set');
     else {

@@ -1,0 +1,465 @@
+#include "common/metrics.h"
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/interceptor.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/cli.h"
+#include "glog/logging.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
+
+namespace pstrain {
+namespace {
+
+using grpc::experimental::InterceptionHookPoints;
+
+const char* CodeName(int code) {
+  static const char* const kNames[17] = {"OK",
+                                         "CANCELLED",
+                                         "UNKNOWN",
+                                         "INVALID_ARGUMENT",
+                                         "DEADLINE_EXCEEDED",
+                                         "NOT_FOUND",
+                                         "ALREADY_EXISTS",
+                                         "PERMISSION_DENIED",
+                                         "RESOURCE_EXHAUSTED",
+                                         "FAILED_PRECONDITION",
+                                         "ABORTED",
+                                         "OUT_OF_RANGE",
+                                         "UNIMPLEMENTED",
+                                         "INTERNAL",
+                                         "UNAVAILABLE",
+                                         "DATA_LOSS",
+                                         "UNAUTHENTICATED"};
+  return code >= 0 && code < 17 ? kNames[code] : "UNKNOWN";
+}
+
+// Times and counts one call. gRPC creates one per call and deletes it when
+// the call is done.
+class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit RpcMetricsInterceptor(RpcMetricsInterceptorFactory::Method* method)
+      : method_(method), start_(std::chrono::steady_clock::now()) {}
+
+  void Intercept(
+      grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            InterceptionHookPoints::POST_RECV_MESSAGE) &&
+        method_->request_bytes != nullptr) {
+      const auto* request =
+          static_cast<const grpc::ByteBuffer*>(methods->GetRecvMessage());
+      if (request != nullptr)
+        method_->request_bytes->Increment(request->Length());
+    }
+    if (methods->QueryInterceptionHookPoint(
+            InterceptionHookPoints::PRE_SEND_MESSAGE)) {
+      // Serializes the response now rather than a moment later; it is the
+      // buffer that is then sent, so nothing is done twice.
+      const grpc::ByteBuffer* response = methods->GetSerializedSendMessage();
+      if (response != nullptr) {
+        method_->response_bytes->Increment(response->Length());
+      }
+    }
+    if (methods->QueryInterceptionHookPoint(
+            InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const std::chrono::duration<double> elapsed =
+          std::chrono::steady_clock::now() - start_;
+      method_->duration->Observe(elapsed.count());
+      const int code = static_cast<int>(methods->GetSendStatus().error_code());
+      method_->by_code[code >= 0 && code < 17 ? code : 2]->Increment();
+    }
+    methods->Proceed();
+  }
+
+ private:
+  RpcMetricsInterceptorFactory::Method* const method_;
+  const std::chrono::steady_clock::time_point start_;
+};
+
+prometheus::MetricFamily Family(const std::string& name,
+                                const std::string& help,
+                                prometheus::MetricType type, double value,
+                                const std::string& shard) {
+  prometheus::ClientMetric metric;
+  metric.label.push_back({"shard", shard});
+  if (type == prometheus::MetricType::Counter) {
+    metric.counter.value = value;
+  } else {
+    metric.gauge.value = value;
+  }
+  return prometheus::MetricFamily{name, help, type, {metric}};
+}
+
+// How long one scrape may take to send its request or read its answer:
+// the endpoint answers one connection at a time.
+constexpr int kIoTimeoutSeconds = 5;
+
+void SetTimeouts(int fd) {
+  timeval timeout{kIoTimeoutSeconds, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+}
+
+void SendAll(int fd, absl::string_view data) {
+  while (!data.empty()) {
+    const ssize_t n = send(fd, data.data(), data.size(), MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // the scraper went away or timed out
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+std::string Response(absl::string_view status, absl::string_view type,
+                     absl::string_view body) {
+  return absl::StrCat("HTTP/1.0 ", status, "\r\nContent-Type: ", type,
+                      "\r\nContent-Length: ", body.size(),
+                      "\r\nConnection: close\r\n\r\n", body);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
+    const std::string& host, int port, const std::string& port_file) {
+  std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint());
+  endpoint->registry_ = std::make_shared<prometheus::Registry>();
+  endpoint->collectables_.push_back(endpoint->registry_);
+  const std::string where = absl::StrCat(host, ":", port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* addresses = nullptr;
+  const int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(),
+                             absl::StrCat(port).c_str(), &hints, &addresses);
+  if (rc != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--metrics_host=", host, ": cannot resolve: ", gai_strerror(rc)));
+  }
+  std::string error = "no address";
+  for (addrinfo* a = addresses; a != nullptr; a = a->ai_next) {
+    const int fd =
+        socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 16) == 0) {
+      endpoint->listen_fd_ = fd;
+      break;
+    }
+    error = std::strerror(errno);
+    close(fd);
+  }
+  freeaddrinfo(addresses);
+  if (endpoint->listen_fd_ < 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "--metrics_port: cannot serve metrics on ", where, ": ", error));
+  }
+  sockaddr_storage bound{};
+  socklen_t length = sizeof(bound);
+  getsockname(endpoint->listen_fd_, reinterpret_cast<sockaddr*>(&bound),
+              &length);
+  endpoint->port_ =
+      ntohs(bound.ss_family == AF_INET6
+                ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  endpoint->thread_ = std::thread([e = endpoint.get()] { e->Serve(); });
+  if (!port_file.empty()) {
+    absl::Status written =
+        WriteFileAtomically(port_file, absl::StrCat(endpoint->port_, "\n"));
+    if (!written.ok()) return written;
+  }
+  return endpoint;
+}
+
+MetricsEndpoint::~MetricsEndpoint() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  if (listen_fd_ >= 0) close(listen_fd_);
+}
+
+void MetricsEndpoint::Add(
+    std::shared_ptr<prometheus::Collectable> collectable) {
+  absl::MutexLock lock(&mu_);
+  collectables_.push_back(std::move(collectable));
+}
+
+std::string MetricsEndpoint::Scrape() {
+  std::vector<prometheus::MetricFamily> families;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& collectable : collectables_) {
+      std::vector<prometheus::MetricFamily> more = collectable->Collect();
+      families.insert(families.end(), std::make_move_iterator(more.begin()),
+                      std::make_move_iterator(more.end()));
+    }
+  }
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+void MetricsEndpoint::Serve() {
+  while (!stop_) {
+    // Wakes up every 100 ms to notice stop_: no signal or extra fd needed.
+    pollfd listening{listen_fd_, POLLIN, 0};
+    if (poll(&listening, 1, 100) <= 0) continue;
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    SetTimeouts(fd);
+    Answer(fd);
+    close(fd);
+  }
+}
+
+void MetricsEndpoint::Answer(int fd) {
+  // The request line and headers; the body of a GET is empty.
+  std::string request;
+  char buffer[2048];
+  while (request.find("\r\n\r\n") == std::string::npos &&
+         request.find("\n\n") == std::string::npos && request.size() < 16384) {
+    const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    request.append(buffer, static_cast<size_t>(n));
+  }
+  // "GET /metrics?x HTTP/1.1"
+  absl::string_view line(request);
+  line = line.substr(0, line.find_first_of("\r\n"));
+  const size_t space = line.find(' ');
+  const absl::string_view method = line.substr(0, space);
+  absl::string_view path =
+      space == absl::string_view::npos ? "" : line.substr(space + 1);
+  path = path.substr(0, path.find_first_of(" ?"));
+  constexpr absl::string_view kText = "text/plain; charset=utf-8";
+  if (method != "GET") {
+    SendAll(fd, Response("405 Method Not Allowed", kText, "GET only\n"));
+  } else if (path == "/metrics") {
+    SendAll(fd, Response("200 OK", "text/plain; version=0.0.4; charset=utf-8",
+                         Scrape()));
+  } else {
+    SendAll(fd, Response("404 Not Found", kText, "see /metrics\n"));
+  }
+}
+
+const std::vector<double>& LatencyBuckets() {
+  static const auto* buckets = new std::vector<double>{
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+      0.25,   0.5,     1,      2.5,   5,      10,    30,   60,    120};
+  return *buckets;
+}
+
+RpcMetricsInterceptorFactory::RpcMetricsInterceptorFactory(
+    prometheus::Registry& registry,
+    absl::flat_hash_set<std::string> raw_request_methods)
+    : rpcs_(prometheus::BuildCounter()
+                .Name("pstrain_server_rpcs_total")
+                .Help("RPCs answered, by method and status code.")
+                .Register(registry)),
+      duration_(prometheus::BuildHistogram()
+                    .Name("pstrain_server_rpc_duration_seconds")
+                    .Help("Time from a request's arrival to its status being "
+                          "sent (Push: includes applying it; sync Pull: "
+                          "includes waiting for the step).")
+                    .Register(registry)),
+      request_bytes_(prometheus::BuildCounter()
+                         .Name("pstrain_server_request_bytes_total")
+                         .Help("Request message bytes received (Push and "
+                               "Pull).")
+                         .Register(registry)),
+      response_bytes_(prometheus::BuildCounter()
+                          .Name("pstrain_server_response_bytes_total")
+                          .Help("Response message bytes sent.")
+                          .Register(registry)),
+      raw_request_methods_(std::move(raw_request_methods)) {}
+
+RpcMetricsInterceptorFactory::Method* RpcMetricsInterceptorFactory::Lookup(
+    const char* full_name) {
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<Method>& method = methods_[full_name];
+  if (method != nullptr) return method.get();
+  // "/package.Service/Method" -> service, method.
+  absl::string_view name(full_name);
+  if (!name.empty() && name[0] == '/') name.remove_prefix(1);
+  const size_t slash = name.find('/');
+  const std::string service(name.substr(0, slash));
+  const std::string short_name(
+      slash == absl::string_view::npos ? "" : name.substr(slash + 1));
+  const std::map<std::string, std::string> labels = {{"service", service},
+                                                     {"method", short_name}};
+  method = std::make_unique<Method>();
+  method->duration = &duration_.Add(labels, LatencyBuckets());
+  method->response_bytes = &response_bytes_.Add(labels);
+  if (raw_request_methods_.contains(full_name)) {
+    method->request_bytes = &request_bytes_.Add(labels);
+  }
+  for (int code = 0; code < 17; ++code) {
+    std::map<std::string, std::string> with_code = labels;
+    with_code["code"] = CodeName(code);
+    method->by_code[code] = &rpcs_.Add(with_code);
+  }
+  return method.get();
+}
+
+grpc::experimental::Interceptor*
+RpcMetricsInterceptorFactory::CreateServerInterceptor(
+    grpc::experimental::ServerRpcInfo* info) {
+  const char* name = info->method();
+  return new RpcMetricsInterceptor(Lookup(name == nullptr ? "" : name));
+}
+
+std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
+  const StatsResponse s = stats_();
+  const std::string shard = absl::StrCat(s.shard_id());
+  using prometheus::MetricType;
+  const MetricType kCounter = MetricType::Counter;
+  const MetricType kGauge = MetricType::Gauge;
+  std::vector<prometheus::MetricFamily> families;
+  {
+    prometheus::ClientMetric info;
+    info.label = {{"shard", shard},
+                  {"num_shards", absl::StrCat(s.num_shards())},
+                  {"mode", s.mode()}};
+    info.gauge.value = 1;
+    families.push_back({"pstrain_shard_info",
+                        "This shard's place in the job (value 1).",
+                        kGauge,
+                        {info}});
+  }
+  auto add = [&](const char* name, const char* help, MetricType type,
+                 double value) {
+    families.push_back(Family(name, help, type, value, shard));
+  };
+  add("pstrain_shard_model_registered", "1 once a model is registered.", kGauge,
+      s.model_registered() ? 1 : 0);
+  add("pstrain_shard_version",
+      "Smallest block version on this shard: the step, in sync mode.", kGauge,
+      static_cast<double>(s.version()));
+  add("pstrain_shard_blocks", "Model blocks held by this shard.", kGauge,
+      static_cast<double>(s.num_blocks()));
+  add("pstrain_shard_elements", "Model elements held by this shard.", kGauge,
+      static_cast<double>(s.num_elements()));
+  add("pstrain_shard_members",
+      "Workers whose gradients the current step waits for.", kGauge,
+      s.members());
+  add("pstrain_shard_waiting_pulls",
+      "Pulls waiting for their step or for slow workers (queue depth).", kGauge,
+      static_cast<double>(s.waiting_pulls()));
+  add("pstrain_shard_staleness_max",
+      "async: largest staleness (versions) of an applied block gradient.",
+      kGauge, static_cast<double>(s.staleness_max()));
+  add("pstrain_shard_staleness_mean",
+      "async: mean staleness (versions) of applied block gradients.", kGauge,
+      s.staleness_mean());
+  add("pstrain_shard_ssp_gap_max",
+      "ssp: largest clock gap a pull was served with.", kGauge,
+      static_cast<double>(s.ssp_gap_max()));
+  add("pstrain_shard_blocks_applied_total",
+      "Block gradients applied (async) or added to a step (sync).", kCounter,
+      static_cast<double>(s.blocks_applied()));
+  add("pstrain_shard_blocks_duplicate_total",
+      "Block gradients received again and not applied twice.", kCounter,
+      static_cast<double>(s.blocks_duplicate()));
+  add("pstrain_shard_late_gradients_dropped_total",
+      "sync: block gradients for a step that had completed without them.",
+      kCounter, static_cast<double>(s.late_gradients_dropped()));
+  add("pstrain_shard_requests_rejected_total",
+      "Requests refused (bad, unauthenticated, wrong schema...).", kCounter,
+      static_cast<double>(s.requests_rejected()));
+  add("pstrain_shard_pulls_served_total", "Pull requests answered.", kCounter,
+      static_cast<double>(s.pulls_served()));
+  add("pstrain_shard_nonfinite_gradients_skipped_total",
+      "Gradients with NaN/Inf skipped (--nonfinite_gradients=skip).", kCounter,
+      static_cast<double>(s.nonfinite_gradients_skipped()));
+  add("pstrain_shard_steps_lost_total",
+      "Steps skipped when a restored shard caught up with the workers.",
+      kCounter, static_cast<double>(s.steps_lost()));
+  add("pstrain_shard_gradients_lost_total",
+      "sync: block gradients lost in a crash, counted as given.", kCounter,
+      static_cast<double>(s.gradients_lost()));
+  return families;
+}
+
+WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, int worker_id)
+    : step_(prometheus::BuildGauge()
+                .Name("pstrain_worker_step")
+                .Help("Steps done (the step the model is at).")
+                .Register(registry)
+                .Add({{"worker", absl::StrCat(worker_id)}})),
+      steps_(prometheus::BuildGauge()
+                 .Name("pstrain_worker_steps")
+                 .Help("Steps this job trains for.")
+                 .Register(registry)
+                 .Add({{"worker", absl::StrCat(worker_id)}})),
+      loss_(prometheus::BuildGauge()
+                .Name("pstrain_worker_loss")
+                .Help("Training loss of the last step's batch.")
+                .Register(registry)
+                .Add({{"worker", absl::StrCat(worker_id)}})),
+      accuracy_(prometheus::BuildGauge()
+                    .Name("pstrain_worker_train_accuracy")
+                    .Help("Accuracy on the last step's batch.")
+                    .Register(registry)
+                    .Add({{"worker", absl::StrCat(worker_id)}})),
+      samples_per_second_(
+          prometheus::BuildGauge()
+              .Name("pstrain_worker_samples_per_second")
+              .Help("Training examples per second over the last second or "
+                    "more of steps.")
+              .Register(registry)
+              .Add({{"worker", absl::StrCat(worker_id)}})),
+      examples_(prometheus::BuildCounter()
+                    .Name("pstrain_worker_examples_total")
+                    .Help("Training examples processed.")
+                    .Register(registry)
+                    .Add({{"worker", absl::StrCat(worker_id)}})),
+      step_seconds_(
+          prometheus::BuildHistogram()
+              .Name("pstrain_worker_step_duration_seconds")
+              .Help("Wall time of a step, pull to push.")
+              .Register(registry)
+              .Add({{"worker", absl::StrCat(worker_id)}}, LatencyBuckets())),
+      pull_seconds_(
+          prometheus::BuildHistogram()
+              .Name("pstrain_worker_pull_duration_seconds")
+              .Help("Time to pull the model, every shard at once.")
+              .Register(registry)
+              .Add({{"worker", absl::StrCat(worker_id)}}, LatencyBuckets())),
+      push_seconds_(
+          prometheus::BuildHistogram()
+              .Name("pstrain_worker_push_duration_seconds")
+              .Help("Time to push the gradient, every shard at "
+                    "once.")
+              .Register(registry)
+              .Add({{"worker", absl::StrCat(worker_id)}}, LatencyBuckets())) {}
+
+void WorkerMetrics::Observe(const StepSample& sample) {
+  step_.Set(static_cast<double>(sample.step));
+  steps_.Set(static_cast<double>(sample.steps));
+  loss_.Set(sample.loss);
+  accuracy_.Set(sample.train_accuracy);
+  examples_.Increment(static_cast<double>(sample.examples));
+  step_seconds_.Observe(sample.step_seconds);
+  pull_seconds_.Observe(sample.pull_seconds);
+  push_seconds_.Observe(sample.push_seconds);
+  window_examples_ += static_cast<double>(sample.examples);
+  window_seconds_ += sample.step_seconds;
+  // Shown from the first step on, then refreshed once a second of steps.
+  if (window_seconds_ >= 1.0 || samples_per_second_.Value() == 0) {
+    if (window_seconds_ > 0) {
+      samples_per_second_.Set(window_examples_ / window_seconds_);
+    }
+    if (window_seconds_ >= 1.0) window_examples_ = window_seconds_ = 0;
+  }
+}
+
+}  // namespace pstrain

