@@ -93,9 +93,12 @@ PsClient::PsClient(const PsClientOptions& options)
       // its own TCP connection instead of sharing one.
       args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
       args.SetInt("pstrain.connection_index", c);
-      stubs_.push_back(
-          std::make_unique<grpc::GenericStub>(grpc::CreateCustomChannel(
-              host, grpc::InsecureChannelCredentials(), args)));
+      stubs_.push_back(std::make_unique<grpc::GenericStub>(
+          grpc::CreateCustomChannel(host,
+                                    options.credentials != nullptr
+                                        ? options.credentials
+                                        : grpc::InsecureChannelCredentials(),
+                                    args)));
     }
   }
 }
