@@ -1,0 +1,1426 @@
+// ps_bench: push/pull goodput and latency of the parameter server, next to
+// the limits of the transport underneath, all measured in the same run:
+//
+//   ps_bench [--sizes=4096,...,67108864] [--servers=1] [--clients=1]
+//
+// For every size N (bytes; one float32 tensor of N/4 elements) it measures
+//   (a) raw TCP between two processes on loopback: push+pull goodput
+//       (write N, read N back: 2N / time) and the round trip of N bytes
+//       answered by a 16-byte ack;
+//   (b) a plain gRPC unary echo of N bytes (2N / time, p50/p99);
+//   (c) real ps_server processes (async, SGD, tiny learning rate) through
+//       PsClient: Push, Pull and Push-then-Pull goodput, Push p50/p99.
+// The baselines' peers are this binary re-executed with --role=tcp_peer or
+// --role=grpc_echo, so they cost what a second process costs on this machine.
+//
+// Every child process dies with the bench: it is stopped on every return
+// path, SIGKILLed by a guardian thread on SIGINT/SIGTERM or when --deadline_s
+// runs out, and gets SIGKILL from the kernel (PR_SET_PDEATHSIG) should the
+// bench die any other way. Every blocking call carries a deadline.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "bench/transport/echo.grpc.pb.h"
+#include "glog/logging.h"
+#include "proto/ps.pb.h"
+#include "tools/cpp/runfiles/runfiles.h"
+#include "worker/ps_client.h"
+
+ABSL_FLAG(std::vector<std::string>, sizes,
+          std::vector<std::string>({"4096", "65536", "1048576", "4194304",
+                                    "16777216", "67108864"}),
+          "Payload sizes in bytes (multiples of 4: a float32 tensor of "
+          "size/4 elements).");
+ABSL_FLAG(int64_t, iterations, 0,
+          "Measured operations per client and phase; 0 runs each phase for "
+          "--phase_seconds (at least 10 operations).");
+ABSL_FLAG(double, phase_seconds, 0.25,
+          "With --iterations=0, how long each of the six phases of a size "
+          "runs (so a size takes about 6x this plus server start-up).");
+ABSL_FLAG(int64_t, warmup, 2,
+          "Unmeasured operations per client before every phase.");
+ABSL_FLAG(int, repeats, 1,
+          "Measure every size this many times, baselines and PS interleaved "
+          "so that drift on a noisy machine hits both; the table shows "
+          "medians (ratios: the median of the per-repeat ratios) and the "
+          "min..max spread.");
+ABSL_FLAG(int, servers, 1, "ps_server shards to start.");
+ABSL_FLAG(int, clients, 1,
+          "Client threads, each with its own PsClient and worker_id (and its "
+          "own TCP connection and gRPC channel for the baselines); goodput is "
+          "aggregated over them.");
+ABSL_FLAG(int64_t, block_elements, 1 << 18,
+          "Schema block size in elements (the worker's --block_elements "
+          "default).");
+ABSL_FLAG(std::string, ps_server, "",
+          "ps_server binary; default: the one in this binary's runfiles.");
+ABSL_FLAG(std::string, json_out, "",
+          "If set, the JSON lines are also written to this file.");
+ABSL_FLAG(int, tcp_buffer_bytes, 4 << 20,
+          "SO_SNDBUF/SO_RCVBUF of the raw TCP baseline's sockets (the kernel "
+          "caps it at net.core.[rw]mem_max); 0 leaves kernel autotuning on.");
+ABSL_FLAG(double, io_timeout_s, 120,
+          "Deadline of every RPC and socket read/write.");
+ABSL_FLAG(double, deadline_s, 1800,
+          "The whole run's deadline: past it every child is killed and the "
+          "bench exits 3.");
+// Internal: how the bench re-executes itself as a baseline peer.
+ABSL_FLAG(std::string, role, "bench", "bench, tcp_peer or grpc_echo.");
+ABSL_FLAG(std::string, port_file, "",
+          "Peer roles: where the chosen port is written once serving.");
+
+namespace pstrain::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Polling interval of waits on port files and child exits; every such wait
+// is bounded by its own deadline.
+constexpr absl::Duration kPoll = absl::Milliseconds(5);
+constexpr absl::Duration kStartTimeout = absl::Seconds(30);
+// ps_server finishes in-flight calls on SIGTERM; past this it gets SIGKILL.
+constexpr absl::Duration kStopGrace = absl::Seconds(5);
+constexpr int64_t kMinIterations = 10;
+// Largest payload a peer accepts, so a corrupt header cannot make it
+// allocate without bound.
+constexpr uint64_t kMaxPayload = uint64_t{1} << 30;
+constexpr int kMaxGrpcMessage = (1 << 30) + (1 << 20);
+constexpr size_t kAckBytes = 16;
+
+// The raw TCP protocol: a connection starts with one header; then for every
+// N-byte message the peer reads, it answers N bytes (kModeEcho) or a 16-byte
+// ack (kModeAck). Framing once per connection keeps the data path pure.
+constexpr uint64_t kModeEcho = 1;
+constexpr uint64_t kModeAck = 2;
+struct TcpHeader {
+  uint64_t mode;
+  uint64_t bytes;
+};
+
+// ---------------------------------------------------------------------------
+// What must not outlive the bench: child pids and the scratch directory.
+
+class Leftovers {
+ public:
+  static Leftovers& Get() {
+    static Leftovers* leftovers = new Leftovers();  // never destroyed: the
+    return *leftovers;  // guardian thread may use it during exit
+  }
+  void AddChild(pid_t pid) {
+    absl::MutexLock lock(&mu_);
+    children_.insert(pid);
+  }
+  void RemoveChild(pid_t pid) {
+    absl::MutexLock lock(&mu_);
+    children_.erase(pid);
+  }
+  void SetScratchDir(const std::string& dir) {
+    absl::MutexLock lock(&mu_);
+    scratch_dir_ = dir;
+  }
+  // Last resort (signal, deadline): SIGKILL every child and remove the
+  // scratch directory.
+  void KillAll() {
+    absl::MutexLock lock(&mu_);
+    for (pid_t pid : children_) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+    children_.clear();
+    RemoveScratchLocked();
+  }
+  void RemoveScratch() {
+    absl::MutexLock lock(&mu_);
+    RemoveScratchLocked();
+  }
+
+ private:
+  void RemoveScratchLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (scratch_dir_.empty()) return;
+    std::error_code ignored;
+    std::filesystem::remove_all(scratch_dir_, ignored);
+    scratch_dir_.clear();
+  }
+
+  absl::Mutex mu_;
+  std::set<pid_t> children_ ABSL_GUARDED_BY(mu_);
+  std::string scratch_dir_ ABSL_GUARDED_BY(mu_);
+};
+
+sigset_t TerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGHUP);
+  return set;
+}
+
+// Must run before any other thread exists (gRPC starts its own), so that
+// the signals reach only the guardian's sigtimedwait.
+void StartGuardian(absl::Duration deadline) {
+  sigset_t set = TerminationSignals();
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set, deadline] {
+    const absl::Time end = absl::Now() + deadline;
+    while (true) {
+      const absl::Duration left = end - absl::Now();
+      if (left <= absl::ZeroDuration()) {
+        LOG(ERROR) << "--deadline_s=" << absl::ToDoubleSeconds(deadline)
+                   << " passed; killing every child process";
+        Leftovers::Get().KillAll();
+        std::fflush(stdout);
+        _exit(3);
+      }
+      const timespec wait = absl::ToTimespec(std::min(left, absl::Seconds(1)));
+      const int signal_number = sigtimedwait(&set, nullptr, &wait);
+      if (signal_number > 0) {
+        LOG(ERROR) << "got signal " << signal_number
+                   << "; killing every child process";
+        Leftovers::Get().KillAll();
+        std::fflush(stdout);
+        _exit(128 + signal_number);
+      }
+    }
+  }).detach();
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+std::string Tail(const std::string& text, size_t max_chars = 2000) {
+  return text.size() <= max_chars ? text : text.substr(text.size() - max_chars);
+}
+
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::string& contents) {
+  const std::string temporary = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream out(temporary, std::ios::trunc);
+    out << contents;
+    out.close();
+    if (!out) {
+      return absl::InternalError(absl::StrCat("cannot write ", temporary));
+    }
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::remove(temporary.c_str());
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", temporary, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Child processes.
+
+class ChildProcess {
+ public:
+  // Starts argv (argv[0] a path) with stdin from /dev/null and stdout and
+  // stderr appended to `log_path`. Call from the main thread only: the
+  // kernel delivers PR_SET_PDEATHSIG when the *thread* that forked exits.
+  static absl::StatusOr<std::unique_ptr<ChildProcess>> Start(
+      const std::string& name, const std::vector<std::string>& argv,
+      const std::string& log_path) {
+    // Everything the child needs is prepared before fork: between fork and
+    // exec only async-signal-safe calls are allowed (this process has
+    // threads).
+    std::vector<char*> args;
+    for (const std::string& arg : argv) {
+      args.push_back(const_cast<char*>(arg.c_str()));
+    }
+    args.push_back(nullptr);
+    const pid_t parent = getpid();
+    sigset_t none;
+    sigemptyset(&none);
+    const pid_t pid = fork();
+    if (pid < 0) {
+      return absl::InternalError(
+          absl::StrCat("fork for ", name, ": ", std::strerror(errno)));
+    }
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);  // the bench died meanwhile
+      // The bench blocks termination signals for its guardian thread; the
+      // child must be stoppable by SIGTERM.
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      const int in = open("/dev/null", O_RDONLY);
+      const int log =
+          open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      if (in < 0 || log < 0) _exit(127);
+      dup2(in, STDIN_FILENO);
+      dup2(log, STDOUT_FILENO);
+      dup2(log, STDERR_FILENO);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+    Leftovers::Get().AddChild(pid);
+    LOG(INFO) << "started pid " << pid << " (" << name << ")";
+    return std::unique_ptr<ChildProcess>(new ChildProcess(name, pid, log_path));
+  }
+
+  ~ChildProcess() { Stop(); }
+
+  // SIGTERM, then SIGKILL once kStopGrace has passed. Idempotent.
+  void Stop() {
+    if (!Running()) return;
+    kill(pid_, SIGTERM);
+    const absl::Time deadline = absl::Now() + kStopGrace;
+    while (Running() && absl::Now() < deadline) absl::SleepFor(kPoll);
+    if (Running()) {
+      LOG(WARNING) << name_ << " (pid " << pid_ << ") ignored SIGTERM for "
+                   << kStopGrace << "; sending SIGKILL";
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);  // SIGKILL cannot be ignored
+      exited_ = true;
+      Leftovers::Get().RemoveChild(pid_);
+    }
+  }
+
+  bool Running() {
+    if (exited_) return false;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      exited_ = true;
+      exit_code_ =
+          WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      Leftovers::Get().RemoveChild(pid_);
+    }
+    return !exited_;
+  }
+
+  // The port the child writes to `port_file` once it serves.
+  absl::StatusOr<int> WaitForPort(const std::string& port_file,
+                                  absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      int port = 0;
+      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(ReadFile(port_file)),
+                           &port) &&
+          port > 0) {
+        return port;
+      }
+      if (!Running()) {
+        return absl::InternalError(
+            absl::StrCat(name_, " exited with ", exit_code_,
+                         " before serving; its log:\n", Tail(Log())));
+      }
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            name_, " wrote no port file in ", absl::FormatDuration(timeout),
+            "; its log:\n", Tail(Log())));
+      }
+      absl::SleepFor(kPoll);
+    }
+  }
+
+  std::string Log() const { return ReadFile(log_path_); }
+
+ private:
+  ChildProcess(std::string name, pid_t pid, std::string log_path)
+      : name_(std::move(name)), pid_(pid), log_path_(std::move(log_path)) {}
+
+  std::string name_;
+  pid_t pid_;
+  std::string log_path_;
+  bool exited_ = false;
+  int exit_code_ = -1;
+};
+
+// Starts this binary again in a peer role and waits until it serves.
+absl::StatusOr<std::pair<std::unique_ptr<ChildProcess>, int>> StartPeer(
+    const std::string& role, const std::string& scratch) {
+  char self[4096];
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (length <= 0) {
+    return absl::InternalError(
+        absl::StrCat("readlink /proc/self/exe: ", std::strerror(errno)));
+  }
+  self[length] = '\0';
+  const std::string port_file = absl::StrCat(scratch, "/", role, ".port");
+  absl::StatusOr<std::unique_ptr<ChildProcess>> peer =
+      ChildProcess::Start(role,
+                          {self, absl::StrCat("--role=", role),
+                           absl::StrCat("--port_file=", port_file),
+                           absl::StrCat("--tcp_buffer_bytes=",
+                                        absl::GetFlag(FLAGS_tcp_buffer_bytes))},
+                          absl::StrCat(scratch, "/", role, ".log"));
+  if (!peer.ok()) return peer.status();
+  absl::StatusOr<int> port = (*peer)->WaitForPort(port_file, kStartTimeout);
+  if (!port.ok()) return port.status();
+  return std::make_pair(std::move(*peer), *port);
+}
+
+// ---------------------------------------------------------------------------
+// Sockets.
+
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd = -1) : fd_(fd) {}
+  ScopedFd(ScopedFd&& other) : fd_(other.fd_) { other.fd_ = -1; }
+  ScopedFd& operator=(ScopedFd&& other) {
+    if (this != &other) {
+      Reset();
+      fd_ = other.fd_;
+      other.fd_ = -1;
+    }
+    return *this;
+  }
+  ~ScopedFd() { Reset(); }
+  int get() const { return fd_; }
+  void Reset() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+absl::Status SocketError(absl::string_view what, int error) {
+  const std::string message = absl::StrCat(what, ": ", std::strerror(error));
+  // SO_RCVTIMEO/SO_SNDTIMEO expiring shows up as EAGAIN.
+  if (error == EAGAIN || error == EWOULDBLOCK) {
+    return absl::DeadlineExceededError(message);
+  }
+  return absl::UnavailableError(message);
+}
+
+absl::Status SendAll(int fd, const char* data, size_t size) {
+  while (size > 0) {
+    // MSG_NOSIGNAL: a vanished peer is an error to report, not a SIGPIPE.
+    const ssize_t sent = send(fd, data, size, MSG_NOSIGNAL);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      return SocketError("send", errno);
+    }
+    data += sent;
+    size -= static_cast<size_t>(sent);
+  }
+  return absl::OkStatus();
+}
+
+// OutOfRange when the peer closed cleanly before the first byte.
+absl::Status RecvAll(int fd, char* data, size_t size) {
+  size_t received = 0;
+  while (received < size) {
+    const ssize_t got = recv(fd, data + received, size - received, 0);
+    if (got == 0) {
+      if (received == 0) return absl::OutOfRangeError("connection closed");
+      return absl::DataLossError(absl::StrCat(
+          "connection closed after ", received, " of ", size, " bytes"));
+    }
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return SocketError("recv", errno);
+    }
+    received += static_cast<size_t>(got);
+  }
+  return absl::OkStatus();
+}
+
+// TCP_NODELAY so small messages are not held back by Nagle; fixed buffers
+// (set before connect/listen, so the window scale covers them) when asked;
+// timeouts so no read or write blocks past the deadline.
+absl::Status TuneSocket(int fd, int buffer_bytes, absl::Duration timeout) {
+  const int one = 1;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) != 0) {
+    return SocketError("TCP_NODELAY", errno);
+  }
+  if (buffer_bytes > 0) {
+    for (int option : {SO_SNDBUF, SO_RCVBUF}) {
+      if (setsockopt(fd, SOL_SOCKET, option, &buffer_bytes,
+                     sizeof(buffer_bytes)) != 0) {
+        return SocketError("SO_SNDBUF/SO_RCVBUF", errno);
+      }
+    }
+  }
+  if (timeout > absl::ZeroDuration()) {
+    const timeval tv = absl::ToTimeval(timeout);
+    for (int option : {SO_SNDTIMEO, SO_RCVTIMEO}) {
+      if (setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv)) != 0) {
+        return SocketError("SO_SNDTIMEO/SO_RCVTIMEO", errno);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+sockaddr_in Loopback(int port) {
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  return address;
+}
+
+// A connection to the tcp_peer, already told its mode and message size.
+absl::StatusOr<ScopedFd> ConnectTcpPeer(int port, uint64_t mode,
+                                        uint64_t bytes) {
+  ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (fd.get() < 0) return SocketError("socket", errno);
+  absl::Status tuned =
+      TuneSocket(fd.get(), absl::GetFlag(FLAGS_tcp_buffer_bytes),
+                 absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s)));
+  if (!tuned.ok()) return tuned;
+  const sockaddr_in address = Loopback(port);
+  // Bounded by SO_SNDTIMEO; on loopback it succeeds or is refused at once.
+  if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&address),
+              sizeof(address)) != 0) {
+    return SocketError(absl::StrCat("connect 127.0.0.1:", port), errno);
+  }
+  const TcpHeader header = {mode, bytes};
+  absl::Status sent =
+      SendAll(fd.get(), reinterpret_cast<const char*>(&header), sizeof(header));
+  if (!sent.ok()) return sent;
+  return fd;
+}
+
+int EffectiveBuffer(int fd, int option) {
+  int value = 0;
+  socklen_t length = sizeof(value);
+  getsockopt(fd, SOL_SOCKET, option, &value, &length);
+  return value;
+}
+
+// ---------------------------------------------------------------------------
+// Peer roles (child processes; they serve until SIGTERM or the bench's
+// death, which PR_SET_PDEATHSIG turns into SIGKILL).
+
+void ServeTcpConnection(int raw_fd) {
+  ScopedFd fd(raw_fd);
+  TcpHeader header;
+  absl::Status status =
+      RecvAll(fd.get(), reinterpret_cast<char*>(&header), sizeof(header));
+  if (!status.ok()) return;
+  if ((header.mode != kModeEcho && header.mode != kModeAck) ||
+      header.bytes == 0 || header.bytes > kMaxPayload) {
+    LOG(ERROR) << "bad header: mode " << header.mode << ", " << header.bytes
+               << " bytes";
+    return;
+  }
+  std::vector<char> buffer(header.bytes);
+  char ack[kAckBytes] = {};
+  while (true) {
+    status = RecvAll(fd.get(), buffer.data(), buffer.size());
+    if (status.ok()) {
+      status = header.mode == kModeEcho
+                   ? SendAll(fd.get(), buffer.data(), buffer.size())
+                   : SendAll(fd.get(), ack, sizeof(ack));
+    }
+    if (!status.ok()) break;
+  }
+  if (!absl::IsOutOfRange(status)) LOG(WARNING) << "connection: " << status;
+}
+
+int TcpPeerMain() {
+  ScopedFd listener(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (listener.get() < 0) {
+    LOG(ERROR) << SocketError("socket", errno);
+    return 1;
+  }
+  const int one = 1;
+  setsockopt(listener.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  // Accepted sockets inherit the buffer sizes set on the listener.
+  absl::Status tuned =
+      TuneSocket(listener.get(), absl::GetFlag(FLAGS_tcp_buffer_bytes),
+                 absl::ZeroDuration());
+  sockaddr_in address = Loopback(0);
+  socklen_t length = sizeof(address);
+  if (!tuned.ok() ||
+      bind(listener.get(), reinterpret_cast<sockaddr*>(&address),
+           sizeof(address)) != 0 ||
+      listen(listener.get(), 64) != 0 ||
+      getsockname(listener.get(), reinterpret_cast<sockaddr*>(&address),
+                  &length) != 0) {
+    LOG(ERROR) << "cannot listen on 127.0.0.1: " << tuned << " "
+               << std::strerror(errno);
+    return 1;
+  }
+  absl::Status written =
+      WriteFileAtomically(absl::GetFlag(FLAGS_port_file),
+                          absl::StrCat(ntohs(address.sin_port), "\n"));
+  if (!written.ok()) {
+    LOG(ERROR) << written;
+    return 1;
+  }
+  while (true) {
+    const int fd = accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      LOG(ERROR) << SocketError("accept", errno);
+      return 1;
+    }
+    const int nodelay = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof(nodelay));
+    std::thread(ServeTcpConnection, fd).detach();
+  }
+}
+
+class EchoService final : public Echo::Service {
+  grpc::Status Echo(grpc::ServerContext* context, const EchoRequest* request,
+                    EchoResponse* response) override {
+    // One copy into the response, as a plain service would write it.
+    response->set_payload(request->payload());
+    return grpc::Status::OK;
+  }
+};
+
+int GrpcEchoMain() {
+  EchoService service;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.SetMaxReceiveMessageSize(kMaxGrpcMessage);
+  builder.SetMaxSendMessageSize(kMaxGrpcMessage);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port <= 0) {
+    LOG(ERROR) << "cannot serve gRPC on 127.0.0.1";
+    return 1;
+  }
+  absl::Status written = WriteFileAtomically(absl::GetFlag(FLAGS_port_file),
+                                             absl::StrCat(port, "\n"));
+  if (!written.ok()) {
+    LOG(ERROR) << written;
+    return 1;
+  }
+  server->Wait();  // until SIGTERM (default action) or the bench's death
+  return 0;
+}
+
+// ---------------------------------------------------------------------------
+// Measurement.
+
+struct PhaseResult {
+  int64_t operations = 0;  // over all clients
+  double seconds = 0;      // wall time, all clients started to last done
+  std::vector<double> latencies_us;  // sorted, one per operation
+
+  // Goodput in GB/s (1e9 bytes/s) when every operation moves `bytes`.
+  double Gbps(double bytes) const {
+    return seconds > 0 ? operations * bytes / seconds / 1e9 : 0;
+  }
+  // Nearest-rank percentile.
+  double PercentileUs(double q) const {
+    if (latencies_us.empty()) return 0;
+    const size_t rank = static_cast<size_t>(
+        std::ceil(q / 100.0 * static_cast<double>(latencies_us.size())));
+    return latencies_us[std::min(latencies_us.size() - 1,
+                                 rank > 0 ? rank - 1 : 0)];
+  }
+};
+
+// One operation of client `client` (each client's state is its own).
+using Operation = std::function<absl::Status(int client)>;
+
+// Runs `op` on `clients` threads at once, each `iterations` times or, with
+// iterations == 0, until `min_seconds` have passed and kMinIterations are
+// done. The clock starts once every thread is ready. Every operation is
+// bounded by its own deadline, so the joins are too.
+absl::StatusOr<PhaseResult> RunConcurrently(int clients, int64_t iterations,
+                                            double min_seconds,
+                                            const Operation& op) {
+  struct PerClient {
+    std::vector<double> latencies_us;
+    absl::Status status;
+    Clock::time_point end;
+  };
+  std::vector<PerClient> per_client(clients);
+  absl::Mutex mu;
+  int ready = 0;
+  bool go = false;
+  Clock::time_point start;
+  const auto min_duration = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(min_seconds));
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c) {
+    threads.emplace_back([&, c] {
+      Clock::time_point begin;
+      {
+        absl::MutexLock lock(&mu);
+        ++ready;
+        mu.Await(absl::Condition(&go));
+        begin = start;
+      }
+      PerClient& mine = per_client[c];
+      if (iterations > 0) mine.latencies_us.reserve(iterations);
+      for (int64_t i = 0;; ++i) {
+        const Clock::time_point now = Clock::now();
+        if (iterations > 0
+                ? i >= iterations
+                : i >= kMinIterations && now - begin >= min_duration) {
+          break;
+        }
+        mine.status = op(c);
+        const Clock::time_point done = Clock::now();
+        if (!mine.status.ok()) break;
+        mine.latencies_us.push_back(
+            std::chrono::duration<double, std::micro>(done - now).count());
+      }
+      mine.end = Clock::now();
+    });
+  }
+  {
+    // Threads only start here, so this wait is short; the bound is for the
+    // rule, and on expiry the threads are still released and joined.
+    absl::MutexLock lock(&mu);
+    const auto all_ready = [&]() { return ready == clients; };
+    mu.AwaitWithTimeout(absl::Condition(&all_ready), kStartTimeout);
+    start = Clock::now();
+    go = true;
+  }
+  for (std::thread& thread : threads) thread.join();
+  PhaseResult result;
+  Clock::time_point last = start;
+  for (PerClient& mine : per_client) {
+    if (!mine.status.ok()) return mine.status;
+    last = std::max(last, mine.end);
+    result.operations += static_cast<int64_t>(mine.latencies_us.size());
+    result.latencies_us.insert(result.latencies_us.end(),
+                               mine.latencies_us.begin(),
+                               mine.latencies_us.end());
+  }
+  result.seconds = std::chrono::duration<double>(last - start).count();
+  std::sort(result.latencies_us.begin(), result.latencies_us.end());
+  return result;
+}
+
+// Warm-up, then the measured run.
+absl::StatusOr<PhaseResult> MeasurePhase(const std::string& name, int64_t size,
+                                         int clients, const Operation& op) {
+  const int64_t warmup = absl::GetFlag(FLAGS_warmup);
+  if (warmup > 0) {
+    absl::StatusOr<PhaseResult> warm = RunConcurrently(clients, warmup, 0, op);
+    if (!warm.ok()) {
+      return absl::Status(warm.status().code(),
+                          absl::StrCat(name, " (warm-up, ", size,
+                                       " bytes): ", warm.status().message()));
+    }
+  }
+  absl::StatusOr<PhaseResult> result =
+      RunConcurrently(clients, absl::GetFlag(FLAGS_iterations),
+                      absl::GetFlag(FLAGS_phase_seconds), op);
+  if (!result.ok()) {
+    return absl::Status(
+        result.status().code(),
+        absl::StrCat(name, " (", size, " bytes): ", result.status().message()));
+  }
+  LOG(INFO) << absl::StrFormat("%-14s %10d B: %6d ops in %.3f s, p50 %.1f us",
+                               name, size, result->operations, result->seconds,
+                               result->PercentileUs(50));
+  return result;
+}
+
+struct SizeResult {
+  int64_t size = 0;
+  PhaseResult tcp_pushpull, tcp_rtt, grpc_echo;
+  PhaseResult ps_push, ps_pull, ps_pushpull;
+};
+
+// (a) raw TCP: one connection per client and mode.
+absl::Status MeasureTcp(int port, int clients, SizeResult* out) {
+  const int64_t size = out->size;
+  std::vector<std::vector<char>> buffers(clients, std::vector<char>(size, 'x'));
+  for (uint64_t mode : {kModeEcho, kModeAck}) {
+    std::vector<ScopedFd> fds;
+    for (int c = 0; c < clients; ++c) {
+      absl::StatusOr<ScopedFd> fd = ConnectTcpPeer(port, mode, size);
+      if (!fd.ok()) return fd.status();
+      fds.push_back(std::move(*fd));
+    }
+    if (mode == kModeEcho) {
+      absl::StatusOr<PhaseResult> result =
+          MeasurePhase("tcp push+pull", size, clients, [&](int c) {
+            absl::Status sent = SendAll(fds[c].get(), buffers[c].data(), size);
+            if (!sent.ok()) return sent;
+            return RecvAll(fds[c].get(), buffers[c].data(), size);
+          });
+      if (!result.ok()) return result.status();
+      out->tcp_pushpull = std::move(*result);
+    } else {
+      absl::StatusOr<PhaseResult> result =
+          MeasurePhase("tcp rtt", size, clients, [&](int c) {
+            absl::Status sent = SendAll(fds[c].get(), buffers[c].data(), size);
+            if (!sent.ok()) return sent;
+            char ack[kAckBytes];
+            return RecvAll(fds[c].get(), ack, sizeof(ack));
+          });
+      if (!result.ok()) return result.status();
+      out->tcp_rtt = std::move(*result);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// (b) plain gRPC unary echo: one channel per client.
+absl::Status MeasureGrpcEcho(
+    const std::vector<std::unique_ptr<Echo::Stub>>& stubs, SizeResult* out) {
+  const int64_t size = out->size;
+  const int clients = static_cast<int>(stubs.size());
+  std::vector<EchoRequest> requests(clients);
+  std::vector<EchoResponse> responses(clients);
+  for (EchoRequest& request : requests) {
+    request.set_payload(std::string(size, 'x'));
+  }
+  const absl::Duration timeout =
+      absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
+  absl::StatusOr<PhaseResult> result =
+      MeasurePhase("grpc echo", size, clients, [&](int c) {
+        grpc::ClientContext context;
+        context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+        const grpc::Status status =
+            stubs[c]->Echo(&context, requests[c], &responses[c]);
+        if (!status.ok()) {
+          return absl::UnavailableError(
+              absl::StrCat("Echo: ", status.error_message()));
+        }
+        if (static_cast<int64_t>(responses[c].payload().size()) != size) {
+          return absl::DataLossError(absl::StrCat("Echo returned ",
+                                                  responses[c].payload().size(),
+                                                  " bytes, sent ", size));
+        }
+        return absl::OkStatus();
+      });
+  if (!result.ok()) return result.status();
+  out->grpc_echo = std::move(*result);
+  return absl::OkStatus();
+}
+
+// One client thread's PS state: its own client, buffers and step counter.
+struct PsWorker {
+  std::unique_ptr<PsClient> client;
+  std::vector<float> params;
+  std::vector<float> grads;
+  // Async servers reject a push whose step is not above the worker's last.
+  int64_t next_step = 0;
+};
+
+// Clients, registration and the three PS phases against running shards.
+absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
+                         SizeResult* out) {
+  const int64_t size = out->size;
+  const int64_t elements = size / 4;
+  ModelSchema schema;
+  schema.set_seed(1);
+  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements));
+  DenseTensorSpec* tensor = schema.add_dense();
+  tensor->set_name("bench");
+  tensor->add_shape(elements);
+  tensor->mutable_init()->set_kind(InitSpec::ZEROS);
+
+  PsClientOptions options;
+  options.hosts = hosts;
+  options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
+  options.connect_timeout = kStartTimeout;
+  std::vector<PsWorker> workers(clients);
+  for (int c = 0; c < clients; ++c) {
+    absl::StatusOr<std::unique_ptr<PsClient>> client =
+        PsClient::Create(options);
+    if (!client.ok()) return client.status();
+    absl::StatusOr<Registration> registration =
+        (*client)->Register(schema, clients, /*worker_id=*/c);
+    if (!registration.ok()) return registration.status();
+    if (registration->mode != "async") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "servers run mode '", registration->mode, "', expected async"));
+    }
+    workers[c].client = std::move(*client);
+    workers[c].params.assign(elements, 0.0f);
+    // Small and finite: servers may reject non-finite gradients.
+    workers[c].grads.assign(elements, 1e-3f);
+  }
+  auto push = [&](int c) -> absl::Status {
+    PsWorker& w = workers[c];
+    absl::StatusOr<PsClient::PushResult> pushed =
+        w.client->Push(w.next_step++, {w.grads.data()});
+    if (!pushed.ok()) return pushed.status();
+    if (pushed->blocks_duplicate != 0) {
+      return absl::InternalError(absl::StrCat(
+          pushed->blocks_duplicate, " duplicate(s) reported for a fresh push"));
+    }
+    return absl::OkStatus();
+  };
+  auto pull = [&](int c) -> absl::Status {
+    PsWorker& w = workers[c];
+    return w.client->Pull(w.next_step, {w.params.data()}).status();
+  };
+  absl::StatusOr<PhaseResult> result =
+      MeasurePhase("ps push", size, clients, push);
+  if (!result.ok()) return result.status();
+  out->ps_push = std::move(*result);
+  result = MeasurePhase("ps pull", size, clients, pull);
+  if (!result.ok()) return result.status();
+  out->ps_pull = std::move(*result);
+  result = MeasurePhase("ps push+pull", size, clients, [&](int c) {
+    absl::Status pushed = push(c);
+    return pushed.ok() ? pull(c) : pushed;
+  });
+  if (!result.ok()) return result.status();
+  out->ps_pushpull = std::move(*result);
+  return absl::OkStatus();
+}
+
+// (c) the parameter server: fresh shards for every size and repeat, since a
+// server accepts one schema for its lifetime.
+absl::Status MeasurePs(const std::string& ps_server, const std::string& scratch,
+                       int clients, SizeResult* out) {
+  // Names never reused within a run: a port file left by the previous
+  // launch would otherwise hand out a dead server's port.
+  static int launch = 0;
+  ++launch;
+  const int servers = absl::GetFlag(FLAGS_servers);
+  std::vector<std::unique_ptr<ChildProcess>> shards;
+  std::vector<std::string> port_files;
+  for (int s = 0; s < servers; ++s) {
+    const std::string base = absl::StrCat(scratch, "/ps_", launch, "_", s);
+    port_files.push_back(absl::StrCat(base, ".port"));
+    absl::StatusOr<std::unique_ptr<ChildProcess>> shard = ChildProcess::Start(
+        absl::StrCat("ps_server shard ", s),
+        {ps_server, "--host=127.0.0.1", "--port=0",
+         absl::StrCat("--port_file=", port_files[s]),
+         absl::StrCat("--shard_id=", s), absl::StrCat("--num_shards=", servers),
+         absl::StrCat("--num_workers=", clients), "--mode=async",
+         "--optimizer=sgd", "--learning_rate=1e-9"},
+        absl::StrCat(base, ".log"));
+    if (!shard.ok()) return shard.status();
+    shards.push_back(std::move(*shard));
+  }
+  std::vector<std::string> hosts;
+  for (int s = 0; s < servers; ++s) {
+    absl::StatusOr<int> port =
+        shards[s]->WaitForPort(port_files[s], kStartTimeout);
+    if (!port.ok()) return port.status();
+    hosts.push_back(absl::StrCat("127.0.0.1:", *port));
+  }
+  // The clients are gone when this returns, so the servers see their
+  // connections close before SIGTERM.
+  absl::Status status = RunPsPhases(hosts, clients, out);
+  if (!status.ok()) {
+    // What the servers said is usually the explanation.
+    std::string logs;
+    for (int s = 0; s < servers; ++s) {
+      absl::StrAppend(&logs, "\n--- shard ", s, " (", hosts[s], ", ",
+                      shards[s]->Running() ? "running" : "exited",
+                      ") log tail:\n", Tail(shards[s]->Log(), 1500));
+    }
+    status = absl::Status(status.code(), absl::StrCat(status.message(), logs));
+  }
+  for (std::unique_ptr<ChildProcess>& shard : shards) shard->Stop();
+  return status;
+}
+
+// ---------------------------------------------------------------------------
+// Reporting.
+
+std::string FirstLineWith(const std::string& path, const std::string& key) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) {
+        return std::string(absl::StripAsciiWhitespace(line.substr(colon + 1)));
+      }
+    }
+  }
+  return "unknown";
+}
+
+std::string LoadAverage() {
+  return std::string(absl::StripAsciiWhitespace(ReadFile("/proc/loadavg")));
+}
+
+std::string MachineDescription() {
+  utsname name = {};
+  uname(&name);
+  return absl::StrCat("# machine: nproc ", sysconf(_SC_NPROCESSORS_ONLN),
+                      ", cpu ", FirstLineWith("/proc/cpuinfo", "model name"),
+                      ", memory ", FirstLineWith("/proc/meminfo", "MemTotal"),
+                      "\n# kernel: ", name.sysname, " ", name.release, " ",
+                      name.version, " ", name.machine,
+                      "\n# load average at start: ", LoadAverage(), "\n");
+}
+
+std::string HumanSize(int64_t bytes) {
+  if (bytes >= (1 << 20) && bytes % (1 << 20) == 0) {
+    return absl::StrCat(bytes >> 20, " MiB");
+  }
+  if (bytes >= (1 << 10) && bytes % (1 << 10) == 0) {
+    return absl::StrCat(bytes >> 10, " KiB");
+  }
+  return absl::StrCat(bytes, " B");
+}
+
+struct Row {
+  int64_t size;
+  double tcp_gbps, tcp_oneway_gbps, tcp_rtt_p50_us, tcp_rtt_p99_us;
+  double grpc_echo_gbps, grpc_echo_p50_us, grpc_echo_p99_us;
+  double ps_push_gbps, ps_pull_gbps, ps_pushpull_gbps;
+  double ps_push_p50_us, ps_push_p99_us;
+  double ratio_pushpull_vs_tcp, ratio_pushpull_vs_tcp_oneway,
+      ratio_pushpull_vs_grpc, ratio_push_p50_vs_tcp_rtt;
+  int64_t ps_pushpull_ops;  // summed over repeats
+  int repeats = 1;
+};
+
+// Every measured field of Row, for combining repeats.
+constexpr double Row::*kRowFields[] = {
+    &Row::tcp_gbps,
+    &Row::tcp_oneway_gbps,
+    &Row::tcp_rtt_p50_us,
+    &Row::tcp_rtt_p99_us,
+    &Row::grpc_echo_gbps,
+    &Row::grpc_echo_p50_us,
+    &Row::grpc_echo_p99_us,
+    &Row::ps_push_gbps,
+    &Row::ps_pull_gbps,
+    &Row::ps_pushpull_gbps,
+    &Row::ps_push_p50_us,
+    &Row::ps_push_p99_us,
+    &Row::ratio_pushpull_vs_tcp,
+    &Row::ratio_pushpull_vs_tcp_oneway,
+    &Row::ratio_pushpull_vs_grpc,
+    &Row::ratio_push_p50_vs_tcp_rtt,
+};
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  if (n == 0) return 0;
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+// Field by field median of the repeats of one size. Ratios too are medians
+// of the per-repeat ratios (each from baselines measured next to the PS),
+// not ratios of medians.
+Row MedianRow(const std::vector<Row>& repeats) {
+  Row row = repeats.front();
+  for (double Row::*field : kRowFields) {
+    std::vector<double> values;
+    for (const Row& r : repeats) values.push_back(r.*field);
+    row.*field = Median(std::move(values));
+  }
+  row.ps_pushpull_ops = 0;
+  for (const Row& r : repeats) row.ps_pushpull_ops += r.ps_pushpull_ops;
+  row.repeats = static_cast<int>(repeats.size());
+  return row;
+}
+
+double Ratio(double a, double b) { return b > 0 ? a / b : 0; }
+
+Row MakeRow(const SizeResult& r) {
+  const double n = static_cast<double>(r.size);
+  Row row;
+  row.size = r.size;
+  row.tcp_gbps = r.tcp_pushpull.Gbps(2 * n);
+  // N out per round trip of the RTT phase: close to a one-way stream (what
+  // iperf3 reports) once N dwarfs the ack.
+  row.tcp_oneway_gbps = r.tcp_rtt.Gbps(n);
+  row.tcp_rtt_p50_us = r.tcp_rtt.PercentileUs(50);
+  row.tcp_rtt_p99_us = r.tcp_rtt.PercentileUs(99);
+  row.grpc_echo_gbps = r.grpc_echo.Gbps(2 * n);
+  row.grpc_echo_p50_us = r.grpc_echo.PercentileUs(50);
+  row.grpc_echo_p99_us = r.grpc_echo.PercentileUs(99);
+  row.ps_push_gbps = r.ps_push.Gbps(n);
+  row.ps_pull_gbps = r.ps_pull.Gbps(n);
+  row.ps_pushpull_gbps = r.ps_pushpull.Gbps(2 * n);
+  row.ps_push_p50_us = r.ps_push.PercentileUs(50);
+  row.ps_push_p99_us = r.ps_push.PercentileUs(99);
+  row.ratio_pushpull_vs_tcp = Ratio(row.ps_pushpull_gbps, row.tcp_gbps);
+  row.ratio_pushpull_vs_tcp_oneway =
+      Ratio(row.ps_pushpull_gbps, row.tcp_oneway_gbps);
+  row.ratio_pushpull_vs_grpc = Ratio(row.ps_pushpull_gbps, row.grpc_echo_gbps);
+  row.ratio_push_p50_vs_tcp_rtt = Ratio(row.ps_push_p50_us, row.tcp_rtt_p50_us);
+  row.ps_pushpull_ops = r.ps_pushpull.operations;
+  return row;
+}
+
+std::string TableHeader() {
+  return absl::StrFormat(
+      "%8s | %8s %8s | %8s %8s %8s | %7s %7s | %17s %17s %17s | %7s\n"
+      "%8s | %8s %8s | %8s %8s %8s | %7s %7s | %17s %17s %17s | %7s\n",
+      "size", "TCP p+p", "gRPC", "PS push", "PS pull", "PS p+p", "p+p/", "p+p/",
+      "TCP RTT", "gRPC echo", "PS push", "push/", "", "GB/s", "echo", "GB/s",
+      "GB/s", "GB/s", "TCP", "gRPC", "p50/p99 us", "p50/p99 us", "p50/p99 us",
+      "RTT p50");
+}
+
+std::string TableRow(const Row& r) {
+  auto pair = [](double p50, double p99) {
+    return absl::StrFormat("%.0f/%.0f", p50, p99);
+  };
+  return absl::StrFormat(
+      "%8s | %8.3f %8.3f | %8.3f %8.3f %8.3f | %7.3f %7.3f | %17s %17s %17s | "
+      "%7.2f\n",
+      HumanSize(r.size), r.tcp_gbps, r.grpc_echo_gbps, r.ps_push_gbps,
+      r.ps_pull_gbps, r.ps_pushpull_gbps, r.ratio_pushpull_vs_tcp,
+      r.ratio_pushpull_vs_grpc, pair(r.tcp_rtt_p50_us, r.tcp_rtt_p99_us),
+      pair(r.grpc_echo_p50_us, r.grpc_echo_p99_us),
+      pair(r.ps_push_p50_us, r.ps_push_p99_us), r.ratio_push_p50_vs_tcp_rtt);
+}
+
+std::string JsonLine(const Row& r, int servers, int clients) {
+  return absl::StrFormat(
+      "{\"bench\":\"ps_bench\",\"size\":%d,\"servers\":%d,\"clients\":%d,"
+      "\"block_elements\":%d,"
+      "\"tcp_gbps\":%.4f,\"tcp_oneway_gbps\":%.4f,\"tcp_rtt_p50_us\":%.1f,"
+      "\"tcp_rtt_p99_us\":%.1f,"
+      "\"grpc_echo_gbps\":%.4f,\"grpc_echo_p50_us\":%.1f,"
+      "\"grpc_echo_p99_us\":%.1f,"
+      "\"ps_push_gbps\":%.4f,\"ps_pull_gbps\":%.4f,\"ps_pushpull_gbps\":%.4f,"
+      "\"ps_push_p50_us\":%.1f,\"ps_push_p99_us\":%.1f,"
+      "\"ratio_pushpull_vs_tcp\":%.4f,\"ratio_pushpull_vs_tcp_oneway\":%.4f,"
+      "\"ratio_pushpull_vs_grpc\":%.4f,"
+      "\"ratio_push_p50_vs_tcp_rtt\":%.4f,\"ps_pushpull_ops\":%d,"
+      "\"repeats\":%d}",
+      r.size, servers, clients, absl::GetFlag(FLAGS_block_elements), r.tcp_gbps,
+      r.tcp_oneway_gbps, r.tcp_rtt_p50_us, r.tcp_rtt_p99_us, r.grpc_echo_gbps,
+      r.grpc_echo_p50_us, r.grpc_echo_p99_us, r.ps_push_gbps, r.ps_pull_gbps,
+      r.ps_pushpull_gbps, r.ps_push_p50_us, r.ps_push_p99_us,
+      r.ratio_pushpull_vs_tcp, r.ratio_pushpull_vs_tcp_oneway,
+      r.ratio_pushpull_vs_grpc, r.ratio_push_p50_vs_tcp_rtt, r.ps_pushpull_ops,
+      r.repeats);
+}
+
+// min..max over the repeats of the numbers the goals are stated in.
+std::string SpreadRow(const std::vector<Row>& repeats) {
+  auto range = [&](double Row::*field, const char* format) {
+    double lo = repeats.front().*field, hi = lo;
+    for (const Row& r : repeats) {
+      lo = std::min(lo, r.*field);
+      hi = std::max(hi, r.*field);
+    }
+    return absl::StrCat(absl::StrFormat(absl::ParsedFormat<'f'>(format), lo),
+                        "..",
+                        absl::StrFormat(absl::ParsedFormat<'f'>(format), hi));
+  };
+  return absl::StrFormat(
+      "%8s | %15s %15s %15s | %13s %13s | %13s %13s\n",
+      HumanSize(repeats.front().size), range(&Row::tcp_gbps, "%.3f"),
+      range(&Row::tcp_oneway_gbps, "%.3f"),
+      range(&Row::ps_pushpull_gbps, "%.3f"),
+      range(&Row::ratio_pushpull_vs_tcp, "%.3f"),
+      range(&Row::ratio_pushpull_vs_tcp_oneway, "%.3f"),
+      range(&Row::tcp_rtt_p50_us, "%.0f"), range(&Row::ps_push_p50_us, "%.0f"));
+}
+
+// ---------------------------------------------------------------------------
+// The bench.
+
+absl::StatusOr<std::string> FindPsServer(const char* argv0) {
+  const std::string flag = absl::GetFlag(FLAGS_ps_server);
+  if (!flag.empty()) {
+    if (access(flag.c_str(), X_OK) != 0) {
+      return absl::NotFoundError(
+          absl::StrCat("--ps_server=", flag, " is not an executable file"));
+    }
+    return flag;
+  }
+  using bazel::tools::cpp::runfiles::Runfiles;
+  // argv[0] works for `bazel run` and bazel-bin/...; the resolved
+  // /proc/self/exe when started through a symlink (a test's runfiles);
+  // TEST_SRCDIR inside a test.
+  std::vector<std::unique_ptr<Runfiles>> candidates;
+  std::string error;
+  candidates.emplace_back(Runfiles::Create(argv0, &error));
+  std::error_code ignored;
+  const std::string self =
+      std::filesystem::canonical("/proc/self/exe", ignored).string();
+  if (!self.empty()) candidates.emplace_back(Runfiles::Create(self, &error));
+  candidates.emplace_back(Runfiles::CreateForTest(&error));
+  for (const std::unique_ptr<Runfiles>& runfiles : candidates) {
+    if (runfiles == nullptr) continue;
+    const std::string path = runfiles->Rlocation("pstrain/ps_server/ps_server");
+    if (!path.empty() && access(path.c_str(), X_OK) == 0) return path;
+  }
+  return absl::NotFoundError(
+      "ps_server is not in this binary's runfiles; run ps_bench through "
+      "bazel (bazel run //bench/transport:ps_bench or bazel-bin/...) or pass "
+      "--ps_server=PATH");
+}
+
+struct Config {
+  std::vector<int64_t> sizes;
+  int servers, clients, repeats;
+};
+
+absl::StatusOr<Config> ParseConfig() {
+  Config config;
+  std::vector<std::string> problems;
+  for (const std::string& text : absl::GetFlag(FLAGS_sizes)) {
+    int64_t size = 0;
+    if (!absl::SimpleAtoi(text, &size) || size < 4 || size % 4 != 0 ||
+        static_cast<uint64_t>(size) > kMaxPayload) {
+      problems.push_back(absl::StrCat("--sizes: '", text,
+                                      "' is not a multiple of 4 in [4, 2^30]"));
+    } else {
+      config.sizes.push_back(size);
+    }
+  }
+  if (config.sizes.empty() && problems.empty()) {
+    problems.push_back("--sizes is empty");
+  }
+  config.servers = absl::GetFlag(FLAGS_servers);
+  config.clients = absl::GetFlag(FLAGS_clients);
+  config.repeats = absl::GetFlag(FLAGS_repeats);
+  if (config.repeats < 1) problems.push_back("--repeats must be >= 1");
+  if (config.servers < 1) problems.push_back("--servers must be >= 1");
+  if (config.clients < 1) problems.push_back("--clients must be >= 1");
+  if (absl::GetFlag(FLAGS_iterations) < 0) {
+    problems.push_back("--iterations must be >= 0");
+  }
+  if (absl::GetFlag(FLAGS_warmup) < 0) {
+    problems.push_back("--warmup must be >= 0");
+  }
+  if (!(absl::GetFlag(FLAGS_phase_seconds) > 0)) {
+    problems.push_back("--phase_seconds must be > 0");
+  }
+  if (absl::GetFlag(FLAGS_block_elements) < 1) {
+    problems.push_back("--block_elements must be >= 1");
+  }
+  if (absl::GetFlag(FLAGS_tcp_buffer_bytes) < 0) {
+    problems.push_back("--tcp_buffer_bytes must be >= 0");
+  }
+  if (!(absl::GetFlag(FLAGS_io_timeout_s) > 0)) {
+    problems.push_back("--io_timeout_s must be > 0");
+  }
+  if (!(absl::GetFlag(FLAGS_deadline_s) > 0)) {
+    problems.push_back("--deadline_s must be > 0");
+  }
+  if (!problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrJoin(problems, "; "));
+  }
+  return config;
+}
+
+// Measures every size --repeats times; `rows` (per size, per repeat) holds
+// what was done when it fails.
+absl::Status RunBench(const Config& config, const std::string& ps_server,
+                      const std::string& scratch,
+                      std::vector<std::vector<Row>>* rows) {
+  absl::StatusOr<std::pair<std::unique_ptr<ChildProcess>, int>> tcp_peer =
+      StartPeer("tcp_peer", scratch);
+  if (!tcp_peer.ok()) return tcp_peer.status();
+  absl::StatusOr<std::pair<std::unique_ptr<ChildProcess>, int>> echo_peer =
+      StartPeer("grpc_echo", scratch);
+  if (!echo_peer.ok()) return echo_peer.status();
+
+  {
+    absl::StatusOr<ScopedFd> probe =
+        ConnectTcpPeer(tcp_peer->second, kModeAck, 4);
+    if (!probe.ok()) return probe.status();
+    std::printf("# tcp: TCP_NODELAY, SO_SNDBUF %d, SO_RCVBUF %d (effective)\n",
+                EffectiveBuffer(probe->get(), SO_SNDBUF),
+                EffectiveBuffer(probe->get(), SO_RCVBUF));
+  }
+
+  // Channels live across sizes (connections warm, as a trainer's would);
+  // a local subchannel pool gives each client its own TCP connection.
+  std::vector<std::unique_ptr<Echo::Stub>> stubs;
+  for (int c = 0; c < config.clients; ++c) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxGrpcMessage);
+    args.SetMaxSendMessageSize(kMaxGrpcMessage);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    stubs.push_back(Echo::NewStub(
+        grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", echo_peer->second),
+                                  grpc::InsecureChannelCredentials(), args)));
+  }
+
+  for (int64_t size : config.sizes) {
+    rows->emplace_back();
+    for (int repeat = 0; repeat < config.repeats; ++repeat) {
+      SizeResult result;
+      result.size = size;
+      absl::Status status =
+          MeasureTcp(tcp_peer->second, config.clients, &result);
+      if (status.ok()) status = MeasureGrpcEcho(stubs, &result);
+      if (status.ok()) {
+        status = MeasurePs(ps_server, scratch, config.clients, &result);
+      }
+      if (!status.ok()) return status;
+      rows->back().push_back(MakeRow(result));
+      LOG(INFO) << "done (repeat " << repeat + 1 << "/" << config.repeats
+                << "): "
+                << JsonLine(rows->back().back(), config.servers,
+                            config.clients);
+    }
+  }
+  stubs.clear();
+  tcp_peer->first->Stop();
+  echo_peer->first->Stop();
+  return absl::OkStatus();
+}
+
+int BenchMain(const char* argv0) {
+  absl::StatusOr<Config> config = ParseConfig();
+  if (!config.ok()) {
+    std::fprintf(stderr, "ps_bench: %s\n",
+                 std::string(config.status().message()).c_str());
+    return 2;
+  }
+  StartGuardian(absl::Seconds(absl::GetFlag(FLAGS_deadline_s)));
+
+  absl::StatusOr<std::string> ps_server = FindPsServer(argv0);
+  if (!ps_server.ok()) {
+    LOG(ERROR) << ps_server.status();
+    return 1;
+  }
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  if (tmp == nullptr) tmp = std::getenv("TMPDIR");
+  std::string scratch =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/ps_bench.XXXXXX");
+  if (mkdtemp(scratch.data()) == nullptr) {
+    LOG(ERROR) << "mkdtemp " << scratch << ": " << std::strerror(errno);
+    return 1;
+  }
+  Leftovers::Get().SetScratchDir(scratch);
+
+  const std::string iterations =
+      absl::GetFlag(FLAGS_iterations) > 0
+          ? absl::StrCat(absl::GetFlag(FLAGS_iterations))
+          : absl::StrCat("auto (", absl::GetFlag(FLAGS_phase_seconds),
+                         " s per phase, min ", kMinIterations, ")");
+  std::printf("%s",
+              absl::StrFormat("# ps_bench: servers %d, clients %d, "
+                              "block_elements %d, iterations %s, "
+                              "warmup %d, repeats %d\n",
+                              config->servers, config->clients,
+                              absl::GetFlag(FLAGS_block_elements), iterations,
+                              absl::GetFlag(FLAGS_warmup), config->repeats)
+                  .c_str());
+  std::printf("%s", MachineDescription().c_str());
+  std::printf("# ps_server: %s\n", ps_server->c_str());
+  std::fflush(stdout);
+
+  std::vector<std::vector<Row>> per_size;
+  const absl::Status status = RunBench(*config, *ps_server, scratch, &per_size);
+
+  std::vector<Row> rows;
+  for (const std::vector<Row>& repeats : per_size) {
+    if (!repeats.empty()) rows.push_back(MedianRow(repeats));
+  }
+  std::printf(
+      "\n# goodput GB/s = 1e9 bytes/s. TCP p+p and gRPC echo: 2N per round "
+      "trip; PS push, pull: N per call; PS p+p: 2N per push then pull.\n"
+      "# TCP RTT: N bytes out, 16-byte ack back.\n");
+  if (config->repeats > 1) {
+    std::printf("# medians over %d repeats\n", config->repeats);
+  }
+  std::printf("%s", TableHeader().c_str());
+  for (const Row& row : rows) std::printf("%s", TableRow(row).c_str());
+  std::printf("\n");
+  if (config->repeats > 1) {
+    std::printf(
+        "# spread (min..max) over the repeats\n"
+        "%8s | %15s %15s %15s | %13s %13s | %13s %13s\n",
+        "size", "TCP p+p GB/s", "TCP 1-way GB/s", "PS p+p GB/s", "p+p/TCP",
+        "p+p/TCP 1-way", "TCP RTT p50", "PS push p50");
+    for (const std::vector<Row>& repeats : per_size) {
+      if (!repeats.empty()) std::printf("%s", SpreadRow(repeats).c_str());
+    }
+    std::printf("\n");
+  }
+  std::string json;
+  for (const Row& row : rows) {
+    absl::StrAppend(&json, JsonLine(row, config->servers, config->clients),
+                    "\n");
+  }
+  std::printf("%s", json.c_str());
+  std::printf("# load average at end: %s\n", LoadAverage().c_str());
+  std::fflush(stdout);
+
+  const std::string json_out = absl::GetFlag(FLAGS_json_out);
+  absl::Status written = absl::OkStatus();
+  if (!json_out.empty()) written = WriteFileAtomically(json_out, json);
+  Leftovers::Get().RemoveScratch();
+  if (!status.ok()) {
+    LOG(ERROR) << "ps_bench failed: " << status;
+    return 1;
+  }
+  if (!written.ok()) {
+    LOG(ERROR) << written;
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace pstrain::bench
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Parameter-server push/pull goodput and latency against raw TCP and "
+      "plain gRPC on loopback.\n  ps_bench [--sizes=4096,...] [--servers=1] "
+      "[--clients=1] [--json_out=FILE]");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "ps_bench: unexpected argument '%s'\n", rest[1]);
+    return 2;
+  }
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+  const std::string role = absl::GetFlag(FLAGS_role);
+  if (role == "tcp_peer" || role == "grpc_echo") {
+    if (absl::GetFlag(FLAGS_port_file).empty()) {
+      std::fprintf(stderr, "ps_bench: --role=%s needs --port_file\n",
+                   role.c_str());
+      return 2;
+    }
+    return role == "tcp_peer" ? pstrain::bench::TcpPeerMain()
+                              : pstrain::bench::GrpcEchoMain();
+  }
+  if (role != "bench") {
+    std::fprintf(stderr,
+                 "ps_bench: --role must be bench, tcp_peer or grpc_echo\n");
+    return 2;
+  }
+  return pstrain::bench::BenchMain(argv[0]);
+}
