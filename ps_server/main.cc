@@ -93,6 +93,13 @@ ABSL_FLAG(int64_t, checkpoint_every_steps, 0,
           "steps (0: off).");
 ABSL_FLAG(double, checkpoint_every_s, 0,
           "Checkpoint at least this often, in seconds (0: off).");
+ABSL_FLAG(int64_t, sparse_max_rows, 0,
+          "Rows kept per sparse table on this shard; beyond it the least "
+          "recently used are evicted (0: unbounded).");
+ABSL_FLAG(int, sparse_admit_after, 0,
+          "A sparse row is created on the N-th sighting of its id (0 or 1: "
+          "the first); until then pulls see its initial value, pushes are "
+          "dropped and counted.");
 ABSL_FLAG(double, max_shard_memory_gb, 16,
           "Refuse (RESOURCE_EXHAUSTED) a model whose parameters and "
           "optimizer state would take more memory than this on one shard.");
@@ -255,6 +262,12 @@ int Main(int argc, char** argv) {
   }
   ExitOnFlagErrors(checks);
   options.max_pull_wait = absl::Seconds(max_pull_wait_s);
+  options.sparse_max_rows = absl::GetFlag(FLAGS_sparse_max_rows);
+  options.sparse_admit_after = absl::GetFlag(FLAGS_sparse_admit_after);
+  if (options.sparse_max_rows < 0 || options.sparse_admit_after < 0) {
+    ExitOnFlagErrors({absl::InvalidArgumentError(
+        "--sparse_max_rows and --sparse_admit_after must be >= 0")});
+  }
   options.max_shard_bytes = static_cast<int64_t>(
       absl::GetFlag(FLAGS_max_shard_memory_gb) * (int64_t{1} << 30));
   options.worker_lease = absl::Seconds(lease_s);
