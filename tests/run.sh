@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: install what is missing, build, run every test
-# (unit and multi-process), and close with "tests: N passed, M failed"
-# counted over individual test cases.
+# (unit and multi-process), and close with "tests: N passed, M failed,
+# K skipped" counted over individual test cases (GPU tests skip where no
+# GPU is visible).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +12,7 @@ status=$?
 
 passed=0
 failed=0
+skipped=0
 while IFS= read -r -d '' xml; do
   header=$(grep -o '<testsuites[^>]*>' "$xml" | head -n 1)
   [[ -n "$header" ]] || continue
@@ -19,13 +21,15 @@ while IFS= read -r -d '' xml; do
   failures=$(attribute failures)
   errors=$(attribute errors)
   disabled=$(attribute disabled)
+  skips=$(grep -c 'result="skipped"' "$xml")
   bad=$((${failures:-0} + ${errors:-0}))
   failed=$((failed + bad))
-  passed=$((passed + ${tests:-0} - bad - ${disabled:-0}))
+  skipped=$((skipped + skips))
+  passed=$((passed + ${tests:-0} - bad - ${disabled:-0} - skips))
 done < <(find -L bazel-testlogs/ -name test.xml -print0 2>/dev/null)
 
 if ((status != 0 && failed == 0)); then
   failed=1  # a build failure or a test that died before writing its report
 fi
-echo "tests: $passed passed, $failed failed"
+echo "tests: $passed passed, $failed failed, $skipped skipped"
 exit "$status"
