@@ -553,6 +553,17 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
     block->finite_contributors = 0;
     block->version.store(step);
   }
+  // Sparse rows are not in checkpoints: a restored shard's tables start
+  // afresh (rows from their initial values) at the workers' step.
+  for (const auto& state : model.sparse) {
+    absl::MutexLock state_lock(&state->mu);
+    const int64_t version = state->version.load();
+    if (version >= step) continue;
+    lost = std::max(lost, step - version);
+    state->gradient_sum.clear();
+    state->contributors = 0;
+    state->version.store(step);
+  }
   steps_lost_.fetch_add(lost);
   recovering_ = false;
   recovery_horizon_ = std::max(recovery_horizon_, step);
@@ -818,7 +829,9 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
     }
     if (options_.mode == ConsistencyMode::kSync) {
       const int64_t version = table->version.load();
-      if (version + 1 < step) {
+      if (version + 1 < step && recovering_) {
+        FastForwardLocked(**model, step);
+      } else if (version + 1 < step) {
         lock.Release();
         return answer(Reject(absl::OutOfRangeError(
             absl::StrCat("sparse pull for step ", step, " but table '",
@@ -900,6 +913,12 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     TouchLocked(request.worker_id());
   }
   if (options_.mode == ConsistencyMode::kSync) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (recovering_ && request.step() > table.version.load()) {
+        FastForwardLocked(**model, request.step());
+      }
+    }
     const std::shared_ptr<const Membership> members = membership();
     absl::MutexLock lock(&table.mu);
     const int64_t version = table.version.load();

@@ -374,7 +374,8 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
                    absl::StatusCode::kInvalidArgument,
                    "worker_id must be in [0, 2)"});
   cases.push_back({"negative step", UniformPush(0, -1, 1),
-                   absl::StatusCode::kInvalidArgument, "step must be in [0, 2^53)"});
+                   absl::StatusCode::kInvalidArgument,
+                   "step must be in [0, 2^53)"});
   cases.push_back({"future step", UniformPush(0, 9, 1),
                    absl::StatusCode::kFailedPrecondition, "push for step 9"});
   {
@@ -499,6 +500,26 @@ TEST(ShardSparseTest, SyncAppliesTheMeanOfEveryWorkersRowsOnce) {
   EXPECT_EQ(SparseRows(*f.shard, 1, {7, 9, 11}),
             (std::vector<float>{-3, -3, -3, -3, 0, 0}));
   EXPECT_EQ(f.shard->Stats().sparse(0).version(), 1);
+}
+
+// Sparse rows are not checkpointed: a restored shard's tables start afresh
+// at the step the workers bring, instead of refusing them.
+TEST(ShardSparseTest, RestoredShardCatchesItsTablesUp) {
+  Fixture original = MakeSparseShard(ConsistencyMode::kSync, 1);
+  absl::StatusOr<ShardSnapshot> snapshot = original.shard->Snapshot(0);
+  ASSERT_TRUE(snapshot.ok());
+  RestoredShard restored;
+  restored.schema = snapshot->schema;
+  restored.mode = snapshot->mode;
+  restored.optimizer = snapshot->optimizer;
+  restored.blocks = snapshot->blocks;
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(restored).ok());
+  ASSERT_TRUE(shard->SparsePush(SparsePushOf(0, 5, {7}, {2, 2})).ok());
+  EXPECT_EQ(SparseRows(*shard, 6, {7}), (std::vector<float>{-2, -2}));
+  const StatsResponse stats = shard->Stats();
+  EXPECT_EQ(stats.sparse(0).version(), 6);
+  EXPECT_EQ(stats.steps_lost(), 5);
 }
 
 TEST(ShardSparseTest, AsyncAppliesEachPushOnArrival) {

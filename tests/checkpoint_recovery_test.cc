@@ -156,6 +156,47 @@ TEST(CheckpointRecoveryTest, KilledServerRestartsFromItsCheckpoint) {
             << lost << " step(s) lost (interval " << kInterval << ")\n";
 }
 
+// A CTR job: dense layers come back from the checkpoint, sparse tables
+// (not checkpointed) start afresh at the workers' step; the job completes.
+TEST(CheckpointRecoveryTest, CtrJobSurvivesAServerRestart) {
+  const std::string dir = absl::StrCat(testing::TestDir(), "/ckpt_ctr");
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
+                          "--checkpoint_every_steps=10", "--optimizer=adam",
+                          "--learning_rate=0.01"};
+  auto cluster = StartCluster(options, "ctr_kill_server");
+  ASSERT_NE(cluster, nullptr);
+  const std::vector<std::string> flags = {
+      "--model=ctr",        "--ctr_fields=4",   "--ctr_dense=2",
+      "--ctr_vocab=2000",   "--batch_size=128", "--steps=400",
+      "--log_every=0",      "--device=cpu",     "--heartbeat_interval_s=0.2",
+      "--retry_window_s=60"};
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < 2; ++k) {
+    workers.push_back(std::move(*cluster->StartWorker(k, 2, flags)));
+  }
+  ASSERT_TRUE(cluster
+                  ->WaitForStats(
+                      [](const StatsResponse& s) { return s.version() >= 30; },
+                      absl::Seconds(60))
+                  .ok());
+  cluster->KillServer(1);
+  const absl::Status restarted = cluster->RestartServer(1);
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  for (auto& worker : workers) {
+    const std::string out = Finish(*worker);
+    absl::StatusOr<double> auc = FinalJsonNumber(out, "auc");
+    ASSERT_TRUE(auc.ok()) << out;
+    EXPECT_GE(*auc, 0.6) << out;
+  }
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ((*stats)[1].version(), 400);
+  EXPECT_GT((*stats)[1].steps_lost(), 0);
+}
+
 TEST(CheckpointRecoveryTest, CorruptNewestCheckpointFallsBackToThePrevious) {
   const std::string dir = absl::StrCat(testing::TestDir(), "/ckpt_corrupt");
   ClusterOptions options;
