@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/random/distributions.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_bytes.h"
 #include "common/grpc_status.h"
@@ -108,8 +109,11 @@ PsClient::~PsClient() { StopHeartbeats(); }
 void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
                             const std::vector<size_t>& which,
                             absl::Duration timeout) {
-  absl::Mutex mu;
-  size_t pending = which.size();
+  // Not a Mutex-guarded count: the last callback may still be inside
+  // Unlock when the waiter wakes and returns, destroying the mutex under it.
+  // BlockingCounter::Wait guarantees no decrementer touches it afterwards.
+  if (which.empty()) return;
+  absl::BlockingCounter pending(static_cast<int>(which.size()));
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout);
   const std::string short_name = method.substr(method.rfind('/') + 1);
@@ -127,7 +131,7 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
     Connection(call.shard, call.connection)
         .UnaryCall(call.context.get(), method, grpc::StubOptions(),
                    &call.request, &call.response,
-                   [&mu, &pending, &call, &short_name](grpc::Status status) {
+                   [&pending, &call, &short_name](grpc::Status status) {
                      call.status = FromGrpcStatus(status, short_name);
                      if (call.status.ok() && call.on_response) {
                        absl::Status handled = call.on_response(call);
@@ -137,14 +141,11 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
                              absl::StrCat(short_name, ": ", handled.message()));
                        }
                      }
-                     absl::MutexLock lock(&mu);
-                     --pending;
+                     pending.DecrementCount();
                    });
   }
   // Terminates: gRPC runs every callback by the deadline set above.
-  absl::MutexLock lock(&mu);
-  mu.Await(absl::Condition(
-      +[](size_t* left) { return *left == 0; }, &pending));
+  pending.Wait();
 }
 
 absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
