@@ -119,13 +119,17 @@ TEST(FaultToleranceTest, BackupWorkersDoNotWaitForAStraggler) {
   // they waited, it would have computed every one), finding the job ahead
   // of it whenever it pulled. Depending on how late it started it joined
   // part-way or at the end; either way every step is accounted for.
-  EXPECT_EQ(Number(out0, "steps_run"), kSteps);
-  EXPECT_EQ(Number(out1, "steps_run"), kSteps);
+  // (A fast worker may skip a step too when the other two completed it
+  // first: that is the point of backup workers.)
+  for (const std::string* out : {&out0, &out1, &out2}) {
+    EXPECT_EQ(Number(*out, "start_step") + Number(*out, "steps_skipped") +
+                  Number(*out, "steps_run"),
+              kSteps)
+        << *out;
+  }
+  EXPECT_GE(Number(out0, "steps_run") + Number(out1, "steps_run"),
+            2 * kSteps - 10);
   EXPECT_LE(Number(out2, "steps_run"), kSteps / 2) << out2;
-  EXPECT_EQ(Number(out2, "start_step") + Number(out2, "steps_skipped") +
-                Number(out2, "steps_run"),
-            kSteps)
-      << out2;
   absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
   ASSERT_TRUE(stats.ok());
   // Gradients that arrived after their step completed were dropped, and
