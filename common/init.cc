@@ -2,21 +2,10 @@
 
 #include <cmath>
 
+#include "common/hash.h"
+
 namespace pstrain {
 namespace {
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-uint64_t HashName(absl::string_view name) {
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a: stable across builds
-  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ULL;
-  return h;
-}
 
 // A uniform in (0, 1) from 53 random bits; never 0, so log() is safe.
 double UnitUniform(uint64_t bits) {
@@ -28,7 +17,7 @@ double UnitUniform(uint64_t bits) {
 void FillInitialValues(const InitSpec& init, uint64_t seed,
                        absl::string_view tensor_name, int64_t offset,
                        absl::Span<float> out) {
-  const uint64_t stream = SplitMix64(seed ^ SplitMix64(HashName(tensor_name)));
+  const uint64_t stream = SplitMix64(seed ^ SplitMix64(Fnv1a64(tensor_name)));
   for (size_t j = 0; j < out.size(); ++j) {
     const uint64_t index = static_cast<uint64_t>(offset) + j;
     switch (init.kind()) {

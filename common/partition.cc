@@ -5,6 +5,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/hash.h"
 
 namespace pstrain {
 namespace {
@@ -24,8 +25,7 @@ uint64_t Mix64(uint64_t x) {  // splitmix64's finalizer
 }  // namespace
 
 int SparseShardOf(absl::string_view table, uint64_t id, int num_shards) {
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a of the name: stable everywhere
-  for (unsigned char c : table) h = (h ^ c) * 0x100000001b3ULL;
+  const uint64_t h = Fnv1a64(table);
   return static_cast<int>(Mix64(h ^ Mix64(id)) %
                           static_cast<uint64_t>(num_shards));
 }

@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/hash.h"
 #include "common/init.h"
 
 namespace pstrain {
@@ -21,13 +22,6 @@ constexpr int64_t kMinChunkRows = 16;
 constexpr int64_t kMaxChunkRows = 4096;
 constexpr int kMaxStripes = 4096;
 constexpr int64_t kMaxDim = int64_t{1} << 20;
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 absl::Status CheckRange(const char* flag, float value, float lo, float hi,
                         bool lo_inclusive, bool hi_inclusive) {

@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/hash.h"
 
 namespace pstrain {
 namespace {
@@ -46,21 +47,12 @@ constexpr int64_t kCalibrationExamples = 4096;
 // features, so they carry most of the signal.
 constexpr double kDenseWeight = 0.5;
 
-// The splitmix64 finalizer (as in data.cc): a bijection on 64 bits with full
-// avalanche, so hashing a counter is as good as drawing from a sequential RNG.
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 // Every random number is a hash of where it is used (seed, stream, example,
 // field, ...) rather than of what was drawn before it; that is what lets any
 // worker generate any example alone.
 uint64_t Hash(std::initializer_list<uint64_t> parts) {
   uint64_t h = 0;
-  for (uint64_t part : parts) h = Mix(h ^ part);
+  for (uint64_t part : parts) h = SplitMix64(h ^ part);
   return h;
 }
 
@@ -398,15 +390,6 @@ class Truth {
   std::vector<double> means_;          // scratch: m_f, [num_fields, dim_truth]
 };
 
-uint64_t Fnv1a64(absl::string_view s) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
-
 // Reads a text file line by line. Only the line end is removed (and, where
 // the format has them, comments): for TSV a trailing tab is data.
 class LineReader {
@@ -517,12 +500,13 @@ absl::Status ValidateCtrDataset(const CtrDataset& data) {
 std::string CtrTableName(int field) { return absl::StrCat("field", field); }
 
 uint64_t CtrCategoricalId(int field, absl::string_view value) {
-  return Mix(Fnv1a64(value) ^ Mix(kCategoricalIdSalt + uint64_t(field)));
+  return SplitMix64(Fnv1a64(value) ^
+                    SplitMix64(kCategoricalIdSalt + uint64_t(field)));
 }
 
 uint64_t CtrSyntheticId(int field, uint64_t raw_id) {
   // Mix is a bijection, so distinct raw ids of a field never collide.
-  return Mix(raw_id ^ Mix(kSyntheticIdSalt + uint64_t(field)));
+  return SplitMix64(raw_id ^ SplitMix64(kSyntheticIdSalt + uint64_t(field)));
 }
 
 absl::StatusOr<CtrDataset> MakeSyntheticCtr(const SyntheticCtrOptions& options,

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/hash.h"
 
 namespace pstrain {
 namespace {
@@ -28,22 +29,13 @@ enum Stream : uint64_t {
   kNoiseClassStream = 4,
 };
 
-// The splitmix64 finalizer: a bijection on 64 bits with full avalanche, which
-// is what makes hashing a counter as good as drawing from a sequential RNG.
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 // Every random number is a hash of where it is used rather than of what was
 // drawn before it; that is what lets any worker generate any example alone.
 uint64_t Hash(uint64_t seed, uint64_t stream, uint64_t a, uint64_t b) {
-  uint64_t h = Mix(seed);
-  h = Mix(h ^ stream);
-  h = Mix(h ^ a);
-  return Mix(h ^ b);
+  uint64_t h = SplitMix64(seed);
+  h = SplitMix64(h ^ stream);
+  h = SplitMix64(h ^ a);
+  return SplitMix64(h ^ b);
 }
 
 // Uniform in the open interval (0, 1): never 0, so log() in Box-Muller is

@@ -7,20 +7,12 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/hash.h"
 
 namespace pstrain {
 namespace {
 
 using kernels::DeviceArray;
-
-// splitmix64's finalizer: LIBSVM ids are small consecutive integers, which a
-// power-of-two table must not see unmixed.
-uint64_t MixId(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 }  // namespace
 
@@ -36,7 +28,9 @@ void IdDeduplicator::Run(absl::Span<const uint64_t> ids, UniqueIds* out) {
   const size_t mask = capacity - 1;
   for (size_t j = 0; j < ids.size(); ++j) {
     const uint64_t id = ids[j];
-    size_t slot = MixId(id) & mask;
+    // Mixed: LIBSVM ids are small consecutive integers, which a
+    // power-of-two table must not see unmixed.
+    size_t slot = SplitMix64(id) & mask;
     while (true) {
       const int64_t u = slots_[slot];
       if (u < 0) {
