@@ -497,41 +497,43 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
         model.partition.FindBlock(wire.tensor, wire.block);
     if (!global.ok()) return global.status();
     const BlockLocation& loc = model.partition.blocks()[*global];
-    const std::string where =
-        absl::StrCat("tensor '", wire.tensor, "' block ", wire.block);
+    // Only built for an error: this runs for every block of every push.
+    auto where = [&wire] {
+      return absl::StrCat("tensor '", wire.tensor, "' block ", wire.block);
+    };
     const int local = model.local_of_global[*global];
     if (local < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, " lives on shard ", loc.shard, ", this is shard ",
-                       options_.shard_id));
+          absl::StrCat(where(), " lives on shard ", loc.shard,
+                       ", this is shard ", options_.shard_id));
     }
     if (!seen.insert(local).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, " appears twice in one push"));
+          absl::StrCat(where(), " appears twice in one push"));
     }
     const int64_t element_bytes = WireElementBytes(wire.dtype);
     if (element_bytes == 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": wire type ", static_cast<int>(wire.dtype),
+          absl::StrCat(where(), ": wire type ", static_cast<int>(wire.dtype),
                        " is not supported by this server"));
     }
     const uint64_t expected = static_cast<uint64_t>(loc.length) * element_bytes;
     if (wire.data_size != expected) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": payload has ", wire.data_size,
+          absl::StrCat(where(), ": payload has ", wire.data_size,
                        " bytes, expected ", expected, " (", loc.length, " ",
                        DataType_Name(wire.dtype), " elements)"));
     }
     if (wire.version < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ": pulled version must be >= 0, got ", wire.version));
+          where(), ": pulled version must be >= 0, got ", wire.version));
     }
     BlockPush push{local, &wire, false};
     const int64_t bad = FindNonFiniteSegments(wire.dtype, wire.data);
     if (bad >= 0) {
       if (!options_.skip_nonfinite_gradients) {
         return absl::InvalidArgumentError(
-            absl::StrCat(where, ": gradient element ", loc.offset + bad,
+            absl::StrCat(where(), ": gradient element ", loc.offset + bad,
                          " is NaN or infinite; the push was not applied"));
       }
       push.nonfinite = true;
