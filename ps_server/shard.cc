@@ -581,7 +581,7 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
   if (!pushes.ok()) return Reject(pushes.status());
   const bool sync = options_.mode == ConsistencyMode::kSync;
   {
-    absl::MutexLock lock(&mu_);
+    absl::ReleasableMutexLock lock(&mu_);
     TouchLocked(request.worker_id);
     // async/ssp steps only identify a worker's pushes; one far ahead of its
     // last would make every later push look like a repeat.
@@ -603,6 +603,24 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
         if (recovering_) {
           FastForwardLocked(**model, request.step);
           break;
+        }
+        // A worker pushing s pulled s from this shard's previous life, so
+        // its gradient of s - 1 was lost with it, as in Pull. The step
+        // completes once every member's is given or lost; until then the
+        // push is refused as retryable.
+        std::vector<int> locals;
+        for (const BlockPush& p : *pushes) locals.push_back(p.local);
+        if (CreditLostGradientsLocked(**model, request.worker_id, request.step,
+                                      locals)) {
+          lock.Release();
+          ReleaseReadyWaiters();
+          return Push(request);
+        }
+        if (request.step == version + 1 && version <= recovery_horizon_) {
+          absl::MutexLock block_lock(&block.mu);
+          return Reject(absl::UnavailableError(absl::StrCat(
+              "push for step ", request.step, " waits on this restored shard: ",
+              DescribeBlockWaitLocked(block, *membership_), "; retry")));
         }
         return Reject(absl::FailedPreconditionError(absl::StrCat(
             "push for step ", request.step, " but tensor '", *block.tensor_name,
@@ -1119,20 +1137,9 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
       // Waiting for it would wait forever, so it counts as given, like a
       // skipped non-finite one. Nowhere else: a client that pulls before it
       // pushes must not complete a step without its gradient.
-      if (worker >= 0 && step >= 1 && step - 1 <= recovery_horizon_ &&
-          (*membership_)[worker] <= step - 1) {
-        for (int local : waiter->locals) {
-          Block& block = *(*model)->blocks[local];
-          absl::MutexLock block_lock(&block.mu);
-          if (block.version.load() != step - 1 ||
-              block.last_contributed[worker] == step - 1) {
-            continue;
-          }
-          block.last_contributed[worker] = step - 1;
-          ++block.contributors;
-          gradients_lost_.fetch_add(1);
-          completed |= CompleteIfReadyLocked(block, *membership_);
-        }
+      if (worker >= 0) {
+        completed =
+            CreditLostGradientsLocked(**model, worker, step, waiter->locals);
       }
     }
     if (options_.mode != ConsistencyMode::kAsync &&
@@ -1218,20 +1225,48 @@ std::string Shard::DescribeWait(const Waiter& waiter) const {
   for (int local : waiter.locals) {
     const Block& block = *model->blocks[local];
     absl::MutexLock lock(&block.mu);
-    const int64_t version = block.version.load();
-    if (version >= waiter.step) continue;
-    std::vector<int> missing;
-    for (size_t w = 0; w < members->size(); ++w) {
-      if ((*members)[w] <= version && block.last_contributed[w] != version) {
-        missing.push_back(static_cast<int>(w));
-      }
-    }
-    return absl::StrCat(
-        "tensor '", *block.tensor_name, "' block ", block.location->block,
-        " is still waiting for the step ", version, " gradients of workers [",
-        absl::StrJoin(missing, ", "), "]");
+    if (block.version.load() >= waiter.step) continue;
+    return DescribeBlockWaitLocked(block, *members);
   }
   return "the step completed as the deadline passed";
+}
+
+std::string Shard::DescribeBlockWaitLocked(const Block& block,
+                                           const Membership& members) const {
+  const int64_t version = block.version.load();
+  std::vector<int> missing;
+  for (size_t w = 0; w < members.size(); ++w) {
+    if (members[w] <= version && block.last_contributed[w] != version) {
+      missing.push_back(static_cast<int>(w));
+    }
+  }
+  return absl::StrCat("tensor '", *block.tensor_name, "' block ",
+                      block.location->block, " is still waiting for the step ",
+                      version, " gradients of workers [",
+                      absl::StrJoin(missing, ", "), "]");
+}
+
+bool Shard::CreditLostGradientsLocked(const Model& model, int worker,
+                                      int64_t step,
+                                      const std::vector<int>& locals) {
+  if (step < 1 || step - 1 > recovery_horizon_ ||
+      (*membership_)[worker] > step - 1) {
+    return false;
+  }
+  bool completed = false;
+  for (int local : locals) {
+    Block& block = *model.blocks[local];
+    absl::MutexLock block_lock(&block.mu);
+    if (block.version.load() != step - 1 ||
+        block.last_contributed[worker] == step - 1) {
+      continue;
+    }
+    block.last_contributed[worker] = step - 1;
+    ++block.contributors;
+    gradients_lost_.fetch_add(1);
+    completed |= CompleteIfReadyLocked(block, *membership_);
+  }
+  return completed;
 }
 
 void Shard::RunReaper() {

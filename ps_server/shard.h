@@ -217,6 +217,15 @@ class Shard {
   // Expires waiters and leases; runs on reaper_ until shutdown.
   void RunReaper();
   std::string DescribeWait(const Waiter& waiter) const;
+  // Which members' gradients `block`'s current step still waits for.
+  std::string DescribeBlockWaitLocked(const Block& block,
+                                      const Membership& members) const;
+  // `worker` asking for step `step` (a pull, or a push after a pull from
+  // this shard's previous life) has given its step - 1 gradient: one a
+  // restored shard lost counts as given. Returns whether a block completed.
+  bool CreditLostGradientsLocked(const Model& model, int worker, int64_t step,
+                                 const std::vector<int>& locals)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ShardOptions options_;
   const std::unique_ptr<Optimizer> optimizer_;

@@ -238,6 +238,62 @@ TEST(ShardSyncTest, OnlyARestoredShardAccountsForALostGradient) {
   EXPECT_EQ(original.shard->Stats().gradients_lost(), 0);
 }
 
+// A restored shard at step 0 whose previous life had completed step 0: a
+// worker that pulled step 1 from that life pushes step 1 here. Its step 0
+// gradient was lost with the crash, not missing.
+std::unique_ptr<Shard> RestoredAtStepZero(const Fixture& original) {
+  absl::StatusOr<ShardSnapshot> snapshot = original.shard->Snapshot(0);
+  EXPECT_TRUE(snapshot.ok());
+  RestoredShard restored;
+  restored.schema = snapshot->schema;
+  restored.mode = snapshot->mode;
+  restored.optimizer = snapshot->optimizer;
+  restored.blocks = snapshot->blocks;
+  auto shard = std::move(*Shard::Create(original.options));
+  EXPECT_TRUE(shard->Restore(restored).ok());
+  return shard;
+}
+
+TEST(ShardSyncTest, PushFromAPreviousLifeCompletesTheRestoredStep) {
+  Fixture original = MakeShard(ConsistencyMode::kSync, 2);
+  std::unique_ptr<Shard> shard = RestoredAtStepZero(original);
+  PullResult waiting;  // worker 1 asks first: it credits only itself
+  shard->Pull(PullAt(1, 1), Soon(), waiting.Callback());
+  EXPECT_FALSE(waiting.done.HasBeenNotified());
+  absl::StatusOr<PushResponse> pushed =
+      DoPush(*shard, UniformPush(0, 1, 2, /*pulled_version=*/1));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(pushed->blocks_applied(), 3);
+  ASSERT_TRUE(waiting.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(waiting.status.ok()) << waiting.status;
+  EXPECT_EQ(waiting.blocks[0].version, 1);
+  EXPECT_FLOAT_EQ(waiting.FirstWeight(), 1.0f);  // step 0 had no gradient left
+  EXPECT_EQ(shard->Stats().gradients_lost(), 6);
+}
+
+// Step 0 also waits for a member that has not spoken since the restore: the
+// early push is refused as retryable and goes through once step 0 is done.
+TEST(ShardSyncTest, PushFromAPreviousLifeRetriesUntilTheStepCompletes) {
+  Fixture original = MakeShard(ConsistencyMode::kSync, 3);
+  std::unique_ptr<Shard> shard = RestoredAtStepZero(original);
+  ASSERT_TRUE(DoPush(*shard, UniformPush(2, 0, 3)).ok());  // a laggard
+  absl::StatusOr<PushResponse> early =
+      DoPush(*shard, UniformPush(0, 1, 2, /*pulled_version=*/1));
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable)
+      << early.status();
+  EXPECT_NE(early.status().message().find("workers [1]"), std::string::npos)
+      << early.status();
+  EXPECT_EQ(shard->Stats().blocks_applied(), 3);  // only the laggard's
+
+  auto pulled = DoPull(*shard, PullAt(1, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), -0.5f);  // 1 - 0.5 * 3 (worker 2's)
+  absl::StatusOr<PushResponse> retried =
+      DoPush(*shard, UniformPush(0, 1, 2, /*pulled_version=*/1));
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_EQ(retried->blocks_applied(), 3);
+}
+
 TEST(ShardSyncTest, PullTimesOutNamingTheMissingWorkers) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 3);
   ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());
