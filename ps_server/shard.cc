@@ -608,10 +608,9 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
         // its gradient of s - 1 was lost with it, as in Pull. The step
         // completes once every member's is given or lost; until then the
         // push is refused as retryable.
-        std::vector<int> locals;
-        for (const BlockPush& p : *pushes) locals.push_back(p.local);
-        if (CreditLostGradientsLocked(**model, request.worker_id, request.step,
-                                      locals)) {
+        if (CreditLostGradientsLocked(**model, request.worker_id,
+                                      request.step) &&
+            block.version.load() >= request.step) {
           lock.Release();
           ReleaseReadyWaiters();
           return Push(request);
@@ -859,17 +858,7 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
                          ": a worker can be at most one step ahead"))));
       }
       // As for blocks: a member pulling step s has pushed s - 1.
-      if (worker >= 0 && step >= 1 && step - 1 <= recovery_horizon_ &&
-          (*membership_)[worker] <= step - 1) {
-        absl::MutexLock state_lock(&table->mu);
-        if (table->version.load() == step - 1 &&
-            table->last_contributed[worker] != step - 1) {
-          table->last_contributed[worker] = step - 1;
-          ++table->contributors;
-          gradients_lost_.fetch_add(1);
-          completed = CompleteSparseIfReadyLocked(*table, *membership_);
-        }
-      }
+      completed = CreditLostGradientsLocked(**model, worker, step);
     }
     if (!WaiterReadyLocked(*waiter)) {
       if (shutting_down_) {
@@ -933,11 +922,9 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     TouchLocked(request.worker_id());
   }
   if (options_.mode == ConsistencyMode::kSync) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (recovering_ && request.step() > table.version.load()) {
-        FastForwardLocked(**model, request.step());
-      }
+    if (absl::Status ahead = CatchUpSparseForPush(**model, table, request);
+        !ahead.ok()) {
+      return Reject(std::move(ahead));
     }
     const std::shared_ptr<const Membership> members = membership();
     absl::MutexLock lock(&table.mu);
@@ -1137,10 +1124,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
       // Waiting for it would wait forever, so it counts as given, like a
       // skipped non-finite one. Nowhere else: a client that pulls before it
       // pushes must not complete a step without its gradient.
-      if (worker >= 0) {
-        completed =
-            CreditLostGradientsLocked(**model, worker, step, waiter->locals);
-      }
+      completed = CreditLostGradientsLocked(**model, worker, step);
     }
     if (options_.mode != ConsistencyMode::kAsync &&
         !WaiterReadyLocked(*waiter)) {
@@ -1246,25 +1230,71 @@ std::string Shard::DescribeBlockWaitLocked(const Block& block,
                       absl::StrJoin(missing, ", "), "]");
 }
 
+absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
+                                         const SparsePushRequest& request) {
+  const int64_t step = request.step();
+  bool completed = false;
+  absl::Status waiting;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t version = table.version.load();
+    if (step <= version) return absl::OkStatus();
+    if (recovering_) {
+      FastForwardLocked(model, step);
+      return absl::OkStatus();
+    }
+    // As for dense pushes: the worker pulled `step` from this shard's
+    // previous life, which lost its step - 1 gradient.
+    completed = CreditLostGradientsLocked(model, request.worker_id(), step);
+    if (table.version.load() < step && step == version + 1 &&
+        version <= recovery_horizon_) {
+      const std::shared_ptr<const Membership> members = membership_;
+      absl::MutexLock table_lock(&table.mu);
+      std::vector<int> missing;
+      for (size_t w = 0; w < members->size(); ++w) {
+        if ((*members)[w] <= version && table.last_contributed[w] != version) {
+          missing.push_back(static_cast<int>(w));
+        }
+      }
+      waiting = absl::UnavailableError(absl::StrCat(
+          "sparse push for step ", step,
+          " waits on this restored shard: table '", request.table(),
+          "' is still waiting for the step ", version, " pushes of workers [",
+          absl::StrJoin(missing, ", "), "]; retry"));
+    }
+  }
+  if (completed) ReleaseReadyWaiters();
+  return waiting;
+}
+
 bool Shard::CreditLostGradientsLocked(const Model& model, int worker,
-                                      int64_t step,
-                                      const std::vector<int>& locals) {
-  if (step < 1 || step - 1 > recovery_horizon_ ||
+                                      int64_t step) {
+  if (worker < 0 || step < 1 || step - 1 > recovery_horizon_ ||
       (*membership_)[worker] > step - 1) {
     return false;
   }
   bool completed = false;
-  for (int local : locals) {
-    Block& block = *model.blocks[local];
-    absl::MutexLock block_lock(&block.mu);
-    if (block.version.load() != step - 1 ||
-        block.last_contributed[worker] == step - 1) {
+  for (const auto& block : model.blocks) {
+    absl::MutexLock block_lock(&block->mu);
+    if (block->version.load() != step - 1 ||
+        block->last_contributed[worker] == step - 1) {
       continue;
     }
-    block.last_contributed[worker] = step - 1;
-    ++block.contributors;
+    block->last_contributed[worker] = step - 1;
+    ++block->contributors;
     gradients_lost_.fetch_add(1);
-    completed |= CompleteIfReadyLocked(block, *membership_);
+    completed |= CompleteIfReadyLocked(*block, *membership_);
+  }
+  for (const auto& table : model.sparse) {
+    absl::MutexLock table_lock(&table->mu);
+    if (table->version.load() != step - 1 ||
+        table->last_contributed[worker] == step - 1) {
+      continue;
+    }
+    table->last_contributed[worker] = step - 1;
+    ++table->contributors;
+    gradients_lost_.fetch_add(1);
+    completed |= CompleteSparseIfReadyLocked(*table, *membership_);
   }
   return completed;
 }
@@ -1360,8 +1390,16 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
     }
   }
   int64_t newest = 0;
+  int64_t oldest = restored.blocks.empty() ? 0 : restored.blocks[0].version;
   for (const BlockSnapshot& saved : restored.blocks) {
     newest = std::max(newest, saved.version);
+    oldest = std::min(oldest, saved.version);
+  }
+  // Sparse rows are not in checkpoints: the tables start afresh at the
+  // dense step, so the two kinds of state move forward together.
+  for (const auto& table : model.sparse) {
+    absl::MutexLock table_lock(&table->mu);
+    table->version.store(oldest);
   }
   absl::MutexLock state_lock(&mu_);
   recovering_ = options_.mode == ConsistencyMode::kSync;

@@ -220,11 +220,18 @@ class Shard {
   // Which members' gradients `block`'s current step still waits for.
   std::string DescribeBlockWaitLocked(const Block& block,
                                       const Membership& members) const;
-  // `worker` asking for step `step` (a pull, or a push after a pull from
-  // this shard's previous life) has given its step - 1 gradient: one a
-  // restored shard lost counts as given. Returns whether a block completed.
-  bool CreditLostGradientsLocked(const Model& model, int worker, int64_t step,
-                                 const std::vector<int>& locals)
+  // Brings `table` to a sync push's step where a restored shard may: moves a
+  // recovering shard forward, or credits the pusher's lost gradient.
+  // Unavailable (retryable) while that step still waits for other members.
+  absl::Status CatchUpSparseForPush(const Model& model, SparseState& table,
+                                    const SparsePushRequest& request);
+  // A sync worker finishes every push of step s - 1 (dense and sparse)
+  // before it asks for anything of step s. So `worker` asking for `step`
+  // (a pull, or a push after a pull from this shard's previous life) has
+  // given its step - 1 gradient to every block and table; on a restored
+  // shard, within the steps it may have lost, one it does not hold counts
+  // as given. Returns whether some block or table completed its step.
+  bool CreditLostGradientsLocked(const Model& model, int worker, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ShardOptions options_;

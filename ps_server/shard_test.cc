@@ -578,6 +578,86 @@ TEST(ShardSparseTest, RestoredShardCatchesItsTablesUp) {
   EXPECT_EQ(stats.steps_lost(), 5);
 }
 
+RestoredShard RestoredFrom(const Shard& original) {
+  absl::StatusOr<ShardSnapshot> snapshot = original.Snapshot(0);
+  EXPECT_TRUE(snapshot.ok());
+  RestoredShard restored;
+  restored.schema = snapshot->schema;
+  restored.mode = snapshot->mode;
+  restored.optimizer = snapshot->optimizer;
+  restored.blocks = snapshot->blocks;
+  return restored;
+}
+
+// The first request after a restore may be a dense one that needs no
+// catching up; the tables must then already be at the dense step.
+TEST(ShardSparseTest, RestoredTablesStartAtTheDenseStep) {
+  Fixture original = MakeSparseShard(ConsistencyMode::kSync, 1);
+  for (int step = 0; step < 2; ++step) {
+    ASSERT_TRUE(DoPush(*original.shard, UniformPush(0, step, 1)).ok());
+  }
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
+  EXPECT_EQ(shard->Stats().sparse(0).version(), 2);
+  ASSERT_TRUE(DoPull(*shard, PullAt(0, 2), Soon())->status.ok());
+  absl::StatusOr<SparsePushResponse> pushed =
+      shard->SparsePush(SparsePushOf(0, 2, {7}, {2, 2}));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(shard->Stats().sparse(0).version(), 3);
+}
+
+TEST(ShardSparseTest, PushFromAPreviousLifeCompletesTheRestoredStep) {
+  Fixture original = MakeSparseShard(ConsistencyMode::kSync, 2);
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
+  ASSERT_TRUE(DoPull(*shard, PullAt(1, 0), Soon())->status.ok());  // no news
+  SparsePullRequest pull;  // worker 1 pulled step 0 from the previous life
+  pull.set_protocol_version(kProtocolVersion);
+  pull.set_worker_id(1);
+  pull.set_step(1);
+  pull.set_table("emb");
+  pull.add_ids(7);
+  absl::Notification pulled;
+  shard->SparsePull(pull, Soon(), [&](absl::Status s, SparsePullResponse) {
+    EXPECT_TRUE(s.ok()) << s;
+    pulled.Notify();
+  });
+  EXPECT_FALSE(pulled.HasBeenNotified());  // worker 0's step 0 is not in
+  absl::StatusOr<SparsePushResponse> pushed =
+      shard->SparsePush(SparsePushOf(0, 1, {7}, {2, 2}));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_FALSE(pushed->duplicate());
+  EXPECT_TRUE(pulled.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(shard->Stats().gradients_lost(), 8);  // 3 blocks + 1 table each
+}
+
+// Worker 1 pulled the table at step 1 from the previous life and now asks
+// for the dense blocks; worker 0 asks for the table. Each request vouches
+// for its worker's whole step 0, or each would wait for the other forever.
+TEST(ShardSparseTest, ARequestOfAStepCreditsEveryTableAndBlock) {
+  Fixture original = MakeSparseShard(ConsistencyMode::kSync, 2);
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
+  ASSERT_TRUE(DoPull(*shard, PullAt(1, 0), Soon())->status.ok());  // no news
+  SparsePullRequest pull;
+  pull.set_protocol_version(kProtocolVersion);
+  pull.set_worker_id(0);
+  pull.set_step(1);
+  pull.set_table("emb");
+  pull.add_ids(7);
+  absl::Notification table_pulled;
+  shard->SparsePull(pull, Soon(), [&](absl::Status s, SparsePullResponse) {
+    EXPECT_TRUE(s.ok()) << s;
+    table_pulled.Notify();
+  });
+  EXPECT_FALSE(table_pulled.HasBeenNotified());
+  auto dense = DoPull(*shard, PullAt(1, 1), Soon());
+  ASSERT_TRUE(dense->status.ok()) << dense->status;
+  EXPECT_EQ(dense->blocks[0].version, 1);
+  EXPECT_TRUE(table_pulled.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(shard->Stats().sparse(0).version(), 1);
+}
+
 TEST(ShardSparseTest, AsyncAppliesEachPushOnArrival) {
   Fixture f = MakeSparseShard(ConsistencyMode::kAsync, 2);
   ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2})).ok());

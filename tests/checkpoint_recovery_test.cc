@@ -148,22 +148,23 @@ TEST(CheckpointRecoveryTest, KilledServerRestartsFromItsCheckpoint) {
   EXPECT_EQ((*stats)[0].version(), kSteps);
   EXPECT_EQ((*stats)[1].version(), kSteps);
   // The restarted shard lost at most the steps since its last checkpoint
-  // (plus the one in flight when it was killed).
+  // (plus the one in flight when it was killed, plus one: a checkpoint copies
+  // each block under its own lock while steps go on, so its blocks can be
+  // one step apart).
   const int64_t lost = (*stats)[1].steps_lost();
-  EXPECT_LE(lost, kInterval + 1);
+  EXPECT_LE(lost, kInterval + 2);
   EXPECT_EQ((*stats)[0].steps_lost(), 0);
   std::cout << "[ recovery ] shard 1 killed at step >= 40 and restored; "
             << lost << " step(s) lost (interval " << kInterval << ")\n";
 }
 
 // A CTR job: dense layers come back from the checkpoint, sparse tables
-// (not checkpointed) start afresh at the workers' step; the job completes.
-// DISABLED: under load (the whole suite on 2 cores) one worker sometimes
-// waits out its 120 s RPC deadline after the restart, seen once in five
-// runs; it passes alone. A sparse step of the restored shard is left
-// waiting on a gradient; the cause is not yet found. Enable with
-// --gtest_also_run_disabled_tests when fixing it.
-TEST(CheckpointRecoveryTest, DISABLED_CtrJobSurvivesAServerRestart) {
+// (not checkpointed) start afresh at the restored step; the job completes.
+// Each worker's steps have many objects on the killed shard (dense blocks
+// and one table per field), each pulled and pushed at its own moment, so the
+// kill leaves them at different steps: the restored shard must bring them
+// back together without waiting on a gradient that died with it.
+TEST(CheckpointRecoveryTest, CtrJobSurvivesAServerRestart) {
   const std::string dir = absl::StrCat(testing::TestDir(), "/ckpt_ctr");
   ClusterOptions options;
   options.num_shards = 2;
@@ -174,10 +175,10 @@ TEST(CheckpointRecoveryTest, DISABLED_CtrJobSurvivesAServerRestart) {
   auto cluster = StartCluster(options, "ctr_kill_server");
   ASSERT_NE(cluster, nullptr);
   const std::vector<std::string> flags = {
-      "--model=ctr",        "--ctr_fields=4",   "--ctr_dense=2",
-      "--ctr_vocab=2000",   "--batch_size=128", "--steps=400",
-      "--log_every=0",      "--device=cpu",     "--heartbeat_interval_s=0.2",
-      "--retry_window_s=60"};
+      "--model=ctr",         "--ctr_fields=4",    "--ctr_dense=2",
+      "--ctr_vocab=2000",    "--batch_size=128",  "--steps=400",
+      "--log_every=0",       "--device=cpu",      "--heartbeat_interval_s=0.2",
+      "--retry_window_s=60", "--rpc_timeout_s=20"};
   std::vector<std::unique_ptr<Process>> workers;
   for (int k = 0; k < 2; ++k) {
     workers.push_back(std::move(*cluster->StartWorker(k, 2, flags)));
@@ -193,13 +194,24 @@ TEST(CheckpointRecoveryTest, DISABLED_CtrJobSurvivesAServerRestart) {
   for (auto& worker : workers) {
     const std::string out = Finish(*worker);
     absl::StatusOr<double> auc = FinalJsonNumber(out, "auc");
-    ASSERT_TRUE(auc.ok()) << out;
-    EXPECT_GE(*auc, 0.6) << out;
+    EXPECT_TRUE(auc.ok()) << out;
+    if (auc.ok()) EXPECT_GE(*auc, 0.6) << out;
   }
   absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ((*stats)[1].version(), 400);
-  EXPECT_GT((*stats)[1].steps_lost(), 0);
+  // The checkpoint interval, as in KilledServerRestartsFromItsCheckpoint.
+  EXPECT_LE((*stats)[1].steps_lost(), 10 + 2);
+  std::cout << "[ recovery ] CTR shard 1 restored: " << (*stats)[1].steps_lost()
+            << " step(s) and " << (*stats)[1].gradients_lost()
+            << " gradient(s) lost\n";
+  if (HasFailure()) {
+    for (int s = 0; s < 2; ++s) {
+      std::cout << "==== server " << s << " stderr\n"
+                << cluster->server(s).Stderr() << "\n"
+                << (*stats)[s].DebugString();
+    }
+  }
 }
 
 TEST(CheckpointRecoveryTest, CorruptNewestCheckpointFallsBackToThePrevious) {
