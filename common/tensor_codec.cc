@@ -488,6 +488,48 @@ absl::Status DecodeSegments(DataType dtype, const ByteSegments& data,
   return absl::OkStatus();
 }
 
+absl::Status DecodeSegmentsInPieces(
+    DataType dtype, const ByteSegments& data, int64_t num_elements,
+    absl::FunctionRef<void(int64_t offset, absl::Span<const float> piece)>
+        visit) {
+  const int64_t element_bytes = WireElementBytes(dtype);
+  if (element_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unsupported wire type ", TypeName(dtype)));
+  }
+  uint64_t total = 0;
+  for (const absl::string_view segment : data) total += segment.size();
+  const uint64_t expected = static_cast<uint64_t>(num_elements) * element_bytes;
+  if (num_elements < 0 || total != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("payload has ", total, " bytes, expected ", expected, " (",
+                     num_elements, " ", TypeName(dtype), " elements)"));
+  }
+  float piece[kDecodePieceElements];
+  size_t segment = 0;  // cursor: the next unread byte is data[segment][at]
+  size_t at = 0;
+  for (int64_t offset = 0; offset < num_elements;
+       offset += kDecodePieceElements) {
+    const int64_t n = std::min(kDecodePieceElements, num_elements - offset);
+    ByteSegments bytes;
+    for (uint64_t need = n * element_bytes; need > 0;) {
+      const absl::string_view from = data[segment];
+      const size_t take = std::min<uint64_t>(need, from.size() - at);
+      bytes.push_back(from.substr(at, take));
+      need -= take;
+      at += take;
+      if (at == from.size()) {
+        ++segment;
+        at = 0;
+      }
+    }
+    DecodeSegments(dtype, bytes, absl::MakeSpan(piece, n), /*accumulate=*/false)
+        .IgnoreError();  // sizes checked above
+    visit(offset, absl::MakeConstSpan(piece, n));
+  }
+  return absl::OkStatus();
+}
+
 int64_t FindNonFiniteSegments(DataType dtype, const ByteSegments& data) {
   switch (dtype) {
     case FLOAT32:

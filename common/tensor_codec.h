@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/container/inlined_vector.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -55,6 +56,18 @@ void EncodeFromFloat32(DataType dtype, absl::Span<const float> values,
 // add loop (accumulate), whatever the segment's alignment.
 absl::Status DecodeSegments(DataType dtype, const ByteSegments& data,
                             absl::Span<float> out, bool accumulate);
+
+// Decodes the payload, which must hold exactly `num_elements` elements, in
+// consecutive pieces of at most kDecodePieceElements, calling
+// visit(offset, piece) for each in order. For a consumer that can take the
+// values a piece at a time (an elementwise update): each piece stays in L1,
+// instead of a whole decoded copy making a round trip through memory.
+// Errors as DecodeSegments, before any visit.
+inline constexpr int64_t kDecodePieceElements = 4096;
+absl::Status DecodeSegmentsInPieces(
+    DataType dtype, const ByteSegments& data, int64_t num_elements,
+    absl::FunctionRef<void(int64_t offset, absl::Span<const float> piece)>
+        visit);
 
 // The index of the first NaN or infinity in the payload, or -1 if there is
 // none. FLOAT16/BFLOAT16 are checked by bit pattern, without converting.

@@ -443,6 +443,52 @@ TEST_P(SegmentedDecodeTest, RandomSplitsAndAccumulate) {
   }
 }
 
+// Pieces cover the payload in order, each at most kDecodePieceElements
+// long, and together decode what DecodeSegments does, however it is cut.
+TEST_P(SegmentedDecodeTest, PiecesCoverThePayloadInOrder) {
+  const DataType dtype = GetParam();
+  std::mt19937 rng(7);
+  for (const size_t n :
+       {size_t{0}, size_t{1}, size_t{kDecodePieceElements - 1},
+        size_t{kDecodePieceElements}, size_t{3 * kDecodePieceElements + 5}}) {
+    const std::vector<float> values = Values(n, n);
+    std::string wire;
+    EncodeFromFloat32(dtype, values, &wire);
+    std::vector<size_t> cuts;
+    for (int i = 0; i < 9; ++i) {
+      cuts.push_back(
+          std::uniform_int_distribution<size_t>(0, wire.size())(rng));
+    }
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<float> out(n, NAN);
+    int64_t next = 0;
+    ASSERT_TRUE(DecodeSegmentsInPieces(
+                    dtype, Split(wire, cuts), n,
+                    [&](int64_t offset, absl::Span<const float> piece) {
+                      EXPECT_EQ(offset, next);
+                      EXPECT_GT(piece.size(), 0u);
+                      EXPECT_LE(piece.size(), kDecodePieceElements);
+                      std::copy(piece.begin(), piece.end(), &out[offset]);
+                      next = offset + piece.size();
+                    })
+                    .ok());
+    EXPECT_EQ(next, static_cast<int64_t>(n));
+    EXPECT_EQ(out, Expected(dtype, values)) << n << " elements";
+  }
+}
+
+TEST_P(SegmentedDecodeTest, PiecesOfAWrongLengthAreRefusedBeforeAnyVisit) {
+  const DataType dtype = GetParam();
+  std::string wire;
+  EncodeFromFloat32(dtype, Values(10, 1), &wire);
+  int visits = 0;
+  const absl::Status status = DecodeSegmentsInPieces(
+      dtype, ByteSegments{wire}, 11,
+      [&](int64_t, absl::Span<const float>) { ++visits; });
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(visits, 0);
+}
+
 TEST_P(SegmentedDecodeTest, FindsNonFiniteAcrossSegments) {
   const DataType dtype = GetParam();
   const size_t n = 1000;

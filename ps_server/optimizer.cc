@@ -12,11 +12,12 @@ class Sgd : public Optimizer {
  public:
   explicit Sgd(float lr) : lr_(lr) {}
   int state_per_element() const override { return 0; }
-  void Update(int64_t, absl::Span<float> param, absl::Span<const float> grad,
-              absl::Span<float>) const override {
-    const size_t n = param.size();
-    float* w = param.data();
-    const float* g = grad.data();
+  void UpdateRange(int64_t, absl::Span<float> param, int64_t offset,
+                   absl::Span<const float> grad,
+                   absl::Span<float>) const override {
+    const size_t n = grad.size();
+    float* __restrict w = param.data() + offset;
+    const float* __restrict g = grad.data();
     for (size_t i = 0; i < n; ++i) w[i] -= lr_ * g[i];
   }
 
@@ -29,12 +30,13 @@ class Momentum : public Optimizer {
  public:
   Momentum(float lr, float mu) : lr_(lr), mu_(mu) {}
   int state_per_element() const override { return 1; }
-  void Update(int64_t, absl::Span<float> param, absl::Span<const float> grad,
-              absl::Span<float> state) const override {
-    const size_t n = param.size();
-    float* w = param.data();
-    const float* g = grad.data();
-    float* v = state.data();
+  void UpdateRange(int64_t, absl::Span<float> param, int64_t offset,
+                   absl::Span<const float> grad,
+                   absl::Span<float> state) const override {
+    const size_t n = grad.size();
+    float* __restrict w = param.data() + offset;
+    const float* __restrict g = grad.data();
+    float* __restrict v = state.data() + offset;
     for (size_t i = 0; i < n; ++i) {
       v[i] = mu_ * v[i] + g[i];
       w[i] -= lr_ * v[i];
@@ -51,16 +53,16 @@ class Adam : public Optimizer {
   Adam(float lr, float beta1, float beta2, float eps)
       : lr_(lr), beta1_(beta1), beta2_(beta2), eps_(eps) {}
   int state_per_element() const override { return 2; }
-  void Update(int64_t update_count, absl::Span<float> param,
-              absl::Span<const float> grad,
-              absl::Span<float> state) const override {
-    const size_t n = param.size();
+  void UpdateRange(int64_t update_count, absl::Span<float> param,
+                   int64_t offset, absl::Span<const float> grad,
+                   absl::Span<float> state) const override {
+    const size_t n = grad.size();
     // Locals and __restrict: the arrays never overlap each other or these
     // members, and saying so is what lets the loop vectorize.
-    float* __restrict w = param.data();
+    float* __restrict w = param.data() + offset;
     const float* __restrict g = grad.data();
-    float* __restrict m = state.data();
-    float* __restrict v = state.data() + n;
+    float* __restrict m = state.data() + offset;
+    float* __restrict v = state.data() + param.size() + offset;
     const float beta1 = beta1_, beta2 = beta2_, eps = eps_;
     const double t = static_cast<double>(update_count);
     const float correction1 = static_cast<float>(1 - std::pow(beta1, t));

@@ -32,12 +32,21 @@ class Optimizer {
 
   virtual int state_per_element() const = 0;
 
-  // Applies one update to `param` with gradient `grad`. `update_count` is
-  // 1 for the first update this block receives (Adam's bias correction).
-  // state.size() == state_per_element() * param.size().
-  virtual void Update(int64_t update_count, absl::Span<float> param,
-                      absl::Span<const float> grad,
-                      absl::Span<float> state) const = 0;
+  // Applies one update to elements [offset, offset + grad.size()) of a
+  // block: `param` is the whole block and `state` its whole optimizer state
+  // (state_per_element() planes of param.size() floats each). Every
+  // optimizer here is elementwise, so updating a block piece by piece, as a
+  // gradient is decoded, equals updating it at once. `update_count` is 1
+  // for the first update this block receives (Adam's bias correction).
+  virtual void UpdateRange(int64_t update_count, absl::Span<float> param,
+                           int64_t offset, absl::Span<const float> grad,
+                           absl::Span<float> state) const = 0;
+
+  // The whole block: grad.size() == param.size().
+  void Update(int64_t update_count, absl::Span<float> param,
+              absl::Span<const float> grad, absl::Span<float> state) const {
+    UpdateRange(update_count, param, 0, grad, state);
+  }
 };
 
 }  // namespace pstrain

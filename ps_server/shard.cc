@@ -39,8 +39,9 @@ struct Shard::Block {
   mutable absl::Mutex mu;
   std::vector<float> value ABSL_GUARDED_BY(mu);
   std::vector<float> state ABSL_GUARDED_BY(mu);  // optimizer slots
-  // sync: this step's gradient sum, and the last step each worker
-  // contributed to (== version: counted in this step).
+  // sync: this step's gradient sum (meaningful only once
+  // finite_contributors > 0), and the last step each worker contributed to
+  // (== version: counted in this step).
   std::vector<float> gradient_sum ABSL_GUARDED_BY(mu);
   std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
   int contributors ABSL_GUARDED_BY(mu) = 0;
@@ -550,7 +551,6 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
     const int64_t version = block->version.load();
     if (version >= step) continue;
     lost = std::max(lost, step - version);
-    std::fill(block->gradient_sum.begin(), block->gradient_sum.end(), 0.0f);
     block->contributors = 0;
     block->finite_contributors = 0;
     block->version.store(step);
@@ -689,8 +689,11 @@ Shard::BlockResult Shard::PushSyncBlock(Block& block,
     nonfinite_skipped_.fetch_add(1);
   } else {
     // Validated above: dtype supported and length exact, so this cannot fail.
+    // The first finite gradient of a step overwrites what the last step
+    // left, which saves clearing the sum after every step.
     DecodeSegments(push.wire->dtype, push.wire->data,
-                   absl::MakeSpan(block.gradient_sum), /*accumulate=*/true)
+                   absl::MakeSpan(block.gradient_sum),
+                   /*accumulate=*/block.finite_contributors > 0)
         .IgnoreError();
     ++block.finite_contributors;
   }
@@ -710,13 +713,14 @@ bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
   // With no member left, nobody's gradient can complete the step: pulls
   // wait (with their deadline) for a worker to join.
   if (required == 0 || block.contributors < required) return false;
-  if (block.finite_contributors > 0) {
+  if (block.finite_contributors > 1) {
     const float inverse = 1.0f / static_cast<float>(block.finite_contributors);
     for (float& g : block.gradient_sum) g *= inverse;
+  }
+  if (block.finite_contributors > 0) {
     optimizer_->Update(version + 1, absl::MakeSpan(block.value),
                        block.gradient_sum, absl::MakeSpan(block.state));
   }
-  std::fill(block.gradient_sum.begin(), block.gradient_sum.end(), 0.0f);
   block.contributors = 0;
   block.finite_contributors = 0;
   block.version.store(version + 1);
@@ -985,14 +989,6 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
 Shard::BlockResult Shard::PushAsyncBlock(Block& block,
                                          const WirePushRequest& request,
                                          const BlockPush& push) {
-  // Reused per thread: no allocation per push once warm.
-  thread_local std::vector<float> gradient;
-  if (!push.nonfinite) {
-    gradient.resize(block.location->length);
-    DecodeSegments(push.wire->dtype, push.wire->data, absl::MakeSpan(gradient),
-                   /*accumulate=*/false)
-        .IgnoreError();  // validated: cannot fail
-  }
   absl::MutexLock lock(&block.mu);
   int64_t& last = block.last_step[request.worker_id];
   if (request.step <= last) return BlockResult::kDuplicate;
@@ -1008,8 +1004,15 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
   staleness_sum_.fetch_add(staleness);
   AtomicMax(staleness_max_, staleness);
   async_applies_.fetch_add(1);
-  optimizer_->Update(version + 1, absl::MakeSpan(block.value), gradient,
-                     absl::MakeSpan(block.state));
+  // Decoded a piece at a time into the update: the gradient is read once
+  // from the received bytes and never written out whole.
+  DecodeSegmentsInPieces(
+      push.wire->dtype, push.wire->data, block.location->length,
+      [&](int64_t offset, absl::Span<const float> piece) {
+        optimizer_->UpdateRange(version + 1, absl::MakeSpan(block.value),
+                                offset, piece, absl::MakeSpan(block.state));
+      })
+      .IgnoreError();  // validated: cannot fail
   block.version.store(version + 1);
   return BlockResult::kApplied;
 }
