@@ -13,6 +13,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <thread>
@@ -139,6 +140,12 @@ class PsClient {
   // One round of RunAll over calls[i] for i in `which`.
   void StartAndWait(const std::string& method, std::vector<Call>& calls,
                     const std::vector<size_t>& which, absl::Duration timeout);
+  // A fresh context (deadline, wait-for-ready, credentials) and request.
+  void PrepareCall(std::chrono::system_clock::time_point deadline,
+                   Call& call) const;
+  // Sets call.status from the RPC's and, if that is OK, on_response's.
+  static void FinishCall(const grpc::Status& status,
+                         const std::string& short_name, Call& call);
   // Registers schema_ as worker_id_ on every shard (again after a restart).
   absl::StatusOr<std::vector<RegisterModelResponse>> RegisterCalls();
   absl::Status RegisterOnShards();
@@ -155,7 +162,8 @@ class PsClient {
   int worker_id_ = -1;
   int num_workers_ = 0;
   std::string mode_;
-  std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;  // [shard][conn]
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;   // [shard][conn]
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;  // on channels_
   std::vector<std::unique_ptr<ParameterServer::Stub>> control_;  // per shard
   std::unique_ptr<Partition> partition_;
   ModelSchema schema_;
