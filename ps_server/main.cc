@@ -31,6 +31,7 @@
 #include "absl/time/clock.h"
 #include "common/cli.h"
 #include "common/cluster_spec.h"
+#include "common/grpc_tuning.h"
 #include "common/metrics.h"
 #include "common/protocol.h"
 #include "common/tls.h"
@@ -260,6 +261,8 @@ int Main(int argc, char** argv) {
     checks.push_back(absl::InvalidArgumentError(
         "--checkpoint_every_steps/--checkpoint_every_s need --checkpoint_dir"));
   }
+  const absl::StatusOr<GrpcTuning> grpc_tuning = GrpcTuningFromFlags();
+  checks.push_back(grpc_tuning.status());
   ExitOnFlagErrors(checks);
   options.max_pull_wait = absl::Seconds(max_pull_wait_s);
   options.sparse_max_rows = absl::GetFlag(FLAGS_sparse_max_rows);
@@ -326,6 +329,7 @@ int Main(int argc, char** argv) {
   builder.AddListeningPort(address, *credentials, &selected_port);
   builder.SetMaxReceiveMessageSize(max_message_mb << 20);
   builder.SetMaxSendMessageSize(max_message_mb << 20);
+  ApplyGrpcTuning(*grpc_tuning, &builder);
   builder.RegisterService(&service);
   if (metrics != nullptr) {
     // An interceptor, not a wrapper around the service: it sees every call

@@ -26,6 +26,7 @@
 #include "absl/time/clock.h"
 #include "common/cli.h"
 #include "common/cluster_spec.h"
+#include "common/grpc_tuning.h"
 #include "common/metrics.h"
 #include "common/protocol.h"
 #include "common/run_output.h"
@@ -409,7 +410,10 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::string> auth_token =
       ReadAuthToken(absl::GetFlag(FLAGS_auth_token_file));
   checks.push_back(auth_token.status());
+  const absl::StatusOr<GrpcTuning> grpc_tuning = GrpcTuningFromFlags();
+  checks.push_back(grpc_tuning.status());
   PsClientOptions client_options;
+  if (grpc_tuning.ok()) client_options.grpc_tuning = *grpc_tuning;
   if (credentials.ok()) client_options.credentials = *credentials;
   if (auth_token.ok()) client_options.auth_token = *auth_token;
   client_options.hosts = absl::StrSplit(absl::GetFlag(FLAGS_ps_hosts), ',');

@@ -94,6 +94,7 @@ PsClient::PsClient(const PsClientOptions& options)
       // A private subchannel pool and a distinct argument make each channel
       // its own TCP connection instead of sharing one.
       args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+      ApplyGrpcTuning(options.grpc_tuning, &args);
       args.SetInt("pstrain.connection_index", c);
       channels_.push_back(grpc::CreateCustomChannel(
           host,

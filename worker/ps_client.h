@@ -24,6 +24,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/grpc_tuning.h"
 #include "common/partition.h"
 #include "common/wire.h"
 #include "proto/ps.grpc.pb.h"
@@ -41,6 +42,8 @@ struct PsClientOptions {
   int max_message_bytes = 512 << 20;
   // TCP connections to each shard; a shard's RPCs are spread over them.
   int connections_per_shard = 4;
+  // HTTP/2 and socket settings of every connection (common/grpc_tuning.h).
+  GrpcTuning grpc_tuning;
   // Element type of pushed gradients on the wire (servers decode to fp32).
   DataType gradient_wire_type = FLOAT32;
   // How often a registered worker renews its lease on every shard (well

@@ -62,6 +62,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/transport/echo.grpc.pb.h"
+#include "common/grpc_tuning.h"
 #include "glog/logging.h"
 #include "proto/ps.pb.h"
 #include "tools/cpp/runfiles/runfiles.h"
@@ -855,8 +856,11 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   tensor->add_shape(elements);
   tensor->mutable_init()->set_kind(InitSpec::ZEROS);
 
+  const absl::StatusOr<GrpcTuning> tuning = GrpcTuningFromFlags();
+  if (!tuning.ok()) return tuning.status();
   PsClientOptions options;
   options.hosts = hosts;
+  options.grpc_tuning = *tuning;
   options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
   options.connect_timeout = kStartTimeout;
   std::vector<PsWorker> workers(clients);
@@ -921,14 +925,25 @@ absl::Status MeasurePs(const std::string& ps_server, const std::string& scratch,
   for (int s = 0; s < servers; ++s) {
     const std::string base = absl::StrCat(scratch, "/ps_", launch, "_", s);
     port_files.push_back(absl::StrCat(base, ".port"));
+    std::vector<std::string> argv = {
+        ps_server,
+        "--host=127.0.0.1",
+        "--port=0",
+        absl::StrCat("--port_file=", port_files[s]),
+        absl::StrCat("--shard_id=", s),
+        absl::StrCat("--num_shards=", servers),
+        absl::StrCat("--num_workers=", clients),
+        "--mode=async",
+        "--optimizer=sgd",
+        "--learning_rate=1e-9"};
+    if (absl::StatusOr<GrpcTuning> tuning = GrpcTuningFromFlags();
+        tuning.ok()) {
+      for (std::string& arg : GrpcTuningArgs(*tuning)) {
+        argv.push_back(std::move(arg));
+      }
+    }
     absl::StatusOr<std::unique_ptr<ChildProcess>> shard = ChildProcess::Start(
-        absl::StrCat("ps_server shard ", s),
-        {ps_server, "--host=127.0.0.1", "--port=0",
-         absl::StrCat("--port_file=", port_files[s]),
-         absl::StrCat("--shard_id=", s), absl::StrCat("--num_shards=", servers),
-         absl::StrCat("--num_workers=", clients), "--mode=async",
-         "--optimizer=sgd", "--learning_rate=1e-9"},
-        absl::StrCat(base, ".log"));
+        absl::StrCat("ps_server shard ", s), argv, absl::StrCat(base, ".log"));
     if (!shard.ok()) return shard.status();
     shards.push_back(std::move(*shard));
   }
