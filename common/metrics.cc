@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "common/cli.h"
 #include "glog/logging.h"
 #include "prometheus/client_metric.h"
@@ -46,12 +47,15 @@ const char* CodeName(int code) {
   return code >= 0 && code < 17 ? kNames[code] : "UNKNOWN";
 }
 
-// Times and counts one call. gRPC creates one per call and deletes it when
-// the call is done.
+// Times and counts one call, or each call a call stream carries. gRPC
+// creates one per call (stream) and deletes it when that is done.
 class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
  public:
-  explicit RpcMetricsInterceptor(RpcMetricsInterceptorFactory::Method* method)
-      : method_(method), start_(std::chrono::steady_clock::now()) {}
+  RpcMetricsInterceptor(RpcMetricsInterceptorFactory::Method* method,
+                        bool per_message)
+      : method_(method),
+        per_message_(per_message),
+        start_(std::chrono::steady_clock::now()) {}
 
   void Intercept(
       grpc::experimental::InterceptorBatchMethods* methods) override {
@@ -63,6 +67,14 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
       if (request != nullptr)
         method_->request_bytes->Increment(request->Length());
     }
+    if (per_message_ && methods->QueryInterceptionHookPoint(
+                            InterceptionHookPoints::POST_RECV_MESSAGE)) {
+      // Null: the client closed its side; no call started.
+      if (methods->GetRecvMessage() != nullptr) {
+        start_ = std::chrono::steady_clock::now();
+        in_flight_ = true;
+      }
+    }
     if (methods->QueryInterceptionHookPoint(
             InterceptionHookPoints::PRE_SEND_MESSAGE)) {
       // Serializes the response now rather than a moment later; it is the
@@ -71,21 +83,31 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
       if (response != nullptr) {
         method_->response_bytes->Increment(response->Length());
       }
+      if (per_message_ && in_flight_) Count(grpc::StatusCode::OK);
     }
     if (methods->QueryInterceptionHookPoint(
-            InterceptionHookPoints::PRE_SEND_STATUS)) {
-      const std::chrono::duration<double> elapsed =
-          std::chrono::steady_clock::now() - start_;
-      method_->duration->Observe(elapsed.count());
-      const int code = static_cast<int>(methods->GetSendStatus().error_code());
-      method_->by_code[code >= 0 && code < 17 ? code : 2]->Increment();
+            InterceptionHookPoints::PRE_SEND_STATUS) &&
+        (!per_message_ || in_flight_)) {
+      // A call stream ends with a status only for the call in flight, if any.
+      Count(methods->GetSendStatus().error_code());
     }
     methods->Proceed();
   }
 
  private:
+  void Count(grpc::StatusCode status) {
+    const std::chrono::duration<double> elapsed =
+        std::chrono::steady_clock::now() - start_;
+    method_->duration->Observe(elapsed.count());
+    const int code = static_cast<int>(status);
+    method_->by_code[code >= 0 && code < 17 ? code : 2]->Increment();
+    in_flight_ = false;
+  }
+
   RpcMetricsInterceptorFactory::Method* const method_;
-  const std::chrono::steady_clock::time_point start_;
+  const bool per_message_;
+  std::chrono::steady_clock::time_point start_;
+  bool in_flight_ = false;  // per_message_: a call was read, not answered
 };
 
 prometheus::MetricFamily Family(const std::string& name,
@@ -283,7 +305,7 @@ RpcMetricsInterceptorFactory::RpcMetricsInterceptorFactory(
       raw_request_methods_(std::move(raw_request_methods)) {}
 
 RpcMetricsInterceptorFactory::Method* RpcMetricsInterceptorFactory::Lookup(
-    const char* full_name) {
+    const std::string& full_name) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<Method>& method = methods_[full_name];
   if (method != nullptr) return method.get();
@@ -313,8 +335,11 @@ RpcMetricsInterceptorFactory::Method* RpcMetricsInterceptorFactory::Lookup(
 grpc::experimental::Interceptor*
 RpcMetricsInterceptorFactory::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {
-  const char* name = info->method();
-  return new RpcMetricsInterceptor(Lookup(name == nullptr ? "" : name));
+  absl::string_view name = info->method() == nullptr ? "" : info->method();
+  const bool call_stream =
+      info->type() == grpc::experimental::ServerRpcInfo::Type::BIDI_STREAMING &&
+      absl::ConsumeSuffix(&name, "Stream");
+  return new RpcMetricsInterceptor(Lookup(std::string(name)), call_stream);
 }
 
 std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {

@@ -87,6 +87,10 @@ class RpcMetricsInterceptorFactory
   // `raw_request_methods`: full names ("/pstrain.ParameterServer/Push") of
   // methods whose request reaches the service as a grpc::ByteBuffer, so its
   // size can be counted without knowing the message type.
+  //
+  // A call stream, a bidirectional method "<M>Stream" that carries calls of
+  // <M> one at a time (request, then its answer), is counted as those
+  // calls under <M>: one RPC and one duration per request.
   RpcMetricsInterceptorFactory(
       prometheus::Registry& registry,
       absl::flat_hash_set<std::string> raw_request_methods);
@@ -103,7 +107,7 @@ class RpcMetricsInterceptorFactory
   };
 
  private:
-  Method* Lookup(const char* full_name);
+  Method* Lookup(const std::string& full_name);
 
   prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Histogram>& duration_;

@@ -49,16 +49,19 @@ struct PullReply {
 
 }  // namespace
 
-bool ParameterServerService::Authorized(grpc::CallbackServerContext* context,
-                                        grpc::ServerUnaryReactor** refused) {
+bool ParameterServerService::HasToken(
+    grpc::CallbackServerContext* context) const {
   if (options_.auth_token.empty()) return true;
   const auto& metadata = context->client_metadata();
   auto it = metadata.find("authorization");
   const std::string expected = absl::StrCat("Bearer ", options_.auth_token);
-  if (it != metadata.end() &&
-      absl::string_view(it->second.data(), it->second.size()) == expected) {
-    return true;
-  }
+  return it != metadata.end() &&
+         absl::string_view(it->second.data(), it->second.size()) == expected;
+}
+
+bool ParameterServerService::Authorized(grpc::CallbackServerContext* context,
+                                        grpc::ServerUnaryReactor** refused) {
+  if (HasToken(context)) return true;
   shard_->CountRejected();
   *refused = Finish(
       context, absl::UnauthenticatedError("missing or wrong bearer token (see "
@@ -77,28 +80,19 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
   return Finish(context, result.status());
 }
 
-grpc::ServerUnaryReactor* ParameterServerService::Pull(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
-    grpc::ByteBuffer* response) {
-  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
-    return refused;
-  }
+void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
+                                        absl::Time deadline,
+                                        PullAnswer answer) {
   PullRequest pull;
-  if (absl::Status s = ParseSmall(*request, &pull); !s.ok()) {
+  if (absl::Status s = ParseSmall(request, &pull); !s.ok()) {
     shard_->CountRejected();
-    return Finish(context, s);
+    return answer(std::move(s), {});
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  // gRPC reports "no deadline" as the far future; Shard caps the wait.
-  const absl::Time deadline = absl::FromChrono(context->deadline());
   shard_->Pull(
       pull, deadline,
-      [reactor, response](absl::Status status,
-                          std::vector<PulledBlock> blocks) {
-        if (!status.ok()) {
-          reactor->Finish(ToGrpcStatus(status));
-          return;
-        }
+      [answer = std::move(answer)](absl::Status status,
+                                   std::vector<PulledBlock> blocks) {
+        if (!status.ok()) return answer(std::move(status), {});
         auto reply = std::make_shared<PullReply>();
         reply->blocks = std::move(blocks);
         std::vector<OutgoingBlock> outgoing;
@@ -110,9 +104,51 @@ grpc::ServerUnaryReactor* ParameterServerService::Pull(
                                 b.values.size() * sizeof(float))});
         }
         reply->message = EncodePullResponse(outgoing, kInlineBelowBytes);
-        *response = PiecesToByteBuffer(reply->message.Pieces(), reply);
-        reactor->Finish(grpc::Status::OK);
+        answer(absl::OkStatus(),
+               PiecesToByteBuffer(reply->message.Pieces(), reply));
       });
+}
+
+absl::Status ParameterServerService::HandlePush(const grpc::ByteBuffer& request,
+                                                grpc::ByteBuffer* response) {
+  ReceivedBytes bytes;
+  if (!bytes.Load(request)) {
+    shard_->CountRejected();
+    return absl::InvalidArgumentError("unreadable request buffer");
+  }
+  absl::StatusOr<WirePushRequest> push = ParsePushRequest(bytes.views());
+  if (!push.ok()) {
+    shard_->CountRejected();
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed PushRequest: ", push.status().message()));
+  }
+  absl::StatusOr<PushResponse> result = shard_->Push(*push);
+  if (!result.ok()) return result.status();
+  if (DropThisResponse()) {
+    return absl::UnavailableError(
+        "push response dropped by fault injection "
+        "(--inject_drop_push_response_probability)");
+  }
+  bool own_buffer = false;
+  grpc::Status serialized = grpc::SerializationTraits<PushResponse>::Serialize(
+      *result, response, &own_buffer);
+  return absl::Status(static_cast<absl::StatusCode>(serialized.error_code()),
+                      serialized.error_message());
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::Pull(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // gRPC reports "no deadline" as the far future; Shard caps the wait.
+  HandlePull(*request, absl::FromChrono(context->deadline()),
+             [reactor, response](absl::Status status, grpc::ByteBuffer bytes) {
+               if (status.ok()) *response = std::move(bytes);
+               reactor->Finish(ToGrpcStatus(status));
+             });
   return reactor;
 }
 
@@ -122,33 +158,81 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  ReceivedBytes bytes;
-  if (!bytes.Load(*request)) {
-    shard_->CountRejected();
-    return Finish(context,
-                  absl::InvalidArgumentError("unreadable request buffer"));
+  return Finish(context, HandlePush(*request, response));
+}
+
+// One PushStream or PullStream: reads a request, answers it, reads the
+// next. Only one request is in flight, so a stream's answers come in the
+// order of its requests without any tagging. Deletes itself when gRPC is
+// done with it (OnDone), which is after Finish: every path below ends in
+// Finish, including a pull answered after the client went away (its write
+// then fails, and OnWriteDone finishes).
+class ParameterServerService::CallStream final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  CallStream(ParameterServerService* service,
+             grpc::CallbackServerContext* context, bool pull)
+      : service_(service), context_(context), pull_(pull) {
+    if (!service_->HasToken(context_)) {
+      service_->shard_->CountRejected();
+      Finish(ToGrpcStatus(absl::UnauthenticatedError(
+          "missing or wrong bearer token (see --auth_token_file)")));
+      return;
+    }
+    StartRead(&request_);
   }
-  absl::StatusOr<WirePushRequest> push = ParsePushRequest(bytes.views());
-  if (!push.ok()) {
-    shard_->CountRejected();
-    return Finish(context,
-                  absl::InvalidArgumentError(absl::StrCat(
-                      "malformed PushRequest: ", push.status().message())));
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client closed its side, or the call was cancelled
+      Finish(grpc::Status::OK);
+      return;
+    }
+    if (!pull_) {
+      Answer(service_->HandlePush(request_, &response_));
+      return;
+    }
+    service_->HandlePull(request_, absl::FromChrono(context_->deadline()),
+                         [this](absl::Status status, grpc::ByteBuffer bytes) {
+                           response_ = std::move(bytes);
+                           Answer(std::move(status));
+                         });
   }
-  absl::StatusOr<PushResponse> result = shard_->Push(*push);
-  if (!result.ok()) return Finish(context, result.status());
-  if (DropThisResponse()) {
-    return Finish(context, absl::UnavailableError(
-                               "push response dropped by fault injection "
-                               "(--inject_drop_push_response_probability)"));
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    request_.Clear();
+    StartRead(&request_);
   }
-  bool own_buffer = false;
-  grpc::Status serialized = grpc::SerializationTraits<PushResponse>::Serialize(
-      *result, response, &own_buffer);
-  return Finish(
-      context,
-      absl::Status(static_cast<absl::StatusCode>(serialized.error_code()),
-                   serialized.error_message()));
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Answer(absl::Status status) {
+    if (!status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    StartWrite(&response_);
+  }
+
+  ParameterServerService* const service_;
+  grpc::CallbackServerContext* const context_;
+  const bool pull_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
+};
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
+ParameterServerService::PushStream(grpc::CallbackServerContext* context) {
+  return new CallStream(this, context, /*pull=*/false);
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
+ParameterServerService::PullStream(grpc::CallbackServerContext* context) {
+  return new CallStream(this, context, /*pull=*/true);
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::SparsePull(

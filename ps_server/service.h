@@ -16,9 +16,24 @@
 
 namespace pstrain {
 
+// Every method on the callback API; Push, Pull and their streams raw. The
+// chain is spelled out because a raw streaming method cannot sit on top of
+// its typed twin (same signature, different reactor type).
 using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Pull<
     ParameterServer::WithRawCallbackMethod_Push<
-        ParameterServer::CallbackService>>;
+        ParameterServer::WithRawCallbackMethod_PullStream<
+            ParameterServer::WithRawCallbackMethod_PushStream<
+                ParameterServer::WithCallbackMethod_RegisterModel<
+                    ParameterServer::WithCallbackMethod_Stats<
+                        ParameterServer::WithCallbackMethod_Heartbeat<
+                            ParameterServer::WithCallbackMethod_Leave<
+                                ParameterServer::WithCallbackMethod_Checkpoint<
+                                    ParameterServer::
+                                        WithCallbackMethod_SparsePull<
+                                            ParameterServer::
+                                                WithCallbackMethod_SparsePush<
+                                                    ParameterServer::
+                                                        Service>>>>>>>>>>>;
 
 struct ServiceOptions {
   // Fault injection for exactly-once tests: after applying a push, answer
@@ -47,6 +62,10 @@ class ParameterServerService final : public ParameterServerRawService {
   grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* PushStream(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* PullStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
                                   const StatsRequest* request,
                                   StatsResponse* response) override;
@@ -70,10 +89,22 @@ class ParameterServerService final : public ParameterServerRawService {
   int64_t push_responses_dropped() const { return dropped_.load(); }
 
  private:
+  class CallStream;
+  using PullAnswer = std::function<void(absl::Status, grpc::ByteBuffer)>;
+
+  // The work of one Push call, unary or streamed: `response` is set when
+  // the status is OK.
+  absl::Status HandlePush(const grpc::ByteBuffer& request,
+                          grpc::ByteBuffer* response);
+  // The work of one Pull call: `answer` runs exactly once, inline or when
+  // the step completes (or `deadline`, capped by the shard, passes).
+  void HandlePull(const grpc::ByteBuffer& request, absl::Time deadline,
+                  PullAnswer answer);
   bool DropThisResponse();
   // False (and answers UNAUTHENTICATED) when the call lacks the token.
   bool Authorized(grpc::CallbackServerContext* context,
                   grpc::ServerUnaryReactor** refused);
+  bool HasToken(grpc::CallbackServerContext* context) const;
 
   Shard* shard_;
   const ServiceOptions options_;

@@ -12,6 +12,7 @@
 // expected value is exact.
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/codegen/sync_stream.h>
 
 #include <chrono>
 #include <cmath>
@@ -724,6 +725,72 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
   const StatsResponse stats = Stats(0);
   EXPECT_EQ(stats.version(), 2);
   EXPECT_EQ(stats.blocks_applied(), 8);  // 4 pushes of 2 blocks
+  EXPECT_TRUE(cluster_->server(0).running());
+}
+
+// A call stream (PushStream/PullStream) answers its messages in order, each
+// as the unary call would; a bad message ends the stream with the unary
+// call's error and changes nothing, and a new stream carries on.
+TEST_F(HostileInputTest, CallStreamsAnswerInOrderAndEndOnABadMessage) {
+  Start(1, "sync");
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
+      cluster_->HostList()[0], grpc::InsecureChannelCredentials());
+  using Stream = grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
+  auto open = [&](grpc::ClientContext* context, const char* method) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    return std::unique_ptr<Stream>(
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer,
+                                                  grpc::ByteBuffer>::
+            Create(channel.get(),
+                   grpc::internal::RpcMethod(
+                       method, grpc::internal::RpcMethod::BIDI_STREAMING),
+                   context));
+  };
+  auto bytes_of = [](const std::string& bytes) {
+    grpc::Slice slice(bytes.data(), bytes.size());
+    return grpc::ByteBuffer(&slice, 1);
+  };
+  auto string_of = [](const grpc::ByteBuffer& buffer) {
+    std::vector<grpc::Slice> slices;
+    EXPECT_TRUE(buffer.Dump(&slices).ok());
+    std::string out;
+    for (const grpc::Slice& s : slices) {
+      out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    return out;
+  };
+
+  grpc::ClientContext push_context;
+  std::unique_ptr<Stream> pushes =
+      open(&push_context, "/pstrain.ParameterServer/PushStream");
+  grpc::ByteBuffer reply;
+  for (const PushRequest& push : {Push(0, 0, 1.0f), Push(1, 0, 3.0f)}) {
+    ASSERT_TRUE(pushes->Write(bytes_of(push.SerializeAsString())));
+    ASSERT_TRUE(pushes->Read(&reply));
+    PushResponse response;
+    ASSERT_TRUE(response.ParseFromString(string_of(reply)));
+    EXPECT_EQ(response.blocks_applied(), 2);
+  }
+  const int64_t rejected = Stats(0).requests_rejected();
+  ASSERT_TRUE(pushes->Write(bytes_of(std::string("\x07garbage", 8))));
+  EXPECT_FALSE(pushes->Read(&reply));
+  const grpc::Status ended = pushes->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(ended.error_message().find("malformed PushRequest"),
+            std::string::npos)
+      << ended.error_message();
+  EXPECT_EQ(Stats(0).requests_rejected(), rejected + 1);
+
+  // Step 0 was applied once (mean gradient 2), whatever came after.
+  grpc::ClientContext pull_context;
+  std::unique_ptr<Stream> pulls =
+      open(&pull_context, "/pstrain.ParameterServer/PullStream");
+  ASSERT_TRUE(pulls->Write(bytes_of(Pull(-1, 1).SerializeAsString())));
+  ASSERT_TRUE(pulls->Read(&reply));
+  EXPECT_EQ(PullModel(1), std::vector<float>(kElements, 0.5f));
+  EXPECT_EQ(Stats(0).version(), 1);
+  pulls->WritesDone();
+  EXPECT_TRUE(pulls->Finish().ok());
   EXPECT_TRUE(cluster_->server(0).running());
 }
 

@@ -119,6 +119,11 @@ ABSL_FLAG(int, max_message_mb, pstrain::kDefaultMaxMessageBytes >> 20,
 ABSL_FLAG(int, connections_per_shard, 4,
           "TCP connections to each ps_server; a shard's RPCs are spread over "
           "them.");
+ABSL_FLAG(bool, call_streams, true,
+          "Send a push or pull that is one RPC (one shard, one block group) "
+          "as a message on a long-lived stream of its connection instead of "
+          "a unary call: a third less latency for small models. false: "
+          "always unary.");
 ABSL_FLAG(double, heartbeat_interval_s, 2,
           "How often to renew this worker's lease on the servers (keep it "
           "well under their --worker_lease_s).");
@@ -424,6 +429,7 @@ int Main(int argc, char** argv) {
   client_options.max_message_bytes = max_message_mb << 20;
   client_options.connections_per_shard =
       absl::GetFlag(FLAGS_connections_per_shard);
+  client_options.call_streams = absl::GetFlag(FLAGS_call_streams);
   client_options.heartbeat_interval =
       absl::Seconds(absl::GetFlag(FLAGS_heartbeat_interval_s));
   client_options.retry_window =

@@ -5,6 +5,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/random/distributions.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,7 @@
 #include "common/tensor_codec.h"
 #include "glog/logging.h"
 #include "grpcpp/impl/codegen/client_unary_call.h"
+#include "grpcpp/impl/codegen/sync_stream.h"
 
 namespace pstrain {
 namespace {
@@ -57,6 +59,34 @@ struct PsClient::Call {
     }
     // No keep-alive: the message and what it references outlive the call.
     return PiecesToByteBuffer(message.Pieces());
+  }
+};
+
+// A stream's state is only touched under `mu`, which the caller of
+// CallOnStream holds for one request and its answer.
+struct PsClient::CallStream {
+  absl::Mutex mu;
+  std::unique_ptr<grpc::ClientContext> context ABSL_GUARDED_BY(mu);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>>
+      stream ABSL_GUARDED_BY(mu);
+  // The stream's deadline: a stream is replaced before a call whose own
+  // deadline would pass it.
+  absl::Time expires ABSL_GUARDED_BY(mu);
+
+  // Ends the stream (if any) and returns its status. `cancel` for a stream
+  // that may still be open; a stream whose read or write failed is over
+  // already, and its status is the server's.
+  grpc::Status CloseLocked(bool cancel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (stream == nullptr) return grpc::Status::OK;
+    if (cancel) context->TryCancel();
+    grpc::Status status = stream->Finish();
+    stream.reset();
+    context.reset();
+    return status;
+  }
+  ~CallStream() {
+    absl::MutexLock lock(&mu);
+    CloseLocked(/*cancel=*/true);
   }
 };
 
@@ -102,6 +132,8 @@ PsClient::PsClient(const PsClientOptions& options)
                                          : grpc::InsecureChannelCredentials(),
           args));
       stubs_.push_back(std::make_unique<grpc::GenericStub>(channels_.back()));
+      push_streams_.push_back(std::make_unique<CallStream>());
+      pull_streams_.push_back(std::make_unique<CallStream>());
     }
   }
 }
@@ -119,6 +151,55 @@ void PsClient::PrepareCall(std::chrono::system_clock::time_point deadline,
   }
   call.request = call.MakeRequest();
   call.response.Clear();
+}
+
+bool PsClient::CallOnStream(const std::string& method, absl::Duration timeout,
+                            const std::string& short_name, Call& call) {
+  const bool push = short_name == "Push";
+  if (!push && short_name != "Pull") return false;
+  const size_t index =
+      call.shard * options_.connections_per_shard + call.connection;
+  CallStream& s = *(push ? push_streams_ : pull_streams_)[index];
+  if (!s.mu.TryLock()) return false;
+  absl::Cleanup unlock = [&s]() ABSL_UNLOCK_FUNCTION(s.mu) { s.mu.Unlock(); };
+  const absl::Time now = absl::Now();
+  if (s.stream != nullptr && now + timeout > s.expires) {
+    s.CloseLocked(/*cancel=*/true);
+  }
+  if (s.stream == nullptr) {
+    // Twice the call timeout, so that every call on it gets its own whole
+    // timeout, and no stream outlives 2x: a wait on it always ends.
+    s.expires = now + 2 * timeout;
+    s.context = std::make_unique<grpc::ClientContext>();
+    s.context->set_deadline(absl::ToChronoTime(s.expires));
+    if (!options_.auth_token.empty()) {
+      s.context->AddMetadata("authorization",
+                             absl::StrCat("Bearer ", options_.auth_token));
+    }
+    s.stream.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer,
+                                                             grpc::ByteBuffer>::
+                       Create(channels_[index].get(),
+                              grpc::internal::RpcMethod(
+                                  absl::StrCat(method, "Stream").c_str(),
+                                  grpc::internal::RpcMethod::BIDI_STREAMING),
+                              s.context.get()));
+  }
+  call.request = call.MakeRequest();
+  call.response.Clear();
+  if (s.stream->Write(call.request) && s.stream->Read(&call.response)) {
+    FinishCall(grpc::Status::OK, short_name, call);
+    return true;
+  }
+  // The server ended the stream: its status is this call's, as it would
+  // have been the unary call's. A stream cut without one is a lost
+  // connection.
+  grpc::Status status = s.CloseLocked(/*cancel=*/false);
+  if (status.ok()) {
+    status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "the call stream closed without an answer");
+  }
+  FinishCall(status, short_name, call);
+  return true;
 }
 
 void PsClient::FinishCall(const grpc::Status& status,
@@ -141,10 +222,14 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout);
   const std::string short_name = method.substr(method.rfind('/') + 1);
   if (which.size() == 1) {
+    Call& call = calls[which.front()];
+    if (options_.call_streams &&
+        CallOnStream(method, timeout, short_name, call)) {
+      return;
+    }
     // One RPC: wait for it on this thread, as a generated blocking stub
     // does, instead of having gRPC's callback thread wake this one (a
     // thread hop measured at ~8% of a 4 KiB push's latency).
-    Call& call = calls[which.front()];
     PrepareCall(deadline, call);
     FinishCall(
         grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(

@@ -44,6 +44,11 @@ struct PsClientOptions {
   int connections_per_shard = 4;
   // HTTP/2 and socket settings of every connection (common/grpc_tuning.h).
   GrpcTuning grpc_tuning;
+  // A Push or Pull that goes to one shard as a single RPC (a small model,
+  // or one shard) travels on a long-lived PushStream/PullStream of its
+  // connection instead of as a unary call; a broken stream is replaced on
+  // the next call. False: always unary.
+  bool call_streams = true;
   // Element type of pushed gradients on the wire (servers decode to fp32).
   DataType gradient_wire_type = FLOAT32;
   // How often a registered worker renews its lease on every shard (well
@@ -131,6 +136,7 @@ class PsClient {
     std::string pull_request;  // serialized PullRequest, step filled per call
   };
   struct Call;
+  struct CallStream;
 
   explicit PsClient(const PsClientOptions& options);
 
@@ -146,6 +152,10 @@ class PsClient {
   // A fresh context (deadline, wait-for-ready, credentials) and request.
   void PrepareCall(std::chrono::system_clock::time_point deadline,
                    Call& call) const;
+  // Runs `call` as one message on its connection's stream for `method`;
+  // false (and nothing sent) when the stream is busy on another thread.
+  bool CallOnStream(const std::string& method, absl::Duration timeout,
+                    const std::string& short_name, Call& call);
   // Sets call.status from the RPC's and, if that is OK, on_response's.
   static void FinishCall(const grpc::Status& status,
                          const std::string& short_name, Call& call);
@@ -167,6 +177,8 @@ class PsClient {
   std::string mode_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;   // [shard][conn]
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;  // on channels_
+  // [shard][conn], opened on first use: the PushStream and PullStream.
+  std::vector<std::unique_ptr<CallStream>> push_streams_, pull_streams_;
   std::vector<std::unique_ptr<ParameterServer::Stub>> control_;  // per shard
   std::unique_ptr<Partition> partition_;
   ModelSchema schema_;

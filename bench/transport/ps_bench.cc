@@ -87,6 +87,9 @@ ABSL_FLAG(int, repeats, 1,
           "medians (ratios: the median of the per-repeat ratios) and the "
           "min..max spread.");
 ABSL_FLAG(int, servers, 1, "ps_server shards to start.");
+ABSL_FLAG(bool, call_streams, true,
+          "PsClient option: single-RPC pushes and pulls on a long-lived "
+          "stream (the worker's --call_streams); false measures unary calls.");
 ABSL_FLAG(int, clients, 1,
           "Client threads, each with its own PsClient and worker_id (and its "
           "own TCP connection and gRPC channel for the baselines); goodput is "
@@ -861,6 +864,7 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   PsClientOptions options;
   options.hosts = hosts;
   options.grpc_tuning = *tuning;
+  options.call_streams = absl::GetFlag(FLAGS_call_streams);
   options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
   options.connect_timeout = kStartTimeout;
   std::vector<PsWorker> workers(clients);
