@@ -90,6 +90,9 @@ ABSL_FLAG(int, servers, 1, "ps_server shards to start.");
 ABSL_FLAG(bool, call_streams, true,
           "PsClient option: single-RPC pushes and pulls on a long-lived "
           "stream (the worker's --call_streams); false measures unary calls.");
+ABSL_FLAG(int, connections_per_shard, 4,
+          "PsClient option: TCP connections from each client to each shard "
+          "(the worker's --connections_per_shard).");
 ABSL_FLAG(int, clients, 1,
           "Client threads, each with its own PsClient and worker_id (and its "
           "own TCP connection and gRPC channel for the baselines); goodput is "
@@ -865,6 +868,7 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   options.hosts = hosts;
   options.grpc_tuning = *tuning;
   options.call_streams = absl::GetFlag(FLAGS_call_streams);
+  options.connections_per_shard = absl::GetFlag(FLAGS_connections_per_shard);
   options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
   options.connect_timeout = kStartTimeout;
   std::vector<PsWorker> workers(clients);
