@@ -336,6 +336,25 @@ class CrcFileWriter {
 #endif
   }
 
+  // 64-bit integers, little-endian.
+  template <typename Int64>
+  absl::Status AppendWords(const std::vector<Int64>& values) {
+    static_assert(sizeof(Int64) == 8);
+#if defined(ABSL_IS_BIG_ENDIAN)
+    std::vector<char> chunk(kBufferBytes);
+    for (size_t i = 0; i < values.size(); i += kBufferBytes / 8) {
+      const size_t n = std::min(values.size() - i, kBufferBytes / 8);
+      for (size_t k = 0; k < n; ++k) {
+        PutLE64(static_cast<uint64_t>(values[i + k]), chunk.data() + 8 * k);
+      }
+      if (absl::Status s = Append(chunk.data(), n * 8); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+#else
+    return Append(values.data(), values.size() * 8);
+#endif
+  }
+
   // The trailer itself is outside the checksum.
   absl::Status AppendTrailer() {
     char trailer[kTrailerBytes];
@@ -431,6 +450,30 @@ absl::Status ValidateSnapshot(const ShardSnapshot& s) {
     }
     state_per_element = state / length;
   }
+  if (!s.sparse.empty() &&
+      static_cast<int>(s.sparse.size()) != s.schema.sparse_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": ", s.sparse.size(), " sparse tables, the schema has ",
+        s.schema.sparse_size()));
+  }
+  for (size_t t = 0; t < s.sparse.size(); ++t) {
+    const SparseTableSnapshot& table = s.sparse[t];
+    const SparseTableSpec& spec = s.schema.sparse(static_cast<int>(t));
+    const std::string where =
+        absl::StrCat(who, ": sparse table ", t, " '", table.name, "'");
+    const size_t rows = table.ids.size();
+    if (table.name != spec.name() || table.dim != spec.dim() ||
+        table.version < 0 || table.state_floats < 0 ||
+        table.update_counts.size() != rows ||
+        table.values.size() != rows * table.dim ||
+        table.states.size() != rows * table.state_floats) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": inconsistent with the schema's '", spec.name(), "' (dim ",
+          spec.dim(), ") or with itself (", rows, " ids, ",
+          table.update_counts.size(), " update counts, ", table.values.size(),
+          " values, ", table.states.size(), " state floats)"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -450,6 +493,14 @@ absl::Status WriteCheckpointFile(const ShardSnapshot& s, int fd,
     hb->set_value_count(static_cast<int64_t>(b.value.size()));
     hb->set_state_count(static_cast<int64_t>(b.optimizer_state.size()));
     hb->mutable_last_step()->Add(b.last_step.begin(), b.last_step.end());
+  }
+  for (const SparseTableSnapshot& t : s.sparse) {
+    CheckpointSparseTable* ht = header.add_sparse();
+    ht->set_name(t.name);
+    ht->set_version(t.version);
+    ht->set_row_count(static_cast<int64_t>(t.ids.size()));
+    ht->set_value_floats(t.dim);
+    ht->set_state_floats(t.state_floats);
   }
   std::string serialized;
   if (!header.SerializeToString(&serialized)) {
@@ -472,6 +523,13 @@ absl::Status WriteCheckpointFile(const ShardSnapshot& s, int fd,
     if (absl::Status st = writer.AppendFloats(b.value); !st.ok()) return st;
     if (absl::Status st = writer.AppendFloats(b.optimizer_state); !st.ok()) {
       return st;
+    }
+  }
+  for (const SparseTableSnapshot& t : s.sparse) {
+    for (absl::Status st :
+         {writer.AppendWords(t.ids), writer.AppendWords(t.update_counts),
+          writer.AppendFloats(t.values), writer.AppendFloats(t.states)}) {
+      if (!st.ok()) return st;
     }
   }
   if (absl::Status st = writer.AppendTrailer(); !st.ok()) return st;
@@ -575,6 +633,8 @@ struct LoadedFile {
   CheckpointHeader header;  // without the per-block entries
   // Only the blocks the new shard owns.
   std::vector<BlockSnapshot> blocks;
+  // Per table in header order, only the rows the new shard owns.
+  std::vector<SparseTableSnapshot> sparse;
 };
 
 // Checks everything that can be checked before the CRC: that the header's
@@ -594,6 +654,23 @@ absl::Status CheckHeaderLengths(const CheckpointHeader& header,
     }
     payload_floats += b.value_count() + b.state_count();
     if (payload_floats > max_floats) break;  // reported below, no overflow
+  }
+  // A sparse row is 16 bytes of id and count plus its floats: 4 floats'
+  // worth of bytes.
+  for (const CheckpointSparseTable& t : header.sparse()) {
+    const int64_t rows = t.row_count();
+    if (rows < 0 || t.value_floats() < 0 || t.state_floats() < 0 ||
+        rows > max_floats || t.value_floats() > max_floats ||
+        t.state_floats() > max_floats ||
+        (rows > 0 &&
+         4 + t.value_floats() + t.state_floats() > max_floats / rows)) {
+      return absl::DataLossError(
+          absl::StrCat("sparse table entry '", t.name(), "' claims ", rows,
+                       " rows of ", t.value_floats(), "+", t.state_floats(),
+                       " floats in a ", file_bytes, "-byte file"));
+    }
+    payload_floats += rows * (4 + t.value_floats() + t.state_floats());
+    if (payload_floats > max_floats) break;
   }
   const int64_t expected =
       kPreambleBytes + header_bytes + 4 * payload_floats + kTrailerBytes;
@@ -653,6 +730,24 @@ absl::Status CheckHeaderContents(const CheckpointHeader& header, int shard_id,
                        " state floats for a block of ", length, " elements"));
     }
     state_per_element = b.state_count() / length;
+  }
+  if (header.sparse_size() != 0 &&
+      header.sparse_size() != header.schema().sparse_size()) {
+    return absl::DataLossError(absl::StrCat(
+        "header lists ", header.sparse_size(),
+        " sparse tables, the schema has ", header.schema().sparse_size()));
+  }
+  for (int t = 0; t < header.sparse_size(); ++t) {
+    const CheckpointSparseTable& table = header.sparse(t);
+    const SparseTableSpec& spec = header.schema().sparse(t);
+    if (table.name() != spec.name() || table.value_floats() != spec.dim() ||
+        table.version() < 0) {
+      return absl::DataLossError(
+          absl::StrCat("sparse table entry ", t, " ('", table.name(), "', dim ",
+                       table.value_floats(), ", version ", table.version(),
+                       ") does not match the schema's '", spec.name(),
+                       "' (dim ", spec.dim(), ")"));
+    }
   }
   return absl::OkStatus();
 }
@@ -753,6 +848,47 @@ absl::StatusOr<LoadedFile> ReadCheckpointFile(const CheckpointFile& file,
     ByteSwapFloats(block.optimizer_state.data(), block.optimizer_state.size());
 #endif
     loaded.blocks.push_back(std::move(block));
+  }
+  // Every row is read (its id says where it goes); the new shard's are kept.
+  for (const CheckpointSparseTable& t : loaded.header.sparse()) {
+    const int64_t rows = t.row_count();
+    SparseTableSnapshot all;
+    all.ids.resize(rows);
+    all.update_counts.resize(rows);
+    all.values.resize(rows * t.value_floats());
+    all.states.resize(rows * t.state_floats());
+    for (absl::Status s :
+         {reader.Read(all.ids.data(), 8 * rows),
+          reader.Read(all.update_counts.data(), 8 * rows),
+          reader.Read(all.values.data(), 4 * all.values.size()),
+          reader.Read(all.states.data(), 4 * all.states.size())}) {
+      if (!s.ok()) return s;
+    }
+#if defined(ABSL_IS_BIG_ENDIAN)
+    for (uint64_t& id : all.ids) id = GetLE64(reinterpret_cast<char*>(&id));
+    for (int64_t& n : all.update_counts) {
+      n = static_cast<int64_t>(GetLE64(reinterpret_cast<char*>(&n)));
+    }
+    ByteSwapFloats(all.values.data(), all.values.size());
+    ByteSwapFloats(all.states.data(), all.states.size());
+#endif
+    SparseTableSnapshot& kept = loaded.sparse.emplace_back();
+    kept.name = t.name();
+    kept.version = t.version();
+    kept.dim = t.value_floats();
+    kept.state_floats = t.state_floats();
+    for (int64_t r = 0; r < rows; ++r) {
+      if (SparseShardOf(t.name(), all.ids[r], new_num_shards) != new_shard_id) {
+        continue;
+      }
+      kept.ids.push_back(all.ids[r]);
+      kept.update_counts.push_back(all.update_counts[r]);
+      kept.values.insert(kept.values.end(), all.values.begin() + r * kept.dim,
+                         all.values.begin() + (r + 1) * kept.dim);
+      kept.states.insert(kept.states.end(),
+                         all.states.begin() + r * kept.state_floats,
+                         all.states.begin() + (r + 1) * kept.state_floats);
+    }
   }
   const uint32_t stored_crc = GetLE32(trailer);
   if (reader.crc() != stored_crc) {
@@ -1072,6 +1208,45 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
     }
     state_per_element = per_element;
     restored.blocks.push_back(std::move(block));
+  }
+
+  // Sparse rows: each old shard's share of the new shard's rows.
+  const bool all_have_sparse = std::all_of(
+      scan.files.begin(), scan.files.end(), [&](const LoadedFile& f) {
+        return static_cast<int>(f.sparse.size()) ==
+               first.header.schema().sparse_size();
+      });
+  if (first.header.schema().sparse_size() > 0 && !all_have_sparse) {
+    LOG(WARNING) << "some checkpoint files hold no sparse rows (written by an "
+                    "older ps_server): every table starts afresh";
+  }
+  for (int t = 0; all_have_sparse && t < first.header.schema().sparse_size();
+       ++t) {
+    SparseTableSnapshot& merged = restored.sparse.emplace_back();
+    merged.name = first.sparse[t].name;
+    merged.dim = first.sparse[t].dim;
+    merged.state_floats = first.sparse[t].state_floats;
+    merged.version = first.sparse[t].version;
+    for (LoadedFile& file : scan.files) {
+      SparseTableSnapshot& part = file.sparse[t];
+      if (part.state_floats != merged.state_floats) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoints disagree on the state floats per row of sparse "
+            "table '",
+            merged.name, "': ", file.file.path, " has ", part.state_floats,
+            ", ", first.file.path, " ", merged.state_floats));
+      }
+      merged.version = std::min(merged.version, part.version);
+      merged.ids.insert(merged.ids.end(), part.ids.begin(), part.ids.end());
+      merged.update_counts.insert(merged.update_counts.end(),
+                                  part.update_counts.begin(),
+                                  part.update_counts.end());
+      merged.values.insert(merged.values.end(), part.values.begin(),
+                           part.values.end());
+      merged.states.insert(merged.states.end(), part.states.begin(),
+                           part.states.end());
+      part = SparseTableSnapshot();
+    }
   }
 
   restored.schema = first.header.schema();

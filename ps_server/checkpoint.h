@@ -18,10 +18,15 @@
 //   then, for each block in header order: value_count float32 values, then
 //                        state_count float32 optimizer state (IEEE-754
 //                        binary32, little-endian)
+//   then, for each sparse table in header order (CheckpointSparseTable):
+//                        row_count uint64 ids, row_count int64 update counts,
+//                        row_count * value_floats values, row_count *
+//                        state_floats state
 //   last 8 bytes         uint32 CRC-32 (zlib crc32) of every byte before the
 //                        trailer, then the 4-byte magic "END1"
 // The file size is therefore exactly 24 + H + 4 * sum(value_count +
-// state_count); a reader checks that before it allocates anything, so a
+// state_count) + sum(row_count * (16 + 4 * (value_floats + state_floats)));
+// a reader checks that before it allocates anything, so a
 // truncated or corrupt file can neither crash it nor make it allocate more
 // than the file's size. The payloads stay outside the proto so a large shard
 // is streamed to disk through a small buffer instead of being copied into a
@@ -62,6 +67,19 @@ struct BlockSnapshot {
   std::vector<int64_t> last_step;
 };
 
+// The rows of one sparse table that a shard holds (columns, row i at index
+// i of each).
+struct SparseTableSnapshot {
+  std::string name;
+  int64_t version = 0;       // sync steps completed
+  int64_t dim = 0;           // value floats per row
+  int64_t state_floats = 0;  // optimizer state floats per row
+  std::vector<uint64_t> ids;
+  std::vector<int64_t> update_counts;
+  std::vector<float> values;  // ids.size() * dim
+  std::vector<float> states;  // ids.size() * state_floats
+};
+
 struct ShardSnapshot {
   ModelSchema schema;     // from proto/ps.proto
   std::string mode;       // "sync" | "async" | "ssp"
@@ -76,6 +94,9 @@ struct ShardSnapshot {
   // Exactly the blocks shard_id owns (global block g with g % num_shards ==
   // shard_id), in increasing global order.
   std::vector<BlockSnapshot> blocks;
+  // One per sparse table of the schema, in schema order: the rows this
+  // shard holds.
+  std::vector<SparseTableSnapshot> sparse;
 };
 
 struct RestoredShard {
@@ -89,6 +110,10 @@ struct RestoredShard {
   int64_t next_sequence = 0;
   // Exactly the blocks the new shard owns, in increasing global order.
   std::vector<BlockSnapshot> blocks;
+  // Per sparse table in schema order, the saved rows the new shard owns
+  // (SparseShardOf); version: the smallest of the old shards'. Empty when
+  // the files predate sparse checkpoints (the tables then start afresh).
+  std::vector<SparseTableSnapshot> sparse;
   // Paths of the files restored from, one per old shard, in old shard order.
   std::vector<std::string> files_used;
   // "<path>: <reason>" for every file found corrupt, truncated or unreadable

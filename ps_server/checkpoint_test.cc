@@ -664,6 +664,132 @@ TEST(CheckpointTest, RestoresIntoMoreShards) {
   ExpectReshard(20);  // more shards than blocks: some shards restore nothing
 }
 
+// --- sparse tables ----------------------------------------------------------
+
+ModelSchema SparseSchema() {
+  ModelSchema schema = TestSchema();
+  for (const auto& [name, dim] :
+       {std::pair<const char*, int>{"user", 3}, {"item", 2}}) {
+    SparseTableSpec* table = schema.add_sparse();
+    table->set_name(name);
+    table->set_dim(dim);
+    table->mutable_optimizer()->set_name("adam");
+  }
+  return schema;
+}
+constexpr uint64_t kSparseIds = 200;
+
+float RowValueOf(int t, uint64_t id, int64_t k) {
+  return 0.5f * t + static_cast<float>(id) + 0.01f * k;
+}
+
+// Shard `shard_id` of `num_shards` holding, of ids 0..kSparseIds-1 of every
+// table, those SparseShardOf places on it; table t at version 40 + t +
+// shard_id (shards may be a step apart).
+ShardSnapshot MakeSparseSnapshot(int shard_id, int num_shards,
+                                 int64_t sequence) {
+  const ModelSchema schema = SparseSchema();
+  ShardSnapshot snapshot = MakeSnapshot(schema, shard_id, num_shards, sequence,
+                                        /*salt=*/1);
+  for (int t = 0; t < schema.sparse_size(); ++t) {
+    const SparseTableSpec& spec = schema.sparse(t);
+    SparseTableSnapshot& table = snapshot.sparse.emplace_back();
+    table.name = spec.name();
+    table.dim = spec.dim();
+    table.state_floats = 2 * spec.dim();
+    table.version = 40 + t + shard_id;
+    for (uint64_t id = 0; id < kSparseIds; ++id) {
+      if (SparseShardOf(spec.name(), id, num_shards) != shard_id) continue;
+      table.ids.push_back(id);
+      table.update_counts.push_back(static_cast<int64_t>(id % 7) + 1);
+      for (int64_t k = 0; k < table.dim; ++k) {
+        table.values.push_back(RowValueOf(t, id, k));
+        table.states.push_back(-RowValueOf(t, id, k));
+        table.states.push_back(RowValueOf(t, id, k) * 2);
+      }
+    }
+  }
+  return snapshot;
+}
+
+// Rows saved on 3 shards come back on any number of shards: each on the
+// shard SparseShardOf names for the new count, exactly once, with its
+// values, state and update count; a table's step is the smallest saved.
+TEST(CheckpointTest, SparseRowsRoundTripIntoAnyShardCount) {
+  const std::string dir = TestDir();
+  CheckpointStore store(dir, 3);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(store.Write(MakeSparseSnapshot(i, 3, 1)).ok());
+  }
+  const ModelSchema schema = SparseSchema();
+  for (int new_shards : {3, 1, 2, 5}) {
+    SCOPED_TRACE(absl::StrCat("3 -> ", new_shards));
+    std::vector<std::map<uint64_t, int>> seen(schema.sparse_size());
+    for (int shard = 0; shard < new_shards; ++shard) {
+      absl::StatusOr<RestoredShard> restored =
+          store.LoadForShard(shard, new_shards);
+      ASSERT_TRUE(restored.ok()) << restored.status();
+      ASSERT_EQ(restored->sparse.size(), 2u);
+      for (int t = 0; t < 2; ++t) {
+        const SparseTableSnapshot& table = restored->sparse[t];
+        EXPECT_EQ(table.name, schema.sparse(t).name());
+        EXPECT_EQ(table.version, 40 + t);
+        ASSERT_EQ(table.update_counts.size(), table.ids.size());
+        ASSERT_EQ(table.values.size(), table.ids.size() * table.dim);
+        ASSERT_EQ(table.states.size(), table.ids.size() * 2 * table.dim);
+        for (size_t r = 0; r < table.ids.size(); ++r) {
+          const uint64_t id = table.ids[r];
+          EXPECT_EQ(SparseShardOf(table.name, id, new_shards), shard) << id;
+          ++seen[t][id];
+          EXPECT_EQ(table.update_counts[r], static_cast<int64_t>(id % 7) + 1);
+          for (int64_t k = 0; k < table.dim; ++k) {
+            EXPECT_EQ(table.values[r * table.dim + k], RowValueOf(t, id, k));
+            EXPECT_EQ(table.states[r * 2 * table.dim + 2 * k],
+                      -RowValueOf(t, id, k));
+          }
+        }
+      }
+    }
+    for (int t = 0; t < 2; ++t) {
+      ASSERT_EQ(seen[t].size(), kSparseIds) << t;
+      for (const auto& [id, count] : seen[t]) EXPECT_EQ(count, 1) << id;
+    }
+  }
+}
+
+TEST(CheckpointTest, SparseRowsAreCoveredByTheChecksumAndTheLengthCheck) {
+  const std::string dir = TestDir();
+  CheckpointStore store(dir, 3);
+  ASSERT_TRUE(store.Write(MakeSparseSnapshot(0, 1, 1)).ok());
+  ASSERT_TRUE(store.Write(MakeSparseSnapshot(0, 1, 2)).ok());
+  const std::string path = FilePath(dir, 0, 1, 2);
+  std::string bytes = ReadBytes(path);
+  bytes[bytes.size() - 8 - 3] ^= 0x10;  // inside the last table's state
+  WriteBytes(path, bytes);
+  absl::StatusOr<RestoredShard> restored = store.LoadForShard(0, 1);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  ASSERT_EQ(restored->files_skipped.size(), 1u);
+  EXPECT_THAT(restored->files_skipped[0], HasSubstr("CRC-32 mismatch"));
+
+  // A checksummed header claiming 2^40 rows is refused before allocating.
+  ShardSnapshot snapshot = MakeSparseSnapshot(0, 1, 3);
+  CheckpointHeader header;
+  std::vector<float> payload;
+  ToHeader(snapshot, &header, &payload);
+  *header.mutable_schema() = SparseSchema();
+  CheckpointSparseTable* table = header.add_sparse();
+  table->set_name("user");
+  table->set_row_count(int64_t{1} << 40);
+  table->set_value_floats(3);
+  table->set_state_floats(6);
+  WriteBytes(FilePath(dir, 0, 1, 3), EncodeFile(header, payload));
+  restored = store.LoadForShard(0, 1);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  ASSERT_EQ(restored->files_skipped.size(), 2u);
+  EXPECT_THAT(restored->files_skipped[0],
+              HasSubstr("claims 1099511627776 rows"));
+}
+
 void SetMtime(const std::string& path, int64_t seconds) {
   struct timespec times[2] = {{seconds, 0}, {seconds, 0}};
   ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), times, 0), 0) << path;

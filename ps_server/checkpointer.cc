@@ -45,12 +45,20 @@ absl::StatusOr<std::string> Checkpointer::Restore() {
     max_version = std::max(max_version, block.version);
   }
   if (restored->blocks.empty()) min_version = 0;
+  size_t sparse_rows = 0;
+  for (const SparseTableSnapshot& table : restored->sparse) {
+    sparse_rows += table.ids.size();
+  }
   absl::MutexLock lock(&mu_);
   next_sequence_ = restored->next_sequence;
   last_version_ = min_version;
   return absl::StrCat(
       "restored ", restored->blocks.size(), " blocks at step ", min_version,
       min_version == max_version ? "" : absl::StrCat("..", max_version),
+      restored->sparse.empty()
+          ? ""
+          : absl::StrCat(" and ", sparse_rows, " rows of ",
+                         restored->sparse.size(), " sparse table(s)"),
       " from ", absl::StrJoin(restored->files_used, ", "),
       restored->old_num_shards == num_shards_
           ? ""

@@ -555,8 +555,8 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
     block->finite_contributors = 0;
     block->version.store(step);
   }
-  // Sparse rows are not in checkpoints: a restored shard's tables start
-  // afresh (rows from their initial values) at the workers' step.
+  // Tables behind the workers' step skip to it like blocks; their rows
+  // keep what the checkpoint restored.
   for (const auto& state : model.sparse) {
     absl::MutexLock state_lock(&state->mu);
     const int64_t version = state->version.load();
@@ -1398,11 +1398,39 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
     newest = std::max(newest, saved.version);
     oldest = std::min(oldest, saved.version);
   }
-  // Sparse rows are not in checkpoints: the tables start afresh at the
-  // dense step, so the two kinds of state move forward together.
-  for (const auto& table : model.sparse) {
-    absl::MutexLock table_lock(&table->mu);
-    table->version.store(oldest);
+  // Tables come back with their rows and step; from a checkpoint without
+  // sparse rows (an older ps_server's) they start afresh at the dense step,
+  // so the two kinds of state move forward together.
+  if (!restored.sparse.empty() &&
+      restored.sparse.size() != model.sparse.size()) {
+    return absl::DataLossError(
+        absl::StrCat("the checkpoint holds ", restored.sparse.size(),
+                     " sparse tables, the schema has ", model.sparse.size()));
+  }
+  for (size_t t = 0; t < model.sparse.size(); ++t) {
+    SparseState& table = *model.sparse[t];
+    absl::MutexLock table_lock(&table.mu);
+    if (restored.sparse.empty()) {
+      table.version.store(oldest);
+      continue;
+    }
+    const SparseTableSnapshot& saved = restored.sparse[t];
+    const int64_t dim = saved.dim;
+    for (size_t r = 0; r < saved.ids.size(); ++r) {
+      if (absl::Status s = table.table->LoadRow(
+              saved.ids[r],
+              absl::MakeConstSpan(saved.values).subspan(r * dim, dim),
+              absl::MakeConstSpan(saved.states)
+                  .subspan(r * saved.state_floats, saved.state_floats),
+              saved.update_counts[r]);
+          !s.ok()) {
+        return absl::DataLossError(absl::StrCat("sparse table '", saved.name,
+                                                "' row ", saved.ids[r], ": ",
+                                                s.message()));
+      }
+    }
+    table.version.store(saved.version);
+    newest = std::max(newest, saved.version);
   }
   absl::MutexLock state_lock(&mu_);
   recovering_ = options_.mode == ConsistencyMode::kSync;
@@ -1434,6 +1462,25 @@ absl::StatusOr<ShardSnapshot> Shard::Snapshot(int64_t sequence) const {
     out.value = block.value;
     out.optimizer_state = block.state;
     out.last_step = block.last_step;
+  }
+  for (const auto& state : model->sparse) {
+    SparseTableSnapshot& out = snapshot.sparse.emplace_back();
+    out.name = state->spec->name();
+    out.dim = state->table->dim();
+    out.state_floats = state->table->state_per_element() * out.dim;
+    // Held so that a sync step cannot complete between reading the version
+    // and the rows; async rows change under the visit, each consistent on
+    // its own, as blocks are.
+    absl::MutexLock lock(&state->mu);
+    out.version = state->version.load();
+    state->table->ForEachRow([&out](uint64_t id, absl::Span<const float> value,
+                                    absl::Span<const float> row_state,
+                                    int64_t update_count) {
+      out.ids.push_back(id);
+      out.update_counts.push_back(update_count);
+      out.values.insert(out.values.end(), value.begin(), value.end());
+      out.states.insert(out.states.end(), row_state.begin(), row_state.end());
+    });
   }
   return snapshot;
 }

@@ -558,8 +558,9 @@ TEST(ShardSparseTest, SyncAppliesTheMeanOfEveryWorkersRowsOnce) {
   EXPECT_EQ(f.shard->Stats().sparse(0).version(), 1);
 }
 
-// Sparse rows are not checkpointed: a restored shard's tables start afresh
-// at the step the workers bring, instead of refusing them.
+// A table restored behind the workers (here from a checkpoint without sparse
+// rows, as an older ps_server wrote) catches up with the step they bring,
+// instead of refusing them.
 TEST(ShardSparseTest, RestoredShardCatchesItsTablesUp) {
   Fixture original = MakeSparseShard(ConsistencyMode::kSync, 1);
   absl::StatusOr<ShardSnapshot> snapshot = original.shard->Snapshot(0);
@@ -656,6 +657,27 @@ TEST(ShardSparseTest, ARequestOfAStepCreditsEveryTableAndBlock) {
   EXPECT_EQ(dense->blocks[0].version, 1);
   EXPECT_TRUE(table_pulled.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_EQ(shard->Stats().sparse(0).version(), 1);
+}
+
+// A checkpoint carries the tables' rows and steps: a restored shard answers
+// pulls with the trained rows, not fresh ones.
+TEST(ShardSparseTest, RestoredShardKeepsItsRows) {
+  Fixture original = MakeSparseShard(ConsistencyMode::kSync, 1);
+  ASSERT_TRUE(
+      original.shard->SparsePush(SparsePushOf(0, 0, {7, 9}, {2, 2, 4, 4}))
+          .ok());
+  const std::vector<float> trained = SparseRows(*original.shard, 1, {7, 9, 11});
+  ASSERT_EQ(trained, (std::vector<float>{-2, -2, -4, -4, 0, 0}));
+  absl::StatusOr<ShardSnapshot> snapshot = original.shard->Snapshot(0);
+  ASSERT_TRUE(snapshot.ok());
+  ASSERT_EQ(snapshot->sparse.size(), 1u);
+  EXPECT_EQ(snapshot->sparse[0].version, 1);
+  RestoredShard restored = RestoredFrom(*original.shard);
+  restored.sparse = snapshot->sparse;
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(restored).ok());
+  EXPECT_EQ(shard->Stats().sparse(0).version(), 1);
+  EXPECT_EQ(SparseRows(*shard, 1, {7, 9, 11}), trained);
 }
 
 TEST(ShardSparseTest, AsyncAppliesEachPushOnArrival) {

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/partition.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "ps_server/checkpoint.h"
@@ -158,8 +159,8 @@ TEST(CheckpointRecoveryTest, KilledServerRestartsFromItsCheckpoint) {
             << lost << " step(s) lost (interval " << kInterval << ")\n";
 }
 
-// A CTR job: dense layers come back from the checkpoint, sparse tables
-// (not checkpointed) start afresh at the restored step; the job completes.
+// A CTR job: dense layers and sparse tables (rows and step) come back from
+// the checkpoint; the job completes.
 // Each worker's steps have many objects on the killed shard (dense blocks
 // and one table per field), each pulled and pushed at its own moment, so the
 // kill leaves them at different steps: the restored shard must bring them
@@ -195,13 +196,19 @@ TEST(CheckpointRecoveryTest, CtrJobSurvivesAServerRestart) {
     const std::string out = Finish(*worker);
     absl::StatusOr<double> auc = FinalJsonNumber(out, "auc");
     EXPECT_TRUE(auc.ok()) << out;
-    if (auc.ok()) EXPECT_GE(*auc, 0.6) << out;
+    if (auc.ok()) {
+      EXPECT_GE(*auc, 0.6) << out;
+    }
   }
   absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ((*stats)[1].version(), 400);
   // The checkpoint interval, as in KilledServerRestartsFromItsCheckpoint.
   EXPECT_LE((*stats)[1].steps_lost(), 10 + 2);
+  // The trained embedding rows came back, not fresh ones.
+  EXPECT_THAT(
+      cluster->server(1).Stderr(),
+      ::testing::ContainsRegex("and [1-9][0-9]* rows of 4 sparse table"));
   std::cout << "[ recovery ] CTR shard 1 restored: " << (*stats)[1].steps_lost()
             << " step(s) and " << (*stats)[1].gradients_lost()
             << " gradient(s) lost\n";
