@@ -11,6 +11,8 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "glog/logging.h"
@@ -37,6 +39,14 @@ void InitProgram(int argc, char** argv, const char* usage) {
   const std::string path = argv[0];
   ProgramName() = path.substr(path.find_last_of('/') + 1);
   absl::SetProgramUsageMessage(usage);
+  // --help lists this project's flags (absl's default keeps only those of a
+  // file named after the program); --helpfull adds absl's own.
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return !absl::StrContains(file, "absl/");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::vector<std::string> extra(rest.begin() + 1, rest.end());

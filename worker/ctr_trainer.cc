@@ -354,6 +354,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
   double window_loss = 0;
   int64_t window_rows = 0;
   const absl::Time start = absl::Now();
+  std::vector<float> step_scores;
   int64_t step = options.start_step;
   while (step < options.steps) {
     if (options.stop != nullptr && options.stop->load()) {
@@ -371,6 +372,13 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     }
     const absl::Time pulled = absl::Now();
     if (absl::Status s = (*net)->Forward(batch.size()); !s.ok()) return s;
+    step_scores.clear();
+    if (options.on_step) {  // before Backward overwrites the logits
+      if (absl::Status s = (*net)->Scores(batch.size(), &step_scores);
+          !s.ok()) {
+        return s;
+      }
+    }
     absl::StatusOr<double> loss_sum = (*net)->Backward(batch.size());
     if (!loss_sum.ok()) return loss_sum.status();
     const absl::Time computed = absl::Now();
@@ -386,6 +394,12 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       report.step = step;
       report.steps = options.steps;
       report.loss = *loss_sum / batch.size();
+      // Of the batch just trained on: a click is predicted at score > 0.
+      int64_t correct = 0;
+      for (int64_t i = 0; i < batch.size(); ++i) {
+        correct += (step_scores[i] > 0) == (batch.labels[i] > 0.5f);
+      }
+      report.train_accuracy = static_cast<double>(correct) / batch.size();
       report.examples = batch.size();
       report.step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
       report.pull_seconds = absl::ToDoubleSeconds(pulled - step_start);

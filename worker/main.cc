@@ -55,9 +55,11 @@ ABSL_FLAG(std::string, precision, "fp32",
           "GEMM precision: fp32, or bf16 (bf16 inputs, fp32 accumulation; "
           "needs a CUDA device).");
 ABSL_FLAG(std::string, model, "mlp",
-          "softmax (multinomial logistic regression), mlp, or probe (a "
+          "softmax (multinomial logistic regression), mlp, probe (a "
           "diagnostic whose gradient is exactly 1: with SGD at learning rate "
-          "1 every weight ends at minus the number of updates applied).");
+          "1 every weight ends at minus the number of updates applied), or "
+          "ctr (sparse embedding tables on the servers; see the --ctr_* "
+          "flags).");
 ABSL_FLAG(int64_t, probe_elements, 1000, "Size of the probe model's tensor.");
 ABSL_FLAG(std::string, hidden, "64",
           "Hidden layer sizes of the mlp, comma-separated.");

@@ -20,7 +20,7 @@ for mode in sync async; do
   output=$(deploy/local/launch.sh --servers=2 --workers=2 --mode="$mode" -- \
     --server.optimizer=adam --server.learning_rate=0.01 \
     --model=mlp --hidden=64 --steps=1500 --batch_size=64 --log_every=300 "$@" |
-    tee /dev/stderr)
+    tee >(cat >&2))
   accuracy=$(grep -m1 '^{"event":"final"' <<<"$output" |
     sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p')
   summary+=("mlp $mode: worker 0 test accuracy $accuracy")
@@ -31,7 +31,7 @@ for mode in sync async; do
     --server.optimizer=adam --server.learning_rate=0.01 \
     --model=ctr --ctr_fields=4 --ctr_dense=2 --ctr_vocab=2000 \
     --sparse_optimizer=adagrad --sparse_learning_rate=0.1 \
-    --steps=400 --batch_size=128 --log_every=100 "$@" | tee /dev/stderr)
+    --steps=400 --batch_size=128 --log_every=100 "$@" | tee >(cat >&2))
   auc=$(grep -m1 '^{"event":"final"' <<<"$output" |
     sed -n 's/.*"auc":\([0-9.]*\).*"true_auc":\([0-9.]*\).*/\1 (ground truth \2)/p')
   summary+=("ctr $mode: worker 0 held-out AUC $auc")

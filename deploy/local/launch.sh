@@ -27,7 +27,8 @@ Streams worker 0's progress, prints every worker's final JSON line
 Options:
   --servers=S      number of ps_server shards (default 2)
   --workers=W      number of workers (default 2)
-  --mode=MODE      sync or async (default sync)
+  --mode=MODE      sync, async or ssp (default sync; ssp: add
+                   --server.staleness=S after --)
   --bin_dir=DIR    directory holding the ps_server and worker binaries
                    (default: bazel-bin/ps_server/ps_server and
                    bazel-bin/worker/worker of this repository)
@@ -398,8 +399,8 @@ parse_args() {
   check_count servers "$SERVERS"
   check_count workers "$WORKERS"
   check_count timeout_s "$TIMEOUT_S"
-  [[ "$MODE" == sync || "$MODE" == async ]] ||
-    usage_error "--mode must be sync or async, got '$MODE'"
+  [[ "$MODE" == sync || "$MODE" == async || "$MODE" == ssp ]] ||
+    usage_error "--mode must be sync, async or ssp, got '$MODE'"
 
   local script_dir repo
   script_dir=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
