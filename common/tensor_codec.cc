@@ -1,10 +1,14 @@
 #include "common/tensor_codec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <vector>
 
+#include "absl/base/internal/endian.h"
 #include "absl/strings/str_cat.h"
 
 namespace pstrain {
@@ -453,8 +457,142 @@ void EncodeFromFloat32(DataType dtype, absl::Span<const float> values,
   }
 }
 
+namespace {
+
+// A TOPK_FLOAT32 payload, gathered contiguous (it is small: 8 bytes per sent
+// element) and read element by element with memcpy (no alignment promised).
+class TopKPayload {
+ public:
+  explicit TopKPayload(const ByteSegments& data) {
+    for (const absl::string_view segment : data) {
+      bytes_.append(segment.data(), segment.size());
+    }
+  }
+  int64_t size() const { return static_cast<int64_t>(bytes_.size() / 8); }
+  uint32_t index(int64_t i) const {
+    uint32_t v;
+    std::memcpy(&v, bytes_.data() + 4 * i, 4);
+    return absl::little_endian::ToHost32(v);
+  }
+  float value(int64_t i) const {
+    return LoadElement<FLOAT32>(bytes_.data() + 4 * size() + 4 * i);
+  }
+
+ private:
+  std::string bytes_;
+};
+
+void DecodeTopK(const ByteSegments& data, absl::Span<float> out,
+                bool accumulate) {
+  const TopKPayload payload(data);
+  if (!accumulate) std::fill(out.begin(), out.end(), 0.0f);
+  for (int64_t i = 0; i < payload.size(); ++i) {
+    out[payload.index(i)] += payload.value(i);
+  }
+}
+
+}  // namespace
+
+absl::Status ValidatePayload(DataType dtype, const ByteSegments& data,
+                             int64_t num_elements) {
+  uint64_t total = 0;
+  for (const absl::string_view segment : data) total += segment.size();
+  if (dtype == TOPK_FLOAT32) {
+    if (total % 8 != 0 || total / 8 > static_cast<uint64_t>(num_elements)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("TOPK_FLOAT32 payload has ", total,
+                       " bytes: expected 8 per sent "
+                       "element, at most ",
+                       num_elements, " elements"));
+    }
+    const TopKPayload payload(data);
+    int64_t previous = -1;
+    for (int64_t i = 0; i < payload.size(); ++i) {
+      const int64_t index = payload.index(i);
+      if (index <= previous || index >= num_elements) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "TOPK_FLOAT32 index ", i, " is ", index,
+            ": indices must increase strictly and stay below ", num_elements));
+      }
+      previous = index;
+    }
+    return absl::OkStatus();
+  }
+  const int64_t element_bytes = WireElementBytes(dtype);
+  if (element_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("wire type ", TypeName(dtype), " is not supported"));
+  }
+  const uint64_t expected = static_cast<uint64_t>(num_elements) * element_bytes;
+  if (total != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("payload has ", total, " bytes, expected ", expected, " (",
+                     num_elements, " ", TypeName(dtype), " elements)"));
+  }
+  return absl::OkStatus();
+}
+
+void EncodeTopK(absl::Span<float> accumulated, int64_t k, std::string* out) {
+  const int64_t n = static_cast<int64_t>(accumulated.size());
+  k = std::clamp<int64_t>(k, 0, n);
+  // Candidates: every element at least as large as a threshold that a
+  // strided sample puts at about the top 2k/n. When at least k pass, they
+  // hold the exact top k (the k-th largest magnitude is >= the threshold),
+  // ties included, so only they need sorting; else every element is one.
+  float threshold = 0.0f;
+  if (k > 0 && k < n) {
+    const int64_t samples = std::min<int64_t>(n, 4096);
+    std::vector<float> sample(samples);
+    for (int64_t i = 0; i < samples; ++i) {
+      sample[i] = std::fabs(accumulated[i * n / samples]);
+    }
+    const int64_t rank = std::min(samples - 1, 2 * k * samples / n);
+    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(),
+                     std::greater<float>());
+    threshold = sample[rank];
+  }
+  std::vector<uint32_t> order;
+  order.reserve(std::min<int64_t>(n, 4 * k + 16));
+  for (int64_t i = 0; i < n && k > 0; ++i) {
+    if (std::fabs(accumulated[i]) >= threshold) {
+      order.push_back(static_cast<uint32_t>(i));
+    }
+  }
+  if (static_cast<int64_t>(order.size()) < k) {
+    order.resize(n);
+    for (int64_t i = 0; i < n; ++i) order[i] = static_cast<uint32_t>(i);
+  }
+  // Largest magnitude first, the lower index on a tie: deterministic.
+  std::nth_element(order.begin(), order.begin() + k, order.end(),
+                   [&](uint32_t a, uint32_t b) {
+                     const float fa = std::fabs(accumulated[a]);
+                     const float fb = std::fabs(accumulated[b]);
+                     return fa > fb || (fa == fb && a < b);
+                   });
+  order.resize(k);
+  std::sort(order.begin(), order.end());
+  out->resize(8 * k);
+  char* p = out->data();
+  for (int64_t i = 0; i < k; ++i) {
+    const uint32_t index = absl::little_endian::FromHost32(order[i]);
+    std::memcpy(p + 4 * i, &index, 4);
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const float value = accumulated[order[i]];
+    std::memcpy(p + 4 * k + 4 * i, &value, 4);  // little-endian hosts only
+    accumulated[order[i]] = 0.0f;
+  }
+}
+
 absl::Status DecodeSegments(DataType dtype, const ByteSegments& data,
                             absl::Span<float> out, bool accumulate) {
+  if (dtype == TOPK_FLOAT32) {
+    if (absl::Status s = ValidatePayload(dtype, data, out.size()); !s.ok()) {
+      return s;
+    }
+    DecodeTopK(data, out, accumulate);
+    return absl::OkStatus();
+  }
   const int64_t element_bytes = WireElementBytes(dtype);
   if (element_bytes == 0) {
     return absl::InvalidArgumentError(
@@ -492,6 +630,23 @@ absl::Status DecodeSegmentsInPieces(
     DataType dtype, const ByteSegments& data, int64_t num_elements,
     absl::FunctionRef<void(int64_t offset, absl::Span<const float> piece)>
         visit) {
+  if (dtype == TOPK_FLOAT32) {
+    // Sparse: decoded whole (zeros and all) into a reused buffer.
+    thread_local std::vector<float> dense;
+    dense.resize(num_elements);
+    if (absl::Status s =
+            DecodeSegments(dtype, data, absl::MakeSpan(dense), false);
+        !s.ok()) {
+      return s;
+    }
+    for (int64_t offset = 0; offset < num_elements;
+         offset += kDecodePieceElements) {
+      visit(offset,
+            absl::MakeConstSpan(dense).subspan(
+                offset, std::min(kDecodePieceElements, num_elements - offset)));
+    }
+    return absl::OkStatus();
+  }
   const int64_t element_bytes = WireElementBytes(dtype);
   if (element_bytes == 0) {
     return absl::InvalidArgumentError(
@@ -531,6 +686,13 @@ absl::Status DecodeSegmentsInPieces(
 }
 
 int64_t FindNonFiniteSegments(DataType dtype, const ByteSegments& data) {
+  if (dtype == TOPK_FLOAT32) {  // the element index of the first bad value
+    const TopKPayload payload(data);
+    for (int64_t i = 0; i < payload.size(); ++i) {
+      if (!std::isfinite(payload.value(i))) return payload.index(i);
+    }
+    return -1;
+  }
   switch (dtype) {
     case FLOAT32:
       return FindNonFiniteAll<FLOAT32>(data);

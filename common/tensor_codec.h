@@ -48,10 +48,25 @@ void EncodeFloat32(absl::Span<const float> values, std::string* out);
 void EncodeFromFloat32(DataType dtype, absl::Span<const float> values,
                        std::string* out);
 
+// Checks that `data` is a well-formed payload of `num_elements` elements of
+// `dtype`, naming the problem: the exact size for dense types; for
+// TOPK_FLOAT32 a size of 8k bytes with k <= num_elements, and indices
+// strictly increasing and below num_elements. Decoders assume it passed.
+absl::Status ValidatePayload(DataType dtype, const ByteSegments& data,
+                             int64_t num_elements);
+
+// Top-k compression with error feedback: writes the k entries of
+// `accumulated` with the largest magnitudes (ties: the lower index) to *out
+// as a TOPK_FLOAT32 payload, and zeroes them in `accumulated`, which keeps
+// what was not sent for the caller's next push (add the next gradient to
+// it). k >= accumulated.size() sends every element.
+void EncodeTopK(absl::Span<float> accumulated, int64_t k, std::string* out);
+
 // Decodes the payload `data` of type `dtype` into out: out[i] = x[i], or
 // out[i] += x[i] when `accumulate`. The payload must hold exactly out.size()
-// elements; a size mismatch or an unsupported type is InvalidArgument and
-// leaves out untouched. Elements may straddle segment boundaries. For
+// elements (TOPK_FLOAT32: pass ValidatePayload for out.size()); a size
+// mismatch or an unsupported type is InvalidArgument and leaves out
+// untouched. Elements may straddle segment boundaries. For
 // FLOAT32 the bulk of each segment is a memcpy (overwrite) or a vectorizable
 // add loop (accumulate), whatever the segment's alignment.
 absl::Status DecodeSegments(DataType dtype, const ByteSegments& data,

@@ -8,10 +8,13 @@
 #include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace pstrain {
 namespace {
+
+using ::testing::HasSubstr;
 
 uint32_t Bits(float f) {
   uint32_t u;
@@ -519,6 +522,98 @@ INSTANTIATE_TEST_SUITE_P(AllTypes, SegmentedDecodeTest,
                          [](const ::testing::TestParamInfo<DataType>& info) {
                            return DataType_Name(info.param);
                          });
+
+// --- top-k
+// --------------------------------------------------------------------
+
+std::vector<float> DecodeDense(const std::string& payload, int64_t n) {
+  std::vector<float> out(n, NAN);
+  EXPECT_TRUE(DecodeSegments(TOPK_FLOAT32, ByteSegments{payload},
+                             absl::MakeSpan(out), /*accumulate=*/false)
+                  .ok());
+  return out;
+}
+
+TEST(TopKTest, SendsTheLargestMagnitudesAndKeepsTheRest) {
+  std::vector<float> accumulated = {0.5f, -4.0f, 1.0f, 3.0f, -1.0f, 0.0f};
+  const std::vector<float> before = accumulated;
+  std::string payload;
+  EncodeTopK(absl::MakeSpan(accumulated), 3, &payload);
+  ASSERT_EQ(payload.size(), 24u);
+  ASSERT_TRUE(ValidatePayload(TOPK_FLOAT32, ByteSegments{payload}, 6).ok());
+  // -4, 3, then the tie |1| = |-1| goes to the lower index.
+  const std::vector<float> sent = DecodeDense(payload, 6);
+  EXPECT_EQ(sent, (std::vector<float>{0, -4, 1, 3, 0, 0}));
+  EXPECT_EQ(accumulated, (std::vector<float>{0.5f, 0, 0, 0, -1, 0}));
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(sent[i] + accumulated[i], before[i]) << i;  // nothing lost
+  }
+  std::string all;
+  EncodeTopK(absl::MakeSpan(accumulated), 99, &all);  // k > n: everything
+  EXPECT_EQ(DecodeDense(all, 6), (std::vector<float>{0.5f, 0, 0, 0, -1, 0}));
+  EXPECT_EQ(accumulated, std::vector<float>(6, 0.0f));
+}
+
+// Error feedback loses nothing: what was sent over many pushes plus what is
+// left equals the sum of the gradients, exactly (integer values).
+TEST(TopKTest, ErrorFeedbackSendsEveryGradientEventually) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> value(-50, 50);
+  constexpr int kN = 300;
+  std::vector<float> residual(kN, 0.0f), sent_sum(kN, 0.0f),
+      gradient_sum(kN, 0.0f);
+  for (int step = 0; step < 40; ++step) {
+    for (int i = 0; i < kN; ++i) {
+      const float g = static_cast<float>(value(rng));
+      residual[i] += g;
+      gradient_sum[i] += g;
+    }
+    std::string payload;
+    EncodeTopK(absl::MakeSpan(residual), 7, &payload);
+    // Split anywhere: a received payload comes in slices.
+    const ByteSegments segments = Split(payload, {5, 13, payload.size() / 2});
+    ASSERT_TRUE(ValidatePayload(TOPK_FLOAT32, segments, kN).ok());
+    ASSERT_TRUE(DecodeSegments(TOPK_FLOAT32, segments, absl::MakeSpan(sent_sum),
+                               /*accumulate=*/true)
+                    .ok());
+  }
+  for (int i = 0; i < kN; ++i) {
+    ASSERT_EQ(sent_sum[i] + residual[i], gradient_sum[i]) << i;
+  }
+}
+
+TEST(TopKTest, MalformedPayloadsAreRefused) {
+  auto payload = [](std::vector<uint32_t> indices, std::vector<float> values) {
+    std::string out(reinterpret_cast<const char*>(indices.data()),
+                    4 * indices.size());
+    out.append(reinterpret_cast<const char*>(values.data()), 4 * values.size());
+    return out;
+  };
+  auto check = [](const std::string& bytes, int64_t n) {
+    return ValidatePayload(TOPK_FLOAT32, ByteSegments{bytes}, n);
+  };
+  EXPECT_TRUE(check("", 4).ok());  // nothing sent this time
+  EXPECT_TRUE(check(payload({0, 3}, {1, 2}), 4).ok());
+  EXPECT_THAT(check(payload({0, 3}, {1, 2}).substr(1), 4).message(),
+              HasSubstr("expected 8 per sent element"));
+  EXPECT_THAT(check(payload({0, 1, 2}, {1, 2, 3}), 2).message(),
+              HasSubstr("at most 2 elements"));
+  EXPECT_THAT(check(payload({1, 1}, {1, 2}), 4).message(),
+              HasSubstr("index 1 is 1: indices must increase strictly"));
+  EXPECT_THAT(check(payload({2, 0}, {1, 2}), 4).message(),
+              HasSubstr("index 1 is 0"));
+  EXPECT_THAT(check(payload({0, 4}, {1, 2}), 4).message(),
+              HasSubstr("stay below 4"));
+  std::vector<float> out(4, 7.0f);
+  EXPECT_FALSE(DecodeSegments(TOPK_FLOAT32,
+                              ByteSegments{payload({0, 4}, {1, 2})},
+                              absl::MakeSpan(out), false)
+                   .ok());
+  EXPECT_EQ(out, std::vector<float>(4, 7.0f));  // untouched
+  EXPECT_EQ(FindNonFiniteSegments(TOPK_FLOAT32,
+                                  ByteSegments{payload({1, 3}, {1, NAN})}),
+            3);  // the element, not the position in the payload
+}
 
 TEST(TensorCodecTest, HalfWidthLargeValuesOverflowOnlyInFloat16) {
   std::string wire;

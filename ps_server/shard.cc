@@ -513,13 +513,19 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
           absl::StrCat(where(), " appears twice in one push"));
     }
     const int64_t element_bytes = WireElementBytes(wire.dtype);
-    if (element_bytes == 0) {
+    if (wire.dtype == TOPK_FLOAT32) {
+      if (absl::Status s = ValidatePayload(wire.dtype, wire.data, loc.length);
+          !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where(), ": ", s.message()));
+      }
+    } else if (element_bytes == 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(where(), ": wire type ", static_cast<int>(wire.dtype),
                        " is not supported by this server"));
-    }
-    const uint64_t expected = static_cast<uint64_t>(loc.length) * element_bytes;
-    if (wire.data_size != expected) {
+    } else if (const uint64_t expected =
+                   static_cast<uint64_t>(loc.length) * element_bytes;
+               wire.data_size != expected) {
       return absl::InvalidArgumentError(
           absl::StrCat(where(), ": payload has ", wire.data_size,
                        " bytes, expected ", expected, " (", loc.length, " ",

@@ -54,5 +54,39 @@ TEST(AsyncConvergenceTest, TwoWorkersReachTargetAccuracy) {
   }
 }
 
+// Top-k compression with error feedback: each push sends a tenth of every
+// block, and the job still reaches the target.
+TEST(AsyncConvergenceTest, TopKCompressedGradientsReachTargetAccuracy) {
+  testing::ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  options.mode = "async";
+  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
+  absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
+      testing::TestCluster::Start(options, "async_topk");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::vector<std::string> flags = {"--model=mlp",
+                                          "--hidden=32",
+                                          "--num_features=16",
+                                          "--num_classes=4",
+                                          "--label_noise=0.05",
+                                          "--batch_size=32",
+                                          "--log_every=0",
+                                          "--steps=600",
+                                          "--device=cpu",
+                                          "--block_elements=64",
+                                          "--gradient_wire_type=topk",
+                                          "--gradient_topk_fraction=0.1"};
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({flags, flags}, absl::Seconds(180));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  for (const std::string& out : *outputs) {
+    absl::StatusOr<double> accuracy =
+        testing::FinalJsonNumber(out, "test_accuracy");
+    ASSERT_TRUE(accuracy.ok()) << accuracy.status() << "\n" << out;
+    EXPECT_GE(*accuracy, 0.85) << out;
+  }
+}
+
 }  // namespace
 }  // namespace pstrain

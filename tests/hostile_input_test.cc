@@ -335,6 +335,18 @@ class HostileInputTest : public ::testing::Test {
 };
 
 // Builds a push whose block 0 carries `data` as it is (any length, dtype).
+// A TOPK_FLOAT32 payload: the indices, then the values.
+std::string TopK(const std::vector<std::pair<uint32_t, float>>& entries) {
+  std::string out;
+  for (const auto& [index, value] : entries) {
+    out.append(reinterpret_cast<const char*>(&index), 4);
+  }
+  for (const auto& [index, value] : entries) {
+    out.append(reinterpret_cast<const char*>(&value), 4);
+  }
+  return out;
+}
+
 PushRequest PushBlock0(const std::string& data, DataType dtype = FLOAT32) {
   PushRequest push = Push(0, 1, 1.0f, {0});
   push.mutable_blocks(0)->set_dtype(dtype);
@@ -436,6 +448,21 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
       {"push: fp32 bytes labelled fp16",
        push(PushBlock0(Floats({1, 1, 1, 1}), FLOAT16)), kInvalid,
        "expected 8 (4 FLOAT16 elements)"},
+      {"push: top-k index past the block",
+       push(PushBlock0(TopK({{1, 1.0f}, {4, 1.0f}}), TOPK_FLOAT32)), kInvalid,
+       "TOPK_FLOAT32 index 1 is 4: indices must increase strictly and stay "
+       "below 4"},
+      {"push: top-k indices repeated",
+       push(PushBlock0(TopK({{2, 1.0f}, {2, 1.0f}}), TOPK_FLOAT32)), kInvalid,
+       "TOPK_FLOAT32 index 1 is 2"},
+      {"push: top-k with more elements than the block",
+       push(PushBlock0(
+           TopK({{0, 1.0f}, {1, 1.0f}, {2, 1.0f}, {3, 1.0f}, {4, 1.0f}}),
+           TOPK_FLOAT32)),
+       kInvalid, "at most 4 elements"},
+      {"push: top-k value NaN",
+       push(PushBlock0(TopK({{0, 1.0f}, {3, NAN}}), TOPK_FLOAT32)), kInvalid,
+       "gradient element 3 is NaN or infinite"},
       {"push: unknown wire type 7",
        push(PushBlock0(Floats({1, 1, 1, 1}), static_cast<DataType>(7))),
        kInvalid, "wire type 7 is not supported"},

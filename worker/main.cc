@@ -139,7 +139,13 @@ ABSL_FLAG(int64_t, inject_step_delay_ms, 0,
           "Fault injection: make every step this much slower (a straggler).");
 ABSL_FLAG(std::string, gradient_wire_type, "fp32",
           "Gradients on the wire: fp32, or fp16/bf16 to halve the bytes "
-          "(servers decode to fp32).");
+          "(servers decode to fp32), or topk: per block, only the "
+          "--gradient_topk_fraction largest-magnitude elements, the rest "
+          "carried into the next push (error feedback). Sparse-table rows "
+          "always go as fp32 under topk.");
+ABSL_FLAG(double, gradient_topk_fraction, 0.01,
+          "With --gradient_wire_type=topk: the fraction of each block's "
+          "elements a push sends, in (0, 1].");
 
 namespace pstrain {
 namespace {
@@ -432,6 +438,12 @@ int Main(int argc, char** argv) {
   client_options.connections_per_shard =
       absl::GetFlag(FLAGS_connections_per_shard);
   client_options.call_streams = absl::GetFlag(FLAGS_call_streams);
+  const double topk_fraction = absl::GetFlag(FLAGS_gradient_topk_fraction);
+  if (!(topk_fraction > 0 && topk_fraction <= 1)) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--gradient_topk_fraction must be in (0, 1], got ", topk_fraction)));
+  }
+  client_options.gradient_topk_fraction = topk_fraction;
   client_options.heartbeat_interval =
       absl::Seconds(absl::GetFlag(FLAGS_heartbeat_interval_s));
   client_options.retry_window =
@@ -444,10 +456,12 @@ int Main(int argc, char** argv) {
     client_options.gradient_wire_type = FLOAT16;
   } else if (wire_type == "bf16") {
     client_options.gradient_wire_type = BFLOAT16;
+  } else if (wire_type == "topk") {
+    client_options.gradient_wire_type = TOPK_FLOAT32;
   } else {
-    checks.push_back(absl::InvalidArgumentError(
-        absl::StrCat("--gradient_wire_type must be fp32, fp16 or bf16, got '",
-                     wire_type, "'")));
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--gradient_wire_type must be fp32, fp16, bf16 or topk, got '",
+        wire_type, "'")));
   }
   absl::StatusOr<std::unique_ptr<PsClient>> client =
       PsClient::Create(client_options);

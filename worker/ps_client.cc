@@ -1,6 +1,7 @@
 #include "worker/ps_client.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -106,8 +107,15 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Create(
         absl::StrCat("--connections_per_shard must be in [1, 64], got ",
                      options.connections_per_shard));
   }
-  if (WireElementBytes(options.gradient_wire_type) == 0) {
+  if (options.gradient_wire_type != TOPK_FLOAT32 &&
+      WireElementBytes(options.gradient_wire_type) == 0) {
     return absl::InvalidArgumentError("unsupported gradient wire type");
+  }
+  if (!(options.gradient_topk_fraction > 0 &&
+        options.gradient_topk_fraction <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gradient_topk_fraction must be in (0, 1], got ",
+                     options.gradient_topk_fraction));
   }
   return std::unique_ptr<PsClient>(new PsClient(options));
 }
@@ -396,6 +404,7 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
   }
   block_versions_.assign(partition_->blocks().size(), 0);
   encoded_.assign(partition_->blocks().size(), std::string());
+  topk_residual_.assign(partition_->blocks().size(), std::vector<float>());
   if (worker_id_ >= 0 && options_.heartbeat_interval > absl::ZeroDuration()) {
     heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
   }
@@ -547,7 +556,17 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
       const float* values = gradients[loc.tensor] + loc.offset;
       absl::string_view data(reinterpret_cast<const char*>(values),
                              loc.length * sizeof(float));
-      if (wire_type != FLOAT32) {
+      if (wire_type == TOPK_FLOAT32) {
+        // Error feedback: what earlier pushes left out rides along.
+        std::vector<float>& residual = topk_residual_[g];
+        residual.resize(loc.length);
+        for (int64_t k = 0; k < loc.length; ++k) residual[k] += values[k];
+        EncodeTopK(absl::MakeSpan(residual),
+                   static_cast<int64_t>(
+                       std::ceil(options_.gradient_topk_fraction * loc.length)),
+                   &encoded_[g]);
+        data = encoded_[g];
+      } else if (wire_type != FLOAT32) {
         EncodeFromFloat32(wire_type, absl::MakeConstSpan(values, loc.length),
                           &encoded_[g]);
         data = encoded_[g];
@@ -663,7 +682,10 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
   }
   const SparseTableSpec& spec = schema_.sparse(table);
   const int64_t dim = spec.dim();
-  const DataType wire_type = options_.gradient_wire_type;
+  // Rows are already the few that changed: top-k has nothing to drop.
+  const DataType wire_type = options_.gradient_wire_type == TOPK_FLOAT32
+                                 ? FLOAT32
+                                 : options_.gradient_wire_type;
   std::vector<SparsePushRequest> requests(num_shards());
   std::vector<std::vector<float>> rows(num_shards());
   for (size_t i = 0; i < ids.size(); ++i) {

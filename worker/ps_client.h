@@ -51,6 +51,9 @@ struct PsClientOptions {
   bool call_streams = true;
   // Element type of pushed gradients on the wire (servers decode to fp32).
   DataType gradient_wire_type = FLOAT32;
+  // TOPK_FLOAT32: the fraction of each block's elements sent per push (the
+  // largest magnitudes; the rest is kept and added to the next push).
+  double gradient_topk_fraction = 0.01;
   // How often a registered worker renews its lease on every shard (well
   // under the servers' --worker_lease_s). Zero: no heartbeats.
   absl::Duration heartbeat_interval = absl::Seconds(2);
@@ -186,6 +189,8 @@ class PsClient {
   std::vector<int64_t> block_versions_;  // per global block, from Pull
   // Reused across steps: encoded gradients when the wire type is not fp32.
   std::vector<std::string> encoded_;
+  // TOPK_FLOAT32: per global block, the gradient not sent yet.
+  std::vector<std::vector<float>> topk_residual_;
   int64_t injected_duplicates_ = 0;
   absl::BitGen random_;
 

@@ -41,6 +41,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <sstream>
@@ -93,6 +94,13 @@ ABSL_FLAG(bool, call_streams, true,
 ABSL_FLAG(int, connections_per_shard, 4,
           "PsClient option: TCP connections from each client to each shard "
           "(the worker's --connections_per_shard).");
+ABSL_FLAG(std::string, gradient_wire_type, "fp32",
+          "PsClient option: pushed gradients as fp32, fp16, bf16 or topk "
+          "(the worker's --gradient_wire_type); goodput still counts the "
+          "dense float32 bytes, so a compressed push shows its effective "
+          "rate.");
+ABSL_FLAG(double, gradient_topk_fraction, 0.01,
+          "With --gradient_wire_type=topk: the fraction of each block sent.");
 ABSL_FLAG(int, clients, 1,
           "Client threads, each with its own PsClient and worker_id (and its "
           "own TCP connection and gRPC channel for the baselines); goodput is "
@@ -869,6 +877,18 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   options.grpc_tuning = *tuning;
   options.call_streams = absl::GetFlag(FLAGS_call_streams);
   options.connections_per_shard = absl::GetFlag(FLAGS_connections_per_shard);
+  const std::string wire_type = absl::GetFlag(FLAGS_gradient_wire_type);
+  const std::map<std::string, DataType> wire_types = {{"fp32", FLOAT32},
+                                                      {"fp16", FLOAT16},
+                                                      {"bf16", BFLOAT16},
+                                                      {"topk", TOPK_FLOAT32}};
+  if (!wire_types.count(wire_type)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gradient_wire_type must be fp32, fp16, bf16 or topk, got '",
+        wire_type, "'"));
+  }
+  options.gradient_wire_type = wire_types.at(wire_type);
+  options.gradient_topk_fraction = absl::GetFlag(FLAGS_gradient_topk_fraction);
   options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
   options.connect_timeout = kStartTimeout;
   std::vector<PsWorker> workers(clients);
