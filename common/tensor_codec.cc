@@ -420,6 +420,16 @@ float Bfloat16BitsToFloat(uint16_t bits) {
   return BitsFloat(static_cast<uint32_t>(bits) << 16);
 }
 
+absl::StatusOr<DataType> ParseWireType(absl::string_view name) {
+  if (name == "fp32") return FLOAT32;
+  if (name == "fp16") return FLOAT16;
+  if (name == "bf16") return BFLOAT16;
+  if (name == "topk") return TOPK_FLOAT32;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--gradient_wire_type must be fp32, fp16, bf16 or topk, got '", name,
+      "'"));
+}
+
 int64_t WireElementBytes(DataType dtype) {
   switch (dtype) {
     case FLOAT32:
@@ -495,6 +505,10 @@ void DecodeTopK(const ByteSegments& data, absl::Span<float> out,
 
 absl::Status ValidatePayload(DataType dtype, const ByteSegments& data,
                              int64_t num_elements) {
+  if (num_elements < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a payload of ", num_elements, " elements"));
+  }
   uint64_t total = 0;
   for (const absl::string_view segment : data) total += segment.size();
   if (dtype == TOPK_FLOAT32) {
@@ -521,7 +535,7 @@ absl::Status ValidatePayload(DataType dtype, const ByteSegments& data,
   const int64_t element_bytes = WireElementBytes(dtype);
   if (element_bytes == 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("wire type ", TypeName(dtype), " is not supported"));
+        absl::StrCat("unsupported wire type ", TypeName(dtype)));
   }
   const uint64_t expected = static_cast<uint64_t>(num_elements) * element_bytes;
   if (total != expected) {
@@ -586,25 +600,12 @@ void EncodeTopK(absl::Span<float> accumulated, int64_t k, std::string* out) {
 
 absl::Status DecodeSegments(DataType dtype, const ByteSegments& data,
                             absl::Span<float> out, bool accumulate) {
+  if (absl::Status s = ValidatePayload(dtype, data, out.size()); !s.ok()) {
+    return s;
+  }
   if (dtype == TOPK_FLOAT32) {
-    if (absl::Status s = ValidatePayload(dtype, data, out.size()); !s.ok()) {
-      return s;
-    }
     DecodeTopK(data, out, accumulate);
     return absl::OkStatus();
-  }
-  const int64_t element_bytes = WireElementBytes(dtype);
-  if (element_bytes == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unsupported wire type ", TypeName(dtype)));
-  }
-  uint64_t total = 0;
-  for (const absl::string_view segment : data) total += segment.size();
-  const uint64_t expected = static_cast<uint64_t>(out.size()) * element_bytes;
-  if (total != expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("payload has ", total, " bytes, expected ", expected, " (",
-                     out.size(), " ", TypeName(dtype), " elements)"));
   }
   float* dst = out.data();
   switch (dtype) {
@@ -621,7 +622,7 @@ absl::Status DecodeSegments(DataType dtype, const ByteSegments& data,
                  : DecodeAll<BFLOAT16, false>(data, dst);
       break;
     default:
-      break;  // unreachable: WireElementBytes refused it above
+      break;  // unreachable: ValidatePayload refused it above
   }
   return absl::OkStatus();
 }
@@ -630,15 +631,14 @@ absl::Status DecodeSegmentsInPieces(
     DataType dtype, const ByteSegments& data, int64_t num_elements,
     absl::FunctionRef<void(int64_t offset, absl::Span<const float> piece)>
         visit) {
+  if (absl::Status s = ValidatePayload(dtype, data, num_elements); !s.ok()) {
+    return s;
+  }
   if (dtype == TOPK_FLOAT32) {
     // Sparse: decoded whole (zeros and all) into a reused buffer.
     thread_local std::vector<float> dense;
     dense.resize(num_elements);
-    if (absl::Status s =
-            DecodeSegments(dtype, data, absl::MakeSpan(dense), false);
-        !s.ok()) {
-      return s;
-    }
+    DecodeTopK(data, absl::MakeSpan(dense), /*accumulate=*/false);
     for (int64_t offset = 0; offset < num_elements;
          offset += kDecodePieceElements) {
       visit(offset,
@@ -648,18 +648,6 @@ absl::Status DecodeSegmentsInPieces(
     return absl::OkStatus();
   }
   const int64_t element_bytes = WireElementBytes(dtype);
-  if (element_bytes == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unsupported wire type ", TypeName(dtype)));
-  }
-  uint64_t total = 0;
-  for (const absl::string_view segment : data) total += segment.size();
-  const uint64_t expected = static_cast<uint64_t>(num_elements) * element_bytes;
-  if (num_elements < 0 || total != expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("payload has ", total, " bytes, expected ", expected, " (",
-                     num_elements, " ", TypeName(dtype), " elements)"));
-  }
   float piece[kDecodePieceElements];
   size_t segment = 0;  // cursor: the next unread byte is data[segment][at]
   size_t at = 0;

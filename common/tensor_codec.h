@@ -14,6 +14,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "proto/ps.pb.h"
@@ -24,6 +25,10 @@ namespace pstrain {
 // empty). Four inline pieces cover the usual case of a payload split across
 // a couple of gRPC slices without a heap allocation.
 using ByteSegments = absl::InlinedVector<absl::string_view, 4>;
+
+// The wire type a flag names: fp32, fp16, bf16 or topk; InvalidArgument
+// naming the choices otherwise.
+absl::StatusOr<DataType> ParseWireType(absl::string_view name);
 
 // Bytes per element of a wire type: FLOAT32 4, FLOAT16 2, BFLOAT16 2, or 0
 // for a value this build cannot decode (proto3 enums are open, so a newer

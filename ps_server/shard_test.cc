@@ -208,21 +208,27 @@ TEST(ShardSyncTest, BlocksCompleteIndependently) {
   EXPECT_EQ(f.shard->Stats().version(), 0);             // the slowest block
 }
 
+// What a checkpoint of `original` restores: its blocks, and (a file from
+// before sparse checkpoints) no table rows.
+RestoredShard RestoredFrom(const Shard& original) {
+  absl::StatusOr<ShardSnapshot> snapshot = original.Snapshot(0);
+  EXPECT_TRUE(snapshot.ok());
+  RestoredShard restored;
+  restored.schema = snapshot->schema;
+  restored.mode = snapshot->mode;
+  restored.optimizer = snapshot->optimizer;
+  restored.blocks = snapshot->blocks;
+  return restored;
+}
+
 // A member pulling step 1 must have pushed step 0. A restored shard that
 // does not have the gradient lost it in its crash, and must not wait for it;
 // any other shard must wait, or a client pulling before it pushes would
 // complete a step without its gradient.
 TEST(ShardSyncTest, OnlyARestoredShardAccountsForALostGradient) {
   Fixture original = MakeShard(ConsistencyMode::kSync, 2);
-  absl::StatusOr<ShardSnapshot> snapshot = original.shard->Snapshot(0);
-  ASSERT_TRUE(snapshot.ok());
-  RestoredShard restored;
-  restored.schema = snapshot->schema;
-  restored.mode = snapshot->mode;
-  restored.optimizer = snapshot->optimizer;
-  restored.blocks = snapshot->blocks;
   auto shard = std::move(*Shard::Create(original.options));
-  ASSERT_TRUE(shard->Restore(restored).ok());
+  ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
   ASSERT_TRUE(DoPush(*shard, UniformPush(1, 0, 2)).ok());
   auto pulled = DoPull(*shard, PullAt(0, 1), Soon());
   ASSERT_TRUE(pulled->status.ok()) << pulled->status;
@@ -242,15 +248,8 @@ TEST(ShardSyncTest, OnlyARestoredShardAccountsForALostGradient) {
 // worker that pulled step 1 from that life pushes step 1 here. Its step 0
 // gradient was lost with the crash, not missing.
 std::unique_ptr<Shard> RestoredAtStepZero(const Fixture& original) {
-  absl::StatusOr<ShardSnapshot> snapshot = original.shard->Snapshot(0);
-  EXPECT_TRUE(snapshot.ok());
-  RestoredShard restored;
-  restored.schema = snapshot->schema;
-  restored.mode = snapshot->mode;
-  restored.optimizer = snapshot->optimizer;
-  restored.blocks = snapshot->blocks;
   auto shard = std::move(*Shard::Create(original.options));
-  EXPECT_TRUE(shard->Restore(restored).ok());
+  EXPECT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
   return shard;
 }
 
@@ -563,31 +562,13 @@ TEST(ShardSparseTest, SyncAppliesTheMeanOfEveryWorkersRowsOnce) {
 // instead of refusing them.
 TEST(ShardSparseTest, RestoredShardCatchesItsTablesUp) {
   Fixture original = MakeSparseShard(ConsistencyMode::kSync, 1);
-  absl::StatusOr<ShardSnapshot> snapshot = original.shard->Snapshot(0);
-  ASSERT_TRUE(snapshot.ok());
-  RestoredShard restored;
-  restored.schema = snapshot->schema;
-  restored.mode = snapshot->mode;
-  restored.optimizer = snapshot->optimizer;
-  restored.blocks = snapshot->blocks;
   auto shard = std::move(*Shard::Create(original.options));
-  ASSERT_TRUE(shard->Restore(restored).ok());
+  ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
   ASSERT_TRUE(shard->SparsePush(SparsePushOf(0, 5, {7}, {2, 2})).ok());
   EXPECT_EQ(SparseRows(*shard, 6, {7}), (std::vector<float>{-2, -2}));
   const StatsResponse stats = shard->Stats();
   EXPECT_EQ(stats.sparse(0).version(), 6);
   EXPECT_EQ(stats.steps_lost(), 5);
-}
-
-RestoredShard RestoredFrom(const Shard& original) {
-  absl::StatusOr<ShardSnapshot> snapshot = original.Snapshot(0);
-  EXPECT_TRUE(snapshot.ok());
-  RestoredShard restored;
-  restored.schema = snapshot->schema;
-  restored.mode = snapshot->mode;
-  restored.optimizer = snapshot->optimizer;
-  restored.blocks = snapshot->blocks;
-  return restored;
 }
 
 // The first request after a restore may be a dense one that needs no

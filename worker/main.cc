@@ -30,6 +30,7 @@
 #include "common/metrics.h"
 #include "common/protocol.h"
 #include "common/run_output.h"
+#include "common/tensor_codec.h"
 #include "common/tls.h"
 #include "glog/logging.h"
 #include "kernels/backend.h"
@@ -449,20 +450,11 @@ int Main(int argc, char** argv) {
   client_options.retry_window =
       absl::Seconds(absl::GetFlag(FLAGS_retry_window_s));
   client_options.inject_duplicate_push_probability = duplicate_probability;
-  const std::string wire_type = absl::GetFlag(FLAGS_gradient_wire_type);
-  if (wire_type == "fp32") {
-    client_options.gradient_wire_type = FLOAT32;
-  } else if (wire_type == "fp16") {
-    client_options.gradient_wire_type = FLOAT16;
-  } else if (wire_type == "bf16") {
-    client_options.gradient_wire_type = BFLOAT16;
-  } else if (wire_type == "topk") {
-    client_options.gradient_wire_type = TOPK_FLOAT32;
-  } else {
-    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
-        "--gradient_wire_type must be fp32, fp16, bf16 or topk, got '",
-        wire_type, "'")));
-  }
+  const absl::StatusOr<DataType> wire_type =
+      ParseWireType(absl::GetFlag(FLAGS_gradient_wire_type));
+  checks.push_back(wire_type.status());
+  if (wire_type.ok()) client_options.gradient_wire_type = *wire_type;
+
   absl::StatusOr<std::unique_ptr<PsClient>> client =
       PsClient::Create(client_options);
   if (!absl::GetFlag(FLAGS_ps_hosts).empty()) checks.push_back(client.status());

@@ -64,6 +64,7 @@
 #include "absl/time/time.h"
 #include "bench/transport/echo.grpc.pb.h"
 #include "common/grpc_tuning.h"
+#include "common/tensor_codec.h"
 #include "glog/logging.h"
 #include "proto/ps.pb.h"
 #include "tools/cpp/runfiles/runfiles.h"
@@ -877,17 +878,10 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   options.grpc_tuning = *tuning;
   options.call_streams = absl::GetFlag(FLAGS_call_streams);
   options.connections_per_shard = absl::GetFlag(FLAGS_connections_per_shard);
-  const std::string wire_type = absl::GetFlag(FLAGS_gradient_wire_type);
-  const std::map<std::string, DataType> wire_types = {{"fp32", FLOAT32},
-                                                      {"fp16", FLOAT16},
-                                                      {"bf16", BFLOAT16},
-                                                      {"topk", TOPK_FLOAT32}};
-  if (!wire_types.count(wire_type)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--gradient_wire_type must be fp32, fp16, bf16 or topk, got '",
-        wire_type, "'"));
-  }
-  options.gradient_wire_type = wire_types.at(wire_type);
+  const absl::StatusOr<DataType> wire_type =
+      ParseWireType(absl::GetFlag(FLAGS_gradient_wire_type));
+  if (!wire_type.ok()) return wire_type.status();
+  options.gradient_wire_type = *wire_type;
   options.gradient_topk_fraction = absl::GetFlag(FLAGS_gradient_topk_fraction);
   options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
   options.connect_timeout = kStartTimeout;
