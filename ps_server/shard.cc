@@ -1413,6 +1413,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
         absl::StrCat("the checkpoint holds ", restored.sparse.size(),
                      " sparse tables, the schema has ", model.sparse.size()));
   }
+  int64_t tables_behind = 0;  // steps, like FastForwardLocked's count
   for (size_t t = 0; t < model.sparse.size(); ++t) {
     SparseState& table = *model.sparse[t];
     absl::MutexLock table_lock(&table.mu);
@@ -1435,9 +1436,16 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
                                                 s.message()));
       }
     }
-    table.version.store(saved.version);
-    newest = std::max(newest, saved.version);
+    // A checkpoint copies objects one by one while steps go on, and a CTR
+    // step pushes its tables after its dense blocks: a table can come back
+    // more than a step behind the blocks, where no worker will ask for its
+    // old steps again. It skips to the blocks' step (its rows stay), like a
+    // fast-forward, and the steps it skips count as lost.
+    tables_behind = std::max(tables_behind, oldest - saved.version);
+    table.version.store(std::max(saved.version, oldest));
+    newest = std::max(newest, table.version.load());
   }
+  steps_lost_.fetch_add(tables_behind);
   absl::MutexLock state_lock(&mu_);
   recovering_ = options_.mode == ConsistencyMode::kSync;
   recovery_horizon_ = newest;
