@@ -661,6 +661,26 @@ TEST(ShardSparseTest, RestoredShardKeepsItsRows) {
   EXPECT_EQ(SparseRows(*shard, 1, {7, 9, 11}), trained);
 }
 
+// A checkpoint copies objects one by one, so a table can be saved steps
+// behind its blocks; restored, it skips to their step, keeping its rows.
+TEST(ShardSparseTest, ATableSavedBehindItsBlocksSkipsToTheirStep) {
+  Fixture original = MakeSparseShard(ConsistencyMode::kSync, 1);
+  ASSERT_TRUE(original.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2})).ok());
+  absl::StatusOr<ShardSnapshot> table_at_1 = original.shard->Snapshot(0);
+  ASSERT_TRUE(table_at_1.ok());
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(DoPush(*original.shard, UniformPush(0, step, 1)).ok());
+  }
+  RestoredShard restored = RestoredFrom(*original.shard);  // blocks at 3
+  restored.sparse = table_at_1->sparse;                    // table at 1
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(restored).ok());
+  const StatsResponse stats = shard->Stats();
+  EXPECT_EQ(stats.sparse(0).version(), 3);
+  EXPECT_EQ(stats.steps_lost(), 2);
+  EXPECT_EQ(SparseRows(*shard, 3, {7}), (std::vector<float>{-2, -2}));
+}
+
 TEST(ShardSparseTest, AsyncAppliesEachPushOnArrival) {
   Fixture f = MakeSparseShard(ConsistencyMode::kAsync, 2);
   ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2})).ok());
