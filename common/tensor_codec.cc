@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "absl/base/internal/endian.h"
@@ -546,6 +547,17 @@ absl::Status ValidatePayload(DataType dtype, const ByteSegments& data,
   return absl::OkStatus();
 }
 
+namespace {
+
+// |x| for ordering, with NaN as +inf: an order needs no NaN, and a NaN is
+// then sent at once, for the server to refuse (or skip) as it does a dense
+// one, instead of staying in the residual.
+float Magnitude(float x) {
+  return std::isnan(x) ? std::numeric_limits<float>::infinity() : std::fabs(x);
+}
+
+}  // namespace
+
 void EncodeTopK(absl::Span<float> accumulated, int64_t k, std::string* out) {
   const int64_t n = static_cast<int64_t>(accumulated.size());
   k = std::clamp<int64_t>(k, 0, n);
@@ -558,7 +570,7 @@ void EncodeTopK(absl::Span<float> accumulated, int64_t k, std::string* out) {
     const int64_t samples = std::min<int64_t>(n, 4096);
     std::vector<float> sample(samples);
     for (int64_t i = 0; i < samples; ++i) {
-      sample[i] = std::fabs(accumulated[i * n / samples]);
+      sample[i] = Magnitude(accumulated[i * n / samples]);
     }
     const int64_t rank = std::min(samples - 1, 2 * k * samples / n);
     std::nth_element(sample.begin(), sample.begin() + rank, sample.end(),
@@ -568,7 +580,7 @@ void EncodeTopK(absl::Span<float> accumulated, int64_t k, std::string* out) {
   std::vector<uint32_t> order;
   order.reserve(std::min<int64_t>(n, 4 * k + 16));
   for (int64_t i = 0; i < n && k > 0; ++i) {
-    if (std::fabs(accumulated[i]) >= threshold) {
+    if (Magnitude(accumulated[i]) >= threshold) {
       order.push_back(static_cast<uint32_t>(i));
     }
   }
@@ -579,8 +591,8 @@ void EncodeTopK(absl::Span<float> accumulated, int64_t k, std::string* out) {
   // Largest magnitude first, the lower index on a tie: deterministic.
   std::nth_element(order.begin(), order.begin() + k, order.end(),
                    [&](uint32_t a, uint32_t b) {
-                     const float fa = std::fabs(accumulated[a]);
-                     const float fb = std::fabs(accumulated[b]);
+                     const float fa = Magnitude(accumulated[a]);
+                     const float fb = Magnitude(accumulated[b]);
                      return fa > fb || (fa == fb && a < b);
                    });
   order.resize(k);

@@ -582,6 +582,16 @@ TEST(TopKTest, ErrorFeedbackSendsEveryGradientEventually) {
   }
 }
 
+// A NaN in the residual is sent at once (for the server to refuse, as it
+// does a dense one), not kept and grown step after step.
+TEST(TopKTest, ANonFiniteResidualIsSentFirst) {
+  std::vector<float> accumulated = {5.0f, NAN, -7.0f, 1.0f};
+  std::string payload;
+  EncodeTopK(absl::MakeSpan(accumulated), 1, &payload);
+  EXPECT_EQ(FindNonFiniteSegments(TOPK_FLOAT32, ByteSegments{payload}), 1);
+  EXPECT_EQ(accumulated[1], 0.0f);
+}
+
 TEST(TopKTest, MalformedPayloadsAreRefused) {
   auto payload = [](std::vector<uint32_t> indices, std::vector<float> values) {
     std::string out(reinterpret_cast<const char*>(indices.data()),

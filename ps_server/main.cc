@@ -406,6 +406,7 @@ int Main(int argc, char** argv) {
   LOG(INFO) << "signal " << signal_number << ": shutting down";
   set_serving(false);  // probes and balancers stop sending work first
   (*shard)->BeginShutdown();
+  service.CancelCallStreams();
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(
                        absl::GetFlag(FLAGS_shutdown_grace_s) * 1000)));

@@ -173,6 +173,10 @@ class ParameterServerService::CallStream final
   CallStream(ParameterServerService* service,
              grpc::CallbackServerContext* context, bool pull)
       : service_(service), context_(context), pull_(pull) {
+    {
+      absl::MutexLock lock(&service_->streams_mu_);
+      service_->streams_.insert(this);
+    }
     if (!service_->HasToken(context_)) {
       service_->shard_->CountRejected();
       Finish(ToGrpcStatus(absl::UnauthenticatedError(
@@ -207,7 +211,16 @@ class ParameterServerService::CallStream final
     StartRead(&request_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&service_->streams_mu_);
+      service_->streams_.erase(this);
+    }
+    delete this;
+  }
+
+  // Under the service's streams_mu_, so before OnDone.
+  void Cancel() { context_->TryCancel(); }
 
  private:
   void Answer(absl::Status status) {
@@ -224,6 +237,11 @@ class ParameterServerService::CallStream final
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
 };
+
+void ParameterServerService::CancelCallStreams() {
+  absl::MutexLock lock(&streams_mu_);
+  for (CallStream* stream : streams_) stream->Cancel();
+}
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
 ParameterServerService::PushStream(grpc::CallbackServerContext* context) {

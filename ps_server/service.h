@@ -8,6 +8,7 @@
 
 #include <atomic>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/random/random.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/ps.grpc.pb.h"
@@ -85,6 +86,12 @@ class ParameterServerService final : public ParameterServerRawService {
                                        const CheckpointRequest* request,
                                        CheckpointResponse* response) override;
 
+  // Ends every open PushStream/PullStream (each waits for its next request
+  // with no deadline of its own), so that Server::Shutdown need not wait for
+  // them; their clients see a cancelled call and retry elsewhere or later.
+  // Call after Shard::BeginShutdown.
+  void CancelCallStreams();
+
   // Push responses dropped on purpose (drop_push_response_probability).
   int64_t push_responses_dropped() const { return dropped_.load(); }
 
@@ -110,6 +117,8 @@ class ParameterServerService final : public ParameterServerRawService {
   const ServiceOptions options_;
   Checkpointer* checkpointer_;
   std::atomic<int64_t> dropped_{0};
+  absl::Mutex streams_mu_;
+  absl::flat_hash_set<CallStream*> streams_ ABSL_GUARDED_BY(streams_mu_);
   absl::Mutex random_mu_;
   absl::BitGen random_ ABSL_GUARDED_BY(random_mu_);
 };

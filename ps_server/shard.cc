@@ -614,23 +614,30 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
         // its gradient of s - 1 was lost with it, as in Pull. The step
         // completes once every member's is given or lost; until then the
         // push is refused as retryable.
-        if (CreditLostGradientsLocked(**model, request.worker_id,
-                                      request.step) &&
-            block.version.load() >= request.step) {
+        const bool completed =
+            CreditLostGradientsLocked(**model, request.worker_id, request.step);
+        if (completed && block.version.load() >= request.step) {
           lock.Release();
           ReleaseReadyWaiters();
           return Push(request);
         }
+        absl::Status refused;
         if (request.step == version + 1 && version <= recovery_horizon_) {
           absl::MutexLock block_lock(&block.mu);
-          return Reject(absl::UnavailableError(absl::StrCat(
+          refused = absl::UnavailableError(absl::StrCat(
               "push for step ", request.step, " waits on this restored shard: ",
-              DescribeBlockWaitLocked(block, *membership_), "; retry")));
+              DescribeBlockWaitLocked(block, *membership_), "; retry"));
+        } else {
+          refused = absl::FailedPreconditionError(
+              absl::StrCat("push for step ", request.step, " but tensor '",
+                           *block.tensor_name, "' block ",
+                           block.location->block, " is at step ", version,
+                           ": a sync worker pushes the step it pulled"));
         }
-        return Reject(absl::FailedPreconditionError(absl::StrCat(
-            "push for step ", request.step, " but tensor '", *block.tensor_name,
-            "' block ", block.location->block, " is at step ", version,
-            ": a sync worker pushes the step it pulled")));
+        // The credit may have completed other blocks or tables.
+        lock.Release();
+        if (completed) ReleaseReadyWaiters();
+        return Reject(std::move(refused));
       }
       recovering_ = false;
     }

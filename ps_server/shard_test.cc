@@ -681,6 +681,39 @@ TEST(ShardSparseTest, ATableSavedBehindItsBlocksSkipsToTheirStep) {
   EXPECT_EQ(SparseRows(*shard, 3, {7}), (std::vector<float>{-2, -2}));
 }
 
+// A refused push from a previous life can still complete another object
+// with its credit; that object's waiting pulls are answered at once.
+TEST(ShardSparseTest, ARefusedPushStillReleasesWhatItsCreditCompleted) {
+  Fixture original = MakeSparseShard(ConsistencyMode::kSync, 2);
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
+  ASSERT_TRUE(DoPull(*shard, PullAt(1, 0), Soon())->status.ok());  // no news
+  ASSERT_TRUE(shard->SparsePush(SparsePushOf(1, 0, {7}, {2, 2})).ok());
+  SparsePullRequest pull;  // an observer waiting for the table's step 1
+  pull.set_protocol_version(kProtocolVersion);
+  pull.set_worker_id(-1);
+  pull.set_step(1);
+  pull.set_table("emb");
+  pull.add_ids(7);
+  absl::Notification pulled;
+  shard->SparsePull(pull, absl::Now() + absl::Seconds(60),
+                    [&](absl::Status s, SparsePullResponse) {
+                      EXPECT_TRUE(s.ok()) << s;
+                      pulled.Notify();
+                    });
+  ASSERT_FALSE(pulled.HasBeenNotified());
+  // Worker 0 pulled step 1 from the previous life: its credit completes the
+  // table's step 0 (worker 1 had pushed), not the blocks' (worker 1's dense
+  // gradient is missing), so the push itself waits.
+  absl::StatusOr<PushResponse> pushed =
+      DoPush(*shard, UniformPush(0, 1, 2, /*pulled_version=*/1));
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kUnavailable)
+      << pushed.status();
+  EXPECT_TRUE(pulled.HasBeenNotified());
+  EXPECT_EQ(shard->Stats().sparse(0).version(), 1);
+  EXPECT_TRUE(pulled.WaitForNotificationWithTimeout(absl::Seconds(60)));
+}
+
 TEST(ShardSparseTest, AsyncAppliesEachPushOnArrival) {
   Fixture f = MakeSparseShard(ConsistencyMode::kAsync, 2);
   ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2})).ok());

@@ -157,6 +157,7 @@ class HostileInputTest : public ::testing::Test {
       std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
           host, grpc::InsecureChannelCredentials(), args);
       stubs_.push_back(ParameterServer::NewStub(channel));
+      channels_.push_back(channel);
       generic_.push_back(std::make_unique<grpc::GenericStub>(channel));
     }
     for (int s = 0; s < num_shards && register_model; ++s) {
@@ -209,6 +210,22 @@ class HostileInputTest : public ::testing::Test {
       }
     }
     return call->status;
+  }
+
+  // A PushStream or PullStream to `shard`, carrying raw request bytes.
+  using CallStream =
+      grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
+  std::unique_ptr<CallStream> OpenCallStream(int shard,
+                                             grpc::ClientContext* context,
+                                             const char* method) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    return std::unique_ptr<CallStream>(
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer,
+                                                  grpc::ByteBuffer>::
+            Create(channels_[shard].get(),
+                   grpc::internal::RpcMethod(
+                       method, grpc::internal::RpcMethod::BIDI_STREAMING),
+                   context));
   }
 
   grpc::Status RawPush(int shard, const PushRequest& push,
@@ -332,6 +349,7 @@ class HostileInputTest : public ::testing::Test {
   int num_shards_ = 0;
   std::vector<std::unique_ptr<ParameterServer::Stub>> stubs_;
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
 };
 
 // Builds a push whose block 0 carries `data` as it is (any length, dtype).
@@ -760,18 +778,8 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
 // call's error and changes nothing, and a new stream carries on.
 TEST_F(HostileInputTest, CallStreamsAnswerInOrderAndEndOnABadMessage) {
   Start(1, "sync");
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
-      cluster_->HostList()[0], grpc::InsecureChannelCredentials());
-  using Stream = grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
-  auto open = [&](grpc::ClientContext* context, const char* method) {
-    context->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
-    return std::unique_ptr<Stream>(
-        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer,
-                                                  grpc::ByteBuffer>::
-            Create(channel.get(),
-                   grpc::internal::RpcMethod(
-                       method, grpc::internal::RpcMethod::BIDI_STREAMING),
-                   context));
+  auto open = [this](grpc::ClientContext* context, const char* method) {
+    return OpenCallStream(0, context, method);
   };
   auto bytes_of = [](const std::string& bytes) {
     grpc::Slice slice(bytes.data(), bytes.size());
@@ -788,7 +796,7 @@ TEST_F(HostileInputTest, CallStreamsAnswerInOrderAndEndOnABadMessage) {
   };
 
   grpc::ClientContext push_context;
-  std::unique_ptr<Stream> pushes =
+  std::unique_ptr<CallStream> pushes =
       open(&push_context, "/pstrain.ParameterServer/PushStream");
   grpc::ByteBuffer reply;
   for (const PushRequest& push : {Push(0, 0, 1.0f), Push(1, 0, 3.0f)}) {
@@ -810,7 +818,7 @@ TEST_F(HostileInputTest, CallStreamsAnswerInOrderAndEndOnABadMessage) {
 
   // Step 0 was applied once (mean gradient 2), whatever came after.
   grpc::ClientContext pull_context;
-  std::unique_ptr<Stream> pulls =
+  std::unique_ptr<CallStream> pulls =
       open(&pull_context, "/pstrain.ParameterServer/PullStream");
   ASSERT_TRUE(pulls->Write(bytes_of(Pull(-1, 1).SerializeAsString())));
   ASSERT_TRUE(pulls->Read(&reply));
@@ -819,6 +827,27 @@ TEST_F(HostileInputTest, CallStreamsAnswerInOrderAndEndOnABadMessage) {
   pulls->WritesDone();
   EXPECT_TRUE(pulls->Finish().ok());
   EXPECT_TRUE(cluster_->server(0).running());
+}
+
+// A worker's call stream stays open between steps, waiting for its next
+// request with no deadline of its own: SIGTERM must end it, not wait out
+// the whole grace period.
+TEST_F(HostileInputTest, ShutdownDoesNotWaitForOpenCallStreams) {
+  Start(1, "sync", {"--shutdown_grace_s=60"});
+  grpc::ClientContext context;
+  std::unique_ptr<CallStream> pulls =
+      OpenCallStream(0, &context, "/pstrain.ParameterServer/PullStream");
+  const std::string pull = Pull(-1, 0).SerializeAsString();
+  grpc::Slice slice(pull.data(), pull.size());
+  ASSERT_TRUE(pulls->Write(grpc::ByteBuffer(&slice, 1)));
+  grpc::ByteBuffer reply;
+  ASSERT_TRUE(pulls->Read(&reply));
+  const absl::Time start = absl::Now();
+  const absl::Status stopped = cluster_->StopServer(0);  // waits up to 30 s
+  EXPECT_TRUE(stopped.ok()) << stopped;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_FALSE(pulls->Read(&reply));
+  EXPECT_EQ(pulls->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
 TEST_F(HostileInputTest, AsyncServerRefusesBadRequestsAndSkipsNonFinite) {

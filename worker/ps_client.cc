@@ -73,6 +73,8 @@ struct PsClient::CallStream {
   // The stream's deadline: a stream is replaced before a call whose own
   // deadline would pass it.
   absl::Time expires ABSL_GUARDED_BY(mu);
+  // gRPC keeps a pointer to the method name for the stream's life.
+  std::string method ABSL_GUARDED_BY(mu);
 
   // Ends the stream (if any) and returns its status. `cancel` for a stream
   // that may still be open; a stream whose read or write failed is over
@@ -178,6 +180,7 @@ bool PsClient::CallOnStream(const std::string& method, absl::Duration timeout,
     // Twice the call timeout, so that every call on it gets its own whole
     // timeout, and no stream outlives 2x: a wait on it always ends.
     s.expires = now + 2 * timeout;
+    s.method = absl::StrCat(method, "Stream");
     s.context = std::make_unique<grpc::ClientContext>();
     s.context->set_deadline(absl::ToChronoTime(s.expires));
     if (!options_.auth_token.empty()) {
@@ -188,7 +191,7 @@ bool PsClient::CallOnStream(const std::string& method, absl::Duration timeout,
                                                              grpc::ByteBuffer>::
                        Create(channels_[index].get(),
                               grpc::internal::RpcMethod(
-                                  absl::StrCat(method, "Stream").c_str(),
+                                  s.method.c_str(),
                                   grpc::internal::RpcMethod::BIDI_STREAMING),
                               s.context.get()));
   }
@@ -202,6 +205,10 @@ bool PsClient::CallOnStream(const std::string& method, absl::Duration timeout,
   // have been the unary call's. A stream cut without one is a lost
   // connection.
   grpc::Status status = s.CloseLocked(/*cancel=*/false);
+  if (status.error_code() == grpc::StatusCode::CANCELLED) {
+    status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "the server closed the call stream (shutting down)");
+  }
   if (status.ok()) {
     status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           "the call stream closed without an answer");
@@ -287,6 +294,8 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
       switch (calls[i].status.code()) {
         case absl::StatusCode::kUnavailable:       // down or restarting
         case absl::StatusCode::kDeadlineExceeded:  // peers slow or dead
+        case absl::StatusCode::kCancelled:  // by a server shutting down: this
+                                            // client never cancels a call
           break;
         case absl::StatusCode::kNotFound:  // restarted with no model
           reregister = true;
