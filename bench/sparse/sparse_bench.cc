@@ -59,6 +59,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/child_process.h"
 #include "proto/ps.pb.h"
 #include "tools/cpp/runfiles/runfiles.h"
 #include "worker/embedding_bag.h"
@@ -95,207 +96,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr absl::Duration kPoll = absl::Milliseconds(5);
 constexpr absl::Duration kStartTimeout = absl::Seconds(30);
-constexpr absl::Duration kStopGrace = absl::Seconds(5);
 constexpr float kGradient = 1e-3f;  // small and finite
 
 // ---------------------------------------------------------------------------
-// Child processes, and what must not outlive the bench.
-
-class Leftovers {
- public:
-  static Leftovers& Get() {
-    static Leftovers* leftovers = new Leftovers();  // used during exit
-    return *leftovers;
-  }
-  void Add(pid_t pid) {
-    absl::MutexLock lock(&mu_);
-    children_.insert(pid);
-  }
-  void Remove(pid_t pid) {
-    absl::MutexLock lock(&mu_);
-    children_.erase(pid);
-  }
-  void SetScratch(const std::string& dir) {
-    absl::MutexLock lock(&mu_);
-    scratch_ = dir;
-  }
-  // Last resort: SIGKILL every child, remove the scratch directory.
-  void KillAll() {
-    absl::MutexLock lock(&mu_);
-    for (pid_t pid : children_) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-    }
-    children_.clear();
-    RemoveScratchLocked();
-  }
-  void RemoveScratch() {
-    absl::MutexLock lock(&mu_);
-    RemoveScratchLocked();
-  }
-
- private:
-  void RemoveScratchLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (scratch_.empty()) return;
-    std::error_code ignored;
-    std::filesystem::remove_all(scratch_, ignored);
-    scratch_.clear();
-  }
-
-  absl::Mutex mu_;
-  std::set<pid_t> children_ ABSL_GUARDED_BY(mu_);
-  std::string scratch_ ABSL_GUARDED_BY(mu_);
-};
-
-// Must run before any other thread exists (gRPC starts its own), so that
-// termination signals reach only the guardian.
-void StartGuardian(absl::Duration deadline) {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGHUP);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  std::thread([set, deadline] {
-    const absl::Time end = absl::Now() + deadline;
-    while (true) {
-      const absl::Duration left = end - absl::Now();
-      int code = 0;
-      if (left <= absl::ZeroDuration()) {
-        std::fprintf(stderr, "sparse_bench: --deadline_s passed\n");
-        code = 3;
-      } else {
-        const timespec wait =
-            absl::ToTimespec(std::min(left, absl::Seconds(1)));
-        const int signal_number = sigtimedwait(&set, nullptr, &wait);
-        if (signal_number > 0) code = 128 + signal_number;
-      }
-      if (code != 0) {
-        std::fprintf(stderr, "sparse_bench: killing every child process\n");
-        Leftovers::Get().KillAll();
-        std::fflush(stdout);
-        _exit(code);
-      }
-    }
-  }).detach();
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
-std::string Tail(const std::string& text, size_t max_chars = 1500) {
-  return text.size() <= max_chars ? text : text.substr(text.size() - max_chars);
-}
-
-class ChildProcess {
- public:
-  // Starts argv (argv[0] a path), stdout and stderr appended to `log_path`.
-  // Main thread only: PR_SET_PDEATHSIG fires when the forking thread exits.
-  static absl::StatusOr<std::unique_ptr<ChildProcess>> Start(
-      const std::vector<std::string>& argv, const std::string& log_path) {
-    // Only async-signal-safe calls between fork and exec (we have threads).
-    std::vector<char*> args;
-    for (const std::string& arg : argv) {
-      args.push_back(const_cast<char*>(arg.c_str()));
-    }
-    args.push_back(nullptr);
-    const pid_t parent = getpid();
-    sigset_t none;
-    sigemptyset(&none);
-    const pid_t pid = fork();
-    if (pid < 0) {
-      return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-    }
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);
-      sigprocmask(SIG_SETMASK, &none, nullptr);
-      const int in = open("/dev/null", O_RDONLY);
-      const int log =
-          open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      if (in < 0 || log < 0) _exit(127);
-      dup2(in, STDIN_FILENO);
-      dup2(log, STDOUT_FILENO);
-      dup2(log, STDERR_FILENO);
-      execv(args[0], args.data());
-      _exit(127);
-    }
-    Leftovers::Get().Add(pid);
-    std::fprintf(stderr, "sparse_bench: started pid %d (%s)\n", pid,
-                 log_path.c_str());
-    return std::unique_ptr<ChildProcess>(new ChildProcess(pid, log_path));
-  }
-
-  ~ChildProcess() { Stop(); }
-
-  // SIGTERM, then SIGKILL after kStopGrace. Idempotent.
-  void Stop() {
-    if (!Running()) return;
-    kill(pid_, SIGTERM);
-    const absl::Time deadline = absl::Now() + kStopGrace;
-    while (Running() && absl::Now() < deadline) absl::SleepFor(kPoll);
-    if (Running()) {
-      std::fprintf(stderr, "sparse_bench: pid %d ignored SIGTERM; SIGKILL\n",
-                   pid_);
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-      exited_ = true;
-      Leftovers::Get().Remove(pid_);
-    }
-  }
-
-  bool Running() {
-    if (exited_) return false;
-    int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == pid_) {
-      exited_ = true;
-      exit_code_ =
-          WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      Leftovers::Get().Remove(pid_);
-    }
-    return !exited_;
-  }
-
-  // The port the child writes (atomically) to `port_file` once it serves.
-  absl::StatusOr<int> WaitForPort(const std::string& port_file) {
-    const absl::Time deadline = absl::Now() + kStartTimeout;
-    while (true) {
-      int port = 0;
-      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(ReadFile(port_file)),
-                           &port) &&
-          port > 0) {
-        return port;
-      }
-      if (!Running()) {
-        return absl::InternalError(absl::StrCat(
-            "ps_server exited with ", exit_code_, ":\n", Tail(Log())));
-      }
-      if (absl::Now() > deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "ps_server wrote no port file in ",
-            absl::FormatDuration(kStartTimeout), ":\n", Tail(Log())));
-      }
-      absl::SleepFor(kPoll);
-    }
-  }
-
-  std::string Log() const { return ReadFile(log_path_); }
-
- private:
-  ChildProcess(pid_t pid, std::string log_path)
-      : pid_(pid), log_path_(std::move(log_path)) {}
-
-  pid_t pid_;
-  std::string log_path_;
-  bool exited_ = false;
-  int exit_code_ = -1;
-};
+// Servers.
 
 // `servers` ps_server shards, stopped when this goes away.
 struct Cluster {
@@ -321,6 +126,7 @@ absl::Status StartCluster(const std::string& ps_server,
     const std::string base = absl::StrCat(scratch, "/", tag, "_", s);
     port_files.push_back(absl::StrCat(base, ".port"));
     absl::StatusOr<std::unique_ptr<ChildProcess>> shard = ChildProcess::Start(
+        absl::StrCat("ps_server shard ", s),
         {ps_server, "--host=127.0.0.1", "--port=0",
          absl::StrCat("--port_file=", port_files[s]),
          absl::StrCat("--shard_id=", s), absl::StrCat("--num_shards=", servers),
@@ -331,7 +137,8 @@ absl::Status StartCluster(const std::string& ps_server,
     cluster->shards.push_back(std::move(*shard));
   }
   for (int s = 0; s < servers; ++s) {
-    absl::StatusOr<int> port = cluster->shards[s]->WaitForPort(port_files[s]);
+    absl::StatusOr<int> port =
+        cluster->shards[s]->WaitForPort(port_files[s], kStartTimeout);
     if (!port.ok()) return port.status();
     cluster->hosts.push_back(absl::StrCat("127.0.0.1:", *port));
   }
@@ -589,33 +396,6 @@ absl::StatusOr<DimResult> MeasureDim(int64_t dim, const Workload& workload,
 // ---------------------------------------------------------------------------
 // Reporting.
 
-std::string FirstLineWith(const std::string& path, const std::string& key) {
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(key, 0) == 0 && line.find(':') != std::string::npos) {
-      return std::string(
-          absl::StripAsciiWhitespace(line.substr(line.find(':') + 1)));
-    }
-  }
-  return "unknown";
-}
-
-std::string LoadAverage() {
-  return std::string(absl::StripAsciiWhitespace(ReadFile("/proc/loadavg")));
-}
-
-std::string MachineDescription() {
-  utsname name = {};
-  uname(&name);
-  return absl::StrCat("# machine: nproc ", sysconf(_SC_NPROCESSORS_ONLN),
-                      ", cpu ", FirstLineWith("/proc/cpuinfo", "model name"),
-                      ", memory ", FirstLineWith("/proc/meminfo", "MemTotal"),
-                      "\n# kernel: ", name.sysname, " ", name.release, " ",
-                      name.version, " ", name.machine,
-                      "\n# load average at start: ", LoadAverage(), "\n");
-}
-
 double Ratio(double a, double b) { return b > 0 ? a / b : 0; }
 
 std::string TableHeader() {
@@ -672,37 +452,6 @@ std::string JsonLine(const DimResult& r, const Workload& w) {
 // ---------------------------------------------------------------------------
 // The bench.
 
-absl::StatusOr<std::string> FindPsServer(const char* argv0) {
-  const std::string flag = absl::GetFlag(FLAGS_ps_server);
-  if (!flag.empty()) {
-    if (access(flag.c_str(), X_OK) != 0) {
-      return absl::NotFoundError(
-          absl::StrCat("--ps_server=", flag, " is not executable"));
-    }
-    return flag;
-  }
-  using bazel::tools::cpp::runfiles::Runfiles;
-  // argv[0]: bazel run and bazel-bin/...; /proc/self/exe: started through a
-  // symlink (a test's runfiles); TEST_SRCDIR inside a test.
-  std::vector<std::unique_ptr<Runfiles>> candidates;
-  std::string error;
-  candidates.emplace_back(Runfiles::Create(argv0, &error));
-  std::error_code ignored;
-  const std::string self =
-      std::filesystem::canonical("/proc/self/exe", ignored).string();
-  if (!self.empty()) candidates.emplace_back(Runfiles::Create(self, &error));
-  candidates.emplace_back(Runfiles::CreateForTest(&error));
-  for (const std::unique_ptr<Runfiles>& runfiles : candidates) {
-    if (runfiles == nullptr) continue;
-    const std::string path = runfiles->Rlocation("pstrain/ps_server/ps_server");
-    if (!path.empty() && access(path.c_str(), X_OK) == 0) return path;
-  }
-  return absl::NotFoundError(
-      "ps_server is not in the runfiles; run through bazel "
-      "(bazel run //bench/sparse:sparse_bench, bazel-bin/...) or pass "
-      "--ps_server=PATH");
-}
-
 absl::StatusOr<std::vector<int64_t>> ParseDims() {
   std::vector<std::string> problems;
   std::vector<int64_t> dims;
@@ -751,7 +500,8 @@ int BenchMain(const char* argv0) {
     return 2;
   }
   StartGuardian(absl::Seconds(absl::GetFlag(FLAGS_deadline_s)));
-  absl::StatusOr<std::string> ps_server = FindPsServer(argv0);
+  absl::StatusOr<std::string> ps_server = FindPsServer(
+      absl::GetFlag(FLAGS_ps_server), argv0, "//bench/sparse:sparse_bench");
   if (!ps_server.ok()) {
     std::fprintf(stderr, "sparse_bench: %s\n",
                  ps_server.status().ToString().c_str());
@@ -766,7 +516,7 @@ int BenchMain(const char* argv0) {
                  std::strerror(errno));
     return 1;
   }
-  Leftovers::Get().SetScratch(scratch);
+  Leftovers::Get().SetScratchDir(scratch);
 
   std::printf("%s",
               absl::StrFormat(

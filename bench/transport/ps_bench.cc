@@ -62,7 +62,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/child_process.h"
 #include "bench/transport/echo.grpc.pb.h"
+#include "common/cli.h"
 #include "common/grpc_tuning.h"
 #include "common/tensor_codec.h"
 #include "glog/logging.h"
@@ -131,12 +133,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Polling interval of waits on port files and child exits; every such wait
-// is bounded by its own deadline.
-constexpr absl::Duration kPoll = absl::Milliseconds(5);
 constexpr absl::Duration kStartTimeout = absl::Seconds(30);
-// ps_server finishes in-flight calls on SIGTERM; past this it gets SIGKILL.
-constexpr absl::Duration kStopGrace = absl::Seconds(5);
 constexpr int64_t kMinIterations = 10;
 // Largest payload a peer accepts, so a corrupt header cannot make it
 // allocate without bound.
@@ -155,238 +152,7 @@ struct TcpHeader {
 };
 
 // ---------------------------------------------------------------------------
-// What must not outlive the bench: child pids and the scratch directory.
-
-class Leftovers {
- public:
-  static Leftovers& Get() {
-    static Leftovers* leftovers = new Leftovers();  // never destroyed: the
-    return *leftovers;  // guardian thread may use it during exit
-  }
-  void AddChild(pid_t pid) {
-    absl::MutexLock lock(&mu_);
-    children_.insert(pid);
-  }
-  void RemoveChild(pid_t pid) {
-    absl::MutexLock lock(&mu_);
-    children_.erase(pid);
-  }
-  void SetScratchDir(const std::string& dir) {
-    absl::MutexLock lock(&mu_);
-    scratch_dir_ = dir;
-  }
-  // Last resort (signal, deadline): SIGKILL every child and remove the
-  // scratch directory.
-  void KillAll() {
-    absl::MutexLock lock(&mu_);
-    for (pid_t pid : children_) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-    }
-    children_.clear();
-    RemoveScratchLocked();
-  }
-  void RemoveScratch() {
-    absl::MutexLock lock(&mu_);
-    RemoveScratchLocked();
-  }
-
- private:
-  void RemoveScratchLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (scratch_dir_.empty()) return;
-    std::error_code ignored;
-    std::filesystem::remove_all(scratch_dir_, ignored);
-    scratch_dir_.clear();
-  }
-
-  absl::Mutex mu_;
-  std::set<pid_t> children_ ABSL_GUARDED_BY(mu_);
-  std::string scratch_dir_ ABSL_GUARDED_BY(mu_);
-};
-
-sigset_t TerminationSignals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGHUP);
-  return set;
-}
-
-// Must run before any other thread exists (gRPC starts its own), so that
-// the signals reach only the guardian's sigtimedwait.
-void StartGuardian(absl::Duration deadline) {
-  sigset_t set = TerminationSignals();
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  std::thread([set, deadline] {
-    const absl::Time end = absl::Now() + deadline;
-    while (true) {
-      const absl::Duration left = end - absl::Now();
-      if (left <= absl::ZeroDuration()) {
-        LOG(ERROR) << "--deadline_s=" << absl::ToDoubleSeconds(deadline)
-                   << " passed; killing every child process";
-        Leftovers::Get().KillAll();
-        std::fflush(stdout);
-        _exit(3);
-      }
-      const timespec wait = absl::ToTimespec(std::min(left, absl::Seconds(1)));
-      const int signal_number = sigtimedwait(&set, nullptr, &wait);
-      if (signal_number > 0) {
-        LOG(ERROR) << "got signal " << signal_number
-                   << "; killing every child process";
-        Leftovers::Get().KillAll();
-        std::fflush(stdout);
-        _exit(128 + signal_number);
-      }
-    }
-  }).detach();
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
-std::string Tail(const std::string& text, size_t max_chars = 2000) {
-  return text.size() <= max_chars ? text : text.substr(text.size() - max_chars);
-}
-
-absl::Status WriteFileAtomically(const std::string& path,
-                                 const std::string& contents) {
-  const std::string temporary = absl::StrCat(path, ".tmp.", getpid());
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    out << contents;
-    out.close();
-    if (!out) {
-      return absl::InternalError(absl::StrCat("cannot write ", temporary));
-    }
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    std::remove(temporary.c_str());
-    return absl::InternalError(
-        absl::StrCat("cannot rename ", temporary, " to ", path));
-  }
-  return absl::OkStatus();
-}
-
-// ---------------------------------------------------------------------------
-// Child processes.
-
-class ChildProcess {
- public:
-  // Starts argv (argv[0] a path) with stdin from /dev/null and stdout and
-  // stderr appended to `log_path`. Call from the main thread only: the
-  // kernel delivers PR_SET_PDEATHSIG when the *thread* that forked exits.
-  static absl::StatusOr<std::unique_ptr<ChildProcess>> Start(
-      const std::string& name, const std::vector<std::string>& argv,
-      const std::string& log_path) {
-    // Everything the child needs is prepared before fork: between fork and
-    // exec only async-signal-safe calls are allowed (this process has
-    // threads).
-    std::vector<char*> args;
-    for (const std::string& arg : argv) {
-      args.push_back(const_cast<char*>(arg.c_str()));
-    }
-    args.push_back(nullptr);
-    const pid_t parent = getpid();
-    sigset_t none;
-    sigemptyset(&none);
-    const pid_t pid = fork();
-    if (pid < 0) {
-      return absl::InternalError(
-          absl::StrCat("fork for ", name, ": ", std::strerror(errno)));
-    }
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);  // the bench died meanwhile
-      // The bench blocks termination signals for its guardian thread; the
-      // child must be stoppable by SIGTERM.
-      sigprocmask(SIG_SETMASK, &none, nullptr);
-      const int in = open("/dev/null", O_RDONLY);
-      const int log =
-          open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      if (in < 0 || log < 0) _exit(127);
-      dup2(in, STDIN_FILENO);
-      dup2(log, STDOUT_FILENO);
-      dup2(log, STDERR_FILENO);
-      execv(args[0], args.data());
-      _exit(127);
-    }
-    Leftovers::Get().AddChild(pid);
-    LOG(INFO) << "started pid " << pid << " (" << name << ")";
-    return std::unique_ptr<ChildProcess>(new ChildProcess(name, pid, log_path));
-  }
-
-  ~ChildProcess() { Stop(); }
-
-  // SIGTERM, then SIGKILL once kStopGrace has passed. Idempotent.
-  void Stop() {
-    if (!Running()) return;
-    kill(pid_, SIGTERM);
-    const absl::Time deadline = absl::Now() + kStopGrace;
-    while (Running() && absl::Now() < deadline) absl::SleepFor(kPoll);
-    if (Running()) {
-      LOG(WARNING) << name_ << " (pid " << pid_ << ") ignored SIGTERM for "
-                   << kStopGrace << "; sending SIGKILL";
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);  // SIGKILL cannot be ignored
-      exited_ = true;
-      Leftovers::Get().RemoveChild(pid_);
-    }
-  }
-
-  bool Running() {
-    if (exited_) return false;
-    int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == pid_) {
-      exited_ = true;
-      exit_code_ =
-          WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      Leftovers::Get().RemoveChild(pid_);
-    }
-    return !exited_;
-  }
-
-  // The port the child writes to `port_file` once it serves.
-  absl::StatusOr<int> WaitForPort(const std::string& port_file,
-                                  absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (true) {
-      int port = 0;
-      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(ReadFile(port_file)),
-                           &port) &&
-          port > 0) {
-        return port;
-      }
-      if (!Running()) {
-        return absl::InternalError(
-            absl::StrCat(name_, " exited with ", exit_code_,
-                         " before serving; its log:\n", Tail(Log())));
-      }
-      if (absl::Now() > deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            name_, " wrote no port file in ", absl::FormatDuration(timeout),
-            "; its log:\n", Tail(Log())));
-      }
-      absl::SleepFor(kPoll);
-    }
-  }
-
-  std::string Log() const { return ReadFile(log_path_); }
-
- private:
-  ChildProcess(std::string name, pid_t pid, std::string log_path)
-      : name_(std::move(name)), pid_(pid), log_path_(std::move(log_path)) {}
-
-  std::string name_;
-  pid_t pid_;
-  std::string log_path_;
-  bool exited_ = false;
-  int exit_code_ = -1;
-};
+// Baseline peers.
 
 // Starts this binary again in a peer role and waits until it serves.
 absl::StatusOr<std::pair<std::unique_ptr<ChildProcess>, int>> StartPeer(
@@ -996,35 +762,6 @@ absl::Status MeasurePs(const std::string& ps_server, const std::string& scratch,
 // ---------------------------------------------------------------------------
 // Reporting.
 
-std::string FirstLineWith(const std::string& path, const std::string& key) {
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(key, 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) {
-        return std::string(absl::StripAsciiWhitespace(line.substr(colon + 1)));
-      }
-    }
-  }
-  return "unknown";
-}
-
-std::string LoadAverage() {
-  return std::string(absl::StripAsciiWhitespace(ReadFile("/proc/loadavg")));
-}
-
-std::string MachineDescription() {
-  utsname name = {};
-  uname(&name);
-  return absl::StrCat("# machine: nproc ", sysconf(_SC_NPROCESSORS_ONLN),
-                      ", cpu ", FirstLineWith("/proc/cpuinfo", "model name"),
-                      ", memory ", FirstLineWith("/proc/meminfo", "MemTotal"),
-                      "\n# kernel: ", name.sysname, " ", name.release, " ",
-                      name.version, " ", name.machine,
-                      "\n# load average at start: ", LoadAverage(), "\n");
-}
-
 std::string HumanSize(int64_t bytes) {
   if (bytes >= (1 << 20) && bytes % (1 << 20) == 0) {
     return absl::StrCat(bytes >> 20, " MiB");
@@ -1191,38 +928,6 @@ std::string SpreadRow(const std::vector<Row>& repeats) {
 // ---------------------------------------------------------------------------
 // The bench.
 
-absl::StatusOr<std::string> FindPsServer(const char* argv0) {
-  const std::string flag = absl::GetFlag(FLAGS_ps_server);
-  if (!flag.empty()) {
-    if (access(flag.c_str(), X_OK) != 0) {
-      return absl::NotFoundError(
-          absl::StrCat("--ps_server=", flag, " is not an executable file"));
-    }
-    return flag;
-  }
-  using bazel::tools::cpp::runfiles::Runfiles;
-  // argv[0] works for `bazel run` and bazel-bin/...; the resolved
-  // /proc/self/exe when started through a symlink (a test's runfiles);
-  // TEST_SRCDIR inside a test.
-  std::vector<std::unique_ptr<Runfiles>> candidates;
-  std::string error;
-  candidates.emplace_back(Runfiles::Create(argv0, &error));
-  std::error_code ignored;
-  const std::string self =
-      std::filesystem::canonical("/proc/self/exe", ignored).string();
-  if (!self.empty()) candidates.emplace_back(Runfiles::Create(self, &error));
-  candidates.emplace_back(Runfiles::CreateForTest(&error));
-  for (const std::unique_ptr<Runfiles>& runfiles : candidates) {
-    if (runfiles == nullptr) continue;
-    const std::string path = runfiles->Rlocation("pstrain/ps_server/ps_server");
-    if (!path.empty() && access(path.c_str(), X_OK) == 0) return path;
-  }
-  return absl::NotFoundError(
-      "ps_server is not in this binary's runfiles; run ps_bench through "
-      "bazel (bazel run //bench/transport:ps_bench or bazel-bin/...) or pass "
-      "--ps_server=PATH");
-}
-
 struct Config {
   std::vector<int64_t> sizes;
   int servers, clients, repeats;
@@ -1345,7 +1050,8 @@ int BenchMain(const char* argv0) {
   }
   StartGuardian(absl::Seconds(absl::GetFlag(FLAGS_deadline_s)));
 
-  absl::StatusOr<std::string> ps_server = FindPsServer(argv0);
+  absl::StatusOr<std::string> ps_server = FindPsServer(
+      absl::GetFlag(FLAGS_ps_server), argv0, "//bench/transport:ps_bench");
   if (!ps_server.ok()) {
     LOG(ERROR) << ps_server.status();
     return 1;
