@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "common/hash.h"
+#include "worker/line_reader.h"
 
 namespace pstrain {
 namespace {
@@ -388,55 +389,6 @@ class Truth {
   std::vector<double> field_weights_;  // [num_fields, dim_truth]
   std::vector<double> dense_weights_;  // [num_dense]
   std::vector<double> means_;          // scratch: m_f, [num_fields, dim_truth]
-};
-
-// Reads a text file line by line. Only the line end is removed (and, where
-// the format has them, comments): for TSV a trailing tab is data.
-class LineReader {
- public:
-  LineReader(const std::string& path, char comment)
-      : path_(path), comment_(comment), in_(path, std::ios::binary) {}
-
-  absl::Status OpenStatus() const {
-    if (in_.is_open()) return absl::OkStatus();
-    return absl::NotFoundError(
-        absl::StrCat(path_, ": cannot open: ", std::strerror(errno)));
-  }
-
-  bool Next(absl::string_view* line) {
-    if (!std::getline(in_, buffer_)) return false;
-    ++line_number_;
-    absl::string_view view = buffer_;
-    if (absl::EndsWith(view, "\r")) view.remove_suffix(1);
-    if (line_number_ == 1 && absl::StartsWith(view, "\xEF\xBB\xBF")) {
-      view.remove_prefix(3);
-    }
-    if (comment_ != '\0') {
-      const size_t pos = view.find(comment_);
-      if (pos != absl::string_view::npos) view = view.substr(0, pos);
-    }
-    *line = view;
-    return true;
-  }
-
-  absl::Status ReadStatus() const {
-    if (in_.bad()) {
-      return absl::DataLossError(absl::StrCat(path_, ": read error"));
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status Error(absl::string_view what) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path_, ":", line_number_, ": ", what));
-  }
-
- private:
-  std::string path_;
-  char comment_;
-  std::ifstream in_;
-  std::string buffer_;
-  int64_t line_number_ = 0;
 };
 
 CtrDataset EmptyDataset(int num_dense, int num_fields) {

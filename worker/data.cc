@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "common/hash.h"
+#include "worker/line_reader.h"
 
 namespace pstrain {
 namespace {
@@ -81,59 +82,6 @@ absl::Status ValidateReaderOptions(int64_t num_features, int64_t num_classes,
 bool InShard(int64_t example_index, const ShardSpec& shard) {
   return example_index % shard.count == shard.index;
 }
-
-// Reads a text file line by line, handing out lines with comments (when the
-// format has them), CR of CRLF endings and surrounding whitespace removed.
-class LineReader {
- public:
-  LineReader(const std::string& path, char comment)
-      : path_(path), comment_(comment), in_(path) {}
-
-  absl::Status OpenStatus() const {
-    if (in_.is_open()) return absl::OkStatus();
-    return absl::NotFoundError(
-        absl::StrCat(path_, ": cannot open: ", std::strerror(errno)));
-  }
-
-  // False at the end of the file; blank (after stripping) lines are returned
-  // so that callers see every line number, and skip them themselves.
-  bool Next(absl::string_view* line) {
-    if (!std::getline(in_, buffer_)) return false;
-    ++line_number_;
-    absl::string_view view = buffer_;
-    // Spreadsheet exports often start with a UTF-8 byte order mark.
-    if (line_number_ == 1 && absl::StartsWith(view, "\xEF\xBB\xBF")) {
-      view.remove_prefix(3);
-    }
-    if (comment_ != '\0') {
-      const size_t pos = view.find(comment_);
-      if (pos != absl::string_view::npos) view = view.substr(0, pos);
-    }
-    *line = absl::StripAsciiWhitespace(view);
-    return true;
-  }
-
-  absl::Status ReadStatus() const {
-    if (in_.bad()) {
-      return absl::DataLossError(absl::StrCat(path_, ": read error"));
-    }
-    return absl::OkStatus();
-  }
-
-  // "path:line", the prefix of errors about the current line.
-  std::string Where() const { return absl::StrCat(path_, ":", line_number_); }
-
-  absl::Status Error(absl::string_view what) const {
-    return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", what));
-  }
-
- private:
-  std::string path_;
-  char comment_;
-  std::ifstream in_;
-  std::string buffer_;
-  int64_t line_number_ = 0;
-};
 
 // Parses an integer class label; -1/+1 are the binary convention of LIBSVM.
 absl::Status ParseLabel(const LineReader& reader, absl::string_view text,
@@ -295,6 +243,7 @@ absl::StatusOr<Dataset> ReadCsv(const std::string& path, int64_t num_features,
   absl::string_view line;
   std::vector<absl::string_view> fields;
   while (reader.Next(&line)) {
+    line = absl::StripAsciiWhitespace(line);
     if (line.empty()) continue;
     const bool header_candidate = first_line;
     first_line = false;
@@ -371,6 +320,7 @@ absl::StatusOr<Dataset> ReadLibsvm(const std::string& path,
   int64_t example_index = 0;
   absl::string_view line;
   while (reader.Next(&line)) {
+    line = absl::StripAsciiWhitespace(line);
     if (line.empty()) continue;
     const bool kept = InShard(example_index, shard);
     ++example_index;
