@@ -134,23 +134,6 @@ class ZipfSampler {
   double s_;
 };
 
-absl::Status ValidateShard(const ShardSpec& shard) {
-  if (shard.count < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shard.count must be >= 1, got ", shard.count));
-  }
-  if (shard.index < 0 || shard.index >= shard.count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shard.index must be in [0, shard.count = ", shard.count,
-                     "), got ", shard.index));
-  }
-  return absl::OkStatus();
-}
-
-bool InShard(int64_t example_index, const ShardSpec& shard) {
-  return example_index % shard.count == shard.index;
-}
-
 absl::Status ValidateOptions(const SyntheticCtrOptions& o) {
   const auto bad = [](absl::string_view what) {
     return absl::InvalidArgumentError(what);
@@ -466,17 +449,8 @@ absl::StatusOr<CtrDataset> MakeSyntheticCtr(const SyntheticCtrOptions& options,
                                             ShardSpec shard) {
   if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
   if (absl::Status s = ValidateShard(shard); !s.ok()) return s;
-  if (first_index < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("first_index must be >= 0, got ", first_index));
-  }
-  if (count < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("count must be >= 0, got ", count));
-  }
-  if (count > std::numeric_limits<int64_t>::max() - first_index) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "first_index + count overflows: ", first_index, " + ", count));
+  if (absl::Status s = ValidateExampleRange(first_index, count); !s.ok()) {
+    return s;
   }
   CtrDataset data = EmptyDataset(options.num_dense, options.num_fields);
   // The first global index >= first_index that belongs to this shard.

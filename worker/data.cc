@@ -53,19 +53,6 @@ double Normal(uint64_t seed, uint64_t stream, uint64_t a, uint64_t b) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * kPi * u2);
 }
 
-absl::Status ValidateShard(const ShardSpec& shard) {
-  if (shard.count < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shard.count must be >= 1, got ", shard.count));
-  }
-  if (shard.index < 0 || shard.index >= shard.count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shard.index must be in [0, shard.count = ", shard.count,
-                     "), got ", shard.index));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ValidateReaderOptions(int64_t num_features, int64_t num_classes,
                                    const ShardSpec& shard) {
   if (num_features < 0) {
@@ -77,10 +64,6 @@ absl::Status ValidateReaderOptions(int64_t num_features, int64_t num_classes,
         absl::StrCat("num_classes must be >= 2, got ", num_classes));
   }
   return ValidateShard(shard);
-}
-
-bool InShard(int64_t example_index, const ShardSpec& shard) {
-  return example_index % shard.count == shard.index;
 }
 
 // Parses an integer class label; -1/+1 are the binary convention of LIBSVM.
@@ -128,6 +111,39 @@ bool IsHeader(const std::vector<absl::string_view>& fields) {
 
 }  // namespace
 
+absl::Status ValidateShard(const ShardSpec& shard) {
+  if (shard.count < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard.count must be >= 1, got ", shard.count));
+  }
+  if (shard.index < 0 || shard.index >= shard.count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard.index must be in [0, shard.count = ", shard.count,
+                     "), got ", shard.index));
+  }
+  return absl::OkStatus();
+}
+
+bool InShard(int64_t example_index, const ShardSpec& shard) {
+  return example_index % shard.count == shard.index;
+}
+
+absl::Status ValidateExampleRange(int64_t first_index, int64_t count) {
+  if (first_index < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_index must be >= 0, got ", first_index));
+  }
+  if (count < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("count must be >= 0, got ", count));
+  }
+  if (count > std::numeric_limits<int64_t>::max() - first_index) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first_index + count overflows: ", first_index, " + ", count));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Dataset> MakeSyntheticClassification(
     const SyntheticOptions& options, int64_t first_index, int64_t count,
     ShardSpec shard) {
@@ -152,17 +168,9 @@ absl::StatusOr<Dataset> MakeSyntheticClassification(
         options.num_features));
   }
   if (absl::Status status = ValidateShard(shard); !status.ok()) return status;
-  if (first_index < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("first_index must be >= 0, got ", first_index));
-  }
-  if (count < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("count must be >= 0, got ", count));
-  }
-  if (count > std::numeric_limits<int64_t>::max() - first_index) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "first_index + count overflows: ", first_index, " + ", count));
+  if (absl::Status status = ValidateExampleRange(first_index, count);
+      !status.ok()) {
+    return status;
   }
 
   const int64_t num_features = options.num_features;

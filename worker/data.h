@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace pstrain {
@@ -28,6 +29,14 @@ struct ShardSpec {
   int index = 0;
   int count = 1;
 };
+
+// InvalidArgument unless 0 <= index < count.
+absl::Status ValidateShard(const ShardSpec& shard);
+// Whether example `example_index` of a source belongs to `shard`.
+bool InShard(int64_t example_index, const ShardSpec& shard);
+// InvalidArgument unless examples [first_index, first_index + count) of a
+// generated source can be numbered (both >= 0, no overflow).
+absl::Status ValidateExampleRange(int64_t first_index, int64_t count);
 
 // A linear "teacher" task with a known achievable accuracy: x ~ N(0, I),
 // label = argmax(T x) for a teacher matrix T drawn from `seed`; with
