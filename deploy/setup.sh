@@ -14,6 +14,10 @@ packages=(
   nlohmann-json3-dev     # common/cluster_spec: the cluster description's JSON
   openssl libssl-dev     # common/tls (PEM checks); deploy/tls/make_certs.sh, TLS tests
   gnuplot-nox            # bench/plot/plot_runs.sh: loss/accuracy PNGs
+  dataset-fashion-mnist  # the built-in real data set (IDX under /usr/share/datasets)
+  zlib1g-dev             # worker: reads gzipped IDX files
+  libopenblas-dev        # kernels: the CPU backend's GEMM (cblas_sgemm)
+  python3-numpy          # tests: reads an exported safetensors file as a user would
 )
 
 missing=()

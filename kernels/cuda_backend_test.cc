@@ -51,6 +51,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu_backend.h"
+#include "kernels/gpu_test_support.h"
 
 namespace pstrain::kernels {
 namespace {
@@ -129,14 +130,7 @@ Worst Compare(const std::vector<float>& actual,
 class CudaBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!CudaBackendCompiled()) {
-      GTEST_SKIP() << "no CUDA device visible: this build has no CUDA "
-                      "backend (no CUDA toolkit at build time)";
-    }
-    std::string why_none;
-    if (CudaDeviceCount(&why_none) == 0) {
-      GTEST_SKIP() << "no CUDA device visible: " << why_none;
-    }
+    PSTRAIN_REQUIRE_GPU_OR_SKIP();
     BackendOptions options;
     options.device = "cuda:0";
     options.precision = precision();

@@ -41,6 +41,10 @@ class Mlp : public Model {
   absl::StatusOr<BatchResult> Evaluate(const std::vector<const float*>& params,
                                        const DeviceBatch& batch) override;
 
+  absl::StatusOr<std::vector<float>> Logits(
+      const std::vector<const float*>& params,
+      const DeviceBatch& batch) override;
+
  private:
   Mlp(Backend* backend, std::vector<int64_t> dims, int64_t max_batch);
 
@@ -135,8 +139,8 @@ absl::Status Mlp::CheckArgs(const std::vector<const float*>& params,
         absl::StrCat("MLP: batch has ", batch.rows, " rows; must be in [1, ",
                      max_batch_, "]"));
   }
-  if (batch.features == nullptr || batch.labels == nullptr) {
-    return absl::InvalidArgumentError("MLP: batch features or labels are null");
+  if (batch.features == nullptr) {
+    return absl::InvalidArgumentError("MLP: batch features are null");
   }
   if (params.size() != params_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("MLP: got ", params.size(),
@@ -187,6 +191,9 @@ absl::StatusOr<BatchResult> Mlp::ComputeGradients(
     const std::vector<const float*>& params, const DeviceBatch& batch,
     const std::vector<float*>& grads) {
   if (absl::Status s = CheckArgs(params, batch, &grads); !s.ok()) return s;
+  if (batch.labels == nullptr) {
+    return absl::InvalidArgumentError("MLP: batch labels are null");
+  }
   if (absl::Status s = Forward(params, batch); !s.ok()) return s;
 
   const int64_t rows = batch.rows;
@@ -229,6 +236,9 @@ absl::StatusOr<BatchResult> Mlp::ComputeGradients(
 absl::StatusOr<BatchResult> Mlp::Evaluate(
     const std::vector<const float*>& params, const DeviceBatch& batch) {
   if (absl::Status s = CheckArgs(params, batch, nullptr); !s.ok()) return s;
+  if (batch.labels == nullptr) {
+    return absl::InvalidArgumentError("MLP: batch labels are null");
+  }
   if (absl::Status s = Forward(params, batch); !s.ok()) return s;
   BatchResult result;
   result.rows = batch.rows;
@@ -239,6 +249,19 @@ absl::StatusOr<BatchResult> Mlp::Evaluate(
     return s;
   }
   return result;
+}
+
+absl::StatusOr<std::vector<float>> Mlp::Logits(
+    const std::vector<const float*>& params, const DeviceBatch& batch) {
+  if (absl::Status s = CheckArgs(params, batch, nullptr); !s.ok()) return s;
+  if (absl::Status s = Forward(params, batch); !s.ok()) return s;
+  std::vector<float> logits(batch.rows * dims_.back());
+  if (absl::Status s = backend_->CopyToHost(logits_.data(), logits.data(),
+                                            logits.size() * sizeof(float));
+      !s.ok()) {
+    return s;
+  }
+  return logits;
 }
 
 }  // namespace

@@ -298,9 +298,9 @@ class MlpBatchTest : public ::testing::Test {
       for (float& x : tensors_->host(i)) x = uniform(rng);
     }
     tensors_->SyncAll();
-    const HostBatch batch = RandomBatch(kMaxBatch + 1, 5, 3, &rng);
-    features_ = Upload(backend_.get(), batch.features);
-    labels_ = Upload(backend_.get(), batch.labels);
+    host_batch_ = RandomBatch(kMaxBatch + 1, 5, 3, &rng);
+    features_ = Upload(backend_.get(), host_batch_.features);
+    labels_ = Upload(backend_.get(), host_batch_.labels);
   }
   DeviceBatch Batch(int64_t rows) const {
     return {rows, features_.data(), labels_.data()};
@@ -309,6 +309,7 @@ class MlpBatchTest : public ::testing::Test {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<Tensors> tensors_;
+  HostBatch host_batch_;
   DeviceArray<float> features_;
   DeviceArray<int32_t> labels_;
 };
@@ -326,6 +327,35 @@ TEST_F(MlpBatchTest, EvaluateMatchesComputeGradients) {
     EXPECT_GT(eval->loss_sum, 0);
     EXPECT_DOUBLE_EQ(eval->loss_sum, train->loss_sum) << rows;
     EXPECT_EQ(eval->num_correct, train->num_correct) << rows;
+  }
+}
+
+// The logits against a plain host forward pass of the 5-4-3-3 MLP.
+TEST_F(MlpBatchTest, LogitsMatchAHostForwardPass) {
+  const int64_t rows = 4;
+  absl::StatusOr<std::vector<float>> logits =
+      model_->Logits(tensors_->params(), {rows, features_.data(), nullptr});
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ASSERT_EQ(logits->size(), rows * 3);
+  const std::vector<int64_t> dims = {5, 4, 3, 3};
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<double> x(host_batch_.features.begin() + r * 5,
+                          host_batch_.features.begin() + (r + 1) * 5);
+    for (size_t l = 0; l + 1 < dims.size(); ++l) {
+      const std::vector<float>& w = tensors_->host(2 * l);
+      const std::vector<float>& b = tensors_->host(2 * l + 1);
+      std::vector<double> y(dims[l + 1]);
+      for (int64_t j = 0; j < dims[l + 1]; ++j) {
+        y[j] = b[j];
+        for (int64_t i = 0; i < dims[l]; ++i)
+          y[j] += x[i] * w[i * dims[l + 1] + j];
+        if (l + 2 < dims.size()) y[j] = std::max(y[j], 0.0);
+      }
+      x = std::move(y);
+    }
+    for (int64_t c = 0; c < 3; ++c) {
+      EXPECT_NEAR((*logits)[r * 3 + c], x[c], 1e-5) << "row " << r;
+    }
   }
 }
 

@@ -47,6 +47,14 @@ class Model {
   // Forward only: loss and accuracy of a batch.
   virtual absl::StatusOr<BatchResult> Evaluate(
       const std::vector<const float*>& params, const DeviceBatch& batch) = 0;
+
+  // Forward only: the batch's logits, [batch.rows, classes] row-major, in
+  // host memory (batch.labels is not read). For exporting predictions and
+  // checking an exported model against another implementation.
+  virtual absl::StatusOr<std::vector<float>> Logits(
+      const std::vector<const float*>& params, const DeviceBatch& batch) {
+    return absl::UnimplementedError("this model does not produce logits");
+  }
 };
 
 // A multi-layer perceptron: input -> [Linear -> ReLU] per hidden size ->
