@@ -1523,7 +1523,9 @@ StatsResponse Shard::Stats() const {
   stats.set_mode(ConsistencyModeName(options_.mode));
   const Model* model = model_.load(std::memory_order_acquire);
   stats.set_model_registered(model != nullptr);
+  stats.set_num_workers(options_.num_workers);
   if (model != nullptr) {
+    *stats.mutable_schema() = model->schema;
     stats.set_num_blocks(model->blocks.size());
     stats.set_num_elements(model->num_elements);
     for (const auto& state : model->sparse) {
