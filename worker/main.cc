@@ -36,6 +36,7 @@
 #include "kernels/backend.h"
 #include "worker/ctr_main.h"
 #include "worker/data.h"
+#include "worker/eval_only.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
 #include "worker/trainer.h"
@@ -147,6 +148,15 @@ ABSL_FLAG(std::string, gradient_wire_type, "fp32",
 ABSL_FLAG(double, gradient_topk_fraction, 0.01,
           "With --gradient_wire_type=topk: the fraction of each block's "
           "elements a push sends, in (0, 1].");
+ABSL_FLAG(bool, eval_only, false,
+          "Evaluate --model_file on the held-out set (the data flags as for "
+          "training) with no servers, print the final JSON line and exit.");
+ABSL_FLAG(std::string, model_file, "",
+          "With --eval_only: a model file written by pstrain_export "
+          "(safetensors).");
+ABSL_FLAG(std::string, logits_file, "",
+          "With --eval_only: write the held-out logits here, .csv (one row "
+          "per example) or .npy.");
 
 namespace pstrain {
 namespace {
@@ -344,7 +354,14 @@ int Main(int argc, char** argv) {
   const std::string model_name = absl::GetFlag(FLAGS_model);
   const std::string source = absl::GetFlag(FLAGS_data);
   std::vector<absl::Status> checks;
-  if (absl::GetFlag(FLAGS_ps_hosts).empty()) {
+  // --eval_only: evaluates a model file with no servers (worker/eval_only.h).
+  const EvalOnlyOptions eval_only{
+      absl::GetFlag(FLAGS_eval_only), absl::GetFlag(FLAGS_model_file),
+      absl::GetFlag(FLAGS_logits_file), absl::GetFlag(FLAGS_batch_size)};
+  for (absl::Status& s : CheckEvalOnlyFlags(eval_only, model_name)) {
+    checks.push_back(std::move(s));
+  }
+  if (absl::GetFlag(FLAGS_ps_hosts).empty() && !eval_only.eval_only) {
     checks.push_back(absl::InvalidArgumentError(
         "--ps_hosts is required (host:port of every ps_server)"));
   }
@@ -528,6 +545,9 @@ int Main(int argc, char** argv) {
   if (!model.ok()) {
     LOG(ERROR) << "cannot build the model: " << model.status();
     return 1;
+  }
+  if (eval_only.eval_only) {
+    return RunEvalOnly(eval_only, **model, **backend, data->test);
   }
   ModelSchema schema;
   schema.set_seed(absl::GetFlag(FLAGS_seed));

@@ -1,0 +1,362 @@
+// pstrain_export: writes a trained model to a safetensors file
+// (worker/model_file.h: dense tensors, sparse tables as <table>/ids +
+// <table>/rows), from running servers or from a checkpoint directory.
+//
+//   pstrain_export --ps_hosts=ps0:5000,ps1:5000 --output=model.safetensors
+//   pstrain_export --cluster_spec=job.json --output=model.safetensors
+//   pstrain_export --checkpoint_dir=/ckpt --output=model.safetensors
+//
+// From running servers: the schema comes from the servers' Stats, the dense
+// tensors from a read-only pull as an observer (worker id -1) at the
+// servers' current step; nothing on the servers changes. Sparse tables are
+// never sent whole over Pull, so for a model with tables every server is
+// asked to write a checkpoint now (the Checkpoint RPC; the servers need
+// --checkpoint_dir on a filesystem this process also sees, under the same
+// path) and the rows are read from those files.
+//
+// From a checkpoint directory (no server needed): the newest valid
+// checkpoint of every shard of one layout (ps_server/checkpoint.h's restore,
+// as a single shard that owns every block and row), dense tensors
+// reassembled from their blocks.
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/cli.h"
+#include "common/cluster_spec.h"
+#include "common/grpc_tuning.h"
+#include "common/partition.h"
+#include "common/protocol.h"
+#include "common/safetensors.h"
+#include "common/tls.h"
+#include "glog/logging.h"
+#include "proto/ps.grpc.pb.h"
+#include "ps_server/checkpoint.h"
+#include "worker/model_file.h"
+#include "worker/ps_client.h"
+
+ABSL_FLAG(std::string, output, "",
+          "The safetensors file to write (replaced atomically).");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Export from this checkpoint directory (the servers' "
+          "--checkpoint_dir); no server needs to run.");
+ABSL_FLAG(std::string, ps_hosts, "",
+          "Export from these running servers: host:port of every ps_server, "
+          "in shard order.");
+ABSL_FLAG(std::string, cluster_spec, "",
+          "Export from the running servers of this cluster spec (its \"ps\" "
+          "list), as the worker reads it.");
+ABSL_FLAG(double, rpc_timeout_s, 120,
+          "Deadline of each call to the servers (a checkpoint of a big shard "
+          "included).");
+ABSL_FLAG(double, connect_timeout_s, 30,
+          "How long to wait for the servers to answer at all.");
+ABSL_FLAG(int, max_message_mb, pstrain::kDefaultMaxMessageBytes >> 20,
+          "Largest message received, in MiB.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle the servers' certificates must chain to; setting "
+          "any --tls_* flag turns TLS on.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM client certificate for mutual TLS (with --tls_key).");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "Name to expect in the servers' certificates instead of the host "
+          "dialled.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding the servers' shared token.");
+
+namespace pstrain {
+namespace {
+
+std::string ParentDir(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+// The whole model of a checkpoint directory: restored as shard 0 of 1, which
+// owns every block and every row.
+absl::StatusOr<ModelSnapshot> SnapshotFromCheckpoint(
+    const std::string& dir, std::vector<std::string>* files_used) {
+  const CheckpointStore store(dir, /*keep_last=*/0);
+  absl::StatusOr<RestoredShard> restored = store.LoadForShard(0, 1);
+  if (!restored.ok()) {
+    return absl::Status(restored.status().code(),
+                        absl::StrCat("--checkpoint_dir=", dir, ": ",
+                                     restored.status().message()));
+  }
+  for (const std::string& skipped : restored->files_skipped) {
+    LOG(WARNING) << "skipped " << skipped;
+  }
+  *files_used = restored->files_used;
+  absl::StatusOr<Partition> partition = Partition::Create(restored->schema, 1);
+  if (!partition.ok()) return partition.status();
+  ModelSnapshot snapshot;
+  snapshot.schema = restored->schema;
+  for (int t = 0; t < partition->NumTensors(); ++t) {
+    snapshot.dense.emplace_back(partition->TensorElements(t));
+  }
+  int64_t step = -1;
+  for (const BlockSnapshot& block : restored->blocks) {
+    const BlockLocation& where = partition->blocks()[block.global_block];
+    std::copy(block.value.begin(), block.value.end(),
+              snapshot.dense[where.tensor].begin() + where.offset);
+    step = step < 0 ? block.version : std::min(step, block.version);
+  }
+  snapshot.step = std::max<int64_t>(step, 0);
+  snapshot.sparse.resize(snapshot.schema.sparse_size());
+  for (const SparseTableSnapshot& table : restored->sparse) {
+    for (int t = 0; t < snapshot.schema.sparse_size(); ++t) {
+      if (snapshot.schema.sparse(t).name() != table.name) continue;
+      snapshot.sparse[t].ids = table.ids;
+      snapshot.sparse[t].rows = table.values;
+    }
+  }
+  return snapshot;
+}
+
+// Asks every shard to write a checkpoint now; returns the files' paths in
+// shard order.
+absl::StatusOr<std::vector<std::string>> CheckpointNow(
+    const PsClientOptions& options) {
+  std::vector<std::string> paths;
+  for (size_t shard = 0; shard < options.hosts.size(); ++shard) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(options.max_message_bytes);
+    ApplyGrpcTuning(options.grpc_tuning, &args);
+    auto stub = ParameterServer::NewStub(grpc::CreateCustomChannel(
+        options.hosts[shard],
+        options.credentials != nullptr ? options.credentials
+                                       : grpc::InsecureChannelCredentials(),
+        args));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
+    if (!options.auth_token.empty()) {
+      context.AddMetadata("authorization",
+                          absl::StrCat("Bearer ", options.auth_token));
+    }
+    CheckpointResponse response;
+    const grpc::Status status =
+        stub->Checkpoint(&context, CheckpointRequest(), &response);
+    if (!status.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the model has sparse tables, which are exported from a checkpoint "
+          "the servers write now, but shard ",
+          shard, " (", options.hosts[shard],
+          ") could not write one: ", status.error_message(),
+          " (start the servers with --checkpoint_dir, or export from a "
+          "checkpoint directory with --checkpoint_dir)"));
+    }
+    paths.push_back(response.path());
+  }
+  return paths;
+}
+
+absl::StatusOr<ModelSnapshot> SnapshotFromServers(
+    const PsClientOptions& options) {
+  absl::StatusOr<std::unique_ptr<PsClient>> client = PsClient::Create(options);
+  if (!client.ok()) return client.status();
+  absl::StatusOr<std::vector<StatsResponse>> stats = (*client)->Stats();
+  if (!stats.ok()) {
+    return absl::Status(
+        stats.status().code(),
+        absl::StrCat("cannot reach the servers: ", stats.status().message()));
+  }
+  const StatsResponse& first = stats->front();
+  int64_t step = first.version();
+  for (size_t s = 0; s < stats->size(); ++s) {
+    const StatsResponse& shard = (*stats)[s];
+    const std::string where =
+        absl::StrCat("shard ", s, " (", options.hosts[s], ")");
+    if (shard.num_shards() != static_cast<int>(stats->size()) ||
+        shard.shard_id() != static_cast<int>(s)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " says it is shard ", shard.shard_id(), " of ",
+                       shard.num_shards(),
+                       ": --ps_hosts must list every shard, in shard order"));
+    }
+    if (!shard.model_registered()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, " holds no model yet: nothing to export"));
+    }
+    if (!shard.has_schema()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where,
+                       " does not report its schema (a ps_server older than "
+                       "pstrain_export?)"));
+    }
+    if (const std::string difference =
+            FirstSchemaDifference(first.schema(), shard.schema());
+        !difference.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, " holds a different model than shard 0: ", difference));
+    }
+    step = std::min(step, shard.version());
+  }
+  ModelSnapshot snapshot;
+  snapshot.schema = first.schema();
+  absl::StatusOr<Registration> registration = (*client)->Register(
+      snapshot.schema, first.num_workers(), /*worker_id=*/-1);
+  if (!registration.ok()) return registration.status();
+  std::vector<float*> tensors;
+  for (const DenseTensorSpec& spec : snapshot.schema.dense()) {
+    snapshot.dense.emplace_back(NumElements(spec));
+    tensors.push_back(snapshot.dense.back().data());
+  }
+  // Sync: the model after `step` updates, which every shard has reached;
+  // async/ssp: the current model.
+  absl::StatusOr<int64_t> pulled = (*client)->Pull(step, tensors);
+  if (!pulled.ok()) return pulled.status();
+  snapshot.step = *pulled;
+  snapshot.sparse.resize(snapshot.schema.sparse_size());
+  if (snapshot.schema.sparse_size() == 0) return snapshot;
+
+  absl::StatusOr<std::vector<std::string>> paths = CheckpointNow(options);
+  if (!paths.ok()) return paths.status();
+  const std::string dir = ParentDir(ParentDir(paths->front()));
+  std::vector<std::string> files_used;
+  absl::StatusOr<ModelSnapshot> saved =
+      SnapshotFromCheckpoint(dir, &files_used);
+  if (!saved.ok()) return saved.status();
+  // Restore picks the newest complete layout; another job's files in the
+  // same directory must not pass for these servers' rows.
+  if (std::set<std::string>(files_used.begin(), files_used.end()) !=
+      std::set<std::string>(paths->begin(), paths->end())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the servers wrote ", absl::StrJoin(*paths, ", "), " but reading ", dir,
+        " chose ", absl::StrJoin(files_used, ", "),
+        ": the directory holds checkpoints of another shard layout; "
+        "export those with --checkpoint_dir or move them away"));
+  }
+  if (const std::string difference =
+          FirstSchemaDifference(snapshot.schema, saved->schema);
+      !difference.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the checkpoint the servers wrote in ", dir,
+                     " holds a different model: ", difference));
+  }
+  snapshot.sparse = std::move(saved->sparse);
+  return snapshot;
+}
+
+int Main() {
+  const std::string output = absl::GetFlag(FLAGS_output);
+  const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  std::string ps_hosts = absl::GetFlag(FLAGS_ps_hosts);
+  const std::string spec_path = absl::GetFlag(FLAGS_cluster_spec);
+  std::vector<absl::Status> checks;
+  if (output.empty()) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--output is required (the safetensors file to write)"));
+  }
+  if (!spec_path.empty()) {
+    absl::StatusOr<std::optional<ClusterSpec>> spec =
+        LoadClusterSpec(spec_path);
+    checks.push_back(spec.status());
+    if (spec.ok() && spec->has_value() && ps_hosts.empty()) {
+      ps_hosts = absl::StrJoin((*spec)->ps, ",");
+    }
+  }
+  if (checkpoint_dir.empty() == ps_hosts.empty()) {
+    checks.push_back(absl::InvalidArgumentError(
+        "give exactly one source: --checkpoint_dir, or running servers "
+        "(--ps_hosts or --cluster_spec)"));
+  }
+  PsClientOptions options;
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      MakeChannelCredentials(
+          {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+           absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_server_name)});
+  checks.push_back(credentials.status());
+  if (credentials.ok()) options.credentials = *credentials;
+  absl::StatusOr<std::string> token =
+      ReadAuthToken(absl::GetFlag(FLAGS_auth_token_file));
+  checks.push_back(token.status());
+  if (token.ok()) options.auth_token = *token;
+  absl::StatusOr<GrpcTuning> tuning = GrpcTuningFromFlags();
+  checks.push_back(tuning.status());
+  if (tuning.ok()) options.grpc_tuning = *tuning;
+  const double rpc_timeout_s = absl::GetFlag(FLAGS_rpc_timeout_s);
+  const double connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
+  if (!(rpc_timeout_s > 0) || !(connect_timeout_s > 0)) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--rpc_timeout_s and --connect_timeout_s must be > 0"));
+  }
+  const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  if (max_message_mb < 1 || max_message_mb > 2047) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--max_message_mb must be in [1, 2047], got ", max_message_mb)));
+  }
+  ExitOnFlagErrors(checks);
+
+  absl::StatusOr<ModelSnapshot> snapshot;
+  std::string source;
+  if (!checkpoint_dir.empty()) {
+    std::vector<std::string> files_used;
+    snapshot = SnapshotFromCheckpoint(checkpoint_dir, &files_used);
+    source = absl::StrJoin(files_used, ", ");
+  } else {
+    options.hosts = absl::StrSplit(ps_hosts, ',');
+    options.rpc_timeout = absl::Seconds(rpc_timeout_s);
+    options.connect_timeout = absl::Seconds(connect_timeout_s);
+    options.retry_window = absl::Seconds(connect_timeout_s);
+    options.max_message_bytes = max_message_mb << 20;
+    options.heartbeat_interval = absl::ZeroDuration();  // an observer
+    options.connections_per_shard = 1;
+    snapshot = SnapshotFromServers(options);
+    source = ps_hosts;
+  }
+  // What the user pointed at is wrong (missing, corrupt, another model):
+  // exit 2 with one line, like a bad flag.
+  if (absl::IsInvalidArgument(snapshot.status()) ||
+      absl::IsNotFound(snapshot.status()) ||
+      absl::IsDataLoss(snapshot.status()) ||
+      absl::IsFailedPrecondition(snapshot.status())) {
+    ExitOnFlagErrors({snapshot.status()});
+  }
+  if (!snapshot.ok()) {
+    LOG(ERROR) << "export failed: " << snapshot.status();
+    return 1;
+  }
+  absl::StatusOr<SafetensorsFile> file = ModelFileFromSnapshot(*snapshot);
+  if (!file.ok()) {
+    LOG(ERROR) << file.status();
+    return 1;
+  }
+  if (absl::Status s = WriteSafetensorsFile(output, *file); !s.ok()) {
+    ExitOnFlagErrors({absl::InvalidArgumentError(
+        absl::StrCat("--output=", output, ": ", s.message()))});
+  }
+  int64_t sparse_rows = 0;
+  for (const SparseTableRows& table : snapshot->sparse) {
+    sparse_rows += table.ids.size();
+  }
+  std::printf(
+      "exported %d dense tensors and %d sparse tables (%lld rows) at step "
+      "%lld from %s to %s\n",
+      snapshot->schema.dense_size(), snapshot->schema.sparse_size(),
+      static_cast<long long>(sparse_rows),
+      static_cast<long long>(snapshot->step), source.c_str(), output.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace pstrain
+
+int main(int argc, char** argv) {
+  pstrain::InitProgram(
+      argc, argv,
+      "pstrain_export: writes a trained model to a safetensors file, from "
+      "running servers (--ps_hosts or --cluster_spec) or from a checkpoint "
+      "directory (--checkpoint_dir)");
+  return pstrain::Main();
+}
