@@ -1,0 +1,404 @@
+// Taking a model away: real servers train, pstrain_export writes the model
+// from the running servers and from their checkpoint directory (the two files
+// must be identical), `worker --eval_only` evaluates the file with no
+// servers, and a numpy script that parses the file by hand computes the
+// same logits. Broken or mismatched model files are one line and exit 2.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/random/random.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/safetensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/test_cluster.h"
+
+namespace pstrain {
+namespace {
+
+using testing::BinaryPath;
+using testing::ClusterOptions;
+using testing::FinalJsonNumber;
+using ::testing::HasSubstr;
+using testing::Process;
+using testing::TestCluster;
+using testing::TestDir;
+
+constexpr char kPython[] = "/usr/bin/python3";
+
+struct ProgramRun {
+  int code = -1;
+  std::string out, err;
+};
+
+ProgramRun RunProgram(const std::vector<std::string>& argv,
+                      const std::string& dir, const std::string& name) {
+  ProgramRun run;
+  absl::StatusOr<std::unique_ptr<Process>> process =
+      Process::Start(argv, dir, name);
+  EXPECT_TRUE(process.ok()) << process.status();
+  if (!process.ok()) return run;
+  absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(120));
+  EXPECT_TRUE(code.ok()) << name << ": " << code.status();
+  run.code = code.value_or(-1);
+  run.out = (*process)->Stdout();
+  run.err = (*process)->Stderr();
+  return run;
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+  ASSERT_TRUE(out.good()) << path;
+}
+
+// Lines of `text` that contain `needle`.
+int LinesWith(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    n += absl::StrContains(line, needle);
+  }
+  return n;
+}
+
+// The MLP every test here trains or evaluates: 8 features, hidden 16,
+// 3 classes; small blocks so every tensor is cut into blocks on both shards
+// and the export must reassemble them.
+std::vector<std::string> MlpFlags() {
+  return {"--model=mlp",        "--hidden=16",     "--num_features=8",
+          "--num_classes=3",    "--batch_size=32", "--block_elements=40",
+          "--seed=5",           "--device=cpu",    "--log_every=0",
+          "--test_examples=500"};
+}
+
+std::vector<std::string> With(std::vector<std::string> flags,
+                              const std::vector<std::string>& more) {
+  flags.insert(flags.end(), more.begin(), more.end());
+  return flags;
+}
+
+std::vector<std::string> WorkerArgv(const std::vector<std::string>& flags) {
+  return With({BinaryPath("worker/worker")}, flags);
+}
+
+// A held-out CSV (label, then 8 features) that numpy can read too.
+std::string WriteEvalCsv(const std::string& path, int rows) {
+  absl::BitGen random;
+  std::string text;
+  for (int i = 0; i < rows; ++i) {
+    absl::StrAppend(&text, absl::Uniform(random, 0, 3));
+    for (int f = 0; f < 8; ++f) {
+      absl::StrAppend(&text, ",", absl::Gaussian<float>(random, 0, 1.5));
+    }
+    text += '\n';
+  }
+  WriteBytes(path, text);
+  return path;
+}
+
+double Number(const std::string& out, const std::string& key) {
+  absl::StatusOr<double> value = FinalJsonNumber(out, key);
+  EXPECT_TRUE(value.ok()) << value.status() << "\n" << out;
+  return value.value_or(-1);
+}
+
+TEST(ExportTest, MlpFromServersAndCheckpointMatchesNumpyLogits) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  const std::string dir = absl::StrCat(TestDir(), "/mlp");
+  std::filesystem::create_directories(dir);
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir, "/ckpt"),
+                          "--optimizer=adam", "--learning_rate=0.01"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "export_mlp");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::vector<std::string> train = With(MlpFlags(), {"--steps=40"});
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({train, train}, absl::Seconds(120));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  const double trained_accuracy = Number((*outputs)[0], "test_accuracy");
+
+  const std::string exporter = BinaryPath("worker/pstrain_export");
+  const std::string from_servers = absl::StrCat(dir, "/servers.safetensors");
+  ProgramRun exported =
+      RunProgram({exporter, "--ps_hosts=" + (*cluster)->PsHosts(),
+                  "--output=" + from_servers},
+                 dir, "export_servers");
+  ASSERT_EQ(exported.code, 0) << exported.err;
+  EXPECT_THAT(exported.out, HasSubstr("at step 40"));
+
+  // Servers stopped: each writes its final checkpoint and is gone.
+  ASSERT_TRUE((*cluster)->StopServer(0).ok());
+  ASSERT_TRUE((*cluster)->StopServer(1).ok());
+  const std::string from_checkpoint = absl::StrCat(dir, "/ckpt.safetensors");
+  exported =
+      RunProgram({exporter, absl::StrCat("--checkpoint_dir=", dir, "/ckpt"),
+                  "--output=" + from_checkpoint},
+                 dir, "export_checkpoint");
+  ASSERT_EQ(exported.code, 0) << exported.err;
+  const std::string bytes = ReadBytes(from_servers);
+  ASSERT_FALSE(bytes.empty());
+  EXPECT_EQ(bytes, ReadBytes(from_checkpoint))
+      << "the running servers and their checkpoint hold the same model";
+
+  absl::StatusOr<SafetensorsFile> file = ParseSafetensors(bytes, from_servers);
+  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_NE(file->Find("fc0/weight"), nullptr);
+  EXPECT_EQ(file->Find("fc0/weight")->shape, (std::vector<int64_t>{8, 16}));
+  EXPECT_EQ(file->Find("fc1/bias")->shape, (std::vector<int64_t>{3}));
+  EXPECT_EQ(file->metadata.at("step"), "40");
+
+  // The file alone, no servers: the same held-out accuracy as the training
+  // worker's final evaluation of the same model and data.
+  ProgramRun evaluated = RunProgram(
+      WorkerArgv(
+          With(MlpFlags(), {"--eval_only", "--model_file=" + from_servers})),
+      dir, "eval_synthetic");
+  ASSERT_EQ(evaluated.code, 0) << evaluated.err;
+  EXPECT_NEAR(Number(evaluated.out, "test_accuracy"), trained_accuracy, 1e-4);
+  EXPECT_EQ(Number(evaluated.out, "test_examples"), 500);
+
+  // Logits on a CSV, as CSV and as .npy, against numpy's.
+  const std::string csv = WriteEvalCsv(absl::StrCat(dir, "/eval.csv"), 77);
+  std::vector<std::string> logits_files;
+  for (const char* ext : {".csv", ".npy"}) {
+    const std::string logits = absl::StrCat(dir, "/logits", ext);
+    evaluated = RunProgram(
+        WorkerArgv(With(MlpFlags(),
+                        {"--eval_only", "--model_file=" + from_checkpoint,
+                         "--data=csv", "--train_file=" + csv,
+                         "--test_file=" + csv, "--logits_file=" + logits})),
+        dir, absl::StrCat("eval_", ext + 1));
+    ASSERT_EQ(evaluated.code, 0) << evaluated.err;
+    EXPECT_EQ(Number(evaluated.out, "test_examples"), 77);
+    logits_files.push_back(logits);
+  }
+  ProgramRun numpy =
+      RunProgram({kPython, BinaryPath("tests/export_check.py"), from_servers,
+                  csv, logits_files[0], logits_files[1]},
+                 dir, "numpy");
+  EXPECT_EQ(numpy.code, 0) << numpy.out << numpy.err;
+  std::cout << numpy.out;
+}
+
+TEST(ExportTest, SparseTablesFromServersComeFromACheckpointTheyWriteNow) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  const std::string dir = absl::StrCat(TestDir(), "/ctr");
+  std::filesystem::create_directories(dir);
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir, "/ckpt")};
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "export_ctr");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  absl::StatusOr<std::vector<std::string>> outputs = (*cluster)->RunWorkers(
+      {{"--model=ctr", "--ctr_data=synthetic", "--ctr_fields=3",
+        "--ctr_dense=2", "--ctr_vocab=500", "--ctr_train_examples=4096",
+        "--ctr_test_examples=512", "--embedding_dim=4", "--ctr_hidden=8",
+        "--batch_size=64", "--block_elements=32", "--steps=15", "--log_every=0",
+        "--device=cpu"}},
+      absl::Seconds(120));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+
+  const std::string exporter = BinaryPath("worker/pstrain_export");
+  const std::string from_servers = absl::StrCat(dir, "/servers.safetensors");
+  ProgramRun exported =
+      RunProgram({exporter, "--ps_hosts=" + (*cluster)->PsHosts(),
+                  "--output=" + from_servers},
+                 dir, "export_servers");
+  ASSERT_EQ(exported.code, 0) << exported.err;
+  absl::StatusOr<SafetensorsFile> file = ReadSafetensorsFile(from_servers);
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::vector<StatsResponse>> stats = (*cluster)->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  const ModelSchema& schema = stats->front().schema();
+  ASSERT_GT(schema.sparse_size(), 0);
+  for (int t = 0; t < schema.sparse_size(); ++t) {
+    const SparseTableSpec& table = schema.sparse(t);
+    int64_t rows_on_servers = 0;
+    for (const StatsResponse& shard : *stats) {
+      rows_on_servers += shard.sparse(t).rows();
+    }
+    const SafetensorsTensor* ids = file->Find(table.name() + "/ids");
+    const SafetensorsTensor* rows = file->Find(table.name() + "/rows");
+    ASSERT_NE(ids, nullptr) << table.name();
+    ASSERT_NE(rows, nullptr) << table.name();
+    EXPECT_EQ(ids->dtype, SafetensorsDtype::kU64);
+    EXPECT_EQ(ids->shape, (std::vector<int64_t>{rows_on_servers}));
+    EXPECT_EQ(rows->shape,
+              (std::vector<int64_t>{rows_on_servers, table.dim()}));
+    const std::vector<uint64_t> id_values = ids->AsU64();
+    EXPECT_TRUE(std::is_sorted(id_values.begin(), id_values.end()));
+    EXPECT_GT(rows_on_servers, 0);
+  }
+  for (const DenseTensorSpec& dense : schema.dense()) {
+    EXPECT_NE(file->Find(dense.name()), nullptr) << dense.name();
+  }
+
+  ASSERT_TRUE((*cluster)->StopServer(0).ok());
+  ASSERT_TRUE((*cluster)->StopServer(1).ok());
+  const std::string from_checkpoint = absl::StrCat(dir, "/ckpt.safetensors");
+  exported =
+      RunProgram({exporter, absl::StrCat("--checkpoint_dir=", dir, "/ckpt"),
+                  "--output=" + from_checkpoint},
+                 dir, "export_checkpoint");
+  ASSERT_EQ(exported.code, 0) << exported.err;
+  EXPECT_EQ(ReadBytes(from_servers), ReadBytes(from_checkpoint));
+}
+
+TEST(ExportTest, SparseTablesNeedTheServersCheckpointDir) {
+  ClusterOptions options;
+  const std::string dir = absl::StrCat(TestDir(), "/ctr_no_dir");
+  std::filesystem::create_directories(dir);
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "export_ctr_no_dir");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  ASSERT_TRUE(
+      (*cluster)
+          ->RunWorkers({{"--model=ctr", "--ctr_data=synthetic",
+                         "--ctr_fields=2", "--ctr_vocab=100",
+                         "--ctr_train_examples=512", "--ctr_test_examples=64",
+                         "--steps=2", "--log_every=0", "--device=cpu"}},
+                       absl::Seconds(60))
+          .ok());
+  ProgramRun exported =
+      RunProgram({BinaryPath("worker/pstrain_export"),
+                  "--ps_hosts=" + (*cluster)->PsHosts(),
+                  absl::StrCat("--output=", dir, "/m.safetensors")},
+                 dir, "export");
+  EXPECT_EQ(exported.code, 2);
+  EXPECT_THAT(exported.err, HasSubstr("--checkpoint_dir"));
+}
+
+// A model file that fits MlpFlags(), built here, and broken in every way a
+// file on disk can be.
+class BadModelFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = absl::StrCat(TestDir(), "/bad");
+    std::filesystem::create_directories(dir_);
+    const std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {
+        {"fc0/weight", {8, 16}},
+        {"fc0/bias", {16}},
+        {"fc1/weight", {16, 3}},
+        {"fc1/bias", {3}}};
+    for (const auto& [name, shape] : shapes) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      good_.tensors.push_back(
+          SafetensorsTensor::F32(name, shape, std::vector<float>(n, 0.01f)));
+    }
+  }
+
+  std::string Write(const std::string& name, const std::string& bytes) {
+    const std::string path = absl::StrCat(dir_, "/", name, ".safetensors");
+    WriteBytes(path, bytes);
+    return path;
+  }
+  std::string Write(const std::string& name, const SafetensorsFile& file) {
+    return Write(name, *SerializeSafetensors(file));
+  }
+
+  // Runs the worker's evaluation of `path` and expects exit 2 with exactly
+  // one line naming the file and containing `what`.
+  void ExpectRefused(const std::string& path, const std::string& what,
+                     const std::vector<std::string>& extra_flags = {}) {
+    ProgramRun run = RunProgram(
+        WorkerArgv(
+            With(With(MlpFlags(), {"--eval_only", "--model_file=" + path}),
+                 extra_flags)),
+        dir_, "eval");
+    EXPECT_EQ(run.code, 2) << run.err;
+    EXPECT_EQ(LinesWith(run.err, path), 1) << run.err;
+    EXPECT_THAT(run.err, HasSubstr(what));
+    EXPECT_EQ(run.out.find("\"event\":\"final\""), std::string::npos);
+  }
+
+  std::string dir_;
+  SafetensorsFile good_;
+};
+
+TEST_F(BadModelFileTest, TheGoodFileEvaluates) {
+  ProgramRun run = RunProgram(
+      WorkerArgv(With(MlpFlags(),
+                      {"--eval_only", "--model_file=" + Write("good", good_)})),
+      dir_, "eval_good");
+  EXPECT_EQ(run.code, 0) << run.err;
+}
+
+TEST_F(BadModelFileTest, TruncatedFile) {
+  std::string bytes = *SerializeSafetensors(good_);
+  bytes.resize(bytes.size() - 5);
+  ExpectRefused(Write("truncated", bytes), "truncated");
+}
+
+TEST_F(BadModelFileTest, HeaderLengthPastTheEnd) {
+  std::string bytes = *SerializeSafetensors(good_);
+  const uint64_t huge = uint64_t{1} << 40;
+  std::memcpy(bytes.data(), &huge, 8);
+  ExpectRefused(Write("long_header", bytes), "header length says");
+}
+
+TEST_F(BadModelFileTest, HeaderNotJson) {
+  std::string bytes = *SerializeSafetensors(good_);
+  bytes[9] = '[';  // {"__me... -> {[__me...
+  ExpectRefused(Write("not_json", bytes), "not JSON");
+}
+
+TEST_F(BadModelFileTest, OffsetsOutOfRange) {
+  const std::string header =
+      R"({"fc0/weight":{"dtype":"F32","shape":[8,16],"data_offsets":[0,512]}})";
+  std::string bytes(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(bytes.data(), &n, 8);
+  bytes += header + std::string(100, '\0');
+  ExpectRefused(Write("offsets", bytes), "past the data");
+}
+
+TEST_F(BadModelFileTest, TensorMissing) {
+  SafetensorsFile file = good_;
+  file.tensors.pop_back();
+  ExpectRefused(Write("missing", file), "tensor 'fc1/bias' is missing");
+}
+
+TEST_F(BadModelFileTest, ShapeOfAnotherModel) {
+  ExpectRefused(Write("shape", good_),
+                "tensor 'fc0/weight' has shape [8, 16] but this model needs "
+                "[8, 12]",
+                {"--hidden=12"});
+}
+
+TEST_F(BadModelFileTest, NoSuchFile) {
+  ExpectRefused(absl::StrCat(dir_, "/absent.safetensors"), "cannot open");
+}
+
+TEST_F(BadModelFileTest, ExporterRefusesAnEmptyCheckpointDir) {
+  const std::string empty = absl::StrCat(dir_, "/empty_ckpt");
+  std::filesystem::create_directories(empty);
+  ProgramRun run = RunProgram(
+      {BinaryPath("worker/pstrain_export"), "--checkpoint_dir=" + empty,
+       absl::StrCat("--output=", dir_, "/x.safetensors")},
+      dir_, "export_empty");
+  EXPECT_EQ(run.code, 2) << run.err;
+  EXPECT_EQ(LinesWith(run.err, empty), 1) << run.err;
+}
+
+}  // namespace
+}  // namespace pstrain
