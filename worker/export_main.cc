@@ -53,7 +53,8 @@ ABSL_FLAG(std::string, ps_hosts, "",
           "in shard order.");
 ABSL_FLAG(std::string, cluster_spec, "",
           "Export from the running servers of this cluster spec (its \"ps\" "
-          "list), as the worker reads it.");
+          "list), as the worker reads it; empty: $PSTRAIN_CLUSTER, if set and "
+          "no other source is given.");
 ABSL_FLAG(double, rpc_timeout_s, 120,
           "Deadline of each call to the servers (a checkpoint of a big shard "
           "included).");
@@ -258,7 +259,8 @@ int Main() {
     checks.push_back(absl::InvalidArgumentError(
         "--output is required (the safetensors file to write)"));
   }
-  if (!spec_path.empty()) {
+  // Like the worker, an empty --cluster_spec falls back on $PSTRAIN_CLUSTER.
+  if (!spec_path.empty() || (ps_hosts.empty() && checkpoint_dir.empty())) {
     absl::StatusOr<std::optional<ClusterSpec>> spec =
         LoadClusterSpec(spec_path);
     checks.push_back(spec.status());
