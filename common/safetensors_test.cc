@@ -175,6 +175,35 @@ TEST(SafetensorsTest, RefusesOffsetsThatDoNotTileTheData) {
       HasSubstr("trailing"));
 }
 
+TEST(SafetensorsTest, EveryTruncationFailsAndNoByteFlipCrashes) {
+  SafetensorsFile file;
+  const std::vector<float> w = {1, 2, 3, 4, 5, 6};
+  const std::vector<uint64_t> ids = {7, 9};
+  file.tensors.push_back(SafetensorsTensor::F32("w", {2, 3}, w));
+  file.tensors.push_back(SafetensorsTensor::U64("t/ids", {2}, ids));
+  file.metadata["step"] = "3";
+  const std::string bytes = *SerializeSafetensors(file);
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(ParseSafetensors(bytes.substr(0, n), "m.st").ok()) << n;
+  }
+  // Whatever a corrupt byte does, the reader answers (OK or an error) and
+  // what it accepts is self-consistent.
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    for (const char value : {'\0', '\xff', '"', '9', '{', ']', ','}) {
+      std::string corrupt = bytes;
+      corrupt[i] = value;
+      absl::StatusOr<SafetensorsFile> parsed =
+          ParseSafetensors(corrupt, "m.st");
+      if (!parsed.ok()) continue;
+      for (const SafetensorsTensor& tensor : parsed->tensors) {
+        const int64_t element = tensor.dtype == SafetensorsDtype::kF32 ? 4 : 8;
+        EXPECT_EQ(static_cast<int64_t>(tensor.data.size()),
+                  tensor.NumElements() * element);
+      }
+    }
+  }
+}
+
 TEST(SafetensorsTest, ReadingAMissingFileNamesIt) {
   absl::StatusOr<SafetensorsFile> file =
       ReadSafetensorsFile("/nonexistent/model.safetensors");

@@ -389,6 +389,22 @@ TEST_F(BadModelFileTest, NoSuchFile) {
   ExpectRefused(absl::StrCat(dir_, "/absent.safetensors"), "cannot open");
 }
 
+TEST_F(BadModelFileTest, FlagsThatOnlyMeanSomethingWithEvalOnly) {
+  const std::string good = Write("good", good_);
+  ProgramRun run = RunProgram(
+      WorkerArgv(
+          With(MlpFlags(), {"--ps_hosts=127.0.0.1:1", "--model_file=" + good})),
+      dir_, "no_eval_only");
+  EXPECT_EQ(run.code, 2) << run.err;
+  EXPECT_THAT(run.err, HasSubstr("--model_file is only read with --eval_only"));
+  run = RunProgram(
+      WorkerArgv(With(MlpFlags(), {"--eval_only", "--model_file=" + good,
+                                   "--logits_file=out.txt"})),
+      dir_, "bad_logits_name");
+  EXPECT_EQ(run.code, 2) << run.err;
+  EXPECT_THAT(run.err, HasSubstr("--logits_file must end in .csv or .npy"));
+}
+
 TEST_F(BadModelFileTest, ExporterRefusesAnEmptyCheckpointDir) {
   const std::string empty = absl::StrCat(dir_, "/empty_ckpt");
   std::filesystem::create_directories(empty);
