@@ -32,7 +32,7 @@ readonly BINARIES=(
   kernels/cuda_backend_test
   kernels/device_selection_test
   worker/embedding_bag_test
-  ?worker/mlp_gpu_test
+  worker/mlp_gpu_test
   ?worker/layers_test
   ?kernels/layer_ops_test
   bench/kernel_bench
