@@ -114,31 +114,23 @@ run_to() {
   timeout --kill-after=10 "$STEP_TIMEOUT_S" "$@" >"$file" 2>&1
 }
 
-# python3 one-liners over JSON lines (python3 is on the GPU host and here).
-# json_field FILE BENCH_FILTER_KEY=VALUE... FIELD: FIELD of the last JSON
-# line whose keys match every KEY=VALUE.
+# json_field FILE KEY=VALUE... FIELD: FIELD of the last JSON line of FILE
+# whose string fields KEY equal VALUE. The lines are our own programs' flat
+# one-line JSON, so grep and sed do (python3 starts too slowly on a busy
+# machine to call it per figure).
 json_field() {
-  python3 - "$@" <<'PY'
-import json, sys
-path, field, filters = sys.argv[1], sys.argv[-1], sys.argv[2:-1]
-want = dict(f.split("=", 1) for f in filters)
-found = ""
-for line in open(path, errors="replace"):
-    line = line.strip()
-    if not line.startswith("{"):
-        continue
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        continue
-    if all(str(obj.get(k)) == v for k, v in want.items()) and field in obj:
-        found = obj[field]
-print(found)
-PY
+  local file=$1 field=${*: -1} lines filter
+  lines=$(grep '^{' "$file")
+  for filter in "${@:2:$#-2}"; do
+    lines=$(grep -F "\"${filter%%=*}\":\"${filter#*=}\"" <<<"$lines")
+  done
+  tail -n 1 <<<"$lines" | sed -n "s/.*\"$field\":\(\"[^\"]*\"\|[^,}]*\).*/\1/p" | tr -d '"'
 }
 
-ratio() { python3 -c "import sys; a, b = map(float, sys.argv[1:]); print(f'{a / b:.2f}' if b > 0 else 'n/a')" "$1" "$2"; }
-at_least() { python3 -c "import sys; a, b = map(float, sys.argv[1:]); sys.exit(0 if a >= b else 1)" "$1" "$2"; }
+# ratio A B: A / B to two decimals ("n/a" when B is not positive).
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f\n", a / b; else print "n/a" }'; }
+# at_least A B: succeeds when A >= B (numbers).
+at_least() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 >= b + 0) }'; }
 
 # Prints the table (and writes summary.txt / summary.tsv), then exits 1
 # when a check failed, else 0.
@@ -308,7 +300,7 @@ step_step_bench() {
   ((gpu_count > 0)) && devices=cpu,cuda:0
   if run_to "$out" "$BUNDLE/bin/step_bench" "${step_flags[@]}" --devices="$devices" \
     --steps="$CPU_STEPS" --target_accuracy=0; then
-    cpu_ms=$(json_field "$out" bench=step backend=cpu ms_per_step)
+    cpu_ms=$(json_field "$out" bench=step device=cpu ms_per_step)
     row "step_bench cpu fp32" PASS "${cpu_ms} ms/step" "compute alone, batch $BATCH"
   else
     row "step_bench cpu fp32" FAIL "-" "see step_bench_fp32.txt"
@@ -319,7 +311,7 @@ step_step_bench() {
   if ((gpu_count == 0)); then
     skip_gpu "step_bench cuda:0"
   else
-    gpu_ms_fp32=$(json_field "$out" bench=step backend=cuda:0 ms_per_step)
+    gpu_ms_fp32=$(json_field "$out" bench=step device=cuda:0 ms_per_step)
     if [[ -n $gpu_ms_fp32 && -n $cpu_ms ]]; then
       row "step_bench cuda:0 fp32" PASS "${gpu_ms_fp32} ms/step" "$(ratio "$cpu_ms" "$gpu_ms_fp32")x the CPU step"
     else
@@ -328,7 +320,7 @@ step_step_bench() {
     out=$results/step_bench_bf16.txt
     if run_to "$out" "$BUNDLE/bin/step_bench" "${step_flags[@]}" --devices=cuda:0 \
       --precision=bf16 --steps="$GPU_STEPS" --target_accuracy=0; then
-      gpu_ms_bf16=$(json_field "$out" bench=step backend=cuda:0 ms_per_step)
+      gpu_ms_bf16=$(json_field "$out" bench=step device=cuda:0 ms_per_step)
       row "step_bench cuda:0 bf16" PASS "${gpu_ms_bf16} ms/step" "$(ratio "${cpu_ms:-0}" "$gpu_ms_bf16")x the CPU step"
     else
       row "step_bench cuda:0 bf16" FAIL "-" "see step_bench_bf16.txt"
@@ -336,10 +328,10 @@ step_step_bench() {
     out=$results/step_bench_target.txt
     if run_to "$out" "$BUNDLE/bin/step_bench" "${step_flags[@]}" --devices=cuda:0 \
       --steps=10 --target_accuracy="$TARGET_ACCURACY"; then
-      seconds=$(json_field "$out" bench=step backend=cuda:0 seconds_to_target)
-      steps=$(json_field "$out" bench=step backend=cuda:0 steps_to_target)
+      seconds=$(json_field "$out" bench=step device=cuda:0 seconds_to_target)
+      steps=$(json_field "$out" bench=step device=cuda:0 steps_to_target)
       if [[ ${steps:--1} -gt 0 ]]; then
-        cpu_estimate=$(python3 -c "print(f'{$steps * ${cpu_ms:-0} / 1e3:.1f}')")
+        cpu_estimate=$(awk -v s="$steps" -v ms="${cpu_ms:-0}" 'BEGIN { printf "%.1f", s * ms / 1e3 }')
         row "time to accuracy $TARGET_ACCURACY (step_bench)" INFO "cuda:0 ${seconds} s" \
           "$steps steps; the CPU would need ~${cpu_estimate} s at its step time (estimate, not run)"
       else
