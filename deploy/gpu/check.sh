@@ -5,6 +5,7 @@
 # PyTorch; no Bazel, no gRPC needed. See deploy/gpu/README.md.
 #
 #   BUNDLE/check.sh [--results=DIR] [--quick] [--require_gpu]
+#                   [--steps=STEP,...] [--deadline_s=N]
 #                   [--data=auto|synthetic|fashion_mnist]
 #
 # Steps (each a row of the summary table; GPU steps are SKIPPED, with the
@@ -31,10 +32,14 @@
 # passed (performance goals are reported as MET/MISSED and do not change it);
 # 1 when a check failed; 2 bad usage. --require_gpu makes "no GPU found" a
 # failure (use it on a GPU host: a broken driver must not pass as a dry run).
+# --steps runs only the named steps (parity sanitizer kernel_bench step_bench
+# jobs pytorch); --deadline_s=N stops starting work so that the whole run,
+# summary included, ends within N seconds (for a device call with a limit).
 #
 # Knobs (environment): MODEL_HIDDEN (2048,2048), BATCH (512), CPU_STEPS,
 # GPU_STEPS, JOB_SERVERS (2), JOB_MODE (sync), TARGET_ACCURACY (0.9),
 # SANITIZE_TESTS (GPU test binaries run under compute-sanitizer),
+# SANITIZE_FILTER (their --gtest_filter),
 # STEP_TIMEOUT_S (300: the limit of any one step), PSTRAIN_CUDA_LIB_DIR.
 set -uo pipefail
 
@@ -44,7 +49,7 @@ BUNDLE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 readonly BUNDLE
 
 usage() {
-  printf '%s: %s\nusage: %s [--results=DIR] [--quick] [--require_gpu] [--data=auto|synthetic|fashion_mnist]\n' \
+  printf '%s: %s\nusage: %s [--results=DIR] [--quick] [--require_gpu] [--steps=STEP,...] [--deadline_s=N] [--data=auto|synthetic|fashion_mnist]\n' \
     "$PROG" "$1" "$PROG" >&2
   exit 2
 }
@@ -52,6 +57,7 @@ usage() {
 readonly ALL_STEPS="parity sanitizer kernel_bench step_bench jobs pytorch"
 read -ra STEPS <<<"$ALL_STEPS"
 results=""
+DEADLINE_S=0
 quick=0
 require_gpu=0
 data=auto
@@ -60,6 +66,10 @@ for arg in "$@"; do
     --results=*) results=${arg#--results=} ;;
     --quick) quick=1 ;;
     --require_gpu) require_gpu=1 ;;
+    --deadline_s=*)
+      DEADLINE_S=${arg#--deadline_s=}
+      [[ $DEADLINE_S =~ ^[0-9]+$ ]] || usage "--deadline_s must be a whole number of seconds, got '$DEADLINE_S'"
+      ;;
     --steps=*)
       IFS=, read -ra STEPS <<<"${arg#--steps=}"
       for step in "${STEPS[@]}"; do
@@ -68,7 +78,10 @@ for arg in "$@"; do
       ;;
     --data=auto | --data=synthetic | --data=fashion_mnist) data=${arg#--data=} ;;
     --data=*) usage "--data must be auto, synthetic or fashion_mnist, got '${arg#--data=}'" ;;
-    -h | --help) sed -n '2,40p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h | --help)
+      awk 'NR > 2 && /^#/ { sub(/^# ?/, ""); print; next } NR > 2 { exit }' "${BASH_SOURCE[0]}"
+      exit 0
+      ;;
     *) usage "unknown argument '$arg'" ;;
   esac
 done
@@ -77,6 +90,7 @@ done
 results=${results:-$PWD/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$results" || usage "cannot create --results=$results"
 results=$(cd "$results" && pwd)
+printf 'check\tstatus\tfigure\tnote\n' >"$results/summary.tsv"
 
 # Sizes: the MLP big enough for the 10x goal (issue 13), or a smoke run.
 if ((quick)); then
@@ -86,6 +100,11 @@ else
 fi
 : "${JOB_SERVERS:=2}" "${JOB_MODE:=sync}" "${TARGET_ACCURACY:=0.9}" "${STEP_TIMEOUT_S:=300}"
 : "${SANITIZE_TESTS:=cuda_backend_test embedding_bag_test mlp_gpu_test layers_test layer_ops_test}"
+# Left out under the sanitizers: filling the whole device (the sanitizer
+# needs memory of its own), a death test (re-executes the binary), and the
+# 16M-element exactness test (slow instrumented, and the same kernels run in
+# the other tests).
+: "${SANITIZE_FILTER:=-*AllocationRetriesAfterReleasingTheCache*:*DestroyingABackendWithLiveAllocations*:*BitExact*}"
 
 # The bundle's libraries first, then the host's CUDA 13 runtime and cuBLAS.
 cuda_lib_dir=${PSTRAIN_CUDA_LIB_DIR:-/usr/local/cuda/lib64}
@@ -102,6 +121,8 @@ FAILED=0
 # INFO. Only FAIL changes the exit status.
 row() {
   ROWS+=("$1"$'\t'"$2"$'\t'"$3"$'\t'"$4")
+  # Written as it goes, so a run cut short still leaves its rows.
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$results/summary.tsv"
   [[ $2 == FAIL ]] && FAILED=1
   log "$2 $1: $3${4:+ ($4)}"
 }
@@ -109,9 +130,27 @@ row() {
 # Runs "$@" with the step time limit, stdout+stderr to FILE; returns its
 # status (124: timed out).
 run_to() {
-  local file=$1
+  local file=$1 limit=$STEP_TIMEOUT_S
   shift
-  timeout --kill-after=10 "$STEP_TIMEOUT_S" "$@" >"$file" 2>&1
+  # Under --deadline_s, stop early enough to write the summary: a device
+  # call that is killed at its limit leaves no table behind.
+  if ((DEADLINE_S > 0)); then
+    local left=$((DEADLINE_S - (SECONDS - START_S) - 15))
+    if ((left <= 0)); then
+      echo "$PROG: not run: --deadline_s=$DEADLINE_S reached" >"$file"
+      return 124
+    fi
+    ((left < limit)) && limit=$left
+  fi
+  timeout --kill-after=10 "$limit" "$@" >"$file" 2>&1
+}
+
+# How a step's exit status reads in the table.
+exit_text() {
+  case "$1" in
+    124 | 137) echo "stopped at its time limit (STEP_TIMEOUT_S or --deadline_s)" ;;
+    *) echo "exit $1" ;;
+  esac
 }
 
 # json_field FILE KEY=VALUE... FIELD: FIELD of the last JSON line of FILE
@@ -135,10 +174,6 @@ at_least() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 >= b + 0) }'; }
 # Prints the table (and writes summary.txt / summary.tsv), then exits 1
 # when a check failed, else 0.
 finish() {
-  {
-    printf 'check\tstatus\tfigure\tnote\n'
-    printf '%s\n' "${ROWS[@]}"
-  } >"$results/summary.tsv"
   {
     cat "$results/host.txt"
     echo
@@ -211,7 +246,7 @@ step_parity() {
     failed=$(grep -c '^\[  FAILED  \] [A-Za-z].*(' "$out")
     figure="$passed passed, $skipped skipped, $failed failed"
     if ((status != 0)); then
-      row "parity $t" FAIL "$figure" "exit $status; see parity/$t.txt"
+      row "parity $t" FAIL "$figure" "$(exit_text "$status"); see parity/$t.txt"
     elif ((skipped > 0 && passed == 0)); then
       row "parity $t" SKIP "$figure" "$(grep -m1 -o 'no GPU[^"]*' "$out" | head -c 100)"
     else
@@ -233,7 +268,8 @@ step_sanitizer() {
       for t in $SANITIZE_TESTS; do
         [[ -x $BUNDLE/bin/$t ]] || continue
         out=$results/sanitizer/$tool-$t.txt
-        run_to "$out" "$sanitizer" --tool "$tool" --error-exitcode 99 "$BUNDLE/bin/$t"
+        run_to "$out" "$sanitizer" --tool "$tool" --error-exitcode 99 \
+        "$BUNDLE/bin/$t" --gtest_filter="$SANITIZE_FILTER"
         status=$?
         errors=$(grep -o 'ERROR SUMMARY: [0-9]*' "$out" | tail -1 | grep -o '[0-9]*$')
         if ((status == 0)); then
@@ -241,7 +277,7 @@ step_sanitizer() {
         elif ((status == 124 || status == 137)); then
           row "sanitizer $tool $t" FAIL "timed out" "over STEP_TIMEOUT_S=${STEP_TIMEOUT_S}s"
         else
-          row "sanitizer $tool $t" FAIL "${errors:-?} errors" "exit $status; see sanitizer/$tool-$t.txt"
+          row "sanitizer $tool $t" FAIL "${errors:-?} errors" "$(exit_text "$status"); see sanitizer/$tool-$t.txt"
         fi
       done
     done
@@ -258,7 +294,7 @@ step_kernel_bench() {
     if ((status == 0)) && grep -q 'no GPU' "$out"; then
       row "kernel_bench" SKIP "-" "$(head -c 100 "$out")"
     else
-      row "kernel_bench" FAIL "-" "exit $status without a GPU; see kernel_bench.txt"
+      row "kernel_bench" FAIL "-" "$(exit_text "$status") without a GPU; see kernel_bench.txt"
     fi
   else
     bench_flags=(--min_ms=20)
@@ -285,7 +321,7 @@ PY
         row "goal: $what" "$verdict" "$value" "$detail; goal >= $goal"
       done <"$results/kernel_goals.tsv"
     else
-      row "kernel_bench" FAIL "-" "exit $status; see kernel_bench.txt"
+      row "kernel_bench" FAIL "-" "$(exit_text "$status"); see kernel_bench.txt"
     fi
   fi
 }
@@ -397,7 +433,7 @@ WRAPPER
       "${data_flags[@]}" "${target_flags[@]}"
     local status=$?
     if ((status != 0)); then
-      row "job $name" FAIL "-" "launch.sh exit $status; see jobs/$name.txt and jobs/$name.run/"
+      row "job $name" FAIL "-" "launch.sh: $(exit_text "$status"); see jobs/$name.txt and jobs/$name.run/"
       return
     fi
     # Job throughput: the sum over workers; accuracy: worker 0's.
@@ -462,7 +498,7 @@ step_pytorch() {
       row "pytorch reference $precision" SKIP "-" "$(tail -1 "$out")"
       continue
     elif ((status != 0)); then
-      row "pytorch reference $precision" FAIL "-" "exit $status; see pytorch_$precision.txt"
+      row "pytorch reference $precision" FAIL "-" "$(exit_text "$status"); see pytorch_$precision.txt"
       continue
     fi
     torch_ms=$(json_field "$out" bench=pytorch_reference ms_per_step)
