@@ -22,7 +22,9 @@
 #   5. the same training job through CPU parameter servers on this host:
 #      workers on the CPU, one worker on cuda:0, two workers sharing cuda:0,
 #      two workers on two GPUs (where present); fp32 and bf16; samples/s,
-#      accuracy, speed-up over the CPU job (goal: 1 GPU >= 10x).
+#      accuracy, speed-up over the CPU job (goal: 1 GPU >= 10x). Then the
+#      CTR model (sparse tables on the servers) on the CPU and on cuda:0:
+#      the same sync job, so held-out AUC and loss must agree.
 #   6. pytorch_reference.py on the same GPU, same model/batch/optimizer/
 #      precision: the worker's GPU step time as a ratio to PyTorch's (goal
 #      <= 1.5).
@@ -480,6 +482,42 @@ PY
       speedup=$(ratio "$one" "$cpu_job_rate")
       if at_least "$speedup" 10; then verdict=MET; else verdict=MISSED; fi
       row "goal: 1 GPU worker vs CPU worker (job)" "$verdict" "${speedup}x" "samples/s through the servers; goal >= 10x"
+    fi
+  fi
+
+  # The CTR model (sparse embedding tables on the servers, embedding bags
+  # and GEMMs with beta = 1 on the worker) as a whole-model check: one sync
+  # worker sees the same batches on either device, so the GPU's held-out AUC
+  # and loss must match the CPU's closely.
+  ctr_job() {
+    local name=$1 device=$2 out=$results/jobs/$1.txt
+    run_to "$out" "$BUNDLE/launch.sh" --servers="$JOB_SERVERS" --workers=1 --mode=sync \
+      --bin_dir="$wrappers" --run_dir="$results/jobs/$name.run" --timeout_s="$STEP_TIMEOUT_S" -- \
+      --server.optimizer=adam --server.learning_rate=0.01 \
+      --model=ctr --ctr_fields=4 --ctr_dense=2 --ctr_vocab=2000 \
+      --sparse_optimizer=adagrad --sparse_learning_rate=0.1 \
+      --steps=200 --batch_size=128 --log_every=200 --device="$device"
+    local status=$?
+    if ((status != 0)); then
+      row "job $name" FAIL "-" "launch.sh: $(exit_text "$status"); see jobs/$name.txt and jobs/$name.run/"
+      return 1
+    fi
+    CTR_AUC[$name]=$(json_field "$out" event=final auc)
+    CTR_LOSS[$name]=$(json_field "$out" event=final final_loss)
+    row "job $name" PASS "AUC ${CTR_AUC[$name]}" "final training loss ${CTR_LOSS[$name]}"
+  }
+  declare -A CTR_AUC=() CTR_LOSS=()
+  ctr_job ctr_cpu cpu
+  if ((gpu_count == 0)); then
+    skip_gpu "ctr on cuda:0 vs the CPU"
+  elif ctr_job ctr_gpu cuda:0 && [[ -n ${CTR_AUC[ctr_cpu]:-} ]]; then
+    local auc_gap loss_gap
+    auc_gap=$(awk -v a="${CTR_AUC[ctr_gpu]}" -v b="${CTR_AUC[ctr_cpu]}" 'BEGIN { d = a - b; printf "%.4f", d < 0 ? -d : d }')
+    loss_gap=$(awk -v a="${CTR_LOSS[ctr_gpu]}" -v b="${CTR_LOSS[ctr_cpu]}" 'BEGIN { d = (a - b) / (b == 0 ? 1 : b); printf "%.4f", d < 0 ? -d : d }')
+    if at_least 0.01 "$auc_gap" && at_least 0.03 "$loss_gap"; then
+      row "ctr on cuda:0 vs the CPU" PASS "AUC gap $auc_gap" "relative loss gap $loss_gap (limits 0.01, 0.03)"
+    else
+      row "ctr on cuda:0 vs the CPU" FAIL "AUC gap $auc_gap" "relative loss gap $loss_gap (limits 0.01, 0.03): the GPU trains a different model"
     fi
   fi
 }

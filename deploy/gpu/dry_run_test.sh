@@ -53,6 +53,7 @@ expect() {
 expect '^parity device_selection_test +PASS'
 expect '^step_bench cpu fp32 +PASS'
 expect '^job cpu_1worker +PASS +[0-9.]+ samples/s'
+expect '^job ctr_cpu +PASS +AUC 0\.[0-9]+'
 if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
   echo "dry_run_test: this machine has a GPU: the GPU steps ran for real"
 else
