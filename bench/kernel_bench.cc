@@ -127,6 +127,20 @@ double TimePerCall(cudaStream_t stream, const std::function<void()>& op) {
   return seconds;
 }
 
+// Makes work issued on `consumer` from now on wait for all work issued on
+// `producer` so far (without blocking the host). Needed whenever memory
+// from one backend's pool is used on another backend's stream: each
+// backend orders only its own stream.
+void StreamWaitsFor(cudaStream_t consumer, cudaStream_t producer) {
+  cudaEvent_t ready;
+  CheckCuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming),
+            "cudaEventCreateWithFlags");
+  CheckCuda(cudaEventRecord(ready, producer), "cudaEventRecord");
+  CheckCuda(cudaStreamWaitEvent(consumer, ready, 0), "cudaStreamWaitEvent");
+  // Destroying a recorded event is fine: the wait keeps what it needs.
+  CheckCuda(cudaEventDestroy(ready), "cudaEventDestroy");
+}
+
 struct Row {
   Row(std::string op_name, std::string shape_text)
       : op(std::move(op_name)), shape(std::move(shape_text)) {}
@@ -404,6 +418,9 @@ int Run() {
     DeviceArray<float> c = Array(gpu.get(), g.m * g.n, 0.0f);
     for (Backend* backend : {gpu.get(), gpu16.get()}) {
       const bool bf16 = backend == gpu16.get();
+      // a, b and c come from the fp32 backend's pool and were filled on its
+      // stream; the bf16 backend's stream must not start on them earlier.
+      if (bf16) StreamWaitsFor(stream16, stream);
       Row row{bf16 ? "Gemm bf16 (incl. conversion)" : "Gemm fp32", shape};
       row.flops = 2.0 * g.m * g.n * g.k;
       row.seconds = TimePerCall(bf16 ? stream16 : stream, [&] {
@@ -415,6 +432,10 @@ int Run() {
       row.baseline_name = bf16 ? "bf16_gemm" : "sgemm";
       bench.Add(row);
     }
+    // The arrays go back to the fp32 pool at the end of this iteration,
+    // where the next shape's Fill on the fp32 stream may reuse them: that
+    // stream must first wait for the bf16 GEMMs still reading them.
+    StreamWaitsFor(stream, stream16);
   }
 
   std::printf("\n");
@@ -432,13 +453,19 @@ int main(int argc, char** argv) {
       "Times every CUDA backend op against the device's measured copy "
       "bandwidth and cuBLAS GEMM rate.");
   absl::ParseCommandLine(argc, argv);
-  std::string why_none;
-  if (pstrain::kernels::CudaDeviceCount(&why_none) == 0) {
-    std::printf(
-        "kernel_bench: no CUDA device visible (%s); nothing to "
-        "measure.\n",
-        why_none.c_str());
+  // No GPU here: nothing to measure, and not an error. A GPU that cannot be
+  // used (a driver too old) is one.
+  const absl::Status gpu =
+      pstrain::kernels::ClassifyCudaProbe(pstrain::kernels::ProbeCuda());
+  if (absl::IsNotFound(gpu)) {
+    std::printf("kernel_bench: %s; nothing to measure.\n",
+                std::string(gpu.message()).c_str());
     return 0;
+  }
+  if (!gpu.ok()) {
+    std::fprintf(stderr, "kernel_bench: %s\n",
+                 std::string(gpu.message()).c_str());
+    return 1;
   }
 #ifdef PSTRAIN_HAVE_CUDA
   return pstrain::Run();

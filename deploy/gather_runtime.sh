@@ -29,7 +29,10 @@
 # $PSTRAIN_CUDA_LIB_DIR, else /usr/local/cuda/lib64 (the binaries' own
 # RUNPATH also names the build host's toolkit directory).
 #
-# Example, for running the tests and benchmarks on a GPU host:
+# For the GPU-host check, deploy/gpu/make_bundle.sh calls this with the
+# right binaries and adds the scripts (see deploy/gpu/README.md).
+#
+# Example, for running the tests and benchmarks on a GPU host by hand:
 #   bazel build -c opt //kernels:cuda_backend_test //bench:kernel_bench \
 #       //bench:step_bench //worker:worker
 #   deploy/gather_runtime.sh /tmp/pstrain-gpu bazel-bin/kernels/cuda_backend_test \

@@ -28,7 +28,46 @@ bool ParseDeviceOrdinal(absl::string_view text, int* ordinal) {
   return absl::SimpleAtoi(text, ordinal);
 }
 
+// 13000 -> "13.0", 12080 -> "12.8" (CUDA's version encoding).
+std::string CudaVersionText(int version) {
+  return absl::StrCat(version / 1000, ".", (version % 1000) / 10);
+}
+
 }  // namespace
+
+absl::Status ClassifyCudaProbe(const CudaProbe& probe) {
+  if (!probe.compiled) {
+    return absl::NotFoundError(
+        "no GPU: this build has no CUDA backend (no CUDA toolkit was found "
+        "when it was built)");
+  }
+  if (probe.error == 0 && probe.device_count > 0) return absl::OkStatus();
+  if ((probe.error == 0 && probe.device_count <= 0) ||
+      probe.error == kCudaErrorNoDevice) {
+    return absl::NotFoundError(
+        "no GPU: the NVIDIA driver is installed but shows no CUDA device "
+        "(is CUDA_VISIBLE_DEVICES empty or wrong?)");
+  }
+  // The runtime reports a missing driver and an old driver with the same
+  // error; only the driver version tells them apart (0: none installed).
+  if (probe.error == kCudaErrorInsufficientDriver &&
+      probe.driver_version == 0) {
+    return absl::NotFoundError(
+        "no GPU: no NVIDIA driver is installed on this machine");
+  }
+  if (probe.error == kCudaErrorInsufficientDriver) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the NVIDIA driver here supports CUDA up to ",
+        CudaVersionText(probe.driver_version),
+        ", but this build uses the CUDA ",
+        CudaVersionText(probe.runtime_version),
+        " runtime: install a newer driver (CUDA 13 needs R580 or later) or "
+        "run with --device=cpu"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the CUDA runtime cannot use the GPU: cudaGetDeviceCount failed with ",
+      probe.error_name, " (", probe.error_string, ")"));
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
     const BackendOptions& options) {
@@ -56,25 +95,36 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
     return std::make_unique<CpuBackend>();
   }
   if (device == "auto") {
-    std::string why_none;
-    if (CudaDeviceCount(&why_none) > 0) {
+    // Only "this machine has no GPU" falls back to the CPU. A GPU that is
+    // there but unusable (old driver, no kernel image for it) is an error:
+    // training on the CPU instead would be silent and ten times slower.
+    const absl::Status gpu = ClassifyCudaProbe(ProbeCuda());
+    if (gpu.ok()) {
       // One worker per GPU: CUDA_VISIBLE_DEVICES picks the GPU, and the
       // first visible one is the worker's.
       absl::StatusOr<std::unique_ptr<Backend>> backend =
           CreateCudaBackend(0, precision);
-      if (backend.ok()) {
-        LOG_FIRST_N(INFO, 1)
-            << "--device=auto: using " << DescribeCudaDevice(0)
-            << (precision == Precision::kBf16 ? " (bf16 GEMMs)" : "");
+      if (!backend.ok()) {
+        return absl::Status(
+            backend.status().code(),
+            absl::StrCat("--device=auto: ", backend.status().message(),
+                         " (--device=cpu runs on the CPU)"));
       }
+      LOG_FIRST_N(INFO, 1) << "--device=auto: using " << DescribeCudaDevice(0)
+                           << (precision == Precision::kBf16 ? " (bf16 GEMMs)"
+                                                             : "");
       return backend;
+    }
+    if (!absl::IsNotFound(gpu)) {
+      return absl::Status(gpu.code(),
+                          absl::StrCat("--device=auto: ", gpu.message()));
     }
     if (precision == Precision::kBf16) {
       return bf16_needs_gpu(
-          absl::StrCat("--device=auto found no GPU (", why_none, ")"));
+          absl::StrCat("--device=auto found ", gpu.message()));
     }
-    LOG_FIRST_N(INFO, 1) << "no GPU visible (" << why_none
-                         << "); using the CPU backend";
+    LOG_FIRST_N(INFO, 1) << "--device=auto: " << gpu.message()
+                         << "; training on the CPU";
     return std::make_unique<CpuBackend>();
   }
   constexpr absl::string_view kCudaPrefix = "cuda:";

@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "kernels/cuda_kernels.h"
+#include "kernels/cuda_policy.h"
 #include "kernels/op_checks.h"
 
 namespace pstrain::kernels {
@@ -239,6 +240,24 @@ class CudaBackend final : public Backend {
   absl::Status SyncLocked(absl::string_view op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Runs a cuBLAS call; when cuBLAS itself runs out of device memory (its
+  // workspace), the cached free blocks are returned to the driver and the
+  // call is tried once more, as AllocateLocked does for cudaMalloc.
+  template <typename CublasCall>
+  absl::Status CublasTrimmingOnOom(absl::string_view op, const char* call_text,
+                                   const CublasCall& call)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    cublasStatus_t status = call();
+    if (status == CUBLAS_STATUS_ALLOC_FAILED) {
+      PSTRAIN_RETURN_IF_ERROR(ReleaseCached(op));
+      status = call();
+    }
+    if (status != CUBLAS_STATUS_SUCCESS) {
+      return CublasError(op, call_text, status);
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status GemmBf16(absl::string_view op, cublasOperation_t op_a,
                         cublasOperation_t op_b, int m, int n, int k,
                         float alpha, const float* a, int lda, const float* b,
@@ -336,10 +355,24 @@ CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) {
     PSTRAIN_CUDA_LOG_IF_ERROR(kOp, cudaStreamSynchronize(stream_));
   }
-  // Blocks still live here belong to DeviceArrays that outlived the
-  // backend; they could not be freed later anyway.
-  for (const auto& [ptr, size] : live_) {
-    PSTRAIN_CUDA_LOG_IF_ERROR(kOp, cudaFree(ptr));
+  // The scratch buffers are the backend's own allocations.
+  for (ScratchBuffer& scratch : scratch_) {
+    if (scratch.ptr != nullptr) FreeLocked(scratch.ptr);
+    scratch = ScratchBuffer();
+  }
+  // Live blocks here belong to DeviceArrays (or raw Allocates) that outlive
+  // the backend: their destructors will call Free on a destroyed object.
+  // Freeing the blocks now would also hand their memory to the next
+  // allocation while a caller may still write to it, so they are left to
+  // the driver (reclaimed at process exit) and the bug is reported loudly:
+  // fatal in debug builds and tests, an error in optimized ones.
+  if (!live_.empty()) {
+    size_t live_bytes = 0;
+    for (const auto& [ptr, size] : live_) live_bytes += size;
+    LOG(DFATAL) << name_ << " destroyed while " << live_.size()
+                << " of its allocations (" << live_bytes
+                << " bytes) are still in use: destroy every DeviceArray "
+                   "before its backend";
   }
   for (const auto& [size, blocks] : free_) {
     for (void* ptr : blocks) PSTRAIN_CUDA_LOG_IF_ERROR(kOp, cudaFree(ptr));
@@ -416,10 +449,18 @@ absl::Status CudaBackend::ReleaseCached(absl::string_view op) {
   // cudaFree would wait for the device anyway; waiting for our stream first
   // makes it explicit that no queued kernel still uses a cached block.
   PSTRAIN_CUDA_RETURN_IF_ERROR(op, cudaStreamSynchronize(stream_));
-  for (auto& [size, blocks] : free_) {
-    for (void* ptr : blocks) PSTRAIN_CUDA_RETURN_IF_ERROR(op, cudaFree(ptr));
+  // Each block leaves the cache before its cudaFree, so a failure part way
+  // leaves only blocks that were not handed to cudaFree (and none twice).
+  while (!free_.empty()) {
+    std::vector<void*>& blocks = free_.begin()->second;
+    if (blocks.empty()) {
+      free_.erase(free_.begin());
+      continue;
+    }
+    void* ptr = blocks.back();
+    blocks.pop_back();
+    PSTRAIN_CUDA_RETURN_IF_ERROR(op, cudaFree(ptr));
   }
-  free_.clear();
   return absl::OkStatus();
 }
 
@@ -462,14 +503,16 @@ absl::Status CudaBackend::ReadyStaging(absl::string_view op, Staging& staging,
                                        size_t bytes) {
   PSTRAIN_CUDA_RETURN_IF_ERROR(op, cudaEventSynchronize(staging.done));
   if (staging.capacity >= bytes) return absl::OkStatus();
+  // Grow geometrically so a run of ever larger copies allocates rarely:
+  // every cudaFreeHost + cudaMallocHost synchronizes the whole device. The
+  // new size is taken from the old one before that one is released.
+  const size_t capacity = internal::NextStagingCapacity(
+      staging.capacity, bytes, kMinStaging, kStagingChunk);
   if (staging.host != nullptr) {
     PSTRAIN_CUDA_RETURN_IF_ERROR(op, cudaFreeHost(staging.host));
     staging.host = nullptr;
     staging.capacity = 0;
   }
-  // Grow geometrically so a run of ever larger copies allocates rarely.
-  const size_t capacity = std::min(
-      kStagingChunk, std::max({bytes, kMinStaging, 2 * staging.capacity}));
   PSTRAIN_CUDA_RETURN_IF_ERROR(op, cudaMallocHost(&staging.host, capacity));
   staging.capacity = capacity;
   return absl::OkStatus();
@@ -624,11 +667,11 @@ absl::Status CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n,
     return GemmBf16(kOp, op_a, op_b, static_cast<int>(m), static_cast<int>(n),
                     static_cast<int>(k), alpha, a, lda, b, ldb, beta, c);
   }
-  PSTRAIN_CUBLAS_RETURN_IF_ERROR(
-      kOp, cublasSgemm(cublas_, op_b, op_a, static_cast<int>(n),
+  return CublasTrimmingOnOom(kOp, "cublasSgemm", [&] {
+    return cublasSgemm(cublas_, op_b, op_a, static_cast<int>(n),
                        static_cast<int>(m), static_cast<int>(k), &alpha, b, ldb,
-                       a, lda, &beta, c, static_cast<int>(n)));
-  return absl::OkStatus();
+                       a, lda, &beta, c, static_cast<int>(n));
+  });
 }
 
 absl::Status CudaBackend::GemmBf16(absl::string_view op, cublasOperation_t op_a,
@@ -650,11 +693,11 @@ absl::Status CudaBackend::GemmBf16(absl::string_view op, cublasOperation_t op_a,
   PSTRAIN_CUDA_RETURN_IF_ERROR(
       op, cuda::LaunchFloatToBf16(stream_, b_elements, b, *b16));
   // bf16 inputs, fp32 accumulation (CUBLAS_COMPUTE_32F), fp32 C.
-  PSTRAIN_CUBLAS_RETURN_IF_ERROR(
-      op, cublasGemmEx(cublas_, op_b, op_a, n, m, k, &alpha, *b16, CUDA_R_16BF,
-                       ldb, *a16, CUDA_R_16BF, lda, &beta, c, CUDA_R_32F, n,
-                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  return absl::OkStatus();
+  return CublasTrimmingOnOom(op, "cublasGemmEx", [&] {
+    return cublasGemmEx(cublas_, op_b, op_a, n, m, k, &alpha, *b16, CUDA_R_16BF,
+                        ldb, *a16, CUDA_R_16BF, lda, &beta, c, CUDA_R_32F, n,
+                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  });
 }
 
 absl::Status CudaBackend::AddBias(int64_t rows, int64_t cols, const float* bias,
@@ -850,23 +893,38 @@ absl::Status CudaBackend::ScatterAdd(int64_t num_indices, int64_t dim,
 
 bool CudaBackendCompiled() { return true; }
 
-int CudaDeviceCount(std::string* why_none) {
-  int count = 0;
-  const cudaError_t error = cudaGetDeviceCount(&count);
+CudaProbe ProbeCuda() {
+  CudaProbe probe;
+  probe.compiled = true;
+  const cudaError_t error = cudaGetDeviceCount(&probe.device_count);
   if (error != cudaSuccess) {
     // Not sticky (no context exists yet); clear it so that it cannot be
     // mistaken for a later call's error.
     cudaGetLastError();
-    if (why_none != nullptr) {
-      *why_none = absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorName(error),
-                               " (", cudaGetErrorString(error), ")");
-    }
+    probe.device_count = 0;
+    probe.error = static_cast<int>(error);
+    probe.error_name = cudaGetErrorName(error);
+    probe.error_string = cudaGetErrorString(error);
+  }
+  // Both succeed without a driver (the driver version is then 0).
+  if (cudaDriverGetVersion(&probe.driver_version) != cudaSuccess) {
+    cudaGetLastError();
+    probe.driver_version = 0;
+  }
+  if (cudaRuntimeGetVersion(&probe.runtime_version) != cudaSuccess) {
+    cudaGetLastError();
+    probe.runtime_version = CUDART_VERSION;
+  }
+  return probe;
+}
+
+int CudaDeviceCount(std::string* why_none) {
+  const CudaProbe probe = ProbeCuda();
+  if (const absl::Status usable = ClassifyCudaProbe(probe); !usable.ok()) {
+    if (why_none != nullptr) *why_none = std::string(usable.message());
     return 0;
   }
-  if (count == 0 && why_none != nullptr) {
-    *why_none = "cudaGetDeviceCount found no device";
-  }
-  return count;
+  return probe.device_count;
 }
 
 std::string DescribeCudaDevice(int ordinal) {

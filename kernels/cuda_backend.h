@@ -41,6 +41,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 
@@ -52,9 +53,37 @@ enum class Precision { kFp32, kBf16 };
 // time); every other function here then reports that.
 bool CudaBackendCompiled();
 
+// What asking the CUDA runtime for devices found, in plain values so that
+// the classification below needs no CUDA headers and can be tested anywhere.
+struct CudaProbe {
+  bool compiled = false;  // this build has the CUDA backend
+  int device_count = 0;
+  int error = 0;  // cudaGetDeviceCount's cudaError_t (0: success)
+  std::string error_name;
+  std::string error_string;
+  int driver_version = 0;   // cudaDriverGetVersion: 0 when no driver is there
+  int runtime_version = 0;  // cudaRuntimeGetVersion, e.g. 13000
+};
+
+// The cudaError_t values ClassifyCudaProbe tells apart (stable ABI values).
+inline constexpr int kCudaErrorInsufficientDriver = 35;
+inline constexpr int kCudaErrorNoDevice = 100;
+
+CudaProbe ProbeCuda();
+
+// OK when at least one GPU is visible. NotFound when this machine simply has
+// none: no NVIDIA driver installed, no device (or CUDA_VISIBLE_DEVICES hides
+// them all), or a build without the CUDA backend; only this may make
+// --device=auto fall back to the CPU. FailedPrecondition for anything else,
+// above all a driver too old for this build's CUDA runtime: a GPU host that
+// silently trained on the CPU would be a far worse surprise than an error.
+// The message says what was found and what to do, in plain words.
+absl::Status ClassifyCudaProbe(const CudaProbe& probe);
+
 // The number of CUDA devices this process can see (CUDA_VISIBLE_DEVICES
-// applies). When it is 0, *why_none (if not null) says why: no driver, no
-// device, or no CUDA backend in this build.
+// applies). When it is 0, *why_none (if not null) says why, in plain words
+// (ClassifyCudaProbe's message): no GPU or driver on this machine, a driver
+// too old, or no CUDA backend in this build.
 int CudaDeviceCount(std::string* why_none = nullptr);
 
 // One line for logs about device `ordinal`: name, memory, compute capability.

@@ -21,6 +21,8 @@ constexpr char kNoCuda[] =
 
 bool CudaBackendCompiled() { return false; }
 
+CudaProbe ProbeCuda() { return CudaProbe(); }
+
 int CudaDeviceCount(std::string* why_none) {
   if (why_none != nullptr) *why_none = kNoCuda;
   return 0;

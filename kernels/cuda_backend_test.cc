@@ -41,6 +41,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -872,6 +873,336 @@ TEST_F(CudaBf16Test, GemmMatchesCpu) {
           EXPECT_CLOSE(got, exact, &floors, 0, 1e-2);
         }
       }
+    }
+  }
+}
+
+// --- Gaps a review found: exactness, grid limits, threads, OOM, errors. ---
+
+// The elementwise ops and Gather are documented to round exactly like the
+// CPU (no FMA contraction): checked bit for bit, so that a kernel computing
+// y + alpha * x with one rounding instead of two fails.
+TEST_F(CudaBackendTest, ElementwiseOpsAndGatherAreBitExact) {
+  SCOPED_TRACE(SeedTrace());
+  constexpr double kExact = 0.0;
+  for (int64_t n : {int64_t{1000 * 37}, int64_t{(1 << 24) + 3}}) {
+    SCOPED_TRACE(n);
+    const float alpha = Random(1, 3.0f)[0];
+    const std::vector<float> x = Random(n, 7.0f);
+    const std::vector<float> y = Random(n, 5.0f);
+    DeviceArray<float> gx = Upload(x);
+
+    std::vector<float> expected = y;
+    ASSERT_TRUE(cpu_.Axpy(n, alpha, x.data(), expected.data()).ok());
+    DeviceArray<float> gy = Upload(y);
+    ASSERT_TRUE(gpu_->Axpy(n, alpha, gx.data(), gy.data()).ok());
+    EXPECT_CLOSE(Download(gy), expected, nullptr, kTinyFloor, kExact);
+
+    expected = y;
+    ASSERT_TRUE(cpu_.Scale(n, alpha, expected.data()).ok());
+    gy = Upload(y);
+    ASSERT_TRUE(gpu_->Scale(n, alpha, gy.data()).ok());
+    EXPECT_CLOSE(Download(gy), expected, nullptr, kTinyFloor, kExact);
+
+    std::vector<float> relu(n);
+    ASSERT_TRUE(cpu_.Relu(n, x.data(), relu.data()).ok());
+    DeviceArray<float> grelu = Poisoned(n);
+    ASSERT_TRUE(gpu_->Relu(n, gx.data(), grelu.data()).ok());
+    EXPECT_CLOSE(Download(grelu), relu, nullptr, kTinyFloor, kExact);
+
+    std::vector<float> dx(n);
+    ASSERT_TRUE(cpu_.ReluGrad(n, relu.data(), y.data(), dx.data()).ok());
+    DeviceArray<float> gdx = Poisoned(n);
+    DeviceArray<float> gdy = Upload(y);
+    ASSERT_TRUE(gpu_->ReluGrad(n, grelu.data(), gdy.data(), gdx.data()).ok());
+    EXPECT_CLOSE(Download(gdx), dx, nullptr, kTinyFloor, kExact);
+  }
+  for (const Shape& s : Shapes()) {
+    SCOPED_TRACE(absl::StrCat(s.rows, "x", s.cols));
+    const std::vector<float> bias = Random(s.cols, 3.0f);
+    const std::vector<float> y = Random(s.rows * s.cols);
+    std::vector<float> expected = y;
+    ASSERT_TRUE(
+        cpu_.AddBias(s.rows, s.cols, bias.data(), expected.data()).ok());
+    DeviceArray<float> gbias = Upload(bias);
+    DeviceArray<float> gy = Upload(y);
+    ASSERT_TRUE(gpu_->AddBias(s.rows, s.cols, gbias.data(), gy.data()).ok());
+    EXPECT_CLOSE(Download(gy), expected, nullptr, kTinyFloor, kExact);
+  }
+  const int64_t table_rows = 1000, dim = 33, n = 5000;
+  const std::vector<float> table = Random(table_rows * dim);
+  const std::vector<int64_t> indices =
+      RandomInts<int64_t>(n, 0, table_rows - 1);
+  std::vector<float> expected(n * dim);
+  ASSERT_TRUE(cpu_.Gather(n, dim, table_rows, table.data(), indices.data(),
+                          expected.data())
+                  .ok());
+  DeviceArray<float> gtable = Upload(table);
+  DeviceArray<int64_t> gindices = UploadExact(indices);
+  DeviceArray<float> out = Poisoned(n * dim);
+  ASSERT_TRUE(gpu_->Gather(n, dim, table_rows, gtable.data(), gindices.data(),
+                           out.data())
+                  .ok());
+  EXPECT_CLOSE(Download(out), expected, nullptr, kTinyFloor, kExact);
+}
+
+// More rows (or indices) than the kernels launch blocks for (1 << 16, and
+// 65,535 for a grid's y dimension): the loops over rows must go around.
+TEST_F(CudaBackendTest, RowLoopsGoPastTheGridLimit) {
+  SCOPED_TRACE(SeedTrace());
+  constexpr int64_t kRows = 70001;
+  for (int64_t cols : {3, 300}) {
+    SCOPED_TRACE(absl::StrCat(kRows, "x", cols));
+    const std::vector<float> bias = Random(cols);
+    const std::vector<float> y = Random(kRows * cols);
+    std::vector<float> expected = y;
+    ASSERT_TRUE(cpu_.AddBias(kRows, cols, bias.data(), expected.data()).ok());
+    DeviceArray<float> gbias = Upload(bias);
+    DeviceArray<float> gy = Upload(y);
+    ASSERT_TRUE(gpu_->AddBias(kRows, cols, gbias.data(), gy.data()).ok());
+    const std::vector<float> got = Download(gy);
+    EXPECT_CLOSE(got, expected, nullptr, kTinyFloor, 0.0);
+    ExpectGuardIntact(got, y.size());
+  }
+  {
+    SCOPED_TRACE("SoftmaxCrossEntropy");
+    const int64_t cols = 3;
+    const std::vector<float> logits = Random(kRows * cols, 5.0f);
+    const std::vector<int32_t> labels =
+        RandomInts<int32_t>(kRows, 0, static_cast<int32_t>(cols - 1));
+    CompareSoftmaxCe(cpu_, *gpu_, kRows, cols, logits, labels,
+                     1.0f / static_cast<float>(kRows));
+  }
+  const int64_t table_rows = 1000, dim = 3;
+  const std::vector<float> table = Random(table_rows * dim);
+  const std::vector<int64_t> indices =
+      RandomInts<int64_t>(kRows, 0, table_rows - 1);
+  DeviceArray<int64_t> gindices = UploadExact(indices);
+  {
+    SCOPED_TRACE("Gather");
+    std::vector<float> expected(kRows * dim);
+    ASSERT_TRUE(cpu_.Gather(kRows, dim, table_rows, table.data(),
+                            indices.data(), expected.data())
+                    .ok());
+    DeviceArray<float> gtable = Upload(table);
+    DeviceArray<float> out = Poisoned(kRows * dim);
+    ASSERT_TRUE(gpu_->Gather(kRows, dim, table_rows, gtable.data(),
+                             gindices.data(), out.data())
+                    .ok());
+    const std::vector<float> got = Download(out);
+    EXPECT_CLOSE(got, expected, nullptr, kTinyFloor, 0.0);
+    ExpectGuardIntact(got, kRows * dim);
+  }
+  {
+    SCOPED_TRACE("ScatterAdd");
+    const std::vector<float> grads = Random(kRows * dim);
+    std::vector<double> floors(table.size());
+    for (size_t i = 0; i < table.size(); ++i) floors[i] = std::fabs(table[i]);
+    for (int64_t i = 0; i < kRows; ++i) {
+      for (int64_t d = 0; d < dim; ++d) {
+        floors[indices[i] * dim + d] += std::fabs(grads[i * dim + d]);
+      }
+    }
+    std::vector<float> expected = table;
+    ASSERT_TRUE(cpu_.ScatterAdd(kRows, dim, table_rows, grads.data(),
+                                indices.data(), expected.data())
+                    .ok());
+    DeviceArray<float> gtable = Upload(table);
+    DeviceArray<float> ggrads = Upload(grads);
+    ASSERT_TRUE(gpu_->ScatterAdd(kRows, dim, table_rows, ggrads.data(),
+                                 gindices.data(), gtable.data())
+                    .ok());
+    const std::vector<float> got = Download(gtable);
+    EXPECT_CLOSE(got, expected, &floors, 0, kTolerance);
+    ExpectGuardIntact(got, table.size());
+  }
+}
+
+// One backend used from several threads at once (the worker's prefetch and
+// training threads do): every thread's results must be what the CPU says.
+TEST_F(CudaBackendTest, ThreadsShareOneBackend) {
+  SCOPED_TRACE(SeedTrace());
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 20;
+  const int64_t m = 65, n = 33, k = 129;
+  struct Work {
+    std::vector<float> a, b, bias, expected;
+  };
+  std::vector<Work> work(kThreads);
+  for (Work& w : work) {
+    w.a = Random(m * k);
+    w.b = Random(k * n);
+    w.bias = Random(n);
+    w.expected.assign(m * n, 0.0f);
+    ASSERT_TRUE(cpu_.Gemm(false, false, m, n, k, 1.0f, w.a.data(), w.b.data(),
+                          0.0f, w.expected.data())
+                    .ok());
+    ASSERT_TRUE(cpu_.AddBias(m, n, w.bias.data(), w.expected.data()).ok());
+    ASSERT_TRUE(cpu_.Relu(m * n, w.expected.data(), w.expected.data()).ok());
+  }
+  std::vector<std::string> failures(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const Work& w = work[t];
+      Backend* gpu = gpu_.get();
+      for (int round = 0; round < kRounds && failures[t].empty(); ++round) {
+        absl::StatusOr<DeviceArray<float>> a =
+            DeviceArray<float>::Create(gpu, w.a.size());
+        absl::StatusOr<DeviceArray<float>> b =
+            DeviceArray<float>::Create(gpu, w.b.size());
+        absl::StatusOr<DeviceArray<float>> bias =
+            DeviceArray<float>::Create(gpu, w.bias.size());
+        absl::StatusOr<DeviceArray<float>> c =
+            DeviceArray<float>::Create(gpu, m * n);
+        if (!a.ok() || !b.ok() || !bias.ok() || !c.ok()) {
+          failures[t] = "allocation failed";
+          return;
+        }
+        std::vector<float> got(m * n);
+        absl::Status s = gpu->CopyToDevice(w.a.data(), a->data(), a->bytes());
+        if (s.ok()) s = gpu->CopyToDevice(w.b.data(), b->data(), b->bytes());
+        if (s.ok()) {
+          s = gpu->CopyToDevice(w.bias.data(), bias->data(), bias->bytes());
+        }
+        if (s.ok()) {
+          s = gpu->Gemm(false, false, m, n, k, 1.0f, a->data(), b->data(), 0.0f,
+                        c->data());
+        }
+        if (s.ok()) s = gpu->AddBias(m, n, bias->data(), c->data());
+        if (s.ok()) s = gpu->Relu(m * n, c->data(), c->data());
+        if (s.ok()) s = gpu->CopyToHost(c->data(), got.data(), c->bytes());
+        if (!s.ok()) {
+          failures[t] = s.ToString();
+          return;
+        }
+        // Loose on purpose (relative to max(|e|, 1)): this test is about
+        // races, which produce garbage, not about rounding.
+        const Worst worst = Compare(got, w.expected, nullptr, 1.0);
+        if (!worst.problem.empty() || worst.error > 1e-4) {
+          failures[t] =
+              absl::StrCat("round ", round, ": index ", worst.index, " error ",
+                           worst.error, " ", worst.problem);
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(failures[t], "") << "thread " << t;
+  }
+}
+
+// When the device is full, blocks cached by the pool are given back to the
+// driver and the allocation retried, so a request of a new size succeeds.
+TEST_F(CudaBackendTest, AllocationRetriesAfterReleasingTheCache) {
+  constexpr size_t kBlock = size_t{1} << 30;
+  constexpr int kMaxBlocks = 1024;  // stops the loop on any device size
+  std::vector<void*> blocks;
+  absl::Status full;
+  for (int i = 0; i < kMaxBlocks; ++i) {
+    absl::StatusOr<void*> ptr = gpu_->Allocate(kBlock);
+    if (!ptr.ok()) {
+      full = ptr.status();
+      break;
+    }
+    blocks.push_back(*ptr);
+  }
+  ASSERT_FALSE(full.ok()) << "allocated " << blocks.size() << " GiB";
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_THAT(full.message(), HasSubstr("cudaMalloc"));
+  ASSERT_GE(blocks.size(), 2u) << "the device has too little memory for this";
+  // Every block goes back to the pool's cache, not to the driver.
+  for (void* ptr : blocks) gpu_->Free(ptr);
+  // A size class none of the cached blocks fits: only a release makes room.
+  absl::StatusOr<void*> bigger = gpu_->Allocate(kBlock + kBlock / 2);
+  ASSERT_TRUE(bigger.ok()) << bigger.status();
+  gpu_->Free(*bigger);
+  // And the backend works as before.
+  DeviceArray<float> x = Upload(Random(1000));
+  ASSERT_TRUE(gpu_->Scale(1000, 2.0f, x.data()).ok());
+  EXPECT_TRUE(gpu_->Synchronize().ok());
+}
+
+// A bad embedding index found on the device surfaces through the next
+// synchronizing op, SoftmaxCrossEntropy included (the step's one wait),
+// and names both the culprit and the reporter.
+TEST_F(CudaBackendTest, IndexErrorSurfacesThroughSoftmaxCrossEntropy) {
+  const int64_t table_rows = 10, dim = 4;
+  DeviceArray<float> table = Upload(Random(table_rows * dim));
+  DeviceArray<int64_t> indices = UploadExact(std::vector<int64_t>{3, 11});
+  DeviceArray<float> logits = Poisoned(2 * dim);
+  ASSERT_TRUE(gpu_->Gather(2, dim, table_rows, table.data(), indices.data(),
+                           logits.data())
+                  .ok());
+  DeviceArray<int32_t> labels = UploadExact(std::vector<int32_t>{0, 1});
+  double loss = 123;
+  int64_t correct = 456;
+  absl::Status s = gpu_->SoftmaxCrossEntropy(
+      2, dim, logits.data(), labels.data(), 0.5f, nullptr, &loss, &correct);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("Gather: indices["));
+  EXPECT_THAT(s.message(), HasSubstr("reported by SoftmaxCrossEntropy"));
+  EXPECT_EQ(loss, 123);
+  EXPECT_EQ(correct, 456);
+  // Reported once: the next step is clean.
+  EXPECT_TRUE(gpu_->SoftmaxCrossEntropy(2, dim, logits.data(), labels.data(),
+                                        0.5f, nullptr, &loss, &correct)
+                  .ok());
+}
+
+// On a GPU host, --device=auto must take the GPU, never the CPU.
+TEST_F(CudaBackendTest, AutoTakesTheGpu) {
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend("auto");
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  EXPECT_THAT((*backend)->Name(), ::testing::StartsWith("cuda:0 ("));
+  EXPECT_TRUE(ClassifyCudaProbe(ProbeCuda()).ok());
+}
+
+// Destroying a backend while an allocation of it is still live is a bug in
+// the caller (a DeviceArray outliving its backend would later call Free on
+// a destroyed object): fatal in debug builds, logged in optimized ones.
+TEST_F(CudaBackendTest, DestroyingABackendWithLiveAllocationsIsReported) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEBUG_DEATH(
+      {
+        absl::StatusOr<std::unique_ptr<Backend>> other =
+            CreateBackend("cuda:0");
+        ASSERT_TRUE(other.ok()) << other.status();
+        ASSERT_TRUE((*other)->Allocate(4096).ok());
+        other->reset();
+      },
+      "still in use");
+}
+
+// bf16 GEMM accumulating into C (beta = 1), as the CTR model's layers do.
+TEST_F(CudaBf16Test, GemmAccumulatesWithBetaOne) {
+  SCOPED_TRACE(SeedTrace());
+  for (bool trans_a : {false, true}) {
+    for (const GemmShape& s : GemmShapes()) {
+      SCOPED_TRACE(
+          absl::StrCat(trans_a ? "At" : "A", " ", s.m, "x", s.n, "x", s.k));
+      const std::vector<float> a = Random(s.m * s.k);
+      const std::vector<float> b = Random(s.k * s.n);
+      const std::vector<float> c0 = Random(s.m * s.n);
+      std::vector<float> a16 = a, b16 = b;
+      for (float& x : a16) x = RoundToBf16(x);
+      for (float& x : b16) x = RoundToBf16(x);
+      DeviceArray<float> ga = Upload(a);
+      DeviceArray<float> gb = Upload(b);
+      DeviceArray<float> gc = Upload(c0);
+      ASSERT_TRUE(gpu_->Gemm(trans_a, false, s.m, s.n, s.k, 1.0f, ga.data(),
+                             gb.data(), 1.0f, gc.data())
+                      .ok());
+      const std::vector<float> got = Download(gc);
+      ExpectGuardIntact(got, s.m * s.n);
+      std::vector<float> expected = c0;
+      ASSERT_TRUE(cpu_.Gemm(trans_a, false, s.m, s.n, s.k, 1.0f, a16.data(),
+                            b16.data(), 1.0f, expected.data())
+                      .ok());
+      const std::vector<double> floors =
+          GemmFloors(trans_a, false, s.m, s.n, s.k, 1.0f, a, b, 1.0f, c0);
+      EXPECT_CLOSE(got, expected, &floors, 0, 1e-3);
     }
   }
 }

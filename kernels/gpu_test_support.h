@@ -11,7 +11,6 @@
 #include <cstdlib>
 #include <string>
 
-#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda_backend.h"
 
@@ -29,10 +28,10 @@ inline std::string WhyNoGpu() {
     return "no CUDA device visible: this build has no CUDA backend (no CUDA "
            "toolkit at build time)";
   }
+  // CudaDeviceCount says why in plain words ("no GPU: no NVIDIA driver is
+  // installed on this machine", or a driver too old for this build).
   std::string why_none;
-  if (CudaDeviceCount(&why_none) == 0) {
-    return absl::StrCat("no CUDA device visible: ", why_none);
-  }
+  if (CudaDeviceCount(&why_none) == 0) return why_none;
   return "";
 }
 

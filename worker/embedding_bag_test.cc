@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/gpu_test_support.h"
 
 namespace pstrain {
 namespace {
@@ -150,17 +151,16 @@ std::vector<double> NaiveBackward(const std::vector<int64_t>& offsets,
   return grad;
 }
 
-// Runs on the CPU backend always, and on CUDA where this build has it and a
-// GPU is visible (skipped otherwise).
+// Runs on the CPU backend always, and on CUDA where a GPU is usable. Only
+// "no GPU here" skips (a failure under PSTRAIN_REQUIRE_GPU=1); a GPU that is
+// there but unusable (no kernel image for it, say) fails the test.
 class EmbeddingBagTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+    if (GetParam() != "cpu") PSTRAIN_REQUIRE_GPU_OR_SKIP();
     absl::StatusOr<std::unique_ptr<Backend>> backend =
         kernels::CreateBackend(GetParam());
-    if (!backend.ok()) {
-      if (GetParam() == "cpu") FAIL() << backend.status();
-      GTEST_SKIP() << "no " << GetParam() << " backend: " << backend.status();
-    }
+    ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = *std::move(backend);
   }
 

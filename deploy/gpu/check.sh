@@ -1,0 +1,561 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2317  # the steps are functions called as "step_$name"
+# The GPU path, checked and measured in one go, from an unpacked bundle
+# (deploy/gpu/make_bundle.sh) on a host with CUDA 13, compute-sanitizer and
+# PyTorch; no Bazel, no gRPC needed. See deploy/gpu/README.md.
+#
+#   BUNDLE/check.sh [--results=DIR] [--quick] [--require_gpu]
+#                   [--steps=STEP,...] [--deadline_s=N]
+#                   [--data=auto|synthetic|fashion_mnist]
+#
+# Steps (each a row of the summary table; GPU steps are SKIPPED, with the
+# reason, on a machine without a GPU, which is the dry run):
+#   1. parity: every test binary of the bundle (GPU tests against the CPU
+#      backend). With a GPU present PSTRAIN_REQUIRE_GPU=1 is set, so a GPU
+#      test that cannot use the GPU fails instead of skipping.
+#   2. the GPU tests again under compute-sanitizer memcheck, racecheck and
+#      synccheck (0 errors required).
+#   3. kernel_bench: each op against the device's D2D copy bandwidth and
+#      cuBLAS rate (goals: memory-bound ops >= 0.8 of D2D, GEMM ~ cuBLAS).
+#   4. step_bench: the MLP training step, compute alone, CPU vs cuda:0 (fp32
+#      and bf16), and the GPU's time to a target accuracy.
+#   5. the same training job through CPU parameter servers on this host:
+#      workers on the CPU, one worker on cuda:0, two workers sharing cuda:0,
+#      two workers on two GPUs (where present); fp32 and bf16; samples/s,
+#      accuracy, speed-up over the CPU job (goal: 1 GPU >= 10x). Then the
+#      CTR model (sparse tables on the servers) on the CPU and on cuda:0:
+#      the same sync job, so held-out AUC and loss must agree.
+#   6. pytorch_reference.py on the same GPU, same model/batch/optimizer/
+#      precision: the worker's GPU step time as a ratio to PyTorch's (goal
+#      <= 1.5).
+#
+# Results: DIR (default ./gpu-check-<UTC time>) holds every step's output,
+# summary.txt (the table) and summary.tsv. Exit status: 0 when every check
+# passed (performance goals are reported as MET/MISSED and do not change it);
+# 1 when a check failed; 2 bad usage. --require_gpu makes "no GPU found" a
+# failure (use it on a GPU host: a broken driver must not pass as a dry run).
+# --steps runs only the named steps (parity sanitizer kernel_bench step_bench
+# jobs pytorch); --deadline_s=N stops starting work so that the whole run,
+# summary included, ends within N seconds (for a device call with a limit).
+#
+# Knobs (environment): MODEL_HIDDEN (2048,2048), BATCH (512), CPU_STEPS,
+# GPU_STEPS, JOB_SERVERS (2), JOB_MODE (sync), TARGET_ACCURACY (0.9),
+# SANITIZE_TESTS (GPU test binaries run under compute-sanitizer),
+# SANITIZE_FILTER (their --gtest_filter),
+# STEP_TIMEOUT_S (300: the limit of any one step), PSTRAIN_CUDA_LIB_DIR.
+set -uo pipefail
+
+readonly PROG=check.sh
+readonly START_S=$SECONDS
+BUNDLE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+readonly BUNDLE
+
+usage() {
+  printf '%s: %s\nusage: %s [--results=DIR] [--quick] [--require_gpu] [--steps=STEP,...] [--deadline_s=N] [--data=auto|synthetic|fashion_mnist]\n' \
+    "$PROG" "$1" "$PROG" >&2
+  exit 2
+}
+
+readonly ALL_STEPS="parity sanitizer kernel_bench step_bench jobs pytorch"
+read -ra STEPS <<<"$ALL_STEPS"
+results=""
+DEADLINE_S=0
+quick=0
+require_gpu=0
+data=auto
+for arg in "$@"; do
+  case "$arg" in
+    --results=*) results=${arg#--results=} ;;
+    --quick) quick=1 ;;
+    --require_gpu) require_gpu=1 ;;
+    --deadline_s=*)
+      DEADLINE_S=${arg#--deadline_s=}
+      [[ $DEADLINE_S =~ ^[0-9]+$ ]] || usage "--deadline_s must be a whole number of seconds, got '$DEADLINE_S'"
+      ;;
+    --steps=*)
+      IFS=, read -ra STEPS <<<"${arg#--steps=}"
+      for step in "${STEPS[@]}"; do
+        [[ " $ALL_STEPS " == *" $step "* ]] || usage "--steps: unknown step '$step' (steps: $ALL_STEPS)"
+      done
+      ;;
+    --data=auto | --data=synthetic | --data=fashion_mnist) data=${arg#--data=} ;;
+    --data=*) usage "--data must be auto, synthetic or fashion_mnist, got '${arg#--data=}'" ;;
+    -h | --help)
+      awk 'NR > 2 && /^#/ { sub(/^# ?/, ""); print; next } NR > 2 { exit }' "${BASH_SOURCE[0]}"
+      exit 0
+      ;;
+    *) usage "unknown argument '$arg'" ;;
+  esac
+done
+[[ -x $BUNDLE/bin/worker && -x $BUNDLE/launch.sh ]] ||
+  usage "$BUNDLE is not a bundle (no bin/worker or launch.sh): run the check.sh inside one"
+results=${results:-$PWD/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$results" || usage "cannot create --results=$results"
+results=$(cd "$results" && pwd)
+printf 'check\tstatus\tfigure\tnote\n' >"$results/summary.tsv"
+
+# Sizes: the MLP big enough for the 10x goal (issue 13), or a smoke run.
+if ((quick)); then
+  : "${MODEL_HIDDEN:=256,256}" "${BATCH:=128}" "${CPU_STEPS:=10}" "${GPU_STEPS:=50}"
+else
+  : "${MODEL_HIDDEN:=2048,2048}" "${BATCH:=512}" "${CPU_STEPS:=20}" "${GPU_STEPS:=300}"
+fi
+: "${JOB_SERVERS:=2}" "${JOB_MODE:=sync}" "${TARGET_ACCURACY:=0.9}" "${STEP_TIMEOUT_S:=300}"
+: "${SANITIZE_TESTS:=cuda_backend_test embedding_bag_test mlp_gpu_test layers_test layer_ops_test}"
+# Left out under the sanitizers: filling the whole device (the sanitizer
+# needs memory of its own), a death test (re-executes the binary), and the
+# 16M-element exactness test (slow instrumented, and the same kernels run in
+# the other tests).
+: "${SANITIZE_FILTER:=-*AllocationRetriesAfterReleasingTheCache*:*DestroyingABackendWithLiveAllocations*:*BitExact*}"
+
+# The bundle's libraries first, then the host's CUDA 13 runtime and cuBLAS.
+cuda_lib_dir=${PSTRAIN_CUDA_LIB_DIR:-/usr/local/cuda/lib64}
+export LD_LIBRARY_PATH="$BUNDLE/lib:$cuda_lib_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="$PATH:/usr/local/cuda/bin"
+
+log() { printf '%s [%4ds] %s\n' "$PROG" "$((SECONDS - START_S))" "$*" >&2; }
+
+# --- The summary ------------------------------------------------------------
+
+ROWS=()
+FAILED=0
+# row CHECK STATUS FIGURE NOTE; STATUS is PASS, FAIL, SKIP, MET, MISSED or
+# INFO. Only FAIL changes the exit status.
+row() {
+  ROWS+=("$1"$'\t'"$2"$'\t'"$3"$'\t'"$4")
+  # Written as it goes, so a run cut short still leaves its rows.
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$results/summary.tsv"
+  [[ $2 == FAIL ]] && FAILED=1
+  log "$2 $1: $3${4:+ ($4)}"
+}
+
+# Runs "$@" with the step time limit, stdout+stderr to FILE; returns its
+# status (124: timed out).
+run_to() {
+  local file=$1 limit=$STEP_TIMEOUT_S
+  shift
+  # Under --deadline_s, stop early enough to write the summary: a device
+  # call that is killed at its limit leaves no table behind.
+  if ((DEADLINE_S > 0)); then
+    local left=$((DEADLINE_S - (SECONDS - START_S) - 15))
+    if ((left <= 0)); then
+      echo "$PROG: not run: --deadline_s=$DEADLINE_S reached" >"$file"
+      return 124
+    fi
+    ((left < limit)) && limit=$left
+  fi
+  timeout --kill-after=10 "$limit" "$@" >"$file" 2>&1
+}
+
+# How a step's exit status reads in the table.
+exit_text() {
+  case "$1" in
+    124 | 137) echo "stopped at its time limit (STEP_TIMEOUT_S or --deadline_s)" ;;
+    *) echo "exit $1" ;;
+  esac
+}
+
+# json_field FILE KEY=VALUE... FIELD: FIELD of the last JSON line of FILE
+# whose string fields KEY equal VALUE. The lines are our own programs' flat
+# one-line JSON, so grep and sed do (python3 starts too slowly on a busy
+# machine to call it per figure).
+json_field() {
+  local file=$1 field=${*: -1} lines filter
+  lines=$(grep '^{' "$file")
+  for filter in "${@:2:$#-2}"; do
+    lines=$(grep -F "\"${filter%%=*}\":\"${filter#*=}\"" <<<"$lines")
+  done
+  tail -n 1 <<<"$lines" | sed -n "s/.*\"$field\":\(\"[^\"]*\"\|[^,}]*\).*/\1/p" | tr -d '"'
+}
+
+# ratio A B: A / B to two decimals ("n/a" when B is not positive).
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f\n", a / b; else print "n/a" }'; }
+# at_least A B: succeeds when A >= B (numbers).
+at_least() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 >= b + 0) }'; }
+
+# Prints the table (and writes summary.txt / summary.tsv), then exits 1
+# when a check failed, else 0.
+finish() {
+  {
+    cat "$results/host.txt"
+    echo
+    printf '%-48s %-7s %-32s %s\n' CHECK STATUS FIGURE NOTE
+    local r c s f n
+    for r in "${ROWS[@]}"; do
+      IFS=$'\t' read -r c s f n <<<"$r"
+      printf '%-48s %-7s %-32s %s\n' "$c" "$s" "$f" "$n"
+    done
+    echo
+    if ((FAILED)); then
+      echo "RESULT: FAILED (a check above failed) after $((SECONDS - START_S)) s"
+    elif ((gpu_count > 0)); then
+      echo "RESULT: PASSED after $((SECONDS - START_S)) s on $gpu_count GPU(s)"
+    else
+      echo "RESULT: PASSED after $((SECONDS - START_S)) s (dry run: no GPU, GPU steps skipped)"
+    fi
+    echo "results: $results"
+  } | tee "$results/summary.txt"
+  exit "$FAILED"
+}
+
+# --- What this host has -------------------------------------------------------
+
+gpu_count=0
+why_no_gpu=""
+if ! command -v nvidia-smi >/dev/null; then
+  why_no_gpu="nvidia-smi not found, so no NVIDIA driver on this machine"
+else
+  gpu_count=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+  ((gpu_count > 0)) || why_no_gpu="nvidia-smi lists no GPU"
+fi
+{
+  echo "check.sh on $(uname -n), $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  cat "$BUNDLE/BUNDLE_INFO" 2>/dev/null
+  echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(nproc) cores"
+  if ((gpu_count > 0)); then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
+  else
+    echo "gpu: none ($why_no_gpu)"
+  fi
+  echo "sizes: hidden $MODEL_HIDDEN, batch $BATCH, cpu steps $CPU_STEPS, gpu steps $GPU_STEPS, quick $quick"
+} >"$results/host.txt"
+cat "$results/host.txt" >&2
+
+if ((gpu_count == 0)); then
+  if ((require_gpu)); then
+    row "gpu present" FAIL "no GPU" "$why_no_gpu; --require_gpu was given"
+    finish
+  else
+    row "gpu present" SKIP "no GPU" "$why_no_gpu: every GPU step below is skipped (dry run)"
+  fi
+else
+  row "gpu present" PASS "$gpu_count GPU(s)" "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  export PSTRAIN_REQUIRE_GPU=1
+fi
+skip_gpu() { row "$1" SKIP "-" "no GPU: $why_no_gpu"; }
+
+# --- 1. Parity tests --------------------------------------------------------
+step_parity() {
+  mkdir -p "$results/parity"
+  tests=()
+  for t in "$BUNDLE"/bin/*_test; do [[ -x $t ]] && tests+=("$(basename "$t")"); done
+  for t in "${tests[@]}"; do
+    out=$results/parity/$t.txt
+    run_to "$out" "$BUNDLE/bin/$t" --gtest_output="xml:$results/parity/$t.xml"
+    status=$?
+    passed=$(grep -c '^\[       OK \]' "$out")
+    skipped=$(grep -c '^\[  SKIPPED \] [A-Za-z].*(' "$out")
+    failed=$(grep -c '^\[  FAILED  \] [A-Za-z].*(' "$out")
+    figure="$passed passed, $skipped skipped, $failed failed"
+    if ((status != 0)); then
+      row "parity $t" FAIL "$figure" "$(exit_text "$status"); see parity/$t.txt"
+    elif ((skipped > 0 && passed == 0)); then
+      row "parity $t" SKIP "$figure" "$(grep -m1 -o 'no GPU[^"]*' "$out" | head -c 100)"
+    else
+      row "parity $t" PASS "$figure" ""
+    fi
+  done
+}
+
+# --- 2. compute-sanitizer ---------------------------------------------------
+step_sanitizer() {
+  sanitizer=$(command -v compute-sanitizer || true)
+  if ((gpu_count == 0)); then
+    skip_gpu "compute-sanitizer"
+  elif [[ -z $sanitizer ]]; then
+    row "compute-sanitizer" FAIL "-" "compute-sanitizer not found on PATH or in /usr/local/cuda/bin"
+  else
+    mkdir -p "$results/sanitizer"
+    for tool in memcheck racecheck synccheck; do
+      for t in $SANITIZE_TESTS; do
+        [[ -x $BUNDLE/bin/$t ]] || continue
+        out=$results/sanitizer/$tool-$t.txt
+        run_to "$out" "$sanitizer" --tool "$tool" --error-exitcode 99 \
+        "$BUNDLE/bin/$t" --gtest_filter="$SANITIZE_FILTER"
+        status=$?
+        errors=$(grep -o 'ERROR SUMMARY: [0-9]*' "$out" | tail -1 | grep -o '[0-9]*$')
+        if ((status == 0)); then
+          row "sanitizer $tool $t" PASS "${errors:-0} errors" ""
+        elif ((status == 124 || status == 137)); then
+          row "sanitizer $tool $t" FAIL "timed out" "over STEP_TIMEOUT_S=${STEP_TIMEOUT_S}s"
+        else
+          row "sanitizer $tool $t" FAIL "${errors:-?} errors" "$(exit_text "$status"); see sanitizer/$tool-$t.txt"
+        fi
+      done
+    done
+  fi
+}
+
+# --- 3. kernel_bench ----------------------------------------------------------
+step_kernel_bench() {
+  out=$results/kernel_bench.txt
+  if ((gpu_count == 0)); then
+    # Still run: it must say plainly that there is no GPU, and exit 0.
+    run_to "$out" "$BUNDLE/bin/kernel_bench" --quick
+    status=$?
+    if ((status == 0)) && grep -q 'no GPU' "$out"; then
+      row "kernel_bench" SKIP "-" "$(head -c 100 "$out")"
+    else
+      row "kernel_bench" FAIL "-" "$(exit_text "$status") without a GPU; see kernel_bench.txt"
+    fi
+  else
+    bench_flags=(--min_ms=20)
+    ((quick)) && bench_flags+=(--quick)
+    run_to "$out" "$BUNDLE/bin/kernel_bench" "${bench_flags[@]}"
+    status=$?
+    if ((status == 0)); then
+      row "kernel_bench" PASS "$(grep -c '^{"bench":"kernel"' "$out") rows" "kernel_bench.txt"
+      python3 - "$out" >"$results/kernel_goals.tsv" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"bench":"kernel"')]
+mem = [r for r in rows if "ratio_to_d2d" in r and "baseline" not in r["op"]]
+if mem:
+    worst = min(mem, key=lambda r: r["ratio_to_d2d"])
+    print(f"elementwise/memory-bound ops vs D2D (worst)\t{worst['ratio_to_d2d']:.2f}x\t{worst['op']} {worst['shape']}\t0.8")
+for name in ("sgemm", "bf16_gemm"):
+    gemms = [r for r in rows if f"ratio_to_{name}" in r and "baseline" not in r["op"]]
+    if gemms:
+        big = max(gemms, key=lambda r: r["tflops"])
+        print(f"Gemm {'fp32' if name == 'sgemm' else 'bf16'} vs cuBLAS (best shape)\t{big[f'ratio_to_{name}']:.2f}x\t{big['shape']}, {big['tflops']:.1f} TF/s\t0.9")
+PY
+      while IFS=$'\t' read -r what value detail goal; do
+        if at_least "${value%x}" "$goal"; then verdict=MET; else verdict=MISSED; fi
+        row "goal: $what" "$verdict" "$value" "$detail; goal >= $goal"
+      done <"$results/kernel_goals.tsv"
+    else
+      row "kernel_bench" FAIL "-" "$(exit_text "$status"); see kernel_bench.txt"
+    fi
+  fi
+}
+
+# --- 4. step_bench: the training step, compute alone ----------------------------
+step_step_bench() {
+  step_flags=(--hidden="$MODEL_HIDDEN" --num_features=784 --num_classes=10
+    --batch_size="$BATCH" --warmup_steps=2)
+  ((quick)) && step_flags+=(--train_examples=8192 --test_examples=1024)
+  out=$results/step_bench_fp32.txt
+  devices=cpu
+  ((gpu_count > 0)) && devices=cpu,cuda:0
+  if run_to "$out" "$BUNDLE/bin/step_bench" "${step_flags[@]}" --devices="$devices" \
+    --steps="$CPU_STEPS" --target_accuracy=0; then
+    cpu_ms=$(json_field "$out" bench=step device=cpu ms_per_step)
+    row "step_bench cpu fp32" PASS "${cpu_ms} ms/step" "compute alone, batch $BATCH"
+  else
+    row "step_bench cpu fp32" FAIL "-" "see step_bench_fp32.txt"
+    cpu_ms=""
+  fi
+  gpu_ms_fp32=""
+  gpu_ms_bf16=""
+  if ((gpu_count == 0)); then
+    skip_gpu "step_bench cuda:0"
+  else
+    gpu_ms_fp32=$(json_field "$out" bench=step device=cuda:0 ms_per_step)
+    if [[ -n $gpu_ms_fp32 && -n $cpu_ms ]]; then
+      row "step_bench cuda:0 fp32" PASS "${gpu_ms_fp32} ms/step" "$(ratio "$cpu_ms" "$gpu_ms_fp32")x the CPU step"
+    else
+      row "step_bench cuda:0 fp32" FAIL "-" "no cuda:0 row; see step_bench_fp32.txt"
+    fi
+    out=$results/step_bench_bf16.txt
+    if run_to "$out" "$BUNDLE/bin/step_bench" "${step_flags[@]}" --devices=cuda:0 \
+      --precision=bf16 --steps="$GPU_STEPS" --target_accuracy=0; then
+      gpu_ms_bf16=$(json_field "$out" bench=step device=cuda:0 ms_per_step)
+      row "step_bench cuda:0 bf16" PASS "${gpu_ms_bf16} ms/step" "$(ratio "${cpu_ms:-0}" "$gpu_ms_bf16")x the CPU step"
+    else
+      row "step_bench cuda:0 bf16" FAIL "-" "see step_bench_bf16.txt"
+    fi
+    out=$results/step_bench_target.txt
+    if run_to "$out" "$BUNDLE/bin/step_bench" "${step_flags[@]}" --devices=cuda:0 \
+      --steps=10 --target_accuracy="$TARGET_ACCURACY"; then
+      seconds=$(json_field "$out" bench=step device=cuda:0 seconds_to_target)
+      steps=$(json_field "$out" bench=step device=cuda:0 steps_to_target)
+      if [[ ${steps:--1} -gt 0 ]]; then
+        cpu_estimate=$(awk -v s="$steps" -v ms="${cpu_ms:-0}" 'BEGIN { printf "%.1f", s * ms / 1e3 }')
+        row "time to accuracy $TARGET_ACCURACY (step_bench)" INFO "cuda:0 ${seconds} s" \
+          "$steps steps; the CPU would need ~${cpu_estimate} s at its step time (estimate, not run)"
+      else
+        row "time to accuracy $TARGET_ACCURACY (step_bench)" INFO "not reached" "see step_bench_target.txt"
+      fi
+    else
+      row "time to accuracy $TARGET_ACCURACY (step_bench)" FAIL "-" "see step_bench_target.txt"
+    fi
+  fi
+}
+
+# --- 5. The same job through the parameter servers, on 0, 1 and 2 GPUs ------
+step_jobs() {
+  # Which data: Fashion-MNIST when the worker knows it (and, for the bundle's
+  # copy of the files, a flag to point at them); else synthetic data of the
+  # same shape (784 features, 10 classes).
+  worker_help=$("$BUNDLE/bin/worker" --helpfull 2>&1 || true)
+  data_flags=(--num_features=784 --num_classes=10)
+  data_name="synthetic 784 features, 10 classes"
+  if [[ $data != synthetic ]] && grep -q 'fashion_mnist' <<<"$worker_help"; then
+    data_flags=(--data=fashion_mnist)
+    data_name="Fashion-MNIST"
+    if [[ -d $BUNDLE/data/fashion-mnist ]] && grep -q -- '--data_dir' <<<"$worker_help"; then
+      data_flags+=(--data_dir="$BUNDLE/data/fashion-mnist")
+    fi
+  elif [[ $data == fashion_mnist ]]; then
+    row "job data" FAIL "-" "--data=fashion_mnist, but this worker has no --data=fashion_mnist"
+  fi
+  target_flags=()
+  grep -q -- '--target_accuracy' <<<"$worker_help" && target_flags=(--target_accuracy="$TARGET_ACCURACY")
+  row "job data" INFO "$data_name" "${data_flags[*]}"
+
+  # Wrappers as launch.sh's --bin_dir: the worker wrapper gives worker K the
+  # K-th GPU of PSTRAIN_WORKER_GPUS (as its only visible device) when set.
+  wrappers=$results/bin
+  mkdir -p "$wrappers"
+  printf '#!/usr/bin/env bash\nCUDA_VISIBLE_DEVICES= exec %q "$@"\n' "$BUNDLE/bin/ps_server" >"$wrappers/ps_server"
+  cat >"$wrappers/worker" <<WRAPPER
+#!/usr/bin/env bash
+if [[ -n \${PSTRAIN_WORKER_GPUS:-} ]]; then
+  IFS=, read -ra gpus <<<"\$PSTRAIN_WORKER_GPUS"
+  for arg in "\$@"; do
+    [[ \$arg == --worker_id=* ]] && export CUDA_VISIBLE_DEVICES=\${gpus[\${arg#--worker_id=} % \${#gpus[@]}]}
+  done
+fi
+exec $(printf %q "$BUNDLE/bin/worker") "\$@"
+WRAPPER
+  chmod +x "$wrappers"/*
+
+  mkdir -p "$results/jobs"
+  cpu_job_rate=""
+  declare -A JOB_RATE=()
+  # job NAME WORKERS DEVICE PRECISION GPUS STEPS
+  job() {
+    local name=$1 workers=$2 device=$3 precision=$4 gpus=$5 steps=$6
+    local out=$results/jobs/$name.txt
+    PSTRAIN_WORKER_GPUS=$gpus run_to "$out" "$BUNDLE/launch.sh" \
+      --servers="$JOB_SERVERS" --workers="$workers" --mode="$JOB_MODE" \
+      --bin_dir="$wrappers" --run_dir="$results/jobs/$name.run" --timeout_s="$STEP_TIMEOUT_S" -- \
+      --server.optimizer=sgd --server.learning_rate=0.1 \
+      --model=mlp --hidden="$MODEL_HIDDEN" --batch_size="$BATCH" --steps="$steps" \
+      --log_every="$steps" --device="$device" --precision="$precision" \
+      "${data_flags[@]}" "${target_flags[@]}"
+    local status=$?
+    if ((status != 0)); then
+      row "job $name" FAIL "-" "launch.sh: $(exit_text "$status"); see jobs/$name.txt and jobs/$name.run/"
+      return
+    fi
+    # Job throughput: the sum over workers; accuracy: worker 0's.
+    local summary
+    summary=$(python3 - "$out" <<'PY'
+import json, re, sys
+finals = []
+for line in open(sys.argv[1], errors="replace"):
+    if line.startswith('{"event":"final"'):
+        finals.append(json.loads(line))
+rate = sum(f.get("samples_per_sec", 0) for f in finals)
+acc = finals[0].get("test_accuracy", "n/a") if finals else "n/a"
+target = ""
+for f in finals[:1]:
+    for key, value in f.items():
+        if re.match(r"(time|seconds|s)_to_target", key):
+            target = f", {key} {value}"
+print(f"{rate:.1f}\t{acc}{target}\t{len(finals)}")
+PY
+    )
+    local rate accuracy finals
+    IFS=$'\t' read -r rate accuracy finals <<<"$summary"
+    JOB_RATE[$name]=$rate
+    local speedup=""
+    [[ -n $cpu_job_rate ]] && speedup="; $(ratio "$rate" "$cpu_job_rate")x the CPU job"
+    row "job $name" PASS "$rate samples/s" "$finals worker(s), test accuracy $accuracy$speedup"
+  }
+
+  job cpu_1worker 1 cpu fp32 "" "$CPU_STEPS"
+  cpu_job_rate=${JOB_RATE[cpu_1worker]:-}
+  if ((gpu_count == 0)); then
+    skip_gpu "jobs on 1 and 2 GPUs (fp32, bf16)"
+  else
+    for precision in fp32 bf16; do
+      job "gpu1_1worker_$precision" 1 cuda:0 "$precision" "" "$GPU_STEPS"
+      job "gpu1_2workers_$precision" 2 cuda:0 "$precision" "" "$GPU_STEPS"
+      if ((gpu_count >= 2)); then
+        job "gpu2_2workers_$precision" 2 cuda:0 "$precision" 0,1 "$GPU_STEPS"
+      fi
+    done
+    ((gpu_count >= 2)) || row "jobs on 2 GPUs" SKIP "-" "this host has 1 GPU"
+    one=${JOB_RATE[gpu1_1worker_fp32]:-}
+    if [[ -n $one && -n $cpu_job_rate ]]; then
+      speedup=$(ratio "$one" "$cpu_job_rate")
+      if at_least "$speedup" 10; then verdict=MET; else verdict=MISSED; fi
+      row "goal: 1 GPU worker vs CPU worker (job)" "$verdict" "${speedup}x" "samples/s through the servers; goal >= 10x"
+    fi
+  fi
+
+  # The CTR model (sparse embedding tables on the servers, embedding bags
+  # and GEMMs with beta = 1 on the worker) as a whole-model check: one sync
+  # worker sees the same batches on either device, so the GPU's held-out AUC
+  # and loss must match the CPU's closely.
+  ctr_job() {
+    local name=$1 device=$2 out=$results/jobs/$1.txt
+    run_to "$out" "$BUNDLE/launch.sh" --servers="$JOB_SERVERS" --workers=1 --mode=sync \
+      --bin_dir="$wrappers" --run_dir="$results/jobs/$name.run" --timeout_s="$STEP_TIMEOUT_S" -- \
+      --server.optimizer=adam --server.learning_rate=0.01 \
+      --model=ctr --ctr_fields=4 --ctr_dense=2 --ctr_vocab=2000 \
+      --sparse_optimizer=adagrad --sparse_learning_rate=0.1 \
+      --steps=200 --batch_size=128 --log_every=200 --device="$device"
+    local status=$?
+    if ((status != 0)); then
+      row "job $name" FAIL "-" "launch.sh: $(exit_text "$status"); see jobs/$name.txt and jobs/$name.run/"
+      return 1
+    fi
+    CTR_AUC[$name]=$(json_field "$out" event=final auc)
+    CTR_LOSS[$name]=$(json_field "$out" event=final final_loss)
+    row "job $name" PASS "AUC ${CTR_AUC[$name]}" "final training loss ${CTR_LOSS[$name]}"
+  }
+  declare -A CTR_AUC=() CTR_LOSS=()
+  ctr_job ctr_cpu cpu
+  if ((gpu_count == 0)); then
+    skip_gpu "ctr on cuda:0 vs the CPU"
+  elif ctr_job ctr_gpu cuda:0 && [[ -n ${CTR_AUC[ctr_cpu]:-} ]]; then
+    local auc_gap loss_gap
+    auc_gap=$(awk -v a="${CTR_AUC[ctr_gpu]}" -v b="${CTR_AUC[ctr_cpu]}" 'BEGIN { d = a - b; printf "%.4f", d < 0 ? -d : d }')
+    loss_gap=$(awk -v a="${CTR_LOSS[ctr_gpu]}" -v b="${CTR_LOSS[ctr_cpu]}" 'BEGIN { d = (a - b) / (b == 0 ? 1 : b); printf "%.4f", d < 0 ? -d : d }')
+    if at_least 0.01 "$auc_gap" && at_least 0.03 "$loss_gap"; then
+      row "ctr on cuda:0 vs the CPU" PASS "AUC gap $auc_gap" "relative loss gap $loss_gap (limits 0.01, 0.03)"
+    else
+      row "ctr on cuda:0 vs the CPU" FAIL "AUC gap $auc_gap" "relative loss gap $loss_gap (limits 0.01, 0.03): the GPU trains a different model"
+    fi
+  fi
+}
+
+# --- 6. PyTorch on the same GPU ---------------------------------------------
+step_pytorch() {
+  # Run even without a GPU: the script must then say why it skips.
+  precisions=(fp32 bf16)
+  ((gpu_count == 0)) && precisions=(fp32)
+  for precision in "${precisions[@]}"; do
+    out=$results/pytorch_$precision.txt
+    run_to "$out" python3 "$BUNDLE/pytorch_reference.py" --hidden="$MODEL_HIDDEN" \
+      --batch_size="$BATCH" --precision="$precision" --steps="$GPU_STEPS"
+    status=$?
+    if ((status == 3)); then
+      row "pytorch reference $precision" SKIP "-" "$(tail -1 "$out")"
+      continue
+    elif ((status != 0)); then
+      row "pytorch reference $precision" FAIL "-" "$(exit_text "$status"); see pytorch_$precision.txt"
+      continue
+    fi
+    torch_ms=$(json_field "$out" bench=pytorch_reference ms_per_step)
+    ours=$gpu_ms_fp32
+    [[ $precision == bf16 ]] && ours=$gpu_ms_bf16
+    if [[ -n $ours && -n $torch_ms ]]; then
+      r=$(ratio "$ours" "$torch_ms")
+      if at_least 1.5 "$r"; then verdict=MET; else verdict=MISSED; fi
+      row "goal: worker step / PyTorch step, $precision" "$verdict" "${r}x" \
+        "ours $ours ms, PyTorch $torch_ms ms; goal <= 1.5x"
+    else
+      row "pytorch reference $precision" INFO "${torch_ms} ms/step" "no step_bench figure to compare"
+    fi
+  done
+}
+
+# --- Run them ------------------------------------------------------------------
+
+for step in "${STEPS[@]}"; do
+  "step_$step"
+done
+finish
