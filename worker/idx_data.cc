@@ -59,8 +59,11 @@ bool ReadAt(int fd, int64_t offset, int64_t size, uint8_t* out) {
   return true;
 }
 
-// The whole decompressed content of a gzip file.
-absl::StatusOr<std::vector<uint8_t>> Inflate(const std::string& path) {
+// The whole decompressed content of a gzip file. `size_hint`: the size the
+// gzip trailer states (mod 2^32), reserved up front so that the buffer is
+// not grown by doubling, which would briefly need twice the memory.
+absl::StatusOr<std::vector<uint8_t>> Inflate(const std::string& path,
+                                             uint32_t size_hint) {
   gzFile file = gzopen(path.c_str(), "rb");
   if (file == nullptr) {
     return absl::NotFoundError(
@@ -68,14 +71,13 @@ absl::StatusOr<std::vector<uint8_t>> Inflate(const std::string& path) {
   }
   gzbuffer(file, 1 << 17);
   std::vector<uint8_t> out;
+  out.reserve(size_hint);
   constexpr int kChunk = 1 << 20;
+  std::vector<uint8_t> chunk(kChunk);
   int n;
-  do {
-    const size_t used = out.size();
-    out.resize(used + kChunk);
-    n = gzread(file, out.data() + used, kChunk);
-    out.resize(used + std::max(n, 0));
-  } while (n > 0);
+  while ((n = gzread(file, chunk.data(), kChunk)) > 0) {
+    out.insert(out.end(), chunk.begin(), chunk.begin() + n);
+  }
   int error_number = Z_OK;
   const std::string error = gzerror(file, &error_number);
   // gzclose_r also reports a stream that ended before its trailer.
@@ -168,6 +170,18 @@ bool IsGzip(const uint8_t* bytes, int64_t size) {
   return size >= 2 && bytes[0] == kGzipMagic0 && bytes[1] == kGzipMagic1;
 }
 
+// The uncompressed size a gzip file's trailer states (little-endian, mod
+// 2^32); 0 when unreadable. Only a hint: the data is checked as it inflates.
+uint32_t GzipSizeHint(int fd, int64_t file_bytes) {
+  uint8_t trailer[4];
+  if (file_bytes < 18 || !ReadAt(fd, file_bytes - 4, 4, trailer)) return 0;
+  const uint32_t size = uint32_t{trailer[0]} | (uint32_t{trailer[1]} << 8) |
+                        (uint32_t{trailer[2]} << 16) |
+                        (uint32_t{trailer[3]} << 24);
+  // A damaged trailer must not turn into a huge allocation.
+  return size <= (uint32_t{1} << 31) ? size : 0;
+}
+
 // The file's first bytes, to tell gzip from IDX and read the header.
 absl::StatusOr<std::pair<FileDescriptor, std::vector<uint8_t>>> OpenAndPeek(
     const std::string& path, int64_t* file_bytes) {
@@ -196,7 +210,8 @@ absl::StatusOr<std::vector<int32_t>> ReadLabels(const std::string& path) {
   if (!opened.ok()) return opened.status();
   std::vector<uint8_t> content;
   if (IsGzip(opened->second.data(), opened->second.size())) {
-    absl::StatusOr<std::vector<uint8_t>> inflated = Inflate(path);
+    absl::StatusOr<std::vector<uint8_t>> inflated =
+        Inflate(path, GzipSizeHint(opened->first.get(), file_bytes));
     if (!inflated.ok()) return inflated.status();
     content = std::move(*inflated);
   } else {
@@ -296,9 +311,11 @@ absl::StatusOr<std::unique_ptr<ExampleSource>> OpenIdx(
   const uint8_t* head = opened->second.data();
   int64_t head_bytes = opened->second.size();
   if (IsGzip(head, head_bytes)) {
-    absl::StatusOr<std::vector<uint8_t>> content = Inflate(images_path);
+    absl::StatusOr<std::vector<uint8_t>> content =
+        Inflate(images_path, GzipSizeHint(fd.get(), file_bytes));
     if (!content.ok()) return content.status();
     inflated = std::move(*content);
+    // Exact unless the trailer lied (then the file fails its CRC anyway).
     inflated.shrink_to_fit();
     fd = FileDescriptor();
     head = inflated.data();
