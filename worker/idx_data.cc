@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 
 namespace pstrain {
 namespace {
@@ -79,14 +80,18 @@ absl::StatusOr<std::vector<uint8_t>> Inflate(const std::string& path,
     out.insert(out.end(), chunk.begin(), chunk.begin() + n);
   }
   int error_number = Z_OK;
-  const std::string error = gzerror(file, &error_number);
+  // zlib puts the path in front of its message; ours names the file already.
+  absl::string_view error = gzerror(file, &error_number);
+  absl::ConsumePrefix(&error, path + ": ");
+  const std::string zlib_error(error);
   // gzclose_r also reports a stream that ended before its trailer.
   const int closed = gzclose_r(file);
   if (n < 0 || error_number != Z_OK || closed != Z_OK) {
-    return FileError(path,
-                     absl::StrCat("corrupt or truncated gzip data (zlib: ",
-                                  error.empty() ? "stream ended early" : error,
-                                  "); the file is damaged, fetch it again"));
+    return FileError(
+        path,
+        absl::StrCat("corrupt or truncated gzip data (zlib: ",
+                     zlib_error.empty() ? "stream ended early" : zlib_error,
+                     "); the file is damaged, fetch it again"));
   }
   return out;
 }

@@ -224,6 +224,7 @@ absl::StatusOr<std::vector<int64_t>> ParseHidden(const std::string& text) {
 
 struct Data {
   std::unique_ptr<ExampleSource> train, test;  // test may be null
+  double synthetic_best_accuracy = -1;         // synthetic data only
 };
 
 // Reads the training and held-out data named by the flags. Every problem is
@@ -246,8 +247,7 @@ absl::StatusOr<Data> LoadData() {
     absl::StatusOr<Dataset> test = MakeSyntheticClassification(
         options, train_examples, absl::GetFlag(FLAGS_test_examples), {0, 1});
     if (!test.ok()) return test.status();
-    LOG(INFO) << "synthetic task: best achievable accuracy "
-              << SyntheticBestAccuracy(options);
+    data.synthetic_best_accuracy = SyntheticBestAccuracy(options);
     data.train = std::make_unique<InMemorySource>(std::move(*train));
     data.test = std::make_unique<InMemorySource>(std::move(*test));
     return data;
@@ -701,6 +701,26 @@ int Main(int argc, char** argv) {
       PsClient::Create(client_options);
   if (!absl::GetFlag(FLAGS_ps_hosts).empty()) checks.push_back(client.status());
   ExitOnFlagErrors(checks);
+  // The data comes before anything that logs or talks to the servers: a bad
+  // file or a batch that does not fit is one line and exit 2, and the
+  // servers never hear of this worker.
+  const int64_t batch_size = *worker_batch;
+  absl::StatusOr<Data> data = absl::UnknownError("not loaded");
+  absl::StatusOr<EpochPlan> plan = absl::UnknownError("not planned");
+  absl::StatusOr<int64_t> steps = absl::UnknownError("not counted");
+  if (model_name != "ctr") {
+    data = LoadData();
+    ExitOnFlagErrors({data.status()});
+    EpochPlan::Options plan_options;
+    plan_options.num_examples = data->train->size();
+    plan_options.worker_batch = batch_size;
+    plan_options.num_workers = num_workers;
+    plan_options.worker_index = worker_id;
+    plan = EpochPlan::Create(plan_options);
+    ExitOnFlagErrors({plan.status()});
+    steps = TrainingSteps(plan->steps_per_epoch(), *from_spec);
+    ExitOnFlagErrors({steps.status()});
+  }
   std::unique_ptr<MetricsEndpoint> metrics_endpoint;
   std::unique_ptr<WorkerMetrics> metrics;
   if (metrics_port != 0) {
@@ -751,19 +771,10 @@ int Main(int argc, char** argv) {
     ctr_output.Finish();
     return code;
   }
-  absl::StatusOr<Data> data = LoadData();
-  ExitOnFlagErrors({data.status()});
-  const int64_t batch_size = *worker_batch;
-  EpochPlan::Options plan_options;
-  plan_options.num_examples = data->train->size();
-  plan_options.worker_batch = batch_size;
-  plan_options.num_workers = num_workers;
-  plan_options.worker_index = worker_id;
-  const absl::StatusOr<EpochPlan> plan = EpochPlan::Create(plan_options);
-  ExitOnFlagErrors({plan.status()});
-  const absl::StatusOr<int64_t> steps =
-      TrainingSteps(plan->steps_per_epoch(), *from_spec);
-  ExitOnFlagErrors({steps.status()});
+  if (data->synthetic_best_accuracy >= 0) {
+    LOG(INFO) << "synthetic task: best achievable accuracy "
+              << data->synthetic_best_accuracy;
+  }
   LOG(INFO) << "worker " << worker_id << "/" << num_workers << " on "
             << (*backend)->Name() << ": " << data->train->size()
             << " training examples ("

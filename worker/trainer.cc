@@ -239,8 +239,10 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     if (!evaluation.ok()) return evaluation.status();
     const double accuracy =
         static_cast<double>(evaluation->num_correct) / evaluation->rows;
-    if (options.target_accuracy > 0 && result.step_to_target < 0 &&
-        accuracy >= options.target_accuracy) {
+    // Only the evaluating worker times the target: the others see just the
+    // final model, whose time says nothing about when the target was met.
+    if (options.periodic_evaluation && options.target_accuracy > 0 &&
+        result.step_to_target < 0 && accuracy >= options.target_accuracy) {
       result.step_to_target = at_step;
       result.time_to_target_s =
           absl::ToDoubleSeconds(eval_start - start - evaluation_time);

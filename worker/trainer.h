@@ -51,8 +51,9 @@ struct TrainerOptions {
   bool periodic_evaluation = false;
   int64_t eval_every_steps = 0;
   int64_t eval_every_epochs = 0;
-  // Accuracy whose first attainment (periodic or final evaluation) is
-  // reported as time_to_target_s / step_to_target; <= 0: none.
+  // Accuracy whose first attainment (periodic or final evaluation, on the
+  // worker with `periodic_evaluation`) is reported as time_to_target_s /
+  // step_to_target; <= 0: none.
   double target_accuracy = 0;
   // async/ssp: after leaving, how long to wait for the other workers to
   // finish before evaluating the servers' model (see Train).
