@@ -435,6 +435,24 @@ absl::StatusOr<Dataset> ReadLibsvm(const std::string& path,
   return data;
 }
 
+void BatchCursor::Next(int64_t rows, float* features, int32_t* labels) {
+  // Documented as the caller's error; doing nothing beats dividing by zero.
+  if (data_ == nullptr || data_->size() == 0 || rows <= 0) return;
+  const int64_t size = data_->size();
+  const int64_t width = data_->num_features;
+  while (rows > 0) {
+    const int64_t n = std::min(rows, size - position_);
+    std::copy_n(data_->features.data() + position_ * width, n * width,
+                features);
+    std::copy_n(data_->labels.data() + position_, n, labels);
+    features += n * width;
+    labels += n;
+    rows -= n;
+    position_ += n;
+    if (position_ == size) position_ = 0;
+  }
+}
+
 absl::Status InMemorySource::Gather(absl::Span<const int64_t> indices,
                                     float* features, int32_t* labels) const {
   const int64_t width = data_.num_features;

@@ -82,6 +82,21 @@ absl::StatusOr<Dataset> ReadLibsvm(const std::string& path,
                                    int64_t num_features, int64_t num_classes,
                                    ShardSpec shard);
 
+// Cycles through a dataset in order, batch after batch, wrapping around
+// (benchmarks; training uses EpochPlan).
+class BatchCursor {
+ public:
+  explicit BatchCursor(const Dataset* data) : data_(data) {}
+
+  // Copies the next `rows` examples (wrapping) into the outputs, sized
+  // rows * num_features and rows.
+  void Next(int64_t rows, float* features, int32_t* labels);
+
+ private:
+  const Dataset* data_;
+  int64_t position_ = 0;
+};
+
 // Random access to a labelled data set, so that any worker can take any
 // example of the global per-epoch permutation. Implementations are safe to
 // read from several threads.

@@ -540,6 +540,47 @@ INSTANTIATE_TEST_SUITE_P(
       return info.param.what;
     });
 
+TEST(BatchCursorTest, WrapsAround) {
+  Dataset data;
+  data.num_features = 2;
+  data.num_classes = 5;
+  for (int r = 0; r < 5; ++r) {
+    data.labels.push_back(r);
+    data.features.push_back(10 * r);
+    data.features.push_back(10 * r + 1);
+  }
+  BatchCursor cursor(&data);
+  auto next = [&](int64_t rows) {
+    std::vector<float> features(rows * 2, -1);
+    std::vector<int32_t> labels(rows, -1);
+    cursor.Next(rows, features.data(), labels.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      EXPECT_EQ(features[2 * r], 10 * labels[r]);
+      EXPECT_EQ(features[2 * r + 1], 10 * labels[r] + 1);
+    }
+    return labels;
+  };
+  EXPECT_EQ(next(3), (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(next(3), (std::vector<int32_t>{3, 4, 0}));
+  EXPECT_EQ(next(2), (std::vector<int32_t>{1, 2}));
+  // Larger than the dataset: wraps more than once.
+  EXPECT_EQ(next(12),
+            (std::vector<int32_t>{3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4}));
+  EXPECT_EQ(next(0), (std::vector<int32_t>{}));
+  EXPECT_EQ(next(1), (std::vector<int32_t>{0}));
+}
+
+TEST(BatchCursorTest, EmptyDatasetIsANoOp) {
+  Dataset empty;
+  empty.num_features = 3;
+  BatchCursor cursor(&empty);
+  std::vector<float> features(6, 7.0f);
+  std::vector<int32_t> labels(2, 7);
+  cursor.Next(2, features.data(), labels.data());
+  EXPECT_EQ(features, std::vector<float>(6, 7.0f));
+  EXPECT_EQ(labels, std::vector<int32_t>(2, 7));
+}
+
 TEST(ReaderTest, InfersClassesOrNamesTheFlag) {
   const std::string path = WriteFile("c.csv", "0,1\n9,2\n3,3\n");
   absl::StatusOr<Dataset> inferred = ReadCsv(path, 0, 0, {});
