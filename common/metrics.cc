@@ -465,7 +465,22 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, int worker_id)
               .Help("Time to push the gradient, every shard at "
                     "once.")
               .Register(registry)
-              .Add({{"worker", absl::StrCat(worker_id)}}, LatencyBuckets())) {}
+              .Add({{"worker", absl::StrCat(worker_id)}}, LatencyBuckets())),
+      test_loss_(prometheus::BuildGauge()
+                     .Name("pstrain_worker_test_loss")
+                     .Help("Held-out loss at the last evaluation.")
+                     .Register(registry)
+                     .Add({{"worker", absl::StrCat(worker_id)}})),
+      test_accuracy_(prometheus::BuildGauge()
+                         .Name("pstrain_worker_test_accuracy")
+                         .Help("Held-out accuracy at the last evaluation.")
+                         .Register(registry)
+                         .Add({{"worker", absl::StrCat(worker_id)}})) {}
+
+void WorkerMetrics::ObserveEvaluation(double test_loss, double test_accuracy) {
+  test_loss_.Set(test_loss);
+  test_accuracy_.Set(test_accuracy);
+}
 
 void WorkerMetrics::Observe(const StepSample& sample) {
   step_.Set(static_cast<double>(sample.step));

@@ -149,12 +149,15 @@ struct StepSample {
 // The worker's metrics, labelled worker="k":
 //   pstrain_worker_step, _steps (target), _loss, _train_accuracy,
 //   _samples_per_second (gauges), pstrain_worker_examples_total (counter),
-//   pstrain_worker_{step,pull,push}_duration_seconds (histograms).
+//   pstrain_worker_{step,pull,push}_duration_seconds (histograms),
+//   pstrain_worker_test_loss, _test_accuracy (the last held-out evaluation).
 class WorkerMetrics {
  public:
   WorkerMetrics(prometheus::Registry& registry, int worker_id);
   // Called on the training thread after every step.
   void Observe(const StepSample& sample);
+  // Called after each held-out evaluation.
+  void ObserveEvaluation(double test_loss, double test_accuracy);
 
  private:
   prometheus::Gauge& step_;
@@ -166,6 +169,8 @@ class WorkerMetrics {
   prometheus::Histogram& step_seconds_;
   prometheus::Histogram& pull_seconds_;
   prometheus::Histogram& push_seconds_;
+  prometheus::Gauge& test_loss_;
+  prometheus::Gauge& test_accuracy_;
   // samples/s over at least one second of steps, so one slow or fast step
   // does not make the gauge jump.
   double window_examples_ = 0;

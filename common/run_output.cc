@@ -50,10 +50,15 @@ MetricsCsv::~MetricsCsv() { std::fclose(file_); }
 
 absl::Status MetricsCsv::Append(int64_t step, double time_s, double loss,
                                 double train_accuracy, double samples_per_sec,
-                                double pull_ms, double push_ms) {
-  if (std::fprintf(file_, "%lld,%.4f,%.6g,%.6g,%.1f,%.3f,%.3f\n",
+                                double pull_ms, double push_ms,
+                                double test_loss, double test_accuracy) {
+  const std::string test =
+      std::isnan(test_accuracy)
+          ? ","
+          : absl::StrFormat("%.6g,%.6g", test_loss, test_accuracy);
+  if (std::fprintf(file_, "%lld,%.4f,%.6g,%.6g,%.1f,%.3f,%.3f,%s\n",
                    static_cast<long long>(step), time_s, loss, train_accuracy,
-                   samples_per_sec, pull_ms, push_ms) < 0 ||
+                   samples_per_sec, pull_ms, push_ms, test.c_str()) < 0 ||
       std::fflush(file_) != 0) {
     return absl::InternalError(
         absl::StrCat("cannot write ", path_, ": ", std::strerror(errno)));

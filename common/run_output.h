@@ -4,6 +4,7 @@
 #ifndef PSTRAIN_COMMON_RUN_OUTPUT_H_
 #define PSTRAIN_COMMON_RUN_OUTPUT_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -25,13 +26,16 @@ std::string FormatProgressBar(int64_t step, int64_t steps, double loss,
                               int bar_width = 24);
 
 // One row per step:
-//   step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms
+//   step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,
+//   test_loss,test_accuracy
+// (the last two empty unless the model after that step was evaluated).
 // time_s counts from the start of training, so runs can be compared against
 // wall time. Rows are flushed as written: a crashed run keeps its curve.
 class MetricsCsv {
  public:
   static constexpr char kHeader[] =
-      "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms";
+      "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,"
+      "test_loss,test_accuracy";
 
   // Creates (truncates) `path` and writes the header.
   static absl::StatusOr<std::unique_ptr<MetricsCsv>> Open(
@@ -40,7 +44,9 @@ class MetricsCsv {
 
   absl::Status Append(int64_t step, double time_s, double loss,
                       double train_accuracy, double samples_per_sec,
-                      double pull_ms, double push_ms);
+                      double pull_ms, double push_ms,
+                      double test_loss = std::nan(""),
+                      double test_accuracy = std::nan(""));
 
  private:
   MetricsCsv(std::FILE* file, std::string path)

@@ -36,15 +36,16 @@ TEST(MetricsCsvTest, WritesHeaderAndRows) {
     absl::StatusOr<std::unique_ptr<MetricsCsv>> csv = MetricsCsv::Open(path);
     ASSERT_TRUE(csv.ok()) << csv.status();
     ASSERT_TRUE((*csv)->Append(1, 0.5, 1.25, 0.5, 128, 1.5, 2.25).ok());
-    ASSERT_TRUE((*csv)->Append(2, 1.0, 1.0, 0.75, 256, 1, 2).ok());
+    ASSERT_TRUE((*csv)->Append(2, 1.0, 1.0, 0.75, 256, 1, 2, 0.5, 0.875).ok());
   }
   std::ifstream in(path);
   std::stringstream text;
   text << in.rdbuf();
   EXPECT_EQ(text.str(),
-            "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms\n"
-            "1,0.5000,1.25,0.5,128.0,1.500,2.250\n"
-            "2,1.0000,1,0.75,256.0,1.000,2.000\n");
+            "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,"
+            "test_loss,test_accuracy\n"
+            "1,0.5000,1.25,0.5,128.0,1.500,2.250,,\n"
+            "2,1.0000,1,0.75,256.0,1.000,2.000,0.5,0.875\n");
 }
 
 TEST(MetricsCsvTest, UnwritablePathNamesTheFlag) {

@@ -110,7 +110,7 @@ TEST(MetricsTest, ServerAndWorkerCountWhatTheJobDid) {
            "--metrics_host=127.0.0.1",
            "--metrics_port_file=" + dir + "/worker0.metrics_port",
            "--metrics_linger_s=60", "--metrics_csv=" + csv,
-           "--inject_step_delay_ms=5"});
+           "--inject_step_delay_ms=5", "--eval_every_steps=10"});
   ASSERT_TRUE(worker.ok()) << worker.status();
   absl::StatusOr<int> worker_port =
       WaitForPortFile(dir + "/worker0.metrics_port", kTimeout);
@@ -133,6 +133,8 @@ TEST(MetricsTest, ServerAndWorkerCountWhatTheJobDid) {
       Value(page, "pstrain_worker_samples_per_second", kWorker0);
   EXPECT_GT(rate, 0);
   EXPECT_LT(rate, kBatch / 0.005);  // no faster than the injected delay allows
+  // The probe classifies nothing: its held-out accuracy is exactly 0.
+  EXPECT_EQ(Value(page, "pstrain_worker_test_accuracy", kWorker0), 0);
   EXPECT_EQ(Value(page, "pstrain_worker_pull_duration_seconds_bucket",
                   {{"worker", "0"}, {"le", "+Inf"}}),
             kSteps);
@@ -178,12 +180,15 @@ TEST(MetricsTest, ServerAndWorkerCountWhatTheJobDid) {
       absl::StrSplit(text.str(), '\n', absl::SkipEmpty());
   ASSERT_EQ(rows.size(), kSteps + 1u) << text.str();
   EXPECT_EQ(rows[0],
-            "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms");
+            "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,"
+            "test_loss,test_accuracy");
   double last_time = -1;
   for (int i = 1; i <= kSteps; ++i) {
     const std::vector<std::string> cells = absl::StrSplit(rows[i], ',');
-    ASSERT_EQ(cells.size(), 7u) << rows[i];
+    ASSERT_EQ(cells.size(), 9u) << rows[i];
     EXPECT_EQ(cells[0], absl::StrCat(i));
+    // Held-out columns only on the rows of an evaluation (every 10 steps).
+    EXPECT_EQ(cells[8].empty(), i % 10 != 0) << rows[i];
     const double time = std::stod(cells[1]);
     EXPECT_GT(time, last_time);
     last_time = time;

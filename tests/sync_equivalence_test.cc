@@ -1,6 +1,10 @@
-// The sync contract: W workers with batch b end with the same weights as one
-// worker with batch W*b on the same samples in the same order, whatever the
-// number of shards.
+// The sync contract: W workers sharing a global batch G end with the same
+// weights as one worker with batch G, whatever the number of shards, with
+// the data reshuffled every epoch: worker k of W takes the k-th slice of
+// each global batch of the epoch's permutation, so the workers' slices of
+// step s together are the single process's batch of step s. (Any other
+// split, e.g. example i to worker i mod W, gives the workers other examples
+// at step s, and the comparison with the single process below fails.)
 #include <cmath>
 #include <string>
 #include <vector>
@@ -18,20 +22,22 @@ namespace pstrain {
 namespace {
 
 constexpr int kSteps = 60;
-constexpr int kBatch = 16;
+constexpr int kGlobalBatch = 32;
 
-// Flags shared by every worker: an MLP on the synthetic task.
-std::vector<std::string> ModelFlags(int batch) {
+// Flags shared by every worker: an MLP on the synthetic task. 1000 examples
+// make 31 steps an epoch, so the job crosses into a second permutation.
+std::vector<std::string> ModelFlags(bool shuffle, int global_batch) {
   return {"--model=mlp",
           "--hidden=16",
           "--num_features=12",
           "--num_classes=3",
-          "--train_examples=4096",
+          "--train_examples=1000",
           "--test_examples=256",
           "--block_elements=50",
           "--seed=11",
           absl::StrCat("--steps=", kSteps),
-          absl::StrCat("--batch_size=", batch),
+          absl::StrCat("--global_batch_size=", global_batch),
+          absl::StrCat("--shuffle=", shuffle),
           "--log_every=0",
           "--device=cpu"};
 }
@@ -49,11 +55,13 @@ ModelSchema Schema() {
   return schema;
 }
 
-// Trains with `workers` workers of batch kBatch * 2 / workers on `shards`
-// shards and returns the final model, pulled from the servers.
+// Trains with `workers` workers sharing the global batch on `shards` shards
+// and returns the final model, pulled from the servers.
 std::vector<std::vector<float>> TrainAndPull(int workers, int shards,
                                              const std::string& mode,
-                                             const std::string& name) {
+                                             const std::string& name,
+                                             bool shuffle = true,
+                                             int global_batch = kGlobalBatch) {
   testing::ClusterOptions options;
   options.num_shards = shards;
   options.num_workers = workers;
@@ -63,8 +71,8 @@ std::vector<std::vector<float>> TrainAndPull(int workers, int shards,
       testing::TestCluster::Start(options, name);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
   if (!cluster.ok()) return {};
-  std::vector<std::vector<std::string>> flags(workers,
-                                              ModelFlags(kBatch * 2 / workers));
+  std::vector<std::vector<std::string>> flags(
+      workers, ModelFlags(shuffle, global_batch));
   absl::StatusOr<std::vector<std::string>> outputs =
       (*cluster)->RunWorkers(flags, absl::Seconds(120));
   EXPECT_TRUE(outputs.ok()) << outputs.status();
@@ -110,7 +118,7 @@ std::vector<std::vector<float>> InitialModel() {
   return tensors;
 }
 
-TEST(SyncEquivalenceTest, TwoWorkersEqualOneWorkerWithDoubleBatch) {
+TEST(SyncEquivalenceTest, TwoWorkersEqualOneWorkerWithTheGlobalBatch) {
   const auto distributed = TrainAndPull(2, 2, "sync", "two_workers");
   const auto single = TrainAndPull(1, 1, "sync", "one_worker");
   ASSERT_EQ(distributed.size(), 4u);  // fc0 weight/bias, fc1 weight/bias
@@ -123,6 +131,21 @@ TEST(SyncEquivalenceTest, TwoWorkersEqualOneWorkerWithDoubleBatch) {
   const auto async = TrainAndPull(2, 2, "async", "two_workers_async");
   ASSERT_EQ(async.size(), 4u);
   EXPECT_GE(MaxAbsDifference(async, single), 1e-4);
+
+  // The shuffle matters to the weights, so the match above needed every
+  // worker to take exactly its slice of the shuffled order.
+  const auto unshuffled = TrainAndPull(1, 1, "sync", "one_worker_in_order",
+                                       /*shuffle=*/false);
+  ASSERT_EQ(unshuffled.size(), 4u);
+  EXPECT_GE(MaxAbsDifference(unshuffled, single), 1e-3);
+}
+
+TEST(SyncEquivalenceTest, ThreeWorkersEqualOneWorkerWithTheGlobalBatch) {
+  const auto single = TrainAndPull(1, 1, "sync", "one_worker_30", true, 30);
+  ASSERT_EQ(single.size(), 4u);
+  const auto three = TrainAndPull(3, 2, "sync", "three_workers_30", true, 30);
+  ASSERT_EQ(three.size(), 4u);
+  EXPECT_LE(MaxAbsDifference(three, single), 1e-5);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <numeric>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -28,6 +29,7 @@ enum Stream : uint64_t {
   kFeatureStream = 2,
   kNoiseStream = 3,
   kNoiseClassStream = 4,
+  kShuffleStream = 5,
 };
 
 // Every random number is a hash of where it is used rather than of what was
@@ -59,14 +61,15 @@ absl::Status ValidateReaderOptions(int64_t num_features, int64_t num_classes,
     return absl::InvalidArgumentError(absl::StrCat(
         "num_features must be >= 0 (0 = infer), got ", num_features));
   }
-  if (num_classes < 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_classes must be >= 2, got ", num_classes));
+  if (num_classes != 0 && num_classes < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_classes must be >= 2 (0 = infer), got ", num_classes));
   }
   return ValidateShard(shard);
 }
 
 // Parses an integer class label; -1/+1 are the binary convention of LIBSVM.
+// num_classes == 0: any label >= 0 (the count is inferred afterwards).
 absl::Status ParseLabel(const LineReader& reader, absl::string_view text,
                         int64_t num_classes, bool allow_plus_minus_one,
                         int32_t* label) {
@@ -75,9 +78,17 @@ absl::Status ParseLabel(const LineReader& reader, absl::string_view text,
     return reader.Error(absl::StrCat("label '", text, "' is not an integer"));
   }
   if (allow_plus_minus_one && num_classes == 2 && value == -1) value = 0;
-  if (value < 0 || value >= num_classes) {
+  if (value < 0) {
+    return reader.Error(absl::StrCat(
+        "label ", value, " is out of range: class labels are >= 0"));
+  }
+  if (value >= std::numeric_limits<int32_t>::max()) {
+    return reader.Error(absl::StrCat("label ", value, " is too large"));
+  }
+  if (num_classes > 0 && value >= num_classes) {
     return reader.Error(absl::StrCat("label ", value, " is out of range [0, ",
-                                     num_classes, ")"));
+                                     num_classes, "): set --num_classes to ",
+                                     value + 1, " or more (0 infers it)"));
   }
   *label = static_cast<int32_t>(value);
   return absl::OkStatus();
@@ -303,6 +314,7 @@ absl::StatusOr<Dataset> ReadCsv(const std::string& path, int64_t num_features,
     return absl::InvalidArgumentError(absl::StrCat(path, ": no examples"));
   }
   data.num_features = num_features;
+  if (num_classes == 0) data.num_classes = InferNumClasses(data.labels);
   return data;
 }
 
@@ -409,7 +421,7 @@ absl::StatusOr<Dataset> ReadLibsvm(const std::string& path,
 
   Dataset data;
   data.num_features = num_features;
-  data.num_classes = num_classes;
+  data.num_classes = num_classes == 0 ? InferNumClasses(labels) : num_classes;
   data.labels = std::move(labels);
   data.features.assign(data.labels.size() * num_features, 0.0f);
   size_t begin = 0;
@@ -439,6 +451,87 @@ void BatchCursor::Next(int64_t rows, float* features, int32_t* labels) {
     position_ += n;
     if (position_ == size) position_ = 0;
   }
+}
+
+absl::Status InMemorySource::Gather(absl::Span<const int64_t> indices,
+                                    float* features, int32_t* labels) const {
+  const int64_t width = data_.num_features;
+  for (size_t r = 0; r < indices.size(); ++r) {
+    const int64_t i = indices[r];
+    if (i < 0 || i >= size()) {
+      return absl::OutOfRangeError(
+          absl::StrCat("example ", i, " is out of range [0, ", size(), ")"));
+    }
+    std::copy_n(data_.features.data() + i * width, width, features + r * width);
+    labels[r] = data_.labels[i];
+  }
+  return absl::OkStatus();
+}
+
+int64_t InMemorySource::resident_bytes() const {
+  return static_cast<int64_t>(data_.features.size() * sizeof(float) +
+                              data_.labels.size() * sizeof(int32_t));
+}
+
+int64_t InferNumClasses(absl::Span<const int32_t> labels) {
+  int64_t largest = 1;
+  for (int32_t label : labels) largest = std::max<int64_t>(largest, label);
+  return largest + 1;
+}
+
+std::vector<int64_t> EpochPermutation(int64_t size, uint64_t seed,
+                                      int64_t epoch) {
+  std::vector<int64_t> order(std::max<int64_t>(size, 0));
+  for (int64_t i = 0; i < size; ++i) order[i] = i;
+  for (int64_t i = size - 1; i > 0; --i) {
+    // Multiply-shift maps the hash onto [0, i] with a bias below 2^-32.
+    const uint64_t h = Hash(seed, kShuffleStream, epoch, i);
+    const int64_t j = static_cast<int64_t>(
+        (static_cast<unsigned __int128>(h) * static_cast<uint64_t>(i + 1)) >>
+        64);
+    std::swap(order[i], order[j]);
+  }
+  return order;
+}
+
+absl::StatusOr<EpochPlan> EpochPlan::Create(const Options& options) {
+  if (options.worker_batch < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the per-worker batch must be >= 1, got ", options.worker_batch));
+  }
+  if (absl::Status status =
+          ValidateShard({options.worker_index, options.num_workers});
+      !status.ok()) {
+    return status;
+  }
+  const int64_t global_batch = options.worker_batch * options.num_workers;
+  if (options.num_examples < global_batch) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the global batch (", global_batch,
+        " examples) is larger than the training set (", options.num_examples,
+        " examples): lower --global_batch_size or --batch_size"));
+  }
+  return EpochPlan(options);
+}
+
+EpochPlan::EpochPlan(const Options& options)
+    : options_(options),
+      steps_per_epoch_(options.num_examples / global_batch()) {}
+
+absl::Span<const int64_t> EpochPlan::WorkerIndices(int64_t step) {
+  const int64_t epoch = step / steps_per_epoch_;
+  if (epoch != epoch_) {
+    if (options_.shuffle) {
+      order_ = EpochPermutation(options_.num_examples, options_.seed, epoch);
+    } else if (order_.empty()) {
+      order_.resize(options_.num_examples);
+      std::iota(order_.begin(), order_.end(), int64_t{0});
+    }
+    epoch_ = epoch;
+  }
+  const int64_t first = (step % steps_per_epoch_) * global_batch() +
+                        options_.worker_index * options_.worker_batch;
+  return absl::MakeConstSpan(order_).subspan(first, options_.worker_batch);
 }
 
 }  // namespace pstrain

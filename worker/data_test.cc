@@ -581,5 +581,137 @@ TEST(BatchCursorTest, EmptyDatasetIsANoOp) {
   EXPECT_EQ(labels, std::vector<int32_t>(2, 7));
 }
 
+TEST(ReaderTest, InfersClassesOrNamesTheFlag) {
+  const std::string path = WriteFile("c.csv", "0,1\n9,2\n3,3\n");
+  absl::StatusOr<Dataset> inferred = ReadCsv(path, 0, 0, {});
+  ASSERT_TRUE(inferred.ok()) << inferred.status();
+  EXPECT_EQ(inferred->num_classes, 10);
+  const std::string svm = WriteFile("c.svm", "0 1:1\n2 1:1\n");
+  absl::StatusOr<Dataset> inferred_svm = ReadLibsvm(svm, 0, 0, {});
+  ASSERT_TRUE(inferred_svm.ok()) << inferred_svm.status();
+  EXPECT_EQ(inferred_svm->num_classes, 3);
+  // Too small a count given explicitly: the message says which flag to set.
+  EXPECT_THAT(Message(ReadCsv(path, 0, 4, {}).status()),
+              HasSubstr("label 9 is out of range [0, 4): set --num_classes"));
+}
+
+TEST(InferNumClassesTest, IsLargestLabelPlusOneAndAtLeastTwo) {
+  EXPECT_EQ(InferNumClasses(std::vector<int32_t>{0, 4, 2}), 5);
+  EXPECT_EQ(InferNumClasses(std::vector<int32_t>{0, 0}), 2);
+  EXPECT_EQ(InferNumClasses(std::vector<int32_t>{}), 2);
+}
+
+TEST(InMemorySourceTest, GathersRowsByGlobalIndex) {
+  Dataset data;
+  data.num_features = 2;
+  data.num_classes = 5;
+  for (int r = 0; r < 5; ++r) {
+    data.labels.push_back(r);
+    data.features.push_back(10 * r);
+    data.features.push_back(10 * r + 1);
+  }
+  const InMemorySource source(std::move(data));
+  EXPECT_EQ(source.size(), 5);
+  EXPECT_EQ(source.resident_bytes(), 5 * 2 * 4 + 5 * 4);
+  std::vector<float> features(6);
+  std::vector<int32_t> labels(3);
+  const std::vector<int64_t> indices = {4, 0, 4};
+  ASSERT_TRUE(source.Gather(indices, features.data(), labels.data()).ok());
+  EXPECT_EQ(labels, (std::vector<int32_t>{4, 0, 4}));
+  EXPECT_EQ(features, (std::vector<float>{40, 41, 0, 1, 40, 41}));
+  const std::vector<int64_t> outside = {5};
+  EXPECT_EQ(source.Gather(outside, features.data(), labels.data()).code(),
+            absl::StatusCode::kOutOfRange);
+}
+
+TEST(EpochPermutationTest, IsAPermutationFixedBySeedAndEpoch) {
+  const std::vector<int64_t> a = EpochPermutation(1000, 7, 0);
+  std::vector<int64_t> sorted = a;
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 0; i < 1000; ++i) ASSERT_EQ(sorted[i], i);
+  EXPECT_EQ(EpochPermutation(1000, 7, 0), a);
+  EXPECT_NE(EpochPermutation(1000, 7, 1), a);
+  EXPECT_NE(EpochPermutation(1000, 8, 0), a);
+  // Shuffled, not merely rotated: few elements stay where they were.
+  int64_t fixed = 0;
+  for (int64_t i = 0; i < 1000; ++i) fixed += a[i] == i;
+  EXPECT_LT(fixed, 20);
+  EXPECT_TRUE(EpochPermutation(0, 7, 0).empty());
+}
+
+// The sync contract: for any worker count, the workers' slices of step s
+// together are exactly the single process's global batch of step s.
+TEST(EpochPlanTest, WorkerSlicesMakeUpTheSingleProcessBatch) {
+  constexpr int64_t kExamples = 103;
+  constexpr int64_t kGlobalBatch = 12;
+  EpochPlan::Options single_options;
+  single_options.num_examples = kExamples;
+  single_options.worker_batch = kGlobalBatch;
+  single_options.seed = 3;
+  absl::StatusOr<EpochPlan> single = EpochPlan::Create(single_options);
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_EQ(single->steps_per_epoch(), 8);  // 103 / 12, the rest left out
+  for (int workers : {2, 3, 4, 6}) {
+    std::vector<EpochPlan> plans;
+    for (int k = 0; k < workers; ++k) {
+      EpochPlan::Options options = single_options;
+      options.worker_batch = kGlobalBatch / workers;
+      options.num_workers = workers;
+      options.worker_index = k;
+      plans.push_back(*EpochPlan::Create(options));
+    }
+    for (int64_t step = 0; step < 30; ++step) {  // several epochs
+      const absl::Span<const int64_t> global = single->WorkerIndices(step);
+      std::vector<int64_t> joined;
+      for (EpochPlan& plan : plans) {
+        const absl::Span<const int64_t> part = plan.WorkerIndices(step);
+        joined.insert(joined.end(), part.begin(), part.end());
+      }
+      ASSERT_EQ(joined, std::vector<int64_t>(global.begin(), global.end()))
+          << workers << " workers, step " << step;
+    }
+  }
+}
+
+TEST(EpochPlanTest, EachEpochVisitsDistinctExamplesInANewOrder) {
+  EpochPlan::Options options;
+  options.num_examples = 40;
+  options.worker_batch = 10;
+  absl::StatusOr<EpochPlan> plan = EpochPlan::Create(options);
+  ASSERT_TRUE(plan.ok());
+  std::vector<int64_t> epoch0, epoch1;
+  for (int64_t step = 0; step < 8; ++step) {
+    const absl::Span<const int64_t> batch = plan->WorkerIndices(step);
+    (step < 4 ? epoch0 : epoch1)
+        .insert((step < 4 ? epoch0 : epoch1).end(), batch.begin(), batch.end());
+  }
+  EXPECT_NE(epoch0, epoch1);
+  std::sort(epoch0.begin(), epoch0.end());
+  std::sort(epoch1.begin(), epoch1.end());
+  EXPECT_EQ(epoch0, epoch1);  // all 40, each once
+  EXPECT_EQ(epoch0.front(), 0);
+  EXPECT_EQ(epoch0.back(), 39);
+
+  options.shuffle = false;
+  plan = EpochPlan::Create(options);
+  ASSERT_TRUE(plan.ok());
+  const absl::Span<const int64_t> in_order = plan->WorkerIndices(5);
+  EXPECT_EQ(std::vector<int64_t>(in_order.begin(), in_order.end()),
+            (std::vector<int64_t>{10, 11, 12, 13, 14, 15, 16, 17, 18, 19}));
+}
+
+TEST(EpochPlanTest, RejectsABatchLargerThanTheData) {
+  EpochPlan::Options options;
+  options.num_examples = 10;
+  options.worker_batch = 6;
+  options.num_workers = 2;
+  EXPECT_THAT(Message(EpochPlan::Create(options).status()),
+              HasSubstr("larger than the training set"));
+  options.worker_index = 2;
+  options.num_examples = 100;
+  EXPECT_EQ(EpochPlan::Create(options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace pstrain

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -89,12 +90,12 @@ std::string LogitsNpy(const std::vector<float>& logits, int64_t classes) {
 absl::StatusOr<EvalOnlyResult> EvaluateModelFile(const EvalOnlyOptions& options,
                                                  Model& model,
                                                  kernels::Backend& backend,
-                                                 const Dataset& test) {
+                                                 const ExampleSource* test) {
   const absl::Time start = absl::Now();
   absl::StatusOr<std::vector<std::vector<float>>> host_params =
       LoadModelFile(options.model_file, model.Params());
   if (!host_params.ok()) return host_params.status();
-  if (test.size() == 0) {
+  if (test == nullptr || test->size() == 0) {
     return absl::FailedPreconditionError(
         "--eval_only needs a held-out set (--test_file, or --data=synthetic "
         "with --test_examples > 0)");
@@ -114,9 +115,12 @@ absl::StatusOr<EvalOnlyResult> EvaluateModelFile(const EvalOnlyOptions& options,
     device_params.push_back(std::move(*array));
   }
   const int64_t max_batch = options.batch_size;
+  const int64_t num_features = test->num_features();
+  std::vector<float> host_features(max_batch * num_features);
+  std::vector<int32_t> host_labels(max_batch);
+  std::vector<int64_t> indices;
   absl::StatusOr<kernels::DeviceArray<float>> features =
-      kernels::DeviceArray<float>::Create(&backend,
-                                          max_batch * test.num_features);
+      kernels::DeviceArray<float>::Create(&backend, max_batch * num_features);
   if (!features.ok()) return features.status();
   absl::StatusOr<kernels::DeviceArray<int32_t>> labels =
       kernels::DeviceArray<int32_t>::Create(&backend, max_batch);
@@ -125,13 +129,18 @@ absl::StatusOr<EvalOnlyResult> EvaluateModelFile(const EvalOnlyOptions& options,
   const bool want_logits = !options.logits_file.empty();
   std::vector<float> all_logits;
   BatchResult total;
-  for (int64_t first = 0; first < test.size(); first += max_batch) {
-    const int64_t rows = std::min(max_batch, test.size() - first);
-    absl::Status s = backend.CopyToDevice(
-        test.features.data() + first * test.num_features, features->data(),
-        rows * test.num_features * sizeof(float));
+  for (int64_t first = 0; first < test->size(); first += max_batch) {
+    const int64_t rows = std::min(max_batch, test->size() - first);
+    indices.resize(rows);
+    std::iota(indices.begin(), indices.end(), first);
+    absl::Status s =
+        test->Gather(indices, host_features.data(), host_labels.data());
     if (s.ok()) {
-      s = backend.CopyToDevice(test.labels.data() + first, labels->data(),
+      s = backend.CopyToDevice(host_features.data(), features->data(),
+                               rows * num_features * sizeof(float));
+    }
+    if (s.ok()) {
+      s = backend.CopyToDevice(host_labels.data(), labels->data(),
                                rows * sizeof(int32_t));
     }
     if (!s.ok()) return s;
@@ -184,7 +193,7 @@ std::string EvalOnlyJson(const EvalOnlyResult& result,
 }
 
 int RunEvalOnly(const EvalOnlyOptions& options, Model& model,
-                kernels::Backend& backend, const Dataset& test) {
+                kernels::Backend& backend, const ExampleSource* test) {
   absl::StatusOr<EvalOnlyResult> result =
       EvaluateModelFile(options, model, backend, test);
   if (absl::IsInvalidArgument(result.status()) ||

@@ -37,14 +37,14 @@ struct EvalOnlyResult {
   double wall_time_s = 0;
 };
 
-// Loads options.model_file into `model`'s parameters, evaluates `test`, and
-// writes the logits when asked. A model file that does not fit the model
-// is InvalidArgument naming the file and the tensor; an empty test set is
-// FailedPrecondition.
+// Loads options.model_file into `model`'s parameters, evaluates `test` (may
+// be null: no held-out set), and writes the logits when asked. A model file
+// that does not fit the model is InvalidArgument naming the file and the
+// tensor; an empty test set is FailedPrecondition.
 absl::StatusOr<EvalOnlyResult> EvaluateModelFile(const EvalOnlyOptions& options,
                                                  Model& model,
                                                  kernels::Backend& backend,
-                                                 const Dataset& test);
+                                                 const ExampleSource* test);
 
 // The final JSON line ({"event":"final","mode":"eval_only",...}) with the
 // fields of training's final line that apply to an evaluation.
@@ -56,7 +56,7 @@ std::string EvalOnlyJson(const EvalOnlyResult& result,
 // returns the exit status (2 for a model file or data that does not fit,
 // 1 for a compute failure, 0 otherwise).
 int RunEvalOnly(const EvalOnlyOptions& options, Model& model,
-                kernels::Backend& backend, const Dataset& test);
+                kernels::Backend& backend, const ExampleSource* test);
 
 // Logits [rows, classes] as CSV text (one row per example, %.9g: float32
 // round-trips exactly) or as a .npy array (<f4, C order).

@@ -3,6 +3,8 @@
 //   worker --ps_hosts=ps0:5000,ps1:5000 --worker_id=0 --num_workers=4
 //          --model=mlp --hidden=128,64 --steps=1000 --batch_size=64
 //   worker --cluster_spec=job.json --worker_id=3 --metrics_csv=run.csv
+//   worker --ps_hosts=... --data=fashion_mnist --epochs=15
+//          --global_batch_size=128 --hidden=256,128 --eval_every_epochs=1
 //
 // Shows a progress bar on a terminal, or prints a progress line every
 // --log_every steps otherwise, and at the end one JSON line
@@ -12,6 +14,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -19,8 +22,10 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -37,6 +42,7 @@
 #include "worker/ctr_main.h"
 #include "worker/data.h"
 #include "worker/eval_only.h"
+#include "worker/idx_data.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
 #include "worker/trainer.h"
@@ -65,8 +71,37 @@ ABSL_FLAG(std::string, model, "mlp",
 ABSL_FLAG(int64_t, probe_elements, 1000, "Size of the probe model's tensor.");
 ABSL_FLAG(std::string, hidden, "64",
           "Hidden layer sizes of the mlp, comma-separated.");
-ABSL_FLAG(int64_t, steps, 300, "Training steps.");
-ABSL_FLAG(int64_t, batch_size, 64, "Examples per step on this worker.");
+ABSL_FLAG(int64_t, steps, 300,
+          "Training steps (global: every worker runs all of them). With "
+          "--epochs, leave it out: --epochs sets the steps, and a --steps "
+          "that disagrees is an error.");
+ABSL_FLAG(int64_t, epochs, 0,
+          "Train for this many passes over the training set (steps = epochs "
+          "x the steps of one epoch, training examples / global batch, "
+          "rounded down); 0: use --steps.");
+ABSL_FLAG(int64_t, batch_size, 64,
+          "Examples per step on this worker (the global batch is "
+          "--num_workers times it); see --global_batch_size.");
+ABSL_FLAG(int64_t, global_batch_size, 0,
+          "Examples per step in the whole job, split evenly over the "
+          "workers (each takes its contiguous slice); must be divisible by "
+          "--num_workers. 0: --batch_size per worker.");
+ABSL_FLAG(bool, shuffle, true,
+          "Visit the training set in a new order every epoch: a permutation "
+          "of the whole set from (--seed, epoch), the same for any number of "
+          "workers. false: in file order.");
+ABSL_FLAG(int64_t, eval_every_steps, 0,
+          "Worker 0 evaluates the model on the held-out set every this many "
+          "steps (0: not by steps): progress line, --metrics_csv and the "
+          "pstrain_worker_test_* gauges.");
+ABSL_FLAG(int64_t, eval_every_epochs, 0,
+          "Worker 0 evaluates the model on the held-out set every this many "
+          "epochs (0: not by epochs).");
+ABSL_FLAG(double, target_accuracy, 0,
+          "Held-out accuracy to reach: the final JSON reports the training "
+          "time (evaluations left out) and step of the first evaluation at "
+          "or above it as time_to_target_s / step_to_target (null: not "
+          "reached). 0: none.");
 ABSL_FLAG(int64_t, log_every, 50,
           "Steps between progress lines when stdout is not a terminal (0: no "
           "progress output at all).");
@@ -104,12 +139,28 @@ ABSL_FLAG(int64_t, block_elements, 1 << 17,
           "Dense tensors are cut into blocks of this many floats: the unit of "
           "transfer (one RPC carries about one block) and of consistency.");
 ABSL_FLAG(std::string, data, "synthetic",
-          "Training data: synthetic, csv or libsvm.");
-ABSL_FLAG(std::string, train_file, "", "Training file (csv/libsvm).");
-ABSL_FLAG(std::string, test_file, "", "Held-out file (csv/libsvm).");
-ABSL_FLAG(int64_t, num_features, 32,
-          "Input features (synthetic; for files 0 infers it).");
-ABSL_FLAG(int64_t, num_classes, 4, "Number of classes.");
+          "Training data: synthetic (generated), csv, libsvm, idx (MNIST-"
+          "format image and label files, raw or .gz) or fashion_mnist (the "
+          "IDX files in --dataset_dir).");
+ABSL_FLAG(std::string, train_file, "",
+          "Training file: csv/libsvm data, or with --data=idx the IDX images "
+          "file (labels in --train_labels).");
+ABSL_FLAG(std::string, test_file, "",
+          "Held-out file, as --train_file (with --data=idx: --test_labels "
+          "too).");
+ABSL_FLAG(std::string, train_labels, "",
+          "--data=idx: the IDX labels file of --train_file.");
+ABSL_FLAG(std::string, test_labels, "",
+          "--data=idx: the IDX labels file of --test_file.");
+ABSL_FLAG(std::string, dataset_dir, "/usr/share/datasets/fashion-mnist",
+          "--data=fashion_mnist: the directory of train-images-idx3-ubyte.gz "
+          "and its three siblings (Debian package dataset-fashion-mnist).");
+ABSL_FLAG(int64_t, num_features, 0,
+          "Input features: synthetic data has this many (0: 32); files "
+          "define it (0: take it from the file, else it must match).");
+ABSL_FLAG(int64_t, num_classes, 0,
+          "Number of classes. 0: synthetic 4; files: the largest training "
+          "label + 1.");
 ABSL_FLAG(double, label_noise, 0.05, "Synthetic: share of random labels.");
 ABSL_FLAG(int64_t, train_examples, 32768,
           "Synthetic: training examples in the whole job.");
@@ -182,50 +233,193 @@ absl::StatusOr<std::vector<int64_t>> ParseHidden(const std::string& text) {
 }
 
 struct Data {
-  Dataset train, test;
+  std::unique_ptr<ExampleSource> train, test;  // test may be null
+  double synthetic_best_accuracy = -1;         // synthetic data only
 };
 
-absl::StatusOr<Data> LoadData(ShardSpec shard) {
+// Reads the training and held-out data named by the flags. Every problem is
+// reported here, before the worker registers anything with the servers.
+absl::StatusOr<Data> LoadData() {
   const std::string source = absl::GetFlag(FLAGS_data);
-  const int64_t num_classes = absl::GetFlag(FLAGS_num_classes);
+  const int64_t num_features = absl::GetFlag(FLAGS_num_features);
+  int64_t num_classes = absl::GetFlag(FLAGS_num_classes);
   Data data;
   if (source == "synthetic") {
     SyntheticOptions options;
-    options.num_features = absl::GetFlag(FLAGS_num_features);
-    options.num_classes = num_classes;
+    options.num_features = num_features > 0 ? num_features : 32;
+    options.num_classes = num_classes > 0 ? num_classes : 4;
     options.label_noise = absl::GetFlag(FLAGS_label_noise);
     options.seed = absl::GetFlag(FLAGS_seed);
     const int64_t train_examples = absl::GetFlag(FLAGS_train_examples);
     absl::StatusOr<Dataset> train =
-        MakeSyntheticClassification(options, 0, train_examples, shard);
+        MakeSyntheticClassification(options, 0, train_examples, {0, 1});
     if (!train.ok()) return train.status();
     absl::StatusOr<Dataset> test = MakeSyntheticClassification(
         options, train_examples, absl::GetFlag(FLAGS_test_examples), {0, 1});
     if (!test.ok()) return test.status();
-    LOG(INFO) << "synthetic task: best achievable accuracy "
-              << SyntheticBestAccuracy(options);
-    data.train = std::move(*train);
-    data.test = std::move(*test);
+    data.synthetic_best_accuracy = SyntheticBestAccuracy(options);
+    data.train = std::make_unique<InMemorySource>(std::move(*train));
+    data.test = std::make_unique<InMemorySource>(std::move(*test));
     return data;
   }
-  auto read = [&](const std::string& path, ShardSpec s,
-                  int64_t features) -> absl::StatusOr<Dataset> {
-    if (source == "csv") return ReadCsv(path, features, num_classes, s);
-    return ReadLibsvm(path, features, num_classes, s);
+  std::string train_file = absl::GetFlag(FLAGS_train_file);
+  std::string test_file = absl::GetFlag(FLAGS_test_file);
+  std::string train_labels = absl::GetFlag(FLAGS_train_labels);
+  std::string test_labels = absl::GetFlag(FLAGS_test_labels);
+  if (source == "fashion_mnist") {
+    absl::StatusOr<IdxDataset> found =
+        FindIdxDataset(absl::GetFlag(FLAGS_dataset_dir));
+    if (!found.ok()) {
+      return absl::Status(
+          found.status().code(),
+          absl::StrCat("--dataset_dir: ", found.status().message()));
+    }
+    train_file = found->train_images;
+    train_labels = found->train_labels;
+    test_file = found->test_images;
+    test_labels = found->test_labels;
+  }
+  // Reads one file pair; `features` and `classes` 0 mean infer.
+  auto read =
+      [&](const std::string& path, const std::string& labels, int64_t features,
+          int64_t classes) -> absl::StatusOr<std::unique_ptr<ExampleSource>> {
+    if (source == "idx" || source == "fashion_mnist") {
+      return OpenIdx(path, labels, classes);
+    }
+    absl::StatusOr<Dataset> read =
+        source == "csv" ? ReadCsv(path, features, classes, {0, 1})
+                        : ReadLibsvm(path, features, classes, {0, 1});
+    if (!read.ok()) return read.status();
+    return std::make_unique<InMemorySource>(std::move(*read));
   };
-  const std::string train_file = absl::GetFlag(FLAGS_train_file);
-  absl::StatusOr<Dataset> train =
-      read(train_file, shard, absl::GetFlag(FLAGS_num_features));
+  absl::StatusOr<std::unique_ptr<ExampleSource>> train =
+      read(train_file, train_labels, num_features, num_classes);
   if (!train.ok()) return train.status();
   data.train = std::move(*train);
-  const std::string test_file = absl::GetFlag(FLAGS_test_file);
+  if (num_features > 0 && data.train->num_features() != num_features) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--num_features=", num_features, " but ", train_file, " has ",
+        data.train->num_features(), " features per example (0 infers it)"));
+  }
   if (!test_file.empty()) {
-    absl::StatusOr<Dataset> test =
-        read(test_file, {0, 1}, data.train.num_features);
+    absl::StatusOr<std::unique_ptr<ExampleSource>> test =
+        read(test_file, test_labels, data.train->num_features(),
+             data.train->num_classes());
     if (!test.ok()) return test.status();
+    if ((*test)->num_features() != data.train->num_features()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(test_file, ": ", (*test)->num_features(),
+                       " features per example, but the training data (",
+                       train_file, ") has ", data.train->num_features()));
+    }
     data.test = std::move(*test);
   }
   return data;
+}
+
+// The command line, for FlagGiven.
+std::vector<std::string> command_line;
+
+// Whether `name` was set on the command line or by the cluster spec (its
+// default, then, is no answer to "did the user ask for this value?").
+bool FlagGiven(const std::string& name,
+               const std::vector<FlagSetting>& from_spec) {
+  for (const std::string& arg : command_line) {
+    absl::string_view flag = arg;
+    if (!absl::ConsumePrefix(&flag, "--")) absl::ConsumePrefix(&flag, "-");
+    if (flag == name || absl::StartsWith(flag, name + "=")) return true;
+  }
+  for (const FlagSetting& setting : from_spec) {
+    if (setting.name == name) return true;
+  }
+  return false;
+}
+
+// The per-worker batch from --global_batch_size or --batch_size.
+absl::StatusOr<int64_t> WorkerBatch(int num_workers,
+                                    const std::vector<FlagSetting>& from_spec) {
+  const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
+  const int64_t global = absl::GetFlag(FLAGS_global_batch_size);
+  if (global == 0) return batch_size;
+  if (global % num_workers != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--global_batch_size=", global,
+        " is not divisible by --num_workers=", num_workers,
+        ": every worker takes an equal slice of each global "
+        "batch (sync training then equals one process with the global "
+        "batch); pick a multiple of ",
+        num_workers));
+  }
+  if (FlagGiven("batch_size", from_spec) &&
+      batch_size * num_workers != global) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--batch_size=", batch_size, " and --global_batch_size=", global,
+        " disagree (", num_workers, " workers x ", batch_size, " = ",
+        batch_size * num_workers, "): give one of them"));
+  }
+  return global / num_workers;
+}
+
+// Training steps from --epochs or --steps.
+absl::StatusOr<int64_t> TrainingSteps(
+    int64_t steps_per_epoch, const std::vector<FlagSetting>& from_spec) {
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  const int64_t epochs = absl::GetFlag(FLAGS_epochs);
+  if (epochs == 0) return steps;
+  const int64_t from_epochs = epochs * steps_per_epoch;
+  if (FlagGiven("steps", from_spec) && steps != from_epochs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--steps=", steps, " contradicts --epochs=", epochs, " (",
+                     epochs, " epochs of ", steps_per_epoch,
+                     " steps = ", from_epochs, " steps): give one of them"));
+  }
+  return from_epochs;
+}
+
+// A data flag that the chosen --data would not read: an error rather than
+// silently training on something else.
+std::vector<absl::Status> CheckDataFlags(const std::string& source) {
+  std::vector<absl::Status> checks;
+  const std::pair<const char*, std::string> files[] = {
+      {"train_file", absl::GetFlag(FLAGS_train_file)},
+      {"test_file", absl::GetFlag(FLAGS_test_file)},
+      {"train_labels", absl::GetFlag(FLAGS_train_labels)},
+      {"test_labels", absl::GetFlag(FLAGS_test_labels)}};
+  for (const auto& [flag, value] : files) {
+    if (value.empty()) continue;
+    const bool labels = absl::EndsWith(flag, "_labels");
+    if (source == "synthetic" || source == "fashion_mnist") {
+      checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, "=", value, " is not read with --data=", source,
+          ": set --data=", labels ? "idx" : "csv, libsvm or idx",
+          " for your files",
+          source == "fashion_mnist"
+              ? " (or --dataset_dir for another MNIST-layout directory)"
+              : "")));
+    } else if (labels && source != "idx") {
+      checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, " is only read with --data=idx (got --data=", source,
+          ")")));
+    }
+  }
+  if (source == "csv" || source == "libsvm" || source == "idx") {
+    if (absl::GetFlag(FLAGS_train_file).empty()) {
+      checks.push_back(absl::InvalidArgumentError(
+          absl::StrCat("--data=", source, " needs --train_file")));
+    }
+  }
+  if (source == "idx") {
+    for (int pair = 0; pair < 2; ++pair) {
+      const auto& images = files[pair];
+      const auto& labels = files[pair + 2];
+      if (images.second.empty() != labels.second.empty()) {
+        checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+            "--data=idx: --", images.first, " (images) and --", labels.first,
+            " (labels) go together; give both or neither")));
+      }
+    }
+  }
+  return checks;
 }
 
 absl::Status CheckPort(const char* flag, int port, int minimum) {
@@ -262,10 +456,18 @@ class StepOutput {
       metrics_->Observe({r.step, r.steps, r.loss, r.train_accuracy, r.examples,
                          r.step_seconds, r.pull_seconds, r.push_seconds});
     }
+    if (r.evaluated) {
+      last_test_accuracy_ = r.test_accuracy;
+      if (metrics_ != nullptr) {
+        metrics_->ObserveEvaluation(r.test_loss, r.test_accuracy);
+      }
+    }
     if (csv_ != nullptr) {
       absl::Status written = csv_->Append(
           r.step, absl::ToDoubleSeconds(now - start_), r.loss, r.train_accuracy,
-          step_rate, r.pull_seconds * 1e3, r.push_seconds * 1e3);
+          step_rate, r.pull_seconds * 1e3, r.push_seconds * 1e3,
+          r.evaluated ? r.test_loss : std::nan(""),
+          r.evaluated ? r.test_accuracy : std::nan(""));
       if (!written.ok()) {
         LOG(ERROR) << written << "; no more CSV rows";
         csv_.reset();
@@ -277,6 +479,17 @@ class StepOutput {
     window_accuracy_ += r.train_accuracy;
     ++window_steps_;
     if (log_every_ <= 0) return;
+    if (r.evaluated) {
+      // An evaluation gets a line of its own, whatever the progress style.
+      std::printf(
+          "%sworker %d step %lld/%lld epoch %lld test_loss %.4f "
+          "test_acc %.4f\n",
+          line_open_ ? "\r\033[K" : "", worker_id_,
+          static_cast<long long>(r.step), static_cast<long long>(r.steps),
+          static_cast<long long>(r.epoch), r.test_loss, r.test_accuracy);
+      std::fflush(stdout);
+      line_open_ = false;
+    }
     if (bar_) {
       // Redrawn at most 10 times a second: a terminal is slower than a step.
       if (now - last_draw_ < absl::Milliseconds(100) && r.step != r.steps) {
@@ -301,11 +514,14 @@ class StepOutput {
     }
     if (r.step % log_every_ != 0 && r.step != r.steps) return;
     std::printf(
-        "worker %d step %lld/%lld loss %.4f train_acc %.3f samples/s %.0f\n",
+        "worker %d step %lld/%lld loss %.4f train_acc %.3f samples/s %.0f%s\n",
         worker_id_, static_cast<long long>(r.step),
         static_cast<long long>(r.steps), window_loss_ / window_steps_,
         window_accuracy_ / window_steps_,
-        window_examples_ / std::max(window_seconds_, 1e-9));
+        window_examples_ / std::max(window_seconds_, 1e-9),
+        last_test_accuracy_ < 0
+            ? ""
+            : absl::StrFormat(" test_acc %.4f", last_test_accuracy_).c_str());
     std::fflush(stdout);
     ResetWindow();
   }
@@ -335,10 +551,12 @@ class StepOutput {
   double window_examples_ = 0, window_seconds_ = 0, window_loss_ = 0;
   double window_accuracy_ = 0;
   int64_t window_steps_ = 0;
-  bool line_open_ = false;  // a bar is drawn and its line not ended
+  bool line_open_ = false;          // a bar is drawn and its line not ended
+  double last_test_accuracy_ = -1;  // the last evaluation's; -1: none yet
 };
 
 int Main(int argc, char** argv) {
+  command_line.assign(argv + 1, argv + argc);
   absl::StatusOr<std::vector<FlagSetting>> from_spec = ApplyClusterSpec(
       ClusterRole::kWorker, absl::GetFlag(FLAGS_cluster_spec), argc, argv);
   ExitOnFlagErrors({from_spec.status()});
@@ -393,23 +611,47 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::vector<int64_t>> hidden =
       ParseHidden(absl::GetFlag(FLAGS_hidden));
   checks.push_back(hidden.status());
-  if (source != "synthetic" && source != "csv" && source != "libsvm") {
-    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
-        "--data must be synthetic, csv or libsvm, got '", source, "'")));
-  }
-  if (source != "synthetic" && absl::GetFlag(FLAGS_train_file).empty()) {
+  if (source != "synthetic" && source != "csv" && source != "libsvm" &&
+      source != "idx" && source != "fashion_mnist") {
     checks.push_back(absl::InvalidArgumentError(
-        absl::StrCat("--data=", source, " needs --train_file")));
+        absl::StrCat("--data must be synthetic, csv, libsvm, idx or "
+                     "fashion_mnist, got '",
+                     source, "'")));
+  }
+  if (model_name != "ctr") {  // the CTR model reads --ctr_data's files
+    for (absl::Status& check : CheckDataFlags(source)) {
+      checks.push_back(std::move(check));
+    }
   }
   checks.push_back(CheckAtLeast("steps", absl::GetFlag(FLAGS_steps), 1));
+  checks.push_back(CheckAtLeast("epochs", absl::GetFlag(FLAGS_epochs), 0));
   checks.push_back(
       CheckAtLeast("batch_size", absl::GetFlag(FLAGS_batch_size), 1));
+  checks.push_back(CheckAtLeast("global_batch_size",
+                                absl::GetFlag(FLAGS_global_batch_size), 0));
+  checks.push_back(CheckAtLeast("eval_every_steps",
+                                absl::GetFlag(FLAGS_eval_every_steps), 0));
+  checks.push_back(CheckAtLeast("eval_every_epochs",
+                                absl::GetFlag(FLAGS_eval_every_epochs), 0));
+  const double target_accuracy = absl::GetFlag(FLAGS_target_accuracy);
+  if (!(target_accuracy >= 0 && target_accuracy <= 1)) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--target_accuracy must be in [0, 1], got ", target_accuracy)));
+  }
+  checks.push_back(
+      CheckAtLeast("num_features", absl::GetFlag(FLAGS_num_features), 0));
+  absl::StatusOr<int64_t> worker_batch =
+      num_workers >= 1 ? WorkerBatch(num_workers, *from_spec)
+                       : absl::StatusOr<int64_t>(1);
+  checks.push_back(worker_batch.status());
   checks.push_back(
       CheckAtLeast("log_every", absl::GetFlag(FLAGS_log_every), 0));
   checks.push_back(
       CheckAtLeast("block_elements", absl::GetFlag(FLAGS_block_elements), 1));
-  checks.push_back(
-      CheckAtLeast("num_classes", absl::GetFlag(FLAGS_num_classes), 2));
+  if (absl::GetFlag(FLAGS_num_classes) != 0) {
+    checks.push_back(
+        CheckAtLeast("num_classes", absl::GetFlag(FLAGS_num_classes), 2));
+  }
   checks.push_back(
       CheckAtLeast("rpc_timeout_s", absl::GetFlag(FLAGS_rpc_timeout_s), 0.001));
   checks.push_back(CheckAtLeast("connect_timeout_s",
@@ -476,6 +718,26 @@ int Main(int argc, char** argv) {
       PsClient::Create(client_options);
   if (!absl::GetFlag(FLAGS_ps_hosts).empty()) checks.push_back(client.status());
   ExitOnFlagErrors(checks);
+  // The data comes before anything that logs or talks to the servers: a bad
+  // file or a batch that does not fit is one line and exit 2, and the
+  // servers never hear of this worker.
+  const int64_t batch_size = *worker_batch;
+  absl::StatusOr<Data> data = absl::UnknownError("not loaded");
+  absl::StatusOr<EpochPlan> plan = absl::UnknownError("not planned");
+  absl::StatusOr<int64_t> steps = absl::UnknownError("not counted");
+  if (model_name != "ctr") {
+    data = LoadData();
+    ExitOnFlagErrors({data.status()});
+    EpochPlan::Options plan_options;
+    plan_options.num_examples = data->train->size();
+    plan_options.worker_batch = batch_size;
+    plan_options.num_workers = num_workers;
+    plan_options.worker_index = worker_id;
+    plan = EpochPlan::Create(plan_options);
+    ExitOnFlagErrors({plan.status()});
+    steps = TrainingSteps(plan->steps_per_epoch(), *from_spec);
+    ExitOnFlagErrors({steps.status()});
+  }
   std::unique_ptr<MetricsEndpoint> metrics_endpoint;
   std::unique_ptr<WorkerMetrics> metrics;
   if (metrics_port != 0) {
@@ -526,28 +788,36 @@ int Main(int argc, char** argv) {
     ctr_output.Finish();
     return code;
   }
-  absl::StatusOr<Data> data = LoadData({worker_id, num_workers});
-  ExitOnFlagErrors({data.status()});
+  if (data->synthetic_best_accuracy >= 0) {
+    LOG(INFO) << "synthetic task: best achievable accuracy "
+              << data->synthetic_best_accuracy;
+  }
   LOG(INFO) << "worker " << worker_id << "/" << num_workers << " on "
-            << (*backend)->Name() << ": " << data->train.size()
-            << " training examples in this shard, " << data->test.size()
-            << " held out";
+            << (*backend)->Name() << ": " << data->train->size()
+            << " training examples ("
+            << data->train->resident_bytes() / 1048576.0 << " MiB held), "
+            << (data->test != nullptr ? data->test->size() : 0) << " held out; "
+            << data->train->num_features() << " features, "
+            << data->train->num_classes() << " classes; global batch "
+            << plan->global_batch() << " (" << batch_size << " per worker), "
+            << *steps << " steps = "
+            << static_cast<double>(*steps) / plan->steps_per_epoch()
+            << " epochs of " << plan->steps_per_epoch() << " steps";
 
-  const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
   absl::StatusOr<std::unique_ptr<Model>> model =
       model_name == "probe"
           ? CreateProbeModel(backend->get(),
                              absl::GetFlag(FLAGS_probe_elements))
           : CreateMlp(
-                backend->get(), data->train.num_features,
+                backend->get(), data->train->num_features(),
                 model_name == "softmax" ? std::vector<int64_t>{} : *hidden,
-                absl::GetFlag(FLAGS_num_classes), batch_size);
+                data->train->num_classes(), batch_size);
   if (!model.ok()) {
     LOG(ERROR) << "cannot build the model: " << model.status();
     return 1;
   }
   if (eval_only.eval_only) {
-    return RunEvalOnly(eval_only, **model, **backend, data->test);
+    return RunEvalOnly(eval_only, **model, **backend, data->test.get());
   }
   ModelSchema schema;
   schema.set_seed(absl::GetFlag(FLAGS_seed));
@@ -564,12 +834,37 @@ int Main(int argc, char** argv) {
   if (registration->start_step > 0) {
     LOG(INFO) << "joining a running job at step " << registration->start_step;
   }
+  // async/ssp: the final model is pulled as an observer, after this worker
+  // has left (a pull as a worker would rejoin the job).
+  std::unique_ptr<PsClient> observer;
+  if (registration->mode != "sync") {
+    absl::StatusOr<std::unique_ptr<PsClient>> created =
+        PsClient::Create(client_options);
+    absl::StatusOr<Registration> observing =
+        created.ok() ? (*created)->Register(schema, num_workers, -1)
+                     : absl::StatusOr<Registration>(created.status());
+    if (!observing.ok()) {
+      LOG(ERROR) << "cannot connect the observer for the final model: "
+                 << observing.status();
+      return 1;
+    }
+    observer = std::move(*created);
+  }
 
   TrainerOptions options;
   options.worker_id = worker_id;
   options.num_workers = num_workers;
-  options.steps = absl::GetFlag(FLAGS_steps);
+  options.steps = *steps;
   options.batch_size = batch_size;
+  options.shuffle = absl::GetFlag(FLAGS_shuffle);
+  options.seed = absl::GetFlag(FLAGS_seed);
+  options.periodic_evaluation = worker_id == 0;
+  options.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);
+  options.eval_every_epochs = absl::GetFlag(FLAGS_eval_every_epochs);
+  options.target_accuracy = target_accuracy;
+  options.final_model_timeout =
+      absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
+  options.observer = observer.get();
   const bool bar =
       progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO) == 1);
   StepOutput output(worker_id, bar, absl::GetFlag(FLAGS_log_every),
@@ -590,7 +885,7 @@ int Main(int argc, char** argv) {
   output.Start(registration->start_step);
   absl::StatusOr<TrainResult> result =
       Train(options, registration->mode, **client, **model, **backend,
-            data->train, data->test);
+            *data->train, data->test.get());
   output.Finish();
   if (!result.ok()) {
     LOG(ERROR) << "training failed: " << result.status();

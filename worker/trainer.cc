@@ -1,10 +1,20 @@
 #include "worker/trainer.h"
 
+#include <algorithm>
+#include <fstream>
+#include <limits>
+#include <numeric>
+#include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/partition.h"
+#include "glog/logging.h"
 
 namespace pstrain {
 namespace {
@@ -90,16 +100,21 @@ struct BatchBuffers {
 
 absl::StatusOr<BatchResult> Evaluate(Model& model, kernels::Backend& backend,
                                      const std::vector<const float*>& params,
-                                     const Dataset& test, int64_t max_batch,
-                                     BatchBuffers& batch) {
+                                     const ExampleSource& test,
+                                     int64_t max_batch, BatchBuffers& batch) {
   BatchResult total;
+  std::vector<int64_t> indices;
   for (int64_t first = 0; first < test.size(); first += max_batch) {
     const int64_t rows = std::min(max_batch, test.size() - first);
-    std::copy_n(test.features.begin() + first * test.num_features,
-                rows * test.num_features, batch.host_features.begin());
-    std::copy_n(test.labels.begin() + first, rows, batch.host_labels.begin());
+    indices.resize(rows);
+    std::iota(indices.begin(), indices.end(), first);
+    if (absl::Status s = test.Gather(indices, batch.host_features.data(),
+                                     batch.host_labels.data());
+        !s.ok()) {
+      return s;
+    }
     absl::StatusOr<DeviceBatch> device =
-        batch.Upload(rows, test.num_features, backend);
+        batch.Upload(rows, test.num_features(), backend);
     if (!device.ok()) return device.status();
     absl::StatusOr<BatchResult> result = model.Evaluate(params, *device);
     if (!result.ok()) return result.status();
@@ -110,21 +125,94 @@ absl::StatusOr<BatchResult> Evaluate(Model& model, kernels::Backend& backend,
   return total;
 }
 
+// async/ssp: the servers' model is final once no worker is a member any
+// more and every worker's updates are applied (each applied push of a
+// dense block bumps its version by one, so the smallest version reaches
+// num_workers * steps). A worker that stopped early or died never brings
+// it there: then the model counts as final once no member is left and it
+// has not changed for kQuiet. Returns how the wait ended.
+std::string WaitForFinalModel(PsClient& client, int64_t expected_version,
+                              absl::Duration timeout) {
+  constexpr absl::Duration kQuiet = absl::Seconds(10);
+  const absl::Time start = absl::Now();
+  absl::Time last_change = start;
+  int64_t last_version = -1;
+  std::string last_seen = "no stats";
+  while (true) {
+    absl::StatusOr<std::vector<StatsResponse>> stats = client.Stats();
+    const absl::Time now = absl::Now();
+    if (stats.ok()) {
+      int members = 0;
+      int64_t version = std::numeric_limits<int64_t>::max();
+      for (const StatsResponse& shard : *stats) {
+        members += shard.members();
+        if (shard.num_blocks() > 0)
+          version = std::min(version, shard.version());
+      }
+      if (members == 0 && version >= expected_version) return "all_done";
+      if (version != last_version) {
+        last_version = version;
+        last_change = now;
+      } else if (members == 0 && now - last_change >= kQuiet) {
+        LOG(WARNING) << "the servers applied " << version << " of the "
+                     << expected_version
+                     << " updates expected and no worker is training: a "
+                        "worker stopped early; evaluating the model as it is";
+        return "quiet";
+      }
+      last_seen = absl::StrCat(members, " member(s) training, version ",
+                               version, " of ", expected_version);
+    } else {
+      last_seen = stats.status().ToString();
+    }
+    if (now - start >= timeout) {
+      LOG(WARNING) << "other workers still training after "
+                   << absl::FormatDuration(timeout) << " (" << last_seen
+                   << "); evaluating the model as it is now";
+      return "timeout";
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
 }  // namespace
+
+int64_t PeakRssBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string text;
+  while (std::getline(status, text)) {
+    absl::string_view line = text;
+    int64_t kib = 0;
+    if (absl::ConsumePrefix(&line, "VmHWM:") &&
+        absl::SimpleAtoi(
+            absl::StripSuffix(absl::StripAsciiWhitespace(line), " kB"), &kib)) {
+      return kib * 1024;
+    }
+  }
+  return 0;
+}
 
 absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
                                   const std::string& mode, PsClient& client,
                                   Model& model, kernels::Backend& backend,
-                                  const Dataset& train, const Dataset& test) {
-  if (train.size() == 0) {
-    return absl::FailedPreconditionError(
-        "this worker's shard of the training data is empty");
-  }
+                                  const ExampleSource& train,
+                                  const ExampleSource* test) {
+  EpochPlan::Options plan_options;
+  plan_options.num_examples = train.size();
+  plan_options.worker_batch = options.batch_size;
+  plan_options.num_workers = options.num_workers;
+  plan_options.worker_index = options.worker_id;
+  plan_options.shuffle = options.shuffle;
+  plan_options.seed = options.seed;
+  absl::StatusOr<EpochPlan> plan = EpochPlan::Create(plan_options);
+  if (!plan.ok()) return plan.status();
+  const int64_t steps_per_epoch = plan->steps_per_epoch();
+
   ParameterBuffers buffers;
   if (absl::Status s = buffers.Allocate(model, backend); !s.ok()) return s;
   BatchBuffers batch;
   if (absl::Status s =
-          batch.Allocate(options.batch_size, train.num_features, backend);
+          batch.Allocate(options.batch_size, train.num_features(), backend);
       !s.ok()) {
     return s;
   }
@@ -138,9 +226,41 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   TrainResult result;
   result.mode = mode;
   result.start_step = options.start_step;
-  BatchCursor cursor(&train);
-  BatchResult window;
+  result.steps_per_epoch = steps_per_epoch;
+  const bool have_test = test != nullptr && test->size() > 0;
+  absl::Duration evaluation_time = absl::ZeroDuration();
   const absl::Time start = absl::Now();
+  // Evaluates the parameters in backend memory; notes the first time the
+  // target is reached (training time: evaluations left out).
+  auto evaluate = [&](int64_t at_step) -> absl::StatusOr<BatchResult> {
+    const absl::Time eval_start = absl::Now();
+    absl::StatusOr<BatchResult> evaluation =
+        Evaluate(model, backend, params, *test, options.batch_size, batch);
+    if (!evaluation.ok()) return evaluation.status();
+    const double accuracy =
+        static_cast<double>(evaluation->num_correct) / evaluation->rows;
+    // Only the evaluating worker times the target: the others see just the
+    // final model, whose time says nothing about when the target was met.
+    if (options.periodic_evaluation && options.target_accuracy > 0 &&
+        result.step_to_target < 0 && accuracy >= options.target_accuracy) {
+      result.step_to_target = at_step;
+      result.time_to_target_s =
+          absl::ToDoubleSeconds(eval_start - start - evaluation_time);
+    }
+    evaluation_time += absl::Now() - eval_start;
+    return evaluation;
+  };
+  auto evaluation_due = [&](int64_t step) {
+    if (!options.periodic_evaluation || !have_test) return false;
+    return (options.eval_every_steps > 0 &&
+            step % options.eval_every_steps == 0) ||
+           (options.eval_every_epochs > 0 &&
+            step % (options.eval_every_epochs * steps_per_epoch) == 0);
+  };
+
+  BatchResult window;
+  int64_t last_evaluated_step = -1;
+  BatchResult last_evaluation;
   int64_t step = options.start_step;
   while (step < options.steps) {
     const absl::Time step_start = absl::Now();
@@ -148,11 +268,6 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       result.stopped_early = true;
       break;
     }
-    cursor.Next(options.batch_size, batch.host_features.data(),
-                batch.host_labels.data());
-    absl::StatusOr<DeviceBatch> device_batch =
-        batch.Upload(options.batch_size, train.num_features, backend);
-    if (!device_batch.ok()) return device_batch.status();
     const absl::Time pull_start = absl::Now();
     absl::StatusOr<int64_t> at = buffers.PullToDevice(client, step, backend);
     if (!at.ok()) return at.status();
@@ -162,6 +277,17 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       step = *at;
       if (step >= options.steps) break;
     }
+    // The step fixes the examples, so a worker that joins late or catches
+    // up takes exactly the slice a single process would have used.
+    if (absl::Status s =
+            train.Gather(plan->WorkerIndices(step), batch.host_features.data(),
+                         batch.host_labels.data());
+        !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<DeviceBatch> device_batch =
+        batch.Upload(options.batch_size, train.num_features(), backend);
+    if (!device_batch.ok()) return device_batch.status();
     absl::StatusOr<BatchResult> batch_result =
         model.ComputeGradients(params, *device_batch, grads);
     if (!batch_result.ok()) return batch_result.status();
@@ -191,18 +317,37 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       window.num_correct += batch_result->num_correct;
       window.rows += batch_result->rows;
     }
+    const absl::Time step_end = absl::Now();
+    StepReport report;
+    if (evaluation_due(step)) {
+      // sync: the model after exactly `step` updates (waits for the other
+      // workers' gradients); async: the servers' current model.
+      const absl::Time eval_pull_start = absl::Now();
+      absl::StatusOr<int64_t> pulled =
+          buffers.PullToDevice(client, step, backend);
+      if (!pulled.ok()) return pulled.status();
+      evaluation_time += absl::Now() - eval_pull_start;
+      absl::StatusOr<BatchResult> evaluation = evaluate(step);
+      if (!evaluation.ok()) return evaluation.status();
+      ++result.evaluations;
+      last_evaluated_step = step;
+      last_evaluation = *evaluation;
+      report.evaluated = true;
+      report.test_loss = evaluation->loss_sum / evaluation->rows;
+      report.test_accuracy =
+          static_cast<double>(evaluation->num_correct) / evaluation->rows;
+    }
     if (options.on_step) {
-      const absl::Time now = absl::Now();
-      StepReport report;
       report.step = step;
       report.steps = options.steps;
       report.loss = batch_result->loss_sum / batch_result->rows;
       report.train_accuracy =
           static_cast<double>(batch_result->num_correct) / batch_result->rows;
       report.examples = batch_result->rows;
-      report.step_seconds = absl::ToDoubleSeconds(now - step_start);
+      report.step_seconds = absl::ToDoubleSeconds(step_end - step_start);
       report.pull_seconds = absl::ToDoubleSeconds(pull_time);
       report.push_seconds = absl::ToDoubleSeconds(push_time);
+      report.epoch = step / steps_per_epoch;
       options.on_step(report);
     }
   }
@@ -212,43 +357,79 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
         static_cast<double>(window.num_correct) / window.rows;
   }
   result.steps = options.steps;
+  result.epochs = static_cast<double>(step) / steps_per_epoch;
   result.wall_time_s = absl::ToDoubleSeconds(absl::Now() - start);
-  result.samples_per_sec = result.steps_run * options.batch_size /
-                           std::max(result.wall_time_s, 1e-9);
+  result.evaluation_seconds = absl::ToDoubleSeconds(evaluation_time);
+  result.samples_per_sec =
+      result.steps_run * options.batch_size /
+      std::max(result.wall_time_s - result.evaluation_seconds, 1e-9);
   result.injected_duplicate_pushes = client.injected_duplicate_pushes();
 
-  // The model after the last update (sync: waits for every member's last
-  // gradient; a worker stopping early takes the step it reached), then
-  // leave so nobody waits for this worker.
-  absl::StatusOr<int64_t> final_step = buffers.PullToDevice(
-      client, result.stopped_early ? step : options.steps, backend);
-  if (!final_step.ok()) return final_step.status();
-  if (absl::Status s = client.Leave(); !s.ok()) return s;
-  if (test.size() > 0) {
-    absl::StatusOr<BatchResult> evaluation =
-        Evaluate(model, backend, params, test, options.batch_size, batch);
-    if (!evaluation.ok()) return evaluation.status();
-    result.test_examples = evaluation->rows;
-    result.test_loss = evaluation->loss_sum / evaluation->rows;
-    result.test_accuracy =
-        static_cast<double>(evaluation->num_correct) / evaluation->rows;
+  // The job's final model, then leave so nobody waits for this worker.
+  if (mode == "sync") {
+    // Pull(steps) waits for every member's last gradient; a worker stopping
+    // early takes the step it reached.
+    absl::StatusOr<int64_t> final_step = buffers.PullToDevice(
+        client, result.stopped_early ? step : options.steps, backend);
+    if (!final_step.ok()) return final_step.status();
+    if (absl::Status s = client.Leave(); !s.ok()) return s;
+    result.final_model = "sync_step";
+  } else {
+    // Leave first: the others' wait below counts this worker as done. The
+    // pull then goes through the observer, which does not rejoin the job.
+    if (absl::Status s = client.Leave(); !s.ok()) return s;
+    PsClient& reader = options.observer != nullptr ? *options.observer : client;
+    result.final_model =
+        WaitForFinalModel(reader, options.num_workers * options.steps,
+                          options.final_model_timeout);
+    absl::StatusOr<int64_t> final_step =
+        buffers.PullToDevice(reader, options.steps, backend);
+    if (!final_step.ok()) return final_step.status();
   }
+  if (have_test) {
+    BatchResult evaluation;
+    if (mode == "sync" && last_evaluated_step == options.steps &&
+        !result.stopped_early) {
+      evaluation = last_evaluation;  // the same model, evaluated already
+    } else {
+      absl::StatusOr<BatchResult> final_evaluation = evaluate(step);
+      if (!final_evaluation.ok()) return final_evaluation.status();
+      evaluation = *final_evaluation;
+    }
+    result.test_examples = evaluation.rows;
+    result.test_loss = evaluation.loss_sum / evaluation.rows;
+    result.test_accuracy =
+        static_cast<double>(evaluation.num_correct) / evaluation.rows;
+  }
+  result.peak_rss_bytes = PeakRssBytes();
   return result;
 }
 
 std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
                       const std::string& device) {
+  // Not reached (or no target): null, which a JSON reader keeps apart from 0.
+  const std::string time_to_target =
+      r.step_to_target < 0 ? "null"
+                           : absl::StrFormat("%.3f", r.time_to_target_s);
+  const std::string step_to_target =
+      r.step_to_target < 0 ? "null" : absl::StrCat(r.step_to_target);
   return absl::StrFormat(
       "{\"event\":\"final\",\"mode\":\"%s\",\"worker_id\":%d,"
       "\"num_workers\":%d,\"device\":\"%s\",\"steps\":%d,"
+      "\"epochs\":%.3f,\"steps_per_epoch\":%d,"
       "\"final_loss\":%.6f,\"train_accuracy\":%.4f,\"test_loss\":%.6f,"
-      "\"test_accuracy\":%.4f,\"test_examples\":%d,\"samples_per_sec\":%.1f,"
-      "\"wall_time_s\":%.3f,\"start_step\":%d,\"steps_run\":%d,"
+      "\"test_accuracy\":%.4f,\"test_examples\":%d,\"final_model\":\"%s\","
+      "\"time_to_target_s\":%s,\"step_to_target\":%s,\"evaluations\":%d,"
+      "\"evaluation_s\":%.3f,\"samples_per_sec\":%.1f,"
+      "\"wall_time_s\":%.3f,\"peak_rss_mb\":%.1f,\"start_step\":%d,"
+      "\"steps_run\":%d,"
       "\"steps_skipped\":%d,\"duplicate_blocks\":%d,\"late_blocks\":%d,"
       "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s}",
-      r.mode, worker_id, num_workers, device, r.steps, r.final_loss,
-      r.train_accuracy, r.test_loss, r.test_accuracy, r.test_examples,
-      r.samples_per_sec, r.wall_time_s, r.start_step, r.steps_run,
+      r.mode, worker_id, num_workers, device, r.steps, r.epochs,
+      r.steps_per_epoch, r.final_loss, r.train_accuracy, r.test_loss,
+      r.test_accuracy, r.test_examples, r.final_model, time_to_target,
+      step_to_target, r.evaluations, r.evaluation_seconds, r.samples_per_sec,
+      r.wall_time_s, r.peak_rss_bytes / 1048576.0, r.start_step, r.steps_run,
       r.steps_skipped, r.duplicate_blocks, r.late_blocks,
       r.injected_duplicate_pushes, r.stopped_early ? "true" : "false");
 }

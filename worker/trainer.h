@@ -1,5 +1,6 @@
 // The worker's training loop: pull (step) -> forward/backward on the
-// backend -> push (step), then a final pull and a held-out evaluation.
+// backend -> push (step), with held-out evaluations along the way, then the
+// job's final model (see Train) evaluated on the held-out set.
 #ifndef PSTRAIN_WORKER_TRAINER_H_
 #define PSTRAIN_WORKER_TRAINER_H_
 
@@ -27,6 +28,11 @@ struct StepReport {
   double step_seconds = 0;  // wall time of the step, pull to push
   double pull_seconds = 0;
   double push_seconds = 0;
+  // Set when the model after this step was evaluated on the held-out set.
+  bool evaluated = false;
+  double test_loss = 0;
+  double test_accuracy = 0;
+  int64_t epoch = 0;  // epochs completed (steps / steps_per_epoch, floored)
 };
 
 struct TrainerOptions {
@@ -35,6 +41,26 @@ struct TrainerOptions {
   int64_t start_step = 0;  // a worker (re)joining a running job starts late
   int64_t steps = 100;
   int64_t batch_size = 64;  // this worker's; the model's max_batch
+  // The data order (worker/data.h EpochPlan): a new permutation of the
+  // whole training set every epoch, from (seed, epoch), or none.
+  bool shuffle = true;
+  uint64_t seed = 1;
+  // Held-out evaluation of the pulled model every this many steps and/or
+  // epochs (0: never); only where `periodic_evaluation` is set (worker 0:
+  // every worker would compute the same number in sync mode).
+  bool periodic_evaluation = false;
+  int64_t eval_every_steps = 0;
+  int64_t eval_every_epochs = 0;
+  // Accuracy whose first attainment (periodic or final evaluation, on the
+  // worker with `periodic_evaluation`) is reported as time_to_target_s /
+  // step_to_target; <= 0: none.
+  double target_accuracy = 0;
+  // async/ssp: after leaving, how long to wait for the other workers to
+  // finish before evaluating the servers' model (see Train).
+  absl::Duration final_model_timeout = absl::Seconds(120);
+  // async/ssp: a client registered as an observer (worker id -1), to pull
+  // the final model without rejoining the job. Null: `client` is used.
+  PsClient* observer = nullptr;
   // Called after every step (on the training thread).
   std::function<void(const StepReport&)> on_step;
   // Fault injection: extra time per step, as a straggler would take.
@@ -51,6 +77,17 @@ struct TrainResult {
   double test_loss = 0;
   double test_accuracy = 0;
   int64_t test_examples = 0;
+  // Where the final model came from: "sync_step" (Pull(steps)), "all_done"
+  // (async/ssp: every worker finished), "quiet" (async/ssp: the servers
+  // stopped changing short of every worker's steps: one stopped early).
+  std::string final_model;
+  int64_t evaluations = 0;        // periodic ones
+  double evaluation_seconds = 0;  // time spent in them
+  double time_to_target_s = -1;   // training time, evaluations excluded
+  int64_t step_to_target = -1;
+  int64_t steps_per_epoch = 0;
+  double epochs = 0;  // of the training set, by the job's global batches
+  int64_t peak_rss_bytes = 0;
   double samples_per_sec = 0;
   double wall_time_s = 0;
   int64_t start_step = 0;
@@ -63,12 +100,20 @@ struct TrainResult {
 };
 
 // Trains `model` against the servers behind `client` (already registered as
-// this worker, in mode `mode`), leaves the job, and evaluates the final
-// model on `test` (may be empty).
+// this worker, in mode `mode`) on this worker's slices of `train`'s global
+// batches, leaves the job, and evaluates the job's final model on `test`
+// (may be null): in sync mode the model after `steps` updates; in async and
+// ssp mode the servers' model once every worker has finished (their Stats
+// show no member left and every worker's updates applied), so that every
+// worker reports the same number.
 absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
                                   const std::string& mode, PsClient& client,
                                   Model& model, kernels::Backend& backend,
-                                  const Dataset& train, const Dataset& test);
+                                  const ExampleSource& train,
+                                  const ExampleSource* test);
+
+// This process's peak resident memory (VmHWM), 0 where unknown.
+int64_t PeakRssBytes();
 
 // The one-line JSON summary a script reads: {"event":"final",...}.
 std::string FinalJson(const TrainResult& result, int worker_id, int num_workers,

@@ -22,7 +22,9 @@ Usage: deploy/local/launch.sh [options] [-- extra flags...]
 Runs a parameter-server training job on this machine: S ps_server shards on
 127.0.0.1 (free ports picked by the servers), then W workers against them.
 Streams worker 0's progress, prints every worker's final JSON line
-({"event":"final",...}) on stdout, stops the servers and exits 0.
+({"event":"final",...}) on stdout and the final model's held-out accuracy
+(one number: every worker evaluates the job's final model) on stderr, stops
+the servers and exits 0.
 
 Options:
   --servers=S      number of ps_server shards (default 2)
@@ -612,6 +614,27 @@ print_results() {
     finals+=("$line")
   done
   printf '%s\n' "${finals[@]}"
+  report_final_model "${finals[@]}"
+}
+
+# Every worker evaluates the job's final model (sync: the model after the
+# last step; async/ssp: the servers' model once all workers are done), so
+# their held-out figures are one number: say it, or say that they differ.
+report_final_model() {
+  local line value
+  local -a values=()
+  for line in "$@"; do
+    value=$(sed -n 's/.*"test_accuracy":\([0-9.]*\).*"test_examples":\([0-9]*\).*/\1 on \2 held-out examples/p' <<<"$line")
+    [[ -n "$value" ]] || return 0 # no held-out evaluation (e.g. CTR, no test set)
+    values+=("$value")
+  done
+  local distinct
+  distinct=$(printf '%s\n' "${values[@]}" | sort -u | wc -l)
+  if ((distinct == 1)); then
+    info "final model: test_accuracy ${values[0]} (reported by all $# worker(s))"
+  else
+    info "warning: the workers report different final test accuracies: ${values[*]}"
+  fi
 }
 
 main() {
