@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Runs the README's operator commands as written: each marked block
+# (<!-- readme_commands_test: NAME --> before a ```sh block) is taken from
+# README.md itself, its fixed ports replaced by the ones this test's
+# ps_server got (5000 -> --port, 5001 -> --health_port, 9100 ->
+# --metrics_port), and every line must exit 0 with the output it promises.
+set -euo pipefail
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+runfiles=${RUNFILES_DIR:-${TEST_SRCDIR:-}}
+[[ -n "$runfiles" ]] || fail "run me with bazel test //tests:readme_commands_test"
+root=$runfiles/pstrain
+T=$(mktemp -d "${TEST_TMPDIR:-/tmp}/readme.XXXXXX")
+pids=()
+cleanup() {
+  local pid
+  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+# A block of the README: the lines of the ```sh block after its marker.
+block() {
+  awk -v marker="<!-- readme_commands_test: $1 -->" '
+    $0 == marker { found = 1; next }
+    found && /^```sh/ { inside = 1; next }
+    inside && /^```/ { exit }
+    inside { print }' "$root/README.md"
+}
+
+wait_for_file() {
+  local i
+  for ((i = 0; i < 300; i++)); do
+    [[ -s "$1" ]] && return 0
+    sleep 0.1  # polling a file the server writes once serving; bounded
+  done
+  fail "$1 never appeared: $(cat "$T"/*.log)"
+}
+
+free_port() {
+  /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# --- Metrics and health ----------------------------------------------------
+health_port=$(free_port)
+"$root/ps_server/ps_server" --host=127.0.0.1 --port=0 --port_file="$T/port" \
+  --health_port="$health_port" --metrics_port=-1 --metrics_host=127.0.0.1 \
+  --metrics_port_file="$T/metrics_port" 2>"$T/ps.log" &
+pids+=($!)
+wait_for_file "$T/port"
+wait_for_file "$T/metrics_port"
+port=$(cat "$T/port")
+metrics_port=$(cat "$T/metrics_port")
+
+commands=$(block metrics-and-health)
+[[ -n "$commands" ]] || fail "no metrics-and-health block in README.md"
+expected=("SERVING" "SERVING" "pstrain.ParameterServer" "pstrain_shard_version{shard=\"0\"} 0")
+i=0
+cd "$root"
+while IFS= read -r line; do
+  [[ -n "$line" ]] || continue
+  command=${line//localhost:5000/localhost:$port}
+  command=${command//localhost:5001/localhost:$health_port}
+  command=${command//localhost:9100/localhost:$metrics_port}
+  output=$(bash -c "$command" 2>&1) || fail "README line failed: $line
+(ran: $command)
+$output"
+  grep -qF -- "${expected[i]}" <<<"$output" ||
+    fail "README line: $line
+expected '${expected[i]}' in:
+$output"
+  echo "ok: $line"
+  i=$((i + 1))
+done <<<"$commands"
+((i == ${#expected[@]})) || fail "ran $i README lines, expected ${#expected[@]}"
+
+# The health check tells NOT_SERVING and unreachable apart, by exit code.
+set +e
+deploy/grpc/grpc_check.py "localhost:$(free_port)" >/dev/null 2>&1
+[[ $? == 2 ]] || fail "grpc_check.py against nothing must exit 2"
+deploy/grpc/grpc_check.py --list "localhost:$health_port" 2>"$T/list.err"
+[[ $? == 2 ]] && grep -q "no server reflection" "$T/list.err" ||
+  fail "--list on the health port: $(cat "$T/list.err")"
+set -e
+echo PASS
