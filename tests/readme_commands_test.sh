@@ -82,4 +82,18 @@ deploy/grpc/grpc_check.py --list "localhost:$health_port" 2>"$T/list.err"
 [[ $? == 2 ]] && grep -q "no server reflection" "$T/list.err" ||
   fail "--list on the health port: $(cat "$T/list.err")"
 set -e
+# Defaults the README states are the binaries' own (--help says them).
+readme_default() {  # binary flag
+  local help rest default
+  help=$("$root/$1" --help | tr '\n' ' ')
+  [[ "$help" == *"--$2 ("* ]] || fail "$1 --help has no --$2"
+  rest=${help#*"--$2 ("}
+  default=$(grep -oE 'default: [^;]*' <<<"$rest" | head -n 1 | cut -d' ' -f2)
+  grep -qE -- "\`--$2\`(, | \()default $default[ )]" "$root/README.md" ||
+    fail "README.md does not say --$2 defaults to $default ($1 --help): $(grep -o -- "--$2\`[^.]*" "$root/README.md")"
+  echo "ok: README: --$2 default $default"
+}
+readme_default worker/worker block_elements
+readme_default worker/worker connections_per_shard
+
 echo PASS
