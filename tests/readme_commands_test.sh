@@ -82,6 +82,35 @@ deploy/grpc/grpc_check.py --list "localhost:$health_port" 2>"$T/list.err"
 [[ $? == 2 ]] && grep -q "no server reflection" "$T/list.err" ||
   fail "--list on the health port: $(cat "$T/list.err")"
 set -e
+# --- Whole blocks, run as scripts in a stand-in checkout ----------------------
+# deploy/ as in the repository, the binaries where a build leaves them
+# (bazel-bin/), so the README's relative paths work as written; /tmp in a
+# block becomes this test's own directory.
+repo=$T/repo
+mkdir -p "$repo/deploy/local" "$repo/deploy/tls" "$repo/bazel-bin/ps_server" "$repo/bazel-bin/worker" "$T/tmp"
+ln -s "$root/deploy/local/launch.sh" "$repo/deploy/local/launch.sh"
+ln -s "$root/deploy/tls/make_certs.sh" "$repo/deploy/tls/make_certs.sh"
+ln -s "$root/ps_server/ps_server" "$repo/bazel-bin/ps_server/ps_server"
+ln -s "$root/worker/worker" "$repo/bazel-bin/worker/worker"
+
+run_block() {  # name expected-final-lines grep-pattern-of-each
+  local name=$1 finals=$2 pattern=$3 script output count
+  script=$(block "$name")
+  [[ -n "$script" ]] || fail "no $name block in README.md"
+  script=${script//\/tmp\//$T/tmp/}
+  output=$(cd "$repo" && TMPDIR=$T/tmp timeout 240 bash -euo pipefail -c "$script" 2>"$T/$name.err") ||
+    fail "README block $name failed:
+$script
+$(tail -n 30 "$T/$name.err")"
+  count=$(grep -c "$pattern" <<<"$output" || true)
+  ((count == finals)) || fail "README block $name: $count final lines matching '$pattern', want $finals:
+$output
+$(tail -n 30 "$T/$name.err")"
+  echo "ok: README block $name ($count workers finished)"
+}
+run_block local-launcher 4 '^{"event":"final","mode":"async",.*"steps":500,'
+run_block tls 2 '^{"event":"final","mode":"sync",.*"steps":500,'
+
 # Defaults the README states are the binaries' own (--help says them).
 readme_default() {  # binary flag
   local help rest default
