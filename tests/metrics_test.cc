@@ -217,7 +217,10 @@ TEST(MetricsTest, AsyncJobReportsLossAndStaleness) {
     absl::StatusOr<std::unique_ptr<testing::Process>> worker =
         (*cluster)->StartWorker(
             k, 2,
-            {"--model=softmax", "--steps=150", "--inject_step_delay_ms=2",
+            // Long enough (>= 3 s) that the two workers overlap even when
+            // a loaded machine starts the second one late: staleness needs
+            // pushes computed while the other worker moved the model.
+            {"--model=softmax", "--steps=300", "--inject_step_delay_ms=10",
              "--metrics_port=-1", "--metrics_host=127.0.0.1",
              absl::StrCat("--metrics_port_file=", dir, "/worker", k,
                           ".metrics_port"),
@@ -232,7 +235,7 @@ TEST(MetricsTest, AsyncJobReportsLossAndStaleness) {
     ASSERT_TRUE(port.ok()) << port.status();
     const std::string page = Scrape(*port);
     const std::map<std::string, std::string> me = {{"worker", absl::StrCat(k)}};
-    EXPECT_EQ(Value(page, "pstrain_worker_step", me), 150);
+    EXPECT_EQ(Value(page, "pstrain_worker_step", me), 300);
     const double loss = Value(page, "pstrain_worker_loss", me);
     EXPECT_GT(loss, 0);
     EXPECT_LT(loss, 1.386);  // below chance (ln 4) after training
