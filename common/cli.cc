@@ -7,14 +7,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <limits>
 
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "glog/logging.h"
 
 namespace pstrain {
@@ -38,7 +42,11 @@ sigset_t TerminationSignals() {
 void InitProgram(int argc, char** argv, const char* usage) {
   const std::string path = argv[0];
   ProgramName() = path.substr(path.find_last_of('/') + 1);
-  absl::SetProgramUsageMessage(usage);
+  // absl prints "<program>: <usage>" itself: a usage already naming the
+  // program would read "worker: worker: ...".
+  absl::string_view usage_text(usage);
+  absl::ConsumePrefix(&usage_text, ProgramName() + ": ");
+  absl::SetProgramUsageMessage(usage_text);
   // --help lists this project's flags (absl's default keeps only those of a
   // file named after the program); --helpfull adds absl's own.
   absl::FlagsUsageConfig usage_config;
@@ -47,7 +55,17 @@ void InitProgram(int argc, char** argv, const char* usage) {
   };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  // absl exits 1 after --help; asking for help is no error, so the usage
+  // flags are handled here, with exit 0.
+  std::vector<char*> rest = absl::flags_internal::ParseCommandLineImpl(
+      argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      absl::flags_internal::UsageFlagsAction::kIgnoreUsage,
+      absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  if (absl::flags_internal::HandleUsageFlags(
+          std::cout, absl::ProgramUsageMessage()) >= 0) {
+    std::cout.flush();
+    std::exit(0);
+  }
   if (rest.size() > 1) {
     std::vector<std::string> extra(rest.begin() + 1, rest.end());
     std::fprintf(stderr,

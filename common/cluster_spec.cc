@@ -103,6 +103,118 @@ bool DerivedFlag(ClusterRole role, const std::string& name) {
          std::end(kWorker);
 }
 
+// "ps": a non-empty array of host:port strings; `field` names it in errors.
+absl::Status ParsePsList(const Json& value, absl::string_view source,
+                         absl::string_view field,
+                         std::vector<std::string>* ps) {
+  if (!value.is_array() || value.empty()) {
+    return FieldError(source, field,
+                      absl::StrCat("must be a non-empty array of "
+                                   "\"host:port\" strings, got ",
+                                   Shown(value)));
+  }
+  for (size_t i = 0; i < value.size(); ++i) {
+    const std::string entry = absl::StrCat(field, "[", i, "]");
+    if (!value[i].is_string()) {
+      return FieldError(source, entry,
+                        absl::StrCat("must be a \"host:port\" string, got ",
+                                     Shown(value[i])));
+    }
+    const std::string host = value[i].get<std::string>();
+    if (absl::Status s = ParseHostPort(host).status(); !s.ok()) {
+      return FieldError(source, entry, s.message());
+    }
+    ps->push_back(host);
+  }
+  return absl::OkStatus();
+}
+
+// TensorFlow's TF_CONFIG, {"cluster": {"ps": [...], "worker": [...],
+// "chief": [...]}, "task": {"type": ..., "index": i}}, rewritten into this
+// spec's own keys: "ps" as is; "workers" counts the chief (TensorFlow's
+// worker 0, when there is one) and the workers; a chief task is worker 0,
+// worker task i is worker i + (1 if a chief). Worker addresses are not
+// used: workers only dial out. pstrain's own keys (mode, ps_flags, ...) may
+// sit beside "cluster".
+absl::StatusOr<Json> FromTfConfig(const Json& root, absl::string_view source) {
+  Json out = Json::object();
+  const Json& cluster = root["cluster"];
+  if (!cluster.is_object()) {
+    return FieldError(source, "cluster",
+                      absl::StrCat("must be an object {\"ps\": [...], "
+                                   "\"worker\": [...]}, got ",
+                                   Shown(cluster)));
+  }
+  int chiefs = 0, workers = 0;
+  for (const auto& [job, hosts] : cluster.items()) {
+    const std::string field = absl::StrCat("cluster.", job);
+    if (job == "ps") {
+      std::vector<std::string> ps;
+      if (absl::Status s = ParsePsList(hosts, source, field, &ps); !s.ok()) {
+        return s;
+      }
+      out["ps"] = hosts;
+    } else if (job == "worker" || job == "chief") {
+      if (!hosts.is_array() || (job == "chief" && hosts.size() > 1)) {
+        return FieldError(source, field,
+                          job == "chief"
+                              ? "must be an array of at most one address"
+                              : "must be an array of addresses");
+      }
+      (job == "chief" ? chiefs : workers) = static_cast<int>(hosts.size());
+    } else {
+      return FieldError(source, field,
+                        "unknown job (pstrain runs \"ps\", \"worker\" and "
+                        "\"chief\", which is worker 0)");
+    }
+  }
+  if (!out.contains("ps")) {
+    return FieldError(source, "cluster.ps",
+                      "is required (host:port of every shard)");
+  }
+  if (chiefs + workers > 0) out["workers"] = chiefs + workers;
+  for (const auto& [key, value] : root.items()) {
+    if (key == "cluster" || key == "environment") continue;  // TF's own
+    if (key == "rpc_layer") {
+      if (value != "grpc") {
+        return FieldError(
+            source, key,
+            absl::StrCat("pstrain speaks \"grpc\" only, got ", Shown(value)));
+      }
+      continue;
+    }
+    if (key == "ps" || key == "workers") {
+      return FieldError(source, key,
+                        "comes from \"cluster\" in a TF_CONFIG-style spec");
+    }
+    if (key != "task" || !value.is_object() || !value.contains("type") ||
+        !value["type"].is_string()) {
+      out[key] = value;  // checked as in a pstrain spec
+      continue;
+    }
+    Json task = value;
+    const std::string type = value["type"].get<std::string>();
+    if (type == "chief") {
+      if (chiefs == 0) {
+        return FieldError(source, "task.type",
+                          "is \"chief\" but cluster.chief is empty");
+      }
+      task["type"] = "worker";
+      if (task.contains("index") && task["index"] != 0) {
+        return FieldError(source, "task.index",
+                          absl::StrCat("a chief task has index 0, got ",
+                                       Shown(task["index"])));
+      }
+      task["index"] = 0;
+    } else if (type == "worker" && chiefs > 0 && task.contains("index") &&
+               task["index"].is_number_integer()) {
+      task["index"] = task["index"].get<int64_t>() + chiefs;
+    }
+    out["task"] = task;
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<ClusterSpec> ParseClusterSpec(absl::string_view json,
@@ -119,28 +231,18 @@ absl::StatusOr<ClusterSpec> ParseClusterSpec(absl::string_view json,
         absl::StrCat("cluster spec (", source, "): must be a JSON object, got ",
                      Shown(root)));
   }
+  if (root.contains("cluster")) {
+    absl::StatusOr<Json> converted = FromTfConfig(root, source);
+    if (!converted.ok()) return converted.status();
+    root = std::move(*converted);
+  }
   ClusterSpec spec;
   spec.source = std::string(source);
   for (const auto& [key, value] : root.items()) {
     if (key == "ps") {
-      if (!value.is_array() || value.empty()) {
-        return FieldError(source, "ps",
-                          absl::StrCat("must be a non-empty array of "
-                                       "\"host:port\" strings, got ",
-                                       Shown(value)));
-      }
-      for (size_t i = 0; i < value.size(); ++i) {
-        const std::string field = absl::StrCat("ps[", i, "]");
-        if (!value[i].is_string()) {
-          return FieldError(source, field,
-                            absl::StrCat("must be a \"host:port\" string, got ",
-                                         Shown(value[i])));
-        }
-        const std::string host = value[i].get<std::string>();
-        if (absl::Status s = ParseHostPort(host).status(); !s.ok()) {
-          return FieldError(source, field, s.message());
-        }
-        spec.ps.push_back(host);
+      if (absl::Status s = ParsePsList(value, source, "ps", &spec.ps);
+          !s.ok()) {
+        return s;
       }
     } else if (key == "workers") {
       absl::StatusOr<int> n = IntField(value, source, key, 1);
@@ -202,7 +304,8 @@ absl::StatusOr<ClusterSpec> ParseClusterSpec(absl::string_view json,
     } else {
       return FieldError(source, key,
                         "unknown field (known: ps, workers, max_workers, "
-                        "mode, task, ps_flags, worker_flags)");
+                        "mode, task, ps_flags, worker_flags; or TF_CONFIG's "
+                        "cluster)");
     }
   }
   if (spec.ps.empty()) {
@@ -246,11 +349,14 @@ absl::StatusOr<std::optional<ClusterSpec>> LoadClusterSpec(
     if (!spec.ok()) return spec.status();
     return std::optional<ClusterSpec>(std::move(*spec));
   }
-  const char* env = std::getenv(kClusterSpecEnv);
-  if (env == nullptr || *env == '\0') return std::optional<ClusterSpec>();
-  absl::StatusOr<ClusterSpec> spec = ParseClusterSpec(env, kClusterSpecEnv);
-  if (!spec.ok()) return spec.status();
-  return std::optional<ClusterSpec>(std::move(*spec));
+  for (const char* name : {kClusterSpecEnv, kTfConfigEnv}) {
+    const char* env = std::getenv(name);
+    if (env == nullptr || *env == '\0') continue;
+    absl::StatusOr<ClusterSpec> spec = ParseClusterSpec(env, name);
+    if (!spec.ok()) return spec.status();
+    return std::optional<ClusterSpec>(std::move(*spec));
+  }
+  return std::optional<ClusterSpec>();
 }
 
 absl::StatusOr<std::vector<FlagSetting>> FlagsFromClusterSpec(

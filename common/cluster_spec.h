@@ -29,6 +29,14 @@
 namespace pstrain {
 
 inline constexpr char kClusterSpecEnv[] = "PSTRAIN_CLUSTER";
+// TensorFlow's variable, read when PSTRAIN_CLUSTER is not set:
+//   {"cluster": {"ps": ["ps0:5000"], "worker": ["w0:1", "w1:1"],
+//                "chief": ["c:1"]},
+//    "task": {"type": "worker", "index": 1}}
+// A spec in this shape (a "cluster" key) is accepted from any source.
+// "chief" is worker 0 and worker i is worker i + 1 when there is a chief,
+// as in TensorFlow's multi-worker training; worker addresses are not used.
+inline constexpr char kTfConfigEnv[] = "TF_CONFIG";
 
 struct ClusterSpec {
   std::vector<std::string> ps;  // host:port of every shard, in shard order
@@ -49,7 +57,7 @@ absl::StatusOr<ClusterSpec> ParseClusterSpec(absl::string_view json,
                                              absl::string_view source);
 
 // The spec of this process: the file `path` when not empty, else the JSON in
-// $PSTRAIN_CLUSTER when set and not empty, else nullopt.
+// $PSTRAIN_CLUSTER when set and not empty, else $TF_CONFIG, else nullopt.
 absl::StatusOr<std::optional<ClusterSpec>> LoadClusterSpec(
     const std::string& path);
 

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -277,6 +278,99 @@ TEST(ApplyClusterSpecTest, FallsBackToTheEnvironment) {
       ApplyClusterSpec(ClusterRole::kWorker, "", 1, const_cast<char**>(argv));
   ASSERT_TRUE(applied.ok());
   EXPECT_THAT(*applied, IsEmpty());
+}
+
+TEST(TfConfigTest, ReadsClusterAndTask) {
+  absl::StatusOr<ClusterSpec> spec = ParseClusterSpec(
+      R"({"cluster": {"ps": ["ps0:2222", "ps1:2222"],
+                      "worker": ["w0:2222", "w1:2222", "w2:2222"]},
+          "task": {"type": "worker", "index": 2},
+          "environment": "cloud", "rpc_layer": "grpc"})",
+      "TF_CONFIG");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(spec->ps, ElementsAre("ps0:2222", "ps1:2222"));
+  EXPECT_EQ(spec->workers, 3);
+  EXPECT_EQ(spec->task_type, "worker");
+  EXPECT_EQ(spec->task_index, 2);
+  spec = ParseClusterSpec(R"({"cluster": {"ps": ["ps0:2222"]},
+                              "task": {"type": "ps", "index": 0},
+                              "mode": "async"})",
+                          "TF_CONFIG");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->task_type, "ps");
+  EXPECT_EQ(spec->workers, 0);
+  EXPECT_EQ(spec->mode, "async");  // pstrain's keys beside "cluster"
+}
+
+// TensorFlow's chief is worker 0; the workers come after it.
+TEST(TfConfigTest, ChiefIsWorkerZero) {
+  constexpr char kCluster[] =
+      R"("cluster": {"chief": ["c:1"], "worker": ["w0:1", "w1:1"],
+                     "ps": ["p:1"]})";
+  absl::StatusOr<ClusterSpec> chief = ParseClusterSpec(
+      absl::StrCat("{", kCluster,
+                   R"(, "task": {"type": "chief", "index": 0}})"),
+      "TF_CONFIG");
+  ASSERT_TRUE(chief.ok()) << chief.status();
+  EXPECT_EQ(chief->workers, 3);
+  EXPECT_EQ(chief->task_type, "worker");
+  EXPECT_EQ(chief->task_index, 0);
+  absl::StatusOr<ClusterSpec> worker = ParseClusterSpec(
+      absl::StrCat("{", kCluster,
+                   R"(, "task": {"type": "worker", "index": 1}})"),
+      "TF_CONFIG");
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  EXPECT_EQ(worker->task_index, 2);
+}
+
+TEST(TfConfigTest, ErrorsNameTheField) {
+  const std::pair<const char*, const char*> kCases[] = {
+      {R"({"cluster": {"worker": ["w:1"]}})", "\"cluster.ps\": is required"},
+      {R"({"cluster": {"ps": ["nohost"]}})", "\"cluster.ps[0]\""},
+      {R"({"cluster": {"ps": ["p:1"], "evaluator": ["e:1"]}})",
+       "\"cluster.evaluator\": unknown job"},
+      {R"({"cluster": {"ps": ["p:1"]}, "task": {"type": "evaluator",
+           "index": 0}})",
+       "\"task.type\": must be \"ps\" or \"worker\""},
+      {R"({"cluster": {"ps": ["p:1"], "worker": ["w:1"]},
+           "task": {"type": "worker", "index": 1}})",
+       "\"task.index\": worker task 1 out of range"},
+      {R"({"cluster": {"ps": ["p:1"]}, "rpc_layer": "grpc+verbs"})",
+       "\"rpc_layer\": pstrain speaks \"grpc\" only"},
+      {R"({"cluster": {"ps": ["p:1"]}, "ps": ["q:1"]})",
+       "\"ps\": comes from \"cluster\""},
+      {R"({"cluster": ["p:1"]})", "\"cluster\": must be an object"},
+  };
+  for (const auto& [json, expected] : kCases) {
+    absl::StatusOr<ClusterSpec> spec = ParseClusterSpec(json, "TF_CONFIG");
+    ASSERT_FALSE(spec.ok()) << json;
+    EXPECT_THAT(std::string(spec.status().message()),
+                HasSubstr(absl::StrCat("cluster spec (TF_CONFIG): ", expected)))
+        << json;
+  }
+}
+
+TEST(ApplyClusterSpecTest, ReadsTfConfigWhenPstrainClusterIsUnset) {
+  unsetenv(kClusterSpecEnv);
+  setenv(kTfConfigEnv,
+         R"({"cluster": {"ps": ["tf0:1", "tf1:1"], "worker": ["a:1", "b:1"]},
+             "task": {"type": "worker", "index": 1}})",
+         1);
+  const char* argv[] = {"worker"};
+  absl::StatusOr<std::vector<FlagSetting>> applied =
+      ApplyClusterSpec(ClusterRole::kWorker, "", 1, const_cast<char**>(argv));
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(absl::GetFlag(FLAGS_ps_hosts), "tf0:1,tf1:1");
+  EXPECT_EQ(absl::GetFlag(FLAGS_worker_id), 1);
+  EXPECT_EQ(absl::GetFlag(FLAGS_num_workers), 2);
+  // PSTRAIN_CLUSTER, when set, wins.
+  setenv(kClusterSpecEnv, R"({"ps": ["mine:1"]})", 1);
+  applied =
+      ApplyClusterSpec(ClusterRole::kWorker, "", 1, const_cast<char**>(argv));
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(absl::GetFlag(FLAGS_ps_hosts), "mine:1");
+  unsetenv(kClusterSpecEnv);
+  unsetenv(kTfConfigEnv);
 }
 
 TEST(ApplyClusterSpecTest, UnknownFlagInAFlagMapIsNamed) {

@@ -1,9 +1,13 @@
 #include "common/metrics.h"
 
+#include <dirent.h>
+#include <google/protobuf/descriptor.h>
+#include <grpcpp/grpcpp.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/interceptor.h>
 #include <netdb.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -11,11 +15,18 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "common/cli.h"
+#include "common/protocol.h"
 #include "glog/logging.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_family.h"
@@ -157,6 +168,8 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint());
   endpoint->registry_ = std::make_shared<prometheus::Registry>();
   endpoint->collectables_.push_back(endpoint->registry_);
+  endpoint->collectables_.push_back(
+      std::make_shared<ProcessCollector>(program_invocation_short_name));
   const std::string where = absl::StrCat(host, ":", port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -282,10 +295,12 @@ const std::vector<double>& LatencyBuckets() {
 
 RpcMetricsInterceptorFactory::RpcMetricsInterceptorFactory(
     prometheus::Registry& registry,
-    absl::flat_hash_set<std::string> raw_request_methods)
+    const std::vector<std::string>& known_methods,
+    const absl::flat_hash_set<std::string>& raw_request_methods)
     : rpcs_(prometheus::BuildCounter()
                 .Name("pstrain_server_rpcs_total")
-                .Help("RPCs answered, by method and status code.")
+                .Help("RPCs answered, by method and status code (calls to "
+                      "methods the server does not have: method=\"unknown\").")
                 .Register(registry)),
       duration_(prometheus::BuildHistogram()
                     .Name("pstrain_server_rpc_duration_seconds")
@@ -301,35 +316,36 @@ RpcMetricsInterceptorFactory::RpcMetricsInterceptorFactory(
       response_bytes_(prometheus::BuildCounter()
                           .Name("pstrain_server_response_bytes_total")
                           .Help("Response message bytes sent.")
-                          .Register(registry)),
-      raw_request_methods_(std::move(raw_request_methods)) {}
+                          .Register(registry)) {
+  for (const std::string& full_name : known_methods) {
+    // "/package.Service/Method" -> service, method.
+    absl::string_view name(full_name);
+    absl::ConsumePrefix(&name, "/");
+    const size_t slash = name.find('/');
+    if (slash == absl::string_view::npos) continue;
+    methods_[full_name] = MakeMethod(std::string(name.substr(0, slash)),
+                                     std::string(name.substr(slash + 1)),
+                                     raw_request_methods.contains(full_name));
+  }
+  unknown_ = MakeMethod("unknown", "unknown", /*raw_request=*/false);
+}
 
-RpcMetricsInterceptorFactory::Method* RpcMetricsInterceptorFactory::Lookup(
-    const std::string& full_name) {
-  absl::MutexLock lock(&mu_);
-  std::unique_ptr<Method>& method = methods_[full_name];
-  if (method != nullptr) return method.get();
-  // "/package.Service/Method" -> service, method.
-  absl::string_view name(full_name);
-  if (!name.empty() && name[0] == '/') name.remove_prefix(1);
-  const size_t slash = name.find('/');
-  const std::string service(name.substr(0, slash));
-  const std::string short_name(
-      slash == absl::string_view::npos ? "" : name.substr(slash + 1));
+std::unique_ptr<RpcMetricsInterceptorFactory::Method>
+RpcMetricsInterceptorFactory::MakeMethod(const std::string& service,
+                                         const std::string& method_name,
+                                         bool raw_request) {
   const std::map<std::string, std::string> labels = {{"service", service},
-                                                     {"method", short_name}};
-  method = std::make_unique<Method>();
+                                                     {"method", method_name}};
+  auto method = std::make_unique<Method>();
   method->duration = &duration_.Add(labels, LatencyBuckets());
   method->response_bytes = &response_bytes_.Add(labels);
-  if (raw_request_methods_.contains(full_name)) {
-    method->request_bytes = &request_bytes_.Add(labels);
-  }
+  if (raw_request) method->request_bytes = &request_bytes_.Add(labels);
   for (int code = 0; code < 17; ++code) {
     std::map<std::string, std::string> with_code = labels;
     with_code["code"] = CodeName(code);
     method->by_code[code] = &rpcs_.Add(with_code);
   }
-  return method.get();
+  return method;
 }
 
 grpc::experimental::Interceptor*
@@ -339,7 +355,107 @@ RpcMetricsInterceptorFactory::CreateServerInterceptor(
   const bool call_stream =
       info->type() == grpc::experimental::ServerRpcInfo::Type::BIDI_STREAMING &&
       absl::ConsumeSuffix(&name, "Stream");
-  return new RpcMetricsInterceptor(Lookup(std::string(name)), call_stream);
+  const auto known = methods_.find(name);
+  Method* method =
+      known == methods_.end() ? unknown_.get() : known->second.get();
+  // A made-up "<M>Stream" is not a call stream of anything.
+  return new RpcMetricsInterceptor(method,
+                                   call_stream && method != unknown_.get());
+}
+
+std::vector<std::string> ServiceMethodNames(const std::string& service) {
+  std::vector<std::string> names;
+  const google::protobuf::ServiceDescriptor* descriptor =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          service);
+  if (descriptor == nullptr) return names;
+  for (int i = 0; i < descriptor->method_count(); ++i) {
+    names.push_back(
+        absl::StrCat("/", service, "/", descriptor->method(i)->name()));
+  }
+  return names;
+}
+
+std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
+  using prometheus::MetricType;
+  std::vector<prometheus::MetricFamily> families;
+  auto add = [&](const char* name, const char* help, MetricType type,
+                 double value) {
+    prometheus::ClientMetric metric;
+    if (type == MetricType::Counter) {
+      metric.counter.value = value;
+    } else {
+      metric.gauge.value = value;
+    }
+    families.push_back({name, help, type, {metric}});
+  };
+  {
+    prometheus::ClientMetric info;
+    info.label = {{"binary", binary_},
+                  {"protocol_version", absl::StrCat(kProtocolVersion)},
+                  {"grpc_version", grpc::Version()},
+                  {"compiler", __VERSION__}};
+    info.gauge.value = 1;
+    families.push_back({"pstrain_build_info",
+                        "What this binary is built from (value 1).",
+                        MetricType::Gauge,
+                        {info}});
+  }
+  // /proc/self/stat: the fields after the command name, which is in
+  // parentheses and may itself hold spaces.
+  std::ifstream stat_file("/proc/self/stat");
+  std::string stat((std::istreambuf_iterator<char>(stat_file)),
+                   std::istreambuf_iterator<char>());
+  const size_t after_name = stat.rfind(')');
+  if (after_name != std::string::npos) {
+    const std::vector<std::string> fields =
+        absl::StrSplit(absl::string_view(stat).substr(after_name + 2), ' ');
+    // proc(5) numbers fields from 1 and the state is field 3: field n is
+    // fields[n - 3].
+    auto field = [&](int n) -> double {
+      double value = 0;
+      if (n - 3 < static_cast<int>(fields.size())) {
+        (void)absl::SimpleAtod(fields[n - 3], &value);
+      }
+      return value;
+    };
+    const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+    add("process_cpu_seconds_total", "User and system CPU time spent.",
+        MetricType::Counter, (field(14) + field(15)) / ticks);
+    add("process_virtual_memory_bytes", "Virtual memory size.",
+        MetricType::Gauge, field(23));
+    add("process_resident_memory_bytes", "Resident memory size.",
+        MetricType::Gauge,
+        field(24) * static_cast<double>(sysconf(_SC_PAGESIZE)));
+    std::ifstream proc_stat("/proc/stat");
+    std::string line;
+    while (std::getline(proc_stat, line)) {
+      absl::string_view rest(line);
+      if (!absl::ConsumePrefix(&rest, "btime ")) continue;
+      double boot_time = 0;
+      if (absl::SimpleAtod(absl::StripAsciiWhitespace(rest), &boot_time)) {
+        add("process_start_time_seconds",
+            "Start time of the process since the Unix epoch.",
+            MetricType::Gauge, boot_time + field(22) / ticks);
+      }
+      break;
+    }
+  }
+  int open_fds = 0;
+  if (DIR* fds = opendir("/proc/self/fd"); fds != nullptr) {
+    while (dirent* entry = readdir(fds)) {
+      if (entry->d_name[0] != '.') ++open_fds;
+    }
+    closedir(fds);
+    add("process_open_fds", "Open file descriptors.", MetricType::Gauge,
+        open_fds - 1);  // less the one reading the directory
+  }
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    add("process_max_fds", "Most file descriptors the process may open.",
+        MetricType::Gauge, static_cast<double>(limit.rlim_cur));
+  }
+  return families;
 }
 
 std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {

@@ -91,9 +91,15 @@ class RpcMetricsInterceptorFactory
   // A call stream, a bidirectional method "<M>Stream" that carries calls of
   // <M> one at a time (request, then its answer), is counted as those
   // calls under <M>: one RPC and one duration per request.
+  //
+  // `known_methods`: full names of every method the server serves. A call
+  // to any other name (clients choose the name, before any authentication)
+  // is counted under service="unknown", method="unknown", so the set of
+  // series is fixed here and no client can grow /metrics.
   RpcMetricsInterceptorFactory(
       prometheus::Registry& registry,
-      absl::flat_hash_set<std::string> raw_request_methods);
+      const std::vector<std::string>& known_methods,
+      const absl::flat_hash_set<std::string>& raw_request_methods);
 
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override;
@@ -107,16 +113,36 @@ class RpcMetricsInterceptorFactory
   };
 
  private:
-  Method* Lookup(const std::string& full_name);
+  std::unique_ptr<Method> MakeMethod(const std::string& service,
+                                     const std::string& method,
+                                     bool raw_request);
 
   prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Histogram>& duration_;
   prometheus::Family<prometheus::Counter>& request_bytes_;
   prometheus::Family<prometheus::Counter>& response_bytes_;
-  const absl::flat_hash_set<std::string> raw_request_methods_;
-  absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::unique_ptr<Method>> methods_
-      ABSL_GUARDED_BY(mu_);
+  // Filled in the constructor, read-only after it: no lock per call.
+  absl::flat_hash_map<std::string, std::unique_ptr<Method>> methods_;
+  std::unique_ptr<Method> unknown_;
+};
+
+// The full names ("/pkg.Service/Method") of every method of a service known
+// to the generated descriptor pool, e.g. "pstrain.ParameterServer".
+std::vector<std::string> ServiceMethodNames(const std::string& service);
+
+// The standard process metrics Prometheus' own clients export, read from
+// /proc/self at scrape time: process_cpu_seconds_total,
+// process_resident_memory_bytes, process_virtual_memory_bytes,
+// process_start_time_seconds, process_open_fds, process_max_fds; and
+// pstrain_build_info{binary,protocol_version,grpc_version,compiler} = 1.
+// MetricsEndpoint::Start adds one to every endpoint.
+class ProcessCollector : public prometheus::Collectable {
+ public:
+  explicit ProcessCollector(std::string binary) : binary_(std::move(binary)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  std::string binary_;
 };
 
 // Mirrors a shard's StatsResponse into metrics each time it is scraped (so

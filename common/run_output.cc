@@ -1,10 +1,16 @@
 #include "common/run_output.h"
 
+#include <sys/ioctl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -18,18 +24,90 @@ std::string FormatEta(double seconds) {
   return absl::StrFormat("%d:%02d", m, s);
 }
 
+namespace {
+
+constexpr int kMaxBarWidth = 24;
+
+struct ProgressParts {
+  std::string counts;  // " 150/300  50%"
+  std::string loss;    // "  loss 0.4123"
+  std::string rate;    // "  2310 samples/s"
+  std::string eta;     // "  ETA 0:12"
+  double fraction = 0;
+};
+
+ProgressParts Parts(int64_t step, int64_t steps, double loss,
+                    double samples_per_sec, double eta_seconds) {
+  ProgressParts p;
+  p.fraction =
+      steps > 0 ? std::clamp(static_cast<double>(step) / steps, 0.0, 1.0) : 0;
+  const int digits = static_cast<int>(absl::StrCat(steps).size());
+  p.counts = absl::StrFormat(" %*d/%d %3d%%", digits, step, steps,
+                             static_cast<int>(p.fraction * 100));
+  p.loss = absl::StrFormat("  loss %.4f", loss);
+  p.rate = absl::StrFormat("  %.0f samples/s", samples_per_sec);
+  p.eta =
+      absl::StrCat("  ETA ", step >= steps ? "0:00" : FormatEta(eta_seconds));
+  return p;
+}
+
+std::string Bar(double fraction, int width) {
+  const int filled = static_cast<int>(fraction * width);
+  return absl::StrCat("[", std::string(filled, '#'),
+                      std::string(width - filled, '.'), "]");
+}
+
+}  // namespace
+
+int TerminalColumns() {
+  winsize size{};
+  if (ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0) {
+    return size.ws_col;
+  }
+  int columns = 0;
+  const char* env = std::getenv("COLUMNS");
+  if (env != nullptr && absl::SimpleAtoi(env, &columns) && columns > 0) {
+    return columns;
+  }
+  return 80;
+}
+
 std::string FormatProgressBar(int64_t step, int64_t steps, double loss,
                               double samples_per_sec, double eta_seconds,
                               int bar_width) {
-  const double fraction =
-      steps > 0 ? std::clamp(static_cast<double>(step) / steps, 0.0, 1.0) : 0;
-  const int filled = static_cast<int>(fraction * bar_width);
-  const int digits = static_cast<int>(absl::StrCat(steps).size());
-  return absl::StrFormat(
-      "[%s%s] %*d/%d %3d%%  loss %.4f  %.0f samples/s  ETA %s",
-      std::string(filled, '#'), std::string(bar_width - filled, '.'), digits,
-      step, steps, static_cast<int>(fraction * 100), loss, samples_per_sec,
-      step >= steps ? "0:00" : FormatEta(eta_seconds));
+  if (bar_width == kFitTerminal) {
+    return FitProgressBar(step, steps, loss, samples_per_sec, eta_seconds,
+                          TerminalColumns());
+  }
+  const ProgressParts p =
+      Parts(step, steps, loss, samples_per_sec, eta_seconds);
+  return absl::StrCat(Bar(p.fraction, bar_width), p.counts, p.loss, p.rate,
+                      p.eta);
+}
+
+std::string FitProgressBar(int64_t step, int64_t steps, double loss,
+                           double samples_per_sec, double eta_seconds,
+                           int columns) {
+  const int room = std::max(columns - 1, 1);
+  ProgressParts p = Parts(step, steps, loss, samples_per_sec, eta_seconds);
+  // Cheapest to lose first: the bar's cells (the counts say the same), then
+  // samples/s, then the loss.
+  for (int dropped = 0; dropped < 3; ++dropped) {
+    if (dropped == 1) p.rate.clear();
+    if (dropped == 2) p.loss.clear();
+    const std::string text = absl::StrCat(p.counts, p.loss, p.rate, p.eta);
+    const int cells =
+        std::min(kMaxBarWidth, room - static_cast<int>(text.size()) - 2);
+    if (dropped == 0 && cells >= 5) {
+      return absl::StrCat(Bar(p.fraction, cells), text);
+    }
+    // Without the bar the line starts with the counts' padding.
+    const std::string bare(absl::StripLeadingAsciiWhitespace(text));
+    if (dropped > 0 && static_cast<int>(bare.size()) <= room) return bare;
+  }
+  return std::string(
+             absl::StripLeadingAsciiWhitespace(absl::StrCat(p.counts, p.eta)))
+      .substr(0, static_cast<size_t>(room));
 }
 
 absl::StatusOr<std::unique_ptr<MetricsCsv>> MetricsCsv::Open(

@@ -18,12 +18,28 @@ namespace pstrain {
 // non-finite number of seconds.
 std::string FormatEta(double seconds);
 
+// The columns of the terminal on stdout; where stdout is no terminal (a
+// launcher's log file), $COLUMNS; else 80.
+int TerminalColumns();
+
+// `bar_width` of FormatProgressBar: fit the whole line to the terminal
+// (TerminalColumns(), asked on every call, so a resized window is followed).
+inline constexpr int kFitTerminal = -1;
+
 // One progress line, without "\r" or newline, e.g.
 //   [##########..........]  150/300  50%  loss 0.4123  2310 samples/s  ETA 0:12
-// `bar_width` is the number of cells between the brackets.
+// `bar_width` is the number of cells between the brackets, or kFitTerminal.
 std::string FormatProgressBar(int64_t step, int64_t steps, double loss,
                               double samples_per_sec, double eta_seconds,
-                              int bar_width = 24);
+                              int bar_width = kFitTerminal);
+
+// The same line, made to fit in `columns` - 1 characters (a line that
+// reaches the last column, or wraps, breaks the "\r" redraw: every redraw
+// would start a new line): the bar shrinks (at most 24 cells), then goes,
+// then samples/s, then the loss; at worst the line is cut.
+std::string FitProgressBar(int64_t step, int64_t steps, double loss,
+                           double samples_per_sec, double eta_seconds,
+                           int columns);
 
 // One row per step:
 //   step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,

@@ -29,6 +29,44 @@ TEST(FormatProgressBarTest, ShowsEveryPart) {
             "[####] 300/300 100%  loss 0.1000  5 samples/s  ETA 0:00");
 }
 
+// A line as wide as the terminal, or wider, breaks the in-place redraw:
+// each redraw then starts a new line.
+TEST(FitProgressBarTest, NeverReachesTheLastColumn) {
+  for (int columns = 1; columns <= 120; ++columns) {
+    for (int64_t step : {0, 7, 150, 300}) {
+      const std::string line =
+          FitProgressBar(step, 300, 0.41234, 123456.7, 4000, columns);
+      EXPECT_LT(static_cast<int>(line.size()), std::max(columns, 2))
+          << columns << " columns: '" << line << "'";
+    }
+  }
+}
+
+TEST(FitProgressBarTest, DropsTheLeastUsefulPartsFirst) {
+  // Wide: the whole line with a 24-cell bar.
+  EXPECT_EQ(FitProgressBar(150, 300, 0.41234, 2310.4, 12, 200),
+            FormatProgressBar(150, 300, 0.41234, 2310.4, 12, 24));
+  // 60 columns: a shorter bar, every number kept.
+  const std::string fifty = FitProgressBar(150, 300, 0.41234, 2310.4, 12, 60);
+  EXPECT_THAT(fifty, ::testing::HasSubstr("150/300  50%  loss 0.4123"));
+  EXPECT_THAT(fifty, ::testing::EndsWith("ETA 0:12"));
+  // 40: no bar, samples/s gone, loss kept.
+  EXPECT_EQ(FitProgressBar(150, 300, 0.41234, 2310.4, 12, 40),
+            "150/300  50%  loss 0.4123  ETA 0:12");
+  // 24: the counts and the ETA; narrower still, cut.
+  EXPECT_EQ(FitProgressBar(150, 300, 0.41234, 2310.4, 12, 24),
+            "150/300  50%  ETA 0:12");
+}
+
+TEST(TerminalColumnsTest, ColumnsFromTheEnvironmentWithoutATerminal) {
+  // Under bazel test stdout is a file.
+  setenv("COLUMNS", "57", 1);
+  EXPECT_EQ(TerminalColumns(), 57);
+  EXPECT_LT(FormatProgressBar(150, 300, 0.41234, 2310.4, 12).size(), 57u);
+  unsetenv("COLUMNS");
+  EXPECT_EQ(TerminalColumns(), 80);
+}
+
 TEST(MetricsCsvTest, WritesHeaderAndRows) {
   const std::string path =
       std::string(std::getenv("TEST_TMPDIR")) + "/metrics.csv";

@@ -18,6 +18,8 @@ packages=(
   zlib1g-dev             # worker: reads gzipped IDX files
   libopenblas-dev        # kernels: the CPU backend's GEMM (cblas_sgemm)
   python3-numpy          # tests: reads an exported safetensors file as a user would
+  python3-grpcio curl    # deploy/grpc/grpc_check.py (health, reflection; grpcurl is
+                         # not in Debian 12) and the README's operator commands
 )
 
 missing=()

@@ -338,8 +338,17 @@ int Main(int argc, char** argv) {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors;
+    // Every method this server (and, with the same builder's plugins,
+    // health and reflection) answers; anything else counts as "unknown".
+    std::vector<std::string> known_methods =
+        ServiceMethodNames("pstrain.ParameterServer");
+    known_methods.insert(
+        known_methods.end(),
+        {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
+         "/grpc.reflection.v1alpha.ServerReflection/"
+         "ServerReflectionInfo"});
     interceptors.push_back(std::make_unique<RpcMetricsInterceptorFactory>(
-        metrics->registry(),
+        metrics->registry(), known_methods,
         absl::flat_hash_set<std::string>(std::begin(kRawRequestMethods),
                                          std::end(kRawRequestMethods))));
     builder.experimental().SetInterceptorCreators(std::move(interceptors));

@@ -29,13 +29,19 @@ std::string WriteFile(const std::string& name, const std::string& text) {
   return path;
 }
 
-// Sets $PSTRAIN_CLUSTER for the processes started while it lives.
+// Sets $PSTRAIN_CLUSTER (or `variable`) for the processes started while it
+// lives.
 class ScopedClusterEnv {
  public:
-  explicit ScopedClusterEnv(const std::string& json) {
-    setenv("PSTRAIN_CLUSTER", json.c_str(), 1);
+  explicit ScopedClusterEnv(const std::string& json,
+                            std::string variable = "PSTRAIN_CLUSTER")
+      : variable_(std::move(variable)) {
+    setenv(variable_.c_str(), json.c_str(), 1);
   }
-  ~ScopedClusterEnv() { unsetenv("PSTRAIN_CLUSTER"); }
+  ~ScopedClusterEnv() { unsetenv(variable_.c_str()); }
+
+ private:
+  std::string variable_;
 };
 
 std::unique_ptr<testing::Process> Start(const std::string& binary,
@@ -91,6 +97,50 @@ TEST(ClusterSpecE2eTest, SpecFileAndEnvironmentConfigureAJob) {
       testing::FinalJsonNumber(worker->Stdout(), "test_accuracy");
   ASSERT_TRUE(accuracy.ok()) << accuracy.status();
   EXPECT_GE(*accuracy, 0.6);
+}
+
+// The job as TensorFlow users describe it: each process gets TF_CONFIG
+// with its own task, nothing else.
+TEST(ClusterSpecE2eTest, TfConfigConfiguresAJob) {
+  const int port = testing::FreePort();
+  const std::string cluster = absl::StrCat(
+      R"("cluster": {"ps": ["127.0.0.1:)", port,
+      R"("], "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})");
+  const std::string port_file = testing::TestDir() + "/tf_ps.port";
+  std::unique_ptr<testing::Process> server;
+  {
+    ScopedClusterEnv env(
+        absl::StrCat("{", cluster, R"(, "task": {"type": "ps", "index": 0}})"),
+        "TF_CONFIG");
+    server = Start("ps_server/ps_server",
+                   {"--host=127.0.0.1", "--port_file=" + port_file}, "tf_ps");
+  }
+  ASSERT_NE(server, nullptr);
+  absl::StatusOr<int> served = testing::WaitForPortFile(port_file, kTimeout);
+  ASSERT_TRUE(served.ok()) << served.status() << server->Stderr();
+  EXPECT_EQ(*served, port);
+  EXPECT_THAT(server->Stderr(),
+              HasSubstr(absl::StrCat("from the cluster spec: --num_shards=1 "
+                                     "--shard_id=0 --port=",
+                                     port, " --num_workers=2")));
+  // The chief is worker 0, TF's worker 0 is worker 1: together they train.
+  std::vector<std::unique_ptr<testing::Process>> workers;
+  for (const char* task : {R"({"type": "chief", "index": 0})",
+                           R"({"type": "worker", "index": 0})"}) {
+    ScopedClusterEnv env(absl::StrCat("{", cluster, R"(, "task": )", task, "}"),
+                         "TF_CONFIG");
+    workers.push_back(Start("worker/worker", {"--model=softmax", "--steps=30"},
+                            absl::StrCat("tf_worker", workers.size())));
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  for (size_t k = 0; k < workers.size(); ++k) {
+    absl::StatusOr<int> code = workers[k]->Wait(kTimeout);
+    ASSERT_TRUE(code.ok()) << code.status();
+    ASSERT_EQ(*code, 0) << workers[k]->Stderr();
+    EXPECT_THAT(workers[k]->Stderr(),
+                HasSubstr(absl::StrCat("--worker_id=", k, " --num_workers=2")));
+    EXPECT_THAT(workers[k]->Stdout(), HasSubstr("\"steps\":30,"));
+  }
 }
 
 TEST(ClusterSpecE2eTest, ExplicitFlagsWin) {

@@ -40,6 +40,26 @@ TEST_P(FlagsTest, ExitsWithOneClearLine) {
   EXPECT_NE(err.find(c.expected), std::string::npos) << err;
 }
 
+// Asking for help is no error: exit 0, the usage once, this project's
+// flags listed.
+TEST(HelpTest, ExitsZeroWithUsage) {
+  for (const std::string binary : {"ps_server/ps_server", "worker/worker"}) {
+    const std::string name = binary.substr(binary.find('/') + 1);
+    absl::StatusOr<std::unique_ptr<testing::Process>> process =
+        testing::Process::Start({testing::BinaryPath(binary), "--help"},
+                                testing::TestDir(), "help_" + name);
+    ASSERT_TRUE(process.ok()) << process.status();
+    absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(20));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << binary;
+    const std::string out = (*process)->Stdout();
+    EXPECT_EQ(out.rfind(name + ": ", 0), 0u) << out.substr(0, 200);
+    EXPECT_EQ(out.find(name + ": " + name + ":"), std::string::npos)
+        << out.substr(0, 200);
+    EXPECT_NE(out.find("--metrics_port"), std::string::npos) << binary;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     BadFlags, FlagsTest,
     ::testing::Values(

@@ -111,6 +111,25 @@ TEST_F(GrpcServicesTest, ReflectionListsAndDescribesTheServices) {
       response.file_descriptor_response().file_descriptor_proto(0);
   EXPECT_NE(file.find("ps.proto"), std::string::npos);
   EXPECT_NE(file.find("Push"), std::string::npos);
+
+  // And of grpc.health.v1.Health, which libgrpc++ serves without a
+  // descriptor: a reflection client (grpcurl ... grpc.health.v1.Health/Check)
+  // resolves the method through it.
+  auto health_context = Context();
+  auto health_stream = stub->ServerReflectionInfo(health_context.get());
+  describe.set_file_containing_symbol("grpc.health.v1.Health");
+  ASSERT_TRUE(health_stream->Write(describe));
+  ASSERT_TRUE(health_stream->Read(&response));
+  health_stream->WritesDone();
+  EXPECT_TRUE(health_stream->Finish().ok());
+  ASSERT_GT(response.file_descriptor_response().file_descriptor_proto_size(), 0)
+      << response.ShortDebugString();
+  const std::string& health =
+      response.file_descriptor_response().file_descriptor_proto(0);
+  EXPECT_NE(health.find("grpc.health.v1"), std::string::npos)
+      << response.ShortDebugString().substr(0, 400);
+  EXPECT_NE(health.find("HealthCheckRequest"), std::string::npos);
+  EXPECT_NE(health.find("Watch"), std::string::npos);
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
 }

@@ -1,14 +1,19 @@
 // The Prometheus endpoints of a real ps_server and worker, scraped over HTTP
 // during and after a short job: the names exist and the values agree with
 // what the job did (and with the shard's own Stats).
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -217,7 +222,10 @@ TEST(MetricsTest, AsyncJobReportsLossAndStaleness) {
     absl::StatusOr<std::unique_ptr<testing::Process>> worker =
         (*cluster)->StartWorker(
             k, 2,
-            {"--model=softmax", "--steps=150", "--inject_step_delay_ms=2",
+            // Long enough (>= 3 s) that the two workers overlap even when
+            // a loaded machine starts the second one late: staleness needs
+            // pushes computed while the other worker moved the model.
+            {"--model=softmax", "--steps=300", "--inject_step_delay_ms=10",
              "--metrics_port=-1", "--metrics_host=127.0.0.1",
              absl::StrCat("--metrics_port_file=", dir, "/worker", k,
                           ".metrics_port"),
@@ -232,7 +240,7 @@ TEST(MetricsTest, AsyncJobReportsLossAndStaleness) {
     ASSERT_TRUE(port.ok()) << port.status();
     const std::string page = Scrape(*port);
     const std::map<std::string, std::string> me = {{"worker", absl::StrCat(k)}};
-    EXPECT_EQ(Value(page, "pstrain_worker_step", me), 150);
+    EXPECT_EQ(Value(page, "pstrain_worker_step", me), 300);
     const double loss = Value(page, "pstrain_worker_loss", me);
     EXPECT_GT(loss, 0);
     EXPECT_LT(loss, 1.386);  // below chance (ln 4) after training
@@ -293,6 +301,97 @@ TEST(WorkerOutputTest, ProgressBarOrLines) {
                 HasSubstr(absl::StrCat("worker 0 step ", step, "/40 loss ")));
   }
   EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 5) << lines;
+}
+
+// Clients name the method of a call, before any authentication: names the
+// server does not have all count as one "unknown" method, so however many
+// are sent, /metrics keeps the series it started with.
+TEST(MetricsTest, MadeUpMethodNamesDoNotGrowTheMetrics) {
+  const std::string dir = testing::TestDir() + "/metrics_bound";
+  const std::string token_file = dir + "/token";
+  ASSERT_EQ(std::system(
+                ("mkdir -p " + dir + " && echo secret >" + token_file).c_str()),
+            0);
+  testing::ClusterOptions options;
+  options.server_flags = {"--metrics_port=-1", "--metrics_host=127.0.0.1",
+                          "--metrics_port_file=" + dir + "/ps0.metrics_port",
+                          "--auth_token_file=" + token_file};
+  absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
+      testing::TestCluster::Start(options, "metrics_bound");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  absl::StatusOr<int> port =
+      WaitForPortFile(dir + "/ps0.metrics_port", kTimeout);
+  ASSERT_TRUE(port.ok()) << port.status();
+  const std::string before = Scrape(*port);
+
+  grpc::GenericStub stub(grpc::CreateChannel(
+      (*cluster)->HostList()[0], grpc::InsecureChannelCredentials()));
+  constexpr int kCalls = 300;
+  for (int i = 0; i < kCalls; ++i) {
+    // Half look like call streams of made-up methods.
+    const std::string method =
+        absl::StrCat("/evil.Service", i, "/Method", i, i % 2 ? "Stream" : "");
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(10));
+    grpc::ByteBuffer request, response;
+    grpc::Slice empty("");
+    request = grpc::ByteBuffer(&empty, 1);
+    // 1.51's generic stub has only the callback form; the deadline above
+    // bounds the wait.
+    std::promise<grpc::Status> done;
+    stub.UnaryCall(&context, method, grpc::StubOptions(), &request, &response,
+                   [&done](grpc::Status s) { done.set_value(std::move(s)); });
+    const grpc::Status status = done.get_future().get();
+    ASSERT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << method;
+  }
+
+  const std::string after = Scrape(*port);
+  // Not EXPECT_THAT: on failure the page is megabytes.
+  EXPECT_FALSE(absl::StrContains(after, "evil"))
+      << "made-up methods got series: /metrics is " << after.size()
+      << " bytes, was " << before.size();
+  EXPECT_EQ(Value(after, "pstrain_server_rpcs_total",
+                  {{"service", "unknown"},
+                   {"method", "unknown"},
+                   {"code", "UNIMPLEMENTED"}}),
+            kCalls);
+  // The same lines as before the calls, give or take values: process_*
+  // and the counts change, no series is added.
+  auto series = [](const std::string& page) {
+    int lines = 0;
+    for (absl::string_view line : absl::StrSplit(page, '\n')) {
+      if (!line.empty() && line[0] != '#') ++lines;
+    }
+    return lines;
+  };
+  EXPECT_EQ(series(after), series(before));
+}
+
+TEST(MetricsTest, ProcessAndBuildInfo) {
+  const std::string dir = testing::TestDir() + "/metrics_process";
+  testing::ClusterOptions options;
+  options.server_flags = {"--metrics_port=-1", "--metrics_host=127.0.0.1",
+                          "--metrics_port_file=" + dir + "/ps0.metrics_port"};
+  absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
+      testing::TestCluster::Start(options, "metrics_process");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  absl::StatusOr<int> port =
+      WaitForPortFile(dir + "/ps0.metrics_port", kTimeout);
+  ASSERT_TRUE(port.ok()) << port.status();
+  const std::string page = Scrape(*port);
+  // A running gRPC server holds megabytes and a handful of descriptors.
+  EXPECT_GT(Value(page, "process_resident_memory_bytes", {}), 1e6);
+  EXPECT_GT(Value(page, "process_virtual_memory_bytes", {}), 1e6);
+  EXPECT_GE(Value(page, "process_cpu_seconds_total", {}), 0);
+  EXPECT_GT(Value(page, "process_open_fds", {}), 3);
+  EXPECT_GT(Value(page, "process_max_fds", {}), 0);
+  const double started = Value(page, "process_start_time_seconds", {});
+  const double now = absl::ToUnixSeconds(absl::Now());
+  EXPECT_LE(started, now + 1);
+  EXPECT_GT(started, now - 600);  // started by this test
+  EXPECT_THAT(page, HasSubstr("pstrain_build_info{binary=\"ps_server\""));
+  EXPECT_THAT(page, HasSubstr("protocol_version=\"1\""));
 }
 
 }  // namespace

@@ -31,6 +31,7 @@
 #include "absl/time/clock.h"
 #include "common/cli.h"
 #include "common/cluster_spec.h"
+#include "common/connection_check.h"
 #include "common/grpc_tuning.h"
 #include "common/metrics.h"
 #include "common/protocol.h"
@@ -829,6 +830,15 @@ int Main(int argc, char** argv) {
       (*client)->Register(schema, num_workers, worker_id);
   if (!registration.ok()) {
     LOG(ERROR) << "cannot register the model: " << registration.status();
+    // Waiting for servers, gRPC reports any cause as the deadline passing.
+    if (absl::IsDeadlineExceeded(registration.status()) ||
+        absl::IsUnavailable(registration.status())) {
+      for (const std::string& host : client_options.hosts) {
+        const std::string cause = DiagnoseConnection(
+            host, client_options.credentials != nullptr, absl::Seconds(2));
+        if (!cause.empty()) LOG(ERROR) << "likely cause: " << cause;
+      }
+    }
     return 1;
   }
   if (registration->start_step > 0) {

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Offline checks of the Kubernetes deployment (no cluster needed):
-#  1. every deploy/k8s/*.yaml passes validate/validate.js (Kubernetes schema
-#     from kubernetes-models, unknown fields, cross-references, pstrain rules);
+#  0. validate/job_rules.js (the Job controller's pod-failure rules) replays
+#     the Kubernetes documentation's examples as documented;
+#  1. every deploy/k8s/*.yaml and monitoring/*.yaml passes validate/validate.js
+#     (Kubernetes schema from kubernetes-models and, for the PodMonitor,
+#     @kubernetes-models/prometheus-operator; unknown fields, cross-references,
+#     pstrain rules: the worker Job survives a crashing worker under the Job
+#     rules, checkpoints on a shared claim, the kustomization lists it all);
 #  2. each testdata/bad_*.yaml is rejected with the errors it lists
 #     ("# expect:" lines): typo'd fields, wrong types, inconsistent objects;
 #  3. scale_workers.sh, run against a stand-in kubectl that records its calls,
@@ -34,10 +39,13 @@ validate=$(readlink -f -- "$dir/validate/validate.js")
 tmp=$(mktemp -d "${TEST_TMPDIR:-/tmp}/manifests_test.XXXXXX")
 trap 'rm -rf -- "$tmp"' EXIT
 
-manifests=("$dir"/*.yaml)
-((${#manifests[@]} >= 5)) || fail "expected the manifests in $dir, found: ${manifests[*]}"
+manifests=("$dir"/*.yaml "$dir"/monitoring/*.yaml)
+((${#manifests[@]} >= 9)) || fail "expected the manifests in $dir, found: ${manifests[*]}"
 
-echo "== 1. the manifests are valid"
+echo "== 0. the Job controller's failure rules, as encoded, agree with the documented examples"
+node "$validate" --self-test || fail "validate/job_rules.js disagrees with the Kubernetes documentation"
+
+echo "== 1. the manifests are valid (the worker Job replayed under those rules)"
 node "$validate" "${manifests[@]}" || fail "deploy/k8s manifests are invalid"
 
 echo "== 2. broken manifests are rejected"

@@ -99,6 +99,14 @@ SERVER_PIDS=()
 WORKER_PIDS=()
 RUN=""
 FIFO=""
+# Columns worker 0's progress bar may use when our stdout is a terminal
+# (the terminal's less the "[worker 0] " prefix); 0: no terminal, no bar.
+BAR_COLUMNS=0
+if [[ -t 1 ]]; then
+  BAR_COLUMNS=$(stty size </dev/tty 2>/dev/null | cut -d' ' -f2) || true
+  [[ "$BAR_COLUMNS" =~ ^[0-9]+$ ]] || BAR_COLUMNS=80
+  BAR_COLUMNS=$((BAR_COLUMNS > 31 ? BAR_COLUMNS - 11 : 20))
+fi
 FORCE_KILL=0
 CLEANED_UP=0
 
@@ -539,9 +547,15 @@ start_workers() {
     metrics_flags "worker$k"
     local csv=()
     ((CSV)) && csv=(--metrics_csv="$RUN/worker$k.csv")
-    "$WORKER_BIN" --cluster_spec="$RUN/cluster.json" --worker_id="$k" \
+    # On a terminal, worker 0 draws its progress bar (into its .out file,
+    # which start_stream shows), sized to our terminal less the prefix; a
+    # --progress of the user's comes later and wins.
+    local bar=()
+    ((k == 0 && BAR_COLUMNS > 0)) && bar=(--progress=bar)
+    COLUMNS=$BAR_COLUMNS \
+      "$WORKER_BIN" --cluster_spec="$RUN/cluster.json" --worker_id="$k" \
       ${METRICS_FLAGS[@]+"${METRICS_FLAGS[@]}"} ${csv[@]+"${csv[@]}"} \
-      ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"} \
+      ${bar[@]+"${bar[@]}"} ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"} \
       >"$RUN/worker$k.out" 2>"$RUN/worker$k.log" &
     pid=$!
     LIVE[$pid]="worker $k (pid $pid)"
@@ -561,7 +575,22 @@ start_stream() {
   FIFO=$RUN/.worker0.fifo
   rm -f -- "$FIFO"
   mkfifo -- "$FIFO"
-  sed -u -e '/^{"event":"final"/d' -e 's/^/[worker 0] /' <"$FIFO" &
+  if ((BAR_COLUMNS > 0)); then
+    # The bar redraws with "\r" and no newline, so a line-based filter would
+    # hold it back until the end: split at "\r" instead and prefix every
+    # line and every redraw.
+    awk -v RS='\r' -v prefix='[worker 0] ' '{
+      n = split($0, part, "\n"); out = ""
+      for (i = 1; i <= n; i++) {
+        if (part[i] ~ /^\{"event":"final"/) continue
+        if (i < n) out = out prefix part[i] "\n"
+        else if (part[i] != "") out = out prefix part[i]
+      }
+      printf "\r%s", out; fflush()
+    }' <"$FIFO" &
+  else
+    sed -u -e '/^{"event":"final"/d' -e 's/^/[worker 0] /' <"$FIFO" &
+  fi
   STREAM_SED=$!
   LIVE[$STREAM_SED]="sed (pid $STREAM_SED)"
   tail -n +1 -s "$POLL_S" -f --pid="$worker0" -- "$RUN/worker0.out" >"$FIFO" &

@@ -27,7 +27,7 @@ readonly PROG=test_slurm.sh
 readonly START_S=$SECONDS
 readonly DAEMON_UP_S=20      # munged socket, slurmctld answering
 readonly NODES_IDLE_S=30     # both slurmd registered and idle
-readonly JOBS_DONE_S=60      # all three jobs finished
+readonly JOBS_DONE_S=90      # all five jobs finished
 readonly STOP_GRACE_S=10     # SIGTERM -> SIGKILL for the daemons
 readonly MIN_ACCURACY=0.6    # chance is 0.25 (4 classes)
 
@@ -306,6 +306,50 @@ submit C PS_BASE_PORT=0 -- \
   -p cpu -w n1 -N1 -n1 -c1 : -p gpu -w n2 -N1 -n2 -c1 --gres=none \
   "$SBATCH_SCRIPT" -- --steps=20 --model=no_such_model
 
+# D: the #SBATCH lines' partitions (no -p/-w here: servers must land on
+# partition cpu = n1, workers on gpu = n2) and METRICS=1: every process a
+# free metrics port, listed for Prometheus. The workers linger so that the
+# test can scrape every target while the job runs.
+submit D PS_BASE_PORT=0 METRICS=1 WORKER_FLAGS=--metrics_linger_s=20 -- \
+  -N1 -n2 -c1 : -N1 -n2 -c1 --gres=none \
+  "$SBATCH_SCRIPT" -- "${TRAIN[@]}"
+# E: a fixed metrics port for two shards on one node can only fail; it must
+# fail at once, saying what to do instead.
+E_METRICS_PORT=$(pick_port)
+submit E PS_BASE_PORT=0 SERVER_FLAGS="--metrics_port=$E_METRICS_PORT" -- \
+  -p cpu -w n1 -N1 -n2 -c1 : -p gpu -w n2 -N1 -n1 -c1 --gres=none \
+  "$SBATCH_SCRIPT" -- "${TRAIN[@]}"
+
+# While D runs: its target file lists 2 shards and 2 workers, each answering
+# /metrics on the port listed.
+D_TARGETS=$T/run-D/prometheus_targets.json
+d_targets_complete() {
+  [[ -s "$D_TARGETS" ]] && (($(grep -c '"targets"' "$D_TARGETS") == 4))
+}
+wait_for "$JOBS_DONE_S" "4 Prometheus targets in $D_TARGETS" d_targets_complete
+log "job D targets: $(tr -d '\n' <"$D_TARGETS")"
+mapfile -t d_targets < <(/usr/bin/python3 -c '
+import json, sys
+for entry in json.load(open(sys.argv[1])):
+    labels = entry["labels"]
+    index = labels.get("shard", labels.get("worker"))
+    print(entry["targets"][0], labels["role"], index, labels["slurm_job_id"])
+' "$D_TARGETS") || fail "job D: $D_TARGETS is not file_sd JSON"
+((${#d_targets[@]} == 4)) || fail "job D: ${#d_targets[@]} targets, want 4"
+for t in "${d_targets[@]}"; do
+  read -r address role index job_id <<<"$t"
+  [[ $job_id == "$JOB_D" ]] || fail "job D: target $address labelled slurm_job_id=$job_id"
+  page=$(curl -s --max-time 5 "http://$address/metrics") || fail "job D: $role $index at $address does not answer /metrics"
+  if [[ $role == ps ]]; then
+    grep -q "^pstrain_shard_info{shard=\"$index\",num_shards=\"2\"" <<<"$page" ||
+      fail "job D: $address is not shard $index: $(head -c 300 <<<"$page")"
+  else
+    grep -q "^pstrain_worker_step{worker=\"$index\"}" <<<"$page" ||
+      fail "job D: $address is not worker $index: $(head -c 300 <<<"$page")"
+  fi
+  echo "  job D $role $index: /metrics at $address" >&2
+done
+
 job_state() {  # id -> "STATE EXITCODE" of the het leader
   timeout 5 scontrol show job -o "$1" 2>/dev/null | head -n 1 |
     sed -nE 's/.*JobState=([A-Z_]+).* ExitCode=([0-9]+:[0-9]+).*/\1 \2/p'
@@ -368,6 +412,15 @@ grep -q "from the cluster spec: --ps_hosts=127.0.0.1:$PS_BASE,127.0.0.1:$((PS_BA
   fail "job A: the workers did not take --ps_hosts from PSTRAIN_CLUSTER"
 # The servers were stopped with SIGTERM (clean shutdown), not killed.
 grep -q 'shutting down' "$T/run-A/servers.log" || fail "job A: servers did not shut down on SIGTERM"
+
+check_training_job D sync 2 2
+
+state=$(job_state "$JOB_E")
+[[ "$state" == "FAILED 2:0" ]] ||
+  fail "job E (fixed --metrics_port, 2 shards on a node): state '$state', want 'FAILED 2:0'"
+grep -q "only one can have port $E_METRICS_PORT; use METRICS=1" "$T/job-E.out" ||
+  fail "job E: no message naming the port conflict and METRICS=1 in $(cat "$T/job-E.out")"
+log "job E refused the fixed metrics port: $state"
 
 state=$(job_state "$JOB_C")
 [[ "${state%% *}" == FAILED && "${state#* }" != "0:0" ]] ||

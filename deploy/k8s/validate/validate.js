@@ -6,6 +6,7 @@
 //   node validate.js --kubectl-log=LOG a.yaml ...             # first apply the merge patches
 //                                                             # recorded in LOG (see below)
 //   node validate.js --expect-invalid bad1.yaml bad2.yaml     # each file must be rejected
+//   node validate.js --self-test                              # job_rules.js vs the k8s docs' examples
 //
 // Every YAML document is checked three ways:
 //  1. Schema: the kubernetes-models class for its apiVersion/kind
@@ -28,7 +29,12 @@
 //     "pstrain-config", StatefulSet "ps" and Job "worker": NUM_SHARDS ==
 //     replicas == entries of PS_HOSTS (ps-<i>.<service>...:PS_PORT), NUM_WORKERS
 //     == parallelism == completions <= MAX_WORKERS (when set), MODE
-//     sync|async; a grpc probe's port is one the container declares.
+//     sync|async; a grpc probe's port is one the container declares; the
+//     worker Job, replayed under the Job controller's failure rules
+//     (job_rules.js), survives a crashing worker and fails fast on exit 2;
+//     ps checkpoints go to CHECKPOINT_DIR on one ReadWriteMany claim; a
+//     PodMonitor selects the pods and names their port; a kustomization
+//     lists every manifest of its directory.
 //
 // --kubectl-log=LOG: LOG is what a stand-in kubectl recorded for
 // scale_workers.sh: each call's arguments one per line, then a line "<<end>>".
@@ -61,6 +67,7 @@ try {
       `run: npm ci --prefix deploy/k8s/validate   (deploy/setup.sh does it)`);
 }
 const modelsVersion = require('kubernetes-models/package.json').version;
+const { jobOutcome, selfTest } = require('./job_rules.js');
 
 // --- Arguments ------------------------------------------------------------------
 
@@ -68,6 +75,13 @@ let expectInvalid = false;
 let kubectlLog = null;
 const files = [];
 for (const arg of process.argv.slice(2)) {
+  if (arg === '--self-test') {
+    // job_rules.js against the Kubernetes documentation's examples.
+    const problems = selfTest();
+    for (const p of problems) process.stdout.write(`FAIL job rules: ${p}\n`);
+    if (problems.length === 0) process.stdout.write('ok   job rules agree with the documented examples\n');
+    process.exit(problems.length === 0 ? 0 : 1);
+  }
   if (arg === '--expect-invalid') expectInvalid = true;
   else if (arg.startsWith('--kubectl-log=')) kubectlLog = arg.slice('--kubectl-log='.length);
   else if (arg === '-h' || arg === '--help') {
@@ -121,19 +135,56 @@ function modelClass(apiVersion, kind) {
       !/^[a-z0-9.]+(\/[a-z0-9]+)?$/.test(apiVersion) || !/^[A-Za-z0-9]+$/.test(kind)) {
     return null;
   }
-  // kubernetes-models/<group>/<version>/<Kind>, core group as kubernetes-models/v1/<Kind>.
+  // kubernetes-models/<group>/<version>/<Kind>, core group as kubernetes-models/v1/<Kind>;
+  // the Prometheus Operator's CRDs from @kubernetes-models/prometheus-operator.
+  const pkg = apiVersion.startsWith('monitoring.coreos.com/')
+    ? '@kubernetes-models/prometheus-operator' : 'kubernetes-models';
   try {
-    const mod = require(`kubernetes-models/${apiVersion}/${kind}`);
+    const mod = require(`${pkg}/${apiVersion}/${kind}`);
     return mod[kind] || null;
   } catch (e) {
-    if (e.code === 'MODULE_NOT_FOUND') return null;
+    if (e.code === 'MODULE_NOT_FOUND' || e.code === 'ERR_PACKAGE_PATH_NOT_EXPORTED') return null;
     throw e;
   }
+}
+
+// A kustomization is kustomize's, not an API object: the fields used here,
+// resources that exist, and (for the directory's own kustomization) every
+// manifest of the directory listed, so `kubectl apply -k` applies them all.
+const KUSTOMIZE_API = 'kustomize.config.k8s.io/v1beta1';
+function kustomizationErrors(doc) {
+  const o = doc.obj;
+  const errors = [];
+  const known = new Set(['apiVersion', 'kind', 'resources', 'images', 'namespace', 'labels', 'commonLabels', 'patches']);
+  for (const key of Object.keys(o)) {
+    if (!known.has(key)) errors.push({ path: `/${key}`, message: `unknown field "${key}"` });
+  }
+  const dir = path.dirname(doc.file);
+  const resources = Array.isArray(o.resources) ? o.resources : [];
+  if (resources.length === 0) errors.push({ path: '/resources', message: 'no resources' });
+  resources.forEach((r, i) => {
+    const target = path.resolve(dir, String(r));
+    const ok = fs.existsSync(target) && (fs.statSync(target).isFile() ||
+      ['kustomization.yaml', 'kustomization.yml', 'Kustomization'].some((k) => fs.existsSync(path.join(target, k))));
+    if (!ok) errors.push({ path: `/resources/${i}`, message: `"${r}" is neither a file nor a directory with a kustomization` });
+  });
+  const listed = new Set(resources.map((r) => path.resolve(dir, String(r))));
+  for (const name of fs.readdirSync(dir)) {
+    if (!/\.ya?ml$/.test(name) || /^kustomization\.ya?ml$/.test(name)) continue;
+    if (!listed.has(path.resolve(dir, name))) {
+      errors.push({ path: '/resources', message: `${name} is not listed: kubectl apply -k would leave it out` });
+    }
+  }
+  (Array.isArray(o.images) ? o.images : []).forEach((img, i) => {
+    if (!img || typeof img.name !== 'string') errors.push({ path: `/images/${i}/name`, message: 'an image entry needs a name' });
+  });
+  return errors;
 }
 
 function schemaErrors(doc) {
   const o = doc.obj;
   if (typeof o !== 'object' || Array.isArray(o)) return [{ path: '', message: 'document is not a mapping' }];
+  if (o.apiVersion === KUSTOMIZE_API && o.kind === 'Kustomization') return kustomizationErrors(doc);
   const Cls = modelClass(o.apiVersion, o.kind);
   if (!Cls) {
     return [{ path: '', message: `unknown apiVersion/kind ${o.apiVersion}/${o.kind} (kubernetes-models ${modelsVersion})` }];
@@ -232,7 +283,7 @@ function crossErrors(docs) {
   const add = (doc, p, message) => errors.push({ doc, path: p, message });
   for (const doc of docs) {
     const o = doc.obj;
-    if (!o || typeof o !== 'object') continue;
+    if (!o || typeof o !== 'object' || o.kind === 'Kustomization') continue;
     const name = get(o, 'metadata', 'name');
     if (typeof name !== 'string' || name === '') {
       add(doc, '/metadata/name', 'missing metadata.name');
@@ -372,7 +423,97 @@ function crossErrors(docs) {
       if (get(job.obj, 'spec', 'completionMode') !== 'Indexed') {
         add(job, '/spec/completionMode', 'the worker Job must be Indexed (worker id = JOB_COMPLETION_INDEX)');
       }
+      for (const e of workerJobFailureErrors(get(job.obj, 'spec') || {})) add(job, '/spec', e);
     }
+    const psSet = find('StatefulSet', 'ps');
+    if (psSet) {
+      for (const [p, e] of checkpointErrors(psSet.obj, data, (name) => find('PersistentVolumeClaim', name))) add(psSet, p, e);
+    }
+  }
+
+  // A PodMonitor/ServiceMonitor must select pods of the set by labels and
+  // name a port their containers declare.
+  for (const doc of docs) {
+    const o = doc.obj;
+    if (!o || o.kind !== 'PodMonitor') continue;
+    const sel = get(o, 'spec', 'selector', 'matchLabels');
+    const pods = docs.filter((d) => d.obj && get(d.obj, 'spec', 'template', 'spec', 'containers') &&
+      subsetOf(sel, get(d.obj, 'spec', 'template', 'metadata', 'labels')));
+    if (pods.length === 0) add(doc, '/spec/selector', 'selects no pods of the set');
+    (get(o, 'spec', 'podMetricsEndpoints') || []).forEach((ep, i) => {
+      for (const d of pods) {
+        const ports = (get(d.obj, 'spec', 'template', 'spec', 'containers') || [])
+          .flatMap((c) => (c.ports || []).map((p) => p.name));
+        if (!ports.includes(ep.port)) add(doc, `/spec/podMetricsEndpoints/${i}/port`, `${docLabel(d)} has no container port named "${ep.port}"`);
+      }
+    });
+  }
+  return errors;
+}
+
+// The worker Job, replayed under the Job controller's rules (job_rules.js):
+// what deploy/k8s/README.md promises about failing workers.
+function workerJobFailureErrors(spec) {
+  const n = Number(spec.completions) || 1;
+  const last = n - 1;
+  const crash = (index, code = 1) => ({ index, exitCodes: { worker: code } });
+  const evicted = (index) => ({ index, exitCodes: { worker: 143 }, conditions: ['DisruptionTarget'] });
+  const scenarios = [
+    ['one worker crashing once (exit 1)', [crash(last)], (r) => !r.failed,
+      'must not fail the Job: the worker is retried and rejoins'],
+    ['every worker crashing once', [...Array(n).keys()].map((i) => crash(i)), (r) => !r.failed,
+      'must not fail the Job'],
+    ['one worker crashing 10 times', Array(10).fill(crash(last)), (r) => !r.othersTerminated,
+      'must leave the other workers training'],
+    ['workers evicted or preempted 20 times (DisruptionTarget)', Array(20).fill(0).map((_, i) => evicted(i % n)),
+      (r) => !r.failed, 'must not count against the Job'],
+    ['a bad flag or cluster spec (exit 2)', [crash(0, 2)], (r) => r.failed && r.othersTerminated,
+      'must fail the Job at once: every worker has the same configuration'],
+  ];
+  const problems = [];
+  for (const [what, failures, ok, promise] of scenarios) {
+    const r = jobOutcome(spec, failures);
+    if (!ok(r)) {
+      problems.push(`${what} ${promise}, but under the Job controller's rules ` +
+        (r.failed ? `the Job fails (${r.reason})${r.othersTerminated ? ' and its running workers are terminated' : ''}`
+          : 'the Job goes on'));
+    }
+  }
+  return problems;
+}
+
+// ps_server checkpoints to CHECKPOINT_DIR, on one volume every shard mounts:
+// a shard restores only when every shard's files are there.
+function checkpointErrors(ps, data, findClaim) {
+  const errors = [];
+  const dir = data.CHECKPOINT_DIR;
+  const podSpec = get(ps, 'spec', 'template', 'spec') || {};
+  const container = (podSpec.containers || [])[0] || {};
+  const command = [...(container.command || []), ...(container.args || [])].join(' ');
+  if (!dir) errors.push(['/spec', 'pstrain-config has no CHECKPOINT_DIR: a restarted ps pod would come back empty']);
+  if (!/--checkpoint_dir=/.test(command)) {
+    errors.push(['/spec/template/spec/containers/0/args', 'ps_server runs without --checkpoint_dir: a restarted ps pod would come back empty']);
+  }
+  if (!dir) return errors;
+  const mount = (container.volumeMounts || []).find((m) => m.mountPath === dir);
+  if (!mount) {
+    errors.push(['/spec/template/spec/containers/0/volumeMounts', `nothing is mounted at CHECKPOINT_DIR ${dir}`]);
+    return errors;
+  }
+  if ((get(ps, 'spec', 'volumeClaimTemplates') || []).some((t) => get(t, 'metadata', 'name') === mount.name)) {
+    errors.push(['/spec/volumeClaimTemplates', `checkpoint volume "${mount.name}" is per pod: a shard restores only when every shard's files are in CHECKPOINT_DIR; use one shared (ReadWriteMany) claim`]);
+    return errors;
+  }
+  const volume = (podSpec.volumes || []).find((v) => v.name === mount.name) || {};
+  const claimName = get(volume, 'persistentVolumeClaim', 'claimName');
+  if (!claimName) {
+    errors.push(['/spec/template/spec/volumes', `checkpoint volume "${mount.name}" is not a PersistentVolumeClaim: checkpoints would die with the pod`]);
+    return errors;
+  }
+  const claim = findClaim(claimName);
+  if (!claim) errors.push(['/spec/template/spec/volumes', `no PersistentVolumeClaim "${claimName}" in the set`]);
+  else if (Number(get(ps, 'spec', 'replicas')) > 1 && !(get(claim.obj, 'spec', 'accessModes') || []).includes('ReadWriteMany')) {
+    errors.push(['/spec/template/spec/volumes', `PersistentVolumeClaim "${claimName}" is shared by every shard: it needs accessModes ReadWriteMany`]);
   }
   return errors;
 }
