@@ -27,6 +27,50 @@ void AtomicMax(std::atomic<int64_t>& target, int64_t value) {
   }
 }
 
+// Whether a sync step at `version` (of a block or a table) may be applied.
+// It needs at least one gradient, and then every member counted in the
+// step's quorum must have given its own (a count is not enough: gradients
+// of workers whose lease lapsed since are in the sum too), unless
+// --replicas_to_aggregate gradients are in. When every member has lapsed,
+// the gradients already in are the quorum: waiting for nobody would hold
+// the step, and every pull of the next one, forever.
+bool QuorumMet(int64_t version, int contributors,
+               const std::vector<int64_t>& last_contributed,
+               const std::vector<int64_t>& membership,
+               int replicas_to_aggregate) {
+  if (contributors == 0) return false;
+  if (replicas_to_aggregate > 0 && contributors >= replicas_to_aggregate) {
+    return true;
+  }
+  for (size_t w = 0; w < membership.size(); ++w) {
+    if (membership[w] <= version && last_contributed[w] != version) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// What a sync step at `version` still waits for, e.g. "the step 3
+// gradients of workers [1]"; `what` names a contribution ("gradients").
+std::string DescribeMissing(int64_t version,
+                            const std::vector<int64_t>& last_contributed,
+                            const std::vector<int64_t>& membership,
+                            absl::string_view what) {
+  std::vector<int> missing;
+  for (size_t w = 0; w < membership.size(); ++w) {
+    if (membership[w] <= version && last_contributed[w] != version) {
+      missing.push_back(static_cast<int>(w));
+    }
+  }
+  if (missing.empty()) {
+    return absl::StrCat("a first step ", version, " ", what,
+                        ": no member is left in its quorum, the next worker "
+                        "to push it completes it");
+  }
+  return absl::StrCat("the step ", version, " ", what, " of workers [",
+                      absl::StrJoin(missing, ", "), "]");
+}
+
 }  // namespace
 
 struct Shard::Block {
@@ -718,14 +762,10 @@ Shard::BlockResult Shard::PushSyncBlock(Block& block,
 
 bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
   const int64_t version = block.version.load();
-  int required = 0;
-  for (int64_t joined_at : membership) required += joined_at <= version;
-  if (options_.replicas_to_aggregate > 0) {
-    required = std::min(required, options_.replicas_to_aggregate);
+  if (!QuorumMet(version, block.contributors, block.last_contributed,
+                 membership, options_.replicas_to_aggregate)) {
+    return false;
   }
-  // With no member left, nobody's gradient can complete the step: pulls
-  // wait (with their deadline) for a worker to join.
-  if (required == 0 || block.contributors < required) return false;
   if (block.finite_contributors > 1) {
     const float inverse = 1.0f / static_cast<float>(block.finite_contributors);
     for (float& g : block.gradient_sum) g *= inverse;
@@ -797,12 +837,10 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
 bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
                                         const Membership& membership) {
   const int64_t version = state.version.load();
-  int required = 0;
-  for (int64_t joined_at : membership) required += joined_at <= version;
-  if (options_.replicas_to_aggregate > 0) {
-    required = std::min(required, options_.replicas_to_aggregate);
+  if (!QuorumMet(version, state.contributors, state.last_contributed,
+                 membership, options_.replicas_to_aggregate)) {
+    return false;
   }
-  if (required == 0 || state.contributors < required) return false;
   // Rows a worker did not touch count as a zero gradient from it, as in the
   // dense path: the mean is over every contributor.
   const int64_t dim = state.spec->dim();
@@ -1210,17 +1248,10 @@ std::string Shard::DescribeWait(const Waiter& waiter) const {
   if (waiter.sparse >= 0) {
     const SparseState& table = *model->sparse[waiter.sparse];
     absl::MutexLock lock(&table.mu);
-    const int64_t version = table.version.load();
-    std::vector<int> missing;
-    for (size_t w = 0; w < members->size(); ++w) {
-      if ((*members)[w] <= version && table.last_contributed[w] != version) {
-        missing.push_back(static_cast<int>(w));
-      }
-    }
-    return absl::StrCat("sparse table '", table.spec->name(),
-                        "' is still waiting for the step ", version,
-                        " pushes of workers [", absl::StrJoin(missing, ", "),
-                        "]");
+    return absl::StrCat(
+        "sparse table '", table.spec->name(), "' is still waiting for ",
+        DescribeMissing(table.version.load(), table.last_contributed, *members,
+                        "pushes"));
   }
   for (int local : waiter.locals) {
     const Block& block = *model->blocks[local];
@@ -1233,17 +1264,11 @@ std::string Shard::DescribeWait(const Waiter& waiter) const {
 
 std::string Shard::DescribeBlockWaitLocked(const Block& block,
                                            const Membership& members) const {
-  const int64_t version = block.version.load();
-  std::vector<int> missing;
-  for (size_t w = 0; w < members.size(); ++w) {
-    if (members[w] <= version && block.last_contributed[w] != version) {
-      missing.push_back(static_cast<int>(w));
-    }
-  }
-  return absl::StrCat("tensor '", *block.tensor_name, "' block ",
-                      block.location->block, " is still waiting for the step ",
-                      version, " gradients of workers [",
-                      absl::StrJoin(missing, ", "), "]");
+  return absl::StrCat(
+      "tensor '", *block.tensor_name, "' block ", block.location->block,
+      " is still waiting for ",
+      DescribeMissing(block.version.load(), block.last_contributed, members,
+                      "gradients"));
 }
 
 absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
@@ -1266,17 +1291,12 @@ absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
         version <= recovery_horizon_) {
       const std::shared_ptr<const Membership> members = membership_;
       absl::MutexLock table_lock(&table.mu);
-      std::vector<int> missing;
-      for (size_t w = 0; w < members->size(); ++w) {
-        if ((*members)[w] <= version && table.last_contributed[w] != version) {
-          missing.push_back(static_cast<int>(w));
-        }
-      }
       waiting = absl::UnavailableError(absl::StrCat(
           "sparse push for step ", step,
-          " waits on this restored shard: table '", request.table(),
-          "' is still waiting for the step ", version, " pushes of workers [",
-          absl::StrJoin(missing, ", "), "]; retry"));
+          " waits on this restored shard: table '", table.spec->name(),
+          "' is still waiting for ",
+          DescribeMissing(version, table.last_contributed, *members, "pushes"),
+          "; retry"));
     }
   }
   if (completed) ReleaseReadyWaiters();
