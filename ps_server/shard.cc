@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/init.h"
 #include "common/protocol.h"
+#include "common/status_text.h"
 #include "common/tensor_codec.h"
 #include "ps_server/checkpoint.h"
 
@@ -20,6 +21,21 @@ namespace {
 // answer is at most this much past its deadline.
 constexpr absl::Duration kReaperInterval = absl::Milliseconds(20);
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+// A model of more blocks is refused: every shard holds the whole block
+// layout, and a block's bookkeeping outweighs its values when blocks are
+// tiny. 2^20 blocks of the workers' default 2^17 elements is 2^37
+// parameters.
+constexpr int64_t kMaxModelBlocks = int64_t{1} << 20;
+// What a block of this shard costs beyond its floats and per-worker steps:
+// the Block (lock, counters, five vectors), its allocations with the
+// allocator's overhead, and the index entries pointing at it. ps_server
+// grew by ~870 bytes per block of one float (sync, 2 workers); the
+// hostile-input test's guard case measures it again and checks that the
+// guard counts at least that much.
+constexpr int64_t kBlockOverheadBytes = 1024;
+// What every shard holds per block of the whole model (its BlockLocation
+// and index entries).
+constexpr int64_t kLayoutBytesPerBlock = 64;
 
 void AtomicMax(std::atomic<int64_t>& target, int64_t value) {
   int64_t current = target.load();
@@ -238,7 +254,56 @@ absl::Status Shard::Reject(absl::Status status) {
 // ---------------------------------------------------------------------------
 // Registration and the model.
 
+absl::Status Shard::CheckModelFits(const ModelSchema& schema) const {
+  if (absl::Status s = ValidateSchema(schema); !s.ok()) return s;
+  // Counted from the schema, as Partition::Create will lay it out (blocks
+  // round-robin over the shards), so that nothing is allocated for a model
+  // that is refused.
+  const int64_t block_elements = schema.block_elements();
+  int64_t model_blocks = 0;
+  for (const DenseTensorSpec& tensor : schema.dense()) {
+    // ValidateSchema bounds each tensor to 2^40 elements: no overflow.
+    model_blocks += (NumElements(tensor) + block_elements - 1) / block_elements;
+  }
+  if (model_blocks > kMaxModelBlocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model has ", model_blocks, " blocks of block_elements ",
+        block_elements, "; at most ", kMaxModelBlocks,
+        " are allowed: use a larger block_elements (a worker's "
+        "--block_elements)"));
+  }
+  int64_t shard_blocks = 0, shard_elements = 0, global = 0;
+  for (const DenseTensorSpec& tensor : schema.dense()) {
+    const int64_t elements = NumElements(tensor);
+    for (int64_t offset = 0; offset < elements;
+         offset += block_elements, ++global) {
+      if (global % options_.num_shards != options_.shard_id) continue;
+      ++shard_blocks;
+      shard_elements += std::min(block_elements, elements - offset);
+    }
+  }
+  // Values, optimizer state and (sync) the step's gradient sum, plus what
+  // each block costs beyond its floats: with tiny blocks that is most of it.
+  const int64_t floats_per_element = 1 + optimizer_->state_per_element() + 1;
+  const int64_t per_block =
+      kBlockOverheadBytes + options_.max_workers * int64_t{sizeof(int64_t)};
+  const int64_t bytes = shard_elements * 4 * floats_per_element +
+                        shard_blocks * per_block +
+                        model_blocks * kLayoutBytesPerBlock;
+  if (bytes > options_.max_shard_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the model needs ", bytes >> 20, " MiB on this shard (", shard_elements,
+        " elements with optimizer state in ", shard_blocks,
+        " blocks of at most ", block_elements, " elements, each block ",
+        per_block, " bytes of bookkeeping); --max_shard_memory_gb allows ",
+        options_.max_shard_bytes >> 20,
+        " MiB: use more shards or a larger block_elements"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Shard::InstallModel(const ModelSchema& schema) {
+  if (absl::Status s = CheckModelFits(schema); !s.ok()) return s;
   absl::StatusOr<Partition> partition =
       Partition::Create(schema, options_.num_shards);
   if (!partition.ok()) return partition.status();
@@ -248,19 +313,6 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
   const std::vector<BlockLocation>& all = model->partition.blocks();
   model->local_of_global.assign(all.size(), -1);
   const int slots = optimizer_->state_per_element();
-  int64_t shard_elements = 0;
-  for (int g : model->partition.BlocksOfShard(options_.shard_id)) {
-    shard_elements += all[g].length;
-  }
-  // Values, optimizer state and (sync) the step's gradient sum.
-  const int64_t floats_per_element = 1 + slots + 1;
-  if (shard_elements > options_.max_shard_bytes / 4 / floats_per_element) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the model needs ", shard_elements, " elements on this shard (",
-        shard_elements * 4 * floats_per_element >> 20,
-        " MiB with optimizer state); --max_shard_memory_gb allows ",
-        options_.max_shard_bytes >> 20, " MiB: use more shards"));
-  }
   for (int g : model->partition.BlocksOfShard(options_.shard_id)) {
     const BlockLocation& loc = all[g];
     const DenseTensorSpec& tensor = model->schema.dense(loc.tensor);
@@ -306,8 +358,9 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
     absl::StatusOr<std::unique_ptr<SparseTable>> table =
         SparseTable::Create(table_options);
     if (!table.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sparse table '", spec.name(), "': ", table.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sparse table ", QuoteForStatus(spec.name()), ": ",
+                       table.status().message()));
     }
     auto state = std::make_unique<SparseState>();
     state->spec = &spec;
@@ -544,7 +597,8 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
     const BlockLocation& loc = model.partition.blocks()[*global];
     // Only built for an error: this runs for every block of every push.
     auto where = [&wire] {
-      return absl::StrCat("tensor '", wire.tensor, "' block ", wire.block);
+      return absl::StrCat("tensor ", QuoteForStatus(wire.tensor), " block ",
+                          wire.block);
     };
     const int local = model.local_of_global[*global];
     if (local < 0) {
@@ -673,8 +727,8 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
               DescribeBlockWaitLocked(block, *membership_), "; retry"));
         } else {
           refused = absl::FailedPreconditionError(
-              absl::StrCat("push for step ", request.step, " but tensor '",
-                           *block.tensor_name, "' block ",
+              absl::StrCat("push for step ", request.step, " but tensor ",
+                           QuoteForStatus(*block.tensor_name), " block ",
                            block.location->block, " is at step ", version,
                            ": a sync worker pushes the step it pulled"));
         }
@@ -805,7 +859,7 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
   auto it = model.sparse_index.find(table);
   if (it == model.sparse_index.end()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("unknown sparse table '", table, "'"));
+        absl::StrCat("unknown sparse table ", QuoteForStatus(table)));
   }
   constexpr size_t kMaxIds = size_t{1} << 24;
   if (ids.size() > kMaxIds) {
@@ -816,8 +870,8 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
     const int owner = SparseShardOf(table, id, options_.num_shards);
     if (owner != options_.shard_id) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "row ", id, " of sparse table '", table, "' lives on shard ", owner,
-          ", this is shard ", options_.shard_id));
+          "row ", id, " of sparse table ", QuoteForStatus(table),
+          " lives on shard ", owner, ", this is shard ", options_.shard_id));
     }
   }
   if (unique) {
@@ -826,8 +880,8 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
     for (uint64_t id : ids) {
       if (!seen.insert(id).second) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "row ", id, " of sparse table '", table,
-            "' appears twice in one push: sum its gradients first"));
+            "row ", id, " of sparse table ", QuoteForStatus(table),
+            " appears twice in one push: sum its gradients first"));
       }
     }
   }
@@ -907,10 +961,10 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
         FastForwardLocked(**model, step);
       } else if (version + 1 < step) {
         lock.Release();
-        return answer(Reject(absl::OutOfRangeError(
-            absl::StrCat("sparse pull for step ", step, " but table '",
-                         request.table(), "' is at step ", version,
-                         ": a worker can be at most one step ahead"))));
+        return answer(Reject(absl::OutOfRangeError(absl::StrCat(
+            "sparse pull for step ", step, " but table ",
+            QuoteForStatus(request.table()), " is at step ", version,
+            ": a worker can be at most one step ahead"))));
       }
       // As for blocks: a member pulling step s has pushed s - 1.
       completed = CreditLostGradientsLocked(**model, worker, step);
@@ -955,15 +1009,17 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
   payload.push_back(request.gradients());
   if (request.gradients().size() !=
       static_cast<uint64_t>(ids.size() * dim * element_bytes)) {
-    return Reject(absl::InvalidArgumentError(absl::StrCat(
-        "sparse push to '", request.table(), "': ", request.gradients().size(),
-        " gradient bytes for ", ids.size(), " rows of dim ", dim, ", expected ",
-        ids.size() * dim * element_bytes)));
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("sparse push to ", QuoteForStatus(request.table()), ": ",
+                     request.gradients().size(), " gradient bytes for ",
+                     ids.size(), " rows of dim ", dim, ", expected ",
+                     ids.size() * dim * element_bytes)));
   }
   const int64_t bad = FindNonFiniteSegments(request.dtype(), payload);
   if (bad >= 0) {
     return Reject(absl::InvalidArgumentError(absl::StrCat(
-        "sparse push to '", request.table(), "': row ", ids[bad / dim],
+        "sparse push to ", QuoteForStatus(request.table()), ": row ",
+        ids[bad / dim],
         " has a NaN or infinite gradient; the push was not applied")));
   }
   std::vector<float> grads(ids.size() * dim);
@@ -985,9 +1041,9 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     absl::MutexLock lock(&table.mu);
     const int64_t version = table.version.load();
     if (request.step() > version) {
-      return Reject(absl::FailedPreconditionError(
-          absl::StrCat("sparse push for step ", request.step(), " but table '",
-                       request.table(), "' is at step ", version)));
+      return Reject(absl::FailedPreconditionError(absl::StrCat(
+          "sparse push for step ", request.step(), " but table ",
+          QuoteForStatus(request.table()), " is at step ", version)));
     }
     if (request.step() < version) {
       const bool duplicate =
@@ -1087,14 +1143,14 @@ absl::StatusOr<std::vector<int>> Shard::ResolvePullBlocks(
     const int local = model.local_of_global[*global];
     if (local < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", ref.tensor(), "' block ", ref.block(), " lives on shard ",
-          model.partition.blocks()[*global].shard, ", this is shard ",
-          options_.shard_id));
+          "tensor ", QuoteForStatus(ref.tensor()), " block ", ref.block(),
+          " lives on shard ", model.partition.blocks()[*global].shard,
+          ", this is shard ", options_.shard_id));
     }
     if (!seen.insert(local).second) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", ref.tensor(),
-                                                     "' block ", ref.block(),
-                                                     " is requested twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", QuoteForStatus(ref.tensor()), " block ",
+                       ref.block(), " is requested twice"));
     }
     locals.push_back(local);
   }
@@ -1164,12 +1220,12 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
           break;
         }
         lock.Release();
-        return done(
-            Reject(absl::OutOfRangeError(absl::StrCat(
-                "pull for step ", step, " but tensor '", *block.tensor_name,
-                "' block ", block.location->block, " is at step ", version,
-                ": a worker can be at most one step ahead"))),
-            {});
+        return done(Reject(absl::OutOfRangeError(absl::StrCat(
+                        "pull for step ", step, " but tensor ",
+                        QuoteForStatus(*block.tensor_name), " block ",
+                        block.location->block, " is at step ", version,
+                        ": a worker can be at most one step ahead"))),
+                    {});
       }
       recovering_ = false;
       // A member pulling step s has pushed step s - 1 everywhere; a block
@@ -1249,7 +1305,8 @@ std::string Shard::DescribeWait(const Waiter& waiter) const {
     const SparseState& table = *model->sparse[waiter.sparse];
     absl::MutexLock lock(&table.mu);
     return absl::StrCat(
-        "sparse table '", table.spec->name(), "' is still waiting for ",
+        "sparse table ", QuoteForStatus(table.spec->name()),
+        " is still waiting for ",
         DescribeMissing(table.version.load(), table.last_contributed, *members,
                         "pushes"));
   }
@@ -1265,8 +1322,8 @@ std::string Shard::DescribeWait(const Waiter& waiter) const {
 std::string Shard::DescribeBlockWaitLocked(const Block& block,
                                            const Membership& members) const {
   return absl::StrCat(
-      "tensor '", *block.tensor_name, "' block ", block.location->block,
-      " is still waiting for ",
+      "tensor ", QuoteForStatus(*block.tensor_name), " block ",
+      block.location->block, " is still waiting for ",
       DescribeMissing(block.version.load(), block.last_contributed, members,
                       "gradients"));
 }
@@ -1293,8 +1350,8 @@ absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
       absl::MutexLock table_lock(&table.mu);
       waiting = absl::UnavailableError(absl::StrCat(
           "sparse push for step ", step,
-          " waits on this restored shard: table '", table.spec->name(),
-          "' is still waiting for ",
+          " waits on this restored shard: table ",
+          QuoteForStatus(table.spec->name()), " is still waiting for ",
           DescribeMissing(version, table.last_contributed, *members, "pushes"),
           "; retry"));
     }
@@ -1458,9 +1515,9 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
                   .subspan(r * saved.state_floats, saved.state_floats),
               saved.update_counts[r]);
           !s.ok()) {
-        return absl::DataLossError(absl::StrCat("sparse table '", saved.name,
-                                                "' row ", saved.ids[r], ": ",
-                                                s.message()));
+        return absl::DataLossError(
+            absl::StrCat("sparse table ", QuoteForStatus(saved.name), " row ",
+                         saved.ids[r], ": ", s.message()));
       }
     }
     // A checkpoint copies objects one by one while steps go on, and a CTR

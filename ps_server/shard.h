@@ -79,8 +79,9 @@ struct ShardOptions {
   // id it takes before a row is created for it (0 or 1: the first).
   int64_t sparse_max_rows = 0;
   int sparse_admit_after = 0;
-  // The most memory one shard's dense parameters and optimizer state may
-  // take; a larger model is refused at registration (RESOURCE_EXHAUSTED).
+  // The most memory one shard's dense parameters, optimizer state and block
+  // bookkeeping may take; a larger model is refused at registration
+  // (RESOURCE_EXHAUSTED) before anything is allocated.
   int64_t max_shard_bytes = int64_t{16} << 30;
 };
 
@@ -174,6 +175,10 @@ class Shard {
       const Model& model, const WirePushRequest& request) const;
   absl::StatusOr<std::vector<int>> ResolvePullBlocks(
       const Model& model, const PullRequest& request) const;
+  // Refuses, before anything is allocated, a schema with too many blocks
+  // or one whose values, optimizer state and per-block bookkeeping on this
+  // shard exceed max_shard_bytes.
+  absl::Status CheckModelFits(const ModelSchema& schema) const;
   absl::Status InstallModel(const ModelSchema& schema);
 
   BlockResult PushSyncBlock(Block& block, const Membership& membership,

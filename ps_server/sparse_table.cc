@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/hash.h"
 #include "common/init.h"
+#include "common/status_text.h"
 
 namespace pstrain {
 namespace {
@@ -89,8 +90,8 @@ absl::Status ValidateSparseOptimizer(const SparseOptimizerConfig& c) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--sparse_optimizer must be sgd, adagrad, adam or ftrl, "
-                   "got '",
-                   c.name, "'"));
+                   "got ",
+                   QuoteForStatus(c.name)));
 }
 
 uint64_t DenseCompatibleIdLimit(int64_t dim) {
@@ -179,7 +180,8 @@ absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
   if (o.name.empty()) {
     return absl::InvalidArgumentError("sparse table: the name is empty");
   }
-  const std::string where = absl::StrCat("sparse table '", o.name, "': ");
+  const std::string where =
+      absl::StrCat("sparse table ", QuoteForStatus(o.name), ": ");
   if (o.dim < 1 || o.dim > kMaxDim) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "dim must be in [1, ", kMaxDim, "], got ", o.dim));
@@ -460,9 +462,9 @@ absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
                                absl::Span<float> out) {
   const int64_t d = options_.dim;
   if (out.size() != ids.size() * static_cast<size_t>(d)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sparse table '", options_.name, "': pull of ", ids.size(),
-                     " ids of dim ", d, " into ", out.size(), " floats"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sparse table ", QuoteForStatus(options_.name), ": pull of ",
+        ids.size(), " ids of dim ", d, " into ", out.size(), " floats"));
   }
   std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);
@@ -504,14 +506,15 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
   *result = SparsePushResult();
   const int64_t d = options_.dim;
   if (grads.size() != ids.size() * static_cast<size_t>(d)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sparse table '", options_.name, "': push of ", ids.size(),
-        " ids of dim ", d, " with ", grads.size(), " gradient floats"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sparse table ", QuoteForStatus(options_.name),
+                     ": push of ", ids.size(), " ids of dim ", d, " with ",
+                     grads.size(), " gradient floats"));
   }
   if (!AllFinite(grads)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("sparse table '", options_.name,
-                     "': push with a non-finite gradient; nothing applied"));
+        absl::StrCat("sparse table ", QuoteForStatus(options_.name),
+                     ": push with a non-finite gradient; nothing applied"));
   }
   if (ids.size() > 1) {
     std::vector<uint64_t> sorted(ids.begin(), ids.end());
@@ -519,7 +522,7 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
     auto dup = std::adjacent_find(sorted.begin(), sorted.end());
     if (dup != sorted.end()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "sparse table '", options_.name, "': id ", *dup,
+          "sparse table ", QuoteForStatus(options_.name), ": id ", *dup,
           " appears more than once in one push; sum its gradients first. "
           "Nothing applied"));
     }
@@ -613,8 +616,8 @@ absl::Status SparseTable::LoadRow(uint64_t id, absl::Span<const float> value,
                                   absl::Span<const float> state,
                                   int64_t update_count) {
   const int64_t d = options_.dim;
-  const std::string where =
-      absl::StrCat("sparse table '", options_.name, "': row ", id, ": ");
+  const std::string where = absl::StrCat(
+      "sparse table ", QuoteForStatus(options_.name), ": row ", id, ": ");
   if (value.size() != static_cast<size_t>(d) ||
       state.size() != static_cast<size_t>(row_floats_ - d)) {
     return absl::InvalidArgumentError(absl::StrCat(
