@@ -1,6 +1,7 @@
 #include "ps_server/shard.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -12,6 +13,7 @@
 #include "common/protocol.h"
 #include "common/status_text.h"
 #include "common/tensor_codec.h"
+#include "glog/logging.h"
 #include "ps_server/checkpoint.h"
 
 namespace pstrain {
@@ -88,45 +90,6 @@ std::string DescribeMissing(int64_t version,
 }
 
 }  // namespace
-
-struct Shard::Block {
-  const BlockLocation* location = nullptr;
-  const std::string* tensor_name = nullptr;
-  // Updates applied. Written under mu; read without it by pulls deciding
-  // whether to wait.
-  std::atomic<int64_t> version{0};
-
-  mutable absl::Mutex mu;
-  std::vector<float> value ABSL_GUARDED_BY(mu);
-  std::vector<float> state ABSL_GUARDED_BY(mu);  // optimizer slots
-  // sync: this step's gradient sum (meaningful only once
-  // finite_contributors > 0), and the last step each worker contributed to
-  // (== version: counted in this step).
-  std::vector<float> gradient_sum ABSL_GUARDED_BY(mu);
-  std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
-  int contributors ABSL_GUARDED_BY(mu) = 0;
-  int finite_contributors ABSL_GUARDED_BY(mu) = 0;
-  // async/ssp: the last step applied per worker (-1: none).
-  std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
-};
-
-// A sparse table's rows on this shard and its step protocol (the rows
-// themselves are thread-safe in SparseTable).
-struct Shard::SparseState {
-  const SparseTableSpec* spec = nullptr;
-  std::unique_ptr<SparseTable> table;
-  std::atomic<int64_t> version{0};
-  std::atomic<int64_t> rows_pulled{0}, rows_pushed{0};
-
-  mutable absl::Mutex mu;
-  // sync: this step's per-row gradient sums and who has contributed.
-  absl::flat_hash_map<uint64_t, std::vector<float>> gradient_sum
-      ABSL_GUARDED_BY(mu);
-  std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
-  int contributors ABSL_GUARDED_BY(mu) = 0;
-  // async/ssp: the last step applied per worker (-1: none).
-  std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
-};
 
 struct Shard::Model {
   ModelSchema schema;
@@ -249,6 +212,17 @@ Shard::~Shard() {
 absl::Status Shard::Reject(absl::Status status) {
   requests_rejected_.fetch_add(1);
   return status;
+}
+
+void Shard::ReportInternalError(absl::string_view what,
+                                const absl::Status& status) {
+  internal_errors_.fetch_add(1);
+  LOG(ERROR) << "internal error, validation and apply disagree: " << what
+             << ": " << status;
+  // `bazel test` sets TEST_TMPDIR for a test and every process it starts: a
+  // disagreement then fails the test where it happens.
+  static const bool under_test = std::getenv("TEST_TMPDIR") != nullptr;
+  CHECK(!under_test) << "internal error under test: " << what << ": " << status;
 }
 
 // ---------------------------------------------------------------------------
@@ -655,6 +629,7 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
     const int64_t version = block->version.load();
     if (version >= step) continue;
     lost = std::max(lost, step - version);
+    updates_lost_.fetch_add(step - version);
     block->contributors = 0;
     block->finite_contributors = 0;
     block->version.store(step);
@@ -666,6 +641,7 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
     const int64_t version = state->version.load();
     if (version >= step) continue;
     lost = std::max(lost, step - version);
+    updates_lost_.fetch_add(step - version);
     state->gradient_sum.clear();
     state->contributors = 0;
     state->version.store(step);
@@ -802,10 +778,17 @@ Shard::BlockResult Shard::PushSyncBlock(Block& block,
     // Validated above: dtype supported and length exact, so this cannot fail.
     // The first finite gradient of a step overwrites what the last step
     // left, which saves clearing the sum after every step.
-    DecodeSegments(push.wire->dtype, push.wire->data,
-                   absl::MakeSpan(block.gradient_sum),
-                   /*accumulate=*/block.finite_contributors > 0)
-        .IgnoreError();
+    if (absl::Status s =
+            DecodeSegments(push.wire->dtype, push.wire->data,
+                           absl::MakeSpan(block.gradient_sum),
+                           /*accumulate=*/block.finite_contributors > 0);
+        !s.ok()) {
+      ReportInternalError(
+          absl::StrCat("sync gradient of worker ", worker, " for ",
+                       QuoteForStatus(*block.tensor_name), " block ",
+                       block.location->block, " step ", version),
+          s);
+    }
     ++block.finite_contributors;
   }
   block.last_contributed[worker] = version;
@@ -907,8 +890,13 @@ bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
     ids.push_back(id);
     for (float g : sum) grads.push_back(g * inverse);
   }
-  // Ids are unique (map keys) and lengths consistent: this cannot fail.
-  state.table->Push(ids, grads).IgnoreError();
+  // Ids are unique (map keys) and lengths consistent; only a sum that
+  // overflowed to infinity could be refused.
+  if (absl::Status s = state.table->Push(ids, grads); !s.ok()) {
+    ReportInternalError(absl::StrCat("sync step ", version, " of sparse table ",
+                                     QuoteForStatus(state.spec->name())),
+                        s);
+  }
   state.gradient_sum.clear();
   state.contributors = 0;
   state.version.store(version + 1);
@@ -1023,9 +1011,15 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
         " has a NaN or infinite gradient; the push was not applied")));
   }
   std::vector<float> grads(ids.size() * dim);
-  DecodeSegments(request.dtype(), payload, absl::MakeSpan(grads),
-                 /*accumulate=*/false)
-      .IgnoreError();  // validated above
+  if (absl::Status s =
+          DecodeSegments(request.dtype(), payload, absl::MakeSpan(grads),
+                         /*accumulate=*/false);
+      !s.ok()) {
+    // Validated above, and nothing changed yet: refused as well as counted.
+    ReportInternalError("decoding a validated sparse push", s);
+    return absl::InternalError(
+        absl::StrCat("sparse push not applied: ", s.message()));
+  }
   SparsePushResponse response;
   bool completed = false;
   {
@@ -1079,7 +1073,13 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     }
     SparsePushResult pushed;
     // Validated above (unique ids, sizes, finite): this cannot fail.
-    table.table->Push(ids, grads, &pushed).IgnoreError();
+    if (absl::Status s = table.table->Push(ids, grads, &pushed); !s.ok()) {
+      ReportInternalError(
+          absl::StrCat("async push of worker ", request.worker_id(), " step ",
+                       request.step(), " to sparse table ",
+                       QuoteForStatus(table.spec->name())),
+          s);
+    }
     response.set_rows_dropped(static_cast<int32_t>(pushed.dropped_unadmitted));
     absl::MutexLock lock(&mu_);
     WorkerState& w = workers_[request.worker_id()];
@@ -1099,6 +1099,7 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
   absl::MutexLock lock(&block.mu);
   int64_t& last = block.last_step[request.worker_id];
   if (request.step <= last) return BlockResult::kDuplicate;
+  CountUpdatesLostLocked(block, request.worker_id, request.step);
   last = request.step;
   if (push.nonfinite) {
     nonfinite_skipped_.fetch_add(1);
@@ -1113,15 +1114,38 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
   async_applies_.fetch_add(1);
   // Decoded a piece at a time into the update: the gradient is read once
   // from the received bytes and never written out whole.
-  DecodeSegmentsInPieces(
-      push.wire->dtype, push.wire->data, block.location->length,
-      [&](int64_t offset, absl::Span<const float> piece) {
-        optimizer_->UpdateRange(version + 1, absl::MakeSpan(block.value),
-                                offset, piece, absl::MakeSpan(block.state));
-      })
-      .IgnoreError();  // validated: cannot fail
+  if (absl::Status s = DecodeSegmentsInPieces(
+          push.wire->dtype, push.wire->data, block.location->length,
+          [&](int64_t offset, absl::Span<const float> piece) {
+            block.mu.AssertHeld();  // held by the caller of this callback
+            optimizer_->UpdateRange(version + 1, absl::MakeSpan(block.value),
+                                    offset, piece, absl::MakeSpan(block.state));
+          });
+      !s.ok()) {
+    ReportInternalError(
+        absl::StrCat("async gradient of worker ", request.worker_id, " for ",
+                     QuoteForStatus(*block.tensor_name), " block ",
+                     block.location->block, " step ", request.step),
+        s);
+  }
   block.version.store(version + 1);
   return BlockResult::kApplied;
+}
+
+void Shard::CountUpdatesLostLocked(Block& block, int worker, int64_t step) {
+  if (block.unseen_since_restore.empty() ||
+      !block.unseen_since_restore[worker]) {
+    return;
+  }
+  block.unseen_since_restore[worker] = false;
+  // A worker pushes every step to every block, so its steps between the
+  // checkpoint's last one and this one were applied by the previous life
+  // and lost with it.
+  const int64_t lost = step - 1 - block.last_step[worker];
+  if (lost <= 0) return;
+  block.updates_lost += lost;
+  updates_lost_.fetch_add(lost);
+  AtomicMax(steps_lost_, block.updates_lost);
 }
 
 // ---------------------------------------------------------------------------
@@ -1271,6 +1295,7 @@ void Shard::ReleaseReadyWaiters() {
     absl::MutexLock lock(&mu_);
     auto split = std::stable_partition(waiters_.begin(), waiters_.end(),
                                        [&](const std::unique_ptr<Waiter>& w) {
+                                         mu_.AssertHeld();
                                          return !WaiterReadyLocked(*w);
                                        });
     std::move(split, waiters_.end(), std::back_inserter(ready));
@@ -1481,6 +1506,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
          w < std::min(saved.last_step.size(), block.last_step.size()); ++w) {
       block.last_step[w] = saved.last_step[w];
     }
+    block.unseen_since_restore.assign(block.last_step.size(), true);
   }
   int64_t newest = 0;
   int64_t oldest = restored.blocks.empty() ? 0 : restored.blocks[0].version;
@@ -1526,6 +1552,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
     // old steps again. It skips to the blocks' step (its rows stay), like a
     // fast-forward, and the steps it skips count as lost.
     tables_behind = std::max(tables_behind, oldest - saved.version);
+    updates_lost_.fetch_add(std::max<int64_t>(0, oldest - saved.version));
     table.version.store(std::max(saved.version, oldest));
     newest = std::max(newest, table.version.load());
   }
@@ -1634,6 +1661,8 @@ StatsResponse Shard::Stats() const {
   }
   stats.set_steps_lost(steps_lost_.load());
   stats.set_gradients_lost(gradients_lost_.load());
+  stats.set_updates_lost(updates_lost_.load());
+  stats.set_internal_errors(internal_errors_.load());
   stats.set_ssp_gap_max(ssp_gap_max_.load());
   absl::MutexLock lock(&mu_);
   int members = 0;

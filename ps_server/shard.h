@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -148,8 +149,52 @@ class Shard {
   void BeginShutdown();
 
  private:
-  struct Block;
-  struct SparseState;
+  // Complete here (not only in shard.cc) so that the lock annotations of
+  // the functions below can name their mutexes.
+  struct Block {
+    const BlockLocation* location = nullptr;
+    const std::string* tensor_name = nullptr;
+    // Updates applied. Written under mu; read without it by pulls deciding
+    // whether to wait.
+    std::atomic<int64_t> version{0};
+
+    mutable absl::Mutex mu;
+    std::vector<float> value ABSL_GUARDED_BY(mu);
+    std::vector<float> state ABSL_GUARDED_BY(mu);  // optimizer slots
+    // sync: this step's gradient sum (meaningful only once
+    // finite_contributors > 0), and the last step each worker contributed to
+    // (== version: counted in this step).
+    std::vector<float> gradient_sum ABSL_GUARDED_BY(mu);
+    std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
+    int contributors ABSL_GUARDED_BY(mu) = 0;
+    int finite_contributors ABSL_GUARDED_BY(mu) = 0;
+    // async/ssp: the last step applied per worker (-1: none).
+    std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
+    // async/ssp after a restore: the workers not heard from since. A
+    // worker's first push tells how many of its pushes (those after
+    // last_step) the previous life applied and lost.
+    std::vector<bool> unseen_since_restore ABSL_GUARDED_BY(mu);
+    // Updates this block lost to restores.
+    int64_t updates_lost ABSL_GUARDED_BY(mu) = 0;
+  };
+
+  // A sparse table's rows on this shard and its step protocol (the rows
+  // themselves are thread-safe in SparseTable).
+  struct SparseState {
+    const SparseTableSpec* spec = nullptr;
+    std::unique_ptr<SparseTable> table;
+    std::atomic<int64_t> version{0};
+    std::atomic<int64_t> rows_pulled{0}, rows_pushed{0};
+
+    mutable absl::Mutex mu;
+    // sync: this step's per-row gradient sums and who has contributed.
+    absl::flat_hash_map<uint64_t, std::vector<float>> gradient_sum
+        ABSL_GUARDED_BY(mu);
+    std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
+    int contributors ABSL_GUARDED_BY(mu) = 0;
+    // async/ssp: the last step applied per worker (-1: none).
+    std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
+  };
   struct Model;
   struct Waiter;
   struct WorkerState;
@@ -168,6 +213,15 @@ class Shard {
   Shard(const ShardOptions& options, std::unique_ptr<Optimizer> optimizer);
 
   absl::Status Reject(absl::Status status);
+  // An apply that validation promised could not fail did: a gradient, or
+  // part of one, was not applied. Counted (Stats.internal_errors), logged,
+  // and fatal under `bazel test`, so such a disagreement is found, never
+  // silently dropped.
+  void ReportInternalError(absl::string_view what, const absl::Status& status);
+  // async/ssp: counts the updates of `worker` this block lost to a restore,
+  // at its first push (of `step`) since.
+  void CountUpdatesLostLocked(Block& block, int worker, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
   absl::StatusOr<const Model*> ValidateCommon(uint32_t protocol_version,
                                               int worker_id, int64_t step,
                                               bool allow_observer) const;
@@ -187,13 +241,13 @@ class Shard {
   BlockResult PushAsyncBlock(Block& block, const WirePushRequest& request,
                              const BlockPush& push);
   // Applies the block's step if its quorum is in; true when it did.
-  // Requires block.mu (not annotated: Block is incomplete here).
-  bool CompleteIfReadyLocked(Block& block, const Membership& membership);
+  bool CompleteIfReadyLocked(Block& block, const Membership& membership)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
   void CompleteReadyBlocks();
   // Sparse counterparts of the block step protocol.
-  // Requires state.mu.
   bool CompleteSparseIfReadyLocked(SparseState& state,
-                                   const Membership& membership);
+                                   const Membership& membership)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   absl::StatusOr<SparseState*> ValidateSparse(const Model& model,
                                               absl::string_view table,
                                               absl::Span<const uint64_t> ids,
@@ -224,7 +278,8 @@ class Shard {
   std::string DescribeWait(const Waiter& waiter) const;
   // Which members' gradients `block`'s current step still waits for.
   std::string DescribeBlockWaitLocked(const Block& block,
-                                      const Membership& members) const;
+                                      const Membership& members) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
   // Brings `table` to a sync push's step where a restored shard may: moves a
   // recovering shard forward, or credits the pusher's lost gradient.
   // Unavailable (retryable) while that step still waits for other members.
@@ -275,6 +330,8 @@ class Shard {
   std::atomic<int64_t> async_applies_{0};
   std::atomic<int64_t> steps_lost_{0};
   std::atomic<int64_t> gradients_lost_{0};
+  std::atomic<int64_t> updates_lost_{0};
+  std::atomic<int64_t> internal_errors_{0};
   std::atomic<int64_t> ssp_gap_max_{0};
 };
 

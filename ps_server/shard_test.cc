@@ -406,6 +406,48 @@ TEST(ShardLeaseTest, ALapsedWorkersGradientDoesNotReplaceAMembers) {
   EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 * mean(1, 1, 4)
 }
 
+// Issue 12: a restore loses the updates applied after its checkpoint; in
+// async mode Stats said nothing of them. Each worker's first push after the
+// restore shows how many of its pushes the previous life had applied.
+TEST(ShardRestoreTest, AsyncCountsTheUpdatesARestoreLost) {
+  Fixture original = MakeShard(ConsistencyMode::kAsync, 2);
+  for (int64_t step = 0; step < 2; ++step) {
+    ASSERT_TRUE(DoPush(*original.shard, UniformPush(0, step, 1)).ok());
+  }
+  const RestoredShard checkpoint = RestoredFrom(*original.shard);
+  for (int64_t step = 2; step < 5; ++step) {  // applied, then lost
+    ASSERT_TRUE(DoPush(*original.shard, UniformPush(0, step, 1)).ok());
+  }
+  ASSERT_TRUE(DoPush(*original.shard, UniformPush(1, 0, 1)).ok());  // lost
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(checkpoint).ok());
+  EXPECT_EQ(shard->Stats().updates_lost(), 0);  // nobody has come back yet
+
+  ASSERT_TRUE(DoPush(*shard, UniformPush(0, 5, 1)).ok());
+  StatsResponse stats = shard->Stats();
+  EXPECT_EQ(stats.updates_lost(), 3 * 3);  // steps 2, 3, 4 on 3 blocks
+  EXPECT_EQ(stats.steps_lost(), 3);        // the most one block lost
+  ASSERT_TRUE(DoPush(*shard, UniformPush(0, 6, 1)).ok());  // counted once
+  ASSERT_TRUE(DoPush(*shard, UniformPush(1, 1, 1)).ok());
+  stats = shard->Stats();
+  EXPECT_EQ(stats.updates_lost(), 3 * 3 + 3);  // and worker 1's step 0
+  EXPECT_EQ(stats.steps_lost(), 4);
+  EXPECT_EQ(stats.internal_errors(), 0);
+}
+
+TEST(ShardRestoreTest, SyncCountsTheUpdatesARestoreLost) {
+  Fixture original = MakeShard(ConsistencyMode::kSync, 1);
+  ASSERT_TRUE(DoPush(*original.shard, UniformPush(0, 0, 1)).ok());
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
+  // The worker was at step 3 when the shard died: steps 1 and 2 are lost.
+  auto pulled = DoPull(*shard, PullAt(0, 3), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  const StatsResponse stats = shard->Stats();
+  EXPECT_EQ(stats.steps_lost(), 2);
+  EXPECT_EQ(stats.updates_lost(), 2 * 3);
+}
+
 TEST(ShardSyncTest, PullTimesOutNamingTheMissingWorkers) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 3);
   ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());

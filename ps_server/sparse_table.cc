@@ -301,7 +301,7 @@ void SparseTable::GroupByStripe(absl::Span<const uint64_t> ids,
 }
 
 uint32_t SparseTable::FindAndTouch(Stripe& s, uint64_t id) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   auto it = s.index.find(id);
   if (it == s.index.end()) return kNil;
   const uint32_t slot = it->second;
@@ -316,7 +316,7 @@ uint32_t SparseTable::FindAndTouch(Stripe& s, uint64_t id) const
 // with the initial value and state and makes it most recently used. The
 // caller updates the admission table and the counters.
 uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   uint32_t slot;
   if (s.capacity > 0 && static_cast<int64_t>(s.index.size()) >= s.capacity) {
     slot = s.lru_tail;
@@ -355,7 +355,8 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
 // full. Counts never exceed admit_after, so this ends after at most
 // log2(admit_after) + 1 passes, and the next one is at least capacity/2
 // insertions away: amortised O(log N) per new id.
-void SparseTable::AgeSightings(Stripe& s) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void SparseTable::AgeSightings(Stripe& s) const
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   const size_t target = static_cast<size_t>(sightings_capacity_ / 2);
   while (s.sightings.size() > target) {
     for (auto it = s.sightings.begin(); it != s.sightings.end();) {
@@ -376,7 +377,7 @@ void SparseTable::AgeSightings(Stripe& s) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
 
 // Counts one sighting of a non-resident id; returns its count.
 uint32_t SparseTable::CountSighting(Stripe& s, uint64_t id) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   auto it = s.sightings.find(id);
   if (it == s.sightings.end()) {
     if (static_cast<int64_t>(s.sightings.size()) >= sightings_capacity_) {
@@ -388,7 +389,7 @@ uint32_t SparseTable::CountSighting(Stripe& s, uint64_t id) const
 }
 
 void SparseTable::RememberEvicted(Stripe& s, uint64_t id) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   const uint32_t n = static_cast<uint32_t>(options_.admit_after);
   auto it = s.sightings.find(id);
   if (it == s.sightings.end()) {
