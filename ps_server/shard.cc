@@ -914,6 +914,18 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
       ValidateSparse(**model, request.table(), ids, /*unique=*/false);
   if (!state.ok()) return done(Reject(state.status()), {});
   SparseState* table = *state;
+  // The answer is allocated from the request's size: bounded first.
+  constexpr int64_t kMaxSparsePullBytes = int64_t{1} << 30;
+  const int64_t answer_bytes = static_cast<int64_t>(ids.size()) *
+                               table->spec->dim() * int64_t{sizeof(float)};
+  if (answer_bytes > kMaxSparsePullBytes) {
+    return done(
+        Reject(absl::InvalidArgumentError(absl::StrCat(
+            "sparse pull of ", ids.size(), " rows of dim ", table->spec->dim(),
+            " would answer ", answer_bytes >> 20, " MiB; at most ",
+            kMaxSparsePullBytes >> 20, " MiB: pull fewer ids at a time"))),
+        {});
+  }
   const int64_t step = request.step();
   const int worker = request.worker_id();
   auto answer = [table, ids, done = std::move(done)](absl::Status status) {

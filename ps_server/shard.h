@@ -6,8 +6,11 @@
 // Blocks are the unit of transfer, locking and consistency. Each block has a
 // version: the number of updates applied to it.
 // sync:  a block at version v sums the step-v gradients of the workers; once
-//        the step's quorum is in (every member, or --replicas_to_aggregate of
-//        them), the mean is applied once and the block moves to v + 1.
+//        the step's quorum is in (a gradient from every member counted in
+//        step v, or --replicas_to_aggregate gradients), the mean is applied
+//        once and the block moves to v + 1. A step whose members have all
+//        lapsed completes with the gradients it holds, or with the next one
+//        to arrive: it never waits for nobody.
 //        Gradients for a step that completed without them are dropped and
 //        counted as late. Pull(step t) answers once every requested block is
 //        at version >= t (exactly t unless the worker fell behind).

@@ -639,7 +639,8 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
 }
 
 // A schema with one sparse table "emb" of dim 2, zeros, SGD at rate 1.
-Fixture MakeSparseShard(ConsistencyMode mode, int num_workers) {
+Fixture MakeSparseShard(ConsistencyMode mode, int num_workers,
+                        int64_t dim = 2) {
   Fixture f;
   f.options.mode = mode;
   f.options.num_workers = num_workers;
@@ -650,7 +651,7 @@ Fixture MakeSparseShard(ConsistencyMode mode, int num_workers) {
   *request.mutable_schema() = TestSchema();
   SparseTableSpec* table = request.mutable_schema()->add_sparse();
   table->set_name("emb");
-  table->set_dim(2);
+  table->set_dim(dim);
   table->mutable_optimizer()->set_name("sgd");
   table->mutable_optimizer()->set_learning_rate(1.0f);
   request.set_num_shards(1);
@@ -899,6 +900,30 @@ TEST(ShardSparseTest, BadSparsePushesAreRefusedAndChangeNothing) {
         << c.name << ": " << status;
   }
   EXPECT_EQ(SparseRows(*f.shard, 0, {7}), (std::vector<float>{0, 0}));
+}
+
+// The answer is sized from the request: ids times the table's dim. It is
+// bounded before anything is allocated (16,385 rows of dim 65,536 would be
+// 4 GiB).
+TEST(ShardSparseTest, APullTooLargeToAnswerIsRefusedBeforeAllocating) {
+  Fixture f = MakeSparseShard(ConsistencyMode::kAsync, 1, /*dim=*/65536);
+  SparsePullRequest pull;
+  pull.set_protocol_version(kProtocolVersion);
+  pull.set_worker_id(-1);
+  pull.set_table("emb");
+  for (uint64_t id = 0; id < 16385; ++id) pull.add_ids(id);
+  absl::Notification done;
+  absl::Status answer;
+  f.shard->SparsePull(pull, Soon(),
+                      [&](absl::Status status, SparsePullResponse) {
+                        answer = std::move(status);
+                        done.Notify();
+                      });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(answer.code(), absl::StatusCode::kInvalidArgument) << answer;
+  EXPECT_NE(answer.message().find("pull fewer ids"), std::string::npos)
+      << answer;
+  EXPECT_EQ(f.shard->Stats().sparse(0).rows(), 0);
 }
 
 // The sparse path equals the dense path on a small vocabulary: the same row
