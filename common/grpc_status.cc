@@ -1,6 +1,7 @@
 #include "common/grpc_status.h"
 
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -8,9 +9,19 @@ namespace pstrain {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
+  // A message travels in the call's trailers, which gRPC bounds: one too
+  // long is never sent and the client gets no answer. QuoteForStatus keeps
+  // what a request contributes small; this keeps any message sendable.
+  constexpr size_t kMaxMessageBytes = 8 << 10;
+  std::string message(status.message());
+  if (message.size() > kMaxMessageBytes) {
+    const size_t cut = message.size() - kMaxMessageBytes;
+    message.resize(kMaxMessageBytes);
+    absl::StrAppend(&message, "... (", cut, " more bytes cut)");
+  }
   // Both enums use the canonical Google RPC code numbering.
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+                      std::move(message));
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status,

@@ -527,6 +527,12 @@ std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
   add("pstrain_shard_gradients_lost_total",
       "sync: block gradients lost in a crash, counted as given.", kCounter,
       static_cast<double>(s.gradients_lost()));
+  add("pstrain_shard_updates_lost_total",
+      "Block updates a restore from a checkpoint lost (every mode).", kCounter,
+      static_cast<double>(s.updates_lost()));
+  add("pstrain_shard_internal_errors_total",
+      "Applies that validation promised could not fail and failed (a bug).",
+      kCounter, static_cast<double>(s.internal_errors()));
   return families;
 }
 

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/hash.h"
+#include "common/status_text.h"
 
 namespace pstrain {
 namespace {
@@ -48,7 +49,7 @@ absl::Status ValidateSchema(const ModelSchema& schema) {
   for (int i = 0; i < schema.dense_size(); ++i) {
     const DenseTensorSpec& tensor = schema.dense(i);
     const std::string where =
-        absl::StrCat("tensor ", i, " ('", tensor.name(), "')");
+        absl::StrCat("tensor ", i, " (", QuoteForStatus(tensor.name()), ")");
     if (tensor.name().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": empty name"));
     }
@@ -82,8 +83,8 @@ absl::Status ValidateSchema(const ModelSchema& schema) {
   }
   for (int i = 0; i < schema.sparse_size(); ++i) {
     const SparseTableSpec& table = schema.sparse(i);
-    const std::string where =
-        absl::StrCat("sparse table ", i, " ('", table.name(), "')");
+    const std::string where = absl::StrCat("sparse table ", i, " (",
+                                           QuoteForStatus(table.name()), ")");
     if (table.name().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": empty name"));
     }
@@ -116,9 +117,11 @@ std::string FirstSchemaDifference(const ModelSchema& expected,
   for (int i = 0; i < common; ++i) {
     const DenseTensorSpec& a = expected.dense(i);
     const DenseTensorSpec& b = actual.dense(i);
-    const std::string where = absl::StrCat("tensor ", i, " ('", a.name(), "')");
+    const std::string where =
+        absl::StrCat("tensor ", i, " (", QuoteForStatus(a.name()), ")");
     if (a.name() != b.name()) {
-      return absl::StrCat(where, ": name '", a.name(), "' vs '", b.name(), "'");
+      return absl::StrCat(where, ": name ", QuoteForStatus(a.name()), " vs ",
+                          QuoteForStatus(b.name()));
     }
     if (ShapeString(a) != ShapeString(b)) {
       return absl::StrCat(where, ": shape ", ShapeString(a), " vs ",
@@ -138,9 +141,11 @@ std::string FirstSchemaDifference(const ModelSchema& expected,
   for (int i = 0; i < common_sparse; ++i) {
     if (expected.sparse(i).SerializeAsString() !=
         actual.sparse(i).SerializeAsString()) {
-      return absl::StrCat("sparse table ", i, " ('", expected.sparse(i).name(),
-                          "'): {", expected.sparse(i).ShortDebugString(),
-                          "} vs {", actual.sparse(i).ShortDebugString(), "}");
+      // The specs carry the client's strings: each side is bounded.
+      return absl::StrCat(
+          "sparse table ", i, " (", QuoteForStatus(expected.sparse(i).name()),
+          "): ", QuoteForStatus(expected.sparse(i).ShortDebugString(), 512),
+          " vs ", QuoteForStatus(actual.sparse(i).ShortDebugString(), 512));
     }
   }
   if (expected.sparse_size() != actual.sparse_size()) {
@@ -191,15 +196,15 @@ absl::StatusOr<int> Partition::FindBlock(absl::string_view tensor,
   const int t = FindTensor(tensor);
   if (t < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("unknown tensor '", tensor, "'"));
+        absl::StrCat("unknown tensor ", QuoteForStatus(tensor)));
   }
   const int first = tensor_first_block_[t];
   const int end = t + 1 < NumTensors() ? tensor_first_block_[t + 1]
                                        : static_cast<int>(blocks_.size());
   if (block < 0 || block >= end - first) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", tensor, "' has blocks [0, ", end - first,
-                     "), got block ", block));
+        absl::StrCat("tensor ", QuoteForStatus(tensor), " has blocks [0, ",
+                     end - first, "), got block ", block));
   }
   return first + static_cast<int>(block);
 }

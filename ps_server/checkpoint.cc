@@ -30,6 +30,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "common/partition.h"
+#include "common/status_text.h"
 #include "glog/logging.h"
 #include "proto/checkpoint.pb.h"
 
@@ -279,8 +280,8 @@ class BlockGeometry {
   }
   std::string Describe(int64_t g) const {
     const int t = TensorOf(g);
-    return absl::StrCat("global block ", g, " (tensor '",
-                        schema_->dense(t).name(), "' block ",
+    return absl::StrCat("global block ", g, " (tensor ",
+                        QuoteForStatus(schema_->dense(t).name()), " block ",
                         g - first_block_[t], ")");
   }
 
@@ -459,8 +460,8 @@ absl::Status ValidateSnapshot(const ShardSnapshot& s) {
   for (size_t t = 0; t < s.sparse.size(); ++t) {
     const SparseTableSnapshot& table = s.sparse[t];
     const SparseTableSpec& spec = s.schema.sparse(static_cast<int>(t));
-    const std::string where =
-        absl::StrCat(who, ": sparse table ", t, " '", table.name, "'");
+    const std::string where = absl::StrCat(who, ": sparse table ", t, " ",
+                                           QuoteForStatus(table.name));
     const size_t rows = table.ids.size();
     if (table.name != spec.name() || table.dim != spec.dim() ||
         table.version < 0 || table.state_floats < 0 ||
@@ -468,10 +469,11 @@ absl::Status ValidateSnapshot(const ShardSnapshot& s) {
         table.values.size() != rows * table.dim ||
         table.states.size() != rows * table.state_floats) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ": inconsistent with the schema's '", spec.name(), "' (dim ",
-          spec.dim(), ") or with itself (", rows, " ids, ",
-          table.update_counts.size(), " update counts, ", table.values.size(),
-          " values, ", table.states.size(), " state floats)"));
+          where, ": inconsistent with the schema's ",
+          QuoteForStatus(spec.name()), " (dim ", spec.dim(),
+          ") or with itself (", rows, " ids, ", table.update_counts.size(),
+          " update counts, ", table.values.size(), " values, ",
+          table.states.size(), " state floats)"));
     }
   }
   return absl::OkStatus();
@@ -664,10 +666,10 @@ absl::Status CheckHeaderLengths(const CheckpointHeader& header,
         t.state_floats() > max_floats ||
         (rows > 0 &&
          4 + t.value_floats() + t.state_floats() > max_floats / rows)) {
-      return absl::DataLossError(
-          absl::StrCat("sparse table entry '", t.name(), "' claims ", rows,
-                       " rows of ", t.value_floats(), "+", t.state_floats(),
-                       " floats in a ", file_bytes, "-byte file"));
+      return absl::DataLossError(absl::StrCat(
+          "sparse table entry ", QuoteForStatus(t.name()), " claims ", rows,
+          " rows of ", t.value_floats(), "+", t.state_floats(), " floats in a ",
+          file_bytes, "-byte file"));
     }
     payload_floats += rows * (4 + t.value_floats() + t.state_floats());
     if (payload_floats > max_floats) break;
@@ -742,11 +744,11 @@ absl::Status CheckHeaderContents(const CheckpointHeader& header, int shard_id,
     const SparseTableSpec& spec = header.schema().sparse(t);
     if (table.name() != spec.name() || table.value_floats() != spec.dim() ||
         table.version() < 0) {
-      return absl::DataLossError(
-          absl::StrCat("sparse table entry ", t, " ('", table.name(), "', dim ",
-                       table.value_floats(), ", version ", table.version(),
-                       ") does not match the schema's '", spec.name(),
-                       "' (dim ", spec.dim(), ")"));
+      return absl::DataLossError(absl::StrCat(
+          "sparse table entry ", t, " (", QuoteForStatus(table.name()),
+          ", dim ", table.value_floats(), ", version ", table.version(),
+          ") does not match the schema's ", QuoteForStatus(spec.name()),
+          " (dim ", spec.dim(), ")"));
     }
   }
   return absl::OkStatus();
@@ -1160,13 +1162,14 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
     std::string difference =
         FirstSchemaDifference(first.header.schema(), other.header.schema());
     if (difference.empty() && first.header.mode() != other.header.mode()) {
-      difference = absl::StrCat("mode '", first.header.mode(), "' vs '",
-                                other.header.mode(), "'");
+      difference = absl::StrCat("mode ", QuoteForStatus(first.header.mode()),
+                                " vs ", QuoteForStatus(other.header.mode()));
     }
     if (difference.empty() &&
         first.header.optimizer() != other.header.optimizer()) {
-      difference = absl::StrCat("optimizer '", first.header.optimizer(),
-                                "' vs '", other.header.optimizer(), "'");
+      difference =
+          absl::StrCat("optimizer ", QuoteForStatus(first.header.optimizer()),
+                       " vs ", QuoteForStatus(other.header.optimizer()));
     }
     if (!difference.empty()) {
       return absl::FailedPreconditionError(
@@ -1232,9 +1235,10 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
       if (part.state_floats != merged.state_floats) {
         return absl::FailedPreconditionError(absl::StrCat(
             "checkpoints disagree on the state floats per row of sparse "
-            "table '",
-            merged.name, "': ", file.file.path, " has ", part.state_floats,
-            ", ", first.file.path, " ", merged.state_floats));
+            "table ",
+            QuoteForStatus(merged.name), ": ", file.file.path, " has ",
+            part.state_floats, ", ", first.file.path, " ",
+            merged.state_floats));
       }
       merged.version = std::min(merged.version, part.version);
       merged.ids.insert(merged.ids.end(), part.ids.begin(), part.ids.end());

@@ -34,10 +34,38 @@ absl::Status ParseSmall(const grpc::ByteBuffer& buffer, Message* message) {
     flat.append(piece.data(), piece.size());
   if (!message->ParseFromString(flat)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("malformed ", Message::descriptor()->name(), " (",
-                     flat.size(), " bytes)"));
+        absl::StrCat("malformed ", Message::descriptor()->name(), ": its ",
+                     flat.size(), " bytes are not a valid encoding of it"));
   }
   return absl::OkStatus();
+}
+
+template <typename Message>
+absl::Status SerializeSmall(const Message& message, grpc::ByteBuffer* out) {
+  bool own_buffer = false;
+  const grpc::Status serialized =
+      grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
+  return absl::Status(static_cast<absl::StatusCode>(serialized.error_code()),
+                      serialized.error_message());
+}
+
+// A unary call of small messages: parses the request (refusing and counting
+// bytes that do not parse), runs `handler` (Request -> StatusOr<Response>)
+// and sends its response.
+template <typename Request, typename Handler>
+grpc::ServerUnaryReactor* ServeSmall(Shard* shard,
+                                     grpc::CallbackServerContext* context,
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response,
+                                     Handler handler) {
+  Request parsed;
+  if (absl::Status s = ParseSmall(*request, &parsed); !s.ok()) {
+    shard->CountRejected();
+    return Finish(context, s);
+  }
+  auto result = handler(parsed);
+  if (!result.ok()) return Finish(context, result.status());
+  return Finish(context, SerializeSmall(*result, response));
 }
 
 // The blocks of a pull response and the encoded message that references
@@ -70,14 +98,14 @@ bool ParameterServerService::Authorized(grpc::CallbackServerContext* context,
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
-    grpc::CallbackServerContext* context, const RegisterModelRequest* request,
-    RegisterModelResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  absl::StatusOr<RegisterModelResponse> result = shard_->Register(*request);
-  if (result.ok()) *response = std::move(*result);
-  return Finish(context, result.status());
+  return ServeSmall<RegisterModelRequest>(
+      shard_, context, request, response,
+      [this](const RegisterModelRequest& r) { return shard_->Register(r); });
 }
 
 void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
@@ -129,11 +157,7 @@ absl::Status ParameterServerService::HandlePush(const grpc::ByteBuffer& request,
         "push response dropped by fault injection "
         "(--inject_drop_push_response_probability)");
   }
-  bool own_buffer = false;
-  grpc::Status serialized = grpc::SerializationTraits<PushResponse>::Serialize(
-      *result, response, &own_buffer);
-  return absl::Status(static_cast<absl::StatusCode>(serialized.error_code()),
-                      serialized.error_message());
+  return SerializeSmall(*result, response);
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Pull(
@@ -254,30 +278,35 @@ ParameterServerService::PullStream(grpc::CallbackServerContext* context) {
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
-    grpc::CallbackServerContext* context, const SparsePullRequest* request,
-    SparsePullResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
+  SparsePullRequest pull;
+  if (absl::Status s = ParseSmall(*request, &pull); !s.ok()) {
+    shard_->CountRejected();
+    return Finish(context, s);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   shard_->SparsePull(
-      *request, absl::FromChrono(context->deadline()),
+      pull, absl::FromChrono(context->deadline()),
       [reactor, response](absl::Status status, SparsePullResponse result) {
-        if (status.ok()) *response = std::move(result);
+        if (status.ok()) status = SerializeSmall(result, response);
         reactor->Finish(ToGrpcStatus(status));
       });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::SparsePush(
-    grpc::CallbackServerContext* context, const SparsePushRequest* request,
-    SparsePushResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  absl::StatusOr<SparsePushResponse> result = shard_->SparsePush(*request);
-  if (result.ok()) *response = std::move(*result);
-  return Finish(context, result.status());
+  return ServeSmall<SparsePushRequest>(
+      shard_, context, request, response,
+      [this](const SparsePushRequest& r) { return shard_->SparsePush(r); });
 }
 
 bool ParameterServerService::DropThisResponse() {
@@ -291,46 +320,65 @@ bool ParameterServerService::DropThisResponse() {
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Heartbeat(
-    grpc::CallbackServerContext* context, const HeartbeatRequest* request,
-    HeartbeatResponse*) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  return Finish(context, shard_->Heartbeat(*request));
+  return ServeSmall<HeartbeatRequest>(
+      shard_, context, request, response,
+      [this](const HeartbeatRequest& r) -> absl::StatusOr<HeartbeatResponse> {
+        if (absl::Status s = shard_->Heartbeat(r); !s.ok()) return s;
+        return HeartbeatResponse();
+      });
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Leave(
-    grpc::CallbackServerContext* context, const LeaveRequest* request,
-    LeaveResponse*) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  return Finish(context, shard_->Leave(*request));
+  return ServeSmall<LeaveRequest>(
+      shard_, context, request, response,
+      [this](const LeaveRequest& r) -> absl::StatusOr<LeaveResponse> {
+        if (absl::Status s = shard_->Leave(r); !s.ok()) return s;
+        return LeaveResponse();
+      });
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
-    grpc::CallbackServerContext* context, const CheckpointRequest*,
-    CheckpointResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  if (checkpointer_ == nullptr) {
-    return Finish(context, absl::FailedPreconditionError(
-                               "this server has no --checkpoint_dir"));
-  }
-  absl::StatusOr<std::string> path = checkpointer_->CheckpointNow();
-  if (path.ok()) response->set_path(*path);
-  return Finish(context, path.status());
+  return ServeSmall<CheckpointRequest>(
+      shard_, context, request, response,
+      [this](const CheckpointRequest&) -> absl::StatusOr<CheckpointResponse> {
+        if (checkpointer_ == nullptr) {
+          return absl::FailedPreconditionError(
+              "this server has no --checkpoint_dir");
+        }
+        absl::StatusOr<std::string> path = checkpointer_->CheckpointNow();
+        if (!path.ok()) return path.status();
+        CheckpointResponse answer;
+        answer.set_path(*path);
+        return answer;
+      });
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Stats(
-    grpc::CallbackServerContext* context, const StatsRequest*,
-    StatsResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  *response = shard_->Stats();
-  return Finish(context, absl::OkStatus());
+  return ServeSmall<StatsRequest>(
+      shard_, context, request, response,
+      [this](const StatsRequest&) -> absl::StatusOr<StatsResponse> {
+        return shard_->Stats();
+      });
 }
 
 }  // namespace pstrain

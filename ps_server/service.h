@@ -17,22 +17,25 @@
 
 namespace pstrain {
 
-// Every method on the callback API; Push, Pull and their streams raw. The
-// chain is spelled out because a raw streaming method cannot sit on top of
-// its typed twin (same signature, different reactor type).
+// Every method on the callback API, and raw: requests are parsed here, so
+// that bytes that do not parse get INVALID_ARGUMENT naming the message
+// (gRPC's own parsing answers UNIMPLEMENTED with an empty message), and
+// Push and Pull payloads are neither copied into nor out of protobuf
+// strings. The chain is spelled out because a raw streaming method cannot
+// sit on top of its typed twin (same signature, different reactor type).
 using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Pull<
     ParameterServer::WithRawCallbackMethod_Push<
         ParameterServer::WithRawCallbackMethod_PullStream<
             ParameterServer::WithRawCallbackMethod_PushStream<
-                ParameterServer::WithCallbackMethod_RegisterModel<
-                    ParameterServer::WithCallbackMethod_Stats<
-                        ParameterServer::WithCallbackMethod_Heartbeat<
-                            ParameterServer::WithCallbackMethod_Leave<
-                                ParameterServer::WithCallbackMethod_Checkpoint<
+                ParameterServer::WithRawCallbackMethod_RegisterModel<
+                    ParameterServer::WithRawCallbackMethod_Stats<
+                        ParameterServer::WithRawCallbackMethod_Heartbeat<
+                            ParameterServer::WithRawCallbackMethod_Leave<
+                                ParameterServer::WithRawCallbackMethod_Checkpoint<
                                     ParameterServer::
-                                        WithCallbackMethod_SparsePull<
+                                        WithRawCallbackMethod_SparsePull<
                                             ParameterServer::
-                                                WithCallbackMethod_SparsePush<
+                                                WithRawCallbackMethod_SparsePush<
                                                     ParameterServer::
                                                         Service>>>>>>>>>>>;
 
@@ -54,9 +57,9 @@ class ParameterServerService final : public ParameterServerRawService {
                                   Checkpointer* checkpointer = nullptr)
       : shard_(shard), options_(options), checkpointer_(checkpointer) {}
 
-  grpc::ServerUnaryReactor* RegisterModel(
-      grpc::CallbackServerContext* context, const RegisterModelRequest* request,
-      RegisterModelResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Pull(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
@@ -68,23 +71,23 @@ class ParameterServerService final : public ParameterServerRawService {
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* PullStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
-                                  const StatsRequest* request,
-                                  StatsResponse* response) override;
+                                  const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
-                                      const HeartbeatRequest* request,
-                                      HeartbeatResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context,
-                                  const LeaveRequest* request,
-                                  LeaveResponse* response) override;
+                                  const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SparsePull(grpc::CallbackServerContext* context,
-                                       const SparsePullRequest* request,
-                                       SparsePullResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SparsePush(grpc::CallbackServerContext* context,
-                                       const SparsePushRequest* request,
-                                       SparsePushResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
-                                       const CheckpointRequest* request,
-                                       CheckpointResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
   // Ends every open PushStream/PullStream (each waits for its next request
   // with no deadline of its own), so that Server::Shutdown need not wait for

@@ -1,6 +1,7 @@
 #include "ps_server/shard.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -10,7 +11,9 @@
 #include "absl/time/clock.h"
 #include "common/init.h"
 #include "common/protocol.h"
+#include "common/status_text.h"
 #include "common/tensor_codec.h"
+#include "glog/logging.h"
 #include "ps_server/checkpoint.h"
 
 namespace pstrain {
@@ -20,6 +23,21 @@ namespace {
 // answer is at most this much past its deadline.
 constexpr absl::Duration kReaperInterval = absl::Milliseconds(20);
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+// A model of more blocks is refused: every shard holds the whole block
+// layout, and a block's bookkeeping outweighs its values when blocks are
+// tiny. 2^20 blocks of the workers' default 2^17 elements is 2^37
+// parameters.
+constexpr int64_t kMaxModelBlocks = int64_t{1} << 20;
+// What a block of this shard costs beyond its floats and per-worker steps:
+// the Block (lock, counters, five vectors), its allocations with the
+// allocator's overhead, and the index entries pointing at it. ps_server
+// grew by ~870 bytes per block of one float (sync, 2 workers); the
+// hostile-input test's guard case measures it again and checks that the
+// guard counts at least that much.
+constexpr int64_t kBlockOverheadBytes = 1024;
+// What every shard holds per block of the whole model (its BlockLocation
+// and index entries).
+constexpr int64_t kLayoutBytesPerBlock = 64;
 
 void AtomicMax(std::atomic<int64_t>& target, int64_t value) {
   int64_t current = target.load();
@@ -27,46 +45,51 @@ void AtomicMax(std::atomic<int64_t>& target, int64_t value) {
   }
 }
 
+// Whether a sync step at `version` (of a block or a table) may be applied.
+// It needs at least one gradient, and then every member counted in the
+// step's quorum must have given its own (a count is not enough: gradients
+// of workers whose lease lapsed since are in the sum too), unless
+// --replicas_to_aggregate gradients are in. When every member has lapsed,
+// the gradients already in are the quorum: waiting for nobody would hold
+// the step, and every pull of the next one, forever.
+bool QuorumMet(int64_t version, int contributors,
+               const std::vector<int64_t>& last_contributed,
+               const std::vector<int64_t>& membership,
+               int replicas_to_aggregate) {
+  if (contributors == 0) return false;
+  if (replicas_to_aggregate > 0 && contributors >= replicas_to_aggregate) {
+    return true;
+  }
+  for (size_t w = 0; w < membership.size(); ++w) {
+    if (membership[w] <= version && last_contributed[w] != version) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// What a sync step at `version` still waits for, e.g. "the step 3
+// gradients of workers [1]"; `what` names a contribution ("gradients").
+std::string DescribeMissing(int64_t version,
+                            const std::vector<int64_t>& last_contributed,
+                            const std::vector<int64_t>& membership,
+                            absl::string_view what) {
+  std::vector<int> missing;
+  for (size_t w = 0; w < membership.size(); ++w) {
+    if (membership[w] <= version && last_contributed[w] != version) {
+      missing.push_back(static_cast<int>(w));
+    }
+  }
+  if (missing.empty()) {
+    return absl::StrCat("a first step ", version, " ", what,
+                        ": no member is left in its quorum, the next worker "
+                        "to push it completes it");
+  }
+  return absl::StrCat("the step ", version, " ", what, " of workers [",
+                      absl::StrJoin(missing, ", "), "]");
+}
+
 }  // namespace
-
-struct Shard::Block {
-  const BlockLocation* location = nullptr;
-  const std::string* tensor_name = nullptr;
-  // Updates applied. Written under mu; read without it by pulls deciding
-  // whether to wait.
-  std::atomic<int64_t> version{0};
-
-  mutable absl::Mutex mu;
-  std::vector<float> value ABSL_GUARDED_BY(mu);
-  std::vector<float> state ABSL_GUARDED_BY(mu);  // optimizer slots
-  // sync: this step's gradient sum (meaningful only once
-  // finite_contributors > 0), and the last step each worker contributed to
-  // (== version: counted in this step).
-  std::vector<float> gradient_sum ABSL_GUARDED_BY(mu);
-  std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
-  int contributors ABSL_GUARDED_BY(mu) = 0;
-  int finite_contributors ABSL_GUARDED_BY(mu) = 0;
-  // async/ssp: the last step applied per worker (-1: none).
-  std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
-};
-
-// A sparse table's rows on this shard and its step protocol (the rows
-// themselves are thread-safe in SparseTable).
-struct Shard::SparseState {
-  const SparseTableSpec* spec = nullptr;
-  std::unique_ptr<SparseTable> table;
-  std::atomic<int64_t> version{0};
-  std::atomic<int64_t> rows_pulled{0}, rows_pushed{0};
-
-  mutable absl::Mutex mu;
-  // sync: this step's per-row gradient sums and who has contributed.
-  absl::flat_hash_map<uint64_t, std::vector<float>> gradient_sum
-      ABSL_GUARDED_BY(mu);
-  std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
-  int contributors ABSL_GUARDED_BY(mu) = 0;
-  // async/ssp: the last step applied per worker (-1: none).
-  std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
-};
 
 struct Shard::Model {
   ModelSchema schema;
@@ -191,10 +214,70 @@ absl::Status Shard::Reject(absl::Status status) {
   return status;
 }
 
+void Shard::ReportInternalError(absl::string_view what,
+                                const absl::Status& status) {
+  internal_errors_.fetch_add(1);
+  LOG(ERROR) << "internal error, validation and apply disagree: " << what
+             << ": " << status;
+  // `bazel test` sets TEST_TMPDIR for a test and every process it starts: a
+  // disagreement then fails the test where it happens.
+  static const bool under_test = std::getenv("TEST_TMPDIR") != nullptr;
+  CHECK(!under_test) << "internal error under test: " << what << ": " << status;
+}
+
 // ---------------------------------------------------------------------------
 // Registration and the model.
 
+absl::Status Shard::CheckModelFits(const ModelSchema& schema) const {
+  if (absl::Status s = ValidateSchema(schema); !s.ok()) return s;
+  // Counted from the schema, as Partition::Create will lay it out (blocks
+  // round-robin over the shards), so that nothing is allocated for a model
+  // that is refused.
+  const int64_t block_elements = schema.block_elements();
+  int64_t model_blocks = 0;
+  for (const DenseTensorSpec& tensor : schema.dense()) {
+    // ValidateSchema bounds each tensor to 2^40 elements: no overflow.
+    model_blocks += (NumElements(tensor) + block_elements - 1) / block_elements;
+  }
+  if (model_blocks > kMaxModelBlocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model has ", model_blocks, " blocks of block_elements ",
+        block_elements, "; at most ", kMaxModelBlocks,
+        " are allowed: use a larger block_elements (a worker's "
+        "--block_elements)"));
+  }
+  int64_t shard_blocks = 0, shard_elements = 0, global = 0;
+  for (const DenseTensorSpec& tensor : schema.dense()) {
+    const int64_t elements = NumElements(tensor);
+    for (int64_t offset = 0; offset < elements;
+         offset += block_elements, ++global) {
+      if (global % options_.num_shards != options_.shard_id) continue;
+      ++shard_blocks;
+      shard_elements += std::min(block_elements, elements - offset);
+    }
+  }
+  // Values, optimizer state and (sync) the step's gradient sum, plus what
+  // each block costs beyond its floats: with tiny blocks that is most of it.
+  const int64_t floats_per_element = 1 + optimizer_->state_per_element() + 1;
+  const int64_t per_block =
+      kBlockOverheadBytes + options_.max_workers * int64_t{sizeof(int64_t)};
+  const int64_t bytes = shard_elements * 4 * floats_per_element +
+                        shard_blocks * per_block +
+                        model_blocks * kLayoutBytesPerBlock;
+  if (bytes > options_.max_shard_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the model needs ", bytes >> 20, " MiB on this shard (", shard_elements,
+        " elements with optimizer state in ", shard_blocks,
+        " blocks of at most ", block_elements, " elements, each block ",
+        per_block, " bytes of bookkeeping); --max_shard_memory_gb allows ",
+        options_.max_shard_bytes >> 20,
+        " MiB: use more shards or a larger block_elements"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Shard::InstallModel(const ModelSchema& schema) {
+  if (absl::Status s = CheckModelFits(schema); !s.ok()) return s;
   absl::StatusOr<Partition> partition =
       Partition::Create(schema, options_.num_shards);
   if (!partition.ok()) return partition.status();
@@ -204,19 +287,6 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
   const std::vector<BlockLocation>& all = model->partition.blocks();
   model->local_of_global.assign(all.size(), -1);
   const int slots = optimizer_->state_per_element();
-  int64_t shard_elements = 0;
-  for (int g : model->partition.BlocksOfShard(options_.shard_id)) {
-    shard_elements += all[g].length;
-  }
-  // Values, optimizer state and (sync) the step's gradient sum.
-  const int64_t floats_per_element = 1 + slots + 1;
-  if (shard_elements > options_.max_shard_bytes / 4 / floats_per_element) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the model needs ", shard_elements, " elements on this shard (",
-        shard_elements * 4 * floats_per_element >> 20,
-        " MiB with optimizer state); --max_shard_memory_gb allows ",
-        options_.max_shard_bytes >> 20, " MiB: use more shards"));
-  }
   for (int g : model->partition.BlocksOfShard(options_.shard_id)) {
     const BlockLocation& loc = all[g];
     const DenseTensorSpec& tensor = model->schema.dense(loc.tensor);
@@ -262,8 +332,9 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
     absl::StatusOr<std::unique_ptr<SparseTable>> table =
         SparseTable::Create(table_options);
     if (!table.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sparse table '", spec.name(), "': ", table.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sparse table ", QuoteForStatus(spec.name()), ": ",
+                       table.status().message()));
     }
     auto state = std::make_unique<SparseState>();
     state->spec = &spec;
@@ -500,7 +571,8 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
     const BlockLocation& loc = model.partition.blocks()[*global];
     // Only built for an error: this runs for every block of every push.
     auto where = [&wire] {
-      return absl::StrCat("tensor '", wire.tensor, "' block ", wire.block);
+      return absl::StrCat("tensor ", QuoteForStatus(wire.tensor), " block ",
+                          wire.block);
     };
     const int local = model.local_of_global[*global];
     if (local < 0) {
@@ -557,6 +629,7 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
     const int64_t version = block->version.load();
     if (version >= step) continue;
     lost = std::max(lost, step - version);
+    updates_lost_.fetch_add(step - version);
     block->contributors = 0;
     block->finite_contributors = 0;
     block->version.store(step);
@@ -568,6 +641,7 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
     const int64_t version = state->version.load();
     if (version >= step) continue;
     lost = std::max(lost, step - version);
+    updates_lost_.fetch_add(step - version);
     state->gradient_sum.clear();
     state->contributors = 0;
     state->version.store(step);
@@ -629,8 +703,8 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
               DescribeBlockWaitLocked(block, *membership_), "; retry"));
         } else {
           refused = absl::FailedPreconditionError(
-              absl::StrCat("push for step ", request.step, " but tensor '",
-                           *block.tensor_name, "' block ",
+              absl::StrCat("push for step ", request.step, " but tensor ",
+                           QuoteForStatus(*block.tensor_name), " block ",
                            block.location->block, " is at step ", version,
                            ": a sync worker pushes the step it pulled"));
         }
@@ -704,10 +778,17 @@ Shard::BlockResult Shard::PushSyncBlock(Block& block,
     // Validated above: dtype supported and length exact, so this cannot fail.
     // The first finite gradient of a step overwrites what the last step
     // left, which saves clearing the sum after every step.
-    DecodeSegments(push.wire->dtype, push.wire->data,
-                   absl::MakeSpan(block.gradient_sum),
-                   /*accumulate=*/block.finite_contributors > 0)
-        .IgnoreError();
+    if (absl::Status s =
+            DecodeSegments(push.wire->dtype, push.wire->data,
+                           absl::MakeSpan(block.gradient_sum),
+                           /*accumulate=*/block.finite_contributors > 0);
+        !s.ok()) {
+      ReportInternalError(
+          absl::StrCat("sync gradient of worker ", worker, " for ",
+                       QuoteForStatus(*block.tensor_name), " block ",
+                       block.location->block, " step ", version),
+          s);
+    }
     ++block.finite_contributors;
   }
   block.last_contributed[worker] = version;
@@ -718,14 +799,10 @@ Shard::BlockResult Shard::PushSyncBlock(Block& block,
 
 bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
   const int64_t version = block.version.load();
-  int required = 0;
-  for (int64_t joined_at : membership) required += joined_at <= version;
-  if (options_.replicas_to_aggregate > 0) {
-    required = std::min(required, options_.replicas_to_aggregate);
+  if (!QuorumMet(version, block.contributors, block.last_contributed,
+                 membership, options_.replicas_to_aggregate)) {
+    return false;
   }
-  // With no member left, nobody's gradient can complete the step: pulls
-  // wait (with their deadline) for a worker to join.
-  if (required == 0 || block.contributors < required) return false;
   if (block.finite_contributors > 1) {
     const float inverse = 1.0f / static_cast<float>(block.finite_contributors);
     for (float& g : block.gradient_sum) g *= inverse;
@@ -765,7 +842,7 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
   auto it = model.sparse_index.find(table);
   if (it == model.sparse_index.end()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("unknown sparse table '", table, "'"));
+        absl::StrCat("unknown sparse table ", QuoteForStatus(table)));
   }
   constexpr size_t kMaxIds = size_t{1} << 24;
   if (ids.size() > kMaxIds) {
@@ -776,8 +853,8 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
     const int owner = SparseShardOf(table, id, options_.num_shards);
     if (owner != options_.shard_id) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "row ", id, " of sparse table '", table, "' lives on shard ", owner,
-          ", this is shard ", options_.shard_id));
+          "row ", id, " of sparse table ", QuoteForStatus(table),
+          " lives on shard ", owner, ", this is shard ", options_.shard_id));
     }
   }
   if (unique) {
@@ -786,8 +863,8 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
     for (uint64_t id : ids) {
       if (!seen.insert(id).second) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "row ", id, " of sparse table '", table,
-            "' appears twice in one push: sum its gradients first"));
+            "row ", id, " of sparse table ", QuoteForStatus(table),
+            " appears twice in one push: sum its gradients first"));
       }
     }
   }
@@ -797,12 +874,10 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
 bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
                                         const Membership& membership) {
   const int64_t version = state.version.load();
-  int required = 0;
-  for (int64_t joined_at : membership) required += joined_at <= version;
-  if (options_.replicas_to_aggregate > 0) {
-    required = std::min(required, options_.replicas_to_aggregate);
+  if (!QuorumMet(version, state.contributors, state.last_contributed,
+                 membership, options_.replicas_to_aggregate)) {
+    return false;
   }
-  if (required == 0 || state.contributors < required) return false;
   // Rows a worker did not touch count as a zero gradient from it, as in the
   // dense path: the mean is over every contributor.
   const int64_t dim = state.spec->dim();
@@ -815,8 +890,13 @@ bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
     ids.push_back(id);
     for (float g : sum) grads.push_back(g * inverse);
   }
-  // Ids are unique (map keys) and lengths consistent: this cannot fail.
-  state.table->Push(ids, grads).IgnoreError();
+  // Ids are unique (map keys) and lengths consistent; only a sum that
+  // overflowed to infinity could be refused.
+  if (absl::Status s = state.table->Push(ids, grads); !s.ok()) {
+    ReportInternalError(absl::StrCat("sync step ", version, " of sparse table ",
+                                     QuoteForStatus(state.spec->name())),
+                        s);
+  }
   state.gradient_sum.clear();
   state.contributors = 0;
   state.version.store(version + 1);
@@ -834,6 +914,18 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
       ValidateSparse(**model, request.table(), ids, /*unique=*/false);
   if (!state.ok()) return done(Reject(state.status()), {});
   SparseState* table = *state;
+  // The answer is allocated from the request's size: bounded first.
+  constexpr int64_t kMaxSparsePullBytes = int64_t{1} << 30;
+  const int64_t answer_bytes = static_cast<int64_t>(ids.size()) *
+                               table->spec->dim() * int64_t{sizeof(float)};
+  if (answer_bytes > kMaxSparsePullBytes) {
+    return done(
+        Reject(absl::InvalidArgumentError(absl::StrCat(
+            "sparse pull of ", ids.size(), " rows of dim ", table->spec->dim(),
+            " would answer ", answer_bytes >> 20, " MiB; at most ",
+            kMaxSparsePullBytes >> 20, " MiB: pull fewer ids at a time"))),
+        {});
+  }
   const int64_t step = request.step();
   const int worker = request.worker_id();
   auto answer = [table, ids, done = std::move(done)](absl::Status status) {
@@ -869,10 +961,10 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
         FastForwardLocked(**model, step);
       } else if (version + 1 < step) {
         lock.Release();
-        return answer(Reject(absl::OutOfRangeError(
-            absl::StrCat("sparse pull for step ", step, " but table '",
-                         request.table(), "' is at step ", version,
-                         ": a worker can be at most one step ahead"))));
+        return answer(Reject(absl::OutOfRangeError(absl::StrCat(
+            "sparse pull for step ", step, " but table ",
+            QuoteForStatus(request.table()), " is at step ", version,
+            ": a worker can be at most one step ahead"))));
       }
       // As for blocks: a member pulling step s has pushed s - 1.
       completed = CreditLostGradientsLocked(**model, worker, step);
@@ -917,21 +1009,29 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
   payload.push_back(request.gradients());
   if (request.gradients().size() !=
       static_cast<uint64_t>(ids.size() * dim * element_bytes)) {
-    return Reject(absl::InvalidArgumentError(absl::StrCat(
-        "sparse push to '", request.table(), "': ", request.gradients().size(),
-        " gradient bytes for ", ids.size(), " rows of dim ", dim, ", expected ",
-        ids.size() * dim * element_bytes)));
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("sparse push to ", QuoteForStatus(request.table()), ": ",
+                     request.gradients().size(), " gradient bytes for ",
+                     ids.size(), " rows of dim ", dim, ", expected ",
+                     ids.size() * dim * element_bytes)));
   }
   const int64_t bad = FindNonFiniteSegments(request.dtype(), payload);
   if (bad >= 0) {
     return Reject(absl::InvalidArgumentError(absl::StrCat(
-        "sparse push to '", request.table(), "': row ", ids[bad / dim],
+        "sparse push to ", QuoteForStatus(request.table()), ": row ",
+        ids[bad / dim],
         " has a NaN or infinite gradient; the push was not applied")));
   }
   std::vector<float> grads(ids.size() * dim);
-  DecodeSegments(request.dtype(), payload, absl::MakeSpan(grads),
-                 /*accumulate=*/false)
-      .IgnoreError();  // validated above
+  if (absl::Status s =
+          DecodeSegments(request.dtype(), payload, absl::MakeSpan(grads),
+                         /*accumulate=*/false);
+      !s.ok()) {
+    // Validated above, and nothing changed yet: refused as well as counted.
+    ReportInternalError("decoding a validated sparse push", s);
+    return absl::InternalError(
+        absl::StrCat("sparse push not applied: ", s.message()));
+  }
   SparsePushResponse response;
   bool completed = false;
   {
@@ -947,9 +1047,9 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     absl::MutexLock lock(&table.mu);
     const int64_t version = table.version.load();
     if (request.step() > version) {
-      return Reject(absl::FailedPreconditionError(
-          absl::StrCat("sparse push for step ", request.step(), " but table '",
-                       request.table(), "' is at step ", version)));
+      return Reject(absl::FailedPreconditionError(absl::StrCat(
+          "sparse push for step ", request.step(), " but table ",
+          QuoteForStatus(request.table()), " is at step ", version)));
     }
     if (request.step() < version) {
       const bool duplicate =
@@ -985,7 +1085,13 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     }
     SparsePushResult pushed;
     // Validated above (unique ids, sizes, finite): this cannot fail.
-    table.table->Push(ids, grads, &pushed).IgnoreError();
+    if (absl::Status s = table.table->Push(ids, grads, &pushed); !s.ok()) {
+      ReportInternalError(
+          absl::StrCat("async push of worker ", request.worker_id(), " step ",
+                       request.step(), " to sparse table ",
+                       QuoteForStatus(table.spec->name())),
+          s);
+    }
     response.set_rows_dropped(static_cast<int32_t>(pushed.dropped_unadmitted));
     absl::MutexLock lock(&mu_);
     WorkerState& w = workers_[request.worker_id()];
@@ -1005,6 +1111,7 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
   absl::MutexLock lock(&block.mu);
   int64_t& last = block.last_step[request.worker_id];
   if (request.step <= last) return BlockResult::kDuplicate;
+  CountUpdatesLostLocked(block, request.worker_id, request.step);
   last = request.step;
   if (push.nonfinite) {
     nonfinite_skipped_.fetch_add(1);
@@ -1019,15 +1126,38 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
   async_applies_.fetch_add(1);
   // Decoded a piece at a time into the update: the gradient is read once
   // from the received bytes and never written out whole.
-  DecodeSegmentsInPieces(
-      push.wire->dtype, push.wire->data, block.location->length,
-      [&](int64_t offset, absl::Span<const float> piece) {
-        optimizer_->UpdateRange(version + 1, absl::MakeSpan(block.value),
-                                offset, piece, absl::MakeSpan(block.state));
-      })
-      .IgnoreError();  // validated: cannot fail
+  if (absl::Status s = DecodeSegmentsInPieces(
+          push.wire->dtype, push.wire->data, block.location->length,
+          [&](int64_t offset, absl::Span<const float> piece) {
+            block.mu.AssertHeld();  // held by the caller of this callback
+            optimizer_->UpdateRange(version + 1, absl::MakeSpan(block.value),
+                                    offset, piece, absl::MakeSpan(block.state));
+          });
+      !s.ok()) {
+    ReportInternalError(
+        absl::StrCat("async gradient of worker ", request.worker_id, " for ",
+                     QuoteForStatus(*block.tensor_name), " block ",
+                     block.location->block, " step ", request.step),
+        s);
+  }
   block.version.store(version + 1);
   return BlockResult::kApplied;
+}
+
+void Shard::CountUpdatesLostLocked(Block& block, int worker, int64_t step) {
+  if (block.unseen_since_restore.empty() ||
+      !block.unseen_since_restore[worker]) {
+    return;
+  }
+  block.unseen_since_restore[worker] = false;
+  // A worker pushes every step to every block, so its steps between the
+  // checkpoint's last one and this one were applied by the previous life
+  // and lost with it.
+  const int64_t lost = step - 1 - block.last_step[worker];
+  if (lost <= 0) return;
+  block.updates_lost += lost;
+  updates_lost_.fetch_add(lost);
+  AtomicMax(steps_lost_, block.updates_lost);
 }
 
 // ---------------------------------------------------------------------------
@@ -1049,14 +1179,14 @@ absl::StatusOr<std::vector<int>> Shard::ResolvePullBlocks(
     const int local = model.local_of_global[*global];
     if (local < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", ref.tensor(), "' block ", ref.block(), " lives on shard ",
-          model.partition.blocks()[*global].shard, ", this is shard ",
-          options_.shard_id));
+          "tensor ", QuoteForStatus(ref.tensor()), " block ", ref.block(),
+          " lives on shard ", model.partition.blocks()[*global].shard,
+          ", this is shard ", options_.shard_id));
     }
     if (!seen.insert(local).second) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", ref.tensor(),
-                                                     "' block ", ref.block(),
-                                                     " is requested twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", QuoteForStatus(ref.tensor()), " block ",
+                       ref.block(), " is requested twice"));
     }
     locals.push_back(local);
   }
@@ -1126,12 +1256,12 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
           break;
         }
         lock.Release();
-        return done(
-            Reject(absl::OutOfRangeError(absl::StrCat(
-                "pull for step ", step, " but tensor '", *block.tensor_name,
-                "' block ", block.location->block, " is at step ", version,
-                ": a worker can be at most one step ahead"))),
-            {});
+        return done(Reject(absl::OutOfRangeError(absl::StrCat(
+                        "pull for step ", step, " but tensor ",
+                        QuoteForStatus(*block.tensor_name), " block ",
+                        block.location->block, " is at step ", version,
+                        ": a worker can be at most one step ahead"))),
+                    {});
       }
       recovering_ = false;
       // A member pulling step s has pushed step s - 1 everywhere; a block
@@ -1177,6 +1307,7 @@ void Shard::ReleaseReadyWaiters() {
     absl::MutexLock lock(&mu_);
     auto split = std::stable_partition(waiters_.begin(), waiters_.end(),
                                        [&](const std::unique_ptr<Waiter>& w) {
+                                         mu_.AssertHeld();
                                          return !WaiterReadyLocked(*w);
                                        });
     std::move(split, waiters_.end(), std::back_inserter(ready));
@@ -1210,17 +1341,11 @@ std::string Shard::DescribeWait(const Waiter& waiter) const {
   if (waiter.sparse >= 0) {
     const SparseState& table = *model->sparse[waiter.sparse];
     absl::MutexLock lock(&table.mu);
-    const int64_t version = table.version.load();
-    std::vector<int> missing;
-    for (size_t w = 0; w < members->size(); ++w) {
-      if ((*members)[w] <= version && table.last_contributed[w] != version) {
-        missing.push_back(static_cast<int>(w));
-      }
-    }
-    return absl::StrCat("sparse table '", table.spec->name(),
-                        "' is still waiting for the step ", version,
-                        " pushes of workers [", absl::StrJoin(missing, ", "),
-                        "]");
+    return absl::StrCat(
+        "sparse table ", QuoteForStatus(table.spec->name()),
+        " is still waiting for ",
+        DescribeMissing(table.version.load(), table.last_contributed, *members,
+                        "pushes"));
   }
   for (int local : waiter.locals) {
     const Block& block = *model->blocks[local];
@@ -1233,17 +1358,11 @@ std::string Shard::DescribeWait(const Waiter& waiter) const {
 
 std::string Shard::DescribeBlockWaitLocked(const Block& block,
                                            const Membership& members) const {
-  const int64_t version = block.version.load();
-  std::vector<int> missing;
-  for (size_t w = 0; w < members.size(); ++w) {
-    if (members[w] <= version && block.last_contributed[w] != version) {
-      missing.push_back(static_cast<int>(w));
-    }
-  }
-  return absl::StrCat("tensor '", *block.tensor_name, "' block ",
-                      block.location->block, " is still waiting for the step ",
-                      version, " gradients of workers [",
-                      absl::StrJoin(missing, ", "), "]");
+  return absl::StrCat(
+      "tensor ", QuoteForStatus(*block.tensor_name), " block ",
+      block.location->block, " is still waiting for ",
+      DescribeMissing(block.version.load(), block.last_contributed, members,
+                      "gradients"));
 }
 
 absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
@@ -1266,17 +1385,12 @@ absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
         version <= recovery_horizon_) {
       const std::shared_ptr<const Membership> members = membership_;
       absl::MutexLock table_lock(&table.mu);
-      std::vector<int> missing;
-      for (size_t w = 0; w < members->size(); ++w) {
-        if ((*members)[w] <= version && table.last_contributed[w] != version) {
-          missing.push_back(static_cast<int>(w));
-        }
-      }
       waiting = absl::UnavailableError(absl::StrCat(
           "sparse push for step ", step,
-          " waits on this restored shard: table '", request.table(),
-          "' is still waiting for the step ", version, " pushes of workers [",
-          absl::StrJoin(missing, ", "), "]; retry"));
+          " waits on this restored shard: table ",
+          QuoteForStatus(table.spec->name()), " is still waiting for ",
+          DescribeMissing(version, table.last_contributed, *members, "pushes"),
+          "; retry"));
     }
   }
   if (completed) ReleaseReadyWaiters();
@@ -1404,6 +1518,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
          w < std::min(saved.last_step.size(), block.last_step.size()); ++w) {
       block.last_step[w] = saved.last_step[w];
     }
+    block.unseen_since_restore.assign(block.last_step.size(), true);
   }
   int64_t newest = 0;
   int64_t oldest = restored.blocks.empty() ? 0 : restored.blocks[0].version;
@@ -1438,9 +1553,9 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
                   .subspan(r * saved.state_floats, saved.state_floats),
               saved.update_counts[r]);
           !s.ok()) {
-        return absl::DataLossError(absl::StrCat("sparse table '", saved.name,
-                                                "' row ", saved.ids[r], ": ",
-                                                s.message()));
+        return absl::DataLossError(
+            absl::StrCat("sparse table ", QuoteForStatus(saved.name), " row ",
+                         saved.ids[r], ": ", s.message()));
       }
     }
     // A checkpoint copies objects one by one while steps go on, and a CTR
@@ -1449,6 +1564,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
     // old steps again. It skips to the blocks' step (its rows stay), like a
     // fast-forward, and the steps it skips count as lost.
     tables_behind = std::max(tables_behind, oldest - saved.version);
+    updates_lost_.fetch_add(std::max<int64_t>(0, oldest - saved.version));
     table.version.store(std::max(saved.version, oldest));
     newest = std::max(newest, table.version.load());
   }
@@ -1559,6 +1675,8 @@ StatsResponse Shard::Stats() const {
   }
   stats.set_steps_lost(steps_lost_.load());
   stats.set_gradients_lost(gradients_lost_.load());
+  stats.set_updates_lost(updates_lost_.load());
+  stats.set_internal_errors(internal_errors_.load());
   stats.set_ssp_gap_max(ssp_gap_max_.load());
   absl::MutexLock lock(&mu_);
   int members = 0;

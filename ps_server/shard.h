@@ -6,8 +6,11 @@
 // Blocks are the unit of transfer, locking and consistency. Each block has a
 // version: the number of updates applied to it.
 // sync:  a block at version v sums the step-v gradients of the workers; once
-//        the step's quorum is in (every member, or --replicas_to_aggregate of
-//        them), the mean is applied once and the block moves to v + 1.
+//        the step's quorum is in (a gradient from every member counted in
+//        step v, or --replicas_to_aggregate gradients), the mean is applied
+//        once and the block moves to v + 1. A step whose members have all
+//        lapsed completes with the gradients it holds, or with the next one
+//        to arrive: it never waits for nobody.
 //        Gradients for a step that completed without them are dropped and
 //        counted as late. Pull(step t) answers once every requested block is
 //        at version >= t (exactly t unless the worker fell behind).
@@ -36,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -79,8 +83,9 @@ struct ShardOptions {
   // id it takes before a row is created for it (0 or 1: the first).
   int64_t sparse_max_rows = 0;
   int sparse_admit_after = 0;
-  // The most memory one shard's dense parameters and optimizer state may
-  // take; a larger model is refused at registration (RESOURCE_EXHAUSTED).
+  // The most memory one shard's dense parameters, optimizer state and block
+  // bookkeeping may take; a larger model is refused at registration
+  // (RESOURCE_EXHAUSTED) before anything is allocated.
   int64_t max_shard_bytes = int64_t{16} << 30;
 };
 
@@ -147,8 +152,52 @@ class Shard {
   void BeginShutdown();
 
  private:
-  struct Block;
-  struct SparseState;
+  // Complete here (not only in shard.cc) so that the lock annotations of
+  // the functions below can name their mutexes.
+  struct Block {
+    const BlockLocation* location = nullptr;
+    const std::string* tensor_name = nullptr;
+    // Updates applied. Written under mu; read without it by pulls deciding
+    // whether to wait.
+    std::atomic<int64_t> version{0};
+
+    mutable absl::Mutex mu;
+    std::vector<float> value ABSL_GUARDED_BY(mu);
+    std::vector<float> state ABSL_GUARDED_BY(mu);  // optimizer slots
+    // sync: this step's gradient sum (meaningful only once
+    // finite_contributors > 0), and the last step each worker contributed to
+    // (== version: counted in this step).
+    std::vector<float> gradient_sum ABSL_GUARDED_BY(mu);
+    std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
+    int contributors ABSL_GUARDED_BY(mu) = 0;
+    int finite_contributors ABSL_GUARDED_BY(mu) = 0;
+    // async/ssp: the last step applied per worker (-1: none).
+    std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
+    // async/ssp after a restore: the workers not heard from since. A
+    // worker's first push tells how many of its pushes (those after
+    // last_step) the previous life applied and lost.
+    std::vector<bool> unseen_since_restore ABSL_GUARDED_BY(mu);
+    // Updates this block lost to restores.
+    int64_t updates_lost ABSL_GUARDED_BY(mu) = 0;
+  };
+
+  // A sparse table's rows on this shard and its step protocol (the rows
+  // themselves are thread-safe in SparseTable).
+  struct SparseState {
+    const SparseTableSpec* spec = nullptr;
+    std::unique_ptr<SparseTable> table;
+    std::atomic<int64_t> version{0};
+    std::atomic<int64_t> rows_pulled{0}, rows_pushed{0};
+
+    mutable absl::Mutex mu;
+    // sync: this step's per-row gradient sums and who has contributed.
+    absl::flat_hash_map<uint64_t, std::vector<float>> gradient_sum
+        ABSL_GUARDED_BY(mu);
+    std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
+    int contributors ABSL_GUARDED_BY(mu) = 0;
+    // async/ssp: the last step applied per worker (-1: none).
+    std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
+  };
   struct Model;
   struct Waiter;
   struct WorkerState;
@@ -167,6 +216,15 @@ class Shard {
   Shard(const ShardOptions& options, std::unique_ptr<Optimizer> optimizer);
 
   absl::Status Reject(absl::Status status);
+  // An apply that validation promised could not fail did: a gradient, or
+  // part of one, was not applied. Counted (Stats.internal_errors), logged,
+  // and fatal under `bazel test`, so such a disagreement is found, never
+  // silently dropped.
+  void ReportInternalError(absl::string_view what, const absl::Status& status);
+  // async/ssp: counts the updates of `worker` this block lost to a restore,
+  // at its first push (of `step`) since.
+  void CountUpdatesLostLocked(Block& block, int worker, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
   absl::StatusOr<const Model*> ValidateCommon(uint32_t protocol_version,
                                               int worker_id, int64_t step,
                                               bool allow_observer) const;
@@ -174,6 +232,10 @@ class Shard {
       const Model& model, const WirePushRequest& request) const;
   absl::StatusOr<std::vector<int>> ResolvePullBlocks(
       const Model& model, const PullRequest& request) const;
+  // Refuses, before anything is allocated, a schema with too many blocks
+  // or one whose values, optimizer state and per-block bookkeeping on this
+  // shard exceed max_shard_bytes.
+  absl::Status CheckModelFits(const ModelSchema& schema) const;
   absl::Status InstallModel(const ModelSchema& schema);
 
   BlockResult PushSyncBlock(Block& block, const Membership& membership,
@@ -182,13 +244,13 @@ class Shard {
   BlockResult PushAsyncBlock(Block& block, const WirePushRequest& request,
                              const BlockPush& push);
   // Applies the block's step if its quorum is in; true when it did.
-  // Requires block.mu (not annotated: Block is incomplete here).
-  bool CompleteIfReadyLocked(Block& block, const Membership& membership);
+  bool CompleteIfReadyLocked(Block& block, const Membership& membership)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
   void CompleteReadyBlocks();
   // Sparse counterparts of the block step protocol.
-  // Requires state.mu.
   bool CompleteSparseIfReadyLocked(SparseState& state,
-                                   const Membership& membership);
+                                   const Membership& membership)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   absl::StatusOr<SparseState*> ValidateSparse(const Model& model,
                                               absl::string_view table,
                                               absl::Span<const uint64_t> ids,
@@ -219,7 +281,8 @@ class Shard {
   std::string DescribeWait(const Waiter& waiter) const;
   // Which members' gradients `block`'s current step still waits for.
   std::string DescribeBlockWaitLocked(const Block& block,
-                                      const Membership& members) const;
+                                      const Membership& members) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
   // Brings `table` to a sync push's step where a restored shard may: moves a
   // recovering shard forward, or credits the pusher's lost gradient.
   // Unavailable (retryable) while that step still waits for other members.
@@ -270,6 +333,8 @@ class Shard {
   std::atomic<int64_t> async_applies_{0};
   std::atomic<int64_t> steps_lost_{0};
   std::atomic<int64_t> gradients_lost_{0};
+  std::atomic<int64_t> updates_lost_{0};
+  std::atomic<int64_t> internal_errors_{0};
   std::atomic<int64_t> ssp_gap_max_{0};
 };
 

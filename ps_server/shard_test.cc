@@ -293,6 +293,161 @@ TEST(ShardSyncTest, PushFromAPreviousLifeRetriesUntilTheStepCompletes) {
   EXPECT_EQ(retried->blocks_applied(), 3);
 }
 
+// A sync shard whose leases lapse after `lease` without a request.
+Fixture MakeLeasedShard(int num_workers, absl::Duration lease) {
+  Fixture f;
+  f.options.num_workers = num_workers;
+  f.options.optimizer.learning_rate = 0.5f;
+  f.options.max_pull_wait = absl::Seconds(5);
+  f.options.worker_lease = lease;
+  absl::StatusOr<std::unique_ptr<Shard>> shard = Shard::Create(f.options);
+  EXPECT_TRUE(shard.ok()) << shard.status();
+  f.shard = std::move(*shard);
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  *request.mutable_schema() = TestSchema();
+  request.set_num_shards(1);
+  request.set_num_workers(num_workers);
+  request.set_worker_id(-1);
+  EXPECT_TRUE(f.shard->Register(request).ok());
+  return f;
+}
+
+// Waits (bounded) until every lease has lapsed and the reaper has acted.
+void WaitUntilNoMembers(Shard& shard) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (shard.Stats().members() != 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(shard.Stats().members(), 0);
+}
+
+// Issue 14: after every lease lapsed, a step that already holds gradients
+// has nobody left to wait for. It used to wait forever (its quorum was
+// empty, and a returning worker rejoins at the next step), so every pull of
+// the next step timed out for good.
+TEST(ShardLeaseTest, AStepCompletesWhenEveryLeaseLapsedAfterAPush) {
+  Fixture f = MakeLeasedShard(2, absl::Milliseconds(100));
+  ASSERT_TRUE(DoPull(*f.shard, PullAt(0, 0), Soon())->status.ok());
+  ASSERT_TRUE(DoPull(*f.shard, PullAt(1, 0), Soon())->status.ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  WaitUntilNoMembers(*f.shard);
+  absl::StatusOr<PushResponse> pushed = DoPush(*f.shard, UniformPush(1, 0, 3));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  // Applied with worker 0's, or late when the lapse already completed it
+  // with worker 0's alone: either way step 0 is applied once.
+  EXPECT_EQ(pushed->blocks_applied() + pushed->blocks_late(), 3);
+  for (int worker = 0; worker < 2; ++worker) {
+    auto pulled = DoPull(*f.shard, PullAt(worker, 1), Soon());
+    ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+    EXPECT_EQ(pulled->blocks[0].version, 1);
+  }
+  // Both are members again, at step 1: it needs both gradients.
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 1, 1)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 1);
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 1, 1)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 2);
+}
+
+TEST(ShardLeaseTest, AStepCompletesWhenEveryLeaseLapsedBeforeAnyPush) {
+  Fixture f = MakeLeasedShard(2, absl::Milliseconds(100));
+  ASSERT_TRUE(DoPull(*f.shard, PullAt(0, 0), Soon())->status.ok());
+  ASSERT_TRUE(DoPull(*f.shard, PullAt(1, 0), Soon())->status.ok());
+  WaitUntilNoMembers(*f.shard);
+  EXPECT_EQ(f.shard->Stats().version(), 0);  // nothing to apply yet
+  // The first gradient back completes the step (nobody else is a member),
+  // and the second is late: step 0 is applied once, from worker 1's.
+  absl::StatusOr<PushResponse> first = DoPush(*f.shard, UniformPush(1, 0, 3));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->blocks_applied(), 3);
+  EXPECT_EQ(f.shard->Stats().version(), 1);
+  absl::StatusOr<PushResponse> second = DoPush(*f.shard, UniformPush(0, 0, 1));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->blocks_late(), 3);
+  auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), -0.5f);  // 1 - 0.5 * 3
+}
+
+TEST(ShardLeaseTest, ALoneWorkerSlowerThanItsLeaseStillCompletesItsStep) {
+  Fixture f = MakeLeasedShard(1, absl::Milliseconds(100));
+  for (int64_t step = 0; step < 3; ++step) {
+    auto pulled = DoPull(*f.shard, PullAt(0, step), Soon());
+    ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+    EXPECT_EQ(pulled->blocks[0].version, step);
+    WaitUntilNoMembers(*f.shard);
+    absl::StatusOr<PushResponse> pushed =
+        DoPush(*f.shard, UniformPush(0, step, 1));
+    ASSERT_TRUE(pushed.ok()) << pushed.status();
+    EXPECT_EQ(pushed->blocks_applied(), 3);
+    EXPECT_EQ(f.shard->Stats().version(), step + 1);
+  }
+}
+
+// Gradients of a lapsed worker are in the sum, but they do not stand in
+// for a member's: the step still waits for every member it counts.
+TEST(ShardLeaseTest, ALapsedWorkersGradientDoesNotReplaceAMembers) {
+  Fixture f = MakeLeasedShard(3, absl::Seconds(600));
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  LeaveRequest leave;
+  leave.set_worker_id(0);
+  ASSERT_TRUE(f.shard->Leave(leave).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 0);  // worker 2 is still a member
+  auto waited =
+      DoPull(*f.shard, PullAt(1, 1), absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(waited->status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(waited->status.message().find("workers [2]"), std::string::npos)
+      << waited->status;
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(2, 0, 4)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 1);
+  auto pulled = DoPull(*f.shard, PullAt(1, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 * mean(1, 1, 4)
+}
+
+// Issue 12: a restore loses the updates applied after its checkpoint; in
+// async mode Stats said nothing of them. Each worker's first push after the
+// restore shows how many of its pushes the previous life had applied.
+TEST(ShardRestoreTest, AsyncCountsTheUpdatesARestoreLost) {
+  Fixture original = MakeShard(ConsistencyMode::kAsync, 2);
+  for (int64_t step = 0; step < 2; ++step) {
+    ASSERT_TRUE(DoPush(*original.shard, UniformPush(0, step, 1)).ok());
+  }
+  const RestoredShard checkpoint = RestoredFrom(*original.shard);
+  for (int64_t step = 2; step < 5; ++step) {  // applied, then lost
+    ASSERT_TRUE(DoPush(*original.shard, UniformPush(0, step, 1)).ok());
+  }
+  ASSERT_TRUE(DoPush(*original.shard, UniformPush(1, 0, 1)).ok());  // lost
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(checkpoint).ok());
+  EXPECT_EQ(shard->Stats().updates_lost(), 0);  // nobody has come back yet
+
+  ASSERT_TRUE(DoPush(*shard, UniformPush(0, 5, 1)).ok());
+  StatsResponse stats = shard->Stats();
+  EXPECT_EQ(stats.updates_lost(), 3 * 3);  // steps 2, 3, 4 on 3 blocks
+  EXPECT_EQ(stats.steps_lost(), 3);        // the most one block lost
+  ASSERT_TRUE(DoPush(*shard, UniformPush(0, 6, 1)).ok());  // counted once
+  ASSERT_TRUE(DoPush(*shard, UniformPush(1, 1, 1)).ok());
+  stats = shard->Stats();
+  EXPECT_EQ(stats.updates_lost(), 3 * 3 + 3);  // and worker 1's step 0
+  EXPECT_EQ(stats.steps_lost(), 4);
+  EXPECT_EQ(stats.internal_errors(), 0);
+}
+
+TEST(ShardRestoreTest, SyncCountsTheUpdatesARestoreLost) {
+  Fixture original = MakeShard(ConsistencyMode::kSync, 1);
+  ASSERT_TRUE(DoPush(*original.shard, UniformPush(0, 0, 1)).ok());
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
+  // The worker was at step 3 when the shard died: steps 1 and 2 are lost.
+  auto pulled = DoPull(*shard, PullAt(0, 3), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  const StatsResponse stats = shard->Stats();
+  EXPECT_EQ(stats.steps_lost(), 2);
+  EXPECT_EQ(stats.updates_lost(), 2 * 3);
+}
+
 TEST(ShardSyncTest, PullTimesOutNamingTheMissingWorkers) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 3);
   ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());
@@ -484,7 +639,8 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
 }
 
 // A schema with one sparse table "emb" of dim 2, zeros, SGD at rate 1.
-Fixture MakeSparseShard(ConsistencyMode mode, int num_workers) {
+Fixture MakeSparseShard(ConsistencyMode mode, int num_workers,
+                        int64_t dim = 2) {
   Fixture f;
   f.options.mode = mode;
   f.options.num_workers = num_workers;
@@ -495,7 +651,7 @@ Fixture MakeSparseShard(ConsistencyMode mode, int num_workers) {
   *request.mutable_schema() = TestSchema();
   SparseTableSpec* table = request.mutable_schema()->add_sparse();
   table->set_name("emb");
-  table->set_dim(2);
+  table->set_dim(dim);
   table->mutable_optimizer()->set_name("sgd");
   table->mutable_optimizer()->set_learning_rate(1.0f);
   request.set_num_shards(1);
@@ -744,6 +900,30 @@ TEST(ShardSparseTest, BadSparsePushesAreRefusedAndChangeNothing) {
         << c.name << ": " << status;
   }
   EXPECT_EQ(SparseRows(*f.shard, 0, {7}), (std::vector<float>{0, 0}));
+}
+
+// The answer is sized from the request: ids times the table's dim. It is
+// bounded before anything is allocated (16,385 rows of dim 65,536 would be
+// 4 GiB).
+TEST(ShardSparseTest, APullTooLargeToAnswerIsRefusedBeforeAllocating) {
+  Fixture f = MakeSparseShard(ConsistencyMode::kAsync, 1, /*dim=*/65536);
+  SparsePullRequest pull;
+  pull.set_protocol_version(kProtocolVersion);
+  pull.set_worker_id(-1);
+  pull.set_table("emb");
+  for (uint64_t id = 0; id < 16385; ++id) pull.add_ids(id);
+  absl::Notification done;
+  absl::Status answer;
+  f.shard->SparsePull(pull, Soon(),
+                      [&](absl::Status status, SparsePullResponse) {
+                        answer = std::move(status);
+                        done.Notify();
+                      });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(answer.code(), absl::StatusCode::kInvalidArgument) << answer;
+  EXPECT_NE(answer.message().find("pull fewer ids"), std::string::npos)
+      << answer;
+  EXPECT_EQ(f.shard->Stats().sparse(0).rows(), 0);
 }
 
 // The sparse path equals the dense path on a small vocabulary: the same row

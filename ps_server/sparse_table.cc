@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/hash.h"
 #include "common/init.h"
+#include "common/status_text.h"
 
 namespace pstrain {
 namespace {
@@ -89,8 +90,8 @@ absl::Status ValidateSparseOptimizer(const SparseOptimizerConfig& c) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--sparse_optimizer must be sgd, adagrad, adam or ftrl, "
-                   "got '",
-                   c.name, "'"));
+                   "got ",
+                   QuoteForStatus(c.name)));
 }
 
 uint64_t DenseCompatibleIdLimit(int64_t dim) {
@@ -179,7 +180,8 @@ absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
   if (o.name.empty()) {
     return absl::InvalidArgumentError("sparse table: the name is empty");
   }
-  const std::string where = absl::StrCat("sparse table '", o.name, "': ");
+  const std::string where =
+      absl::StrCat("sparse table ", QuoteForStatus(o.name), ": ");
   if (o.dim < 1 || o.dim > kMaxDim) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "dim must be in [1, ", kMaxDim, "], got ", o.dim));
@@ -299,7 +301,7 @@ void SparseTable::GroupByStripe(absl::Span<const uint64_t> ids,
 }
 
 uint32_t SparseTable::FindAndTouch(Stripe& s, uint64_t id) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   auto it = s.index.find(id);
   if (it == s.index.end()) return kNil;
   const uint32_t slot = it->second;
@@ -314,7 +316,7 @@ uint32_t SparseTable::FindAndTouch(Stripe& s, uint64_t id) const
 // with the initial value and state and makes it most recently used. The
 // caller updates the admission table and the counters.
 uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   uint32_t slot;
   if (s.capacity > 0 && static_cast<int64_t>(s.index.size()) >= s.capacity) {
     slot = s.lru_tail;
@@ -353,7 +355,8 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
 // full. Counts never exceed admit_after, so this ends after at most
 // log2(admit_after) + 1 passes, and the next one is at least capacity/2
 // insertions away: amortised O(log N) per new id.
-void SparseTable::AgeSightings(Stripe& s) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void SparseTable::AgeSightings(Stripe& s) const
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   const size_t target = static_cast<size_t>(sightings_capacity_ / 2);
   while (s.sightings.size() > target) {
     for (auto it = s.sightings.begin(); it != s.sightings.end();) {
@@ -374,7 +377,7 @@ void SparseTable::AgeSightings(Stripe& s) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
 
 // Counts one sighting of a non-resident id; returns its count.
 uint32_t SparseTable::CountSighting(Stripe& s, uint64_t id) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   auto it = s.sightings.find(id);
   if (it == s.sightings.end()) {
     if (static_cast<int64_t>(s.sightings.size()) >= sightings_capacity_) {
@@ -386,7 +389,7 @@ uint32_t SparseTable::CountSighting(Stripe& s, uint64_t id) const
 }
 
 void SparseTable::RememberEvicted(Stripe& s, uint64_t id) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   const uint32_t n = static_cast<uint32_t>(options_.admit_after);
   auto it = s.sightings.find(id);
   if (it == s.sightings.end()) {
@@ -460,9 +463,9 @@ absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
                                absl::Span<float> out) {
   const int64_t d = options_.dim;
   if (out.size() != ids.size() * static_cast<size_t>(d)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sparse table '", options_.name, "': pull of ", ids.size(),
-                     " ids of dim ", d, " into ", out.size(), " floats"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sparse table ", QuoteForStatus(options_.name), ": pull of ",
+        ids.size(), " ids of dim ", d, " into ", out.size(), " floats"));
   }
   std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);
@@ -504,14 +507,15 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
   *result = SparsePushResult();
   const int64_t d = options_.dim;
   if (grads.size() != ids.size() * static_cast<size_t>(d)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sparse table '", options_.name, "': push of ", ids.size(),
-        " ids of dim ", d, " with ", grads.size(), " gradient floats"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sparse table ", QuoteForStatus(options_.name),
+                     ": push of ", ids.size(), " ids of dim ", d, " with ",
+                     grads.size(), " gradient floats"));
   }
   if (!AllFinite(grads)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("sparse table '", options_.name,
-                     "': push with a non-finite gradient; nothing applied"));
+        absl::StrCat("sparse table ", QuoteForStatus(options_.name),
+                     ": push with a non-finite gradient; nothing applied"));
   }
   if (ids.size() > 1) {
     std::vector<uint64_t> sorted(ids.begin(), ids.end());
@@ -519,7 +523,7 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
     auto dup = std::adjacent_find(sorted.begin(), sorted.end());
     if (dup != sorted.end()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "sparse table '", options_.name, "': id ", *dup,
+          "sparse table ", QuoteForStatus(options_.name), ": id ", *dup,
           " appears more than once in one push; sum its gradients first. "
           "Nothing applied"));
     }
@@ -613,8 +617,8 @@ absl::Status SparseTable::LoadRow(uint64_t id, absl::Span<const float> value,
                                   absl::Span<const float> state,
                                   int64_t update_count) {
   const int64_t d = options_.dim;
-  const std::string where =
-      absl::StrCat("sparse table '", options_.name, "': row ", id, ": ");
+  const std::string where = absl::StrCat(
+      "sparse table ", QuoteForStatus(options_.name), ": row ", id, ": ");
   if (value.size() != static_cast<size_t>(d) ||
       state.size() != static_cast<size_t>(row_floats_ - d)) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -225,7 +225,10 @@ class SparseTable {
                      std::vector<uint32_t>* order,
                      std::vector<uint32_t>* begin) const;
 
-  // All below: the stripe's mutex is held.
+  // All below: the stripe's mutex is held. Stripe is incomplete here, so
+  // the definitions in sparse_table.cc carry the annotations
+  // (ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu)), which clang checks at every
+  // caller after them.
   uint32_t FindAndTouch(Stripe& s, uint64_t id) const;
   uint32_t CreateRow(Stripe& s, uint64_t id) const;
   void InitRowState(absl::Span<float> state) const;

@@ -18,14 +18,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -390,6 +393,7 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
   garbage[0] = '\x07';  // field 0, wire type 7: never valid protobuf
   const std::string valid_push = Push(0, 1, 1.0f).SerializeAsString();
   const std::string oversized_payload(2 << 20, '\0');
+  const std::string long_name(70000, 'n');
 
   const auto push = [this](PushRequest request) {
     return [this, request] { return RawPush(0, request); };
@@ -756,6 +760,89 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
       {"register: protocol version 2",
        [this] { return Register(0, Schema(), 0, 2); }, kPrecondition,
        "protocol version 2 is not supported"},
+      // Unparsable bytes, on every method that takes a message: each is
+      // refused naming the message, as Push and Pull are.
+      {"register: random garbage",
+       raw("/pstrain.ParameterServer/RegisterModel", garbage), kInvalid,
+       "malformed RegisterModelRequest"},
+      {"sparse pull: random garbage",
+       raw("/pstrain.ParameterServer/SparsePull", garbage), kInvalid,
+       "malformed SparsePullRequest"},
+      {"sparse push: random garbage",
+       raw("/pstrain.ParameterServer/SparsePush", garbage), kInvalid,
+       "malformed SparsePushRequest"},
+      {"heartbeat: random garbage",
+       raw("/pstrain.ParameterServer/Heartbeat", garbage), kInvalid,
+       "malformed HeartbeatRequest"},
+      {"leave: random garbage", raw("/pstrain.ParameterServer/Leave", garbage),
+       kInvalid, "malformed LeaveRequest"},
+      {"stats: random garbage", raw("/pstrain.ParameterServer/Stats", garbage),
+       kInvalid, "malformed StatsRequest"},
+      {"checkpoint: random garbage",
+       raw("/pstrain.ParameterServer/Checkpoint", garbage), kInvalid,
+       "malformed CheckpointRequest"},
+      {"leave: truncated varint",
+       raw("/pstrain.ParameterServer/Leave", Tag(1, 0) + "\xff"), kInvalid,
+       "malformed LeaveRequest"},
+      // Names far longer than any status may quote: the answer quotes the
+      // start of the name and its length, and comes at once (a status
+      // quoting all of it was never sent: no answer until the deadline).
+      {"push: a 70,000-character tensor name",
+       [this, long_name] {
+         PushRequest p = Push(0, 1, 1.0f, {0});
+         p.mutable_blocks(0)->set_tensor(long_name);
+         return Raw(0, kPushMethod, p.SerializeAsString(), nullptr,
+                    absl::Seconds(5));
+       },
+       kInvalid, "unknown tensor 'nnnnnnnn"},
+      {"push: the answer to a long name is short",
+       [this, long_name] {
+         PushRequest p = Push(0, 1, 1.0f, {0});
+         p.mutable_blocks(0)->set_tensor(long_name);
+         grpc::Status status = Raw(0, kPushMethod, p.SerializeAsString(),
+                                   nullptr, absl::Seconds(5));
+         EXPECT_LT(status.error_message().size(), 1024u);
+         return status;
+       },
+       kInvalid, "...' (70000 bytes)"},
+      {"pull: a 70,000-character tensor name in a BlockRef",
+       [this, long_name] {
+         PullRequest p = Pull(0, 1);
+         BlockRef* ref = p.add_blocks();
+         ref->set_tensor(long_name);
+         return Raw(0, kPullMethod, p.SerializeAsString(), nullptr,
+                    absl::Seconds(5));
+       },
+       kInvalid, "unknown tensor 'nnnnnnnn"},
+      {"register: a schema whose tensor has a 70,000-character name",
+       [this, long_name] {
+         ModelSchema other = Schema();
+         other.mutable_dense(0)->set_name(long_name);
+         return Register(0, other, -1);
+       },
+       kPrecondition, "name 'w' vs 'nnnnnnnn"},
+      {"sparse pull: a 70,000-character table name",
+       [this, long_name] {
+         SparsePullRequest request;
+         request.set_protocol_version(kProtocolVersion);
+         request.set_worker_id(-1);
+         request.set_step(1);
+         request.set_table(long_name);
+         SparsePullResponse response;
+         return stubs_[0]->SparsePull(Context().get(), request, &response);
+       },
+       kInvalid, "...' (70000 bytes)"},
+      {"sparse push: a 70,000-character table name",
+       [this, long_name] {
+         SparsePushRequest request;
+         request.set_protocol_version(kProtocolVersion);
+         request.set_worker_id(0);
+         request.set_step(1);
+         request.set_table(long_name);
+         SparsePushResponse response;
+         return stubs_[0]->SparsePush(Context().get(), request, &response);
+       },
+       kInvalid, "unknown sparse table 'nnnnnnnn"},
       // Not a method of the service.
       {"unknown method", raw("/pstrain.ParameterServer/Nope", valid_push),
        grpc::StatusCode::UNIMPLEMENTED, "", 0},
@@ -990,6 +1077,81 @@ TEST_F(HostileInputTest, AHugeFirstRegistrationIsRefusedClearly) {
       << status.error_code() << ": '" << status.error_message() << "'";
   EXPECT_FALSE(status.error_message().empty());
   EXPECT_TRUE(cluster_->server(0).running()) << cluster_->server(0).Stderr();
+  EXPECT_TRUE(Register(0, Schema(), -1).ok());
+}
+
+// Resident memory of a process, from /proc.
+int64_t ResidentBytes(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (absl::StartsWith(line, "VmRSS:")) {
+      int64_t kib = 0;
+      std::istringstream(line.substr(6)) >> kib;
+      return kib << 10;
+    }
+  }
+  ADD_FAILURE() << "no VmRSS for process " << pid;
+  return 0;
+}
+
+ModelSchema TinyBlocks(int64_t elements) {
+  ModelSchema schema = Schema();
+  schema.mutable_dense(0)->set_shape(0, elements);
+  schema.set_block_elements(1);
+  return schema;
+}
+
+// Issue 14: the guard counted only the floats, so a model in blocks of one
+// element grew the server ~100x more than it was counted for, and the
+// block layout of a huge model was built (for seconds, then failing with
+// UNIMPLEMENTED and no message) before the guard ran.
+TEST_F(HostileInputTest, TheMemoryGuardCountsBlocksAndAllocatesNothingFirst) {
+  constexpr int64_t kLimitMiB = 100;
+  const std::vector<std::string> flags = {"--max_shard_memory_gb=0.09765625"};
+  Start(1, "sync", flags, /*register_model=*/false);
+  const int64_t rss_before = ResidentBytes(cluster_->server(0).pid());
+
+  // 400,000 floats are 3 MiB with their gradient sum; the blocks around
+  // them are not.
+  grpc::Status status = Register(0, TinyBlocks(400000), -1);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << status.error_message();
+  EXPECT_NE(status.error_message().find("bookkeeping"), std::string::npos)
+      << status.error_message();
+  // 3e9 blocks: refused from the schema alone, at once.
+  const absl::Time start = absl::Now();
+  status = Register(0, TinyBlocks(3000000000), -1);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << status.error_message();
+  EXPECT_NE(status.error_message().find("3000000000 blocks"), std::string::npos)
+      << status.error_message();
+  // Neither refusal allocated its model.
+  EXPECT_LT(ResidentBytes(cluster_->server(0).pid()) - rss_before, 16 << 20);
+
+  // What a block really costs: a model the guard admits, measured.
+  constexpr int64_t kBlocks = 50000;
+  ASSERT_TRUE(Register(0, TinyBlocks(kBlocks), -1).ok());
+  const double bytes_per_block =
+      static_cast<double>(ResidentBytes(cluster_->server(0).pid()) -
+                          rss_before) /
+      kBlocks;
+  ASSERT_GT(bytes_per_block, 0);
+  // At that cost the limit holds this many blocks; a fresh server must
+  // refuse a model 10% bigger, so the guard counts at least what the memory
+  // grows by.
+  const int64_t fits =
+      static_cast<int64_t>((kLimitMiB << 20) / bytes_per_block);
+  cluster_->KillServer(0);
+  ASSERT_TRUE(cluster_->RestartServer(0).ok());
+  status = Register(0, TinyBlocks(fits + fits / 10), -1);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << bytes_per_block << " bytes per block measured; "
+      << status.error_message();
+  std::cout << "[ guard ] a block of 1 element costs " << bytes_per_block
+            << " bytes of server memory; a model of " << fits + fits / 10
+            << " such blocks is refused under " << kLimitMiB << " MiB\n";
   EXPECT_TRUE(Register(0, Schema(), -1).ok());
 }
 
