@@ -1,5 +1,8 @@
 #include "kernels/cpu_backend.h"
 
+#include <cblas.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +18,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kernels/op_checks.h"
+
+// From OpenBLAS's own cblas.h; declared here because the cblas.h found
+// first may be another BLAS's (Debian's alternatives), without it.
+extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace pstrain::kernels {
 namespace {
@@ -42,7 +49,22 @@ std::vector<float>& PackBuffer() {
 
 }  // namespace
 
-std::string CpuBackend::Name() const { return "cpu"; }
+int AvailableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+int SetCpuGemmThreads(int threads) {
+  const int count = threads > 0 ? threads : AvailableCores();
+  openblas_set_num_threads(count);
+  return count;
+}
+
+std::string CpuBackend::Name() const {
+  return gemm_ == CpuGemm::kBlas ? "cpu" : "cpu_reference";
+}
 
 absl::StatusOr<void*> CpuBackend::Allocate(size_t bytes) {
   if (bytes > std::numeric_limits<size_t>::max() - kAlignment) {
@@ -97,6 +119,17 @@ absl::Status CpuBackend::Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n,
     return s;
   }
   if (m == 0 || n == 0) return absl::OkStatus();
+
+  // k == 0 and alpha == 0 stay on the path below: BLAS rejects a leading
+  // dimension of 0, and the reference's beta handling is already exact.
+  if (gemm_ == CpuGemm::kBlas && k > 0 && alpha != 0.0f) {
+    // OpenBLAS overwrites C when beta == 0 (stale NaN never leaks), as the
+    // interface requires; cpu_backend_test checks it.
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a,
+                trans_a ? m : k, b, trans_b ? k : n, beta, c, n);
+    return absl::OkStatus();
+  }
 
   // Scale C first; beta == 0 overwrites, so stale contents (even NaN) never
   // reach the result.
@@ -366,6 +399,153 @@ absl::Status CpuBackend::ScatterAdd(int64_t num_indices, int64_t dim,
     // vectorizable row kernel applies.
     AxpyRow(dim, 1.0f, g, row);
   }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Im2Col(const Window2D& w, const float* x, float* col) {
+  if (absl::Status s = internal::ValidateWindow("Im2Col", w, true); !s.ok()) {
+    return s;
+  }
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  if (absl::Status s =
+          Validate("Im2Col", {}, {{"x", x, true}, {"col", col, true}});
+      !s.ok()) {
+    return s;
+  }
+  const int64_t oh_count = w.out_height();
+  const int64_t ow_count = w.out_width();
+  const int64_t c = w.channels;
+  // One (kh, kw) step of a row is a contiguous run of c floats in x (NHWC),
+  // so a row is built from kernel * kernel memcpys or zero fills.
+  float* out = col;
+  for (int64_t n = 0; n < w.batch; ++n) {
+    const float* image = x + n * w.height * w.width * c;
+    for (int64_t oh = 0; oh < oh_count; ++oh) {
+      for (int64_t ow = 0; ow < ow_count; ++ow) {
+        for (int64_t kh = 0; kh < w.kernel; ++kh) {
+          const int64_t ih = oh * w.stride - w.pad + kh;
+          for (int64_t kw = 0; kw < w.kernel; ++kw, out += c) {
+            const int64_t iw = ow * w.stride - w.pad + kw;
+            if (ih < 0 || ih >= w.height || iw < 0 || iw >= w.width) {
+              std::fill(out, out + c, 0.0f);
+            } else {
+              std::memcpy(out, image + (ih * w.width + iw) * c,
+                          c * sizeof(float));
+            }
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Col2Im(const Window2D& w, const float* col, float* x) {
+  if (absl::Status s = internal::ValidateWindow("Col2Im", w, true); !s.ok()) {
+    return s;
+  }
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  if (absl::Status s =
+          Validate("Col2Im", {}, {{"col", col, true}, {"x", x, true}});
+      !s.ok()) {
+    return s;
+  }
+  const int64_t oh_count = w.out_height();
+  const int64_t ow_count = w.out_width();
+  const int64_t c = w.channels;
+  std::fill(x, x + w.input_elements(), 0.0f);
+  // The same walk as Im2Col, adding instead of copying; overlapping windows
+  // (stride < kernel) sum in a fixed order.
+  const float* in = col;
+  for (int64_t n = 0; n < w.batch; ++n) {
+    float* image = x + n * w.height * w.width * c;
+    for (int64_t oh = 0; oh < oh_count; ++oh) {
+      for (int64_t ow = 0; ow < ow_count; ++ow) {
+        for (int64_t kh = 0; kh < w.kernel; ++kh) {
+          const int64_t ih = oh * w.stride - w.pad + kh;
+          for (int64_t kw = 0; kw < w.kernel; ++kw, in += c) {
+            const int64_t iw = ow * w.stride - w.pad + kw;
+            if (ih < 0 || ih >= w.height || iw < 0 || iw >= w.width) continue;
+            AxpyRow(c, 1.0f, in, image + (ih * w.width + iw) * c);
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::MaxPool2D(const Window2D& w, const float* x, float* y,
+                                   int64_t* argmax) {
+  if (absl::Status s = internal::ValidateWindow("MaxPool2D", w, false);
+      !s.ok()) {
+    return s;
+  }
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  if (absl::Status s =
+          Validate("MaxPool2D", {}, {{"x", x, true}, {"y", y, true}});
+      !s.ok()) {
+    return s;
+  }
+  const int64_t oh_count = w.out_height();
+  const int64_t ow_count = w.out_width();
+  const int64_t c = w.channels;
+  int64_t out = 0;
+  for (int64_t n = 0; n < w.batch; ++n) {
+    const int64_t image = n * w.height * w.width * c;
+    for (int64_t oh = 0; oh < oh_count; ++oh) {
+      for (int64_t ow = 0; ow < ow_count; ++ow) {
+        for (int64_t ch = 0; ch < c; ++ch, ++out) {
+          int64_t best = -1;
+          float best_value = 0.0f;
+          for (int64_t kh = 0; kh < w.kernel; ++kh) {
+            const int64_t ih = oh * w.stride + kh;
+            for (int64_t kw = 0; kw < w.kernel; ++kw) {
+              const int64_t iw = ow * w.stride + kw;
+              const int64_t index = image + (ih * w.width + iw) * c + ch;
+              const float v = x[index];
+              // A NaN wins and keeps winning: NaN > v is false for any v.
+              if (best < 0 || v > best_value ||
+                  (std::isnan(v) && !std::isnan(best_value))) {
+                best = index;
+                best_value = v;
+              }
+            }
+          }
+          y[out] = best_value;
+          if (argmax != nullptr) argmax[out] = best;
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::MaxPool2DGrad(const Window2D& w, const float* dy,
+                                       const int64_t* argmax, float* dx) {
+  if (absl::Status s = internal::ValidateWindow("MaxPool2DGrad", w, false);
+      !s.ok()) {
+    return s;
+  }
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  if (absl::Status s = Validate(
+          "MaxPool2DGrad", {},
+          {{"dy", dy, true}, {"argmax", argmax, true}, {"dx", dx, true}});
+      !s.ok()) {
+    return s;
+  }
+  const int64_t inputs = w.input_elements();
+  const int64_t outputs = w.output_elements();
+  // Checked first so that a corrupt argmax leaves dx as it was.
+  for (int64_t i = 0; i < outputs; ++i) {
+    if (argmax[i] < 0 || argmax[i] >= inputs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MaxPool2DGrad: argmax[", i, "] = ", argmax[i],
+                       " is outside the input [0, ", inputs, ")"));
+    }
+  }
+  std::fill(dx, dx + inputs, 0.0f);
+  for (int64_t i = 0; i < outputs; ++i) dx[argmax[i]] += dy[i];
   return absl::OkStatus();
 }
 

@@ -493,6 +493,22 @@ class CountingBackend : public Backend {
     return inner_->ScatterAdd(num_indices, dim, table_rows, grads, indices,
                               table);
   }
+  absl::Status Im2Col(const kernels::Window2D& w, const float* x,
+                      float* col) override {
+    return inner_->Im2Col(w, x, col);
+  }
+  absl::Status Col2Im(const kernels::Window2D& w, const float* col,
+                      float* x) override {
+    return inner_->Col2Im(w, col, x);
+  }
+  absl::Status MaxPool2D(const kernels::Window2D& w, const float* x, float* y,
+                         int64_t* argmax) override {
+    return inner_->MaxPool2D(w, x, y, argmax);
+  }
+  absl::Status MaxPool2DGrad(const kernels::Window2D& w, const float* dy,
+                             const int64_t* argmax, float* dx) override {
+    return inner_->MaxPool2DGrad(w, dy, argmax, dx);
+  }
 
  private:
   std::unique_ptr<Backend> inner_;
