@@ -778,4 +778,25 @@ absl::StatusOr<std::unique_ptr<Model>> CreateLayerModel(
   return std::unique_ptr<Model>(*std::move(model));
 }
 
+absl::StatusOr<std::unique_ptr<Model>> CreateLayerModelFromFlags(
+    kernels::Backend* backend, absl::string_view layer_list,
+    absl::string_view input_shape, int64_t features, int64_t num_classes,
+    int64_t max_batch) {
+  absl::StatusOr<std::vector<LayerSpec>> specs = ParseLayerList(layer_list);
+  if (!specs.ok()) return specs.status();
+  ExampleShape shape = InferExampleShape(features);
+  if (!input_shape.empty()) {
+    absl::StatusOr<ExampleShape> parsed = ParseExampleShape(input_shape);
+    if (!parsed.ok()) return parsed.status();
+    if (parsed->elements() != features) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--input_shape=", input_shape, " holds ", parsed->elements(),
+          " values per example, but the data has ", features, " features"));
+    }
+    shape = *parsed;
+  }
+  return CreateLayerModel(backend, shape, *specs, num_classes, max_batch,
+                          "--layers");
+}
+
 }  // namespace pstrain
