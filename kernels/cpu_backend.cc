@@ -40,6 +40,36 @@ inline void AxpyRow(int64_t n, float s, const float* __restrict b,
   for (; j < n; ++j) c[j] += s * b[j];
 }
 
+// y = max(x, 0), NaN passing through; y may alias x. Each block of 8 is
+// loaded before it is stored, which keeps an aliased y correct and lets
+// GCC's SLP vectorizer turn the block into compare-and-mask at -O2.
+inline void ReluRow(int64_t n, const float* x, float* y) {
+  constexpr int kBlock = 8;
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    float v[kBlock];
+    for (int u = 0; u < kBlock; ++u) v[u] = x[j + u];
+    // v <= 0 is false for NaN, so NaN is kept; -0 becomes +0.
+    for (int u = 0; u < kBlock; ++u) y[j + u] = v[u] <= 0.0f ? 0.0f : v[u];
+  }
+  for (; j < n; ++j) y[j] = x[j] <= 0.0f ? 0.0f : x[j];
+}
+
+// dx = dy where y > 0, else 0; dx may alias dy (blocks as in ReluRow).
+inline void ReluGradRow(int64_t n, const float* y, const float* dy, float* dx) {
+  constexpr int kBlock = 8;
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    float out[kBlock], grad[kBlock];
+    for (int u = 0; u < kBlock; ++u) {
+      out[u] = y[j + u];
+      grad[u] = dy[j + u];
+    }
+    for (int u = 0; u < kBlock; ++u) dx[j + u] = out[u] > 0.0f ? grad[u] : 0.0f;
+  }
+  for (; j < n; ++j) dx[j] = y[j] > 0.0f ? dy[j] : 0.0f;
+}
+
 // Per-thread scratch for packing a transposed B, grown on demand, so that
 // steady-state Gemm calls do not allocate.
 std::vector<float>& PackBuffer() {
@@ -216,10 +246,7 @@ absl::Status CpuBackend::Relu(int64_t n, const float* x, float* y) {
   }
   // NaN passes through (instead of becoming 0) so a diverged model shows up
   // as a NaN loss rather than being silently masked.
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    y[i] = (v > 0.0f || std::isnan(v)) ? v : 0.0f;
-  }
+  ReluRow(n, x, y);
   return absl::OkStatus();
 }
 
@@ -231,7 +258,7 @@ absl::Status CpuBackend::ReluGrad(int64_t n, const float* y, const float* dy,
       !s.ok()) {
     return s;
   }
-  for (int64_t i = 0; i < n; ++i) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+  ReluGradRow(n, y, dy, dx);
   return absl::OkStatus();
 }
 
@@ -426,11 +453,17 @@ absl::Status CpuBackend::Im2Col(const Window2D& w, const float* x, float* col) {
           const int64_t ih = oh * w.stride - w.pad + kh;
           for (int64_t kw = 0; kw < w.kernel; ++kw, out += c) {
             const int64_t iw = ow * w.stride - w.pad + kw;
-            if (ih < 0 || ih >= w.height || iw < 0 || iw >= w.width) {
-              std::fill(out, out + c, 0.0f);
-            } else {
+            const bool inside =
+                ih >= 0 && ih < w.height && iw >= 0 && iw < w.width;
+            if (c == 1) {
+              // One channel (a grey image): a library call per float would
+              // cost more than the copy.
+              *out = inside ? image[ih * w.width + iw] : 0.0f;
+            } else if (inside) {
               std::memcpy(out, image + (ih * w.width + iw) * c,
                           c * sizeof(float));
+            } else {
+              std::fill(out, out + c, 0.0f);
             }
           }
         }
@@ -490,30 +523,47 @@ absl::Status CpuBackend::MaxPool2D(const Window2D& w, const float* x, float* y,
   const int64_t oh_count = w.out_height();
   const int64_t ow_count = w.out_width();
   const int64_t c = w.channels;
-  int64_t out = 0;
+  // Channels are innermost in NHWC, so each window position is one
+  // contiguous row of c values: the running maxima of an output pixel are
+  // updated a row at a time, with selects instead of branches.
+  float* y_row = y;
   for (int64_t n = 0; n < w.batch; ++n) {
     const int64_t image = n * w.height * w.width * c;
     for (int64_t oh = 0; oh < oh_count; ++oh) {
-      for (int64_t ow = 0; ow < ow_count; ++ow) {
-        for (int64_t ch = 0; ch < c; ++ch, ++out) {
-          int64_t best = -1;
-          float best_value = 0.0f;
-          for (int64_t kh = 0; kh < w.kernel; ++kh) {
-            const int64_t ih = oh * w.stride + kh;
-            for (int64_t kw = 0; kw < w.kernel; ++kw) {
-              const int64_t iw = ow * w.stride + kw;
-              const int64_t index = image + (ih * w.width + iw) * c + ch;
-              const float v = x[index];
-              // A NaN wins and keeps winning: NaN > v is false for any v.
-              if (best < 0 || v > best_value ||
-                  (std::isnan(v) && !std::isnan(best_value))) {
-                best = index;
-                best_value = v;
+      for (int64_t ow = 0; ow < ow_count; ++ow, y_row += c) {
+        int64_t* argmax_row =
+            argmax == nullptr ? nullptr : argmax + (y_row - y);
+        for (int64_t kh = 0; kh < w.kernel; ++kh) {
+          const int64_t ih = oh * w.stride + kh;
+          for (int64_t kw = 0; kw < w.kernel; ++kw) {
+            const int64_t iw = ow * w.stride + kw;
+            const int64_t base = image + (ih * w.width + iw) * c;
+            const float* x_row = x + base;
+            if (kh == 0 && kw == 0) {
+              std::memcpy(y_row, x_row, c * sizeof(float));
+              if (argmax_row != nullptr) {
+                for (int64_t ch = 0; ch < c; ++ch) argmax_row[ch] = base + ch;
               }
+              continue;
+            }
+            // The first maximum wins; a NaN wins and keeps winning (v > NaN
+            // is false for every v).
+            if (argmax_row == nullptr) {
+              for (int64_t ch = 0; ch < c; ++ch) {
+                const float v = x_row[ch];
+                const float best = y_row[ch];
+                y_row[ch] = (v > best || (v != v && best == best)) ? v : best;
+              }
+              continue;
+            }
+            for (int64_t ch = 0; ch < c; ++ch) {
+              const float v = x_row[ch];
+              const float best = y_row[ch];
+              const bool take = v > best || (v != v && best == best);
+              y_row[ch] = take ? v : best;
+              argmax_row[ch] = take ? base + ch : argmax_row[ch];
             }
           }
-          y[out] = best_value;
-          if (argmax != nullptr) argmax[out] = best;
         }
       }
     }
