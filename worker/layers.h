@@ -123,6 +123,15 @@ absl::StatusOr<std::unique_ptr<Model>> CreateLayerModel(
     const std::vector<LayerSpec>& specs, int64_t num_classes, int64_t max_batch,
     const std::string& name = "layers");
 
+// The worker's --model=layers: parses --layers (layer_list) and
+// --input_shape (input_shape; empty: InferExampleShape(features)), checks
+// that the shape holds `features` values, and builds the model. Every error
+// is one line naming the flag and the bad item.
+absl::StatusOr<std::unique_ptr<Model>> CreateLayerModelFromFlags(
+    kernels::Backend* backend, absl::string_view layer_list,
+    absl::string_view input_shape, int64_t features, int64_t num_classes,
+    int64_t max_batch);
+
 }  // namespace pstrain
 
 #endif  // PSTRAIN_WORKER_LAYERS_H_
