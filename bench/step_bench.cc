@@ -1,9 +1,14 @@
-// step_bench: the same training job on the CPU backend and on a GPU.
+// step_bench: the same training job on several backends: the exact CPU
+// reference, the CPU with OpenBLAS, a GPU.
 //
-//   bazel run -c opt //bench:step_bench -- [--devices=cpu,cuda:0]
+//   bazel run -c opt //bench:step_bench -- [--devices=cpu_reference,cpu,cuda:0]
 //       [--hidden=1024,1024] [--batch_size=256] [--target_accuracy=0.9]
+//   Fashion-MNIST-shaped (784 features, 10 classes) CNN:
+//   bazel run -c opt //bench:step_bench -- --num_features=784
+//       --num_classes=10 --model=layers --batch_size=128 --target_accuracy=0
 //
-// The job is the worker's MLP (worker/model.h) on the synthetic teacher task
+// The job is the worker's model (worker/model.h: the MLP, or --model=layers
+// with --layers, worker/layers.h) on the synthetic teacher task
 // (worker/data.h), trained with plain SGD in this process: no parameter
 // servers, so it measures compute alone (batch upload, forward, backward,
 // update, and the one loss read-back per step), which is what the backend
@@ -32,6 +37,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -39,11 +45,23 @@
 #include "kernels/backend.h"
 #include "kernels/cuda_backend.h"
 #include "worker/data.h"
+#include "worker/layers.h"
 #include "worker/model.h"
 
-ABSL_FLAG(std::string, devices, "cpu,cuda:0",
-          "Backends to compare, comma-separated (cpu, auto, cuda:N). A GPU "
-          "that is not there is reported and skipped.");
+ABSL_FLAG(std::string, devices, "cpu_reference,cpu,cuda:0",
+          "Backends to compare, comma-separated (cpu_reference, cpu, auto, "
+          "cuda:N); ratios are to the first. A GPU that is not there is "
+          "reported and skipped.");
+ABSL_FLAG(int, cpu_threads, 0,
+          "Threads of the CPU GEMM (OpenBLAS); 0: every core this process may "
+          "use.");
+ABSL_FLAG(std::string, model, "mlp", "mlp (--hidden) or layers (--layers).");
+ABSL_FLAG(std::string, layers,
+          "conv:16:3,relu,maxpool:2,conv:32:3,relu,maxpool:2,flatten,dense:64,"
+          "relu,dense:10",
+          "With --model=layers: the layer list (worker/layers.h).");
+ABSL_FLAG(std::string, input_shape, "",
+          "With --model=layers: HxWxC of one example (empty: inferred).");
 ABSL_FLAG(std::string, precision, "fp32",
           "GEMM precision of the GPU backends: fp32 or bf16.");
 ABSL_FLAG(std::string, hidden, "1024,1024", "Hidden layer sizes.");
@@ -137,9 +155,14 @@ class Trainer {
   Trainer(Backend* backend, const Job& job) : backend_(backend), job_(job) {
     const int64_t batch = absl::GetFlag(FLAGS_batch_size);
     absl::StatusOr<std::unique_ptr<Model>> model =
-        CreateMlp(backend, job.train.num_features, job.hidden,
-                  job.train.num_classes, batch);
-    Check(model.status(), "CreateMlp");
+        absl::GetFlag(FLAGS_model) == "layers"
+            ? CreateLayerModelFromFlags(backend, absl::GetFlag(FLAGS_layers),
+                                        absl::GetFlag(FLAGS_input_shape),
+                                        job.train.num_features,
+                                        job.train.num_classes, batch)
+            : CreateMlp(backend, job.train.num_features, job.hidden,
+                        job.train.num_classes, batch);
+    Check(model.status(), "creating the model");
     model_ = *std::move(model);
     for (const DenseTensorSpec& spec : model_->Params()) {
       int64_t n = 1;
@@ -320,11 +343,18 @@ int Run() {
   job.train = *std::move(train);
   job.test = *std::move(test);
 
+  const bool layers = absl::GetFlag(FLAGS_model) == "layers";
+  if (!layers && absl::GetFlag(FLAGS_model) != "mlp") {
+    std::fprintf(stderr, "step_bench: --model must be mlp or layers\n");
+    return 2;
+  }
+  const std::string description =
+      layers ? absl::StrCat("layers ", absl::GetFlag(FLAGS_layers))
+             : absl::StrCat("MLP hidden [", absl::GetFlag(FLAGS_hidden), "]");
   std::printf(
-      "step_bench: MLP %lld -> [%s] -> %lld, batch %lld, SGD lr %g; "
-      "synthetic task, best achievable accuracy %.3f\n",
-      static_cast<long long>(synthetic.num_features),
-      absl::GetFlag(FLAGS_hidden).c_str(),
+      "step_bench: %lld features -> %s -> %lld classes, batch %lld, SGD lr "
+      "%g; synthetic task, best achievable accuracy %.3f\n",
+      static_cast<long long>(synthetic.num_features), description.c_str(),
       static_cast<long long>(synthetic.num_classes),
       static_cast<long long>(absl::GetFlag(FLAGS_batch_size)),
       absl::GetFlag(FLAGS_learning_rate), SyntheticBestAccuracy(synthetic));
@@ -335,8 +365,10 @@ int Run() {
     const std::string device(device_view);
     kernels::BackendOptions options;
     options.device = device;
-    options.precision =
-        device == "cpu" ? "fp32" : absl::GetFlag(FLAGS_precision);
+    options.precision = absl::StartsWith(device, "cpu")
+                            ? "fp32"
+                            : absl::GetFlag(FLAGS_precision);
+    options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
     absl::StatusOr<std::unique_ptr<Backend>> backend =
         kernels::CreateBackend(options);
     if (!backend.ok()) {
@@ -397,12 +429,12 @@ int Run() {
   for (const Result& r : results) {
     std::printf(
         "{\"bench\":\"step\",\"device\":\"%s\",\"backend\":\"%s\","
-        "\"hidden\":\"%s\",\"batch_size\":%lld,\"ms_per_step\":%.4f,"
+        "\"model\":\"%s\",\"batch_size\":%lld,\"ms_per_step\":%.4f,"
         "\"examples_per_s\":%.1f,\"speedup_vs_%s\":%.3f,"
         "\"seconds_to_target\":%.3f,\"steps_to_target\":%lld,"
         "\"target_accuracy\":%.4f,\"test_accuracy\":%.4f,"
         "\"final_loss\":%.6f}\n",
-        r.device.c_str(), r.name.c_str(), absl::GetFlag(FLAGS_hidden).c_str(),
+        r.device.c_str(), r.name.c_str(), description.c_str(),
         static_cast<long long>(absl::GetFlag(FLAGS_batch_size)),
         r.step_seconds * 1e3, r.examples_per_second, base.device.c_str(),
         base.step_seconds / std::max(r.step_seconds, 1e-12),
@@ -418,7 +450,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "Times the worker's MLP training step on the CPU and GPU backends.");
+      "Times the worker's training step on the CPU and GPU backends.");
   absl::ParseCommandLine(argc, argv);
   return pstrain::Run();
 }

@@ -88,10 +88,22 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
         absl::StrCat("--precision=bf16 needs a CUDA device: ", why));
   };
 
-  if (device == "cpu") {
+  if (options.cpu_threads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--cpu_threads must be >= 0 (0: every core this process may use), "
+        "got ",
+        options.cpu_threads));
+  }
+  const int cpu_threads = SetCpuGemmThreads(options.cpu_threads);
+  if (device == "cpu" || device == "cpu_reference") {
     if (precision == Precision::kBf16) {
-      return bf16_needs_gpu("--device=cpu");
+      return bf16_needs_gpu(absl::StrCat("--device=", device));
     }
+    if (device == "cpu_reference") {
+      return std::make_unique<CpuBackend>(CpuGemm::kReference);
+    }
+    LOG_FIRST_N(INFO, 1) << "CPU GEMMs through OpenBLAS on " << cpu_threads
+                         << " thread(s)";
     return std::make_unique<CpuBackend>();
   }
   if (device == "auto") {
@@ -149,7 +161,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
     return backend;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("--device must be auto, cpu or cuda:N, got '", device, "'"));
+      absl::StrCat("--device must be auto, cpu or cuda:N (or cpu_reference, "
+                   "the exact CPU kernels), got '",
+                   device, "'"));
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(

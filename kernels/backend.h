@@ -23,6 +23,35 @@
 
 namespace pstrain::kernels {
 
+// The geometry of a square window sliding over a batch of NHWC images (a
+// convolution or a pooling): `batch` images of height x width x channels,
+// padded by `pad` zeros on every side, a kernel x kernel window moved by
+// `stride` in both directions. Every backend validates it the same way
+// (op_checks.h: ValidateWindow).
+struct Window2D {
+  int64_t batch = 0;
+  int64_t height = 0;
+  int64_t width = 0;
+  int64_t channels = 0;
+  int64_t kernel = 1;
+  int64_t stride = 1;
+  int64_t pad = 0;
+
+  int64_t out_height() const {
+    return (height + 2 * pad - kernel) / stride + 1;
+  }
+  int64_t out_width() const { return (width + 2 * pad - kernel) / stride + 1; }
+  // Elements of one input image, and of one output image per channel.
+  int64_t input_elements() const { return batch * height * width * channels; }
+  int64_t output_elements() const {
+    return batch * out_height() * out_width() * channels;
+  }
+  // The im2col matrix is [col_rows, col_cols]: one row per output pixel
+  // (n, oh, ow), one column per (kh, kw, c) of the window.
+  int64_t col_rows() const { return batch * out_height() * out_width(); }
+  int64_t col_cols() const { return kernel * kernel * channels; }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -79,6 +108,33 @@ class Backend {
                                            double* loss_sum,
                                            int64_t* num_correct) = 0;
 
+  // Convolution as a GEMM, NHWC: col[(n, oh, ow), (kh, kw, c)] =
+  // x[n, oh * stride - pad + kh, ow * stride - pad + kw, c], 0 where that
+  // falls into the padding. col is [w.col_rows(), w.col_cols()], write-only.
+  // Then col * W[kernel * kernel * channels, out_channels] is the NHWC
+  // convolution output.
+  virtual absl::Status Im2Col(const Window2D& w, const float* x,
+                              float* col) = 0;
+
+  // The adjoint of Im2Col: x (overwritten, [w.input_elements()]) = the sum,
+  // over every col entry, of that entry into the pixel it was read from
+  // (padding entries are dropped). dx of a convolution = Col2Im(dY * W^T).
+  virtual absl::Status Col2Im(const Window2D& w, const float* col,
+                              float* x) = 0;
+
+  // Max pooling, NHWC, no padding (w.pad must be 0): y[n, oh, ow, c] = the
+  // maximum of x over the window. The first maximal element in window order
+  // (kh, then kw) wins; a NaN counts as maximal, so a NaN input shows in y.
+  // argmax (may be null: forward only) receives, per y element, the index
+  // into x of the winner, for MaxPool2DGrad.
+  virtual absl::Status MaxPool2D(const Window2D& w, const float* x, float* y,
+                                 int64_t* argmax) = 0;
+
+  // dx (overwritten, [w.input_elements()]) = the sum of dy over the outputs
+  // whose winner each input element was (argmax from MaxPool2D).
+  virtual absl::Status MaxPool2DGrad(const Window2D& w, const float* dy,
+                                     const int64_t* argmax, float* dx) = 0;
+
   // y = alpha * x + y.
   virtual absl::Status Axpy(int64_t n, float alpha, const float* x,
                             float* y) = 0;
@@ -113,14 +169,19 @@ class Backend {
 
 // What to build a backend for; the fields mirror the worker's flags.
 struct BackendOptions {
-  // "cpu", "auto" (a GPU when one is visible and this build has the CUDA
-  // backend, otherwise the CPU, said once in the log) or "cuda:N"
-  // (Unavailable when that device cannot be had).
+  // "cpu" (GEMMs through OpenBLAS), "cpu_reference" (the exact hand-written
+  // CPU kernels: the oracle of the tests), "auto" (a GPU when one is
+  // visible and this build has the CUDA backend, otherwise "cpu", said once
+  // in the log) or "cuda:N" (Unavailable when that device cannot be had).
   std::string device = "auto";
   // "fp32", or "bf16": GEMM inputs are rounded to bfloat16 and multiplied
   // with fp32 accumulation and fp32 output (CUDA only; every other op and
   // all stored tensors stay fp32).
   std::string precision = "fp32";
+  // Threads of the CPU GEMM (OpenBLAS; a process-wide setting, applied by
+  // CreateBackend whatever the device). 0: the cores this process may run
+  // on (sched_getaffinity).
+  int cpu_threads = 0;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(

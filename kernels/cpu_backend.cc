@@ -1,5 +1,8 @@
 #include "kernels/cpu_backend.h"
 
+#include <cblas.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +18,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kernels/op_checks.h"
+
+// From OpenBLAS's own cblas.h; declared here because the cblas.h found
+// first may be another BLAS's (Debian's alternatives), without it.
+extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace pstrain::kernels {
 namespace {
@@ -33,6 +40,36 @@ inline void AxpyRow(int64_t n, float s, const float* __restrict b,
   for (; j < n; ++j) c[j] += s * b[j];
 }
 
+// y = max(x, 0), NaN passing through; y may alias x. Each block of 8 is
+// loaded before it is stored, which keeps an aliased y correct and lets
+// GCC's SLP vectorizer turn the block into compare-and-mask at -O2.
+inline void ReluRow(int64_t n, const float* x, float* y) {
+  constexpr int kBlock = 8;
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    float v[kBlock];
+    for (int u = 0; u < kBlock; ++u) v[u] = x[j + u];
+    // v <= 0 is false for NaN, so NaN is kept; -0 becomes +0.
+    for (int u = 0; u < kBlock; ++u) y[j + u] = v[u] <= 0.0f ? 0.0f : v[u];
+  }
+  for (; j < n; ++j) y[j] = x[j] <= 0.0f ? 0.0f : x[j];
+}
+
+// dx = dy where y > 0, else 0; dx may alias dy (blocks as in ReluRow).
+inline void ReluGradRow(int64_t n, const float* y, const float* dy, float* dx) {
+  constexpr int kBlock = 8;
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    float out[kBlock], grad[kBlock];
+    for (int u = 0; u < kBlock; ++u) {
+      out[u] = y[j + u];
+      grad[u] = dy[j + u];
+    }
+    for (int u = 0; u < kBlock; ++u) dx[j + u] = out[u] > 0.0f ? grad[u] : 0.0f;
+  }
+  for (; j < n; ++j) dx[j] = y[j] > 0.0f ? dy[j] : 0.0f;
+}
+
 // Per-thread scratch for packing a transposed B, grown on demand, so that
 // steady-state Gemm calls do not allocate.
 std::vector<float>& PackBuffer() {
@@ -42,7 +79,22 @@ std::vector<float>& PackBuffer() {
 
 }  // namespace
 
-std::string CpuBackend::Name() const { return "cpu"; }
+int AvailableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+int SetCpuGemmThreads(int threads) {
+  const int count = threads > 0 ? threads : AvailableCores();
+  openblas_set_num_threads(count);
+  return count;
+}
+
+std::string CpuBackend::Name() const {
+  return gemm_ == CpuGemm::kBlas ? "cpu" : "cpu_reference";
+}
 
 absl::StatusOr<void*> CpuBackend::Allocate(size_t bytes) {
   if (bytes > std::numeric_limits<size_t>::max() - kAlignment) {
@@ -97,6 +149,17 @@ absl::Status CpuBackend::Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n,
     return s;
   }
   if (m == 0 || n == 0) return absl::OkStatus();
+
+  // k == 0 and alpha == 0 stay on the path below: BLAS rejects a leading
+  // dimension of 0, and the reference's beta handling is already exact.
+  if (gemm_ == CpuGemm::kBlas && k > 0 && alpha != 0.0f) {
+    // OpenBLAS overwrites C when beta == 0 (stale NaN never leaks), as the
+    // interface requires; cpu_backend_test checks it.
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a,
+                trans_a ? m : k, b, trans_b ? k : n, beta, c, n);
+    return absl::OkStatus();
+  }
 
   // Scale C first; beta == 0 overwrites, so stale contents (even NaN) never
   // reach the result.
@@ -183,10 +246,7 @@ absl::Status CpuBackend::Relu(int64_t n, const float* x, float* y) {
   }
   // NaN passes through (instead of becoming 0) so a diverged model shows up
   // as a NaN loss rather than being silently masked.
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    y[i] = (v > 0.0f || std::isnan(v)) ? v : 0.0f;
-  }
+  ReluRow(n, x, y);
   return absl::OkStatus();
 }
 
@@ -198,7 +258,7 @@ absl::Status CpuBackend::ReluGrad(int64_t n, const float* y, const float* dy,
       !s.ok()) {
     return s;
   }
-  for (int64_t i = 0; i < n; ++i) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+  ReluGradRow(n, y, dy, dx);
   return absl::OkStatus();
 }
 
@@ -366,6 +426,176 @@ absl::Status CpuBackend::ScatterAdd(int64_t num_indices, int64_t dim,
     // vectorizable row kernel applies.
     AxpyRow(dim, 1.0f, g, row);
   }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Im2Col(const Window2D& w, const float* x, float* col) {
+  if (absl::Status s = internal::ValidateWindow("Im2Col", w, true); !s.ok()) {
+    return s;
+  }
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  if (absl::Status s =
+          Validate("Im2Col", {}, {{"x", x, true}, {"col", col, true}});
+      !s.ok()) {
+    return s;
+  }
+  const int64_t oh_count = w.out_height();
+  const int64_t ow_count = w.out_width();
+  const int64_t c = w.channels;
+  // One (kh, kw) step of a row is a contiguous run of c floats in x (NHWC),
+  // so a row is built from kernel * kernel memcpys or zero fills.
+  float* out = col;
+  for (int64_t n = 0; n < w.batch; ++n) {
+    const float* image = x + n * w.height * w.width * c;
+    for (int64_t oh = 0; oh < oh_count; ++oh) {
+      for (int64_t ow = 0; ow < ow_count; ++ow) {
+        for (int64_t kh = 0; kh < w.kernel; ++kh) {
+          const int64_t ih = oh * w.stride - w.pad + kh;
+          for (int64_t kw = 0; kw < w.kernel; ++kw, out += c) {
+            const int64_t iw = ow * w.stride - w.pad + kw;
+            const bool inside =
+                ih >= 0 && ih < w.height && iw >= 0 && iw < w.width;
+            if (c == 1) {
+              // One channel (a grey image): a library call per float would
+              // cost more than the copy.
+              *out = inside ? image[ih * w.width + iw] : 0.0f;
+            } else if (inside) {
+              std::memcpy(out, image + (ih * w.width + iw) * c,
+                          c * sizeof(float));
+            } else {
+              std::fill(out, out + c, 0.0f);
+            }
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Col2Im(const Window2D& w, const float* col, float* x) {
+  if (absl::Status s = internal::ValidateWindow("Col2Im", w, true); !s.ok()) {
+    return s;
+  }
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  if (absl::Status s =
+          Validate("Col2Im", {}, {{"col", col, true}, {"x", x, true}});
+      !s.ok()) {
+    return s;
+  }
+  const int64_t oh_count = w.out_height();
+  const int64_t ow_count = w.out_width();
+  const int64_t c = w.channels;
+  std::fill(x, x + w.input_elements(), 0.0f);
+  // The same walk as Im2Col, adding instead of copying; overlapping windows
+  // (stride < kernel) sum in a fixed order.
+  const float* in = col;
+  for (int64_t n = 0; n < w.batch; ++n) {
+    float* image = x + n * w.height * w.width * c;
+    for (int64_t oh = 0; oh < oh_count; ++oh) {
+      for (int64_t ow = 0; ow < ow_count; ++ow) {
+        for (int64_t kh = 0; kh < w.kernel; ++kh) {
+          const int64_t ih = oh * w.stride - w.pad + kh;
+          for (int64_t kw = 0; kw < w.kernel; ++kw, in += c) {
+            const int64_t iw = ow * w.stride - w.pad + kw;
+            if (ih < 0 || ih >= w.height || iw < 0 || iw >= w.width) continue;
+            AxpyRow(c, 1.0f, in, image + (ih * w.width + iw) * c);
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::MaxPool2D(const Window2D& w, const float* x, float* y,
+                                   int64_t* argmax) {
+  if (absl::Status s = internal::ValidateWindow("MaxPool2D", w, false);
+      !s.ok()) {
+    return s;
+  }
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  if (absl::Status s =
+          Validate("MaxPool2D", {}, {{"x", x, true}, {"y", y, true}});
+      !s.ok()) {
+    return s;
+  }
+  const int64_t oh_count = w.out_height();
+  const int64_t ow_count = w.out_width();
+  const int64_t c = w.channels;
+  // Channels are innermost in NHWC, so each window position is one
+  // contiguous row of c values: the running maxima of an output pixel are
+  // updated a row at a time, with selects instead of branches.
+  float* y_row = y;
+  for (int64_t n = 0; n < w.batch; ++n) {
+    const int64_t image = n * w.height * w.width * c;
+    for (int64_t oh = 0; oh < oh_count; ++oh) {
+      for (int64_t ow = 0; ow < ow_count; ++ow, y_row += c) {
+        int64_t* argmax_row =
+            argmax == nullptr ? nullptr : argmax + (y_row - y);
+        for (int64_t kh = 0; kh < w.kernel; ++kh) {
+          const int64_t ih = oh * w.stride + kh;
+          for (int64_t kw = 0; kw < w.kernel; ++kw) {
+            const int64_t iw = ow * w.stride + kw;
+            const int64_t base = image + (ih * w.width + iw) * c;
+            const float* x_row = x + base;
+            if (kh == 0 && kw == 0) {
+              std::memcpy(y_row, x_row, c * sizeof(float));
+              if (argmax_row != nullptr) {
+                for (int64_t ch = 0; ch < c; ++ch) argmax_row[ch] = base + ch;
+              }
+              continue;
+            }
+            // The first maximum wins; a NaN wins and keeps winning (v > NaN
+            // is false for every v).
+            if (argmax_row == nullptr) {
+              for (int64_t ch = 0; ch < c; ++ch) {
+                const float v = x_row[ch];
+                const float best = y_row[ch];
+                y_row[ch] = (v > best || (v != v && best == best)) ? v : best;
+              }
+              continue;
+            }
+            for (int64_t ch = 0; ch < c; ++ch) {
+              const float v = x_row[ch];
+              const float best = y_row[ch];
+              const bool take = v > best || (v != v && best == best);
+              y_row[ch] = take ? v : best;
+              argmax_row[ch] = take ? base + ch : argmax_row[ch];
+            }
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::MaxPool2DGrad(const Window2D& w, const float* dy,
+                                       const int64_t* argmax, float* dx) {
+  if (absl::Status s = internal::ValidateWindow("MaxPool2DGrad", w, false);
+      !s.ok()) {
+    return s;
+  }
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  if (absl::Status s = Validate(
+          "MaxPool2DGrad", {},
+          {{"dy", dy, true}, {"argmax", argmax, true}, {"dx", dx, true}});
+      !s.ok()) {
+    return s;
+  }
+  const int64_t inputs = w.input_elements();
+  const int64_t outputs = w.output_elements();
+  // Checked first so that a corrupt argmax leaves dx as it was.
+  for (int64_t i = 0; i < outputs; ++i) {
+    if (argmax[i] < 0 || argmax[i] >= inputs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MaxPool2DGrad: argmax[", i, "] = ", argmax[i],
+                       " is outside the input [0, ", inputs, ")"));
+    }
+  }
+  std::fill(dx, dx + inputs, 0.0f);
+  for (int64_t i = 0; i < outputs; ++i) dx[argmax[i]] += dy[i];
   return absl::OkStatus();
 }
 

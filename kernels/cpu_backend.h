@@ -1,10 +1,15 @@
 // The CPU backend: plain host-memory implementations of every Backend op.
-// It is the reference the other backends are tested against, so it favours
-// exactness and clear semantics (double accumulation where it is cheap,
-// NaN propagation) over peak speed, while staying cache-friendly.
+// Its hand-written kernels are the reference the other backends are tested
+// against, so they favour exactness and clear semantics (double
+// accumulation where it is cheap, NaN propagation) over peak speed, while
+// staying cache-friendly. For training, Gemm (where nearly all the time of
+// a dense or convolutional model goes) runs through OpenBLAS instead:
+// CpuGemm::kBlas, what --device=cpu trains with; --device=cpu_reference
+// (CpuGemm::kReference) keeps the exact kernel everywhere.
 //
-// Ops run synchronously on the calling thread. One CpuBackend may be used
-// from several threads at once: it holds no mutable state of its own.
+// Ops run synchronously on the calling thread (OpenBLAS may fan a GEMM out
+// to its own threads). One CpuBackend may be used from several threads at
+// once: it holds no mutable state of its own.
 #ifndef PSTRAIN_KERNELS_CPU_BACKEND_H_
 #define PSTRAIN_KERNELS_CPU_BACKEND_H_
 
@@ -18,13 +23,27 @@
 
 namespace pstrain::kernels {
 
+// How CpuBackend::Gemm multiplies.
+enum class CpuGemm {
+  kBlas,       // cblas_sgemm from OpenBLAS: fast, float accumulation
+  kReference,  // the exact hand-written kernel
+};
+
+// Sets the threads OpenBLAS uses, for the whole process (OpenBLAS has one
+// pool); threads <= 0 means the cores this process may run on. Returns the
+// count set.
+int SetCpuGemmThreads(int threads);
+
+// The cores this process may run on (sched_getaffinity), at least 1.
+int AvailableCores();
+
 class CpuBackend final : public Backend {
  public:
   // Alignment of every Allocate result, in bytes (a cache line; enough for
   // any SIMD load).
   static constexpr size_t kAlignment = 64;
 
-  CpuBackend() = default;
+  explicit CpuBackend(CpuGemm gemm = CpuGemm::kBlas) : gemm_(gemm) {}
   CpuBackend(const CpuBackend&) = delete;
   CpuBackend& operator=(const CpuBackend&) = delete;
 
@@ -62,6 +81,15 @@ class CpuBackend final : public Backend {
   absl::Status ScatterAdd(int64_t num_indices, int64_t dim, int64_t table_rows,
                           const float* grads, const int64_t* indices,
                           float* table) override;
+  absl::Status Im2Col(const Window2D& w, const float* x, float* col) override;
+  absl::Status Col2Im(const Window2D& w, const float* col, float* x) override;
+  absl::Status MaxPool2D(const Window2D& w, const float* x, float* y,
+                         int64_t* argmax) override;
+  absl::Status MaxPool2DGrad(const Window2D& w, const float* dy,
+                             const int64_t* argmax, float* dx) override;
+
+ private:
+  const CpuGemm gemm_;
 };
 
 }  // namespace pstrain::kernels

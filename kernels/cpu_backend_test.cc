@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
@@ -61,7 +62,18 @@ void ExpectNear(const std::vector<float>& actual,
   }
 }
 
-TEST(CpuBackendTest, Name) { EXPECT_EQ(CpuBackend().Name(), "cpu"); }
+TEST(CpuBackendTest, Name) {
+  EXPECT_EQ(CpuBackend().Name(), "cpu");
+  EXPECT_EQ(CpuBackend(CpuGemm::kReference).Name(), "cpu_reference");
+}
+
+// The GEMM tests run on both CPU GEMMs: OpenBLAS (what training uses) must
+// keep every contract of the reference.
+constexpr CpuGemm kBothGemms[] = {CpuGemm::kReference, CpuGemm::kBlas};
+
+std::string GemmName(CpuGemm gemm) {
+  return gemm == CpuGemm::kBlas ? "blas" : "reference";
+}
 
 TEST(CpuBackendTest, AllocateIsAlignedAndZeroBytesIsFreeable) {
   CpuBackend backend;
@@ -108,22 +120,25 @@ TEST(CpuBackendTest, CopyRoundTrip) {
 }
 
 TEST(CpuBackendTest, GemmHandComputed) {
-  CpuBackend backend;
-  // [[1, 2], [3, 4]] * [[5, 6], [7, 8]] = [[19, 22], [43, 50]].
-  const std::vector<float> a = {1, 2, 3, 4};
-  const std::vector<float> b = {5, 6, 7, 8};
-  std::vector<float> c(4, kNaN);
-  ASSERT_TRUE(
-      backend
-          .Gemm(false, false, 2, 2, 2, 1.0f, a.data(), b.data(), 0.0f, c.data())
-          .ok());
-  EXPECT_EQ(c, (std::vector<float>{19, 22, 43, 50}));
-  // a^T * b = [[1, 3], [2, 4]] * [[5, 6], [7, 8]] = [[26, 30], [38, 44]].
-  ASSERT_TRUE(
-      backend
-          .Gemm(true, false, 2, 2, 2, 1.0f, a.data(), b.data(), 0.0f, c.data())
-          .ok());
-  EXPECT_EQ(c, (std::vector<float>{26, 30, 38, 44}));
+  for (CpuGemm gemm : kBothGemms) {
+    SCOPED_TRACE(GemmName(gemm));
+    CpuBackend backend(gemm);
+    // [[1, 2], [3, 4]] * [[5, 6], [7, 8]] = [[19, 22], [43, 50]].
+    const std::vector<float> a = {1, 2, 3, 4};
+    const std::vector<float> b = {5, 6, 7, 8};
+    std::vector<float> c(4, kNaN);
+    ASSERT_TRUE(backend
+                    .Gemm(false, false, 2, 2, 2, 1.0f, a.data(), b.data(), 0.0f,
+                          c.data())
+                    .ok());
+    EXPECT_EQ(c, (std::vector<float>{19, 22, 43, 50}));
+    // a^T * b = [[1, 3], [2, 4]] * [[5, 6], [7, 8]] = [[26, 30], [38, 44]].
+    ASSERT_TRUE(backend
+                    .Gemm(true, false, 2, 2, 2, 1.0f, a.data(), b.data(), 0.0f,
+                          c.data())
+                    .ok());
+    EXPECT_EQ(c, (std::vector<float>{26, 30, 38, 44}));
+  }
 }
 
 struct GemmCase {
@@ -136,44 +151,51 @@ class GemmTest : public ::testing::TestWithParam<GemmCase> {};
 
 TEST_P(GemmTest, MatchesNaiveLoopWithBetaZeroOverNaN) {
   const GemmCase& p = GetParam();
-  CpuBackend backend;
-  const std::vector<float> a = RandomVector(p.m * p.k, 1);
-  const std::vector<float> b = RandomVector(p.k * p.n, 2);
-  // beta == 0: c is write-only, so NaN in it must not leak into the result.
-  std::vector<float> c(p.m * p.n, kNaN);
-  ASSERT_TRUE(backend
-                  .Gemm(p.trans_a, p.trans_b, p.m, p.n, p.k, 1.5f, a.data(),
-                        b.data(), 0.0f, c.data())
-                  .ok());
-  const double tolerance = 1e-5 * p.k;
-  ExpectNear(
-      c, NaiveGemm(p.trans_a, p.trans_b, p.m, p.n, p.k, 1.5f, a, b, 0.0f, c),
-      tolerance);
+  for (CpuGemm gemm : kBothGemms) {
+    SCOPED_TRACE(GemmName(gemm));
+    CpuBackend backend(gemm);
+    const std::vector<float> a = RandomVector(p.m * p.k, 1);
+    const std::vector<float> b = RandomVector(p.k * p.n, 2);
+    // beta == 0: c is write-only, so NaN in it must not leak into the result.
+    std::vector<float> c(p.m * p.n, kNaN);
+    ASSERT_TRUE(backend
+                    .Gemm(p.trans_a, p.trans_b, p.m, p.n, p.k, 1.5f, a.data(),
+                          b.data(), 0.0f, c.data())
+                    .ok());
+    const double tolerance = 1e-5 * p.k;
+    ExpectNear(
+        c, NaiveGemm(p.trans_a, p.trans_b, p.m, p.n, p.k, 1.5f, a, b, 0.0f, c),
+        tolerance);
+  }
 }
 
 TEST_P(GemmTest, MatchesNaiveLoopWithBetaAccumulation) {
   const GemmCase& p = GetParam();
-  CpuBackend backend;
-  const std::vector<float> a = RandomVector(p.m * p.k, 3);
-  const std::vector<float> b = RandomVector(p.k * p.n, 4);
-  const std::vector<float> c0 = RandomVector(p.m * p.n, 5);
-  std::vector<float> c = c0;
-  ASSERT_TRUE(backend
-                  .Gemm(p.trans_a, p.trans_b, p.m, p.n, p.k, -0.75f, a.data(),
-                        b.data(), 0.5f, c.data())
-                  .ok());
-  ExpectNear(
-      c, NaiveGemm(p.trans_a, p.trans_b, p.m, p.n, p.k, -0.75f, a, b, 0.5f, c0),
-      1e-5 * p.k);
-  // beta == 1 adds onto c unchanged.
-  c = c0;
-  ASSERT_TRUE(backend
-                  .Gemm(p.trans_a, p.trans_b, p.m, p.n, p.k, 1.0f, a.data(),
-                        b.data(), 1.0f, c.data())
-                  .ok());
-  ExpectNear(
-      c, NaiveGemm(p.trans_a, p.trans_b, p.m, p.n, p.k, 1.0f, a, b, 1.0f, c0),
-      1e-5 * p.k);
+  for (CpuGemm gemm : kBothGemms) {
+    SCOPED_TRACE(GemmName(gemm));
+    CpuBackend backend(gemm);
+    const std::vector<float> a = RandomVector(p.m * p.k, 3);
+    const std::vector<float> b = RandomVector(p.k * p.n, 4);
+    const std::vector<float> c0 = RandomVector(p.m * p.n, 5);
+    std::vector<float> c = c0;
+    ASSERT_TRUE(backend
+                    .Gemm(p.trans_a, p.trans_b, p.m, p.n, p.k, -0.75f, a.data(),
+                          b.data(), 0.5f, c.data())
+                    .ok());
+    ExpectNear(
+        c,
+        NaiveGemm(p.trans_a, p.trans_b, p.m, p.n, p.k, -0.75f, a, b, 0.5f, c0),
+        1e-5 * p.k);
+    // beta == 1 adds onto c unchanged.
+    c = c0;
+    ASSERT_TRUE(backend
+                    .Gemm(p.trans_a, p.trans_b, p.m, p.n, p.k, 1.0f, a.data(),
+                          b.data(), 1.0f, c.data())
+                    .ok());
+    ExpectNear(
+        c, NaiveGemm(p.trans_a, p.trans_b, p.m, p.n, p.k, 1.0f, a, b, 1.0f, c0),
+        1e-5 * p.k);
+  }
 }
 
 std::vector<GemmCase> GemmCases() {
@@ -201,43 +223,53 @@ INSTANTIATE_TEST_SUITE_P(AllTransposes, GemmTest,
                          });
 
 TEST(CpuBackendTest, GemmWithKZeroScalesC) {
-  CpuBackend backend;
-  std::vector<float> c = {1, 2, 3, 4, 5, 6};
-  ASSERT_TRUE(
-      backend
-          .Gemm(false, false, 2, 3, 0, 1.0f, nullptr, nullptr, 2.0f, c.data())
-          .ok());
-  EXPECT_EQ(c, (std::vector<float>{2, 4, 6, 8, 10, 12}));
-  std::vector<float> nan_c(6, kNaN);
-  ASSERT_TRUE(backend
-                  .Gemm(false, false, 2, 3, 0, 1.0f, nullptr, nullptr, 0.0f,
-                        nan_c.data())
-                  .ok());
-  EXPECT_EQ(nan_c, std::vector<float>(6, 0.0f));
+  for (CpuGemm gemm : kBothGemms) {
+    SCOPED_TRACE(GemmName(gemm));
+    CpuBackend backend(gemm);
+    std::vector<float> c = {1, 2, 3, 4, 5, 6};
+    ASSERT_TRUE(
+        backend
+            .Gemm(false, false, 2, 3, 0, 1.0f, nullptr, nullptr, 2.0f, c.data())
+            .ok());
+    EXPECT_EQ(c, (std::vector<float>{2, 4, 6, 8, 10, 12}));
+    std::vector<float> nan_c(6, kNaN);
+    ASSERT_TRUE(backend
+                    .Gemm(false, false, 2, 3, 0, 1.0f, nullptr, nullptr, 0.0f,
+                          nan_c.data())
+                    .ok());
+    EXPECT_EQ(nan_c, std::vector<float>(6, 0.0f));
+  }
 }
 
 TEST(CpuBackendTest, GemmEmptyOutputIsANoOp) {
-  CpuBackend backend;
-  EXPECT_TRUE(
-      backend.Gemm(false, false, 0, 5, 7, 1.0f, nullptr, nullptr, 0.0f, nullptr)
-          .ok());
+  for (CpuGemm gemm : kBothGemms) {
+    SCOPED_TRACE(GemmName(gemm));
+    CpuBackend backend(gemm);
+    EXPECT_TRUE(
+        backend
+            .Gemm(false, false, 0, 5, 7, 1.0f, nullptr, nullptr, 0.0f, nullptr)
+            .ok());
+  }
 }
 
 TEST(CpuBackendTest, GemmRejectsBadArguments) {
-  CpuBackend backend;
-  std::vector<float> buf(64);
-  absl::Status s = backend.Gemm(false, false, -1, 2, 2, 1.0f, buf.data(),
-                                buf.data(), 0.0f, buf.data());
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("Gemm"));
-  EXPECT_THAT(s.message(), HasSubstr("m"));
-  s = backend.Gemm(false, false, 2, 2, 2, 1.0f, nullptr, buf.data(), 0.0f,
-                   buf.data());
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("Gemm: a is null"));
-  s = backend.Gemm(false, false, 2, 2, 2, 1.0f, buf.data(), buf.data(), 0.0f,
-                   nullptr);
-  EXPECT_THAT(s.message(), HasSubstr("Gemm: c is null"));
+  for (CpuGemm gemm : kBothGemms) {
+    SCOPED_TRACE(GemmName(gemm));
+    CpuBackend backend(gemm);
+    std::vector<float> buf(64);
+    absl::Status s = backend.Gemm(false, false, -1, 2, 2, 1.0f, buf.data(),
+                                  buf.data(), 0.0f, buf.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("Gemm"));
+    EXPECT_THAT(s.message(), HasSubstr("m"));
+    s = backend.Gemm(false, false, 2, 2, 2, 1.0f, nullptr, buf.data(), 0.0f,
+                     buf.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("Gemm: a is null"));
+    s = backend.Gemm(false, false, 2, 2, 2, 1.0f, buf.data(), buf.data(), 0.0f,
+                     nullptr);
+    EXPECT_THAT(s.message(), HasSubstr("Gemm: c is null"));
+  }
 }
 
 TEST(CpuBackendTest, AddBiasAndBiasGrad) {
@@ -576,6 +608,23 @@ TEST(CreateBackendTest, Cpu) {
   EXPECT_EQ((*backend)->Name(), "cpu");
 }
 
+TEST(CreateBackendTest, CpuReferenceAndThreads) {
+  BackendOptions options;
+  options.device = "cpu_reference";
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(options);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  EXPECT_EQ((*backend)->Name(), "cpu_reference");
+  options.device = "cpu";
+  options.cpu_threads = 1;
+  EXPECT_TRUE(CreateBackend(options).ok());
+  options.cpu_threads = -1;
+  backend = CreateBackend(options);
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(backend.status().message(), HasSubstr("--cpu_threads"));
+  EXPECT_GE(AvailableCores(), 1);
+  EXPECT_EQ(SetCpuGemmThreads(0), AvailableCores());
+}
+
 // "auto" is the GPU where one is visible, else the CPU; both are fine here.
 TEST(CreateBackendTest, AutoPicksWhatIsVisible) {
   const bool gpu = CudaDeviceCount() > 0;
@@ -651,9 +700,243 @@ TEST(CreateBackendTest, RejectsUnknownDevices) {
     EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument)
         << device;
     EXPECT_THAT(backend.status().message(),
-                HasSubstr("--device must be auto, cpu or cuda:N, got '" +
-                          device + "'"));
+                HasSubstr("--device must be auto, cpu or cuda:N"));
+    EXPECT_THAT(backend.status().message(), HasSubstr("got '" + device + "'"));
   }
+}
+
+// ---------------------------------------------------------------------------
+// Sliding windows, each against a naive loop written from the definition.
+
+Window2D MakeWindow(int64_t batch, int64_t height, int64_t width,
+                    int64_t channels, int64_t kernel, int64_t stride,
+                    int64_t pad) {
+  Window2D w;
+  w.batch = batch;
+  w.height = height;
+  w.width = width;
+  w.channels = channels;
+  w.kernel = kernel;
+  w.stride = stride;
+  w.pad = pad;
+  return w;
+}
+
+std::string WindowName(const Window2D& w) {
+  return absl::StrCat(w.batch, "x", w.height, "x", w.width, "x", w.channels,
+                      "_k", w.kernel, "_s", w.stride, "_p", w.pad);
+}
+
+// x at (n, h, w, c) of an NHWC batch, or 0 outside the image.
+float PixelOrZero(const Window2D& w, const std::vector<float>& x, int64_t n,
+                  int64_t h, int64_t col, int64_t c) {
+  if (h < 0 || h >= w.height || col < 0 || col >= w.width) return 0.0f;
+  return x[((n * w.height + h) * w.width + col) * w.channels + c];
+}
+
+// Direct convolution: y[n, oh, ow, o] = sum over (kh, kw, c) of
+// x[n, oh*s-p+kh, ow*s-p+kw, c] * filter[kh, kw, c, o].
+std::vector<double> NaiveConv(const Window2D& w, const std::vector<float>& x,
+                              const std::vector<float>& filter,
+                              int64_t out_channels) {
+  std::vector<double> y;
+  for (int64_t n = 0; n < w.batch; ++n) {
+    for (int64_t oh = 0; oh < w.out_height(); ++oh) {
+      for (int64_t ow = 0; ow < w.out_width(); ++ow) {
+        for (int64_t o = 0; o < out_channels; ++o) {
+          double sum = 0;
+          for (int64_t kh = 0; kh < w.kernel; ++kh) {
+            for (int64_t kw = 0; kw < w.kernel; ++kw) {
+              for (int64_t c = 0; c < w.channels; ++c) {
+                sum += double{PixelOrZero(w, x, n, oh * w.stride - w.pad + kh,
+                                          ow * w.stride - w.pad + kw, c)} *
+                       filter[((kh * w.kernel + kw) * w.channels + c) *
+                                  out_channels +
+                              o];
+              }
+            }
+          }
+          y.push_back(sum);
+        }
+      }
+    }
+  }
+  return y;
+}
+
+double Dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double sum = 0;
+  for (size_t i = 0; i < a.size(); ++i) sum += double{a[i]} * b[i];
+  return sum;
+}
+
+class WindowTest : public ::testing::TestWithParam<Window2D> {};
+
+// Im2Col followed by a GEMM is the convolution (the layout the layers rely
+// on), and Col2Im is Im2Col's adjoint: <Im2Col(x), c> = <x, Col2Im(c)>.
+TEST_P(WindowTest, Im2ColGemmIsConvolutionAndCol2ImIsItsAdjoint) {
+  const Window2D w = GetParam();
+  CpuBackend backend(CpuGemm::kReference);
+  const int64_t out_channels = 5;
+  const std::vector<float> x = RandomVector(w.input_elements(), 11);
+  const std::vector<float> filter =
+      RandomVector(w.col_cols() * out_channels, 12);
+  // Poisoned: Im2Col must write every entry, padding included.
+  std::vector<float> col(w.col_rows() * w.col_cols(), kNaN);
+  ASSERT_TRUE(backend.Im2Col(w, x.data(), col.data()).ok());
+  std::vector<float> y(w.col_rows() * out_channels, kNaN);
+  ASSERT_TRUE(backend
+                  .Gemm(false, false, w.col_rows(), out_channels, w.col_cols(),
+                        1.0f, col.data(), filter.data(), 0.0f, y.data())
+                  .ok());
+  ExpectNear(y, NaiveConv(w, x, filter, out_channels), 1e-5 * w.col_cols());
+
+  const std::vector<float> c = RandomVector(col.size(), 13);
+  std::vector<float> back(x.size(), kNaN);
+  ASSERT_TRUE(backend.Col2Im(w, c.data(), back.data()).ok());
+  EXPECT_NEAR(Dot(col, c), Dot(x, back), 1e-4 * col.size());
+  // And entry by entry: each pixel is the sum of the entries read from it.
+  std::vector<double> expected(x.size(), 0.0);
+  int64_t entry = 0;
+  for (int64_t n = 0; n < w.batch; ++n) {
+    for (int64_t oh = 0; oh < w.out_height(); ++oh) {
+      for (int64_t ow = 0; ow < w.out_width(); ++ow) {
+        for (int64_t kh = 0; kh < w.kernel; ++kh) {
+          for (int64_t kw = 0; kw < w.kernel; ++kw) {
+            for (int64_t ch = 0; ch < w.channels; ++ch, ++entry) {
+              const int64_t h = oh * w.stride - w.pad + kh;
+              const int64_t col_w = ow * w.stride - w.pad + kw;
+              if (h < 0 || h >= w.height || col_w < 0 || col_w >= w.width) {
+                continue;
+              }
+              expected[((n * w.height + h) * w.width + col_w) * w.channels +
+                       ch] += c[entry];
+            }
+          }
+        }
+      }
+    }
+  }
+  ExpectNear(back, expected, 1e-5 * w.kernel * w.kernel);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, WindowTest,
+    ::testing::Values(MakeWindow(2, 7, 5, 3, 3, 2, 1),  // padding, stride 2
+                      MakeWindow(1, 6, 6, 1, 2, 2, 0),  // pooling-like
+                      MakeWindow(3, 5, 9, 4, 3, 1, 0),  // non-square
+                      MakeWindow(2, 8, 7, 5, 3, 3, 2),  // stride > kernel - pad
+                      MakeWindow(1, 4, 4, 2, 4, 1, 0),  // one output pixel
+                      MakeWindow(2, 28, 28, 1, 3, 1, 1)  // Fashion-MNIST, same
+                      ),
+    [](const ::testing::TestParamInfo<Window2D>& info) {
+      return WindowName(info.param);
+    });
+
+class MaxPoolTest : public ::testing::TestWithParam<Window2D> {};
+
+TEST_P(MaxPoolTest, MatchesNaiveLoopForwardAndBackward) {
+  const Window2D w = GetParam();
+  CpuBackend backend;
+  std::vector<float> x = RandomVector(w.input_elements(), 21);
+  // Ties: the first maximal element in window order must win.
+  for (size_t i = 0; i + 1 < x.size(); i += 7) x[i + 1] = x[i];
+  std::vector<float> y(w.output_elements(), kNaN);
+  std::vector<int64_t> argmax(y.size(), -7);
+  ASSERT_TRUE(backend.MaxPool2D(w, x.data(), y.data(), argmax.data()).ok());
+  const std::vector<float> dy = RandomVector(y.size(), 22);
+  std::vector<double> expected_dx(x.size(), 0.0);
+  int64_t out = 0;
+  for (int64_t n = 0; n < w.batch; ++n) {
+    for (int64_t oh = 0; oh < w.out_height(); ++oh) {
+      for (int64_t ow = 0; ow < w.out_width(); ++ow) {
+        for (int64_t c = 0; c < w.channels; ++c, ++out) {
+          int64_t best = -1;
+          for (int64_t kh = 0; kh < w.kernel; ++kh) {
+            for (int64_t kw = 0; kw < w.kernel; ++kw) {
+              const int64_t i = ((n * w.height + oh * w.stride + kh) * w.width +
+                                 ow * w.stride + kw) *
+                                    w.channels +
+                                c;
+              if (best < 0 || x[i] > x[best]) best = i;
+            }
+          }
+          ASSERT_EQ(argmax[out], best) << "output " << out;
+          ASSERT_EQ(y[out], x[best]) << "output " << out;
+          expected_dx[best] += dy[out];
+        }
+      }
+    }
+  }
+  std::vector<float> dx(x.size(), kNaN);
+  ASSERT_TRUE(
+      backend.MaxPool2DGrad(w, dy.data(), argmax.data(), dx.data()).ok());
+  ExpectNear(dx, expected_dx, 1e-6 * w.kernel * w.kernel);
+  // Forward only: argmax may be null.
+  std::vector<float> y2(y.size(), kNaN);
+  ASSERT_TRUE(backend.MaxPool2D(w, x.data(), y2.data(), nullptr).ok());
+  EXPECT_EQ(y2, y);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, MaxPoolTest,
+    ::testing::Values(MakeWindow(1, 6, 6, 1, 2, 2, 0),
+                      MakeWindow(2, 7, 5, 3, 2, 2, 0),   // odd sizes: tails
+                      MakeWindow(3, 5, 9, 4, 3, 1, 0),   // overlapping windows
+                      MakeWindow(2, 9, 8, 17, 3, 2, 0),  // overlap, stride 2
+                      MakeWindow(1, 4, 4, 2, 4, 1, 0),   // one output pixel
+                      MakeWindow(2, 26, 26, 16, 2, 2, 0)),
+    [](const ::testing::TestParamInfo<Window2D>& info) {
+      return WindowName(info.param);
+    });
+
+TEST(CpuBackendTest, MaxPoolPropagatesNaN) {
+  CpuBackend backend;
+  const Window2D w = MakeWindow(1, 2, 2, 1, 2, 2, 0);
+  const std::vector<float> x = {1.0f, kNaN, 3.0f, kNaN};
+  float y = 0;
+  int64_t argmax = -1;
+  ASSERT_TRUE(backend.MaxPool2D(w, x.data(), &y, &argmax).ok());
+  EXPECT_TRUE(std::isnan(y));
+  EXPECT_EQ(argmax, 1);  // the first NaN
+}
+
+TEST(CpuBackendTest, WindowOpsRejectBadGeometry) {
+  CpuBackend backend;
+  std::vector<float> buf(4096);
+  std::vector<int64_t> argmax(4096);
+  const auto im2col = [&](const Window2D& w) {
+    return backend.Im2Col(w, buf.data(), buf.data() + 2048);
+  };
+  EXPECT_THAT(im2col(MakeWindow(-1, 4, 4, 1, 3, 1, 0)).message(),
+              HasSubstr("Im2Col: batch must be non-negative"));
+  EXPECT_THAT(im2col(MakeWindow(1, 4, 4, 1, 3, 0, 0)).message(),
+              HasSubstr("kernel and stride must be at least 1"));
+  EXPECT_THAT(im2col(MakeWindow(1, 4, 4, 1, 3, 1, 3)).message(),
+              HasSubstr("pad 3 must be smaller than the kernel 3"));
+  EXPECT_THAT(im2col(MakeWindow(1, 2, 4, 1, 5, 1, 1)).message(),
+              HasSubstr("a 5x5 window does not fit a 2x4 image padded by 1"));
+  EXPECT_THAT(
+      backend.Im2Col(MakeWindow(1, 4, 4, 1, 3, 1, 0), nullptr, buf.data())
+          .message(),
+      HasSubstr("Im2Col: x is null"));
+  EXPECT_THAT(backend
+                  .MaxPool2D(MakeWindow(1, 4, 4, 1, 2, 2, 1), buf.data(),
+                             buf.data() + 100, argmax.data())
+                  .message(),
+              HasSubstr("MaxPool2D: pad must be 0, got 1"));
+  // An empty batch is a no-op, even with null pointers.
+  EXPECT_TRUE(
+      backend.Col2Im(MakeWindow(0, 4, 4, 1, 3, 1, 0), nullptr, nullptr).ok());
+  // A corrupt argmax is refused before dx is touched.
+  const Window2D w = MakeWindow(1, 2, 2, 1, 2, 2, 0);
+  float dy = 1.0f;
+  int64_t bad = 4;
+  std::vector<float> dx(4, 5.0f);
+  const absl::Status s = backend.MaxPool2DGrad(w, &dy, &bad, dx.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("argmax[0] = 4 is outside the input"));
+  EXPECT_EQ(dx, std::vector<float>(4, 5.0f));
 }
 
 }  // namespace

@@ -189,6 +189,12 @@ class CudaBackend final : public Backend {
   absl::Status ScatterAdd(int64_t num_indices, int64_t dim, int64_t table_rows,
                           const float* grads, const int64_t* indices,
                           float* table) override;
+  absl::Status Im2Col(const Window2D& w, const float* x, float* col) override;
+  absl::Status Col2Im(const Window2D& w, const float* col, float* x) override;
+  absl::Status MaxPool2D(const Window2D& w, const float* x, float* y,
+                         int64_t* argmax) override;
+  absl::Status MaxPool2DGrad(const Window2D& w, const float* dy,
+                             const int64_t* argmax, float* dx) override;
 
  private:
   struct Staging {
@@ -886,6 +892,71 @@ absl::Status CudaBackend::ScatterAdd(int64_t num_indices, int64_t dim,
       cuda::LaunchScatterAdd(stream_, num_indices, dim, table_rows, grads,
                              indices, table, &device_status_->index_error));
   index_check_pending_ = true;
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Sliding windows: the checks are the CPU's (op_checks.h), the kernels in
+// cuda_kernels.cu.
+
+cuda::WindowGeometry Geometry(const Window2D& w) {
+  return cuda::WindowGeometry{w.batch,    w.height,       w.width,
+                              w.channels, w.kernel,       w.stride,
+                              w.pad,      w.out_height(), w.out_width()};
+}
+
+absl::Status CudaBackend::Im2Col(const Window2D& w, const float* x,
+                                 float* col) {
+  constexpr absl::string_view kOp = "Im2Col";
+  PSTRAIN_RETURN_IF_ERROR(internal::ValidateWindow(kOp, w, true));
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  PSTRAIN_RETURN_IF_ERROR(
+      Validate(kOp, {}, {{"x", x, true}, {"col", col, true}}));
+  absl::MutexLock lock(&mu_);
+  PSTRAIN_RETURN_IF_ERROR(Enter(kOp));
+  PSTRAIN_CUDA_RETURN_IF_ERROR(
+      kOp, cuda::LaunchIm2Col(stream_, Geometry(w), x, col));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Col2Im(const Window2D& w, const float* col,
+                                 float* x) {
+  constexpr absl::string_view kOp = "Col2Im";
+  PSTRAIN_RETURN_IF_ERROR(internal::ValidateWindow(kOp, w, true));
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  PSTRAIN_RETURN_IF_ERROR(
+      Validate(kOp, {}, {{"col", col, true}, {"x", x, true}}));
+  absl::MutexLock lock(&mu_);
+  PSTRAIN_RETURN_IF_ERROR(Enter(kOp));
+  PSTRAIN_CUDA_RETURN_IF_ERROR(
+      kOp, cuda::LaunchCol2Im(stream_, Geometry(w), col, x));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MaxPool2D(const Window2D& w, const float* x, float* y,
+                                    int64_t* argmax) {
+  constexpr absl::string_view kOp = "MaxPool2D";
+  PSTRAIN_RETURN_IF_ERROR(internal::ValidateWindow(kOp, w, false));
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  PSTRAIN_RETURN_IF_ERROR(Validate(kOp, {}, {{"x", x, true}, {"y", y, true}}));
+  absl::MutexLock lock(&mu_);
+  PSTRAIN_RETURN_IF_ERROR(Enter(kOp));
+  PSTRAIN_CUDA_RETURN_IF_ERROR(
+      kOp, cuda::LaunchMaxPool2D(stream_, Geometry(w), x, y, argmax));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MaxPool2DGrad(const Window2D& w, const float* dy,
+                                        const int64_t* argmax, float* dx) {
+  constexpr absl::string_view kOp = "MaxPool2DGrad";
+  PSTRAIN_RETURN_IF_ERROR(internal::ValidateWindow(kOp, w, false));
+  if (!internal::WindowHasWork(w)) return absl::OkStatus();
+  PSTRAIN_RETURN_IF_ERROR(Validate(
+      kOp, {}, {{"dy", dy, true}, {"argmax", argmax, true}, {"dx", dx, true}}));
+  absl::MutexLock lock(&mu_);
+  PSTRAIN_RETURN_IF_ERROR(Enter(kOp));
+  PSTRAIN_CUDA_RETURN_IF_ERROR(
+      kOp, cuda::LaunchMaxPool2DGrad(stream_, Geometry(w), dy, argmax, dx));
   return absl::OkStatus();
 }
 

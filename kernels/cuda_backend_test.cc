@@ -209,7 +209,8 @@ class CudaBackendTest : public ::testing::Test {
     }
   }
 
-  CpuBackend cpu_;
+  // The oracle: the exact hand-written kernels, not OpenBLAS.
+  CpuBackend cpu_{CpuGemm::kReference};
   std::unique_ptr<Backend> gpu_;
   uint32_t seed_ = 0;
   std::mt19937 rng_;
@@ -342,6 +343,107 @@ TEST_F(CudaBackendTest, ScaleAndAxpy) {
   }
   EXPECT_THAT(gpu_->Axpy(3, 1.0f, nullptr, nullptr).message(),
               HasSubstr("Axpy: x is null"));
+}
+
+// Im2Col, Col2Im and max pooling against the CPU, on shapes with padding,
+// strides, overlapping windows and odd sizes. The kernels gather in the
+// CPU's order, so results are expected to match exactly.
+TEST_F(CudaBackendTest, WindowOpsMatchCpu) {
+  SCOPED_TRACE(SeedTrace());
+  struct Shape {
+    int64_t batch, height, width, channels, kernel, stride, pad;
+  };
+  for (const Shape& shape : std::vector<Shape>{{2, 7, 5, 3, 3, 2, 1},
+                                               {3, 5, 9, 4, 3, 1, 0},
+                                               {2, 8, 7, 5, 3, 3, 2},
+                                               {1, 4, 4, 2, 4, 1, 0},
+                                               {2, 9, 8, 17, 2, 2, 0},
+                                               {64, 28, 28, 1, 3, 1, 1}}) {
+    Window2D w;
+    w.batch = shape.batch;
+    w.height = shape.height;
+    w.width = shape.width;
+    w.channels = shape.channels;
+    w.kernel = shape.kernel;
+    w.stride = shape.stride;
+    w.pad = shape.pad;
+    SCOPED_TRACE(absl::StrCat(w.batch, "x", w.height, "x", w.width, "x",
+                              w.channels, " k", w.kernel, " s", w.stride, " p",
+                              w.pad));
+    const int64_t inputs = w.input_elements();
+    const int64_t cols = w.col_rows() * w.col_cols();
+    const std::vector<float> x = Random(inputs);
+    DeviceArray<float> gx = Upload(x);
+
+    std::vector<float> col(cols);
+    ASSERT_TRUE(cpu_.Im2Col(w, x.data(), col.data()).ok());
+    DeviceArray<float> gcol = Poisoned(cols);
+    ASSERT_TRUE(gpu_->Im2Col(w, gx.data(), gcol.data()).ok());
+    std::vector<float> got = Download(gcol);
+    EXPECT_CLOSE(got, col, nullptr, kTinyFloor, 0.0);
+    ExpectGuardIntact(got, cols);
+
+    const std::vector<float> c = Random(cols);
+    std::vector<float> back(inputs);
+    ASSERT_TRUE(cpu_.Col2Im(w, c.data(), back.data()).ok());
+    DeviceArray<float> gc = Upload(c);
+    DeviceArray<float> gback = Poisoned(inputs);
+    ASSERT_TRUE(gpu_->Col2Im(w, gc.data(), gback.data()).ok());
+    got = Download(gback);
+    EXPECT_CLOSE(got, back, nullptr, kTinyFloor, kTolerance);
+    ExpectGuardIntact(got, inputs);
+
+    if (w.pad != 0) continue;  // pooling has no padding
+    const int64_t outputs = w.output_elements();
+    std::vector<float> y(outputs);
+    std::vector<int64_t> argmax(outputs);
+    ASSERT_TRUE(cpu_.MaxPool2D(w, x.data(), y.data(), argmax.data()).ok());
+    DeviceArray<float> gy = Poisoned(outputs);
+    DeviceArray<int64_t> gargmax =
+        UploadExact(std::vector<int64_t>(outputs, -1));
+    ASSERT_TRUE(gpu_->MaxPool2D(w, gx.data(), gy.data(), gargmax.data()).ok());
+    got = Download(gy);
+    EXPECT_CLOSE(got, y, nullptr, kTinyFloor, 0.0);
+    ExpectGuardIntact(got, outputs);
+    std::vector<int64_t> got_argmax(outputs);
+    ASSERT_TRUE(gpu_->CopyToHost(gargmax.data(), got_argmax.data(),
+                                 outputs * sizeof(int64_t))
+                    .ok());
+    EXPECT_EQ(got_argmax, argmax);
+
+    const std::vector<float> dy = Random(outputs);
+    std::vector<float> dx(inputs);
+    ASSERT_TRUE(
+        cpu_.MaxPool2DGrad(w, dy.data(), argmax.data(), dx.data()).ok());
+    DeviceArray<float> gdy = Upload(dy);
+    DeviceArray<float> gdx = Poisoned(inputs);
+    ASSERT_TRUE(
+        gpu_->MaxPool2DGrad(w, gdy.data(), gargmax.data(), gdx.data()).ok());
+    got = Download(gdx);
+    EXPECT_CLOSE(got, dx, nullptr, kTinyFloor, kTolerance);
+    ExpectGuardIntact(got, inputs);
+  }
+}
+
+TEST_F(CudaBackendTest, WindowOpsRejectWhatTheCpuRejects) {
+  Window2D w;
+  w.batch = 1;
+  w.height = 4;
+  w.width = 4;
+  w.channels = 1;
+  w.kernel = 2;
+  w.stride = 2;
+  w.pad = 1;
+  DeviceArray<float> buf = Poisoned(64);
+  const absl::Status gpu =
+      gpu_->MaxPool2D(w, buf.data(), buf.data() + 32, nullptr);
+  const absl::Status cpu =
+      CpuBackend(CpuGemm::kReference).MaxPool2D(w, nullptr, nullptr, nullptr);
+  EXPECT_EQ(gpu.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu.message(), cpu.message());
+  w.pad = 2;
+  EXPECT_EQ(gpu_->Im2Col(w, buf.data(), buf.data() + 32).message(),
+            "Im2Col: pad 2 must be smaller than the kernel 2");
 }
 
 TEST_F(CudaBackendTest, ReluAndReluGrad) {

@@ -537,4 +537,179 @@ cudaError_t LaunchScatterAdd(cudaStream_t stream, int64_t num_indices,
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------------------
+// Sliding windows (convolution as im2col + GEMM, max pooling), NHWC.
+
+namespace {
+
+__global__ void Im2ColKernel(WindowGeometry w, const float* __restrict__ x,
+                             float* __restrict__ col) {
+  const int64_t total =
+      w.batch * w.out_height * w.out_width * w.kernel * w.kernel * w.channels;
+  for (int64_t i = GlobalIndex(); i < total; i += GridStride()) {
+    int64_t t = i;
+    const int64_t c = t % w.channels;
+    t /= w.channels;
+    const int64_t kw = t % w.kernel;
+    t /= w.kernel;
+    const int64_t kh = t % w.kernel;
+    t /= w.kernel;
+    const int64_t ow = t % w.out_width;
+    t /= w.out_width;
+    const int64_t oh = t % w.out_height;
+    const int64_t n = t / w.out_height;
+    const int64_t ih = oh * w.stride - w.pad + kh;
+    const int64_t iw = ow * w.stride - w.pad + kw;
+    col[i] = (ih < 0 || ih >= w.height || iw < 0 || iw >= w.width)
+                 ? 0.0f
+                 : x[((n * w.height + ih) * w.width + iw) * w.channels + c];
+  }
+}
+
+// The output rows/columns whose window covers input coordinate i:
+// o * stride - pad <= i < o * stride - pad + kernel.
+__device__ __forceinline__ void CoveringRange(int64_t i, int64_t pad,
+                                              int64_t kernel, int64_t stride,
+                                              int64_t out, int64_t* first,
+                                              int64_t* last) {
+  const int64_t shifted = i + pad;
+  const int64_t low = shifted - kernel + 1;
+  *first = low <= 0 ? 0 : (low + stride - 1) / stride;
+  const int64_t high = shifted / stride;
+  *last = high < out - 1 ? high : out - 1;
+}
+
+__global__ void Col2ImKernel(WindowGeometry w, const float* __restrict__ col,
+                             float* __restrict__ x) {
+  const int64_t total = w.batch * w.height * w.width * w.channels;
+  const int64_t row_len = w.kernel * w.kernel * w.channels;
+  for (int64_t i = GlobalIndex(); i < total; i += GridStride()) {
+    int64_t t = i;
+    const int64_t c = t % w.channels;
+    t /= w.channels;
+    const int64_t iw = t % w.width;
+    t /= w.width;
+    const int64_t ih = t % w.height;
+    const int64_t n = t / w.height;
+    int64_t oh0, oh1, ow0, ow1;
+    CoveringRange(ih, w.pad, w.kernel, w.stride, w.out_height, &oh0, &oh1);
+    CoveringRange(iw, w.pad, w.kernel, w.stride, w.out_width, &ow0, &ow1);
+    // The CPU walks col rows in order (oh, then ow) and adds each entry
+    // into its pixel; the same order here gives the same rounding.
+    float sum = 0.0f;
+    for (int64_t oh = oh0; oh <= oh1; ++oh) {
+      const int64_t kh = ih + w.pad - oh * w.stride;
+      for (int64_t ow = ow0; ow <= ow1; ++ow) {
+        const int64_t kw = iw + w.pad - ow * w.stride;
+        const int64_t row = (n * w.out_height + oh) * w.out_width + ow;
+        sum = __fadd_rn(
+            sum, col[row * row_len + (kh * w.kernel + kw) * w.channels + c]);
+      }
+    }
+    x[i] = sum;
+  }
+}
+
+__global__ void MaxPool2DKernel(WindowGeometry w, const float* __restrict__ x,
+                                float* __restrict__ y,
+                                int64_t* __restrict__ argmax) {
+  const int64_t total = w.batch * w.out_height * w.out_width * w.channels;
+  for (int64_t i = GlobalIndex(); i < total; i += GridStride()) {
+    int64_t t = i;
+    const int64_t c = t % w.channels;
+    t /= w.channels;
+    const int64_t ow = t % w.out_width;
+    t /= w.out_width;
+    const int64_t oh = t % w.out_height;
+    const int64_t n = t / w.out_height;
+    int64_t best = -1;
+    float best_value = 0.0f;
+    for (int64_t kh = 0; kh < w.kernel; ++kh) {
+      const int64_t ih = oh * w.stride + kh;
+      for (int64_t kw = 0; kw < w.kernel; ++kw) {
+        const int64_t iw = ow * w.stride + kw;
+        const int64_t index =
+            ((n * w.height + ih) * w.width + iw) * w.channels + c;
+        const float v = x[index];
+        if (best < 0 || v > best_value || (isnan(v) && !isnan(best_value))) {
+          best = index;
+          best_value = v;
+        }
+      }
+    }
+    y[i] = best_value;
+    if (argmax != nullptr) argmax[i] = best;
+  }
+}
+
+__global__ void MaxPool2DGradKernel(WindowGeometry w,
+                                    const float* __restrict__ dy,
+                                    const int64_t* __restrict__ argmax,
+                                    float* __restrict__ dx) {
+  const int64_t total = w.batch * w.height * w.width * w.channels;
+  for (int64_t i = GlobalIndex(); i < total; i += GridStride()) {
+    int64_t t = i;
+    const int64_t c = t % w.channels;
+    t /= w.channels;
+    const int64_t iw = t % w.width;
+    t /= w.width;
+    const int64_t ih = t % w.height;
+    const int64_t n = t / w.height;
+    int64_t oh0, oh1, ow0, ow1;
+    CoveringRange(ih, 0, w.kernel, w.stride, w.out_height, &oh0, &oh1);
+    CoveringRange(iw, 0, w.kernel, w.stride, w.out_width, &ow0, &ow1);
+    float sum = 0.0f;
+    for (int64_t oh = oh0; oh <= oh1; ++oh) {
+      for (int64_t ow = ow0; ow <= ow1; ++ow) {
+        const int64_t out =
+            ((n * w.out_height + oh) * w.out_width + ow) * w.channels + c;
+        if (argmax[out] == i) sum = __fadd_rn(sum, dy[out]);
+      }
+    }
+    dx[i] = sum;
+  }
+}
+
+bool HasWork(const WindowGeometry& w) {
+  return w.batch > 0 && w.channels > 0 && w.height > 0 && w.width > 0 &&
+         w.out_height > 0 && w.out_width > 0;
+}
+
+}  // namespace
+
+cudaError_t LaunchIm2Col(cudaStream_t stream, const WindowGeometry& w,
+                         const float* x, float* col) {
+  if (!HasWork(w)) return cudaSuccess;
+  const int64_t total =
+      w.batch * w.out_height * w.out_width * w.kernel * w.kernel * w.channels;
+  Im2ColKernel<<<BlocksFor(total), kThreads, 0, stream>>>(w, x, col);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCol2Im(cudaStream_t stream, const WindowGeometry& w,
+                         const float* col, float* x) {
+  if (!HasWork(w)) return cudaSuccess;
+  const int64_t total = w.batch * w.height * w.width * w.channels;
+  Col2ImKernel<<<BlocksFor(total), kThreads, 0, stream>>>(w, col, x);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMaxPool2D(cudaStream_t stream, const WindowGeometry& w,
+                            const float* x, float* y, int64_t* argmax) {
+  if (!HasWork(w)) return cudaSuccess;
+  const int64_t total = w.batch * w.out_height * w.out_width * w.channels;
+  MaxPool2DKernel<<<BlocksFor(total), kThreads, 0, stream>>>(w, x, y, argmax);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMaxPool2DGrad(cudaStream_t stream, const WindowGeometry& w,
+                                const float* dy, const int64_t* argmax,
+                                float* dx) {
+  if (!HasWork(w)) return cudaSuccess;
+  const int64_t total = w.batch * w.height * w.width * w.channels;
+  MaxPool2DGradKernel<<<BlocksFor(total), kThreads, 0, stream>>>(w, dy, argmax,
+                                                                 dx);
+  return cudaGetLastError();
+}
+
 }  // namespace pstrain::kernels::cuda

@@ -101,6 +101,37 @@ cudaError_t LaunchScatterAdd(cudaStream_t stream, int64_t num_indices,
                              const float* grads, const int64_t* indices,
                              float* table, DeviceError* error);
 
+// Backend's Window2D (backend.h) with its derived sizes, as plain numbers
+// for the kernels. Validated by the caller; every op needs batch, channels
+// and the output size to be positive to launch anything.
+struct WindowGeometry {
+  long long batch, height, width, channels;
+  long long kernel, stride, pad;
+  long long out_height, out_width;
+};
+
+// col[(n, oh, ow), (kh, kw, c)] = x at (n, oh*stride-pad+kh,
+// ow*stride-pad+kw, c), or 0 in the padding; one thread per col element.
+cudaError_t LaunchIm2Col(cudaStream_t stream, const WindowGeometry& w,
+                         const float* x, float* col);
+
+// x (overwritten) = the sum of the col entries read from each pixel. One
+// thread per pixel gathers its entries (no atomics) in the order the CPU
+// adds them, so the result is bit-identical to the CPU's.
+cudaError_t LaunchCol2Im(cudaStream_t stream, const WindowGeometry& w,
+                         const float* col, float* x);
+
+// Max pooling (pad 0) with the CPU's tie and NaN rules; argmax may be null.
+cudaError_t LaunchMaxPool2D(cudaStream_t stream, const WindowGeometry& w,
+                            const float* x, float* y, int64_t* argmax);
+
+// dx (overwritten): each input element gathers dy from the windows that
+// cover it and chose it, in output order (bit-identical to the CPU's
+// scatter). argmax entries that point elsewhere are simply not gathered.
+cudaError_t LaunchMaxPool2DGrad(cudaStream_t stream, const WindowGeometry& w,
+                                const float* dy, const int64_t* argmax,
+                                float* dx);
+
 }  // namespace pstrain::kernels::cuda
 
 #endif  // PSTRAIN_KERNELS_CUDA_KERNELS_H_

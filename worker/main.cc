@@ -44,6 +44,7 @@
 #include "worker/data.h"
 #include "worker/eval_only.h"
 #include "worker/idx_data.h"
+#include "worker/layers.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
 #include "worker/trainer.h"
@@ -59,7 +60,9 @@ ABSL_FLAG(std::string, ps_hosts, "",
           "Comma-separated host:port of every ps_server, in shard order.");
 ABSL_FLAG(int, worker_id, 0, "This worker's index, in [0, num_workers).");
 ABSL_FLAG(int, num_workers, 1, "Number of workers in the job.");
-ABSL_FLAG(std::string, device, "auto", "Compute device: auto, cpu or cuda:N.");
+ABSL_FLAG(std::string, device, "auto",
+          "Compute device: auto, cpu (GEMMs through OpenBLAS), cpu_reference "
+          "(the exact CPU kernels the tests compare against) or cuda:N.");
 ABSL_FLAG(std::string, precision, "fp32",
           "GEMM precision: fp32, or bf16 (bf16 inputs, fp32 accumulation; "
           "needs a CUDA device).");
@@ -68,8 +71,23 @@ ABSL_FLAG(std::string, model, "mlp",
           "diagnostic whose gradient is exactly 1: with SGD at learning rate "
           "1 every weight ends at minus the number of updates applied), or "
           "ctr (sparse embedding tables on the servers; see the --ctr_* "
-          "flags).");
+          "flags), or layers (a model described by --layers, e.g. a CNN).");
 ABSL_FLAG(int64_t, probe_elements, 1000, "Size of the probe model's tensor.");
+// --model=layers (worker/layers.h has the grammar).
+ABSL_FLAG(std::string, layers,
+          "conv:16:3,relu,maxpool:2,conv:32:3,relu,maxpool:2,flatten,dense:64,"
+          "relu,dense:10",
+          "With --model=layers: the layer list, comma-separated: "
+          "conv:OUT:K[:STRIDE[:PAD]], maxpool:K[:STRIDE], relu, flatten, "
+          "dense:N; the last must output --num_classes values.");
+ABSL_FLAG(std::string, input_shape, "",
+          "With --model=layers: one example's HxWxC (NHWC), e.g. 28x28x1. "
+          "Empty: a square 1-channel image when the feature count is a "
+          "perfect square (784 -> 28x28x1), else flat.");
+ABSL_FLAG(int, cpu_threads, 0,
+          "Threads of the CPU GEMM (OpenBLAS); 0: every core this process "
+          "may run on. Several processes on one machine: give each its "
+          "share.");
 ABSL_FLAG(std::string, hidden, "64",
           "Hidden layer sizes of the mlp, comma-separated.");
 ABSL_FLAG(int64_t, steps, 300,
@@ -591,9 +609,14 @@ int Main(int argc, char** argv) {
                      "), got ", worker_id)));
   }
   if (model_name != "softmax" && model_name != "mlp" && model_name != "probe" &&
-      model_name != "ctr") {
-    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
-        "--model must be softmax, mlp, probe or ctr, got '", model_name, "'")));
+      model_name != "ctr" && model_name != "layers") {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--model must be softmax, mlp, probe or ctr, or layers "
+                     "(with --layers), got '",
+                     model_name, "'")));
+  }
+  if (model_name == "layers") {
+    checks.push_back(ParseLayerList(absl::GetFlag(FLAGS_layers)).status());
   }
   checks.push_back(CheckAtLeast("heartbeat_interval_s",
                                 absl::GetFlag(FLAGS_heartbeat_interval_s), 0));
@@ -759,7 +782,8 @@ int Main(int argc, char** argv) {
   // Checked one at a time from here: each may log or do real work.
   absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
       kernels::CreateBackend(kernels::BackendOptions{
-          absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_precision)});
+          absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_precision),
+          absl::GetFlag(FLAGS_cpu_threads)});
   ExitOnFlagErrors({backend.status()});
   if (model_name == "ctr") {  // sparse embedding tables: worker/ctr_main.h
     static std::atomic<bool> ctr_stop{false};
@@ -805,14 +829,22 @@ int Main(int argc, char** argv) {
             << static_cast<double>(*steps) / plan->steps_per_epoch()
             << " epochs of " << plan->steps_per_epoch() << " steps";
 
-  absl::StatusOr<std::unique_ptr<Model>> model =
-      model_name == "probe"
-          ? CreateProbeModel(backend->get(),
-                             absl::GetFlag(FLAGS_probe_elements))
-          : CreateMlp(
-                backend->get(), data->train->num_features(),
-                model_name == "softmax" ? std::vector<int64_t>{} : *hidden,
-                data->train->num_classes(), batch_size);
+  absl::StatusOr<std::unique_ptr<Model>> model;
+  if (model_name == "layers") {  // a bad list or shape is a flag error
+    model = CreateLayerModelFromFlags(
+        backend->get(), absl::GetFlag(FLAGS_layers),
+        absl::GetFlag(FLAGS_input_shape), data->train->num_features(),
+        data->train->num_classes(), batch_size);
+    ExitOnFlagErrors({model.status()});
+  } else if (model_name == "probe") {
+    model =
+        CreateProbeModel(backend->get(), absl::GetFlag(FLAGS_probe_elements));
+  } else {
+    model = CreateMlp(
+        backend->get(), data->train->num_features(),
+        model_name == "softmax" ? std::vector<int64_t>{} : *hidden,
+        data->train->num_classes(), batch_size);
+  }
   if (!model.ok()) {
     LOG(ERROR) << "cannot build the model: " << model.status();
     return 1;

@@ -14,110 +14,21 @@
 #include "kernels/backend.h"
 #include "proto/ps.pb.h"
 #include "worker/model.h"
+#include "worker/model_testing.h"
 
 namespace pstrain {
 namespace {
 
 using kernels::Backend;
 using kernels::DeviceArray;
+using model_testing::CpuBackend;
+using model_testing::Download;
+using model_testing::ExpectGradientsMatchFiniteDifferences;
+using model_testing::HostBatch;
+using model_testing::RandomBatch;
+using model_testing::Tensors;
+using model_testing::Upload;
 using ::testing::HasSubstr;
-
-std::unique_ptr<Backend> CpuBackend() {
-  absl::StatusOr<std::unique_ptr<Backend>> backend =
-      kernels::CreateBackend("cpu");
-  EXPECT_TRUE(backend.ok()) << backend.status();
-  return *std::move(backend);
-}
-
-int64_t NumElements(const DenseTensorSpec& spec) {
-  int64_t n = 1;
-  for (int64_t d : spec.shape()) n *= d;
-  return n;
-}
-
-template <typename T>
-DeviceArray<T> Upload(Backend* backend, const std::vector<T>& host) {
-  absl::StatusOr<DeviceArray<T>> array =
-      DeviceArray<T>::Create(backend, host.size());
-  EXPECT_TRUE(array.ok()) << array.status();
-  EXPECT_TRUE(
-      backend->CopyToDevice(host.data(), array->data(), array->bytes()).ok());
-  return *std::move(array);
-}
-
-template <typename T>
-std::vector<T> Download(Backend* backend, const DeviceArray<T>& array) {
-  std::vector<T> host(array.size());
-  EXPECT_TRUE(
-      backend->CopyToHost(array.data(), host.data(), array.bytes()).ok());
-  return host;
-}
-
-// A model's parameters and gradients, held on the host and mirrored in
-// backend memory.
-class Tensors {
- public:
-  Tensors(Backend* backend, const Model& model) : backend_(backend) {
-    for (const DenseTensorSpec& spec : model.Params()) {
-      host_.emplace_back(NumElements(spec), 0.0f);
-      params_.push_back(Upload(backend, host_.back()));
-      grads_.push_back(Upload(backend, host_.back()));
-    }
-  }
-
-  std::vector<float>& host(size_t i) { return host_[i]; }
-  size_t size() const { return host_.size(); }
-
-  // Copies host(i) to the backend.
-  void Sync(size_t i) {
-    ASSERT_TRUE(backend_
-                    ->CopyToDevice(host_[i].data(), params_[i].data(),
-                                   params_[i].bytes())
-                    .ok());
-  }
-  void SyncAll() {
-    for (size_t i = 0; i < size(); ++i) Sync(i);
-  }
-
-  std::vector<const float*> params() const {
-    std::vector<const float*> out;
-    for (const auto& p : params_) out.push_back(p.data());
-    return out;
-  }
-  std::vector<float*> grads() const {
-    std::vector<float*> out;
-    for (const auto& g : grads_) out.push_back(g.data());
-    return out;
-  }
-  std::vector<float> grad(size_t i) const {
-    return Download(backend_, grads_[i]);
-  }
-  const DeviceArray<float>& device_param(size_t i) const { return params_[i]; }
-  const DeviceArray<float>& device_grad(size_t i) const { return grads_[i]; }
-
- private:
-  Backend* backend_;
-  std::vector<std::vector<float>> host_;
-  std::vector<DeviceArray<float>> params_;
-  std::vector<DeviceArray<float>> grads_;
-};
-
-struct HostBatch {
-  std::vector<float> features;
-  std::vector<int32_t> labels;
-};
-
-HostBatch RandomBatch(int64_t rows, int64_t input_dim, int64_t classes,
-                      std::mt19937* rng) {
-  std::uniform_real_distribution<float> feature(-1.0f, 1.0f);
-  std::uniform_int_distribution<int32_t> label(0, classes - 1);
-  HostBatch batch;
-  for (int64_t i = 0; i < rows * input_dim; ++i) {
-    batch.features.push_back(feature(*rng));
-  }
-  for (int64_t i = 0; i < rows; ++i) batch.labels.push_back(label(*rng));
-  return batch;
-}
 
 struct GradCheckConfig {
   std::string name;
@@ -134,8 +45,6 @@ void PrintTo(const GradCheckConfig& config, std::ostream* os) {
 
 class GradientCheckTest : public ::testing::TestWithParam<GradCheckConfig> {};
 
-// Compares every gradient element with a central difference of the mean loss
-// (computed by Evaluate, accumulated in double).
 TEST_P(GradientCheckTest, MatchesFiniteDifferences) {
   const GradCheckConfig& config = GetParam();
   std::unique_ptr<Backend> backend = CpuBackend();
@@ -143,87 +52,10 @@ TEST_P(GradientCheckTest, MatchesFiniteDifferences) {
       CreateMlp(backend.get(), config.input_dim, config.hidden, config.classes,
                 /*max_batch=*/8);
   ASSERT_TRUE(model.ok()) << model.status();
-
-  // Random weights *and* biases, so that some ReLUs are off for some rows and
-  // a missing mask would show.
-  std::mt19937 rng(6);
-  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-  Tensors tensors(backend.get(), **model);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    // Smaller biases (odd i) leave most units alive for some rows.
-    const float scale = i % 2 == 0 ? 1.0f : 0.3f;
-    for (float& x : tensors.host(i)) x = scale * uniform(rng);
-  }
-  tensors.SyncAll();
-
-  const HostBatch host_batch =
-      RandomBatch(config.rows, config.input_dim, config.classes, &rng);
-  DeviceArray<float> features = Upload(backend.get(), host_batch.features);
-  DeviceArray<int32_t> labels = Upload(backend.get(), host_batch.labels);
-  const DeviceBatch batch{config.rows, features.data(), labels.data()};
-
-  absl::StatusOr<BatchResult> result =
-      (*model)->ComputeGradients(tensors.params(), batch, tensors.grads());
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(result->rows, config.rows);
-
-  auto mean_loss = [&]() {
-    absl::StatusOr<BatchResult> r = (*model)->Evaluate(tensors.params(), batch);
-    EXPECT_TRUE(r.ok()) << r.status();
-    return r->loss_sum / config.rows;
-  };
-
-  // eps balances truncation error (O(eps^2)) against float rounding in the
-  // forward pass (O(1e-7 / eps)); both stay far below the tolerance, which
-  // is still far below any real mistake (a sign, a missing mask or scale).
-  constexpr float kEps = 1e-3f;
-  constexpr double kAbsTol = 1e-4;
-  constexpr double kRelTol = 5e-3;
-  // A step that moves some ReLU input across zero makes the difference
-  // quotient meaningless; it shows as one-sided slopes that disagree by far
-  // more than curvature explains. Such elements are skipped, but only a few.
-  constexpr double kKinkGap = 1e-3;
-  const double loss = mean_loss();
-  int64_t checked = 0;
-  int64_t kinks = 0;
-  double largest = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const std::string& name = (*model)->Params()[i].name();
-    const std::vector<float> analytic = tensors.grad(i);
-    std::vector<float>& param = tensors.host(i);
-    for (size_t j = 0; j < param.size(); ++j) {
-      const float original = param[j];
-      const float plus = original + kEps;
-      const float minus = original - kEps;
-      param[j] = plus;
-      tensors.Sync(i);
-      const double loss_plus = mean_loss();
-      param[j] = minus;
-      tensors.Sync(i);
-      const double loss_minus = mean_loss();
-      param[j] = original;
-      tensors.Sync(i);
-      // Steps are measured after float rounding, in double.
-      const double step_plus = double{plus} - double{original};
-      const double step_minus = double{original} - double{minus};
-      const double slope_plus = (loss_plus - loss) / step_plus;
-      const double slope_minus = (loss - loss_minus) / step_minus;
-      if (std::abs(slope_plus - slope_minus) > kKinkGap) {
-        ++kinks;
-        continue;
-      }
-      const double numeric =
-          (loss_plus - loss_minus) / (step_plus + step_minus);
-      EXPECT_NEAR(analytic[j], numeric, kAbsTol + kRelTol * std::abs(numeric))
-          << name << "[" << j << "]";
-      largest = std::max(largest, std::abs(numeric));
-      ++checked;
-    }
-  }
-  EXPECT_LE(kinks, 3);
-  // Guard against a vacuous pass (e.g. every gradient zero).
-  EXPECT_GT(largest, 0.05);
-  EXPECT_GT(checked, 0);
+  std::mt19937 rng(16);
+  ExpectGradientsMatchFiniteDifferences(
+      backend.get(), **model,
+      RandomBatch(config.rows, config.input_dim, config.classes, &rng));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -492,6 +324,22 @@ class CountingBackend : public Backend {
                           float* table) override {
     return inner_->ScatterAdd(num_indices, dim, table_rows, grads, indices,
                               table);
+  }
+  absl::Status Im2Col(const kernels::Window2D& w, const float* x,
+                      float* col) override {
+    return inner_->Im2Col(w, x, col);
+  }
+  absl::Status Col2Im(const kernels::Window2D& w, const float* col,
+                      float* x) override {
+    return inner_->Col2Im(w, col, x);
+  }
+  absl::Status MaxPool2D(const kernels::Window2D& w, const float* x, float* y,
+                         int64_t* argmax) override {
+    return inner_->MaxPool2D(w, x, y, argmax);
+  }
+  absl::Status MaxPool2DGrad(const kernels::Window2D& w, const float* dy,
+                             const int64_t* argmax, float* dx) override {
+    return inner_->MaxPool2DGrad(w, dy, argmax, dx);
   }
 
  private:

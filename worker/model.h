@@ -5,6 +5,7 @@
 #define PSTRAIN_WORKER_MODEL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,6 +29,14 @@ struct BatchResult {
   int64_t rows = 0;
 };
 
+// Told by ComputeGradients that the gradient of parameter `param_index`
+// (into Params()) is final: every op writing it has been issued on the
+// backend. On a GPU that is stream order, not completion: read it through
+// the same backend (CopyToHost waits for it). Called on the calling thread,
+// once per parameter, in backward order (the last layer's first), so the
+// caller can send a layer's gradient while backward goes on.
+using GradientReadyCallback = std::function<void(int param_index)>;
+
 // A model owns its workspace: one instance serves one thread at a time.
 class Model {
  public:
@@ -40,9 +49,14 @@ class Model {
   // Forward and backward on one batch. params[i] and grads[i] point at
   // backend memory holding Params()[i]; grads receive the gradient of the
   // *mean* loss over the batch (overwritten). batch.rows <= max_batch.
-  virtual absl::StatusOr<BatchResult> ComputeGradients(
+  // on_gradient_ready (may be empty) hears of every parameter exactly once
+  // on success: as its gradient is issued where the model can tell (the
+  // layer models), else when backward is done. After an error, what it
+  // was told is void.
+  absl::StatusOr<BatchResult> ComputeGradients(
       const std::vector<const float*>& params, const DeviceBatch& batch,
-      const std::vector<float*>& grads) = 0;
+      const std::vector<float*>& grads,
+      const GradientReadyCallback& on_gradient_ready = nullptr);
 
   // Forward only: loss and accuracy of a batch.
   virtual absl::StatusOr<BatchResult> Evaluate(
@@ -55,6 +69,15 @@ class Model {
       const std::vector<const float*>& params, const DeviceBatch& batch) {
     return absl::UnimplementedError("this model does not produce logits");
   }
+
+ protected:
+  // What ComputeGradients runs. gradient_ready is never empty; call it with
+  // a parameter's index as soon as its gradient is issued. Parameters not
+  // reported by the time this returns are reported after it, last first.
+  virtual absl::StatusOr<BatchResult> ComputeGradientsImpl(
+      const std::vector<const float*>& params, const DeviceBatch& batch,
+      const std::vector<float*>& grads,
+      const GradientReadyCallback& gradient_ready) = 0;
 };
 
 // A multi-layer perceptron: input -> [Linear -> ReLU] per hidden size ->
@@ -62,6 +85,7 @@ class Model {
 // (multinomial logistic) regression. Parameters are named "fc{i}/weight"
 // ([in, out], Glorot-uniform init) and "fc{i}/bias" ([out], zeros).
 // Workspace for batches of up to max_batch rows is allocated once here.
+// It is the layer list dense:h1,relu,...,dense:num_classes (layers.h).
 absl::StatusOr<std::unique_ptr<Model>> CreateMlp(
     kernels::Backend* backend, int64_t input_dim,
     const std::vector<int64_t>& hidden_sizes, int64_t num_classes,

@@ -19,9 +19,10 @@ class ProbeModel : public Model {
     return params_;
   }
 
-  absl::StatusOr<BatchResult> ComputeGradients(
+  absl::StatusOr<BatchResult> ComputeGradientsImpl(
       const std::vector<const float*>& params, const DeviceBatch& batch,
-      const std::vector<float*>& grads) override {
+      const std::vector<float*>& grads,
+      const GradientReadyCallback& /*gradient_ready*/) override {
     if (params.size() != 1 || grads.size() != 1) {
       return absl::InvalidArgumentError("the probe model has one tensor");
     }
