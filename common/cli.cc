@@ -1,9 +1,11 @@
 #include "common/cli.h"
 
+#include <fcntl.h>
 #include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -29,12 +31,17 @@ std::string& ProgramName() {
   return *name;
 }
 
-sigset_t TerminationSignals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  return set;
+// Written by the signal handler, read by WaitForTerminationSignal: a
+// self-pipe, because only async-signal-safe calls may run in a handler.
+int termination_pipe[2] = {-1, -1};
+
+void OnTerminationSignal(int signal_number) {
+  const int saved_errno = errno;
+  const unsigned char byte = static_cast<unsigned char>(signal_number);
+  // A full pipe already holds a signal to report: dropping this one is fine.
+  if (write(termination_pipe[1], &byte, 1) < 0) {
+  }
+  errno = saved_errno;
 }
 
 }  // namespace
@@ -111,17 +118,26 @@ absl::Status WriteFileAtomically(const std::string& path,
   return absl::OkStatus();
 }
 
-void BlockTerminationSignals() {
-  sigset_t set = TerminationSignals();
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+void CatchTerminationSignals() {
+  if (termination_pipe[0] >= 0) return;
+  PCHECK(pipe2(termination_pipe, O_CLOEXEC | O_NONBLOCK) == 0);
+  // Only the write end is non-blocking: a reader waits for a signal.
+  PCHECK(fcntl(termination_pipe[0], F_SETFL, 0) == 0);
+  struct sigaction action = {};
+  action.sa_handler = OnTerminationSignal;
+  action.sa_flags = SA_RESTART;  // other threads' system calls go on
+  sigemptyset(&action.sa_mask);
+  PCHECK(sigaction(SIGINT, &action, nullptr) == 0);
+  PCHECK(sigaction(SIGTERM, &action, nullptr) == 0);
 }
 
 int WaitForTerminationSignal() {
-  sigset_t set = TerminationSignals();
-  int signal_number = 0;
-  while (sigwait(&set, &signal_number) != 0) {
+  CHECK_GE(termination_pipe[0], 0) << "CatchTerminationSignals first";
+  unsigned char byte = 0;
+  while (read(termination_pipe[0], &byte, 1) != 1) {
+    PCHECK(errno == EINTR);
   }
-  return signal_number;
+  return byte;
 }
 
 }  // namespace pstrain

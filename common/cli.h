@@ -26,10 +26,12 @@ void ExitOnFlagErrors(const std::vector<absl::Status>& checks);
 absl::Status WriteFileAtomically(const std::string& path,
                                  const std::string& contents);
 
-// Blocks SIGINT and SIGTERM in this thread and every thread created after
-// it; call before starting threads. WaitForTerminationSignal then returns
-// the signal number when one arrives.
-void BlockTerminationSignals();
+// From here on SIGINT and SIGTERM are caught on whichever thread they
+// arrive, and WaitForTerminationSignal returns the number of each one
+// caught, in order (blocking). A handler, not a signal mask: libraries
+// start threads before main (OpenBLAS's pool), and a mask set in main
+// cannot cover them, so a signal landing there would kill the process.
+void CatchTerminationSignals();
 int WaitForTerminationSignal();
 
 }  // namespace pstrain

@@ -294,7 +294,6 @@ int Main(int argc, char** argv) {
                       : *restored);
   }
 
-  BlockTerminationSignals();
   std::unique_ptr<MetricsEndpoint> metrics;
   if (metrics_port != 0) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> started =
@@ -436,8 +435,6 @@ int Main(int argc, char** argv) {
 int main(int argc, char** argv) {
   pstrain::InitProgram(argc, argv,
                        "ps_server: one shard of the parameter server");
-  // Before any thread starts (the shard's, gRPC's, the metrics server's),
-  // so SIGTERM reaches only the thread waiting for it.
-  pstrain::BlockTerminationSignals();
+  pstrain::CatchTerminationSignals();
   return pstrain::Main(argc, argv);
 }

@@ -955,7 +955,6 @@ int Main(int argc, char** argv) {
 int main(int argc, char** argv) {
   pstrain::InitProgram(argc, argv,
                        "worker: trains a model against the parameter servers");
-  // Before any thread starts, so signals reach only the waiting thread.
-  pstrain::BlockTerminationSignals();
+  pstrain::CatchTerminationSignals();
   return pstrain::Main(argc, argv);
 }
