@@ -584,8 +584,21 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, int worker_id)
       push_seconds_(
           prometheus::BuildHistogram()
               .Name("pstrain_worker_push_duration_seconds")
-              .Help("Time to push the gradient, every shard at "
-                    "once.")
+              .Help("From a step's first gradient push to its last "
+                    "answer (overlapping backward).")
+              .Register(registry)
+              .Add({{"worker", absl::StrCat(worker_id)}}, LatencyBuckets())),
+      compute_seconds_(
+          prometheus::BuildHistogram()
+              .Name("pstrain_worker_compute_duration_seconds")
+              .Help("Batch, forward and backward of a step.")
+              .Register(registry)
+              .Add({{"worker", absl::StrCat(worker_id)}}, LatencyBuckets())),
+      network_wait_seconds_(
+          prometheus::BuildHistogram()
+              .Name("pstrain_worker_network_wait_seconds")
+              .Help("Time a step was blocked on the network: the pull and "
+                    "pushes still in flight after backward.")
               .Register(registry)
               .Add({{"worker", absl::StrCat(worker_id)}}, LatencyBuckets())),
       test_loss_(prometheus::BuildGauge()
@@ -613,6 +626,8 @@ void WorkerMetrics::Observe(const StepSample& sample) {
   step_seconds_.Observe(sample.step_seconds);
   pull_seconds_.Observe(sample.pull_seconds);
   push_seconds_.Observe(sample.push_seconds);
+  compute_seconds_.Observe(sample.compute_seconds);
+  network_wait_seconds_.Observe(sample.network_wait_seconds);
   window_examples_ += static_cast<double>(sample.examples);
   window_seconds_ += sample.step_seconds;
   // Shown from the first step on, then refreshed once a second of steps.

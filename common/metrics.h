@@ -170,12 +170,15 @@ struct StepSample {
   double step_seconds = 0;
   double pull_seconds = 0;
   double push_seconds = 0;
+  double compute_seconds = 0;
+  double network_wait_seconds = 0;  // blocked on the pull and the pushes
 };
 
 // The worker's metrics, labelled worker="k":
 //   pstrain_worker_step, _steps (target), _loss, _train_accuracy,
 //   _samples_per_second (gauges), pstrain_worker_examples_total (counter),
-//   pstrain_worker_{step,pull,push}_duration_seconds (histograms),
+//   pstrain_worker_{step,pull,push,compute}_duration_seconds and
+//   pstrain_worker_network_wait_seconds (histograms),
 //   pstrain_worker_test_loss, _test_accuracy (the last held-out evaluation).
 class WorkerMetrics {
  public:
@@ -195,6 +198,8 @@ class WorkerMetrics {
   prometheus::Histogram& step_seconds_;
   prometheus::Histogram& pull_seconds_;
   prometheus::Histogram& push_seconds_;
+  prometheus::Histogram& compute_seconds_;
+  prometheus::Histogram& network_wait_seconds_;
   prometheus::Gauge& test_loss_;
   prometheus::Gauge& test_accuracy_;
   // samples/s over at least one second of steps, so one slow or fast step

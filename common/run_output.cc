@@ -126,17 +126,16 @@ absl::StatusOr<std::unique_ptr<MetricsCsv>> MetricsCsv::Open(
 
 MetricsCsv::~MetricsCsv() { std::fclose(file_); }
 
-absl::Status MetricsCsv::Append(int64_t step, double time_s, double loss,
-                                double train_accuracy, double samples_per_sec,
-                                double pull_ms, double push_ms,
-                                double test_loss, double test_accuracy) {
+absl::Status MetricsCsv::Append(const Row& row) {
   const std::string test =
-      std::isnan(test_accuracy)
+      std::isnan(row.test_accuracy)
           ? ","
-          : absl::StrFormat("%.6g,%.6g", test_loss, test_accuracy);
-  if (std::fprintf(file_, "%lld,%.4f,%.6g,%.6g,%.1f,%.3f,%.3f,%s\n",
-                   static_cast<long long>(step), time_s, loss, train_accuracy,
-                   samples_per_sec, pull_ms, push_ms, test.c_str()) < 0 ||
+          : absl::StrFormat("%.6g,%.6g", row.test_loss, row.test_accuracy);
+  if (std::fprintf(file_, "%lld,%.4f,%.6g,%.6g,%.1f,%.3f,%.3f,%s,%.3f,%.3f\n",
+                   static_cast<long long>(row.step), row.time_s, row.loss,
+                   row.train_accuracy, row.samples_per_sec, row.pull_ms,
+                   row.push_ms, test.c_str(), row.compute_ms,
+                   row.network_wait) < 0 ||
       std::fflush(file_) != 0) {
     return absl::InternalError(
         absl::StrCat("cannot write ", path_, ": ", std::strerror(errno)));

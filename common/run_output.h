@@ -43,26 +43,37 @@ std::string FitProgressBar(int64_t step, int64_t steps, double loss,
 
 // One row per step:
 //   step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,
-//   test_loss,test_accuracy
-// (the last two empty unless the model after that step was evaluated).
+//   test_loss,test_accuracy,compute_ms,network_wait
+// (test_* empty unless the model after that step was evaluated;
+// network_wait: the share of the step blocked on the network, 0 to 1).
 // time_s counts from the start of training, so runs can be compared against
 // wall time. Rows are flushed as written: a crashed run keeps its curve.
 class MetricsCsv {
  public:
   static constexpr char kHeader[] =
       "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,"
-      "test_loss,test_accuracy";
+      "test_loss,test_accuracy,compute_ms,network_wait";
+
+  struct Row {
+    int64_t step = 0;
+    double time_s = 0;
+    double loss = 0;
+    double train_accuracy = 0;
+    double samples_per_sec = 0;
+    double pull_ms = 0;
+    double push_ms = 0;
+    double test_loss = std::nan("");  // NaN: not evaluated at this step
+    double test_accuracy = std::nan("");
+    double compute_ms = 0;
+    double network_wait = 0;
+  };
 
   // Creates (truncates) `path` and writes the header.
   static absl::StatusOr<std::unique_ptr<MetricsCsv>> Open(
       const std::string& path);
   ~MetricsCsv();
 
-  absl::Status Append(int64_t step, double time_s, double loss,
-                      double train_accuracy, double samples_per_sec,
-                      double pull_ms, double push_ms,
-                      double test_loss = std::nan(""),
-                      double test_accuracy = std::nan(""));
+  absl::Status Append(const Row& row);
 
  private:
   MetricsCsv(std::FILE* file, std::string path)

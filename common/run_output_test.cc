@@ -73,17 +73,28 @@ TEST(MetricsCsvTest, WritesHeaderAndRows) {
   {
     absl::StatusOr<std::unique_ptr<MetricsCsv>> csv = MetricsCsv::Open(path);
     ASSERT_TRUE(csv.ok()) << csv.status();
-    ASSERT_TRUE((*csv)->Append(1, 0.5, 1.25, 0.5, 128, 1.5, 2.25).ok());
-    ASSERT_TRUE((*csv)->Append(2, 1.0, 1.0, 0.75, 256, 1, 2, 0.5, 0.875).ok());
+    MetricsCsv::Row row;
+    row.step = 1;
+    row.time_s = 0.5;
+    row.loss = 1.25;
+    row.train_accuracy = 0.5;
+    row.samples_per_sec = 128;
+    row.pull_ms = 1.5;
+    row.push_ms = 2.25;
+    row.compute_ms = 3;
+    row.network_wait = 0.25;
+    ASSERT_TRUE((*csv)->Append(row).ok());
+    row = {2, 1.0, 1.0, 0.75, 256, 1, 2, 0.5, 0.875, 4.5, 0.125};
+    ASSERT_TRUE((*csv)->Append(row).ok());
   }
   std::ifstream in(path);
   std::stringstream text;
   text << in.rdbuf();
   EXPECT_EQ(text.str(),
             "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,"
-            "test_loss,test_accuracy\n"
-            "1,0.5000,1.25,0.5,128.0,1.500,2.250,,\n"
-            "2,1.0000,1,0.75,256.0,1.000,2.000,0.5,0.875\n");
+            "test_loss,test_accuracy,compute_ms,network_wait\n"
+            "1,0.5000,1.25,0.5,128.0,1.500,2.250,,,3.000,0.250\n"
+            "2,1.0000,1,0.75,256.0,1.000,2.000,0.5,0.875,4.500,0.125\n");
 }
 
 TEST(MetricsCsvTest, UnwritablePathNamesTheFlag) {

@@ -131,6 +131,15 @@ TEST(MetricsTest, ServerAndWorkerCountWhatTheJobDid) {
             kSteps);
   EXPECT_EQ(Value(page, "pstrain_worker_push_duration_seconds_count", kWorker0),
             kSteps);
+  EXPECT_EQ(
+      Value(page, "pstrain_worker_compute_duration_seconds_count", kWorker0),
+      kSteps);
+  EXPECT_EQ(Value(page, "pstrain_worker_network_wait_seconds_count", kWorker0),
+            kSteps);
+  // The injected 5 ms a step counts as compute, not as network wait.
+  EXPECT_GE(
+      Value(page, "pstrain_worker_compute_duration_seconds_sum", kWorker0),
+      kSteps * 0.005);
   // Every step sleeps 5 ms on purpose.
   EXPECT_GE(Value(page, "pstrain_worker_step_duration_seconds_sum", kWorker0),
             kSteps * 0.005);
@@ -186,14 +195,19 @@ TEST(MetricsTest, ServerAndWorkerCountWhatTheJobDid) {
   ASSERT_EQ(rows.size(), kSteps + 1u) << text.str();
   EXPECT_EQ(rows[0],
             "step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,"
-            "test_loss,test_accuracy");
+            "test_loss,test_accuracy,compute_ms,network_wait");
   double last_time = -1;
   for (int i = 1; i <= kSteps; ++i) {
     const std::vector<std::string> cells = absl::StrSplit(rows[i], ',');
-    ASSERT_EQ(cells.size(), 9u) << rows[i];
+    ASSERT_EQ(cells.size(), 11u) << rows[i];
     EXPECT_EQ(cells[0], absl::StrCat(i));
     // Held-out columns only on the rows of an evaluation (every 10 steps).
     EXPECT_EQ(cells[8].empty(), i % 10 != 0) << rows[i];
+    // Every step computes, and waits on the network for part of the step.
+    EXPECT_GT(std::stod(cells[9]), 0) << rows[i];
+    const double network_wait = std::stod(cells[10]);
+    EXPECT_GE(network_wait, 0) << rows[i];
+    EXPECT_LE(network_wait, 1) << rows[i];
     const double time = std::stod(cells[1]);
     EXPECT_GT(time, last_time);
     last_time = time;

@@ -363,7 +363,7 @@ TEST(RealDataTest, EpochsAndPeriodicEvaluation) {
   int evaluated_rows = 0;
   for (size_t i = 1; i < rows.size(); ++i) {
     const std::vector<std::string> cells = absl::StrSplit(rows[i], ',');
-    ASSERT_EQ(cells.size(), 9u) << rows[i];
+    ASSERT_EQ(cells.size(), 11u) << rows[i];
     if (cells[8].empty()) continue;
     ++evaluated_rows;
     EXPECT_EQ(std::stoi(cells[0]) % 10, 0) << rows[i];

@@ -193,6 +193,10 @@ ABSL_FLAG(int, max_message_mb, pstrain::kDefaultMaxMessageBytes >> 20,
 ABSL_FLAG(int, connections_per_shard, 4,
           "TCP connections to each ps_server; a shard's RPCs are spread over "
           "them.");
+ABSL_FLAG(bool, overlap_push, true,
+          "Push each layer's gradient as soon as backward produces it (the "
+          "last layer's first), from a push thread, while backward goes on; "
+          "false: one push after backward.");
 ABSL_FLAG(bool, call_streams, true,
           "Send a push or pull that is one RPC (one shard, one block group) "
           "as a message on a long-lived stream of its connection instead of "
@@ -473,7 +477,8 @@ class StepOutput {
         r.step_seconds > 0 ? r.examples / r.step_seconds : 0;
     if (metrics_ != nullptr) {
       metrics_->Observe({r.step, r.steps, r.loss, r.train_accuracy, r.examples,
-                         r.step_seconds, r.pull_seconds, r.push_seconds});
+                         r.step_seconds, r.pull_seconds, r.push_seconds,
+                         r.compute_seconds, r.network_wait_seconds});
     }
     if (r.evaluated) {
       last_test_accuracy_ = r.test_accuracy;
@@ -482,11 +487,22 @@ class StepOutput {
       }
     }
     if (csv_ != nullptr) {
-      absl::Status written = csv_->Append(
-          r.step, absl::ToDoubleSeconds(now - start_), r.loss, r.train_accuracy,
-          step_rate, r.pull_seconds * 1e3, r.push_seconds * 1e3,
-          r.evaluated ? r.test_loss : std::nan(""),
-          r.evaluated ? r.test_accuracy : std::nan(""));
+      MetricsCsv::Row row;
+      row.step = r.step;
+      row.time_s = absl::ToDoubleSeconds(now - start_);
+      row.loss = r.loss;
+      row.train_accuracy = r.train_accuracy;
+      row.samples_per_sec = step_rate;
+      row.pull_ms = r.pull_seconds * 1e3;
+      row.push_ms = r.push_seconds * 1e3;
+      if (r.evaluated) {
+        row.test_loss = r.test_loss;
+        row.test_accuracy = r.test_accuracy;
+      }
+      row.compute_ms = r.compute_seconds * 1e3;
+      row.network_wait =
+          r.step_seconds > 0 ? r.network_wait_seconds / r.step_seconds : 0;
+      absl::Status written = csv_->Append(row);
       if (!written.ok()) {
         LOG(ERROR) << written << "; no more CSV rows";
         csv_.reset();
@@ -840,10 +856,10 @@ int Main(int argc, char** argv) {
     model =
         CreateProbeModel(backend->get(), absl::GetFlag(FLAGS_probe_elements));
   } else {
-    model = CreateMlp(
-        backend->get(), data->train->num_features(),
-        model_name == "softmax" ? std::vector<int64_t>{} : *hidden,
-        data->train->num_classes(), batch_size);
+    model =
+        CreateMlp(backend->get(), data->train->num_features(),
+                  model_name == "softmax" ? std::vector<int64_t>{} : *hidden,
+                  data->train->num_classes(), batch_size);
   }
   if (!model.ok()) {
     LOG(ERROR) << "cannot build the model: " << model.status();
@@ -899,6 +915,7 @@ int Main(int argc, char** argv) {
   options.steps = *steps;
   options.batch_size = batch_size;
   options.shuffle = absl::GetFlag(FLAGS_shuffle);
+  options.overlap_push = absl::GetFlag(FLAGS_overlap_push);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.periodic_evaluation = worker_id == 0;
   options.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);

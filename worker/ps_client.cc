@@ -544,7 +544,8 @@ absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
 }
 
 absl::StatusOr<PsClient::PushResult> PsClient::Push(
-    int64_t step, const std::vector<const float*>& gradients) {
+    int64_t step, const std::vector<const float*>& gradients,
+    absl::Span<const int> only) {
   if (partition_ == nullptr) {
     return absl::FailedPreconditionError("Push before Register");
   }
@@ -553,8 +554,18 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
         absl::StrCat("Push got ", gradients.size(), " tensors, the model has ",
                      partition_->NumTensors()));
   }
+  std::vector<bool> selected(gradients.size(), only.empty());
+  for (int tensor : only) {
+    if (tensor < 0 || tensor >= partition_->NumTensors()) {
+      return absl::InvalidArgumentError(absl::StrCat("Push of tensor ", tensor,
+                                                     "; the model has ",
+                                                     partition_->NumTensors()));
+    }
+    selected[tensor] = true;
+  }
   const DataType wire_type = options_.gradient_wire_type;
-  std::vector<Call> calls(groups_.size());
+  std::vector<Call> calls;
+  calls.reserve(groups_.size());
   std::vector<PushResponse> responses(groups_.size());
   std::vector<OutgoingBlock> blocks;
   for (size_t i = 0; i < groups_.size(); ++i) {
@@ -562,6 +573,7 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
     blocks.clear();
     for (int g : group.blocks) {
       const BlockLocation& loc = partition_->blocks()[g];
+      if (!selected[loc.tensor]) continue;
       const float* values = gradients[loc.tensor] + loc.offset;
       absl::string_view data(reinterpret_cast<const char*>(values),
                              loc.length * sizeof(float));
@@ -584,7 +596,8 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
                                       loc.block, wire_type, block_versions_[g]},
                                      data});
     }
-    Call& call = calls[i];
+    if (blocks.empty()) continue;
+    Call& call = calls.emplace_back();
     call.shard = group.shard;
     call.connection = group.connection;
     call.message = EncodePushRequest(kProtocolVersion, worker_id_, step, blocks,

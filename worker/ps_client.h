@@ -98,14 +98,19 @@ class PsClient {
   absl::StatusOr<int64_t> Pull(int64_t step,
                                const std::vector<float*>& tensors);
 
-  // Sends the gradient of every tensor; the memory must stay unchanged until
+  // Sends the gradient of every tensor, or with `only` non-empty of just
+  // those tensors (indices into the schema's dense tensors; the others'
+  // entries in `gradients` are not read): a worker may push a step's
+  // tensors in several calls, as backward produces them, since the servers
+  // complete each block on its own. The memory must stay unchanged until
   // Push returns.
   struct PushResult {
     int64_t blocks_duplicate = 0;  // already received, not applied again
     int64_t blocks_late = 0;       // sync: the step had completed without it
   };
   absl::StatusOr<PushResult> Push(int64_t step,
-                                  const std::vector<const float*>& gradients);
+                                  const std::vector<const float*>& gradients,
+                                  absl::Span<const int> only = {});
 
   // Sparse table `table` (index into the schema's sparse tables): fills
   // out[i * dim ..] with the rows of `ids` (unique), asking each shard for

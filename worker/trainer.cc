@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "common/partition.h"
 #include "glog/logging.h"
+#include "worker/step_overlap.h"
 
 namespace pstrain {
 namespace {
@@ -261,8 +262,15 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   BatchResult window;
   int64_t last_evaluated_step = -1;
   BatchResult last_evaluation;
+  std::vector<std::vector<float>*> host_grad_buffers;
+  for (std::vector<float>& g : buffers.host_grads)
+    host_grad_buffers.push_back(&g);
+  OverlappedPush overlapped_push(client, backend, grads, host_grad_buffers);
+  BatchPrefetcher prefetcher(*plan, train, options.batch_size);
   int64_t step = options.start_step;
+  if (step < options.steps) prefetcher.Prefetch(step);
   while (step < options.steps) {
+    absl::Duration compute_time;
     const absl::Time step_start = absl::Now();
     if (options.stop != nullptr && options.stop->load()) {
       result.stopped_early = true;
@@ -279,33 +287,60 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     }
     // The step fixes the examples, so a worker that joins late or catches
     // up takes exactly the slice a single process would have used.
+    const absl::Time compute_start = absl::Now();
     if (absl::Status s =
-            train.Gather(plan->WorkerIndices(step), batch.host_features.data(),
-                         batch.host_labels.data());
+            prefetcher.Take(step, batch.host_features, batch.host_labels);
         !s.ok()) {
       return s;
     }
     absl::StatusOr<DeviceBatch> device_batch =
         batch.Upload(options.batch_size, train.num_features(), backend);
     if (!device_batch.ok()) return device_batch.status();
-    absl::StatusOr<BatchResult> batch_result =
-        model.ComputeGradients(params, *device_batch, grads);
-    if (!batch_result.ok()) return batch_result.status();
-    for (size_t i = 0; i < grads.size(); ++i) {
-      if (absl::Status s =
-              backend.CopyToHost(grads[i], buffers.host_grads[i].data(),
-                                 buffers.device_grads[i].bytes());
-          !s.ok()) {
-        return s;
+    if (step + 1 < options.steps) prefetcher.Prefetch(step + 1);
+    absl::StatusOr<BatchResult> batch_result;
+    absl::Duration push_time, push_wait;
+    absl::StatusOr<PsClient::PushResult> pushed;
+    if (options.overlap_push) {
+      // Each tensor goes to the servers as backward issues its gradient;
+      // the first error stops the reports (the step fails below).
+      absl::Status ready_status;
+      overlapped_push.Start(step);
+      batch_result =
+          model.ComputeGradients(params, *device_batch, grads, [&](int tensor) {
+            if (ready_status.ok()) ready_status = overlapped_push.Ready(tensor);
+          });
+      if (options.step_delay > absl::ZeroDuration()) {
+        absl::SleepFor(options.step_delay);
       }
+      const absl::Time wait_start = absl::Now();
+      pushed = overlapped_push.Finish();
+      push_wait = absl::Now() - wait_start;
+      compute_time = wait_start - compute_start;
+      push_time = overlapped_push.push_time();
+      if (!batch_result.ok()) return batch_result.status();
+      if (!ready_status.ok()) return ready_status;
+    } else {
+      batch_result = model.ComputeGradients(params, *device_batch, grads);
+      if (!batch_result.ok()) return batch_result.status();
+      for (size_t i = 0; i < grads.size(); ++i) {
+        if (absl::Status s =
+                backend.CopyToHost(grads[i], buffers.host_grads[i].data(),
+                                   buffers.device_grads[i].bytes());
+            !s.ok()) {
+          return s;
+        }
+      }
+      if (options.step_delay > absl::ZeroDuration()) {
+        absl::SleepFor(options.step_delay);
+      }
+      const absl::Time push_start = absl::Now();
+      compute_time = push_start - compute_start;
+      pushed = client.Push(step, host_grads);
+      push_time = push_wait = absl::Now() - push_start;
     }
-    if (options.step_delay > absl::ZeroDuration()) {
-      absl::SleepFor(options.step_delay);
-    }
-    const absl::Time push_start = absl::Now();
-    absl::StatusOr<PsClient::PushResult> pushed = client.Push(step, host_grads);
     if (!pushed.ok()) return pushed.status();
-    const absl::Duration push_time = absl::Now() - push_start;
+    result.compute_seconds += absl::ToDoubleSeconds(compute_time);
+    result.network_wait_seconds += absl::ToDoubleSeconds(pull_time + push_wait);
     result.duplicate_blocks += pushed->blocks_duplicate;
     result.late_blocks += pushed->blocks_late;
     ++result.steps_run;
@@ -347,6 +382,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       report.step_seconds = absl::ToDoubleSeconds(step_end - step_start);
       report.pull_seconds = absl::ToDoubleSeconds(pull_time);
       report.push_seconds = absl::ToDoubleSeconds(push_time);
+      report.compute_seconds = absl::ToDoubleSeconds(compute_time);
+      report.network_wait_seconds =
+          absl::ToDoubleSeconds(pull_time + push_wait);
       report.epoch = step / steps_per_epoch;
       options.on_step(report);
     }
@@ -421,7 +459,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"test_accuracy\":%.4f,\"test_examples\":%d,\"final_model\":\"%s\","
       "\"time_to_target_s\":%s,\"step_to_target\":%s,\"evaluations\":%d,"
       "\"evaluation_s\":%.3f,\"samples_per_sec\":%.1f,"
-      "\"wall_time_s\":%.3f,\"peak_rss_mb\":%.1f,\"start_step\":%d,"
+      "\"wall_time_s\":%.3f,\"compute_s\":%.3f,\"network_wait_s\":%.3f,"
+      "\"network_wait_share\":%.3f,\"peak_rss_mb\":%.1f,\"start_step\":%d,"
       "\"steps_run\":%d,"
       "\"steps_skipped\":%d,\"duplicate_blocks\":%d,\"late_blocks\":%d,"
       "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s}",
@@ -429,9 +468,12 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       r.steps_per_epoch, r.final_loss, r.train_accuracy, r.test_loss,
       r.test_accuracy, r.test_examples, r.final_model, time_to_target,
       step_to_target, r.evaluations, r.evaluation_seconds, r.samples_per_sec,
-      r.wall_time_s, r.peak_rss_bytes / 1048576.0, r.start_step, r.steps_run,
-      r.steps_skipped, r.duplicate_blocks, r.late_blocks,
-      r.injected_duplicate_pushes, r.stopped_early ? "true" : "false");
+      r.wall_time_s, r.compute_seconds, r.network_wait_seconds,
+      r.network_wait_seconds /
+          std::max(r.wall_time_s - r.evaluation_seconds, 1e-9),
+      r.peak_rss_bytes / 1048576.0, r.start_step, r.steps_run, r.steps_skipped,
+      r.duplicate_blocks, r.late_blocks, r.injected_duplicate_pushes,
+      r.stopped_early ? "true" : "false");
 }
 
 }  // namespace pstrain

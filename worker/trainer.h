@@ -26,8 +26,14 @@ struct StepReport {
   double train_accuracy = 0;  // this step's batch
   int64_t examples = 0;
   double step_seconds = 0;  // wall time of the step, pull to push
-  double pull_seconds = 0;
+  double pull_seconds = 0;  // waiting for the pull (sync: for the step)
+  // From the first push RPC of the step to the last one's answer; with
+  // overlap_push most of it runs during backward.
   double push_seconds = 0;
+  double compute_seconds = 0;  // batch, forward and backward
+  // The step's time blocked on the network: the pull, and the pushes still
+  // in flight once backward was done.
+  double network_wait_seconds = 0;
   // Set when the model after this step was evaluated on the held-out set.
   bool evaluated = false;
   double test_loss = 0;
@@ -61,6 +67,9 @@ struct TrainerOptions {
   // async/ssp: a client registered as an observer (worker id -1), to pull
   // the final model without rejoining the job. Null: `client` is used.
   PsClient* observer = nullptr;
+  // Push each tensor's gradient as backward produces it, from a push
+  // thread (worker/step_overlap.h); false: one push after backward.
+  bool overlap_push = true;
   // Called after every step (on the training thread).
   std::function<void(const StepReport&)> on_step;
   // Fault injection: extra time per step, as a straggler would take.
@@ -90,6 +99,10 @@ struct TrainResult {
   int64_t peak_rss_bytes = 0;
   double samples_per_sec = 0;
   double wall_time_s = 0;
+  // Summed over the steps: see StepReport. Their share of the training
+  // time (evaluations excluded) is what distribution costs.
+  double compute_seconds = 0;
+  double network_wait_seconds = 0;
   int64_t start_step = 0;
   int64_t steps_run = 0;         // steps this worker computed
   int64_t steps_skipped = 0;     // sync: steps the job finished without it

@@ -23,7 +23,7 @@
 # Exit status: 0 plots written, 1 gnuplot failed, 2 bad usage or input.
 set -euo pipefail
 
-readonly HEADER="step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,test_loss,test_accuracy"
+readonly HEADER="step,time_s,loss,train_accuracy,samples_per_sec,pull_ms,push_ms,test_loss,test_accuracy,compute_ms,network_wait"
 usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 usage_error() { printf 'plot_runs.sh: %s\n' "$*" >&2; exit 2; }
 
@@ -48,7 +48,7 @@ for arg in "$@"; do
       [[ -r "$file" ]] || usage_error "$file: cannot read"
       first=$(head -n 1 -- "$file")
       # Files written before the test_* columns existed plot the same.
-      [[ "$first" == "$HEADER" || "$first" == "${HEADER%,test_loss,test_accuracy}" ]] || usage_error "$file: not a --metrics_csv file (header '$first')"
+      [[ "$first" == "$HEADER" || "$first" == "${HEADER%,compute_ms,network_wait}" || "$first" == "${HEADER%,test_loss,*}" ]] || usage_error "$file: not a --metrics_csv file (header '$first')"
       (($(wc -l <"$file") > 1)) || usage_error "$file: no rows"
       labels+=("$label") files+=("$file")
       ;;
