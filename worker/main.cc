@@ -193,9 +193,12 @@ ABSL_FLAG(int, max_message_mb, pstrain::kDefaultMaxMessageBytes >> 20,
 ABSL_FLAG(int, connections_per_shard, 4,
           "TCP connections to each ps_server; a shard's RPCs are spread over "
           "them.");
-ABSL_FLAG(bool, overlap_push, true,
+ABSL_FLAG(bool, overlap_push, false,
           "Push each layer's gradient as soon as backward produces it (the "
-          "last layer's first), from a push thread, while backward goes on; "
+          "last layer's first), from a push thread, while backward goes on. "
+          "Pays where the worker has cores to spare while it computes (a GPU "
+          "worker); where compute and the network share a few cores it "
+          "costs (bench/results/distribution_cost.txt: 5-8% on 2 cores). "
           "false: one push after backward.");
 ABSL_FLAG(bool, call_streams, true,
           "Send a push or pull that is one RPC (one shard, one block group) "

@@ -69,7 +69,7 @@ struct TrainerOptions {
   PsClient* observer = nullptr;
   // Push each tensor's gradient as backward produces it, from a push
   // thread (worker/step_overlap.h); false: one push after backward.
-  bool overlap_push = true;
+  bool overlap_push = false;
   // Called after every step (on the training thread).
   std::function<void(const StepReport&)> on_step;
   // Fault injection: extra time per step, as a straggler would take.
