@@ -404,6 +404,8 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       report.step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
       report.pull_seconds = absl::ToDoubleSeconds(pulled - step_start);
       report.push_seconds = absl::ToDoubleSeconds(absl::Now() - computed);
+      report.compute_seconds = absl::ToDoubleSeconds(computed - pulled);
+      report.network_wait_seconds = report.pull_seconds + report.push_seconds;
       options.on_step(report);
     }
   }
