@@ -199,6 +199,56 @@ TEST(ExportTest, MlpFromServersAndCheckpointMatchesNumpyLogits) {
   std::cout << numpy.out;
 }
 
+// A layer-list model (a small CNN over 4x4 one-channel "images") goes the
+// same way: trained on the servers, exported, evaluated from the file alone.
+TEST(ExportTest, ALayerModelEvaluatesFromItsFileAsTrained) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 1;
+  const std::string dir = absl::StrCat(TestDir(), "/layers");
+  std::filesystem::create_directories(dir);
+  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "export_layers");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::vector<std::string> model = {
+      "--model=layers",
+      "--layers=conv:4:3:1:1,relu,maxpool:2,flatten,dense:3",
+      "--num_features=16",
+      "--num_classes=3",
+      "--batch_size=32",
+      "--block_elements=16",
+      "--seed=5",
+      "--device=cpu",
+      "--log_every=0",
+      "--test_examples=300"};
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({With(model, {"--steps=30"})}, absl::Seconds(120));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  const double trained_accuracy = Number((*outputs)[0], "test_accuracy");
+
+  const std::string file = absl::StrCat(dir, "/cnn.safetensors");
+  ProgramRun exported =
+      RunProgram({BinaryPath("worker/pstrain_export"),
+                  "--ps_hosts=" + (*cluster)->PsHosts(), "--output=" + file},
+                 dir, "export_layers");
+  ASSERT_EQ(exported.code, 0) << exported.err;
+  ProgramRun evaluated = RunProgram(
+      WorkerArgv(With(model, {"--eval_only", "--model_file=" + file})), dir,
+      "eval_layers");
+  ASSERT_EQ(evaluated.code, 0) << evaluated.err;
+  EXPECT_NEAR(Number(evaluated.out, "test_accuracy"), trained_accuracy, 1e-4);
+
+  // Another layer list does not load the file: one line naming the tensor.
+  evaluated = RunProgram(
+      WorkerArgv(With(model, {"--eval_only", "--model_file=" + file,
+                              "--layers=conv:8:3:1:1,relu,maxpool:2,flatten,"
+                              "dense:3"})),
+      dir, "eval_other_layers");
+  EXPECT_EQ(evaluated.code, 2) << evaluated.err;
+  EXPECT_EQ(LinesWith(evaluated.err, "cnn.safetensors"), 1) << evaluated.err;
+}
+
 TEST(ExportTest, SparseTablesFromServersComeFromACheckpointTheyWriteNow) {
   ClusterOptions options;
   options.num_shards = 2;

@@ -45,10 +45,11 @@ std::vector<absl::Status> CheckEvalOnlyFlags(const EvalOnlyOptions& options,
     problems.push_back(absl::InvalidArgumentError(
         "--eval_only needs --model_file (a file written by pstrain_export)"));
   }
-  if (model_name != "mlp" && model_name != "softmax") {
-    problems.push_back(absl::InvalidArgumentError(
-        absl::StrCat("--eval_only evaluates --model=mlp or softmax, got '",
-                     model_name, "'")));
+  if (model_name != "mlp" && model_name != "softmax" &&
+      model_name != "layers") {
+    problems.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--eval_only evaluates --model=mlp, softmax or layers, got '",
+        model_name, "'")));
   }
   if (!options.logits_file.empty() && !IsCsv(options.logits_file) &&
       !IsNpy(options.logits_file)) {
