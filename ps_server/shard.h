@@ -152,8 +152,8 @@ class Shard {
   void BeginShutdown();
 
  private:
-  // Complete here (not only in shard.cc) so that the lock annotations of
-  // the functions below can name their mutexes.
+  // Complete here (not only in shard_internal.h) so that the lock annotations
+  // of the functions below can name their mutexes.
   struct Block {
     const BlockLocation* location = nullptr;
     const std::string* tensor_name = nullptr;

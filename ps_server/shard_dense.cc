@@ -1,0 +1,608 @@
+// Dense blocks: where a dense push is applied (sync: PushSyncBlock sums it
+// and CompleteIfReadyLocked applies the step; async/ssp: PushAsyncBlock),
+// and dense pulls with the waiting every pull shares. Split from shard.cc so
+// that "where is a push applied" has one answer per kind; the sparse
+// counterpart is shard_sparse.cc.
+#include <algorithm>
+#include <atomic>
+#include <iterator>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/status_text.h"
+#include "common/tensor_codec.h"
+#include "ps_server/shard.h"
+#include "ps_server/shard_internal.h"
+
+namespace pstrain {
+namespace {
+
+void AtomicMax(std::atomic<int64_t>& target, int64_t value) {
+  int64_t current = target.load();
+  while (value > current && !target.compare_exchange_weak(current, value)) {
+  }
+}
+
+}  // namespace
+
+using shard_internal::DescribeMissing;
+using shard_internal::kNever;
+using shard_internal::QuorumMet;
+
+// ---------------------------------------------------------------------------
+// Dense push: validation, summing (sync) or applying (async/ssp) a block's
+// gradient, and completing a sync step.
+
+absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
+    const Model& model, const WirePushRequest& request) const {
+  std::vector<BlockPush> pushes;
+  pushes.reserve(request.blocks.size());
+  absl::flat_hash_set<int> seen;
+  for (const WireBlock& wire : request.blocks) {
+    absl::StatusOr<int> global =
+        model.partition.FindBlock(wire.tensor, wire.block);
+    if (!global.ok()) return global.status();
+    const BlockLocation& loc = model.partition.blocks()[*global];
+    // Only built for an error: this runs for every block of every push.
+    auto where = [&wire] {
+      return absl::StrCat("tensor ", QuoteForStatus(wire.tensor), " block ",
+                          wire.block);
+    };
+    const int local = model.local_of_global[*global];
+    if (local < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), " lives on shard ", loc.shard,
+                       ", this is shard ", options_.shard_id));
+    }
+    if (!seen.insert(local).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), " appears twice in one push"));
+    }
+    const int64_t element_bytes = WireElementBytes(wire.dtype);
+    if (wire.dtype == TOPK_FLOAT32) {
+      if (absl::Status s = ValidatePayload(wire.dtype, wire.data, loc.length);
+          !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where(), ": ", s.message()));
+      }
+    } else if (element_bytes == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), ": wire type ", static_cast<int>(wire.dtype),
+                       " is not supported by this server"));
+    } else if (const uint64_t expected =
+                   static_cast<uint64_t>(loc.length) * element_bytes;
+               wire.data_size != expected) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), ": payload has ", wire.data_size,
+                       " bytes, expected ", expected, " (", loc.length, " ",
+                       DataType_Name(wire.dtype), " elements)"));
+    }
+    if (wire.version < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where(), ": pulled version must be >= 0, got ", wire.version));
+    }
+    BlockPush push{local, &wire, false};
+    const int64_t bad = FindNonFiniteSegments(wire.dtype, wire.data);
+    if (bad >= 0) {
+      if (!options_.skip_nonfinite_gradients) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where(), ": gradient element ", loc.offset + bad,
+                         " is NaN or infinite; the push was not applied"));
+      }
+      push.nonfinite = true;
+    }
+    pushes.push_back(push);
+  }
+  return pushes;
+}
+
+void Shard::FastForwardLocked(const Model& model, int64_t step) {
+  int64_t lost = 0;
+  for (const auto& block : model.blocks) {
+    absl::MutexLock block_lock(&block->mu);
+    const int64_t version = block->version.load();
+    if (version >= step) continue;
+    lost = std::max(lost, step - version);
+    updates_lost_.fetch_add(step - version);
+    block->contributors = 0;
+    block->finite_contributors = 0;
+    block->version.store(step);
+  }
+  // Tables behind the workers' step skip to it like blocks; their rows
+  // keep what the checkpoint restored.
+  for (const auto& state : model.sparse) {
+    absl::MutexLock state_lock(&state->mu);
+    const int64_t version = state->version.load();
+    if (version >= step) continue;
+    lost = std::max(lost, step - version);
+    updates_lost_.fetch_add(step - version);
+    state->gradient_sum.clear();
+    state->contributors = 0;
+    state->version.store(step);
+  }
+  steps_lost_.fetch_add(lost);
+  recovering_ = false;
+  recovery_horizon_ = std::max(recovery_horizon_, step);
+}
+
+absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(request.protocol_version, request.worker_id, request.step,
+                     /*allow_observer=*/false);
+  if (!model.ok()) return Reject(model.status());
+  absl::StatusOr<std::vector<BlockPush>> pushes =
+      ValidatePushBlocks(**model, request);
+  if (!pushes.ok()) return Reject(pushes.status());
+  const bool sync = options_.mode == ConsistencyMode::kSync;
+  {
+    absl::ReleasableMutexLock lock(&mu_);
+    TouchLocked(request.worker_id);
+    // async/ssp steps only identify a worker's pushes; one far ahead of its
+    // last would make every later push look like a repeat.
+    constexpr int64_t kMaxStepJump = int64_t{1} << 20;
+    if (!sync &&
+        request.step > workers_[request.worker_id].next_step + kMaxStepJump) {
+      return Reject(absl::OutOfRangeError(absl::StrCat(
+          "push for step ", request.step, " is far ahead of worker ",
+          request.worker_id, "'s next step ",
+          workers_[request.worker_id].next_step)));
+    }
+    if (sync) {
+      // Checked for every block before any is applied, so a refused push
+      // changes nothing.
+      for (const BlockPush& push : *pushes) {
+        const Block& block = *(*model)->blocks[push.local];
+        const int64_t version = block.version.load();
+        if (request.step <= version) continue;
+        if (recovering_) {
+          FastForwardLocked(**model, request.step);
+          break;
+        }
+        // A worker pushing s pulled s from this shard's previous life, so
+        // its gradient of s - 1 was lost with it, as in Pull. The step
+        // completes once every member's is given or lost; until then the
+        // push is refused as retryable.
+        const bool completed =
+            CreditLostGradientsLocked(**model, request.worker_id, request.step);
+        if (completed && block.version.load() >= request.step) {
+          lock.Release();
+          ReleaseReadyWaiters();
+          return Push(request);
+        }
+        absl::Status refused;
+        if (request.step == version + 1 && version <= recovery_horizon_) {
+          absl::MutexLock block_lock(&block.mu);
+          refused = absl::UnavailableError(absl::StrCat(
+              "push for step ", request.step, " waits on this restored shard: ",
+              DescribeBlockWaitLocked(block, *membership_), "; retry"));
+        } else {
+          refused = absl::FailedPreconditionError(
+              absl::StrCat("push for step ", request.step, " but tensor ",
+                           QuoteForStatus(*block.tensor_name), " block ",
+                           block.location->block, " is at step ", version,
+                           ": a sync worker pushes the step it pulled"));
+        }
+        // The credit may have completed other blocks or tables.
+        lock.Release();
+        if (completed) ReleaseReadyWaiters();
+        return Reject(std::move(refused));
+      }
+      recovering_ = false;
+    }
+  }
+
+  PushResponse response;
+  bool completed_a_step = false;
+  const std::shared_ptr<const Membership> members =
+      sync ? membership() : nullptr;
+  for (const BlockPush& push : *pushes) {
+    Block& block = *(*model)->blocks[push.local];
+    bool completed = false;
+    const BlockResult result =
+        sync ? PushSyncBlock(block, *members, request, push, &completed)
+             : PushAsyncBlock(block, request, push);
+    completed_a_step |= completed;
+    switch (result) {
+      case BlockResult::kApplied:
+        response.set_blocks_applied(response.blocks_applied() + 1);
+        break;
+      case BlockResult::kDuplicate:
+        response.set_blocks_duplicate(response.blocks_duplicate() + 1);
+        break;
+      case BlockResult::kLate:
+        response.set_blocks_late(response.blocks_late() + 1);
+        break;
+    }
+  }
+  blocks_applied_.fetch_add(response.blocks_applied());
+  blocks_duplicate_.fetch_add(response.blocks_duplicate());
+  blocks_late_.fetch_add(response.blocks_late());
+  if (!sync) {
+    {
+      absl::MutexLock lock(&mu_);
+      WorkerState& state = workers_[request.worker_id];
+      state.next_step = std::max(state.next_step, request.step + 1);
+    }
+    if (options_.mode == ConsistencyMode::kSsp) ReleaseReadyWaiters();
+  } else if (completed_a_step) {
+    ReleaseReadyWaiters();
+  }
+  return response;
+}
+
+Shard::BlockResult Shard::PushSyncBlock(Block& block,
+                                        const Membership& membership,
+                                        const WirePushRequest& request,
+                                        const BlockPush& push,
+                                        bool* completed) {
+  const int worker = request.worker_id;
+  absl::MutexLock lock(&block.mu);
+  const int64_t version = block.version.load();
+  if (request.step < version) {
+    // The step is over: a retry of a gradient it counted, or one it
+    // completed without (backup workers, or a worker dropped by lease).
+    return block.last_contributed[worker] >= request.step
+               ? BlockResult::kDuplicate
+               : BlockResult::kLate;
+  }
+  if (block.last_contributed[worker] == version) return BlockResult::kDuplicate;
+  if (push.nonfinite) {
+    nonfinite_skipped_.fetch_add(1);
+  } else {
+    // Validated above: dtype supported and length exact, so this cannot fail.
+    // The first finite gradient of a step overwrites what the last step
+    // left, which saves clearing the sum after every step.
+    if (absl::Status s =
+            DecodeSegments(push.wire->dtype, push.wire->data,
+                           absl::MakeSpan(block.gradient_sum),
+                           /*accumulate=*/block.finite_contributors > 0);
+        !s.ok()) {
+      ReportInternalError(
+          absl::StrCat("sync gradient of worker ", worker, " for ",
+                       QuoteForStatus(*block.tensor_name), " block ",
+                       block.location->block, " step ", version),
+          s);
+    }
+    ++block.finite_contributors;
+  }
+  block.last_contributed[worker] = version;
+  ++block.contributors;
+  *completed = CompleteIfReadyLocked(block, membership);
+  return BlockResult::kApplied;
+}
+
+Shard::BlockResult Shard::PushAsyncBlock(Block& block,
+                                         const WirePushRequest& request,
+                                         const BlockPush& push) {
+  absl::MutexLock lock(&block.mu);
+  int64_t& last = block.last_step[request.worker_id];
+  if (request.step <= last) return BlockResult::kDuplicate;
+  CountUpdatesLostLocked(block, request.worker_id, request.step);
+  last = request.step;
+  if (push.nonfinite) {
+    nonfinite_skipped_.fetch_add(1);
+    return BlockResult::kApplied;
+  }
+  const int64_t version = block.version.load();
+  // A version from the future is possible only after this shard restored an
+  // older checkpoint: the gradient is then as fresh as it can be.
+  const int64_t staleness = std::max<int64_t>(0, version - push.wire->version);
+  staleness_sum_.fetch_add(staleness);
+  AtomicMax(staleness_max_, staleness);
+  async_applies_.fetch_add(1);
+  // Decoded a piece at a time into the update: the gradient is read once
+  // from the received bytes and never written out whole.
+  if (absl::Status s = DecodeSegmentsInPieces(
+          push.wire->dtype, push.wire->data, block.location->length,
+          [&](int64_t offset, absl::Span<const float> piece) {
+            block.mu.AssertHeld();  // held by the caller of this callback
+            optimizer_->UpdateRange(version + 1, absl::MakeSpan(block.value),
+                                    offset, piece, absl::MakeSpan(block.state));
+          });
+      !s.ok()) {
+    ReportInternalError(
+        absl::StrCat("async gradient of worker ", request.worker_id, " for ",
+                     QuoteForStatus(*block.tensor_name), " block ",
+                     block.location->block, " step ", request.step),
+        s);
+  }
+  block.version.store(version + 1);
+  return BlockResult::kApplied;
+}
+
+bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
+  const int64_t version = block.version.load();
+  if (!QuorumMet(version, block.contributors, block.last_contributed,
+                 membership, options_.replicas_to_aggregate)) {
+    return false;
+  }
+  if (block.finite_contributors > 1) {
+    const float inverse = 1.0f / static_cast<float>(block.finite_contributors);
+    for (float& g : block.gradient_sum) g *= inverse;
+  }
+  if (block.finite_contributors > 0) {
+    optimizer_->Update(version + 1, absl::MakeSpan(block.value),
+                       block.gradient_sum, absl::MakeSpan(block.state));
+  }
+  block.contributors = 0;
+  block.finite_contributors = 0;
+  block.version.store(version + 1);
+  return true;
+}
+
+void Shard::CompleteReadyBlocks() {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr || options_.mode != ConsistencyMode::kSync) return;
+  const std::shared_ptr<const Membership> members = membership();
+  bool completed = false;
+  for (const auto& block : model->blocks) {
+    absl::MutexLock lock(&block->mu);
+    completed |= CompleteIfReadyLocked(*block, *members);
+  }
+  for (const auto& state : model->sparse) {
+    absl::MutexLock lock(&state->mu);
+    completed |= CompleteSparseIfReadyLocked(*state, *members);
+  }
+  if (completed) ReleaseReadyWaiters();
+}
+
+// ---------------------------------------------------------------------------
+// Gradients and updates a restored shard lost (dense blocks, and for
+// CreditLostGradientsLocked sparse tables too).
+
+void Shard::CountUpdatesLostLocked(Block& block, int worker, int64_t step) {
+  if (block.unseen_since_restore.empty() ||
+      !block.unseen_since_restore[worker]) {
+    return;
+  }
+  block.unseen_since_restore[worker] = false;
+  // A worker pushes every step to every block, so its steps between the
+  // checkpoint's last one and this one were applied by the previous life
+  // and lost with it.
+  const int64_t lost = step - 1 - block.last_step[worker];
+  if (lost <= 0) return;
+  block.updates_lost += lost;
+  updates_lost_.fetch_add(lost);
+  AtomicMax(steps_lost_, block.updates_lost);
+}
+
+bool Shard::CreditLostGradientsLocked(const Model& model, int worker,
+                                      int64_t step) {
+  if (worker < 0 || step < 1 || step - 1 > recovery_horizon_ ||
+      (*membership_)[worker] > step - 1) {
+    return false;
+  }
+  bool completed = false;
+  for (const auto& block : model.blocks) {
+    absl::MutexLock block_lock(&block->mu);
+    if (block->version.load() != step - 1 ||
+        block->last_contributed[worker] == step - 1) {
+      continue;
+    }
+    block->last_contributed[worker] = step - 1;
+    ++block->contributors;
+    gradients_lost_.fetch_add(1);
+    completed |= CompleteIfReadyLocked(*block, *membership_);
+  }
+  for (const auto& table : model.sparse) {
+    absl::MutexLock table_lock(&table->mu);
+    if (table->version.load() != step - 1 ||
+        table->last_contributed[worker] == step - 1) {
+      continue;
+    }
+    table->last_contributed[worker] = step - 1;
+    ++table->contributors;
+    gradients_lost_.fetch_add(1);
+    completed |= CompleteSparseIfReadyLocked(*table, *membership_);
+  }
+  return completed;
+}
+
+// ---------------------------------------------------------------------------
+// Dense pull, and the waiting every pull (dense or sparse) shares.
+
+absl::StatusOr<std::vector<int>> Shard::ResolvePullBlocks(
+    const Model& model, const PullRequest& request) const {
+  std::vector<int> locals;
+  if (request.blocks_size() == 0) {
+    locals.resize(model.blocks.size());
+    for (size_t i = 0; i < locals.size(); ++i) locals[i] = static_cast<int>(i);
+    return locals;
+  }
+  absl::flat_hash_set<int> seen;
+  for (const BlockRef& ref : request.blocks()) {
+    absl::StatusOr<int> global =
+        model.partition.FindBlock(ref.tensor(), ref.block());
+    if (!global.ok()) return global.status();
+    const int local = model.local_of_global[*global];
+    if (local < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", QuoteForStatus(ref.tensor()), " block ", ref.block(),
+          " lives on shard ", model.partition.blocks()[*global].shard,
+          ", this is shard ", options_.shard_id));
+    }
+    if (!seen.insert(local).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", QuoteForStatus(ref.tensor()), " block ",
+                       ref.block(), " is requested twice"));
+    }
+    locals.push_back(local);
+  }
+  return locals;
+}
+
+std::vector<PulledBlock> Shard::CopyBlocks(
+    const Model& model, const std::vector<int>& locals) const {
+  std::vector<PulledBlock> out(locals.size());
+  for (size_t i = 0; i < locals.size(); ++i) {
+    const Block& block = *model.blocks[locals[i]];
+    out[i].tensor = block.tensor_name;
+    out[i].block = block.location->block;
+    absl::MutexLock lock(&block.mu);
+    out[i].version = block.version.load();
+    out[i].values = block.value;
+  }
+  pulls_served_.fetch_add(1);
+  return out;
+}
+
+bool Shard::WaiterReadyLocked(const Waiter& waiter) const {
+  if (options_.mode == ConsistencyMode::kSsp) {
+    const int64_t min_clock = MinMemberClockLocked();
+    return min_clock == kNever ||
+           waiter.step - min_clock <= options_.ssp_staleness;
+  }
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (waiter.sparse >= 0) {
+    return model->sparse[waiter.sparse]->version.load() >= waiter.step;
+  }
+  for (int local : waiter.locals) {
+    if (model->blocks[local]->version.load() < waiter.step) return false;
+  }
+  return true;
+}
+
+void Shard::Pull(const PullRequest& request, absl::Time deadline,
+                 PullDone done) {
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(request.protocol_version(), request.worker_id(),
+                     request.step(), /*allow_observer=*/true);
+  if (!model.ok()) return done(Reject(model.status()), {});
+  const int worker = request.worker_id();
+  absl::StatusOr<std::vector<int>> locals = ResolvePullBlocks(**model, request);
+  if (!locals.ok()) return done(Reject(locals.status()), {});
+  const int64_t step = request.step();
+  auto waiter = std::make_unique<Waiter>();
+  waiter->locals = std::move(*locals);
+  waiter->step = step;
+  bool completed = false;  // a lost gradient completed some block's step
+  {
+    absl::ReleasableMutexLock lock(&mu_);
+    if (worker >= 0) {
+      TouchLocked(worker);
+      if (options_.mode != ConsistencyMode::kAsync) {
+        JoinIfPendingLocked(worker, step);
+      }
+    }
+    if (options_.mode == ConsistencyMode::kSync) {
+      for (int local : waiter->locals) {
+        const Block& block = *(*model)->blocks[local];
+        const int64_t version = block.version.load();
+        if (version + 1 >= step) continue;
+        if (recovering_) {
+          FastForwardLocked(**model, step);
+          break;
+        }
+        lock.Release();
+        return done(Reject(absl::OutOfRangeError(absl::StrCat(
+                        "pull for step ", step, " but tensor ",
+                        QuoteForStatus(*block.tensor_name), " block ",
+                        block.location->block, " is at step ", version,
+                        ": a worker can be at most one step ahead"))),
+                    {});
+      }
+      recovering_ = false;
+      // A member pulling step s has pushed step s - 1 everywhere; a block
+      // of a restored shard without its gradient for a step that was in
+      // flight when the shard died lost it with the shard's previous life.
+      // Waiting for it would wait forever, so it counts as given, like a
+      // skipped non-finite one. Nowhere else: a client that pulls before it
+      // pushes must not complete a step without its gradient.
+      completed = CreditLostGradientsLocked(**model, worker, step);
+    }
+    if (options_.mode != ConsistencyMode::kAsync &&
+        !WaiterReadyLocked(*waiter)) {
+      if (shutting_down_) {
+        lock.Release();
+        return done(absl::UnavailableError("the server is shutting down"), {});
+      }
+      waiter->deadline =
+          std::min(deadline, absl::Now() + options_.max_pull_wait);
+      const Model* m = *model;
+      std::vector<int> locals = waiter->locals;
+      waiter->answer = [this, m, locals = std::move(locals),
+                        done = std::move(done)](absl::Status status) {
+        if (!status.ok()) return done(std::move(status), {});
+        done(absl::OkStatus(), CopyBlocks(*m, locals));
+      };
+      waiters_.push_back(std::move(waiter));
+      lock.Release();
+      if (completed) ReleaseReadyWaiters();
+      return;
+    }
+    if (options_.mode == ConsistencyMode::kSsp) {
+      const int64_t min_clock = MinMemberClockLocked();
+      if (min_clock != kNever) AtomicMax(ssp_gap_max_, step - min_clock);
+    }
+  }
+  if (completed) ReleaseReadyWaiters();
+  done(absl::OkStatus(), CopyBlocks(**model, waiter->locals));
+}
+
+void Shard::ReleaseReadyWaiters() {
+  std::vector<std::unique_ptr<Waiter>> ready;
+  {
+    absl::MutexLock lock(&mu_);
+    auto split = std::stable_partition(waiters_.begin(), waiters_.end(),
+                                       [&](const std::unique_ptr<Waiter>& w) {
+                                         mu_.AssertHeld();
+                                         return !WaiterReadyLocked(*w);
+                                       });
+    std::move(split, waiters_.end(), std::back_inserter(ready));
+    waiters_.erase(split, waiters_.end());
+    if (options_.mode == ConsistencyMode::kSsp && !ready.empty()) {
+      const int64_t min_clock = MinMemberClockLocked();
+      for (const auto& w : ready) {
+        if (min_clock != kNever) AtomicMax(ssp_gap_max_, w->step - min_clock);
+      }
+    }
+  }
+  // Answered outside the lock: copying blocks and sending take time.
+  for (std::unique_ptr<Waiter>& w : ready) w->answer(absl::OkStatus());
+}
+
+std::string Shard::DescribeWait(const Waiter& waiter) const {
+  if (options_.mode == ConsistencyMode::kSsp) {
+    absl::MutexLock lock(&mu_);
+    std::vector<int> behind;
+    for (size_t w = 0; w < workers_.size(); ++w) {
+      if (workers_[w].member &&
+          waiter.step - workers_[w].next_step > options_.ssp_staleness) {
+        behind.push_back(static_cast<int>(w));
+      }
+    }
+    return absl::StrCat("waiting for workers [", absl::StrJoin(behind, ", "),
+                        "] to come within ", options_.ssp_staleness, " steps");
+  }
+  const Model* model = model_.load(std::memory_order_acquire);
+  const std::shared_ptr<const Membership> members = membership();
+  if (waiter.sparse >= 0) {
+    const SparseState& table = *model->sparse[waiter.sparse];
+    absl::MutexLock lock(&table.mu);
+    return absl::StrCat(
+        "sparse table ", QuoteForStatus(table.spec->name()),
+        " is still waiting for ",
+        DescribeMissing(table.version.load(), table.last_contributed, *members,
+                        "pushes"));
+  }
+  for (int local : waiter.locals) {
+    const Block& block = *model->blocks[local];
+    absl::MutexLock lock(&block.mu);
+    if (block.version.load() >= waiter.step) continue;
+    return DescribeBlockWaitLocked(block, *members);
+  }
+  return "the step completed as the deadline passed";
+}
+
+std::string Shard::DescribeBlockWaitLocked(const Block& block,
+                                           const Membership& members) const {
+  return absl::StrCat(
+      "tensor ", QuoteForStatus(*block.tensor_name), " block ",
+      block.location->block, " is still waiting for ",
+      DescribeMissing(block.version.load(), block.last_contributed, members,
+                      "gradients"));
+}
+
+}  // namespace pstrain

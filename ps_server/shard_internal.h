@@ -1,0 +1,110 @@
+// Private to the shard library (ps_server/shard*.cc): the definitions of the
+// Shard's nested types that shard.h only declares, and the helpers that more
+// than one of its files shares. Not in the library's hdrs: nothing outside
+// the shard may depend on these.
+#ifndef PSTRAIN_PS_SERVER_SHARD_INTERNAL_H_
+#define PSTRAIN_PS_SERVER_SHARD_INTERNAL_H_
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "common/partition.h"
+#include "proto/ps.pb.h"
+#include "ps_server/shard.h"
+
+namespace pstrain {
+namespace shard_internal {
+
+inline constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+// Whether a sync step at `version` (of a block or a table) may be applied.
+// It needs at least one gradient, and then every member counted in the
+// step's quorum must have given its own (a count is not enough: gradients
+// of workers whose lease lapsed since are in the sum too), unless
+// --replicas_to_aggregate gradients are in. When every member has lapsed,
+// the gradients already in are the quorum: waiting for nobody would hold
+// the step, and every pull of the next one, forever.
+inline bool QuorumMet(int64_t version, int contributors,
+                      const std::vector<int64_t>& last_contributed,
+                      const std::vector<int64_t>& membership,
+                      int replicas_to_aggregate) {
+  if (contributors == 0) return false;
+  if (replicas_to_aggregate > 0 && contributors >= replicas_to_aggregate) {
+    return true;
+  }
+  for (size_t w = 0; w < membership.size(); ++w) {
+    if (membership[w] <= version && last_contributed[w] != version) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// What a sync step at `version` still waits for, e.g. "the step 3
+// gradients of workers [1]"; `what` names a contribution ("gradients").
+inline std::string DescribeMissing(int64_t version,
+                                   const std::vector<int64_t>& last_contributed,
+                                   const std::vector<int64_t>& membership,
+                                   absl::string_view what) {
+  std::vector<int> missing;
+  for (size_t w = 0; w < membership.size(); ++w) {
+    if (membership[w] <= version && last_contributed[w] != version) {
+      missing.push_back(static_cast<int>(w));
+    }
+  }
+  if (missing.empty()) {
+    return absl::StrCat("a first step ", version, " ", what,
+                        ": no member is left in its quorum, the next worker "
+                        "to push it completes it");
+  }
+  return absl::StrCat("the step ", version, " ", what, " of workers [",
+                      absl::StrJoin(missing, ", "), "]");
+}
+
+}  // namespace shard_internal
+
+struct Shard::Model {
+  ModelSchema schema;
+  Partition partition;
+  std::vector<std::unique_ptr<SparseState>> sparse;  // schema order
+  absl::flat_hash_map<std::string, int> sparse_index;
+  std::vector<std::unique_ptr<Block>> blocks;  // this shard's, global order
+  std::vector<int> local_of_global;            // -1 when on another shard
+  int64_t num_elements = 0;
+};
+
+// A pull waiting for its step: for dense blocks `locals`, or for sparse
+// table `sparse`. `answer` is called once, with OK when the pull may proceed
+// (it then copies what was asked for) or with why it may not.
+struct Shard::Waiter {
+  std::vector<int> locals;
+  int sparse = -1;
+  int64_t step = 0;
+  absl::Time deadline;
+  std::function<void(absl::Status)> answer;
+};
+
+struct Shard::WorkerState {
+  bool member = false;   // counted in quorums from joined_at
+  bool pending = false;  // (re)joining: a member from its next pull
+  int64_t joined_at = shard_internal::kNever;
+  uint64_t incarnation = 0;  // 0: not yet seen
+  absl::Time last_seen;
+  // One past the last step pushed here: the ssp clock, and where a
+  // restarted async/ssp worker resumes so its pushes are not repeats.
+  int64_t next_step = 0;
+};
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_PS_SERVER_SHARD_INTERNAL_H_

@@ -1,0 +1,326 @@
+// Sparse tables: where a sparse push is applied (sync: SparsePush sums it
+// and CompleteSparseIfReadyLocked applies the step; async/ssp: SparsePush),
+// and sparse pulls. Split from shard.cc so that "where is a push applied"
+// has one answer per kind; the dense counterpart is shard_dense.cc.
+#include <algorithm>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_text.h"
+#include "common/tensor_codec.h"
+#include "ps_server/shard.h"
+#include "ps_server/shard_internal.h"
+
+namespace pstrain {
+
+using shard_internal::DescribeMissing;
+using shard_internal::QuorumMet;
+
+// ---------------------------------------------------------------------------
+// Sparse tables: validation, pull, push, completing a table's sync step, and
+// catching a restored table up to a push.
+
+absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
+    const Model& model, absl::string_view table, absl::Span<const uint64_t> ids,
+    bool unique) const {
+  auto it = model.sparse_index.find(table);
+  if (it == model.sparse_index.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown sparse table ", QuoteForStatus(table)));
+  }
+  constexpr size_t kMaxIds = size_t{1} << 24;
+  if (ids.size() > kMaxIds) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sparse request for ", ids.size(), " ids; at most ", kMaxIds));
+  }
+  for (uint64_t id : ids) {
+    const int owner = SparseShardOf(table, id, options_.num_shards);
+    if (owner != options_.shard_id) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "row ", id, " of sparse table ", QuoteForStatus(table),
+          " lives on shard ", owner, ", this is shard ", options_.shard_id));
+    }
+  }
+  if (unique) {
+    absl::flat_hash_set<uint64_t> seen;
+    seen.reserve(ids.size());
+    for (uint64_t id : ids) {
+      if (!seen.insert(id).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "row ", id, " of sparse table ", QuoteForStatus(table),
+            " appears twice in one push: sum its gradients first"));
+      }
+    }
+  }
+  return model.sparse[it->second].get();
+}
+
+bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
+                                        const Membership& membership) {
+  const int64_t version = state.version.load();
+  if (!QuorumMet(version, state.contributors, state.last_contributed,
+                 membership, options_.replicas_to_aggregate)) {
+    return false;
+  }
+  // Rows a worker did not touch count as a zero gradient from it, as in the
+  // dense path: the mean is over every contributor.
+  const int64_t dim = state.spec->dim();
+  std::vector<uint64_t> ids;
+  std::vector<float> grads;
+  ids.reserve(state.gradient_sum.size());
+  grads.reserve(state.gradient_sum.size() * dim);
+  const float inverse = 1.0f / static_cast<float>(state.contributors);
+  for (auto& [id, sum] : state.gradient_sum) {
+    ids.push_back(id);
+    for (float g : sum) grads.push_back(g * inverse);
+  }
+  // Ids are unique (map keys) and lengths consistent; only a sum that
+  // overflowed to infinity could be refused.
+  if (absl::Status s = state.table->Push(ids, grads); !s.ok()) {
+    ReportInternalError(absl::StrCat("sync step ", version, " of sparse table ",
+                                     QuoteForStatus(state.spec->name())),
+                        s);
+  }
+  state.gradient_sum.clear();
+  state.contributors = 0;
+  state.version.store(version + 1);
+  return true;
+}
+
+void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
+                       SparsePullDone done) {
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(request.protocol_version(), request.worker_id(),
+                     request.step(), /*allow_observer=*/true);
+  if (!model.ok()) return done(Reject(model.status()), {});
+  const std::vector<uint64_t> ids(request.ids().begin(), request.ids().end());
+  absl::StatusOr<SparseState*> state =
+      ValidateSparse(**model, request.table(), ids, /*unique=*/false);
+  if (!state.ok()) return done(Reject(state.status()), {});
+  SparseState* table = *state;
+  // The answer is allocated from the request's size: bounded first.
+  constexpr int64_t kMaxSparsePullBytes = int64_t{1} << 30;
+  const int64_t answer_bytes = static_cast<int64_t>(ids.size()) *
+                               table->spec->dim() * int64_t{sizeof(float)};
+  if (answer_bytes > kMaxSparsePullBytes) {
+    return done(
+        Reject(absl::InvalidArgumentError(absl::StrCat(
+            "sparse pull of ", ids.size(), " rows of dim ", table->spec->dim(),
+            " would answer ", answer_bytes >> 20, " MiB; at most ",
+            kMaxSparsePullBytes >> 20, " MiB: pull fewer ids at a time"))),
+        {});
+  }
+  const int64_t step = request.step();
+  const int worker = request.worker_id();
+  auto answer = [table, ids, done = std::move(done)](absl::Status status) {
+    if (!status.ok()) return done(std::move(status), {});
+    SparsePullResponse response;
+    std::string* values = response.mutable_values();
+    values->resize(ids.size() * table->spec->dim() * sizeof(float));
+    if (absl::Status pulled = table->table->Pull(
+            ids, absl::MakeSpan(reinterpret_cast<float*>(values->data()),
+                                ids.size() * table->spec->dim()));
+        !pulled.ok()) {
+      return done(std::move(pulled), {});
+    }
+    response.set_version(table->version.load());
+    table->rows_pulled.fetch_add(ids.size());
+    done(absl::OkStatus(), std::move(response));
+  };
+  if (options_.mode == ConsistencyMode::kAsync) return answer(absl::OkStatus());
+
+  auto waiter = std::make_unique<Waiter>();
+  waiter->sparse = (*model)->sparse_index.at(request.table());
+  waiter->step = step;
+  bool completed = false;
+  {
+    absl::ReleasableMutexLock lock(&mu_);
+    if (worker >= 0) {
+      TouchLocked(worker);
+      JoinIfPendingLocked(worker, step);
+    }
+    if (options_.mode == ConsistencyMode::kSync) {
+      const int64_t version = table->version.load();
+      if (version + 1 < step && recovering_) {
+        FastForwardLocked(**model, step);
+      } else if (version + 1 < step) {
+        lock.Release();
+        return answer(Reject(absl::OutOfRangeError(absl::StrCat(
+            "sparse pull for step ", step, " but table ",
+            QuoteForStatus(request.table()), " is at step ", version,
+            ": a worker can be at most one step ahead"))));
+      }
+      // As for blocks: a member pulling step s has pushed s - 1.
+      completed = CreditLostGradientsLocked(**model, worker, step);
+    }
+    if (!WaiterReadyLocked(*waiter)) {
+      if (shutting_down_) {
+        lock.Release();
+        return answer(absl::UnavailableError("the server is shutting down"));
+      }
+      waiter->deadline =
+          std::min(deadline, absl::Now() + options_.max_pull_wait);
+      waiter->answer = std::move(answer);
+      waiters_.push_back(std::move(waiter));
+      lock.Release();
+      if (completed) ReleaseReadyWaiters();
+      return;
+    }
+  }
+  if (completed) ReleaseReadyWaiters();
+  answer(absl::OkStatus());
+}
+
+absl::StatusOr<SparsePushResponse> Shard::SparsePush(
+    const SparsePushRequest& request) {
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(request.protocol_version(), request.worker_id(),
+                     request.step(), /*allow_observer=*/false);
+  if (!model.ok()) return Reject(model.status());
+  const std::vector<uint64_t> ids(request.ids().begin(), request.ids().end());
+  absl::StatusOr<SparseState*> state =
+      ValidateSparse(**model, request.table(), ids, /*unique=*/true);
+  if (!state.ok()) return Reject(state.status());
+  SparseState& table = **state;
+  const int64_t dim = table.spec->dim();
+  const int64_t element_bytes = WireElementBytes(request.dtype());
+  if (element_bytes == 0) {
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("sparse push: wire type ",
+                     static_cast<int>(request.dtype()), " is not supported")));
+  }
+  ByteSegments payload;
+  payload.push_back(request.gradients());
+  if (request.gradients().size() !=
+      static_cast<uint64_t>(ids.size() * dim * element_bytes)) {
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("sparse push to ", QuoteForStatus(request.table()), ": ",
+                     request.gradients().size(), " gradient bytes for ",
+                     ids.size(), " rows of dim ", dim, ", expected ",
+                     ids.size() * dim * element_bytes)));
+  }
+  const int64_t bad = FindNonFiniteSegments(request.dtype(), payload);
+  if (bad >= 0) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+        "sparse push to ", QuoteForStatus(request.table()), ": row ",
+        ids[bad / dim],
+        " has a NaN or infinite gradient; the push was not applied")));
+  }
+  std::vector<float> grads(ids.size() * dim);
+  if (absl::Status s =
+          DecodeSegments(request.dtype(), payload, absl::MakeSpan(grads),
+                         /*accumulate=*/false);
+      !s.ok()) {
+    // Validated above, and nothing changed yet: refused as well as counted.
+    ReportInternalError("decoding a validated sparse push", s);
+    return absl::InternalError(
+        absl::StrCat("sparse push not applied: ", s.message()));
+  }
+  SparsePushResponse response;
+  bool completed = false;
+  {
+    absl::MutexLock lock(&mu_);
+    TouchLocked(request.worker_id());
+  }
+  if (options_.mode == ConsistencyMode::kSync) {
+    if (absl::Status ahead = CatchUpSparseForPush(**model, table, request);
+        !ahead.ok()) {
+      return Reject(std::move(ahead));
+    }
+    const std::shared_ptr<const Membership> members = membership();
+    absl::MutexLock lock(&table.mu);
+    const int64_t version = table.version.load();
+    if (request.step() > version) {
+      return Reject(absl::FailedPreconditionError(absl::StrCat(
+          "sparse push for step ", request.step(), " but table ",
+          QuoteForStatus(request.table()), " is at step ", version)));
+    }
+    if (request.step() < version) {
+      const bool duplicate =
+          table.last_contributed[request.worker_id()] >= request.step();
+      response.set_duplicate(duplicate);
+      response.set_late(!duplicate);
+      (duplicate ? blocks_duplicate_ : blocks_late_).fetch_add(1);
+      return response;
+    }
+    if (table.last_contributed[request.worker_id()] == version) {
+      response.set_duplicate(true);
+      blocks_duplicate_.fetch_add(1);
+      return response;
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      std::vector<float>& sum = table.gradient_sum[ids[i]];
+      if (sum.empty()) sum.assign(dim, 0.0f);
+      for (int64_t j = 0; j < dim; ++j) sum[j] += grads[i * dim + j];
+    }
+    table.last_contributed[request.worker_id()] = version;
+    ++table.contributors;
+    completed = CompleteSparseIfReadyLocked(table, *members);
+  } else {
+    {
+      absl::MutexLock lock(&table.mu);
+      int64_t& last = table.last_step[request.worker_id()];
+      if (request.step() <= last) {
+        response.set_duplicate(true);
+        blocks_duplicate_.fetch_add(1);
+        return response;
+      }
+      last = request.step();
+    }
+    SparsePushResult pushed;
+    // Validated above (unique ids, sizes, finite): this cannot fail.
+    if (absl::Status s = table.table->Push(ids, grads, &pushed); !s.ok()) {
+      ReportInternalError(
+          absl::StrCat("async push of worker ", request.worker_id(), " step ",
+                       request.step(), " to sparse table ",
+                       QuoteForStatus(table.spec->name())),
+          s);
+    }
+    response.set_rows_dropped(static_cast<int32_t>(pushed.dropped_unadmitted));
+    absl::MutexLock lock(&mu_);
+    WorkerState& w = workers_[request.worker_id()];
+    w.next_step = std::max(w.next_step, request.step() + 1);
+  }
+  table.rows_pushed.fetch_add(ids.size());
+  blocks_applied_.fetch_add(1);
+  if (completed || options_.mode == ConsistencyMode::kSsp) {
+    ReleaseReadyWaiters();
+  }
+  return response;
+}
+
+absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
+                                         const SparsePushRequest& request) {
+  const int64_t step = request.step();
+  bool completed = false;
+  absl::Status waiting;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t version = table.version.load();
+    if (step <= version) return absl::OkStatus();
+    if (recovering_) {
+      FastForwardLocked(model, step);
+      return absl::OkStatus();
+    }
+    // As for dense pushes: the worker pulled `step` from this shard's
+    // previous life, which lost its step - 1 gradient.
+    completed = CreditLostGradientsLocked(model, request.worker_id(), step);
+    if (table.version.load() < step && step == version + 1 &&
+        version <= recovery_horizon_) {
+      const std::shared_ptr<const Membership> members = membership_;
+      absl::MutexLock table_lock(&table.mu);
+      waiting = absl::UnavailableError(absl::StrCat(
+          "sparse push for step ", step,
+          " waits on this restored shard: table ",
+          QuoteForStatus(table.spec->name()), " is still waiting for ",
+          DescribeMissing(version, table.last_contributed, *members, "pushes"),
+          "; retry"));
+    }
+  }
+  if (completed) ReleaseReadyWaiters();
+  return waiting;
+}
+
+}  // namespace pstrain
