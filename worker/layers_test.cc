@@ -337,15 +337,7 @@ TEST(LayerModelTrainingTest, CnnLearnsOrientedBars) {
   ASSERT_TRUE(model.ok()) << model.status();
   Tensors tensors(backend.get(), **model);
   std::mt19937 rng(1);
-  // Initialise as the servers would, from each tensor's InitSpec.
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const InitSpec& init = (*model)->Params()[i].init();
-    std::uniform_real_distribution<float> uniform(-init.scale(), init.scale());
-    for (float& x : tensors.host(i)) {
-      x = init.kind() == InitSpec::UNIFORM ? uniform(rng) : 0.0f;
-    }
-  }
-  tensors.SyncAll();
+  tensors.InitializeLikeServers(**model, rng);
 
   constexpr int kSteps = 400;
   constexpr float kLearningRate = 0.2f;

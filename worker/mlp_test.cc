@@ -393,15 +393,7 @@ void TrainOnBlobs(const std::vector<int64_t>& hidden) {
       CreateMlp(backend.get(), kInput, hidden, kClasses, kBatch);
   ASSERT_TRUE(model.ok()) << model.status();
   Tensors tensors(backend.get(), **model);
-  // Initialise as the servers would, from each tensor's InitSpec.
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const InitSpec& init = (*model)->Params()[i].init();
-    std::uniform_real_distribution<float> uniform(-init.scale(), init.scale());
-    for (float& x : tensors.host(i)) {
-      x = init.kind() == InitSpec::UNIFORM ? uniform(rng) : 0.0f;
-    }
-  }
-  tensors.SyncAll();
+  tensors.InitializeLikeServers(**model, rng);
   DeviceArray<float> features = Upload(backend.get(), data.features);
   DeviceArray<int32_t> labels = Upload(backend.get(), data.labels);
 

@@ -79,6 +79,19 @@ class Tensors {
   void SyncAll() {
     for (size_t i = 0; i < size(); ++i) Sync(i);
   }
+  // Fills every tensor as the servers' InitSpec would (uniform in
+  // [-scale, scale], or zeros), drawing from `rng`, and syncs it.
+  void InitializeLikeServers(const Model& model, std::mt19937& rng) {
+    for (size_t i = 0; i < size(); ++i) {
+      const InitSpec& init = model.Params()[i].init();
+      std::uniform_real_distribution<float> uniform(-init.scale(),
+                                                    init.scale());
+      for (float& x : host_[i]) {
+        x = init.kind() == InitSpec::UNIFORM ? uniform(rng) : 0.0f;
+      }
+    }
+    SyncAll();
+  }
 
   std::vector<const float*> params() const {
     std::vector<const float*> out;
