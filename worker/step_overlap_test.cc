@@ -89,5 +89,42 @@ TEST(BatchPrefetcherTest, TakesTheBatchOfTheAskedStep) {
   }
 }
 
+// A source that tells when it has been gathered from.
+class WatchedSource : public ExampleSource {
+ public:
+  explicit WatchedSource(InMemorySource source) : source_(std::move(source)) {}
+  int64_t size() const override { return source_.size(); }
+  int64_t num_features() const override { return source_.num_features(); }
+  int64_t num_classes() const override { return source_.num_classes(); }
+  absl::Status Gather(absl::Span<const int64_t> indices, float* features,
+                      int32_t* labels) const override {
+    absl::Status status = source_.Gather(indices, features, labels);
+    if (!gathered_.HasBeenNotified()) gathered_.Notify();
+    return status;
+  }
+  int64_t resident_bytes() const override { return source_.resident_bytes(); }
+  bool WaitForGather(absl::Duration timeout) const {
+    return gathered_.WaitForNotificationWithTimeout(timeout);
+  }
+
+ private:
+  InMemorySource source_;
+  mutable absl::Notification gathered_;
+};
+
+// The gather happens on the data thread as soon as it is asked for, not
+// when the training thread takes the batch.
+TEST(BatchPrefetcherTest, GathersBeforeTheBatchIsTaken) {
+  WatchedSource source(MakeSource(37));
+  EpochPlan plan = MakePlan(37);
+  BatchPrefetcher prefetcher(plan, source, 4);
+  prefetcher.Prefetch(2);
+  EXPECT_TRUE(source.WaitForGather(absl::Seconds(30)))
+      << "nothing gathered until Take";
+  std::vector<float> features(8);
+  std::vector<int32_t> labels(4);
+  EXPECT_TRUE(prefetcher.Take(2, features, labels).ok());
+}
+
 }  // namespace
 }  // namespace pstrain
