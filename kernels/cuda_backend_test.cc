@@ -209,6 +209,35 @@ class CudaBackendTest : public ::testing::Test {
     }
   }
 
+  // ScatterAdd of `grads` rows at `indices` into `table` on the GPU against
+  // the CPU. Repeated rows are summed in a different order: the tolerance is
+  // measured against the magnitudes of the terms.
+  void CompareScatterAdd(int64_t n, int64_t dim, int64_t table_rows,
+                         const std::vector<float>& table,
+                         const std::vector<float>& grads,
+                         const std::vector<int64_t>& indices) {
+    std::vector<double> floors(table.size());
+    for (size_t i = 0; i < table.size(); ++i) floors[i] = std::fabs(table[i]);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t d = 0; d < dim; ++d) {
+        floors[indices[i] * dim + d] += std::fabs(grads[i * dim + d]);
+      }
+    }
+    std::vector<float> expected = table;
+    ASSERT_TRUE(cpu_.ScatterAdd(n, dim, table_rows, grads.data(),
+                                indices.data(), expected.data())
+                    .ok());
+    DeviceArray<float> gtable = Upload(table);
+    DeviceArray<float> ggrads = Upload(grads);
+    DeviceArray<int64_t> gindices = UploadExact(indices);
+    ASSERT_TRUE(gpu_->ScatterAdd(n, dim, table_rows, ggrads.data(),
+                                 gindices.data(), gtable.data())
+                    .ok());
+    const std::vector<float> got = Download(gtable);
+    EXPECT_CLOSE(got, expected, &floors, 0, kTolerance);
+    ExpectGuardIntact(got, table.size());
+  }
+
   // The oracle: the exact hand-written kernels, not OpenBLAS.
   CpuBackend cpu_{CpuGemm::kReference};
   std::unique_ptr<Backend> gpu_;
@@ -843,28 +872,7 @@ TEST_F(CudaBackendTest, ScatterAddMatchesCpu) {
       const std::vector<float> grads = Random(n * dim);
       const std::vector<int64_t> indices =
           RandomInts<int64_t>(n, 0, table_rows - 1);
-      // Repeated rows are summed in a different order: measure against the
-      // magnitudes of the terms.
-      std::vector<double> floors(table.size());
-      for (size_t i = 0; i < table.size(); ++i) floors[i] = std::fabs(table[i]);
-      for (int64_t i = 0; i < n; ++i) {
-        for (int64_t d = 0; d < dim; ++d) {
-          floors[indices[i] * dim + d] += std::fabs(grads[i * dim + d]);
-        }
-      }
-      std::vector<float> expected = table;
-      ASSERT_TRUE(cpu_.ScatterAdd(n, dim, table_rows, grads.data(),
-                                  indices.data(), expected.data())
-                      .ok());
-      DeviceArray<float> gtable = Upload(table);
-      DeviceArray<float> ggrads = Upload(grads);
-      DeviceArray<int64_t> gindices = UploadExact(indices);
-      ASSERT_TRUE(gpu_->ScatterAdd(n, dim, table_rows, ggrads.data(),
-                                   gindices.data(), gtable.data())
-                      .ok());
-      const std::vector<float> got = Download(gtable);
-      EXPECT_CLOSE(got, expected, &floors, 0, kTolerance);
-      ExpectGuardIntact(got, table.size());
+      CompareScatterAdd(n, dim, table_rows, table, grads, indices);
     }
   }
 }
@@ -1097,26 +1105,8 @@ TEST_F(CudaBackendTest, RowLoopsGoPastTheGridLimit) {
   }
   {
     SCOPED_TRACE("ScatterAdd");
-    const std::vector<float> grads = Random(kRows * dim);
-    std::vector<double> floors(table.size());
-    for (size_t i = 0; i < table.size(); ++i) floors[i] = std::fabs(table[i]);
-    for (int64_t i = 0; i < kRows; ++i) {
-      for (int64_t d = 0; d < dim; ++d) {
-        floors[indices[i] * dim + d] += std::fabs(grads[i * dim + d]);
-      }
-    }
-    std::vector<float> expected = table;
-    ASSERT_TRUE(cpu_.ScatterAdd(kRows, dim, table_rows, grads.data(),
-                                indices.data(), expected.data())
-                    .ok());
-    DeviceArray<float> gtable = Upload(table);
-    DeviceArray<float> ggrads = Upload(grads);
-    ASSERT_TRUE(gpu_->ScatterAdd(kRows, dim, table_rows, ggrads.data(),
-                                 gindices.data(), gtable.data())
-                    .ok());
-    const std::vector<float> got = Download(gtable);
-    EXPECT_CLOSE(got, expected, &floors, 0, kTolerance);
-    ExpectGuardIntact(got, table.size());
+    CompareScatterAdd(kRows, dim, table_rows, table, Random(kRows * dim),
+                      indices);
   }
 }
 
