@@ -64,8 +64,6 @@ TEST(OverlappedPushTest, AReadyTensorIsAppliedBeforeBackwardEnds) {
   std::vector<float*> device_pointers;
   std::vector<std::vector<float>> host_grads = {std::vector<float>(18),
                                                 std::vector<float>(3)};
-  std::vector<std::vector<float>*> host_pointers = {&host_grads[0],
-                                                    &host_grads[1]};
   for (const std::vector<float>& host : host_grads) {
     device_grads.push_back(std::move(
         *kernels::DeviceArray<float>::Create(backend.get(), host.size())));
@@ -77,7 +75,7 @@ TEST(OverlappedPushTest, AReadyTensorIsAppliedBeforeBackwardEnds) {
     device_pointers.push_back(device_grads.back().data());
   }
 
-  OverlappedPush push(*worker, *backend, device_pointers, host_pointers);
+  OverlappedPush push(*worker, *backend, device_pointers, host_grads);
   push.Start(0);
   ASSERT_TRUE(push.Ready(1).ok());  // backward issued the bias's gradient
   // Backward goes on (the weight not reported yet): the bias must reach the

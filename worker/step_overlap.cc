@@ -52,16 +52,15 @@ void SerialWorker::Loop() {
   }
 }
 
-OverlappedPush::OverlappedPush(
-    PsClient& client, kernels::Backend& backend,
-    const std::vector<float*>& device_grads,
-    const std::vector<std::vector<float>*>& host_grads)
+OverlappedPush::OverlappedPush(PsClient& client, kernels::Backend& backend,
+                               const std::vector<float*>& device_grads,
+                               std::vector<std::vector<float>>& host_grads)
     : client_(client),
       backend_(backend),
       device_grads_(device_grads),
       host_grads_(host_grads) {
-  for (std::vector<float>* host : host_grads_) {
-    host_pointers_.push_back(host->data());
+  for (const std::vector<float>& host : host_grads_) {
+    host_pointers_.push_back(host.data());
   }
 }
 
@@ -82,7 +81,7 @@ absl::Status OverlappedPush::Ready(int tensor) {
                                             "model has ",
                                             host_grads_.size()));
   }
-  std::vector<float>& host = *host_grads_[tensor];
+  std::vector<float>& host = host_grads_[tensor];
   if (absl::Status s = backend_.CopyToHost(device_grads_[tensor], host.data(),
                                            host.size() * sizeof(float));
       !s.ok()) {

@@ -53,11 +53,11 @@ class SerialWorker {
 // the client, so the compute thread must not pull or push in between.
 class OverlappedPush {
  public:
-  // device_grads[i] (backend memory) is copied to host_grads[i] when tensor
-  // i is ready; both outlive this object.
+  // device_grads[i] (backend memory) is copied to host_grads[i] (sized to
+  // the tensor) when tensor i is ready; both outlive this object.
   OverlappedPush(PsClient& client, kernels::Backend& backend,
                  const std::vector<float*>& device_grads,
-                 const std::vector<std::vector<float>*>& host_grads);
+                 std::vector<std::vector<float>>& host_grads);
 
   void Start(int64_t step);
   // On the compute thread: tensor i's gradient is issued on the backend.
@@ -78,8 +78,8 @@ class OverlappedPush {
   PsClient& client_;
   kernels::Backend& backend_;
   const std::vector<float*> device_grads_;
-  std::vector<std::vector<float>*> host_grads_;
-  std::vector<const float*> host_pointers_;
+  std::vector<std::vector<float>>& host_grads_;
+  std::vector<const float*> host_pointers_;  // host_grads_'s, for Push
 
   absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -262,10 +263,11 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   BatchResult window;
   int64_t last_evaluated_step = -1;
   BatchResult last_evaluation;
-  std::vector<std::vector<float>*> host_grad_buffers;
-  for (std::vector<float>& g : buffers.host_grads)
-    host_grad_buffers.push_back(&g);
-  OverlappedPush overlapped_push(client, backend, grads, host_grad_buffers);
+  // Its push thread only where it is used.
+  std::optional<OverlappedPush> overlapped_push;
+  if (options.overlap_push) {
+    overlapped_push.emplace(client, backend, grads, buffers.host_grads);
+  }
   BatchPrefetcher prefetcher(*plan, train, options.batch_size);
   int64_t step = options.start_step;
   if (step < options.steps) prefetcher.Prefetch(step);
@@ -300,23 +302,24 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     absl::StatusOr<BatchResult> batch_result;
     absl::Duration push_time, push_wait;
     absl::StatusOr<PsClient::PushResult> pushed;
-    if (options.overlap_push) {
+    if (overlapped_push.has_value()) {
       // Each tensor goes to the servers as backward issues its gradient;
       // the first error stops the reports (the step fails below).
       absl::Status ready_status;
-      overlapped_push.Start(step);
+      overlapped_push->Start(step);
       batch_result =
           model.ComputeGradients(params, *device_batch, grads, [&](int tensor) {
-            if (ready_status.ok()) ready_status = overlapped_push.Ready(tensor);
+            if (ready_status.ok())
+              ready_status = overlapped_push->Ready(tensor);
           });
       if (options.step_delay > absl::ZeroDuration()) {
         absl::SleepFor(options.step_delay);
       }
       const absl::Time wait_start = absl::Now();
-      pushed = overlapped_push.Finish();
+      pushed = overlapped_push->Finish();
       push_wait = absl::Now() - wait_start;
       compute_time = wait_start - compute_start;
-      push_time = overlapped_push.push_time();
+      push_time = overlapped_push->push_time();
       if (!batch_result.ok()) return batch_result.status();
       if (!ready_status.ok()) return ready_status;
     } else {
