@@ -38,11 +38,9 @@ bazel build //ps_server:ps_server //worker:worker //bench:step_bench
 bin_dir=$(mktemp -d /tmp/distribution_cost_bin.XXXXXX)
 ln -s "$PWD/bazel-bin/ps_server/ps_server" "$PWD/bazel-bin/worker/worker" "$bin_dir/"
 out=bench/results/distribution_cost.txt
-commit=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . || echo "+local changes")
-machine="$(nproc) vCPU $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1), $(free -g | awk '/Mem:/ {print $2}') GiB"
+source bench/lib.sh
 readonly CNN=conv:16:3,relu,maxpool:2,conv:32:3,relu,maxpool:2,flatten,dense:64,relu,dense:10
 
-field() { sed -n "s/.*\"$1\":\([^,}]*\).*/\1/p" <<<"$2" | head -n 1; }
 
 rows=()
 commands=$(mktemp /tmp/distribution_cost_commands.XXXXXX)
@@ -56,7 +54,7 @@ local_rate() {
   local best=0 json rate
   for _ in 1 2 3; do
     json=$("${cmd[@]}" 2>/dev/null | grep '^{"bench":"step"')
-    rate=$(field examples_per_s "$json")
+    rate=$(json_field examples_per_s "$json")
     best=$(awk -v a="$best" -v b="$rate" 'BEGIN {print (b > a ? b : a)}')
   done
   echo "$best"
@@ -86,7 +84,7 @@ add_row() {
 }
 # A job's compute per step (batch, forward, backward), from its final JSON.
 compute_ms() {
-  awk -v c="$(field compute_s "$1")" -v n="$(field steps_run "$1")" \
+  awk -v c="$(json_field compute_s "$1")" -v n="$(json_field steps_run "$1")" \
     'BEGIN {printf "%.2f", 1000 * c / n}'
 }
 
@@ -104,20 +102,20 @@ for model in ${only//,/ }; do
   add_row "$model" "local (no servers)" 1 "$base" - \
     "$(awk -v r="$base" -v b="$batch" 'BEGIN {printf "%.2f", 1000 * b / r}')" "$base"
   final=$(job 1 1 "${flags[@]}")
-  add_row "$model" "1x1 sync" 1 "$(field samples_per_sec "$final")" \
-    "$(field network_wait_share "$final")" "$(compute_ms "$final")" "$base"
+  add_row "$model" "1x1 sync" 1 "$(json_field samples_per_sec "$final")" \
+    "$(json_field network_wait_share "$final")" "$(compute_ms "$final")" "$base"
   final=$(job 2 2 "${flags[@]}" --overlap_push=true)
-  add_row "$model" "2x2 sync, overlap" 2 "$(field samples_per_sec "$final")" \
-    "$(field network_wait_share "$final")" "$(compute_ms "$final")" "$base"
+  add_row "$model" "2x2 sync, overlap" 2 "$(json_field samples_per_sec "$final")" \
+    "$(json_field network_wait_share "$final")" "$(compute_ms "$final")" "$base"
   final=$(job 2 2 "${flags[@]}")
-  add_row "$model" "2x2 sync" 2 "$(field samples_per_sec "$final")" \
-    "$(field network_wait_share "$final")" "$(compute_ms "$final")" "$base"
+  add_row "$model" "2x2 sync" 2 "$(json_field samples_per_sec "$final")" \
+    "$(json_field network_wait_share "$final")" "$(compute_ms "$final")" "$base"
 done
 
 {
   echo "# distribution_cost: the same step with and without parameter servers ($epochs epoch(s), batch $batch per worker)"
-  echo "commit: $commit"
-  echo "machine: $machine; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "commit: $BENCH_COMMIT"
+  echo "machine: $BENCH_MACHINE; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "every process shares the same cores: a 2x2 job runs 4 processes (and gRPC's threads) on them"
   echo
   echo "samples/s: per worker and for the job; network_wait: share of a worker's step blocked on"

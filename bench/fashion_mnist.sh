@@ -28,8 +28,7 @@ done
 readonly CNN=conv:32:3,relu,maxpool:2,conv:64:3,relu,maxpool:2,flatten,dense:128,relu,dense:10
 bazel build //ps_server:ps_server //worker:worker
 out=bench/results
-commit=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . || echo "+local changes")
-machine="$(nproc) vCPU $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1), $(free -g | awk '/Mem:/ {print $2}') GiB"
+source bench/lib.sh
 
 # run NAME SERVERS WORKERS MODE MODEL_FLAGS...
 run() {
@@ -49,8 +48,8 @@ run() {
   {
     echo "# Fashion-MNIST: $name"
     echo "command: ${cmd[*]}"
-    echo "commit: $commit"
-    echo "machine: $machine; load average before: $load_before, after: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "commit: $BENCH_COMMIT"
+    echo "machine: $BENCH_MACHINE; load average before: $load_before, after: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "noise: a shared 2-core machine where other engineers compile at the same time; wall times are"
     echo "       indicative only (compare the ratios in fashion_mnist_summary.txt, taken in one session)"
     echo "backend: the CPU backend (OpenBLAS GEMM)"
@@ -81,12 +80,12 @@ done
 # and wall time over the 1x1 MLP's (when it ran in this session).
 base=$(printf '%s\n' "${summary[@]}" | sed -n 's/^mlp_1x1 .*"wall_time_s":\([0-9.]*\).*/\1/p')
 {
-  echo "# Fashion-MNIST summary ($epochs epochs, global batch 128, Adam 1e-3; commit $commit)"
-  echo "machine: $machine; shared with other builds: timings are noisy"
+  echo "# Fashion-MNIST summary ($epochs epochs, global batch 128, Adam 1e-3; commit $BENCH_COMMIT)"
+  echo "machine: $BENCH_MACHINE; shared with other builds: timings are noisy"
   printf '%-12s %-9s %-12s %-17s %-15s %s\n' run test_acc wall_time_s time_to_0.85_s step_to_0.85 wall/1x1_mlp
   for line in "${summary[@]}"; do
     name=${line%% *}
-    get() { sed -n "s/.*\"$1\":\([^,}]*\).*/\1/p" <<<"$line"; }
+    get() { json_field "$1" "$line"; }
     wall=$(get wall_time_s)
     ratio=-
     [[ -n "$base" ]] && ratio=$(awk -v a="$wall" -v b="$base" 'BEGIN {printf "%.2f", a / b}')

@@ -29,8 +29,7 @@ done
 bazel build -c opt //bench/transport:ps_bench //ps_server:ps_server
 bench=$(bazel info -c opt bazel-bin)/bench/transport/ps_bench
 out=bench/results/transport_aggregate.txt
-commit=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . || echo "+local changes")
-machine="$(nproc) vCPU $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1), $(free -g | awk '/Mem:/ {print $2}') GiB"
+source bench/lib.sh
 
 # median_of KEY LINES: the median of KEY over the JSON lines.
 median_of() {
@@ -53,7 +52,7 @@ done
 {
   echo "# transport_aggregate: ps_bench push+pull of one $size-byte tensor, S servers x W clients, medians of $repeats interleaved runs"
   echo "command: bench/transport/aggregate.sh --size=$size --servers=$servers_list --clients=$clients_list --repeats=$repeats"
-  echo "commit: $commit; machine: $machine; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "commit: $BENCH_COMMIT; machine: $BENCH_MACHINE; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "goodput GB/s summed over the W clients (push+pull: 2N per push then pull); TCP: the same W clients over raw TCP"
   echo
   printf '%7s %7s %12s %12s %10s %14s\n' servers clients ps_p+p_GB/s tcp_p+p_GB/s p+p/tcp push_p50_us
