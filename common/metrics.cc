@@ -533,6 +533,9 @@ std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
   add("pstrain_shard_internal_errors_total",
       "Applies that validation promised could not fail and failed (a bug).",
       kCounter, static_cast<double>(s.internal_errors()));
+  add("pstrain_shard_values_copied_for_pulls_total",
+      "Updates that copied a block first because a pull was still sending it.",
+      kCounter, static_cast<double>(s.values_copied_for_pulls()));
   return families;
 }
 

@@ -69,7 +69,8 @@ grpc::ServerUnaryReactor* ServeSmall(Shard* shard,
 }
 
 // The blocks of a pull response and the encoded message that references
-// them; kept alive by the response's slices until gRPC has sent them.
+// them; kept alive by the response's slices until gRPC has sent them, which
+// keeps updates off the blocks' memory until then.
 struct PullReply {
   std::vector<PulledBlock> blocks;
   WireMessage message;
@@ -128,8 +129,8 @@ void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
         for (const PulledBlock& b : reply->blocks) {
           outgoing.push_back(OutgoingBlock{
               {*b.tensor, b.block, FLOAT32, b.version},
-              absl::string_view(reinterpret_cast<const char*>(b.values.data()),
-                                b.values.size() * sizeof(float))});
+              absl::string_view(reinterpret_cast<const char*>(b.values->data()),
+                                b.values->size() * sizeof(float))});
         }
         reply->message = EncodePullResponse(outgoing, kInlineBelowBytes);
         answer(absl::OkStatus(),

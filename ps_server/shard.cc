@@ -216,9 +216,10 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
     block->tensor_name = &tensor.name();
     {
       absl::MutexLock block_lock(&block->mu);
-      block->value.resize(loc.length);
+      std::vector<float> initial(loc.length);
       FillInitialValues(tensor.init(), model->schema.seed(), tensor.name(),
-                        loc.offset, absl::MakeSpan(block->value));
+                        loc.offset, absl::MakeSpan(initial));
+      block->value.Assign(std::move(initial));
       block->state.assign(slots * loc.length, 0.0f);
       if (options_.mode == ConsistencyMode::kSync) {
         block->gradient_sum.assign(loc.length, 0.0f);
@@ -583,6 +584,7 @@ StatsResponse Shard::Stats() const {
   stats.set_gradients_lost(gradients_lost_.load());
   stats.set_updates_lost(updates_lost_.load());
   stats.set_internal_errors(internal_errors_.load());
+  stats.set_values_copied_for_pulls(values_copied_for_pulls_.load());
   stats.set_ssp_gap_max(ssp_gap_max_.load());
   absl::MutexLock lock(&mu_);
   int members = 0;

@@ -46,6 +46,7 @@
 #include "common/partition.h"
 #include "common/wire.h"
 #include "proto/ps.pb.h"
+#include "ps_server/block_values.h"
 #include "ps_server/optimizer.h"
 #include "ps_server/sparse_table.h"
 
@@ -89,12 +90,13 @@ struct ShardOptions {
   int64_t max_shard_bytes = int64_t{16} << 30;
 };
 
-// A copy of one block's values, taken under its lock, ready to send.
+// One block's values as of `version`, ready to send: a reference, not a
+// copy; updates leave this memory alone while it is held.
 struct PulledBlock {
   const std::string* tensor = nullptr;  // owned by the registered schema
   int64_t block = 0;
   int64_t version = 0;
-  std::vector<float> values;
+  BlockValues::Ref values;
 };
 
 // The saved state of one block (see ps_server/checkpoint.h).
@@ -162,7 +164,7 @@ class Shard {
     std::atomic<int64_t> version{0};
 
     mutable absl::Mutex mu;
-    std::vector<float> value ABSL_GUARDED_BY(mu);
+    BlockValues value ABSL_GUARDED_BY(mu);
     std::vector<float> state ABSL_GUARDED_BY(mu);  // optimizer slots
     // sync: this step's gradient sum (meaningful only once
     // finite_contributors > 0), and the last step each worker contributed to
@@ -270,8 +272,11 @@ class Shard {
   // Drops members whose lease expired; true when any was dropped.
   bool ExpireLeases() ABSL_LOCKS_EXCLUDED(mu_);
 
-  std::vector<PulledBlock> CopyBlocks(const Model& model,
-                                      const std::vector<int>& locals) const;
+  // The block's values for an update, counting a copy a pull forced.
+  absl::Span<float> MutableValues(Block& block)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  std::vector<PulledBlock> ShareBlocks(const Model& model,
+                                       const std::vector<int>& locals) const;
   bool WaiterReadyLocked(const Waiter& waiter) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the waiting pulls that may now proceed.
@@ -335,6 +340,7 @@ class Shard {
   std::atomic<int64_t> gradients_lost_{0};
   std::atomic<int64_t> updates_lost_{0};
   std::atomic<int64_t> internal_errors_{0};
+  std::atomic<int64_t> values_copied_for_pulls_{0};
   std::atomic<int64_t> ssp_gap_max_{0};
 };
 

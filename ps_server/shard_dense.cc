@@ -292,14 +292,15 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
   staleness_sum_.fetch_add(staleness);
   AtomicMax(staleness_max_, staleness);
   async_applies_.fetch_add(1);
+  const absl::Span<float> values = MutableValues(block);
   // Decoded a piece at a time into the update: the gradient is read once
   // from the received bytes and never written out whole.
   if (absl::Status s = DecodeSegmentsInPieces(
           push.wire->dtype, push.wire->data, block.location->length,
           [&](int64_t offset, absl::Span<const float> piece) {
             block.mu.AssertHeld();  // held by the caller of this callback
-            optimizer_->UpdateRange(version + 1, absl::MakeSpan(block.value),
-                                    offset, piece, absl::MakeSpan(block.state));
+            optimizer_->UpdateRange(version + 1, values, offset, piece,
+                                    absl::MakeSpan(block.state));
           });
       !s.ok()) {
     ReportInternalError(
@@ -323,8 +324,8 @@ bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
     for (float& g : block.gradient_sum) g *= inverse;
   }
   if (block.finite_contributors > 0) {
-    optimizer_->Update(version + 1, absl::MakeSpan(block.value),
-                       block.gradient_sum, absl::MakeSpan(block.state));
+    optimizer_->Update(version + 1, MutableValues(block), block.gradient_sum,
+                       absl::MakeSpan(block.state));
   }
   block.contributors = 0;
   block.finite_contributors = 0;
@@ -433,7 +434,14 @@ absl::StatusOr<std::vector<int>> Shard::ResolvePullBlocks(
   return locals;
 }
 
-std::vector<PulledBlock> Shard::CopyBlocks(
+absl::Span<float> Shard::MutableValues(Block& block) {
+  bool copied = false;
+  absl::Span<float> values = block.value.Mutable(&copied);
+  if (copied) values_copied_for_pulls_.fetch_add(1);
+  return values;
+}
+
+std::vector<PulledBlock> Shard::ShareBlocks(
     const Model& model, const std::vector<int>& locals) const {
   std::vector<PulledBlock> out(locals.size());
   for (size_t i = 0; i < locals.size(); ++i) {
@@ -442,7 +450,7 @@ std::vector<PulledBlock> Shard::CopyBlocks(
     out[i].block = block.location->block;
     absl::MutexLock lock(&block.mu);
     out[i].version = block.version.load();
-    out[i].values = block.value;
+    out[i].values = block.value.Share();
   }
   pulls_served_.fetch_add(1);
   return out;
@@ -525,7 +533,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
       waiter->answer = [this, m, locals = std::move(locals),
                         done = std::move(done)](absl::Status status) {
         if (!status.ok()) return done(std::move(status), {});
-        done(absl::OkStatus(), CopyBlocks(*m, locals));
+        done(absl::OkStatus(), ShareBlocks(*m, locals));
       };
       waiters_.push_back(std::move(waiter));
       lock.Release();
@@ -538,7 +546,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
     }
   }
   if (completed) ReleaseReadyWaiters();
-  done(absl::OkStatus(), CopyBlocks(**model, waiter->locals));
+  done(absl::OkStatus(), ShareBlocks(**model, waiter->locals));
 }
 
 void Shard::ReleaseReadyWaiters() {

@@ -50,7 +50,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
           "+", saved.optimizer_state.size(), " floats, expected ",
           block.value.size(), "+", block.state.size()));
     }
-    block.value = saved.value;
+    block.value.Assign(saved.value);
     block.state = saved.optimizer_state;
     block.version.store(saved.version);
     // Workers beyond either job's size start with no history.
@@ -136,7 +136,8 @@ absl::StatusOr<ShardSnapshot> Shard::Snapshot(int64_t sequence) const {
     out.global_block = globals[i];
     absl::MutexLock lock(&block.mu);
     out.version = block.version.load();
-    out.value = block.value;
+    const absl::Span<const float> values = block.value.Read();
+    out.value.assign(values.begin(), values.end());
     out.optimizer_state = block.state;
     out.last_step = block.last_step;
   }

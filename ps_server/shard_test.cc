@@ -127,7 +127,7 @@ struct PullResult {
     };
   }
   // Element 0 of the first block ("w" block 0).
-  float FirstWeight() const { return blocks.at(0).values.at(0); }
+  float FirstWeight() const { return blocks.at(0).values->at(0); }
 };
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(5); }
@@ -204,8 +204,8 @@ TEST(ShardSyncTest, BlocksCompleteIndependently) {
   ref->set_block(0);
   auto pulled = DoPull(*f.shard, only_b, Soon());
   ASSERT_TRUE(pulled->status.ok()) << pulled->status;
-  EXPECT_FLOAT_EQ(pulled->blocks[0].values[0], -1.0f);  // 0 - 0.5 * 2
-  EXPECT_EQ(f.shard->Stats().version(), 0);             // the slowest block
+  EXPECT_FLOAT_EQ((*pulled->blocks[0].values)[0], -1.0f);  // 0 - 0.5 * 2
+  EXPECT_EQ(f.shard->Stats().version(), 0);                // the slowest block
 }
 
 // What a checkpoint of `original` restores: its blocks, and (a file from
@@ -512,6 +512,41 @@ TEST(ShardAsyncTest, AppliesEachPushAndRecordsStaleness) {
   const StatsResponse stats = f.shard->Stats();
   EXPECT_EQ(stats.staleness_max(), 1);
   EXPECT_DOUBLE_EQ(stats.staleness_mean(), 0.5);
+}
+
+// A pull's answer references the block's memory (no copy per pull); an
+// update while it is still held (being sent) goes to the other buffer.
+TEST(ShardAsyncTest, AnUpdateLeavesTheValuesAPullHoldsAlone) {
+  Fixture f = MakeShard(ConsistencyMode::kAsync, 2);
+  auto held = DoPull(*f.shard, PullAt(0, 0), Soon());
+  ASSERT_TRUE(held->status.ok());
+  const std::vector<float> before = *held->blocks[0].values;
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1, 0)).ok());
+  EXPECT_EQ(*held->blocks[0].values, before);
+  // One copy per block of the model (the pull holds all three).
+  EXPECT_EQ(f.shard->Stats().values_copied_for_pulls(), 3);
+  auto after = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(after->status.ok());
+  EXPECT_FLOAT_EQ(after->FirstWeight(), before[0] - 0.5f);
+  // Once no pull holds them, updates write in place again.
+  held.reset();
+  after.reset();
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 1, 1, 1)).ok());
+  EXPECT_EQ(f.shard->Stats().values_copied_for_pulls(), 3);
+}
+
+TEST(ShardSyncTest, AStepLeavesTheValuesAPullHoldsAlone) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  auto held = DoPull(*f.shard, PullAt(0, 0), Soon());
+  ASSERT_TRUE(held->status.ok());
+  const float before = held->FirstWeight();
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 3)).ok());
+  EXPECT_FLOAT_EQ(held->FirstWeight(), before);
+  auto after = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(after->status.ok());
+  EXPECT_FLOAT_EQ(after->FirstWeight(), before - 0.5f * 2);
+  EXPECT_EQ(f.shard->Stats().values_copied_for_pulls(), 3);
 }
 
 TEST(ShardAsyncTest, NegativePulledVersionIsRefused) {
@@ -996,8 +1031,8 @@ TEST(ShardSparseTest, SparsePathEqualsDensePath) {
   ASSERT_TRUE(pulled->status.ok()) << pulled->status;
   std::vector<float> dense_values;
   for (const PulledBlock& block : pulled->blocks) {
-    dense_values.insert(dense_values.end(), block.values.begin(),
-                        block.values.end());
+    dense_values.insert(dense_values.end(), block.values->begin(),
+                        block.values->end());
   }
   ASSERT_EQ(sparse.size(), dense_values.size());
   double max_difference = 0;

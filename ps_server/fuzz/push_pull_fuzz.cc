@@ -227,7 +227,7 @@ Fingerprint TakeFingerprint(Shard& shard) {
     fp.hash = Mix(fp.hash, static_cast<uint64_t>(block.block));
     fp.hash = Mix(fp.hash, static_cast<uint64_t>(block.version));
     fp.version_sum += block.version;
-    for (float v : block.values) {
+    for (float v : *block.values) {
       uint32_t bits;
       std::memcpy(&bits, &v, sizeof(bits));
       fp.hash = Mix(fp.hash, bits);
@@ -418,8 +418,8 @@ void CheckPulledBlocks(const FuzzHeader& h, const PullRequest& request,
     FUZZ_CHECK(global.ok(), global.status().ToString());
     const BlockLocation& loc = partition->blocks()[*global];
     FUZZ_CHECK(loc.shard == h.shard_id, "pulled a block of another shard");
-    FUZZ_CHECK(static_cast<int64_t>(block.values.size()) == loc.length,
-               absl::StrCat("pulled ", block.values.size(),
+    FUZZ_CHECK(static_cast<int64_t>(block.values->size()) == loc.length,
+               absl::StrCat("pulled ", block.values->size(),
                             " values for a block of ", loc.length));
     if (request.blocks_size() > 0) {
       const BlockRef& ref = request.blocks(static_cast<int>(i));
