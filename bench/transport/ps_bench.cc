@@ -7,11 +7,13 @@
 //   (a) raw TCP between two processes on loopback: push+pull goodput
 //       (write N, read N back: 2N / time) and the round trip of N bytes
 //       answered by a 16-byte ack;
-//   (b) a plain gRPC unary echo of N bytes (2N / time, p50/p99);
+//   (b) the gRPC floor (grpc_floor.h): push then pull of N bytes through
+//       plain gRPC at its best, with no parameter-server work (2N / time,
+//       p50/p99);
 //   (c) real ps_server processes (async, SGD, tiny learning rate) through
 //       PsClient: Push, Pull and Push-then-Pull goodput, Push p50/p99.
 // The baselines' peers are this binary re-executed with --role=tcp_peer or
-// --role=grpc_echo, so they cost what a second process costs on this machine.
+// --role=grpc_floor, so they cost what a second process costs on this machine.
 //
 // Every child process dies with the bench: it is stopped on every return
 // path, SIGKILLed by a guardian thread on SIGINT/SIGTERM or when --deadline_s
@@ -63,7 +65,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/child_process.h"
-#include "bench/transport/echo.grpc.pb.h"
+#include "bench/transport/grpc_floor.h"
 #include "common/cli.h"
 #include "common/grpc_tuning.h"
 #include "common/tensor_codec.h"
@@ -124,7 +126,7 @@ ABSL_FLAG(double, deadline_s, 1800,
           "The whole run's deadline: past it every child is killed and the "
           "bench exits 3.");
 // Internal: how the bench re-executes itself as a baseline peer.
-ABSL_FLAG(std::string, role, "bench", "bench, tcp_peer or grpc_echo.");
+ABSL_FLAG(std::string, role, "bench", "bench, tcp_peer or grpc_floor.");
 ABSL_FLAG(std::string, port_file, "",
           "Peer roles: where the chosen port is written once serving.");
 
@@ -384,24 +386,15 @@ int TcpPeerMain() {
   }
 }
 
-class EchoService final : public Echo::Service {
-  grpc::Status Echo(grpc::ServerContext* context, const EchoRequest* request,
-                    EchoResponse* response) override {
-    // One copy into the response, as a plain service would write it.
-    response->set_payload(request->payload());
-    return grpc::Status::OK;
-  }
-};
-
-int GrpcEchoMain() {
-  EchoService service;
+int GrpcFloorMain() {
+  GrpcFloorService service;
   int port = 0;
   grpc::ServerBuilder builder;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
                            &port);
   builder.SetMaxReceiveMessageSize(kMaxGrpcMessage);
   builder.SetMaxSendMessageSize(kMaxGrpcMessage);
-  builder.RegisterService(&service);
+  builder.RegisterCallbackGenericService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port <= 0) {
     LOG(ERROR) << "cannot serve gRPC on 127.0.0.1";
@@ -542,7 +535,7 @@ absl::StatusOr<PhaseResult> MeasurePhase(const std::string& name, int64_t size,
 
 struct SizeResult {
   int64_t size = 0;
-  PhaseResult tcp_pushpull, tcp_rtt, grpc_echo;
+  PhaseResult tcp_pushpull, tcp_rtt, grpc_floor;
   PhaseResult ps_push, ps_pull, ps_pushpull;
 };
 
@@ -581,37 +574,22 @@ absl::Status MeasureTcp(int port, int clients, SizeResult* out) {
   return absl::OkStatus();
 }
 
-// (b) plain gRPC unary echo: one channel per client.
-absl::Status MeasureGrpcEcho(
-    const std::vector<std::unique_ptr<Echo::Stub>>& stubs, SizeResult* out) {
+// (b) the gRPC floor: push then pull of N bytes, each client on its own
+// connections, as many as a PsClient opens to a shard.
+absl::Status MeasureGrpcFloor(
+    const std::vector<std::unique_ptr<GrpcFloorClient>>& clients,
+    SizeResult* out) {
   const int64_t size = out->size;
-  const int clients = static_cast<int>(stubs.size());
-  std::vector<EchoRequest> requests(clients);
-  std::vector<EchoResponse> responses(clients);
-  for (EchoRequest& request : requests) {
-    request.set_payload(std::string(size, 'x'));
-  }
-  const absl::Duration timeout =
-      absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
-  absl::StatusOr<PhaseResult> result =
-      MeasurePhase("grpc echo", size, clients, [&](int c) {
-        grpc::ClientContext context;
-        context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-        const grpc::Status status =
-            stubs[c]->Echo(&context, requests[c], &responses[c]);
-        if (!status.ok()) {
-          return absl::UnavailableError(
-              absl::StrCat("Echo: ", status.error_message()));
-        }
-        if (static_cast<int64_t>(responses[c].payload().size()) != size) {
-          return absl::DataLossError(absl::StrCat("Echo returned ",
-                                                  responses[c].payload().size(),
-                                                  " bytes, sent ", size));
-        }
-        return absl::OkStatus();
+  std::vector<std::vector<char>> tensors(clients.size(),
+                                         std::vector<char>(size, 'g'));
+  absl::StatusOr<PhaseResult> result = MeasurePhase(
+      "grpc floor p+p", size, static_cast<int>(clients.size()), [&](int c) {
+        absl::Status pushed = clients[c]->Push(tensors[c]);
+        return pushed.ok() ? clients[c]->Pull(absl::MakeSpan(tensors[c]))
+                           : pushed;
       });
   if (!result.ok()) return result.status();
-  out->grpc_echo = std::move(*result);
+  out->grpc_floor = std::move(*result);
   return absl::OkStatus();
 }
 
@@ -775,7 +753,7 @@ std::string HumanSize(int64_t bytes) {
 struct Row {
   int64_t size;
   double tcp_gbps, tcp_oneway_gbps, tcp_rtt_p50_us, tcp_rtt_p99_us;
-  double grpc_echo_gbps, grpc_echo_p50_us, grpc_echo_p99_us;
+  double grpc_floor_gbps, grpc_floor_p50_us, grpc_floor_p99_us;
   double ps_push_gbps, ps_pull_gbps, ps_pushpull_gbps;
   double ps_push_p50_us, ps_push_p99_us;
   double ratio_pushpull_vs_tcp, ratio_pushpull_vs_tcp_oneway,
@@ -790,9 +768,9 @@ constexpr double Row::*kRowFields[] = {
     &Row::tcp_oneway_gbps,
     &Row::tcp_rtt_p50_us,
     &Row::tcp_rtt_p99_us,
-    &Row::grpc_echo_gbps,
-    &Row::grpc_echo_p50_us,
-    &Row::grpc_echo_p99_us,
+    &Row::grpc_floor_gbps,
+    &Row::grpc_floor_p50_us,
+    &Row::grpc_floor_p99_us,
     &Row::ps_push_gbps,
     &Row::ps_pull_gbps,
     &Row::ps_pushpull_gbps,
@@ -839,9 +817,9 @@ Row MakeRow(const SizeResult& r) {
   row.tcp_oneway_gbps = r.tcp_rtt.Gbps(n);
   row.tcp_rtt_p50_us = r.tcp_rtt.PercentileUs(50);
   row.tcp_rtt_p99_us = r.tcp_rtt.PercentileUs(99);
-  row.grpc_echo_gbps = r.grpc_echo.Gbps(2 * n);
-  row.grpc_echo_p50_us = r.grpc_echo.PercentileUs(50);
-  row.grpc_echo_p99_us = r.grpc_echo.PercentileUs(99);
+  row.grpc_floor_gbps = r.grpc_floor.Gbps(2 * n);
+  row.grpc_floor_p50_us = r.grpc_floor.PercentileUs(50);
+  row.grpc_floor_p99_us = r.grpc_floor.PercentileUs(99);
   row.ps_push_gbps = r.ps_push.Gbps(n);
   row.ps_pull_gbps = r.ps_pull.Gbps(n);
   row.ps_pushpull_gbps = r.ps_pushpull.Gbps(2 * n);
@@ -850,7 +828,7 @@ Row MakeRow(const SizeResult& r) {
   row.ratio_pushpull_vs_tcp = Ratio(row.ps_pushpull_gbps, row.tcp_gbps);
   row.ratio_pushpull_vs_tcp_oneway =
       Ratio(row.ps_pushpull_gbps, row.tcp_oneway_gbps);
-  row.ratio_pushpull_vs_grpc = Ratio(row.ps_pushpull_gbps, row.grpc_echo_gbps);
+  row.ratio_pushpull_vs_grpc = Ratio(row.ps_pushpull_gbps, row.grpc_floor_gbps);
   row.ratio_push_p50_vs_tcp_rtt = Ratio(row.ps_push_p50_us, row.tcp_rtt_p50_us);
   row.ps_pushpull_ops = r.ps_pushpull.operations;
   return row;
@@ -861,9 +839,9 @@ std::string TableHeader() {
       "%8s | %8s %8s | %8s %8s %8s | %7s %7s | %17s %17s %17s | %7s\n"
       "%8s | %8s %8s | %8s %8s %8s | %7s %7s | %17s %17s %17s | %7s\n",
       "size", "TCP p+p", "gRPC", "PS push", "PS pull", "PS p+p", "p+p/", "p+p/",
-      "TCP RTT", "gRPC echo", "PS push", "push/", "", "GB/s", "echo", "GB/s",
-      "GB/s", "GB/s", "TCP", "gRPC", "p50/p99 us", "p50/p99 us", "p50/p99 us",
-      "RTT p50");
+      "TCP RTT", "gRPC floor p+p", "PS push", "push/", "", "GB/s", "floor",
+      "GB/s", "GB/s", "GB/s", "TCP", "gRPC", "p50/p99 us", "p50/p99 us",
+      "p50/p99 us", "RTT p50");
 }
 
 std::string TableRow(const Row& r) {
@@ -873,10 +851,10 @@ std::string TableRow(const Row& r) {
   return absl::StrFormat(
       "%8s | %8.3f %8.3f | %8.3f %8.3f %8.3f | %7.3f %7.3f | %17s %17s %17s | "
       "%7.2f\n",
-      HumanSize(r.size), r.tcp_gbps, r.grpc_echo_gbps, r.ps_push_gbps,
+      HumanSize(r.size), r.tcp_gbps, r.grpc_floor_gbps, r.ps_push_gbps,
       r.ps_pull_gbps, r.ps_pushpull_gbps, r.ratio_pushpull_vs_tcp,
       r.ratio_pushpull_vs_grpc, pair(r.tcp_rtt_p50_us, r.tcp_rtt_p99_us),
-      pair(r.grpc_echo_p50_us, r.grpc_echo_p99_us),
+      pair(r.grpc_floor_p50_us, r.grpc_floor_p99_us),
       pair(r.ps_push_p50_us, r.ps_push_p99_us), r.ratio_push_p50_vs_tcp_rtt);
 }
 
@@ -886,8 +864,8 @@ std::string JsonLine(const Row& r, int servers, int clients) {
       "\"block_elements\":%d,"
       "\"tcp_gbps\":%.4f,\"tcp_oneway_gbps\":%.4f,\"tcp_rtt_p50_us\":%.1f,"
       "\"tcp_rtt_p99_us\":%.1f,"
-      "\"grpc_echo_gbps\":%.4f,\"grpc_echo_p50_us\":%.1f,"
-      "\"grpc_echo_p99_us\":%.1f,"
+      "\"grpc_floor_gbps\":%.4f,\"grpc_floor_p50_us\":%.1f,"
+      "\"grpc_floor_p99_us\":%.1f,"
       "\"ps_push_gbps\":%.4f,\"ps_pull_gbps\":%.4f,\"ps_pushpull_gbps\":%.4f,"
       "\"ps_push_p50_us\":%.1f,\"ps_push_p99_us\":%.1f,"
       "\"ratio_pushpull_vs_tcp\":%.4f,\"ratio_pushpull_vs_tcp_oneway\":%.4f,"
@@ -895,8 +873,8 @@ std::string JsonLine(const Row& r, int servers, int clients) {
       "\"ratio_push_p50_vs_tcp_rtt\":%.4f,\"ps_pushpull_ops\":%d,"
       "\"repeats\":%d}",
       r.size, servers, clients, absl::GetFlag(FLAGS_block_elements), r.tcp_gbps,
-      r.tcp_oneway_gbps, r.tcp_rtt_p50_us, r.tcp_rtt_p99_us, r.grpc_echo_gbps,
-      r.grpc_echo_p50_us, r.grpc_echo_p99_us, r.ps_push_gbps, r.ps_pull_gbps,
+      r.tcp_oneway_gbps, r.tcp_rtt_p50_us, r.tcp_rtt_p99_us, r.grpc_floor_gbps,
+      r.grpc_floor_p50_us, r.grpc_floor_p99_us, r.ps_push_gbps, r.ps_pull_gbps,
       r.ps_pushpull_gbps, r.ps_push_p50_us, r.ps_push_p99_us,
       r.ratio_pushpull_vs_tcp, r.ratio_pushpull_vs_tcp_oneway,
       r.ratio_pushpull_vs_grpc, r.ratio_push_p50_vs_tcp_rtt, r.ps_pushpull_ops,
@@ -990,9 +968,9 @@ absl::Status RunBench(const Config& config, const std::string& ps_server,
   absl::StatusOr<std::pair<std::unique_ptr<ChildProcess>, int>> tcp_peer =
       StartPeer("tcp_peer", scratch);
   if (!tcp_peer.ok()) return tcp_peer.status();
-  absl::StatusOr<std::pair<std::unique_ptr<ChildProcess>, int>> echo_peer =
-      StartPeer("grpc_echo", scratch);
-  if (!echo_peer.ok()) return echo_peer.status();
+  absl::StatusOr<std::pair<std::unique_ptr<ChildProcess>, int>> floor_peer =
+      StartPeer("grpc_floor", scratch);
+  if (!floor_peer.ok()) return floor_peer.status();
 
   {
     absl::StatusOr<ScopedFd> probe =
@@ -1003,17 +981,16 @@ absl::Status RunBench(const Config& config, const std::string& ps_server,
                 EffectiveBuffer(probe->get(), SO_RCVBUF));
   }
 
-  // Channels live across sizes (connections warm, as a trainer's would);
-  // a local subchannel pool gives each client its own TCP connection.
-  std::vector<std::unique_ptr<Echo::Stub>> stubs;
+  // Connections live across sizes (warm, as a trainer's would).
+  std::vector<std::unique_ptr<GrpcFloorClient>> floor_clients;
   for (int c = 0; c < config.clients; ++c) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(kMaxGrpcMessage);
-    args.SetMaxSendMessageSize(kMaxGrpcMessage);
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    stubs.push_back(Echo::NewStub(
-        grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", echo_peer->second),
-                                  grpc::InsecureChannelCredentials(), args)));
+    absl::StatusOr<std::unique_ptr<GrpcFloorClient>> client =
+        GrpcFloorClient::Connect(
+            absl::StrCat("127.0.0.1:", floor_peer->second),
+            absl::GetFlag(FLAGS_connections_per_shard),
+            absl::Seconds(absl::GetFlag(FLAGS_deadline_s)));
+    if (!client.ok()) return client.status();
+    floor_clients.push_back(std::move(*client));
   }
 
   for (int64_t size : config.sizes) {
@@ -1023,7 +1000,7 @@ absl::Status RunBench(const Config& config, const std::string& ps_server,
       result.size = size;
       absl::Status status =
           MeasureTcp(tcp_peer->second, config.clients, &result);
-      if (status.ok()) status = MeasureGrpcEcho(stubs, &result);
+      if (status.ok()) status = MeasureGrpcFloor(floor_clients, &result);
       if (status.ok()) {
         status = MeasurePs(ps_server, scratch, config.clients, &result);
       }
@@ -1035,9 +1012,9 @@ absl::Status RunBench(const Config& config, const std::string& ps_server,
                             config.clients);
     }
   }
-  stubs.clear();
+  floor_clients.clear();  // closes their streams while the peer serves
   tcp_peer->first->Stop();
-  echo_peer->first->Stop();
+  floor_peer->first->Stop();
   return absl::OkStatus();
 }
 
@@ -1091,7 +1068,7 @@ int BenchMain(const char* argv0) {
     if (!repeats.empty()) rows.push_back(MedianRow(repeats));
   }
   std::printf(
-      "\n# goodput GB/s = 1e9 bytes/s. TCP p+p and gRPC echo: 2N per round "
+      "\n# goodput GB/s = 1e9 bytes/s. TCP p+p and gRPC floor: 2N per round "
       "trip; PS push, pull: N per call; PS p+p: 2N per push then pull.\n"
       "# TCP RTT: N bytes out, 16-byte ack back.\n");
   if (config->repeats > 1) {
@@ -1150,19 +1127,21 @@ int main(int argc, char** argv) {
   }
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
+  // As ps_server and worker do; every role moves big messages.
+  pstrain::TuneForTransport();
   const std::string role = absl::GetFlag(FLAGS_role);
-  if (role == "tcp_peer" || role == "grpc_echo") {
+  if (role == "tcp_peer" || role == "grpc_floor") {
     if (absl::GetFlag(FLAGS_port_file).empty()) {
       std::fprintf(stderr, "ps_bench: --role=%s needs --port_file\n",
                    role.c_str());
       return 2;
     }
     return role == "tcp_peer" ? pstrain::bench::TcpPeerMain()
-                              : pstrain::bench::GrpcEchoMain();
+                              : pstrain::bench::GrpcFloorMain();
   }
   if (role != "bench") {
     std::fprintf(stderr,
-                 "ps_bench: --role must be bench, tcp_peer or grpc_echo\n");
+                 "ps_bench: --role must be bench, tcp_peer or grpc_floor\n");
     return 2;
   }
   return pstrain::bench::BenchMain(argv[0]);

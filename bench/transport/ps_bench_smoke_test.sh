@@ -23,7 +23,7 @@ timeout --kill-after=5 45 "$bench" --sizes=4096,65536 --iterations=5 \
 rc=$?
 ((rc == 0)) || fail "ps_bench exited with $rc"
 
-keys=(tcp_gbps tcp_rtt_p50_us grpc_echo_gbps ps_push_gbps ps_pull_gbps
+keys=(tcp_gbps tcp_rtt_p50_us grpc_floor_gbps ps_push_gbps ps_pull_gbps
       ps_pushpull_gbps ps_push_p50_us ps_push_p99_us ratio_pushpull_vs_tcp
       ratio_push_p50_vs_tcp_rtt)
 for size in 4096 65536; do
