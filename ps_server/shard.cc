@@ -177,9 +177,11 @@ absl::Status Shard::CheckModelFits(const ModelSchema& schema) const {
       shard_elements += std::min(block_elements, elements - offset);
     }
   }
-  // Values, optimizer state and (sync) the step's gradient sum, plus what
-  // each block costs beyond its floats: with tiny blocks that is most of it.
-  const int64_t floats_per_element = 1 + optimizer_->state_per_element() + 1;
+  // Values twice (a pull still sending one version while an update writes
+  // the other, block_values.h), optimizer state and (sync) the step's
+  // gradient sum, plus what each block costs beyond its floats: with tiny
+  // blocks that is most of it.
+  const int64_t floats_per_element = 2 + optimizer_->state_per_element() + 1;
   const int64_t per_block =
       kBlockOverheadBytes + options_.max_workers * int64_t{sizeof(int64_t)};
   const int64_t bytes = shard_elements * 4 * floats_per_element +
