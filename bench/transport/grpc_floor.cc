@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_bytes.h"
 
 namespace pstrain {
 namespace {
@@ -16,15 +17,12 @@ constexpr char kPushMethod[] = "/pstrain.bench.GrpcFloor/Push";
 constexpr char kPullMethod[] = "/pstrain.bench.GrpcFloor/Pull";
 constexpr int kMaxMessageBytes = 1 << 30;
 
-// The bytes of a small message, joined from its slices.
-std::string Flatten(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  std::string out;
-  if (!buffer.Valid() || !buffer.Dump(&slices).ok()) return out;
-  for (const grpc::Slice& slice : slices) {
-    out.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+// Copies the received bytes to `out`, which holds exactly bytes.size().
+void CopyReceived(const ReceivedBytes& bytes, char* out) {
+  for (absl::string_view view : bytes.views()) {
+    std::memcpy(out, view.data(), view.size());
+    out += view.size();
   }
-  return out;
 }
 
 }  // namespace
@@ -44,9 +42,10 @@ class GrpcFloorService::Stream final : public grpc::ServerGenericBidiReactor {
     }
     if (pull_) {
       uint64_t bytes = 0;
-      const std::string asked = Flatten(request_);
-      if (asked.size() == sizeof(bytes)) std::memcpy(&bytes, asked.data(), 8);
-      if (asked.size() != sizeof(bytes) || bytes > kMaxMessageBytes) {
+      ReceivedBytes asked;
+      const bool readable = asked.Load(request_) && asked.size() == 8;
+      if (readable) CopyReceived(asked, reinterpret_cast<char*>(&bytes));
+      if (!readable || bytes > kMaxMessageBytes) {
         Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                             "a pull names its size (at most 1 GiB) in 8 "
                             "bytes"));
@@ -250,21 +249,16 @@ absl::Status GrpcFloorClient::Pull(absl::Span<char> out) {
   return ExchangeAll(
       /*pull=*/true, requests, [&](int i, const grpc::ByteBuffer& response) {
         const auto [begin, end] = Chunk(out.size(), i, n);
-        std::vector<grpc::Slice> slices;
-        if (!response.Dump(&slices).ok()) {
+        ReceivedBytes answer;
+        if (!answer.Load(response)) {
           return absl::DataLossError("unreadable gRPC floor answer");
         }
-        size_t at = begin;
-        for (const grpc::Slice& slice : slices) {
-          if (at + slice.size() > end) break;
-          std::memcpy(out.data() + at, slice.begin(), slice.size());
-          at += slice.size();
-        }
-        if (at != end || response.Length() != end - begin) {
+        if (answer.size() != end - begin) {
           return absl::DataLossError(absl::StrCat("gRPC floor answered ",
-                                                  response.Length(),
-                                                  " bytes for ", end - begin));
+                                                  answer.size(), " bytes for ",
+                                                  end - begin));
         }
+        CopyReceived(answer, out.data() + begin);
         return absl::OkStatus();
       });
 }
