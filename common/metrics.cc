@@ -363,6 +363,24 @@ RpcMetricsInterceptorFactory::CreateServerInterceptor(
                                    call_stream && method != unknown_.get());
 }
 
+void RpcMetricsInterceptorFactory::RecordCall(const std::string& full_method,
+                                              absl::StatusCode code,
+                                              absl::Duration elapsed,
+                                              uint64_t request_bytes,
+                                              uint64_t response_bytes) {
+  const auto known = methods_.find(full_method);
+  Method* method =
+      known == methods_.end() ? unknown_.get() : known->second.get();
+  if (method->request_bytes != nullptr) {
+    method->request_bytes->Increment(static_cast<double>(request_bytes));
+  }
+  method->response_bytes->Increment(static_cast<double>(response_bytes));
+  method->duration->Observe(absl::ToDoubleSeconds(elapsed));
+  // absl and gRPC number their status codes alike.
+  const int number = static_cast<int>(code);
+  method->by_code[number >= 0 && number < 17 ? number : 2]->Increment();
+}
+
 std::vector<std::string> ServiceMethodNames(const std::string& service) {
   std::vector<std::string> names;
   const google::protobuf::ServiceDescriptor* descriptor =
@@ -536,6 +554,9 @@ std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
   add("pstrain_shard_values_copied_for_pulls_total",
       "Updates that copied a block first because a pull was still sending it.",
       kCounter, static_cast<double>(s.values_copied_for_pulls()));
+  add("pstrain_shard_data_plane_requests_total",
+      "Pushes and pulls answered on the tensor data plane, not over gRPC.",
+      kCounter, static_cast<double>(s.data_plane_requests()));
   return families;
 }
 

@@ -19,6 +19,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -103,6 +104,13 @@ class RpcMetricsInterceptorFactory
 
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override;
+
+  // Records one call of `full_method` that reached the service another way
+  // (ps_server's tensor data plane), into the same series a gRPC call of it
+  // would count in, so dashboards see every push and pull.
+  void RecordCall(const std::string& full_method, absl::StatusCode code,
+                  absl::Duration elapsed, uint64_t request_bytes,
+                  uint64_t response_bytes);
 
   // What the interceptor of one call records into.
   struct Method {

@@ -37,6 +37,7 @@
 #include "common/tls.h"
 #include "glog/logging.h"
 #include "ps_server/checkpointer.h"
+#include "ps_server/data_plane_server.h"
 #include "ps_server/service.h"
 #include "ps_server/shard.h"
 
@@ -49,6 +50,11 @@ ABSL_FLAG(std::string, cluster_spec, "",
           "on the command line. Empty: the JSON in $PSTRAIN_CLUSTER, if set.");
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
 ABSL_FLAG(int, port, 0, "Port to listen on; 0 picks a free one.");
+ABSL_FLAG(int, data_port, 0,
+          "Port of the tensor data plane (Push and Pull over plain TCP, "
+          "announced to workers at registration); 0 picks a free one, -1 "
+          "serves them over gRPC only. Off with TLS (the data plane has "
+          "none).");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the chosen port is written here once serving (atomically).");
 ABSL_FLAG(int, shard_id, 0, "This server's shard, in [0, num_shards).");
@@ -211,6 +217,8 @@ int Main(int argc, char** argv) {
   options.skip_nonfinite_gradients = nonfinite == "skip";
   const int port = absl::GetFlag(FLAGS_port);
   checks.push_back(CheckPort("port", port));
+  const int data_port = absl::GetFlag(FLAGS_data_port);
+  checks.push_back(CheckPort("data_port", data_port, -1));
   const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
   checks.push_back(CheckPort("metrics_port", metrics_port, -1));
   const int health_port = absl::GetFlag(FLAGS_health_port);
@@ -294,6 +302,11 @@ int Main(int argc, char** argv) {
                       : *restored);
   }
 
+  ServiceOptions service_options;
+  service_options.drop_push_response_probability = drop_probability;
+  service_options.auth_token = *auth_token;
+  ParameterServerService service(shard->get(), service_options,
+                                 checkpointer.get());
   std::unique_ptr<MetricsEndpoint> metrics;
   if (metrics_port != 0) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> started =
@@ -305,18 +318,68 @@ int Main(int argc, char** argv) {
       return 1;
     }
     metrics = std::move(*started);
-    Shard* shard_ptr = shard->get();
     metrics->Add(std::make_shared<ShardStatsCollector>(
-        [shard_ptr] { return shard_ptr->Stats(); }));
+        [&service] { return service.CurrentStats(); }));
     LOG(INFO) << "metrics on http://" << absl::GetFlag(FLAGS_metrics_host)
               << ":" << metrics->port() << "/metrics";
   }
   if (checkpointer != nullptr) checkpointer->Start();
-  ServiceOptions service_options;
-  service_options.drop_push_response_probability = drop_probability;
-  service_options.auth_token = *auth_token;
-  ParameterServerService service(shard->get(), service_options,
-                                 checkpointer.get());
+  // An interceptor, not a wrapper around the service: it sees every call
+  // (refused ones, health and reflection too) from arrival to status,
+  // without the service knowing about metrics. The data plane records into
+  // it too; the gRPC server owns it once built, and outlives the data plane.
+  std::unique_ptr<RpcMetricsInterceptorFactory> rpc_metrics;
+  RpcMetricsInterceptorFactory* rpc_metrics_sink = nullptr;
+  if (metrics != nullptr) {
+    // Every method this server (and, with the same builder's plugins,
+    // health and reflection) answers; anything else counts as "unknown".
+    std::vector<std::string> known_methods =
+        ServiceMethodNames("pstrain.ParameterServer");
+    known_methods.insert(
+        known_methods.end(),
+        {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
+         "/grpc.reflection.v1alpha.ServerReflection/"
+         "ServerReflectionInfo"});
+    rpc_metrics = std::make_unique<RpcMetricsInterceptorFactory>(
+        metrics->registry(), known_methods,
+        absl::flat_hash_set<std::string>(std::begin(kRawRequestMethods),
+                                         std::end(kRawRequestMethods)));
+    rpc_metrics_sink = rpc_metrics.get();
+  }
+  std::unique_ptr<DataPlaneServer> data_plane_server;
+  const bool tls = !absl::GetFlag(FLAGS_tls_cert).empty();
+  if (data_port >= 0 && !tls) {
+    DataPlaneServerOptions data_options;
+    data_options.host = absl::GetFlag(FLAGS_host);
+    data_options.port = data_port;
+    data_options.max_body_bytes = static_cast<uint64_t>(max_message_mb) << 20;
+    if (rpc_metrics_sink != nullptr) {
+      data_options.on_call =
+          [rpc_metrics_sink](data_plane::Method method, absl::StatusCode code,
+                             absl::Duration elapsed, uint64_t request_bytes,
+                             uint64_t response_bytes) {
+            rpc_metrics_sink->RecordCall(method == data_plane::Method::kPush
+                                             ? "/pstrain.ParameterServer/Push"
+                                             : "/pstrain.ParameterServer/Pull",
+                                         code, elapsed, request_bytes,
+                                         response_bytes);
+          };
+    }
+    absl::StatusOr<std::unique_ptr<DataPlaneServer>> started =
+        DataPlaneServer::Start(data_options, &service);
+    if (!started.ok()) {
+      LOG(ERROR) << "cannot serve the data plane on "
+                 << absl::GetFlag(FLAGS_host) << ":" << data_port
+                 << " (--data_port): " << started.status();
+      return 1;
+    }
+    data_plane_server = std::move(*started);
+    service.set_data_port(data_plane_server->port());
+  }
+  // Before the gRPC server (which owns rpc_metrics) goes, on every path.
+  auto stop_data_plane = [&data_plane_server] {
+    if (data_plane_server != nullptr) data_plane_server->Shutdown();
+  };
   // Global in gRPC: every server built from here on gets the health service
   // and (see WithoutReflection) reflection.
   grpc::EnableDefaultHealthCheckService(true);
@@ -330,32 +393,18 @@ int Main(int argc, char** argv) {
   builder.SetMaxSendMessageSize(max_message_mb << 20);
   ApplyGrpcTuning(*grpc_tuning, &builder);
   builder.RegisterService(&service);
-  if (metrics != nullptr) {
-    // An interceptor, not a wrapper around the service: it sees every call
-    // (refused ones, health and reflection too) from arrival to status,
-    // without the service knowing about metrics.
+  if (rpc_metrics != nullptr) {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors;
-    // Every method this server (and, with the same builder's plugins,
-    // health and reflection) answers; anything else counts as "unknown".
-    std::vector<std::string> known_methods =
-        ServiceMethodNames("pstrain.ParameterServer");
-    known_methods.insert(
-        known_methods.end(),
-        {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
-         "/grpc.reflection.v1alpha.ServerReflection/"
-         "ServerReflectionInfo"});
-    interceptors.push_back(std::make_unique<RpcMetricsInterceptorFactory>(
-        metrics->registry(), known_methods,
-        absl::flat_hash_set<std::string>(std::begin(kRawRequestMethods),
-                                         std::end(kRawRequestMethods))));
+    interceptors.push_back(std::move(rpc_metrics));
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || selected_port == 0) {
     LOG(ERROR) << "cannot listen on " << address
                << " (address in use or not local?)";
+    stop_data_plane();
     return 1;
   }
   grpc::CallbackGenericService no_service;
@@ -375,6 +424,7 @@ int Main(int argc, char** argv) {
     if (health_server == nullptr || health_selected == 0) {
       LOG(ERROR) << "cannot listen on " << health_address << " (--health_port)";
       server->Shutdown();
+      stop_data_plane();
       return 1;
     }
   }
@@ -397,6 +447,10 @@ int Main(int argc, char** argv) {
                 : absl::GetFlag(FLAGS_tls_client_ca).empty() ? ", TLS"
                                                              : ", mutual TLS")
             << (auth_token->empty() ? "" : ", bearer token required")
+            << (data_plane_server != nullptr
+                    ? absl::StrCat(", tensors also on data port ",
+                                   data_plane_server->port())
+                    : ", tensors over gRPC only")
             << (health_server ? absl::StrCat(", health on port ", health_port)
                               : "");
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
@@ -406,6 +460,7 @@ int Main(int argc, char** argv) {
     if (!written.ok()) {
       LOG(ERROR) << written;
       server->Shutdown();
+      stop_data_plane();
       return 1;
     }
   }
@@ -415,6 +470,7 @@ int Main(int argc, char** argv) {
   set_serving(false);  // probes and balancers stop sending work first
   (*shard)->BeginShutdown();
   service.CancelCallStreams();
+  stop_data_plane();
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(
                        absl::GetFlag(FLAGS_shutdown_grace_s) * 1000)));

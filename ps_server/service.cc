@@ -21,16 +21,12 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
   return reactor;
 }
 
-// Parses a small protobuf request (no tensor payload) from raw bytes.
+// Parses a small protobuf request (no tensor payload) from its bytes.
 template <typename Message>
-absl::Status ParseSmall(const grpc::ByteBuffer& buffer, Message* message) {
-  ReceivedBytes bytes;
-  if (!bytes.Load(buffer)) {
-    return absl::InvalidArgumentError("unreadable request buffer");
-  }
+absl::Status ParseSmall(absl::Span<const absl::string_view> pieces,
+                        Message* message) {
   std::string flat;
-  flat.reserve(bytes.size());
-  for (absl::string_view piece : bytes.views())
+  for (absl::string_view piece : pieces)
     flat.append(piece.data(), piece.size());
   if (!message->ParseFromString(flat)) {
     return absl::InvalidArgumentError(
@@ -38,6 +34,15 @@ absl::Status ParseSmall(const grpc::ByteBuffer& buffer, Message* message) {
                      flat.size(), " bytes are not a valid encoding of it"));
   }
   return absl::OkStatus();
+}
+
+template <typename Message>
+absl::Status ParseSmall(const grpc::ByteBuffer& buffer, Message* message) {
+  ReceivedBytes bytes;
+  if (!bytes.Load(buffer)) {
+    return absl::InvalidArgumentError("unreadable request buffer");
+  }
+  return ParseSmall(bytes.views(), message);
 }
 
 template <typename Message>
@@ -106,22 +111,37 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
   }
   return ServeSmall<RegisterModelRequest>(
       shard_, context, request, response,
-      [this](const RegisterModelRequest& r) { return shard_->Register(r); });
+      [this](const RegisterModelRequest& r)
+          -> absl::StatusOr<RegisterModelResponse> {
+        absl::StatusOr<RegisterModelResponse> response = shard_->Register(r);
+        if (response.ok()) response->set_data_port(data_port_.load());
+        return response;
+      });
 }
 
-void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
-                                        absl::Time deadline,
-                                        PullAnswer answer) {
+StatsResponse ParameterServerService::CurrentStats() const {
+  StatsResponse stats = shard_->Stats();
+  stats.set_data_plane_requests(data_plane_requests_.load());
+  return stats;
+}
+
+bool ParameterServerService::TokenAccepted(absl::string_view token) const {
+  return options_.auth_token.empty() || token == options_.auth_token;
+}
+
+void ParameterServerService::PullFromBytes(
+    absl::Span<const absl::string_view> request, absl::Time deadline,
+    PullDone done) {
   PullRequest pull;
   if (absl::Status s = ParseSmall(request, &pull); !s.ok()) {
     shard_->CountRejected();
-    return answer(std::move(s), {});
+    return done(std::move(s));
   }
   shard_->Pull(
       pull, deadline,
-      [answer = std::move(answer)](absl::Status status,
-                                   std::vector<PulledBlock> blocks) {
-        if (!status.ok()) return answer(std::move(status), {});
+      [done = std::move(done)](absl::Status status,
+                               std::vector<PulledBlock> blocks) {
+        if (!status.ok()) return done(std::move(status));
         auto reply = std::make_shared<PullReply>();
         reply->blocks = std::move(blocks);
         std::vector<OutgoingBlock> outgoing;
@@ -133,19 +153,47 @@ void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
                                 b.values->size() * sizeof(float))});
         }
         reply->message = EncodePullResponse(outgoing, kInlineBelowBytes);
-        answer(absl::OkStatus(),
-               PiecesToByteBuffer(reply->message.Pieces(), reply));
+        OutgoingBytes bytes;
+        bytes.pieces = reply->message.Pieces();
+        bytes.keep_alive = std::move(reply);
+        done(std::move(bytes));
       });
 }
 
-absl::Status ParameterServerService::HandlePush(const grpc::ByteBuffer& request,
-                                                grpc::ByteBuffer* response) {
+void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
+                                        absl::Time deadline,
+                                        PullAnswer answer) {
   ReceivedBytes bytes;
   if (!bytes.Load(request)) {
     shard_->CountRejected();
-    return absl::InvalidArgumentError("unreadable request buffer");
+    return answer(absl::InvalidArgumentError("unreadable request buffer"), {});
   }
-  absl::StatusOr<WirePushRequest> push = ParsePushRequest(bytes.views());
+  PullFromBytes(
+      bytes.views(), deadline,
+      [answer = std::move(answer)](absl::StatusOr<OutgoingBytes> response) {
+        if (!response.ok()) return answer(response.status(), {});
+        answer(absl::OkStatus(),
+               PiecesToByteBuffer(response->pieces,
+                                  std::move(response->keep_alive)));
+      });
+}
+
+absl::StatusOr<std::string> ParameterServerService::ServeDataPlanePush(
+    absl::Span<const absl::string_view> request) {
+  data_plane_requests_.fetch_add(1, std::memory_order_relaxed);
+  return PushFromBytes(request);
+}
+
+void ParameterServerService::ServeDataPlanePull(
+    absl::Span<const absl::string_view> request, absl::Time deadline,
+    PullDone done) {
+  data_plane_requests_.fetch_add(1, std::memory_order_relaxed);
+  PullFromBytes(request, deadline, std::move(done));
+}
+
+absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
+    absl::Span<const absl::string_view> request) {
+  absl::StatusOr<WirePushRequest> push = ParsePushRequest(request);
   if (!push.ok()) {
     shard_->CountRejected();
     return absl::InvalidArgumentError(
@@ -158,7 +206,21 @@ absl::Status ParameterServerService::HandlePush(const grpc::ByteBuffer& request,
         "push response dropped by fault injection "
         "(--inject_drop_push_response_probability)");
   }
-  return SerializeSmall(*result, response);
+  return result->SerializeAsString();
+}
+
+absl::Status ParameterServerService::HandlePush(const grpc::ByteBuffer& request,
+                                                grpc::ByteBuffer* response) {
+  ReceivedBytes bytes;
+  if (!bytes.Load(request)) {
+    shard_->CountRejected();
+    return absl::InvalidArgumentError("unreadable request buffer");
+  }
+  absl::StatusOr<std::string> encoded = PushFromBytes(bytes.views());
+  if (!encoded.ok()) return encoded.status();
+  grpc::Slice slice(encoded->data(), encoded->size());
+  *response = grpc::ByteBuffer(&slice, 1);
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Pull(
@@ -378,7 +440,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Stats(
   return ServeSmall<StatsRequest>(
       shard_, context, request, response,
       [this](const StatsRequest&) -> absl::StatusOr<StatsResponse> {
-        return shard_->Stats();
+        return CurrentStats();
       });
 }
 

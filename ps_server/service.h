@@ -13,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpointer.h"
+#include "ps_server/data_plane_server.h"
 #include "ps_server/shard.h"
 
 namespace pstrain {
@@ -49,7 +50,11 @@ struct ServiceOptions {
   std::string auth_token;
 };
 
-class ParameterServerService final : public ParameterServerRawService {
+// Push and Pull are also served on the tensor data plane
+// (DataPlaneHandler): both transports run the same code from the request's
+// bytes on.
+class ParameterServerService final : public ParameterServerRawService,
+                                     public DataPlaneHandler {
  public:
   // `checkpointer` may be null (no --checkpoint_dir).
   explicit ParameterServerService(Shard* shard,
@@ -98,7 +103,29 @@ class ParameterServerService final : public ParameterServerRawService {
   // Push responses dropped on purpose (drop_push_response_probability).
   int64_t push_responses_dropped() const { return dropped_.load(); }
 
+  // The shard's stats with this service's own counters added: what the
+  // Stats RPC answers.
+  StatsResponse CurrentStats() const;
+
+  // The data plane's port, announced in every RegisterModelResponse; 0
+  // (the default) announces none.
+  void set_data_port(int port) { data_port_.store(port); }
+
+  // DataPlaneHandler.
+  absl::StatusOr<std::string> ServeDataPlanePush(
+      absl::Span<const absl::string_view> request) override;
+  void ServeDataPlanePull(absl::Span<const absl::string_view> request,
+                          absl::Time deadline, PullDone done) override;
+  bool TokenAccepted(absl::string_view token) const override;
+  void CountRejected() override { shard_->CountRejected(); }
+
  private:
+  // Push and Pull from the request's bytes on, whichever transport brought
+  // them: the encoded PushResponse / the PullResponse's pieces.
+  absl::StatusOr<std::string> PushFromBytes(
+      absl::Span<const absl::string_view> request);
+  void PullFromBytes(absl::Span<const absl::string_view> request,
+                     absl::Time deadline, PullDone done);
   class CallStream;
   using PullAnswer = std::function<void(absl::Status, grpc::ByteBuffer)>;
 
@@ -120,6 +147,8 @@ class ParameterServerService final : public ParameterServerRawService {
   const ServiceOptions options_;
   Checkpointer* checkpointer_;
   std::atomic<int64_t> dropped_{0};
+  std::atomic<int> data_port_{0};
+  std::atomic<int64_t> data_plane_requests_{0};
   absl::Mutex streams_mu_;
   absl::flat_hash_set<CallStream*> streams_ ABSL_GUARDED_BY(streams_mu_);
   absl::Mutex random_mu_;

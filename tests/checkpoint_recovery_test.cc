@@ -185,11 +185,12 @@ TEST(CheckpointRecoveryTest, KilledServerRestartsFromItsCheckpoint) {
   EXPECT_EQ((*stats)[0].version(), kSteps);
   EXPECT_EQ((*stats)[1].version(), kSteps);
   // It came back from the checkpoint it was killed after, not an older one,
-  // and lost only the steps taken since (a few; the bound allows for a
-  // loaded machine).
+  // and lost only the steps taken since: up to an interval until the next
+  // checkpoint, plus the steps the job takes between this test seeing the
+  // checkpoint and the kill landing (several at the data plane's speed).
   EXPECT_GE(RestoredStep(cluster->server(1).Stderr()), 40);
   const int64_t lost = (*stats)[1].steps_lost();
-  EXPECT_LE(lost, kInterval);
+  EXPECT_LE(lost, 2 * kInterval);
   EXPECT_EQ((*stats)[0].steps_lost(), 0);
   std::cout << "[ recovery ] shard 1 killed at step >= 40 and restored; "
             << lost << " step(s) lost (interval " << kInterval << ")\n";
@@ -239,7 +240,7 @@ TEST(CheckpointRecoveryTest, CtrJobSurvivesAServerRestart) {
   EXPECT_EQ((*stats)[1].version(), 400);
   // As in KilledServerRestartsFromItsCheckpoint.
   EXPECT_GE(RestoredStep(cluster->server(1).Stderr()), 30);
-  EXPECT_LE((*stats)[1].steps_lost(), 10);
+  EXPECT_LE((*stats)[1].steps_lost(), 2 * 10);
   // The trained embedding rows came back, not fresh ones.
   EXPECT_THAT(
       cluster->server(1).Stderr(),

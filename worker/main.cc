@@ -205,6 +205,11 @@ ABSL_FLAG(bool, call_streams, true,
           "as a message on a long-lived stream of its connection instead of "
           "a unary call: a third less latency for small models. false: "
           "always unary.");
+ABSL_FLAG(bool, data_plane, true,
+          "Push and pull dense tensors over the servers' data plane (plain "
+          "TCP beside gRPC; not with TLS) where they announce one: about "
+          "1.5-2x the throughput of gRPC for large tensors. false: gRPC "
+          "only.");
 ABSL_FLAG(double, heartbeat_interval_s, 2,
           "How often to renew this worker's lease on the servers (keep it "
           "well under their --worker_lease_s).");
@@ -741,6 +746,7 @@ int Main(int argc, char** argv) {
   client_options.connections_per_shard =
       absl::GetFlag(FLAGS_connections_per_shard);
   client_options.call_streams = absl::GetFlag(FLAGS_call_streams);
+  client_options.data_plane = absl::GetFlag(FLAGS_data_plane);
   const double topk_fraction = absl::GetFlag(FLAGS_gradient_topk_fraction);
   if (!(topk_fraction > 0 && topk_fraction <= 1)) {
     checks.push_back(absl::InvalidArgumentError(absl::StrCat(

@@ -15,6 +15,7 @@
 #include "common/grpc_bytes.h"
 #include "common/grpc_status.h"
 #include "common/protocol.h"
+#include "common/socket.h"
 #include "common/tensor_codec.h"
 #include "glog/logging.h"
 #include "grpcpp/impl/codegen/client_unary_call.h"
@@ -26,13 +27,22 @@ namespace {
 constexpr char kServicePath[] = "/pstrain.ParameterServer/";
 
 template <typename Message>
-absl::Status Deserialize(grpc::ByteBuffer& buffer, Message* message) {
-  grpc::Status status =
-      grpc::SerializationTraits<Message>::Deserialize(&buffer, message);
-  if (status.ok()) return absl::OkStatus();
-  return absl::DataLossError(absl::StrCat("unreadable ",
-                                          Message::descriptor()->name(), ": ",
-                                          status.error_message()));
+absl::Status Deserialize(absl::Span<const absl::string_view> bytes,
+                         Message* message) {
+  bool parsed;
+  if (bytes.size() == 1) {
+    parsed = message->ParseFromArray(bytes[0].data(),
+                                     static_cast<int>(bytes[0].size()));
+  } else {
+    std::string flat;
+    for (absl::string_view piece : bytes) {
+      flat.append(piece.data(), piece.size());
+    }
+    parsed = message->ParseFromString(flat);
+  }
+  if (parsed) return absl::OkStatus();
+  return absl::DataLossError(
+      absl::StrCat("unreadable ", Message::descriptor()->name()));
 }
 
 }  // namespace
@@ -46,8 +56,9 @@ struct PsClient::Call {
   std::string flat;     // the request, when small (control messages, pulls)
   WireMessage message;  // a push's request, referencing gradient memory
   bool wait_for_ready = false;
-  // Runs on a gRPC thread when the RPC succeeded; may turn it into an error.
-  std::function<absl::Status(Call&)> on_response;
+  // Runs with the answer's bytes when the call succeeded (on a gRPC thread,
+  // or on the caller's for the data plane); may turn it into an error.
+  std::function<absl::Status(absl::Span<const absl::string_view>)> on_response;
 
   std::unique_ptr<grpc::ClientContext> context;
   grpc::ByteBuffer request, response;
@@ -91,6 +102,13 @@ struct PsClient::CallStream {
     absl::MutexLock lock(&mu);
     CloseLocked(/*cancel=*/true);
   }
+};
+
+// One data-plane connection; its user holds `mu` for a whole exchange.
+struct PsClient::DataSlot {
+  absl::Mutex mu;
+  std::unique_ptr<DataLink> link ABSL_GUARDED_BY(mu);
+  int port ABSL_GUARDED_BY(mu) = 0;  // the port `link` is connected to
 };
 
 absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Create(
@@ -144,8 +162,12 @@ PsClient::PsClient(const PsClientOptions& options)
       stubs_.push_back(std::make_unique<grpc::GenericStub>(channels_.back()));
       push_streams_.push_back(std::make_unique<CallStream>());
       pull_streams_.push_back(std::make_unique<CallStream>());
+      data_slots_.push_back(std::make_unique<DataSlot>());
     }
   }
+  absl::MutexLock lock(&data_ports_mu_);
+  data_ports_.assign(options.hosts.size(), 0);
+  data_failed_ports_.assign(options.hosts.size(), 0);
 }
 
 PsClient::~PsClient() { StopHeartbeats(); }
@@ -221,7 +243,11 @@ void PsClient::FinishCall(const grpc::Status& status,
                           const std::string& short_name, Call& call) {
   call.status = FromGrpcStatus(status, short_name);
   if (call.status.ok() && call.on_response) {
-    absl::Status handled = call.on_response(call);
+    ReceivedBytes bytes;
+    absl::Status handled =
+        bytes.Load(call.response)
+            ? call.on_response(bytes.views())
+            : absl::DataLossError("unreadable response buffer");
     if (!handled.ok()) {
       call.status = absl::Status(
           handled.code(), absl::StrCat(short_name, ": ", handled.message()));
@@ -229,13 +255,132 @@ void PsClient::FinishCall(const grpc::Status& status,
   }
 }
 
+DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
+  int port;
+  {
+    absl::MutexLock lock(&data_ports_mu_);
+    port = data_ports_[shard];
+    if (port == 0 || port == data_failed_ports_[shard]) return nullptr;
+  }
+  if (slot.link != nullptr && slot.port == port && slot.link->usable()) {
+    return slot.link.get();
+  }
+  slot.link.reset();
+  std::string host;
+  int grpc_port;
+  absl::Status split = SplitHostPort(options_.hosts[shard], &host, &grpc_port);
+  absl::StatusOr<std::unique_ptr<DataLink>> link =
+      split.ok()
+          ? DataLink::Open(host, port, options_.auth_token,
+                           options_.max_message_bytes,
+                           std::min(deadline, absl::Now() + absl::Seconds(5)))
+          : split;
+  if (!link.ok()) {
+    LOG(WARNING) << "data plane of shard " << shard << " (port " << port
+                 << " of " << options_.hosts[shard]
+                 << ") cannot be reached: " << link.status()
+                 << "; its pushes and pulls go over gRPC until it announces "
+                    "another port";
+    absl::MutexLock lock(&data_ports_mu_);
+    data_failed_ports_[shard] = port;
+    refresh_data_ports_ = true;
+    return nullptr;
+  }
+  slot.link = std::move(*link);
+  slot.port = port;
+  return slot.link.get();
+}
+
+void PsClient::MaybeRefreshDataPorts() {
+  {
+    absl::MutexLock lock(&data_ports_mu_);
+    if (!refresh_data_ports_) return;
+    refresh_data_ports_ = false;
+  }
+  // A server restarted from its checkpoint keeps its model, so nothing else
+  // would make this worker register again and hear its new port.
+  if (absl::Status s = RegisterOnShards(); !s.ok()) {
+    LOG(WARNING) << "registering again to learn data ports failed: " << s;
+  }
+}
+
+std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
+                                             std::vector<Call>& calls,
+                                             const std::vector<size_t>& which,
+                                             absl::Duration timeout) {
+  if (!options_.data_plane || options_.credentials != nullptr) return which;
+  data_plane::Method method;
+  if (short_name == "Push") {
+    method = data_plane::Method::kPush;
+  } else if (short_name == "Pull") {
+    method = data_plane::Method::kPull;
+  } else {
+    return which;
+  }
+  MaybeRefreshDataPorts();
+  const absl::Time deadline = absl::Now() + timeout;
+  std::vector<size_t> over_grpc;
+  std::vector<DataSlot*> held;
+  std::vector<DataExchange> exchanges;
+  std::vector<size_t> call_of_exchange;
+  exchanges.reserve(which.size());
+  for (size_t i : which) {
+    Call& call = calls[i];
+    DataSlot& slot = *data_slots_[call.shard * options_.connections_per_shard +
+                                  call.connection];
+    if (std::find(held.begin(), held.end(), &slot) == held.end()) {
+      // Busy on another thread (a push thread beside a pull): gRPC.
+      if (!slot.mu.TryLock()) {
+        over_grpc.push_back(i);
+        continue;
+      }
+      held.push_back(&slot);
+    }
+    DataLink* link = LinkFor(call.shard, slot, deadline);
+    if (link == nullptr) {
+      over_grpc.push_back(i);
+      continue;
+    }
+    DataExchange& exchange = exchanges.emplace_back();
+    exchange.link = link;
+    exchange.method = method;
+    if (call.message.num_pieces() > 0) {
+      exchange.body = call.message.Pieces();
+    } else {
+      exchange.body = {call.flat};
+    }
+    exchange.on_response = [&call](absl::string_view body) {
+      return call.on_response ? call.on_response(absl::MakeConstSpan(&body, 1))
+                              : absl::OkStatus();
+    };
+    call_of_exchange.push_back(i);
+  }
+  RunExchanges(absl::MakeSpan(exchanges), deadline);
+  for (size_t k = 0; k < exchanges.size(); ++k) {
+    const absl::Status& status = exchanges[k].status;
+    calls[call_of_exchange[k]].status =
+        status.ok()
+            ? status
+            : absl::Status(status.code(),
+                           absl::StrCat(short_name, ": ", status.message()));
+  }
+  for (DataSlot* slot : held) {
+    if (slot->link != nullptr && !slot->link->usable()) slot->link.reset();
+    slot->mu.Unlock();
+  }
+  return over_grpc;
+}
+
 void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
-                            const std::vector<size_t>& which,
+                            const std::vector<size_t>& all,
                             absl::Duration timeout) {
+  if (all.empty()) return;
+  const std::string short_name = method.substr(method.rfind('/') + 1);
+  const std::vector<size_t> which =
+      RunOnDataPlane(short_name, calls, all, timeout);
   if (which.empty()) return;
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout);
-  const std::string short_name = method.substr(method.rfind('/') + 1);
   if (which.size() == 1) {
     Call& call = calls[which.front()];
     if (options_.call_streams &&
@@ -339,13 +484,18 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
     calls[s].shard = s;
     calls[s].flat = bytes;
     calls[s].wait_for_ready = true;  // servers may still be starting
-    calls[s].on_response = [&responses, s](Call& call) {
-      return Deserialize(call.response, &responses[s]);
+    calls[s].on_response = [&responses,
+                            s](absl::Span<const absl::string_view> bytes) {
+      return Deserialize(bytes, &responses[s]);
     };
   }
   if (absl::Status s = RunAll("RegisterModel", calls, options_.connect_timeout);
       !s.ok()) {
     return s;
+  }
+  absl::MutexLock lock(&data_ports_mu_);
+  for (int s = 0; s < num_shards(); ++s) {
+    data_ports_[s] = responses[s].data_port();
   }
   return responses;
 }
@@ -519,15 +669,11 @@ absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
     call.flat = groups_[i].pull_request + per_call;
     // Decoded on gRPC's thread as each response lands, while other RPCs are
     // still in flight; groups write disjoint memory.
-    call.on_response = [this, &tensors](Call& c) {
-      ReceivedBytes bytes;
-      if (!bytes.Load(c.response)) {
-        return absl::DataLossError("unreadable pull response");
-      }
-      absl::StatusOr<WirePullResponse> response =
-          ParsePullResponse(bytes.views());
+    call.on_response = [this, &tensors, group = call.group](
+                           absl::Span<const absl::string_view> bytes) {
+      absl::StatusOr<WirePullResponse> response = ParsePullResponse(bytes);
       if (!response.ok()) return response.status();
-      return StoreBlocks(*c.group, *response, tensors);
+      return StoreBlocks(*group, *response, tensors);
     };
   }
   if (absl::Status s =
@@ -602,8 +748,9 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
     call.connection = group.connection;
     call.message = EncodePushRequest(kProtocolVersion, worker_id_, step, blocks,
                                      kInlineBelowBytes);
-    call.on_response = [&responses, i](Call& c) {
-      return Deserialize(c.response, &responses[i]);
+    call.on_response = [&responses,
+                        i](absl::Span<const absl::string_view> bytes) {
+      return Deserialize(bytes, &responses[i]);
     };
   }
   if (absl::Status s =
@@ -673,9 +820,10 @@ absl::Status PsClient::PullSparse(int table, int64_t step,
     calls[c].shard = s;
     calls[c].connection = c % options_.connections_per_shard;
     calls[c].flat = requests[s].SerializeAsString();
-    calls[c].on_response = [&positions, s, dim, out](Call& call) {
+    calls[c].on_response = [&positions, s, dim,
+                            out](absl::Span<const absl::string_view> bytes) {
       SparsePullResponse response;
-      if (absl::Status st = Deserialize(call.response, &response); !st.ok()) {
+      if (absl::Status st = Deserialize(bytes, &response); !st.ok()) {
         return st;
       }
       const std::vector<size_t>& where = positions[s];
@@ -734,8 +882,9 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
     calls[c].shard = s;
     calls[c].connection = c % options_.connections_per_shard;
     calls[c].flat = requests[s].SerializeAsString();
-    calls[c].on_response = [&responses, c](Call& call) {
-      return Deserialize(call.response, &responses[c]);
+    calls[c].on_response = [&responses,
+                            c](absl::Span<const absl::string_view> bytes) {
+      return Deserialize(bytes, &responses[c]);
     };
   }
   if (absl::Status st =
@@ -756,8 +905,9 @@ absl::StatusOr<std::vector<StatsResponse>> PsClient::Stats() {
   std::vector<StatsResponse> responses(num_shards());
   for (int s = 0; s < num_shards(); ++s) {
     calls[s].shard = s;
-    calls[s].on_response = [&responses, s](Call& call) {
-      return Deserialize(call.response, &responses[s]);
+    calls[s].on_response = [&responses,
+                            s](absl::Span<const absl::string_view> bytes) {
+      return Deserialize(bytes, &responses[s]);
     };
   }
   if (absl::Status s = RunAll("Stats", calls, options_.rpc_timeout); !s.ok()) {

@@ -21,6 +21,7 @@
 
 #include "absl/random/random.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -28,6 +29,7 @@
 #include "common/partition.h"
 #include "common/wire.h"
 #include "proto/ps.grpc.pb.h"
+#include "worker/data_link.h"
 
 namespace pstrain {
 
@@ -62,6 +64,12 @@ struct PsClientOptions {
   // before the error is returned. Retries are safe: a repeated push is
   // acknowledged as a duplicate, never applied twice.
   absl::Duration retry_window = absl::Seconds(120);
+  // Push and Pull travel on the servers' tensor data plane (plain TCP,
+  // common/data_plane.h) where they announce one, and over gRPC otherwise
+  // (and always with `credentials`: the data plane has no TLS). A data port
+  // that cannot be reached is used no more until the server announces
+  // another one; gRPC carries its calls meanwhile.
+  bool data_plane = true;
   // Channel security (TLS / mutual TLS); null means plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   // Sent as "authorization: Bearer <token>" on every call when not empty.
@@ -145,9 +153,23 @@ class PsClient {
   };
   struct Call;
   struct CallStream;
+  struct DataSlot;
 
   explicit PsClient(const PsClientOptions& options);
 
+  // Runs the calls in `which` that can go on the data plane (Push and Pull
+  // to a shard with a reachable data port and a free connection) and
+  // returns the others, for gRPC.
+  std::vector<size_t> RunOnDataPlane(const std::string& short_name,
+                                     std::vector<Call>& calls,
+                                     const std::vector<size_t>& which,
+                                     absl::Duration timeout);
+  // The slot's link to `shard`, opened if need be; null when the shard has
+  // no usable data port. The caller holds slot.mu.
+  DataLink* LinkFor(int shard, DataSlot& slot, absl::Time deadline);
+  // After a data port failed: registers again (once) to learn whether the
+  // server announces another one.
+  void MaybeRefreshDataPorts();
   // Starts `calls` of `method` ("Pull") at once and waits for all of them;
   // with `retry`, calls that failed for a transient reason are started
   // again with backoff until the retry window closes. Returns the first
@@ -188,6 +210,14 @@ class PsClient {
   // [shard][conn], opened on first use: the PushStream and PullStream.
   std::vector<std::unique_ptr<CallStream>> push_streams_, pull_streams_;
   std::vector<std::unique_ptr<ParameterServer::Stub>> control_;  // per shard
+  // [shard][conn]: the data-plane connections, opened on first use.
+  std::vector<std::unique_ptr<DataSlot>> data_slots_;
+  absl::Mutex data_ports_mu_;
+  // Per shard: the data port its registration announced (0: none), the one
+  // that could not be reached (0: none), and whether to ask again.
+  std::vector<int> data_ports_ ABSL_GUARDED_BY(data_ports_mu_);
+  std::vector<int> data_failed_ports_ ABSL_GUARDED_BY(data_ports_mu_);
+  bool refresh_data_ports_ ABSL_GUARDED_BY(data_ports_mu_) = false;
   std::unique_ptr<Partition> partition_;
   ModelSchema schema_;
   std::vector<Group> groups_;

@@ -68,6 +68,7 @@
 #include "bench/transport/grpc_floor.h"
 #include "common/cli.h"
 #include "common/grpc_tuning.h"
+#include "common/socket.h"
 #include "common/tensor_codec.h"
 #include "glog/logging.h"
 #include "proto/ps.pb.h"
@@ -96,6 +97,9 @@ ABSL_FLAG(int, servers, 1, "ps_server shards to start.");
 ABSL_FLAG(bool, call_streams, true,
           "PsClient option: single-RPC pushes and pulls on a long-lived "
           "stream (the worker's --call_streams); false measures unary calls.");
+ABSL_FLAG(bool, data_plane, true,
+          "PsClient option: pushes and pulls on the servers' data plane (the "
+          "worker's --data_plane); false measures them over gRPC.");
 ABSL_FLAG(int, connections_per_shard, 4,
           "PsClient option: TCP connections from each client to each shard "
           "(the worker's --connections_per_shard).");
@@ -182,98 +186,6 @@ absl::StatusOr<std::pair<std::unique_ptr<ChildProcess>, int>> StartPeer(
 
 // ---------------------------------------------------------------------------
 // Sockets.
-
-class ScopedFd {
- public:
-  explicit ScopedFd(int fd = -1) : fd_(fd) {}
-  ScopedFd(ScopedFd&& other) : fd_(other.fd_) { other.fd_ = -1; }
-  ScopedFd& operator=(ScopedFd&& other) {
-    if (this != &other) {
-      Reset();
-      fd_ = other.fd_;
-      other.fd_ = -1;
-    }
-    return *this;
-  }
-  ~ScopedFd() { Reset(); }
-  int get() const { return fd_; }
-  void Reset() {
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_;
-};
-
-absl::Status SocketError(absl::string_view what, int error) {
-  const std::string message = absl::StrCat(what, ": ", std::strerror(error));
-  // SO_RCVTIMEO/SO_SNDTIMEO expiring shows up as EAGAIN.
-  if (error == EAGAIN || error == EWOULDBLOCK) {
-    return absl::DeadlineExceededError(message);
-  }
-  return absl::UnavailableError(message);
-}
-
-absl::Status SendAll(int fd, const char* data, size_t size) {
-  while (size > 0) {
-    // MSG_NOSIGNAL: a vanished peer is an error to report, not a SIGPIPE.
-    const ssize_t sent = send(fd, data, size, MSG_NOSIGNAL);
-    if (sent < 0) {
-      if (errno == EINTR) continue;
-      return SocketError("send", errno);
-    }
-    data += sent;
-    size -= static_cast<size_t>(sent);
-  }
-  return absl::OkStatus();
-}
-
-// OutOfRange when the peer closed cleanly before the first byte.
-absl::Status RecvAll(int fd, char* data, size_t size) {
-  size_t received = 0;
-  while (received < size) {
-    const ssize_t got = recv(fd, data + received, size - received, 0);
-    if (got == 0) {
-      if (received == 0) return absl::OutOfRangeError("connection closed");
-      return absl::DataLossError(absl::StrCat(
-          "connection closed after ", received, " of ", size, " bytes"));
-    }
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return SocketError("recv", errno);
-    }
-    received += static_cast<size_t>(got);
-  }
-  return absl::OkStatus();
-}
-
-// TCP_NODELAY so small messages are not held back by Nagle; fixed buffers
-// (set before connect/listen, so the window scale covers them) when asked;
-// timeouts so no read or write blocks past the deadline.
-absl::Status TuneSocket(int fd, int buffer_bytes, absl::Duration timeout) {
-  const int one = 1;
-  if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) != 0) {
-    return SocketError("TCP_NODELAY", errno);
-  }
-  if (buffer_bytes > 0) {
-    for (int option : {SO_SNDBUF, SO_RCVBUF}) {
-      if (setsockopt(fd, SOL_SOCKET, option, &buffer_bytes,
-                     sizeof(buffer_bytes)) != 0) {
-        return SocketError("SO_SNDBUF/SO_RCVBUF", errno);
-      }
-    }
-  }
-  if (timeout > absl::ZeroDuration()) {
-    const timeval tv = absl::ToTimeval(timeout);
-    for (int option : {SO_SNDTIMEO, SO_RCVTIMEO}) {
-      if (setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv)) != 0) {
-        return SocketError("SO_SNDTIMEO/SO_RCVTIMEO", errno);
-      }
-    }
-  }
-  return absl::OkStatus();
-}
 
 sockaddr_in Loopback(int port) {
   sockaddr_in address = {};
@@ -621,6 +533,7 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   options.hosts = hosts;
   options.grpc_tuning = *tuning;
   options.call_streams = absl::GetFlag(FLAGS_call_streams);
+  options.data_plane = absl::GetFlag(FLAGS_data_plane);
   options.connections_per_shard = absl::GetFlag(FLAGS_connections_per_shard);
   const absl::StatusOr<DataType> wire_type =
       ParseWireType(absl::GetFlag(FLAGS_gradient_wire_type));

@@ -1,0 +1,67 @@
+#include "common/data_plane.h"
+
+#include "gtest/gtest.h"
+
+namespace pstrain {
+namespace data_plane {
+namespace {
+
+TEST(DataPlaneHeaderTest, RequestRoundTrips) {
+  char raw[kRequestHeaderBytes];
+  EncodeRequestHeader({Method::kPull, 120000, (uint64_t{5} << 32) + 7}, raw);
+  absl::StatusOr<RequestHeader> header =
+      DecodeRequestHeader(raw, uint64_t{1} << 40);
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(header->method, Method::kPull);
+  EXPECT_EQ(header->timeout_ms, 120000u);
+  EXPECT_EQ(header->body_bytes, (uint64_t{5} << 32) + 7);
+}
+
+TEST(DataPlaneHeaderTest, ResponseRoundTrips) {
+  char raw[kResponseHeaderBytes];
+  EncodeResponseHeader({absl::StatusCode::kUnavailable, 12}, raw);
+  absl::StatusOr<ResponseHeader> header = DecodeResponseHeader(raw, 100);
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(header->code, absl::StatusCode::kUnavailable);
+  EXPECT_EQ(header->body_bytes, 12u);
+}
+
+TEST(DataPlaneHeaderTest, ABodyOverTheLimitIsRefusedBeforeItIsRead) {
+  char raw[kRequestHeaderBytes];
+  EncodeRequestHeader({Method::kPush, 0, 1001}, raw);
+  absl::StatusOr<RequestHeader> header = DecodeRequestHeader(raw, 1000);
+  EXPECT_EQ(header.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(header.status().message().find("over the limit of 1000"),
+            std::string::npos)
+      << header.status();
+}
+
+TEST(DataPlaneHeaderTest, ForeignBytesAreRefusedByName) {
+  // The first bytes of an HTTP/2 client preface.
+  char raw[kRequestHeaderBytes] = "PRI * HTTP/2.0\r\n\r\nSM\r";
+  absl::StatusOr<RequestHeader> header = DecodeRequestHeader(raw, 1000);
+  EXPECT_EQ(header.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(header.status().message().find("bad magic"), std::string::npos);
+}
+
+TEST(DataPlaneHeaderTest, UnknownMethodsAndReservedBytesAreRefused) {
+  char raw[kRequestHeaderBytes];
+  EncodeRequestHeader({Method::kPush, 0, 1}, raw);
+  raw[4] = 9;
+  EXPECT_FALSE(DecodeRequestHeader(raw, 1000).ok());
+  EncodeRequestHeader({Method::kPush, 0, 1}, raw);
+  raw[13] = 1;
+  EXPECT_FALSE(DecodeRequestHeader(raw, 1000).ok());
+}
+
+TEST(DataPlaneHeaderTest, AResponseWithAnUnknownCodeIsDataLoss) {
+  char raw[kResponseHeaderBytes];
+  EncodeResponseHeader({absl::StatusCode::kOk, 0}, raw);
+  raw[4] = 17;
+  EXPECT_EQ(DecodeResponseHeader(raw, 10).status().code(),
+            absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace data_plane
+}  // namespace pstrain

@@ -1,0 +1,334 @@
+#include "ps_server/data_plane_server.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "common/data_plane.h"
+#include "glog/logging.h"
+
+namespace pstrain {
+namespace {
+
+using data_plane::Method;
+
+// A connection's received bytes: reads take whatever has arrived, so a
+// request's header and body usually come in one system call. It keeps its
+// memory from one request to the next, and grows only as bytes arrive, so
+// a header claiming a huge body costs nothing until the body is sent.
+class ReceiveBuffer {
+ public:
+  absl::string_view available() const {
+    return absl::string_view(data_.get() + begin_, end_ - begin_);
+  }
+  void Consume(size_t bytes) {
+    begin_ += bytes;
+    if (begin_ == end_) begin_ = end_ = 0;
+  }
+  // Reads once, with room for at least `frame_bytes` from the front but
+  // at most 4 MiB beyond what has arrived. The socket's SO_RCVTIMEO bounds
+  // the wait (DEADLINE_EXCEEDED); OUT_OF_RANGE when the peer closed.
+  absl::Status ReadMore(int fd, size_t frame_bytes) {
+    constexpr size_t kGrowAhead = 4 << 20;
+    constexpr size_t kMinimum = 256 << 10;
+    MakeRoom(
+        std::max(kMinimum, std::min(frame_bytes, end_ - begin_ + kGrowAhead)));
+    while (true) {
+      const ssize_t got = recv(fd, data_.get() + end_, capacity_ - end_, 0);
+      if (got > 0) {
+        end_ += static_cast<size_t>(got);
+        return absl::OkStatus();
+      }
+      if (got == 0) return absl::OutOfRangeError("connection closed");
+      if (errno != EINTR) return SocketError("recv", errno);
+    }
+  }
+
+ private:
+  void MakeRoom(size_t bytes) {
+    if (capacity_ - begin_ >= bytes) return;
+    const size_t kept = end_ - begin_;
+    if (capacity_ >= bytes) {
+      std::memmove(data_.get(), data_.get() + begin_, kept);
+    } else {
+      const size_t capacity = std::max(bytes, capacity_ + capacity_ / 2);
+      std::unique_ptr<char[]> bigger(new char[capacity]);
+      if (kept > 0) std::memcpy(bigger.get(), data_.get() + begin_, kept);
+      data_ = std::move(bigger);
+      capacity_ = capacity;
+    }
+    begin_ = 0;
+    end_ = kept;
+  }
+
+  std::unique_ptr<char[]> data_;
+  size_t capacity_ = 0;
+  size_t begin_ = 0;
+  size_t end_ = 0;
+};
+
+absl::Status Answer(int fd, absl::StatusCode code,
+                    absl::Span<const absl::string_view> body) {
+  size_t body_bytes = 0;
+  for (absl::string_view piece : body) body_bytes += piece.size();
+  char header[data_plane::kResponseHeaderBytes];
+  data_plane::EncodeResponseHeader({code, body_bytes}, header);
+  std::vector<absl::string_view> pieces;
+  pieces.reserve(body.size() + 1);
+  pieces.emplace_back(header, sizeof(header));
+  pieces.insert(pieces.end(), body.begin(), body.end());
+  return SendAll(fd, pieces);
+}
+
+absl::Status AnswerStatus(int fd, const absl::Status& status) {
+  const absl::string_view message = status.message();
+  return Answer(fd, status.code(), absl::MakeConstSpan(&message, 1));
+}
+
+// The shared state of one pull: the shard may answer after the connection
+// thread gave up waiting, so the answer lands here, not on its stack.
+struct PullWait {
+  absl::Notification done;
+  absl::StatusOr<OutgoingBytes> result;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(
+    const DataPlaneServerOptions& options, DataPlaneHandler* handler) {
+  int port = 0;
+  absl::StatusOr<ScopedFd> listener = ListenTcp(
+      options.host, options.port, data_plane::kSocketBufferBytes, &port);
+  if (!listener.ok()) return listener.status();
+  std::unique_ptr<DataPlaneServer> server(
+      new DataPlaneServer(options, handler, std::move(*listener), port));
+  if (!server->wake_.valid()) return SocketError("eventfd", errno);
+  server->accept_thread_ = std::thread([s = server.get()] { s->AcceptLoop(); });
+  return server;
+}
+
+DataPlaneServer::DataPlaneServer(const DataPlaneServerOptions& options,
+                                 DataPlaneHandler* handler, ScopedFd listener,
+                                 int port)
+    : options_(options),
+      handler_(handler),
+      listener_(std::move(listener)),
+      wake_(eventfd(0, EFD_CLOEXEC)),
+      port_(port) {}
+
+DataPlaneServer::~DataPlaneServer() { Shutdown(); }
+
+void DataPlaneServer::AcceptLoop() {
+  while (!stopping_.load()) {
+    pollfd waits[2] = {{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+    // No timeout: Shutdown's eventfd write ends the wait.
+    if (poll(waits, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      LOG(ERROR) << SocketError("data plane poll", errno);
+      return;
+    }
+    if (waits[1].revents != 0 || stopping_.load()) return;
+    ScopedFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd.valid()) {
+      if (errno != EINTR && errno != ECONNABORTED && errno != EAGAIN) {
+        LOG(WARNING) << SocketError("data plane accept", errno);
+      }
+      continue;
+    }
+    ReapFinished();
+    absl::Status tuned =
+        TuneSocket(fd.get(), /*buffer_bytes=*/0, absl::ZeroDuration());
+    const timeval frame_timeout = {data_plane::kFrameTimeoutSeconds, 0};
+    setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &frame_timeout,
+               sizeof(frame_timeout));
+    setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &frame_timeout,
+               sizeof(frame_timeout));
+    absl::MutexLock lock(&mu_);
+    if (!tuned.ok() ||
+        static_cast<int>(live_.size()) >= options_.max_connections) {
+      LOG_EVERY_N(WARNING, 100)
+          << "data plane: refusing a connection ("
+          << (tuned.ok() ? absl::StrCat(live_.size(), " open, the limit")
+                         : tuned.ToString())
+          << ")";
+      continue;
+    }
+    accepted_.fetch_add(1);
+    const int64_t id = next_id_++;
+    Connection& connection = live_[id];
+    connection.fd = fd.get();
+    // Started under mu_, so the thread's own exit (which takes mu_) finds
+    // its std::thread already in place.
+    connection.thread = std::thread(
+        [this, id, owned = std::make_shared<ScopedFd>(std::move(fd))] {
+          Serve(id, std::move(*owned));
+        });
+  }
+}
+
+void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
+  ReceiveBuffer received;
+  bool greeted = false;
+  absl::Status ended;
+  while (true) {
+    // The wait for the next request has no deadline of its own: an idle
+    // connection is normal. SO_RCVTIMEO wakes it now and then to notice
+    // Shutdown; the client closing or Shutdown's shutdown() end it.
+    while (received.available().empty() && !stopping_.load()) {
+      ended = received.ReadMore(fd.get(), data_plane::kRequestHeaderBytes);
+      if (!absl::IsDeadlineExceeded(ended)) break;
+      ended = absl::OkStatus();
+    }
+    if (!ended.ok() || stopping_.load()) break;
+    // Once a request has begun, every read of it must make progress within
+    // SO_RCVTIMEO.
+    while (received.available().size() < data_plane::kRequestHeaderBytes &&
+           ended.ok()) {
+      ended = received.ReadMore(fd.get(), data_plane::kRequestHeaderBytes);
+    }
+    if (!ended.ok()) break;
+    absl::StatusOr<data_plane::RequestHeader> header =
+        data_plane::DecodeRequestHeader(received.available().data(),
+                                        options_.max_body_bytes);
+    if (!header.ok()) {
+      // The stream can no longer be followed: answer and close.
+      handler_->CountRejected();
+      AnswerStatus(fd.get(), header.status()).IgnoreError();
+      ended = header.status();
+      break;
+    }
+    const absl::Time arrived = absl::Now();
+    const size_t frame_bytes =
+        data_plane::kRequestHeaderBytes + header->body_bytes;
+    while (received.available().size() < frame_bytes && ended.ok()) {
+      ended = received.ReadMore(fd.get(), frame_bytes);
+    }
+    if (!ended.ok()) break;
+    const absl::string_view request = received.available().substr(
+        data_plane::kRequestHeaderBytes, header->body_bytes);
+    // Taken once answered: `request` views the buffer until then.
+    absl::Cleanup consume = [&received, frame_bytes] {
+      received.Consume(frame_bytes);
+    };
+    if (header->method == Method::kHello) {
+      if (!handler_->TokenAccepted(request)) {
+        handler_->CountRejected();
+        AnswerStatus(fd.get(), absl::UnauthenticatedError(
+                                   "missing or wrong bearer token (see "
+                                   "--auth_token_file)"))
+            .IgnoreError();
+        ended = absl::UnauthenticatedError("bad token");
+        break;
+      }
+      greeted = true;
+      if (absl::Status s = Answer(fd.get(), absl::StatusCode::kOk, {});
+          !s.ok()) {
+        ended = s;
+        break;
+      }
+      continue;
+    }
+    if (!greeted) {
+      handler_->CountRejected();
+      AnswerStatus(fd.get(), absl::FailedPreconditionError(
+                                 "a data-plane connection must start with "
+                                 "Hello"))
+          .IgnoreError();
+      ended = absl::FailedPreconditionError("no Hello");
+      break;
+    }
+    absl::Status status;
+    std::vector<absl::string_view> answer;
+    // Keeps the answer's memory alive until it is sent.
+    absl::StatusOr<std::string> pushed;
+    std::shared_ptr<PullWait> pulled;
+    if (header->method == Method::kPush) {
+      pushed = handler_->ServeDataPlanePush(absl::MakeConstSpan(&request, 1));
+      status = pushed.status();
+      if (pushed.ok()) answer.push_back(*pushed);
+    } else {
+      const absl::Time deadline =
+          arrived + absl::Milliseconds(header->timeout_ms);
+      pulled = std::make_shared<PullWait>();
+      handler_->ServeDataPlanePull(
+          absl::MakeConstSpan(&request, 1), deadline,
+          [wait = pulled](absl::StatusOr<OutgoingBytes> result) {
+            wait->result = std::move(result);
+            wait->done.Notify();
+          });
+      // The shard answers by the deadline; the margin only guards against
+      // a handler that breaks that promise.
+      if (!pulled->done.WaitForNotificationWithDeadline(deadline +
+                                                        absl::Seconds(5))) {
+        ended = absl::InternalError("pull not answered by its deadline");
+        LOG(ERROR) << "data plane: " << ended;
+        break;
+      }
+      status = pulled->result.status();
+      if (status.ok()) answer = pulled->result->pieces;
+    }
+    const absl::string_view message = status.message();
+    if (!status.ok()) answer = {message};
+    uint64_t answer_bytes = 0;
+    for (absl::string_view piece : answer) answer_bytes += piece.size();
+    if (absl::Status s = Answer(fd.get(), status.code(), answer); !s.ok()) {
+      ended = s;
+      break;
+    }
+    if (options_.on_call) {
+      options_.on_call(header->method, status.code(), absl::Now() - arrived,
+                       header->body_bytes, answer_bytes);
+    }
+  }
+  if (!ended.ok() && !stopping_.load() && !absl::IsOutOfRange(ended)) {
+    LOG_EVERY_N(WARNING, 100) << "data plane connection closed: " << ended;
+  }
+  absl::MutexLock lock(&mu_);
+  auto node = live_.extract(id);
+  finished_.push_back(std::move(node.mapped().thread));
+  // `fd` closes on return, after it left live_: Shutdown never shuts down a
+  // descriptor number that a later socket may have reused.
+}
+
+void DataPlaneServer::ReapFinished() {
+  std::vector<std::thread> done;
+  {
+    absl::MutexLock lock(&mu_);
+    done.swap(finished_);
+  }
+  for (std::thread& t : done) t.join();
+}
+
+void DataPlaneServer::Shutdown() {
+  if (stopping_.exchange(true)) return;
+  const uint64_t one = 1;
+  if (write(wake_.get(), &one, sizeof(one)) != sizeof(one)) {
+    LOG(ERROR) << SocketError("eventfd write", errno);
+  }
+  if (accept_thread_.joinable()) accept_thread_.join();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, connection] : live_) {
+      shutdown(connection.fd, SHUT_RDWR);
+    }
+    // Ends: every connection thread is now failing its socket calls, and a
+    // thread waiting for a pull waits no longer than that pull's deadline.
+    mu_.Await(absl::Condition(
+        +[](absl::flat_hash_map<int64_t, Connection>* live) {
+          return live->empty();
+        },
+        &live_));
+  }
+  ReapFinished();
+}
+
+}  // namespace pstrain

@@ -1,0 +1,116 @@
+// Serves a shard's Push and Pull on the tensor data plane
+// (common/data_plane.h): a listening TCP socket, and one thread per
+// connection that reads a request, answers it and reads the next, with
+// blocking socket calls. Workers open a few connections per shard and keep
+// them, so the thread count is the job's connection count; no request is
+// handed between threads on its way, which is what this plane is for.
+#ifndef PSTRAIN_PS_SERVER_DATA_PLANE_SERVER_H_
+#define PSTRAIN_PS_SERVER_DATA_PLANE_SERVER_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/data_plane.h"
+#include "common/socket.h"
+
+namespace pstrain {
+
+// A response given as pieces that `keep_alive` owns (or references): the
+// transport sends them as they are and drops `keep_alive` when done.
+struct OutgoingBytes {
+  std::vector<absl::string_view> pieces;
+  std::shared_ptr<const void> keep_alive;
+};
+
+// What the data plane asks of the shard's service. Requests arrive as the
+// same protobuf encodings gRPC's Push and Pull carry, possibly in pieces.
+class DataPlaneHandler {
+ public:
+  virtual ~DataPlaneHandler() = default;
+  // The encoded PushResponse, or the status to answer.
+  virtual absl::StatusOr<std::string> ServeDataPlanePush(
+      absl::Span<const absl::string_view> request) = 0;
+  // Runs `done` exactly once, inline or later on another thread, by
+  // `deadline` (capped by the shard).
+  using PullDone = std::function<void(absl::StatusOr<OutgoingBytes>)>;
+  virtual void ServeDataPlanePull(absl::Span<const absl::string_view> request,
+                                  absl::Time deadline, PullDone done) = 0;
+  // Whether `token` (a Hello's body) is the bearer token the server wants.
+  virtual bool TokenAccepted(absl::string_view token) const = 0;
+  // A request refused for its form (the shard's Stats.requests_rejected).
+  virtual void CountRejected() = 0;
+};
+
+struct DataPlaneServerOptions {
+  std::string host = "0.0.0.0";
+  int port = 0;  // 0: the kernel picks one
+  uint64_t max_body_bytes = 512 << 20;
+  // Further connections are closed at once (each costs a thread).
+  int max_connections = 1024;
+  // Called after each Push or Pull is answered (for metrics): its status,
+  // the time from its header's arrival to its answer sent, and the body
+  // bytes each way. May be empty.
+  std::function<void(data_plane::Method, absl::StatusCode, absl::Duration,
+                     uint64_t request_bytes, uint64_t response_bytes)>
+      on_call;
+};
+
+class DataPlaneServer {
+ public:
+  // Listens and starts accepting; `handler` must outlive the server.
+  static absl::StatusOr<std::unique_ptr<DataPlaneServer>> Start(
+      const DataPlaneServerOptions& options, DataPlaneHandler* handler);
+  ~DataPlaneServer();
+
+  int port() const { return port_; }
+
+  // Stops accepting, cuts every connection (a client sees UNAVAILABLE and
+  // retries elsewhere or later) and joins every thread. Call after
+  // Shard::BeginShutdown, so that no pull is left waiting for a step.
+  // Idempotent.
+  void Shutdown();
+
+  int64_t connections_accepted() const { return accepted_.load(); }
+
+ private:
+  DataPlaneServer(const DataPlaneServerOptions& options,
+                  DataPlaneHandler* handler, ScopedFd listener, int port);
+  void AcceptLoop();
+  // Serves one connection until the client closes it, it breaks the
+  // framing, or Shutdown.
+  void Serve(int64_t id, ScopedFd fd);
+  // Joins the threads of connections that have ended.
+  void ReapFinished() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const DataPlaneServerOptions options_;
+  DataPlaneHandler* const handler_;
+  ScopedFd listener_;
+  ScopedFd wake_;  // eventfd: Shutdown wakes the accept loop through it
+  const int port_;
+  std::thread accept_thread_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> accepted_{0};
+
+  struct Connection {
+    int fd = -1;  // owned by its thread; shut down (not closed) by Shutdown
+    std::thread thread;
+  };
+  absl::Mutex mu_;
+  absl::flat_hash_map<int64_t, Connection> live_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> finished_ ABSL_GUARDED_BY(mu_);
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_PS_SERVER_DATA_PLANE_SERVER_H_

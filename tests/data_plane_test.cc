@@ -1,0 +1,346 @@
+// The tensor data plane against real ps_server processes: pushes and pulls
+// take it when the server offers it and give the same model as gRPC; bad
+// bytes on the data port are refused by name without harming the server; a
+// worker follows a restarted server to its new data port.
+//
+// The model is one tensor "w" of 8 elements, CONSTANT 1.5, in blocks of 4,
+// trained with SGD at learning rate 0.5 on gradients of 1, so every expected
+// value is exact.
+#include "common/data_plane.h"
+
+#include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/protocol.h"
+#include "common/socket.h"
+#include "gtest/gtest.h"
+#include "proto/ps.grpc.pb.h"
+#include "tests/test_cluster.h"
+#include "worker/ps_client.h"
+
+namespace pstrain {
+namespace {
+
+using data_plane::Method;
+using testing::ClusterOptions;
+using testing::TestCluster;
+
+constexpr int kElements = 8;
+
+ModelSchema Schema() {
+  ModelSchema schema;
+  schema.set_seed(5);
+  schema.set_block_elements(4);
+  DenseTensorSpec* w = schema.add_dense();
+  w->set_name("w");
+  w->add_shape(kElements);
+  w->mutable_init()->set_kind(InitSpec::CONSTANT);
+  w->mutable_init()->set_value(1.5f);
+  return schema;
+}
+
+std::unique_ptr<TestCluster> StartCluster(
+    const std::string& name, std::vector<std::string> extra_flags = {}) {
+  ClusterOptions options;
+  options.mode = "async";
+  options.server_flags = {"--optimizer=sgd", "--learning_rate=0.5"};
+  options.server_flags.insert(options.server_flags.end(), extra_flags.begin(),
+                              extra_flags.end());
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, name);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  return cluster.ok() ? std::move(*cluster) : nullptr;
+}
+
+std::unique_ptr<PsClient> Join(const TestCluster& cluster,
+                               PsClientOptions options = {}) {
+  options.hosts = cluster.HostList();
+  options.heartbeat_interval = absl::ZeroDuration();
+  options.retry_window = absl::Seconds(30);
+  absl::StatusOr<std::unique_ptr<PsClient>> client = PsClient::Create(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (!client.ok()) return nullptr;
+  absl::StatusOr<Registration> registered =
+      (*client)->Register(Schema(), /*num_workers=*/1, /*worker_id=*/0);
+  EXPECT_TRUE(registered.ok()) << registered.status();
+  return std::move(*client);
+}
+
+// Pushes a gradient of ones as `step` and pulls the model back.
+absl::StatusOr<std::vector<float>> PushOnesAndPull(PsClient& client,
+                                                   int64_t step) {
+  const std::vector<float> ones(kElements, 1.0f);
+  if (auto pushed = client.Push(step, {ones.data()}); !pushed.ok()) {
+    return pushed.status();
+  }
+  std::vector<float> model(kElements, -1.0f);
+  if (auto pulled = client.Pull(step + 1, {model.data()}); !pulled.ok()) {
+    return pulled.status();
+  }
+  return model;
+}
+
+int64_t DataPlaneRequests(TestCluster& cluster) {
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster.Stats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  return stats.ok() ? (*stats)[0].data_plane_requests() : -1;
+}
+
+TEST(DataPlaneTest, PushAndPullTakeTheDataPlaneWhenTheServerOffersIt) {
+  std::unique_ptr<TestCluster> cluster = StartCluster("offered");
+  ASSERT_NE(cluster, nullptr);
+  std::unique_ptr<PsClient> client = Join(*cluster);
+  ASSERT_NE(client, nullptr);
+  absl::StatusOr<std::vector<float>> model = PushOnesAndPull(*client, 0);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(*model, std::vector<float>(kElements, 1.0f));  // 1.5 - 0.5 * 1
+  // A push and a pull of each of the two blocks (a request carries about
+  // one block's bytes).
+  EXPECT_EQ(DataPlaneRequests(*cluster), 4);
+}
+
+TEST(DataPlaneTest, WithoutADataPortTheSameModelComesOverGrpc) {
+  std::unique_ptr<TestCluster> cluster =
+      StartCluster("not_offered", {"--data_port=-1"});
+  ASSERT_NE(cluster, nullptr);
+  std::unique_ptr<PsClient> client = Join(*cluster);
+  ASSERT_NE(client, nullptr);
+  absl::StatusOr<std::vector<float>> model = PushOnesAndPull(*client, 0);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(*model, std::vector<float>(kElements, 1.0f));
+  EXPECT_EQ(DataPlaneRequests(*cluster), 0);
+}
+
+TEST(DataPlaneTest, AClientWithTheDataPlaneOffUsesGrpc) {
+  std::unique_ptr<TestCluster> cluster = StartCluster("client_off");
+  ASSERT_NE(cluster, nullptr);
+  PsClientOptions options;
+  options.data_plane = false;
+  std::unique_ptr<PsClient> client = Join(*cluster, options);
+  ASSERT_NE(client, nullptr);
+  absl::StatusOr<std::vector<float>> model = PushOnesAndPull(*client, 0);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(*model, std::vector<float>(kElements, 1.0f));
+  EXPECT_EQ(DataPlaneRequests(*cluster), 0);
+}
+
+// ---------------------------------------------------------------------------
+// Raw bytes on the data port.
+
+// The data port, as RegisterModel announces it.
+int DataPort(const TestCluster& cluster, const std::string& token = "") {
+  auto channel = grpc::CreateChannel(cluster.HostList()[0],
+                                     grpc::InsecureChannelCredentials());
+  auto stub = ParameterServer::NewStub(channel);
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  *request.mutable_schema() = Schema();
+  request.set_num_shards(1);
+  request.set_num_workers(1);
+  request.set_worker_id(-1);
+  RegisterModelResponse response;
+  grpc::ClientContext context;
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(30));
+  grpc::Status status = stub->RegisterModel(&context, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return response.data_port();
+}
+
+std::string Request(Method method, absl::string_view body,
+                    uint64_t claimed_bytes = UINT64_MAX) {
+  char header[data_plane::kRequestHeaderBytes];
+  data_plane::EncodeRequestHeader(
+      {method, 10000,
+       claimed_bytes == UINT64_MAX ? body.size() : claimed_bytes},
+      header);
+  return absl::StrCat(absl::string_view(header, sizeof(header)), body);
+}
+
+struct Answer {
+  absl::StatusCode code;
+  std::string body;
+};
+
+class RawConnection {
+ public:
+  explicit RawConnection(int port) {
+    absl::StatusOr<ScopedFd> fd =
+        ConnectTcp("127.0.0.1", port, 0, absl::Now() + absl::Seconds(10));
+    EXPECT_TRUE(fd.ok()) << fd.status();
+    if (fd.ok()) fd_ = std::move(*fd);
+    // Every read below is bounded.
+    TuneSocket(fd_.get(), 0, absl::Seconds(30)).IgnoreError();
+  }
+  void Send(absl::string_view bytes) {
+    EXPECT_TRUE(SendAll(fd_.get(), bytes.data(), bytes.size()).ok());
+  }
+  absl::StatusOr<Answer> Read() {
+    char header[data_plane::kResponseHeaderBytes];
+    if (absl::Status s = RecvAll(fd_.get(), header, sizeof(header)); !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<data_plane::ResponseHeader> decoded =
+        data_plane::DecodeResponseHeader(header, 1 << 20);
+    if (!decoded.ok()) return decoded.status();
+    Answer answer{decoded->code, std::string(decoded->body_bytes, '\0')};
+    if (absl::Status s =
+            RecvAll(fd_.get(), answer.body.data(), answer.body.size());
+        !s.ok()) {
+      return s;
+    }
+    return answer;
+  }
+  // True when the server closed the connection: a read ends with no bytes,
+  // or is reset (the server closed with bytes of ours still unread).
+  bool Closed() {
+    char byte;
+    const ssize_t got = recv(fd_.get(), &byte, 1, 0);
+    return got == 0 || (got < 0 && errno == ECONNRESET);
+  }
+
+ private:
+  ScopedFd fd_;
+};
+
+void ExpectRefused(RawConnection& connection, absl::StatusCode code,
+                   absl::string_view fragment) {
+  absl::StatusOr<Answer> answer = connection.Read();
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->code, code) << answer->body;
+  EXPECT_TRUE(absl::StrContains(answer->body, fragment)) << answer->body;
+}
+
+TEST(DataPlaneTest, BadBytesOnTheDataPortAreRefusedByNameAndHarmNothing) {
+  std::unique_ptr<TestCluster> cluster = StartCluster("hostile");
+  ASSERT_NE(cluster, nullptr);
+  std::unique_ptr<PsClient> client = Join(*cluster);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(PushOnesAndPull(*client, 0).ok());
+  const int port = DataPort(*cluster);
+  ASSERT_GT(port, 0);
+  absl::StatusOr<std::vector<StatsResponse>> before = cluster->Stats();
+  ASSERT_TRUE(before.ok()) << before.status();
+
+  {  // An HTTP client on the wrong port.
+    RawConnection c(port);
+    c.Send("GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    ExpectRefused(c, absl::StatusCode::kInvalidArgument, "bad magic");
+    EXPECT_TRUE(c.Closed());
+  }
+  {  // A push before the Hello.
+    RawConnection c(port);
+    c.Send(Request(Method::kPush, "x"));
+    ExpectRefused(c, absl::StatusCode::kFailedPrecondition, "Hello");
+    EXPECT_TRUE(c.Closed());
+  }
+  {  // A body far over --max_message_mb, refused before it is read.
+    RawConnection c(port);
+    c.Send(Request(Method::kHello, ""));
+    ExpectRefused(c, absl::StatusCode::kOk, "");
+    c.Send(Request(Method::kPush, "", uint64_t{1} << 40));
+    ExpectRefused(c, absl::StatusCode::kInvalidArgument, "over the limit");
+    EXPECT_TRUE(c.Closed());
+  }
+  {  // An unknown method.
+    RawConnection c(port);
+    std::string bytes = Request(Method::kPull, "");
+    bytes[4] = 77;
+    c.Send(bytes);
+    ExpectRefused(c, absl::StatusCode::kInvalidArgument, "unknown");
+    EXPECT_TRUE(c.Closed());
+  }
+  {  // Bytes that are no PushRequest; the connection stays usable.
+    RawConnection c(port);
+    c.Send(Request(Method::kHello, ""));
+    ExpectRefused(c, absl::StatusCode::kOk, "");
+    c.Send(Request(Method::kPush, "\xff\xff\xff"));
+    ExpectRefused(c, absl::StatusCode::kInvalidArgument,
+                  "malformed PushRequest");
+    PullRequest pull;
+    pull.set_protocol_version(kProtocolVersion);
+    pull.set_worker_id(0);
+    BlockRef* ref = pull.add_blocks();
+    ref->set_tensor("w");
+    ref->set_block(1);
+    c.Send(Request(Method::kPull, pull.SerializeAsString()));
+    absl::StatusOr<Answer> answer = c.Read();
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_EQ(answer->code, absl::StatusCode::kOk) << answer->body;
+    PullResponse response;
+    ASSERT_TRUE(response.ParseFromString(answer->body));
+    ASSERT_EQ(response.blocks_size(), 1);
+    EXPECT_EQ(response.blocks(0).data().size(), 4 * sizeof(float));
+  }
+  {  // Half a header, then gone.
+    RawConnection c(port);
+    c.Send(Request(Method::kHello, "").substr(0, 7));
+  }
+
+  absl::StatusOr<std::vector<StatsResponse>> after = cluster->Stats();
+  ASSERT_TRUE(after.ok()) << after.status();
+  // Refused: bad magic, no Hello, oversized, unknown method, bad PushRequest.
+  EXPECT_EQ((*after)[0].requests_rejected() - (*before)[0].requests_rejected(),
+            5);
+  EXPECT_EQ((*after)[0].version(), (*before)[0].version());
+  std::vector<float> model(kElements, -1.0f);
+  ASSERT_TRUE(client->Pull(1, {model.data()}).ok());
+  EXPECT_EQ(model, std::vector<float>(kElements, 1.0f));
+}
+
+TEST(DataPlaneTest, TheBearerTokenGuardsTheDataPortToo) {
+  const std::string token_file = testing::TestDir() + "/bearer_token.txt";
+  std::ofstream(token_file) << "s3cret\n";
+  std::unique_ptr<TestCluster> cluster =
+      StartCluster("token", {"--auth_token_file=" + token_file});
+  ASSERT_NE(cluster, nullptr);
+  PsClientOptions options;
+  options.auth_token = "s3cret";
+  std::unique_ptr<PsClient> client = Join(*cluster, options);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(PushOnesAndPull(*client, 0).ok());
+  // The cluster's observer has no token: ask with the client's.
+  absl::StatusOr<std::vector<StatsResponse>> stats = client->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ((*stats)[0].data_plane_requests(), 4);
+
+  const int port = DataPort(*cluster, "s3cret");
+  ASSERT_GT(port, 0);
+  RawConnection c(port);
+  c.Send(Request(Method::kHello, "guess"));
+  ExpectRefused(c, absl::StatusCode::kUnauthenticated, "bearer token");
+  EXPECT_TRUE(c.Closed());
+}
+
+TEST(DataPlaneTest, AWorkerFollowsARestartedServerToItsNewDataPort) {
+  std::unique_ptr<TestCluster> cluster = StartCluster("restart");
+  ASSERT_NE(cluster, nullptr);
+  std::unique_ptr<PsClient> client = Join(*cluster);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(PushOnesAndPull(*client, 0).ok());
+
+  cluster->KillServer(0);
+  ASSERT_TRUE(cluster->RestartServer(0).ok());
+  // The restarted server lost the model (no checkpoint); the client
+  // registers again, learns the new data port and carries on there.
+  absl::StatusOr<std::vector<float>> model = PushOnesAndPull(*client, 0);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(*model, std::vector<float>(kElements, 1.0f));
+  ASSERT_TRUE(PushOnesAndPull(*client, 1).ok());
+  // Counted by the new process: at least the last push and pull.
+  EXPECT_GE(DataPlaneRequests(*cluster), 2);
+}
+
+}  // namespace
+}  // namespace pstrain

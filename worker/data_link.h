@@ -1,0 +1,90 @@
+// The client half of the tensor data plane (common/data_plane.h): a
+// DataLink is one TCP connection to a shard's data port, and RunExchanges
+// drives any number of requests over any number of links from the calling
+// thread alone (non-blocking sockets and poll), so a push or pull that
+// spans shards and connections involves no other thread and no hand-off.
+#ifndef PSTRAIN_WORKER_DATA_LINK_H_
+#define PSTRAIN_WORKER_DATA_LINK_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/data_plane.h"
+#include "common/socket.h"
+
+namespace pstrain {
+
+class DataLinkIo;
+
+class DataLink {
+ public:
+  // Connects to host:port, says Hello with `token` and waits for the
+  // server's consent, all by `deadline`. Answers larger than
+  // `max_body_bytes` are refused.
+  static absl::StatusOr<std::unique_ptr<DataLink>> Open(const std::string& host,
+                                                        int port,
+                                                        absl::string_view token,
+                                                        uint64_t max_body_bytes,
+                                                        absl::Time deadline);
+
+  // False once an exchange on it failed in a way that leaves the byte
+  // stream out of step (lost connection, deadline, bad framing): open a new
+  // link instead.
+  bool usable() const { return usable_; }
+  const std::string& peer() const { return peer_; }
+
+ private:
+  friend class DataLinkIo;
+  DataLink(ScopedFd fd, std::string peer, uint64_t max_body_bytes)
+      : fd_(std::move(fd)),
+        peer_(std::move(peer)),
+        max_body_bytes_(max_body_bytes) {}
+
+  // Makes room for a frame of `bytes` starting at received_begin_, keeping
+  // the bytes received so far. The buffer grows to the largest answer and
+  // stays.
+  void MakeRoom(size_t bytes);
+
+  ScopedFd fd_;
+  const std::string peer_;
+  const uint64_t max_body_bytes_;
+  bool usable_ = true;
+  // Received bytes not yet taken are [received_begin_, received_end_):
+  // reads take whatever has arrived, so a header and its body (and the
+  // next answer's start) usually come in one system call.
+  std::unique_ptr<char[]> buffer_;
+  size_t buffer_capacity_ = 0;
+  size_t received_begin_ = 0;
+  size_t received_end_ = 0;
+};
+
+// One request on a link and what to do with its answer.
+struct DataExchange {
+  DataLink* link = nullptr;
+  data_plane::Method method = data_plane::Method::kPull;
+  // The request body's pieces; the memory must stay unchanged until
+  // RunExchanges returns.
+  std::vector<absl::string_view> body;
+  // Runs on the calling thread with an OK answer's body (valid only during
+  // the call); its status becomes the exchange's.
+  std::function<absl::Status(absl::string_view)> on_response;
+  // Out: OK, the server's error, or the transport's (UNAVAILABLE for a lost
+  // connection, DEADLINE_EXCEEDED past `deadline`).
+  absl::Status status;
+};
+
+// Sends every exchange and reads every answer; a link's exchanges go in
+// order, links proceed at once. Returns when all are answered or failed;
+// nothing is left in flight past `deadline`.
+void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline);
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_WORKER_DATA_LINK_H_
