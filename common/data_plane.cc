@@ -31,13 +31,14 @@ uint64_t Load64(const char* in) {
 
 }  // namespace
 
-// Request: magic 0..3, method 4, reserved 5..7, timeout_ms 8..11,
-// reserved 12..15, body_bytes 16..23.
+// Request: magic 0..3, method 4, flags 5 (bit 0: payloads apart),
+// reserved 6..7, timeout_ms 8..11, reserved 12..15, body_bytes 16..23.
 void EncodeRequestHeader(const RequestHeader& header,
                          char out[kRequestHeaderBytes]) {
   Store32(kRequestMagic, out);
   out[4] = static_cast<char>(header.method);
-  out[5] = out[6] = out[7] = 0;
+  out[5] = header.payloads_apart ? 1 : 0;
+  out[6] = out[7] = 0;
   Store32(header.timeout_ms, out + 8);
   Store32(0, out + 12);
   Store64(header.body_bytes, out + 16);
@@ -64,12 +65,17 @@ absl::StatusOr<RequestHeader> DecodeRequestHeader(
     return absl::InvalidArgumentError(
         absl::StrCat("unknown data-plane method ", method));
   }
-  if (in[5] != 0 || in[6] != 0 || in[7] != 0 || Load32(in + 12) != 0) {
+  if ((in[5] & ~1) != 0 || in[6] != 0 || in[7] != 0 || Load32(in + 12) != 0) {
     return absl::InvalidArgumentError(
         "reserved bytes of a data-plane request header are not zero");
   }
   RequestHeader header;
   header.method = static_cast<Method>(method);
+  header.payloads_apart = in[5] == 1;
+  if (header.payloads_apart && header.method != Method::kPull) {
+    return absl::InvalidArgumentError(
+        "only a Pull can ask for its payloads apart");
+  }
   header.timeout_ms = Load32(in + 8);
   header.body_bytes = Load64(in + 16);
   if (header.body_bytes > max_body_bytes) {

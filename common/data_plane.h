@@ -18,9 +18,16 @@
 //
 // All integers little-endian. A request body is a PushRequest or PullRequest
 // encoding; an OK response body is a PushResponse or PullResponse encoding,
-// an error's is its message (UTF-8 text). After an error the connection
-// stays usable unless the error was in the framing itself (bad magic,
-// method or size), after which the server closes it.
+// an error's is its message (UTF-8 text). A Pull may ask for its payloads
+// apart (RequestHeader.payloads_apart): its OK answer's body is then
+//
+//   u32 meta_bytes + meta + payload of block 0 + payload of block 1 ...
+//
+// where meta is a PullResponse whose blocks carry no data, and each payload
+// is its block's float32 values, so the client can read them straight into
+// the tensor instead of copying them out of a message. After an error the
+// connection stays usable unless the error was in the framing itself (bad
+// magic, method or size), after which the server closes it.
 //
 // Plaintext only: a server with TLS does not offer the data plane, and a
 // client with TLS credentials never uses it.
@@ -58,6 +65,8 @@ struct RequestHeader {
   // step no longer than this; the server also caps it).
   uint32_t timeout_ms = 0;
   uint64_t body_bytes = 0;
+  // Pull only: answer with the payloads after the metadata (see above).
+  bool payloads_apart = false;
 };
 
 struct ResponseHeader {

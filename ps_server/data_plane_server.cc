@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -139,8 +140,16 @@ void DataPlaneServer::AcceptLoop() {
     if (waits[1].revents != 0 || stopping_.load()) return;
     ScopedFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!fd.valid()) {
-      if (errno != EINTR && errno != ECONNABORTED && errno != EAGAIN) {
-        LOG(WARNING) << SocketError("data plane accept", errno);
+      const int error = errno;
+      if (error != EINTR && error != ECONNABORTED && error != EAGAIN) {
+        LOG_EVERY_N(WARNING, 100) << SocketError("data plane accept", error);
+      }
+      // Out of descriptors: the listener stays readable, so wait a little
+      // instead of spinning until connections close.
+      if (error == EMFILE || error == ENFILE || error == ENOMEM ||
+          error == ENOBUFS) {
+        pollfd wake = {wake_.get(), POLLIN, 0};
+        poll(&wake, 1, 100);
       }
       continue;
     }
@@ -168,10 +177,16 @@ void DataPlaneServer::AcceptLoop() {
     connection.fd = fd.get();
     // Started under mu_, so the thread's own exit (which takes mu_) finds
     // its std::thread already in place.
-    connection.thread = std::thread(
-        [this, id, owned = std::make_shared<ScopedFd>(std::move(fd))] {
-          Serve(id, std::move(*owned));
-        });
+    auto owned = std::make_shared<ScopedFd>(std::move(fd));
+    try {
+      connection.thread =
+          std::thread([this, id, owned] { Serve(id, std::move(*owned)); });
+    } catch (const std::system_error& e) {
+      // Out of threads: this connection is closed, the server goes on.
+      LOG_EVERY_N(WARNING, 100)
+          << "data plane: no thread for a connection: " << e.what();
+      live_.erase(id);
+    }
   }
 }
 
@@ -185,7 +200,9 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     // Shutdown; the client closing or Shutdown's shutdown() end it.
     while (received.available().empty() && !stopping_.load()) {
       ended = received.ReadMore(fd.get(), data_plane::kRequestHeaderBytes);
-      if (!absl::IsDeadlineExceeded(ended)) break;
+      // Only a greeted connection may idle: one that never says Hello
+      // cannot hold a thread past SO_RCVTIMEO.
+      if (!absl::IsDeadlineExceeded(ended) || !greeted) break;
       ended = absl::OkStatus();
     }
     if (!ended.ok() || stopping_.load()) break;
@@ -257,10 +274,11 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
       if (pushed.ok()) answer.push_back(*pushed);
     } else {
       const absl::Time deadline =
-          arrived + absl::Milliseconds(header->timeout_ms);
+          arrived + std::min(absl::Milliseconds(header->timeout_ms),
+                             options_.max_pull_wait);
       pulled = std::make_shared<PullWait>();
       handler_->ServeDataPlanePull(
-          absl::MakeConstSpan(&request, 1), deadline,
+          absl::MakeConstSpan(&request, 1), deadline, header->payloads_apart,
           [wait = pulled](absl::StatusOr<OutgoingBytes> result) {
             wait->result = std::move(result);
             wait->done.Notify();

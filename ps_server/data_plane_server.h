@@ -41,10 +41,12 @@ class DataPlaneHandler {
   virtual absl::StatusOr<std::string> ServeDataPlanePush(
       absl::Span<const absl::string_view> request) = 0;
   // Runs `done` exactly once, inline or later on another thread, by
-  // `deadline` (capped by the shard).
+  // `deadline` (capped by the shard), with the PullResponse's encoding, or
+  // with `payloads_apart` its data-plane split form (common/data_plane.h).
   using PullDone = std::function<void(absl::StatusOr<OutgoingBytes>)>;
   virtual void ServeDataPlanePull(absl::Span<const absl::string_view> request,
-                                  absl::Time deadline, PullDone done) = 0;
+                                  absl::Time deadline, bool payloads_apart,
+                                  PullDone done) = 0;
   // Whether `token` (a Hello's body) is the bearer token the server wants.
   virtual bool TokenAccepted(absl::string_view token) const = 0;
   // A request refused for its form (the shard's Stats.requests_rejected).
@@ -57,6 +59,9 @@ struct DataPlaneServerOptions {
   uint64_t max_body_bytes = 512 << 20;
   // Further connections are closed at once (each costs a thread).
   int max_connections = 1024;
+  // The longest a pull waits for its step, whatever its client asks (the
+  // shard caps it too).
+  absl::Duration max_pull_wait = absl::Seconds(120);
   // Called after each Push or Pull is answered (for metrics): its status,
   // the time from its header's arrival to its answer sent, and the body
   // bytes each way. May be empty.

@@ -172,6 +172,23 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
   }
 };
 
+// Lends gRPC a factory that the data plane also records into: gRPC wants
+// to own its interceptor factories, and destroys them when it is done.
+class SharedInterceptorFactory
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit SharedInterceptorFactory(
+      std::shared_ptr<RpcMetricsInterceptorFactory> factory)
+      : factory_(std::move(factory)) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return factory_->CreateServerInterceptor(info);
+  }
+
+ private:
+  std::shared_ptr<RpcMetricsInterceptorFactory> factory_;
+};
+
 absl::Status CheckPort(const char* flag, int port, int minimum = 0) {
   if (port >= minimum && port <= 65535) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
@@ -327,9 +344,8 @@ int Main(int argc, char** argv) {
   // An interceptor, not a wrapper around the service: it sees every call
   // (refused ones, health and reflection too) from arrival to status,
   // without the service knowing about metrics. The data plane records into
-  // it too; the gRPC server owns it once built, and outlives the data plane.
-  std::unique_ptr<RpcMetricsInterceptorFactory> rpc_metrics;
-  RpcMetricsInterceptorFactory* rpc_metrics_sink = nullptr;
+  // it too, so gRPC and the data plane share it.
+  std::shared_ptr<RpcMetricsInterceptorFactory> rpc_metrics;
   if (metrics != nullptr) {
     // Every method this server (and, with the same builder's plugins,
     // health and reflection) answers; anything else counts as "unknown".
@@ -340,11 +356,10 @@ int Main(int argc, char** argv) {
         {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
          "/grpc.reflection.v1alpha.ServerReflection/"
          "ServerReflectionInfo"});
-    rpc_metrics = std::make_unique<RpcMetricsInterceptorFactory>(
+    rpc_metrics = std::make_shared<RpcMetricsInterceptorFactory>(
         metrics->registry(), known_methods,
         absl::flat_hash_set<std::string>(std::begin(kRawRequestMethods),
                                          std::end(kRawRequestMethods)));
-    rpc_metrics_sink = rpc_metrics.get();
   }
   std::unique_ptr<DataPlaneServer> data_plane_server;
   const bool tls = !absl::GetFlag(FLAGS_tls_cert).empty();
@@ -353,17 +368,18 @@ int Main(int argc, char** argv) {
     data_options.host = absl::GetFlag(FLAGS_host);
     data_options.port = data_port;
     data_options.max_body_bytes = static_cast<uint64_t>(max_message_mb) << 20;
-    if (rpc_metrics_sink != nullptr) {
-      data_options.on_call =
-          [rpc_metrics_sink](data_plane::Method method, absl::StatusCode code,
-                             absl::Duration elapsed, uint64_t request_bytes,
-                             uint64_t response_bytes) {
-            rpc_metrics_sink->RecordCall(method == data_plane::Method::kPush
-                                             ? "/pstrain.ParameterServer/Push"
-                                             : "/pstrain.ParameterServer/Pull",
-                                         code, elapsed, request_bytes,
-                                         response_bytes);
-          };
+    data_options.max_pull_wait = absl::Seconds(max_pull_wait_s);
+    if (rpc_metrics != nullptr) {
+      data_options.on_call = [rpc_metrics](data_plane::Method method,
+                                           absl::StatusCode code,
+                                           absl::Duration elapsed,
+                                           uint64_t request_bytes,
+                                           uint64_t response_bytes) {
+        rpc_metrics->RecordCall(method == data_plane::Method::kPush
+                                    ? "/pstrain.ParameterServer/Push"
+                                    : "/pstrain.ParameterServer/Pull",
+                                code, elapsed, request_bytes, response_bytes);
+      };
     }
     absl::StatusOr<std::unique_ptr<DataPlaneServer>> started =
         DataPlaneServer::Start(data_options, &service);
@@ -376,7 +392,7 @@ int Main(int argc, char** argv) {
     data_plane_server = std::move(*started);
     service.set_data_port(data_plane_server->port());
   }
-  // Before the gRPC server (which owns rpc_metrics) goes, on every path.
+  // Before the gRPC server goes, on every path.
   auto stop_data_plane = [&data_plane_server] {
     if (data_plane_server != nullptr) data_plane_server->Shutdown();
   };
@@ -397,7 +413,8 @@ int Main(int argc, char** argv) {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors;
-    interceptors.push_back(std::move(rpc_metrics));
+    interceptors.push_back(
+        std::make_unique<SharedInterceptorFactory>(rpc_metrics));
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

@@ -79,6 +79,7 @@ grpc::ServerUnaryReactor* ServeSmall(Shard* shard,
 struct PullReply {
   std::vector<PulledBlock> blocks;
   WireMessage message;
+  char meta_length[4] = {};  // a data-plane answer with payloads apart
 };
 
 }  // namespace
@@ -131,7 +132,7 @@ bool ParameterServerService::TokenAccepted(absl::string_view token) const {
 
 void ParameterServerService::PullFromBytes(
     absl::Span<const absl::string_view> request, absl::Time deadline,
-    PullDone done) {
+    bool payloads_apart, PullDone done) {
   PullRequest pull;
   if (absl::Status s = ParseSmall(request, &pull); !s.ok()) {
     shard_->CountRejected();
@@ -139,8 +140,8 @@ void ParameterServerService::PullFromBytes(
   }
   shard_->Pull(
       pull, deadline,
-      [done = std::move(done)](absl::Status status,
-                               std::vector<PulledBlock> blocks) {
+      [done = std::move(done), payloads_apart](
+          absl::Status status, std::vector<PulledBlock> blocks) {
         if (!status.ok()) return done(std::move(status));
         auto reply = std::make_shared<PullReply>();
         reply->blocks = std::move(blocks);
@@ -152,9 +153,31 @@ void ParameterServerService::PullFromBytes(
               absl::string_view(reinterpret_cast<const char*>(b.values->data()),
                                 b.values->size() * sizeof(float))});
         }
-        reply->message = EncodePullResponse(outgoing, kInlineBelowBytes);
         OutgoingBytes bytes;
-        bytes.pieces = reply->message.Pieces();
+        if (!payloads_apart) {
+          reply->message = EncodePullResponse(outgoing, kInlineBelowBytes);
+          bytes.pieces = reply->message.Pieces();
+        } else {
+          // u32 meta length, the blocks without data, then the payloads.
+          std::vector<absl::string_view> payloads;
+          payloads.reserve(outgoing.size());
+          for (OutgoingBlock& block : outgoing) {
+            payloads.push_back(block.data);
+            block.data = {};
+          }
+          reply->message = EncodePullResponse(outgoing);
+          const uint32_t meta_bytes =
+              static_cast<uint32_t>(reply->message.ByteSize());
+          for (int i = 0; i < 4; ++i) {
+            reply->meta_length[i] = static_cast<char>(meta_bytes >> (8 * i));
+          }
+          bytes.pieces.emplace_back(reply->meta_length, 4);
+          for (absl::string_view piece : reply->message.Pieces()) {
+            bytes.pieces.push_back(piece);
+          }
+          bytes.pieces.insert(bytes.pieces.end(), payloads.begin(),
+                              payloads.end());
+        }
         bytes.keep_alive = std::move(reply);
         done(std::move(bytes));
       });
@@ -169,7 +192,7 @@ void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
     return answer(absl::InvalidArgumentError("unreadable request buffer"), {});
   }
   PullFromBytes(
-      bytes.views(), deadline,
+      bytes.views(), deadline, /*payloads_apart=*/false,
       [answer = std::move(answer)](absl::StatusOr<OutgoingBytes> response) {
         if (!response.ok()) return answer(response.status(), {});
         answer(absl::OkStatus(),
@@ -186,9 +209,9 @@ absl::StatusOr<std::string> ParameterServerService::ServeDataPlanePush(
 
 void ParameterServerService::ServeDataPlanePull(
     absl::Span<const absl::string_view> request, absl::Time deadline,
-    PullDone done) {
+    bool payloads_apart, PullDone done) {
   data_plane_requests_.fetch_add(1, std::memory_order_relaxed);
-  PullFromBytes(request, deadline, std::move(done));
+  PullFromBytes(request, deadline, payloads_apart, std::move(done));
 }
 
 absl::StatusOr<std::string> ParameterServerService::PushFromBytes(

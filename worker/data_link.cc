@@ -54,8 +54,12 @@ class DataLinkIo {
       uint64_t body_bytes = 0;
       for (absl::string_view piece : e.body) body_bytes += piece.size();
       char* header = headers_.data() + i * kRequestHeaderBytes;
-      data_plane::EncodeRequestHeader({e.method, timeout_ms_, body_bytes},
-                                      header);
+      data_plane::RequestHeader request;
+      request.method = e.method;
+      request.timeout_ms = timeout_ms_;
+      request.body_bytes = body_bytes;
+      request.payloads_apart = static_cast<bool>(e.place_payloads);
+      data_plane::EncodeRequestHeader(request, header);
       iov_.push_back({header, kRequestHeaderBytes});
       for (absl::string_view piece : e.body) {
         if (!piece.empty()) {
@@ -103,42 +107,68 @@ class DataLinkIo {
   void Receive() {
     DataLink& l = *link_;
     while (!done()) {
+      if (payload_left_ > 0) {
+        if (!ReceivePayloads()) return;
+        continue;
+      }
+      DataExchange& front = *queue_[answered_];
       // The answer at the front: how many bytes it takes, once its header
-      // is in.
+      // is in. Payloads apart are not read ahead: they go straight to
+      // their place.
+      bool apart = false;
       size_t frame_bytes = kResponseHeaderBytes;
       const size_t available = l.received_end_ - l.received_begin_;
+      const char* at = l.buffer_.get() + l.received_begin_;
       if (available >= kResponseHeaderBytes) {
         absl::StatusOr<data_plane::ResponseHeader> header =
-            data_plane::DecodeResponseHeader(
-                l.buffer_.get() + l.received_begin_, l.max_body_bytes_);
+            data_plane::DecodeResponseHeader(at, l.max_body_bytes_);
         if (!header.ok()) return Fail(header.status());
-        frame_bytes += header->body_bytes;
-        if (available >= frame_bytes) {
-          Complete(*header,
-                   absl::string_view(l.buffer_.get() + l.received_begin_ +
-                                         kResponseHeaderBytes,
-                                     header->body_bytes));
-          l.received_begin_ += frame_bytes;
-          if (l.received_begin_ == l.received_end_) {
-            l.received_begin_ = l.received_end_ = 0;
+        apart = front.place_payloads && header->code == absl::StatusCode::kOk;
+        if (!apart) {
+          frame_bytes += header->body_bytes;
+          if (available >= frame_bytes) {
+            Complete(*header, absl::string_view(at + kResponseHeaderBytes,
+                                                header->body_bytes));
+            l.Consume(frame_bytes);
+            continue;
           }
-          continue;
+        } else {
+          frame_bytes += 4;
+          if (header->body_bytes < 4) {
+            return Fail(absl::DataLossError("data-plane answer too short"));
+          }
+          if (available >= frame_bytes) {
+            uint32_t meta_bytes = 0;
+            for (int i = 0; i < 4; ++i) {
+              meta_bytes |= static_cast<uint32_t>(static_cast<unsigned char>(
+                                at[kResponseHeaderBytes + i]))
+                            << (8 * i);
+            }
+            if (meta_bytes > header->body_bytes - 4) {
+              return Fail(
+                  absl::DataLossError("data-plane metadata past its answer"));
+            }
+            frame_bytes += meta_bytes;
+            if (available >= frame_bytes) {
+              if (!StartPayloads(
+                      front, *header,
+                      absl::string_view(at + frame_bytes - meta_bytes,
+                                        meta_bytes))) {
+                return;
+              }
+              l.Consume(frame_bytes);
+              continue;
+            }
+          }
         }
       }
       l.MakeRoom(frame_bytes);
+      const size_t room = apart || front.place_payloads
+                              ? frame_bytes - available
+                              : l.buffer_capacity_ - l.received_end_;
       const ssize_t got =
-          recv(fd(), l.buffer_.get() + l.received_end_,
-               l.buffer_capacity_ - l.received_end_, MSG_DONTWAIT);
-      if (got == 0) {
-        return Fail(absl::UnavailableError(absl::StrCat(
-            "data-plane connection to ", l.peer_,
-            " closed by the server (restarting or shutting down?)")));
-      }
-      if (got < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        return Fail(SocketError(absl::StrCat("recv from ", l.peer_), errno));
-      }
+          recv(fd(), l.buffer_.get() + l.received_end_, room, MSG_DONTWAIT);
+      if (!Received(got)) return;
       l.received_end_ += static_cast<size_t>(got);
     }
   }
@@ -153,6 +183,104 @@ class DataLinkIo {
   }
 
  private:
+  // False (the link failed, or nothing more has arrived) unless recv got
+  // bytes.
+  bool Received(ssize_t got) {
+    if (got > 0) return true;
+    if (got == 0) {
+      Fail(absl::UnavailableError(absl::StrCat(
+          "data-plane connection to ", link_->peer_,
+          " closed by the server (restarting or shutting down?)")));
+    } else if (errno == EINTR) {
+      return false;  // Receive's caller polls again
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      Fail(SocketError(absl::StrCat("recv from ", link_->peer_), errno));
+    }
+    return false;
+  }
+
+  // The metadata of an answer with payloads apart is in: learns where the
+  // payloads go. False when the link failed.
+  bool StartPayloads(DataExchange& front,
+                     const data_plane::ResponseHeader& header,
+                     absl::string_view meta) {
+    absl::StatusOr<std::vector<absl::Span<char>>> places =
+        front.place_payloads(meta);
+    if (!places.ok()) {
+      // The payloads that follow cannot be placed: the stream is lost.
+      Fail(places.status());
+      return false;
+    }
+    uint64_t total = 0;
+    for (absl::Span<char> place : *places) total += place.size();
+    const uint64_t expected = header.body_bytes - 4 - meta.size();
+    if (total != expected) {
+      Fail(absl::DataLossError(absl::StrCat("data-plane answer carries ",
+                                            expected, " payload bytes for ",
+                                            total, " bytes of blocks")));
+      return false;
+    }
+    places_ = std::move(*places);
+    place_ = 0;
+    place_offset_ = 0;
+    payload_left_ = total;
+    if (payload_left_ == 0) FinishPayloads();
+    return true;
+  }
+
+  // Reads payload bytes into their places: first any already buffered,
+  // then straight from the socket. False when it must wait or failed.
+  bool ReceivePayloads() {
+    DataLink& l = *link_;
+    const size_t buffered = l.received_end_ - l.received_begin_;
+    if (buffered > 0) {
+      Advance(l.buffer_.get() + l.received_begin_,
+              std::min<uint64_t>(buffered, payload_left_));
+      return true;
+    }
+    iovec iov[64];
+    size_t n = 0;
+    for (size_t p = place_; p < places_.size() && n < 64; ++p) {
+      const size_t skip = p == place_ ? place_offset_ : 0;
+      if (places_[p].size() == skip) continue;
+      iov[n++] = {places_[p].data() + skip, places_[p].size() - skip};
+    }
+    msghdr message = {};
+    message.msg_iov = iov;
+    message.msg_iovlen = n;
+    const ssize_t got = recvmsg(fd(), &message, MSG_DONTWAIT);
+    if (!Received(got)) return false;
+    Advance(nullptr, static_cast<size_t>(got));
+    return true;
+  }
+
+  // `bytes` payload bytes have arrived: copied from `from` (buffered ones)
+  // or already in place (from == nullptr).
+  void Advance(const char* from, size_t bytes) {
+    if (from != nullptr) link_->Consume(bytes);
+    payload_left_ -= bytes;
+    while (bytes > 0) {
+      absl::Span<char>& place = places_[place_];
+      const size_t take = std::min(bytes, place.size() - place_offset_);
+      if (from != nullptr) {
+        std::memcpy(place.data() + place_offset_, from, take);
+        from += take;
+      }
+      place_offset_ += take;
+      bytes -= take;
+      if (place_offset_ == place.size()) {
+        ++place_;
+        place_offset_ = 0;
+      }
+    }
+    if (payload_left_ == 0) FinishPayloads();
+  }
+
+  void FinishPayloads() {
+    queue_[answered_++]->status = absl::OkStatus();
+    places_.clear();
+  }
+
   void Complete(const data_plane::ResponseHeader& header,
                 absl::string_view body) {
     DataExchange& e = *queue_[answered_++];
@@ -170,6 +298,11 @@ class DataLinkIo {
   std::vector<iovec> iov_;
   size_t iov_first_ = 0;
   size_t answered_ = 0;
+  // The answer whose payloads are being read into place.
+  std::vector<absl::Span<char>> places_;
+  size_t place_ = 0;
+  size_t place_offset_ = 0;
+  uint64_t payload_left_ = 0;
 };
 
 void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline) {

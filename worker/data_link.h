@@ -51,6 +51,11 @@ class DataLink {
   // the bytes received so far. The buffer grows to the largest answer and
   // stays.
   void MakeRoom(size_t bytes);
+  // Drops the first `bytes` received.
+  void Consume(size_t bytes) {
+    received_begin_ += bytes;
+    if (received_begin_ == received_end_) received_begin_ = received_end_ = 0;
+  }
 
   ScopedFd fd_;
   const std::string peer_;
@@ -75,6 +80,15 @@ struct DataExchange {
   // Runs on the calling thread with an OK answer's body (valid only during
   // the call); its status becomes the exchange's.
   std::function<absl::Status(absl::string_view)> on_response;
+  // Optional, for a Pull of large blocks: asks for the payloads apart
+  // (common/data_plane.h) and says where they go. Called with an OK
+  // answer's metadata (a PullResponse whose blocks carry no data), it
+  // returns one destination per block, in order, whose sizes add up to the
+  // payload bytes that follow; they are then read straight into place, and
+  // `on_response` is not called.
+  std::function<absl::StatusOr<std::vector<absl::Span<char>>>(
+      absl::string_view meta)>
+      place_payloads;
   // Out: OK, the server's error, or the transport's (UNAVAILABLE for a lost
   // connection, DEADLINE_EXCEEDED past `deadline`).
   absl::Status status;

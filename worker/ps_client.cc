@@ -26,6 +26,14 @@ namespace {
 
 constexpr char kServicePath[] = "/pstrain.ParameterServer/";
 
+// A pulled group of at least this many bytes asks the data plane for its
+// payloads apart, to read them straight into the tensors.
+constexpr size_t kPayloadsApartFromBytes = 64 << 10;
+
+// How long a data port that could not be reached is left alone (a server
+// with a fixed --data_port may come back on it).
+constexpr absl::Duration kDataPortRetry = absl::Seconds(30);
+
 template <typename Message>
 absl::Status Deserialize(absl::Span<const absl::string_view> bytes,
                          Message* message) {
@@ -59,6 +67,11 @@ struct PsClient::Call {
   // Runs with the answer's bytes when the call succeeded (on a gRPC thread,
   // or on the caller's for the data plane); may turn it into an error.
   std::function<absl::Status(absl::Span<const absl::string_view>)> on_response;
+  // A pull of large blocks on the data plane: where the payloads go
+  // (DataExchange::place_payloads), instead of on_response.
+  std::function<absl::StatusOr<std::vector<absl::Span<char>>>(
+      absl::string_view meta)>
+      place_payloads;
 
   std::unique_ptr<grpc::ClientContext> context;
   grpc::ByteBuffer request, response;
@@ -168,6 +181,7 @@ PsClient::PsClient(const PsClientOptions& options)
   absl::MutexLock lock(&data_ports_mu_);
   data_ports_.assign(options.hosts.size(), 0);
   data_failed_ports_.assign(options.hosts.size(), 0);
+  data_failed_at_.assign(options.hosts.size(), absl::InfinitePast());
 }
 
 PsClient::~PsClient() { StopHeartbeats(); }
@@ -260,7 +274,10 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   {
     absl::MutexLock lock(&data_ports_mu_);
     port = data_ports_[shard];
-    if (port == 0 || port == data_failed_ports_[shard]) return nullptr;
+    if (port == 0 || (port == data_failed_ports_[shard] &&
+                      absl::Now() < data_failed_at_[shard] + kDataPortRetry)) {
+      return nullptr;
+    }
   }
   if (slot.link != nullptr && slot.port == port && slot.link->usable()) {
     return slot.link.get();
@@ -280,9 +297,10 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
                  << " of " << options_.hosts[shard]
                  << ") cannot be reached: " << link.status()
                  << "; its pushes and pulls go over gRPC until it announces "
-                    "another port";
+                    "another port or 30 s have passed";
     absl::MutexLock lock(&data_ports_mu_);
     data_failed_ports_[shard] = port;
+    data_failed_at_[shard] = absl::Now();
     refresh_data_ports_ = true;
     return nullptr;
   }
@@ -320,7 +338,10 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
   MaybeRefreshDataPorts();
   const absl::Time deadline = absl::Now() + timeout;
   std::vector<size_t> over_grpc;
-  std::vector<DataSlot*> held;
+  // Each slot this call holds, with its link resolved once: a second call
+  // on the same connection must not reopen (and free) the link the first
+  // one's exchange already points at.
+  std::vector<std::pair<DataSlot*, DataLink*>> held;
   std::vector<DataExchange> exchanges;
   std::vector<size_t> call_of_exchange;
   exchanges.reserve(which.size());
@@ -328,15 +349,18 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
     Call& call = calls[i];
     DataSlot& slot = *data_slots_[call.shard * options_.connections_per_shard +
                                   call.connection];
-    if (std::find(held.begin(), held.end(), &slot) == held.end()) {
+    auto it = std::find_if(held.begin(), held.end(),
+                           [&slot](const auto& h) { return h.first == &slot; });
+    if (it == held.end()) {
       // Busy on another thread (a push thread beside a pull): gRPC.
       if (!slot.mu.TryLock()) {
         over_grpc.push_back(i);
         continue;
       }
-      held.push_back(&slot);
+      held.emplace_back(&slot, LinkFor(call.shard, slot, deadline));
+      it = held.end() - 1;
     }
-    DataLink* link = LinkFor(call.shard, slot, deadline);
+    DataLink* link = it->second;
     if (link == nullptr) {
       over_grpc.push_back(i);
       continue;
@@ -349,6 +373,7 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
     } else {
       exchange.body = {call.flat};
     }
+    exchange.place_payloads = call.place_payloads;
     exchange.on_response = [&call](absl::string_view body) {
       return call.on_response ? call.on_response(absl::MakeConstSpan(&body, 1))
                               : absl::OkStatus();
@@ -364,7 +389,7 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
             : absl::Status(status.code(),
                            absl::StrCat(short_name, ": ", status.message()));
   }
-  for (DataSlot* slot : held) {
+  for (auto& [slot, link] : held) {
     if (slot->link != nullptr && !slot->link->usable()) slot->link.reset();
     slot->mu.Unlock();
   }
@@ -547,6 +572,7 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
         open_elements = 0;
       }
       open->blocks.push_back(g);
+      open->elements += length;
       open_elements += length;
     }
   }
@@ -613,6 +639,49 @@ absl::Status PsClient::Leave() {
   return RunAll("Leave", calls, options_.rpc_timeout);
 }
 
+absl::Status PsClient::CheckReturnedBlock(const WireBlock& wire, int g) const {
+  const BlockLocation& loc = partition_->blocks()[g];
+  if (wire.block != loc.block ||
+      wire.tensor != schema_.dense(loc.tensor).name()) {
+    return absl::DataLossError(
+        absl::StrCat("returned block ", wire.block, " of '", wire.tensor,
+                     "' where block ", loc.block, " of '",
+                     schema_.dense(loc.tensor).name(), "' was asked for"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<absl::Span<char>>> PsClient::PlacePayloads(
+    const Group& group, absl::string_view meta,
+    const std::vector<float*>& tensors) {
+  absl::StatusOr<WirePullResponse> response =
+      ParsePullResponse(absl::MakeConstSpan(&meta, 1));
+  if (!response.ok()) return response.status();
+  if (response->blocks.size() != group.blocks.size()) {
+    return absl::DataLossError(
+        absl::StrCat("returned ", response->blocks.size(), " blocks, expected ",
+                     group.blocks.size()));
+  }
+  std::vector<absl::Span<char>> places;
+  places.reserve(group.blocks.size());
+  for (size_t i = 0; i < group.blocks.size(); ++i) {
+    const WireBlock& wire = response->blocks[i];
+    const int g = group.blocks[i];
+    if (absl::Status s = CheckReturnedBlock(wire, g); !s.ok()) return s;
+    if (wire.dtype != FLOAT32 || wire.data_size != 0) {
+      return absl::DataLossError(absl::StrCat(
+          "block ", wire.block, " of '", wire.tensor,
+          "' came with its payload inline where it was asked apart"));
+    }
+    const BlockLocation& loc = partition_->blocks()[g];
+    places.emplace_back(
+        reinterpret_cast<char*>(tensors[loc.tensor] + loc.offset),
+        loc.length * sizeof(float));
+    block_versions_[g] = wire.version;
+  }
+  return places;
+}
+
 absl::Status PsClient::StoreBlocks(const Group& group,
                                    const WirePullResponse& response,
                                    const std::vector<float*>& tensors) {
@@ -625,13 +694,7 @@ absl::Status PsClient::StoreBlocks(const Group& group,
     const WireBlock& wire = response.blocks[i];
     const int g = group.blocks[i];
     const BlockLocation& loc = partition_->blocks()[g];
-    if (wire.block != loc.block ||
-        wire.tensor != schema_.dense(loc.tensor).name()) {
-      return absl::DataLossError(
-          absl::StrCat("returned block ", wire.block, " of '", wire.tensor,
-                       "' where block ", loc.block, " of '",
-                       schema_.dense(loc.tensor).name(), "' was asked for"));
-    }
+    if (absl::Status s = CheckReturnedBlock(wire, g); !s.ok()) return s;
     if (absl::Status s = DecodeSegments(
             wire.dtype, wire.data,
             absl::MakeSpan(tensors[loc.tensor] + loc.offset, loc.length),
@@ -675,6 +738,14 @@ absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
       if (!response.ok()) return response.status();
       return StoreBlocks(*group, *response, tensors);
     };
+    // Large blocks on the data plane land straight in the tensors; small
+    // ones are cheaper to copy out of one read than to read apart.
+    if (groups_[i].elements * sizeof(float) >= kPayloadsApartFromBytes) {
+      call.place_payloads = [this, &tensors,
+                             group = call.group](absl::string_view meta) {
+        return PlacePayloads(*group, meta, tensors);
+      };
+    }
   }
   if (absl::Status s =
           RunAll("Pull", calls, options_.rpc_timeout, /*retry=*/true);

@@ -68,7 +68,7 @@ struct PsClientOptions {
   // common/data_plane.h) where they announce one, and over gRPC otherwise
   // (and always with `credentials`: the data plane has no TLS). A data port
   // that cannot be reached is used no more until the server announces
-  // another one; gRPC carries its calls meanwhile.
+  // another one or 30 s pass; gRPC carries its calls meanwhile.
   bool data_plane = true;
   // Channel security (TLS / mutual TLS); null means plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
@@ -149,6 +149,7 @@ class PsClient {
     int shard = 0;
     int connection = 0;
     std::vector<int> blocks;   // global block indices
+    int64_t elements = 0;      // over its blocks
     std::string pull_request;  // serialized PullRequest, step filled per call
   };
   struct Call;
@@ -199,6 +200,13 @@ class PsClient {
   }
   absl::Status StoreBlocks(const Group& group, const WirePullResponse& response,
                            const std::vector<float*>& tensors);
+  // DataLoss unless `wire` is global block g.
+  absl::Status CheckReturnedBlock(const WireBlock& wire, int g) const;
+  // Where a data-plane pull's payloads go (its blocks in the tensors), from
+  // the answer's metadata; records the blocks' versions.
+  absl::StatusOr<std::vector<absl::Span<char>>> PlacePayloads(
+      const Group& group, absl::string_view meta,
+      const std::vector<float*>& tensors);
 
   PsClientOptions options_;
   const uint64_t incarnation_;
@@ -214,9 +222,10 @@ class PsClient {
   std::vector<std::unique_ptr<DataSlot>> data_slots_;
   absl::Mutex data_ports_mu_;
   // Per shard: the data port its registration announced (0: none), the one
-  // that could not be reached (0: none), and whether to ask again.
+  // that could not be reached (0: none) and when, and whether to ask again.
   std::vector<int> data_ports_ ABSL_GUARDED_BY(data_ports_mu_);
   std::vector<int> data_failed_ports_ ABSL_GUARDED_BY(data_ports_mu_);
+  std::vector<absl::Time> data_failed_at_ ABSL_GUARDED_BY(data_ports_mu_);
   bool refresh_data_ports_ ABSL_GUARDED_BY(data_ports_mu_) = false;
   std::unique_ptr<Partition> partition_;
   ModelSchema schema_;
