@@ -46,7 +46,10 @@ fi
 # npm is installed here, not in the list above, because a nodejs from another
 # source (e.g. NodeSource) already bundles npm and conflicts with Debian's.
 k8s_validate="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/k8s/validate"
-if [[ ! -d "$k8s_validate/node_modules" ]]; then
+# Again when package-lock.json changed since (a pull that added a package).
+if [[ ! -d "$k8s_validate/node_modules" ||
+      "$k8s_validate/package-lock.json" -nt \
+        "$k8s_validate/node_modules/.package-lock.json" ]]; then
   if ! command -v npm >/dev/null; then
     echo "setup: installing npm"
     sudo=""
