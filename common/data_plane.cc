@@ -31,6 +31,14 @@ uint64_t Load64(const char* in) {
 
 }  // namespace
 
+void EncodeMetaLength(uint32_t meta_bytes, char out[kMetaLengthBytes]) {
+  Store32(meta_bytes, out);
+}
+
+uint32_t DecodeMetaLength(const char in[kMetaLengthBytes]) {
+  return Load32(in);
+}
+
 // Request: magic 0..3, method 4, flags 5 (bit 0: payloads apart),
 // reserved 6..7, timeout_ms 8..11, reserved 12..15, body_bytes 16..23.
 void EncodeRequestHeader(const RequestHeader& header,

@@ -74,6 +74,11 @@ struct ResponseHeader {
   uint64_t body_bytes = 0;
 };
 
+// The u32 that opens an OK answer with payloads apart: its meta's bytes.
+inline constexpr size_t kMetaLengthBytes = 4;
+void EncodeMetaLength(uint32_t meta_bytes, char out[kMetaLengthBytes]);
+uint32_t DecodeMetaLength(const char in[kMetaLengthBytes]);
+
 void EncodeRequestHeader(const RequestHeader& header,
                          char out[kRequestHeaderBytes]);
 void EncodeResponseHeader(const ResponseHeader& header,

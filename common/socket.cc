@@ -66,6 +66,35 @@ absl::Status TuneSocket(int fd, int buffer_bytes, absl::Duration timeout) {
   return absl::OkStatus();
 }
 
+void ReceiveBuffer::MakeRoom(size_t bytes) {
+  constexpr size_t kMinimum = 256 << 10;
+  if (capacity_ - begin_ >= bytes) return;
+  const size_t kept = end_ - begin_;
+  if (capacity_ >= bytes) {
+    std::memmove(data_.get(), data_.get() + begin_, kept);
+  } else {
+    const size_t capacity =
+        std::max({bytes, kMinimum, capacity_ + capacity_ / 2});
+    std::unique_ptr<char[]> bigger(new char[capacity]);
+    if (kept > 0) std::memcpy(bigger.get(), data_.get() + begin_, kept);
+    data_ = std::move(bigger);
+    capacity_ = capacity;
+  }
+  begin_ = 0;
+  end_ = kept;
+}
+
+void ConsumeIovecs(size_t sent, std::vector<iovec>& iov, size_t* first) {
+  while (*first < iov.size() && sent >= iov[*first].iov_len) {
+    sent -= iov[*first].iov_len;
+    ++*first;
+  }
+  if (*first < iov.size()) {
+    iov[*first].iov_base = static_cast<char*>(iov[*first].iov_base) + sent;
+    iov[*first].iov_len -= sent;
+  }
+}
+
 absl::Status SendAll(int fd, absl::Span<const absl::string_view> pieces) {
   std::vector<iovec> iov;
   iov.reserve(pieces.size());
@@ -84,15 +113,7 @@ absl::Status SendAll(int fd, absl::Span<const absl::string_view> pieces) {
       if (errno == EINTR) continue;
       return SocketError("send", errno);
     }
-    size_t left = static_cast<size_t>(sent);
-    while (first < iov.size() && left >= iov[first].iov_len) {
-      left -= iov[first].iov_len;
-      ++first;
-    }
-    if (first < iov.size()) {
-      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
-      iov[first].iov_len -= left;
-    }
+    ConsumeIovecs(static_cast<size_t>(sent), iov, &first);
   }
   return absl::OkStatus();
 }

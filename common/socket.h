@@ -6,8 +6,12 @@
 #ifndef PSTRAIN_COMMON_SOCKET_H_
 #define PSTRAIN_COMMON_SOCKET_H_
 
+#include <sys/uio.h>
+
 #include <cstddef>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -43,6 +47,38 @@ absl::Status SocketError(absl::string_view what, int error);
 // before connect/listen, so the window scale covers them), and
 // SO_SNDTIMEO/SO_RCVTIMEO when `timeout` > 0.
 absl::Status TuneSocket(int fd, int buffer_bytes, absl::Duration timeout);
+
+// Bytes received from a stream and not yet taken: one buffer that keeps its
+// memory from one message to the next, so reads can take whatever has
+// arrived (a header and its body, or the next message's start) in one
+// system call.
+class ReceiveBuffer {
+ public:
+  absl::string_view available() const {
+    return absl::string_view(data_.get() + begin_, end_ - begin_);
+  }
+  void Consume(size_t bytes) {
+    begin_ += bytes;
+    if (begin_ == end_) begin_ = end_ = 0;
+  }
+  // Room for a message of `bytes` from the front, keeping what has
+  // arrived; at least 256 KiB, so small messages are read ahead.
+  void MakeRoom(size_t bytes);
+  // Where the next bytes go, how many fit, and how many came.
+  char* free_begin() { return data_.get() + end_; }
+  size_t free_bytes() const { return capacity_ - end_; }
+  void Produced(size_t bytes) { end_ += bytes; }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t capacity_ = 0;
+  size_t begin_ = 0;
+  size_t end_ = 0;
+};
+
+// After a writev/sendmsg of iov[*first..] sent `sent` bytes: moves *first
+// past the pieces sent whole and trims the one sent in part.
+void ConsumeIovecs(size_t sent, std::vector<iovec>& iov, size_t* first);
 
 // Writes every byte of `pieces`, in order, with as few system calls as the
 // kernel allows (writev of up to IOV_MAX pieces). Blocking; MSG_NOSIGNAL, so

@@ -22,60 +22,24 @@ namespace {
 
 using data_plane::Method;
 
-// A connection's received bytes: reads take whatever has arrived, so a
-// request's header and body usually come in one system call. It keeps its
-// memory from one request to the next, and grows only as bytes arrive, so
-// a header claiming a huge body costs nothing until the body is sent.
-class ReceiveBuffer {
- public:
-  absl::string_view available() const {
-    return absl::string_view(data_.get() + begin_, end_ - begin_);
-  }
-  void Consume(size_t bytes) {
-    begin_ += bytes;
-    if (begin_ == end_) begin_ = end_ = 0;
-  }
-  // Reads once, with room for at least `frame_bytes` from the front but
-  // at most 4 MiB beyond what has arrived. The socket's SO_RCVTIMEO bounds
-  // the wait (DEADLINE_EXCEEDED); OUT_OF_RANGE when the peer closed.
-  absl::Status ReadMore(int fd, size_t frame_bytes) {
-    constexpr size_t kGrowAhead = 4 << 20;
-    constexpr size_t kMinimum = 256 << 10;
-    MakeRoom(
-        std::max(kMinimum, std::min(frame_bytes, end_ - begin_ + kGrowAhead)));
-    while (true) {
-      const ssize_t got = recv(fd, data_.get() + end_, capacity_ - end_, 0);
-      if (got > 0) {
-        end_ += static_cast<size_t>(got);
-        return absl::OkStatus();
-      }
-      if (got == 0) return absl::OutOfRangeError("connection closed");
-      if (errno != EINTR) return SocketError("recv", errno);
+// Reads once into `buffer`, with room for at least `frame_bytes` from its
+// front but at most 4 MiB beyond what has arrived, so a header claiming a
+// huge body costs nothing until the body is sent. The socket's SO_RCVTIMEO
+// bounds the wait (DEADLINE_EXCEEDED); OUT_OF_RANGE when the peer closed.
+absl::Status ReadMore(int fd, size_t frame_bytes, ReceiveBuffer* buffer) {
+  constexpr size_t kGrowAhead = 4 << 20;
+  buffer->MakeRoom(
+      std::min(frame_bytes, buffer->available().size() + kGrowAhead));
+  while (true) {
+    const ssize_t got = recv(fd, buffer->free_begin(), buffer->free_bytes(), 0);
+    if (got > 0) {
+      buffer->Produced(static_cast<size_t>(got));
+      return absl::OkStatus();
     }
+    if (got == 0) return absl::OutOfRangeError("connection closed");
+    if (errno != EINTR) return SocketError("recv", errno);
   }
-
- private:
-  void MakeRoom(size_t bytes) {
-    if (capacity_ - begin_ >= bytes) return;
-    const size_t kept = end_ - begin_;
-    if (capacity_ >= bytes) {
-      std::memmove(data_.get(), data_.get() + begin_, kept);
-    } else {
-      const size_t capacity = std::max(bytes, capacity_ + capacity_ / 2);
-      std::unique_ptr<char[]> bigger(new char[capacity]);
-      if (kept > 0) std::memcpy(bigger.get(), data_.get() + begin_, kept);
-      data_ = std::move(bigger);
-      capacity_ = capacity;
-    }
-    begin_ = 0;
-    end_ = kept;
-  }
-
-  std::unique_ptr<char[]> data_;
-  size_t capacity_ = 0;
-  size_t begin_ = 0;
-  size_t end_ = 0;
-};
+}
 
 absl::Status Answer(int fd, absl::StatusCode code,
                     absl::Span<const absl::string_view> body) {
@@ -171,7 +135,6 @@ void DataPlaneServer::AcceptLoop() {
           << ")";
       continue;
     }
-    accepted_.fetch_add(1);
     const int64_t id = next_id_++;
     Connection& connection = live_[id];
     connection.fd = fd.get();
@@ -199,7 +162,7 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     // connection is normal. SO_RCVTIMEO wakes it now and then to notice
     // Shutdown; the client closing or Shutdown's shutdown() end it.
     while (received.available().empty() && !stopping_.load()) {
-      ended = received.ReadMore(fd.get(), data_plane::kRequestHeaderBytes);
+      ended = ReadMore(fd.get(), data_plane::kRequestHeaderBytes, &received);
       // Only a greeted connection may idle: one that never says Hello
       // cannot hold a thread past SO_RCVTIMEO.
       if (!absl::IsDeadlineExceeded(ended) || !greeted) break;
@@ -210,7 +173,7 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     // SO_RCVTIMEO.
     while (received.available().size() < data_plane::kRequestHeaderBytes &&
            ended.ok()) {
-      ended = received.ReadMore(fd.get(), data_plane::kRequestHeaderBytes);
+      ended = ReadMore(fd.get(), data_plane::kRequestHeaderBytes, &received);
     }
     if (!ended.ok()) break;
     absl::StatusOr<data_plane::RequestHeader> header =
@@ -227,7 +190,7 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     const size_t frame_bytes =
         data_plane::kRequestHeaderBytes + header->body_bytes;
     while (received.available().size() < frame_bytes && ended.ok()) {
-      ended = received.ReadMore(fd.get(), frame_bytes);
+      ended = ReadMore(fd.get(), frame_bytes, &received);
     }
     if (!ended.ok()) break;
     const absl::string_view request = received.available().substr(

@@ -85,8 +85,6 @@ class DataPlaneServer {
   // Idempotent.
   void Shutdown();
 
-  int64_t connections_accepted() const { return accepted_.load(); }
-
  private:
   DataPlaneServer(const DataPlaneServerOptions& options,
                   DataPlaneHandler* handler, ScopedFd listener, int port);
@@ -104,7 +102,6 @@ class DataPlaneServer {
   const int port_;
   std::thread accept_thread_;
   std::atomic<bool> stopping_{false};
-  std::atomic<int64_t> accepted_{0};
 
   struct Connection {
     int fd = -1;  // owned by its thread; shut down (not closed) by Shutdown

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/data_plane.h"
 #include "common/grpc_bytes.h"
 #include "common/grpc_status.h"
 #include "common/protocol.h"
@@ -79,7 +80,8 @@ grpc::ServerUnaryReactor* ServeSmall(Shard* shard,
 struct PullReply {
   std::vector<PulledBlock> blocks;
   WireMessage message;
-  char meta_length[4] = {};  // a data-plane answer with payloads apart
+  // A data-plane answer with payloads apart opens with this.
+  char meta_length[data_plane::kMetaLengthBytes] = {};
 };
 
 }  // namespace
@@ -166,12 +168,11 @@ void ParameterServerService::PullFromBytes(
             block.data = {};
           }
           reply->message = EncodePullResponse(outgoing);
-          const uint32_t meta_bytes =
-              static_cast<uint32_t>(reply->message.ByteSize());
-          for (int i = 0; i < 4; ++i) {
-            reply->meta_length[i] = static_cast<char>(meta_bytes >> (8 * i));
-          }
-          bytes.pieces.emplace_back(reply->meta_length, 4);
+          data_plane::EncodeMetaLength(
+              static_cast<uint32_t>(reply->message.ByteSize()),
+              reply->meta_length);
+          bytes.pieces.emplace_back(reply->meta_length,
+                                    sizeof(reply->meta_length));
           for (absl::string_view piece : reply->message.Pieces()) {
             bytes.pieces.push_back(piece);
           }

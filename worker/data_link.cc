@@ -17,26 +17,6 @@ namespace pstrain {
 using data_plane::kRequestHeaderBytes;
 using data_plane::kResponseHeaderBytes;
 
-void DataLink::MakeRoom(size_t bytes) {
-  // Small answers get room for several, so reads can run ahead.
-  constexpr size_t kMinimumBuffer = 256 << 10;
-  if (buffer_capacity_ - received_begin_ >= bytes) return;
-  const size_t kept = received_end_ - received_begin_;
-  if (buffer_capacity_ >= bytes) {
-    std::memmove(buffer_.get(), buffer_.get() + received_begin_, kept);
-  } else {
-    const size_t capacity = std::max(bytes, kMinimumBuffer);
-    std::unique_ptr<char[]> bigger(new char[capacity]);
-    if (kept > 0) {
-      std::memcpy(bigger.get(), buffer_.get() + received_begin_, kept);
-    }
-    buffer_ = std::move(bigger);
-    buffer_capacity_ = capacity;
-  }
-  received_begin_ = 0;
-  received_end_ = kept;
-}
-
 // The exchanges of one link during RunExchanges: what is left to send, and
 // where the answer being read stands.
 class DataLinkIo {
@@ -89,16 +69,7 @@ class DataLinkIo {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         return Fail(SocketError(absl::StrCat("send to ", link_->peer_), errno));
       }
-      size_t left = static_cast<size_t>(sent);
-      while (iov_first_ < iov_.size() && left >= iov_[iov_first_].iov_len) {
-        left -= iov_[iov_first_].iov_len;
-        ++iov_first_;
-      }
-      if (sending()) {
-        iov_[iov_first_].iov_base =
-            static_cast<char*>(iov_[iov_first_].iov_base) + left;
-        iov_[iov_first_].iov_len -= left;
-      }
+      ConsumeIovecs(static_cast<size_t>(sent), iov_, &iov_first_);
     }
   }
 
@@ -117,8 +88,9 @@ class DataLinkIo {
       // their place.
       bool apart = false;
       size_t frame_bytes = kResponseHeaderBytes;
-      const size_t available = l.received_end_ - l.received_begin_;
-      const char* at = l.buffer_.get() + l.received_begin_;
+      ReceiveBuffer& received = l.received_;
+      const size_t available = received.available().size();
+      const char* at = received.available().data();
       if (available >= kResponseHeaderBytes) {
         absl::StatusOr<data_plane::ResponseHeader> header =
             data_plane::DecodeResponseHeader(at, l.max_body_bytes_);
@@ -129,22 +101,19 @@ class DataLinkIo {
           if (available >= frame_bytes) {
             Complete(*header, absl::string_view(at + kResponseHeaderBytes,
                                                 header->body_bytes));
-            l.Consume(frame_bytes);
+            received.Consume(frame_bytes);
             continue;
           }
         } else {
-          frame_bytes += 4;
-          if (header->body_bytes < 4) {
+          frame_bytes += data_plane::kMetaLengthBytes;
+          if (header->body_bytes < data_plane::kMetaLengthBytes) {
             return Fail(absl::DataLossError("data-plane answer too short"));
           }
           if (available >= frame_bytes) {
-            uint32_t meta_bytes = 0;
-            for (int i = 0; i < 4; ++i) {
-              meta_bytes |= static_cast<uint32_t>(static_cast<unsigned char>(
-                                at[kResponseHeaderBytes + i]))
-                            << (8 * i);
-            }
-            if (meta_bytes > header->body_bytes - 4) {
+            const uint32_t meta_bytes =
+                data_plane::DecodeMetaLength(at + kResponseHeaderBytes);
+            if (meta_bytes >
+                header->body_bytes - data_plane::kMetaLengthBytes) {
               return Fail(
                   absl::DataLossError("data-plane metadata past its answer"));
             }
@@ -156,20 +125,19 @@ class DataLinkIo {
                                         meta_bytes))) {
                 return;
               }
-              l.Consume(frame_bytes);
+              received.Consume(frame_bytes);
               continue;
             }
           }
         }
       }
-      l.MakeRoom(frame_bytes);
+      received.MakeRoom(frame_bytes);
       const size_t room = apart || front.place_payloads
                               ? frame_bytes - available
-                              : l.buffer_capacity_ - l.received_end_;
-      const ssize_t got =
-          recv(fd(), l.buffer_.get() + l.received_end_, room, MSG_DONTWAIT);
+                              : received.free_bytes();
+      const ssize_t got = recv(fd(), received.free_begin(), room, MSG_DONTWAIT);
       if (!Received(got)) return;
-      l.received_end_ += static_cast<size_t>(got);
+      received.Produced(static_cast<size_t>(got));
     }
   }
 
@@ -213,7 +181,8 @@ class DataLinkIo {
     }
     uint64_t total = 0;
     for (absl::Span<char> place : *places) total += place.size();
-    const uint64_t expected = header.body_bytes - 4 - meta.size();
+    const uint64_t expected =
+        header.body_bytes - data_plane::kMetaLengthBytes - meta.size();
     if (total != expected) {
       Fail(absl::DataLossError(absl::StrCat("data-plane answer carries ",
                                             expected, " payload bytes for ",
@@ -232,10 +201,10 @@ class DataLinkIo {
   // then straight from the socket. False when it must wait or failed.
   bool ReceivePayloads() {
     DataLink& l = *link_;
-    const size_t buffered = l.received_end_ - l.received_begin_;
-    if (buffered > 0) {
-      Advance(l.buffer_.get() + l.received_begin_,
-              std::min<uint64_t>(buffered, payload_left_));
+    const absl::string_view buffered = l.received_.available();
+    if (!buffered.empty()) {
+      Advance(buffered.data(),
+              std::min<uint64_t>(buffered.size(), payload_left_));
       return true;
     }
     iovec iov[64];
@@ -257,7 +226,7 @@ class DataLinkIo {
   // `bytes` payload bytes have arrived: copied from `from` (buffered ones)
   // or already in place (from == nullptr).
   void Advance(const char* from, size_t bytes) {
-    if (from != nullptr) link_->Consume(bytes);
+    if (from != nullptr) link_->received_.Consume(bytes);
     payload_left_ -= bytes;
     while (bytes > 0) {
       absl::Span<char>& place = places_[place_];

@@ -47,27 +47,12 @@ class DataLink {
         peer_(std::move(peer)),
         max_body_bytes_(max_body_bytes) {}
 
-  // Makes room for a frame of `bytes` starting at received_begin_, keeping
-  // the bytes received so far. The buffer grows to the largest answer and
-  // stays.
-  void MakeRoom(size_t bytes);
-  // Drops the first `bytes` received.
-  void Consume(size_t bytes) {
-    received_begin_ += bytes;
-    if (received_begin_ == received_end_) received_begin_ = received_end_ = 0;
-  }
-
   ScopedFd fd_;
   const std::string peer_;
   const uint64_t max_body_bytes_;
   bool usable_ = true;
-  // Received bytes not yet taken are [received_begin_, received_end_):
-  // reads take whatever has arrived, so a header and its body (and the
-  // next answer's start) usually come in one system call.
-  std::unique_ptr<char[]> buffer_;
-  size_t buffer_capacity_ = 0;
-  size_t received_begin_ = 0;
-  size_t received_end_ = 0;
+  // Answers as they arrive; kept from one call to the next.
+  ReceiveBuffer received_;
 };
 
 // One request on a link and what to do with its answer.
