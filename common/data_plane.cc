@@ -31,12 +31,28 @@ uint64_t Load64(const char* in) {
 
 }  // namespace
 
-void EncodeMetaLength(uint32_t meta_bytes, char out[kMetaLengthBytes]) {
+void EncodeLengthPrefix(uint32_t meta_bytes, char out[kLengthPrefixBytes]) {
   Store32(meta_bytes, out);
 }
 
-uint32_t DecodeMetaLength(const char in[kMetaLengthBytes]) {
+uint32_t DecodeLengthPrefix(const char in[kLengthPrefixBytes]) {
   return Load32(in);
+}
+
+absl::StatusOr<LengthPrefixed> SplitLengthPrefixed(absl::string_view bytes,
+                                                   absl::string_view what) {
+  if (bytes.size() < kLengthPrefixBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is shorter than its length prefix"));
+  }
+  const uint32_t head_bytes = Load32(bytes.data());
+  bytes.remove_prefix(kLengthPrefixBytes);
+  if (head_bytes > bytes.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " says its first part is ", head_bytes,
+                     " bytes; only ", bytes.size(), " follow"));
+  }
+  return LengthPrefixed{bytes.substr(0, head_bytes), bytes.substr(head_bytes)};
 }
 
 // Request: magic 0..3, method 4, flags 5 (bit 0: payloads apart),
@@ -69,7 +85,7 @@ absl::StatusOr<RequestHeader> DecodeRequestHeader(
   }
   const uint8_t method = static_cast<uint8_t>(in[4]);
   if (method < static_cast<uint8_t>(Method::kHello) ||
-      method > static_cast<uint8_t>(Method::kPull)) {
+      method > static_cast<uint8_t>(Method::kPushPull)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown data-plane method ", method));
   }
@@ -80,9 +96,10 @@ absl::StatusOr<RequestHeader> DecodeRequestHeader(
   RequestHeader header;
   header.method = static_cast<Method>(method);
   header.payloads_apart = in[5] == 1;
-  if (header.payloads_apart && header.method != Method::kPull) {
+  if (header.payloads_apart && header.method != Method::kPull &&
+      header.method != Method::kPushPull) {
     return absl::InvalidArgumentError(
-        "only a Pull can ask for its payloads apart");
+        "only a Pull or PushPull can ask for its payloads apart");
   }
   header.timeout_ms = Load32(in + 8);
   header.body_bytes = Load64(in + 16);

@@ -29,6 +29,19 @@
 // connection stays usable unless the error was in the framing itself (bad
 // magic, method or size), after which the server closes it.
 //
+// A PushPull is a Push and then a Pull in one round trip, for a worker
+// whose next step needs the model its push completes (ps-lite's
+// ZPushPull): the server applies the push and answers the pull as if the
+// two had come one after the other on this connection, so a retried
+// PushPull is as safe as a retried Push. Its request body is
+//
+//   u32 push_bytes + PushRequest + PullRequest
+//
+// and its OK answer is the Pull's (inline, or with payloads apart when the
+// header asks), with the PullResponse part (the inline body, or the meta)
+// preceded by u32 push_response_bytes + PushResponse. A push the server
+// refuses is answered with its error and the pull is not run.
+//
 // Plaintext only: a server with TLS does not offer the data plane, and a
 // client with TLS credentials never uses it.
 #ifndef PSTRAIN_COMMON_DATA_PLANE_H_
@@ -45,7 +58,7 @@
 namespace pstrain {
 namespace data_plane {
 
-enum class Method : uint8_t { kHello = 1, kPush = 2, kPull = 3 };
+enum class Method : uint8_t { kHello = 1, kPush = 2, kPull = 3, kPushPull = 4 };
 
 inline constexpr size_t kRequestHeaderBytes = 24;
 inline constexpr size_t kResponseHeaderBytes = 16;
@@ -74,10 +87,20 @@ struct ResponseHeader {
   uint64_t body_bytes = 0;
 };
 
-// The u32 that opens an OK answer with payloads apart: its meta's bytes.
-inline constexpr size_t kMetaLengthBytes = 4;
-void EncodeMetaLength(uint32_t meta_bytes, char out[kMetaLengthBytes]);
-uint32_t DecodeMetaLength(const char in[kMetaLengthBytes]);
+// The u32 length that opens an OK answer with payloads apart (its meta's
+// bytes) and the two parts of a PushPull (see above).
+inline constexpr size_t kLengthPrefixBytes = 4;
+void EncodeLengthPrefix(uint32_t bytes, char out[kLengthPrefixBytes]);
+uint32_t DecodeLengthPrefix(const char in[kLengthPrefixBytes]);
+
+// `bytes` as u32 length + head + rest: head and rest, or InvalidArgument
+// naming `what` when the length runs past the end.
+struct LengthPrefixed {
+  absl::string_view head;
+  absl::string_view rest;
+};
+absl::StatusOr<LengthPrefixed> SplitLengthPrefixed(absl::string_view bytes,
+                                                   absl::string_view what);
 
 void EncodeRequestHeader(const RequestHeader& header,
                          char out[kRequestHeaderBytes]);

@@ -1,5 +1,7 @@
 #include "common/data_plane.h"
 
+#include <string>
+
 #include "gtest/gtest.h"
 
 namespace pstrain {
@@ -60,6 +62,44 @@ TEST(DataPlaneHeaderTest, AResponseWithAnUnknownCodeIsDataLoss) {
   raw[4] = 17;
   EXPECT_EQ(DecodeResponseHeader(raw, 10).status().code(),
             absl::StatusCode::kDataLoss);
+}
+
+TEST(DataPlaneHeaderTest, OnlyPullAndPushPullMayAskForPayloadsApart) {
+  char raw[kRequestHeaderBytes];
+  for (Method method : {Method::kPull, Method::kPushPull}) {
+    EncodeRequestHeader({method, 0, 1, /*payloads_apart=*/true}, raw);
+    absl::StatusOr<RequestHeader> header = DecodeRequestHeader(raw, 1000);
+    ASSERT_TRUE(header.ok()) << header.status();
+    EXPECT_TRUE(header->payloads_apart);
+  }
+  EncodeRequestHeader({Method::kPush, 0, 1, /*payloads_apart=*/true}, raw);
+  EXPECT_EQ(DecodeRequestHeader(raw, 1000).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LengthPrefixedTest, SplitsHeadFromRest) {
+  std::string bytes(kLengthPrefixBytes, '\0');
+  EncodeLengthPrefix(3, bytes.data());
+  bytes += "abcdef";
+  absl::StatusOr<LengthPrefixed> parts = SplitLengthPrefixed(bytes, "body");
+  ASSERT_TRUE(parts.ok()) << parts.status();
+  EXPECT_EQ(parts->head, "abc");
+  EXPECT_EQ(parts->rest, "def");
+}
+
+TEST(LengthPrefixedTest, ALengthPastTheEndOrNoPrefixIsRefusedByName) {
+  std::string bytes(kLengthPrefixBytes, '\0');
+  EncodeLengthPrefix(7, bytes.data());
+  bytes += "abcdef";
+  absl::StatusOr<LengthPrefixed> parts =
+      SplitLengthPrefixed(bytes, "PushPull body");
+  EXPECT_EQ(parts.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(parts.status().message().find("PushPull body says its first part "
+                                          "is 7 bytes; only 6 follow"),
+            std::string::npos)
+      << parts.status();
+  EXPECT_EQ(SplitLengthPrefixed("ab", "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -59,6 +59,47 @@ absl::Status AnswerStatus(int fd, const absl::Status& status) {
   return Answer(fd, status.code(), absl::MakeConstSpan(&message, 1));
 }
 
+// A PushPull's OK answer (common/data_plane.h): the pull's answer `pull`
+// with u32 + `push_response` before its PullResponse part. With payloads
+// apart that part is the meta, whose length prefix grows to cover it.
+// `push_length` and `meta_length` hold the new prefixes.
+std::vector<absl::string_view> PrefixPushResponse(
+    absl::string_view push_response, bool payloads_apart,
+    absl::Span<const absl::string_view> pull,
+    char push_length[data_plane::kLengthPrefixBytes],
+    char meta_length[data_plane::kLengthPrefixBytes]) {
+  data_plane::EncodeLengthPrefix(static_cast<uint32_t>(push_response.size()),
+                                 push_length);
+  std::vector<absl::string_view> answer;
+  answer.reserve(pull.size() + 3);
+  size_t skip = 0;  // bytes of `pull` already accounted for
+  if (payloads_apart) {
+    // The pull's own meta length, which may span pieces.
+    char old_length[data_plane::kLengthPrefixBytes];
+    for (absl::string_view piece : pull) {
+      const size_t take =
+          std::min(piece.size(), data_plane::kLengthPrefixBytes - skip);
+      std::memcpy(old_length + skip, piece.data(), take);
+      skip += take;
+      if (skip == data_plane::kLengthPrefixBytes) break;
+    }
+    data_plane::EncodeLengthPrefix(
+        data_plane::DecodeLengthPrefix(old_length) +
+            static_cast<uint32_t>(data_plane::kLengthPrefixBytes +
+                                  push_response.size()),
+        meta_length);
+    answer.emplace_back(meta_length, data_plane::kLengthPrefixBytes);
+  }
+  answer.emplace_back(push_length, data_plane::kLengthPrefixBytes);
+  answer.push_back(push_response);
+  for (absl::string_view piece : pull) {
+    const size_t drop = std::min(skip, piece.size());
+    skip -= drop;
+    if (piece.size() > drop) answer.push_back(piece.substr(drop));
+  }
+  return answer;
+}
+
 // The shared state of one pull: the shard may answer after the connection
 // thread gave up waiting, so the answer lands here, not on its stack.
 struct PullWait {
@@ -228,20 +269,37 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     }
     absl::Status status;
     std::vector<absl::string_view> answer;
-    // Keeps the answer's memory alive until it is sent.
+    // Keep the answer's memory alive until it is sent.
     absl::StatusOr<std::string> pushed;
     std::shared_ptr<PullWait> pulled;
-    if (header->method == Method::kPush) {
+    char push_length[data_plane::kLengthPrefixBytes];
+    char meta_length[data_plane::kLengthPrefixBytes];
+    absl::string_view pull_request = request;
+    if (header->method == Method::kPushPull) {
+      absl::StatusOr<data_plane::LengthPrefixed> parts =
+          data_plane::SplitLengthPrefixed(request, "PushPull request");
+      if (parts.ok()) {
+        pushed =
+            handler_->ServeDataPlanePush(absl::MakeConstSpan(&parts->head, 1));
+        status = pushed.status();
+        pull_request = parts->rest;
+      } else {
+        handler_->CountRejected();
+        status = parts.status();
+      }
+    } else if (header->method == Method::kPush) {
       pushed = handler_->ServeDataPlanePush(absl::MakeConstSpan(&request, 1));
       status = pushed.status();
       if (pushed.ok()) answer.push_back(*pushed);
-    } else {
+    }
+    if (status.ok() && header->method != Method::kPush) {
       const absl::Time deadline =
           arrived + std::min(absl::Milliseconds(header->timeout_ms),
                              options_.max_pull_wait);
       pulled = std::make_shared<PullWait>();
       handler_->ServeDataPlanePull(
-          absl::MakeConstSpan(&request, 1), deadline, header->payloads_apart,
+          absl::MakeConstSpan(&pull_request, 1), deadline,
+          header->payloads_apart,
           [wait = pulled](absl::StatusOr<OutgoingBytes> result) {
             wait->result = std::move(result);
             wait->done.Notify();
@@ -255,7 +313,13 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
         break;
       }
       status = pulled->result.status();
-      if (status.ok()) answer = pulled->result->pieces;
+      if (status.ok() && header->method == Method::kPushPull) {
+        answer = PrefixPushResponse(*pushed, header->payloads_apart,
+                                    pulled->result->pieces, push_length,
+                                    meta_length);
+      } else if (status.ok()) {
+        answer = pulled->result->pieces;
+      }
     }
     const absl::string_view message = status.message();
     if (!status.ok()) answer = {message};

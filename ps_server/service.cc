@@ -81,7 +81,7 @@ struct PullReply {
   std::vector<PulledBlock> blocks;
   WireMessage message;
   // A data-plane answer with payloads apart opens with this.
-  char meta_length[data_plane::kMetaLengthBytes] = {};
+  char meta_length[data_plane::kLengthPrefixBytes] = {};
 };
 
 }  // namespace
@@ -168,7 +168,7 @@ void ParameterServerService::PullFromBytes(
             block.data = {};
           }
           reply->message = EncodePullResponse(outgoing);
-          data_plane::EncodeMetaLength(
+          data_plane::EncodeLengthPrefix(
               static_cast<uint32_t>(reply->message.ByteSize()),
               reply->meta_length);
           bytes.pieces.emplace_back(reply->meta_length,

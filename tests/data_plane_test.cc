@@ -1,5 +1,6 @@
 // The tensor data plane against real ps_server processes: pushes and pulls
-// take it when the server offers it and give the same model as gRPC; bad
+// (and PushPull, both in one round trip) take it when the server offers it
+// and give the same model as gRPC; bad
 // bytes on the data port are refused by name without harming the server; a
 // worker follows a restarted server to its new data port.
 //
@@ -13,6 +14,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -132,6 +134,79 @@ TEST(DataPlaneTest, AClientWithTheDataPlaneOffUsesGrpc) {
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(*model, std::vector<float>(kElements, 1.0f));
   EXPECT_EQ(DataPlaneRequests(*cluster), 0);
+}
+
+// PushPull of a gradient of ones as `push_step`, pulling `push_step` + 1.
+absl::StatusOr<std::vector<float>> PushPullOnes(
+    PsClient& client, int64_t push_step, int elements,
+    PsClient::PushPullResult* result = nullptr) {
+  const std::vector<float> ones(elements, 1.0f);
+  std::vector<float> model(elements, -1.0f);
+  absl::StatusOr<PsClient::PushPullResult> done =
+      client.PushPull(push_step, {ones.data()}, push_step + 1, {model.data()});
+  if (!done.ok()) return done.status();
+  if (result != nullptr) *result = *done;
+  return model;
+}
+
+TEST(DataPlaneTest, PushPullGivesThePushThenPullModelOnBothTransports) {
+  for (const bool offered : {true, false}) {
+    SCOPED_TRACE(offered ? "data plane" : "gRPC");
+    std::unique_ptr<TestCluster> cluster =
+        offered ? StartCluster("pushpull")
+                : StartCluster("pushpull_grpc", {"--data_port=-1"});
+    ASSERT_NE(cluster, nullptr);
+    std::unique_ptr<PsClient> client = Join(*cluster);
+    ASSERT_NE(client, nullptr);
+    PsClient::PushPullResult result;
+    absl::StatusOr<std::vector<float>> model =
+        PushPullOnes(*client, 0, kElements, &result);
+    ASSERT_TRUE(model.ok()) << model.status();
+    EXPECT_EQ(*model, std::vector<float>(kElements, 1.0f));  // 1.5 - 0.5
+    EXPECT_EQ(result.pushed.blocks_duplicate, 0);
+    EXPECT_EQ(result.pulled_step, 1);
+    // The same step again, as a retry after a lost answer sends it: both
+    // blocks are acknowledged as duplicates and nothing is applied twice.
+    model = PushPullOnes(*client, 0, kElements, &result);
+    ASSERT_TRUE(model.ok()) << model.status();
+    EXPECT_EQ(*model, std::vector<float>(kElements, 1.0f));
+    EXPECT_EQ(result.pushed.blocks_duplicate, 2);
+    model = PushPullOnes(*client, 1, kElements);
+    ASSERT_TRUE(model.ok()) << model.status();
+    EXPECT_EQ(*model, std::vector<float>(kElements, 0.5f));
+    // A push and a pull per block and call when the data plane carries them
+    // (one round trip each), none otherwise.
+    EXPECT_EQ(DataPlaneRequests(*cluster), offered ? 12 : 0);
+  }
+}
+
+TEST(DataPlaneTest, PushPullOfLargeBlocksReadsThePayloadsIntoPlace) {
+  // Two blocks of 64 KiB: their pull asks for the payloads apart.
+  constexpr int kLarge = 32768;
+  ModelSchema schema;
+  schema.set_seed(5);
+  schema.set_block_elements(kLarge / 2);
+  DenseTensorSpec* w = schema.add_dense();
+  w->set_name("w");
+  w->add_shape(kLarge);
+  w->mutable_init()->set_kind(InitSpec::CONSTANT);
+  w->mutable_init()->set_value(1.5f);
+  std::unique_ptr<TestCluster> cluster = StartCluster("pushpull_large");
+  ASSERT_NE(cluster, nullptr);
+  PsClientOptions options;
+  options.hosts = cluster->HostList();
+  options.heartbeat_interval = absl::ZeroDuration();
+  options.retry_window = absl::Seconds(30);
+  absl::StatusOr<std::unique_ptr<PsClient>> client = PsClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->Register(schema, 1, 0).ok());
+  PsClient::PushPullResult result;
+  absl::StatusOr<std::vector<float>> model =
+      PushPullOnes(**client, 0, kLarge, &result);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(*model, std::vector<float>(kLarge, 1.0f));
+  EXPECT_EQ(result.pulled_step, 1);
+  EXPECT_EQ(DataPlaneRequests(*cluster), 4);
 }
 
 // ---------------------------------------------------------------------------
@@ -340,6 +415,90 @@ TEST(DataPlaneTest, AWorkerFollowsARestartedServerToItsNewDataPort) {
   ASSERT_TRUE(PushOnesAndPull(*client, 1).ok());
   // Counted by the new process: at least the last push and pull.
   EXPECT_GE(DataPlaneRequests(*cluster), 2);
+}
+
+// A PushPull frame as common/data_plane.h lays it out.
+std::string PushPullBody(absl::string_view push, absl::string_view pull) {
+  char length[data_plane::kLengthPrefixBytes];
+  data_plane::EncodeLengthPrefix(static_cast<uint32_t>(push.size()), length);
+  return absl::StrCat(absl::string_view(length, sizeof(length)), push, pull);
+}
+
+PullRequest PullOfBlock(int block) {
+  PullRequest pull;
+  pull.set_protocol_version(kProtocolVersion);
+  pull.set_worker_id(0);
+  BlockRef* ref = pull.add_blocks();
+  ref->set_tensor("w");
+  ref->set_block(block);
+  return pull;
+}
+
+TEST(DataPlaneTest, APushPullFrameAppliesThePushThenAnswersThePull) {
+  std::unique_ptr<TestCluster> cluster = StartCluster("pushpull_raw");
+  ASSERT_NE(cluster, nullptr);
+  std::unique_ptr<PsClient> client = Join(*cluster);  // registers the model
+  ASSERT_NE(client, nullptr);
+  const int port = DataPort(*cluster);
+  ASSERT_GT(port, 0);
+  RawConnection c(port);
+  c.Send(Request(Method::kHello, ""));
+  ExpectRefused(c, absl::StatusCode::kOk, "");
+
+  PushRequest push;
+  push.set_protocol_version(kProtocolVersion);
+  push.set_worker_id(0);
+  push.set_step(0);
+  TensorBlock* block = push.add_blocks();
+  block->set_tensor("w");
+  block->set_block(0);
+  block->set_dtype(FLOAT32);
+  const std::vector<float> ones(4, 1.0f);
+  block->set_data(ones.data(), ones.size() * sizeof(float));
+  c.Send(Request(Method::kPushPull,
+                 PushPullBody(push.SerializeAsString(),
+                              PullOfBlock(0).SerializeAsString())));
+  absl::StatusOr<Answer> answer = c.Read();
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  ASSERT_EQ(answer->code, absl::StatusCode::kOk) << answer->body;
+  absl::StatusOr<data_plane::LengthPrefixed> parts =
+      data_plane::SplitLengthPrefixed(answer->body, "answer");
+  ASSERT_TRUE(parts.ok()) << parts.status();
+  PushResponse pushed;
+  ASSERT_TRUE(pushed.ParseFromString(std::string(parts->head)));
+  EXPECT_EQ(pushed.blocks_applied(), 1);
+  PullResponse pulled;
+  ASSERT_TRUE(pulled.ParseFromString(std::string(parts->rest)));
+  ASSERT_EQ(pulled.blocks_size(), 1);
+  std::vector<float> values(4);
+  ASSERT_EQ(pulled.blocks(0).data().size(), sizeof(float) * values.size());
+  std::memcpy(values.data(), pulled.blocks(0).data().data(),
+              pulled.blocks(0).data().size());
+  EXPECT_EQ(values, std::vector<float>(4, 1.0f));  // the push is in
+
+  // Refused PushPulls: the pull is not run and the connection stays usable.
+  absl::StatusOr<std::vector<StatsResponse>> before = cluster->Stats();
+  ASSERT_TRUE(before.ok()) << before.status();
+  std::string overlong = PushPullBody("", PullOfBlock(1).SerializeAsString());
+  data_plane::EncodeLengthPrefix(1000, overlong.data());
+  c.Send(Request(Method::kPushPull, overlong));
+  ExpectRefused(c, absl::StatusCode::kInvalidArgument,
+                "PushPull request says its first part is 1000 bytes");
+  c.Send(Request(
+      Method::kPushPull,
+      PushPullBody("\xff\xff\xff", PullOfBlock(1).SerializeAsString())));
+  ExpectRefused(c, absl::StatusCode::kInvalidArgument, "malformed PushRequest");
+  c.Send(Request(Method::kPull, PullOfBlock(1).SerializeAsString()));
+  answer = c.Read();
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->code, absl::StatusCode::kOk) << answer->body;
+  absl::StatusOr<std::vector<StatsResponse>> after = cluster->Stats();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ((*after)[0].requests_rejected() - (*before)[0].requests_rejected(),
+            2);
+  std::vector<float> model(kElements, -1.0f);
+  ASSERT_TRUE(client->Pull(1, {model.data()}).ok());
+  EXPECT_EQ(model, std::vector<float>({1, 1, 1, 1, 1.5, 1.5, 1.5, 1.5}));
 }
 
 }  // namespace

@@ -105,15 +105,15 @@ class DataLinkIo {
             continue;
           }
         } else {
-          frame_bytes += data_plane::kMetaLengthBytes;
-          if (header->body_bytes < data_plane::kMetaLengthBytes) {
+          frame_bytes += data_plane::kLengthPrefixBytes;
+          if (header->body_bytes < data_plane::kLengthPrefixBytes) {
             return Fail(absl::DataLossError("data-plane answer too short"));
           }
           if (available >= frame_bytes) {
             const uint32_t meta_bytes =
-                data_plane::DecodeMetaLength(at + kResponseHeaderBytes);
+                data_plane::DecodeLengthPrefix(at + kResponseHeaderBytes);
             if (meta_bytes >
-                header->body_bytes - data_plane::kMetaLengthBytes) {
+                header->body_bytes - data_plane::kLengthPrefixBytes) {
               return Fail(
                   absl::DataLossError("data-plane metadata past its answer"));
             }
@@ -182,7 +182,7 @@ class DataLinkIo {
     uint64_t total = 0;
     for (absl::Span<char> place : *places) total += place.size();
     const uint64_t expected =
-        header.body_bytes - data_plane::kMetaLengthBytes - meta.size();
+        header.body_bytes - data_plane::kLengthPrefixBytes - meta.size();
     if (total != expected) {
       Fail(absl::DataLossError(absl::StrCat("data-plane answer carries ",
                                             expected, " payload bytes for ",

@@ -72,6 +72,11 @@ struct PsClient::Call {
   std::function<absl::StatusOr<std::vector<absl::Span<char>>>(
       absl::string_view meta)>
       place_payloads;
+  // A PushPull: `message` is the push, `flat` the pull, and this takes the
+  // PushResponse (on_response and place_payloads take the pull's answer).
+  std::function<absl::Status(absl::Span<const absl::string_view>)>
+      on_push_response;
+  char push_length[data_plane::kLengthPrefixBytes] = {};  // sent before it
 
   std::unique_ptr<grpc::ClientContext> context;
   grpc::ByteBuffer request, response;
@@ -332,6 +337,8 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
     method = data_plane::Method::kPush;
   } else if (short_name == "Pull") {
     method = data_plane::Method::kPull;
+  } else if (short_name == "PushPull") {
+    method = data_plane::Method::kPushPull;
   } else {
     return which;
   }
@@ -368,16 +375,18 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
     DataExchange& exchange = exchanges.emplace_back();
     exchange.link = link;
     exchange.method = method;
-    if (call.message.num_pieces() > 0) {
-      exchange.body = call.message.Pieces();
-    } else {
-      exchange.body = {call.flat};
-    }
-    exchange.place_payloads = call.place_payloads;
     exchange.on_response = [&call](absl::string_view body) {
       return call.on_response ? call.on_response(absl::MakeConstSpan(&body, 1))
                               : absl::OkStatus();
     };
+    exchange.place_payloads = call.place_payloads;
+    if (method == data_plane::Method::kPushPull) {
+      PreparePushPull(call, exchange);
+    } else if (call.message.num_pieces() > 0) {
+      exchange.body = call.message.Pieces();
+    } else {
+      exchange.body = {call.flat};
+    }
     call_of_exchange.push_back(i);
   }
   RunExchanges(absl::MakeSpan(exchanges), deadline);
@@ -396,6 +405,72 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
   return over_grpc;
 }
 
+void PsClient::PreparePushPull(Call& call, DataExchange& exchange) {
+  data_plane::EncodeLengthPrefix(static_cast<uint32_t>(call.message.ByteSize()),
+                                 call.push_length);
+  exchange.body = call.message.Pieces();
+  exchange.body.insert(
+      exchange.body.begin(),
+      absl::string_view(call.push_length, sizeof(call.push_length)));
+  exchange.body.push_back(call.flat);
+  // The answer's PullResponse part (the body, or with payloads apart the
+  // meta) comes after the PushResponse.
+  auto take_push_response =
+      [&call](absl::string_view bytes) -> absl::StatusOr<absl::string_view> {
+    absl::StatusOr<data_plane::LengthPrefixed> parts =
+        data_plane::SplitLengthPrefixed(bytes, "PushPull answer");
+    if (!parts.ok()) return absl::DataLossError(parts.status().message());
+    if (absl::Status s =
+            call.on_push_response(absl::MakeConstSpan(&parts->head, 1));
+        !s.ok()) {
+      return s;
+    }
+    return parts->rest;
+  };
+  exchange.on_response = [&call, take_push_response](absl::string_view body) {
+    absl::StatusOr<absl::string_view> pull = take_push_response(body);
+    if (!pull.ok()) return pull.status();
+    return call.on_response(absl::MakeConstSpan(&*pull, 1));
+  };
+  if (call.place_payloads) {
+    exchange.place_payloads = [&call,
+                               take_push_response](absl::string_view meta)
+        -> absl::StatusOr<std::vector<absl::Span<char>>> {
+      absl::StatusOr<absl::string_view> pull_meta = take_push_response(meta);
+      if (!pull_meta.ok()) return pull_meta.status();
+      return call.place_payloads(*pull_meta);
+    };
+  }
+}
+
+void PsClient::PushPullOverGrpc(std::vector<Call>& calls,
+                                const std::vector<size_t>& which,
+                                absl::Duration timeout) {
+  std::vector<Call> pushes(which.size()), pulls(which.size());
+  std::vector<size_t> all(which.size()), pushed;
+  for (size_t k = 0; k < which.size(); ++k) {
+    const Call& call = calls[which[k]];
+    all[k] = k;
+    pushes[k].shard = pulls[k].shard = call.shard;
+    pushes[k].connection = pulls[k].connection = call.connection;
+    pushes[k].message = call.message;
+    pushes[k].on_response = call.on_push_response;
+    pulls[k].group = call.group;
+    pulls[k].flat = call.flat;
+    pulls[k].on_response = call.on_response;
+  }
+  StartAndWait(absl::StrCat(kServicePath, "Push"), pushes, all, timeout);
+  for (size_t k = 0; k < which.size(); ++k) {
+    if (pushes[k].status.ok()) {
+      pushed.push_back(k);
+    } else {
+      calls[which[k]].status = pushes[k].status;
+    }
+  }
+  StartAndWait(absl::StrCat(kServicePath, "Pull"), pulls, pushed, timeout);
+  for (size_t k : pushed) calls[which[k]].status = pulls[k].status;
+}
+
 void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
                             const std::vector<size_t>& all,
                             absl::Duration timeout) {
@@ -404,6 +479,7 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
   const std::vector<size_t> which =
       RunOnDataPlane(short_name, calls, all, timeout);
   if (which.empty()) return;
+  if (short_name == "PushPull") return PushPullOverGrpc(calls, which, timeout);
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout);
   if (which.size() == 1) {
@@ -707,8 +783,8 @@ absl::Status PsClient::StoreBlocks(const Group& group,
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
-                                       const std::vector<float*>& tensors) {
+absl::Status PsClient::CheckPullArguments(
+    const std::vector<float*>& tensors) const {
   if (partition_ == nullptr) {
     return absl::FailedPreconditionError("Pull before Register");
   }
@@ -717,6 +793,11 @@ absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
                                                    " tensors, the model has ",
                                                    partition_->NumTensors()));
   }
+  return absl::OkStatus();
+}
+
+std::vector<PsClient::Call> PsClient::PullCalls(
+    int64_t step, const std::vector<float*>& tensors) {
   // The block list of each group is serialized once; the step and worker
   // are appended per call, as protobuf allows.
   PullRequest header;
@@ -747,11 +828,10 @@ absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
       };
     }
   }
-  if (absl::Status s =
-          RunAll("Pull", calls, options_.rpc_timeout, /*retry=*/true);
-      !s.ok()) {
-    return s;
-  }
+  return calls;
+}
+
+int64_t PsClient::PulledStep(int64_t step) const {
   if (mode_ != "sync") return step;
   // Blocks past `step` mean the job moved on without this worker: continue
   // from the step every block is at.
@@ -760,9 +840,21 @@ absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
   return block_versions_.empty() ? step : std::max(at, step);
 }
 
-absl::StatusOr<PsClient::PushResult> PsClient::Push(
+absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
+                                       const std::vector<float*>& tensors) {
+  if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
+  std::vector<Call> calls = PullCalls(step, tensors);
+  if (absl::Status s =
+          RunAll("Pull", calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  return PulledStep(step);
+}
+
+absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
     int64_t step, const std::vector<const float*>& gradients,
-    absl::Span<const int> only) {
+    absl::Span<const int> only, std::vector<PushResponse>& responses) {
   if (partition_ == nullptr) {
     return absl::FailedPreconditionError("Push before Register");
   }
@@ -783,7 +875,7 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
   const DataType wire_type = options_.gradient_wire_type;
   std::vector<Call> calls;
   calls.reserve(groups_.size());
-  std::vector<PushResponse> responses(groups_.size());
+  responses.assign(groups_.size(), PushResponse());
   std::vector<OutgoingBlock> blocks;
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& group = groups_[i];
@@ -815,6 +907,7 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
     }
     if (blocks.empty()) continue;
     Call& call = calls.emplace_back();
+    call.group = &group;
     call.shard = group.shard;
     call.connection = group.connection;
     call.message = EncodePushRequest(kProtocolVersion, worker_id_, step, blocks,
@@ -824,37 +917,77 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
       return Deserialize(bytes, &responses[i]);
     };
   }
-  if (absl::Status s =
-          RunAll("Push", calls, options_.rpc_timeout, /*retry=*/true);
-      !s.ok()) {
-    return s;
-  }
+  return calls;
+}
+
+PsClient::PushResult PsClient::SumPushResponses(
+    const std::vector<PushResponse>& responses) {
   PushResult result;
   for (const PushResponse& response : responses) {
     result.blocks_duplicate += response.blocks_duplicate();
     result.blocks_late += response.blocks_late();
   }
-  if (options_.inject_duplicate_push_probability > 0) {
-    std::vector<Call> again(calls.size());
-    std::vector<size_t> chosen;
-    for (size_t i = 0; i < calls.size(); ++i) {
-      if (!absl::Bernoulli(random_,
-                           options_.inject_duplicate_push_probability)) {
-        continue;
-      }
-      again[chosen.size()].shard = calls[i].shard;
-      again[chosen.size()].connection = calls[i].connection;
-      again[chosen.size()].message = std::move(calls[i].message);
-      chosen.push_back(i);
+  return result;
+}
+
+absl::Status PsClient::InjectDuplicatePushes(const std::vector<Call>& pushed) {
+  if (options_.inject_duplicate_push_probability <= 0) return absl::OkStatus();
+  std::vector<Call> again;
+  for (const Call& call : pushed) {
+    if (!absl::Bernoulli(random_, options_.inject_duplicate_push_probability)) {
+      continue;
     }
-    again.resize(chosen.size());
-    injected_duplicates_ += static_cast<int64_t>(chosen.size());
-    if (absl::Status s =
-            RunAll("Push", again, options_.rpc_timeout, /*retry=*/true);
-        !s.ok()) {
-      return s;
-    }
+    Call& copy = again.emplace_back();
+    copy.shard = call.shard;
+    copy.connection = call.connection;
+    copy.message = call.message;
   }
+  injected_duplicates_ += static_cast<int64_t>(again.size());
+  return RunAll("Push", again, options_.rpc_timeout, /*retry=*/true);
+}
+
+absl::StatusOr<PsClient::PushResult> PsClient::Push(
+    int64_t step, const std::vector<const float*>& gradients,
+    absl::Span<const int> only) {
+  std::vector<PushResponse> responses;
+  absl::StatusOr<std::vector<Call>> calls =
+      PushCalls(step, gradients, only, responses);
+  if (!calls.ok()) return calls.status();
+  if (absl::Status s =
+          RunAll("Push", *calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  const PushResult result = SumPushResponses(responses);
+  if (absl::Status s = InjectDuplicatePushes(*calls); !s.ok()) return s;
+  return result;
+}
+
+absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
+    int64_t push_step, const std::vector<const float*>& gradients,
+    int64_t pull_step, const std::vector<float*>& tensors) {
+  if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
+  std::vector<PushResponse> responses;
+  absl::StatusOr<std::vector<Call>> pushes =
+      PushCalls(push_step, gradients, /*only=*/{}, responses);
+  if (!pushes.ok()) return pushes.status();
+  std::vector<Call> calls = PullCalls(pull_step, tensors);
+  // Every group has blocks of some tensor, so with all tensors pushed the
+  // push calls are the groups in order, as the pull calls are.
+  CHECK_EQ(pushes->size(), calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    calls[i].message = std::move((*pushes)[i].message);
+    calls[i].on_push_response = std::move((*pushes)[i].on_response);
+  }
+  if (absl::Status s =
+          RunAll("PushPull", calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  PushPullResult result;
+  result.pushed = SumPushResponses(responses);
+  if (absl::Status s = InjectDuplicatePushes(calls); !s.ok()) return s;
+  result.pulled_step = PulledStep(pull_step);
   return result;
 }
 

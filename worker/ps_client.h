@@ -120,6 +120,20 @@ class PsClient {
                                   const std::vector<const float*>& gradients,
                                   absl::Span<const int> only = {});
 
+  // Push(push_step, gradients) and then Pull(pull_step, tensors), with
+  // the same contracts, where each connection carries both in one round
+  // trip (ps-lite's ZPushPull) on the data plane; over gRPC they are the
+  // two calls. A worker ends a step with it: the pull of the next step is
+  // what a sync server answers once the step completed anyway. Retrying is
+  // safe, as for Push.
+  struct PushPullResult {
+    PushResult pushed;
+    int64_t pulled_step = 0;  // as Pull returns
+  };
+  absl::StatusOr<PushPullResult> PushPull(
+      int64_t push_step, const std::vector<const float*>& gradients,
+      int64_t pull_step, const std::vector<float*>& tensors);
+
   // Sparse table `table` (index into the schema's sparse tables): fills
   // out[i * dim ..] with the rows of `ids` (unique), asking each shard for
   // the rows it holds, all at once. Sync: the rows after `step` updates.
@@ -171,6 +185,28 @@ class PsClient {
   // After a data port failed: registers again (once) to learn whether the
   // server announces another one.
   void MaybeRefreshDataPorts();
+  // The calls of a Pull and of a Push (nothing sent yet); `responses` gets
+  // each group's PushResponse. Push calls skip groups with no selected
+  // tensor.
+  absl::Status CheckPullArguments(const std::vector<float*>& tensors) const;
+  std::vector<Call> PullCalls(int64_t step, const std::vector<float*>& tensors);
+  absl::StatusOr<std::vector<Call>> PushCalls(
+      int64_t step, const std::vector<const float*>& gradients,
+      absl::Span<const int> only, std::vector<PushResponse>& responses);
+  static PushResult SumPushResponses(
+      const std::vector<PushResponse>& responses);
+  // What Pull returns once the pull of `step` is in (see Pull).
+  int64_t PulledStep(int64_t step) const;
+  // Sends `pushed` again, each with inject_duplicate_push_probability.
+  absl::Status InjectDuplicatePushes(const std::vector<Call>& pushed);
+  // A PushPull call's data-plane request and answer handling
+  // (common/data_plane.h).
+  static void PreparePushPull(Call& call, DataExchange& exchange);
+  // PushPull calls that cannot take the data plane: their pushes over gRPC,
+  // then the pulls of those whose push succeeded.
+  void PushPullOverGrpc(std::vector<Call>& calls,
+                        const std::vector<size_t>& which,
+                        absl::Duration timeout);
   // Starts `calls` of `method` ("Pull") at once and waits for all of them;
   // with `retry`, calls that failed for a transient reason are started
   // again with backoff until the retry window closes. Returns the first

@@ -11,7 +11,9 @@
 //       plain gRPC at its best, with no parameter-server work (2N / time,
 //       p50/p99);
 //   (c) real ps_server processes (async, SGD, tiny learning rate) through
-//       PsClient: Push, Pull and Push-then-Pull goodput, Push p50/p99.
+//       PsClient: Push, Pull and Push-then-Pull goodput, Push p50/p99, and
+//       the same push and pull as one PushPull call (how a worker ends a
+//       step).
 // The baselines' peers are this binary re-executed with --role=tcp_peer or
 // --role=grpc_floor, so they cost what a second process costs on this machine.
 //
@@ -84,8 +86,8 @@ ABSL_FLAG(int64_t, iterations, 0,
           "Measured operations per client and phase; 0 runs each phase for "
           "--phase_seconds (at least 10 operations).");
 ABSL_FLAG(double, phase_seconds, 0.25,
-          "With --iterations=0, how long each of the six phases of a size "
-          "runs (so a size takes about 6x this plus server start-up).");
+          "With --iterations=0, how long each of the seven phases of a size "
+          "runs (so a size takes about 7x this plus server start-up).");
 ABSL_FLAG(int64_t, warmup, 2,
           "Unmeasured operations per client before every phase.");
 ABSL_FLAG(int, repeats, 1,
@@ -448,7 +450,7 @@ absl::StatusOr<PhaseResult> MeasurePhase(const std::string& name, int64_t size,
 struct SizeResult {
   int64_t size = 0;
   PhaseResult tcp_pushpull, tcp_rtt, grpc_floor;
-  PhaseResult ps_push, ps_pull, ps_pushpull;
+  PhaseResult ps_push, ps_pull, ps_pushpull, ps_one_call;
 };
 
 // (a) raw TCP: one connection per client and mode.
@@ -587,6 +589,21 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   });
   if (!result.ok()) return result.status();
   out->ps_pushpull = std::move(*result);
+  result = MeasurePhase("ps pushpull", size, clients, [&](int c) {
+    PsWorker& w = workers[c];
+    const int64_t step = w.next_step++;
+    absl::StatusOr<PsClient::PushPullResult> done = w.client->PushPull(
+        step, {w.grads.data()}, w.next_step, {w.params.data()});
+    if (!done.ok()) return done.status();
+    if (done->pushed.blocks_duplicate != 0) {
+      return absl::InternalError(
+          absl::StrCat(done->pushed.blocks_duplicate,
+                       " duplicate(s) reported for a fresh push"));
+    }
+    return absl::OkStatus();
+  });
+  if (!result.ok()) return result.status();
+  out->ps_one_call = std::move(*result);
   return absl::OkStatus();
 }
 
@@ -667,10 +684,10 @@ struct Row {
   int64_t size;
   double tcp_gbps, tcp_oneway_gbps, tcp_rtt_p50_us, tcp_rtt_p99_us;
   double grpc_floor_gbps, grpc_floor_p50_us, grpc_floor_p99_us;
-  double ps_push_gbps, ps_pull_gbps, ps_pushpull_gbps;
+  double ps_push_gbps, ps_pull_gbps, ps_pushpull_gbps, ps_one_call_gbps;
   double ps_push_p50_us, ps_push_p99_us;
   double ratio_pushpull_vs_tcp, ratio_pushpull_vs_tcp_oneway,
-      ratio_pushpull_vs_grpc, ratio_push_p50_vs_tcp_rtt;
+      ratio_pushpull_vs_grpc, ratio_push_p50_vs_tcp_rtt, ratio_one_call_vs_tcp;
   int64_t ps_pushpull_ops;  // summed over repeats
   int repeats = 1;
 };
@@ -687,12 +704,14 @@ constexpr double Row::*kRowFields[] = {
     &Row::ps_push_gbps,
     &Row::ps_pull_gbps,
     &Row::ps_pushpull_gbps,
+    &Row::ps_one_call_gbps,
     &Row::ps_push_p50_us,
     &Row::ps_push_p99_us,
     &Row::ratio_pushpull_vs_tcp,
     &Row::ratio_pushpull_vs_tcp_oneway,
     &Row::ratio_pushpull_vs_grpc,
     &Row::ratio_push_p50_vs_tcp_rtt,
+    &Row::ratio_one_call_vs_tcp,
 };
 
 double Median(std::vector<double> values) {
@@ -736,6 +755,7 @@ Row MakeRow(const SizeResult& r) {
   row.ps_push_gbps = r.ps_push.Gbps(n);
   row.ps_pull_gbps = r.ps_pull.Gbps(n);
   row.ps_pushpull_gbps = r.ps_pushpull.Gbps(2 * n);
+  row.ps_one_call_gbps = r.ps_one_call.Gbps(2 * n);
   row.ps_push_p50_us = r.ps_push.PercentileUs(50);
   row.ps_push_p99_us = r.ps_push.PercentileUs(99);
   row.ratio_pushpull_vs_tcp = Ratio(row.ps_pushpull_gbps, row.tcp_gbps);
@@ -743,18 +763,21 @@ Row MakeRow(const SizeResult& r) {
       Ratio(row.ps_pushpull_gbps, row.tcp_oneway_gbps);
   row.ratio_pushpull_vs_grpc = Ratio(row.ps_pushpull_gbps, row.grpc_floor_gbps);
   row.ratio_push_p50_vs_tcp_rtt = Ratio(row.ps_push_p50_us, row.tcp_rtt_p50_us);
+  row.ratio_one_call_vs_tcp = Ratio(row.ps_one_call_gbps, row.tcp_gbps);
   row.ps_pushpull_ops = r.ps_pushpull.operations;
   return row;
 }
 
 std::string TableHeader() {
   return absl::StrFormat(
-      "%8s | %8s %8s | %8s %8s %8s | %7s %7s | %17s %17s %17s | %7s\n"
-      "%8s | %8s %8s | %8s %8s %8s | %7s %7s | %17s %17s %17s | %7s\n",
-      "size", "TCP p+p", "gRPC", "PS push", "PS pull", "PS p+p", "p+p/", "p+p/",
-      "TCP RTT", "gRPC floor p+p", "PS push", "push/", "", "GB/s", "floor",
-      "GB/s", "GB/s", "GB/s", "TCP", "gRPC", "p50/p99 us", "p50/p99 us",
-      "p50/p99 us", "RTT p50");
+      "%8s | %8s %8s | %8s %8s %8s %8s | %7s %7s %7s | %17s %17s %17s | "
+      "%7s\n"
+      "%8s | %8s %8s | %8s %8s %8s %8s | %7s %7s %7s | %17s %17s %17s | "
+      "%7s\n",
+      "size", "TCP p+p", "gRPC", "PS push", "PS pull", "PS p+p", "PS 1call",
+      "p+p/", "p+p/", "1call/", "TCP RTT", "gRPC floor p+p", "PS push", "push/",
+      "", "GB/s", "floor", "GB/s", "GB/s", "GB/s", "GB/s", "TCP", "gRPC", "TCP",
+      "p50/p99 us", "p50/p99 us", "p50/p99 us", "RTT p50");
 }
 
 std::string TableRow(const Row& r) {
@@ -762,11 +785,12 @@ std::string TableRow(const Row& r) {
     return absl::StrFormat("%.0f/%.0f", p50, p99);
   };
   return absl::StrFormat(
-      "%8s | %8.3f %8.3f | %8.3f %8.3f %8.3f | %7.3f %7.3f | %17s %17s %17s | "
-      "%7.2f\n",
+      "%8s | %8.3f %8.3f | %8.3f %8.3f %8.3f %8.3f | %7.3f %7.3f %7.3f | %17s "
+      "%17s %17s | %7.2f\n",
       HumanSize(r.size), r.tcp_gbps, r.grpc_floor_gbps, r.ps_push_gbps,
-      r.ps_pull_gbps, r.ps_pushpull_gbps, r.ratio_pushpull_vs_tcp,
-      r.ratio_pushpull_vs_grpc, pair(r.tcp_rtt_p50_us, r.tcp_rtt_p99_us),
+      r.ps_pull_gbps, r.ps_pushpull_gbps, r.ps_one_call_gbps,
+      r.ratio_pushpull_vs_tcp, r.ratio_pushpull_vs_grpc,
+      r.ratio_one_call_vs_tcp, pair(r.tcp_rtt_p50_us, r.tcp_rtt_p99_us),
       pair(r.grpc_floor_p50_us, r.grpc_floor_p99_us),
       pair(r.ps_push_p50_us, r.ps_push_p99_us), r.ratio_push_p50_vs_tcp_rtt);
 }
@@ -784,6 +808,7 @@ std::string JsonLine(const Row& r, int servers, int clients) {
       "\"ratio_pushpull_vs_tcp\":%.4f,\"ratio_pushpull_vs_tcp_oneway\":%.4f,"
       "\"ratio_pushpull_vs_grpc\":%.4f,"
       "\"ratio_push_p50_vs_tcp_rtt\":%.4f,\"ps_pushpull_ops\":%d,"
+      "\"ps_one_call_gbps\":%.4f,\"ratio_one_call_vs_tcp\":%.4f,"
       "\"repeats\":%d}",
       r.size, servers, clients, absl::GetFlag(FLAGS_block_elements), r.tcp_gbps,
       r.tcp_oneway_gbps, r.tcp_rtt_p50_us, r.tcp_rtt_p99_us, r.grpc_floor_gbps,
@@ -791,7 +816,7 @@ std::string JsonLine(const Row& r, int servers, int clients) {
       r.ps_pushpull_gbps, r.ps_push_p50_us, r.ps_push_p99_us,
       r.ratio_pushpull_vs_tcp, r.ratio_pushpull_vs_tcp_oneway,
       r.ratio_pushpull_vs_grpc, r.ratio_push_p50_vs_tcp_rtt, r.ps_pushpull_ops,
-      r.repeats);
+      r.ps_one_call_gbps, r.ratio_one_call_vs_tcp, r.repeats);
 }
 
 // min..max over the repeats of the numbers the goals are stated in.
@@ -807,11 +832,12 @@ std::string SpreadRow(const std::vector<Row>& repeats) {
                         absl::StrFormat(absl::ParsedFormat<'f'>(format), hi));
   };
   return absl::StrFormat(
-      "%8s | %15s %15s %15s | %13s %13s | %13s %13s\n",
+      "%8s | %15s %15s %15s | %13s %13s %13s | %13s %13s\n",
       HumanSize(repeats.front().size), range(&Row::tcp_gbps, "%.3f"),
       range(&Row::tcp_oneway_gbps, "%.3f"),
       range(&Row::ps_pushpull_gbps, "%.3f"),
       range(&Row::ratio_pushpull_vs_tcp, "%.3f"),
+      range(&Row::ratio_one_call_vs_tcp, "%.3f"),
       range(&Row::ratio_pushpull_vs_tcp_oneway, "%.3f"),
       range(&Row::tcp_rtt_p50_us, "%.0f"), range(&Row::ps_push_p50_us, "%.0f"));
 }
@@ -982,7 +1008,8 @@ int BenchMain(const char* argv0) {
   }
   std::printf(
       "\n# goodput GB/s = 1e9 bytes/s. TCP p+p and gRPC floor: 2N per round "
-      "trip; PS push, pull: N per call; PS p+p: 2N per push then pull.\n"
+      "trip; PS push, pull: N per call; PS p+p: 2N per push then pull;\n"
+      "# PS 1call: 2N per PushPull (the push and the pull in one call).\n"
       "# TCP RTT: N bytes out, 16-byte ack back.\n");
   if (config->repeats > 1) {
     std::printf("# medians over %d repeats\n", config->repeats);
@@ -993,9 +1020,9 @@ int BenchMain(const char* argv0) {
   if (config->repeats > 1) {
     std::printf(
         "# spread (min..max) over the repeats\n"
-        "%8s | %15s %15s %15s | %13s %13s | %13s %13s\n",
+        "%8s | %15s %15s %15s | %13s %13s %13s | %13s %13s\n",
         "size", "TCP p+p GB/s", "TCP 1-way GB/s", "PS p+p GB/s", "p+p/TCP",
-        "p+p/TCP 1-way", "TCP RTT p50", "PS push p50");
+        "1call/TCP", "p+p/TCP 1-way", "TCP RTT p50", "PS push p50");
     for (const std::vector<Row>& repeats : per_size) {
       if (!repeats.empty()) std::printf("%s", SpreadRow(repeats).c_str());
     }
