@@ -200,6 +200,13 @@ ABSL_FLAG(bool, overlap_push, false,
           "worker); where compute and the network share a few cores it "
           "costs (bench/results/distribution_cost.txt: 5-8% on 2 cores). "
           "false: one push after backward.");
+ABSL_FLAG(bool, push_pull, true,
+          "End each step with one PushPull call: this step's gradients go "
+          "out and the next step's model comes back in one round trip per "
+          "connection on the servers' data plane (over gRPC: a push, then a "
+          "pull). The step report then counts the next step's pull in "
+          "push_ms. Not used with --overlap_push. false: a push, and a pull "
+          "at the start of the next step.");
 ABSL_FLAG(bool, call_streams, true,
           "Send a push or pull that is one RPC (one shard, one block group) "
           "as a message on a long-lived stream of its connection instead of "
@@ -925,6 +932,7 @@ int Main(int argc, char** argv) {
   options.batch_size = batch_size;
   options.shuffle = absl::GetFlag(FLAGS_shuffle);
   options.overlap_push = absl::GetFlag(FLAGS_overlap_push);
+  options.push_pull = absl::GetFlag(FLAGS_push_pull);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.periodic_evaluation = worker_id == 0;
   options.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);

@@ -55,13 +55,29 @@ struct ParameterBuffers {
     absl::StatusOr<int64_t> at =
         client.Pull(step, Pointers<float>(host_params));
     if (!at.ok()) return at.status();
+    if (absl::Status s = ParamsToDevice(backend); !s.ok()) return s;
+    return at;
+  }
+
+  // Pushes host_grads as `step` and pulls step + 1 (PsClient::PushPull).
+  absl::StatusOr<PsClient::PushPullResult> PushPullToDevice(
+      PsClient& client, int64_t step, kernels::Backend& backend) {
+    absl::StatusOr<PsClient::PushPullResult> done =
+        client.PushPull(step, Pointers<const float>(host_grads), step + 1,
+                        Pointers<float>(host_params));
+    if (!done.ok()) return done.status();
+    if (absl::Status s = ParamsToDevice(backend); !s.ok()) return s;
+    return done;
+  }
+
+  absl::Status ParamsToDevice(kernels::Backend& backend) {
     for (size_t i = 0; i < host_params.size(); ++i) {
       absl::Status copied =
           backend.CopyToDevice(host_params[i].data(), device_params[i].data(),
                                device_params[i].bytes());
       if (!copied.ok()) return copied;
     }
-    return at;
+    return absl::OkStatus();
   }
 };
 
@@ -271,6 +287,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   BatchPrefetcher prefetcher(*plan, train, options.batch_size);
   int64_t step = options.start_step;
   if (step < options.steps) prefetcher.Prefetch(step);
+  // Where the last step's PushPull left the model in backend memory (the
+  // step it is at): this step needs no pull of its own.
+  std::optional<int64_t> pulled_ahead;
   while (step < options.steps) {
     absl::Duration compute_time;
     const absl::Time step_start = absl::Now();
@@ -279,7 +298,10 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       break;
     }
     const absl::Time pull_start = absl::Now();
-    absl::StatusOr<int64_t> at = buffers.PullToDevice(client, step, backend);
+    absl::StatusOr<int64_t> at =
+        pulled_ahead.has_value() ? absl::StatusOr<int64_t>(*pulled_ahead)
+                                 : buffers.PullToDevice(client, step, backend);
+    pulled_ahead.reset();
     if (!at.ok()) return at.status();
     const absl::Duration pull_time = absl::Now() - pull_start;
     if (*at > step) {  // the job went on without this worker: catch up
@@ -338,7 +360,15 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       }
       const absl::Time push_start = absl::Now();
       compute_time = push_start - compute_start;
-      pushed = client.Push(step, host_grads);
+      if (options.push_pull && step + 1 < options.steps) {
+        absl::StatusOr<PsClient::PushPullResult> done =
+            buffers.PushPullToDevice(client, step, backend);
+        if (!done.ok()) return done.status();
+        pushed = done->pushed;
+        pulled_ahead = done->pulled_step;
+      } else {
+        pushed = client.Push(step, host_grads);
+      }
       push_time = push_wait = absl::Now() - push_start;
     }
     if (!pushed.ok()) return pushed.status();
@@ -360,11 +390,14 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     if (evaluation_due(step)) {
       // sync: the model after exactly `step` updates (waits for the other
       // workers' gradients); async: the servers' current model.
-      const absl::Time eval_pull_start = absl::Now();
-      absl::StatusOr<int64_t> pulled =
-          buffers.PullToDevice(client, step, backend);
-      if (!pulled.ok()) return pulled.status();
-      evaluation_time += absl::Now() - eval_pull_start;
+      // The PushPull that ended the step already brought that model.
+      if (!pulled_ahead.has_value()) {
+        const absl::Time eval_pull_start = absl::Now();
+        absl::StatusOr<int64_t> pulled =
+            buffers.PullToDevice(client, step, backend);
+        if (!pulled.ok()) return pulled.status();
+        evaluation_time += absl::Now() - eval_pull_start;
+      }
       absl::StatusOr<BatchResult> evaluation = evaluate(step);
       if (!evaluation.ok()) return evaluation.status();
       ++result.evaluations;

@@ -28,7 +28,8 @@ struct StepReport {
   double step_seconds = 0;  // wall time of the step, pull to push
   double pull_seconds = 0;  // waiting for the pull (sync: for the step)
   // From the first push RPC of the step to the last one's answer; with
-  // overlap_push most of it runs during backward.
+  // overlap_push most of it runs during backward. With push_pull it
+  // includes the next step's pull (whose pull_seconds is then 0).
   double push_seconds = 0;
   double compute_seconds = 0;  // batch, forward and backward
   // The step's time blocked on the network: the pull, and the pushes still
@@ -70,6 +71,10 @@ struct TrainerOptions {
   // Push each tensor's gradient as backward produces it, from a push
   // thread (worker/step_overlap.h); false: one push after backward.
   bool overlap_push = false;
+  // Without overlap_push: end each step with one PsClient::PushPull (this
+  // step's push and the next step's pull, one round trip per connection
+  // on the data plane) instead of a Push, leaving the next step no pull.
+  bool push_pull = true;
   // Called after every step (on the training thread).
   std::function<void(const StepReport&)> on_step;
   // Fault injection: extra time per step, as a straggler would take.
