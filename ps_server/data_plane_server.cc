@@ -275,6 +275,8 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     char push_length[data_plane::kLengthPrefixBytes];
     char meta_length[data_plane::kLengthPrefixBytes];
     absl::string_view pull_request = request;
+    // A PushPull counts as the Push and the Pull it carries.
+    absl::Time pull_arrived = arrived;
     if (header->method == Method::kPushPull) {
       absl::StatusOr<data_plane::LengthPrefixed> parts =
           data_plane::SplitLengthPrefixed(request, "PushPull request");
@@ -286,6 +288,12 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
       } else {
         handler_->CountRejected();
         status = parts.status();
+      }
+      pull_arrived = absl::Now();
+      if (options_.on_call) {
+        options_.on_call(Method::kPush, status.code(), pull_arrived - arrived,
+                         request.size() - pull_request.size(),
+                         pushed.ok() ? pushed->size() : 0);
       }
     } else if (header->method == Method::kPush) {
       pushed = handler_->ServeDataPlanePush(absl::MakeConstSpan(&request, 1));
@@ -329,9 +337,13 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
       ended = s;
       break;
     }
-    if (options_.on_call) {
+    if (options_.on_call && header->method != Method::kPushPull) {
       options_.on_call(header->method, status.code(), absl::Now() - arrived,
                        header->body_bytes, answer_bytes);
+    } else if (options_.on_call && pulled != nullptr) {
+      options_.on_call(Method::kPull, status.code(), absl::Now() - pull_arrived,
+                       pull_request.size(),
+                       answer_bytes - (pushed.ok() ? pushed->size() : 0));
     }
   }
   if (!ended.ok() && !stopping_.load() && !absl::IsOutOfRange(ended)) {

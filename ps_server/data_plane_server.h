@@ -64,7 +64,8 @@ struct DataPlaneServerOptions {
   absl::Duration max_pull_wait = absl::Seconds(120);
   // Called after each Push or Pull is answered (for metrics): its status,
   // the time from its header's arrival to its answer sent, and the body
-  // bytes each way. May be empty.
+  // bytes each way. A PushPull is reported as its Push (once applied) and
+  // its Pull (if it ran). May be empty.
   std::function<void(data_plane::Method, absl::StatusCode, absl::Duration,
                      uint64_t request_bytes, uint64_t response_bytes)>
       on_call;

@@ -145,10 +145,6 @@ absl::Status CheckPositive(const char* flag, double value) {
 
 // The metrics interceptor counts request bytes of these methods by reading
 // their request as a grpc::ByteBuffer, which they must stay.
-// The data plane's PushPull has no gRPC method; its calls count in a series
-// named as if it had one.
-constexpr const char* kDataPlanePushPullSeries =
-    "/pstrain.ParameterServer/PushPull";
 constexpr const char* kRawRequestMethods[] = {"/pstrain.ParameterServer/Push",
                                               "/pstrain.ParameterServer/Pull"};
 using RawUnaryMethod = grpc::ServerUnaryReactor* (
@@ -359,13 +355,11 @@ int Main(int argc, char** argv) {
         known_methods.end(),
         {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
          "/grpc.reflection.v1alpha.ServerReflection/"
-         "ServerReflectionInfo",
-         kDataPlanePushPullSeries});
-    absl::flat_hash_set<std::string> raw_request(std::begin(kRawRequestMethods),
-                                                 std::end(kRawRequestMethods));
-    raw_request.insert(kDataPlanePushPullSeries);
+         "ServerReflectionInfo"});
     rpc_metrics = std::make_shared<RpcMetricsInterceptorFactory>(
-        metrics->registry(), known_methods, raw_request);
+        metrics->registry(), known_methods,
+        absl::flat_hash_set<std::string>(std::begin(kRawRequestMethods),
+                                         std::end(kRawRequestMethods)));
   }
   std::unique_ptr<DataPlaneServer> data_plane_server;
   const bool tls = !absl::GetFlag(FLAGS_tls_cert).empty();
@@ -376,18 +370,17 @@ int Main(int argc, char** argv) {
     data_options.max_body_bytes = static_cast<uint64_t>(max_message_mb) << 20;
     data_options.max_pull_wait = absl::Seconds(max_pull_wait_s);
     if (rpc_metrics != nullptr) {
-      data_options.on_call =
-          [rpc_metrics](data_plane::Method method, absl::StatusCode code,
-                        absl::Duration elapsed, uint64_t request_bytes,
-                        uint64_t response_bytes) {
-            const char* name = method == data_plane::Method::kPush
-                                   ? "/pstrain.ParameterServer/Push"
-                               : method == data_plane::Method::kPull
-                                   ? "/pstrain.ParameterServer/Pull"
-                                   : kDataPlanePushPullSeries;
-            rpc_metrics->RecordCall(name, code, elapsed, request_bytes,
-                                    response_bytes);
-          };
+      data_options.on_call = [rpc_metrics](data_plane::Method method,
+                                           absl::StatusCode code,
+                                           absl::Duration elapsed,
+                                           uint64_t request_bytes,
+                                           uint64_t response_bytes) {
+        // Only Push and Pull reach here (PushPull as its two parts).
+        rpc_metrics->RecordCall(method == data_plane::Method::kPush
+                                    ? "/pstrain.ParameterServer/Push"
+                                    : "/pstrain.ParameterServer/Pull",
+                                code, elapsed, request_bytes, response_bytes);
+      };
     }
     absl::StatusOr<std::unique_ptr<DataPlaneServer>> started =
         DataPlaneServer::Start(data_options, &service);

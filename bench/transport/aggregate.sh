@@ -53,17 +53,19 @@ done
   echo "# transport_aggregate: ps_bench push+pull of one $size-byte tensor, S servers x W clients, medians of $repeats interleaved runs"
   echo "command: bench/transport/aggregate.sh --size=$size --servers=$servers_list --clients=$clients_list --repeats=$repeats"
   echo "commit: $BENCH_COMMIT; machine: $BENCH_MACHINE; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "goodput GB/s summed over the W clients (push+pull: 2N per push then pull); TCP: the same W clients over raw TCP"
+  echo "goodput GB/s summed over the W clients (push+pull: 2N per push then pull; 1call: 2N per PushPull); TCP: the same W clients over raw TCP"
   echo
-  printf '%7s %7s %12s %12s %10s %14s\n' servers clients ps_p+p_GB/s tcp_p+p_GB/s p+p/tcp push_p50_us
+  printf '%7s %7s %12s %12s %12s %10s %10s %14s\n' servers clients ps_p+p_GB/s ps_1call_GB/s tcp_p+p_GB/s p+p/tcp 1call/tcp push_p50_us
   for s in ${servers_list//,/ }; do
     for w in ${clients_list//,/ }; do
       lines=${runs[$s,$w]}
       pp=$(median_of ps_pushpull_gbps "$lines")
+      one=$(median_of ps_one_call_gbps "$lines")
       tcp=$(median_of tcp_gbps "$lines")
       ratio=$(median_of ratio_pushpull_vs_tcp "$lines")
+      one_ratio=$(median_of ratio_one_call_vs_tcp "$lines")
       p50=$(median_of ps_push_p50_us "$lines")
-      printf '%7s %7s %12.3f %12.3f %10.3f %14.1f\n' "$s" "$w" "$pp" "$tcp" "$ratio" "$p50"
+      printf '%7s %7s %12.3f %12.3f %12.3f %10.3f %10.3f %14.1f\n' "$s" "$w" "$pp" "$one" "$tcp" "$ratio" "$one_ratio" "$p50"
     done
   done
 } | tee "$out"

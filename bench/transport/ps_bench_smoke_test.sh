@@ -25,7 +25,7 @@ rc=$?
 
 keys=(tcp_gbps tcp_rtt_p50_us grpc_floor_gbps ps_push_gbps ps_pull_gbps
       ps_pushpull_gbps ps_push_p50_us ps_push_p99_us ratio_pushpull_vs_tcp
-      ratio_push_p50_vs_tcp_rtt)
+      ratio_push_p50_vs_tcp_rtt ps_one_call_gbps ratio_one_call_vs_tcp)
 for size in 4096 65536; do
   for file in "$out" "$json"; do
     line=$(grep "^{\"bench\":\"ps_bench\",\"size\":$size," "$file") ||
