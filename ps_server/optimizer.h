@@ -38,14 +38,17 @@ class Optimizer {
   // optimizer here is elementwise, so updating a block piece by piece, as a
   // gradient is decoded, equals updating it at once. `update_count` is 1
   // for the first update this block receives (Adam's bias correction).
+  // The gradient applied is grad_scale * grad (a sync step's mean from the
+  // workers' sum, without a pass of its own).
   virtual void UpdateRange(int64_t update_count, absl::Span<float> param,
                            int64_t offset, absl::Span<const float> grad,
-                           absl::Span<float> state) const = 0;
+                           absl::Span<float> state, float grad_scale) const = 0;
 
   // The whole block: grad.size() == param.size().
   void Update(int64_t update_count, absl::Span<float> param,
-              absl::Span<const float> grad, absl::Span<float> state) const {
-    UpdateRange(update_count, param, 0, grad, state);
+              absl::Span<const float> grad, absl::Span<float> state,
+              float grad_scale = 1.0f) const {
+    UpdateRange(update_count, param, 0, grad, state, grad_scale);
   }
 };
 

@@ -98,11 +98,41 @@ TEST(OptimizerTest, UpdatingInRangesEqualsUpdatingTheWholeBlock) {
         const int n = std::min(300, kN - offset);
         opt->UpdateRange(t, absl::MakeSpan(pieces), offset,
                          absl::MakeConstSpan(grad).subspan(offset, n),
-                         absl::MakeSpan(pieces_state));
+                         absl::MakeSpan(pieces_state), /*grad_scale=*/1.0f);
       }
     }
     EXPECT_EQ(pieces, whole) << name;
     EXPECT_EQ(pieces_state, whole_state) << name;
+  }
+}
+
+// A sync step applies the mean of the workers' gradients by passing their
+// sum and 1/W: bit-identical to applying the mean computed first. Odd
+// lengths leave a tail after the vector lanes.
+TEST(OptimizerTest, AScaledGradientEqualsTheGradientScaledFirst) {
+  for (const char* name : {"sgd", "momentum", "adam"}) {
+    OptimizerConfig config;
+    config.name = name;
+    config.learning_rate = 0.01f;
+    const std::unique_ptr<Optimizer> opt = Make(config);
+    constexpr int kN = 1003;
+    constexpr float kScale = 1.0f / 3;
+    std::vector<float> scaled(kN), first(kN), sum(kN), mean(kN);
+    for (int i = 0; i < kN; ++i) {
+      scaled[i] = first[i] = std::sin(0.1f * i);
+      sum[i] = 3 * std::cos(0.37f * i);
+      mean[i] = kScale * sum[i];
+    }
+    std::vector<float> scaled_state(opt->state_per_element() * kN, 0.5f);
+    std::vector<float> first_state = scaled_state;
+    for (int64_t t = 1; t <= 3; ++t) {
+      opt->Update(t, absl::MakeSpan(scaled), sum, absl::MakeSpan(scaled_state),
+                  kScale);
+      opt->Update(t, absl::MakeSpan(first), mean, absl::MakeSpan(first_state));
+    }
+    EXPECT_EQ(scaled, first) << name;
+    EXPECT_EQ(scaled_state, first_state) << name;
+    EXPECT_NE(scaled[1], std::sin(0.1f)) << name;  // it did update
   }
 }
 

@@ -300,7 +300,8 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
           [&](int64_t offset, absl::Span<const float> piece) {
             block.mu.AssertHeld();  // held by the caller of this callback
             optimizer_->UpdateRange(version + 1, values, offset, piece,
-                                    absl::MakeSpan(block.state));
+                                    absl::MakeSpan(block.state),
+                                    /*grad_scale=*/1.0f);
           });
       !s.ok()) {
     ReportInternalError(
@@ -319,13 +320,11 @@ bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
                  membership, options_.replicas_to_aggregate)) {
     return false;
   }
-  if (block.finite_contributors > 1) {
-    const float inverse = 1.0f / static_cast<float>(block.finite_contributors);
-    for (float& g : block.gradient_sum) g *= inverse;
-  }
   if (block.finite_contributors > 0) {
+    // The mean of the finite gradients.
     optimizer_->Update(version + 1, MutableValues(block), block.gradient_sum,
-                       absl::MakeSpan(block.state));
+                       absl::MakeSpan(block.state),
+                       1.0f / static_cast<float>(block.finite_contributors));
   }
   block.contributors = 0;
   block.finite_contributors = 0;
