@@ -67,6 +67,10 @@ class Backend {
                                     size_t bytes) = 0;
   virtual absl::Status CopyToHost(const void* device, void* host,
                                   size_t bytes) = 0;
+  // True when Allocate's memory is host memory that the host may read and
+  // write directly once Synchronize returned (the CPU backends): callers may
+  // then skip staging copies.
+  virtual bool MemoryIsHost() const { return false; }
   // Waits for all issued work; reports any deferred asynchronous error.
   virtual absl::Status Synchronize() = 0;
 

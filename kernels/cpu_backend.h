@@ -48,6 +48,7 @@ class CpuBackend final : public Backend {
   CpuBackend& operator=(const CpuBackend&) = delete;
 
   std::string Name() const override;
+  bool MemoryIsHost() const override { return true; }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override;
   void Free(void* ptr) override;

@@ -26,6 +26,12 @@ namespace {
 struct ParameterBuffers {
   std::vector<std::vector<float>> host_params, host_grads;
   std::vector<kernels::DeviceArray<float>> device_params, device_grads;
+  // What the client pulls into and pushes from: the backend's arrays when
+  // the backend computes in host memory (no staging copies), else
+  // host_params and host_grads.
+  bool staged = true;
+  std::vector<float*> pull_into;
+  std::vector<const float*> push_from;
 
   absl::Status Allocate(const Model& model, kernels::Backend& backend) {
     for (const DenseTensorSpec& spec : model.Params()) {
@@ -39,6 +45,11 @@ struct ParameterBuffers {
         device->push_back(std::move(*array));
       }
     }
+    staged = !backend.MemoryIsHost();
+    pull_into =
+        staged ? Pointers<float>(host_params) : Pointers<float>(device_params);
+    push_from = staged ? Pointers<const float>(host_grads)
+                       : Pointers<const float>(device_grads);
     return absl::OkStatus();
   }
 
@@ -52,25 +63,36 @@ struct ParameterBuffers {
   // Returns the step the pulled model is at (see PsClient::Pull).
   absl::StatusOr<int64_t> PullToDevice(PsClient& client, int64_t step,
                                        kernels::Backend& backend) {
-    absl::StatusOr<int64_t> at =
-        client.Pull(step, Pointers<float>(host_params));
+    absl::StatusOr<int64_t> at = client.Pull(step, pull_into);
     if (!at.ok()) return at.status();
     if (absl::Status s = ParamsToDevice(backend); !s.ok()) return s;
     return at;
   }
 
-  // Pushes host_grads as `step` and pulls step + 1 (PsClient::PushPull).
+  // Pushes push_from as `step` and pulls step + 1 (PsClient::PushPull).
   absl::StatusOr<PsClient::PushPullResult> PushPullToDevice(
       PsClient& client, int64_t step, kernels::Backend& backend) {
     absl::StatusOr<PsClient::PushPullResult> done =
-        client.PushPull(step, Pointers<const float>(host_grads), step + 1,
-                        Pointers<float>(host_params));
+        client.PushPull(step, push_from, step + 1, pull_into);
     if (!done.ok()) return done.status();
     if (absl::Status s = ParamsToDevice(backend); !s.ok()) return s;
     return done;
   }
 
+  // Makes push_from hold the gradients computed in device_grads.
+  absl::Status GradsToHost(kernels::Backend& backend) {
+    if (!staged) return backend.Synchronize();
+    for (size_t i = 0; i < host_grads.size(); ++i) {
+      absl::Status copied =
+          backend.CopyToHost(device_grads[i].data(), host_grads[i].data(),
+                             device_grads[i].bytes());
+      if (!copied.ok()) return copied;
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status ParamsToDevice(kernels::Backend& backend) {
+    if (!staged) return absl::OkStatus();
     for (size_t i = 0; i < host_params.size(); ++i) {
       absl::Status copied =
           backend.CopyToDevice(host_params[i].data(), device_params[i].data(),
@@ -238,8 +260,6 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       ParameterBuffers::Pointers<const float>(buffers.device_params);
   const std::vector<float*> grads =
       ParameterBuffers::Pointers<float>(buffers.device_grads);
-  const std::vector<const float*> host_grads =
-      ParameterBuffers::Pointers<const float>(buffers.host_grads);
 
   TrainResult result;
   result.mode = mode;
@@ -347,14 +367,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     } else {
       batch_result = model.ComputeGradients(params, *device_batch, grads);
       if (!batch_result.ok()) return batch_result.status();
-      for (size_t i = 0; i < grads.size(); ++i) {
-        if (absl::Status s =
-                backend.CopyToHost(grads[i], buffers.host_grads[i].data(),
-                                   buffers.device_grads[i].bytes());
-            !s.ok()) {
-          return s;
-        }
-      }
+      if (absl::Status s = buffers.GradsToHost(backend); !s.ok()) return s;
       if (options.step_delay > absl::ZeroDuration()) {
         absl::SleepFor(options.step_delay);
       }
@@ -367,7 +380,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
         pushed = done->pushed;
         pulled_ahead = done->pulled_step;
       } else {
-        pushed = client.Push(step, host_grads);
+        pushed = client.Push(step, buffers.push_from);
       }
       push_time = push_wait = absl::Now() - push_start;
     }
