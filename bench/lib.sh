@@ -1,7 +1,8 @@
 # Shared by the bench scripts (source it): what every results file records.
-# BENCH_COMMIT: the commit measured, marked when the tree has local changes.
+# BENCH_COMMIT: the commit measured, marked when the tree has local changes
+# (results files aside: a rerun rewrites them).
 # BENCH_MACHINE: cores, CPU model and memory of this machine.
 # json_field KEY LINE: the value of "KEY" in a one-line JSON object.
-BENCH_COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . || echo "+local changes")
+BENCH_COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!bench/results' || echo "+local changes")
 BENCH_MACHINE="$(nproc) vCPU $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1), $(free -g | awk '/Mem:/ {print $2}') GiB"
 json_field() { sed -n "s/.*\"$1\":\([^,}]*\).*/\1/p" <<<"$2" | head -n 1; }
