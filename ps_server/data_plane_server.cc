@@ -308,6 +308,7 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
       handler_->ServeDataPlanePull(
           absl::MakeConstSpan(&pull_request, 1), deadline,
           header->payloads_apart,
+          /*follows_own_push=*/header->method == Method::kPushPull,
           [wait = pulled](absl::StatusOr<OutgoingBytes> result) {
             wait->result = std::move(result);
             wait->done.Notify();
@@ -341,9 +342,16 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
       options_.on_call(header->method, status.code(), absl::Now() - arrived,
                        header->body_bytes, answer_bytes);
     } else if (options_.on_call && pulled != nullptr) {
+      // The pull's own answer: its pieces, or its error's message.
+      uint64_t pull_bytes = message.size();
+      if (status.ok()) {
+        pull_bytes = 0;
+        for (absl::string_view piece : pulled->result->pieces) {
+          pull_bytes += piece.size();
+        }
+      }
       options_.on_call(Method::kPull, status.code(), absl::Now() - pull_arrived,
-                       pull_request.size(),
-                       answer_bytes - (pushed.ok() ? pushed->size() : 0));
+                       pull_request.size(), pull_bytes);
     }
   }
   if (!ended.ok() && !stopping_.load() && !absl::IsOutOfRange(ended)) {

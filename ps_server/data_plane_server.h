@@ -43,10 +43,11 @@ class DataPlaneHandler {
   // Runs `done` exactly once, inline or later on another thread, by
   // `deadline` (capped by the shard), with the PullResponse's encoding, or
   // with `payloads_apart` its data-plane split form (common/data_plane.h).
+  // `follows_own_push`: the pull half of a PushPull (Shard::Pull).
   using PullDone = std::function<void(absl::StatusOr<OutgoingBytes>)>;
   virtual void ServeDataPlanePull(absl::Span<const absl::string_view> request,
                                   absl::Time deadline, bool payloads_apart,
-                                  PullDone done) = 0;
+                                  bool follows_own_push, PullDone done) = 0;
   // Whether `token` (a Hello's body) is the bearer token the server wants.
   virtual bool TokenAccepted(absl::string_view token) const = 0;
   // A request refused for its form (the shard's Stats.requests_rejected).
@@ -64,7 +65,7 @@ struct DataPlaneServerOptions {
   absl::Duration max_pull_wait = absl::Seconds(120);
   // Called after each Push or Pull is answered (for metrics): its status,
   // the time from its header's arrival to its answer sent, and the body
-  // bytes each way. A PushPull is reported as its Push (once applied) and
+  // bytes each way. A PushPull is reported as its Push (applied or refused) and
   // its Pull (if it ran). May be empty.
   std::function<void(data_plane::Method, absl::StatusCode, absl::Duration,
                      uint64_t request_bytes, uint64_t response_bytes)>

@@ -117,7 +117,11 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
       [this](const RegisterModelRequest& r)
           -> absl::StatusOr<RegisterModelResponse> {
         absl::StatusOr<RegisterModelResponse> response = shard_->Register(r);
-        if (response.ok()) response->set_data_port(data_port_.load());
+        if (response.ok()) {
+          const int port = data_port_.load();
+          response->set_data_port(port);
+          response->set_data_push_pull(port > 0);
+        }
         return response;
       });
 }
@@ -134,7 +138,7 @@ bool ParameterServerService::TokenAccepted(absl::string_view token) const {
 
 void ParameterServerService::PullFromBytes(
     absl::Span<const absl::string_view> request, absl::Time deadline,
-    bool payloads_apart, PullDone done) {
+    bool payloads_apart, bool follows_own_push, PullDone done) {
   PullRequest pull;
   if (absl::Status s = ParseSmall(request, &pull); !s.ok()) {
     shard_->CountRejected();
@@ -181,7 +185,8 @@ void ParameterServerService::PullFromBytes(
         }
         bytes.keep_alive = std::move(reply);
         done(std::move(bytes));
-      });
+      },
+      follows_own_push);
 }
 
 void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
@@ -194,6 +199,7 @@ void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
   }
   PullFromBytes(
       bytes.views(), deadline, /*payloads_apart=*/false,
+      /*follows_own_push=*/false,
       [answer = std::move(answer)](absl::StatusOr<OutgoingBytes> response) {
         if (!response.ok()) return answer(response.status(), {});
         answer(absl::OkStatus(),
@@ -210,9 +216,10 @@ absl::StatusOr<std::string> ParameterServerService::ServeDataPlanePush(
 
 void ParameterServerService::ServeDataPlanePull(
     absl::Span<const absl::string_view> request, absl::Time deadline,
-    bool payloads_apart, PullDone done) {
+    bool payloads_apart, bool follows_own_push, PullDone done) {
   data_plane_requests_.fetch_add(1, std::memory_order_relaxed);
-  PullFromBytes(request, deadline, payloads_apart, std::move(done));
+  PullFromBytes(request, deadline, payloads_apart, follows_own_push,
+                std::move(done));
 }
 
 absl::StatusOr<std::string> ParameterServerService::PushFromBytes(

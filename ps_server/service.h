@@ -116,7 +116,7 @@ class ParameterServerService final : public ParameterServerRawService,
       absl::Span<const absl::string_view> request) override;
   void ServeDataPlanePull(absl::Span<const absl::string_view> request,
                           absl::Time deadline, bool payloads_apart,
-                          PullDone done) override;
+                          bool follows_own_push, PullDone done) override;
   bool TokenAccepted(absl::string_view token) const override;
   void CountRejected() override { shard_->CountRejected(); }
 
@@ -126,7 +126,8 @@ class ParameterServerService final : public ParameterServerRawService,
   absl::StatusOr<std::string> PushFromBytes(
       absl::Span<const absl::string_view> request);
   void PullFromBytes(absl::Span<const absl::string_view> request,
-                     absl::Time deadline, bool payloads_apart, PullDone done);
+                     absl::Time deadline, bool payloads_apart,
+                     bool follows_own_push, PullDone done);
   class CallStream;
   using PullAnswer = std::function<void(absl::Status, grpc::ByteBuffer)>;
 

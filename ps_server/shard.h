@@ -119,7 +119,13 @@ class Shard {
   absl::StatusOr<RegisterModelResponse> Register(
       const RegisterModelRequest& request);
   // `deadline` is the caller's; a wait is also capped by max_pull_wait.
-  void Pull(const PullRequest& request, absl::Time deadline, PullDone done);
+  // Sync: a worker's pull of step s says it pushed s - 1 to every block
+  // here, so a restored shard counts a gradient it lacks as lost with its
+  // previous life. `follows_own_push` (the pull half of a PushPull) says
+  // only that this pull's own blocks were pushed: the worker's pushes to
+  // other blocks may still be on their way, so nothing counts as lost.
+  void Pull(const PullRequest& request, absl::Time deadline, PullDone done,
+            bool follows_own_push = false);
   absl::StatusOr<PushResponse> Push(const WirePushRequest& request);
 
   // Rows of a sparse table (all of them on this shard), with the same step

@@ -471,8 +471,8 @@ bool Shard::WaiterReadyLocked(const Waiter& waiter) const {
   return true;
 }
 
-void Shard::Pull(const PullRequest& request, absl::Time deadline,
-                 PullDone done) {
+void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
+                 bool follows_own_push) {
   absl::StatusOr<const Model*> model =
       ValidateCommon(request.protocol_version(), request.worker_id(),
                      request.step(), /*allow_observer=*/true);
@@ -517,7 +517,9 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline,
       // Waiting for it would wait forever, so it counts as given, like a
       // skipped non-finite one. Nowhere else: a client that pulls before it
       // pushes must not complete a step without its gradient.
-      completed = CreditLostGradientsLocked(**model, worker, step);
+      if (!follows_own_push) {
+        completed = CreditLostGradientsLocked(**model, worker, step);
+      }
     }
     if (options_.mode != ConsistencyMode::kAsync &&
         !WaiterReadyLocked(*waiter)) {

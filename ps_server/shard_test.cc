@@ -244,6 +244,32 @@ TEST(ShardSyncTest, OnlyARestoredShardAccountsForALostGradient) {
   EXPECT_EQ(original.shard->Stats().gradients_lost(), 0);
 }
 
+// The pull half of a PushPull vouches only for its own blocks: the
+// worker's pushes to this shard's other blocks may still be on their way
+// (another connection, or queued behind this pull), so a restored shard
+// must not count them as lost and drop them when they come.
+TEST(ShardSyncTest, APullThatFollowsItsOwnPushCreditsNoLostGradient) {
+  Fixture original = MakeShard(ConsistencyMode::kSync, 2);
+  auto shard = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
+  ASSERT_TRUE(DoPush(*shard, UniformPush(1, 0, 2)).ok());
+  PullResult waiting;
+  shard->Pull(PullAt(0, 1), absl::Now() + absl::Seconds(30), waiting.Callback(),
+              /*follows_own_push=*/true);
+  EXPECT_FALSE(waiting.done.HasBeenNotified());
+  EXPECT_EQ(shard->Stats().gradients_lost(), 0);
+  // Worker 0's gradient arrives after its pull: applied, and the step is
+  // the mean of both.
+  absl::StatusOr<PushResponse> pushed = DoPush(*shard, UniformPush(0, 0, 4));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(pushed->blocks_applied(), 3);
+  EXPECT_EQ(pushed->blocks_duplicate(), 0);
+  ASSERT_TRUE(waiting.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(waiting.status.ok()) << waiting.status;
+  EXPECT_FLOAT_EQ(waiting.FirstWeight(), -0.5f);  // 1 - 0.5 * mean(2, 4)
+  EXPECT_EQ(shard->Stats().gradients_lost(), 0);
+}
+
 // A restored shard at step 0 whose previous life had completed step 0: a
 // worker that pulled step 1 from that life pushes step 1 here. Its step 0
 // gradient was lost with the crash, not missing.
