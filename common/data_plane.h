@@ -40,7 +40,10 @@
 // and its OK answer is the Pull's (inline, or with payloads apart when the
 // header asks), with the PullResponse part (the inline body, or the meta)
 // preceded by u32 push_response_bytes + PushResponse. A push the server
-// refuses is answered with its error and the pull is not run.
+// refuses is answered with its error and the pull is not run. An error
+// answer may also follow an applied push (the pull failed, e.g. its step
+// timed out): a retry then reports that push's blocks as duplicates. A
+// server says it takes PushPull in RegisterModelResponse.data_push_pull.
 //
 // Plaintext only: a server with TLS does not offer the data plane, and a
 // client with TLS credentials never uses it.

@@ -212,8 +212,10 @@ TEST(DataPlaneTest, PushPullOfLargeBlocksReadsThePayloadsIntoPlace) {
 // ---------------------------------------------------------------------------
 // Raw bytes on the data port.
 
-// The data port, as RegisterModel announces it.
-int DataPort(const TestCluster& cluster, const std::string& token = "") {
+// What RegisterModel announces (as an observer): the data port and whether
+// it takes PushPull.
+RegisterModelResponse Announcement(const TestCluster& cluster,
+                                   const std::string& token = "") {
   auto channel = grpc::CreateChannel(cluster.HostList()[0],
                                      grpc::InsecureChannelCredentials());
   auto stub = ParameterServer::NewStub(channel);
@@ -230,7 +232,11 @@ int DataPort(const TestCluster& cluster, const std::string& token = "") {
                        std::chrono::seconds(30));
   grpc::Status status = stub->RegisterModel(&context, request, &response);
   EXPECT_TRUE(status.ok()) << status.error_message();
-  return response.data_port();
+  return response;
+}
+
+int DataPort(const TestCluster& cluster, const std::string& token = "") {
+  return Announcement(cluster, token).data_port();
 }
 
 std::string Request(Method method, absl::string_view body,
@@ -439,9 +445,10 @@ TEST(DataPlaneTest, APushPullFrameAppliesThePushThenAnswersThePull) {
   ASSERT_NE(cluster, nullptr);
   std::unique_ptr<PsClient> client = Join(*cluster);  // registers the model
   ASSERT_NE(client, nullptr);
-  const int port = DataPort(*cluster);
-  ASSERT_GT(port, 0);
-  RawConnection c(port);
+  const RegisterModelResponse announced = Announcement(*cluster);
+  ASSERT_GT(announced.data_port(), 0);
+  EXPECT_TRUE(announced.data_push_pull());
+  RawConnection c(announced.data_port());
   c.Send(Request(Method::kHello, ""));
   ExpectRefused(c, absl::StatusCode::kOk, "");
 
@@ -499,6 +506,17 @@ TEST(DataPlaneTest, APushPullFrameAppliesThePushThenAnswersThePull) {
   std::vector<float> model(kElements, -1.0f);
   ASSERT_TRUE(client->Pull(1, {model.data()}).ok());
   EXPECT_EQ(model, std::vector<float>({1, 1, 1, 1, 1.5, 1.5, 1.5, 1.5}));
+}
+
+// A client sends PushPull only where it is announced: a server without a
+// data plane announces neither.
+TEST(DataPlaneTest, OnlyAServerWithADataPlaneAnnouncesPushPull) {
+  std::unique_ptr<TestCluster> cluster =
+      StartCluster("no_push_pull", {"--data_port=-1"});
+  ASSERT_NE(cluster, nullptr);
+  const RegisterModelResponse announced = Announcement(*cluster);
+  EXPECT_EQ(announced.data_port(), 0);
+  EXPECT_FALSE(announced.data_push_pull());
 }
 
 }  // namespace

@@ -185,6 +185,7 @@ PsClient::PsClient(const PsClientOptions& options)
   }
   absl::MutexLock lock(&data_ports_mu_);
   data_ports_.assign(options.hosts.size(), 0);
+  data_push_pull_.assign(options.hosts.size(), false);
   data_failed_ports_.assign(options.hosts.size(), 0);
   data_failed_at_.assign(options.hosts.size(), absl::InfinitePast());
 }
@@ -274,6 +275,11 @@ void PsClient::FinishCall(const grpc::Status& status,
   }
 }
 
+bool PsClient::DataPushPullOffered(int shard) {
+  absl::MutexLock lock(&data_ports_mu_);
+  return data_push_pull_[shard];
+}
+
 DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   int port;
   {
@@ -354,6 +360,11 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
   exchanges.reserve(which.size());
   for (size_t i : which) {
     Call& call = calls[i];
+    if (method == data_plane::Method::kPushPull &&
+        !DataPushPullOffered(call.shard)) {
+      over_grpc.push_back(i);  // the two calls, on the data plane or not
+      continue;
+    }
     DataSlot& slot = *data_slots_[call.shard * options_.connections_per_shard +
                                   call.connection];
     auto it = std::find_if(held.begin(), held.end(),
@@ -458,6 +469,7 @@ void PsClient::PushPullOverGrpc(std::vector<Call>& calls,
     pulls[k].group = call.group;
     pulls[k].flat = call.flat;
     pulls[k].on_response = call.on_response;
+    pulls[k].place_payloads = call.place_payloads;
   }
   StartAndWait(absl::StrCat(kServicePath, "Push"), pushes, all, timeout);
   for (size_t k = 0; k < which.size(); ++k) {
@@ -597,6 +609,7 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
   absl::MutexLock lock(&data_ports_mu_);
   for (int s = 0; s < num_shards(); ++s) {
     data_ports_[s] = responses[s].data_port();
+    data_push_pull_[s] = responses[s].data_push_pull();
   }
   return responses;
 }

@@ -125,7 +125,9 @@ class PsClient {
   // trip (ps-lite's ZPushPull) on the data plane; over gRPC they are the
   // two calls. A worker ends a step with it: the pull of the next step is
   // what a sync server answers once the step completed anyway. Retrying is
-  // safe, as for Push.
+  // safe, as for Push; a retry after the pull half failed reports the
+  // applied push's blocks as duplicates. Shards that do not announce
+  // PushPull (older servers) get the two calls.
   struct PushPullResult {
     PushResult pushed;
     int64_t pulled_step = 0;  // as Pull returns
@@ -182,6 +184,8 @@ class PsClient {
   // The slot's link to `shard`, opened if need be; null when the shard has
   // no usable data port. The caller holds slot.mu.
   DataLink* LinkFor(int shard, DataSlot& slot, absl::Time deadline);
+  // Whether `shard` announced PushPull on its data plane.
+  bool DataPushPullOffered(int shard);
   // After a data port failed: registers again (once) to learn whether the
   // server announces another one.
   void MaybeRefreshDataPorts();
@@ -263,6 +267,8 @@ class PsClient {
   std::vector<int> data_failed_ports_ ABSL_GUARDED_BY(data_ports_mu_);
   std::vector<absl::Time> data_failed_at_ ABSL_GUARDED_BY(data_ports_mu_);
   bool refresh_data_ports_ ABSL_GUARDED_BY(data_ports_mu_) = false;
+  // Per shard: whether its data plane takes PushPull.
+  std::vector<bool> data_push_pull_ ABSL_GUARDED_BY(data_ports_mu_);
   std::unique_ptr<Partition> partition_;
   ModelSchema schema_;
   std::vector<Group> groups_;

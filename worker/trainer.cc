@@ -63,6 +63,10 @@ struct ParameterBuffers {
   // Returns the step the pulled model is at (see PsClient::Pull).
   absl::StatusOr<int64_t> PullToDevice(PsClient& client, int64_t step,
                                        kernels::Backend& backend) {
+    // Unstaged, the pull writes arrays the backend may still be reading.
+    if (!staged) {
+      if (absl::Status s = backend.Synchronize(); !s.ok()) return s;
+    }
     absl::StatusOr<int64_t> at = client.Pull(step, pull_into);
     if (!at.ok()) return at.status();
     if (absl::Status s = ParamsToDevice(backend); !s.ok()) return s;
@@ -70,6 +74,7 @@ struct ParameterBuffers {
   }
 
   // Pushes push_from as `step` and pulls step + 1 (PsClient::PushPull).
+  // Call after GradsToHost, which also waits for the backend.
   absl::StatusOr<PsClient::PushPullResult> PushPullToDevice(
       PsClient& client, int64_t step, kernels::Backend& backend) {
     absl::StatusOr<PsClient::PushPullResult> done =

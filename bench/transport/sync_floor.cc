@@ -1,7 +1,10 @@
-// sync_floor: the least time a synchronous data-parallel step can spend
-// moving its bytes on this machine, with nothing but raw TCP in the way.
-// The baseline for a sync job's network wait (issue 11): no parameter
-// server can do a step's exchange faster than this.
+// sync_floor: how long a synchronous data-parallel step's exchange takes on
+// this machine with nothing but raw TCP in the way: the baseline for a sync
+// job's network wait (issue 11). A parameter server over TCP adds protocol,
+// validation and optimizer state to this; it cannot skip the kernel's
+// copies measured here. (Not a proof of a lower bound: it is the plain
+// blocking schedule below, every worker sending to all shards, then
+// reading all answers.)
 //
 //   sync_floor [--servers=2] [--workers=2] [--elements=235146] [--steps=2000]
 //
@@ -72,6 +75,8 @@ void Check(const absl::Status& status, const std::string& who) {
 void Server(int s, ScopedFd listener, int workers, Shard shard, int steps,
             absl::Duration timeout) {
   const std::string who = absl::StrCat("server ", s);
+  // accept() waits at most `timeout` too (SO_RCVTIMEO).
+  Check(TuneSocket(listener.get(), kBufferBytes, timeout), who);
   std::vector<ScopedFd> from(workers);
   for (int accepted = 0; accepted < workers; ++accepted) {
     ScopedFd fd(accept(listener.get(), nullptr, nullptr));
@@ -163,8 +168,13 @@ int Run() {
                : absl::InvalidArgumentError(absl::StrCat(
                      "--", flag, " must be >= ", low, ", got ", value));
   };
+  // Workers report through one pipe, read once they are all done.
+  const absl::Status workers_fit =
+      workers <= 1024 ? absl::OkStatus()
+                      : absl::InvalidArgumentError(absl::StrCat(
+                            "--workers must be <= 1024, got ", workers));
   ExitOnFlagErrors({at_least("servers", servers, 1),
-                    at_least("workers", workers, 1),
+                    at_least("workers", workers, 1), workers_fit,
                     at_least("elements", elements, std::max(servers, 1)),
                     at_least("steps", steps, 1), at_least("warmup", warmup, 0),
                     at_least("timeout_s", timeout_s, 1)});
@@ -191,11 +201,13 @@ int Run() {
     return 1;
   }
   std::vector<pid_t> children;
+  const pid_t parent = getpid();
   auto spawn = [&](auto body) {
     const pid_t pid = fork();
     if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the bench
-      alarm(10 * timeout_s);             // nor run forever
+      prctl(PR_SET_PDEATHSIG, SIGKILL);   // never outlive the bench,
+      if (getppid() != parent) _exit(1);  // even one gone before prctl
+      alarm(10 * timeout_s);              // nor run forever
       body();
     }
     if (pid > 0) children.push_back(pid);
@@ -204,7 +216,10 @@ int Run() {
   bool started = true;
   for (int s = 0; s < servers && started; ++s) {
     started = spawn([&, s] {
-      Server(s, std::move(listeners[s]), workers, ShardOf(s, servers, elements),
+      // Only its own port: a dead server's port must refuse connections.
+      ScopedFd mine = std::move(listeners[s]);
+      listeners.clear();
+      Server(s, std::move(mine), workers, ShardOf(s, servers, elements),
              warmup + steps, timeout);
     });
   }
@@ -215,12 +230,20 @@ int Run() {
     });
   }
   close(report[1]);
+  // The first child to fail ends the run: the others would only wait on
+  // it until their socket timeouts.
   bool ok = started;
-  for (pid_t pid : children) {
+  if (!ok) {
+    for (pid_t pid : children) kill(pid, SIGKILL);
+  }
+  for (size_t left = children.size(); left > 0; --left) {
     int status = 0;
-    if (!started) kill(pid, SIGKILL);
-    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) ||
-        WEXITSTATUS(status) != 0) {
+    const pid_t pid = waitpid(-1, &status, 0);
+    if (pid < 0) break;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      if (ok) {
+        for (pid_t other : children) kill(other, SIGKILL);
+      }
       ok = false;
     }
   }
