@@ -1,5 +1,6 @@
 #include "worker/ps_client.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -665,6 +666,15 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
       open_elements += length;
     }
   }
+  one_group_per_connection_ = true;
+  for (int s = 0; s < num_shards(); ++s) {
+    const auto groups =
+        std::count_if(groups_.begin(), groups_.end(),
+                      [s](const Group& group) { return group.shard == s; });
+    if (groups > options_.connections_per_shard) {
+      one_group_per_connection_ = false;
+    }
+  }
   for (Group& group : groups_) {
     PullRequest pull;
     pull.set_protocol_version(kProtocolVersion);
@@ -980,6 +990,19 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
     int64_t push_step, const std::vector<const float*>& gradients,
     int64_t pull_step, const std::vector<float*>& tensors) {
   if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
+  // A connection answers one request at a time. With several groups on
+  // one, a sync or ssp server would answer each group's pull (a wait for
+  // the step) before it reads the next group's push, so the waits would
+  // follow one another; pushing everything first, as the two calls do,
+  // waits once. Such a model moves enough bytes that the round trip
+  // saved would not show (2x2 sync MLP 784-2048-2048-10: 7% slower fused).
+  if (mode_ != "async" && !one_group_per_connection_) {
+    absl::StatusOr<PushResult> pushed = Push(push_step, gradients);
+    if (!pushed.ok()) return pushed.status();
+    absl::StatusOr<int64_t> pulled = Pull(pull_step, tensors);
+    if (!pulled.ok()) return pulled.status();
+    return PushPullResult{*pushed, *pulled};
+  }
   std::vector<PushResponse> responses;
   absl::StatusOr<std::vector<Call>> pushes =
       PushCalls(push_step, gradients, /*only=*/{}, responses);
