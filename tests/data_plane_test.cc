@@ -39,13 +39,14 @@ using testing::TestCluster;
 
 constexpr int kElements = 8;
 
-ModelSchema Schema() {
+// "w": `elements` of 1.5, in blocks of `block_elements`.
+ModelSchema Schema(int elements = kElements, int block_elements = 4) {
   ModelSchema schema;
   schema.set_seed(5);
-  schema.set_block_elements(4);
+  schema.set_block_elements(block_elements);
   DenseTensorSpec* w = schema.add_dense();
   w->set_name("w");
-  w->add_shape(kElements);
+  w->add_shape(elements);
   w->mutable_init()->set_kind(InitSpec::CONSTANT);
   w->mutable_init()->set_value(1.5f);
   return schema;
@@ -65,7 +66,8 @@ std::unique_ptr<TestCluster> StartCluster(
 }
 
 std::unique_ptr<PsClient> Join(const TestCluster& cluster,
-                               PsClientOptions options = {}) {
+                               PsClientOptions options = {},
+                               const ModelSchema& schema = Schema()) {
   options.hosts = cluster.HostList();
   options.heartbeat_interval = absl::ZeroDuration();
   options.retry_window = absl::Seconds(30);
@@ -73,7 +75,7 @@ std::unique_ptr<PsClient> Join(const TestCluster& cluster,
   EXPECT_TRUE(client.ok()) << client.status();
   if (!client.ok()) return nullptr;
   absl::StatusOr<Registration> registered =
-      (*client)->Register(Schema(), /*num_workers=*/1, /*worker_id=*/0);
+      (*client)->Register(schema, /*num_workers=*/1, /*worker_id=*/0);
   EXPECT_TRUE(registered.ok()) << registered.status();
   return std::move(*client);
 }
@@ -183,26 +185,14 @@ TEST(DataPlaneTest, PushPullGivesThePushThenPullModelOnBothTransports) {
 TEST(DataPlaneTest, PushPullOfLargeBlocksReadsThePayloadsIntoPlace) {
   // Two blocks of 64 KiB: their pull asks for the payloads apart.
   constexpr int kLarge = 32768;
-  ModelSchema schema;
-  schema.set_seed(5);
-  schema.set_block_elements(kLarge / 2);
-  DenseTensorSpec* w = schema.add_dense();
-  w->set_name("w");
-  w->add_shape(kLarge);
-  w->mutable_init()->set_kind(InitSpec::CONSTANT);
-  w->mutable_init()->set_value(1.5f);
   std::unique_ptr<TestCluster> cluster = StartCluster("pushpull_large");
   ASSERT_NE(cluster, nullptr);
-  PsClientOptions options;
-  options.hosts = cluster->HostList();
-  options.heartbeat_interval = absl::ZeroDuration();
-  options.retry_window = absl::Seconds(30);
-  absl::StatusOr<std::unique_ptr<PsClient>> client = PsClient::Create(options);
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->Register(schema, 1, 0).ok());
+  std::unique_ptr<PsClient> client =
+      Join(*cluster, {}, Schema(kLarge, kLarge / 2));
+  ASSERT_NE(client, nullptr);
   PsClient::PushPullResult result;
   absl::StatusOr<std::vector<float>> model =
-      PushPullOnes(**client, 0, kLarge, &result);
+      PushPullOnes(*client, 0, kLarge, &result);
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(*model, std::vector<float>(kLarge, 1.0f));
   EXPECT_EQ(result.pulled_step, 1);
