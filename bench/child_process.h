@@ -194,6 +194,21 @@ class ChildProcess {
     }
   }
 
+  // Waits until the child exits, at most `timeout`: its exit code (128 +
+  // signal when killed), or DEADLINE_EXCEEDED with the child still running.
+  absl::StatusOr<int> WaitForExit(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (Running()) {
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            name_, " still running after ", absl::FormatDuration(timeout),
+            "; its log:\n", Tail(Log())));
+      }
+      absl::SleepFor(kPoll);
+    }
+    return exit_code_;
+  }
+
   std::string Log() const { return ReadFile(log_path_); }
 
  private:
