@@ -510,6 +510,17 @@ std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
   add("pstrain_shard_members",
       "Workers whose gradients the current step waits for.", kGauge,
       s.members());
+  add("pstrain_shard_job_started",
+      "1 once the job has started (sync/ssp: every expected worker came, or "
+      "--min_workers of them by --startup_timeout_s).",
+      kGauge, s.job_start().started() ? 1 : 0);
+  add("pstrain_shard_workers_missing",
+      "Expected workers (ids below --num_workers) never heard from: before "
+      "the start, those the first step waits for.",
+      kGauge, s.job_start().missing_workers_size());
+  add("pstrain_shard_steps_short_total",
+      "sync: steps completed with fewer than --num_workers gradients.",
+      kCounter, static_cast<double>(s.steps_short()));
   add("pstrain_shard_waiting_pulls",
       "Pulls waiting for their step or for slow workers (queue depth).", kGauge,
       static_cast<double>(s.waiting_pulls()));

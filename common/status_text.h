@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace pstrain {
 
@@ -19,6 +20,10 @@ namespace pstrain {
 // the length it had: 'abc...' (70000 bytes). The result is at most
 // 4 * max_bytes + 32 characters.
 std::string QuoteForStatus(absl::string_view text, size_t max_bytes = 128);
+
+// Sorted ids as a person reads them, runs of three or more as ranges:
+// "3, 5, 9-31". Bounded by the number of runs, not of ids.
+std::string FormatIdList(absl::Span<const int> sorted_ids);
 
 }  // namespace pstrain
 

@@ -73,7 +73,20 @@ ABSL_FLAG(int, replicas_to_aggregate, 0,
           "are in; later ones are dropped and counted (0: every worker).");
 ABSL_FLAG(double, worker_lease_s, 10,
           "A worker not heard from (requests or heartbeats) for this long is "
-          "dropped, and sync steps stop waiting for it.");
+          "dropped, and sync steps stop waiting for it. The lease starts at "
+          "its first contact: a worker that never came is missing, not "
+          "lapsed (see --startup_timeout_s).");
+ABSL_FLAG(double, startup_timeout_s, 600,
+          "sync/ssp: no step completes before every worker in "
+          "[0, num_workers) has registered. After this long the job starts "
+          "with those that did if they are at least --min_workers, and "
+          "otherwise fails: every worker is told which ids never came. "
+          "Generous by default, for workers that wait for a GPU node, an "
+          "image pull or a data set.");
+ABSL_FLAG(int, min_workers, 0,
+          "sync/ssp: the fewest workers the job may start with once "
+          "--startup_timeout_s has passed; the steps run without the "
+          "missing ones are counted as short (0: --num_workers, all).");
 ABSL_FLAG(double, inject_drop_push_response_probability, 0,
           "Fault injection: after applying a push, answer UNAVAILABLE with "
           "this probability (the client retries; nothing may apply twice).");
@@ -213,6 +226,7 @@ int Main(int argc, char** argv) {
   options.max_workers = absl::GetFlag(FLAGS_max_workers);
   options.ssp_staleness = absl::GetFlag(FLAGS_staleness);
   options.replicas_to_aggregate = absl::GetFlag(FLAGS_replicas_to_aggregate);
+  options.min_workers = absl::GetFlag(FLAGS_min_workers);
   options.optimizer.name = absl::GetFlag(FLAGS_optimizer);
   options.optimizer.learning_rate = absl::GetFlag(FLAGS_learning_rate);
   options.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
@@ -252,6 +266,8 @@ int Main(int argc, char** argv) {
   checks.push_back(CheckPositive("max_pull_wait_s", max_pull_wait_s));
   const double lease_s = absl::GetFlag(FLAGS_worker_lease_s);
   checks.push_back(CheckPositive("worker_lease_s", lease_s));
+  const double startup_timeout_s = absl::GetFlag(FLAGS_startup_timeout_s);
+  checks.push_back(CheckPositive("startup_timeout_s", startup_timeout_s));
   const double drop_probability =
       absl::GetFlag(FLAGS_inject_drop_push_response_probability);
   if (!(drop_probability >= 0 && drop_probability <= 1)) {
@@ -299,6 +315,7 @@ int Main(int argc, char** argv) {
   options.max_shard_bytes = static_cast<int64_t>(
       absl::GetFlag(FLAGS_max_shard_memory_gb) * (int64_t{1} << 30));
   options.worker_lease = absl::Seconds(lease_s);
+  options.startup_timeout = absl::Seconds(startup_timeout_s);
 
   absl::StatusOr<std::unique_ptr<Shard>> shard = Shard::Create(options);
   ExitOnFlagErrors({shard.status()});

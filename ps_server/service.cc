@@ -427,6 +427,29 @@ grpc::ServerUnaryReactor* ParameterServerService::Heartbeat(
       });
 }
 
+grpc::ServerUnaryReactor* ParameterServerService::AwaitJobStart(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
+  AwaitJobStartRequest await;
+  if (absl::Status s = ParseSmall(*request, &await); !s.ok()) {
+    shard_->CountRejected();
+    return Finish(context, s);
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  shard_->AwaitJobStart(await, absl::FromChrono(context->deadline()),
+                        [reactor, response](absl::StatusOr<JobStart> start) {
+                          absl::Status status = start.status();
+                          if (status.ok()) {
+                            status = SerializeSmall(*start, response);
+                          }
+                          reactor->Finish(ToGrpcStatus(status));
+                        });
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* ParameterServerService::Leave(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
     grpc::ByteBuffer* response) {

@@ -33,12 +33,13 @@ using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Pull<
                         ParameterServer::WithRawCallbackMethod_Heartbeat<
                             ParameterServer::WithRawCallbackMethod_Leave<
                                 ParameterServer::WithRawCallbackMethod_Checkpoint<
-                                    ParameterServer::
-                                        WithRawCallbackMethod_SparsePull<
-                                            ParameterServer::
-                                                WithRawCallbackMethod_SparsePush<
-                                                    ParameterServer::
-                                                        Service>>>>>>>>>>>;
+                                    ParameterServer::WithRawCallbackMethod_SparsePull<
+                                        ParameterServer::
+                                            WithRawCallbackMethod_SparsePush<
+                                                ParameterServer::
+                                                    WithRawCallbackMethod_AwaitJobStart<
+                                                        ParameterServer::
+                                                            Service>>>>>>>>>>>>;
 
 struct ServiceOptions {
   // Fault injection for exactly-once tests: after applying a push, answer
@@ -81,6 +82,9 @@ class ParameterServerService final : public ParameterServerRawService,
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
                                       const grpc::ByteBuffer* request,
                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* AwaitJobStart(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context,
                                   const grpc::ByteBuffer* request,
                                   grpc::ByteBuffer* response) override;

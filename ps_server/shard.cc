@@ -11,6 +11,7 @@
 #include <iterator>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/init.h"
 #include "common/protocol.h"
@@ -24,6 +25,10 @@ namespace {
 // How often the reaper answers expired pulls and checks leases: a late
 // answer is at most this much past its deadline.
 constexpr absl::Duration kReaperInterval = absl::Milliseconds(20);
+// While a job waits for its workers: how often the server says for whom,
+// and the longest an AwaitJobStart call is held.
+constexpr absl::Duration kStartLogInterval = absl::Seconds(5);
+constexpr absl::Duration kMaxStartWait = absl::Seconds(10);
 // A model of more blocks is refused: every shard holds the whole block
 // layout, and a block's bookkeeping outweighs its values when blocks are
 // tiny. 2^20 blocks of the workers' default 2^17 elements is 2^37
@@ -96,6 +101,14 @@ absl::StatusOr<std::unique_ptr<Shard>> Shard::Create(
   if (options.worker_lease <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--worker_lease_s must be positive");
   }
+  if (options.startup_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--startup_timeout_s must be positive");
+  }
+  if (options.min_workers < 0 || options.min_workers > options.num_workers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--min_workers must be in [1, --num_workers=", options.num_workers,
+        "] (0: all of them), got ", options.min_workers));
+  }
   if (options.max_pull_wait <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--max_pull_wait_s must be positive");
   }
@@ -104,6 +117,7 @@ absl::StatusOr<std::unique_ptr<Shard>> Shard::Create(
   if (!optimizer.ok()) return optimizer.status();
   ShardOptions resolved = options;
   if (resolved.max_workers == 0) resolved.max_workers = options.num_workers;
+  if (resolved.min_workers == 0) resolved.min_workers = options.num_workers;
   return std::unique_ptr<Shard>(new Shard(resolved, std::move(*optimizer)));
 }
 
@@ -114,13 +128,19 @@ Shard::Shard(const ShardOptions& options, std::unique_ptr<Optimizer> optimizer)
     workers_.resize(options_.max_workers);
     const absl::Time now = absl::Now();
     for (int w = 0; w < options_.max_workers; ++w) {
-      workers_[w].last_seen = now;  // the lease of an expected worker starts
+      // Expected workers are members from the first step; their leases
+      // start at their first contact (sync/ssp) or now (async).
+      workers_[w].last_seen = now;
       if (w < options_.num_workers) {
         workers_[w].member = true;
         workers_[w].joined_at = 0;
       }
     }
     PublishMembershipLocked();
+    waiting_since_ = now;
+    last_wait_log_ = now;
+    started_ = options_.mode == ConsistencyMode::kAsync;
+    if (started_) started_at_ = now;
   }
   reaper_ = std::thread([this] { RunReaper(); });
 }
@@ -307,6 +327,7 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
     return Reject(absl::InvalidArgumentError(
         absl::StrCat("invalid model schema: ", s.message())));
   }
+  if (job_failed_.load(std::memory_order_acquire)) return Reject(job_failure_);
 
   RegisterModelResponse response;
   response.set_mode(ConsistencyModeName(options_.mode));
@@ -343,6 +364,7 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
 
   if (worker >= 0) {
     bool dropped = false;
+    bool started = false;
     {
       absl::MutexLock lock(&mu_);
       WorkerState& state = workers_[worker];
@@ -358,9 +380,10 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
         PublishMembershipLocked();
       }
       state.incarnation = request.incarnation();
-      state.last_seen = absl::Now();
+      started = TouchLocked(worker);
     }
     if (dropped) CompleteReadyBlocks();
+    if (started) AnswerStartWaiters();
   }
   return response;
 }
@@ -381,11 +404,22 @@ std::shared_ptr<const Shard::Membership> Shard::membership() const {
   return membership_;
 }
 
-void Shard::TouchLocked(int worker) {
+bool Shard::TouchLocked(int worker) {
   WorkerState& state = workers_[worker];
   state.last_seen = absl::Now();
   // Back after its lease expired (or a new id): it rejoins at its next pull.
   if (!state.member) state.pending = true;
+  if (state.seen) return false;
+  state.seen = true;
+  if (started_ || worker >= options_.num_workers) return false;
+  if (++expected_seen_ < options_.num_workers) return false;
+  started_ = true;
+  started_at_ = state.last_seen;
+  LOG(INFO) << "all " << options_.num_workers
+            << " workers have registered: the job starts after "
+            << absl::StrFormat("%.3f s", absl::ToDoubleSeconds(
+                                             started_at_ - waiting_since_));
+  return true;
 }
 
 void Shard::JoinIfPendingLocked(int worker, int64_t step) {
@@ -411,6 +445,9 @@ bool Shard::ExpireLeases() {
   const absl::Time expired_before = absl::Now() - options_.worker_lease;
   bool dropped = false;
   for (WorkerState& state : workers_) {
+    // Before the job starts, a worker never heard from is missing, not
+    // lapsed: the job waits for it (CheckJobStart bounds the wait).
+    if (!started_ && !state.seen) continue;
     if ((state.member || state.pending) && state.last_seen < expired_before) {
       dropped |= state.member;
       state.member = false;
@@ -428,8 +465,12 @@ absl::Status Shard::Heartbeat(const HeartbeatRequest& request) {
         absl::StrCat("worker_id must be in [0, ", options_.max_workers,
                      "), got ", request.worker_id())));
   }
-  absl::MutexLock lock(&mu_);
-  TouchLocked(request.worker_id());
+  bool started = false;
+  {
+    absl::MutexLock lock(&mu_);
+    started = TouchLocked(request.worker_id());
+  }
+  if (started) AnswerStartWaiters();
   return absl::OkStatus();
 }
 
@@ -452,6 +493,183 @@ absl::Status Shard::Leave(const LeaveRequest& request) {
 }
 
 // ---------------------------------------------------------------------------
+// The job's start: sync and ssp steps wait for every expected worker.
+
+std::vector<int> Shard::MissingWorkersLocked() const {
+  std::vector<int> missing;
+  for (int w = 0; w < options_.num_workers; ++w) {
+    if (!workers_[w].seen) missing.push_back(w);
+  }
+  return missing;
+}
+
+JobStart Shard::JobStartLocked() const {
+  JobStart start;
+  start.set_started(started_);
+  for (int w : MissingWorkersLocked()) start.add_missing_workers(w);
+  start.set_num_workers(options_.num_workers);
+  start.set_min_workers(options_.min_workers);
+  start.set_waited_s(absl::ToDoubleSeconds(
+      (started_ ? started_at_ : absl::Now()) - waiting_since_));
+  start.set_startup_timeout_s(absl::ToDoubleSeconds(options_.startup_timeout));
+  const int64_t first_step_ns = first_step_at_ns_.load();
+  if (started_ && first_step_ns != 0) {
+    start.set_first_step_after_start_s(
+        std::max(0.0, absl::ToDoubleSeconds(absl::FromUnixNanos(first_step_ns) -
+                                            started_at_)));
+  }
+  return start;
+}
+
+void Shard::AwaitJobStart(const AwaitJobStartRequest& request,
+                          absl::Time deadline, JobStartDone done) {
+  const int worker = request.worker_id();
+  if (worker < -1 || worker >= options_.max_workers) {
+    return done(Reject(absl::InvalidArgumentError(
+        absl::StrCat("worker_id must be in [0, ", options_.max_workers,
+                     ") or -1 for an observer, got ", worker))));
+  }
+  if (job_failed_.load(std::memory_order_acquire)) return done(job_failure_);
+  JobStart answer;
+  bool started = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (worker >= 0) started = TouchLocked(worker);
+    const absl::Time now = absl::Now();
+    deadline = std::min(
+        {deadline,
+         now + std::min(absl::Milliseconds(request.wait_ms()), kMaxStartWait)});
+    if (!started_ && deadline > now && !shutting_down_) {
+      start_waiters_.push_back(StartWaiter{deadline, std::move(done)});
+      return;
+    }
+    answer = JobStartLocked();
+  }
+  if (started) AnswerStartWaiters();
+  done(std::move(answer));
+}
+
+void Shard::AnswerStartWaiters() {
+  std::vector<StartWaiter> due;
+  JobStart answer;
+  {
+    absl::MutexLock lock(&mu_);
+    if (start_waiters_.empty()) return;
+    if (started_) {
+      due.swap(start_waiters_);
+    } else {
+      const absl::Time now = absl::Now();
+      auto split = std::stable_partition(
+          start_waiters_.begin(), start_waiters_.end(),
+          [now](const StartWaiter& w) { return w.deadline > now; });
+      std::move(split, start_waiters_.end(), std::back_inserter(due));
+      start_waiters_.erase(split, start_waiters_.end());
+    }
+    if (due.empty()) return;
+    answer = JobStartLocked();
+  }
+  for (StartWaiter& w : due) w.done(answer);
+}
+
+bool Shard::CheckJobStart() {
+  absl::Status failure;
+  {
+    absl::MutexLock lock(&mu_);
+    if (started_ || job_failed_.load()) return false;
+    const absl::Time now = absl::Now();
+    const std::vector<int> missing = MissingWorkersLocked();
+    const int present = options_.num_workers - static_cast<int>(missing.size());
+    const absl::Duration waited = now - waiting_since_;
+    const std::string timeout_flag =
+        absl::StrCat("--startup_timeout_s=",
+                     absl::ToDoubleSeconds(options_.startup_timeout));
+    if (waited < options_.startup_timeout) {
+      if (now - last_wait_log_ >= kStartLogInterval) {
+        last_wait_log_ = now;
+        LOG(INFO) << "waiting for workers " << FormatIdList(missing) << " ("
+                  << missing.size() << " of " << options_.num_workers
+                  << " missing), " << absl::ToInt64Seconds(waited) << " s of "
+                  << timeout_flag;
+      }
+      return false;
+    }
+    if (present < options_.min_workers) {
+      failure = absl::FailedPreconditionError(absl::StrCat(
+          "the job did not start: workers ", FormatIdList(missing),
+          " never registered within ", timeout_flag, " (", present, " of ",
+          options_.num_workers, " did; --min_workers=", options_.min_workers,
+          "); restart the servers to try again"));
+    } else {
+      // The job goes on without them; one that comes later joins at the
+      // job's step like a restarted worker.
+      for (int w : missing) {
+        workers_[w].member = false;
+        workers_[w].pending = false;
+        workers_[w].joined_at = kNever;
+      }
+      PublishMembershipLocked();
+      started_ = true;
+      started_at_ = now;
+      LOG(WARNING) << timeout_flag << " passed: the job starts with " << present
+                   << " of " << options_.num_workers
+                   << " workers (--min_workers=" << options_.min_workers
+                   << "); workers " << FormatIdList(missing)
+                   << " never registered, and every sync step without them "
+                      "is counted as short";
+      return true;
+    }
+  }
+  FailJob(std::move(failure));
+  return false;
+}
+
+void Shard::LogFirstStepOnce() {
+  if (first_step_logged_ || first_step_at_ns_.load() == 0) return;
+  first_step_logged_ = true;
+  absl::MutexLock lock(&mu_);
+  if (!started_) return;  // a restored shard's first step is not its job's
+  LOG(INFO) << "the first step completed "
+            << absl::StrFormat(
+                   "%.1f ms",
+                   absl::ToDoubleMilliseconds(
+                       absl::FromUnixNanos(first_step_at_ns_.load()) -
+                       started_at_))
+            << " after the job started";
+}
+
+void Shard::FailJob(absl::Status failure) {
+  std::vector<std::unique_ptr<Waiter>> waiting;
+  std::vector<StartWaiter> starting;
+  {
+    absl::MutexLock lock(&mu_);
+    if (job_failed_.load()) return;
+    job_failure_ = failure;
+    job_failed_.store(true, std::memory_order_release);
+    waiting.swap(waiters_);
+    starting.swap(start_waiters_);
+  }
+  LOG(ERROR) << failure.message();
+  for (std::unique_ptr<Waiter>& w : waiting) w->answer(failure);
+  for (StartWaiter& w : starting) w.done(failure);
+}
+
+void Shard::OnStepCompleted(int64_t version, int contributors) {
+  if (version == 0) {
+    int64_t none = 0;
+    first_step_at_ns_.compare_exchange_strong(none,
+                                              absl::ToUnixNanos(absl::Now()));
+  }
+  if (contributors >= options_.num_workers) return;
+  int64_t last = last_short_step_.load();
+  while (version > last) {
+    if (last_short_step_.compare_exchange_weak(last, version)) {
+      steps_short_.fetch_add(1);
+      return;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Validation every request shares, dense and sparse, push and pull.
 
 absl::StatusOr<const Shard::Model*> Shard::ValidateCommon(
@@ -463,6 +681,7 @@ absl::StatusOr<const Shard::Model*> Shard::ValidateCommon(
         " is not supported; this server speaks ", kProtocolVersion));
   }
   const Model* model = model_.load(std::memory_order_acquire);
+  if (job_failed_.load(std::memory_order_acquire)) return job_failure_;
   if (model == nullptr) {
     // NOT_FOUND tells a client to register (again, after a restart).
     return absl::NotFoundError(
@@ -495,6 +714,9 @@ void Shard::RunReaper() {
       stop = shutting_down_;
     }
     if (stop) return;
+    if (CheckJobStart()) CompleteReadyBlocks();
+    AnswerStartWaiters();
+    LogFirstStepOnce();
     if (ExpireLeases()) {
       CompleteReadyBlocks();
       ReleaseReadyWaiters();  // ssp: a dropped laggard no longer holds others
@@ -518,14 +740,17 @@ void Shard::RunReaper() {
 
 void Shard::BeginShutdown() {
   std::vector<std::unique_ptr<Waiter>> waiting;
+  std::vector<StartWaiter> starting;
   {
     absl::MutexLock lock(&mu_);
     shutting_down_ = true;
     waiting.swap(waiters_);
+    starting.swap(start_waiters_);
   }
-  for (std::unique_ptr<Waiter>& w : waiting) {
-    w->answer(absl::UnavailableError("the server is shutting down"));
-  }
+  const absl::Status stopping =
+      absl::UnavailableError("the server is shutting down");
+  for (std::unique_ptr<Waiter>& w : waiting) w->answer(stopping);
+  for (StartWaiter& w : starting) w.done(stopping);
 }
 
 // ---------------------------------------------------------------------------
@@ -588,7 +813,9 @@ StatsResponse Shard::Stats() const {
   stats.set_internal_errors(internal_errors_.load());
   stats.set_values_copied_for_pulls(values_copied_for_pulls_.load());
   stats.set_ssp_gap_max(ssp_gap_max_.load());
+  stats.set_steps_short(steps_short_.load());
   absl::MutexLock lock(&mu_);
+  *stats.mutable_job_start() = JobStartLocked();
   int members = 0;
   for (const WorkerState& state : workers_) members += state.member;
   stats.set_members(members);

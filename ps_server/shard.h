@@ -23,11 +23,19 @@
 //        is validated completely before it touches state, and every wait has
 //        a deadline.
 //
-// Membership: workers [0, num_workers) are expected from the start. A worker
-// that misses its lease (no request or heartbeat for --worker_lease_s) is
-// dropped and the steps stop waiting for it; a worker that comes back, a new
-// incarnation of a worker id, or a new id below max_workers (elastic
-// scale-up) joins at the step of its next pull. Leave drops one at once.
+// Membership: workers [0, num_workers) are expected from the start. In sync
+// and ssp the job starts once every one of them has been heard from: a
+// worker never seen is missing, not lapsed, and the first step waits for it
+// (AwaitJobStart lets a worker wait for the start and see who is missing).
+// At startup_timeout the job starts with those present if they are at least
+// min_workers, and otherwise fails: every request is then refused with a
+// status naming the missing ids. A lease starts at a worker's first
+// contact; a worker that misses it (no request or heartbeat for
+// --worker_lease_s) is dropped and the steps stop waiting for it; a worker
+// that comes back, a new incarnation of a worker id, or a new id below
+// max_workers (elastic scale-up) joins at the step of its next pull. Leave
+// drops one at once. A sync step completed with fewer than num_workers
+// gradients is counted (Stats.steps_short).
 #ifndef PSTRAIN_PS_SERVER_SHARD_H_
 #define PSTRAIN_PS_SERVER_SHARD_H_
 
@@ -72,6 +80,11 @@ struct ShardOptions {
   int replicas_to_aggregate = 0;
   // A member not heard from for this long is dropped from the quorum.
   absl::Duration worker_lease = absl::Seconds(10);
+  // sync/ssp: how long the first step waits for every expected worker, and
+  // how many must have come by then for the job to start without the rest
+  // (0: num_workers, all of them).
+  absl::Duration startup_timeout = absl::Minutes(10);
+  int min_workers = 0;
   OptimizerConfig optimizer;
   // A gradient with NaN/Inf is refused (false) or acknowledged and left out
   // of the update, counted in stats (true). In sync mode a skipped worker
@@ -139,6 +152,11 @@ class Shard {
   absl::StatusOr<SparsePushResponse> SparsePush(
       const SparsePushRequest& request);
   absl::Status Heartbeat(const HeartbeatRequest& request);
+  // Answers (once) when the job has started, or failed to, or at
+  // `deadline` (capped at a few seconds) with who is still missing.
+  using JobStartDone = std::function<void(absl::StatusOr<JobStart>)>;
+  void AwaitJobStart(const AwaitJobStartRequest& request, absl::Time deadline,
+                     JobStartDone done);
   absl::Status Leave(const LeaveRequest& request);
   StatsResponse Stats() const;
 
@@ -209,6 +227,10 @@ class Shard {
   struct Model;
   struct Waiter;
   struct WorkerState;
+  struct StartWaiter {
+    absl::Time deadline;
+    JobStartDone done;
+  };
   // For each worker id, the first step whose quorum counts it (kNever when
   // it is not a member). Replaced, never modified, so block completion can
   // read it without the shard's lock.
@@ -268,8 +290,10 @@ class Shard {
   void FastForwardLocked(const Model& model, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Membership, under mu_.
-  void TouchLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Membership, under mu_. A worker's first contact starts its lease and
+  // may start the job: true when it did (the caller then answers the
+  // start's waiters once mu_ is released).
+  bool TouchLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void JoinIfPendingLocked(int worker, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishMembershipLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -277,6 +301,25 @@ class Shard {
   int64_t MinMemberClockLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops members whose lease expired; true when any was dropped.
   bool ExpireLeases() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The job's start (sync/ssp).
+  JobStart JobStartLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<int> MissingWorkersLocked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reaper: logs the wait now and then, and at startup_timeout starts the
+  // job without the missing workers or fails it. True when it started.
+  bool CheckJobStart() ABSL_LOCKS_EXCLUDED(mu_);
+  // Answers the start's waiters: all of them once the job started or
+  // failed, else those whose deadline passed.
+  void AnswerStartWaiters() ABSL_LOCKS_EXCLUDED(mu_);
+  // Reaper: says once how long after the start the first step completed.
+  void LogFirstStepOnce();
+  // Refuses every waiting pull and every later request with `failure`.
+  void FailJob(absl::Status failure) ABSL_LOCKS_EXCLUDED(mu_);
+  // sync: a block or table completed step `version` from `contributors`
+  // gradients. Counts it once per step when that was fewer than
+  // num_workers, and records when the first step completed.
+  void OnStepCompleted(int64_t version, int contributors);
 
   // The block's values for an update, counting a copy a pull forced.
   absl::Span<float> MutableValues(Block& block)
@@ -333,6 +376,20 @@ class Shard {
   int64_t recovery_horizon_ ABSL_GUARDED_BY(mu_) = -1;
   std::thread reaper_;
 
+  // The job's start (sync and ssp; async starts at once).
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  int expected_seen_ ABSL_GUARDED_BY(mu_) = 0;  // of [0, num_workers)
+  absl::Time waiting_since_ ABSL_GUARDED_BY(mu_);
+  absl::Time started_at_ ABSL_GUARDED_BY(mu_);
+  // When some block or table first completed step 0 (0: not yet).
+  std::atomic<int64_t> first_step_at_ns_{0};
+  bool first_step_logged_ = false;  // the reaper's
+  absl::Time last_wait_log_ ABSL_GUARDED_BY(mu_);
+  std::vector<StartWaiter> start_waiters_ ABSL_GUARDED_BY(mu_);
+  // Set once, before job_failed_; read by any request after it.
+  absl::Status job_failure_;
+  std::atomic<bool> job_failed_{false};
+
   std::atomic<int64_t> blocks_applied_{0};
   std::atomic<int64_t> blocks_duplicate_{0};
   std::atomic<int64_t> blocks_late_{0};
@@ -348,6 +405,8 @@ class Shard {
   std::atomic<int64_t> internal_errors_{0};
   std::atomic<int64_t> values_copied_for_pulls_{0};
   std::atomic<int64_t> ssp_gap_max_{0};
+  std::atomic<int64_t> steps_short_{0};
+  std::atomic<int64_t> last_short_step_{-1};
 };
 
 }  // namespace pstrain

@@ -326,6 +326,7 @@ bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
                        absl::MakeSpan(block.state),
                        1.0f / static_cast<float>(block.finite_contributors));
   }
+  OnStepCompleted(version, block.contributors);
   block.contributors = 0;
   block.finite_contributors = 0;
   block.version.store(version + 1);

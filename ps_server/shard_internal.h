@@ -98,7 +98,8 @@ struct Shard::WorkerState {
   bool member = false;   // counted in quorums from joined_at
   bool pending = false;  // (re)joining: a member from its next pull
   int64_t joined_at = shard_internal::kNever;
-  uint64_t incarnation = 0;  // 0: not yet seen
+  uint64_t incarnation = 0;  // 0: not yet registered
+  bool seen = false;         // any contact, ever: its lease has started
   absl::Time last_seen;
   // One past the last step pushed here: the ssp clock, and where a
   // restarted async/ssp worker resumes so its pushes are not repeats.

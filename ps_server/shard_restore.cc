@@ -112,6 +112,13 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
   absl::MutexLock state_lock(&mu_);
   recovering_ = options_.mode == ConsistencyMode::kSync;
   recovery_horizon_ = newest;
+  // The job was running: its workers are coming back, not starting, so
+  // each expected one holds a lease from now, as after any restart.
+  if (!started_) {
+    started_ = true;
+    started_at_ = absl::Now();
+    for (WorkerState& worker : workers_) worker.last_seen = started_at_;
+  }
   return absl::OkStatus();
 }
 

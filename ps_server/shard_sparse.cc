@@ -83,6 +83,7 @@ bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
                                      QuoteForStatus(state.spec->name())),
                         s);
   }
+  OnStepCompleted(version, state.contributors);
   state.gradient_sum.clear();
   state.contributors = 0;
   state.version.store(version + 1);

@@ -432,6 +432,228 @@ TEST(ShardLeaseTest, ALapsedWorkersGradientDoesNotReplaceAMembers) {
   EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 * mean(1, 1, 4)
 }
 
+// ---------------------------------------------------------------------------
+// The job's start (issue 27): sync and ssp steps wait for every expected
+// worker; a worker never heard from is missing, not lapsed.
+
+Fixture MakeStartingShard(ConsistencyMode mode, int num_workers,
+                          absl::Duration lease, absl::Duration startup_timeout,
+                          int min_workers = 0) {
+  Fixture f;
+  f.options.mode = mode;
+  f.options.num_workers = num_workers;
+  f.options.min_workers = min_workers;
+  f.options.ssp_staleness = 1;
+  f.options.optimizer.learning_rate = 0.5f;
+  f.options.max_pull_wait = absl::Seconds(5);
+  f.options.worker_lease = lease;
+  f.options.startup_timeout = startup_timeout;
+  absl::StatusOr<std::unique_ptr<Shard>> shard = Shard::Create(f.options);
+  EXPECT_TRUE(shard.ok()) << shard.status();
+  f.shard = std::move(*shard);
+  return f;
+}
+
+absl::StatusOr<RegisterModelResponse> RegisterWorker(Shard& shard,
+                                                     int num_workers,
+                                                     int worker) {
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  *request.mutable_schema() = TestSchema();
+  request.set_num_shards(1);
+  request.set_num_workers(num_workers);
+  request.set_worker_id(worker);
+  request.set_incarnation(1000 + worker);
+  return shard.Register(request);
+}
+
+// An AwaitJobStart call's answer, which may arrive on another thread.
+struct StartResult {
+  absl::Notification done;
+  absl::StatusOr<JobStart> start;
+};
+
+std::unique_ptr<StartResult> AwaitStart(Shard& shard, int worker,
+                                        absl::Duration wait) {
+  auto result = std::make_unique<StartResult>();
+  AwaitJobStartRequest request;
+  request.set_worker_id(worker);
+  request.set_wait_ms(absl::ToInt64Milliseconds(wait));
+  StartResult* r = result.get();
+  shard.AwaitJobStart(request, absl::Now() + absl::Seconds(30),
+                      [r](absl::StatusOr<JobStart> start) {
+                        r->start = std::move(start);
+                        r->done.Notify();
+                      });
+  return result;
+}
+
+TEST(ShardStartTest, AWorkerNeverHeardFromIsWaitedForNotLapsed) {
+  // Leases of 50 ms: an unseen worker 1 used to be dropped after them, and
+  // step 0 completed from worker 0's gradient alone.
+  Fixture f = MakeStartingShard(ConsistencyMode::kSync, 2,
+                                absl::Milliseconds(50), absl::Seconds(60));
+  ASSERT_TRUE(RegisterWorker(*f.shard, 2, 0).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  // An observer's wait ends at its own deadline: ten leases later, the
+  // job has not started, and step 0 still waits for worker 1.
+  auto waited = AwaitStart(*f.shard, -1, absl::Milliseconds(500));
+  ASSERT_TRUE(waited->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(waited->start.ok()) << waited->start.status();
+  EXPECT_FALSE(waited->start->started());
+  ASSERT_EQ(waited->start->missing_workers_size(), 1);
+  EXPECT_EQ(waited->start->missing_workers(0), 1);
+  EXPECT_GE(waited->start->waited_s(), 0.5);
+  EXPECT_EQ(f.shard->Stats().version(), 0);
+
+  ASSERT_TRUE(RegisterWorker(*f.shard, 2, 1).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 3)).ok());
+  auto pulled = DoPull(*f.shard, PullAt(1, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 * mean(1, 3)
+  const StatsResponse stats = f.shard->Stats();
+  EXPECT_TRUE(stats.job_start().started());
+  EXPECT_EQ(stats.steps_short(), 0);
+}
+
+TEST(ShardStartTest, AWaitEndsWhenTheLastWorkerRegisters) {
+  Fixture f = MakeStartingShard(ConsistencyMode::kSync, 3, absl::Seconds(60),
+                                absl::Seconds(60));
+  ASSERT_TRUE(RegisterWorker(*f.shard, 3, 0).ok());
+  ASSERT_TRUE(RegisterWorker(*f.shard, 3, 1).ok());
+  // Held for up to 10 s (the server's cap), unless the start ends it.
+  auto waiting = AwaitStart(*f.shard, 0, absl::Seconds(30));
+  EXPECT_FALSE(waiting->done.HasBeenNotified());
+  ASSERT_TRUE(RegisterWorker(*f.shard, 3, 2).ok());
+  ASSERT_TRUE(waiting->done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  ASSERT_TRUE(waiting->start.ok()) << waiting->start.status();
+  EXPECT_TRUE(waiting->start->started());
+  EXPECT_EQ(waiting->start->missing_workers_size(), 0);
+  // A worker asking afterwards is answered at once.
+  auto late = AwaitStart(*f.shard, 1, absl::Seconds(30));
+  EXPECT_TRUE(late->done.HasBeenNotified());
+  EXPECT_TRUE(late->start.ok() && late->start->started());
+}
+
+TEST(ShardStartTest, TooFewWorkersByTheStartupTimeoutFailsTheJob) {
+  Fixture f = MakeStartingShard(ConsistencyMode::kSync, 3, absl::Seconds(60),
+                                absl::Milliseconds(200));
+  ASSERT_TRUE(RegisterWorker(*f.shard, 3, 0).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  PullResult pull;  // waits for step 0, which waits for workers 1 and 2
+  f.shard->Pull(PullAt(0, 1), Soon(), pull.Callback());
+  auto waiting = AwaitStart(*f.shard, 0, absl::Seconds(5));
+  ASSERT_TRUE(waiting->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(waiting->start.status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(
+      waiting->start.status().message().find("workers 1, 2 never registered"),
+      std::string::npos)
+      << waiting->start.status();
+  // The waiting pull, and every later request, hear the same.
+  ASSERT_TRUE(pull.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(pull.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(RegisterWorker(*f.shard, 3, 2).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(DoPush(*f.shard, UniformPush(0, 0, 1)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(f.shard->Stats().version(), 0);  // nothing applied
+}
+
+TEST(ShardStartTest, WithMinWorkersTheJobStartsWithoutTheMissingOnes) {
+  Fixture f = MakeStartingShard(ConsistencyMode::kSync, 3, absl::Seconds(60),
+                                absl::Milliseconds(200), /*min_workers=*/2);
+  ASSERT_TRUE(RegisterWorker(*f.shard, 3, 0).ok());
+  ASSERT_TRUE(RegisterWorker(*f.shard, 3, 1).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 3)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 0);  // before the timeout: waits
+  auto started = AwaitStart(*f.shard, 0, absl::Seconds(5));
+  ASSERT_TRUE(started->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(started->start.ok()) << started->start.status();
+  EXPECT_TRUE(started->start->started());
+  ASSERT_EQ(started->start->missing_workers_size(), 1);
+  EXPECT_EQ(started->start->missing_workers(0), 2);
+  // The start completed step 0 from the two gradients it had.
+  auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 * mean(1, 3)
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 1, 1)).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 1, 1)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 2);
+  EXPECT_EQ(f.shard->Stats().steps_short(), 2);
+  // Worker 2 comes after all: it joins at the job's step, and the steps
+  // with all three are not short.
+  absl::StatusOr<RegisterModelResponse> late = RegisterWorker(*f.shard, 3, 2);
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(late->step(), 2);
+  for (int worker = 0; worker < 3; ++worker) {
+    ASSERT_TRUE(DoPull(*f.shard, PullAt(worker, 2), Soon())->status.ok());
+  }
+  for (int worker = 0; worker < 3; ++worker) {
+    ASSERT_TRUE(DoPush(*f.shard, UniformPush(worker, 2, 1)).ok());
+  }
+  const StatsResponse stats = f.shard->Stats();
+  EXPECT_EQ(stats.version(), 3);
+  EXPECT_EQ(stats.steps_short(), 2);
+  EXPECT_EQ(stats.job_start().missing_workers_size(), 0);
+}
+
+TEST(ShardStartTest, SspHoldsAWorkerAheadOfOneNeverHeardFrom) {
+  Fixture f = MakeStartingShard(ConsistencyMode::kSsp, 2,
+                                absl::Milliseconds(50), absl::Seconds(60));
+  ASSERT_TRUE(RegisterWorker(*f.shard, 2, 0).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 1, 1)).ok());
+  // Step 2 is two ahead of worker 1's clock 0 (staleness 1): it waits,
+  // through many of the leases that used to drop the unseen worker.
+  auto held =
+      DoPull(*f.shard, PullAt(0, 2), absl::Now() + absl::Milliseconds(400));
+  EXPECT_EQ(held->status.code(), absl::StatusCode::kDeadlineExceeded)
+      << held->status;
+  ASSERT_TRUE(RegisterWorker(*f.shard, 2, 1).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());
+  auto pulled = DoPull(*f.shard, PullAt(0, 2), Soon());
+  EXPECT_TRUE(pulled->status.ok()) << pulled->status;
+}
+
+TEST(ShardStartTest, AsyncAndRestoredShardsHaveStarted) {
+  Fixture async = MakeStartingShard(ConsistencyMode::kAsync, 2,
+                                    absl::Seconds(60), absl::Seconds(60));
+  auto answer = AwaitStart(*async.shard, 0, absl::Seconds(5));
+  ASSERT_TRUE(answer->done.HasBeenNotified());
+  EXPECT_TRUE(answer->start.ok() && answer->start->started());
+
+  // A restored shard's workers are coming back, not starting: each holds a
+  // lease from the restore, as before this rule.
+  Fixture original = MakeShard(ConsistencyMode::kSync, 2);
+  ASSERT_TRUE(DoPush(*original.shard, UniformPush(0, 0, 1)).ok());
+  ASSERT_TRUE(DoPush(*original.shard, UniformPush(1, 0, 1)).ok());
+  original.options.startup_timeout = absl::Seconds(60);
+  auto restored = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(restored->Restore(RestoredFrom(*original.shard)).ok());
+  answer = AwaitStart(*restored, 0, absl::Seconds(5));
+  ASSERT_TRUE(answer->done.HasBeenNotified());
+  EXPECT_TRUE(answer->start.ok() && answer->start->started());
+}
+
+TEST(ShardStartTest, StepsWithFewerGradientsThanWorkersAreCountedAsShort) {
+  // Backup workers: 2 of 3 gradients complete a step.
+  Fixture f = MakeShard(ConsistencyMode::kSync, 3);
+  ShardOptions options = f.options;
+  options.replicas_to_aggregate = 2;
+  f.shard = std::move(*Shard::Create(options));
+  for (int worker = 0; worker < 3; ++worker) {
+    ASSERT_TRUE(RegisterWorker(*f.shard, 3, worker).ok());
+  }
+  for (int64_t step = 0; step < 3; ++step) {
+    ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, step, 1)).ok());
+    ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, step, 1)).ok());
+  }
+  EXPECT_EQ(f.shard->Stats().version(), 3);
+  EXPECT_EQ(f.shard->Stats().steps_short(), 3);  // once per step, not block
+}
+
 // Issue 12: a restore loses the updates applied after its checkpoint; in
 // async mode Stats said nothing of them. Each worker's first push after the
 // restore shows how many of its pushes the previous life had applied.
