@@ -6,6 +6,7 @@
 // split, e.g. example i to worker i mod W, gives the workers other examples
 // at step s, and the comparison with the single process below fails.)
 #include <cmath>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -55,17 +56,27 @@ ModelSchema Schema() {
   return schema;
 }
 
+// When the workers start, relative to the servers, and what they print.
+struct Staggering {
+  std::vector<absl::Duration> start_delays;  // one per worker
+  std::vector<std::string> server_flags;
+  std::vector<std::string>* worker_outputs = nullptr;
+};
+
 // Trains with `workers` workers sharing the global batch on `shards` shards
 // and returns the final model, pulled from the servers.
 std::vector<std::vector<float>> TrainAndPull(
     int workers, int shards, const std::string& mode, const std::string& name,
     bool shuffle = true, int global_batch = kGlobalBatch,
-    std::vector<std::string> extra = {}) {
+    std::vector<std::string> extra = {}, const Staggering& staggering = {}) {
   testing::ClusterOptions options;
   options.num_shards = shards;
   options.num_workers = workers;
   options.mode = mode;
   options.server_flags = {"--optimizer=sgd", "--learning_rate=0.2"};
+  options.server_flags.insert(options.server_flags.end(),
+                              staggering.server_flags.begin(),
+                              staggering.server_flags.end());
   absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
       testing::TestCluster::Start(options, name);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
@@ -73,10 +84,13 @@ std::vector<std::vector<float>> TrainAndPull(
   std::vector<std::string> worker_flags = ModelFlags(shuffle, global_batch);
   worker_flags.insert(worker_flags.end(), extra.begin(), extra.end());
   std::vector<std::vector<std::string>> flags(workers, worker_flags);
-  absl::StatusOr<std::vector<std::string>> outputs =
-      (*cluster)->RunWorkers(flags, absl::Seconds(120));
+  absl::StatusOr<std::vector<std::string>> outputs = (*cluster)->RunWorkers(
+      flags, absl::Seconds(120), staggering.start_delays);
   EXPECT_TRUE(outputs.ok()) << outputs.status();
   if (!outputs.ok()) return {};
+  if (staggering.worker_outputs != nullptr) {
+    *staggering.worker_outputs = *outputs;
+  }
 
   PsClientOptions client_options;
   client_options.hosts = (*cluster)->HostList();
@@ -160,6 +174,55 @@ TEST(SyncEquivalenceTest, PushingLayerByLayerDuringBackwardChangesNothing) {
   ASSERT_EQ(overlapped.size(), 4u);
   EXPECT_LE(MaxAbsDifference(overlapped, single), 1e-5);
   EXPECT_GE(MaxAbsDifference(single, InitialModel()), 1e-2);
+}
+
+// Issue 27: servers first, workers late, as on a cluster (scheduling, image
+// pulls, CUDA start-up). The servers' leases of 1 s used to drop a worker
+// that had not come yet: the first one ran every step alone and the others
+// joined a finished job, all exiting 0. Now every worker runs every step,
+// none is short, and the model is the single process's.
+TEST(SyncEquivalenceTest, WorkersStartingLateEqualOneWorkerWithTheGlobalBatch) {
+  const auto single = TrainAndPull(1, 1, "sync", "one_worker_late_ref");
+  ASSERT_EQ(single.size(), 4u);
+  constexpr int kLeaseMs = 1000;
+  // Heartbeats well inside the short lease while a worker waits.
+  const std::vector<std::string> heartbeats = {"--heartbeat_interval_s=0.2"};
+  Staggering late;
+  late.server_flags = {absl::StrCat("--worker_lease_s=", kLeaseMs / 1000.0)};
+  std::vector<std::string> outputs;
+  late.worker_outputs = &outputs;
+  // Worker 0 after its lease would have lapsed, worker 1 three seconds on.
+  late.start_delays = {absl::Milliseconds(kLeaseMs + 2000),
+                       absl::Milliseconds(kLeaseMs + 5000)};
+  const auto staggered = TrainAndPull(2, 2, "sync", "two_workers_late", true,
+                                      kGlobalBatch, heartbeats, late);
+  ASSERT_EQ(staggered.size(), 4u);
+  EXPECT_LE(MaxAbsDifference(staggered, single), 1e-5);
+  ASSERT_EQ(outputs.size(), 2u);
+  for (const std::string& output : outputs) {
+    EXPECT_EQ(*testing::FinalJsonNumber(output, "start_step"), 0);
+    EXPECT_EQ(*testing::FinalJsonNumber(output, "steps_run"), kSteps);
+    EXPECT_EQ(*testing::FinalJsonNumber(output, "steps_short"), 0);
+  }
+
+  // Three workers at random times up to twice the lease (the seed is fixed
+  // so a failure reproduces).
+  std::mt19937 random(27);
+  std::uniform_int_distribution<int> delay_ms(0, 2 * kLeaseMs);
+  late.start_delays.clear();
+  for (int k = 0; k < 3; ++k) {
+    late.start_delays.push_back(absl::Milliseconds(delay_ms(random)));
+  }
+  const auto single_30 =
+      TrainAndPull(1, 1, "sync", "one_worker_30_late", true, 30);
+  const auto three = TrainAndPull(3, 2, "sync", "three_workers_late", true, 30,
+                                  heartbeats, late);
+  ASSERT_EQ(three.size(), 4u);
+  EXPECT_LE(MaxAbsDifference(three, single_30), 1e-5);
+  for (const std::string& output : outputs) {
+    EXPECT_EQ(*testing::FinalJsonNumber(output, "steps_run"), kSteps);
+    EXPECT_EQ(*testing::FinalJsonNumber(output, "steps_short"), 0);
+  }
 }
 
 }  // namespace

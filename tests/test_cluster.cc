@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -313,14 +314,28 @@ std::string TestCluster::PsHosts() const {
 
 absl::StatusOr<std::vector<std::string>> TestCluster::RunWorkers(
     const std::vector<std::vector<std::string>>& worker_flags,
-    absl::Duration timeout) {
+    absl::Duration timeout, const std::vector<absl::Duration>& start_delays) {
   const int n = static_cast<int>(worker_flags.size());
-  std::vector<std::unique_ptr<Process>> workers;
-  for (int k = 0; k < n; ++k) {
+  std::vector<int> order(n);
+  for (int k = 0; k < n; ++k) order[k] = k;
+  if (!start_delays.empty()) {
+    if (static_cast<int>(start_delays.size()) != n) {
+      return absl::InvalidArgumentError("one start delay per worker");
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return start_delays[a] < start_delays[b];
+    });
+  }
+  const absl::Time begin = absl::Now();
+  std::vector<std::unique_ptr<Process>> workers(n);
+  for (int k : order) {
+    if (!start_delays.empty()) {
+      absl::SleepFor(begin + start_delays[k] - absl::Now());
+    }
     absl::StatusOr<std::unique_ptr<Process>> worker =
         StartWorker(k, n, worker_flags[k]);
     if (!worker.ok()) return worker.status();
-    workers.push_back(std::move(*worker));
+    workers[k] = std::move(*worker);
   }
   const absl::Time deadline = absl::Now() + timeout;
   std::vector<std::string> outputs;

@@ -76,9 +76,13 @@ class TestCluster {
   // Runs one worker per entry of `worker_flags` (each gets --ps_hosts,
   // --worker_id, --num_workers added) and waits for all of them. Returns
   // each worker's stdout; fails with its stderr tail if one exits non-zero.
+  // `start_delays[k]`, when given, is how long after the call worker k
+  // starts: a cluster whose workers come late (the delay is the scenario,
+  // not a synchronisation).
   absl::StatusOr<std::vector<std::string>> RunWorkers(
       const std::vector<std::vector<std::string>>& worker_flags,
-      absl::Duration timeout);
+      absl::Duration timeout,
+      const std::vector<absl::Duration>& start_delays = {});
 
   // Starts one worker; the caller waits for it.
   absl::StatusOr<std::unique_ptr<Process>> StartWorker(

@@ -138,6 +138,12 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     LOG(ERROR) << "cannot register the model: " << registration.status();
     return 1;
   }
+  if (absl::Status started = context.client->AwaitJobStart(context.on_waiting);
+      !started.ok()) {
+    LOG(ERROR) << "the job did not start: " << started;
+    context.client->Leave().IgnoreError();
+    return 1;
+  }
   CtrTrainerOptions options;
   options.worker_id = context.worker_id;
   options.start_step = registration->start_step;

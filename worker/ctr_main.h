@@ -25,6 +25,8 @@ struct CtrWorkerContext {
   PsClient* client = nullptr;
   kernels::Backend* backend = nullptr;
   std::function<void(const StepReport&)> on_step;
+  // While the job waits for its workers (PsClient::AwaitJobStart).
+  PsClient::StartWaitReport on_waiting;
   const std::atomic<bool>* stop = nullptr;
 };
 

@@ -429,6 +429,11 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     if (absl::Status s = (*net)->Scores(rows, &scores); !s.ok()) return s;
     labels.insert(labels.end(), batch.labels.begin(), batch.labels.end());
   }
+  if (mode == "sync") {
+    absl::StatusOr<int64_t> steps_short = client.StepsShort();
+    if (!steps_short.ok()) return steps_short.status();
+    result.steps_short = *steps_short;
+  }
   if (absl::Status s = client.Leave(); !s.ok()) return s;
   result.test_examples = static_cast<int64_t>(labels.size());
   if (!labels.empty()) {
@@ -454,10 +459,10 @@ std::string CtrFinalJson(const CtrResult& r, int worker_id, int num_workers,
       "\"steps_run\":%d,\"final_loss\":%.6f,\"auc\":%.4f,\"logloss\":%.4f%s,"
       "\"test_examples\":%d,\"samples_per_sec\":%.1f,\"wall_time_s\":%.3f,"
       "\"sparse_rows_pulled\":%d,\"sparse_rows_pushed\":%d,"
-      "\"stopped_early\":%s}",
+      "\"steps_short\":%d,\"stopped_early\":%s}",
       r.mode, worker_id, num_workers, device, r.steps, r.steps_run,
       r.final_loss, r.auc, r.logloss, truth, r.test_examples, r.samples_per_sec,
-      r.wall_time_s, r.rows_pulled, r.rows_pushed,
+      r.wall_time_s, r.rows_pulled, r.rows_pushed, r.steps_short,
       r.stopped_early ? "true" : "false");
 }
 

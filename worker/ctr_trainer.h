@@ -62,6 +62,8 @@ struct CtrResult {
   double wall_time_s = 0;
   int64_t rows_pulled = 0;  // sparse rows moved: the job never moves a table
   int64_t rows_pushed = 0;
+  // sync: steps completed with fewer than num_workers gradients.
+  int64_t steps_short = 0;
   bool stopped_early = false;
 };
 

@@ -36,6 +36,7 @@
 #include "common/metrics.h"
 #include "common/protocol.h"
 #include "common/run_output.h"
+#include "common/status_text.h"
 #include "common/tensor_codec.h"
 #include "common/tls.h"
 #include "glog/logging.h"
@@ -576,6 +577,21 @@ class StepOutput {
     ResetWindow();
   }
 
+  // While the job waits for its workers (PsClient::AwaitJobStart): the bar
+  // says for whom. Without a bar the client's log line says it.
+  void OnWaitingForWorkers(const JobStart& waiting) {
+    if (!bar_ || log_every_ <= 0) return;
+    std::string missing = FormatIdList(waiting.missing_workers());
+    if (missing.size() > 60)
+      missing = absl::StrCat(missing.substr(0, 57), "...");
+    std::printf(
+        "\rworker %d: waiting for workers %s (%d of %d missing), %.0f s\033[K",
+        worker_id_, missing.c_str(), waiting.missing_workers_size(),
+        waiting.num_workers(), waiting.waited_s());
+    std::fflush(stdout);
+    line_open_ = true;
+  }
+
   // Ends a bar left mid-line (a worker stopped early), so what follows
   // starts on a line of its own.
   void Finish() {
@@ -765,6 +781,10 @@ int Main(int argc, char** argv) {
   client_options.retry_window =
       absl::Seconds(absl::GetFlag(FLAGS_retry_window_s));
   client_options.inject_duplicate_push_probability = duplicate_probability;
+  // SIGTERM/SIGINT: a wait for the job's start ends at once; training
+  // finishes the step in hand, leaves the job and reports.
+  static std::atomic<bool> stop_requested{false};
+  client_options.interrupt = &stop_requested;
   const absl::StatusOr<DataType> wire_type =
       ParseWireType(absl::GetFlag(FLAGS_gradient_wire_type));
   checks.push_back(wire_type.status());
@@ -817,12 +837,13 @@ int Main(int argc, char** argv) {
           absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_precision),
           absl::GetFlag(FLAGS_cpu_threads)});
   ExitOnFlagErrors({backend.status()});
+  std::thread([] {
+    const int signal_number = WaitForTerminationSignal();
+    LOG(INFO) << "signal " << signal_number
+              << ": stopping after this step and leaving the job";
+    stop_requested = true;
+  }).detach();
   if (model_name == "ctr") {  // sparse embedding tables: worker/ctr_main.h
-    static std::atomic<bool> ctr_stop{false};
-    std::thread([] {
-      WaitForTerminationSignal();
-      ctr_stop = true;
-    }).detach();
     const bool ctr_bar =
         progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO) == 1);
     StepOutput ctr_output(worker_id, ctr_bar, absl::GetFlag(FLAGS_log_every),
@@ -839,7 +860,10 @@ int Main(int argc, char** argv) {
     ctr.client = client->get();
     ctr.backend = backend->get();
     ctr.on_step = [&ctr_output](const StepReport& r) { ctr_output.OnStep(r); };
-    ctr.stop = &ctr_stop;
+    ctr.on_waiting = [&ctr_output](const JobStart& waiting) {
+      ctr_output.OnWaitingForWorkers(waiting);
+    };
+    ctr.stop = &stop_requested;
     ctr_output.Start(0);
     const int code = RunCtrWorker(ctr);
     ctr_output.Finish();
@@ -890,6 +914,10 @@ int Main(int argc, char** argv) {
   for (const DenseTensorSpec& spec : (*model)->Params()) {
     *schema.add_dense() = spec;
   }
+  const bool bar =
+      progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO) == 1);
+  StepOutput output(worker_id, bar, absl::GetFlag(FLAGS_log_every),
+                    csv.ok() ? std::move(*csv) : nullptr, metrics.get());
   absl::StatusOr<Registration> registration =
       (*client)->Register(schema, num_workers, worker_id);
   if (!registration.ok()) {
@@ -903,6 +931,14 @@ int Main(int argc, char** argv) {
         if (!cause.empty()) LOG(ERROR) << "likely cause: " << cause;
       }
     }
+    return 1;
+  }
+  if (absl::Status started = (*client)->AwaitJobStart(
+          [&output](const JobStart& w) { output.OnWaitingForWorkers(w); });
+      !started.ok()) {
+    output.Finish();
+    LOG(ERROR) << "the job did not start: " << started;
+    (*client)->Leave().IgnoreError();
     return 1;
   }
   if (registration->start_step > 0) {
@@ -941,20 +977,8 @@ int Main(int argc, char** argv) {
   options.final_model_timeout =
       absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
   options.observer = observer.get();
-  const bool bar =
-      progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO) == 1);
-  StepOutput output(worker_id, bar, absl::GetFlag(FLAGS_log_every),
-                    csv.ok() ? std::move(*csv) : nullptr, metrics.get());
   options.on_step = [&output](const StepReport& r) { output.OnStep(r); };
   options.start_step = registration->start_step;
-  // SIGTERM/SIGINT: finish the step in hand, leave the job, report.
-  static std::atomic<bool> stop_requested{false};
-  std::thread([] {
-    const int signal_number = WaitForTerminationSignal();
-    LOG(INFO) << "signal " << signal_number
-              << ": stopping after this step and leaving the job";
-    stop_requested = true;
-  }).detach();
   options.stop = &stop_requested;
   options.step_delay =
       absl::Milliseconds(absl::GetFlag(FLAGS_inject_step_delay_ms));

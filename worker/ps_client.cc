@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <set>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -17,6 +18,7 @@
 #include "common/grpc_status.h"
 #include "common/protocol.h"
 #include "common/socket.h"
+#include "common/status_text.h"
 #include "common/tensor_codec.h"
 #include "glog/logging.h"
 #include "grpcpp/impl/codegen/client_unary_call.h"
@@ -695,6 +697,79 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
   return registration;
 }
 
+absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting) {
+  if (worker_id_ < 0 || mode_ == "async") return absl::OkStatus();
+  // Each call is held by the servers for up to this long: short enough to
+  // notice `interrupt` and report progress about once a second.
+  constexpr absl::Duration kPoll = absl::Seconds(1);
+  constexpr absl::Duration kLogEvery = absl::Seconds(5);
+  AwaitJobStartRequest request;
+  request.set_worker_id(worker_id_);
+  request.set_incarnation(incarnation_);
+  request.set_wait_ms(absl::ToInt64Milliseconds(kPoll));
+  const std::string bytes = request.SerializeAsString();
+  // Known once the servers say how long they wait; until then the connect
+  // timeout bounds reaching them at all.
+  absl::Time give_up = absl::Now() + options_.connect_timeout;
+  absl::Time last_log = absl::Now();
+  while (true) {
+    if (options_.interrupt != nullptr && options_.interrupt->load()) {
+      return absl::CancelledError(
+          "interrupted while waiting for the job's workers to register");
+    }
+    std::vector<Call> calls(num_shards());
+    std::vector<JobStart> answers(num_shards());
+    for (int s = 0; s < num_shards(); ++s) {
+      calls[s].shard = s;
+      calls[s].flat = bytes;
+      calls[s].on_response = [&answers,
+                              s](absl::Span<const absl::string_view> bytes) {
+        return Deserialize(bytes, &answers[s]);
+      };
+    }
+    absl::Status status = RunAll("AwaitJobStart", calls,
+                                 kPoll + absl::Seconds(5), /*retry=*/true);
+    // A server from before the start rule has nothing to wait for.
+    if (absl::IsUnimplemented(status)) return absl::OkStatus();
+    if (!status.ok()) return status;
+    JobStart waiting;
+    bool started = true;
+    std::set<int> missing;
+    for (const JobStart& answer : answers) {
+      started &= answer.started();
+      if (answer.started()) continue;
+      missing.insert(answer.missing_workers().begin(),
+                     answer.missing_workers().end());
+      waiting.set_waited_s(std::max(waiting.waited_s(), answer.waited_s()));
+      waiting.set_startup_timeout_s(answer.startup_timeout_s());
+      waiting.set_num_workers(answer.num_workers());
+      waiting.set_min_workers(answer.min_workers());
+    }
+    if (started) return absl::OkStatus();
+    for (int w : missing) waiting.add_missing_workers(w);
+    // The servers end the wait at their timeout and say so; this bound
+    // only matters if they never do.
+    give_up = absl::Now() +
+              absl::Seconds(waiting.startup_timeout_s() - waiting.waited_s()) +
+              absl::Seconds(30);
+    if (absl::Now() - last_log >= kLogEvery) {
+      last_log = absl::Now();
+      LOG(INFO) << "waiting for workers "
+                << FormatIdList(waiting.missing_workers()) << " ("
+                << waiting.missing_workers_size() << " of "
+                << waiting.num_workers() << " missing), "
+                << static_cast<int64_t>(waiting.waited_s()) << " s of "
+                << waiting.startup_timeout_s() << " s";
+    }
+    if (on_waiting) on_waiting(waiting);
+    if (absl::Now() > give_up) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the job has not started after ", waiting.waited_s(), " s: workers ",
+          FormatIdList(waiting.missing_workers()), " have not registered"));
+    }
+  }
+}
+
 void PsClient::HeartbeatLoop() {
   HeartbeatRequest request;
   request.set_worker_id(worker_id_);
@@ -1138,6 +1213,16 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
     result.blocks_late += response.late();
   }
   return result;
+}
+
+absl::StatusOr<int64_t> PsClient::StepsShort() {
+  absl::StatusOr<std::vector<StatsResponse>> stats = Stats();
+  if (!stats.ok()) return stats.status();
+  int64_t most = 0;
+  for (const StatsResponse& shard : *stats) {
+    most = std::max(most, shard.steps_short());
+  }
+  return most;
 }
 
 absl::StatusOr<std::vector<StatsResponse>> PsClient::Stats() {

@@ -13,7 +13,9 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -74,6 +76,9 @@ struct PsClientOptions {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   // Sent as "authorization: Bearer <token>" on every call when not empty.
   std::string auth_token;
+  // When it becomes true, AwaitJobStart returns CANCELLED within about a
+  // second (a worker's SIGINT/SIGTERM). Not owned; may be null.
+  const std::atomic<bool>* interrupt = nullptr;
   // Fault injection for exactly-once tests: after a successful push RPC,
   // send it again with this probability, as a client whose response was
   // lost would.
@@ -97,6 +102,19 @@ class PsClient {
   // only pull.
   absl::StatusOr<Registration> Register(const ModelSchema& schema,
                                         int num_workers, int worker_id);
+
+  // After Register, sync and ssp: returns once the job has started on every
+  // shard, i.e. every worker in [0, num_workers) has registered (or the
+  // servers' --startup_timeout_s passed with --min_workers of them).
+  // `on_waiting`, if set, is called about once a second meanwhile with who
+  // is missing (the union over shards). FAILED_PRECONDITION naming the
+  // missing ids when the job did not start in time; CANCELLED on
+  // `interrupt`. Returns at once in async mode, for an observer, and
+  // against servers from before the start rule. Steps are correct without
+  // it (servers hold the first step for every worker), but a pull's
+  // deadline would have to cover the whole wait.
+  using StartWaitReport = std::function<void(const JobStart& waiting)>;
+  absl::Status AwaitJobStart(const StartWaitReport& on_waiting = nullptr);
 
   // Fills tensors[i] (host memory of schema.dense(i)'s element count) with
   // the model at `step` (sync: after `step` updates; async/ssp: the current
@@ -154,6 +172,9 @@ class PsClient {
   absl::Status Leave();
 
   absl::StatusOr<std::vector<StatsResponse>> Stats();
+  // sync: the most steps a shard completed with fewer than num_workers
+  // gradients (StatsResponse.steps_short): how often sync was weakened.
+  absl::StatusOr<int64_t> StepsShort();
 
   // Pushes resent by inject_duplicate_push_probability.
   int64_t injected_duplicate_pushes() const { return injected_duplicates_; }

@@ -464,6 +464,10 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     absl::StatusOr<int64_t> final_step = buffers.PullToDevice(
         client, result.stopped_early ? step : options.steps, backend);
     if (!final_step.ok()) return final_step.status();
+    // Every step this worker ran is complete now: count the short ones.
+    absl::StatusOr<int64_t> steps_short = client.StepsShort();
+    if (!steps_short.ok()) return steps_short.status();
+    result.steps_short = *steps_short;
     if (absl::Status s = client.Leave(); !s.ok()) return s;
     result.final_model = "sync_step";
   } else {
@@ -516,7 +520,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"wall_time_s\":%.3f,\"compute_s\":%.3f,\"network_wait_s\":%.3f,"
       "\"network_wait_share\":%.3f,\"peak_rss_mb\":%.1f,\"start_step\":%d,"
       "\"steps_run\":%d,"
-      "\"steps_skipped\":%d,\"duplicate_blocks\":%d,\"late_blocks\":%d,"
+      "\"steps_skipped\":%d,\"steps_short\":%d,"
+      "\"duplicate_blocks\":%d,\"late_blocks\":%d,"
       "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s}",
       r.mode, worker_id, num_workers, device, r.steps, r.epochs,
       r.steps_per_epoch, r.final_loss, r.train_accuracy, r.test_loss,
@@ -526,8 +531,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       r.network_wait_seconds /
           std::max(r.wall_time_s - r.evaluation_seconds, 1e-9),
       r.peak_rss_bytes / 1048576.0, r.start_step, r.steps_run, r.steps_skipped,
-      r.duplicate_blocks, r.late_blocks, r.injected_duplicate_pushes,
-      r.stopped_early ? "true" : "false");
+      r.steps_short, r.duplicate_blocks, r.late_blocks,
+      r.injected_duplicate_pushes, r.stopped_early ? "true" : "false");
 }
 
 }  // namespace pstrain

@@ -111,6 +111,9 @@ struct TrainResult {
   int64_t start_step = 0;
   int64_t steps_run = 0;         // steps this worker computed
   int64_t steps_skipped = 0;     // sync: steps the job finished without it
+  // sync: steps the job completed with fewer than num_workers gradients
+  // (a lapsed member, --replicas_to_aggregate, --min_workers).
+  int64_t steps_short = 0;
   int64_t duplicate_blocks = 0;  // pushes the servers had already received
   int64_t late_blocks = 0;       // sync: gradients for a finished step
   int64_t injected_duplicate_pushes = 0;
