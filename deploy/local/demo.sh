@@ -40,7 +40,9 @@ for mode in sync async; do
   distinct=$(while read -r line; do json_field test_accuracy "$line"; done <<<"$finals" | sort -u | wc -l)
   agree="all $(wc -l <<<"$finals") workers agree"
   ((distinct == 1)) || agree="WORKERS DISAGREE: $(tr '\n' ' ' <<<"$finals")"
-  summary+=("fashion-mnist mlp $mode: held-out accuracy $accuracy ($agree; $(json_field epochs "$first") epochs, 0.85 after $(json_field time_to_target_s "$first") s); published: $REFERENCE")
+  short=$(json_field steps_short "$first")
+  [[ "${short:-0}" == 0 ]] && short="" || short="; $short short sync steps"
+  summary+=("fashion-mnist mlp $mode: held-out accuracy $accuracy ($agree; $(json_field epochs "$first") epochs, 0.85 after $(json_field time_to_target_s "$first") s$short); published: $REFERENCE")
 done
 echo "=== Fashion-MNIST, CNN, sync: 2 servers, 2 workers ==="
 output=$(deploy/local/launch.sh --servers=2 --workers=2 --mode=sync -- \

@@ -644,6 +644,21 @@ print_results() {
   done
   printf '%s\n' "${finals[@]}"
   report_final_model "${finals[@]}"
+  report_short_steps "${finals[@]}"
+}
+
+# A sync step completed with fewer gradients than workers (one lapsed, or
+# the job started without some under --min_workers, or
+# --replicas_to_aggregate) is a weaker sync than asked for: say how often.
+report_short_steps() {
+  local line value most=0
+  for line in "$@"; do
+    value=$(sed -n 's/.*"steps_short":\([0-9]*\).*/\1/p' <<<"$line")
+    [[ -n "$value" ]] && ((value > most)) && most=$value
+  done
+  if ((most > 0)); then
+    info "warning: $most sync step(s) completed with fewer than $WORKERS workers' gradients (steps_short: a worker lapsed or never came, --min_workers, --replicas_to_aggregate); see $RUN/ps*.log"
+  fi
 }
 
 # Every worker evaluates the job's final model (sync: the model after the
