@@ -75,6 +75,10 @@ absl::Status ValidateSchema(const ModelSchema& schema) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": unknown init kind ", init.kind()));
     }
+    if (!DenseTensorSpec::Role_IsValid(tensor.role())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": unknown role ", tensor.role()));
+    }
     if (!std::isfinite(init.value()) || !std::isfinite(init.scale()) ||
         init.scale() < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -97,6 +101,7 @@ absl::Status ValidateSchema(const ModelSchema& schema) {
           where, ": dim must be in [1, 65536], got ", table.dim()));
     }
     if (!InitSpec::Kind_IsValid(table.init().kind()) ||
+        table.init().kind() == InitSpec::PROVIDED ||
         !std::isfinite(table.init().scale()) || table.init().scale() < 0) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": bad init"));
     }
@@ -130,6 +135,11 @@ std::string FirstSchemaDifference(const ModelSchema& expected,
     if (a.init().SerializeAsString() != b.init().SerializeAsString()) {
       return absl::StrCat(where, ": init {", a.init().ShortDebugString(),
                           "} vs {", b.init().ShortDebugString(), "}");
+    }
+    if (a.role() != b.role()) {
+      return absl::StrCat(where, ": role ",
+                          DenseTensorSpec::Role_Name(a.role()), " vs ",
+                          DenseTensorSpec::Role_Name(b.role()));
     }
   }
   if (expected.dense_size() != actual.dense_size()) {

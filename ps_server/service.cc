@@ -279,6 +279,30 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(
   return Finish(context, HandlePush(*request, response));
 }
 
+grpc::ServerUnaryReactor* ParameterServerService::Assign(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
+  ReceivedBytes bytes;
+  if (!bytes.Load(*request)) {
+    shard_->CountRejected();
+    return Finish(context,
+                  absl::InvalidArgumentError("unreadable request buffer"));
+  }
+  absl::StatusOr<WirePushRequest> values = ParsePushRequest(bytes.views());
+  if (!values.ok()) {
+    shard_->CountRejected();
+    return Finish(context,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "malformed PushRequest: ", values.status().message())));
+  }
+  absl::StatusOr<PushResponse> result = shard_->Assign(*values);
+  if (!result.ok()) return Finish(context, result.status());
+  return Finish(context, SerializeSmall(*result, response));
+}
+
 // One PushStream or PullStream: reads a request, answers it, reads the
 // next. Only one request is in flight, so a stream's answers come in the
 // order of its requests without any tagging. Deletes itself when gRPC is

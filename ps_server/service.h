@@ -25,21 +25,21 @@ namespace pstrain {
 // strings. The chain is spelled out because a raw streaming method cannot
 // sit on top of its typed twin (same signature, different reactor type).
 using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Pull<
-    ParameterServer::WithRawCallbackMethod_Push<
-        ParameterServer::WithRawCallbackMethod_PullStream<
-            ParameterServer::WithRawCallbackMethod_PushStream<
-                ParameterServer::WithRawCallbackMethod_RegisterModel<
-                    ParameterServer::WithRawCallbackMethod_Stats<
-                        ParameterServer::WithRawCallbackMethod_Heartbeat<
-                            ParameterServer::WithRawCallbackMethod_Leave<
-                                ParameterServer::WithRawCallbackMethod_Checkpoint<
-                                    ParameterServer::WithRawCallbackMethod_SparsePull<
+    ParameterServer::WithRawCallbackMethod_Push<ParameterServer::WithRawCallbackMethod_PullStream<
+        ParameterServer::WithRawCallbackMethod_PushStream<
+            ParameterServer::WithRawCallbackMethod_RegisterModel<
+                ParameterServer::WithRawCallbackMethod_Stats<
+                    ParameterServer::WithRawCallbackMethod_Heartbeat<
+                        ParameterServer::WithRawCallbackMethod_Leave<
+                            ParameterServer::WithRawCallbackMethod_Checkpoint<
+                                ParameterServer::WithRawCallbackMethod_SparsePull<
+                                    ParameterServer::WithRawCallbackMethod_SparsePush<
                                         ParameterServer::
-                                            WithRawCallbackMethod_SparsePush<
+                                            WithRawCallbackMethod_AwaitJobStart<
                                                 ParameterServer::
-                                                    WithRawCallbackMethod_AwaitJobStart<
+                                                    WithRawCallbackMethod_Assign<
                                                         ParameterServer::
-                                                            Service>>>>>>>>>>>>;
+                                                            Service>>>>>>>>>>>>>;
 
 struct ServiceOptions {
   // Fault injection for exactly-once tests: after applying a push, answer
@@ -82,6 +82,9 @@ class ParameterServerService final : public ParameterServerRawService,
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
                                       const grpc::ByteBuffer* request,
                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Assign(grpc::CallbackServerContext* context,
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* AwaitJobStart(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;

@@ -236,13 +236,18 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
     auto block = std::make_unique<Block>();
     block->location = &loc;
     block->tensor_name = &tensor.name();
+    block->state_values = tensor.role() == DenseTensorSpec::STATE;
+    if (tensor.init().kind() == InitSpec::PROVIDED) {
+      block->awaiting_values.store(true);
+      blocks_awaiting_values_.fetch_add(1);
+    }
     {
       absl::MutexLock block_lock(&block->mu);
       std::vector<float> initial(loc.length);
       FillInitialValues(tensor.init(), model->schema.seed(), tensor.name(),
                         loc.offset, absl::MakeSpan(initial));
       block->value.Assign(std::move(initial));
-      block->state.assign(slots * loc.length, 0.0f);
+      block->state.assign(block->state_values ? 0 : slots * loc.length, 0.0f);
       if (options_.mode == ConsistencyMode::kSync) {
         block->gradient_sum.assign(loc.length, 0.0f);
         block->last_contributed.assign(options_.max_workers, -1);
@@ -417,8 +422,8 @@ bool Shard::TouchLocked(int worker) {
   started_at_ = state.last_seen;
   LOG(INFO) << "all " << options_.num_workers
             << " workers have registered: the job starts after "
-            << absl::StrFormat("%.3f s", absl::ToDoubleSeconds(
-                                             started_at_ - waiting_since_));
+            << absl::StrFormat("%.3f s", absl::ToDoubleSeconds(started_at_ -
+                                                               waiting_since_));
   return true;
 }
 

@@ -140,6 +140,10 @@ class Shard {
   void Pull(const PullRequest& request, absl::Time deadline, PullDone done,
             bool follows_own_push = false);
   absl::StatusOr<PushResponse> Push(const WirePushRequest& request);
+  // Sets the values of blocks whose init is PROVIDED and that have none
+  // yet (others are acknowledged as duplicates): float32 only, from any
+  // worker id; releases the pulls that waited for them.
+  absl::StatusOr<PushResponse> Assign(const WirePushRequest& request);
 
   // Rows of a sparse table (all of them on this shard), with the same step
   // semantics as Pull/Push: sync pulls wait for the table's step, sync
@@ -183,6 +187,10 @@ class Shard {
   struct Block {
     const BlockLocation* location = nullptr;
     const std::string* tensor_name = nullptr;
+    // A STATE tensor's block: pushes carry values, no optimizer.
+    bool state_values = false;
+    // Init PROVIDED and no Assign yet: pulls wait, pushes are refused.
+    std::atomic<bool> awaiting_values{false};
     // Updates applied. Written under mu; read without it by pulls deciding
     // whether to wait.
     std::atomic<int64_t> version{0};
@@ -258,8 +266,11 @@ class Shard {
   absl::StatusOr<const Model*> ValidateCommon(uint32_t protocol_version,
                                               int worker_id, int64_t step,
                                               bool allow_observer) const;
+  // `assign`: values for Assign (float32 only, blocks that wait for them
+  // allowed); else a push (blocks still waiting for values refused).
   absl::StatusOr<std::vector<BlockPush>> ValidatePushBlocks(
-      const Model& model, const WirePushRequest& request) const;
+      const Model& model, const WirePushRequest& request,
+      bool assign = false) const;
   absl::StatusOr<std::vector<int>> ResolvePullBlocks(
       const Model& model, const PullRequest& request) const;
   // Refuses, before anything is allocated, a schema with too many blocks
@@ -405,6 +416,8 @@ class Shard {
   std::atomic<int64_t> internal_errors_{0};
   std::atomic<int64_t> values_copied_for_pulls_{0};
   std::atomic<int64_t> ssp_gap_max_{0};
+  // Blocks whose PROVIDED values have not come yet.
+  std::atomic<int64_t> blocks_awaiting_values_{0};
   std::atomic<int64_t> steps_short_{0};
   std::atomic<int64_t> last_short_step_{-1};
 };

@@ -36,7 +36,7 @@ using shard_internal::QuorumMet;
 // gradient, and completing a sync step.
 
 absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
-    const Model& model, const WirePushRequest& request) const {
+    const Model& model, const WirePushRequest& request, bool assign) const {
   std::vector<BlockPush> pushes;
   pushes.reserve(request.blocks.size());
   absl::flat_hash_set<int> seen;
@@ -59,6 +59,19 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
     if (!seen.insert(local).second) {
       return absl::InvalidArgumentError(
           absl::StrCat(where(), " appears twice in one push"));
+    }
+    const Block& block = *model.blocks[local];
+    if ((assign || block.state_values) && wire.dtype != FLOAT32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where(), ": ", assign ? "assigned values" : "a STATE tensor's values",
+          " travel as FLOAT32, got ", DataType_Name(wire.dtype)));
+    }
+    if (!assign && block.awaiting_values.load()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where(),
+          " has no values yet: its init is PROVIDED, set by a "
+          "worker's Assign (pstrain.torch: worker 0's model) before "
+          "anything is pushed"));
     }
     const int64_t element_bytes = WireElementBytes(wire.dtype);
     if (wire.dtype == TOPK_FLOAT32) {
@@ -232,6 +245,46 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
   return response;
 }
 
+absl::StatusOr<PushResponse> Shard::Assign(const WirePushRequest& request) {
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(request.protocol_version, request.worker_id,
+                     /*step=*/0, /*allow_observer=*/true);
+  if (!model.ok()) return Reject(model.status());
+  absl::StatusOr<std::vector<BlockPush>> pushes =
+      ValidatePushBlocks(**model, request, /*assign=*/true);
+  if (!pushes.ok()) return Reject(pushes.status());
+  for (const BlockPush& push : *pushes) {
+    if (push.nonfinite) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", QuoteForStatus(*(*model)->blocks[push.local]->tensor_name),
+          " block ", push.wire->block, ": assigned values must be finite")));
+    }
+  }
+  PushResponse response;
+  for (const BlockPush& push : *pushes) {
+    Block& block = *(*model)->blocks[push.local];
+    absl::MutexLock lock(&block.mu);
+    if (!block.awaiting_values.load()) {
+      response.set_blocks_duplicate(response.blocks_duplicate() + 1);
+      continue;
+    }
+    if (absl::Status s =
+            DecodeSegments(push.wire->dtype, push.wire->data,
+                           MutableValues(block), /*accumulate=*/false);
+        !s.ok()) {
+      ReportInternalError(absl::StrCat("values assigned to ",
+                                       QuoteForStatus(*block.tensor_name),
+                                       " block ", block.location->block),
+                          s);
+    }
+    block.awaiting_values.store(false);
+    blocks_awaiting_values_.fetch_sub(1);
+    response.set_blocks_applied(response.blocks_applied() + 1);
+  }
+  if (response.blocks_applied() > 0) ReleaseReadyWaiters();
+  return response;
+}
+
 Shard::BlockResult Shard::PushSyncBlock(Block& block,
                                         const Membership& membership,
                                         const WirePushRequest& request,
@@ -286,6 +339,19 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
     return BlockResult::kApplied;
   }
   const int64_t version = block.version.load();
+  if (block.state_values) {  // the pushed values are the new ones
+    if (absl::Status s = DecodeSegments(push.wire->dtype, push.wire->data,
+                                        MutableValues(block),
+                                        /*accumulate=*/false);
+        !s.ok()) {
+      ReportInternalError(
+          absl::StrCat("async values of worker ", request.worker_id, " for ",
+                       QuoteForStatus(*block.tensor_name)),
+          s);
+    }
+    block.version.store(version + 1);
+    return BlockResult::kApplied;
+  }
   // A version from the future is possible only after this shard restored an
   // older checkpoint: the gradient is then as fresh as it can be.
   const int64_t staleness = std::max<int64_t>(0, version - push.wire->version);
@@ -320,7 +386,14 @@ bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
                  membership, options_.replicas_to_aggregate)) {
     return false;
   }
-  if (block.finite_contributors > 0) {
+  if (block.finite_contributors > 0 && block.state_values) {
+    // The mean of the pushed values is the tensor's new value.
+    const float scale = 1.0f / static_cast<float>(block.finite_contributors);
+    absl::Span<float> values = MutableValues(block);
+    for (size_t i = 0; i < values.size(); ++i) {
+      values[i] = block.gradient_sum[i] * scale;
+    }
+  } else if (block.finite_contributors > 0) {
     // The mean of the finite gradients.
     optimizer_->Update(version + 1, MutableValues(block), block.gradient_sum,
                        absl::MakeSpan(block.state),
@@ -457,12 +530,18 @@ std::vector<PulledBlock> Shard::ShareBlocks(
 }
 
 bool Shard::WaiterReadyLocked(const Waiter& waiter) const {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (waiter.sparse < 0 && blocks_awaiting_values_.load() > 0) {
+    for (int local : waiter.locals) {
+      if (model->blocks[local]->awaiting_values.load()) return false;
+    }
+  }
+  if (options_.mode == ConsistencyMode::kAsync) return true;
   if (options_.mode == ConsistencyMode::kSsp) {
     const int64_t min_clock = MinMemberClockLocked();
     return min_clock == kNever ||
            waiter.step - min_clock <= options_.ssp_staleness;
   }
-  const Model* model = model_.load(std::memory_order_acquire);
   if (waiter.sparse >= 0) {
     return model->sparse[waiter.sparse]->version.load() >= waiter.step;
   }
@@ -522,8 +601,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
         completed = CreditLostGradientsLocked(**model, worker, step);
       }
     }
-    if (options_.mode != ConsistencyMode::kAsync &&
-        !WaiterReadyLocked(*waiter)) {
+    if (!WaiterReadyLocked(*waiter)) {
       if (shutting_down_) {
         lock.Release();
         return done(absl::UnavailableError("the server is shutting down"), {});
@@ -574,6 +652,17 @@ void Shard::ReleaseReadyWaiters() {
 }
 
 std::string Shard::DescribeWait(const Waiter& waiter) const {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (waiter.sparse < 0) {
+    for (int local : waiter.locals) {
+      const Block& block = *model->blocks[local];
+      if (!block.awaiting_values.load()) continue;
+      return absl::StrCat("tensor ", QuoteForStatus(*block.tensor_name),
+                          " has no values yet: its init is PROVIDED and no "
+                          "worker has assigned them (pstrain.torch: worker "
+                          "0 does, at its start)");
+    }
+  }
   if (options_.mode == ConsistencyMode::kSsp) {
     absl::MutexLock lock(&mu_);
     std::vector<int> behind;
@@ -586,7 +675,6 @@ std::string Shard::DescribeWait(const Waiter& waiter) const {
     return absl::StrCat("waiting for workers [", absl::StrJoin(behind, ", "),
                         "] to come within ", options_.ssp_staleness, " steps");
   }
-  const Model* model = model_.load(std::memory_order_acquire);
   const std::shared_ptr<const Membership> members = membership();
   if (waiter.sparse >= 0) {
     const SparseState& table = *model->sparse[waiter.sparse];

@@ -51,6 +51,9 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
           block.value.size(), "+", block.state.size()));
     }
     block.value.Assign(saved.value);
+    if (block.awaiting_values.exchange(false)) {
+      blocks_awaiting_values_.fetch_sub(1);
+    }
     block.state = saved.optimizer_state;
     block.version.store(saved.version);
     // Workers beyond either job's size start with no history.
@@ -126,6 +129,12 @@ absl::StatusOr<ShardSnapshot> Shard::Snapshot(int64_t sequence) const {
   const Model* model = model_.load(std::memory_order_acquire);
   if (model == nullptr) {
     return absl::FailedPreconditionError("no model is registered yet");
+  }
+  if (blocks_awaiting_values_.load() > 0) {
+    // Zeros saved in their place would restore as the model's values.
+    return absl::FailedPreconditionError(
+        "tensors with init PROVIDED have no values yet (a worker's Assign "
+        "sets them)");
   }
   ShardSnapshot snapshot;
   snapshot.schema = model->schema;

@@ -654,6 +654,123 @@ TEST(ShardStartTest, StepsWithFewerGradientsThanWorkersAreCountedAsShort) {
   EXPECT_EQ(f.shard->Stats().steps_short(), 3);  // once per step, not block
 }
 
+// ---------------------------------------------------------------------------
+// Tensors whose values come from a worker (issue 23): init PROVIDED is set
+// once by Assign; a STATE tensor's pushes are values, averaged in sync.
+
+// TestSchema with "w" PROVIDED and "b" STATE (and PROVIDED).
+ModelSchema ProvidedSchema() {
+  ModelSchema schema = TestSchema();
+  schema.mutable_dense(0)->mutable_init()->set_kind(InitSpec::PROVIDED);
+  schema.mutable_dense(1)->mutable_init()->set_kind(InitSpec::PROVIDED);
+  schema.mutable_dense(1)->set_role(DenseTensorSpec::STATE);
+  return schema;
+}
+
+Fixture MakeProvidedShard(ConsistencyMode mode, int num_workers) {
+  Fixture f;
+  f.options.mode = mode;
+  f.options.num_workers = num_workers;
+  f.options.optimizer.learning_rate = 0.5f;
+  f.options.max_pull_wait = absl::Seconds(5);
+  f.shard = std::move(*Shard::Create(f.options));
+  for (int worker = 0; worker < num_workers; ++worker) {
+    RegisterModelRequest request;
+    request.set_protocol_version(kProtocolVersion);
+    *request.mutable_schema() = ProvidedSchema();
+    request.set_num_shards(1);
+    request.set_num_workers(num_workers);
+    request.set_worker_id(worker);
+    EXPECT_TRUE(f.shard->Register(request).ok());
+  }
+  return f;
+}
+
+// "w" = 2 and "b" = 7 everywhere; or the whole push as `value`.
+absl::StatusOr<PushResponse> DoAssign(Shard& shard, float value,
+                                      int worker = 0) {
+  return shard.Assign(Encode(UniformPush(worker, 0, value))->wire);
+}
+
+TEST(ShardProvidedTest, PullsWaitForTheAssignedValuesWhichAreSetOnce) {
+  Fixture f = MakeProvidedShard(ConsistencyMode::kSync, 2);
+  PullResult early;  // before any values: waits
+  f.shard->Pull(PullAt(1, 0), Soon(), early.Callback());
+  EXPECT_FALSE(early.done.HasBeenNotified());
+  // Nothing may be pushed onto values that are not there yet.
+  EXPECT_EQ(DoPush(*f.shard, UniformPush(1, 0, 1)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(f.shard->Snapshot(1).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  absl::StatusOr<PushResponse> assigned = DoAssign(*f.shard, 2.0f);
+  ASSERT_TRUE(assigned.ok()) << assigned.status();
+  EXPECT_EQ(assigned->blocks_applied(), 3);
+  ASSERT_TRUE(early.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  ASSERT_TRUE(early.status.ok()) << early.status;
+  EXPECT_FLOAT_EQ(early.FirstWeight(), 2.0f);
+  // A second Assign (a retry, a restarted worker 0) changes nothing.
+  absl::StatusOr<PushResponse> again = DoAssign(*f.shard, 5.0f, 1);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->blocks_duplicate(), 3);
+  auto pulled = DoPull(*f.shard, PullAt(0, 0), Soon());
+  ASSERT_TRUE(pulled->status.ok());
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 2.0f);
+  EXPECT_TRUE(f.shard->Snapshot(1).ok());
+}
+
+TEST(ShardProvidedTest, AssignTakesFiniteFloat32Only) {
+  Fixture f = MakeProvidedShard(ConsistencyMode::kSync, 1);
+  PushRequest half = UniformPush(0, 0, 1);
+  for (TensorBlock& block : *half.mutable_blocks()) {
+    block.set_dtype(FLOAT16);
+    std::string bytes;
+    EncodeFromFloat32(
+        FLOAT16, std::vector<float>(block.data().size() / 4, 1.0f), &bytes);
+    block.set_data(bytes);
+  }
+  EXPECT_EQ(f.shard->Assign(Encode(half)->wire).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DoAssign(*f.shard, std::nanf("")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(DoAssign(*f.shard, 1.0f).ok());  // nothing was set by those
+}
+
+TEST(ShardProvidedTest, SyncStateTensorsTakeTheMeanOfThePushedValues) {
+  Fixture f = MakeProvidedShard(ConsistencyMode::kSync, 2);
+  ASSERT_TRUE(DoAssign(*f.shard, 1.0f).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 2)).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 6)).ok());
+  auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  ASSERT_EQ(pulled->blocks.size(), 3u);
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), -1.0f);  // 1 - 0.5 * mean(2, 6)
+  const PulledBlock& b = pulled->blocks[2];
+  ASSERT_EQ(*b.tensor, "b");
+  EXPECT_FLOAT_EQ(b.values->at(0), 4.0f);  // the mean of the values
+}
+
+TEST(ShardProvidedTest, AsyncStateTensorsTakeEachPushedValue) {
+  Fixture f = MakeProvidedShard(ConsistencyMode::kAsync, 2);
+  ASSERT_TRUE(DoAssign(*f.shard, 1.0f).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 2)).ok());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 6)).ok());
+  auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), -3.0f);  // 1 - 0.5 * 2 - 0.5 * 6
+  EXPECT_FLOAT_EQ(pulled->blocks[2].values->at(0), 6.0f);  // the last one
+}
+
+TEST(ShardProvidedTest, ARestoredShardHasItsValues) {
+  Fixture original = MakeProvidedShard(ConsistencyMode::kSync, 1);
+  ASSERT_TRUE(DoAssign(*original.shard, 3.0f).ok());
+  auto restored = std::move(*Shard::Create(original.options));
+  ASSERT_TRUE(restored->Restore(RestoredFrom(*original.shard)).ok());
+  auto pulled = DoPull(*restored, PullAt(0, 0), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 3.0f);
+}
+
 // Issue 12: a restore loses the updates applied after its checkpoint; in
 // async mode Stats said nothing of them. Each worker's first push after the
 // restore shows how many of its pushes the previous life had applied.
