@@ -138,7 +138,8 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     LOG(ERROR) << "cannot register the model: " << registration.status();
     return 1;
   }
-  if (absl::Status started = context.client->AwaitJobStart(context.on_waiting);
+  if (absl::Status started =
+          context.client->AwaitJobStart(context.on_waiting, context.stop);
       !started.ok()) {
     LOG(ERROR) << "the job did not start: " << started;
     context.client->Leave().IgnoreError();

@@ -274,6 +274,12 @@ class DataLinkIo {
   uint64_t payload_left_ = 0;
 };
 
+void DataLink::Abort() const {
+  // shutdown, not close: the descriptor stays this link's until it is
+  // destroyed, and a poll or recv on it returns at once.
+  ::shutdown(fd_.get(), SHUT_RDWR);
+}
+
 void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline) {
   std::vector<DataLinkIo> links;
   for (DataExchange& e : exchanges) {

@@ -38,6 +38,10 @@ class DataLink {
   // stream out of step (lost connection, deadline, bad framing): open a new
   // link instead.
   bool usable() const { return usable_; }
+  // From any thread: ends the connection under an exchange in progress,
+  // which then fails at once (PsClient::Interrupt). The link is unusable
+  // afterwards.
+  void Abort() const;
   const std::string& peer() const { return peer_; }
 
  private:

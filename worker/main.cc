@@ -784,7 +784,6 @@ int Main(int argc, char** argv) {
   // SIGTERM/SIGINT: a wait for the job's start ends at once; training
   // finishes the step in hand, leaves the job and reports.
   static std::atomic<bool> stop_requested{false};
-  client_options.interrupt = &stop_requested;
   const absl::StatusOr<DataType> wire_type =
       ParseWireType(absl::GetFlag(FLAGS_gradient_wire_type));
   checks.push_back(wire_type.status());
@@ -934,7 +933,8 @@ int Main(int argc, char** argv) {
     return 1;
   }
   if (absl::Status started = (*client)->AwaitJobStart(
-          [&output](const JobStart& w) { output.OnWaitingForWorkers(w); });
+          [&output](const JobStart& w) { output.OnWaitingForWorkers(w); },
+          &stop_requested);
       !started.ok()) {
     output.Finish();
     LOG(ERROR) << "the job did not start: " << started;

@@ -63,6 +63,8 @@ absl::Status Deserialize(absl::Span<const absl::string_view> bytes,
 struct PsClient::Call {
   int shard = 0;
   int connection = 0;
+  // The client's Interrupt count when the call's RunAll began.
+  uint64_t epoch = 0;
   const Group* group = nullptr;
   std::string flat;     // the request, when small (control messages, pulls)
   WireMessage message;  // a push's request, referencing gradient memory
@@ -195,6 +197,50 @@ PsClient::PsClient(const PsClientOptions& options)
 
 PsClient::~PsClient() { StopHeartbeats(); }
 
+void PsClient::Interrupt() {
+  absl::MutexLock lock(&interrupt_mu_);
+  ++interrupts_;
+  for (grpc::ClientContext* context : active_contexts_) context->TryCancel();
+  for (const DataLink* link : active_links_) link->Abort();
+}
+
+uint64_t PsClient::interrupts() const {
+  absl::MutexLock lock(&interrupt_mu_);
+  return interrupts_;
+}
+
+void PsClient::Track(grpc::ClientContext* context, uint64_t epoch) {
+  absl::MutexLock lock(&interrupt_mu_);
+  // gRPC cancels a call whose context was cancelled before it started.
+  if (interrupts_ != epoch) context->TryCancel();
+  active_contexts_.insert(context);
+}
+
+void PsClient::Untrack(grpc::ClientContext* context) {
+  absl::MutexLock lock(&interrupt_mu_);
+  active_contexts_.erase(context);
+}
+
+void PsClient::Track(const DataLink* link, uint64_t epoch) {
+  absl::MutexLock lock(&interrupt_mu_);
+  if (interrupts_ != epoch) link->Abort();
+  active_links_.insert(link);
+}
+
+void PsClient::Untrack(const DataLink* link) {
+  absl::MutexLock lock(&interrupt_mu_);
+  active_links_.erase(link);
+}
+
+bool PsClient::SleepUnlessInterrupted(absl::Duration duration,
+                                      uint64_t epoch) const {
+  const absl::Time until = absl::Now() + duration;
+  absl::MutexLock lock(&interrupt_mu_);
+  auto interrupted = [this, epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(
+                         interrupt_mu_) { return interrupts_ != epoch; };
+  return !interrupt_mu_.AwaitWithDeadline(absl::Condition(&interrupted), until);
+}
+
 void PsClient::PrepareCall(std::chrono::system_clock::time_point deadline,
                            Call& call) const {
   call.context = std::make_unique<grpc::ClientContext>();
@@ -242,7 +288,11 @@ bool PsClient::CallOnStream(const std::string& method, absl::Duration timeout,
   }
   call.request = call.MakeRequest();
   call.response.Clear();
-  if (s.stream->Write(call.request) && s.stream->Read(&call.response)) {
+  Track(s.context.get(), call.epoch);
+  const bool answered =
+      s.stream->Write(call.request) && s.stream->Read(&call.response);
+  Untrack(s.context.get());
+  if (answered) {
     FinishCall(grpc::Status::OK, short_name, call);
     return true;
   }
@@ -403,7 +453,11 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
     }
     call_of_exchange.push_back(i);
   }
+  for (size_t k = 0; k < exchanges.size(); ++k) {
+    Track(exchanges[k].link, calls[call_of_exchange[k]].epoch);
+  }
   RunExchanges(absl::MakeSpan(exchanges), deadline);
+  for (const DataExchange& exchange : exchanges) Untrack(exchange.link);
   for (size_t k = 0; k < exchanges.size(); ++k) {
     const absl::Status& status = exchanges[k].status;
     calls[call_of_exchange[k]].status =
@@ -467,6 +521,7 @@ void PsClient::PushPullOverGrpc(std::vector<Call>& calls,
     all[k] = k;
     pushes[k].shard = pulls[k].shard = call.shard;
     pushes[k].connection = pulls[k].connection = call.connection;
+    pushes[k].epoch = pulls[k].epoch = call.epoch;
     pushes[k].message = call.message;
     pushes[k].on_response = call.on_push_response;
     pulls[k].group = call.group;
@@ -507,15 +562,17 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
     // does, instead of having gRPC's callback thread wake this one (a
     // thread hop measured at ~8% of a 4 KiB push's latency).
     PrepareCall(deadline, call);
-    FinishCall(
+    Track(call.context.get(), call.epoch);
+    const grpc::Status status =
         grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
             channels_[call.shard * options_.connections_per_shard +
                       call.connection]
                 .get(),
             grpc::internal::RpcMethod(method.c_str(),
                                       grpc::internal::RpcMethod::NORMAL_RPC),
-            call.context.get(), call.request, &call.response),
-        short_name, call);
+            call.context.get(), call.request, &call.response);
+    Untrack(call.context.get());
+    FinishCall(status, short_name, call);
     return;
   }
   // Not a Mutex-guarded count: the last callback may still be inside
@@ -525,6 +582,7 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
   for (size_t i : which) {
     Call& call = calls[i];
     PrepareCall(deadline, call);
+    Track(call.context.get(), call.epoch);
     Connection(call.shard, call.connection)
         .UnaryCall(call.context.get(), method, grpc::StubOptions(),
                    &call.request, &call.response,
@@ -535,6 +593,7 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
   }
   // Terminates: gRPC runs every callback by the deadline set above.
   pending.Wait();
+  for (size_t i : which) Untrack(calls[i].context.get());
 }
 
 absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
@@ -544,8 +603,15 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
   for (size_t i = 0; i < which.size(); ++i) which[i] = i;
   const absl::Time give_up = absl::Now() + options_.retry_window;
   absl::Duration backoff = absl::Milliseconds(50);
+  const uint64_t epoch = interrupts();
+  for (Call& call : calls) call.epoch = epoch;
+  auto interrupted = [&] {
+    return absl::CancelledError(absl::StrCat(
+        method, " interrupted (Interrupt: a signal, or Ctrl-C in Python)"));
+  };
   while (true) {
     StartAndWait(full_method, calls, which, timeout);
+    if (interrupts() != epoch) return interrupted();
     std::vector<size_t> failed;
     bool retryable = retry;
     bool reregister = false;
@@ -574,7 +640,7 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
     if (!retryable || absl::Now() + backoff > give_up) return error;
     LOG(WARNING) << error << "; retrying " << failed.size() << " call(s) in "
                  << absl::FormatDuration(backoff);
-    absl::SleepFor(backoff);
+    if (!SleepUnlessInterrupted(backoff, epoch)) return interrupted();
     backoff = std::min(backoff * 2, absl::Seconds(5));
     if (reregister) {
       if (absl::Status s = RegisterOnShards(); !s.ok()) {
@@ -697,10 +763,11 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
   return registration;
 }
 
-absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting) {
+absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting,
+                                     const std::atomic<bool>* stop) {
   if (worker_id_ < 0 || mode_ == "async") return absl::OkStatus();
   // Each call is held by the servers for up to this long: short enough to
-  // notice `interrupt` and report progress about once a second.
+  // notice an Interrupt and report progress about once a second.
   constexpr absl::Duration kPoll = absl::Seconds(1);
   constexpr absl::Duration kLogEvery = absl::Seconds(5);
   AwaitJobStartRequest request;
@@ -712,8 +779,10 @@ absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting) {
   // timeout bounds reaching them at all.
   absl::Time give_up = absl::Now() + options_.connect_timeout;
   absl::Time last_log = absl::Now();
+  bool warmed_up = false;
+  const uint64_t epoch = interrupts();
   while (true) {
-    if (options_.interrupt != nullptr && options_.interrupt->load()) {
+    if (interrupts() != epoch || (stop != nullptr && stop->load())) {
       return absl::CancelledError(
           "interrupted while waiting for the job's workers to register");
     }
@@ -729,6 +798,10 @@ absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting) {
     }
     absl::Status status = RunAll("AwaitJobStart", calls,
                                  kPoll + absl::Seconds(5), /*retry=*/true);
+    if (absl::IsCancelled(status) && interrupts() != epoch) {
+      return absl::CancelledError(
+          "interrupted while waiting for the job's workers to register");
+    }
     // A server from before the start rule has nothing to wait for.
     if (absl::IsUnimplemented(status)) return absl::OkStatus();
     if (!status.ok()) return status;
@@ -746,6 +819,13 @@ absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting) {
       waiting.set_min_workers(answer.min_workers());
     }
     if (started) return absl::OkStatus();
+    if (!warmed_up) {
+      // The wait is free time: the first step then finds its data-plane
+      // connections open (with many workers, opening them all at the start
+      // took most of the first step).
+      OpenDataLinks();
+      warmed_up = true;
+    }
     for (int w : missing) waiting.add_missing_workers(w);
     // The servers end the wait at their timeout and say so; this bound
     // only matters if they never do.
@@ -767,6 +847,21 @@ absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting) {
           "the job has not started after ", waiting.waited_s(), " s: workers ",
           FormatIdList(waiting.missing_workers()), " have not registered"));
     }
+  }
+}
+
+void PsClient::OpenDataLinks() {
+  if (!options_.data_plane || options_.credentials != nullptr) return;
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  std::set<std::pair<int, int>> used;
+  for (const Group& group : groups_) {
+    used.insert({group.shard, group.connection});
+  }
+  for (const auto& [shard, connection] : used) {
+    DataSlot& slot =
+        *data_slots_[shard * options_.connections_per_shard + connection];
+    absl::MutexLock lock(&slot.mu);
+    LinkFor(shard, slot, deadline);
   }
 }
 
@@ -952,7 +1047,8 @@ absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
 
 absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
     int64_t step, const std::vector<const float*>& gradients,
-    absl::Span<const int> only, std::vector<PushResponse>& responses) {
+    absl::Span<const int> only, std::vector<PushResponse>& responses,
+    bool exact_values) {
   if (partition_ == nullptr) {
     return absl::FailedPreconditionError("Push before Register");
   }
@@ -970,7 +1066,14 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
     }
     selected[tensor] = true;
   }
-  const DataType wire_type = options_.gradient_wire_type;
+  // Values (Assign, STATE tensors) are never compressed: only a
+  // gradient's rounding is harmless.
+  auto wire_type_of = [&](int tensor) {
+    return exact_values ||
+                   schema_.dense(tensor).role() == DenseTensorSpec::STATE
+               ? FLOAT32
+               : options_.gradient_wire_type;
+  };
   std::vector<Call> calls;
   calls.reserve(groups_.size());
   responses.assign(groups_.size(), PushResponse());
@@ -984,6 +1087,7 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
       const float* values = gradients[loc.tensor] + loc.offset;
       absl::string_view data(reinterpret_cast<const char*>(values),
                              loc.length * sizeof(float));
+      const DataType wire_type = wire_type_of(loc.tensor);
       if (wire_type == TOPK_FLOAT32) {
         // Error feedback: what earlier pushes left out rides along.
         std::vector<float>& residual = topk_residual_[g];
@@ -1059,6 +1163,20 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
   const PushResult result = SumPushResponses(responses);
   if (absl::Status s = InjectDuplicatePushes(*calls); !s.ok()) return s;
   return result;
+}
+
+absl::StatusOr<PsClient::PushResult> PsClient::Assign(
+    const std::vector<const float*>& values, absl::Span<const int> only) {
+  std::vector<PushResponse> responses;
+  absl::StatusOr<std::vector<Call>> calls =
+      PushCalls(/*step=*/0, values, only, responses, /*exact_values=*/true);
+  if (!calls.ok()) return calls.status();
+  if (absl::Status s =
+          RunAll("Assign", *calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  return SumPushResponses(responses);
 }
 
 absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,9 +77,6 @@ struct PsClientOptions {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   // Sent as "authorization: Bearer <token>" on every call when not empty.
   std::string auth_token;
-  // When it becomes true, AwaitJobStart returns CANCELLED within about a
-  // second (a worker's SIGINT/SIGTERM). Not owned; may be null.
-  const std::atomic<bool>* interrupt = nullptr;
   // Fault injection for exactly-once tests: after a successful push RPC,
   // send it again with this probability, as a client whose response was
   // lost would.
@@ -109,12 +107,14 @@ class PsClient {
   // `on_waiting`, if set, is called about once a second meanwhile with who
   // is missing (the union over shards). FAILED_PRECONDITION naming the
   // missing ids when the job did not start in time; CANCELLED on
-  // `interrupt`. Returns at once in async mode, for an observer, and
+  // Interrupt, or within a second of `*stop` turning true (a worker's
+  // SIGTERM). Returns at once in async mode, for an observer, and
   // against servers from before the start rule. Steps are correct without
   // it (servers hold the first step for every worker), but a pull's
   // deadline would have to cover the whole wait.
   using StartWaitReport = std::function<void(const JobStart& waiting)>;
-  absl::Status AwaitJobStart(const StartWaitReport& on_waiting = nullptr);
+  absl::Status AwaitJobStart(const StartWaitReport& on_waiting = nullptr,
+                             const std::atomic<bool>* stop = nullptr);
 
   // Fills tensors[i] (host memory of schema.dense(i)'s element count) with
   // the model at `step` (sync: after `step` updates; async/ssp: the current
@@ -137,6 +137,14 @@ class PsClient {
   absl::StatusOr<PushResult> Push(int64_t step,
                                   const std::vector<const float*>& gradients,
                                   absl::Span<const int> only = {});
+
+  // Sets the values of the tensors whose init is PROVIDED (all, or with
+  // `only` the listed ones), once: the servers keep the first values they
+  // get and acknowledge later ones as duplicates (blocks_duplicate), so a
+  // retry, or a restarted worker 0, changes nothing. Until a tensor's
+  // values are in, every pull of it waits. Always float32, over gRPC.
+  absl::StatusOr<PushResult> Assign(const std::vector<const float*>& values,
+                                    absl::Span<const int> only = {});
 
   // Push(push_step, gradients) and then Pull(pull_step, tensors), with
   // the same contracts, where each connection carries both in one round
@@ -175,6 +183,15 @@ class PsClient {
   // sync: the most steps a shard completed with fewer than num_workers
   // gradients (StatsResponse.steps_short): how often sync was weakened.
   absl::StatusOr<int64_t> StepsShort();
+
+  // Thread-safe, from any thread (one that handles signals, say): every
+  // call in progress on this client returns CANCELLED within about a
+  // second: its RPCs are cancelled, its data-plane exchanges cut (those
+  // connections are reopened by later calls), its retry waits and
+  // AwaitJobStart end. A push cut this way may or may not have been
+  // applied; repeating it is safe, as after any failure. Calls started
+  // afterwards run normally.
+  void Interrupt();
 
   // Pushes resent by inject_duplicate_push_probability.
   int64_t injected_duplicate_pushes() const { return injected_duplicates_; }
@@ -218,7 +235,8 @@ class PsClient {
   std::vector<Call> PullCalls(int64_t step, const std::vector<float*>& tensors);
   absl::StatusOr<std::vector<Call>> PushCalls(
       int64_t step, const std::vector<const float*>& gradients,
-      absl::Span<const int> only, std::vector<PushResponse>& responses);
+      absl::Span<const int> only, std::vector<PushResponse>& responses,
+      bool exact_values = false);
   static PushResult SumPushResponses(
       const std::vector<PushResponse>& responses);
   // What Pull returns once the pull of `step` is in (see Pull).
@@ -255,6 +273,9 @@ class PsClient {
   // Registers schema_ as worker_id_ on every shard (again after a restart).
   absl::StatusOr<std::vector<RegisterModelResponse>> RegisterCalls();
   absl::Status RegisterOnShards();
+  // Opens the data-plane connections the model's groups use (those that
+  // are not open yet), so that the first step does not.
+  void OpenDataLinks();
   void HeartbeatLoop();
   void StopHeartbeats();
   grpc::GenericStub& Connection(int shard, int connection) {
@@ -291,6 +312,23 @@ class PsClient {
   bool refresh_data_ports_ ABSL_GUARDED_BY(data_ports_mu_) = false;
   // Per shard: whether its data plane takes PushPull.
   std::vector<bool> data_push_pull_ ABSL_GUARDED_BY(data_ports_mu_);
+  // Interrupt: how many there were, and what calls in progress use that it
+  // must cut. A call compares the count with its own (Call::epoch).
+  uint64_t interrupts() const;
+  // Registers (or, at once, cancels, when an Interrupt came after `epoch`)
+  // what a call uses, for the call's duration.
+  void Track(grpc::ClientContext* context, uint64_t epoch);
+  void Untrack(grpc::ClientContext* context);
+  void Track(const DataLink* link, uint64_t epoch);
+  void Untrack(const DataLink* link);
+  // Sleeps `duration`, or less when an Interrupt comes; false then.
+  bool SleepUnlessInterrupted(absl::Duration duration, uint64_t epoch) const;
+  mutable absl::Mutex interrupt_mu_;
+  uint64_t interrupts_ ABSL_GUARDED_BY(interrupt_mu_) = 0;
+  std::set<grpc::ClientContext*> active_contexts_
+      ABSL_GUARDED_BY(interrupt_mu_);
+  std::set<const DataLink*> active_links_ ABSL_GUARDED_BY(interrupt_mu_);
+
   std::unique_ptr<Partition> partition_;
   ModelSchema schema_;
   std::vector<Group> groups_;
