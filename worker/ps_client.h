@@ -180,6 +180,15 @@ class PsClient {
   absl::Status Leave();
 
   absl::StatusOr<std::vector<StatsResponse>> Stats();
+  // async/ssp, on a client that does not train (an observer, or a worker
+  // that left): waits until the servers' model is final, that is no worker
+  // is a member any more and the smallest block version reached
+  // `expected_version` (num_workers * steps: every push applied); or no
+  // member is left and the model has not changed for 10 s (a worker
+  // stopped early); or `timeout` passed. Returns how the wait ended:
+  // "all_done", "quiet", "timeout" or "interrupted" (Interrupt).
+  std::string AwaitFinalModel(int64_t expected_version, absl::Duration timeout);
+
   // sync: the most steps a shard completed with fewer than num_workers
   // gradients (StatsResponse.steps_short): how often sync was weakened.
   absl::StatusOr<int64_t> StepsShort();

@@ -170,56 +170,6 @@ absl::StatusOr<BatchResult> Evaluate(Model& model, kernels::Backend& backend,
   return total;
 }
 
-// async/ssp: the servers' model is final once no worker is a member any
-// more and every worker's updates are applied (each applied push of a
-// dense block bumps its version by one, so the smallest version reaches
-// num_workers * steps). A worker that stopped early or died never brings
-// it there: then the model counts as final once no member is left and it
-// has not changed for kQuiet. Returns how the wait ended.
-std::string WaitForFinalModel(PsClient& client, int64_t expected_version,
-                              absl::Duration timeout) {
-  constexpr absl::Duration kQuiet = absl::Seconds(10);
-  const absl::Time start = absl::Now();
-  absl::Time last_change = start;
-  int64_t last_version = -1;
-  std::string last_seen = "no stats";
-  while (true) {
-    absl::StatusOr<std::vector<StatsResponse>> stats = client.Stats();
-    const absl::Time now = absl::Now();
-    if (stats.ok()) {
-      int members = 0;
-      int64_t version = std::numeric_limits<int64_t>::max();
-      for (const StatsResponse& shard : *stats) {
-        members += shard.members();
-        if (shard.num_blocks() > 0)
-          version = std::min(version, shard.version());
-      }
-      if (members == 0 && version >= expected_version) return "all_done";
-      if (version != last_version) {
-        last_version = version;
-        last_change = now;
-      } else if (members == 0 && now - last_change >= kQuiet) {
-        LOG(WARNING) << "the servers applied " << version << " of the "
-                     << expected_version
-                     << " updates expected and no worker is training: a "
-                        "worker stopped early; evaluating the model as it is";
-        return "quiet";
-      }
-      last_seen = absl::StrCat(members, " member(s) training, version ",
-                               version, " of ", expected_version);
-    } else {
-      last_seen = stats.status().ToString();
-    }
-    if (now - start >= timeout) {
-      LOG(WARNING) << "other workers still training after "
-                   << absl::FormatDuration(timeout) << " (" << last_seen
-                   << "); evaluating the model as it is now";
-      return "timeout";
-    }
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-}
-
 }  // namespace
 
 int64_t PeakRssBytes() {
@@ -475,9 +425,8 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     // pull then goes through the observer, which does not rejoin the job.
     if (absl::Status s = client.Leave(); !s.ok()) return s;
     PsClient& reader = options.observer != nullptr ? *options.observer : client;
-    result.final_model =
-        WaitForFinalModel(reader, options.num_workers * options.steps,
-                          options.final_model_timeout);
+    result.final_model = reader.AwaitFinalModel(
+        options.num_workers * options.steps, options.final_model_timeout);
     absl::StatusOr<int64_t> final_step =
         buffers.PullToDevice(reader, options.steps, backend);
     if (!final_step.ok()) return final_step.status();
