@@ -51,12 +51,21 @@ Options:
                    workerK.metrics_port; the servers' URLs are printed)
   --csv            each worker writes workerK.csv (--metrics_csv), for
                    bench/plot/plot_runs.sh
+  --python=SCRIPT  the workers are this Python training script (a PyTorch
+                   model on pstrain.torch, see README.md), run by
+                   $PSTRAIN_PYTHON (default /usr/bin/python3, which has
+                   python3-torch) with the arguments after "--" that are not
+                   --server.FLAG; each worker gets the job in PSTRAIN_CLUSTER
+                   (with its task index) and RANK, WORLD_SIZE, LOCAL_RANK and
+                   LOCAL_WORLD_SIZE as torchrun sets them. Needs the pstrain
+                   package: worker/python/install.sh
   -h, --help       print this help and exit
 
 Extra flags after "--":
   --server.FLAG=V  passed to every ps_server as --FLAG=V
   --worker.FLAG=V  passed to every worker as --FLAG=V
-  --FLAG=V         passed to every worker (model/data flags)
+  --FLAG=V         passed to every worker (model/data flags); with --python,
+                   any argument (not only --FLAG) goes to the script
 
 Flags the launcher sets itself (host, port, port_file, shard_id, num_shards,
 num_workers, mode; cluster_spec, ps_hosts, worker_id, num_workers) cannot be
@@ -288,6 +297,8 @@ RUN_DIR_SET=0
 TIMEOUT_S=600
 TLS_DIR=""
 AUTH_TOKEN_FILE=""
+PYTHON_SCRIPT=""
+PYTHON=${PSTRAIN_PYTHON:-/usr/bin/python3}
 METRICS=0
 CSV=0
 SERVER_FLAGS=()
@@ -309,7 +320,11 @@ add_extra_flag() {
     --server.*) target=server rest=${arg#--server.} ;;
     --worker.*) target=worker rest=${arg#--worker.} ;;
     --?*) target=worker rest=${arg#--} ;;
-    *) usage_error "extra argument '$arg' after -- is not a --flag" ;;
+    *)
+      [[ -n "$PYTHON_SCRIPT" ]] || usage_error "extra argument '$arg' after -- is not a --flag"
+      WORKER_FLAGS+=("$arg") # a script's own argument, as it is
+      return
+      ;;
   esac
   name=${rest%%=*}
   [[ "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] ||
@@ -342,6 +357,15 @@ parse_args() {
         value=${arg#*=}
         [[ -n "$value" ]] || usage_error "$name must not be empty"
         if [[ $name == --tls_dir ]]; then TLS_DIR=$value; else AUTH_TOKEN_FILE=$value; fi
+        ;;
+      --python=*)
+        PYTHON_SCRIPT=${arg#*=}
+        [[ -n "$PYTHON_SCRIPT" ]] || usage_error "--python must not be empty"
+        ;;
+      --python)
+        (($# > 0)) || usage_error "$arg needs a value"
+        PYTHON_SCRIPT=$1
+        shift
         ;;
       --tls_dir | --auth_token_file)
         (($# > 0)) || usage_error "$arg needs a value"
@@ -405,6 +429,14 @@ parse_args() {
     AUTH_TOKEN_FILE=$(cd -- "$(dirname -- "$AUTH_TOKEN_FILE")" && pwd)/$(basename -- "$AUTH_TOKEN_FILE")
     SERVER_FLAGS=(--auth_token_file="$AUTH_TOKEN_FILE" ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"})
     WORKER_FLAGS=(--auth_token_file="$AUTH_TOKEN_FILE" ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"})
+  fi
+  if [[ -n "$PYTHON_SCRIPT" ]]; then
+    [[ -f "$PYTHON_SCRIPT" && -r "$PYTHON_SCRIPT" ]] ||
+      usage_error "--python: '$PYTHON_SCRIPT' is not a readable file"
+    PYTHON_SCRIPT=$(cd -- "$(dirname -- "$PYTHON_SCRIPT")" && pwd)/$(basename -- "$PYTHON_SCRIPT")
+    [[ -x "$PYTHON" ]] || usage_error "--python: no interpreter at $PYTHON (set PSTRAIN_PYTHON)"
+    (cd / && "$PYTHON" -c 'import pstrain.torch' 2>/dev/null) ||
+      usage_error "--python: $PYTHON cannot import pstrain.torch (install it: worker/python/install.sh)"
   fi
   check_count servers "$SERVERS"
   check_count workers "$WORKERS"
@@ -527,6 +559,7 @@ wait_for_ports() {
     PS_HOSTS+="${PS_HOSTS:+,}127.0.0.1:${ports[i]}"
     json+="${json:+, }\"127.0.0.1:${ports[i]}\""
   done
+  PS_JSON=$json
   # The job's one description, which every worker reads (--cluster_spec).
   printf '{"ps": [%s], "workers": %d, "mode": "%s"}\n' "$json" "$WORKERS" "$MODE" \
     >"$RUN/cluster.json.tmp" && mv -f -- "$RUN/cluster.json.tmp" "$RUN/cluster.json"
@@ -541,9 +574,53 @@ wait_for_ports() {
   fi
 }
 
+# The cluster description a Python worker reads from PSTRAIN_CLUSTER: the
+# job, its own task, and the client flags (TLS, token) the C++ workers get
+# on their command line.
+python_cluster() {
+  local k=$1 flags="" flag name value
+  for flag in ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"}; do
+    case "$flag" in
+      --tls_ca=* | --tls_cert=* | --tls_key=* | --auth_token_file=*)
+        name=${flag%%=*}
+        name=${name#--}
+        value=${flag#*=}
+        flags+="${flags:+, }\"$name\": \"$value\""
+        ;;
+    esac
+  done
+  printf '{"ps": [%s], "workers": %d, "mode": "%s", "task": {"type": "worker", "index": %d}, "worker_flags": {%s}}' \
+    "$PS_JSON" "$WORKERS" "$MODE" "$k" "$flags"
+}
+
+# A Python worker's arguments: the script's, less the client flags that went
+# into its cluster description.
+python_args() {
+  PYTHON_ARGS=()
+  local flag
+  for flag in ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"}; do
+    case "$flag" in
+      --tls_ca=* | --tls_cert=* | --tls_key=* | --auth_token_file=*) ;;
+      *) PYTHON_ARGS+=("$flag") ;;
+    esac
+  done
+}
+
 start_workers() {
   local k pid
+  python_args
   for ((k = 0; k < WORKERS; k++)); do
+    if [[ -n "$PYTHON_SCRIPT" ]]; then
+      PSTRAIN_CLUSTER=$(python_cluster "$k") RANK=$k WORLD_SIZE=$WORKERS \
+        LOCAL_RANK=$k LOCAL_WORLD_SIZE=$WORKERS \
+        "$PYTHON" -u "$PYTHON_SCRIPT" ${PYTHON_ARGS[@]+"${PYTHON_ARGS[@]}"} \
+        >"$RUN/worker$k.out" 2>"$RUN/worker$k.log" &
+      pid=$!
+      LIVE[$pid]="worker $k (pid $pid)"
+      WORKER_PIDS+=("$pid")
+      ((k == 0)) && start_stream "$pid"
+      continue
+    fi
     metrics_flags "worker$k"
     local csv=()
     ((CSV)) && csv=(--metrics_csv="$RUN/worker$k.csv")

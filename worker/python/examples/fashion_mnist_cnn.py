@@ -1,0 +1,112 @@
+"""A PyTorch CNN with BatchNorm and Dropout on Fashion-MNIST, trained on
+pstrain's parameter servers.
+
+As a pstrain worker (2 servers, 2 workers, on this machine):
+
+    deploy/local/launch.sh --servers=2 --workers=2 --mode=sync \
+        --python=worker/python/examples/fashion_mnist_cnn.py -- \
+        --server.optimizer=adam --server.learning_rate=0.001 --epochs=2
+
+As one plain PyTorch process, with the same model, data order and optimizer
+(Adam, lr 0.001), the baseline the job is compared with:
+
+    /usr/bin/python3 worker/python/examples/fashion_mnist_cnn.py --local --epochs=2
+
+The three lines that differ are marked "pstrain:" below. Prints a final JSON
+line ({"event": "final", ...}) with the held-out accuracy of the job's final
+model.
+"""
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+import pstrain
+import pstrain.data
+import pstrain.torch
+
+
+class Net(nn.Module):
+    def __init__(self, dropout=0.25):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Dropout(dropout), nn.Linear(64 * 7 * 7, 128),
+            nn.ReLU(), nn.Dropout(dropout), nn.Linear(128, 10))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def label_smoothed_loss(logits, labels, smoothing=0.05):
+    """A custom loss: cross-entropy with label smoothing, by hand."""
+    log_probs = torch.log_softmax(logits, dim=1)
+    nll = -log_probs.gather(1, labels[:, None]).squeeze(1)
+    return ((1 - smoothing) * nll - smoothing * log_probs.mean(1)).mean()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=float, default=2)
+    parser.add_argument("--global_batch_size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per process")
+    parser.add_argument("--local", action="store_true",
+                        help="one plain PyTorch process, Adam lr --lr")
+    parser.add_argument("--lr", type=float, default=0.001)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = Net()
+
+    if args.local:
+        worker_id, num_workers = 0, 1
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+        mode, start_step = "local", 0
+    else:
+        ps = pstrain.torch.ParameterServer(model)  # pstrain: join the job
+        worker_id, num_workers = ps.worker_id, ps.num_workers
+        mode, start_step = ps.mode, ps.step_count
+
+    batches = pstrain.data.Batches(
+        pstrain.data.fashion_mnist(), args.global_batch_size // num_workers,
+        worker_id, num_workers, seed=args.seed, shape=(1, 28, 28))
+    steps = int(args.epochs * batches.steps_per_epoch)
+    model.train()
+    start = time.time()
+    for step in range(start_step, steps):
+        x, y = batches.batch(step)
+        loss = label_smoothed_loss(model(x), y)
+        loss.backward()
+        if args.local:
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            ps.step()  # pstrain: push the gradients, pull the new model
+    wall = time.time() - start
+    final_model = "local" if args.local else ps.finish()  # pstrain: done
+
+    test_loss, test_accuracy = pstrain.data.evaluate(
+        model, pstrain.data.fashion_mnist(train=False), shape=(1, 28, 28))
+    pstrain.print_final(
+        model="cnn", mode=mode, worker_id=worker_id, num_workers=num_workers,
+        steps=steps, steps_run=steps - start_step, start_step=start_step,
+        epochs=round(steps / batches.steps_per_epoch, 3),
+        final_loss=round(loss.item(), 6), test_loss=round(test_loss, 6),
+        test_accuracy=round(test_accuracy, 4), test_examples=10000,
+        final_model=final_model,
+        samples_per_sec=round((steps - start_step) * batches.batch_size
+                              / max(wall, 1e-9), 1),
+        wall_time_s=round(wall, 3),
+        steps_short=0 if args.local or ps.mode != "sync" else ps.steps_short())
+
+
+if __name__ == "__main__":
+    main()

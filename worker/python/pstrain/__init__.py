@@ -1,0 +1,165 @@
+"""pstrain from Python: the parameter servers' C++ client, bound with pybind11.
+
+There is one client, the C++ ``PsClient`` (worker/ps_client.h): the data plane,
+PushPull, retries, heartbeats, exactly-once pushes, TLS, the bearer token and
+the cluster description all come with it. This package adds argument checks
+and Python types; ``pstrain.torch`` trains a ``torch.nn.Module`` on the servers
+and ``pstrain.data`` reads the data sets the C++ worker reads, in its order.
+
+Every call that talks to the servers releases the GIL, and Ctrl-C interrupts
+one that waits (within about a second) with ``KeyboardInterrupt``. Failures the
+servers or the network report raise ``pstrain.Error`` (its ``.code`` is the
+status name, e.g. ``"UNAVAILABLE"``); arguments refused before anything is sent
+raise ``TypeError`` or ``ValueError`` naming the tensor or option.
+
+Tensors go in and out as float32 numpy arrays, C-contiguous, with exactly the
+registered tensor's element count; a CPU ``torch.Tensor`` passes its memory
+with ``.numpy()`` (no copy): a pull writes the parameters into it, a push reads
+gradients from it.
+"""
+
+import json
+import os
+
+from pstrain import _native
+
+Error = _native.Error
+
+__all__ = ["Client", "ClusterSpec", "Error", "cluster_spec"]
+
+
+class ClusterSpec:
+    """Where this process's job is: servers, worker count, this worker's id.
+
+    From the C++ cluster description (common/cluster_spec.h): the file
+    ``path``, else ``$PSTRAIN_CLUSTER`` (JSON, as ``deploy/local/launch.sh``
+    sets it for a Python worker), else ``$TF_CONFIG``. ``RANK`` and
+    ``WORLD_SIZE`` (torchrun's names) fill in the worker id and count where the
+    description leaves them out.
+    """
+
+    def __init__(self, ps, num_workers, worker_id, mode="", client_options=None):
+        self.ps = list(ps)
+        self.num_workers = int(num_workers)
+        self.worker_id = int(worker_id)
+        self.mode = mode
+        self.client_options = dict(client_options or {})
+
+    def __repr__(self):
+        return (f"ClusterSpec(ps={self.ps}, num_workers={self.num_workers}, "
+                f"worker_id={self.worker_id})")
+
+
+# Worker flags of a cluster description that configure the client; the rest
+# (model flags of the C++ worker) mean nothing to a Python script.
+_CLIENT_FLAGS = {
+    "rpc_timeout_s": float, "connect_timeout_s": float,
+    "retry_window_s": float, "heartbeat_interval_s": float,
+    "connections_per_shard": int, "tls_ca": str, "tls_cert": str,
+    "tls_key": str, "tls_server_name": str, "auth_token_file": str,
+    "gradient_wire_type": str,
+    "data_plane": lambda v: str(v).lower() in ("1", "true", "yes"),
+}
+
+
+def cluster_spec(path=""):
+    """The ClusterSpec of this process, or a ValueError saying what is missing."""
+    spec = _native.load_cluster_spec(path)
+    if spec is None:
+        raise ValueError(
+            "no cluster description: set PSTRAIN_CLUSTER (deploy/local/launch.sh "
+            "--python does), TF_CONFIG, or pass the servers' host:port list")
+    workers = spec["workers"] or int(os.environ.get("WORLD_SIZE", "0"))
+    if spec["task_type"] == "worker":
+        worker_id = spec["task_index"]
+    elif "RANK" in os.environ:
+        worker_id = int(os.environ["RANK"])
+    else:
+        raise ValueError(f"{spec['source']}: no task index and no $RANK: which "
+                         "worker is this process?")
+    if workers < 1:
+        raise ValueError(f"{spec['source']}: no worker count (\"workers\") and "
+                         "no $WORLD_SIZE")
+    options = {}
+    for name, value in spec["worker_flags"].items():
+        if name in _CLIENT_FLAGS:
+            options[name] = _CLIENT_FLAGS[name](value)
+    return ClusterSpec(spec["ps"], workers, worker_id, spec["mode"], options)
+
+
+class Client:
+    """One worker's (or an observer's) connection to every shard.
+
+    Options (all optional but ``hosts``): rpc_timeout_s, connect_timeout_s,
+    retry_window_s, heartbeat_interval_s, data_plane, connections_per_shard,
+    tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file,
+    gradient_wire_type; their meaning is PsClientOptions' (worker/ps_client.h).
+    """
+
+    def __init__(self, hosts, **options):
+        if isinstance(hosts, str):
+            hosts = hosts.split(",")
+        self._native = _native.Client(dict(options, hosts=list(hosts)))
+        self.mode = None
+        self.start_step = 0
+
+    def register(self, schema, num_workers, worker_id):
+        """Registers ``schema`` (a ModelSchema as a dict in protobuf's JSON
+        names) on every shard; worker_id -1 is an observer. Returns the mode and
+        sets ``mode`` and ``start_step`` (where a (re)joining worker starts)."""
+        answer = self._native.register(json.dumps(schema), num_workers,
+                                       worker_id)
+        self.mode = answer["mode"]
+        self.start_step = answer["start_step"]
+        return self.mode
+
+    def await_job_start(self, on_waiting=None):
+        """Sync/ssp: returns once every expected worker has registered.
+        ``on_waiting(info)`` is called about once a second meanwhile."""
+        self._native.await_job_start(on_waiting)
+
+    def pull(self, step, tensors):
+        return self._native.pull(step, tensors)
+
+    def push(self, step, gradients, only=()):
+        return self._native.push(step, gradients, list(only))
+
+    def push_pull(self, push_step, gradients, pull_step, tensors):
+        return self._native.push_pull(push_step, gradients, pull_step, tensors)
+
+    def assign(self, values, only=()):
+        return self._native.assign(values, list(only))
+
+    def pull_sparse(self, table, step, ids, out):
+        self._native.pull_sparse(table, step, ids, out)
+
+    def push_sparse(self, table, step, ids, gradients):
+        return self._native.push_sparse(table, step, ids, gradients)
+
+    def leave(self):
+        self._native.leave()
+
+    def stats(self):
+        """Every shard's Stats, as dicts (proto field names)."""
+        return [json.loads(s) for s in self._native.stats()]
+
+    def steps_short(self):
+        return self._native.steps_short()
+
+    def await_final_model(self, expected_version, timeout_s=120.0):
+        return self._native.await_final_model(expected_version, timeout_s)
+
+    def interrupt(self):
+        self._native.interrupt()
+
+    @property
+    def num_shards(self):
+        return self._native.num_shards
+
+
+def print_final(**fields):
+    """Prints a worker's last line as the C++ worker does: one JSON object
+    with "event": "final" (deploy/local/launch.sh collects these, and says
+    whether every worker evaluated the same final model)."""
+    print(json.dumps(dict({"event": "final"}, **fields), separators=(",", ":")),
+          flush=True)

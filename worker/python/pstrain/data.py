@@ -1,0 +1,88 @@
+"""The C++ worker's data, from Python: the same readers and the same order.
+
+A job visits its training set in global batches of one permutation per
+epoch, from (seed, epoch); worker k of W takes the k-th slice of each global
+batch (worker/data.h, EpochPlan). So W Python workers with batch b see, step
+by step, exactly the samples of one process with batch W*b, as the C++
+workers do: the sync contract can be checked against a single process, and a
+Python job compared with a C++ one sample for sample.
+"""
+
+import numpy as np
+import torch
+
+from pstrain import _native
+
+__all__ = ["Batches", "FASHION_MNIST", "evaluate", "fashion_mnist", "synthetic"]
+
+# Debian's dataset-fashion-mnist.
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+
+
+def fashion_mnist(train=True, directory=FASHION_MNIST):
+    """Fashion-MNIST's 60,000 training (or 10,000 held-out) 28x28 images,
+    pixels scaled to [0, 1], as flat rows of 784 features."""
+    return _native.open_idx(directory, train)
+
+
+def synthetic(count, num_features=32, num_classes=4, label_noise=0.05, seed=1,
+              first_index=0):
+    """The C++ worker's synthetic task (--data=synthetic): example i is a
+    pure function of (seed, i)."""
+    return _native.synthetic(count, first_index, num_features, num_classes,
+                             label_noise, seed)
+
+
+class Batches:
+    """This worker's batches of ``examples`` in the job's order.
+
+    ``batch(step)`` gives (features, labels) of global step ``step`` as torch
+    tensors (features reshaped to ``shape`` per example, e.g. (1, 28, 28)),
+    in buffers reused from call to call.
+    """
+
+    def __init__(self, examples, batch_size, worker_id=0, num_workers=1,
+                 seed=1, shuffle=True, shape=None):
+        self.examples = examples
+        self.batch_size = batch_size
+        self._plan = _native.epoch_plan(examples.size, batch_size, num_workers,
+                                        worker_id, shuffle, seed)
+        self._shape = tuple(shape) if shape else (examples.num_features,)
+        self._x = np.empty((batch_size, examples.num_features), np.float32)
+        self._y = np.empty(batch_size, np.int64)
+
+    @property
+    def steps_per_epoch(self):
+        return self._plan.steps_per_epoch
+
+    @property
+    def global_batch(self):
+        return self._plan.global_batch
+
+    def batch(self, step):
+        self.examples.gather(self._plan.worker_indices(step), self._x, self._y)
+        return (torch.from_numpy(self._x).view(-1, *self._shape),
+                torch.from_numpy(self._y))
+
+
+@torch.no_grad()
+def evaluate(model, examples, batch_size=1000, shape=None):
+    """Mean cross-entropy loss and accuracy of ``model`` (logits) on all of
+    ``examples``, in eval mode (the mode is restored)."""
+    was_training = model.training
+    model.eval()
+    shape = tuple(shape) if shape else (examples.num_features,)
+    loss_sum, correct = 0.0, 0
+    x = np.empty((batch_size, examples.num_features), np.float32)
+    y = np.empty(batch_size, np.int64)
+    for first in range(0, examples.size, batch_size):
+        rows = min(batch_size, examples.size - first)
+        indices = np.arange(first, first + rows, dtype=np.int64)
+        examples.gather(indices, x[:rows], y[:rows])
+        logits = model(torch.from_numpy(x[:rows]).view(-1, *shape))
+        labels = torch.from_numpy(y[:rows])
+        loss_sum += torch.nn.functional.cross_entropy(
+            logits, labels, reduction="sum").item()
+        correct += (logits.argmax(1) == labels).sum().item()
+    model.train(was_training)
+    return loss_sum / examples.size, correct / examples.size

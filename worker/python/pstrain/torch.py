@@ -1,0 +1,392 @@
+"""Train a ``torch.nn.Module`` on pstrain's parameter servers.
+
+A single-process script becomes a pstrain worker with three lines::
+
+    ps = pstrain.torch.ParameterServer(model)    # after building the model
+    ...
+        loss.backward()
+        ps.step()              # instead of optimizer.step() and zero_grad()
+    ...
+    ps.finish()                # the job's final model is now in `model`
+
+The optimizer runs on the servers (``ps_server --optimizer``), and so does the
+consistency mode: in sync mode W workers with batch b train exactly like one
+process with batch W*b; async and ssp as the servers say.
+
+What the servers hold, by the names ``model.named_parameters()`` and
+``named_buffers()`` give (so ``pstrain_export`` writes a safetensors file that
+``model.load_state_dict`` takes with no renaming):
+
+- parameters: trained from the gradients every worker pushes. Their initial
+  values are worker 0's (DDP's rule): worker 0 sends its model's values when
+  it starts, every other worker's first pull waits for them, and a worker
+  (re)starting later gets the job's current values.
+- buffers (BatchNorm's running statistics) and parameters with
+  ``requires_grad=False``: state, not trained. Each worker updates its own
+  copy during its forward passes; every step the servers set them to the
+  mean over the workers (sync) or to the last worker's (async), and every
+  worker pulls that back. So all workers share the same buffers after each
+  step, as with DDP's broadcast of buffers, averaged instead of rank 0's.
+- ``pstrain.torch.Embedding`` / ``EmbeddingBag`` tables: rows live on the
+  servers (sharded, created on first use), and only a batch's rows travel.
+
+Tensors must be float32 (buffers of other types are converted), contiguous,
+on the CPU or on a CUDA device (copied through pinned host memory on a stream
+of their own). Per step, float32 CPU parameters, gradients and buffers are
+read and written in place: no copy in Python, none in the binding.
+"""
+
+import numpy as np
+import torch
+
+import pstrain
+
+__all__ = ["Embedding", "EmbeddingBag", "ParameterServer"]
+
+# One block of a dense tensor, the unit of transfer, locking and sharding.
+DEFAULT_BLOCK_ELEMENTS = 1 << 17
+
+
+class _Tensor:
+    """One registered dense tensor and the memory its pulls and pushes use."""
+
+    def __init__(self, name, tensor, state):
+        self.name = name
+        self.tensor = tensor  # the Parameter or buffer
+        self.state = state    # True: values are pushed, not gradients
+        self.numel = tensor.numel()
+        self.shape = list(tensor.shape) or [1]
+        self.cuda = tensor.is_cuda
+        if tensor.dtype != torch.float32 and not state:
+            raise TypeError(
+                f"parameter '{name}' is {tensor.dtype}: the servers hold float32 "
+                "(model.float() first)")
+        if not tensor.is_contiguous():
+            raise ValueError(f"'{name}' is not contiguous")
+        # Host float32 memory the client reads and writes: the tensor's own
+        # when it is a float32 CPU tensor, else a mirror (pinned for CUDA).
+        self.direct = tensor.dtype == torch.float32 and not self.cuda
+        if self.direct:
+            self.host = tensor.data
+        else:
+            self.host = torch.empty(tensor.shape, dtype=torch.float32,
+                                    pin_memory=self.cuda)
+            self.host.copy_(tensor.data)
+        self.values_view = self.host.numpy().reshape(-1)
+        self._grad_key = None
+        self._grad_view = None
+        self._zeros = None
+        self._grad_host = None
+
+    def spec(self):
+        return {"name": self.name, "shape": self.shape,
+                "init": {"kind": "PROVIDED"},
+                "role": "STATE" if self.state else "PARAMETER"}
+
+    def values(self):
+        """The host memory of the values (a pull writes here)."""
+        if not self.direct:
+            self.host.copy_(self.tensor.data)
+        return self.values_view
+
+    def push_source(self):
+        """What a push sends: the values of state, the gradient of a parameter
+        (zeros where backward left none, so that every block's step completes)."""
+        if self.state:
+            if not self.direct:
+                self.host.copy_(self.tensor.data)
+            return self.values_view
+        grad = self.tensor.grad
+        if grad is None:
+            if self._zeros is None:
+                self._zeros = np.zeros(self.numel, dtype=np.float32)
+            return self._zeros
+        if self.cuda:
+            if self._grad_host is None:
+                self._grad_host = torch.empty(self.tensor.shape,
+                                              dtype=torch.float32,
+                                              pin_memory=True)
+            self._grad_host.copy_(grad, non_blocking=True)
+            return self._grad_host.numpy().reshape(-1)
+        if grad.dtype != torch.float32 or not grad.is_contiguous():
+            grad = grad.to(torch.float32).contiguous()
+            return grad.numpy().reshape(-1)
+        key = (grad.data_ptr(), grad.numel())
+        if key != self._grad_key:  # a new gradient tensor: a new view
+            self._grad_key = key
+            self._grad_view = grad.numpy().reshape(-1)
+        return self._grad_view
+
+    def after_pull(self, stream):
+        """Brings pulled host values into a tensor that is not host float32."""
+        if self.direct:
+            return
+        if self.cuda:
+            with torch.cuda.stream(stream):
+                self.tensor.data.copy_(self.host, non_blocking=True)
+        else:
+            self.tensor.data.copy_(self.host)
+
+
+class ParameterServer:
+    """Binds ``model`` to the parameter servers as this process's worker.
+
+    Construction registers the model (refused, naming the first difference,
+    if the servers hold a different one), sends worker 0's initial values,
+    waits until every worker of the job has registered (sync and ssp), and
+    pulls the job's current values into the model.
+
+    Where the job is comes from ``spec`` (a ``pstrain.ClusterSpec``), else
+    from ``hosts``/``worker_id``/``num_workers``, else from the cluster
+    description in the environment (``pstrain.cluster_spec()``: what
+    ``deploy/local/launch.sh --python`` sets). ``client_options`` are
+    ``pstrain.Client``'s (timeouts, TLS, token...).
+    """
+
+    def __init__(self, model, *, spec=None, hosts=None, worker_id=None,
+                 num_workers=None, block_elements=DEFAULT_BLOCK_ELEMENTS,
+                 on_waiting=None, **client_options):
+        if spec is None and hosts is None:
+            spec = pstrain.cluster_spec()
+        if spec is not None:
+            hosts = spec.ps if hosts is None else hosts
+            worker_id = spec.worker_id if worker_id is None else worker_id
+            num_workers = spec.num_workers if num_workers is None else num_workers
+            client_options = dict(spec.client_options, **client_options)
+        if worker_id is None or num_workers is None:
+            raise ValueError("worker_id and num_workers are needed with hosts")
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker_id must be in [0, {num_workers}), "
+                             f"got {worker_id}")
+        self.model = model
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self._hosts = hosts
+        self._client_options = client_options
+        self._tensors = []
+        names = set()
+        for name, p in model.named_parameters():
+            self._tensors.append(_Tensor(name, p, state=not p.requires_grad))
+            names.add(name)
+        for name, b in model.named_buffers():
+            if b is None or name in names:
+                continue
+            self._tensors.append(_Tensor(name, b, state=True))
+        self._tables = []
+        for name, module in model.named_modules():
+            if isinstance(module, _ServerTable):
+                module._bind(self, len(self._tables), f"{name}.weight")
+                self._tables.append(module)
+        if not self._tensors:
+            raise ValueError("the model has no parameters or buffers to train")
+        self._stream = None
+        if any(t.cuda for t in self._tensors):
+            self._stream = torch.cuda.Stream()
+        self.schema = {
+            "dense": [t.spec() for t in self._tensors],
+            "sparse": [m._spec() for m in self._tables],
+            "seed": "0",
+            "block_elements": str(block_elements),
+        }
+        self.client = pstrain.Client(hosts, **client_options)
+        self.mode = self.client.register(self.schema, num_workers, worker_id)
+        if worker_id == 0:
+            # The job's initial values are worker 0's; a worker 0 that
+            # restarts finds them set and changes nothing (duplicates).
+            self.client.assign([t.values() for t in self._tensors])
+        self.client.await_job_start(on_waiting)
+        self.start_step = self.client.start_step
+        self._step = self.start_step
+        self._observer = None
+        self._finished = False
+        self._pull(self._step)
+
+    @property
+    def step_count(self):
+        """Steps this worker has completed (the job's step in sync mode)."""
+        return self._step
+
+    def step(self):
+        """Ends the step: pushes every gradient (and the buffers' values) and
+        pulls the model after it into ``model`` in one round trip, then zeroes
+        the gradients. Sync: returns once every worker's step is in."""
+        if self._finished:
+            raise RuntimeError("step() after finish()")
+        step = self._step
+        for table in self._tables:
+            table._push_pending(step)
+        if self._stream is not None:
+            torch.cuda.current_stream().synchronize()  # gradient copies
+        grads = [t.push_source() for t in self._tensors]
+        values = [t.values_view for t in self._tensors]
+        self.client.push_pull(step, grads, step + 1, values)
+        for t in self._tensors:
+            t.after_pull(self._stream)
+            if not t.state and t.tensor.grad is not None:
+                t.tensor.grad.zero_()
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+        self._step = step + 1
+
+    def finish(self, timeout_s=120.0):
+        """Leaves the job and puts its final model into ``model``: sync, the
+        model after the last step; async/ssp, the servers' model once every
+        worker is done (waiting up to ``timeout_s`` for the others).
+        Embedding tables then read the final rows. Returns how the wait
+        ended ("sync_step", "all_done", "quiet" or "timeout")."""
+        if self._finished:
+            return self._how
+        self._finished = True
+        if self.mode == "sync":
+            self.client.leave()
+            self._how = "sync_step"
+            return self._how
+        self.client.leave()
+        # A pull as this worker would rejoin the job: an observer reads.
+        self._observer = pstrain.Client(self._hosts, **self._client_options)
+        self._observer.register(self.schema, self.num_workers, -1)
+        self._how = self._observer.await_final_model(
+            self.num_workers * self._step, timeout_s)
+        self._pull(self._step, self._observer)
+        return self._how
+
+    def stats(self):
+        return self.client.stats()
+
+    def steps_short(self):
+        """sync: steps the job completed with fewer gradients than workers."""
+        return self.client.steps_short()
+
+    def _pull(self, step, client=None):
+        (client or self.client).pull(step, [t.values_view for t in self._tensors])
+        for t in self._tensors:
+            t.after_pull(self._stream)
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+
+    def _reader(self):
+        return self._observer if self._observer is not None else self.client
+
+
+class _ServerTable(torch.nn.Module):
+    """An embedding table that lives on the servers (see Embedding)."""
+
+    def __init__(self, num_embeddings, embedding_dim, optimizer, lr,
+                 init_std, initial_accumulator, betas, eps):
+        super().__init__()
+        if embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
+        if optimizer not in ("sgd", "adagrad", "adam", "ftrl"):
+            raise ValueError("optimizer must be sgd, adagrad, adam or ftrl, "
+                             f"got '{optimizer}'")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self._optimizer = {
+            "name": optimizer, "learning_rate": lr,
+            "initial_accumulator": initial_accumulator,
+            "beta1": betas[0], "beta2": betas[1], "epsilon": eps,
+            "ftrl_alpha": lr, "ftrl_beta": 1.0, "ftrl_l1": 0.0, "ftrl_l2": 0.0,
+        }
+        self._init_std = init_std
+        self._ps = None
+        self._pending = []  # (unique ids, rows leaf) of this step's forwards
+
+    def _bind(self, ps, index, name):
+        self._ps = ps
+        self._index = index
+        self.table_name = name
+
+    def _spec(self):
+        return {"name": self.table_name, "dim": str(self.embedding_dim),
+                "init": {"kind": "NORMAL", "scale": self._init_std},
+                "optimizer": self._optimizer}
+
+    def _rows(self, ids):
+        """(rows of the batch's unique ids, the index of each id among them);
+        the rows are a leaf whose gradient step() pushes when training."""
+        if self._ps is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not bound to a ParameterServer: "
+                "create pstrain.torch.ParameterServer(model) first")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"'{self.table_name}': ids must be int64 or int32, "
+                            f"got {ids.dtype}")
+        flat = ids.reshape(-1).to(torch.int64).cpu()
+        if flat.numel() > 0:
+            low, high = int(flat.min()), int(flat.max())
+            if low < 0 or (self.num_embeddings is not None
+                           and high >= self.num_embeddings):
+                raise ValueError(
+                    f"'{self.table_name}': ids must be in [0, "
+                    f"{self.num_embeddings or '2^63'}), got {low}..{high}")
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        keys = unique.numpy().astype(np.uint64)
+        rows = torch.empty((len(keys), self.embedding_dim), dtype=torch.float32)
+        training = self.training and torch.is_grad_enabled()
+        ps = self._ps
+        client = ps.client if training else ps._reader()
+        client.pull_sparse(self._index, ps._step, keys, rows.numpy())
+        if training:
+            rows.requires_grad_(True)
+            self._pending.append((keys, rows))
+        return rows, inverse.reshape(ids.shape)
+
+    def _push_pending(self, step):
+        # Every shard hears from every worker each sync step, even with no
+        # rows (PushSparse sends the empty ones): the table's step completes.
+        if not self._pending:
+            keys = np.zeros(0, dtype=np.uint64)
+            grads = np.zeros((0, self.embedding_dim), dtype=np.float32)
+        else:
+            all_keys = np.concatenate([k for k, _ in self._pending])
+            all_grads = torch.cat([
+                r.grad if r.grad is not None else torch.zeros_like(r)
+                for _, r in self._pending]).numpy()
+            keys, where = np.unique(all_keys, return_inverse=True)
+            grads = np.zeros((len(keys), self.embedding_dim), dtype=np.float32)
+            np.add.at(grads, where, all_grads)
+        self._pending = []
+        self._ps.client.push_sparse(self._index, step, keys, grads)
+
+
+class Embedding(_ServerTable):
+    """``torch.nn.Embedding`` whose table lives on the servers.
+
+    Forward pulls only the batch's unique ids (sync: the rows after the
+    current step); ``ParameterServer.step()`` pushes their gradients, and the
+    table's optimizer (sgd, adagrad, adam, ftrl; ``lr``) runs on the servers.
+    Rows are created on first use, drawn from N(0, init_std^2) as
+    ``nn.Embedding`` does, so the table is bounded by the servers' memory,
+    not the worker's. ``num_embeddings=None``: any id >= 0.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, *, optimizer="adagrad",
+                 lr=0.01, init_std=1.0, initial_accumulator=0.1,
+                 betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(num_embeddings, embedding_dim, optimizer, lr,
+                         init_std, initial_accumulator, betas, eps)
+
+    def forward(self, ids):
+        rows, index = self._rows(ids)
+        return torch.nn.functional.embedding(index, rows)
+
+
+class EmbeddingBag(_ServerTable):
+    """``torch.nn.EmbeddingBag`` (mode "sum" or "mean") on a server table, as
+    ``Embedding``: ``forward(ids, offsets)`` with 1-D ids and offsets, or 2-D
+    ids of equal bags."""
+
+    def __init__(self, num_embeddings, embedding_dim, *, mode="mean",
+                 optimizer="adagrad", lr=0.01, init_std=1.0,
+                 initial_accumulator=0.1, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(num_embeddings, embedding_dim, optimizer, lr,
+                         init_std, initial_accumulator, betas, eps)
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be sum or mean, got '{mode}'")
+        self.mode = mode
+
+    def forward(self, ids, offsets=None):
+        rows, index = self._rows(ids)
+        return torch.nn.functional.embedding_bag(index, rows, offsets,
+                                                 mode=self.mode)
+
