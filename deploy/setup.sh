@@ -18,6 +18,9 @@ packages=(
   zlib1g-dev             # worker: reads gzipped IDX files
   libopenblas-dev        # kernels: the CPU backend's GEMM (cblas_sgemm)
   python3-numpy          # tests: reads an exported safetensors file as a user would
+  python3-dev pybind11-dev python3-torch  # the pstrain Python package
+                         # (worker/python) and its PyTorch front end, for
+                         # Debian's /usr/bin/python3
   python3-grpcio curl    # deploy/grpc/grpc_check.py (health, reflection; grpcurl is
                          # not in Debian 12) and the README's operator commands
 )
