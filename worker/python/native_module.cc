@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/cluster_spec.h"
+#include "common/connection_check.h"
 #include "common/partition.h"
 #include "common/tensor_codec.h"
 #include "common/tls.h"
@@ -257,6 +258,8 @@ class Client {
           "hosts: the servers' host:port, every shard in order, is required");
     }
     o.credentials = ValueOrRaise(MakeChannelCredentials(tls));
+    hosts_ = o.hosts;
+    tls_ = o.credentials != nullptr;
     o.auth_token = ValueOrRaise(ReadAuthToken(token_file));
     o.gradient_wire_type = ValueOrRaise(ParseWireType(wire_type));
     client_ = ValueOrRaise(PsClient::Create(o));
@@ -277,6 +280,22 @@ class Client {
     Call([&] {
       registration =
           ValueOrRaiseLater(client_->Register(schema, num_workers, worker_id));
+      // Waiting for servers, gRPC reports any cause as the deadline passing:
+      // say what the likely one is, as the worker binary does.
+      if (absl::IsDeadlineExceeded(status_) || absl::IsUnavailable(status_)) {
+        std::vector<std::string> causes;
+        for (const std::string& host : hosts_) {
+          const std::string cause =
+              DiagnoseConnection(host, tls_, absl::Seconds(2));
+          if (!cause.empty()) causes.push_back(cause);
+        }
+        if (!causes.empty()) {
+          status_ = absl::Status(
+              status_.code(),
+              absl::StrCat(status_.message(), "; likely cause: ",
+                           absl::StrJoin(causes, "; ")));
+        }
+      }
     });
     schema_ = schema;
     py::dict out;
@@ -498,6 +517,8 @@ class Client {
   }
 
   std::unique_ptr<PsClient> client_;
+  std::vector<std::string> hosts_;
+  bool tls_ = false;
   ModelSchema schema_;
   absl::Status status_;
   CallRunner runner_;

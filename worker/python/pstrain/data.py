@@ -13,7 +13,8 @@ import torch
 
 from pstrain import _native
 
-__all__ = ["Batches", "FASHION_MNIST", "evaluate", "fashion_mnist", "synthetic"]
+__all__ = ["Batches", "CtrData", "FASHION_MNIST", "auc", "evaluate",
+           "fashion_mnist", "synthetic"]
 
 # Debian's dataset-fashion-mnist.
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
@@ -86,3 +87,63 @@ def evaluate(model, examples, batch_size=1000, shape=None):
         correct += (logits.argmax(1) == labels).sum().item()
     model.train(was_training)
     return loss_sum / examples.size, correct / examples.size
+
+
+class CtrData:
+    """The C++ CTR worker's synthetic click data (worker/ctr_data.h):
+    examples [first_index, first_index + count) of the stream for ``seed``,
+    with the hidden true click probabilities (what a perfect model scores).
+
+    ``batch(rows)`` gives (dense features, labels, bags) of those rows as
+    torch tensors, bags as one (ids, offsets) pair per field, the form
+    ``EmbeddingBag`` takes.
+    """
+
+    def __init__(self, count, first_index=0, num_dense=4, num_fields=6,
+                 vocab_per_field=10000, max_bag=3, seed=1):
+        d = _native.synthetic_ctr(count, first_index, num_dense, num_fields,
+                                  vocab_per_field, max_bag, seed)
+        self.size = count
+        self.num_dense = num_dense
+        self.num_fields = num_fields
+        self.labels = d["labels"]
+        self.dense = d["dense"]
+        self.offsets = d["offsets"]
+        # Ids are 64-bit hashes; torch embeds int64: the same bits.
+        self.ids = d["ids"].view(np.int64)
+        self.true_probabilities = d["true_probabilities"]
+
+    def batch(self, rows):
+        rows = np.asarray(rows, dtype=np.int64)
+        bags = []
+        for f in range(self.num_fields):
+            starts = self.offsets[rows * self.num_fields + f]
+            ends = self.offsets[rows * self.num_fields + f + 1]
+            lengths = ends - starts
+            # Every bag's ids, concatenated: start of its bag + position in it.
+            first = np.cumsum(lengths) - lengths
+            within = np.arange(lengths.sum()) - np.repeat(first, lengths)
+            ids = self.ids[np.repeat(starts, lengths) + within]
+            bags.append((torch.from_numpy(ids), torch.from_numpy(first)))
+        return (torch.from_numpy(self.dense[rows]),
+                torch.from_numpy(self.labels[rows]), bags)
+
+
+def auc(labels, scores):
+    """Area under the ROC curve (ties count half), as the C++ worker's."""
+    labels = np.asarray(labels, dtype=np.float64)
+    scores = np.asarray(scores, dtype=np.float64)
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    sorted_scores = scores[order]
+    # Average ranks over ties.
+    _, first, counts = np.unique(sorted_scores, return_index=True,
+                                 return_counts=True)
+    average = first + (counts - 1) / 2.0 + 1
+    ranks[order] = np.repeat(average, counts)
+    positives = labels.sum()
+    negatives = len(labels) - positives
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    return float((ranks[labels == 1].sum() - positives * (positives + 1) / 2)
+                 / (positives * negatives))

@@ -57,6 +57,9 @@ class _Tensor:
         self.numel = tensor.numel()
         self.shape = list(tensor.shape) or [1]
         self.cuda = tensor.is_cuda
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"'{name}' is on device {tensor.device}: "
+                             "pstrain.torch takes CPU and CUDA tensors")
         if tensor.dtype != torch.float32 and not state:
             raise TypeError(
                 f"parameter '{name}' is {tensor.dtype}: the servers hold float32 "
@@ -82,6 +85,21 @@ class _Tensor:
         return {"name": self.name, "shape": self.shape,
                 "init": {"kind": "PROVIDED"},
                 "role": "STATE" if self.state else "PARAMETER"}
+
+    def check_unchanged(self):
+        """The tensor is still the one registered: same shape, and a direct
+        tensor's memory still the one pulls write (a new tensor of the same
+        shape is taken as it is)."""
+        data = self.tensor.data
+        if list(data.shape or [1]) != self.shape or data.dtype != (
+                torch.float32 if self.direct else data.dtype):
+            raise ValueError(
+                f"'{self.name}' changed after registration: now "
+                f"{list(data.shape)} {data.dtype}, registered {self.shape}; "
+                "the servers hold the model as it was registered")
+        if self.direct and data.data_ptr() != self.host.data_ptr():
+            self.host = data
+            self.values_view = data.numpy().reshape(-1)
 
     def values(self):
         """The host memory of the values (a pull writes here)."""
@@ -213,6 +231,8 @@ class ParameterServer:
         if self._finished:
             raise RuntimeError("step() after finish()")
         step = self._step
+        for t in self._tensors:
+            t.check_unchanged()
         for table in self._tables:
             table._push_pending(step)
         if self._stream is not None:
@@ -312,13 +332,12 @@ class _ServerTable(torch.nn.Module):
             raise TypeError(f"'{self.table_name}': ids must be int64 or int32, "
                             f"got {ids.dtype}")
         flat = ids.reshape(-1).to(torch.int64).cpu()
-        if flat.numel() > 0:
+        if flat.numel() > 0 and self.num_embeddings is not None:
             low, high = int(flat.min()), int(flat.max())
-            if low < 0 or (self.num_embeddings is not None
-                           and high >= self.num_embeddings):
+            if low < 0 or high >= self.num_embeddings:
                 raise ValueError(
                     f"'{self.table_name}': ids must be in [0, "
-                    f"{self.num_embeddings or '2^63'}), got {low}..{high}")
+                    f"{self.num_embeddings}), got {low}..{high}")
         unique, inverse = torch.unique(flat, return_inverse=True)
         keys = unique.numpy().astype(np.uint64)
         rows = torch.empty((len(keys), self.embedding_dim), dtype=torch.float32)
@@ -357,7 +376,8 @@ class Embedding(_ServerTable):
     table's optimizer (sgd, adagrad, adam, ftrl; ``lr``) runs on the servers.
     Rows are created on first use, drawn from N(0, init_std^2) as
     ``nn.Embedding`` does, so the table is bounded by the servers' memory,
-    not the worker's. ``num_embeddings=None``: any id >= 0.
+    not the worker's. ``num_embeddings=None``: any int64 id, taken as its
+    64 bits (hashed feature ids: the table's keys are uint64).
     """
 
     def __init__(self, num_embeddings, embedding_dim, *, optimizer="adagrad",

@@ -1,0 +1,159 @@
+"""Bad input from Python gets a clear exception naming the tensor, table or
+option, and leaves the servers as they were (every case against real
+servers, whose Stats are compared before and after)."""
+
+import time
+import unittest
+
+import numpy as np
+import torch
+
+import pstrain
+import pstrain.torch
+from tests.python import cluster
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(),
+                               torch.nn.Linear(3, 2))
+
+
+def fingerprint(stats):
+    """What a refused request must not change."""
+    return [(int(s["version"]), int(s["blocks_applied"]),
+             int(s["blocks_duplicate"]), int(s["num_elements"])) for s in stats]
+
+
+class BadInputTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = cluster.Cluster(num_shards=2, num_workers=1,
+                                      flags=["--optimizer=sgd",
+                                             "--learning_rate=0.1"])
+        cls.model = mlp()
+        cls.ps = pstrain.torch.ParameterServer(
+            cls.model, hosts=cls.cluster.hosts, worker_id=0, num_workers=1)
+        x = torch.ones(2, 4)
+        cls.model(x).sum().backward()
+        cls.ps.step()  # one real step, so the state compared is not empty
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.close()
+
+    def setUp(self):
+        self.before = fingerprint(self.cluster.stats())
+
+    def tearDown(self):
+        self.assertEqual(fingerprint(self.cluster.stats()), self.before)
+
+    def values(self):
+        return [t.values_view for t in self.ps._tensors]
+
+    def test_wrong_dtype(self):
+        values = self.values()
+        values[1] = np.zeros(values[1].shape, np.float64)
+        with self.assertRaisesRegex(TypeError, "'0.bias': dtype must be float32"):
+            self.ps.client.pull(1, values)
+        with self.assertRaisesRegex(TypeError, "'weight' is torch.float64"):
+            pstrain.torch.ParameterServer(
+                torch.nn.Linear(4, 3).double(), hosts=self.cluster.hosts,
+                worker_id=0, num_workers=1)
+
+    def test_wrong_shape(self):
+        values = self.values()
+        values[2] = np.zeros(7, np.float32)
+        with self.assertRaisesRegex(ValueError, "'2.weight': has 7 elements, "
+                                    "the model's tensor has 6"):
+            self.ps.client.push(1, values)
+        with self.assertRaisesRegex(ValueError, "3 tensors, the model has 4"):
+            self.ps.client.pull(1, values[:3])
+
+    def test_not_contiguous(self):
+        values = self.values()
+        values[0] = np.zeros((4, 3), np.float32).T
+        with self.assertRaisesRegex(ValueError, "'0.weight': must be contiguous"):
+            self.ps.client.push(1, values)
+
+    def test_wrong_device(self):
+        model = torch.nn.Linear(4, 3, device="meta")
+        with self.assertRaisesRegex(ValueError, "'weight' is on device meta"):
+            pstrain.torch.ParameterServer(model, hosts=self.cluster.hosts,
+                                          worker_id=0, num_workers=1)
+
+    def test_a_model_the_servers_do_not_hold(self):
+        other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(),
+                                    torch.nn.Linear(3, 2))
+        other.add_module("extra", torch.nn.Linear(2, 2))
+        renamed = torch.nn.Sequential()
+        renamed.add_module("first", torch.nn.Linear(4, 3))
+        for model, difference in [(other, "tensor count 4 vs 6"),
+                                  (renamed, "name '0.weight' vs 'first.weight'")]:
+            with self.assertRaises(pstrain.Error) as raised:
+                pstrain.torch.ParameterServer(model, hosts=self.cluster.hosts,
+                                              worker_id=0, num_workers=1)
+            self.assertEqual(raised.exception.code, "FAILED_PRECONDITION")
+            self.assertIn(difference, str(raised.exception))
+
+    def test_a_model_changed_after_registration(self):
+        saved = self.model[2].weight.data
+        self.model[2].weight.data = torch.zeros(3, 3)
+        try:
+            with self.assertRaisesRegex(ValueError,
+                                        "'2.weight' changed after registration"):
+                self.ps.step()
+        finally:
+            self.model[2].weight.data = saved
+
+    def test_worker_id_out_of_range(self):
+        with self.assertRaisesRegex(ValueError, r"worker_id must be in \[0, 1\)"):
+            pstrain.torch.ParameterServer(mlp(), hosts=self.cluster.hosts,
+                                          worker_id=1, num_workers=1)
+        client = pstrain.Client(self.cluster.hosts)
+        with self.assertRaises(pstrain.Error) as raised:
+            client.register(self.ps.schema, 1, 5)
+        self.assertIn("worker_id must be in [0, 1)", str(raised.exception))
+
+    def test_unknown_option(self):
+        with self.assertRaisesRegex(ValueError, "unknown client option 'rpc_timeout'"):
+            pstrain.Client(self.cluster.hosts, rpc_timeout=3)
+
+    def test_servers_that_cannot_be_reached(self):
+        # A port nobody listens on: refused at once, reported after the
+        # connect timeout with the shard and the likely cause.
+        start = time.monotonic()
+        with self.assertRaises(pstrain.Error) as raised:
+            pstrain.torch.ParameterServer(
+                mlp(), hosts="127.0.0.1:1", worker_id=0, num_workers=1,
+                connect_timeout_s=2, retry_window_s=0)
+        self.assertLess(time.monotonic() - start, 20)
+        message = str(raised.exception)
+        self.assertIn("shard 0 (127.0.0.1:1)", message)
+        self.assertIn("Connection refused", message)
+
+
+class BadEmbeddingInputTest(unittest.TestCase):
+
+    def test_ids_out_of_range_and_of_the_wrong_dtype(self):
+        with cluster.Cluster(num_shards=1, num_workers=1) as c:
+            model = torch.nn.Sequential()
+            model.add_module("emb", pstrain.torch.EmbeddingBag(100, 4))
+            model.add_module("out", torch.nn.Linear(4, 1))
+            pstrain.torch.ParameterServer(model, hosts=c.hosts, worker_id=0,
+                                          num_workers=1)
+            before = [s["sparse"] for s in c.stats()]
+            with self.assertRaisesRegex(ValueError,
+                                        r"'emb.weight': ids must be in \[0, 100\)"):
+                model.emb(torch.tensor([[3, 100]]))
+            with self.assertRaisesRegex(ValueError, "got -1..3"):
+                model.emb(torch.tensor([[3, -1]]))
+            with self.assertRaisesRegex(TypeError,
+                                        "'emb.weight': ids must be int64"):
+                model.emb(torch.tensor([[0.5, 1.0]]))
+            self.assertEqual([s["sparse"] for s in c.stats()], before)
+
+
+if __name__ == "__main__":
+    cluster.main()

@@ -1,0 +1,90 @@
+"""Faults from PyTorch: a Python worker killed with SIGKILL and restarted
+with the same id rejoins the job at its step, and nothing is applied twice;
+Ctrl-C interrupts a worker blocked in a call within about a second."""
+
+import os
+import signal
+import time
+import unittest
+
+import torch
+
+from tests.python import cluster
+
+WORKER = os.path.join(cluster.HERE, "train_worker.py")
+
+
+class TorchFaultsTest(unittest.TestCase):
+
+    def test_a_killed_worker_restarts_and_nothing_is_applied_twice(self):
+        # The probe: gradient 1 everywhere, SGD with rate 1, so every element
+        # is minus the number of updates applied: one applied twice, or one
+        # lost, shows.
+        steps = 100
+        flags = ["--optimizer=sgd", "--learning_rate=1", "--worker_lease_s=1"]
+        with cluster.Cluster(num_shards=2, num_workers=2, flags=flags) as c:
+            args = [f"--model=probe", f"--steps={steps}", f"--out={c.dir}",
+                    # Slow enough that the restarted worker (a Python
+                    # start-up, seconds) comes back before the end.
+                    "--step_delay_ms=100"]
+            w0 = c.start_worker(WORKER, 0, args)
+            w1 = c.start_worker(WORKER, 1, args)
+            cluster.wait_for(lambda: "step 10\n" in c.output(w1), 60,
+                             "worker 1's tenth step")
+            w1.send_signal(signal.SIGKILL)
+            w1.wait()
+            again = c.start_worker(WORKER, 1, args, name="worker1_again")
+            for p in (w0, again):
+                self.assertEqual(c.wait(p), 0, c.errors(p)[-3000:])
+            restarted = cluster.final_line(c.output(again))
+            self.assertGreater(restarted["start_step"], 0)  # joined late
+            self.assertEqual(restarted["steps_run"],
+                             steps - restarted["start_step"])
+            model = torch.load(os.path.join(c.dir, "worker0.pt"))
+            stats = c.stats()
+        self.assertEqual(model["p"].tolist(), [-float(steps)] * 1000)
+        # The probe's one block lives on shard 0 (protobuf's JSON writes
+        # 64-bit integers as strings).
+        self.assertEqual(int(stats[0]["version"]), steps)
+        self.assertEqual([int(s["internal_errors"]) for s in stats], [0, 0])
+
+    def test_ctrl_c_interrupts_a_waiting_worker_within_a_second(self):
+        # Worker 1 never comes: worker 0 waits for the job's start.
+        with cluster.Cluster(num_shards=1, num_workers=2) as c:
+            w0 = c.start_worker(WORKER, 0, [f"--out={c.dir}"])
+            cluster.wait_for(
+                lambda: "waiting for workers 1" in c.errors(w0), 30,
+                "worker 0 waiting for worker 1")
+            start = time.monotonic()
+            w0.send_signal(signal.SIGINT)
+            code = c.wait(w0, 10)
+            elapsed = time.monotonic() - start
+            self.assertNotEqual(code, 0)
+            self.assertIn("KeyboardInterrupt", c.errors(w0))
+            self.assertLess(elapsed, 1.5)
+
+    def test_ctrl_c_interrupts_a_blocked_sync_step(self):
+        # Worker 1 stops stepping: worker 0's PushPull waits for its step.
+        with cluster.Cluster(num_shards=2, num_workers=2) as c:
+            args = [f"--out={c.dir}", "--steps=1000"]
+            w0 = c.start_worker(WORKER, 0, args)
+            w1 = c.start_worker(WORKER, 1, args)
+            cluster.wait_for(lambda: "step 5\n" in c.output(w0), 60,
+                             "worker 0's fifth step")
+            w1.send_signal(signal.SIGSTOP)
+            try:
+                # Its lease (10 s) holds: worker 0 is blocked in a step.
+                time.sleep(1)
+                start = time.monotonic()
+                w0.send_signal(signal.SIGINT)
+                code = c.wait(w0, 10)
+                elapsed = time.monotonic() - start
+            finally:
+                w1.send_signal(signal.SIGCONT)
+            self.assertNotEqual(code, 0)
+            self.assertIn("KeyboardInterrupt", c.errors(w0))
+            self.assertLess(elapsed, 1.5)
+
+
+if __name__ == "__main__":
+    cluster.main()

@@ -1,0 +1,83 @@
+"""A Python pstrain worker for the tests: trains a small model on the
+synthetic task with pstrain.torch and saves what the test checks.
+
+  train_worker.py --model=mlp --steps=N --batch=b --out=DIR
+
+The model's initial values come from --seed (worker 0's are the job's).
+Writes DIR/worker{k}.pt (the final state_dict) and prints a final JSON line.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+
+import pstrain
+import pstrain.data
+import pstrain.torch
+
+FEATURES, CLASSES = 12, 3
+
+
+def make_model(name, seed):
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16),
+                                   torch.nn.ReLU(),
+                                   torch.nn.Linear(16, CLASSES))
+    if name == "probe":  # every element = minus the updates applied
+        model = torch.nn.Module()
+        model.p = torch.nn.Parameter(torch.zeros(1000))
+        return model
+    if name == "bn":  # with buffers and dropout
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16),
+                                   torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                   torch.nn.Dropout(0.1),
+                                   torch.nn.Linear(16, CLASSES))
+    raise ValueError(name)
+
+
+def examples():
+    return pstrain.data.synthetic(1000, num_features=FEATURES,
+                                  num_classes=CLASSES, seed=11)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--step_delay_ms", type=float, default=0)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = make_model(args.model, args.seed)
+    ps = pstrain.torch.ParameterServer(model)
+    batches = pstrain.data.Batches(examples(), args.batch, ps.worker_id,
+                                   ps.num_workers, seed=5)
+    loss = None
+    for step in range(ps.step_count, args.steps):
+        x, y = batches.batch(step)
+        if args.model == "probe":  # the gradient is 1 everywhere
+            loss = model.p.sum()
+        else:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if args.step_delay_ms:
+            time.sleep(args.step_delay_ms / 1000)  # a slow worker, on purpose
+        ps.step()
+        print(f"step {step + 1}", flush=True)
+    how = ps.finish()
+    torch.save(model.state_dict(),
+               os.path.join(args.out, f"worker{ps.worker_id}.pt"))
+    pstrain.print_final(worker_id=ps.worker_id, mode=ps.mode,
+                        start_step=ps.start_step,
+                        steps_run=args.steps - ps.start_step,
+                        final_model=how,
+                        loss=None if loss is None else loss.item())
+
+
+if __name__ == "__main__":
+    main()
