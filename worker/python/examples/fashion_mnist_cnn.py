@@ -61,6 +61,8 @@ def main():
     parser.add_argument("--local", action="store_true",
                         help="one plain PyTorch process, Adam lr --lr")
     parser.add_argument("--lr", type=float, default=0.001)
+    parser.add_argument("--test_examples", type=int, default=10000,
+                        help="held-out images evaluated (the first ones)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -94,13 +96,15 @@ def main():
     final_model = "local" if args.local else ps.finish()  # pstrain: done
 
     test_loss, test_accuracy = pstrain.data.evaluate(
-        model, pstrain.data.fashion_mnist(train=False), shape=(1, 28, 28))
+        model, pstrain.data.fashion_mnist(train=False), shape=(1, 28, 28),
+        limit=args.test_examples)
     pstrain.print_final(
         model="cnn", mode=mode, worker_id=worker_id, num_workers=num_workers,
         steps=steps, steps_run=steps - start_step, start_step=start_step,
         epochs=round(steps / batches.steps_per_epoch, 3),
         final_loss=round(loss.item(), 6), test_loss=round(test_loss, 6),
-        test_accuracy=round(test_accuracy, 4), test_examples=10000,
+        test_accuracy=round(test_accuracy, 4),
+        test_examples=min(args.test_examples, 10000),
         final_model=final_model,
         samples_per_sec=round((steps - start_step) * batches.batch_size
                               / max(wall, 1e-9), 1),

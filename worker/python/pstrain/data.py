@@ -67,17 +67,19 @@ class Batches:
 
 
 @torch.no_grad()
-def evaluate(model, examples, batch_size=1000, shape=None):
-    """Mean cross-entropy loss and accuracy of ``model`` (logits) on all of
-    ``examples``, in eval mode (the mode is restored)."""
+def evaluate(model, examples, batch_size=1000, shape=None, limit=None):
+    """Mean cross-entropy loss and accuracy of ``model`` (logits) on
+    ``examples`` (the first ``limit`` of them, or all), in eval mode (the mode
+    is restored)."""
     was_training = model.training
     model.eval()
     shape = tuple(shape) if shape else (examples.num_features,)
+    size = examples.size if limit is None else min(limit, examples.size)
     loss_sum, correct = 0.0, 0
     x = np.empty((batch_size, examples.num_features), np.float32)
     y = np.empty(batch_size, np.int64)
-    for first in range(0, examples.size, batch_size):
-        rows = min(batch_size, examples.size - first)
+    for first in range(0, size, batch_size):
+        rows = min(batch_size, size - first)
         indices = np.arange(first, first + rows, dtype=np.int64)
         examples.gather(indices, x[:rows], y[:rows])
         logits = model(torch.from_numpy(x[:rows]).view(-1, *shape))
@@ -86,7 +88,7 @@ def evaluate(model, examples, batch_size=1000, shape=None):
             logits, labels, reduction="sum").item()
         correct += (logits.argmax(1) == labels).sum().item()
     model.train(was_training)
-    return loss_sum / examples.size, correct / examples.size
+    return loss_sum / size, correct / size
 
 
 class CtrData:

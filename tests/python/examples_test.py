@@ -1,0 +1,67 @@
+"""The Python examples, run as a user runs them: deploy/local/launch.sh
+--python with 2 servers and 2 workers (sync and async for the CNN), each
+printing one final line per worker about one final model."""
+
+import os
+import subprocess
+import unittest
+
+from tests.python import cluster
+
+EXAMPLES = os.path.join(os.environ["TEST_SRCDIR"], "pstrain", "worker",
+                        "python", "examples")
+
+
+def launch(mode, script, args, timeout_s=600):
+    bin_dir = os.path.join(os.environ["TEST_TMPDIR"], f"bin_{mode}")
+    os.makedirs(bin_dir, exist_ok=True)
+    for binary in ("ps_server/ps_server", "worker/worker"):
+        link = os.path.join(bin_dir, os.path.basename(binary))
+        if not os.path.exists(link):
+            os.symlink(cluster.runfile(binary), link)
+    # The package as built for this test, ahead of any installed copy.
+    env = dict(os.environ, PYTHONPATH=cluster.PACKAGE_ROOT)
+    done = subprocess.run(
+        [cluster.runfile("deploy/local/launch.sh"), f"--bin_dir={bin_dir}",
+         "--servers=2", "--workers=2", f"--mode={mode}",
+         f"--python={os.path.join(EXAMPLES, script)}", "--"] + args,
+        env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise AssertionError(f"launch.sh exited {done.returncode}:\n"
+                             + done.stderr[-4000:])
+    finals = [cluster.final_line(line) for line in done.stdout.splitlines()
+              if line.startswith('{"event":"final"')]
+    return finals, done.stderr
+
+
+class ExamplesTest(unittest.TestCase):
+
+    def check_cnn(self, mode):
+        finals, log = launch(mode, "fashion_mnist_cnn.py", [
+            "--server.optimizer=adam", "--server.learning_rate=0.001",
+            "--epochs=0.1", "--test_examples=2000"])
+        self.assertEqual(len(finals), 2)
+        self.assertEqual(len({f["test_accuracy"] for f in finals}), 1)
+        self.assertIn("reported by all 2 worker(s)", log)
+        # 47 steps of a fresh CNN: far above chance (0.1), not converged.
+        self.assertGreater(finals[0]["test_accuracy"], 0.6)
+        self.assertEqual({f["steps_run"] for f in finals}, {46})
+
+    def test_cnn_sync(self):
+        self.check_cnn("sync")
+
+    def test_cnn_async(self):
+        self.check_cnn("async")
+
+    def test_ctr_async(self):
+        finals, _ = launch("async", "ctr.py", [
+            "--server.optimizer=adam", "--server.learning_rate=0.01",
+            "--steps=200"])
+        self.assertEqual(len({f["auc"] for f in finals}), 1)
+        # Against the hidden truth: well above chance, below a perfect model.
+        self.assertGreater(finals[0]["auc"], 0.75)
+        self.assertLess(finals[0]["auc"], finals[0]["true_auc"] + 0.01)
+
+
+if __name__ == "__main__":
+    cluster.main()

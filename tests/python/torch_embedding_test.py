@@ -1,0 +1,91 @@
+"""Sparse embeddings from PyTorch: pstrain.torch.EmbeddingBag, whose rows
+live on the servers and are updated there, trains exactly like a local
+nn.EmbeddingBag with the same optimizer on one worker (to 1e-5)."""
+
+import unittest
+
+import numpy as np
+import torch
+
+import pstrain
+import pstrain.torch
+from tests.python import cluster
+
+VOCAB, DIM, BAG, BATCH, STEPS, LR = 50, 4, 3, 16, 20, 0.1
+
+
+class Net(torch.nn.Module):
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+        torch.manual_seed(4)
+        self.out = torch.nn.Linear(DIM, 1)
+
+    def forward(self, ids):
+        return self.out(self.table(ids)).squeeze(1)
+
+
+def batches():
+    random = np.random.RandomState(9)
+    for _ in range(STEPS):
+        ids = torch.from_numpy(random.randint(0, VOCAB, (BATCH, BAG)))
+        labels = torch.from_numpy(random.randint(0, 2, BATCH).astype(np.float32))
+        yield ids, labels
+
+
+class TorchEmbeddingTest(unittest.TestCase):
+
+    def check(self, sparse_optimizer):
+        with cluster.Cluster(num_shards=2, num_workers=1,
+                             flags=["--optimizer=sgd",
+                                    f"--learning_rate={LR}"]) as c:
+            model = Net(pstrain.torch.EmbeddingBag(
+                VOCAB, DIM, mode="mean", optimizer=sparse_optimizer, lr=LR,
+                initial_accumulator=0.1))
+            ps = pstrain.torch.ParameterServer(model, hosts=c.hosts,
+                                               worker_id=0, num_workers=1)
+            every_id = np.arange(VOCAB, dtype=np.uint64)
+            initial = np.zeros((VOCAB, DIM), np.float32)
+            ps.client.pull_sparse(0, 0, every_id, initial)
+
+            # The same model held locally, from the same initial values.
+            local = Net(torch.nn.EmbeddingBag(VOCAB, DIM, mode="mean"))
+            local.table.weight.data.copy_(torch.from_numpy(initial))
+            if sparse_optimizer == "sgd":
+                sparse = torch.optim.SGD(local.table.parameters(), lr=LR)
+            else:
+                sparse = torch.optim.Adagrad(local.table.parameters(), lr=LR,
+                                             initial_accumulator_value=0.1,
+                                             eps=0)
+            dense = torch.optim.SGD(local.out.parameters(), lr=LR)
+
+            for ids, labels in batches():
+                loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
+                loss_fn(model(ids), labels).backward()
+                ps.step()
+                loss_fn(local(ids), labels).backward()
+                for opt in (sparse, dense):
+                    opt.step()
+                    opt.zero_grad()
+
+            rows = np.zeros((VOCAB, DIM), np.float32)
+            ps.client.pull_sparse(0, STEPS, every_id, rows)
+        trained = torch.from_numpy(rows)
+        self.assertLessEqual(
+            (trained - local.table.weight.data).abs().max().item(), 1e-5)
+        self.assertGreater(
+            (trained - torch.from_numpy(initial)).abs().max().item(), 1e-3)
+        for name in ("weight", "bias"):
+            self.assertLessEqual(
+                (getattr(model.out, name) - getattr(local.out, name))
+                .abs().max().item(), 1e-5)
+
+    def test_sgd(self):
+        self.check("sgd")
+
+    def test_adagrad(self):
+        self.check("adagrad")
+
+
+if __name__ == "__main__":
+    cluster.main()
