@@ -10,8 +10,10 @@
 #    layer-list model an image job uses (--model=layers);
 #  - train a CTR model whose embedding tables live sharded on the servers
 #    (each step moves only the rows its batch touches), scored by AUC against
-#    the synthetic data's hidden ground truth.
-# About a minute after the build on a 2-core machine.
+#    the synthetic data's hidden ground truth;
+#  - train a PyTorch CNN (BatchNorm, Dropout, a custom loss) with Python
+#    workers on pstrain.torch (worker/python/examples/fashion_mnist_cnn.py).
+# About two minutes after the build on a 2-core machine.
 #
 #   deploy/local/demo.sh [extra worker flags, e.g. --epochs=15]
 set -euo pipefail
@@ -21,6 +23,7 @@ readonly REFERENCE="0.8833 (MLP 256-128-100, the Fashion-MNIST benchmark)"
 
 deploy/setup.sh
 bazel build //ps_server:ps_server //worker:worker
+worker/python/install.sh  # the pstrain Python package, for the PyTorch example
 
 # The value of "key" in a final JSON line.
 json_field() { sed -n "s/.*\"$1\":\([^,}]*\).*/\1/p" <<<"$2"; }
@@ -61,5 +64,11 @@ output=$(deploy/local/launch.sh --servers=2 --workers=2 --mode=async -- \
   --steps=400 --batch_size=128 --log_every=100 | tee >(cat >&2))
 first=$(grep -m1 '^{"event":"final"' <<<"$output")
 summary+=("ctr async: worker 0 held-out AUC $(json_field auc "$first") (ground truth $(json_field true_auc "$first"))")
+echo "=== Fashion-MNIST, a PyTorch CNN (BatchNorm, Dropout) on pstrain.torch, sync: 2 servers, 2 workers ==="
+output=$(deploy/local/launch.sh --servers=2 --workers=2 --mode=sync \
+  --python=worker/python/examples/fashion_mnist_cnn.py -- \
+  --server.optimizer=adam --server.learning_rate=0.001 --epochs=1 | tee >(cat >&2))
+first=$(grep -m1 '^{"event":"final"' <<<"$output")
+summary+=("fashion-mnist torch cnn sync: held-out accuracy $(json_field test_accuracy "$first") after $(json_field epochs "$first") epoch (worker/python/examples/fashion_mnist_cnn.py, Python workers)")
 echo "=== done ==="
 printf '%s\n' "${summary[@]}"

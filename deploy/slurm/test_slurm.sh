@@ -8,12 +8,15 @@
 # new temporary directory: creates a munge key and a slurm.conf (cluster of two
 # nodes n1 and n2, both NodeAddr=127.0.0.1 with their own SlurmdPort, ports
 # picked free at run time), starts munged, slurmctld -D and two slurmd -D -N
-# n1/n2, waits for both nodes to be idle, and submits three heterogeneous jobs
+# n1/n2, waits for both nodes to be idle, and submits six heterogeneous jobs
 # with sbatch (servers on n1, CPU workers on n2):
 #   A  sync, 2 shards on fixed ports (PS_BASE_PORT), 2 workers: must COMPLETE
 #      with every worker's final JSON line, test_accuracy well above chance
 #   B  async, 1 shard on a free port, 3 workers: the same
 #   C  a worker flag the worker rejects: the job must FAIL (non-zero exit)
+#   D  the #SBATCH partitions and METRICS=1: every process's /metrics
+#   E  a fixed metrics port for two shards on a node: FAILED 2 at once
+#   F  Python workers (PYTHON_SCRIPT, pstrain.torch): as A
 # Every wait has a deadline. Whatever happens, it cancels its jobs, stops the
 # daemons it started (by PID; SIGKILL after a grace period) and removes its
 # temporary directory (KEEP_TMP=1 keeps it); on failure it prints the job
@@ -27,7 +30,7 @@ readonly PROG=test_slurm.sh
 readonly START_S=$SECONDS
 readonly DAEMON_UP_S=20      # munged socket, slurmctld answering
 readonly NODES_IDLE_S=30     # both slurmd registered and idle
-readonly JOBS_DONE_S=90      # all five jobs finished
+readonly JOBS_DONE_S=120     # all six jobs finished
 readonly STOP_GRACE_S=10     # SIGTERM -> SIGKILL for the daemons
 readonly MIN_ACCURACY=0.6    # chance is 0.25 (4 classes)
 
@@ -57,12 +60,15 @@ if [[ -n "$runfiles" && -e "$runfiles/pstrain/deploy/slurm/pstrain.sbatch" ]]; t
   PS_BIN=$runfiles/pstrain/ps_server/ps_server
   WORKER_BIN=$runfiles/pstrain/worker/worker
   SBATCH_SCRIPT=$runfiles/pstrain/deploy/slurm/pstrain.sbatch
+  # The pstrain Python package as built for this test.
+  PYTHON_PACKAGE_ROOT=$runfiles/pstrain/worker/python
 else
   here=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
   repo=$(cd -- "$here/../.." && pwd)
   PS_BIN=$repo/bazel-bin/ps_server/ps_server
   WORKER_BIN=$repo/bazel-bin/worker/worker
   SBATCH_SCRIPT=$here/pstrain.sbatch
+  PYTHON_PACKAGE_ROOT=""  # the installed one (worker/python/install.sh)
 fi
 for f in "$PS_BIN" "$WORKER_BIN"; do
   [[ -x "$f" ]] || fail "$f missing (bazel build //ps_server:ps_server //worker:worker)"
@@ -320,6 +326,32 @@ submit E PS_BASE_PORT=0 SERVER_FLAGS="--metrics_port=$E_METRICS_PORT" -- \
   -p cpu -w n1 -N1 -n2 -c1 : -p gpu -w n2 -N1 -n1 -c1 --gres=none \
   "$SBATCH_SCRIPT" -- "${TRAIN[@]}"
 
+# F: Python workers (PYTHON_SCRIPT): a pstrain.torch script, its arguments
+# after "--", its rank from Slurm.
+cat >"$T/torch_worker.py" <<'PY'
+import sys, torch, pstrain, pstrain.data, pstrain.torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(),
+                            torch.nn.Linear(16, 4))
+ps = pstrain.torch.ParameterServer(model)
+steps = int(sys.argv[1].removeprefix("--steps="))
+data = pstrain.data.synthetic(4096)
+batches = pstrain.data.Batches(data, 32, ps.worker_id, ps.num_workers)
+for step in range(ps.step_count, steps):
+    x, y = batches.batch(step)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    ps.step()
+ps.finish()
+_, accuracy = pstrain.data.evaluate(model, data)
+pstrain.print_final(worker_id=ps.worker_id, mode=ps.mode,
+                    num_workers=ps.num_workers, test_accuracy=accuracy)
+PY
+submit F PS_BASE_PORT=0 PYTHON_SCRIPT="$T/torch_worker.py" \
+  ${PYTHON_PACKAGE_ROOT:+PYTHONPATH=$PYTHON_PACKAGE_ROOT} -- \
+  -p cpu -w n1 -N1 -n2 -c1 : -p gpu -w n2 -N1 -n2 -c1 --gres=none \
+  "$SBATCH_SCRIPT" -- --steps=300 --server.optimizer=adam --server.learning_rate=0.01
+
 # While D runs: its target file lists 2 shards and 2 workers, each answering
 # /metrics on the port listed.
 D_TARGETS=$T/run-D/prometheus_targets.json
@@ -414,6 +446,7 @@ grep -q "from the cluster spec: --ps_hosts=127.0.0.1:$PS_BASE,127.0.0.1:$((PS_BA
 grep -q 'shutting down' "$T/run-A/servers.log" || fail "job A: servers did not shut down on SIGTERM"
 
 check_training_job D sync 2 2
+check_training_job F sync 2 2
 
 state=$(job_state "$JOB_E")
 [[ "$state" == "FAILED 2:0" ]] ||
