@@ -74,7 +74,7 @@ done
 {
   echo "# bench/job_start.sh --repeats=$repeats --workers=$sizes"
   echo "# commit $BENCH_COMMIT; $BENCH_MACHINE; $(date -u +%Y-%m-%dT%H:%MZ)"
-  echo "# load average at the end: $(cut -d" " -f1-3 /proc/loadavg) (other builds were running)"
+  echo "# load average at the end: $(cut -d" " -f1-3 /proc/loadavg) (the job's own processes)"
   echo "# 2 servers, W workers, sync, MLP 64 hidden on synthetic data, 100 steps"
   echo "# of batch 16, launched by deploy/local/launch.sh (workers started one"
   echo "# after another). start_wait: servers' start to the last registration;"

@@ -932,14 +932,23 @@ int Main(int argc, char** argv) {
     }
     return 1;
   }
-  if (absl::Status started = (*client)->AwaitJobStart(
-          [&output](const JobStart& w) { output.OnWaitingForWorkers(w); },
-          &stop_requested);
-      !started.ok()) {
+  // sync computes its first step while the job waits for its workers
+  // (TrainerOptions::await_job_start); ssp waits here, before any step.
+  absl::Status job_start = absl::OkStatus();
+  auto await_job_start = [&]() {
+    job_start = (*client)->AwaitJobStart(
+        [&output](const JobStart& w) { output.OnWaitingForWorkers(w); },
+        &stop_requested);
+    return job_start;
+  };
+  auto job_did_not_start = [&]() {
     output.Finish();
-    LOG(ERROR) << "the job did not start: " << started;
+    LOG(ERROR) << "the job did not start: " << job_start;
     (*client)->Leave().IgnoreError();
     return 1;
+  };
+  if (registration->mode != "sync" && !await_job_start().ok()) {
+    return job_did_not_start();
   }
   if (registration->start_step > 0) {
     LOG(INFO) << "joining a running job at step " << registration->start_step;
@@ -980,12 +989,14 @@ int Main(int argc, char** argv) {
   options.on_step = [&output](const StepReport& r) { output.OnStep(r); };
   options.start_step = registration->start_step;
   options.stop = &stop_requested;
+  if (registration->mode == "sync") options.await_job_start = await_job_start;
   options.step_delay =
       absl::Milliseconds(absl::GetFlag(FLAGS_inject_step_delay_ms));
   output.Start(registration->start_step);
   absl::StatusOr<TrainResult> result =
       Train(options, registration->mode, **client, **model, **backend,
             *data->train, data->test.get());
+  if (!job_start.ok()) return job_did_not_start();
   output.Finish();
   if (!result.ok()) {
     LOG(ERROR) << "training failed: " << result.status();

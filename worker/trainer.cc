@@ -222,7 +222,8 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   result.steps_per_epoch = steps_per_epoch;
   const bool have_test = test != nullptr && test->size() > 0;
   absl::Duration evaluation_time = absl::ZeroDuration();
-  const absl::Time start = absl::Now();
+  // Moved on by the start wait (TrainerOptions::await_job_start).
+  absl::Time start = absl::Now();
   // Evaluates the parameters in backend memory; notes the first time the
   // target is reached (training time: evaluations left out).
   auto evaluate = [&](int64_t at_step) -> absl::StatusOr<BatchResult> {
@@ -267,7 +268,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   std::optional<int64_t> pulled_ahead;
   while (step < options.steps) {
     absl::Duration compute_time;
-    const absl::Time step_start = absl::Now();
+    absl::Time step_start = absl::Now();
+    const bool await_start_after_push =
+        options.await_job_start != nullptr && step == options.start_step;
     if (options.stop != nullptr && options.stop->load()) {
       result.stopped_early = true;
       break;
@@ -328,7 +331,8 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       }
       const absl::Time push_start = absl::Now();
       compute_time = push_start - compute_start;
-      if (options.push_pull && step + 1 < options.steps) {
+      if (options.push_pull && step + 1 < options.steps &&
+          !await_start_after_push) {
         absl::StatusOr<PsClient::PushPullResult> done =
             buffers.PushPullToDevice(client, step, backend);
         if (!done.ok()) return done.status();
@@ -340,6 +344,13 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       push_time = push_wait = absl::Now() - push_start;
     }
     if (!pushed.ok()) return pushed.status();
+    if (await_start_after_push) {
+      const absl::Time wait_start = absl::Now();
+      if (absl::Status s = options.await_job_start(); !s.ok()) return s;
+      const absl::Duration waited = absl::Now() - wait_start;
+      start += waited;
+      step_start += waited;
+    }
     result.compute_seconds += absl::ToDoubleSeconds(compute_time);
     result.network_wait_seconds += absl::ToDoubleSeconds(pull_time + push_wait);
     result.duplicate_blocks += pushed->blocks_duplicate;

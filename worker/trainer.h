@@ -81,6 +81,13 @@ struct TrainerOptions {
   absl::Duration step_delay = absl::ZeroDuration();
   // Set (e.g. by SIGTERM) to stop after the current step and leave the job.
   const std::atomic<bool>* stop = nullptr;
+  // sync: waits until every expected worker has registered
+  // (PsClient::AwaitJobStart), called once, after this worker's first push
+  // and before its next pull. The servers hold that step until every member
+  // has pushed, so a worker computes it while the others are still coming
+  // and the job's first step ends a few ms after the last one registers.
+  // The wait is not training time. Null: the caller waited before Train.
+  std::function<absl::Status()> await_job_start;
 };
 
 struct TrainResult {
