@@ -1,12 +1,32 @@
-// The worker's view of the parameter servers: one logical model spread over
-// every shard. Pull and Push move the model block by block: blocks are
-// grouped into RPCs of about one block's bytes, spread over several
-// connections per shard, and all of a call's RPCs are in flight at once.
-// Payloads are not copied on the way out (gradient memory is sent as is) and
-// are decoded straight from gRPC's buffers into the destination on the way
-// in. Every RPC carries a deadline, so no call blocks forever.
+// PsClient: the one client of pstrain's parameter servers. The C++ worker
+// (worker/trainer.cc, worker/ctr_main.cc) and the Python package
+// (worker/python/native_module.cc) both train through it; this header is
+// its whole API, each call's contract written above it.
 //
-// Not thread-safe: one PsClient per worker thread.
+// A worker's life, in order:
+//   Create(options)            connect to every shard (nothing is sent yet)
+//   Register(schema, W, id)    declare the model; learn the mode and the step
+//                              to start from (a rejoining worker starts late)
+//   Assign(values)             optional: the model's own initial values, for
+//                              tensors declared PROVIDED (a framework's init)
+//   AwaitJobStart()            sync/ssp: until every expected worker has
+//                              registered (--startup_timeout_s bounds it)
+//   Pull / Push / PushPull     one training step each; sync pulls of step s
+//   PullSparse / PushSparse    wait until every member has pushed step s-1
+//   Leave()                    so that nobody waits for this worker
+// Interrupt() (any thread, e.g. a signal) ends the call in progress with
+// CANCELLED within about a second.
+//
+// How the bytes move: one logical model spread over every shard, moved
+// block by block. Blocks are grouped into RPCs of about one block's bytes,
+// spread over several connections per shard, and all of a call's RPCs are
+// in flight at once, over the plain-TCP data plane where a shard offers it
+// (ps_client_data_plane.cc) and gRPC otherwise (ps_client_calls.cc).
+// Gradient memory is sent as is and pulled payloads are decoded straight
+// into the destination tensors (ps_client_tensors.cc). Every RPC carries a
+// deadline, so no call blocks forever.
+//
+// Not thread-safe: one PsClient per worker thread (Interrupt excepted).
 #ifndef PSTRAIN_WORKER_PS_CLIENT_H_
 #define PSTRAIN_WORKER_PS_CLIENT_H_
 

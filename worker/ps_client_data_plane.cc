@@ -1,0 +1,206 @@
+// PsClient on the data plane (worker/data_link.h): which shards offer it,
+// its connections, and running a step's calls over them.
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/protocol.h"
+#include "common/socket.h"
+#include "glog/logging.h"
+#include "worker/ps_client_internal.h"
+
+namespace pstrain {
+namespace {
+
+// How long a data port that could not be reached is left alone (a server
+// with a fixed --data_port may come back on it).
+constexpr absl::Duration kDataPortRetry = absl::Seconds(30);
+
+}  // namespace
+
+bool PsClient::DataPushPullOffered(int shard) {
+  absl::MutexLock lock(&data_ports_mu_);
+  return data_push_pull_[shard];
+}
+
+DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
+  int port;
+  {
+    absl::MutexLock lock(&data_ports_mu_);
+    port = data_ports_[shard];
+    if (port == 0 || (port == data_failed_ports_[shard] &&
+                      absl::Now() < data_failed_at_[shard] + kDataPortRetry)) {
+      return nullptr;
+    }
+  }
+  if (slot.link != nullptr && slot.port == port && slot.link->usable()) {
+    return slot.link.get();
+  }
+  slot.link.reset();
+  std::string host;
+  int grpc_port;
+  absl::Status split = SplitHostPort(options_.hosts[shard], &host, &grpc_port);
+  absl::StatusOr<std::unique_ptr<DataLink>> link =
+      split.ok()
+          ? DataLink::Open(host, port, options_.auth_token,
+                           options_.max_message_bytes,
+                           std::min(deadline, absl::Now() + absl::Seconds(5)))
+          : split;
+  if (!link.ok()) {
+    LOG(WARNING) << "data plane of shard " << shard << " (port " << port
+                 << " of " << options_.hosts[shard]
+                 << ") cannot be reached: " << link.status()
+                 << "; its pushes and pulls go over gRPC until it announces "
+                    "another port or 30 s have passed";
+    absl::MutexLock lock(&data_ports_mu_);
+    data_failed_ports_[shard] = port;
+    data_failed_at_[shard] = absl::Now();
+    refresh_data_ports_ = true;
+    return nullptr;
+  }
+  slot.link = std::move(*link);
+  slot.port = port;
+  return slot.link.get();
+}
+
+void PsClient::MaybeRefreshDataPorts() {
+  {
+    absl::MutexLock lock(&data_ports_mu_);
+    if (!refresh_data_ports_) return;
+    refresh_data_ports_ = false;
+  }
+  // A server restarted from its checkpoint keeps its model, so nothing else
+  // would make this worker register again and hear its new port.
+  if (absl::Status s = RegisterOnShards(); !s.ok()) {
+    LOG(WARNING) << "registering again to learn data ports failed: " << s;
+  }
+}
+
+std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
+                                             std::vector<Call>& calls,
+                                             const std::vector<size_t>& which,
+                                             absl::Duration timeout) {
+  if (!options_.data_plane || options_.credentials != nullptr) return which;
+  data_plane::Method method;
+  if (short_name == "Push") {
+    method = data_plane::Method::kPush;
+  } else if (short_name == "Pull") {
+    method = data_plane::Method::kPull;
+  } else if (short_name == "PushPull") {
+    method = data_plane::Method::kPushPull;
+  } else {
+    return which;
+  }
+  MaybeRefreshDataPorts();
+  const absl::Time deadline = absl::Now() + timeout;
+  std::vector<size_t> over_grpc;
+  // Each slot this call holds, with its link resolved once: a second call
+  // on the same connection must not reopen (and free) the link the first
+  // one's exchange already points at.
+  std::vector<std::pair<DataSlot*, DataLink*>> held;
+  std::vector<DataExchange> exchanges;
+  std::vector<size_t> call_of_exchange;
+  exchanges.reserve(which.size());
+  for (size_t i : which) {
+    Call& call = calls[i];
+    if (method == data_plane::Method::kPushPull &&
+        !DataPushPullOffered(call.shard)) {
+      over_grpc.push_back(i);  // the two calls, on the data plane or not
+      continue;
+    }
+    DataSlot& slot = *data_slots_[call.shard * options_.connections_per_shard +
+                                  call.connection];
+    auto it = std::find_if(held.begin(), held.end(),
+                           [&slot](const auto& h) { return h.first == &slot; });
+    if (it == held.end()) {
+      // Busy on another thread (a push thread beside a pull): gRPC.
+      if (!slot.mu.TryLock()) {
+        over_grpc.push_back(i);
+        continue;
+      }
+      held.emplace_back(&slot, LinkFor(call.shard, slot, deadline));
+      it = held.end() - 1;
+    }
+    DataLink* link = it->second;
+    if (link == nullptr) {
+      over_grpc.push_back(i);
+      continue;
+    }
+    DataExchange& exchange = exchanges.emplace_back();
+    exchange.link = link;
+    exchange.method = method;
+    exchange.on_response = [&call](absl::string_view body) {
+      return call.on_response ? call.on_response(absl::MakeConstSpan(&body, 1))
+                              : absl::OkStatus();
+    };
+    exchange.place_payloads = call.place_payloads;
+    if (method == data_plane::Method::kPushPull) {
+      PreparePushPull(call, exchange);
+    } else if (call.message.num_pieces() > 0) {
+      exchange.body = call.message.Pieces();
+    } else {
+      exchange.body = {call.flat};
+    }
+    call_of_exchange.push_back(i);
+  }
+  for (size_t k = 0; k < exchanges.size(); ++k) {
+    Track(exchanges[k].link, calls[call_of_exchange[k]].epoch);
+  }
+  RunExchanges(absl::MakeSpan(exchanges), deadline);
+  for (const DataExchange& exchange : exchanges) Untrack(exchange.link);
+  for (size_t k = 0; k < exchanges.size(); ++k) {
+    const absl::Status& status = exchanges[k].status;
+    calls[call_of_exchange[k]].status =
+        status.ok()
+            ? status
+            : absl::Status(status.code(),
+                           absl::StrCat(short_name, ": ", status.message()));
+  }
+  for (auto& [slot, link] : held) {
+    if (slot->link != nullptr && !slot->link->usable()) slot->link.reset();
+    slot->mu.Unlock();
+  }
+  return over_grpc;
+}
+
+void PsClient::PreparePushPull(Call& call, DataExchange& exchange) {
+  data_plane::EncodeLengthPrefix(static_cast<uint32_t>(call.message.ByteSize()),
+                                 call.push_length);
+  exchange.body = call.message.Pieces();
+  exchange.body.insert(
+      exchange.body.begin(),
+      absl::string_view(call.push_length, sizeof(call.push_length)));
+  exchange.body.push_back(call.flat);
+  // The answer's PullResponse part (the body, or with payloads apart the
+  // meta) comes after the PushResponse.
+  auto take_push_response =
+      [&call](absl::string_view bytes) -> absl::StatusOr<absl::string_view> {
+    absl::StatusOr<data_plane::LengthPrefixed> parts =
+        data_plane::SplitLengthPrefixed(bytes, "PushPull answer");
+    if (!parts.ok()) return absl::DataLossError(parts.status().message());
+    if (absl::Status s =
+            call.on_push_response(absl::MakeConstSpan(&parts->head, 1));
+        !s.ok()) {
+      return s;
+    }
+    return parts->rest;
+  };
+  exchange.on_response = [&call, take_push_response](absl::string_view body) {
+    absl::StatusOr<absl::string_view> pull = take_push_response(body);
+    if (!pull.ok()) return pull.status();
+    return call.on_response(absl::MakeConstSpan(&*pull, 1));
+  };
+  if (call.place_payloads) {
+    exchange.place_payloads = [&call,
+                               take_push_response](absl::string_view meta)
+        -> absl::StatusOr<std::vector<absl::Span<char>>> {
+      absl::StatusOr<absl::string_view> pull_meta = take_push_response(meta);
+      if (!pull_meta.ok()) return pull_meta.status();
+      return call.place_payloads(*pull_meta);
+    };
+  }
+}
+
+}  // namespace pstrain

@@ -1,0 +1,451 @@
+// PsClient's tensor calls: dense Pull, Push, Assign and PushPull by blocks,
+// and the sparse tables' rows.
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/protocol.h"
+#include "common/tensor_codec.h"
+#include "glog/logging.h"
+#include "worker/ps_client_internal.h"
+
+namespace pstrain {
+
+using ps_client_internal::Deserialize;
+namespace {
+
+// A pulled group of at least this many bytes asks the data plane for its
+// payloads apart, to read them straight into the tensors.
+constexpr size_t kPayloadsApartFromBytes = 64 << 10;
+
+}  // namespace
+
+absl::Status PsClient::CheckReturnedBlock(const WireBlock& wire, int g) const {
+  const BlockLocation& loc = partition_->blocks()[g];
+  if (wire.block != loc.block ||
+      wire.tensor != schema_.dense(loc.tensor).name()) {
+    return absl::DataLossError(
+        absl::StrCat("returned block ", wire.block, " of '", wire.tensor,
+                     "' where block ", loc.block, " of '",
+                     schema_.dense(loc.tensor).name(), "' was asked for"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<absl::Span<char>>> PsClient::PlacePayloads(
+    const Group& group, absl::string_view meta,
+    const std::vector<float*>& tensors) {
+  absl::StatusOr<WirePullResponse> response =
+      ParsePullResponse(absl::MakeConstSpan(&meta, 1));
+  if (!response.ok()) return response.status();
+  if (response->blocks.size() != group.blocks.size()) {
+    return absl::DataLossError(
+        absl::StrCat("returned ", response->blocks.size(), " blocks, expected ",
+                     group.blocks.size()));
+  }
+  std::vector<absl::Span<char>> places;
+  places.reserve(group.blocks.size());
+  for (size_t i = 0; i < group.blocks.size(); ++i) {
+    const WireBlock& wire = response->blocks[i];
+    const int g = group.blocks[i];
+    if (absl::Status s = CheckReturnedBlock(wire, g); !s.ok()) return s;
+    if (wire.dtype != FLOAT32 || wire.data_size != 0) {
+      return absl::DataLossError(absl::StrCat(
+          "block ", wire.block, " of '", wire.tensor,
+          "' came with its payload inline where it was asked apart"));
+    }
+    const BlockLocation& loc = partition_->blocks()[g];
+    places.emplace_back(
+        reinterpret_cast<char*>(tensors[loc.tensor] + loc.offset),
+        loc.length * sizeof(float));
+    block_versions_[g] = wire.version;
+  }
+  return places;
+}
+
+absl::Status PsClient::StoreBlocks(const Group& group,
+                                   const WirePullResponse& response,
+                                   const std::vector<float*>& tensors) {
+  if (response.blocks.size() != group.blocks.size()) {
+    return absl::DataLossError(absl::StrCat("returned ", response.blocks.size(),
+                                            " blocks, expected ",
+                                            group.blocks.size()));
+  }
+  for (size_t i = 0; i < group.blocks.size(); ++i) {
+    const WireBlock& wire = response.blocks[i];
+    const int g = group.blocks[i];
+    const BlockLocation& loc = partition_->blocks()[g];
+    if (absl::Status s = CheckReturnedBlock(wire, g); !s.ok()) return s;
+    if (absl::Status s = DecodeSegments(
+            wire.dtype, wire.data,
+            absl::MakeSpan(tensors[loc.tensor] + loc.offset, loc.length),
+            /*accumulate=*/false);
+        !s.ok()) {
+      return s;
+    }
+    block_versions_[g] = wire.version;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::CheckPullArguments(
+    const std::vector<float*>& tensors) const {
+  if (partition_ == nullptr) {
+    return absl::FailedPreconditionError("Pull before Register");
+  }
+  if (static_cast<int>(tensors.size()) != partition_->NumTensors()) {
+    return absl::InvalidArgumentError(absl::StrCat("Pull got ", tensors.size(),
+                                                   " tensors, the model has ",
+                                                   partition_->NumTensors()));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<PsClient::Call> PsClient::PullCalls(
+    int64_t step, const std::vector<float*>& tensors) {
+  // The block list of each group is serialized once; the step and worker
+  // are appended per call, as protobuf allows.
+  PullRequest header;
+  header.set_worker_id(worker_id_);
+  header.set_step(step);
+  const std::string per_call = header.SerializeAsString();
+  std::vector<Call> calls(groups_.size());
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    Call& call = calls[i];
+    call.group = &groups_[i];
+    call.shard = groups_[i].shard;
+    call.connection = groups_[i].connection;
+    call.flat = groups_[i].pull_request + per_call;
+    // Decoded on gRPC's thread as each response lands, while other RPCs are
+    // still in flight; groups write disjoint memory.
+    call.on_response = [this, &tensors, group = call.group](
+                           absl::Span<const absl::string_view> bytes) {
+      absl::StatusOr<WirePullResponse> response = ParsePullResponse(bytes);
+      if (!response.ok()) return response.status();
+      return StoreBlocks(*group, *response, tensors);
+    };
+    // Large blocks on the data plane land straight in the tensors; small
+    // ones are cheaper to copy out of one read than to read apart.
+    if (groups_[i].elements * sizeof(float) >= kPayloadsApartFromBytes) {
+      call.place_payloads = [this, &tensors,
+                             group = call.group](absl::string_view meta) {
+        return PlacePayloads(*group, meta, tensors);
+      };
+    }
+  }
+  return calls;
+}
+
+int64_t PsClient::PulledStep(int64_t step) const {
+  if (mode_ != "sync") return step;
+  // Blocks past `step` mean the job moved on without this worker: continue
+  // from the step every block is at.
+  int64_t at = std::numeric_limits<int64_t>::max();
+  for (int64_t version : block_versions_) at = std::min(at, version);
+  return block_versions_.empty() ? step : std::max(at, step);
+}
+
+absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
+                                       const std::vector<float*>& tensors) {
+  if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
+  std::vector<Call> calls = PullCalls(step, tensors);
+  if (absl::Status s =
+          RunAll("Pull", calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  return PulledStep(step);
+}
+
+absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
+    int64_t step, const std::vector<const float*>& gradients,
+    absl::Span<const int> only, std::vector<PushResponse>& responses,
+    bool exact_values) {
+  if (partition_ == nullptr) {
+    return absl::FailedPreconditionError("Push before Register");
+  }
+  if (static_cast<int>(gradients.size()) != partition_->NumTensors()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Push got ", gradients.size(), " tensors, the model has ",
+                     partition_->NumTensors()));
+  }
+  std::vector<bool> selected(gradients.size(), only.empty());
+  for (int tensor : only) {
+    if (tensor < 0 || tensor >= partition_->NumTensors()) {
+      return absl::InvalidArgumentError(absl::StrCat("Push of tensor ", tensor,
+                                                     "; the model has ",
+                                                     partition_->NumTensors()));
+    }
+    selected[tensor] = true;
+  }
+  // Values (Assign, STATE tensors) are never compressed: only a
+  // gradient's rounding is harmless.
+  auto wire_type_of = [&](int tensor) {
+    return exact_values ||
+                   schema_.dense(tensor).role() == DenseTensorSpec::STATE
+               ? FLOAT32
+               : options_.gradient_wire_type;
+  };
+  std::vector<Call> calls;
+  calls.reserve(groups_.size());
+  responses.assign(groups_.size(), PushResponse());
+  std::vector<OutgoingBlock> blocks;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& group = groups_[i];
+    blocks.clear();
+    for (int g : group.blocks) {
+      const BlockLocation& loc = partition_->blocks()[g];
+      if (!selected[loc.tensor]) continue;
+      const float* values = gradients[loc.tensor] + loc.offset;
+      absl::string_view data(reinterpret_cast<const char*>(values),
+                             loc.length * sizeof(float));
+      const DataType wire_type = wire_type_of(loc.tensor);
+      if (wire_type == TOPK_FLOAT32) {
+        // Error feedback: what earlier pushes left out rides along.
+        std::vector<float>& residual = topk_residual_[g];
+        residual.resize(loc.length);
+        for (int64_t k = 0; k < loc.length; ++k) residual[k] += values[k];
+        EncodeTopK(absl::MakeSpan(residual),
+                   static_cast<int64_t>(
+                       std::ceil(options_.gradient_topk_fraction * loc.length)),
+                   &encoded_[g]);
+        data = encoded_[g];
+      } else if (wire_type != FLOAT32) {
+        EncodeFromFloat32(wire_type, absl::MakeConstSpan(values, loc.length),
+                          &encoded_[g]);
+        data = encoded_[g];
+      }
+      blocks.push_back(OutgoingBlock{{schema_.dense(loc.tensor).name(),
+                                      loc.block, wire_type, block_versions_[g]},
+                                     data});
+    }
+    if (blocks.empty()) continue;
+    Call& call = calls.emplace_back();
+    call.group = &group;
+    call.shard = group.shard;
+    call.connection = group.connection;
+    call.message = EncodePushRequest(kProtocolVersion, worker_id_, step, blocks,
+                                     kInlineBelowBytes);
+    call.on_response = [&responses,
+                        i](absl::Span<const absl::string_view> bytes) {
+      return Deserialize(bytes, &responses[i]);
+    };
+  }
+  return calls;
+}
+
+PsClient::PushResult PsClient::SumPushResponses(
+    const std::vector<PushResponse>& responses) {
+  PushResult result;
+  for (const PushResponse& response : responses) {
+    result.blocks_duplicate += response.blocks_duplicate();
+    result.blocks_late += response.blocks_late();
+  }
+  return result;
+}
+
+absl::Status PsClient::InjectDuplicatePushes(const std::vector<Call>& pushed) {
+  if (options_.inject_duplicate_push_probability <= 0) return absl::OkStatus();
+  std::vector<Call> again;
+  for (const Call& call : pushed) {
+    if (!absl::Bernoulli(random_, options_.inject_duplicate_push_probability)) {
+      continue;
+    }
+    Call& copy = again.emplace_back();
+    copy.shard = call.shard;
+    copy.connection = call.connection;
+    copy.message = call.message;
+  }
+  injected_duplicates_ += static_cast<int64_t>(again.size());
+  return RunAll("Push", again, options_.rpc_timeout, /*retry=*/true);
+}
+
+absl::StatusOr<PsClient::PushResult> PsClient::Push(
+    int64_t step, const std::vector<const float*>& gradients,
+    absl::Span<const int> only) {
+  std::vector<PushResponse> responses;
+  absl::StatusOr<std::vector<Call>> calls =
+      PushCalls(step, gradients, only, responses);
+  if (!calls.ok()) return calls.status();
+  if (absl::Status s =
+          RunAll("Push", *calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  const PushResult result = SumPushResponses(responses);
+  if (absl::Status s = InjectDuplicatePushes(*calls); !s.ok()) return s;
+  return result;
+}
+
+absl::StatusOr<PsClient::PushResult> PsClient::Assign(
+    const std::vector<const float*>& values, absl::Span<const int> only) {
+  std::vector<PushResponse> responses;
+  absl::StatusOr<std::vector<Call>> calls =
+      PushCalls(/*step=*/0, values, only, responses, /*exact_values=*/true);
+  if (!calls.ok()) return calls.status();
+  if (absl::Status s =
+          RunAll("Assign", *calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  return SumPushResponses(responses);
+}
+
+absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
+    int64_t push_step, const std::vector<const float*>& gradients,
+    int64_t pull_step, const std::vector<float*>& tensors) {
+  if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
+  // A connection answers one request at a time. With several groups on
+  // one, a sync or ssp server would answer each group's pull (a wait for
+  // the step) before it reads the next group's push, so the waits would
+  // follow one another; pushing everything first, as the two calls do,
+  // waits once. Such a model moves enough bytes that the round trip
+  // saved would not show (2x2 sync MLP 784-2048-2048-10: 7% slower fused).
+  if (mode_ != "async" && !one_group_per_connection_) {
+    absl::StatusOr<PushResult> pushed = Push(push_step, gradients);
+    if (!pushed.ok()) return pushed.status();
+    absl::StatusOr<int64_t> pulled = Pull(pull_step, tensors);
+    if (!pulled.ok()) return pulled.status();
+    return PushPullResult{*pushed, *pulled};
+  }
+  std::vector<PushResponse> responses;
+  absl::StatusOr<std::vector<Call>> pushes =
+      PushCalls(push_step, gradients, /*only=*/{}, responses);
+  if (!pushes.ok()) return pushes.status();
+  std::vector<Call> calls = PullCalls(pull_step, tensors);
+  // Every group has blocks of some tensor, so with all tensors pushed the
+  // push calls are the groups in order, as the pull calls are.
+  CHECK_EQ(pushes->size(), calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    calls[i].message = std::move((*pushes)[i].message);
+    calls[i].on_push_response = std::move((*pushes)[i].on_response);
+  }
+  if (absl::Status s =
+          RunAll("PushPull", calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  PushPullResult result;
+  result.pushed = SumPushResponses(responses);
+  if (absl::Status s = InjectDuplicatePushes(calls); !s.ok()) return s;
+  result.pulled_step = PulledStep(pull_step);
+  return result;
+}
+
+absl::Status PsClient::PullSparse(int table, int64_t step,
+                                  absl::Span<const uint64_t> ids, float* out) {
+  if (table < 0 || table >= schema_.sparse_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no sparse table ", table, " in the model"));
+  }
+  const SparseTableSpec& spec = schema_.sparse(table);
+  const int64_t dim = spec.dim();
+  // positions[s]: where shard s's rows go in `out`.
+  std::vector<std::vector<size_t>> positions(num_shards());
+  std::vector<SparsePullRequest> requests(num_shards());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int s = SparseShardOf(spec.name(), ids[i], num_shards());
+    positions[s].push_back(i);
+    requests[s].add_ids(ids[i]);
+  }
+  std::vector<Call> calls;
+  calls.reserve(num_shards());
+  std::vector<int> shard_of_call;
+  for (int s = 0; s < num_shards(); ++s) {
+    if (positions[s].empty()) continue;
+    requests[s].set_protocol_version(kProtocolVersion);
+    requests[s].set_worker_id(worker_id_);
+    requests[s].set_step(step);
+    requests[s].set_table(spec.name());
+    shard_of_call.push_back(s);
+  }
+  calls.resize(shard_of_call.size());
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const int s = shard_of_call[c];
+    calls[c].shard = s;
+    calls[c].connection = c % options_.connections_per_shard;
+    calls[c].flat = requests[s].SerializeAsString();
+    calls[c].on_response = [&positions, s, dim,
+                            out](absl::Span<const absl::string_view> bytes) {
+      SparsePullResponse response;
+      if (absl::Status st = Deserialize(bytes, &response); !st.ok()) {
+        return st;
+      }
+      const std::vector<size_t>& where = positions[s];
+      if (response.values().size() != where.size() * dim * sizeof(float)) {
+        return absl::DataLossError(
+            absl::StrCat("sparse pull returned ", response.values().size(),
+                         " bytes for ", where.size(), " rows of dim ", dim));
+      }
+      const char* values = response.values().data();
+      for (size_t r = 0; r < where.size(); ++r) {
+        std::memcpy(out + where[r] * dim, values + r * dim * sizeof(float),
+                    dim * sizeof(float));
+      }
+      return absl::OkStatus();
+    };
+  }
+  return RunAll("SparsePull", calls, options_.rpc_timeout, /*retry=*/true);
+}
+
+absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
+    int table, int64_t step, absl::Span<const uint64_t> ids,
+    const float* grads) {
+  if (table < 0 || table >= schema_.sparse_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no sparse table ", table, " in the model"));
+  }
+  const SparseTableSpec& spec = schema_.sparse(table);
+  const int64_t dim = spec.dim();
+  // Rows are already the few that changed: top-k has nothing to drop.
+  const DataType wire_type = options_.gradient_wire_type == TOPK_FLOAT32
+                                 ? FLOAT32
+                                 : options_.gradient_wire_type;
+  std::vector<SparsePushRequest> requests(num_shards());
+  std::vector<std::vector<float>> rows(num_shards());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int s = SparseShardOf(spec.name(), ids[i], num_shards());
+    requests[s].add_ids(ids[i]);
+    rows[s].insert(rows[s].end(), grads + i * dim, grads + (i + 1) * dim);
+  }
+  std::vector<int> shard_of_call;
+  for (int s = 0; s < num_shards(); ++s) {
+    // Sync steps complete only when every member has pushed, even nothing.
+    if (requests[s].ids_size() == 0 && mode_ != "sync") continue;
+    requests[s].set_protocol_version(kProtocolVersion);
+    requests[s].set_worker_id(worker_id_);
+    requests[s].set_step(step);
+    requests[s].set_table(spec.name());
+    requests[s].set_dtype(wire_type);
+    EncodeFromFloat32(wire_type, rows[s], requests[s].mutable_gradients());
+    shard_of_call.push_back(s);
+  }
+  std::vector<Call> calls(shard_of_call.size());
+  std::vector<SparsePushResponse> responses(calls.size());
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const int s = shard_of_call[c];
+    calls[c].shard = s;
+    calls[c].connection = c % options_.connections_per_shard;
+    calls[c].flat = requests[s].SerializeAsString();
+    calls[c].on_response = [&responses,
+                            c](absl::Span<const absl::string_view> bytes) {
+      return Deserialize(bytes, &responses[c]);
+    };
+  }
+  if (absl::Status st =
+          RunAll("SparsePush", calls, options_.rpc_timeout, /*retry=*/true);
+      !st.ok()) {
+    return st;
+  }
+  PushResult result;
+  for (const SparsePushResponse& response : responses) {
+    result.blocks_duplicate += response.duplicate();
+    result.blocks_late += response.late();
+  }
+  return result;
+}
+
+}  // namespace pstrain
