@@ -6,7 +6,13 @@
 #   (b) torch.nn.parallel.DistributedDataParallel over gloo, 2 processes;
 #   (c) one torch process (1 thread, and 2: the machine's cores);
 #   (d) the C++ worker, 2 servers x 2 workers sync (MLP only: the same
-#       784-256-128-10 network).
+#       784-256-128-10 network);
+#   (e) "apart": two torch processes at batch 64 each at once, with no
+#       communication at all: the most any 2-worker job can reach on this
+#       machine, whatever moves its gradients.
+# Worker 0's step time, split into forward+backward and the update (pstrain:
+# ps.step's PushPull; C++ worker: its compute and network wait), shows
+# where pstrain's Python workers lose to the C++ worker.
 # Job samples/s (global batch x steps / the slowest worker's training wall
 # time) and the final model's held-out accuracy after the same epochs;
 # ratios of (a) to the others. MLP and CNN (conv32-conv64-dense128);
@@ -61,6 +67,7 @@ run_pstrain() {  # model
     --backend=pstrain --model="$1" --epochs="$epochs" >"$run_dir/out" 2>"$run_dir/err" ||
     { tail -n 30 "$run_dir/err" >&2; exit 1; }
   rm -rf "$run_dir/launch"
+  split_step "$run_dir/out" compute_s update_s >"$run_dir/split"
   summarize "$run_dir/out"
 }
 
@@ -84,6 +91,28 @@ run_local() {  # model threads
   summarize "$run_dir/out"
 }
 
+run_apart() {  # model: two processes at half the global batch, unconnected
+  local pids=() k
+  : >"$run_dir/out"
+  for k in 0 1; do
+    timeout 1800 "$python" "$train" --backend=local --model="$1" --threads=1 \
+      --global_batch=64 --epochs="$(awk -v e="$epochs" 'BEGIN {print e / 2}')" \
+      >>"$run_dir/out" 2>"$run_dir/err$k" &
+    pids+=($!)
+  done
+  for k in 0 1; do wait "${pids[k]}" || { tail -n 20 "$run_dir/err$k" >&2; exit 1; }; done
+  summarize "$run_dir/out"
+}
+
+# Worker 0's ms per step: "forward+backward update" (pstrain.torch) or
+# "compute network_wait" (the C++ worker), from its final JSON line.
+split_step() {  # file compute_field update_field
+  local line
+  line=$(grep '^{"event":"final"' "$1" | grep -m1 '"worker_id": *0[,}]')
+  awk -v c="$(json_field "$2" "$line")" -v u="$(json_field "$3" "$line")" \
+    -v s="$(json_field steps "$line")" 'BEGIN {printf "%.2f %.2f\n", 1e3 * c / s, 1e3 * u / s}'
+}
+
 run_cpp() {  # the MLP on the C++ worker
   deploy/local/launch.sh --servers=2 --workers=2 --mode=sync --run_dir="$run_dir/launch" -- \
     --server.optimizer=adam --server.learning_rate=0.001 --data=fashion_mnist \
@@ -92,6 +121,7 @@ run_cpp() {  # the MLP on the C++ worker
     --cpu_threads=1 --log_every=0 >"$run_dir/out" 2>"$run_dir/err" ||
     { tail -n 30 "$run_dir/err" >&2; exit 1; }
   rm -rf "$run_dir/launch"
+  split_step "$run_dir/out" compute_s network_wait_s >"$run_dir/split"
   # The C++ worker reports its own samples/s (training time, evaluations
   # left out): the job's is the sum over workers.
   local rate=0 line
@@ -101,10 +131,10 @@ run_cpp() {  # the MLP on the C++ worker
   echo "$rate $(json_field test_accuracy "$(grep -m1 '^{"event":"final"' "$run_dir/out")")"
 }
 
-declare -A rate accuracy
+declare -A rate accuracy split
 rows=()
 for model in mlp cnn; do
-  variants=(pstrain ddp local1 local2)
+  variants=(pstrain ddp local1 local2 apart)
   [[ $model == mlp ]] && variants+=(cpp)
   for ((r = 1; r <= repeats; r++)); do
     for v in "${variants[@]}"; do
@@ -114,7 +144,12 @@ for model in mlp cnn; do
         local1) result=$(run_local "$model" 1) ;;
         local2) result=$(run_local "$model" 2) ;;
         cpp) result=$(run_cpp) ;;
+        apart) result=$(run_apart "$model") ;;
       esac
+      if [[ $v == pstrain || $v == cpp ]]; then
+        read -r c u <"$run_dir/split"
+        split[$model.$v.compute]+="$c " split[$model.$v.update]+="$u "
+      fi
       read -r samples acc <<<"$result"
       rate[$model.$v]+="$samples "
       accuracy[$model.$v]+="$acc "
@@ -139,11 +174,17 @@ med() { tr ' ' '\n' <<<"$1" | grep -v '^$' | median; }
   echo "# model variant   samples/s  accuracy  pstrain/variant"
   for model in mlp cnn; do
     a=$(med "${rate[$model.pstrain]}")
-    for v in pstrain ddp local1 local2 cpp; do
+    for v in pstrain ddp local1 local2 apart cpp; do
       [[ -n "${rate[$model.$v]:-}" ]] || continue
       m=$(med "${rate[$model.$v]}")
       printf '%-5s %-8s %11.1f %9s %8.2f\n' "$model" "$v" "$m" "$(med "${accuracy[$model.$v]}")" \
         "$(awk -v a="$a" -v b="$m" 'BEGIN {print a / b}')"
     done
+  done
+  echo "#"
+  echo "# worker 0, medians, ms per step: forward+backward (C++: compute), update"
+  echo "# (pstrain.torch: ps.step's PushPull; C++: network wait)"
+  for key in mlp.pstrain cnn.pstrain mlp.cpp; do
+    printf '%-12s %8.2f %8.2f\n' "$key" "$(med "${split[$key.compute]}")" "$(med "${split[$key.update]}")"
   done
 } | tee "$out"

@@ -5,7 +5,7 @@ model, data order, optimizer and global batch, trained three ways.
                      the optimizer runs on the servers)
   --backend=ddp      one rank of torch.nn.parallel.DistributedDataParallel
                      over gloo (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
-  --backend=local    one process, the whole global batch
+  --backend=local    one process, the whole global batch (--global_batch)
 
 Every backend takes worker k's slice of each global batch in the job's
 order (pstrain.data.Batches), uses Adam (lr 0.001), and ends with a final
@@ -66,15 +66,23 @@ def main():
                                    args.global_batch // world, rank, world,
                                    shape=shape)
     steps = int(args.epochs * batches.steps_per_epoch)
+    # Where a step's time goes: forward and backward (DDP's all-reduce runs
+    # inside backward), then the update (ps.step's PushPull, or the local
+    # optimizer).
+    compute = update = 0.0
     start = time.time()
     for step in range(steps):
         x, y = batches.batch(step)
+        began = time.perf_counter()
         nn.functional.cross_entropy(model(x), y).backward()
+        computed = time.perf_counter()
         if args.backend == "pstrain":
             ps.step()
         else:
             optimizer.step()
             optimizer.zero_grad()
+        compute += computed - began
+        update += time.perf_counter() - computed
     wall = time.time() - start
     if args.backend == "pstrain":
         ps.finish()
@@ -82,6 +90,7 @@ def main():
         model, pstrain.data.fashion_mnist(train=False), shape=shape)
     pstrain.print_final(backend=args.backend, model=args.model, worker_id=rank,
                         num_workers=world, steps=steps, wall_time_s=wall,
+                        compute_s=round(compute, 3), update_s=round(update, 3),
                         job_samples_per_sec=steps * args.global_batch / wall,
                         test_accuracy=round(accuracy, 4))
     if args.backend == "ddp":
