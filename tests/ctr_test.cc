@@ -77,6 +77,32 @@ TEST(CtrTest, ReachesTheGroundTruthAucWithinAMargin) {
   }
 }
 
+// Async: every worker evaluates the same final model, the servers' once all
+// have finished, even when one finishes well before the other (worker 1
+// starts 1.5 s late, so worker 0 would otherwise evaluate a model that is
+// still changing).
+TEST(CtrTest, AsyncWorkersEvaluateOneFinalModel) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  options.mode = "async";
+  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "ctr_async_final");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({CtrFlags(200), CtrFlags(200)}, absl::Seconds(240),
+                             {absl::ZeroDuration(), absl::Milliseconds(1500)});
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  ASSERT_EQ(outputs->size(), 2u);
+  for (const std::string& out : *outputs) {
+    EXPECT_NE(out.find("\"final_model\":\"all_done\""), std::string::npos)
+        << out;
+  }
+  EXPECT_EQ(Number((*outputs)[0], "auc"), Number((*outputs)[1], "auc"));
+  EXPECT_EQ(Number((*outputs)[0], "logloss"), Number((*outputs)[1], "logloss"));
+}
+
 // The model (dense tensors and every row the job touched) after a sync job.
 struct FinalModel {
   std::vector<std::vector<float>> dense;

@@ -145,8 +145,29 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     context.client->Leave().IgnoreError();
     return 1;
   }
+  // async/ssp: the final model is read as an observer, after this worker
+  // has left (a pull as a worker would rejoin the job).
+  std::unique_ptr<PsClient> observer;
+  if (registration->mode != "sync" && context.client_options != nullptr) {
+    absl::StatusOr<std::unique_ptr<PsClient>> created =
+        PsClient::Create(*context.client_options);
+    absl::StatusOr<Registration> observing =
+        created.ok()
+            ? (*created)->Register(CtrSchema(model), context.num_workers, -1)
+            : absl::StatusOr<Registration>(created.status());
+    if (!observing.ok()) {
+      LOG(ERROR) << "cannot connect the observer for the final model: "
+                 << observing.status();
+      context.client->Leave().IgnoreError();
+      return 1;
+    }
+    observer = std::move(*created);
+  }
   CtrTrainerOptions options;
   options.worker_id = context.worker_id;
+  options.num_workers = context.num_workers;
+  options.observer = observer.get();
+  options.final_model_timeout = context.final_model_timeout;
   options.start_step = registration->start_step;
   options.steps = context.steps;
   options.batch_size = context.batch_size;

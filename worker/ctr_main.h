@@ -23,6 +23,11 @@ struct CtrWorkerContext {
   int64_t block_elements = 1 << 17;
   std::string train_file, test_file;  // with --ctr_data=criteo|libsvm
   PsClient* client = nullptr;
+  // async/ssp: how to connect an observer (worker id -1) that evaluates the
+  // job's final model after this worker has left, and how long to wait for
+  // the other workers to finish (TrainResult's rule, worker/trainer.h).
+  const PsClientOptions* client_options = nullptr;
+  absl::Duration final_model_timeout = absl::Seconds(120);
   kernels::Backend* backend = nullptr;
   std::function<void(const StepReport&)> on_step;
   // While the job waits for its workers (PsClient::AwaitJobStart).

@@ -414,16 +414,28 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
                            std::max(result.wall_time_s, 1e-9);
   if (window_rows > 0) result.final_loss = window_loss / window_rows;
 
-  // Evaluate the model after the last update (sync: waits for it), as an
-  // observer of the tables: held-out ids are pulled, never pushed.
+  // Every worker evaluates the job's final model. sync: the model after the
+  // last step (the pulls wait for it). async/ssp: this worker leaves first
+  // (the wait counts it as done), then reads the servers' model once every
+  // worker has finished, through the observer. Held-out ids are pulled,
+  // never pushed.
   const int64_t eval_step = result.stopped_early ? step : options.steps;
+  PsClient* reader = &client;
+  if (mode == "sync") {
+    result.final_model = "sync_step";
+  } else {
+    if (absl::Status s = client.Leave(); !s.ok()) return s;
+    if (options.observer != nullptr) reader = options.observer;
+    result.final_model = reader->AwaitFinalModel(
+        options.num_workers * options.steps, options.final_model_timeout);
+  }
   std::vector<float> scores, labels;
   for (int64_t first = 0; first < test.size(); first += options.batch_size) {
     const int64_t rows = std::min(options.batch_size, test.size() - first);
     CtrBatchCursor slice(&test);
     slice.Next(first, &batch);  // skip to `first`
     slice.Next(rows, &batch);
-    absl::StatusOr<int64_t> at = (*net)->Load(client, eval_step, batch);
+    absl::StatusOr<int64_t> at = (*net)->Load(*reader, eval_step, batch);
     if (!at.ok()) return at.status();
     if (absl::Status s = (*net)->Forward(rows); !s.ok()) return s;
     if (absl::Status s = (*net)->Scores(rows, &scores); !s.ok()) return s;
@@ -433,8 +445,8 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
     if (!steps_short.ok()) return steps_short.status();
     result.steps_short = *steps_short;
+    if (absl::Status s = client.Leave(); !s.ok()) return s;
   }
-  if (absl::Status s = client.Leave(); !s.ok()) return s;
   result.test_examples = static_cast<int64_t>(labels.size());
   if (!labels.empty()) {
     result.auc = Auc(labels, scores);
@@ -459,10 +471,10 @@ std::string CtrFinalJson(const CtrResult& r, int worker_id, int num_workers,
       "\"steps_run\":%d,\"final_loss\":%.6f,\"auc\":%.4f,\"logloss\":%.4f%s,"
       "\"test_examples\":%d,\"samples_per_sec\":%.1f,\"wall_time_s\":%.3f,"
       "\"sparse_rows_pulled\":%d,\"sparse_rows_pushed\":%d,"
-      "\"steps_short\":%d,\"stopped_early\":%s}",
+      "\"steps_short\":%d,\"final_model\":\"%s\",\"stopped_early\":%s}",
       r.mode, worker_id, num_workers, device, r.steps, r.steps_run,
       r.final_loss, r.auc, r.logloss, truth, r.test_examples, r.samples_per_sec,
-      r.wall_time_s, r.rows_pulled, r.rows_pushed, r.steps_short,
+      r.wall_time_s, r.rows_pulled, r.rows_pushed, r.steps_short, r.final_model,
       r.stopped_early ? "true" : "false");
 }
 

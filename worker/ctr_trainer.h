@@ -43,11 +43,17 @@ ModelSchema CtrSchema(const CtrModelOptions& options);
 
 struct CtrTrainerOptions {
   int worker_id = 0;
+  int num_workers = 1;
   int64_t start_step = 0;
   int64_t steps = 100;
   int64_t batch_size = 128;
   std::function<void(const StepReport&)> on_step;
   const std::atomic<bool>* stop = nullptr;
+  // async/ssp: a client registered as an observer (worker id -1) that reads
+  // the final model once every worker has finished, waiting up to
+  // final_model_timeout; null: `client` reads it, after leaving.
+  PsClient* observer = nullptr;
+  absl::Duration final_model_timeout = absl::Seconds(120);
 };
 
 struct CtrResult {
@@ -65,6 +71,10 @@ struct CtrResult {
   // sync: steps completed with fewer than num_workers gradients.
   int64_t steps_short = 0;
   bool stopped_early = false;
+  // Which model the held-out figures are of, as TrainResult::final_model:
+  // "sync_step", or how the async/ssp wait ended ("all_done", "quiet",
+  // "timeout").
+  std::string final_model;
 };
 
 // Trains against servers that `client` is registered with (CtrSchema, as

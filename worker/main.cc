@@ -857,6 +857,8 @@ int Main(int argc, char** argv) {
     ctr.train_file = absl::GetFlag(FLAGS_train_file);
     ctr.test_file = absl::GetFlag(FLAGS_test_file);
     ctr.client = client->get();
+    ctr.client_options = &client_options;
+    ctr.final_model_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
     ctr.backend = backend->get();
     ctr.on_step = [&ctr_output](const StepReport& r) { ctr_output.OnStep(r); };
     ctr.on_waiting = [&ctr_output](const JobStart& waiting) {

@@ -745,16 +745,17 @@ report_final_model() {
   local line value
   local -a values=()
   for line in "$@"; do
-    value=$(sed -n 's/.*"test_accuracy":\([0-9.]*\).*"test_examples":\([0-9]*\).*/\1 on \2 held-out examples/p' <<<"$line")
-    [[ -n "$value" ]] || return 0 # no held-out evaluation (e.g. CTR, no test set)
+    # test_accuracy (classifiers) or auc (CTR), over the held-out examples.
+    value=$(sed -n 's/.*"\(test_accuracy\|auc\)":\([0-9.]*\).*"test_examples":\([1-9][0-9]*\).*/\1 \2 on \3 held-out examples/p' <<<"$line")
+    [[ -n "$value" ]] || return 0 # no held-out evaluation (no test set)
     values+=("$value")
   done
   local distinct
   distinct=$(printf '%s\n' "${values[@]}" | sort -u | wc -l)
   if ((distinct == 1)); then
-    info "final model: test_accuracy ${values[0]} (reported by all $# worker(s))"
+    info "final model: ${values[0]} (reported by all $# worker(s))"
   else
-    info "warning: the workers report different final test accuracies: ${values[*]}"
+    info "warning: the workers report different final models' figures: ${values[*]}"
   fi
 }
 
