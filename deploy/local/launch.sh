@@ -302,6 +302,7 @@ PYTHON=${PSTRAIN_PYTHON:-/usr/bin/python3}
 METRICS=0
 CSV=0
 SERVER_FLAGS=()
+SERVER_FLAG_NAMES=() # of the --server. flags, checked against ps_server's
 WORKER_FLAGS=()
 
 check_count() {
@@ -333,11 +334,31 @@ add_extra_flag() {
     [[ "$SERVER_OWNED" != *" $name "* ]] ||
       usage_error "extra flag '$arg': the launcher sets --$name of ps_server itself (see --help)"
     SERVER_FLAGS+=("--$rest")
+    SERVER_FLAG_NAMES+=("$name")
   else
     [[ "$WORKER_OWNED" != *" $name "* ]] ||
       usage_error "extra flag '$arg': the launcher sets --$name of worker itself (see --help)"
     WORKER_FLAGS+=("--$rest")
   fi
+}
+
+# The flags a binary defines, one name per line (absl's --helpfull).
+flag_names() { "$1" --helpfull 2>&1 | sed -n 's/^ *--\([A-Za-z0-9_]*\) (.*/\1/p'; }
+
+# A --server. flag ps_server does not define fails here, before anything
+# starts, and says where it belongs when the worker defines it.
+check_server_flag_names() {
+  ((${#SERVER_FLAG_NAMES[@]} > 0)) || return 0
+  local server_names worker_names name
+  server_names=" $(flag_names "$PS_BIN" | tr '\n' ' ') "
+  for name in "${SERVER_FLAG_NAMES[@]}"; do
+    [[ "$server_names" == *" $name "* || "$server_names" == *" ${name#no} "* ]] && continue
+    [[ -n "${worker_names:-}" ]] || worker_names=" $(flag_names "$WORKER_BIN" | tr '\n' ' ') "
+    if [[ "$worker_names" == *" $name "* || "$worker_names" == *" ${name#no} "* ]]; then
+      usage_error "--server.$name: ps_server has no --$name; it is a worker flag (pass it as --$name)"
+    fi
+    usage_error "--server.$name: ps_server has no --$name (ps_server --helpfull lists its flags)"
+  done
 }
 
 parse_args() {
@@ -463,6 +484,7 @@ parse_args() {
     [[ -e "$bin" ]] || usage_error "binary $bin not found $how"
     [[ -f "$bin" && -x "$bin" ]] || usage_error "binary $bin is not an executable file"
   done
+  check_server_flag_names
 
   if ((RUN_DIR_SET)); then
     [[ -n "$RUN_DIR" ]] || usage_error "--run_dir must not be empty"

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# deploy/local/launch.sh's --server. flags: one ps_server does not define
+# exits 2 before anything starts, with one line that says where the flag
+# belongs (issue 30: `--server.sparse_optimizer=ftrl` failed inside a
+# server log as "Unknown command line flag"). A flag ps_server defines
+# still reaches it and the job runs.
+set -euo pipefail
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+runfiles=${RUNFILES_DIR:-${TEST_SRCDIR:-}}
+[[ -n "$runfiles" ]] || fail "run me with bazel test //tests:launch_flags_test"
+root=$runfiles/pstrain
+T=$(mktemp -d "${TEST_TMPDIR:-/tmp}/launch_flags.XXXXXX")
+trap 'rm -rf "$T"' EXIT
+mkdir -p "$T/bin"
+ln -s "$root/ps_server/ps_server" "$T/bin/ps_server"
+ln -s "$root/worker/worker" "$T/bin/worker"
+launch() { timeout 120 "$root/deploy/local/launch.sh" --bin_dir="$T/bin" "$@"; }
+
+# expect_refusal NAME EXPECTED_TEXT: --server.NAME=1 is refused with exit 2.
+expect_refusal() {
+  local rc=0
+  launch --run_dir="$T/run_$1" -- "--server.$1=1" --steps=5 >"$T/out" 2>"$T/err" || rc=$?
+  [[ $rc == 2 ]] || fail "--server.$1: exit $rc, want 2: $(cat "$T/err")"
+  [[ $(wc -l <"$T/err") == 1 ]] || fail "--server.$1: want one line, got: $(cat "$T/err")"
+  grep -qF -- "$2" "$T/err" || fail "--server.$1: want '$2' in: $(cat "$T/err")"
+  [[ ! -e "$T/run_$1/ps0.log" ]] || fail "--server.$1: a server was started"
+}
+expect_refusal sparse_optimizer "ps_server has no --sparse_optimizer; it is a worker flag (pass it as --sparse_optimizer)"
+expect_refusal no_such_flag "ps_server has no --no_such_flag (ps_server --helpfull lists its flags)"
+
+# A server flag passes the check and takes effect.
+launch --servers=1 --workers=1 --run_dir="$T/ok" -- --server.optimizer=adam \
+  --server.learning_rate=0.001 --steps=5 --log_every=0 >"$T/out" 2>"$T/err" ||
+  fail "a valid --server. flag was refused: $(tail -n 20 "$T/err")"
+grep -q "adam" "$T/ok/ps0.log" || fail "ps_server did not get --optimizer=adam: $(head -n 20 "$T/ok/ps0.log")"
+echo PASS
