@@ -44,6 +44,19 @@ if [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
   echo "setup: no CUDA toolkit at /usr/local/cuda; building the CPU backend only"
 fi
 
+# deploy/k8s/manifests_test renders the kustomizations with kubectl. Debian's
+# kubernetes-client only where no kubectl is installed (one from Kubernetes'
+# or a cloud's packages is newer, and conflicts with it); the test skips,
+# saying why, when kubectl's kustomize is too old for the layout.
+if ! command -v kubectl >/dev/null &&
+    apt-cache show kubernetes-client >/dev/null 2>&1; then
+  echo "setup: installing kubernetes-client (kubectl)"
+  sudo=""
+  [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    kubernetes-client >/dev/null || echo "setup: kubernetes-client did not install; manifests_test will skip rendering"
+fi
+
 # deploy/k8s/manifests_test: node packages of the offline manifest validator
 # (kubernetes-models, js-yaml; versions pinned by its package-lock.json).
 # npm is installed here, not in the list above, because a nodejs from another

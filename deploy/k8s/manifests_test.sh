@@ -2,7 +2,8 @@
 # Offline checks of the Kubernetes deployment (no cluster needed):
 #  0. validate/job_rules.js (the Job controller's pod-failure rules) replays
 #     the Kubernetes documentation's examples as documented;
-#  1. every deploy/k8s/*.yaml and monitoring/*.yaml passes validate/validate.js
+#  1. every deploy/k8s/*.yaml, base/*.yaml and monitoring/*.yaml passes
+#     validate/validate.js
 #     (Kubernetes schema from kubernetes-models and, for the PodMonitor,
 #     @kubernetes-models/prometheus-operator; unknown fields, cross-references,
 #     pstrain rules: the worker Job survives a crashing worker under the Job
@@ -12,7 +13,10 @@
 #  3. scale_workers.sh, run against a stand-in kubectl that records its calls,
 #     patches the ConfigMap and the Job so that the manifests stay valid and
 #     consistent (validated after applying the recorded merge patches), and
-#     patching only one of them is caught; bad arguments exit 2.
+#     patching only one of them is caught; bad arguments exit 2;
+#  4. every kustomization in the tree renders with `kubectl kustomize` (as
+#     `kubectl apply -k` would; skipped, saying so, where kubectl is not
+#     installed) and the rendered objects pass the validator.
 #
 #   bash deploy/k8s/manifests_test.sh      # directly
 #   bazel test //deploy/k8s:manifests_test
@@ -39,8 +43,8 @@ validate=$(readlink -f -- "$dir/validate/validate.js")
 tmp=$(mktemp -d "${TEST_TMPDIR:-/tmp}/manifests_test.XXXXXX")
 trap 'rm -rf -- "$tmp"' EXIT
 
-manifests=("$dir"/*.yaml "$dir"/monitoring/*.yaml)
-((${#manifests[@]} >= 9)) || fail "expected the manifests in $dir, found: ${manifests[*]}"
+manifests=("$dir"/*.yaml "$dir"/base/*.yaml "$dir"/monitoring/*.yaml)
+((${#manifests[@]} >= 10)) || fail "expected the manifests in $dir, found: ${manifests[*]}"
 
 echo "== 0. the Job controller's failure rules, as encoded, agree with the documented examples"
 node "$validate" --self-test || fail "validate/job_rules.js disagrees with the Kubernetes documentation"
@@ -97,5 +101,29 @@ for arg in 0 -3 abc ""; do
   ((rc == 2)) || fail "scale_workers.sh '$arg' exited $rc, want 2"
 done
 [[ ! -e "$KUBECTL_LOG" ]] || fail "scale_workers.sh ran kubectl for a bad count"
+
+echo "== 4. every kustomization renders, and what it renders is valid"
+# kustomize v4 (kubectl >= 1.21) first took directories under resources:.
+kustomize_version=$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\).*/\1/p' || true)
+if ! command -v kubectl >/dev/null; then
+  echo "SKIP (step 4): kubectl is not installed (deploy/setup.sh installs it where Debian has kubernetes-client), so the kustomizations were not rendered"
+elif [[ -z "$kustomize_version" || "$kustomize_version" -lt 4 ]]; then
+  echo "SKIP (step 4): $(kubectl version --client 2>&1 | head -n 1) embeds a kustomize older than v4, which cannot render directory resources; kubectl >= 1.21 is needed"
+else
+  # From the source tree: kustomize reads the directories, not runfiles'
+  # symlinks (it refuses files outside a kustomization's root).
+  src=$(cd -- "$(dirname -- "$(readlink -f -- "$dir/base/kustomization.yaml")")/.." && pwd)
+  mapfile -t roots < <(find "$src" -name kustomization.yaml -not -path '*/node_modules/*' \
+    -not -path '*/testdata/*' -printf '%h\n' | sort)
+  ((${#roots[@]} >= 3)) || fail "expected 3 kustomizations under $src, found: ${roots[*]}"
+  for root in "${roots[@]}"; do
+    name=${root#"$src"}
+    kubectl kustomize "$root" >"$tmp/rendered.yaml" 2>"$tmp/kustomize.err" ||
+      fail "kubectl kustomize deploy/k8s$name failed: $(cat "$tmp/kustomize.err")"
+    node "$validate" "$tmp/rendered.yaml" >"$tmp/rendered.out" ||
+      { cat "$tmp/rendered.out"; fail "what deploy/k8s$name renders is invalid"; }
+    echo "rendered deploy/k8s$name/: $(grep -c '^kind:' "$tmp/rendered.yaml") objects, valid"
+  done
+fi
 
 echo "manifests_test: PASS"

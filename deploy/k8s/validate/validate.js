@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 // Offline validation of the Kubernetes manifests in deploy/k8s.
 //
-//   node deploy/k8s/validate/validate.js                      # every deploy/k8s/*.yaml
+//   node deploy/k8s/validate/validate.js                      # every deploy/k8s/base/*.yaml
 //   node validate.js a.yaml b.yaml ...                        # these files, as one set
 //   node validate.js --kubectl-log=LOG a.yaml ...             # first apply the merge patches
 //                                                             # recorded in LOG (see below)
@@ -93,7 +93,7 @@ for (const arg of process.argv.slice(2)) {
   else files.push(arg);
 }
 if (files.length === 0) {
-  const dir = path.resolve(__dirname, '..');
+  const dir = path.resolve(__dirname, '..', 'base');
   for (const name of fs.readdirSync(dir).sort()) {
     if (/\.ya?ml$/.test(name)) files.push(path.join(dir, name));
   }
