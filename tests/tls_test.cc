@@ -242,6 +242,82 @@ TEST_F(TlsTest, WorkerWithoutTokenIsRefused) {
   EXPECT_THAT((*worker)->Stderr(), HasSubstr("UNAUTHENTICATED"));
 }
 
+// A refused handshake is not a server still starting: the worker ends in
+// seconds, not at --connect_timeout_s, with one line that names TLS, the
+// shard and the likely cause (issue 30).
+TEST_F(TlsTest, RefusedHandshakesEndTheWorkerFastNamingTheCause) {
+  const std::string token = "--auth_token_file=" + *token_file_;
+  struct Case {
+    const char* what;
+    std::vector<std::string> flags;
+    const char* cause;
+  };
+  const std::vector<Case> cases = {
+      {"no client certificate",
+       {"--tls_ca=" + Cert("ca.pem"), token},
+       "it wants a client certificate signed by its --tls_client_ca"},
+      {"plaintext",
+       {token},
+       "the server does not answer plaintext gRPC; it likely expects TLS"},
+      {"another CA",
+       {"--tls_ca=" + Other("ca.pem"), "--tls_cert=" + Cert("client.pem"),
+        "--tls_key=" + Cert("client.key"), token},
+       "the server's certificate is not signed by the CA in --tls_ca"},
+      {"a client certificate of another CA",
+       {"--tls_ca=" + Cert("ca.pem"), "--tls_cert=" + Other("client.pem"),
+        "--tls_key=" + Other("client.key"), token},
+       "it wants a client certificate signed by its --tls_client_ca"},
+      {"a server name the certificate lacks",
+       {"--tls_ca=" + Cert("ca.pem"), "--tls_cert=" + Cert("client.pem"),
+        "--tls_key=" + Cert("client.key"), "--tls_server_name=wrong.example",
+        token},
+       "does not name the address dialled"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> flags = c.flags;
+    flags.insert(flags.end(), {"--connect_timeout_s=60", "--steps=5"});
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::unique_ptr<testing::Process>> worker =
+        cluster_->StartWorker(0, 1, flags);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    absl::StatusOr<int> code = (*worker)->Wait(absl::Seconds(90));
+    ASSERT_TRUE(code.ok()) << c.what << ": " << code.status();
+    EXPECT_EQ(*code, 1) << c.what;
+    // A few quick tries, then out: far from the 60 s connect timeout.
+    EXPECT_LT(absl::Now() - start, absl::Seconds(15)) << c.what;
+    const std::string err = (*worker)->Stderr();
+    EXPECT_THAT(err,
+                HasSubstr(c.flags.size() > 1 ? "TLS handshake with shard"
+                                             : "plaintext gRPC with shard"))
+        << c.what;
+    EXPECT_THAT(err, HasSubstr(c.cause)) << c.what;
+  }
+  EXPECT_TRUE(CallStats(Good(), kToken).ok());
+}
+
+// deploy/grpc/grpc_check.py reaches the main port of a mutual-TLS server
+// with a client certificate, and is refused without one.
+TEST_F(TlsTest, GrpcCheckTakesAClientCertificate) {
+  auto check = [&](const std::vector<std::string>& flags) -> int {
+    std::vector<std::string> argv = {
+        "/usr/bin/python3", testing::BinaryPath("deploy/grpc/grpc_check.py")};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.push_back(cluster_->HostList()[0]);
+    absl::StatusOr<std::unique_ptr<testing::Process>> process =
+        testing::Process::Start(argv, testing::TestDir(), "grpc_check");
+    EXPECT_TRUE(process.ok()) << process.status();
+    if (!process.ok()) return -1;
+    absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(30));
+    EXPECT_TRUE(code.ok()) << code.status();
+    return code.value_or(-1);
+  };
+  EXPECT_EQ(
+      check({"--tls_ca=" + Cert("ca.pem"), "--tls_cert=" + Cert("client.pem"),
+             "--tls_key=" + Cert("client.key")}),
+      0);
+  EXPECT_EQ(check({"--tls_ca=" + Cert("ca.pem")}), 2);
+}
+
 TEST_F(TlsTest, MutualTlsJobTrainsEndToEnd) {
   if (const std::string gap = PsClientTlsGap(); !gap.empty()) {
     GTEST_SKIP() << gap;

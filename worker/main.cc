@@ -924,8 +924,9 @@ int Main(int argc, char** argv) {
   if (!registration.ok()) {
     LOG(ERROR) << "cannot register the model: " << registration.status();
     // Waiting for servers, gRPC reports any cause as the deadline passing.
-    if (absl::IsDeadlineExceeded(registration.status()) ||
-        absl::IsUnavailable(registration.status())) {
+    // (A server that refuses this worker's transport fails fast instead,
+    // with its cause: PsClient::Register.)
+    if (absl::IsDeadlineExceeded(registration.status())) {
       for (const std::string& host : client_options.hosts) {
         const std::string cause = DiagnoseConnection(
             host, client_options.credentials != nullptr, absl::Seconds(2));

@@ -4,14 +4,18 @@
 #include "worker/ps_client.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <set>
 #include <utility>
 
 #include "absl/random/distributions.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/connection_check.h"
 #include "common/protocol.h"
+#include "common/socket.h"
 #include "common/status_text.h"
 #include "glog/logging.h"
 #include "worker/ps_client_internal.h"
@@ -161,12 +165,83 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
 
 absl::Status PsClient::RegisterOnShards() { return RegisterCalls().status(); }
 
+namespace {
+
+// Why a TLS handshake that reached the server failed, from gRPC's text of
+// the channel's last error (Debian 12's gRPC 1.51 and later); plaintext and
+// TLS talking past each other are found by DiagnoseConnection's probe.
+std::string CertificateHint(absl::string_view error) {
+  if (absl::StrContains(error, "certificate verify failed")) {
+    return "the server's certificate is not signed by the CA in --tls_ca";
+  }
+  if (absl::StrContains(error, "not in peer certificate") ||
+      absl::StrContains(error, "does not name")) {
+    return "the server's certificate does not name the address dialled "
+           "(set --tls_server_name to a name it holds)";
+  }
+  return "the server refused the handshake: it wants a client certificate "
+         "signed by its --tls_client_ca (--tls_cert/--tls_key)";
+}
+
+}  // namespace
+
+absl::Status PsClient::CheckTransports() {
+  // A refused handshake looks to gRPC like a server still starting, so
+  // registration (wait_for_ready) would wait out the whole connect timeout.
+  // A call that does not wait tells them apart: it fails at once with the
+  // handshake's error. A few tries ride out a server between listen() and
+  // serving; a shard not listening yet is left to registration's wait.
+  constexpr int kTries = 3;
+  constexpr absl::Duration kBetweenTries = absl::Milliseconds(300);
+  const uint64_t epoch = interrupts();
+  for (int s = 0; s < num_shards(); ++s) {
+    std::string host;
+    int port;
+    if (!SplitHostPort(options_.hosts[s], &host, &port).ok() ||
+        !ConnectTcp(host, port, 0, absl::Now() + absl::Seconds(1)).ok()) {
+      continue;
+    }
+    absl::Status last;
+    for (int t = 0; t < kTries; ++t) {
+      std::vector<Call> calls(1);
+      calls[0].shard = s;
+      calls[0].flat = StatsRequest().SerializeAsString();
+      calls[0].on_response = [](absl::Span<const absl::string_view>) {
+        return absl::OkStatus();
+      };
+      last = RunAll("Stats", calls, absl::Seconds(5), /*retry=*/false);
+      // Any answer, an error included (a token refused, say), came through
+      // the transport: registration reports the rest.
+      if (!absl::IsUnavailable(last)) break;
+      if (!SleepUnlessInterrupted(kBetweenTries, epoch)) {
+        return absl::CancelledError("interrupted while connecting");
+      }
+    }
+    if (absl::IsUnavailable(last)) {
+      const bool tls = options_.credentials != nullptr;
+      std::string error(last.message());
+      if (const size_t at = error.find("last error: ");
+          at != std::string::npos) {
+        error = error.substr(at + std::strlen("last error: "));
+      }
+      std::string cause =
+          DiagnoseConnection(options_.hosts[s], tls, absl::Seconds(1));
+      if (cause.empty()) cause = CertificateHint(error);
+      return absl::UnavailableError(absl::StrCat(
+          tls ? "TLS handshake" : "plaintext gRPC", " with shard ", s, " (",
+          options_.hosts[s], ") refused: ", error, "; likely cause: ", cause));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
                                                 int num_workers,
                                                 int worker_id) {
   absl::StatusOr<Partition> partition = Partition::Create(schema, num_shards());
   if (!partition.ok()) return partition.status();
   StopHeartbeats();
+  if (absl::Status s = CheckTransports(); !s.ok()) return s;
   schema_ = schema;
   num_workers_ = num_workers;
   worker_id_ = worker_id;

@@ -302,6 +302,9 @@ class PsClient {
   // Registers schema_ as worker_id_ on every shard (again after a restart).
   absl::StatusOr<std::vector<RegisterModelResponse>> RegisterCalls();
   absl::Status RegisterOnShards();
+  // Before the first registration: fails fast, naming TLS and the likely
+  // cause, where a shard accepts TCP but refuses this client's transport.
+  absl::Status CheckTransports();
   // Opens the data-plane connections the model's groups use (those that
   // are not open yet), so that the first step does not.
   void OpenDataLinks();

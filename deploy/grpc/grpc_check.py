@@ -4,6 +4,8 @@
   deploy/grpc/grpc_check.py localhost:5001                  # health: SERVING?
   deploy/grpc/grpc_check.py localhost:5000 pstrain.ParameterServer
   deploy/grpc/grpc_check.py --list localhost:5000           # reflection
+  deploy/grpc/grpc_check.py --tls_ca=ca.pem --tls_cert=client.pem \
+      --tls_key=client.key localhost:5000                   # mutual TLS
 
 Health (grpc.health.v1.Health/Check) prints the serving status and exits 0
 when it is SERVING, 1 otherwise, 2 when the server cannot be asked (as
@@ -67,11 +69,23 @@ def read_varint(data, i):
             return result, i
 
 
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def channel(target, args):
     if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-        return grpc.secure_channel(target, credentials)
+        # A mutual-TLS server (--tls_client_ca) wants a client certificate.
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read(args.tls_ca),
+            private_key=read(args.tls_key) if args.tls_key else None,
+            certificate_chain=read(args.tls_cert) if args.tls_cert else None)
+        options = []
+        if args.tls_server_name:
+            options.append(("grpc.ssl_target_name_override",
+                            args.tls_server_name))
+        return grpc.secure_channel(target, credentials, options=options)
     return grpc.insecure_channel(target)
 
 
@@ -123,9 +137,19 @@ def main():
     parser.add_argument("--list", action="store_true",
                         help="list the services (server reflection)")
     parser.add_argument("--tls_ca", help="PEM CA: dial TLS, checked against it")
+    parser.add_argument("--tls_cert", help="PEM client certificate, for a "
+                        "mutual-TLS server (with --tls_key)")
+    parser.add_argument("--tls_key", help="PEM private key of --tls_cert")
+    parser.add_argument("--tls_server_name",
+                        help="the name the server's certificate must hold, "
+                        "when it is not the host dialled")
     parser.add_argument("--timeout_s", type=float, default=5,
                         help="deadline of each call (default 5)")
     args = parser.parse_args()
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls_cert and --tls_key go together")
+    if (args.tls_cert or args.tls_server_name) and not args.tls_ca:
+        parser.error("--tls_cert, --tls_key and --tls_server_name need --tls_ca")
     try:
         if args.list:
             return list_services(args.target, args)

@@ -281,8 +281,9 @@ class Client {
       registration =
           ValueOrRaiseLater(client_->Register(schema, num_workers, worker_id));
       // Waiting for servers, gRPC reports any cause as the deadline passing:
-      // say what the likely one is, as the worker binary does.
-      if (absl::IsDeadlineExceeded(status_) || absl::IsUnavailable(status_)) {
+      // say what the likely one is, as the worker binary does. (A refused
+      // transport fails fast with its cause already: PsClient::Register.)
+      if (absl::IsDeadlineExceeded(status_)) {
         std::vector<std::string> causes;
         for (const std::string& host : hosts_) {
           const std::string cause =
