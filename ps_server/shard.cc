@@ -7,6 +7,7 @@
 #include "ps_server/shard.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <iterator>
 
@@ -25,6 +26,10 @@ namespace {
 // How often the reaper answers expired pulls and checks leases: a late
 // answer is at most this much past its deadline.
 constexpr absl::Duration kReaperInterval = absl::Milliseconds(20);
+// A reaper tick may come this late on a busy machine and still count in
+// full toward leases; beyond it, the server was not running (see
+// Shard::lease_clock_ns_).
+constexpr absl::Duration kLateTick = absl::Milliseconds(100);
 // While a job waits for its workers: how often the server says for whom,
 // and the longest an AwaitJobStart call is held.
 constexpr absl::Duration kStartLogInterval = absl::Seconds(5);
@@ -130,7 +135,7 @@ Shard::Shard(const ShardOptions& options, std::unique_ptr<Optimizer> optimizer)
     for (int w = 0; w < options_.max_workers; ++w) {
       // Expected workers are members from the first step; their leases
       // start at their first contact (sync/ssp) or now (async).
-      workers_[w].last_seen = now;
+      workers_[w].last_seen = LeaseNow();
       if (w < options_.num_workers) {
         workers_[w].member = true;
         workers_[w].joined_at = 0;
@@ -411,7 +416,7 @@ std::shared_ptr<const Shard::Membership> Shard::membership() const {
 
 bool Shard::TouchLocked(int worker) {
   WorkerState& state = workers_[worker];
-  state.last_seen = absl::Now();
+  state.last_seen = LeaseNow();
   // Back after its lease expired (or a new id): it rejoins at its next pull.
   if (!state.member) state.pending = true;
   if (state.seen) return false;
@@ -419,7 +424,7 @@ bool Shard::TouchLocked(int worker) {
   if (started_ || worker >= options_.num_workers) return false;
   if (++expected_seen_ < options_.num_workers) return false;
   started_ = true;
-  started_at_ = state.last_seen;
+  started_at_ = absl::Now();
   LOG(INFO) << "all " << options_.num_workers
             << " workers have registered: the job starts after "
             << absl::StrFormat("%.3f s", absl::ToDoubleSeconds(started_at_ -
@@ -447,7 +452,7 @@ int64_t Shard::MinMemberClockLocked() const {
 
 bool Shard::ExpireLeases() {
   absl::MutexLock lock(&mu_);
-  const absl::Time expired_before = absl::Now() - options_.worker_lease;
+  const absl::Time expired_before = LeaseNow() - options_.worker_lease;
   bool dropped = false;
   for (WorkerState& state : workers_) {
     // Before the job starts, a worker never heard from is missing, not
@@ -711,6 +716,7 @@ absl::StatusOr<const Shard::Model*> Shard::ValidateCommon(
 // The reaper and shutdown.
 
 void Shard::RunReaper() {
+  auto last_tick = std::chrono::steady_clock::now();
   while (true) {
     bool stop = false;
     {
@@ -719,6 +725,21 @@ void Shard::RunReaper() {
       stop = shutting_down_;
     }
     if (stop) return;
+    // Lateness past kLateTick is time the server did not run: it does not
+    // count toward any lease.
+    const auto tick = std::chrono::steady_clock::now();
+    const absl::Duration elapsed = absl::FromChrono(tick - last_tick);
+    last_tick = tick;
+    const absl::Duration counted =
+        std::min(elapsed, kReaperInterval + kLateTick);
+    lease_clock_ns_.fetch_add(absl::ToInt64Nanoseconds(counted),
+                              std::memory_order_acq_rel);
+    if (elapsed - counted > absl::Seconds(1)) {
+      LOG(WARNING) << "this server did not run for "
+                   << absl::FormatDuration(elapsed - counted)
+                   << " (stopped, paused or starved); no worker's lease "
+                      "counts that time";
+    }
     if (CheckJobStart()) CompleteReadyBlocks();
     AnswerStartWaiters();
     LogFirstStepOnce();

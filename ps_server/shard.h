@@ -386,6 +386,15 @@ class Shard {
   // steps in flight when it crashed); -1 when it never restored.
   int64_t recovery_horizon_ ABSL_GUARDED_BY(mu_) = -1;
   std::thread reaper_;
+  // The lease clock: time the server was running to observe leases. Only
+  // the reaper advances it, by the monotonic time since its last tick but
+  // never more than a tick's worth, so a server that did not run (stopped,
+  // a paused VM) expires no lease on waking: the heartbeats sent meanwhile
+  // still wait unread in its sockets. Leases are timed on it alone.
+  absl::Time LeaseNow() const {
+    return absl::FromUnixNanos(lease_clock_ns_.load(std::memory_order_acquire));
+  }
+  std::atomic<int64_t> lease_clock_ns_{0};
 
   // The job's start (sync and ssp; async starts at once).
   bool started_ ABSL_GUARDED_BY(mu_) = false;

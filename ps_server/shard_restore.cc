@@ -120,7 +120,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
   if (!started_) {
     started_ = true;
     started_at_ = absl::Now();
-    for (WorkerState& worker : workers_) worker.last_seen = started_at_;
+    for (WorkerState& worker : workers_) worker.last_seen = LeaseNow();
   }
   return absl::OkStatus();
 }

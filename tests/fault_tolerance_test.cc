@@ -281,5 +281,61 @@ TEST(ElasticTest, WorkersJoinAndLeaveARunningSyncJob) {
   }
 }
 
+// A server that stops running (SIGSTOP here; a paused VM or a long stall
+// in production) must not expire the leases of workers that kept
+// heartbeating meanwhile: their heartbeats wait unread in its sockets.
+// Before the lease clock, the server resumed, expired worker 1 at once,
+// completed step 0 from worker 0's gradient alone, and answered worker 1's
+// push "late" (issue 24).
+TEST(FaultToleranceTest, AServerPauseExpiresNoHonestWorkersLease) {
+  ClusterOptions options;
+  options.num_workers = 2;
+  options.server_flags = {"--worker_lease_s=1", "--optimizer=sgd",
+                          "--learning_rate=1"};
+  auto cluster = StartCluster(options, "server_pause");
+  ASSERT_NE(cluster, nullptr);
+  ModelSchema schema;
+  schema.set_seed(5);
+  schema.set_block_elements(4);
+  DenseTensorSpec* w = schema.add_dense();
+  w->set_name("w");
+  w->add_shape(8);
+  w->mutable_init()->set_kind(InitSpec::CONSTANT);
+  w->mutable_init()->set_value(0.0f);
+  std::vector<std::unique_ptr<PsClient>> clients;
+  for (int id = 0; id < 2; ++id) {
+    PsClientOptions client_options;
+    client_options.hosts = cluster->HostList();
+    client_options.heartbeat_interval = absl::Milliseconds(200);
+    absl::StatusOr<std::unique_ptr<PsClient>> client =
+        PsClient::Create(client_options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->Register(schema, 2, id).ok());
+    clients.push_back(std::move(*client));
+  }
+  for (auto& client : clients) ASSERT_TRUE(client->AwaitJobStart().ok());
+  const std::vector<float> g0(8, 1.0f), g1(8, 3.0f);
+  absl::StatusOr<PsClient::PushResult> pushed =
+      clients[0]->Push(0, {g0.data()});
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+
+  // The pause (the scenario, not a synchronisation): 2.5 leases long.
+  cluster->server(0).Signal(SIGSTOP);
+  absl::SleepFor(absl::Milliseconds(2500));
+  cluster->server(0).Signal(SIGCONT);
+
+  pushed = clients[1]->Push(0, {g1.data()});
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(pushed->blocks_late, 0);
+  std::vector<float> model(8);
+  absl::StatusOr<int64_t> at = clients[0]->Pull(1, {model.data()});
+  ASSERT_TRUE(at.ok()) << at.status();
+  // SGD at rate 1 from 0: minus the mean of both workers' gradients.
+  for (float v : model) EXPECT_FLOAT_EQ(v, -2.0f);
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ((*stats)[0].members(), 2);
+}
+
 }  // namespace
 }  // namespace pstrain
