@@ -20,18 +20,22 @@
 #include <cmath>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/cli.h"
 #include "common/cluster_spec.h"
 #include "common/grpc_tuning.h"
+#include "common/learning_rates.h"
 #include "common/metrics.h"
 #include "common/protocol.h"
 #include "common/tls.h"
@@ -91,7 +95,13 @@ ABSL_FLAG(double, inject_drop_push_response_probability, 0,
           "Fault injection: after applying a push, answer UNAVAILABLE with "
           "this probability (the client retries; nothing may apply twice).");
 ABSL_FLAG(std::string, optimizer, "sgd", "sgd, momentum or adam.");
-ABSL_FLAG(double, learning_rate, 0.1, "Optimizer learning rate.");
+ABSL_FLAG(double, learning_rate, 0,
+          "Optimizer learning rate. 0 (the default): the optimizer's own "
+          "default, as PyTorch and Keras users know it: adam 0.001 "
+          "(torch.optim.Adam and keras Adam), sgd 0.1 (torchvision's "
+          "reference classification recipe; torch.optim.SGD has none), "
+          "momentum 0.01 (keras SGD(momentum=0.9)). The rate in effect is "
+          "logged at start and told to workers.");
 ABSL_FLAG(double, momentum, 0.9,
           "Momentum coefficient (--optimizer=momentum).");
 ABSL_FLAG(double, adam_beta1, 0.9, "Adam beta1.");
@@ -228,7 +238,11 @@ int Main(int argc, char** argv) {
   options.replicas_to_aggregate = absl::GetFlag(FLAGS_replicas_to_aggregate);
   options.min_workers = absl::GetFlag(FLAGS_min_workers);
   options.optimizer.name = absl::GetFlag(FLAGS_optimizer);
-  options.optimizer.learning_rate = absl::GetFlag(FLAGS_learning_rate);
+  const double given_learning_rate = absl::GetFlag(FLAGS_learning_rate);
+  const std::optional<DefaultLearningRate> default_learning_rate =
+      DefaultDenseLearningRate(options.optimizer.name);
+  options.optimizer.learning_rate =
+      EffectiveLearningRate(given_learning_rate, default_learning_rate);
   options.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
   options.optimizer.beta1 = absl::GetFlag(FLAGS_adam_beta1);
   options.optimizer.beta2 = absl::GetFlag(FLAGS_adam_beta2);
@@ -478,6 +492,9 @@ int Main(int argc, char** argv) {
             << absl::GetFlag(FLAGS_host) << ":" << selected_port << ", mode "
             << ConsistencyModeName(options.mode) << ", " << options.num_workers
             << " workers, optimizer " << options.optimizer.name
+            << ", learning rate "
+            << DescribeLearningRate(given_learning_rate, options.optimizer.name,
+                                    default_learning_rate, "--learning_rate")
             << (absl::GetFlag(FLAGS_tls_cert).empty()        ? ", plaintext"
                 : absl::GetFlag(FLAGS_tls_client_ca).empty() ? ", TLS"
                                                              : ", mutual TLS")
