@@ -218,6 +218,30 @@ absl::Status CheckPort(const char* flag, int port, int minimum = 0) {
       "--", flag, " must be in [", minimum, ", 65535], got ", port));
 }
 
+// Whether only this machine can reach `host` (--host): 127.0.0.0/8, ::1
+// or localhost. Anything else, 0.0.0.0 and :: above all, is reachable from
+// the network.
+bool IsLoopbackHost(absl::string_view host) {
+  absl::ConsumePrefix(&host, "[");
+  absl::ConsumeSuffix(&host, "]");
+  return host == "localhost" || host == "::1" ||
+         absl::StartsWith(host, "127.") || host == "ip6-localhost";
+}
+
+// One line, said at start by a server anyone on the network can drive: a
+// fine default inside a cluster network, but never a silent one.
+std::string OpenPortWarning(const std::string& host, int port, int data_port) {
+  return absl::StrCat(
+      "listening on ", host, ":", port,
+      data_port > 0 ? absl::StrCat(" (data port ", data_port, ")") : "",
+      " in plaintext with no token: anyone who can reach it can register a "
+      "model, push gradients into the model (or overwrite it), read every "
+      "parameter, and leave the job for any worker id. To close it: "
+      "--host=127.0.0.1 (one machine), --auth_token_file (a shared token "
+      "every call must carry), --tls_cert/--tls_key (TLS; with "
+      "--tls_client_ca, clients need a certificate), or a firewall");
+}
+
 int Main(int argc, char** argv) {
   absl::StatusOr<std::vector<FlagSetting>> from_spec = ApplyClusterSpec(
       ClusterRole::kPs, absl::GetFlag(FLAGS_cluster_spec), argc, argv);
@@ -505,6 +529,12 @@ int Main(int argc, char** argv) {
                     : ", tensors over gRPC only")
             << (health_server ? absl::StrCat(", health on port ", health_port)
                               : "");
+  if (!tls && auth_token->empty() &&
+      !IsLoopbackHost(absl::GetFlag(FLAGS_host))) {
+    LOG(WARNING) << OpenPortWarning(
+        absl::GetFlag(FLAGS_host), selected_port,
+        data_plane_server != nullptr ? data_plane_server->port() : 0);
+  }
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
     absl::Status written =
