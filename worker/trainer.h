@@ -125,6 +125,9 @@ struct TrainResult {
   int64_t late_blocks = 0;       // sync: gradients for a finished step
   int64_t injected_duplicate_pushes = 0;
   bool stopped_early = false;
+  // The worker's LearningWatch warned: the loss did not fall in time or
+  // became NaN/Inf (set by the caller, which feeds the watch).
+  bool not_learning = false;
 };
 
 // Trains `model` against the servers behind `client` (already registered as
