@@ -404,6 +404,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       options.on_step(report);
     }
   }
+  if (options.on_steps_done) options.on_steps_done();
   if (window.rows > 0) {
     result.final_loss = window.loss_sum / window.rows;
     result.train_accuracy =

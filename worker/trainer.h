@@ -88,6 +88,10 @@ struct TrainerOptions {
   // and the job's first step ends a few ms after the last one registers.
   // The wait is not training time. Null: the caller waited before Train.
   std::function<absl::Status()> await_job_start;
+  // Called once the steps are over (done, or stopped), before the final
+  // model is pulled and evaluated: a signal then no longer cuts calls
+  // short (see worker/main.cc).
+  std::function<void()> on_steps_done;
 };
 
 struct TrainResult {
