@@ -40,7 +40,9 @@ std::optional<DefaultLearningRate> DefaultSparseLearningRate(
 
 double EffectiveLearningRate(
     double given, const std::optional<DefaultLearningRate>& fallback) {
-  if (given > 0 || !fallback.has_value()) return given;
+  // Only 0 asks for the default: a negative rate is kept for validation
+  // to refuse, never silently replaced.
+  if (given != 0 || !fallback.has_value()) return given;
   return fallback->value;
 }
 
@@ -49,7 +51,7 @@ std::string DescribeLearningRate(
     const std::optional<DefaultLearningRate>& fallback,
     absl::string_view flag) {
   const double rate = EffectiveLearningRate(given, fallback);
-  if (given > 0 || !fallback.has_value()) {
+  if (given != 0 || !fallback.has_value()) {
     return absl::StrCat(rate, " (", flag, ")");
   }
   return absl::StrCat(rate, " (", optimizer, "'s default, as in ",

@@ -28,8 +28,9 @@ std::optional<DefaultLearningRate> DefaultDenseLearningRate(
 std::optional<DefaultLearningRate> DefaultSparseLearningRate(
     absl::string_view optimizer);
 
-// `given` when positive (the user chose it), else the optimizer's default;
-// `given` as it is for an optimizer without one (validation names it).
+// The optimizer's default when `given` is 0 (the flag left alone), else
+// `given` as it is: a negative one is for validation to refuse, and so is
+// 0 for an optimizer without a default.
 double EffectiveLearningRate(
     double given, const std::optional<DefaultLearningRate>& fallback);
 

@@ -27,6 +27,9 @@ TEST(LearningRatesTest, AGivenRateWins) {
                    0.5);
   EXPECT_DOUBLE_EQ(EffectiveLearningRate(0, DefaultDenseLearningRate("adam")),
                    1e-3);
+  // A bad rate is not replaced: validation refuses it.
+  EXPECT_DOUBLE_EQ(EffectiveLearningRate(-1, DefaultDenseLearningRate("sgd")),
+                   -1);
   // No default to fall back on: the 0 stays for validation to refuse.
   EXPECT_DOUBLE_EQ(EffectiveLearningRate(0, std::nullopt), 0);
 }
