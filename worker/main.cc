@@ -1078,7 +1078,10 @@ int Main(int argc, char** argv) {
   wait_display = &output;
   signal_watch->Add(client->get());
   // Before the clients go, on every path: the watch must not touch them.
-  absl::Cleanup quiet = [signal_watch] { signal_watch->Quiet(); };
+  absl::Cleanup quiet = [signal_watch] {
+    signal_watch->Quiet();
+    wait_display = nullptr;  // before `output` goes
+  };
   // A signal during a wait: leave the job if this worker may have joined
   // it, and exit with one line saying what it waited for.
   auto interrupted = [&](const std::string& waiting_for,
