@@ -738,9 +738,11 @@ class ConnectWaitReport {
         const std::string cause =
             DiagnoseConnection(hosts[s], tls, absl::Seconds(1));
         if (cause.empty()) continue;
+        // The time left before the cause: a bar cut to the terminal's
+        // width keeps it.
         lines.push_back(absl::StrCat("waiting to reach shard ", s, " (",
-                                     hosts[s], ") to register: ", cause, "; ",
-                                     left, " s left (--connect_timeout_s)"));
+                                     hosts[s], ") to register, ", left,
+                                     " s left (--connect_timeout_s): ", cause));
       }
       if (lines.empty()) {
         lines.push_back(absl::StrCat("waiting for the servers (",

@@ -654,11 +654,13 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
         absl::StrCat("shard ", first.shard, " (", options_.hosts[first.shard],
                      "): ", first.status.message()));
     if (!retryable || absl::Now() + backoff > give_up) return error;
+    // The time left before the error: a bar cut to the terminal's width
+    // keeps it.
     const std::string line =
-        absl::StrCat(error.ToString(), "; retrying ", failed.size(),
-                     " call(s) in ", absl::FormatDuration(backoff), ", ",
+        absl::StrCat("retrying ", failed.size(), " call(s) in ",
+                     absl::FormatDuration(backoff), " (",
                      absl::ToInt64Seconds(give_up - absl::Now()),
-                     " s left of the retry window");
+                     " s left of the retry window) after ", error.ToString());
     LOG(WARNING) << line;
     if (options_.on_retry) options_.on_retry(line);
     waiting_for = absl::StrCat("retrying after ", error.ToString());
