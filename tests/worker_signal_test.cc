@@ -76,6 +76,23 @@ TEST(WorkerSignalTest, WaitingToReachAServer) {
                  "to reach the servers and register the model");
 }
 
+// The CTR worker (sparse tables) waits the same way.
+TEST(WorkerSignalTest, CtrWorkerWaitingToReachAServer) {
+  const std::string host = absl::StrCat("127.0.0.1:", testing::FreePort());
+  absl::StatusOr<std::unique_ptr<Process>> worker = Process::Start(
+      {testing::BinaryPath("worker/worker"), "--ps_hosts=" + host,
+       "--model=ctr", "--ctr_train_examples=1024", "--ctr_test_examples=256",
+       "--steps=5", "--connect_timeout_s=60"},
+      testing::TestDir(), "ctr_connect_wait");
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  ASSERT_TRUE(WaitForLog(**worker,
+                         absl::StrCat("waiting to reach shard 0 (", host, ")"),
+                         absl::Seconds(20)))
+      << (*worker)->Stderr();
+  SignalAndCheck(**worker, SIGTERM,
+                 "to reach the servers and register the model");
+}
+
 TEST(WorkerSignalTest, WaitingForTheJobsOtherWorkers) {
   testing::ClusterOptions options;
   options.num_workers = 2;

@@ -151,8 +151,21 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   model.num_fields = train.num_fields;
   model.num_dense = train.num_dense;
 
-  absl::StatusOr<Registration> registration = context.client->Register(
-      CtrSchema(model), context.num_workers, context.worker_id);
+  // A wait cut short by a signal (SIGINT/SIGTERM set `stop`, then the
+  // caller interrupted the client).
+  auto interrupted = [&](const absl::Status& status) {
+    return context.stopped_while_waiting && context.stop != nullptr &&
+           context.stop->load() && absl::IsCancelled(status);
+  };
+  absl::StatusOr<Registration> registration =
+      context.register_model
+          ? context.register_model(CtrSchema(model))
+          : context.client->Register(CtrSchema(model), context.num_workers,
+                                     context.worker_id);
+  if (!registration.ok() && interrupted(registration.status())) {
+    return context.stopped_while_waiting(
+        "to reach the servers and register the model", registration.status());
+  }
   if (!registration.ok()) {
     LOG(ERROR) << "cannot register the model: " << registration.status();
     return 1;
@@ -160,6 +173,10 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   if (absl::Status started =
           context.client->AwaitJobStart(context.on_waiting, context.stop);
       !started.ok()) {
+    if (interrupted(started)) {
+      return context.stopped_while_waiting(
+          "for the job's other workers to register", started);
+    }
     LOG(ERROR) << "the job did not start: " << started;
     context.client->Leave().IgnoreError();
     return 1;
@@ -169,11 +186,22 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   options.start_step = registration->start_step;
   options.steps = context.steps;
   options.batch_size = context.batch_size;
-  options.on_step = context.on_step;
   options.stop = context.stop;
+  options.on_steps_done = context.on_steps_done;
+  int64_t last_step = registration->start_step;
+  options.on_step = [&](const StepReport& r) {
+    last_step = r.step;
+    if (context.on_step) context.on_step(r);
+  };
   absl::StatusOr<CtrResult> result =
       TrainCtr(model, options, registration->mode, *context.client,
                *context.backend, train, test);
+  if (!result.ok() && interrupted(result.status())) {
+    return context.stopped_while_waiting(
+        absl::StrCat("on the servers after step ", last_step, " of ",
+                     context.steps),
+        result.status());
+  }
   if (!result.ok()) {
     LOG(ERROR) << "training failed: " << result.status();
     return 1;

@@ -48,6 +48,8 @@ struct CtrTrainerOptions {
   int64_t batch_size = 128;
   std::function<void(const StepReport&)> on_step;
   const std::atomic<bool>* stop = nullptr;
+  // Called once the steps are over, before the final evaluation.
+  std::function<void()> on_steps_done;
 };
 
 struct CtrResult {

@@ -779,6 +779,32 @@ const char* SignalName(int signal_number) {
   return "a signal";
 }
 
+// After a signal cut a wait short: leaves the job (this worker may have
+// joined it), says in one line what it waited for, and returns the exit
+// code, 128 + the signal as a shell reports a process it killed.
+int StoppedWhileWaiting(SignalWatch& watch, StepOutput& output,
+                        PsClient& client, int worker_id,
+                        const std::string& waiting_for,
+                        const absl::Status& status) {
+  watch.Quiet();
+  output.Finish();
+  LeaveWithin(client, absl::Milliseconds(300));
+  const int signal_number = watch.signal_number();
+  LOG(ERROR) << "worker " << worker_id << ": stopped by "
+             << SignalName(signal_number) << " while waiting " << waiting_for
+             << ": " << status.message();
+  return 128 + signal_number;
+}
+
+// Register, showing the wait for the servers (ConnectWaitReport).
+absl::StatusOr<Registration> RegisterShowingWait(
+    PsClient& client, const PsClientOptions& options, StepOutput& output,
+    const ModelSchema& schema, int num_workers, int worker_id) {
+  ConnectWaitReport report(options.hosts, options.credentials != nullptr,
+                           options.connect_timeout, &output);
+  return client.Register(schema, num_workers, worker_id);
+}
+
 int Main(int argc, char** argv) {
   command_line.assign(argv + 1, argv + argc);
   absl::StatusOr<std::vector<FlagSetting>> from_spec = ApplyClusterSpec(
@@ -1023,6 +1049,23 @@ int Main(int argc, char** argv) {
       ctr_output.OnWaitingForWorkers(waiting);
     };
     ctr.stop = &stop_requested;
+    // Waits show themselves and end on a signal as the dense worker's do.
+    wait_display = &ctr_output;
+    signal_watch->Add(client->get());
+    absl::Cleanup quiet = [signal_watch] {
+      signal_watch->Quiet();
+      wait_display = nullptr;
+    };
+    ctr.register_model = [&](const ModelSchema& schema) {
+      return RegisterShowingWait(**client, client_options, ctr_output, schema,
+                                 num_workers, worker_id);
+    };
+    ctr.on_steps_done = [signal_watch] { signal_watch->Quiet(); };
+    ctr.stopped_while_waiting = [&](const std::string& waiting_for,
+                                    const absl::Status& status) {
+      return StoppedWhileWaiting(*signal_watch, ctr_output, **client, worker_id,
+                                 waiting_for, status);
+    };
     ctr_output.Start(0);
     const int code = RunCtrWorker(ctr);
     ctr_output.Finish();
@@ -1088,22 +1131,11 @@ int Main(int argc, char** argv) {
   // it, and exit with one line saying what it waited for.
   auto interrupted = [&](const std::string& waiting_for,
                          const absl::Status& status) {
-    signal_watch->Quiet();
-    output.Finish();
-    LeaveWithin(**client, absl::Milliseconds(300));
-    const int signal_number = signal_watch->signal_number();
-    LOG(ERROR) << "worker " << worker_id << ": stopped by "
-               << SignalName(signal_number) << " while waiting " << waiting_for
-               << ": " << status.message();
-    return 128 + signal_number;
+    return StoppedWhileWaiting(*signal_watch, output, **client, worker_id,
+                               waiting_for, status);
   };
-  absl::StatusOr<Registration> registration = absl::UnknownError("");
-  {
-    ConnectWaitReport report(client_options.hosts,
-                             client_options.credentials != nullptr,
-                             client_options.connect_timeout, &output);
-    registration = (*client)->Register(schema, num_workers, worker_id);
-  }
+  absl::StatusOr<Registration> registration = RegisterShowingWait(
+      **client, client_options, output, schema, num_workers, worker_id);
   if (!registration.ok() && signal_watch->signal_number() != 0) {
     return interrupted("to reach the servers and register the model",
                        registration.status());
