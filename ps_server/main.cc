@@ -20,18 +20,22 @@
 #include <cmath>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/cli.h"
 #include "common/cluster_spec.h"
 #include "common/grpc_tuning.h"
+#include "common/learning_rates.h"
 #include "common/metrics.h"
 #include "common/protocol.h"
 #include "common/tls.h"
@@ -91,7 +95,13 @@ ABSL_FLAG(double, inject_drop_push_response_probability, 0,
           "Fault injection: after applying a push, answer UNAVAILABLE with "
           "this probability (the client retries; nothing may apply twice).");
 ABSL_FLAG(std::string, optimizer, "sgd", "sgd, momentum or adam.");
-ABSL_FLAG(double, learning_rate, 0.1, "Optimizer learning rate.");
+ABSL_FLAG(double, learning_rate, 0,
+          "Optimizer learning rate. 0 (the default): the optimizer's own "
+          "default, as PyTorch and Keras users know it: adam 0.001 "
+          "(torch.optim.Adam and keras Adam), sgd 0.1 (torchvision's "
+          "reference classification recipe; torch.optim.SGD has none), "
+          "momentum 0.01 (keras SGD(momentum=0.9)). The rate in effect is "
+          "logged at start and told to workers.");
 ABSL_FLAG(double, momentum, 0.9,
           "Momentum coefficient (--optimizer=momentum).");
 ABSL_FLAG(double, adam_beta1, 0.9, "Adam beta1.");
@@ -208,6 +218,30 @@ absl::Status CheckPort(const char* flag, int port, int minimum = 0) {
       "--", flag, " must be in [", minimum, ", 65535], got ", port));
 }
 
+// Whether only this machine can reach `host` (--host): 127.0.0.0/8, ::1
+// or localhost. Anything else, 0.0.0.0 and :: above all, is reachable from
+// the network.
+bool IsLoopbackHost(absl::string_view host) {
+  absl::ConsumePrefix(&host, "[");
+  absl::ConsumeSuffix(&host, "]");
+  return host == "localhost" || host == "::1" ||
+         absl::StartsWith(host, "127.") || host == "ip6-localhost";
+}
+
+// One line, said at start by a server anyone on the network can drive: a
+// fine default inside a cluster network, but never a silent one.
+std::string OpenPortWarning(const std::string& host, int port, int data_port) {
+  return absl::StrCat(
+      "listening on ", host, ":", port,
+      data_port > 0 ? absl::StrCat(" (data port ", data_port, ")") : "",
+      " in plaintext with no token: anyone who can reach it can register a "
+      "model, push gradients into the model (or overwrite it), read every "
+      "parameter, and leave the job for any worker id. To close it: "
+      "--host=127.0.0.1 (one machine), --auth_token_file (a shared token "
+      "every call must carry), --tls_cert/--tls_key (TLS; with "
+      "--tls_client_ca, clients need a certificate), or a firewall");
+}
+
 int Main(int argc, char** argv) {
   absl::StatusOr<std::vector<FlagSetting>> from_spec = ApplyClusterSpec(
       ClusterRole::kPs, absl::GetFlag(FLAGS_cluster_spec), argc, argv);
@@ -228,7 +262,11 @@ int Main(int argc, char** argv) {
   options.replicas_to_aggregate = absl::GetFlag(FLAGS_replicas_to_aggregate);
   options.min_workers = absl::GetFlag(FLAGS_min_workers);
   options.optimizer.name = absl::GetFlag(FLAGS_optimizer);
-  options.optimizer.learning_rate = absl::GetFlag(FLAGS_learning_rate);
+  const double given_learning_rate = absl::GetFlag(FLAGS_learning_rate);
+  const std::optional<DefaultLearningRate> default_learning_rate =
+      DefaultDenseLearningRate(options.optimizer.name);
+  options.optimizer.learning_rate =
+      EffectiveLearningRate(given_learning_rate, default_learning_rate);
   options.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
   options.optimizer.beta1 = absl::GetFlag(FLAGS_adam_beta1);
   options.optimizer.beta2 = absl::GetFlag(FLAGS_adam_beta2);
@@ -478,6 +516,9 @@ int Main(int argc, char** argv) {
             << absl::GetFlag(FLAGS_host) << ":" << selected_port << ", mode "
             << ConsistencyModeName(options.mode) << ", " << options.num_workers
             << " workers, optimizer " << options.optimizer.name
+            << ", learning rate "
+            << DescribeLearningRate(given_learning_rate, options.optimizer.name,
+                                    default_learning_rate, "--learning_rate")
             << (absl::GetFlag(FLAGS_tls_cert).empty()        ? ", plaintext"
                 : absl::GetFlag(FLAGS_tls_client_ca).empty() ? ", TLS"
                                                              : ", mutual TLS")
@@ -488,6 +529,12 @@ int Main(int argc, char** argv) {
                     : ", tensors over gRPC only")
             << (health_server ? absl::StrCat(", health on port ", health_port)
                               : "");
+  if (!tls && auth_token->empty() &&
+      !IsLoopbackHost(absl::GetFlag(FLAGS_host))) {
+    LOG(WARNING) << OpenPortWarning(
+        absl::GetFlag(FLAGS_host), selected_port,
+        data_plane_server != nullptr ? data_plane_server->port() : 0);
+  }
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
     absl::Status written =

@@ -102,6 +102,12 @@ absl::Status CheckRange(const char* flag, float value, float lo, float hi,
 
 absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(
     const OptimizerConfig& c) {
+  // The name first: a rate left at 0 by an unknown optimizer (which has no
+  // default rate, common/learning_rates.h) is not the mistake to report.
+  if (c.name != "sgd" && c.name != "momentum" && c.name != "adam") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--optimizer must be sgd, momentum or adam, got '", c.name, "'"));
+  }
   if (!std::isfinite(c.learning_rate) || c.learning_rate <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--learning_rate must be a positive number, got ", c.learning_rate));

@@ -341,6 +341,8 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
 
   RegisterModelResponse response;
   response.set_mode(ConsistencyModeName(options_.mode));
+  response.set_optimizer(options_.optimizer.name);
+  response.set_learning_rate(options_.optimizer.learning_rate);
   {
     absl::MutexLock lock(&register_mu_);
     if (model_owner_ != nullptr) {

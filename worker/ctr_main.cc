@@ -2,10 +2,12 @@
 
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
+#include "common/learning_rates.h"
 #include "glog/logging.h"
 #include "worker/ctr_data.h"
 #include "worker/ctr_metrics.h"
@@ -24,9 +26,17 @@ ABSL_FLAG(int64_t, embedding_dim, 8, "Embedding row size.");
 ABSL_FLAG(int64_t, ctr_hidden, 32, "Hidden units of the CTR model's MLP.");
 ABSL_FLAG(std::string, sparse_optimizer, "adagrad",
           "Row updates on the servers: sgd, adagrad, adam (lazy) or ftrl.");
-ABSL_FLAG(double, sparse_learning_rate, 0.05, "Sparse optimizer rate.");
+ABSL_FLAG(double, sparse_learning_rate, 0,
+          "Sparse optimizer rate (not ftrl's: see --ftrl_alpha). 0 (the "
+          "default): the optimizer's own default, as PyTorch and Keras users "
+          "know it: adagrad 0.01 (torch.optim.Adagrad), adam 0.001 "
+          "(torch.optim.SparseAdam and keras Adam), sgd 0.01 (keras SGD). "
+          "The rate in effect is logged at start.");
 ABSL_FLAG(double, adagrad_initial_accumulator, 0.1, "Adagrad's start.");
-ABSL_FLAG(double, ftrl_alpha, 0.05, "FTRL-proximal alpha.");
+ABSL_FLAG(double, ftrl_alpha, 0.05,
+          "FTRL-proximal alpha, ftrl's learning rate (keras Ftrl's "
+          "learning_rate defaults to 0.001; this keeps the 0.05 pstrain has "
+          "always used).");
 ABSL_FLAG(double, ftrl_beta, 1.0, "FTRL-proximal beta.");
 ABSL_FLAG(double, ftrl_l1, 0.0, "FTRL-proximal L1.");
 ABSL_FLAG(double, ftrl_l2, 0.0, "FTRL-proximal L2.");
@@ -59,7 +69,10 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   model.embedding_init.set_scale(absl::GetFlag(FLAGS_embedding_init_scale));
   SparseOptimizer& o = model.sparse_optimizer;
   o.set_name(absl::GetFlag(FLAGS_sparse_optimizer));
-  o.set_learning_rate(absl::GetFlag(FLAGS_sparse_learning_rate));
+  const double given_rate = absl::GetFlag(FLAGS_sparse_learning_rate);
+  const std::optional<DefaultLearningRate> default_rate =
+      DefaultSparseLearningRate(o.name());
+  o.set_learning_rate(EffectiveLearningRate(given_rate, default_rate));
   o.set_initial_accumulator(absl::GetFlag(FLAGS_adagrad_initial_accumulator));
   o.set_beta1(0.9f);
   o.set_beta2(0.999f);
@@ -77,11 +90,17 @@ int RunCtrWorker(const CtrWorkerContext& context) {
                      "got '",
                      o.name(), "'")));
   }
-  if (!(o.learning_rate() > 0) || !(o.ftrl_alpha() > 0)) {
+  // FTRL's rate is --ftrl_alpha; it reads no --sparse_learning_rate.
+  if (!(o.learning_rate() > 0 || o.name() == "ftrl") || !(o.ftrl_alpha() > 0)) {
     checks.push_back(absl::InvalidArgumentError(
         "--sparse_learning_rate and --ftrl_alpha must be positive"));
   }
   ExitOnFlagErrors(checks);
+  LOG(INFO) << "sparse optimizer " << o.name() << ", learning rate "
+            << (o.name() == "ftrl"
+                    ? absl::StrCat(o.ftrl_alpha(), " (--ftrl_alpha)")
+                    : DescribeLearningRate(given_rate, o.name(), default_rate,
+                                           "--sparse_learning_rate"));
 
   const ShardSpec shard{context.worker_id, context.num_workers};
   CtrDataset train, test;
@@ -132,8 +151,21 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   model.num_fields = train.num_fields;
   model.num_dense = train.num_dense;
 
-  absl::StatusOr<Registration> registration = context.client->Register(
-      CtrSchema(model), context.num_workers, context.worker_id);
+  // A wait cut short by a signal (SIGINT/SIGTERM set `stop`, then the
+  // caller interrupted the client).
+  auto interrupted = [&](const absl::Status& status) {
+    return context.stopped_while_waiting && context.stop != nullptr &&
+           context.stop->load() && absl::IsCancelled(status);
+  };
+  absl::StatusOr<Registration> registration =
+      context.register_model
+          ? context.register_model(CtrSchema(model))
+          : context.client->Register(CtrSchema(model), context.num_workers,
+                                     context.worker_id);
+  if (!registration.ok() && interrupted(registration.status())) {
+    return context.stopped_while_waiting(
+        "to reach the servers and register the model", registration.status());
+  }
   if (!registration.ok()) {
     LOG(ERROR) << "cannot register the model: " << registration.status();
     return 1;
@@ -141,6 +173,10 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   if (absl::Status started =
           context.client->AwaitJobStart(context.on_waiting, context.stop);
       !started.ok()) {
+    if (interrupted(started)) {
+      return context.stopped_while_waiting(
+          "for the job's other workers to register", started);
+    }
     LOG(ERROR) << "the job did not start: " << started;
     context.client->Leave().IgnoreError();
     return 1;
@@ -171,11 +207,22 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   options.start_step = registration->start_step;
   options.steps = context.steps;
   options.batch_size = context.batch_size;
-  options.on_step = context.on_step;
   options.stop = context.stop;
+  options.on_steps_done = context.on_steps_done;
+  int64_t last_step = registration->start_step;
+  options.on_step = [&](const StepReport& r) {
+    last_step = r.step;
+    if (context.on_step) context.on_step(r);
+  };
   absl::StatusOr<CtrResult> result =
       TrainCtr(model, options, registration->mode, *context.client,
                *context.backend, train, test);
+  if (!result.ok() && interrupted(result.status())) {
+    return context.stopped_while_waiting(
+        absl::StrCat("on the servers after step ", last_step, " of ",
+                     context.steps),
+        result.status());
+  }
   if (!result.ok()) {
     LOG(ERROR) << "training failed: " << result.status();
     return 1;

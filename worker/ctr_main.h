@@ -33,6 +33,15 @@ struct CtrWorkerContext {
   // While the job waits for its workers (PsClient::AwaitJobStart).
   PsClient::StartWaitReport on_waiting;
   const std::atomic<bool>* stop = nullptr;
+  // Optional. Registers (instead of client->Register), showing the wait.
+  std::function<absl::StatusOr<Registration>(const ModelSchema&)>
+      register_model;
+  // Optional. Called once the steps are over (TrainerOptions has the same).
+  std::function<void()> on_steps_done;
+  // Optional. A wait ended CANCELLED after `stop` was set (a signal):
+  // leaves, says what it waited for, returns the exit code.
+  std::function<int(const std::string& waiting_for, const absl::Status&)>
+      stopped_while_waiting;
 };
 
 // Checks the CTR flags (exits 2 with one line per problem), loads the data,

@@ -409,6 +409,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       options.on_step(report);
     }
   }
+  if (options.on_steps_done) options.on_steps_done();
   result.wall_time_s = absl::ToDoubleSeconds(absl::Now() - start);
   result.samples_per_sec = result.steps_run * options.batch_size /
                            std::max(result.wall_time_s, 1e-9);

@@ -54,6 +54,8 @@ struct CtrTrainerOptions {
   // final_model_timeout; null: `client` reads it, after leaving.
   PsClient* observer = nullptr;
   absl::Duration final_model_timeout = absl::Seconds(120);
+  // Called once the steps are over, before the final evaluation.
+  std::function<void()> on_steps_done;
 };
 
 struct CtrResult {

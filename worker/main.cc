@@ -15,12 +15,14 @@
 
 #include <atomic>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -28,6 +30,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/cli.h"
 #include "common/cluster_spec.h"
@@ -46,6 +50,7 @@
 #include "worker/eval_only.h"
 #include "worker/idx_data.h"
 #include "worker/layers.h"
+#include "worker/learning_watch.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
 #include "worker/trainer.h"
@@ -224,6 +229,12 @@ ABSL_FLAG(double, heartbeat_interval_s, 2,
 ABSL_FLAG(double, retry_window_s, 120,
           "How long a failed pull or push is retried (server restarting, "
           "peers slow) before the worker gives up.");
+ABSL_FLAG(int64_t, loss_check_steps, 100,
+          "Warn once (training goes on) if this many steps after the first "
+          "the training loss has not fallen below the first step's loss, "
+          "naming the servers' optimizer and learning rate; NaN/Inf loss is "
+          "warned at once. The final JSON says \"not_learning\". 0: only "
+          "NaN/Inf.");
 ABSL_FLAG(double, inject_duplicate_push_probability, 0,
           "Fault injection: resend a successful push with this probability "
           "(the servers must not apply it twice).");
@@ -488,6 +499,7 @@ class StepOutput {
   }
 
   void OnStep(const StepReport& r) {
+    absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
     const double step_rate =
         r.step_seconds > 0 ? r.examples / r.step_seconds : 0;
@@ -580,6 +592,7 @@ class StepOutput {
   // While the job waits for its workers (PsClient::AwaitJobStart): the bar
   // says for whom. Without a bar the client's log line says it.
   void OnWaitingForWorkers(const JobStart& waiting) {
+    absl::MutexLock lock(&mu_);
     if (!bar_ || log_every_ <= 0) return;
     std::string missing = FormatIdList(waiting.missing_workers());
     if (missing.size() > 60)
@@ -594,7 +607,21 @@ class StepOutput {
 
   // Ends a bar left mid-line (a worker stopped early), so what follows
   // starts on a line of its own.
+  // While the worker waits to reach a server (registration, a retry): the
+  // bar shows the line the log has (shard, address, last error, time left).
+  // Any thread: a push thread retries too.
+  void ShowWait(const std::string& line) {
+    absl::MutexLock lock(&mu_);
+    if (!bar_ || log_every_ <= 0) return;
+    std::string shown = absl::StrCat("worker ", worker_id_, ": ", line);
+    if (shown.size() > 160) shown = absl::StrCat(shown.substr(0, 157), "...");
+    std::printf("\r%s\033[K", shown.c_str());
+    std::fflush(stdout);
+    line_open_ = true;
+  }
+
   void Finish() {
+    absl::MutexLock lock(&mu_);
     if (line_open_) {
       std::printf("\n");
       std::fflush(stdout);
@@ -607,6 +634,9 @@ class StepOutput {
     window_steps_ = 0;
   }
 
+  // Steps report on the training thread, retries on whichever thread
+  // retries.
+  absl::Mutex mu_;
   const int worker_id_;
   const bool bar_;
   const int64_t log_every_;
@@ -620,6 +650,160 @@ class StepOutput {
   bool line_open_ = false;          // a bar is drawn and its line not ended
   double last_test_accuracy_ = -1;  // the last evaluation's; -1: none yet
 };
+
+// SIGINT/SIGTERM: training stops after the step in hand and leaves the job
+// (`stop`). A wait (to reach a server, a retry, a sync pull held for a slow
+// peer) does not end by itself, so one still going kGrace after the
+// signal is cut short: every client's calls in progress are interrupted
+// (PsClient::Interrupt), again every 100 ms so that a wait begun since is
+// cut too, until the worker is past its waits (Quiet). The signal handler
+// only writes to a pipe (common/cli.h); all of this runs on a thread.
+class SignalWatch {
+ public:
+  explicit SignalWatch(std::atomic<bool>* stop) : stop_(stop) {}
+
+  // Never returns its thread: the object must live for the process.
+  void Start() {
+    std::thread([this] { Run(); }).detach();
+  }
+  void Add(PsClient* client) {
+    absl::MutexLock lock(&mu_);
+    clients_.push_back(client);
+  }
+  // No more interrupts: the worker is finishing (final model, leaving) or
+  // about to destroy its clients.
+  void Quiet() {
+    absl::MutexLock lock(&mu_);
+    quiet_ = true;
+  }
+  int signal_number() const {
+    absl::MutexLock lock(&mu_);
+    return signal_;
+  }
+
+ private:
+  // Long enough for a step in hand to end and the worker to leave on its
+  // own (and print its final JSON), short enough to stop within a second.
+  static constexpr absl::Duration kGrace = absl::Milliseconds(400);
+
+  void Run() {
+    const int signal_number = WaitForTerminationSignal();
+    {
+      absl::MutexLock lock(&mu_);
+      signal_ = signal_number;
+    }
+    LOG(INFO) << "signal " << signal_number
+              << ": stopping after this step and leaving the job";
+    stop_->store(true);
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&quiet_), kGrace);
+    while (!quiet_) {
+      for (PsClient* client : clients_) client->Interrupt();
+      mu_.AwaitWithTimeout(absl::Condition(&quiet_), absl::Milliseconds(100));
+    }
+  }
+
+  std::atomic<bool>* const stop_;
+  mutable absl::Mutex mu_;
+  std::vector<PsClient*> clients_ ABSL_GUARDED_BY(mu_);
+  bool quiet_ ABSL_GUARDED_BY(mu_) = false;
+  int signal_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// While Register waits for the servers (gRPC's wait-for-ready says nothing
+// until the deadline), says every few seconds which shard it waits for,
+// why (a TCP probe of its address: common/connection_check.h) and how long
+// is left, in the log and on the progress bar.
+class ConnectWaitReport {
+ public:
+  ConnectWaitReport(const std::vector<std::string>& hosts, bool tls,
+                    absl::Duration timeout, StepOutput* output)
+      : thread_([=] { Run(hosts, tls, timeout, output); }) {}
+  ~ConnectWaitReport() {
+    done_.Notify();
+    thread_.join();
+  }
+
+ private:
+  static constexpr absl::Duration kEvery = absl::Seconds(3);
+
+  void Run(const std::vector<std::string>& hosts, bool tls,
+           absl::Duration timeout, StepOutput* output) {
+    const absl::Time give_up = absl::Now() + timeout;
+    while (!done_.WaitForNotificationWithTimeout(kEvery)) {
+      const int64_t left =
+          std::max<int64_t>(0, absl::ToInt64Seconds(give_up - absl::Now()));
+      std::vector<std::string> lines;
+      for (size_t s = 0; s < hosts.size(); ++s) {
+        const std::string cause =
+            DiagnoseConnection(hosts[s], tls, absl::Seconds(1));
+        if (cause.empty()) continue;
+        // The time left before the cause: a bar cut to the terminal's
+        // width keeps it.
+        lines.push_back(absl::StrCat("waiting to reach shard ", s, " (",
+                                     hosts[s], ") to register, ", left,
+                                     " s left (--connect_timeout_s): ", cause));
+      }
+      if (lines.empty()) {
+        lines.push_back(absl::StrCat("waiting for the servers (",
+                                     absl::StrJoin(hosts, ","),
+                                     ") to answer the registration; ", left,
+                                     " s left (--connect_timeout_s)"));
+      }
+      if (done_.HasBeenNotified()) return;
+      for (const std::string& line : lines) LOG(INFO) << line;
+      output->ShowWait(lines.front());
+    }
+  }
+
+  absl::Notification done_;
+  std::thread thread_;
+};
+
+// Leaves the job on every shard, giving up after `within` (a shard that
+// cannot be reached must not hold a stopping worker).
+void LeaveWithin(PsClient& client, absl::Duration within) {
+  absl::Notification done;
+  std::thread leaver([&] {
+    absl::Status left = client.Leave();
+    if (!left.ok()) LOG(WARNING) << "leaving the job: " << left;
+    done.Notify();
+  });
+  if (!done.WaitForNotificationWithTimeout(within)) client.Interrupt();
+  leaver.join();
+}
+
+const char* SignalName(int signal_number) {
+  if (signal_number == SIGINT) return "SIGINT";
+  if (signal_number == SIGTERM) return "SIGTERM";
+  return "a signal";
+}
+
+// After a signal cut a wait short: leaves the job (this worker may have
+// joined it), says in one line what it waited for, and returns the exit
+// code, 128 + the signal as a shell reports a process it killed.
+int StoppedWhileWaiting(SignalWatch& watch, StepOutput& output,
+                        PsClient& client, int worker_id,
+                        const std::string& waiting_for,
+                        const absl::Status& status) {
+  watch.Quiet();
+  output.Finish();
+  LeaveWithin(client, absl::Milliseconds(300));
+  const int signal_number = watch.signal_number();
+  LOG(ERROR) << "worker " << worker_id << ": stopped by "
+             << SignalName(signal_number) << " while waiting " << waiting_for
+             << ": " << status.message();
+  return 128 + signal_number;
+}
+
+// Register, showing the wait for the servers (ConnectWaitReport).
+absl::StatusOr<Registration> RegisterShowingWait(
+    PsClient& client, const PsClientOptions& options, StepOutput& output,
+    const ModelSchema& schema, int num_workers, int worker_id) {
+  ConnectWaitReport report(options.hosts, options.credentials != nullptr,
+                           options.connect_timeout, &output);
+  return client.Register(schema, num_workers, worker_id);
+}
 
 int Main(int argc, char** argv) {
   command_line.assign(argv + 1, argv + argc);
@@ -781,9 +965,14 @@ int Main(int argc, char** argv) {
   client_options.retry_window =
       absl::Seconds(absl::GetFlag(FLAGS_retry_window_s));
   client_options.inject_duplicate_push_probability = duplicate_probability;
-  // SIGTERM/SIGINT: a wait for the job's start ends at once; training
-  // finishes the step in hand, leaves the job and reports.
+  // SIGTERM/SIGINT: training finishes the step in hand, leaves the job and
+  // reports; a wait ends within a second (SignalWatch).
   static std::atomic<bool> stop_requested{false};
+  // Where a retry shows itself on the progress bar, once there is one.
+  static std::atomic<StepOutput*> wait_display{nullptr};
+  client_options.on_retry = [](const std::string& line) {
+    if (StepOutput* output = wait_display.load()) output->ShowWait(line);
+  };
   const absl::StatusOr<DataType> wire_type =
       ParseWireType(absl::GetFlag(FLAGS_gradient_wire_type));
   checks.push_back(wire_type.status());
@@ -836,12 +1025,9 @@ int Main(int argc, char** argv) {
           absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_precision),
           absl::GetFlag(FLAGS_cpu_threads)});
   ExitOnFlagErrors({backend.status()});
-  std::thread([] {
-    const int signal_number = WaitForTerminationSignal();
-    LOG(INFO) << "signal " << signal_number
-              << ": stopping after this step and leaving the job";
-    stop_requested = true;
-  }).detach();
+  // Lives as long as the process: its thread does.
+  SignalWatch* const signal_watch = new SignalWatch(&stop_requested);
+  signal_watch->Start();
   if (model_name == "ctr") {  // sparse embedding tables: worker/ctr_main.h
     const bool ctr_bar =
         progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO) == 1);
@@ -865,6 +1051,23 @@ int Main(int argc, char** argv) {
       ctr_output.OnWaitingForWorkers(waiting);
     };
     ctr.stop = &stop_requested;
+    // Waits show themselves and end on a signal as the dense worker's do.
+    wait_display = &ctr_output;
+    signal_watch->Add(client->get());
+    absl::Cleanup quiet = [signal_watch] {
+      signal_watch->Quiet();
+      wait_display = nullptr;
+    };
+    ctr.register_model = [&](const ModelSchema& schema) {
+      return RegisterShowingWait(**client, client_options, ctr_output, schema,
+                                 num_workers, worker_id);
+    };
+    ctr.on_steps_done = [signal_watch] { signal_watch->Quiet(); };
+    ctr.stopped_while_waiting = [&](const std::string& waiting_for,
+                                    const absl::Status& status) {
+      return StoppedWhileWaiting(*signal_watch, ctr_output, **client, worker_id,
+                                 waiting_for, status);
+    };
     ctr_output.Start(0);
     const int code = RunCtrWorker(ctr);
     ctr_output.Finish();
@@ -919,8 +1122,26 @@ int Main(int argc, char** argv) {
       progress == "bar" || (progress == "auto" && isatty(STDOUT_FILENO) == 1);
   StepOutput output(worker_id, bar, absl::GetFlag(FLAGS_log_every),
                     csv.ok() ? std::move(*csv) : nullptr, metrics.get());
-  absl::StatusOr<Registration> registration =
-      (*client)->Register(schema, num_workers, worker_id);
+  wait_display = &output;
+  signal_watch->Add(client->get());
+  // Before the clients go, on every path: the watch must not touch them.
+  absl::Cleanup quiet = [signal_watch] {
+    signal_watch->Quiet();
+    wait_display = nullptr;  // before `output` goes
+  };
+  // A signal during a wait: leave the job if this worker may have joined
+  // it, and exit with one line saying what it waited for.
+  auto interrupted = [&](const std::string& waiting_for,
+                         const absl::Status& status) {
+    return StoppedWhileWaiting(*signal_watch, output, **client, worker_id,
+                               waiting_for, status);
+  };
+  absl::StatusOr<Registration> registration = RegisterShowingWait(
+      **client, client_options, output, schema, num_workers, worker_id);
+  if (!registration.ok() && signal_watch->signal_number() != 0) {
+    return interrupted("to reach the servers and register the model",
+                       registration.status());
+  }
   if (!registration.ok()) {
     LOG(ERROR) << "cannot register the model: " << registration.status();
     // Waiting for servers, gRPC reports any cause as the deadline passing.
@@ -945,6 +1166,9 @@ int Main(int argc, char** argv) {
     return job_start;
   };
   auto job_did_not_start = [&]() {
+    if (signal_watch->signal_number() != 0 && absl::IsCancelled(job_start)) {
+      return interrupted("for the job's other workers to register", job_start);
+    }
     output.Finish();
     LOG(ERROR) << "the job did not start: " << job_start;
     (*client)->Leave().IgnoreError();
@@ -965,13 +1189,20 @@ int Main(int argc, char** argv) {
     absl::StatusOr<Registration> observing =
         created.ok() ? (*created)->Register(schema, num_workers, -1)
                      : absl::StatusOr<Registration>(created.status());
+    if (!observing.ok() && signal_watch->signal_number() != 0) {
+      return interrupted("to connect the observer for the final model",
+                         observing.status());
+    }
     if (!observing.ok()) {
       LOG(ERROR) << "cannot connect the observer for the final model: "
                  << observing.status();
       return 1;
     }
     observer = std::move(*created);
+    signal_watch->Add(observer.get());
   }
+  // Declared after the observer: runs before it is destroyed.
+  absl::Cleanup quiet_observer = [signal_watch] { signal_watch->Quiet(); };
 
   TrainerOptions options;
   options.worker_id = worker_id;
@@ -989,7 +1220,20 @@ int Main(int argc, char** argv) {
   options.final_model_timeout =
       absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
   options.observer = observer.get();
-  options.on_step = [&output](const StepReport& r) { output.OnStep(r); };
+  LearningWatch learning_watch(absl::GetFlag(FLAGS_loss_check_steps),
+                               registration->optimizer,
+                               registration->learning_rate);
+  int64_t last_step = registration->start_step;
+  options.on_step = [&](const StepReport& r) {
+    last_step = r.step;
+    const std::string warning = learning_watch.OnStep(r.step, r.loss);
+    if (!warning.empty()) {
+      output.Finish();  // the warning gets a line of its own
+      LOG(WARNING) << "worker " << worker_id << ": " << warning;
+    }
+    output.OnStep(r);
+  };
+  options.on_steps_done = [signal_watch] { signal_watch->Quiet(); };
   options.start_step = registration->start_step;
   options.stop = &stop_requested;
   if (registration->mode == "sync") options.await_job_start = await_job_start;
@@ -1000,11 +1244,18 @@ int Main(int argc, char** argv) {
       Train(options, registration->mode, **client, **model, **backend,
             *data->train, data->test.get());
   if (!job_start.ok()) return job_did_not_start();
+  if (!result.ok() && signal_watch->signal_number() != 0 &&
+      absl::IsCancelled(result.status())) {
+    return interrupted(
+        absl::StrCat("on the servers after step ", last_step, " of ", *steps),
+        result.status());
+  }
   output.Finish();
   if (!result.ok()) {
     LOG(ERROR) << "training failed: " << result.status();
     return 1;
   }
+  result->not_learning = learning_watch.fired();
   std::printf(
       "%s\n",
       FinalJson(*result, worker_id, num_workers, (*backend)->Name()).c_str());

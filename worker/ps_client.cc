@@ -260,6 +260,8 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
     registration.start_step =
         std::max(registration.start_step, response.step());
   }
+  registration.optimizer = (*responses)[0].optimizer();
+  registration.learning_rate = (*responses)[0].learning_rate();
   mode_ = registration.mode;
 
   // Group each shard's blocks into RPCs of at most one block's bytes (small

@@ -101,11 +101,20 @@ struct PsClientOptions {
   // send it again with this probability, as a client whose response was
   // lost would.
   double inject_duplicate_push_probability = 0;
+  // Called (on the calling thread) each time a failed call is about to be
+  // retried, with the line that is also logged: the shard, its address,
+  // the last error and the time left in the retry window. A progress bar
+  // shows it.
+  std::function<void(const std::string& line)> on_retry;
 };
 
 struct Registration {
   std::string mode;        // the servers' consistency mode
   int64_t start_step = 0;  // where a (re)joining worker starts
+  // The dense optimizer shard 0 applies and its learning rate in effect
+  // (empty / 0: a server from before they were told).
+  std::string optimizer;
+  double learning_rate = 0;
 };
 
 class PsClient {

@@ -8,6 +8,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
@@ -204,13 +205,28 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
   absl::Duration backoff = absl::Milliseconds(50);
   const uint64_t epoch = interrupts();
   for (Call& call : calls) call.epoch = epoch;
+  // What the call was waiting for when it was cut: the shards still
+  // unanswered, or the error it was retrying after.
+  std::string waiting_for;
   auto interrupted = [&] {
-    return absl::CancelledError(absl::StrCat(
-        method, " interrupted (Interrupt: a signal, or Ctrl-C in Python)"));
+    return absl::CancelledError(
+        absl::StrCat(method, " interrupted while ", waiting_for,
+                     " (Interrupt: a signal, or Ctrl-C in Python)"));
   };
   while (true) {
     StartAndWait(full_method, calls, which, timeout);
-    if (interrupts() != epoch) return interrupted();
+    if (interrupts() != epoch) {
+      std::vector<std::string> pending;
+      for (size_t i : which) {
+        if (calls[i].status.ok()) continue;
+        pending.push_back(absl::StrCat("shard ", calls[i].shard, " (",
+                                       options_.hosts[calls[i].shard], ")"));
+      }
+      waiting_for = absl::StrCat(
+          "waiting for ", pending.empty() ? std::string("the servers")
+                                          : absl::StrJoin(pending, ", "));
+      return interrupted();
+    }
     std::vector<size_t> failed;
     bool retryable = retry;
     bool reregister = false;
@@ -237,8 +253,16 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
         absl::StrCat("shard ", first.shard, " (", options_.hosts[first.shard],
                      "): ", first.status.message()));
     if (!retryable || absl::Now() + backoff > give_up) return error;
-    LOG(WARNING) << error << "; retrying " << failed.size() << " call(s) in "
-                 << absl::FormatDuration(backoff);
+    // The time left before the error: a bar cut to the terminal's width
+    // keeps it.
+    const std::string line =
+        absl::StrCat("retrying ", failed.size(), " call(s) in ",
+                     absl::FormatDuration(backoff), " (",
+                     absl::ToInt64Seconds(give_up - absl::Now()),
+                     " s left of the retry window) after ", error.ToString());
+    LOG(WARNING) << line;
+    if (options_.on_retry) options_.on_retry(line);
+    waiting_for = absl::StrCat("retrying after ", error.ToString());
     if (!SleepUnlessInterrupted(backoff, epoch)) return interrupted();
     backoff = std::min(backoff * 2, absl::Seconds(5));
     if (reregister) {

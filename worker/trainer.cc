@@ -404,6 +404,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       options.on_step(report);
     }
   }
+  if (options.on_steps_done) options.on_steps_done();
   if (window.rows > 0) {
     result.final_loss = window.loss_sum / window.rows;
     result.train_accuracy =
@@ -482,7 +483,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"steps_run\":%d,"
       "\"steps_skipped\":%d,\"steps_short\":%d,"
       "\"duplicate_blocks\":%d,\"late_blocks\":%d,"
-      "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s}",
+      "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s,"
+      "\"not_learning\":%s}",
       r.mode, worker_id, num_workers, device, r.steps, r.epochs,
       r.steps_per_epoch, r.final_loss, r.train_accuracy, r.test_loss,
       r.test_accuracy, r.test_examples, r.final_model, time_to_target,
@@ -492,7 +494,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
           std::max(r.wall_time_s - r.evaluation_seconds, 1e-9),
       r.peak_rss_bytes / 1048576.0, r.start_step, r.steps_run, r.steps_skipped,
       r.steps_short, r.duplicate_blocks, r.late_blocks,
-      r.injected_duplicate_pushes, r.stopped_early ? "true" : "false");
+      r.injected_duplicate_pushes, r.stopped_early ? "true" : "false",
+      r.not_learning ? "true" : "false");
 }
 
 }  // namespace pstrain

@@ -88,6 +88,10 @@ struct TrainerOptions {
   // and the job's first step ends a few ms after the last one registers.
   // The wait is not training time. Null: the caller waited before Train.
   std::function<absl::Status()> await_job_start;
+  // Called once the steps are over (done, or stopped), before the final
+  // model is pulled and evaluated: a signal then no longer cuts calls
+  // short (see worker/main.cc).
+  std::function<void()> on_steps_done;
 };
 
 struct TrainResult {
@@ -125,6 +129,9 @@ struct TrainResult {
   int64_t late_blocks = 0;       // sync: gradients for a finished step
   int64_t injected_duplicate_pushes = 0;
   bool stopped_early = false;
+  // The worker's LearningWatch warned: the loss did not fall in time or
+  // became NaN/Inf (set by the caller, which feeds the watch).
+  bool not_learning = false;
 };
 
 // Trains `model` against the servers behind `client` (already registered as
