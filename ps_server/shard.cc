@@ -145,6 +145,13 @@ Shard::Shard(const ShardOptions& options, std::unique_ptr<Optimizer> optimizer)
     waiting_since_ = now;
     last_wait_log_ = now;
     started_ = options_.mode == ConsistencyMode::kAsync;
+    // A sync shard that starts with nothing restored may be a restart that
+    // lost its state (no checkpoint yet, or none kept): its workers then
+    // come at the job's step s, not 0. Once all of them have, it takes that
+    // step with its initial values (FastForwardLocked, counted in
+    // steps_lost) rather than end the job. A new job's first contact is at
+    // the step it holds and clears this.
+    fresh_ = options_.mode == ConsistencyMode::kSync;
     if (started_) started_at_ = now;
   }
   reaper_ = std::thread([this] { RunReaper(); });

@@ -48,7 +48,9 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/partition.h"
@@ -300,6 +302,13 @@ class Shard {
   // block forward to it.
   void FastForwardLocked(const Model& model, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A fresh shard (fresh_) met by `worker` at `step`, past what it holds:
+  // true once every expected worker has been, and the shard may take the
+  // job's step; until then the caller refuses with FreshShardBehind.
+  bool ConfirmLostStateLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FreshShardBehindLocked(absl::string_view what, int64_t step,
+                                      int64_t version) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Membership, under mu_. A worker's first contact starts its lease and
   // may start the job: true when it did (the caller then answers the
@@ -382,6 +391,13 @@ class Shard {
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   // Restored and not yet met by a worker (sync fast-forward allowed).
   bool recovering_ ABSL_GUARDED_BY(mu_) = false;
+  // Sync, started with nothing restored, and no worker has met it at the
+  // step it holds yet: it may be a restart that lost its state (killed
+  // before its first checkpoint, or run without one). Workers ahead of it
+  // are refused as retryable until every expected worker is (then it takes
+  // their step: ConfirmLostStateLocked); one client alone cannot move it.
+  bool fresh_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<int> ahead_of_fresh_ ABSL_GUARDED_BY(mu_);
   // A restored shard may have lost gradients of steps up to this one (the
   // steps in flight when it crashed); -1 when it never restored.
   int64_t recovery_horizon_ ABSL_GUARDED_BY(mu_) = -1;

@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/status_text.h"
 #include "common/tensor_codec.h"
+#include "glog/logging.h"
 #include "ps_server/shard.h"
 #include "ps_server/shard_internal.h"
 
@@ -136,8 +137,32 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
     state->version.store(step);
   }
   steps_lost_.fetch_add(lost);
+  if (lost > 0) {
+    LOG(WARNING) << "the workers are at step " << step
+                 << ": this shard takes it, " << lost
+                 << " step(s) behind (the updates since its checkpoint, or "
+                    "all without one, died with its earlier life; counted "
+                    "in steps_lost)";
+  }
   recovering_ = false;
+  fresh_ = false;
   recovery_horizon_ = std::max(recovery_horizon_, step);
+}
+
+bool Shard::ConfirmLostStateLocked(int worker) {
+  if (!fresh_ || worker < 0 || worker >= options_.num_workers) return false;
+  ahead_of_fresh_.insert(worker);
+  return static_cast<int>(ahead_of_fresh_.size()) == options_.num_workers;
+}
+
+absl::Status Shard::FreshShardBehindLocked(absl::string_view what, int64_t step,
+                                           int64_t version) const {
+  return absl::UnavailableError(absl::StrCat(
+      what, " for step ", step, " but this shard holds step ", version,
+      ": it started with no checkpoint while the job ran on, and takes the "
+      "job's step once all ",
+      options_.num_workers, " workers have come back (", ahead_of_fresh_.size(),
+      " so far); retry"));
 }
 
 absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
@@ -169,9 +194,15 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
         const Block& block = *(*model)->blocks[push.local];
         const int64_t version = block.version.load();
         if (request.step <= version) continue;
-        if (recovering_) {
+        if (recovering_ || ConfirmLostStateLocked(request.worker_id)) {
           FastForwardLocked(**model, request.step);
           break;
+        }
+        if (fresh_) {
+          const absl::Status behind =
+              FreshShardBehindLocked("push", request.step, version);
+          lock.Release();
+          return Reject(behind);
         }
         // A worker pushing s pulled s from this shard's previous life, so
         // its gradient of s - 1 was lost with it, as in Pull. The step
@@ -203,6 +234,7 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
         return Reject(std::move(refused));
       }
       recovering_ = false;
+      fresh_ = false;
     }
   }
 
@@ -578,9 +610,15 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
         const Block& block = *(*model)->blocks[local];
         const int64_t version = block.version.load();
         if (version + 1 >= step) continue;
-        if (recovering_) {
+        if (recovering_ || ConfirmLostStateLocked(worker)) {
           FastForwardLocked(**model, step);
           break;
+        }
+        if (fresh_) {
+          const absl::Status behind =
+              FreshShardBehindLocked("pull", step, version);
+          lock.Release();
+          return done(Reject(behind), {});
         }
         lock.Release();
         return done(Reject(absl::OutOfRangeError(absl::StrCat(
@@ -591,6 +629,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
                     {});
       }
       recovering_ = false;
+      fresh_ = false;
       // A member pulling step s has pushed step s - 1 everywhere; a block
       // of a restored shard without its gradient for a step that was in
       // flight when the shard died lost it with the shard's previous life.

@@ -114,6 +114,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
   steps_lost_.fetch_add(tables_behind);
   absl::MutexLock state_lock(&mu_);
   recovering_ = options_.mode == ConsistencyMode::kSync;
+  fresh_ = false;
   recovery_horizon_ = newest;
   // The job was running: its workers are coming back, not starting, so
   // each expected one holds a lease from now, as after any restart.

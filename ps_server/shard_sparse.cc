@@ -144,8 +144,14 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
     }
     if (options_.mode == ConsistencyMode::kSync) {
       const int64_t version = table->version.load();
-      if (version + 1 < step && recovering_) {
+      if (version + 1 < step &&
+          (recovering_ || ConfirmLostStateLocked(worker))) {
         FastForwardLocked(**model, step);
+      } else if (version + 1 < step && fresh_) {
+        const absl::Status behind =
+            FreshShardBehindLocked("sparse pull", step, version);
+        lock.Release();
+        return answer(Reject(behind));
       } else if (version + 1 < step) {
         lock.Release();
         return answer(Reject(absl::OutOfRangeError(absl::StrCat(
@@ -301,10 +307,11 @@ absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
     absl::MutexLock lock(&mu_);
     const int64_t version = table.version.load();
     if (step <= version) return absl::OkStatus();
-    if (recovering_) {
+    if (recovering_ || ConfirmLostStateLocked(request.worker_id())) {
       FastForwardLocked(model, step);
       return absl::OkStatus();
     }
+    if (fresh_) return FreshShardBehindLocked("sparse push", step, version);
     // As for dense pushes: the worker pulled `step` from this shard's
     // previous life, which lost its step - 1 gradient.
     completed = CreditLostGradientsLocked(model, request.worker_id(), step);

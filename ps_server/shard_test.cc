@@ -836,11 +836,31 @@ TEST(ShardSyncTest, ShutdownReleasesWaitingPulls) {
 
 TEST(ShardSyncTest, StepsOutOfOrderAreRefused) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 2);
-  EXPECT_EQ(DoPush(*f.shard, UniformPush(0, 1, 1)).status().code(),
+  // The job is under way here: worker 0 met the shard at its step.
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  EXPECT_EQ(DoPush(*f.shard, UniformPush(0, 2, 1)).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(DoPull(*f.shard, PullAt(0, 2), Soon())->status.code(),
+  EXPECT_EQ(DoPull(*f.shard, PullAt(1, 3), Soon())->status.code(),
             absl::StatusCode::kOutOfRange);
   EXPECT_EQ(f.shard->Stats().version(), 0);
+}
+
+// A shard that starts with nothing restored and meets workers past its step
+// may have restarted without a checkpoint: one worker (or one bad client)
+// alone is refused as retryable and moves nothing; once every expected
+// worker has come ahead, it takes their step and counts what it skipped.
+TEST(ShardSyncTest, AFreshShardTakesTheJobsStepOnlyWhenEveryWorkerIsAhead) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  const absl::Status alone = DoPush(*f.shard, UniformPush(0, 7, 1)).status();
+  EXPECT_EQ(alone.code(), absl::StatusCode::kUnavailable) << alone;
+  EXPECT_NE(alone.message().find("(1 so far)"), std::string::npos) << alone;
+  EXPECT_EQ(f.shard->Stats().version(), 0);
+  EXPECT_EQ(f.shard->Stats().steps_lost(), 0);
+  // The second worker, ahead too: the shard takes step 7.
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 7, 3)).ok());
+  EXPECT_EQ(f.shard->Stats().steps_lost(), 7);
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 7, 1)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 8);
 }
 
 TEST(ShardSyncTest, SkippedNonFiniteGradientStillCountsTowardQuorum) {
@@ -986,8 +1006,10 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
   cases.push_back({"negative step", UniformPush(0, -1, 1),
                    absl::StatusCode::kInvalidArgument,
                    "step must be in [0, 2^53)"});
+  // A shard no worker has met at its step yet may have lost its state: a
+  // lone worker ahead is asked to retry, and nothing moves.
   cases.push_back({"future step", UniformPush(0, 9, 1),
-                   absl::StatusCode::kFailedPrecondition, "push for step 9"});
+                   absl::StatusCode::kUnavailable, "push for step 9"});
   {
     PushRequest p = UniformPush(0, 0, 1);
     EncodeFloat32(std::vector<float>{1, 2, INFINITY, 4},

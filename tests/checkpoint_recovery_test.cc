@@ -257,6 +257,57 @@ TEST(CheckpointRecoveryTest, CtrJobSurvivesAServerRestart) {
   }
 }
 
+// A shard restarted with nothing to restore (killed before its first
+// checkpoint, or run without --checkpoint_dir) meets workers already at
+// step s. It takes their step with its initial values, counts what it
+// skipped, and the job finishes, dense and sparse alike. Before, every
+// worker exited 1 with "push for step s but ... is at step 0" (issue 24).
+void RestartWithoutCheckpointCase(const std::vector<std::string>& worker_flags,
+                                  int steps, const std::string& name) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 3;
+  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
+  auto cluster = StartCluster(options, name);
+  ASSERT_NE(cluster, nullptr);
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < 3; ++k) {
+    workers.push_back(std::move(*cluster->StartWorker(k, 3, worker_flags)));
+  }
+  const absl::Status running = cluster->WaitForStats(
+      [](const StatsResponse& s) { return s.version() >= 5; },
+      absl::Seconds(60));
+  ASSERT_TRUE(running.ok()) << running;
+  cluster->KillServer(1);
+  const absl::Status restarted = cluster->RestartServer(1);
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  for (auto& worker : workers) Finish(*worker);
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ((*stats)[0].version(), steps);
+  EXPECT_EQ((*stats)[1].version(), steps);
+  // It skipped the steps it had lost, at least the 5 seen before the kill.
+  EXPECT_GE((*stats)[1].steps_lost(), 5);
+  EXPECT_EQ((*stats)[0].steps_lost(), 0);
+  EXPECT_THAT(cluster->server(1).Stderr(),
+              ::testing::HasSubstr("this shard takes it"));
+}
+
+TEST(CheckpointRecoveryTest, DenseShardRestartedWithoutCheckpointRejoins) {
+  std::vector<std::string> flags = WorkerFlags(200);
+  flags.push_back("--inject_step_delay_ms=5");
+  RestartWithoutCheckpointCase(flags, 200, "no_checkpoint_dense");
+}
+
+TEST(CheckpointRecoveryTest, SparseShardRestartedWithoutCheckpointRejoins) {
+  RestartWithoutCheckpointCase(
+      {"--model=ctr", "--ctr_fields=4", "--ctr_dense=2", "--ctr_vocab=2000",
+       "--batch_size=128", "--steps=400", "--log_every=0", "--device=cpu",
+       "--heartbeat_interval_s=0.2", "--retry_window_s=60",
+       "--rpc_timeout_s=20", "--inject_step_delay_ms=5"},
+      400, "no_checkpoint_sparse");
+}
+
 TEST(CheckpointRecoveryTest, CorruptNewestCheckpointFallsBackToThePrevious) {
   const std::string dir = absl::StrCat(testing::TestDir(), "/ckpt_corrupt");
   ClusterOptions options;
