@@ -600,8 +600,17 @@ absl::StatusOr<int64_t> FreeBytesAt(const std::string& path) {
          static_cast<int64_t>(vfs.f_frsize);
 }
 
-std::string Mib(int64_t bytes) {
-  return absl::StrFormat("%.1f MiB", bytes / 1048576.0);
+// "512 B", "3.2 KiB", "61.0 MiB": sizes in an error a person reads.
+std::string HumanBytes(int64_t bytes) {
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  const char* units[] = {"KiB", "MiB", "GiB", "TiB"};
+  double value = bytes / 1024.0;
+  int unit = 0;
+  while (value >= 1024 && unit < 3) {
+    value /= 1024;
+    ++unit;
+  }
+  return absl::StrFormat("%.1f %s", value, units[unit]);
 }
 
 // ---------------------------------------------------------------------------
@@ -1099,9 +1108,10 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
     info->free_bytes = *free_bytes;
     if (*free_bytes < bytes) {
       info->no_room = true;
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "no room for checkpoint ", final_path, ": it needs ", Mib(bytes),
-          ", ", Mib(*free_bytes), " free in ", shard_dir));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no room for checkpoint ", final_path, ": it needs ",
+                       HumanBytes(bytes), ", ", HumanBytes(*free_bytes),
+                       " free in ", shard_dir));
     }
   }
 
@@ -1172,15 +1182,13 @@ absl::Status ProbeCheckpointDir(const std::string& dir) {
   if (absl::Status s = MakeDirs(dir); !s.ok()) return unusable(s);
   const std::string probe =
       JoinPath(dir, absl::StrCat(".pstrain-probe-", ::getpid()));
+  // Created and closed empty: a disk that is full now may have room by the
+  // first checkpoint (and a full one gets backoff, not an exit), but a
+  // read-only, foreign or missing one will not.
   const int fd =
       ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return unusable(ErrnoError(errno, "cannot create", probe));
-  absl::Status status;
-  {
-    FdCloser closer(fd);
-    status = WriteAll(fd, "p", 1, probe);
-    if (status.ok()) status = closer.Close(probe);
-  }
+  absl::Status status = FdCloser(fd).Close(probe);
   if (::unlink(probe.c_str()) != 0 && status.ok()) {
     status = ErrnoError(errno, "cannot remove", probe);
   }

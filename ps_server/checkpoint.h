@@ -193,10 +193,11 @@ class CheckpointStore {
 };
 
 // Checks at start-up that checkpoints can be written to `dir`: creates it
-// (and its parents) if missing, then creates, writes and removes a probe
-// file there. The error names the directory and the reason ("Read-only
-// file system", "Not a directory", ...), so a server can refuse to start
-// instead of failing every checkpoint of the job.
+// (and its parents) if missing, then creates and removes an empty probe
+// file there (a full disk passes: see Checkpointer's backoff). The error names
+// the directory and the reason ("Read-only file system", "Not a directory",
+// ...), so a server can refuse to start instead of failing every checkpoint of
+// the job.
 absl::Status ProbeCheckpointDir(const std::string& dir);
 
 // Free bytes for an unprivileged writer on the filesystem holding `dir`.
