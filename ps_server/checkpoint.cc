@@ -1098,8 +1098,13 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
           JoinPath(shard_dir, CheckpointFileName(sequences.back()));
       sequences.pop_back();
       if (::unlink(path.c_str()) != 0) break;
-      LOG(WARNING) << "removed old checkpoint " << path
-                   << " before its time to make room for " << final_path;
+      // Once per process at WARNING: on a disk that holds fewer than
+      // keep_last checkpoints this happens at every checkpoint.
+      LOG_FIRST_N(WARNING, 1)
+          << "removed old checkpoint " << path << " before its time to make "
+          << "room for " << final_path << ": the disk holds fewer than "
+          << keep_last_ << " checkpoints (logged once; --v=1 logs each)";
+      VLOG(1) << "removed old checkpoint " << path << " to make room";
       free_bytes = FreeBytesAt(shard_dir);
       if (!free_bytes.ok()) break;
     }
