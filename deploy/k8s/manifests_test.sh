@@ -12,13 +12,16 @@
 #  3. scale_workers.sh, run against a stand-in kubectl that records its calls,
 #     patches the ConfigMap and the Job so that the manifests stay valid and
 #     consistent (validated after applying the recorded merge patches), and
-#     patching only one of them is caught; bad arguments exit 2.
+#     patching only one of them is caught; bad arguments exit 2;
+#  4. monitoring/alerts.yaml's rules pass promtool check rules, and fire as
+#     testdata/checkpoint_alerts_test.yaml expects (promtool test rules).
 #
 #   bash deploy/k8s/manifests_test.sh      # directly
 #   bazel test //deploy/k8s:manifests_test
 #
 # Needs node and the npm packages of validate/ (deploy/setup.sh installs
-# them: npm ci --prefix deploy/k8s/validate).
+# them: npm ci --prefix deploy/k8s/validate), and promtool (Debian's
+# prometheus package, also installed by deploy/setup.sh).
 set -euo pipefail
 
 fail() { printf 'manifests_test: FAIL: %s\n' "$*" >&2; exit 1; }
@@ -97,5 +100,16 @@ for arg in 0 -3 abc ""; do
   ((rc == 2)) || fail "scale_workers.sh '$arg' exited $rc, want 2"
 done
 [[ ! -e "$KUBECTL_LOG" ]] || fail "scale_workers.sh ran kubectl for a bad count"
+
+echo "== 4. the alert rules (promtool, from Debian's prometheus package)"
+command -v promtool >/dev/null || fail "promtool not found (apt-get install prometheus; see deploy/setup.sh)"
+# promtool reads plain rule files: the PrometheusRule's spec is one.
+sed -n '/^spec:/,$p' "$dir/monitoring/alerts.yaml" | tail -n +2 | sed 's/^  //' \
+  >"$tmp/checkpoint_alerts.rules.yaml"
+promtool check rules "$tmp/checkpoint_alerts.rules.yaml" ||
+  fail "monitoring/alerts.yaml: promtool check rules failed"
+cp "$dir/testdata/checkpoint_alerts_test.yaml" "$tmp/"
+(cd "$tmp" && promtool test rules checkpoint_alerts_test.yaml) ||
+  fail "monitoring/alerts.yaml: the alerts do not fire as testdata/checkpoint_alerts_test.yaml expects"
 
 echo "manifests_test: PASS"
