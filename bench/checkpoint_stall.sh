@@ -18,7 +18,9 @@
 #    checkpoints fill it), 1000 steps: failed tries and log lines.
 #
 #   bench/checkpoint_stall.sh [--steps=200] [--repeats=3] [--every=20] [--window=3]
-#       [--throttle_mbps=20] [--full_s=60]
+#       [--throttle_mbps=20] [--full_s=60] [--keep]
+#
+# --keep leaves the run directory (logs, step CSVs) for a closer look.
 #
 # Needs root for the mounts (tmpfs, loop device) and the cgroup. Writes
 # bench/results/checkpoint_stall.txt.
@@ -31,6 +33,7 @@ every=20
 window=3
 throttle_mbps=20
 full_s=60
+keep=0
 for arg in "$@"; do
   case "$arg" in
     --steps=*) steps=${arg#*=} ;;
@@ -39,6 +42,7 @@ for arg in "$@"; do
     --window=*) window=${arg#*=} ;;
     --throttle_mbps=*) throttle_mbps=${arg#*=} ;;
     --full_s=*) full_s=${arg#*=} ;;
+    --keep) keep=1 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "checkpoint_stall.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
@@ -64,7 +68,7 @@ cleanup() {
   for m in "${mounts[@]}"; do umount -l "$m" 2>/dev/null || true; done
   [[ -n "$loop_dev" ]] && losetup -d "$loop_dev" 2>/dev/null || true
   [[ -n "$cgroup_dir" ]] && rmdir "$cgroup_dir" 2>/dev/null || true
-  rm -rf "$run_dir"
+  if ((keep)); then echo "run directory kept: $run_dir" >&2; else rm -rf "$run_dir"; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -107,9 +111,9 @@ metric() {  # metric NAME LABEL_FILTER: the value from the server's /metrics
     awk -v m="$2{" -v f="$3" 'index($1, m) == 1 && index($1, f) {print $2; exit}'
 }
 
-# step_stats CSV...: "p50_ms p99_ms wp50_ms wp99_ms" over every step of
-# every file, and over the steps within $window after each checkpoint step
-# (k*every < s <= k*every+window). The first 10 steps (warm-up) of each run
+# step_stats CSV...: "p50_ms p99_ms wp50_ms wp99_ms rp50_ms rp99_ms" over
+# every step of every file, over the steps within $window after each
+# checkpoint step (k*every < s <= k*every+window), and over the rest. The first 10 steps (warm-up) of each run
 # are left out.
 step_stats() {
   local rows
@@ -121,14 +125,14 @@ step_stats() {
         if (!((file, s) in t) || !((file, s - 1) in t)) continue
         d = (t[file, s] - t[file, s - 1]) * 1000
         print "all", d
-        if ((s - 1) % every < window) print "win", d
+        print (((s - 1) % every < window) ? "win" : "rest"), d
       }
     }' "$@")
   pct() {  # pct KIND Q: the Q quantile (nearest rank) of the KIND rows
     awk -v k="$1" '$1 == k {print $2}' <<<"$rows" | sort -g |
       awk -v q="$2" '{v[NR] = $1} END {i = int(q * NR + 0.999); if (i < 1) i = 1; printf "%.1f", v[i]}'
   }
-  echo "$(pct all 0.5) $(pct all 0.99) $(pct win 0.5) $(pct win 0.99)"
+  echo "$(pct all 0.5) $(pct all 0.99) $(pct win 0.5) $(pct win 0.99) $(pct rest 0.5) $(pct rest 0.99)"
 }
 
 # stall_run NAME PROCS_OR_EMPTY SERVER_FLAGS...: one 67 MB job of $steps
@@ -154,12 +158,13 @@ stall_run() {
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (b > 0) printf "%.2f", a / b; else printf "-"}'; }
 # row LABEL KIND: a table row for the runs of KIND against the base runs.
 row() {
-  local p50 p99 w50 w99 n t
-  read -r p50 p99 w50 w99 < <(step_stats "$run_dir/$2".*.csv)
+  local p50 p99 w50 w99 r50 r99 n t
+  read -r p50 p99 w50 w99 r50 r99 < <(step_stats "$run_dir/$2".*.csv)
   read -r n t < <(awk '{n += $1; t += $2} END {printf "%d %.2f", n, (n > 0) ? t / n : 0}' "$run_dir/$2.ckpt")
-  if [[ "$2" == base ]]; then w50=- w99=- n=0 t=-; fi
-  printf '%-34s %8s %8s %8s %8s %9s %9s %6s %8s' "$1" "$p50" "$p99" "$w50" "$w99" \
-    "$(ratio "${w50/-/$p50}" "$b50")" "$(ratio "${w99/-/$p99}" "$b99")" "$n" "$t"
+  if [[ "$2" == base ]]; then w50=- w99=- r50=- r99=- n=0 t=-; fi
+  printf '%-30s %7s %7s %8s %8s %8s %8s %6s %6s %6s %6s %5s %6s' "$1" "$p50" "$p99" "$w50" "$w99" "$r50" "$r99" \
+    "$(ratio "${w50/-/$p50}" "$b50")" "$(ratio "${w99/-/$p99}" "$b99")" \
+    "$(ratio "$w50" "$r50")" "$(ratio "$w99" "$r99")" "$n" "$t"
 }
 
 # The throttled disk: a loop device (ext4 on a file), writes capped for the
@@ -210,7 +215,7 @@ for ((r = 1; r <= repeats; r++)); do
     stall_run "slow.$r" "$slow_procs" --checkpoint_dir="$run_dir/slow/ckpt" --checkpoint_every_steps="$every"
   fi
 done
-read -r b50 b99 _ _ < <(step_stats "$run_dir"/base.*.csv)
+read -r b50 b99 _ _ _ _ < <(step_stats "$run_dir"/base.*.csv)
 rows=("$(row 'no checkpoints' base)" "$(row "every $every steps, root disk" disk)")
 [[ -n "$slow_procs" ]] && rows+=("$(row "every $every steps, ${throttle_mbps} MB/s disk" slow)")
 
@@ -255,9 +260,12 @@ stop_server
   echo "# args: --steps=$steps --repeats=$repeats --every=$every --window=$window --throttle_mbps=$throttle_mbps --full_s=$full_s"
   echo
   echo "## 1. Step time while a checkpoint is written (MLP 32-4096-4096-4, 67 MB, sync, 1x1, batch 32, $repeats runs of $steps steps each)"
-  echo "# p50/p99: every step after 10 warm-up steps; ckpt_*: the $window steps after each checkpoint step;"
-  echo "# ratios: ckpt_p50 / p50 and ckpt_p99 / p99 of the no-checkpoint runs (goal <= 1.10); s/ckpt: mean checkpoint duration"
-  printf '%-34s %8s %8s %8s %8s %9s %9s %6s %8s\n' run p50_ms p99_ms ckpt_p50 ckpt_p99 p50_ratio p99_ratio ckpts s/ckpt
+  echo "# p50/p99: every step after 10 warm-up steps; ckpt_*: the $window steps after each checkpoint step"
+  echo "# (the steps that ran while it was written); rest_*: the run's other steps."
+  echo "# vs_base: ckpt_p50 / p50 and ckpt_p99 / p99 of the no-checkpoint runs; vs_rest: ckpt_* / rest_* of the"
+  echo "# same runs (the same machine load: fairer on a shared machine). Goal: <= 1.10. s/ckpt: mean checkpoint duration"
+  printf '%-30s %7s %7s %8s %8s %8s %8s %6s %6s %6s %6s %5s %6s\n' run p50_ms p99_ms ckpt_p50 ckpt_p99 rest_p50 rest_p99 \
+    base50 base99 rest50 rest99 ckpts s/ckpt
   printf '%s\n' "${rows[@]}"
   echo "# throttled disk: $throttle_note"
   echo
