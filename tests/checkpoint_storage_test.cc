@@ -97,6 +97,21 @@ class ScopedMount {
   bool mounted_ = true;
 };
 
+// Remounts `target` with `flags` (MS_REMOUNT added). A read-only remount
+// is refused (EBUSY) while a file there is open for writing, as a
+// checkpoint being written is for a few milliseconds: tried again, bounded.
+absl::Status Remount(const std::string& target, unsigned long flags) {
+  for (int attempt = 0; attempt < 500; ++attempt) {
+    if (::mount(nullptr, target.c_str(), nullptr, MS_REMOUNT | flags,
+                nullptr) == 0) {
+      return absl::OkStatus();
+    }
+    if (errno != EBUSY) break;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return absl::ErrnoToStatus(errno, absl::StrCat("remount ", target));
+}
+
 // Fills the filesystem holding `dir` with `path` until it refuses more.
 void FillDisk(const std::string& path) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -314,6 +329,78 @@ TEST(CheckpointStorageTest, FullDiskBacksOffAndRecoversWhenThereIsRoom) {
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_GT((*stats)[0].checkpoint().last_success_unix_s(), 0);
   EXPECT_GT((*stats)[0].version(), 0);
+}
+
+// The disk turns read-only during the job (a shared volume remounted): the
+// tries back off, are counted as read_only, the newest good checkpoint is
+// kept, and checkpoints resume once it is writable again.
+TEST(CheckpointStorageTest, DiskTurningReadOnlyMidJobBacksOffAndResumes) {
+  const std::string dir = TestDir() + "/turns_read_only";
+  const std::string mount_point = dir + "/disk";
+  absl::StatusOr<std::unique_ptr<ScopedMount>> mount =
+      ScopedMount::Tmpfs(mount_point, 4 << 20);
+  if (!mount.ok()) {
+    GTEST_SKIP() << "this machine does not allow a tmpfs mount ("
+                 << mount.status() << "); run as root to test it";
+  }
+  const std::string checkpoint_dir = mount_point + "/checkpoints";
+  ClusterOptions options;
+  options.server_flags = {"--checkpoint_dir=" + checkpoint_dir,
+                          "--checkpoint_every_s=0.5"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> started =
+      TestCluster::Start(options, "turns_read_only");
+  ASSERT_TRUE(started.ok()) << started.status();
+  TestCluster& cluster = **started;
+  absl::StatusOr<std::unique_ptr<Process>> worker =
+      cluster.StartWorker(0, 1, EndlessWorkerFlags());
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  ASSERT_TRUE(cluster
+                  .WaitForStats(
+                      [](const StatsResponse& s) {
+                        return s.checkpoint().written() >= 1;
+                      },
+                      absl::Seconds(30))
+                  .ok());
+
+  ASSERT_TRUE(Remount(mount_point, MS_RDONLY).ok());
+  // 4 s of a read-only disk: tries 1 s, 2 s apart, so 2 or 3 (the old poll
+  // made one every 2 ms).
+  ASSERT_TRUE(cluster
+                  .WaitForStats(
+                      [](const StatsResponse& s) {
+                        return s.checkpoint().failing_s() >= 4;
+                      },
+                      absl::Seconds(30))
+                  .ok());
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster.Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  const CheckpointStats failing = (*stats)[0].checkpoint();
+  EXPECT_GE(failing.failures().at("read_only"), 2);
+  EXPECT_LE(failing.failures().at("read_only"), 4);
+  EXPECT_TRUE(absl::StrContains(failing.last_error(), "Read-only file system"))
+      << failing.last_error();
+  EXPECT_GT(failing.last_success_unix_s(), 0);
+  EXPECT_EQ(CountLines(cluster.server(0).Stderr(), "checkpoint failed:"), 1)
+      << cluster.server(0).Stderr();
+  bool kept = false;
+  for (const std::string& name : ListDir(checkpoint_dir + "/shard-0-of-1")) {
+    kept |= absl::StartsWith(name, "ckpt-");
+    EXPECT_FALSE(absl::StrContains(name, "tmp")) << name;
+  }
+  EXPECT_TRUE(kept) << "the last good checkpoint is gone";
+
+  ASSERT_TRUE(Remount(mount_point, 0).ok());
+  // The next try (backoff at most 4 s by now) succeeds.
+  ASSERT_TRUE(cluster
+                  .WaitForStats(
+                      [&failing](const StatsResponse& s) {
+                        return s.checkpoint().written() > failing.written() &&
+                               s.checkpoint().failing_tries() == 0;
+                      },
+                      absl::Seconds(15))
+                  .ok());
+  EXPECT_EQ(CountLines(cluster.server(0).Stderr(), "checkpoints recovered"), 1)
+      << cluster.server(0).Stderr();
 }
 
 TEST(CheckpointStorageTest, DirectoryRemovedMidJobIsRecreated) {
