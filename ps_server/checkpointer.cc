@@ -203,6 +203,7 @@ void Checkpointer::Record(const absl::Status& status,
   (*stats_.mutable_failures())[reason] += 1;
   stats_.set_last_error(status.ToString());
   needed_bytes_ = info.no_room ? info.bytes : 0;
+  free_at_failure_ = info.free_bytes;
   const std::string key = ErrorKey(reason, status);
   const int64_t tries = stats_.failing_tries() + 1;
   stats_.set_failing_tries(tries);
@@ -278,15 +279,32 @@ void Checkpointer::Run() {
       // A try refused for want of room goes again as soon as there is room,
       // not when the backoff ends: the disk being freed is the operator's
       // fix, and its checkpoint should follow within a poll.
-      int64_t needed = 0;
+      int64_t needed = 0, free_then = 0;
+      bool failing = true;
       {
         absl::MutexLock lock(&stats_mu_);
         needed = needed_bytes_;
+        free_then = free_at_failure_;
+        failing = stats_.failing_tries() > 0;
       }
-      if (needed <= 0 || now < next_space_check) continue;
-      next_space_check = now + kSpaceCheck;
-      absl::StatusOr<int64_t> free_bytes = CheckpointFreeBytes(options_.dir);
-      if (!free_bytes.ok() || *free_bytes < needed) continue;
+      if (!failing) {
+        // A checkpoint on request (the Checkpoint RPC) succeeded meanwhile:
+        // the streak is over, and so is its backoff.
+        backoff = absl::ZeroDuration();
+      } else if (needed <= 0 || now < next_space_check) {
+        continue;
+      }
+      if (failing) {
+        next_space_check = now + kSpaceCheck;
+        absl::StatusOr<int64_t> free_bytes = CheckpointFreeBytes(options_.dir);
+        // Only room that grew since the refusal: should the write still
+        // find too little (another filesystem under the shard's
+        // directory), this does not become a retry loop.
+        if (!free_bytes.ok() || *free_bytes < needed ||
+            *free_bytes <= free_then) {
+          continue;
+        }
+      }
     }
     bool no_model = false;
     absl::StatusOr<std::string> path = Attempt(&no_model);

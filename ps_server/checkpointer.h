@@ -110,6 +110,8 @@ class Checkpointer {
   std::string last_logged_error_ ABSL_GUARDED_BY(stats_mu_);
   // The last try was refused for want of this many bytes (0: it was not).
   int64_t needed_bytes_ ABSL_GUARDED_BY(stats_mu_) = 0;
+  // ... when the free space was this.
+  int64_t free_at_failure_ ABSL_GUARDED_BY(stats_mu_) = 0;
 
   absl::Notification stop_;
   std::thread thread_;
