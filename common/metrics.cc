@@ -568,6 +568,50 @@ std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
   add("pstrain_shard_data_plane_requests_total",
       "Pushes and pulls answered on the tensor data plane, not over gRPC.",
       kCounter, static_cast<double>(s.data_plane_requests()));
+  if (s.checkpoint().enabled()) {
+    // Only with --checkpoint_dir: a server that never checkpoints has no
+    // checkpoint to be late.
+    const CheckpointStats& c = s.checkpoint();
+    prometheus::MetricFamily failures{
+        "pstrain_checkpoint_failures_total",
+        "Checkpoint tries that failed, by reason (no_space, read_only, "
+        "permission, verify, io).",
+        kCounter,
+        {}};
+    std::map<std::string, int64_t> by_reason(c.failures().begin(),
+                                             c.failures().end());
+    for (const auto& [reason, count] : by_reason) {
+      prometheus::ClientMetric metric;
+      metric.label = {{"reason", reason}, {"shard", shard}};
+      metric.counter.value = static_cast<double>(count);
+      failures.metric.push_back(std::move(metric));
+    }
+    families.push_back(std::move(failures));
+    add("pstrain_checkpoint_last_success_timestamp_seconds",
+        "Unix time of the newest good checkpoint this shard wrote or "
+        "restored from (0: none yet).",
+        kGauge, c.last_success_unix_s());
+    add("pstrain_checkpoint_written_total", "Checkpoints written.", kCounter,
+        static_cast<double>(c.written()));
+    add("pstrain_checkpoint_written_bytes_total",
+        "Bytes of the checkpoints written.", kCounter,
+        static_cast<double>(c.bytes_written()));
+    add("pstrain_checkpoint_duration_seconds_total",
+        "Time spent writing good checkpoints (snapshot, write, fsync, "
+        "verify).",
+        kCounter, c.duration_total_s());
+    add("pstrain_checkpoint_last_duration_seconds",
+        "How long the last good checkpoint took.", kGauge, c.last_duration_s());
+    add("pstrain_checkpoint_last_bytes", "Size of the last good checkpoint.",
+        kGauge, static_cast<double>(c.last_bytes()));
+    add("pstrain_checkpoint_failing_seconds",
+        "How long checkpoints have been failing (0: the last try succeeded).",
+        kGauge, c.failing_s());
+    add("pstrain_checkpoint_interval_seconds",
+        "The checkpoint interval: --checkpoint_every_s, or the time between "
+        "the last two checkpoints (0: unknown or periodic checkpoints off).",
+        kGauge, c.interval_s());
+  }
   return families;
 }
 

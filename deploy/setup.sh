@@ -11,6 +11,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   slurm-wlm munge        # deploy/slurm/test_slurm.sh: a real local Slurm cluster
   nodejs                 # deploy/k8s manifest validation (npm: see the end)
+  prometheus             # promtool: deploy/k8s/monitoring's alert rules, checked and unit-tested
   nlohmann-json3-dev     # common/cluster_spec: the cluster description's JSON
   openssl libssl-dev     # common/tls (PEM checks); deploy/tls/make_certs.sh, TLS tests
   gnuplot-nox            # bench/plot/plot_runs.sh: loss/accuracy PNGs

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/types.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -364,6 +365,8 @@ class CrcFileWriter {
     return AppendUnchecksummed(trailer, sizeof(trailer));
   }
 
+  uint32_t crc() const { return static_cast<uint32_t>(crc_); }
+
   absl::Status Flush() {
     absl::Status s = WriteAll(fd_, buffer_.get(), used_, path_);
     used_ = 0;
@@ -479,8 +482,7 @@ absl::Status ValidateSnapshot(const ShardSnapshot& s) {
   return absl::OkStatus();
 }
 
-absl::Status WriteCheckpointFile(const ShardSnapshot& s, int fd,
-                                 const std::string& path) {
+CheckpointHeader MakeHeader(const ShardSnapshot& s) {
   CheckpointHeader header;
   *header.mutable_schema() = s.schema;
   header.set_mode(s.mode);
@@ -504,6 +506,28 @@ absl::Status WriteCheckpointFile(const ShardSnapshot& s, int fd,
     ht->set_value_floats(t.dim);
     ht->set_state_floats(t.state_floats);
   }
+  return header;
+}
+
+// The size of the file WriteCheckpointFile writes for `s`, whose header
+// serializes to `header_bytes` (see the format in checkpoint.h).
+int64_t FileBytes(const ShardSnapshot& s, int64_t header_bytes) {
+  int64_t bytes = kPreambleBytes + header_bytes + kTrailerBytes;
+  for (const BlockSnapshot& b : s.blocks) {
+    bytes +=
+        4 * static_cast<int64_t>(b.value.size() + b.optimizer_state.size());
+  }
+  for (const SparseTableSnapshot& t : s.sparse) {
+    bytes += 8 * static_cast<int64_t>(t.ids.size() + t.update_counts.size()) +
+             4 * static_cast<int64_t>(t.values.size() + t.states.size());
+  }
+  return bytes;
+}
+
+// Writes the file for `s` to `fd`; *crc is the CRC-32 its trailer holds.
+absl::Status WriteCheckpointFile(const ShardSnapshot& s,
+                                 const CheckpointHeader& header, int fd,
+                                 const std::string& path, uint32_t* crc) {
   std::string serialized;
   if (!header.SerializeToString(&serialized)) {
     return absl::InternalError(
@@ -534,8 +558,59 @@ absl::Status WriteCheckpointFile(const ShardSnapshot& s, int fd,
       if (!st.ok()) return st;
     }
   }
+  *crc = writer.crc();
   if (absl::Status st = writer.AppendTrailer(); !st.ok()) return st;
   return writer.Flush();
+}
+
+// Checks that the file at `path` is exactly what was written: `bytes` long,
+// ending in the trailer of `crc`. The payload's CRC was computed as it was
+// written, so this re-reads only the trailer: cheap next to the write, and
+// enough to catch a file the filesystem truncated or lost after the rename.
+absl::Status VerifyWritten(const std::string& path, int64_t bytes,
+                           uint32_t crc) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "cannot reopen to verify", path);
+  FdCloser closer(fd);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoError(errno, "cannot stat", path);
+  if (st.st_size != bytes) {
+    return absl::DataLossError(absl::StrCat("verifying ", path, ": it is ",
+                                            st.st_size, " bytes, ", bytes,
+                                            " were written"));
+  }
+  char trailer[kTrailerBytes];
+  if (::pread(fd, trailer, sizeof(trailer), bytes - kTrailerBytes) !=
+          static_cast<ssize_t>(sizeof(trailer)) ||
+      GetLE32(trailer) != crc ||
+      absl::string_view(trailer + 4, 4) != kEndMagic) {
+    return absl::DataLossError(absl::StrCat(
+        "verifying ", path, ": its trailer is not the one written"));
+  }
+  return absl::OkStatus();
+}
+
+// Free bytes on the filesystem holding `path` for an unprivileged writer.
+absl::StatusOr<int64_t> FreeBytesAt(const std::string& path) {
+  struct statvfs vfs;
+  if (::statvfs(path.c_str(), &vfs) != 0) {
+    return ErrnoError(errno, "cannot statvfs", path);
+  }
+  return static_cast<int64_t>(vfs.f_bavail) *
+         static_cast<int64_t>(vfs.f_frsize);
+}
+
+// "512 B", "3.2 KiB", "61.0 MiB": sizes in an error a person reads.
+std::string HumanBytes(int64_t bytes) {
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  const char* units[] = {"KiB", "MiB", "GiB", "TiB"};
+  double value = bytes / 1024.0;
+  int unit = 0;
+  while (value >= 1024 && unit < 3) {
+    value /= 1024;
+    ++unit;
+  }
+  return absl::StrFormat("%.1f %s", value, units[unit]);
 }
 
 // ---------------------------------------------------------------------------
@@ -967,7 +1042,11 @@ LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
 CheckpointStore::CheckpointStore(std::string dir, int keep_last)
     : dir_(std::move(dir)), keep_last_(keep_last) {}
 
-absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot) {
+absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
+                                    CheckpointWriteInfo* info) {
+  CheckpointWriteInfo ignored;
+  if (info == nullptr) info = &ignored;
+  *info = CheckpointWriteInfo();
   if (absl::Status s = ValidateSnapshot(snapshot); !s.ok()) return s;
   const std::string shard_dir =
       JoinPath(dir_, ShardDirName(snapshot.shard_id, snapshot.num_shards));
@@ -975,11 +1054,11 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot) {
 
   absl::StatusOr<std::vector<std::string>> names = ListDir(shard_dir);
   if (!names.ok()) return names.status();
-  int64_t newest = -1;
+  std::vector<int64_t> sequences;  // of this shard's checkpoint files
   for (const std::string& name : *names) {
     int64_t sequence = 0;
     if (ParseCheckpointFileName(name, &sequence)) {
-      newest = std::max(newest, sequence);
+      sequences.push_back(sequence);
     } else if (IsTempFileName(name)) {
       // Left by a write that crashed before its rename: never a checkpoint.
       const std::string path = JoinPath(shard_dir, name);
@@ -990,6 +1069,8 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot) {
       }
     }
   }
+  std::sort(sequences.begin(), sequences.end(), std::greater<int64_t>());
+  const int64_t newest = sequences.empty() ? -1 : sequences.front();
   const std::string final_name = CheckpointFileName(snapshot.sequence);
   const std::string final_path = JoinPath(shard_dir, final_name);
   if (snapshot.sequence <= newest) {
@@ -999,6 +1080,46 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot) {
                      JoinPath(shard_dir, CheckpointFileName(newest))));
   }
 
+  const CheckpointHeader header = MakeHeader(snapshot);
+  const int64_t bytes =
+      FileBytes(snapshot, static_cast<int64_t>(header.ByteSizeLong()));
+  info->bytes = bytes;
+  // A checkpoint that cannot fit is not started: on a full disk every try
+  // would otherwise write (and delete) up to the model's size, and fill any
+  // room that other writers (logs) free up. The files that the write would
+  // prune anyway may go first, but never the newest: until a newer one is
+  // complete and verified it is the last good checkpoint.
+  absl::StatusOr<int64_t> free_bytes = FreeBytesAt(shard_dir);
+  if (free_bytes.ok()) {
+    const size_t keep_now = std::max(keep_last_ - 1, 1);
+    while (*free_bytes < bytes && keep_last_ > 0 &&
+           sequences.size() > keep_now) {
+      const std::string path =
+          JoinPath(shard_dir, CheckpointFileName(sequences.back()));
+      sequences.pop_back();
+      if (::unlink(path.c_str()) != 0) break;
+      // Once per process at WARNING: on a disk that holds fewer than
+      // keep_last checkpoints this happens at every checkpoint.
+      LOG_FIRST_N(WARNING, 1)
+          << "removed old checkpoint " << path << " before its time to make "
+          << "room for " << final_path << ": the disk holds fewer than "
+          << keep_last_ << " checkpoints (logged once; --v=1 logs each)";
+      VLOG(1) << "removed old checkpoint " << path << " to make room";
+      free_bytes = FreeBytesAt(shard_dir);
+      if (!free_bytes.ok()) break;
+    }
+  }
+  if (free_bytes.ok()) {
+    info->free_bytes = *free_bytes;
+    if (*free_bytes < bytes) {
+      info->no_room = true;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no room for checkpoint ", final_path, ": it needs ",
+                       HumanBytes(bytes), ", ", HumanBytes(*free_bytes),
+                       " free in ", shard_dir));
+    }
+  }
+
   const std::string temp_path =
       JoinPath(shard_dir, absl::StrCat(".", final_name, ".tmp-", ::getpid()));
   const int fd =
@@ -1006,9 +1127,10 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot) {
              O_WRONLY | O_CREAT | O_EXCL | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoError(errno, "cannot create", temp_path);
   absl::Status status;
+  uint32_t crc = 0;
   {
     FdCloser closer(fd);
-    status = WriteCheckpointFile(snapshot, fd, temp_path);
+    status = WriteCheckpointFile(snapshot, header, fd, temp_path, &crc);
     if (status.ok() && ::fsync(fd) != 0) {
       status = ErrnoError(errno, "cannot fsync", temp_path);
     }
@@ -1019,19 +1141,28 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot) {
                         final_path);
   }
   if (!status.ok()) {
-    ::unlink(temp_path.c_str());
+    // No failed try leaves its partial file behind to fill the disk.
+    if (::unlink(temp_path.c_str()) != 0 && errno != ENOENT) {
+      LOG(WARNING) << ErrnoError(errno, "cannot remove", temp_path);
+    }
     return status;
   }
+  if (absl::Status s = VerifyWritten(final_path, bytes, crc); !s.ok()) {
+    ::unlink(final_path.c_str());
+    return s;
+  }
   if (absl::Status s = FsyncDir(shard_dir); !s.ok()) return s;
+  info->written = true;
 
-  // Pruning: the new file is durable, so a failure here is only reported.
+  // Pruning: the new file is durable and verified, so a failure here is only
+  // reported.
   if (keep_last_ <= 0) return absl::OkStatus();
   names = ListDir(shard_dir);
   if (!names.ok()) {
     LOG(WARNING) << "not pruning old checkpoints: " << names.status();
     return absl::OkStatus();
   }
-  std::vector<int64_t> sequences;
+  sequences.clear();
   for (const std::string& name : *names) {
     int64_t sequence = 0;
     if (ParseCheckpointFileName(name, &sequence)) sequences.push_back(sequence);
@@ -1045,6 +1176,32 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status ProbeCheckpointDir(const std::string& dir) {
+  auto unusable = [&dir](const absl::Status& s) {
+    return absl::Status(s.code(),
+                        absl::StrCat("--checkpoint_dir=", dir,
+                                     " cannot be written: ", s.message()));
+  };
+  if (absl::Status s = MakeDirs(dir); !s.ok()) return unusable(s);
+  const std::string probe =
+      JoinPath(dir, absl::StrCat(".pstrain-probe-", ::getpid()));
+  // Created and closed empty: a disk that is full now may have room by the
+  // first checkpoint (and a full one gets backoff, not an exit), but a
+  // read-only, foreign or missing one will not.
+  const int fd =
+      ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return unusable(ErrnoError(errno, "cannot create", probe));
+  absl::Status status = FdCloser(fd).Close(probe);
+  if (::unlink(probe.c_str()) != 0 && status.ok()) {
+    status = ErrnoError(errno, "cannot remove", probe);
+  }
+  return status.ok() ? status : unusable(status);
+}
+
+absl::StatusOr<int64_t> CheckpointFreeBytes(const std::string& dir) {
+  return FreeBytesAt(dir);
 }
 
 absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(

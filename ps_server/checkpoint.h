@@ -121,6 +121,15 @@ struct RestoredShard {
   std::vector<std::string> files_skipped;
 };
 
+// What one CheckpointStore::Write did, for the checkpointer's metrics and
+// its decisions about when to try again.
+struct CheckpointWriteInfo {
+  int64_t bytes = 0;        // the file's size (written, or that it would be)
+  int64_t free_bytes = -1;  // free space seen before writing (-1: unknown)
+  bool no_room = false;     // not started: it would not fit (statvfs)
+  bool written = false;     // the file is complete, verified and durable
+};
+
 class CheckpointStore {
  public:
   // `dir` is shared by all shards of a job. `keep_last` >= 1 is how many of
@@ -137,12 +146,24 @@ class CheckpointStore {
   // logged: the new checkpoint is already durable). Other shards' files are
   // never touched.
   //
+  // Full disks: before anything is written, the file's exact size is
+  // compared with the free space (statvfs); if it does not fit, this shard's
+  // files that the write would prune anyway go first (never the newest),
+  // and if it still does not fit, the write is not started
+  // (ResourceExhausted naming both sizes, info->no_room). A write that fails
+  // part way removes its temporary file. After the rename the file's size
+  // and trailer are checked against what was written; only then are older
+  // files pruned, so the last good checkpoint is never deleted before a
+  // newer one is complete and verified.
+  //
   // InvalidArgument for a snapshot that could not be restored (bad schema,
   // shard, sequence or blocks); FailedPrecondition when the sequence is not
   // greater than that of the shard's newest file; an I/O error names the path
-  // and the errno text. Calls for the same shard must not overlap (one writer
-  // per shard, as in the server); calls for different shards may.
-  absl::Status Write(const ShardSnapshot& snapshot);
+  // and the errno text; DataLoss when the written file does not verify (it
+  // is removed). Calls for the same shard must not overlap (one writer per
+  // shard, as in the server); calls for different shards may.
+  absl::Status Write(const ShardSnapshot& snapshot,
+                     CheckpointWriteInfo* info = nullptr);
 
   // Restores the blocks that shard `shard_id` of `num_shards` owns (global
   // block g is owned by shard g % num_shards) from the newest valid
@@ -170,6 +191,17 @@ class CheckpointStore {
   std::string dir_;
   int keep_last_;
 };
+
+// Checks at start-up that checkpoints can be written to `dir`: creates it
+// (and its parents) if missing, then creates and removes an empty probe
+// file there (a full disk passes: see Checkpointer's backoff). The error names
+// the directory and the reason ("Read-only file system", "Not a directory",
+// ...), so a server can refuse to start instead of failing every checkpoint of
+// the job.
+absl::Status ProbeCheckpointDir(const std::string& dir);
+
+// Free bytes for an unprivileged writer on the filesystem holding `dir`.
+absl::StatusOr<int64_t> CheckpointFreeBytes(const std::string& dir);
 
 }  // namespace pstrain
 

@@ -1,6 +1,8 @@
 #include "ps_server/checkpoint.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <zlib.h>
 
@@ -412,6 +414,65 @@ TEST(CheckpointTest, WriteErrorsNameThePathAndErrno) {
   EXPECT_FALSE(s.ok());
   EXPECT_THAT(s.message(), HasSubstr(dir + "/shard-0-of-1"));
   EXPECT_THAT(s.message(), HasSubstr("directory"));
+}
+
+TEST(CheckpointTest, WriteInfoGivesTheExactSize) {
+  const std::string dir = TestDir();
+  CheckpointStore store(dir, 3);
+  CheckpointWriteInfo info;
+  ASSERT_TRUE(store.Write(MakeSnapshot(TestSchema(), 0, 1, 1, 1), &info).ok());
+  EXPECT_TRUE(info.written);
+  EXPECT_FALSE(info.no_room);
+  EXPECT_GT(info.free_bytes, 0);
+  EXPECT_EQ(static_cast<int64_t>(fs::file_size(FilePath(dir, 0, 1, 1))),
+            info.bytes);
+}
+
+// A write that fails part way (here the file size limit: EFBIG, as ENOSPC
+// would) leaves no temporary file, and the last good checkpoint stays even
+// with keep_last 1.
+TEST(CheckpointTest, FailedWriteLeavesNoTemporaryFileAndKeepsTheLastGood) {
+  const std::string dir = TestDir();
+  CheckpointStore store(dir, 1);
+  const ModelSchema schema = TestSchema();
+  ASSERT_TRUE(store.Write(MakeSnapshot(schema, 0, 1, 1, 1)).ok());
+
+  struct rlimit saved;
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  struct rlimit small = saved;
+  small.rlim_cur = 100;
+  void (*saved_handler)(int) = ::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  CheckpointWriteInfo info;
+  const absl::Status s = store.Write(MakeSnapshot(schema, 0, 1, 2, 2), &info);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &saved), 0);
+  ::signal(SIGXFSZ, saved_handler);
+
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.message(), HasSubstr("File too large"));
+  EXPECT_FALSE(info.written);
+  std::set<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir + "/shard-0-of-1")) {
+    left.insert(e.path().filename().string());
+  }
+  EXPECT_EQ(left, (std::set<std::string>{"ckpt-000000000001.pstrain"}));
+  absl::StatusOr<RestoredShard> restored = store.LoadForShard(0, 1);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  ExpectShardFromSalt(*restored, schema, 0, 1, 1);
+}
+
+TEST(CheckpointTest, ProbeCreatesTheDirectoryAndLeavesNothing) {
+  const std::string dir = TestDir() + "/a/b";
+  ASSERT_TRUE(ProbeCheckpointDir(dir).ok());
+  EXPECT_TRUE(fs::is_directory(dir));
+  EXPECT_TRUE(fs::is_empty(dir));
+
+  const std::string file = dir + "/file";
+  WriteBytes(file, "x");
+  const absl::Status s = ProbeCheckpointDir(file + "/sub");
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.message(), HasSubstr("--checkpoint_dir=" + file + "/sub"));
+  EXPECT_THAT(s.message(), HasSubstr("Not a directory"));
 }
 
 struct Corruption {

@@ -2,9 +2,20 @@
 // writes one every N completed steps (sync) or every T seconds, on request,
 // and at shutdown. Writes happen on the checkpointer's own thread (or the
 // caller's, for CheckpointNow), never on a request path.
+//
+// Failures (a full, read-only or vanished disk) never stop training. They are
+// tried again with exponential backoff (1 s, doubling, capped at the larger
+// of the checkpoint interval and 30 s), so a disk that stays full costs a
+// handful of tries a minute, not one per poll. A try that was refused for
+// lack of room (nothing written) is repeated as soon as statvfs shows room
+// again, so a freed disk gets its checkpoint without waiting out the
+// backoff. The log gets the first failure, one line per distinct error
+// (with how long checkpoints have been failing and how many tries), a
+// reminder every 10 minutes, and one line when they recover.
 #ifndef PSTRAIN_PS_SERVER_CHECKPOINTER_H_
 #define PSTRAIN_PS_SERVER_CHECKPOINTER_H_
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -13,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "proto/ps.pb.h"
 #include "ps_server/checkpoint.h"
 #include "ps_server/shard.h"
 
@@ -24,9 +36,19 @@ struct CheckpointerOptions {
   // A checkpoint each time every block has completed this many more steps
   // (sync; 0: off).
   int64_t every_steps = 0;
-  // A checkpoint at least this often (0: off).
+  // A checkpoint at least this often (0: off), timed on a monotonic clock.
   absl::Duration every = absl::ZeroDuration();
+  // Backoff after a failed periodic checkpoint: the first wait, doubling up
+  // to max(interval, min_backoff_cap).
+  absl::Duration first_backoff = absl::Seconds(1);
+  absl::Duration min_backoff_cap = absl::Seconds(30);
 };
+
+// The failure reasons of CheckpointStats.failures and
+// pstrain_checkpoint_failures_total{reason}.
+const std::vector<std::string>& CheckpointFailureReasons();
+// Which of them `status` (an error of CheckpointStore::Write) is.
+std::string CheckpointFailureReason(const absl::Status& status);
 
 class Checkpointer {
  public:
@@ -44,11 +66,26 @@ class Checkpointer {
   // Stops them and writes a last checkpoint (if a model is registered).
   absl::Status Stop();
 
-  // Writes a checkpoint now; returns its path.
+  // Writes a checkpoint now; returns its path. FailedPrecondition before a
+  // model is registered.
   absl::StatusOr<std::string> CheckpointNow();
 
+  // For Stats and /metrics; never waits for a checkpoint being written.
+  CheckpointStats Stats() const;
+
  private:
+  using Clock = std::chrono::steady_clock;
+
   void Run();
+  // One try: a snapshot and its write. *no_model is set when there is
+  // nothing to write yet (not a failure).
+  absl::StatusOr<std::string> Attempt(bool* no_model);
+  // Records a try's outcome in the stats and logs what the operator needs
+  // to see (see the file comment).
+  void Record(const absl::Status& status, const CheckpointWriteInfo& info,
+              const std::string& path, Clock::duration took);
+  // The backoff's cap: max(interval, min_backoff_cap).
+  absl::Duration BackoffCap() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(stats_mu_);
 
   Shard* shard_;
   const int shard_id_, num_shards_;
@@ -58,7 +95,23 @@ class Checkpointer {
   absl::Mutex mu_;  // one write at a time
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t last_version_ ABSL_GUARDED_BY(mu_) = -1;
-  absl::Time last_time_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point last_time_ ABSL_GUARDED_BY(mu_);
+
+  // What Stats() reports, and the failure streak; a separate lock so a
+  // scrape does not wait behind a write of gigabytes.
+  mutable absl::Mutex stats_mu_;
+  CheckpointStats stats_ ABSL_GUARDED_BY(stats_mu_);
+  Clock::time_point last_success_ ABSL_GUARDED_BY(stats_mu_);
+  bool any_success_ ABSL_GUARDED_BY(stats_mu_) = false;
+  Clock::duration interval_ ABSL_GUARDED_BY(stats_mu_) = Clock::duration(0);
+  // The current failure streak (failing_tries > 0 in stats_).
+  Clock::time_point failing_since_ ABSL_GUARDED_BY(stats_mu_);
+  Clock::time_point last_failure_log_ ABSL_GUARDED_BY(stats_mu_);
+  std::string last_logged_error_ ABSL_GUARDED_BY(stats_mu_);
+  // The last try was refused for want of this many bytes (0: it was not).
+  int64_t needed_bytes_ ABSL_GUARDED_BY(stats_mu_) = 0;
+  // ... when the free space was this.
+  int64_t free_at_failure_ ABSL_GUARDED_BY(stats_mu_) = 0;
 
   absl::Notification stop_;
   std::thread thread_;

@@ -360,6 +360,9 @@ int Main(int argc, char** argv) {
 
   std::unique_ptr<Checkpointer> checkpointer;
   if (!checkpoint_dir.empty()) {
+    // A directory that cannot take a checkpoint ends the server now (exit
+    // 2), not after a job's worth of failed checkpoints.
+    ExitOnFlagErrors({ProbeCheckpointDir(checkpoint_dir)});
     checkpointer = std::make_unique<Checkpointer>(
         shard->get(), options.shard_id, options.num_shards, checkpoint_options);
     absl::StatusOr<std::string> restored = checkpointer->Restore();

@@ -129,6 +129,8 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
 StatsResponse ParameterServerService::CurrentStats() const {
   StatsResponse stats = shard_->Stats();
   stats.set_data_plane_requests(data_plane_requests_.load());
+  if (checkpointer_ != nullptr)
+    *stats.mutable_checkpoint() = checkpointer_->Stats();
   return stats;
 }
 

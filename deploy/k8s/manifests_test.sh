@@ -17,12 +17,15 @@
 #  4. every kustomization in the tree renders with `kubectl kustomize` (as
 #     `kubectl apply -k` would; skipped, saying so, where kubectl is not
 #     installed) and the rendered objects pass the validator.
+#  5. monitoring/alerts.yaml's rules pass promtool check rules, and fire as
+#     testdata/checkpoint_alerts_test.yaml expects (promtool test rules).
 #
 #   bash deploy/k8s/manifests_test.sh      # directly
 #   bazel test //deploy/k8s:manifests_test
 #
 # Needs node and the npm packages of validate/ (deploy/setup.sh installs
-# them: npm ci --prefix deploy/k8s/validate).
+# them: npm ci --prefix deploy/k8s/validate), and promtool (Debian's
+# prometheus package, also installed by deploy/setup.sh).
 set -euo pipefail
 
 fail() { printf 'manifests_test: FAIL: %s\n' "$*" >&2; exit 1; }
@@ -125,5 +128,16 @@ else
     echo "rendered deploy/k8s$name/: $(grep -c '^kind:' "$tmp/rendered.yaml") objects, valid"
   done
 fi
+
+echo "== 5. the alert rules (promtool, from Debian's prometheus package)"
+command -v promtool >/dev/null || fail "promtool not found (apt-get install prometheus; see deploy/setup.sh)"
+# promtool reads plain rule files: the PrometheusRule's spec is one.
+sed -n '/^spec:/,$p' "$dir/monitoring/alerts.yaml" | tail -n +2 | sed 's/^  //' \
+  >"$tmp/checkpoint_alerts.rules.yaml"
+promtool check rules "$tmp/checkpoint_alerts.rules.yaml" ||
+  fail "monitoring/alerts.yaml: promtool check rules failed"
+cp "$dir/testdata/checkpoint_alerts_test.yaml" "$tmp/"
+(cd "$tmp" && promtool test rules checkpoint_alerts_test.yaml) ||
+  fail "monitoring/alerts.yaml: the alerts do not fire as testdata/checkpoint_alerts_test.yaml expects"
 
 echo "manifests_test: PASS"
