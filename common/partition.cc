@@ -188,7 +188,8 @@ absl::StatusOr<Partition> Partition::Create(const ModelSchema& schema,
       loc.block = b;
       loc.offset = offset;
       loc.length = std::min(block_elements, elements - offset);
-      loc.shard = static_cast<int>(p.blocks_.size() % num_shards);
+      loc.shard =
+          ShardOfBlock(static_cast<int64_t>(p.blocks_.size()), num_shards);
       p.shard_blocks_[loc.shard].push_back(static_cast<int>(p.blocks_.size()));
       p.blocks_.push_back(loc);
     }

@@ -44,6 +44,17 @@ int64_t NumElements(const DenseTensorSpec& tensor);
 // tables spread independently and any shard count works.
 int SparseShardOf(absl::string_view table, uint64_t id, int num_shards);
 
+// The placement rule, shared by every layer that needs it (the client and
+// the shards through Partition, checkpoints through these two): global
+// block g lives on shard g % num_shards.
+inline int ShardOfBlock(int64_t global_block, int num_shards) {
+  return static_cast<int>(global_block % num_shards);
+}
+// How many of blocks [0, num_blocks) shard `shard` of `num_shards` holds.
+inline int64_t BlocksOnShard(int64_t num_blocks, int shard, int num_shards) {
+  return num_blocks > shard ? (num_blocks - shard - 1) / num_shards + 1 : 0;
+}
+
 class Partition {
  public:
   // The schema must pass ValidateSchema; num_shards >= 1.

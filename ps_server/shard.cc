@@ -204,7 +204,9 @@ absl::Status Shard::CheckModelFits(const ModelSchema& schema) const {
     const int64_t elements = NumElements(tensor);
     for (int64_t offset = 0; offset < elements;
          offset += block_elements, ++global) {
-      if (global % options_.num_shards != options_.shard_id) continue;
+      if (ShardOfBlock(global, options_.num_shards) != options_.shard_id) {
+        continue;
+      }
       ++shard_blocks;
       shard_elements += std::min(block_elements, elements - offset);
     }

@@ -1,0 +1,686 @@
+// Loading a shard's state: every checkpoint file is checked before use,
+// the newest complete layout is found, and its blocks, rows and optimizer
+// state are read back for this shard, resharding from another shard count
+// by the placement rule of common/partition.h (CheckpointStore::LoadForShard).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/types.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "common/partition.h"
+#include "common/status_text.h"
+#include "glog/logging.h"
+#include "proto/checkpoint.pb.h"
+#include "ps_server/checkpoint.h"
+#include "ps_server/checkpoint_format.h"
+
+namespace pstrain {
+
+using namespace checkpoint_internal;  // NOLINT: this file's own format
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Reading.
+
+// Reads a file front to back through a buffer, keeping the CRC-32 of every
+// byte consumed. Large reads go straight into the caller's memory.
+class CrcFileReader {
+ public:
+  explicit CrcFileReader(int fd)
+      : fd_(fd),
+        buffer_(new char[kBufferBytes]),
+        crc_(crc32_z(0L, Z_NULL, 0)) {}
+
+  absl::Status Read(void* dst, size_t n) {
+    char* out = static_cast<char*>(dst);
+    crc_ = CrcAfter(out, n, /*copy=*/true);
+    return status_;
+  }
+
+  absl::Status Skip(size_t n) {
+    crc_ = CrcAfter(nullptr, n, /*copy=*/false);
+    return status_;
+  }
+
+  uint32_t crc() const { return static_cast<uint32_t>(crc_); }
+  int64_t offset() const { return offset_; }
+
+ private:
+  // Consumes n bytes (into `out` when copy), returning the updated CRC.
+  uLong CrcAfter(char* out, size_t n, bool copy) {
+    uLong crc = crc_;
+    while (n > 0 && status_.ok()) {
+      if (begin_ == end_) {
+        if (copy && n >= kBufferBytes) {
+          // Straight into the destination: no second copy of big payloads.
+          const size_t got = ReadSome(out, n);
+          if (got == 0) break;
+          crc = crc32_z(crc, reinterpret_cast<const Bytef*>(out), got);
+          out += got;
+          n -= got;
+          offset_ += got;
+          continue;
+        }
+        begin_ = 0;
+        end_ = ReadSome(buffer_.get(), kBufferBytes);
+        if (end_ == 0) break;
+      }
+      const size_t take = std::min(n, end_ - begin_);
+      const char* src = buffer_.get() + begin_;
+      crc = crc32_z(crc, reinterpret_cast<const Bytef*>(src), take);
+      if (copy) {
+        std::memcpy(out, src, take);
+        out += take;
+      }
+      begin_ += take;
+      n -= take;
+      offset_ += take;
+    }
+    return crc;
+  }
+
+  // 0 on end of file or error (recorded in status_).
+  size_t ReadSome(char* out, size_t n) {
+    while (true) {
+      const ssize_t r = ::read(fd_, out, n);
+      if (r > 0) return static_cast<size_t>(r);
+      if (r == 0) {
+        // The size was checked up front: the file shrank while being read.
+        status_ = absl::DataLossError(
+            absl::StrCat("unexpected end of file at byte ", offset_));
+        return 0;
+      }
+      if (errno == EINTR) continue;
+      status_ = absl::ErrnoToStatus(
+          errno, absl::StrCat("read error at byte ", offset_));
+      return 0;
+    }
+  }
+
+  const int fd_;
+  std::unique_ptr<char[]> buffer_;
+  size_t begin_ = 0, end_ = 0;
+  int64_t offset_ = 0;
+  uLong crc_;
+  absl::Status status_;
+};
+
+struct CheckpointFile {
+  std::string path;
+  int64_t sequence = 0;
+  int64_t mtime_ns = 0;
+};
+
+struct LoadedFile {
+  CheckpointFile file;
+  CheckpointHeader header;  // without the per-block entries
+  // Only the blocks the new shard owns.
+  std::vector<BlockSnapshot> blocks;
+  // Per table in header order, only the rows the new shard owns.
+  std::vector<SparseTableSnapshot> sparse;
+};
+
+// Checks everything that can be checked before the CRC: that the header's
+// claimed lengths add up to exactly the file size, which bounds every
+// allocation by the file's size.
+absl::Status CheckHeaderLengths(const CheckpointHeader& header,
+                                int64_t header_bytes, int64_t file_bytes) {
+  int64_t payload_floats = 0;
+  const int64_t max_floats = file_bytes / 4;
+  for (const CheckpointBlock& b : header.blocks()) {
+    if (b.value_count() < 0 || b.state_count() < 0 ||
+        b.value_count() > max_floats || b.state_count() > max_floats) {
+      return absl::DataLossError(absl::StrCat(
+          "block entry for global block ", b.global_block(), " claims ",
+          b.value_count(), " values and ", b.state_count(),
+          " state floats in a ", file_bytes, "-byte file"));
+    }
+    payload_floats += b.value_count() + b.state_count();
+    if (payload_floats > max_floats) break;  // reported below, no overflow
+  }
+  // A sparse row is 16 bytes of id and count plus its floats: 4 floats'
+  // worth of bytes.
+  for (const CheckpointSparseTable& t : header.sparse()) {
+    const int64_t rows = t.row_count();
+    if (rows < 0 || t.value_floats() < 0 || t.state_floats() < 0 ||
+        rows > max_floats || t.value_floats() > max_floats ||
+        t.state_floats() > max_floats ||
+        (rows > 0 &&
+         4 + t.value_floats() + t.state_floats() > max_floats / rows)) {
+      return absl::DataLossError(absl::StrCat(
+          "sparse table entry ", QuoteForStatus(t.name()), " claims ", rows,
+          " rows of ", t.value_floats(), "+", t.state_floats(), " floats in a ",
+          file_bytes, "-byte file"));
+    }
+    payload_floats += rows * (4 + t.value_floats() + t.state_floats());
+    if (payload_floats > max_floats) break;
+  }
+  const int64_t expected =
+      kPreambleBytes + header_bytes + 4 * payload_floats + kTrailerBytes;
+  if (payload_floats > max_floats || expected != file_bytes) {
+    return absl::DataLossError(absl::StrCat(
+        "file is ", file_bytes, " bytes but its header describes ",
+        payload_floats > max_floats ? "more than that" : absl::StrCat(expected),
+        " (truncated or corrupt)"));
+  }
+  return absl::OkStatus();
+}
+
+// Checks, after the CRC, that the header is a consistent checkpoint of shard
+// `shard_id` of `num_shards` with sequence `sequence` (what its path says).
+absl::Status CheckHeaderContents(const CheckpointHeader& header, int shard_id,
+                                 int num_shards, int64_t sequence) {
+  if (header.shard_id() != shard_id || header.num_shards() != num_shards) {
+    return absl::DataLossError(absl::StrCat(
+        "header says shard ", header.shard_id(), " of ", header.num_shards(),
+        " but the file is in ", ShardDirName(shard_id, num_shards)));
+  }
+  if (header.sequence() != sequence) {
+    return absl::DataLossError(
+        absl::StrCat("header says sequence ", header.sequence(),
+                     " but the file name says ", sequence));
+  }
+  if (absl::Status s = ValidateSchema(header.schema()); !s.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("header holds a bad schema: ", s.message()));
+  }
+  const BlockGeometry geometry(header.schema());
+  absl::flat_hash_set<int64_t> seen;
+  int64_t state_per_element = -1;
+  for (const CheckpointBlock& b : header.blocks()) {
+    const int64_t g = b.global_block();
+    if (g < 0 || g >= geometry.num_blocks()) {
+      return absl::DataLossError(absl::StrCat("global block ", g,
+                                              " is outside the schema's [0, ",
+                                              geometry.num_blocks(), ")"));
+    }
+    if (ShardOfBlock(g, num_shards) != shard_id) {
+      return absl::DataLossError(
+          absl::StrCat(geometry.Describe(g), " belongs to shard ",
+                       ShardOfBlock(g, num_shards), ", not ", shard_id));
+    }
+    if (!seen.insert(g).second) {
+      return absl::DataLossError(
+          absl::StrCat(geometry.Describe(g), " is listed twice"));
+    }
+    const int64_t length = geometry.Length(g);
+    if (b.value_count() != length || b.state_count() % length != 0 ||
+        (state_per_element >= 0 &&
+         b.state_count() / length != state_per_element)) {
+      return absl::DataLossError(
+          absl::StrCat(geometry.Describe(g), " has ", b.value_count(),
+                       " values and ", b.state_count(),
+                       " state floats for a block of ", length, " elements"));
+    }
+    state_per_element = b.state_count() / length;
+  }
+  if (header.sparse_size() != 0 &&
+      header.sparse_size() != header.schema().sparse_size()) {
+    return absl::DataLossError(absl::StrCat(
+        "header lists ", header.sparse_size(),
+        " sparse tables, the schema has ", header.schema().sparse_size()));
+  }
+  for (int t = 0; t < header.sparse_size(); ++t) {
+    const CheckpointSparseTable& table = header.sparse(t);
+    const SparseTableSpec& spec = header.schema().sparse(t);
+    if (table.name() != spec.name() || table.value_floats() != spec.dim() ||
+        table.version() < 0) {
+      return absl::DataLossError(absl::StrCat(
+          "sparse table entry ", t, " (", QuoteForStatus(table.name()),
+          ", dim ", table.value_floats(), ", version ", table.version(),
+          ") does not match the schema's ", QuoteForStatus(spec.name()),
+          " (dim ", spec.dim(), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Reads and verifies one file, keeping the blocks that shard `new_shard_id`
+// of `new_num_shards` owns. Errors are the reason the file is invalid.
+absl::StatusOr<LoadedFile> ReadCheckpointFile(const CheckpointFile& file,
+                                              int shard_id, int num_shards,
+                                              int new_shard_id,
+                                              int new_num_shards) {
+  const int fd = ::open(file.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::ErrnoToStatus(errno, "cannot open");
+  FdCloser closer(fd);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return absl::ErrnoToStatus(errno, "cannot stat");
+  const int64_t file_bytes = st.st_size;
+  if (file_bytes < kMinFileBytes) {
+    return absl::DataLossError(
+        absl::StrCat("file is ", file_bytes, " bytes, shorter than the ",
+                     kMinFileBytes, "-byte minimum (truncated)"));
+  }
+
+  // The end marker first: the cheapest test for a truncated file.
+  char trailer[kTrailerBytes];
+  const ssize_t got =
+      ::pread(fd, trailer, sizeof(trailer), file_bytes - kTrailerBytes);
+  if (got != static_cast<ssize_t>(sizeof(trailer))) {
+    return got < 0 ? absl::ErrnoToStatus(errno, "cannot read the trailer")
+                   : absl::DataLossError("cannot read the trailer");
+  }
+  if (absl::string_view(trailer + 4, 4) != kEndMagic) {
+    return absl::DataLossError(absl::StrCat(
+        "no '", kEndMagic, "' end marker (truncated or corrupt): found '",
+        absl::CHexEscape(absl::string_view(trailer + 4, 4)), "'"));
+  }
+
+  CrcFileReader reader(fd);
+  char preamble[kPreambleBytes];
+  if (absl::Status s = reader.Read(preamble, sizeof(preamble)); !s.ok()) {
+    return s;
+  }
+  if (absl::string_view(preamble, kMagic.size()) != kMagic) {
+    return absl::DataLossError(absl::StrCat(
+        "bad magic '", absl::CHexEscape(absl::string_view(preamble, 8)),
+        "', expected '", kMagic, "'"));
+  }
+  const uint64_t header_bytes = GetLE64(preamble + 8);
+  if (header_bytes > static_cast<uint64_t>(file_bytes - kMinFileBytes) ||
+      header_bytes > static_cast<uint64_t>(INT_MAX)) {
+    return absl::DataLossError(
+        absl::StrCat("header length ", header_bytes, " does not fit in a ",
+                     file_bytes, "-byte file (truncated or corrupt)"));
+  }
+  std::string serialized(header_bytes, '\0');
+  if (absl::Status s = reader.Read(serialized.data(), header_bytes); !s.ok()) {
+    return s;
+  }
+  LoadedFile loaded;
+  loaded.file = file;
+  if (!loaded.header.ParseFromString(serialized)) {
+    return absl::DataLossError("header does not parse");
+  }
+  serialized = std::string();
+  if (absl::Status s =
+          CheckHeaderLengths(loaded.header, header_bytes, file_bytes);
+      !s.ok()) {
+    return s;
+  }
+
+  // One pass over the payloads: keep the new shard's blocks, checksum all.
+  for (const CheckpointBlock& b : loaded.header.blocks()) {
+    const bool keep =
+        b.global_block() >= 0 &&
+        ShardOfBlock(b.global_block(), new_num_shards) == new_shard_id;
+    if (!keep) {
+      if (absl::Status s = reader.Skip(4 * (b.value_count() + b.state_count()));
+          !s.ok()) {
+        return s;
+      }
+      continue;
+    }
+    BlockSnapshot block;
+    block.global_block = b.global_block();
+    block.version = b.version();
+    block.last_step.assign(b.last_step().begin(), b.last_step().end());
+    block.value.resize(b.value_count());
+    block.optimizer_state.resize(b.state_count());
+    if (absl::Status s = reader.Read(block.value.data(), 4 * b.value_count());
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            reader.Read(block.optimizer_state.data(), 4 * b.state_count());
+        !s.ok()) {
+      return s;
+    }
+#if defined(ABSL_IS_BIG_ENDIAN)
+    ByteSwapFloats(block.value.data(), block.value.size());
+    ByteSwapFloats(block.optimizer_state.data(), block.optimizer_state.size());
+#endif
+    loaded.blocks.push_back(std::move(block));
+  }
+  // Every row is read (its id says where it goes); the new shard's are kept.
+  for (const CheckpointSparseTable& t : loaded.header.sparse()) {
+    const int64_t rows = t.row_count();
+    SparseTableSnapshot all;
+    all.ids.resize(rows);
+    all.update_counts.resize(rows);
+    all.values.resize(rows * t.value_floats());
+    all.states.resize(rows * t.state_floats());
+    for (absl::Status s :
+         {reader.Read(all.ids.data(), 8 * rows),
+          reader.Read(all.update_counts.data(), 8 * rows),
+          reader.Read(all.values.data(), 4 * all.values.size()),
+          reader.Read(all.states.data(), 4 * all.states.size())}) {
+      if (!s.ok()) return s;
+    }
+#if defined(ABSL_IS_BIG_ENDIAN)
+    for (uint64_t& id : all.ids) id = GetLE64(reinterpret_cast<char*>(&id));
+    for (int64_t& n : all.update_counts) {
+      n = static_cast<int64_t>(GetLE64(reinterpret_cast<char*>(&n)));
+    }
+    ByteSwapFloats(all.values.data(), all.values.size());
+    ByteSwapFloats(all.states.data(), all.states.size());
+#endif
+    SparseTableSnapshot& kept = loaded.sparse.emplace_back();
+    kept.name = t.name();
+    kept.version = t.version();
+    kept.dim = t.value_floats();
+    kept.state_floats = t.state_floats();
+    for (int64_t r = 0; r < rows; ++r) {
+      if (SparseShardOf(t.name(), all.ids[r], new_num_shards) != new_shard_id) {
+        continue;
+      }
+      kept.ids.push_back(all.ids[r]);
+      kept.update_counts.push_back(all.update_counts[r]);
+      kept.values.insert(kept.values.end(), all.values.begin() + r * kept.dim,
+                         all.values.begin() + (r + 1) * kept.dim);
+      kept.states.insert(kept.states.end(),
+                         all.states.begin() + r * kept.state_floats,
+                         all.states.begin() + (r + 1) * kept.state_floats);
+    }
+  }
+  const uint32_t stored_crc = GetLE32(trailer);
+  if (reader.crc() != stored_crc) {
+    return absl::DataLossError(
+        absl::StrFormat("CRC-32 mismatch: computed %08x, stored %08x (corrupt)",
+                        reader.crc(), stored_crc));
+  }
+
+  if (absl::Status s = CheckHeaderContents(loaded.header, shard_id, num_shards,
+                                           file.sequence);
+      !s.ok()) {
+    return s;
+  }
+  loaded.header.clear_blocks();
+  return loaded;
+}
+
+// Every checkpoint file of one layout, newest sequence first per shard.
+struct Layout {
+  int num_shards = 0;
+  std::map<int, std::vector<CheckpointFile>> shards;
+  int64_t newest_mtime_ns = 0;
+  int64_t max_sequence = -1;
+
+  std::string Name() const { return absl::StrCat("shard-*-of-", num_shards); }
+};
+
+// The newest valid file of every old shard of a layout, or the first old
+// shard that has none.
+struct LayoutScan {
+  bool complete = false;
+  int missing_shard = -1;
+  int missing_skipped = 0;  // files of missing_shard found invalid
+  std::vector<LoadedFile> files;
+};
+
+LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
+                      int new_num_shards,
+                      std::vector<std::string>* files_skipped) {
+  LayoutScan scan;
+  for (int i = 0; i < layout.num_shards; ++i) {
+    const auto it = layout.shards.find(i);
+    int skipped = 0;
+    bool found = false;
+    if (it != layout.shards.end()) {
+      for (const CheckpointFile& file : it->second) {
+        absl::StatusOr<LoadedFile> loaded = ReadCheckpointFile(
+            file, i, layout.num_shards, new_shard_id, new_num_shards);
+        if (loaded.ok()) {
+          scan.files.push_back(*std::move(loaded));
+          found = true;
+          break;
+        }
+        const std::string reason =
+            absl::StrCat(file.path, ": ", loaded.status().message());
+        LOG(WARNING) << "skipping invalid checkpoint " << reason;
+        files_skipped->push_back(reason);
+        ++skipped;
+      }
+    }
+    if (!found) {
+      scan.missing_shard = i;
+      scan.missing_skipped = skipped;
+      scan.files.clear();
+      return scan;
+    }
+  }
+  scan.complete = true;
+  return scan;
+}
+
+}  // namespace
+
+absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
+    int shard_id, int num_shards) const {
+  if (num_shards < 1 || shard_id < 0 || shard_id >= num_shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot restore shard ", shard_id, " of ", num_shards,
+                     ": need 0 <= shard_id < num_shards"));
+  }
+  absl::StatusOr<std::vector<std::string>> entries = ListDir(dir_);
+  if (!entries.ok()) {
+    if (absl::IsNotFound(entries.status())) {
+      return absl::NotFoundError(
+          absl::StrCat("no checkpoint in ", dir_, ": no such directory"));
+    }
+    return entries.status();
+  }
+
+  // Every checkpoint file, grouped by layout.
+  std::map<int, Layout> layouts;
+  int64_t max_sequence = -1;
+  for (const std::string& entry : *entries) {
+    int old_shard = 0, old_num_shards = 0;
+    if (!ParseShardDirName(entry, &old_shard, &old_num_shards)) continue;
+    const std::string shard_dir = JoinPath(dir_, entry);
+    absl::StatusOr<std::vector<std::string>> names = ListDir(shard_dir);
+    if (!names.ok()) {
+      // Not a directory, or unreadable: its files cannot be tried.
+      if (!absl::IsNotFound(names.status())) {
+        LOG(WARNING) << "ignoring " << shard_dir << ": " << names.status();
+      }
+      continue;
+    }
+    for (const std::string& name : *names) {
+      CheckpointFile file;
+      if (!ParseCheckpointFileName(name, &file.sequence)) continue;
+      file.path = JoinPath(shard_dir, name);
+      struct stat st;
+      if (::stat(file.path.c_str(), &st) == 0) {
+        file.mtime_ns =
+            int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec;
+      }
+      Layout& layout = layouts[old_num_shards];
+      layout.num_shards = old_num_shards;
+      layout.newest_mtime_ns = std::max(layout.newest_mtime_ns, file.mtime_ns);
+      layout.max_sequence = std::max(layout.max_sequence, file.sequence);
+      max_sequence = std::max(max_sequence, file.sequence);
+      layout.shards[old_shard].push_back(std::move(file));
+    }
+  }
+  if (layouts.empty()) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint in ", dir_));
+  }
+  for (auto& [n, layout] : layouts) {
+    for (auto& [i, files] : layout.shards) {
+      std::sort(files.begin(), files.end(),
+                [](const CheckpointFile& a, const CheckpointFile& b) {
+                  return a.sequence > b.sequence;
+                });
+    }
+  }
+
+  // The matching layout first, then the others, newest first.
+  std::vector<const Layout*> order;
+  for (const auto& [n, layout] : layouts) {
+    if (n != num_shards) order.push_back(&layout);
+  }
+  std::sort(order.begin(), order.end(), [](const Layout* a, const Layout* b) {
+    return std::make_tuple(a->newest_mtime_ns, a->max_sequence, a->num_shards) >
+           std::make_tuple(b->newest_mtime_ns, b->max_sequence, b->num_shards);
+  });
+  if (const auto it = layouts.find(num_shards); it != layouts.end()) {
+    order.insert(order.begin(), &it->second);
+  }
+
+  RestoredShard restored;
+  restored.next_sequence = max_sequence + 1;
+  const Layout* chosen = nullptr;
+  LayoutScan scan;
+  std::vector<std::string> incomplete;
+  for (const Layout* layout : order) {
+    scan = ScanLayout(*layout, shard_id, num_shards, &restored.files_skipped);
+    if (scan.complete) {
+      chosen = layout;
+      break;
+    }
+    incomplete.push_back(
+        absl::StrCat(ShardDirName(scan.missing_shard, layout->num_shards),
+                     " has no valid checkpoint file (", scan.missing_skipped,
+                     " invalid ones skipped)"));
+  }
+  if (chosen == nullptr) {
+    return absl::DataLossError(absl::StrCat(
+        "cannot restore shard ", shard_id, " of ", num_shards, " from ", dir_,
+        ": no layout has a valid checkpoint for every shard: ",
+        absl::StrJoin(incomplete, "; ")));
+  }
+  if (!incomplete.empty()) {
+    LOG(WARNING) << "restoring from " << chosen->Name() << " in " << dir_
+                 << " because " << absl::StrJoin(incomplete, "; ");
+  }
+  if (chosen->num_shards == num_shards) {
+    for (const auto& [n, layout] : layouts) {
+      if (n != num_shards && layout.newest_mtime_ns > chosen->newest_mtime_ns) {
+        LOG(WARNING) << "restoring from the matching layout " << chosen->Name()
+                     << " although " << layout.Name() << " in " << dir_
+                     << " has newer files";
+      }
+    }
+  }
+
+  // The old shards must describe the same model and training setup.
+  const LoadedFile& first = scan.files.front();
+  for (const LoadedFile& other : scan.files) {
+    std::string difference =
+        FirstSchemaDifference(first.header.schema(), other.header.schema());
+    if (difference.empty() && first.header.mode() != other.header.mode()) {
+      difference = absl::StrCat("mode ", QuoteForStatus(first.header.mode()),
+                                " vs ", QuoteForStatus(other.header.mode()));
+    }
+    if (difference.empty() &&
+        first.header.optimizer() != other.header.optimizer()) {
+      difference =
+          absl::StrCat("optimizer ", QuoteForStatus(first.header.optimizer()),
+                       " vs ", QuoteForStatus(other.header.optimizer()));
+    }
+    if (!difference.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoints disagree: ", first.file.path, " vs ",
+                       other.file.path, ": ", difference));
+    }
+  }
+
+  // Every block the new shard owns, exactly once, in global order.
+  const BlockGeometry geometry(first.header.schema());
+  absl::flat_hash_map<int64_t, BlockSnapshot*> found;
+  for (LoadedFile& file : scan.files) {
+    for (BlockSnapshot& block : file.blocks) {
+      found[block.global_block] = &block;
+    }
+  }
+  const int64_t owned =
+      BlocksOnShard(geometry.num_blocks(), shard_id, num_shards);
+  restored.blocks.reserve(std::min<int64_t>(owned, found.size()));
+  int64_t state_per_element = -1;
+  for (int64_t g = shard_id; g < geometry.num_blocks(); g += num_shards) {
+    const auto it = found.find(g);
+    const int old_shard = static_cast<int>(g % chosen->num_shards);
+    if (it == found.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot restore shard ", shard_id, " of ", num_shards,
+                       ": ", geometry.Describe(g), " is missing from ",
+                       scan.files[old_shard].file.path));
+    }
+    BlockSnapshot& block = *it->second;
+    const int64_t per_element =
+        static_cast<int64_t>(block.optimizer_state.size()) /
+        static_cast<int64_t>(block.value.size());
+    if (state_per_element >= 0 && per_element != state_per_element) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoints disagree on optimizer state per element: ",
+          geometry.Describe(g), " in ", scan.files[old_shard].file.path,
+          " has ", per_element, ", earlier blocks ", state_per_element));
+    }
+    state_per_element = per_element;
+    restored.blocks.push_back(std::move(block));
+  }
+
+  // Sparse rows: each old shard's share of the new shard's rows.
+  const bool all_have_sparse = std::all_of(
+      scan.files.begin(), scan.files.end(), [&](const LoadedFile& f) {
+        return static_cast<int>(f.sparse.size()) ==
+               first.header.schema().sparse_size();
+      });
+  if (first.header.schema().sparse_size() > 0 && !all_have_sparse) {
+    LOG(WARNING) << "some checkpoint files hold no sparse rows (written by an "
+                    "older ps_server): every table starts afresh";
+  }
+  for (int t = 0; all_have_sparse && t < first.header.schema().sparse_size();
+       ++t) {
+    SparseTableSnapshot& merged = restored.sparse.emplace_back();
+    merged.name = first.sparse[t].name;
+    merged.dim = first.sparse[t].dim;
+    merged.state_floats = first.sparse[t].state_floats;
+    merged.version = first.sparse[t].version;
+    for (LoadedFile& file : scan.files) {
+      SparseTableSnapshot& part = file.sparse[t];
+      if (part.state_floats != merged.state_floats) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoints disagree on the state floats per row of sparse "
+            "table ",
+            QuoteForStatus(merged.name), ": ", file.file.path, " has ",
+            part.state_floats, ", ", first.file.path, " ",
+            merged.state_floats));
+      }
+      merged.version = std::min(merged.version, part.version);
+      merged.ids.insert(merged.ids.end(), part.ids.begin(), part.ids.end());
+      merged.update_counts.insert(merged.update_counts.end(),
+                                  part.update_counts.begin(),
+                                  part.update_counts.end());
+      merged.values.insert(merged.values.end(), part.values.begin(),
+                           part.values.end());
+      merged.states.insert(merged.states.end(), part.states.begin(),
+                           part.states.end());
+      part = SparseTableSnapshot();
+    }
+  }
+
+  restored.schema = first.header.schema();
+  restored.mode = first.header.mode();
+  restored.optimizer = first.header.optimizer();
+  restored.old_num_shards = chosen->num_shards;
+  for (const LoadedFile& file : scan.files) {
+    restored.files_used.push_back(file.file.path);
+  }
+  return restored;
+}
+
+}  // namespace pstrain
