@@ -35,6 +35,7 @@
 #include "common/metrics.h"
 #include "common/protocol.h"
 #include "common/tls.h"
+#include "common/tls_stream.h"
 #include "glog/logging.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/data_plane_server.h"
@@ -143,6 +144,14 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require client certificates signed by it (mutual "
           "TLS).");
+ABSL_FLAG(bool, data_plane_ktls, false,
+          "With TLS: let the kernel encrypt the data plane's records (kTLS, "
+          "OpenSSL's SSL_OP_ENABLE_KTLS) where it can; records stay in "
+          "OpenSSL otherwise. Which one ran is logged per connection and in "
+          "/metrics.");
+ABSL_FLAG(double, data_plane_handshake_s, 10,
+          "With TLS: a data-plane connection must finish its handshake "
+          "within this many seconds of arriving, or is closed.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding a shared token: every call must carry "
           "'authorization: Bearer <token>' (health and reflection excepted).");
@@ -268,6 +277,8 @@ int Main(int argc, char** argv) {
   checks.push_back(CheckPositive("worker_lease_s", lease_s));
   const double startup_timeout_s = absl::GetFlag(FLAGS_startup_timeout_s);
   checks.push_back(CheckPositive("startup_timeout_s", startup_timeout_s));
+  checks.push_back(CheckPositive("data_plane_handshake_s",
+                                 absl::GetFlag(FLAGS_data_plane_handshake_s)));
   const double drop_probability =
       absl::GetFlag(FLAGS_inject_drop_push_response_probability);
   if (!(drop_probability >= 0 && drop_probability <= 1)) {
@@ -380,8 +391,24 @@ int Main(int argc, char** argv) {
   }
   std::unique_ptr<DataPlaneServer> data_plane_server;
   const bool tls = !absl::GetFlag(FLAGS_tls_cert).empty();
-  if (data_port >= 0 && !tls) {
+  if (data_port >= 0) {
     DataPlaneServerOptions data_options;
+    if (tls) {
+      // The gRPC port's files, already checked by MakeServerCredentials.
+      absl::StatusOr<std::shared_ptr<const TlsContext>> context =
+          TlsContext::ForServer(
+              {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+               absl::GetFlag(FLAGS_tls_client_ca)},
+              absl::GetFlag(FLAGS_data_plane_ktls));
+      if (!context.ok()) {
+        LOG(ERROR) << "cannot serve the data plane with TLS: "
+                   << context.status();
+        return 1;
+      }
+      data_options.tls = *context;
+      data_options.handshake_timeout =
+          absl::Seconds(absl::GetFlag(FLAGS_data_plane_handshake_s));
+    }
     data_options.host = absl::GetFlag(FLAGS_host);
     data_options.port = data_port;
     data_options.max_body_bytes = static_cast<uint64_t>(max_message_mb) << 20;
@@ -408,7 +435,7 @@ int Main(int argc, char** argv) {
       return 1;
     }
     data_plane_server = std::move(*started);
-    service.set_data_port(data_plane_server->port());
+    service.set_data_port(data_plane_server->port(), tls);
   }
   // Before the gRPC server goes, on every path.
   auto stop_data_plane = [&data_plane_server] {
@@ -484,7 +511,8 @@ int Main(int argc, char** argv) {
             << (auth_token->empty() ? "" : ", bearer token required")
             << (data_plane_server != nullptr
                     ? absl::StrCat(", tensors also on data port ",
-                                   data_plane_server->port())
+                                   data_plane_server->port(),
+                                   tls ? " (TLS)" : "")
                     : ", tensors over gRPC only")
             << (health_server ? absl::StrCat(", health on port ", health_port)
                               : "");
