@@ -43,6 +43,9 @@ constexpr long kReadBufferBytes = 128 << 10;
 // Gathered pieces are written as one record up to this size.
 constexpr size_t kGatherBytes = 16 << 10;
 
+// Records are written to the socket in batches of up to this many bytes.
+constexpr long kWriteBufferBytes = 256 << 10;
+
 // OpenSSL's queued errors as "reason; reason", then cleared.
 std::string OpenSslErrors() {
   std::vector<std::string> reasons;
@@ -255,7 +258,40 @@ absl::Status TlsSession::Handshake(int fd, absl::Time deadline) {
   }
   ktls_send_ = BIO_get_ktls_send(SSL_get_wbio(ssl_));
   ktls_recv_ = BIO_get_ktls_recv(SSL_get_rbio(ssl_));
+  if (!ktls_send_) {
+    // OpenSSL writes each 16 KiB record with its own system call; a
+    // buffering BIO in front of the socket gathers records into one write
+    // per kWriteBufferBytes (Flush sends the rest). Kernel TLS writes
+    // straight to the socket and has no such cost.
+    BIO* socket_bio = SSL_get_wbio(ssl_);
+    BIO* buffer = BIO_new(BIO_f_buffer());
+    if (buffer != nullptr &&
+        BIO_set_write_buffer_size(buffer, kWriteBufferBytes) == 1) {
+      BIO_up_ref(socket_bio);  // the chain's own reference
+      BIO_push(buffer, socket_bio);
+      SSL_set0_wbio(ssl_, buffer);
+    } else {
+      BIO_free(buffer);
+    }
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> TlsSession::Flush(short* want) {
+  *want = 0;
+  BIO* wbio = SSL_get_wbio(ssl_);
+  if (BIO_wpending(wbio) == 0) return true;
+  ERR_clear_error();
+  errno = 0;
+  if (BIO_flush(wbio) == 1) return true;
+  if (BIO_should_retry(wbio)) {
+    *want = POLLOUT;
+    return false;
+  }
+  const int error = errno;
+  return absl::UnavailableError(
+      absl::StrCat("TLS write to ", peer_, ": ",
+                   error != 0 ? std::strerror(error) : OpenSslErrors()));
 }
 
 std::string TlsSession::Describe() const {
@@ -351,8 +387,19 @@ absl::Status TlsSession::WriteAll(absl::Span<const absl::string_view> pieces) {
       return s;
     }
   }
-  if (gather_.empty()) return absl::OkStatus();
-  return write_fully(gather_.data(), gather_.size());
+  if (!gather_.empty()) {
+    if (absl::Status s = write_fully(gather_.data(), gather_.size()); !s.ok()) {
+      return s;
+    }
+  }
+  short want;
+  absl::StatusOr<bool> flushed = Flush(&want);
+  if (!flushed.ok()) return flushed.status();
+  if (!*flushed) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("TLS write to ", peer_, " timed out"));
+  }
+  return absl::OkStatus();
 }
 
 std::string KernelTlsUnavailableReason() {

@@ -97,6 +97,10 @@ class TlsSession {
   // unusable).
   absl::StatusOr<size_t> Read(char* data, size_t size, short* want);
   absl::StatusOr<size_t> Write(const char* data, size_t size, short* want);
+  // Sends what Write left buffered (records are gathered into fewer system
+  // calls): true when nothing is left, false with *want = POLLOUT when the
+  // socket is full (call again once writable).
+  absl::StatusOr<bool> Flush(short* want);
 
   // Blocking socket: writes every piece in order. Pieces under 16 KiB are
   // gathered into one write, so a small message is one TLS record and one

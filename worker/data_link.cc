@@ -57,7 +57,9 @@ class DataLinkIo {
   }
 
   bool done() const { return answered_ == queue_.size(); }
-  bool sending() const { return iov_first_ < iov_.size(); }
+  bool sending() const {
+    return iov_first_ < iov_.size() || tls_flush_pending_;
+  }
   int fd() const { return link_->fd_.get(); }
 
   // Sends what the socket takes without blocking.
@@ -190,15 +192,20 @@ class DataLinkIo {
 
   void SendTls() {
     TlsSession& tls = *link_->tls_;
-    while (!done() && sending()) {
+    short want;
+    while (!done() && iov_first_ < iov_.size()) {
       const iovec& v = iov_[iov_first_];
-      short want;
       absl::StatusOr<size_t> sent =
           tls.Write(static_cast<const char*>(v.iov_base), v.iov_len, &want);
       if (!sent.ok()) return Fail(sent.status());
       if (*sent == 0) return;  // poll says when to go on
       ConsumeIovecs(*sent, iov_, &iov_first_);
     }
+    if (done()) return;
+    // Records the session gathered are not on the wire until flushed.
+    absl::StatusOr<bool> flushed = tls.Flush(&want);
+    if (!flushed.ok()) return Fail(flushed.status());
+    tls_flush_pending_ = !*flushed;
   }
 
   // recv without blocking, through TLS when the link has it: > 0 bytes,
@@ -340,7 +347,8 @@ class DataLinkIo {
   std::vector<char> headers_;
   std::vector<iovec> iov_;
   size_t iov_first_ = 0;
-  std::vector<char> gathered_;  // TLS: small pieces copied together
+  std::vector<char> gathered_;      // TLS: small pieces copied together
+  bool tls_flush_pending_ = false;  // TLS: records buffered, not yet sent
   size_t answered_ = 0;
   // The answer whose payloads are being read into place.
   std::vector<absl::Span<char>> places_;
