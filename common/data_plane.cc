@@ -76,8 +76,18 @@ void EncodeResponseHeader(const ResponseHeader& header,
   Store64(header.body_bytes, out + 8);
 }
 
+bool HasRequestMagic(absl::string_view bytes) {
+  return bytes.size() >= 4 && Load32(bytes.data()) == kRequestMagic;
+}
+
 absl::StatusOr<RequestHeader> DecodeRequestHeader(
     const char in[kRequestHeaderBytes], uint64_t max_body_bytes) {
+  // A TLS record of type handshake (22), version 3.x: a ClientHello.
+  if (in[0] == 0x16 && in[1] == 0x03) {
+    return absl::InvalidArgumentError(
+        "not a data-plane request (bad magic): a TLS client on a plaintext "
+        "data port (this server has no --tls_cert)");
+  }
   if (Load32(in) != kRequestMagic) {
     return absl::InvalidArgumentError(
         "not a data-plane request (bad magic): is this a gRPC or TLS client "

@@ -45,8 +45,14 @@
 // timed out): a retry then reports that push's blocks as duplicates. A
 // server says it takes PushPull in RegisterModelResponse.data_push_pull.
 //
-// Plaintext only: a server with TLS does not offer the data plane, and a
-// client with TLS credentials never uses it.
+// TLS: a server with --tls_cert serves this plane inside TLS 1.3 (common/
+// tls_stream.h) with the gRPC port's certificates and client-certificate
+// rule, and says so in RegisterModelResponse.data_port_tls; the framing
+// inside is the same. A client with TLS credentials uses only a data port
+// announced as TLS, a plaintext client only one that is not; otherwise its
+// tensors go over gRPC. Servers from before TLS here announce no data port
+// when they have TLS, and clients from before it never use the data plane
+// with TLS, so mixed versions meet over gRPC.
 #ifndef PSTRAIN_COMMON_DATA_PLANE_H_
 #define PSTRAIN_COMMON_DATA_PLANE_H_
 
@@ -109,6 +115,10 @@ void EncodeRequestHeader(const RequestHeader& header,
                          char out[kRequestHeaderBytes]);
 void EncodeResponseHeader(const ResponseHeader& header,
                           char out[kResponseHeaderBytes]);
+
+// Whether `bytes` (at least 4) open with a request header's magic: a
+// plaintext data-plane client.
+bool HasRequestMagic(absl::string_view bytes);
 
 // InvalidArgument naming what is wrong: not this protocol's magic, an
 // unknown method, a reserved byte set, or a body over `max_body_bytes`.

@@ -612,6 +612,20 @@ std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
         "the last two checkpoints (0: unknown or periodic checkpoints off).",
         kGauge, c.interval_s());
   }
+  add("pstrain_shard_data_plane_tls",
+      "1 when the tensor data port speaks TLS, 0 when plaintext or off.",
+      kGauge, s.data_port_tls() ? 1 : 0);
+  add("pstrain_shard_data_plane_tls_refused_total",
+      "TLS data-plane connections refused before their first frame (failed "
+      "or stalled handshakes, plaintext clients).",
+      kCounter, static_cast<double>(s.data_plane_tls_refused()));
+  add("pstrain_shard_data_plane_ktls_connections_total",
+      "TLS data-plane connections whose records the kernel handles (kTLS).",
+      kCounter, static_cast<double>(s.data_plane_ktls_connections()));
+  add("pstrain_shard_data_plane_user_tls_connections_total",
+      "TLS data-plane connections whose records OpenSSL handles in user "
+      "space (no kernel TLS).",
+      kCounter, static_cast<double>(s.data_plane_user_tls_connections()));
   return families;
 }
 

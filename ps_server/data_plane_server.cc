@@ -1,5 +1,7 @@
 #include "ps_server/data_plane_server.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -22,16 +24,34 @@ namespace {
 
 using data_plane::Method;
 
+// One connection's byte stream: the socket, through TLS when `tls` is set.
+struct Stream {
+  int fd = -1;
+  TlsSession* tls = nullptr;
+};
+
 // Reads once into `buffer`, with room for at least `frame_bytes` from its
 // front but at most 4 MiB beyond what has arrived, so a header claiming a
 // huge body costs nothing until the body is sent. The socket's SO_RCVTIMEO
 // bounds the wait (DEADLINE_EXCEEDED); OUT_OF_RANGE when the peer closed.
-absl::Status ReadMore(int fd, size_t frame_bytes, ReceiveBuffer* buffer) {
+absl::Status ReadMore(const Stream& stream, size_t frame_bytes,
+                      ReceiveBuffer* buffer) {
   constexpr size_t kGrowAhead = 4 << 20;
   buffer->MakeRoom(
       std::min(frame_bytes, buffer->available().size() + kGrowAhead));
+  if (stream.tls != nullptr) {
+    short want;
+    absl::StatusOr<size_t> got =
+        stream.tls->Read(buffer->free_begin(), buffer->free_bytes(), &want);
+    if (!got.ok()) return got.status();
+    // A blocking socket wants more only once SO_RCVTIMEO passed.
+    if (*got == 0) return absl::DeadlineExceededError("TLS read timed out");
+    buffer->Produced(*got);
+    return absl::OkStatus();
+  }
   while (true) {
-    const ssize_t got = recv(fd, buffer->free_begin(), buffer->free_bytes(), 0);
+    const ssize_t got =
+        recv(stream.fd, buffer->free_begin(), buffer->free_bytes(), 0);
     if (got > 0) {
       buffer->Produced(static_cast<size_t>(got));
       return absl::OkStatus();
@@ -41,7 +61,7 @@ absl::Status ReadMore(int fd, size_t frame_bytes, ReceiveBuffer* buffer) {
   }
 }
 
-absl::Status Answer(int fd, absl::StatusCode code,
+absl::Status Answer(const Stream& stream, absl::StatusCode code,
                     absl::Span<const absl::string_view> body) {
   size_t body_bytes = 0;
   for (absl::string_view piece : body) body_bytes += piece.size();
@@ -51,12 +71,62 @@ absl::Status Answer(int fd, absl::StatusCode code,
   pieces.reserve(body.size() + 1);
   pieces.emplace_back(header, sizeof(header));
   pieces.insert(pieces.end(), body.begin(), body.end());
-  return SendAll(fd, pieces);
+  return stream.tls != nullptr ? stream.tls->WriteAll(pieces)
+                               : SendAll(stream.fd, pieces);
 }
 
-absl::Status AnswerStatus(int fd, const absl::Status& status) {
+absl::Status AnswerStatus(const Stream& stream, const absl::Status& status) {
   const absl::string_view message = status.message();
-  return Answer(fd, status.code(), absl::MakeConstSpan(&message, 1));
+  return Answer(stream, status.code(), absl::MakeConstSpan(&message, 1));
+}
+
+// "a.b.c.d:port" or "[v6]:port" of an accepted connection's peer.
+std::string PeerName(const sockaddr_storage& address) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (address.ss_family == AF_INET) {
+    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&address);
+    inet_ntop(AF_INET, &v4->sin_addr, host, sizeof(host));
+    port = ntohs(v4->sin_port);
+    return absl::StrCat(host, ":", port);
+  }
+  if (address.ss_family == AF_INET6) {
+    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&address);
+    inet_ntop(AF_INET6, &v6->sin6_addr, host, sizeof(host));
+    port = ntohs(v6->sin6_port);
+  }
+  return absl::StrCat("[", host, "]:", port);
+}
+
+// Refused and broken connections are logged with their peer, but at most
+// kBurst lines a minute: a port scan or a misconfigured client retrying in
+// a loop must not flood the log.
+void LogRefusal(const std::string& line) {
+  constexpr int kBurst = 20;
+  static absl::Mutex mu(absl::kConstInit);
+  static absl::Time window_start = absl::InfinitePast();
+  static int lines = 0;
+  static int64_t suppressed = 0;
+  int64_t dropped = 0;
+  {
+    absl::MutexLock lock(&mu);
+    const absl::Time now = absl::Now();
+    if (now - window_start > absl::Minutes(1)) {
+      window_start = now;
+      lines = 0;
+      dropped = suppressed;
+      suppressed = 0;
+    }
+    if (++lines > kBurst) {
+      ++suppressed;
+      return;
+    }
+  }
+  if (dropped > 0) {
+    LOG(WARNING) << "data plane: " << dropped
+                 << " more refusals were not logged in the last minute";
+  }
+  LOG(WARNING) << line;
 }
 
 // A PushPull's OK answer (common/data_plane.h): the pull's answer `pull`
@@ -143,7 +213,10 @@ void DataPlaneServer::AcceptLoop() {
       return;
     }
     if (waits[1].revents != 0 || stopping_.load()) return;
-    ScopedFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    sockaddr_storage address = {};
+    socklen_t address_bytes = sizeof(address);
+    ScopedFd fd(accept4(listener_.get(), reinterpret_cast<sockaddr*>(&address),
+                        &address_bytes, SOCK_CLOEXEC));
     if (!fd.valid()) {
       const int error = errno;
       if (error != EINTR && error != ECONNABORTED && error != EAGAIN) {
@@ -184,7 +257,9 @@ void DataPlaneServer::AcceptLoop() {
     auto owned = std::make_shared<ScopedFd>(std::move(fd));
     try {
       connection.thread =
-          std::thread([this, id, owned] { Serve(id, std::move(*owned)); });
+          std::thread([this, id, owned, peer = PeerName(address)] {
+            Serve(id, std::move(*owned), peer);
+          });
     } catch (const std::system_error& e) {
       // Out of threads: this connection is closed, the server goes on.
       LOG_EVERY_N(WARNING, 100)
@@ -194,16 +269,75 @@ void DataPlaneServer::AcceptLoop() {
   }
 }
 
-void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
+std::unique_ptr<TlsSession> DataPlaneServer::Handshake(
+    int fd, const std::string& peer) {
+  const absl::Time deadline = absl::Now() + options_.handshake_timeout;
+  // A data-plane client that does not speak TLS (a plaintext worker, or
+  // one from before TLS on this plane) opens with a request header: answer
+  // it in its own framing, so it reads why instead of a TLS alert.
+  pollfd wait = {fd, POLLIN, 0};
+  char first[4];
+  ssize_t peeked = -1;
+  if (poll(&wait, 1,
+           static_cast<int>(
+               absl::ToInt64Milliseconds(options_.handshake_timeout))) > 0) {
+    peeked = recv(fd, first, sizeof(first), MSG_PEEK | MSG_DONTWAIT);
+  }
+  if (peeked == static_cast<ssize_t>(sizeof(first)) &&
+      data_plane::HasRequestMagic(absl::string_view(first, sizeof(first)))) {
+    handler_->CountHandshakeRefused();
+    AnswerStatus(Stream{fd, nullptr},
+                 absl::FailedPreconditionError(
+                     "this data port speaks TLS (the server has --tls_cert): "
+                     "a plaintext data-plane client is refused"))
+        .IgnoreError();
+    LogRefusal(absl::StrCat("data plane: refused a plaintext client from ",
+                            peer, " on the TLS data port"));
+    return nullptr;
+  }
+  absl::StatusOr<std::unique_ptr<TlsSession>> session =
+      TlsSession::Accept(options_.tls, fd, peer, deadline);
+  if (!session.ok()) {
+    if (stopping_.load()) return nullptr;
+    handler_->CountHandshakeRefused();
+    LogRefusal(absl::StrCat("data plane: refused the TLS handshake of ", peer,
+                            ": ", session.status().ToString()));
+    return nullptr;
+  }
+  const bool kernel = (*session)->ktls_send() || (*session)->ktls_recv();
+  handler_->CountTlsConnection(kernel);
+  std::string why_not_kernel;
+  if (!kernel) {
+    why_not_kernel =
+        !options_.tls->ktls()
+            ? " (kernel TLS off: --data_plane_ktls)"
+            : absl::StrCat(" (kernel TLS unavailable: ",
+                           KernelTlsUnavailableReason().empty()
+                               ? "OpenSSL did not enable it for this cipher"
+                               : KernelTlsUnavailableReason(),
+                           ")");
+  }
+  LOG(INFO) << "data plane: TLS connection from " << peer << ": "
+            << (*session)->Describe() << why_not_kernel;
+  return std::move(*session);
+}
+
+void DataPlaneServer::Serve(int64_t id, ScopedFd fd, std::string peer) {
   ReceiveBuffer received;
   bool greeted = false;
   absl::Status ended;
-  while (true) {
+  std::unique_ptr<TlsSession> tls;
+  if (options_.tls != nullptr) {
+    tls = Handshake(fd.get(), peer);
+    if (tls == nullptr) ended = absl::OutOfRangeError("handshake refused");
+  }
+  const Stream stream{fd.get(), tls.get()};
+  while (ended.ok()) {
     // The wait for the next request has no deadline of its own: an idle
     // connection is normal. SO_RCVTIMEO wakes it now and then to notice
     // Shutdown; the client closing or Shutdown's shutdown() end it.
     while (received.available().empty() && !stopping_.load()) {
-      ended = ReadMore(fd.get(), data_plane::kRequestHeaderBytes, &received);
+      ended = ReadMore(stream, data_plane::kRequestHeaderBytes, &received);
       // Only a greeted connection may idle: one that never says Hello
       // cannot hold a thread past SO_RCVTIMEO.
       if (!absl::IsDeadlineExceeded(ended) || !greeted) break;
@@ -214,7 +348,7 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     // SO_RCVTIMEO.
     while (received.available().size() < data_plane::kRequestHeaderBytes &&
            ended.ok()) {
-      ended = ReadMore(fd.get(), data_plane::kRequestHeaderBytes, &received);
+      ended = ReadMore(stream, data_plane::kRequestHeaderBytes, &received);
     }
     if (!ended.ok()) break;
     absl::StatusOr<data_plane::RequestHeader> header =
@@ -223,7 +357,7 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     if (!header.ok()) {
       // The stream can no longer be followed: answer and close.
       handler_->CountRejected();
-      AnswerStatus(fd.get(), header.status()).IgnoreError();
+      AnswerStatus(stream, header.status()).IgnoreError();
       ended = header.status();
       break;
     }
@@ -231,7 +365,7 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     const size_t frame_bytes =
         data_plane::kRequestHeaderBytes + header->body_bytes;
     while (received.available().size() < frame_bytes && ended.ok()) {
-      ended = ReadMore(fd.get(), frame_bytes, &received);
+      ended = ReadMore(stream, frame_bytes, &received);
     }
     if (!ended.ok()) break;
     const absl::string_view request = received.available().substr(
@@ -243,16 +377,15 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     if (header->method == Method::kHello) {
       if (!handler_->TokenAccepted(request)) {
         handler_->CountRejected();
-        AnswerStatus(fd.get(), absl::UnauthenticatedError(
-                                   "missing or wrong bearer token (see "
-                                   "--auth_token_file)"))
+        AnswerStatus(stream, absl::UnauthenticatedError(
+                                 "missing or wrong bearer token (see "
+                                 "--auth_token_file)"))
             .IgnoreError();
         ended = absl::UnauthenticatedError("bad token");
         break;
       }
       greeted = true;
-      if (absl::Status s = Answer(fd.get(), absl::StatusCode::kOk, {});
-          !s.ok()) {
+      if (absl::Status s = Answer(stream, absl::StatusCode::kOk, {}); !s.ok()) {
         ended = s;
         break;
       }
@@ -260,9 +393,9 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     }
     if (!greeted) {
       handler_->CountRejected();
-      AnswerStatus(fd.get(), absl::FailedPreconditionError(
-                                 "a data-plane connection must start with "
-                                 "Hello"))
+      AnswerStatus(stream, absl::FailedPreconditionError(
+                               "a data-plane connection must start with "
+                               "Hello"))
           .IgnoreError();
       ended = absl::FailedPreconditionError("no Hello");
       break;
@@ -334,7 +467,7 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     if (!status.ok()) answer = {message};
     uint64_t answer_bytes = 0;
     for (absl::string_view piece : answer) answer_bytes += piece.size();
-    if (absl::Status s = Answer(fd.get(), status.code(), answer); !s.ok()) {
+    if (absl::Status s = Answer(stream, status.code(), answer); !s.ok()) {
       ended = s;
       break;
     }
@@ -355,7 +488,8 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd) {
     }
   }
   if (!ended.ok() && !stopping_.load() && !absl::IsOutOfRange(ended)) {
-    LOG_EVERY_N(WARNING, 100) << "data plane connection closed: " << ended;
+    LogRefusal(absl::StrCat("data plane: closed the connection from ", peer,
+                            ": ", ended.ToString()));
   }
   absl::MutexLock lock(&mu_);
   auto node = live_.extract(id);

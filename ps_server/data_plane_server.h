@@ -4,6 +4,12 @@
 // blocking socket calls. Workers open a few connections per shard and keep
 // them, so the thread count is the job's connection count; no request is
 // handed between threads on its way, which is what this plane is for.
+//
+// With TLS (DataPlaneServerOptions::tls) each connection's thread first
+// runs the handshake, bounded by handshake_timeout; a client the handshake
+// refuses (no certificate or one the CA did not sign under mutual TLS, a
+// plaintext data-plane client, garbage) is logged with its address,
+// counted and closed before any frame is read.
 #ifndef PSTRAIN_PS_SERVER_DATA_PLANE_SERVER_H_
 #define PSTRAIN_PS_SERVER_DATA_PLANE_SERVER_H_
 
@@ -22,6 +28,7 @@
 #include "absl/types/span.h"
 #include "common/data_plane.h"
 #include "common/socket.h"
+#include "common/tls_stream.h"
 
 namespace pstrain {
 
@@ -52,6 +59,10 @@ class DataPlaneHandler {
   virtual bool TokenAccepted(absl::string_view token) const = 0;
   // A request refused for its form (the shard's Stats.requests_rejected).
   virtual void CountRejected() = 0;
+  // TLS only: a connection the handshake refused (or that stalled in it),
+  // and one that completed it, with where its record layer runs.
+  virtual void CountHandshakeRefused() {}
+  virtual void CountTlsConnection(bool /*kernel_tls*/) {}
 };
 
 struct DataPlaneServerOptions {
@@ -63,6 +74,12 @@ struct DataPlaneServerOptions {
   // The longest a pull waits for its step, whatever its client asks (the
   // shard caps it too).
   absl::Duration max_pull_wait = absl::Seconds(120);
+  // Set: every connection speaks TLS (a server context from
+  // TlsContext::ForServer); null: plaintext.
+  std::shared_ptr<const TlsContext> tls;
+  // How long a TLS handshake may take from accept, so a client that
+  // connects and stalls holds its thread no longer than this.
+  absl::Duration handshake_timeout = absl::Seconds(10);
   // Called after each Push or Pull is answered (for metrics): its status,
   // the time from its header's arrival to its answer sent, and the body
   // bytes each way. A PushPull is reported as its Push (applied or refused) and
@@ -80,6 +97,7 @@ class DataPlaneServer {
   ~DataPlaneServer();
 
   int port() const { return port_; }
+  bool tls() const { return options_.tls != nullptr; }
 
   // Stops accepting, cuts every connection (a client sees UNAVAILABLE and
   // retries elsewhere or later) and joins every thread. Call after
@@ -93,7 +111,10 @@ class DataPlaneServer {
   void AcceptLoop();
   // Serves one connection until the client closes it, it breaks the
   // framing, or Shutdown.
-  void Serve(int64_t id, ScopedFd fd);
+  void Serve(int64_t id, ScopedFd fd, std::string peer);
+  // TLS: refuses a plaintext data-plane client in its own framing, then
+  // runs the handshake. Null (logged and counted) when it failed.
+  std::unique_ptr<TlsSession> Handshake(int fd, const std::string& peer);
   // Joins the threads of connections that have ended.
   void ReapFinished() ABSL_LOCKS_EXCLUDED(mu_);
 

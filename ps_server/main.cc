@@ -39,6 +39,7 @@
 #include "common/metrics.h"
 #include "common/protocol.h"
 #include "common/tls.h"
+#include "common/tls_stream.h"
 #include "glog/logging.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/data_plane_server.h"
@@ -57,8 +58,8 @@ ABSL_FLAG(int, port, 0, "Port to listen on; 0 picks a free one.");
 ABSL_FLAG(int, data_port, 0,
           "Port of the tensor data plane (Push and Pull over plain TCP, "
           "announced to workers at registration); 0 picks a free one, -1 "
-          "serves them over gRPC only. Off with TLS (the data plane has "
-          "none).");
+          "serves them over gRPC only. With --tls_cert it speaks TLS 1.3 "
+          "with the gRPC port's certificates.");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the chosen port is written here once serving (atomically).");
 ABSL_FLAG(int, shard_id, 0, "This server's shard, in [0, num_shards).");
@@ -153,6 +154,14 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require client certificates signed by it (mutual "
           "TLS).");
+ABSL_FLAG(bool, data_plane_ktls, false,
+          "With TLS: let the kernel encrypt the data plane's records (kTLS, "
+          "OpenSSL's SSL_OP_ENABLE_KTLS) where it can; records stay in "
+          "OpenSSL otherwise. Which one ran is logged per connection and in "
+          "/metrics.");
+ABSL_FLAG(double, data_plane_handshake_s, 10,
+          "With TLS: a data-plane connection must finish its handshake "
+          "within this many seconds of arriving, or is closed.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding a shared token: every call must carry "
           "'authorization: Bearer <token>' (health and reflection excepted).");
@@ -306,6 +315,8 @@ int Main(int argc, char** argv) {
   checks.push_back(CheckPositive("worker_lease_s", lease_s));
   const double startup_timeout_s = absl::GetFlag(FLAGS_startup_timeout_s);
   checks.push_back(CheckPositive("startup_timeout_s", startup_timeout_s));
+  checks.push_back(CheckPositive("data_plane_handshake_s",
+                                 absl::GetFlag(FLAGS_data_plane_handshake_s)));
   const double drop_probability =
       absl::GetFlag(FLAGS_inject_drop_push_response_probability);
   if (!(drop_probability >= 0 && drop_probability <= 1)) {
@@ -421,8 +432,24 @@ int Main(int argc, char** argv) {
   }
   std::unique_ptr<DataPlaneServer> data_plane_server;
   const bool tls = !absl::GetFlag(FLAGS_tls_cert).empty();
-  if (data_port >= 0 && !tls) {
+  if (data_port >= 0) {
     DataPlaneServerOptions data_options;
+    if (tls) {
+      // The gRPC port's files, already checked by MakeServerCredentials.
+      absl::StatusOr<std::shared_ptr<const TlsContext>> context =
+          TlsContext::ForServer(
+              {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+               absl::GetFlag(FLAGS_tls_client_ca)},
+              absl::GetFlag(FLAGS_data_plane_ktls));
+      if (!context.ok()) {
+        LOG(ERROR) << "cannot serve the data plane with TLS: "
+                   << context.status();
+        return 1;
+      }
+      data_options.tls = *context;
+      data_options.handshake_timeout =
+          absl::Seconds(absl::GetFlag(FLAGS_data_plane_handshake_s));
+    }
     data_options.host = absl::GetFlag(FLAGS_host);
     data_options.port = data_port;
     data_options.max_body_bytes = static_cast<uint64_t>(max_message_mb) << 20;
@@ -449,7 +476,7 @@ int Main(int argc, char** argv) {
       return 1;
     }
     data_plane_server = std::move(*started);
-    service.set_data_port(data_plane_server->port());
+    service.set_data_port(data_plane_server->port(), tls);
   }
   // Before the gRPC server goes, on every path.
   auto stop_data_plane = [&data_plane_server] {
@@ -528,7 +555,8 @@ int Main(int argc, char** argv) {
             << (auth_token->empty() ? "" : ", bearer token required")
             << (data_plane_server != nullptr
                     ? absl::StrCat(", tensors also on data port ",
-                                   data_plane_server->port())
+                                   data_plane_server->port(),
+                                   tls ? " (TLS)" : "")
                     : ", tensors over gRPC only")
             << (health_server ? absl::StrCat(", health on port ", health_port)
                               : "");

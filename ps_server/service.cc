@@ -121,6 +121,7 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
           const int port = data_port_.load();
           response->set_data_port(port);
           response->set_data_push_pull(port > 0);
+          response->set_data_port_tls(port > 0 && data_port_tls_.load());
         }
         return response;
       });
@@ -131,6 +132,10 @@ StatsResponse ParameterServerService::CurrentStats() const {
   stats.set_data_plane_requests(data_plane_requests_.load());
   if (checkpointer_ != nullptr)
     *stats.mutable_checkpoint() = checkpointer_->Stats();
+  stats.set_data_port_tls(data_port_.load() > 0 && data_port_tls_.load());
+  stats.set_data_plane_tls_refused(data_plane_tls_refused_.load());
+  stats.set_data_plane_ktls_connections(data_plane_ktls_.load());
+  stats.set_data_plane_user_tls_connections(data_plane_user_tls_.load());
   return stats;
 }
 

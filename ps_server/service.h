@@ -115,8 +115,11 @@ class ParameterServerService final : public ParameterServerRawService,
   StatsResponse CurrentStats() const;
 
   // The data plane's port, announced in every RegisterModelResponse; 0
-  // (the default) announces none.
-  void set_data_port(int port) { data_port_.store(port); }
+  // (the default) announces none. `tls`: the port speaks TLS.
+  void set_data_port(int port, bool tls = false) {
+    data_port_tls_.store(tls);
+    data_port_.store(port);
+  }
 
   // DataPlaneHandler.
   absl::StatusOr<std::string> ServeDataPlanePush(
@@ -126,6 +129,13 @@ class ParameterServerService final : public ParameterServerRawService,
                           bool follows_own_push, PullDone done) override;
   bool TokenAccepted(absl::string_view token) const override;
   void CountRejected() override { shard_->CountRejected(); }
+  void CountHandshakeRefused() override {
+    data_plane_tls_refused_.fetch_add(1, std::memory_order_relaxed);
+  }
+  void CountTlsConnection(bool kernel_tls) override {
+    (kernel_tls ? data_plane_ktls_ : data_plane_user_tls_)
+        .fetch_add(1, std::memory_order_relaxed);
+  }
 
  private:
   // Push and Pull from the request's bytes on, whichever transport brought
@@ -158,6 +168,10 @@ class ParameterServerService final : public ParameterServerRawService,
   std::atomic<int64_t> dropped_{0};
   std::atomic<int> data_port_{0};
   std::atomic<int64_t> data_plane_requests_{0};
+  std::atomic<bool> data_port_tls_{false};
+  std::atomic<int64_t> data_plane_tls_refused_{0};
+  std::atomic<int64_t> data_plane_ktls_{0};
+  std::atomic<int64_t> data_plane_user_tls_{0};
   absl::Mutex streams_mu_;
   absl::flat_hash_set<CallStream*> streams_ ABSL_GUARDED_BY(streams_mu_);
   absl::Mutex random_mu_;

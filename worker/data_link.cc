@@ -1,5 +1,6 @@
 #include "worker/data_link.h"
 
+#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -11,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 
 namespace pstrain {
 
@@ -47,6 +49,7 @@ class DataLinkIo {
         }
       }
     }
+    if (link_->tls_ != nullptr) GatherSmallPieces();
   }
   void set_timeout(absl::Duration timeout) {
     timeout_ms_ = static_cast<uint32_t>(
@@ -54,11 +57,14 @@ class DataLinkIo {
   }
 
   bool done() const { return answered_ == queue_.size(); }
-  bool sending() const { return iov_first_ < iov_.size(); }
+  bool sending() const {
+    return iov_first_ < iov_.size() || tls_flush_pending_;
+  }
   int fd() const { return link_->fd_.get(); }
 
   // Sends what the socket takes without blocking.
   void Send() {
+    if (link_->tls_ != nullptr) return SendTls();
     while (!done() && sending()) {
       msghdr message = {};
       message.msg_iov = iov_.data() + iov_first_;
@@ -135,7 +141,7 @@ class DataLinkIo {
       const size_t room = apart || front.place_payloads
                               ? frame_bytes - available
                               : received.free_bytes();
-      const ssize_t got = recv(fd(), received.free_begin(), room, MSG_DONTWAIT);
+      const ssize_t got = RecvSome(received.free_begin(), room);
       if (!Received(got)) return;
       received.Produced(static_cast<size_t>(got));
     }
@@ -151,10 +157,82 @@ class DataLinkIo {
   }
 
  private:
+  // TLS writes one buffer at a time, each at least one record and one
+  // system call: runs of small pieces (headers, length prefixes, small
+  // messages) are copied into one buffer so a small request is one record.
+  void GatherSmallPieces() {
+    constexpr size_t kSmall = 16 << 10;
+    size_t small_bytes = 0;
+    for (const iovec& v : iov_) {
+      if (v.iov_len < kSmall) small_bytes += v.iov_len;
+    }
+    gathered_.clear();
+    gathered_.reserve(small_bytes);  // no reallocation: iovecs point in
+    std::vector<iovec> merged;
+    size_t run_start = 0;  // where the current run begins in gathered_
+    bool in_run = false;
+    for (const iovec& v : iov_) {
+      if (v.iov_len < kSmall) {
+        if (!in_run) run_start = gathered_.size();
+        gathered_.insert(gathered_.end(), static_cast<const char*>(v.iov_base),
+                         static_cast<const char*>(v.iov_base) + v.iov_len);
+        if (!in_run) {
+          merged.push_back({nullptr, 0});
+          in_run = true;
+        }
+        merged.back() = {gathered_.data() + run_start,
+                         gathered_.size() - run_start};
+      } else {
+        merged.push_back(v);
+        in_run = false;
+      }
+    }
+    iov_ = std::move(merged);
+  }
+
+  void SendTls() {
+    TlsSession& tls = *link_->tls_;
+    short want;
+    while (!done() && iov_first_ < iov_.size()) {
+      const iovec& v = iov_[iov_first_];
+      absl::StatusOr<size_t> sent =
+          tls.Write(static_cast<const char*>(v.iov_base), v.iov_len, &want);
+      if (!sent.ok()) return Fail(sent.status());
+      if (*sent == 0) return;  // poll says when to go on
+      ConsumeIovecs(*sent, iov_, &iov_first_);
+    }
+    if (done()) return;
+    // Records the session gathered are not on the wire until flushed.
+    absl::StatusOr<bool> flushed = tls.Flush(&want);
+    if (!flushed.ok()) return Fail(flushed.status());
+    tls_flush_pending_ = !*flushed;
+  }
+
+  // recv without blocking, through TLS when the link has it: > 0 bytes,
+  // 0 when the peer closed, -1 with errno (EAGAIN: nothing yet), or
+  // kFailed when a TLS failure already failed the link.
+  static constexpr ssize_t kFailed = -2;
+  ssize_t RecvSome(char* data, size_t size) {
+    if (link_->tls_ == nullptr) return recv(fd(), data, size, MSG_DONTWAIT);
+    short want;
+    absl::StatusOr<size_t> got = link_->tls_->Read(data, size, &want);
+    if (absl::IsOutOfRange(got.status())) return 0;
+    if (!got.ok()) {
+      Fail(got.status());
+      return kFailed;
+    }
+    if (*got == 0) {
+      errno = EAGAIN;
+      return -1;
+    }
+    return static_cast<ssize_t>(*got);
+  }
+
   // False (the link failed, or nothing more has arrived) unless recv got
   // bytes.
   bool Received(ssize_t got) {
     if (got > 0) return true;
+    if (got == kFailed) return false;
     if (got == 0) {
       Fail(absl::UnavailableError(absl::StrCat(
           "data-plane connection to ", link_->peer_,
@@ -217,7 +295,10 @@ class DataLinkIo {
     msghdr message = {};
     message.msg_iov = iov;
     message.msg_iovlen = n;
-    const ssize_t got = recvmsg(fd(), &message, MSG_DONTWAIT);
+    const ssize_t got =
+        link_->tls_ != nullptr
+            ? RecvSome(static_cast<char*>(iov[0].iov_base), iov[0].iov_len)
+            : recvmsg(fd(), &message, MSG_DONTWAIT);
     if (!Received(got)) return false;
     Advance(nullptr, static_cast<size_t>(got));
     return true;
@@ -266,6 +347,8 @@ class DataLinkIo {
   std::vector<char> headers_;
   std::vector<iovec> iov_;
   size_t iov_first_ = 0;
+  std::vector<char> gathered_;      // TLS: small pieces copied together
+  bool tls_flush_pending_ = false;  // TLS: records buffered, not yet sent
   size_t answered_ = 0;
   // The answer whose payloads are being read into place.
   std::vector<absl::Span<char>> places_;
@@ -345,12 +428,36 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline) {
 
 absl::StatusOr<std::unique_ptr<DataLink>> DataLink::Open(
     const std::string& host, int port, absl::string_view token,
-    uint64_t max_body_bytes, absl::Time deadline) {
+    uint64_t max_body_bytes, absl::Time deadline,
+    std::shared_ptr<const TlsContext> tls) {
   absl::StatusOr<ScopedFd> fd =
       ConnectTcp(host, port, data_plane::kSocketBufferBytes, deadline);
   if (!fd.ok()) return fd.status();
-  std::unique_ptr<DataLink> link(new DataLink(
-      std::move(*fd), absl::StrCat(host, ":", port), max_body_bytes));
+  const std::string peer = absl::StrCat(host, ":", port);
+  std::unique_ptr<TlsSession> session;
+  if (tls != nullptr) {
+    absl::StatusOr<std::unique_ptr<TlsSession>> connected =
+        TlsSession::Connect(tls, fd->get(), host, peer, deadline);
+    if (!connected.ok()) return connected.status();
+    session = std::move(*connected);
+    // SSL_read/SSL_write take no MSG_DONTWAIT: the socket itself is.
+    fcntl(fd->get(), F_SETFL, fcntl(fd->get(), F_GETFL) | O_NONBLOCK);
+    const bool kernel = session->ktls_send() || session->ktls_recv();
+    LOG_FIRST_N(INFO, 1) << "data plane: TLS to " << peer << ": "
+                         << session->Describe()
+                         << (kernel ? ""
+                             : !tls->ktls()
+                                 ? " (kernel TLS off: --data_plane_ktls)"
+                                 : absl::StrCat(
+                                       " (kernel TLS unavailable: ",
+                                       KernelTlsUnavailableReason().empty()
+                                           ? "OpenSSL did not enable it"
+                                           : KernelTlsUnavailableReason(),
+                                       ")"));
+  }
+  std::unique_ptr<DataLink> link(
+      new DataLink(std::move(*fd), peer, max_body_bytes));
+  link->tls_ = std::move(session);
   DataExchange hello;
   hello.link = link.get();
   hello.method = data_plane::Method::kHello;

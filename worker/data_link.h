@@ -18,6 +18,7 @@
 #include "absl/types/span.h"
 #include "common/data_plane.h"
 #include "common/socket.h"
+#include "common/tls_stream.h"
 
 namespace pstrain {
 
@@ -25,14 +26,15 @@ class DataLinkIo;
 
 class DataLink {
  public:
-  // Connects to host:port, says Hello with `token` and waits for the
+  // Connects to host:port, runs the TLS handshake when `tls` is set (a
+  // client context: the server's certificate must name `host` or the
+  // context's server name), says Hello with `token` and waits for the
   // server's consent, all by `deadline`. Answers larger than
   // `max_body_bytes` are refused.
-  static absl::StatusOr<std::unique_ptr<DataLink>> Open(const std::string& host,
-                                                        int port,
-                                                        absl::string_view token,
-                                                        uint64_t max_body_bytes,
-                                                        absl::Time deadline);
+  static absl::StatusOr<std::unique_ptr<DataLink>> Open(
+      const std::string& host, int port, absl::string_view token,
+      uint64_t max_body_bytes, absl::Time deadline,
+      std::shared_ptr<const TlsContext> tls = nullptr);
 
   // False once an exchange on it failed in a way that leaves the byte
   // stream out of step (lost connection, deadline, bad framing): open a new
@@ -43,6 +45,8 @@ class DataLink {
   // afterwards.
   void Abort() const;
   const std::string& peer() const { return peer_; }
+  // The TLS session, or null for a plaintext link.
+  const TlsSession* tls() const { return tls_.get(); }
 
  private:
   friend class DataLinkIo;
@@ -52,6 +56,8 @@ class DataLink {
         max_body_bytes_(max_body_bytes) {}
 
   ScopedFd fd_;
+  // Declared after fd_: freed before the socket closes.
+  std::unique_ptr<TlsSession> tls_;
   const std::string peer_;
   const uint64_t max_body_bytes_;
   bool usable_ = true;

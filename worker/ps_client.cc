@@ -81,6 +81,7 @@ PsClient::PsClient(const PsClientOptions& options)
   absl::MutexLock lock(&data_ports_mu_);
   data_ports_.assign(options.hosts.size(), 0);
   data_push_pull_.assign(options.hosts.size(), false);
+  data_port_tls_.assign(options.hosts.size(), false);
   data_failed_ports_.assign(options.hosts.size(), 0);
   data_failed_at_.assign(options.hosts.size(), absl::InfinitePast());
 }
@@ -159,6 +160,7 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
   for (int s = 0; s < num_shards(); ++s) {
     data_ports_[s] = responses[s].data_port();
     data_push_pull_[s] = responses[s].data_push_pull();
+    data_port_tls_[s] = responses[s].data_port_tls();
   }
   return responses;
 }
@@ -404,7 +406,7 @@ absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting,
 }
 
 void PsClient::OpenDataLinks() {
-  if (!options_.data_plane || options_.credentials != nullptr) return;
+  if (!DataPlaneAllowed()) return;
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   std::set<std::pair<int, int>> used;
   for (const Group& group : groups_) {

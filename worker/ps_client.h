@@ -50,6 +50,7 @@
 #include "absl/types/span.h"
 #include "common/grpc_tuning.h"
 #include "common/partition.h"
+#include "common/tls_stream.h"
 #include "common/wire.h"
 #include "proto/ps.grpc.pb.h"
 #include "worker/data_link.h"
@@ -87,14 +88,20 @@ struct PsClientOptions {
   // before the error is returned. Retries are safe: a repeated push is
   // acknowledged as a duplicate, never applied twice.
   absl::Duration retry_window = absl::Seconds(120);
-  // Push and Pull travel on the servers' tensor data plane (plain TCP,
-  // common/data_plane.h) where they announce one, and over gRPC otherwise
-  // (and always with `credentials`: the data plane has no TLS). A data port
-  // that cannot be reached is used no more until the server announces
-  // another one or 30 s pass; gRPC carries its calls meanwhile.
+  // Push and Pull travel on the servers' tensor data plane (framed TCP,
+  // common/data_plane.h) where they announce one, and over gRPC otherwise.
+  // With `credentials`, only a data port announced as TLS is used, and only
+  // with `data_plane_tls`; without them, only a plaintext one. A data port
+  // that cannot be reached (or whose handshake fails) is used no more until
+  // the server announces another one or 30 s pass; gRPC carries its calls
+  // meanwhile.
   bool data_plane = true;
   // Channel security (TLS / mutual TLS); null means plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // The data plane's TLS (TlsContext::ForClient from the same files as
+  // `credentials`). Null with `credentials`: tensors go over gRPC, as
+  // clients before TLS on the data plane did.
+  std::shared_ptr<const TlsContext> data_plane_tls;
   // Sent as "authorization: Bearer <token>" on every call when not empty.
   std::string auth_token;
   // Fault injection for exactly-once tests: after a successful push RPC,
@@ -263,6 +270,8 @@ class PsClient {
   DataLink* LinkFor(int shard, DataSlot& slot, absl::Time deadline);
   // Whether `shard` announced PushPull on its data plane.
   bool DataPushPullOffered(int shard);
+  // Whether this client may use any data port (see data_plane_tls).
+  bool DataPlaneAllowed() const;
   // After a data port failed: registers again (once) to learn whether the
   // server announces another one.
   void MaybeRefreshDataPorts();
@@ -353,6 +362,8 @@ class PsClient {
   bool refresh_data_ports_ ABSL_GUARDED_BY(data_ports_mu_) = false;
   // Per shard: whether its data plane takes PushPull.
   std::vector<bool> data_push_pull_ ABSL_GUARDED_BY(data_ports_mu_);
+  // Whether each shard's data port speaks TLS (RegisterModelResponse).
+  std::vector<bool> data_port_tls_ ABSL_GUARDED_BY(data_ports_mu_);
   // Interrupt: how many there were, and what calls in progress use that it
   // must cut. A call compares the count with its own (Call::epoch).
   uint64_t interrupts() const;

@@ -20,6 +20,11 @@ constexpr absl::Duration kDataPortRetry = absl::Seconds(30);
 
 }  // namespace
 
+bool PsClient::DataPlaneAllowed() const {
+  return options_.data_plane && (options_.credentials == nullptr ||
+                                 options_.data_plane_tls != nullptr);
+}
+
 bool PsClient::DataPushPullOffered(int shard) {
   absl::MutexLock lock(&data_ports_mu_);
   return data_push_pull_[shard];
@@ -30,8 +35,12 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   {
     absl::MutexLock lock(&data_ports_mu_);
     port = data_ports_[shard];
-    if (port == 0 || (port == data_failed_ports_[shard] &&
-                      absl::Now() < data_failed_at_[shard] + kDataPortRetry)) {
+    // Tensors never leave in plaintext from a TLS client, and a plaintext
+    // client cannot speak to a TLS port: either way, gRPC.
+    const bool tls_client = options_.credentials != nullptr;
+    if (port == 0 || data_port_tls_[shard] != tls_client ||
+        (port == data_failed_ports_[shard] &&
+         absl::Now() < data_failed_at_[shard] + kDataPortRetry)) {
       return nullptr;
     }
   }
@@ -44,9 +53,11 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   absl::Status split = SplitHostPort(options_.hosts[shard], &host, &grpc_port);
   absl::StatusOr<std::unique_ptr<DataLink>> link =
       split.ok()
-          ? DataLink::Open(host, port, options_.auth_token,
-                           options_.max_message_bytes,
-                           std::min(deadline, absl::Now() + absl::Seconds(5)))
+          ? DataLink::Open(
+                host, port, options_.auth_token, options_.max_message_bytes,
+                std::min(deadline, absl::Now() + absl::Seconds(5)),
+                options_.credentials != nullptr ? options_.data_plane_tls
+                                                : nullptr)
           : split;
   if (!link.ok()) {
     LOG(WARNING) << "data plane of shard " << shard << " (port " << port
@@ -82,7 +93,7 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
                                              std::vector<Call>& calls,
                                              const std::vector<size_t>& which,
                                              absl::Duration timeout) {
-  if (!options_.data_plane || options_.credentials != nullptr) return which;
+  if (!DataPlaneAllowed()) return which;
   data_plane::Method method;
   if (short_name == "Push") {
     method = data_plane::Method::kPush;

@@ -72,6 +72,8 @@
 #include "common/grpc_tuning.h"
 #include "common/socket.h"
 #include "common/tensor_codec.h"
+#include "common/tls.h"
+#include "common/tls_stream.h"
 #include "glog/logging.h"
 #include "proto/ps.pb.h"
 #include "tools/cpp/runfiles/runfiles.h"
@@ -119,6 +121,16 @@ ABSL_FLAG(int, clients, 1,
 ABSL_FLAG(int64_t, block_elements, 1 << 18,
           "Schema block size in elements (the worker's --block_elements "
           "default).");
+ABSL_FLAG(std::string, tls_dir, "",
+          "A directory from deploy/tls/make_certs.sh (ca.pem, server.pem/key, "
+          "client.pem/key): also measure the PS with mutual TLS, on the TLS "
+          "data plane and over gRPC+TLS (the path TLS clusters had before "
+          "the data plane took TLS), beside the plaintext PS of the same "
+          "run.");
+ABSL_FLAG(bool, ktls, false,
+          "With --tls_dir: servers and clients ask for kernel TLS "
+          "(--data_plane_ktls); whether they got it is in the servers' "
+          "logs.");
 ABSL_FLAG(std::string, ps_server, "",
           "ps_server binary; default: the one in this binary's runfiles.");
 ABSL_FLAG(std::string, json_out, "",
@@ -447,10 +459,19 @@ absl::StatusOr<PhaseResult> MeasurePhase(const std::string& name, int64_t size,
   return result;
 }
 
+// The PS phases of one transport.
+struct PsPhases {
+  PhaseResult push, pull, pushpull, one_call;
+};
+
+// How the PS is reached: plaintext (data plane per --data_plane), mutual TLS
+// on the TLS data plane, or mutual TLS over gRPC only.
+enum class Security { kPlain, kTlsDataPlane, kTlsGrpc };
+
 struct SizeResult {
   int64_t size = 0;
   PhaseResult tcp_pushpull, tcp_rtt, grpc_floor;
-  PhaseResult ps_push, ps_pull, ps_pushpull, ps_one_call;
+  PsPhases ps, tls, tls_grpc;
 };
 
 // (a) raw TCP: one connection per client and mode.
@@ -518,8 +539,7 @@ struct PsWorker {
 
 // Clients, registration and the three PS phases against running shards.
 absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
-                         SizeResult* out) {
-  const int64_t size = out->size;
+                         Security security, int64_t size, PsPhases* out) {
   const int64_t elements = size / 4;
   ModelSchema schema;
   schema.set_seed(1);
@@ -536,6 +556,23 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   options.grpc_tuning = *tuning;
   options.call_streams = absl::GetFlag(FLAGS_call_streams);
   options.data_plane = absl::GetFlag(FLAGS_data_plane);
+  if (security != Security::kPlain) {
+    const std::string dir = absl::GetFlag(FLAGS_tls_dir);
+    const ClientTlsFiles files = {dir + "/ca.pem", dir + "/client.pem",
+                                  dir + "/client.key", ""};
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+        MakeChannelCredentials(files);
+    if (!credentials.ok()) return credentials.status();
+    options.credentials = *credentials;
+    if (security == Security::kTlsDataPlane) {
+      absl::StatusOr<std::shared_ptr<const TlsContext>> tls =
+          TlsContext::ForClient(files, absl::GetFlag(FLAGS_ktls));
+      if (!tls.ok()) return tls.status();
+      options.data_plane_tls = *tls;
+    } else {
+      options.data_plane = false;
+    }
+  }
   options.connections_per_shard = absl::GetFlag(FLAGS_connections_per_shard);
   const absl::StatusOr<DataType> wire_type =
       ParseWireType(absl::GetFlag(FLAGS_gradient_wire_type));
@@ -576,20 +613,24 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
     PsWorker& w = workers[c];
     return w.client->Pull(w.next_step, {w.params.data()}).status();
   };
+  const std::string prefix = security == Security::kPlain ? "ps"
+                             : security == Security::kTlsDataPlane
+                                 ? "tls ps"
+                                 : "tls-grpc ps";
   absl::StatusOr<PhaseResult> result =
-      MeasurePhase("ps push", size, clients, push);
+      MeasurePhase(prefix + " push", size, clients, push);
   if (!result.ok()) return result.status();
-  out->ps_push = std::move(*result);
-  result = MeasurePhase("ps pull", size, clients, pull);
+  out->push = std::move(*result);
+  result = MeasurePhase(prefix + " pull", size, clients, pull);
   if (!result.ok()) return result.status();
-  out->ps_pull = std::move(*result);
-  result = MeasurePhase("ps push+pull", size, clients, [&](int c) {
+  out->pull = std::move(*result);
+  result = MeasurePhase(prefix + " push+pull", size, clients, [&](int c) {
     absl::Status pushed = push(c);
     return pushed.ok() ? pull(c) : pushed;
   });
   if (!result.ok()) return result.status();
-  out->ps_pushpull = std::move(*result);
-  result = MeasurePhase("ps pushpull", size, clients, [&](int c) {
+  out->pushpull = std::move(*result);
+  result = MeasurePhase(prefix + " pushpull", size, clients, [&](int c) {
     PsWorker& w = workers[c];
     const int64_t step = w.next_step++;
     absl::StatusOr<PsClient::PushPullResult> done = w.client->PushPull(
@@ -603,14 +644,15 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
     return absl::OkStatus();
   });
   if (!result.ok()) return result.status();
-  out->ps_one_call = std::move(*result);
+  out->one_call = std::move(*result);
   return absl::OkStatus();
 }
 
 // (c) the parameter server: fresh shards for every size and repeat, since a
 // server accepts one schema for its lifetime.
 absl::Status MeasurePs(const std::string& ps_server, const std::string& scratch,
-                       int clients, SizeResult* out) {
+                       int clients, Security security, int64_t size,
+                       PsPhases* out) {
   // Names never reused within a run: a port file left by the previous
   // launch would otherwise hand out a dead server's port.
   static int launch = 0;
@@ -632,6 +674,13 @@ absl::Status MeasurePs(const std::string& ps_server, const std::string& scratch,
         "--mode=async",
         "--optimizer=sgd",
         "--learning_rate=1e-9"};
+    if (security != Security::kPlain) {
+      const std::string dir = absl::GetFlag(FLAGS_tls_dir);
+      argv.push_back("--tls_cert=" + dir + "/server.pem");
+      argv.push_back("--tls_key=" + dir + "/server.key");
+      argv.push_back("--tls_client_ca=" + dir + "/ca.pem");
+      if (absl::GetFlag(FLAGS_ktls)) argv.push_back("--data_plane_ktls");
+    }
     if (absl::StatusOr<GrpcTuning> tuning = GrpcTuningFromFlags();
         tuning.ok()) {
       for (std::string& arg : GrpcTuningArgs(*tuning)) {
@@ -652,7 +701,7 @@ absl::Status MeasurePs(const std::string& ps_server, const std::string& scratch,
   }
   // The clients are gone when this returns, so the servers see their
   // connections close before SIGTERM.
-  absl::Status status = RunPsPhases(hosts, clients, out);
+  absl::Status status = RunPsPhases(hosts, clients, security, size, out);
   if (!status.ok()) {
     // What the servers said is usually the explanation.
     std::string logs;
@@ -690,6 +739,12 @@ struct Row {
       ratio_pushpull_vs_grpc, ratio_push_p50_vs_tcp_rtt, ratio_one_call_vs_tcp;
   int64_t ps_pushpull_ops;  // summed over repeats
   int repeats = 1;
+  // --tls_dir: PS 1call over the TLS data plane and over gRPC+TLS, push
+  // p50s, and the issue-25 goal ratios (all 0 without --tls_dir).
+  double tls_one_call_gbps = 0, tls_grpc_one_call_gbps = 0;
+  double tls_push_p50_us = 0, tls_grpc_push_p50_us = 0;
+  double ratio_tls_vs_plain_one_call = 0, ratio_tls_vs_tls_grpc_one_call = 0,
+         ratio_tls_vs_plain_push_p50 = 0, ratio_tls_one_call_vs_tcp = 0;
 };
 
 // Every measured field of Row, for combining repeats.
@@ -712,6 +767,14 @@ constexpr double Row::*kRowFields[] = {
     &Row::ratio_pushpull_vs_grpc,
     &Row::ratio_push_p50_vs_tcp_rtt,
     &Row::ratio_one_call_vs_tcp,
+    &Row::tls_one_call_gbps,
+    &Row::tls_grpc_one_call_gbps,
+    &Row::tls_push_p50_us,
+    &Row::tls_grpc_push_p50_us,
+    &Row::ratio_tls_vs_plain_one_call,
+    &Row::ratio_tls_vs_tls_grpc_one_call,
+    &Row::ratio_tls_vs_plain_push_p50,
+    &Row::ratio_tls_one_call_vs_tcp,
 };
 
 double Median(std::vector<double> values) {
@@ -752,19 +815,32 @@ Row MakeRow(const SizeResult& r) {
   row.grpc_floor_gbps = r.grpc_floor.Gbps(2 * n);
   row.grpc_floor_p50_us = r.grpc_floor.PercentileUs(50);
   row.grpc_floor_p99_us = r.grpc_floor.PercentileUs(99);
-  row.ps_push_gbps = r.ps_push.Gbps(n);
-  row.ps_pull_gbps = r.ps_pull.Gbps(n);
-  row.ps_pushpull_gbps = r.ps_pushpull.Gbps(2 * n);
-  row.ps_one_call_gbps = r.ps_one_call.Gbps(2 * n);
-  row.ps_push_p50_us = r.ps_push.PercentileUs(50);
-  row.ps_push_p99_us = r.ps_push.PercentileUs(99);
+  row.ps_push_gbps = r.ps.push.Gbps(n);
+  row.ps_pull_gbps = r.ps.pull.Gbps(n);
+  row.ps_pushpull_gbps = r.ps.pushpull.Gbps(2 * n);
+  row.ps_one_call_gbps = r.ps.one_call.Gbps(2 * n);
+  row.ps_push_p50_us = r.ps.push.PercentileUs(50);
+  row.ps_push_p99_us = r.ps.push.PercentileUs(99);
+  if (r.tls.one_call.operations > 0) {
+    row.tls_one_call_gbps = r.tls.one_call.Gbps(2 * n);
+    row.tls_grpc_one_call_gbps = r.tls_grpc.one_call.Gbps(2 * n);
+    row.tls_push_p50_us = r.tls.push.PercentileUs(50);
+    row.tls_grpc_push_p50_us = r.tls_grpc.push.PercentileUs(50);
+    row.ratio_tls_vs_plain_one_call =
+        Ratio(row.tls_one_call_gbps, row.ps_one_call_gbps);
+    row.ratio_tls_vs_tls_grpc_one_call =
+        Ratio(row.tls_one_call_gbps, row.tls_grpc_one_call_gbps);
+    row.ratio_tls_vs_plain_push_p50 =
+        Ratio(row.tls_push_p50_us, row.ps_push_p50_us);
+    row.ratio_tls_one_call_vs_tcp = Ratio(row.tls_one_call_gbps, row.tcp_gbps);
+  }
   row.ratio_pushpull_vs_tcp = Ratio(row.ps_pushpull_gbps, row.tcp_gbps);
   row.ratio_pushpull_vs_tcp_oneway =
       Ratio(row.ps_pushpull_gbps, row.tcp_oneway_gbps);
   row.ratio_pushpull_vs_grpc = Ratio(row.ps_pushpull_gbps, row.grpc_floor_gbps);
   row.ratio_push_p50_vs_tcp_rtt = Ratio(row.ps_push_p50_us, row.tcp_rtt_p50_us);
   row.ratio_one_call_vs_tcp = Ratio(row.ps_one_call_gbps, row.tcp_gbps);
-  row.ps_pushpull_ops = r.ps_pushpull.operations;
+  row.ps_pushpull_ops = r.ps.pushpull.operations;
   return row;
 }
 
@@ -809,14 +885,50 @@ std::string JsonLine(const Row& r, int servers, int clients) {
       "\"ratio_pushpull_vs_grpc\":%.4f,"
       "\"ratio_push_p50_vs_tcp_rtt\":%.4f,\"ps_pushpull_ops\":%d,"
       "\"ps_one_call_gbps\":%.4f,\"ratio_one_call_vs_tcp\":%.4f,"
-      "\"repeats\":%d}",
+      "\"repeats\":%d%s}",
       r.size, servers, clients, absl::GetFlag(FLAGS_block_elements), r.tcp_gbps,
       r.tcp_oneway_gbps, r.tcp_rtt_p50_us, r.tcp_rtt_p99_us, r.grpc_floor_gbps,
       r.grpc_floor_p50_us, r.grpc_floor_p99_us, r.ps_push_gbps, r.ps_pull_gbps,
       r.ps_pushpull_gbps, r.ps_push_p50_us, r.ps_push_p99_us,
       r.ratio_pushpull_vs_tcp, r.ratio_pushpull_vs_tcp_oneway,
       r.ratio_pushpull_vs_grpc, r.ratio_push_p50_vs_tcp_rtt, r.ps_pushpull_ops,
-      r.ps_one_call_gbps, r.ratio_one_call_vs_tcp, r.repeats);
+      r.ps_one_call_gbps, r.ratio_one_call_vs_tcp, r.repeats,
+      r.tls_one_call_gbps > 0
+          ? absl::StrFormat(
+                ",\"tls_one_call_gbps\":%.4f,\"tls_grpc_one_call_gbps\":%.4f,"
+                "\"tls_push_p50_us\":%.1f,\"tls_grpc_push_p50_us\":%.1f,"
+                "\"ratio_tls_vs_plain_one_call\":%.4f,"
+                "\"ratio_tls_vs_tls_grpc_one_call\":%.4f,"
+                "\"ratio_tls_vs_plain_push_p50\":%.4f,"
+                "\"ratio_tls_one_call_vs_tcp\":%.4f",
+                r.tls_one_call_gbps, r.tls_grpc_one_call_gbps,
+                r.tls_push_p50_us, r.tls_grpc_push_p50_us,
+                r.ratio_tls_vs_plain_one_call, r.ratio_tls_vs_tls_grpc_one_call,
+                r.ratio_tls_vs_plain_push_p50, r.ratio_tls_one_call_vs_tcp)
+          : std::string());
+}
+
+// The TLS table (--tls_dir): PushPull on each transport and the ratios the
+// goals of issue 25 are stated in.
+std::string TlsTableHeader() {
+  return absl::StrFormat(
+      "%8s | %8s %8s %8s %8s | %8s %8s %8s | %8s %8s %8s | %8s\n"
+      "%8s | %8s %8s %8s %8s | %8s %8s %8s | %8s %8s %8s | %8s\n",
+      "size", "TCP p+p", "plain", "TLS", "gRPC+TLS", "push p50", "push p50",
+      "push p50", "TLS/", "TLS/", "TLS/", "TLS p50/", "", "GB/s", "1call",
+      "1call", "1call", "plain us", "TLS us", "g+TLS us", "plain", "gRPC+TLS",
+      "TCP", "plain");
+}
+
+std::string TlsTableRow(const Row& r) {
+  return absl::StrFormat(
+      "%8s | %8.3f %8.3f %8.3f %8.3f | %8.0f %8.0f %8.0f | %8.3f %8.3f %8.3f "
+      "| %8.2f\n",
+      HumanSize(r.size), r.tcp_gbps, r.ps_one_call_gbps, r.tls_one_call_gbps,
+      r.tls_grpc_one_call_gbps, r.ps_push_p50_us, r.tls_push_p50_us,
+      r.tls_grpc_push_p50_us, r.ratio_tls_vs_plain_one_call,
+      r.ratio_tls_vs_tls_grpc_one_call, r.ratio_tls_one_call_vs_tcp,
+      r.ratio_tls_vs_plain_push_p50);
 }
 
 // min..max over the repeats of the numbers the goals are stated in.
@@ -941,7 +1053,16 @@ absl::Status RunBench(const Config& config, const std::string& ps_server,
           MeasureTcp(tcp_peer->second, config.clients, &result);
       if (status.ok()) status = MeasureGrpcFloor(floor_clients, &result);
       if (status.ok()) {
-        status = MeasurePs(ps_server, scratch, config.clients, &result);
+        status = MeasurePs(ps_server, scratch, config.clients, Security::kPlain,
+                           size, &result.ps);
+      }
+      if (status.ok() && !absl::GetFlag(FLAGS_tls_dir).empty()) {
+        status = MeasurePs(ps_server, scratch, config.clients,
+                           Security::kTlsDataPlane, size, &result.tls);
+        if (status.ok()) {
+          status = MeasurePs(ps_server, scratch, config.clients,
+                             Security::kTlsGrpc, size, &result.tls_grpc);
+        }
       }
       if (!status.ok()) return status;
       rows->back().push_back(MakeRow(result));
@@ -1026,6 +1147,16 @@ int BenchMain(const char* argv0) {
     for (const std::vector<Row>& repeats : per_size) {
       if (!repeats.empty()) std::printf("%s", SpreadRow(repeats).c_str());
     }
+    std::printf("\n");
+  }
+  if (!absl::GetFlag(FLAGS_tls_dir).empty()) {
+    std::printf(
+        "# TLS (mutual, TLS 1.3): PushPull goodput (2N per call) on the "
+        "plaintext data plane, the TLS data plane and gRPC+TLS (two calls), "
+        "and push p50;\n# kernel TLS requested: %s\n",
+        absl::GetFlag(FLAGS_ktls) ? "yes" : "no");
+    std::printf("%s", TlsTableHeader().c_str());
+    for (const Row& row : rows) std::printf("%s", TlsTableRow(row).c_str());
     std::printf("\n");
   }
   std::string json;

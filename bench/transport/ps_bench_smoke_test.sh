@@ -46,4 +46,29 @@ for pid in $(sed -n 's/.*started pid \([0-9]*\) .*/\1/p' "$log"); do
 done
 n=$(grep -c "started pid" "$log")
 ((n == 4)) || fail "expected 4 child processes (2 peers, 1 server per size), saw $n"
+
+# --tls_dir: the TLS data plane and gRPC+TLS are measured beside the
+# plaintext PS, and the TLS table and JSON keys are there.
+if [[ -n "${2:-}" ]]; then
+  bash "$2" "$dir/tls" localhost 127.0.0.1 >/dev/null 2>&1 || fail "make_certs.sh failed"
+  timeout --kill-after=5 45 "$bench" --sizes=4096 --iterations=5 --warmup=1 \
+    --tls_dir="$dir/tls" >"$out" 2>"$log"
+  rc=$?
+  ((rc == 0)) || fail "ps_bench --tls_dir exited with $rc"
+  grep -q "^# TLS (mutual, TLS 1.3)" "$out" || fail "no TLS table"
+  line=$(grep '^{"bench":"ps_bench","size":4096,' "$out") || fail "no JSON line with --tls_dir"
+  for key in tls_one_call_gbps tls_grpc_one_call_gbps tls_push_p50_us \
+             ratio_tls_vs_plain_one_call ratio_tls_vs_tls_grpc_one_call \
+             ratio_tls_vs_plain_push_p50; do
+    [[ "$line" =~ \"$key\":[0-9] ]] || fail "--tls_dir: no number for $key"
+  done
+  n=$(grep -c "started pid" "$log")
+  ((n == 5)) || fail "--tls_dir: expected 5 child processes (2 peers, 3 servers), saw $n"
+  for pid in $(sed -n 's/.*started pid \([0-9]*\) .*/\1/p' "$log"); do
+    if kill -0 "$pid" 2>/dev/null &&
+       [[ "$(sed -n 's/^State:\s*\(.\).*/\1/p' /proc/$pid/status 2>/dev/null)" != Z ]]; then
+      fail "--tls_dir: process $pid outlived ps_bench"
+    fi
+  done
+fi
 echo "PASS"

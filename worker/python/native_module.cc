@@ -31,6 +31,7 @@
 #include "common/partition.h"
 #include "common/tensor_codec.h"
 #include "common/tls.h"
+#include "common/tls_stream.h"
 #include "glog/logging.h"
 #include "google/protobuf/util/json_util.h"
 #include "proto/ps.pb.h"
@@ -258,6 +259,8 @@ class Client {
           "hosts: the servers' host:port, every shard in order, is required");
     }
     o.credentials = ValueOrRaise(MakeChannelCredentials(tls));
+    // Tensors on the servers' TLS data plane, as the worker binary does.
+    o.data_plane_tls = ValueOrRaise(TlsContext::ForClient(tls, false));
     hosts_ = o.hosts;
     tls_ = o.credentials != nullptr;
     o.auth_token = ValueOrRaise(ReadAuthToken(token_file));
@@ -293,8 +296,8 @@ class Client {
         if (!causes.empty()) {
           status_ = absl::Status(
               status_.code(),
-              absl::StrCat(status_.message(), "; likely cause: ",
-                           absl::StrJoin(causes, "; ")));
+              absl::StrCat(status_.message(),
+                           "; likely cause: ", absl::StrJoin(causes, "; ")));
         }
       }
     });
