@@ -110,6 +110,8 @@ $(tail -n 30 "$T/$name.err")"
 }
 run_block local-launcher 4 '^{"event":"final","mode":"async",.*"steps":500,'
 run_block tls 2 '^{"event":"final","mode":"sync",.*"steps":500,'
+# Async CTR: every worker evaluates the one final model.
+run_block ctr-synthetic 2 '^{"event":"final","model":"ctr","mode":"async",.*"final_model":"all_done"'
 
 # Defaults the README states are the binaries' own (--help says them).
 readme_default() {  # binary flag
