@@ -12,16 +12,19 @@
 #include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/protocol.h"
 #include "common/socket.h"
@@ -411,6 +414,107 @@ TEST(DataPlaneTest, AWorkerFollowsARestartedServerToItsNewDataPort) {
   ASSERT_TRUE(PushOnesAndPull(*client, 1).ok());
   // Counted by the new process: at least the last push and pull.
   EXPECT_GE(DataPlaneRequests(*cluster), 2);
+}
+
+// Forwards TCP connections from listen_host:port() to a target, byte for
+// byte, each direction on its own thread: the gRPC port reached through
+// another address than the one the servers bind (a firewall or a
+// NetworkPolicy that opens only the gRPC port looks the same to a worker).
+class TcpForwarder {
+ public:
+  TcpForwarder(const std::string& listen_host, const std::string& target_host,
+               int target_port)
+      : target_host_(target_host), target_port_(target_port) {
+    absl::StatusOr<ScopedFd> listener = ListenTcp(listen_host, 0, 0, &port_);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (!listener.ok()) return;
+    listener_ = std::move(*listener);
+    accepter_ = std::thread([this] { AcceptLoop(); });
+  }
+  ~TcpForwarder() {
+    stop_ = true;
+    if (listener_.valid()) ::shutdown(listener_.get(), SHUT_RDWR);
+    if (accepter_.joinable()) accepter_.join();
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& fd : open_) ::shutdown(fd->get(), SHUT_RDWR);
+    }
+    for (std::thread& t : pumps_) t.join();
+  }
+  int port() const { return port_; }
+
+ private:
+  void AcceptLoop() {
+    while (!stop_) {
+      const int fd = ::accept(listener_.get(), nullptr, nullptr);
+      if (fd < 0) return;  // shut down
+      absl::StatusOr<ScopedFd> upstream = ConnectTcp(
+          target_host_, target_port_, 0, absl::Now() + absl::Seconds(5));
+      if (!upstream.ok()) {
+        ::close(fd);
+        continue;
+      }
+      auto down = std::make_shared<ScopedFd>(fd);
+      auto up = std::make_shared<ScopedFd>(std::move(*upstream));
+      absl::MutexLock lock(&mu_);
+      open_.push_back(down);
+      open_.push_back(up);
+      pumps_.emplace_back([down, up] { Pump(down->get(), up->get()); });
+      pumps_.emplace_back([down, up] { Pump(up->get(), down->get()); });
+    }
+  }
+  static void Pump(int from, int to) {
+    char buffer[64 << 10];
+    while (true) {
+      const ssize_t n = ::recv(from, buffer, sizeof(buffer), 0);
+      if (n <= 0 || !SendAll(to, buffer, static_cast<size_t>(n)).ok()) break;
+    }
+    ::shutdown(to, SHUT_WR);
+  }
+
+  const std::string target_host_;
+  const int target_port_;
+  int port_ = 0;
+  ScopedFd listener_;
+  std::atomic<bool> stop_{false};
+  std::thread accepter_;
+  absl::Mutex mu_;
+  // Kept open until the forwarder goes, so a shutdown never hits an fd
+  // number the process has reused.
+  std::vector<std::shared_ptr<ScopedFd>> open_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> pumps_;  // joined after accepter_ stops adding
+};
+
+// A data port the worker cannot reach while the gRPC port works (only gRPC
+// forwarded to another address, as a firewall opening one port would): the
+// worker says so once and carries on over gRPC at once, never waiting out
+// a deadline; the model is the same (README, "two ports").
+TEST(DataPlaneTest, AnUnreachableDataPortFallsBackToGrpcAtOnce) {
+  std::unique_ptr<TestCluster> cluster = StartCluster("unreachable_data");
+  ASSERT_NE(cluster, nullptr);
+  const std::string host = cluster->HostList()[0];
+  const int grpc_port = std::stoi(host.substr(host.rfind(':') + 1));
+  // The servers bind 127.0.0.1 only: at 127.0.0.2 the gRPC port is
+  // forwarded and the data port is not.
+  TcpForwarder forwarder("127.0.0.2", "127.0.0.1", grpc_port);
+  ASSERT_GT(forwarder.port(), 0);
+  PsClientOptions options;
+  options.hosts = {absl::StrCat("127.0.0.2:", forwarder.port())};
+  options.heartbeat_interval = absl::ZeroDuration();
+  options.retry_window = absl::Seconds(30);
+  absl::StatusOr<std::unique_ptr<PsClient>> client = PsClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->Register(Schema(), 1, 0).ok());
+  const absl::Time start = absl::Now();
+  for (int64_t step = 0; step < 3; ++step) {
+    absl::StatusOr<std::vector<float>> model = PushOnesAndPull(**client, step);
+    ASSERT_TRUE(model.ok()) << model.status();
+    // SGD 0.5 from 1.5 with gradients of ones.
+    EXPECT_EQ(*model, std::vector<float>(kElements, 1.5f - 0.5f * (step + 1)));
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(DataPlaneRequests(*cluster), 0);  // all of it went over gRPC
+  (*client)->Leave().IgnoreError();
 }
 
 // A PushPull frame as common/data_plane.h lays it out.
