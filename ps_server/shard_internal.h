@@ -100,7 +100,7 @@ struct Shard::WorkerState {
   int64_t joined_at = shard_internal::kNever;
   uint64_t incarnation = 0;  // 0: not yet registered
   bool seen = false;         // any contact, ever: its lease has started
-  absl::Time last_seen;  // on the lease clock (Shard::LeaseNow)
+  absl::Time last_seen;      // on the lease clock (Shard::LeaseNow)
   // One past the last step pushed here: the ssp clock, and where a
   // restarted async/ssp worker resumes so its pushes are not repeats.
   int64_t next_step = 0;

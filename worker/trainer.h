@@ -120,8 +120,8 @@ struct TrainResult {
   double compute_seconds = 0;
   double network_wait_seconds = 0;
   int64_t start_step = 0;
-  int64_t steps_run = 0;         // steps this worker computed
-  int64_t steps_skipped = 0;     // sync: steps the job finished without it
+  int64_t steps_run = 0;      // steps this worker computed
+  int64_t steps_skipped = 0;  // sync: steps the job finished without it
   // sync: steps the job completed with fewer than num_workers gradients
   // (a lapsed member, --replicas_to_aggregate, --min_workers).
   int64_t steps_short = 0;
