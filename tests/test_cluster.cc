@@ -353,6 +353,21 @@ absl::StatusOr<std::vector<std::string>> TestCluster::RunWorkers(
   return outputs;
 }
 
+absl::Status MakeTestCerts(const std::string& dir) {
+  absl::StatusOr<std::unique_ptr<Process>> script =
+      Process::Start({"/bin/bash", BinaryPath("deploy/tls/make_certs.sh"), dir,
+                      "localhost", "127.0.0.1"},
+                     TestDir(), "make_certs");
+  if (!script.ok()) return script.status();
+  absl::StatusOr<int> code = (*script)->Wait(absl::Seconds(30));
+  if (!code.ok()) return code.status();
+  if (*code != 0) {
+    return absl::InternalError(absl::StrCat("make_certs.sh exited ", *code,
+                                            ": ", (*script)->Stderr()));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<double> FinalJsonNumber(const std::string& worker_stdout,
                                        const std::string& key) {
   const size_t line = worker_stdout.rfind("{\"event\":\"final\"");

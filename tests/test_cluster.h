@@ -119,6 +119,11 @@ class TestCluster {
   std::unique_ptr<PsClient> observer_;
 };
 
+// Runs deploy/tls/make_certs.sh into `dir` for localhost and 127.0.0.1:
+// ca.pem, ca.key, server.{pem,key}, client.{pem,key}. The test lists
+// //deploy/tls:make_certs.sh in its data.
+absl::Status MakeTestCerts(const std::string& dir);
+
 // The numeric value of "key" in the worker's final JSON line, or NotFound.
 absl::StatusOr<double> FinalJsonNumber(const std::string& worker_stdout,
                                        const std::string& key);

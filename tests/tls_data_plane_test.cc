@@ -50,15 +50,8 @@ constexpr char kToken[] = "tls-data-plane-token";
 constexpr int kElements = 8;
 
 void MakeCerts(const std::string& dir) {
-  absl::StatusOr<std::unique_ptr<testing::Process>> script =
-      testing::Process::Start(
-          {"/bin/bash", testing::BinaryPath("deploy/tls/make_certs.sh"), dir,
-           "localhost", "127.0.0.1"},
-          testing::TestDir(), "make_certs");
-  ASSERT_TRUE(script.ok()) << script.status();
-  absl::StatusOr<int> code = (*script)->Wait(absl::Seconds(30));
-  ASSERT_TRUE(code.ok()) << code.status();
-  ASSERT_EQ(*code, 0) << (*script)->Stderr();
+  const absl::Status made = testing::MakeTestCerts(dir);
+  ASSERT_TRUE(made.ok()) << made;
 }
 
 // A client certificate and key signed by the CA in `ca_dir` (ca.pem,
