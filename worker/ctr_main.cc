@@ -186,14 +186,11 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   std::unique_ptr<PsClient> observer;
   if (registration->mode != "sync" && context.client_options != nullptr) {
     absl::StatusOr<std::unique_ptr<PsClient>> created =
-        PsClient::Create(*context.client_options);
-    absl::StatusOr<Registration> observing =
-        created.ok()
-            ? (*created)->Register(CtrSchema(model), context.num_workers, -1)
-            : absl::StatusOr<Registration>(created.status());
-    if (!observing.ok()) {
+        PsClient::CreateObserver(*context.client_options, CtrSchema(model),
+                                 context.num_workers);
+    if (!created.ok()) {
       LOG(ERROR) << "cannot connect the observer for the final model: "
-                 << observing.status();
+                 << created.status();
       context.client->Leave().IgnoreError();
       return 1;
     }

@@ -1200,17 +1200,14 @@ int Main(int argc, char** argv) {
   std::unique_ptr<PsClient> observer;
   if (registration->mode != "sync") {
     absl::StatusOr<std::unique_ptr<PsClient>> created =
-        PsClient::Create(client_options);
-    absl::StatusOr<Registration> observing =
-        created.ok() ? (*created)->Register(schema, num_workers, -1)
-                     : absl::StatusOr<Registration>(created.status());
-    if (!observing.ok() && signal_watch->signal_number() != 0) {
+        PsClient::CreateObserver(client_options, schema, num_workers);
+    if (!created.ok() && signal_watch->signal_number() != 0) {
       return interrupted("to connect the observer for the final model",
-                         observing.status());
+                         created.status());
     }
-    if (!observing.ok()) {
+    if (!created.ok()) {
       LOG(ERROR) << "cannot connect the observer for the final model: "
-                 << observing.status();
+                 << created.status();
       return 1;
     }
     observer = std::move(*created);

@@ -24,6 +24,19 @@ namespace pstrain {
 
 using ps_client_internal::Deserialize;
 
+absl::StatusOr<std::unique_ptr<PsClient>> PsClient::CreateObserver(
+    const PsClientOptions& options, const ModelSchema& schema,
+    int num_workers) {
+  absl::StatusOr<std::unique_ptr<PsClient>> client = Create(options);
+  if (!client.ok()) return client.status();
+  if (absl::StatusOr<Registration> observing =
+          (*client)->Register(schema, num_workers, -1);
+      !observing.ok()) {
+    return observing.status();
+  }
+  return client;
+}
+
 absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Create(
     const PsClientOptions& options) {
   if (options.hosts.empty()) {

@@ -128,6 +128,12 @@ class PsClient {
  public:
   static absl::StatusOr<std::unique_ptr<PsClient>> Create(
       const PsClientOptions& options);
+  // A client registered as an observer (worker id -1) of `schema`: it pulls
+  // without joining the job, e.g. async/ssp's final model after the
+  // worker itself has left (a pull as that worker would rejoin).
+  static absl::StatusOr<std::unique_ptr<PsClient>> CreateObserver(
+      const PsClientOptions& options, const ModelSchema& schema,
+      int num_workers);
   ~PsClient();
 
   // Registers the schema on every shard (idempotent) and fixes the block
