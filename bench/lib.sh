@@ -3,6 +3,11 @@
 # (results files aside: a rerun rewrites them).
 # BENCH_MACHINE: cores, CPU model and memory of this machine.
 # json_field KEY LINE: the value of "KEY" in a one-line JSON object.
-BENCH_COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!bench/results' || echo "+local changes")
+# Outside a git checkout (bazel runfiles) the commit is "unknown".
+if BENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null); then
+  git diff --quiet HEAD -- . ':!bench/results' || BENCH_COMMIT+="+local changes"
+else
+  BENCH_COMMIT=unknown
+fi
 BENCH_MACHINE="$(nproc) vCPU $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1), $(free -g | awk '/Mem:/ {print $2}') GiB"
 json_field() { sed -n "s/.*\"$1\":\([^,}]*\).*/\1/p" <<<"$2" | head -n 1; }

@@ -22,6 +22,8 @@ packages=(
   python3-dev pybind11-dev python3-torch  # the pstrain Python package
                          # (worker/python) and its PyTorch front end, for
                          # Debian's /usr/bin/python3
+  iproute2 nftables iperf3  # tests/netns: hosts in network namespaces, partitions
+                         # and loss (nft); bench/netns/link_speed.sh's raw TCP check
   python3-grpcio curl    # deploy/grpc/grpc_check.py (health, reflection; grpcurl is
                          # not in Debian 12) and the README's operator commands
 )

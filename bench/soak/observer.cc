@@ -2,18 +2,24 @@
 // member, never pushes). For bench/soak/soak.sh.
 //
 //   observer --ps_hosts=H0,H1 --num_workers=8 --probe_elements=65536
-//            --block_elements=8192 [--expect_updates=T]
+//            --block_elements=8192 [--expect_updates=T |
+//            --expect_shard_versions]
 //
 // Prints one line per shard with its Stats:
 //   shard=0 version=... blocks_applied=... blocks_duplicate=...
-//   requests_rejected=... late=... members=...
+//   requests_rejected=... late=... members=... steps_short=...
+//   steps_lost=... gradients_lost=... updates_lost=... elements=...
 // With --expect_updates=T (T >= 0) it also registers the probe schema (the
 // same one the workers register), pulls the whole tensor and checks the
 // probe's exact invariant: with SGD at learning rate 1 and a gradient of
 // exactly 1 per element per update, every element is -T. It prints
 //   check elements=N expected=-T min=... max=... mismatches=M
 // and exits 1 when M > 0 (0 otherwise; 2 on a bad flag, 3 when the servers
-// cannot be read).
+// cannot be read). --expect_shard_versions checks the same with T taken per
+// shard, the version of the shard holding the element's block: in sync mode a
+// step applies one unit update, in async mode every applied push does, so
+// either way an element is minus its shard's version unless an update was
+// applied twice or lost after being counted.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -22,9 +28,11 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/cli.h"
+#include "common/partition.h"
 #include "kernels/backend.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
@@ -37,6 +45,8 @@ ABSL_FLAG(uint64_t, seed, 1, "The workers' --seed.");
 ABSL_FLAG(int64_t, expect_updates, -1,
           "Check that every element is minus this (the number of unit "
           "updates applied); -1: only print stats.");
+ABSL_FLAG(bool, expect_shard_versions, false,
+          "Check that every element is minus the version of its shard.");
 ABSL_FLAG(double, rpc_timeout_s, 30, "Deadline of each call.");
 
 namespace pstrain {
@@ -66,15 +76,23 @@ int Main() {
   for (const StatsResponse& s : *stats) {
     std::printf(
         "shard=%d version=%lld blocks_applied=%lld blocks_duplicate=%lld "
-        "requests_rejected=%lld late=%lld members=%d\n",
+        "requests_rejected=%lld late=%lld members=%d steps_short=%lld "
+        "steps_lost=%lld gradients_lost=%lld updates_lost=%lld "
+        "elements=%lld\n",
         s.shard_id(), static_cast<long long>(s.version()),
         static_cast<long long>(s.blocks_applied()),
         static_cast<long long>(s.blocks_duplicate()),
         static_cast<long long>(s.requests_rejected()),
-        static_cast<long long>(s.late_gradients_dropped()), s.members());
+        static_cast<long long>(s.late_gradients_dropped()), s.members(),
+        static_cast<long long>(s.steps_short()),
+        static_cast<long long>(s.steps_lost()),
+        static_cast<long long>(s.gradients_lost()),
+        static_cast<long long>(s.updates_lost()),
+        static_cast<long long>(s.num_elements()));
   }
   const int64_t expected_updates = absl::GetFlag(FLAGS_expect_updates);
-  if (expected_updates < 0) return 0;
+  const bool per_shard = absl::GetFlag(FLAGS_expect_shard_versions);
+  if (expected_updates < 0 && !per_shard) return 0;
 
   // The workers' schema, built the way they build it.
   absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
@@ -102,19 +120,26 @@ int Main() {
                  pulled.status().ToString().c_str());
     return 3;
   }
-  const float expected = -static_cast<float>(expected_updates);
+  const int64_t block_elements = absl::GetFlag(FLAGS_block_elements);
+  const int num_shards = static_cast<int>(stats->size());
+  auto expected_at = [&](int64_t i) {
+    if (!per_shard) return -static_cast<float>(expected_updates);
+    const int shard = ShardOfBlock(i / block_elements, num_shards);
+    return -static_cast<float>((*stats)[shard].version());
+  };
   int64_t mismatches = 0;
   float lo = INFINITY, hi = -INFINITY;
-  for (float v : w) {
-    mismatches += v != expected;
-    lo = std::fmin(lo, v);
-    hi = std::fmax(hi, v);
+  for (int64_t i = 0; i < elements; ++i) {
+    mismatches += w[i] != expected_at(i);
+    lo = std::fmin(lo, w[i]);
+    hi = std::fmax(hi, w[i]);
   }
   std::printf(
-      "check elements=%lld expected=%.1f min=%.1f max=%.1f "
+      "check elements=%lld expected=%s min=%.1f max=%.1f "
       "mismatches=%lld\n",
-      static_cast<long long>(elements), expected, lo, hi,
-      static_cast<long long>(mismatches));
+      static_cast<long long>(elements),
+      per_shard ? "-shard_version" : absl::StrCat(-expected_updates).c_str(),
+      lo, hi, static_cast<long long>(mismatches));
   return mismatches == 0 ? 0 : 1;
 }
 

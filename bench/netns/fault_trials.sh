@@ -1,0 +1,271 @@
+#!/usr/bin/env bash
+# Network fault trials on the netns lab (tests/netns/lab.sh): 2 shards and 2
+# workers, each on its own host with a 1 Gbit/s link, training the probe
+# model (every element is minus the unit updates applied), while the network
+# misbehaves. Each trial checks that
+#   - the job finishes, or fails cleanly (a worker exits non-zero with its
+#     reason); a job still running at the deadline is "hung";
+#   - nothing is applied twice: every element equals minus its shard's
+#     version (bench/soak/observer --expect_shard_versions);
+#   - no update is lost without being counted: the block gradients the
+#     workers pushed (steps_run x blocks) equal those the shards applied plus
+#     those reported late or lost;
+#   - the job moves again soon after the fault is healed (recover_s: from the
+#     heal to the next completed step).
+#
+#   bazel build //ps_server //worker //bench/soak:observer //tests/netns:delay_proxy
+#   bench/netns/fault_trials.sh [--faults=a,b,...] [--modes=sync,async]
+#       [--planes=data,grpc] [--steps=200] [--report=FILE] [--bin_dir=DIR]
+# --bin_dir: where ps_server/ps_server, worker/worker, ... are (default
+# bazel-bin; //tests:netns_faults_test passes its runfiles).
+#
+# Faults (a worker or shard is a host; the lease is 2 s):
+#   none             baseline
+#   loss1, loss5     every worker drops 1% / 5% of its packets, each way
+#   delay20          20 ms +- 10 ms on every connection to a shard, each way
+#   reorder          2 ms +- 2 ms: messages on different connections overtake
+#                    each other (the kernel has no netem; see delay_proxy.cc)
+#   partition_long   worker 1 cut from shard 0 for 4 s (twice the lease)
+#   partition_short  worker 1 cut from both shards for 1 s (< retry window)
+#   oneway           shard 0's packets to worker 0 dropped for 3 s
+#   shard_cut_ckpt   shard 1 cut from every worker for 3 s while it writes a
+#                    checkpoint every 10 steps
+# Exit status: 0 when every trial passed, 1 otherwise, 2 on bad usage; the lab
+# skips (exit 0, "SKIP: ...") where namespaces are not allowed.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+repo=$(pwd)
+source tests/netns/lab.sh
+source bench/lib.sh
+
+faults=none,loss1,loss5,delay20,reorder,partition_long,partition_short,oneway,shard_cut_ckpt
+modes=sync,async
+planes=data,grpc
+report=""
+steps=200
+bin=$repo/bazel-bin
+for arg in "$@"; do
+  case $arg in
+    --faults=*) faults=${arg#*=} ;;
+    --modes=*) modes=${arg#*=} ;;
+    --planes=*) planes=${arg#*=} ;;
+    --report=*) report=${arg#*=} ;;
+    --steps=*) steps=${arg#*=} ;;
+    --bin_dir=*) bin=${arg#*=} ;;
+    *) echo "fault_trials.sh: unknown argument '$arg'" >&2; exit 2 ;;
+  esac
+done
+
+lab_require || exit 0
+for b in ps_server/ps_server worker/worker bench/soak/observer tests/netns/delay_proxy; do
+  if [[ ! -x $bin/$b ]]; then
+    echo "fault_trials.sh: missing $bin/$b; build first:" >&2
+    echo "  bazel build //ps_server //worker //bench/soak:observer //tests/netns:delay_proxy" >&2
+    exit 2
+  fi
+done
+run=$(mktemp -d "${TEST_TMPDIR:-/tmp}/fault_trials.XXXXXX")
+# Copies: a build running meanwhile cannot swap the binaries.
+mkdir -p "$run/bin"
+cp $bin/ps_server/ps_server $bin/worker/worker $bin/bench/soak/observer \
+  $bin/tests/netns/delay_proxy "$run/bin/"
+
+readonly kShards=2 kWorkers=2 kElements=65536 kBlockElements=8192 kBlocks=8
+readonly kPort=7000 kDataPort=7001 kDeadline=120
+# Hosts 0..1 are the shards, 2..3 the workers.
+shard_host() { echo "$1"; }
+worker_host() { echo $((kShards + $1)); }
+
+hosts_csv() {
+  local s out=""
+  for ((s = 0; s < kShards; ++s)); do out+="${out:+,}$(lab_addr "$(shard_host $s)"):$kPort"; done
+  echo "$out"
+}
+
+observe() {  # observer output, read from the router
+  lab_exec r timeout 60 "$run/bin/observer" --ps_hosts="$(hosts_csv)" \
+    --num_workers=$kWorkers --probe_elements=$kElements \
+    --block_elements=$kBlockElements "$@" 2>&1
+}
+version_of() { sed -n "s/^shard=$1 version=\([0-9]*\).*/\1/p" <<<"$2"; }
+sum_field() {  # sum_field NAME OBSERVER_OUTPUT: over shards
+  sed -n "s/^shard=.* $1=\([0-9]*\).*/\1/p" <<<"$2" | awk '{s += $1} END {print s + 0}'
+}
+min_version() {
+  local out
+  out=$(observe 2>/dev/null) || { echo -1; return; }
+  sed -n 's/^shard=[0-9]* version=\([0-9]*\).*/\1/p' <<<"$out" | sort -n | head -n 1
+}
+
+apply_fault() {  # apply_fault NAME: starts the fault; sets hold (s)
+  case $1 in
+    none | delay20 | reorder) hold=0 ;;  # for the whole job (or none)
+    loss1 | loss5)
+      local w
+      for ((w = 0; w < kWorkers; ++w)); do lab_loss "$(worker_host $w)" "${1#loss}"; done
+      hold=3 ;;
+    partition_long) lab_partition "$(worker_host 1)" "$(shard_host 0)"; hold=4 ;;
+    partition_short)
+      lab_partition "$(worker_host 1)" "$(shard_host 0)"
+      lab_partition "$(worker_host 1)" "$(shard_host 1)"
+      hold=1 ;;
+    oneway) lab_partition "$(shard_host 0)" "$(worker_host 0)" oneway; hold=3 ;;
+    shard_cut_ckpt)
+      local w
+      for ((w = 0; w < kWorkers; ++w)); do lab_partition "$(shard_host 1)" "$(worker_host $w)"; done
+      hold=3 ;;
+  esac
+}
+
+# trial FAULT MODE PLANE INDEX: prints one table row; returns 1 when it
+# failed.
+trial() {
+  local fault=$1 mode=$2 plane=$3 trial_count=$4
+  local dir="$run/$fault-$mode-$plane"
+  mkdir -p "$dir"
+  LAB_PREFIX="pstlab$$-t$trial_count"
+  lab_create $((kShards + kWorkers)) 1gbit
+  local s w server_pids=() worker_pids=()
+  local proxy_delay="" proxy_jitter=""
+  case $fault in
+    delay20) proxy_delay=20 proxy_jitter=10 ;;
+    reorder) proxy_delay=2 proxy_jitter=2 ;;
+  esac
+  for ((s = 0; s < kShards; ++s)); do
+    local host bind extra=()
+    host=$(shard_host $s)
+    bind=$(lab_addr "$host")
+    # Behind a proxy the shard listens on its own loopback and the proxy on
+    # the host's address, same ports: the workers cannot tell.
+    [[ -n $proxy_delay ]] && bind=127.0.0.1
+    [[ $fault == shard_cut_ckpt ]] && extra=(--checkpoint_dir="$dir/ckpt$s" --checkpoint_every_steps=10)
+    lab_exec "$host" "$run/bin/ps_server" --host="$bind" --port=$kPort \
+      --data_port=$kDataPort --shard_id=$s --num_shards=$kShards \
+      --num_workers=$kWorkers --mode="$mode" --optimizer=sgd --learning_rate=1 \
+      --worker_lease_s=2 "${extra[@]}" >"$dir/ps$s.out" 2>"$dir/ps$s.log" &
+    server_pids+=($!)
+    if [[ -n $proxy_delay ]]; then
+      lab_exec "$host" "$run/bin/delay_proxy" --listen_host="$(lab_addr "$host")" \
+        --ports=$kPort,$kDataPort --delay_ms=$proxy_delay --jitter_ms=$proxy_jitter \
+        --seed=$((trial_count * 7 + s)) --duration_s=$((kDeadline + 60)) \
+        >"$dir/proxy$s.log" 2>&1 &
+    fi
+  done
+  local started=$SECONDS
+  for ((w = 0; w < kWorkers; ++w)); do
+    lab_exec "$(worker_host $w)" "$run/bin/worker" --ps_hosts="$(hosts_csv)" \
+      --worker_id=$w --num_workers=$kWorkers --model=probe \
+      --probe_elements=$kElements --block_elements=$kBlockElements \
+      --steps="$steps" --inject_step_delay_ms=10 --device=cpu --log_every=0 \
+      --heartbeat_interval_s=0.5 --connect_timeout_s=30 --rpc_timeout_s=30 \
+      --data_plane=$([[ $plane == data ]] && echo true || echo false) \
+      >"$dir/worker$w.out" 2>"$dir/worker$w.log" &
+    worker_pids+=($!)
+  done
+
+  # The fault starts a quarter into the job and is healed after $hold s.
+  local hold=0 heal_version=-1 recover_s="-" v
+  local fault_at=$((steps / 4)) t0
+  t0=$(date +%s.%N)
+  while v=$(min_version); ((v < fault_at)); do
+    if (($(date +%s) - ${t0%.*} > 60)); then break; fi
+    sleep 0.1
+  done
+  apply_fault "$fault"
+  if ((hold > 0)); then
+    sleep "$hold"
+    lab_heal
+    heal_version=$(min_version)
+    local healed_at
+    healed_at=$(date +%s.%N)
+    # Recovery: the first step completed after the heal (bounded by the
+    # deadline; a job that finished meanwhile has recovered).
+    while :; do
+      v=$(min_version)
+      if ((v > heal_version || v >= steps)) || ! kill -0 "${worker_pids[0]}" 2>/dev/null; then
+        recover_s=$(awk -v a="$healed_at" -v b="$(date +%s.%N)" 'BEGIN {printf "%.2f", b - a}')
+        break
+      fi
+      if (($(date +%s) - ${healed_at%.*} > kDeadline)); then recover_s=">$kDeadline"; break; fi
+      sleep 0.05
+    done
+  fi
+
+  # Every worker ends by the deadline, or the trial is hung.
+  local result=ok codes="" code
+  for ((w = 0; w < kWorkers; ++w)); do
+    code=0
+    while kill -0 "${worker_pids[$w]}" 2>/dev/null && ((SECONDS - started < kDeadline)); do sleep 0.2; done
+    if kill -0 "${worker_pids[$w]}" 2>/dev/null; then
+      result=hung
+      kill -9 "${worker_pids[$w]}" 2>/dev/null || true
+    fi
+    wait "${worker_pids[$w]}" || code=$?
+    codes+="${codes:+/}$code"
+    [[ $code != 0 && $result == ok ]] && result="failed"
+  done
+  local wall=$((SECONDS - started))
+
+  # The exact checks, read from the router.
+  local stats check mismatches pushed=0 late=0 applied lost short dup steps_run
+  stats=$(observe)
+  check=$(observe --expect_shard_versions | grep '^check' || echo "check mismatches=?")
+  mismatches=$(sed -n 's/.*mismatches=\([0-9?]*\).*/\1/p' <<<"$check")
+  for ((w = 0; w < kWorkers; ++w)); do
+    local final
+    final=$(grep '"event":"final"' "$dir/worker$w.out" || true)
+    steps_run=$(json_field steps_run "$final")
+    pushed=$((pushed + ${steps_run:-0} * kBlocks))
+    late=$((late + $(json_field late_blocks "$final" | sed 's/^$/0/')))
+  done
+  applied=$(sum_field blocks_applied "$stats")
+  lost=$(sum_field gradients_lost "$stats")
+  short=$(sum_field steps_short "$stats")
+  dup=$(sum_field blocks_duplicate "$stats")
+  local uncounted=$((pushed - applied - late - lost))
+  [[ $mismatches != 0 && $result == ok ]] && result="double-applied"
+  [[ $uncounted != 0 && $result == ok ]] && result="uncounted"
+  printf '%-16s %-5s %-4s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s\n' \
+    "$fault" "$mode" "$plane" "$result" "$codes" "$wall" "$recover_s" \
+    "$(version_of 0 "$stats")" "$late" "$lost" "$short" "$dup" \
+    "$mismatches" "$uncounted"
+  for pid in "${server_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  lab_destroy
+  trap - EXIT INT TERM
+  [[ $result == ok ]]
+}
+
+header=$(printf '%-16s %-5s %-4s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s' \
+  fault mode plane result exits wall_s recover_s steps late lost short dup \
+  doubled uncounted)
+trial_count=0
+failed=0
+rows=""
+trap 'lab_destroy' EXIT
+echo "$header"
+for fault in ${faults//,/ }; do
+  for mode in ${modes//,/ }; do
+    for plane in ${planes//,/ }; do
+      trial_count=$((trial_count + 1))
+      row=$(trial "$fault" "$mode" "$plane" "$trial_count") || failed=$((failed + 1))
+      echo "$row"
+      rows+="$row"$'\n'
+    done
+  done
+done
+total=$(grep -c . <<<"$rows")
+hung=$(grep -c ' hung ' <<<"$rows" || true)
+summary="trials $total, failed $failed, hung $hung (logs: $run)"
+echo "$summary"
+if [[ -n $report ]]; then
+  {
+    echo "# bench/netns/fault_trials.sh $*"
+    echo "# commit $BENCH_COMMIT, $BENCH_MACHINE, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%F)"
+    echo "# 2 shards x 2 workers, one host each, 1 Gbit/s links; probe model"
+    echo "# ($kElements floats, $kBlocks blocks), SGD lr 1, $steps steps, lease 2 s."
+    echo "$header"
+    printf '%s' "$rows"
+    echo "$summary"
+  } >"$report"
+fi
+((failed == 0))

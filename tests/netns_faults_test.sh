@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Network faults on real hosts-in-namespaces (bench/netns/fault_trials.sh,
+# a few of its trials): a partition longer than the lease, a short one, loss,
+# reordering, and a shard cut off while it checkpoints. Each must finish with
+# nothing applied twice and every lost gradient counted. Skips (passes with
+# "SKIP:") where the machine does not allow network namespaces.
+set -euo pipefail
+runfiles=${RUNFILES_DIR:-${TEST_SRCDIR:-}}
+[[ -n $runfiles ]] || { echo "run me with bazel test //tests:netns_faults_test" >&2; exit 1; }
+root=$runfiles/pstrain
+cd "$root"
+trials() { bench/netns/fault_trials.sh --bin_dir="$root" --steps=120 "$@"; }
+out=$(trials --faults=partition_long,loss5,shard_cut_ckpt --modes=sync --planes=data) ||
+  { echo "$out"; exit 1; }
+echo "$out"
+grep -q '^SKIP: ' <<<"$out" && exit 0
+# The partition really cut the worker off for longer than its lease: the
+# shard completed steps without it and counted its late gradients.
+read -r late short < <(awk '$1 == "partition_long" {print $9, $11}' <<<"$out")
+if ((${late:-0} == 0 || ${short:-0} == 0)); then
+  echo "FAIL: partition_long should have made steps short and gradients late (late=$late short=$short)" >&2
+  exit 1
+fi
+trials --faults=partition_short,reorder --modes=async --planes=grpc
