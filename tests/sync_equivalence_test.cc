@@ -165,6 +165,20 @@ TEST(SyncEquivalenceTest, ThreeWorkersEqualOneWorkerWithTheGlobalBatch) {
 // Each tensor's gradient pushed on its own as backward produces it, from a
 // push thread (several pushes per step, each block on its own): the model
 // is still exactly the single process's.
+// Every group of a shard on one connection: a step's PushPulls go back to
+// back on it and each is answered as its group's step completes (the
+// pipelined exchange that keeps a bound link busy both ways).
+TEST(SyncEquivalenceTest, PipelinedGroupsOnOneConnectionChangeNothing) {
+  const auto single =
+      TrainAndPull(1, 1, "sync", "one_worker_30_pipe", true, 30);
+  ASSERT_EQ(single.size(), 4u);
+  const auto three =
+      TrainAndPull(3, 2, "sync", "three_workers_30_pipe", true, 30,
+                   {"--connections_per_shard=1", "--block_elements=50"});
+  ASSERT_EQ(three.size(), 4u);
+  EXPECT_LE(MaxAbsDifference(three, single), 1e-5);
+}
+
 TEST(SyncEquivalenceTest, PushingLayerByLayerDuringBackwardChangesNothing) {
   const auto single = TrainAndPull(1, 1, "sync", "one_worker_overlap_ref");
   ASSERT_EQ(single.size(), 4u);

@@ -302,15 +302,6 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
       open_elements += length;
     }
   }
-  one_group_per_connection_ = true;
-  for (int s = 0; s < num_shards(); ++s) {
-    const auto groups =
-        std::count_if(groups_.begin(), groups_.end(),
-                      [s](const Group& group) { return group.shard == s; });
-    if (groups > options_.connections_per_shard) {
-      one_group_per_connection_ = false;
-    }
-  }
   for (Group& group : groups_) {
     PullRequest pull;
     pull.set_protocol_version(kProtocolVersion);

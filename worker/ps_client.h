@@ -195,8 +195,10 @@ class PsClient {
   // what a sync server answers once the step completed anyway. Retrying is
   // safe, as for Push; a retry after the pull half failed reports the
   // applied push's blocks as duplicates. Shards that do not announce
-  // PushPull (older servers) get the two calls, and so does a sync or ssp
-  // model with more groups than connections on a shard (see PushPull).
+  // PushPull (older servers) get the two calls. Several groups on one
+  // connection go back to back without waiting for answers, and the
+  // server answers each as its step completes, so one group's pull comes
+  // back while the next one's push is still going out (see PushPull).
   struct PushPullResult {
     PushResult pushed;
     int64_t pulled_step = 0;  // as Pull returns
@@ -390,9 +392,6 @@ class PsClient {
   std::unique_ptr<Partition> partition_;
   ModelSchema schema_;
   std::vector<Group> groups_;
-  // No shard has more groups than connections: a PushPull is then one
-  // round trip per connection.
-  bool one_group_per_connection_ = true;
   std::vector<int64_t> block_versions_;  // per global block, from Pull
   // Reused across steps: encoded gradients when the wire type is not fp32.
   std::vector<std::string> encoded_;

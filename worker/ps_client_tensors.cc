@@ -298,19 +298,15 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
     int64_t push_step, const std::vector<const float*>& gradients,
     int64_t pull_step, const std::vector<float*>& tensors) {
   if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
-  // A connection answers one request at a time. With several groups on
-  // one, a sync or ssp server would answer each group's pull (a wait for
-  // the step) before it reads the next group's push, so the waits would
-  // follow one another; pushing everything first, as the two calls do,
-  // waits once. Such a model moves enough bytes that the round trip
-  // saved would not show (2x2 sync MLP 784-2048-2048-10: 7% slower fused).
-  if (mode_ != "async" && !one_group_per_connection_) {
-    absl::StatusOr<PushResult> pushed = Push(push_step, gradients);
-    if (!pushed.ok()) return pushed.status();
-    absl::StatusOr<int64_t> pulled = Pull(pull_step, tensors);
-    if (!pulled.ok()) return pulled.status();
-    return PushPullResult{*pushed, *pulled};
-  }
+  // One PushPull per group, all sent at once. A sync server answers a
+  // connection's requests in order, each once its group's step completes;
+  // every worker sends the groups in the same order, so the steps complete
+  // in that order and no answer waits on a request behind it. On a link
+  // that binds, the answer of one group then travels while the pushes of
+  // the next ones still arrive: with small groups (--block_elements) on
+  // one connection per shard, a step approaches the link-bound ideal
+  // instead of twice it (bench/results/netns_link_speed.txt). Pushing
+  // everything first and then pulling cannot overlap the two.
   std::vector<PushResponse> responses;
   absl::StatusOr<std::vector<Call>> pushes =
       PushCalls(push_step, gradients, /*only=*/{}, responses);
