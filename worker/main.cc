@@ -266,12 +266,6 @@ ABSL_FLAG(std::string, logits_file, "",
 namespace pstrain {
 namespace {
 
-absl::Status CheckAtLeast(const char* flag, double value, double minimum) {
-  if (value >= minimum) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("--", flag, " must be >= ", minimum, ", got ", value));
-}
-
 absl::StatusOr<std::vector<int64_t>> ParseHidden(const std::string& text) {
   std::vector<int64_t> sizes;
   for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
