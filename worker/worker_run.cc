@@ -76,31 +76,31 @@ void LingerForScrapers(const WorkerConfig& config, const RunOutput& output) {
 }  // namespace
 
 absl::StatusOr<RunOutput> StartOutput(const WorkerConfig& config) {
-  const OutputConfig& flags = config.output;
+  const OutputConfig& wanted = config.output;
   RunOutput output;
   std::unique_ptr<MetricsCsv> csv;
-  if (!flags.metrics_csv.empty()) {
+  if (!wanted.metrics_csv.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsCsv>> opened =
-        MetricsCsv::Open(flags.metrics_csv);
+        MetricsCsv::Open(wanted.metrics_csv);
     ExitOnFlagErrors({opened.status()});
     csv = std::move(*opened);
   }
-  if (flags.metrics_port != 0) {
+  if (wanted.metrics_port != 0) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> started =
-        MetricsEndpoint::Start(flags.metrics_host,
-                               std::max(flags.metrics_port, 0),
-                               flags.metrics_port_file);
+        MetricsEndpoint::Start(wanted.metrics_host,
+                               std::max(wanted.metrics_port, 0),
+                               wanted.metrics_port_file);
     if (!started.ok()) return started.status();
     output.endpoint = std::move(*started);
     output.metrics = std::make_unique<WorkerMetrics>(
         output.endpoint->registry(), config.worker_id);
-    LOG(INFO) << "metrics on http://" << flags.metrics_host << ":"
+    LOG(INFO) << "metrics on http://" << wanted.metrics_host << ":"
               << output.endpoint->port() << "/metrics";
   }
-  const bool bar = flags.progress == "bar" ||
-                   (flags.progress == "auto" && isatty(STDOUT_FILENO) == 1);
+  const bool bar = wanted.progress == "bar" ||
+                   (wanted.progress == "auto" && isatty(STDOUT_FILENO) == 1);
   output.steps =
-      std::make_unique<StepOutput>(config.worker_id, bar, flags.log_every,
+      std::make_unique<StepOutput>(config.worker_id, bar, wanted.log_every,
                                    std::move(csv), output.metrics.get());
   return output;
 }
