@@ -20,6 +20,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
@@ -105,6 +106,35 @@ void ExitOnFlagErrors(const std::vector<absl::Status>& checks) {
     failed = true;
   }
   if (failed) std::exit(2);
+}
+
+absl::Status JoinProblems(const std::vector<absl::Status>& checks) {
+  absl::Status joined;
+  std::vector<absl::string_view> messages;
+  for (const absl::Status& status : checks) {
+    if (status.ok()) continue;
+    if (joined.ok()) joined = status;
+    messages.push_back(status.message());
+  }
+  if (joined.ok()) return joined;
+  return absl::Status(joined.code(), absl::StrJoin(messages, "\n"));
+}
+
+void ExitOnFlagErrors(const absl::Status& problems) {
+  if (problems.ok()) return;
+  std::vector<absl::Status> lines;
+  for (absl::string_view line :
+       absl::StrSplit(problems.message(), '\n', absl::SkipEmpty())) {
+    lines.push_back(absl::Status(problems.code(), line));
+  }
+  if (lines.empty()) lines.push_back(problems);
+  ExitOnFlagErrors(lines);
+}
+
+absl::Status CheckAtLeast(const char* flag, double value, double minimum) {
+  if (value >= minimum) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be >= ", minimum, ", got ", value));
 }
 
 absl::Status WriteFileAtomically(const std::string& path,

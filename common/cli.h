@@ -28,6 +28,17 @@ void TuneForTransport();
 // there was one. Collect the checks first so a user sees every problem found.
 void ExitOnFlagErrors(const std::vector<absl::Status>& checks);
 
+// Every failed status of `checks` as one: the first failure's code and all
+// their messages, one per line (OK when none failed). A configuration's
+// validation returns it; ExitOnFlagErrors below prints it.
+absl::Status JoinProblems(const std::vector<absl::Status>& checks);
+
+// ExitOnFlagErrors of a status from JoinProblems: one line per problem.
+void ExitOnFlagErrors(const absl::Status& problems);
+
+// OK, or InvalidArgument "--<flag> must be >= <minimum>, got <value>".
+absl::Status CheckAtLeast(const char* flag, double value, double minimum);
+
 // Writes `contents` to `path` atomically (temporary file + rename), so a
 // reader polling for the file never sees it half written.
 absl::Status WriteFileAtomically(const std::string& path,

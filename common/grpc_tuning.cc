@@ -43,12 +43,16 @@ std::vector<std::pair<const char*, std::pair<const char*, int>>> Settings(
 
 }  // namespace
 
-absl::StatusOr<GrpcTuning> GrpcTuningFromFlags() {
+GrpcTuning GrpcTuningFlagValues() {
   GrpcTuning t;
   t.max_frame_bytes = absl::GetFlag(FLAGS_grpc_max_frame_bytes);
   t.stream_window_bytes = absl::GetFlag(FLAGS_grpc_stream_window_bytes);
   t.write_buffer_bytes = absl::GetFlag(FLAGS_grpc_write_buffer_bytes);
   t.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_grpc_tcp_read_chunk_bytes);
+  return t;
+}
+
+absl::Status ValidateGrpcTuning(const GrpcTuning& t) {
   if (t.max_frame_bytes != 0 &&
       (t.max_frame_bytes < 16384 || t.max_frame_bytes > 16777215)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -66,6 +70,12 @@ absl::StatusOr<GrpcTuning> GrpcTuningFromFlags() {
           "--", flag, " must be in [0, ", kMaxBytes, "], got ", value));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GrpcTuning> GrpcTuningFromFlags() {
+  const GrpcTuning t = GrpcTuningFlagValues();
+  if (absl::Status valid = ValidateGrpcTuning(t); !valid.ok()) return valid;
   return t;
 }
 

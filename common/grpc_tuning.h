@@ -32,9 +32,16 @@ struct GrpcTuning {
 };
 
 // The flags' values, or InvalidArgument naming the first flag out of range
-// (HTTP/2 allows frames of 16 KiB .. 16 MiB; the others must be >= 0 and at
-// most 1 GiB).
+// (ValidateGrpcTuning).
 absl::StatusOr<GrpcTuning> GrpcTuningFromFlags();
+
+// The flags' values, unchecked: for a configuration validated later.
+GrpcTuning GrpcTuningFlagValues();
+
+// InvalidArgument naming the first setting out of range, by its flag (HTTP/2
+// allows frames of 16 KiB .. 16 MiB; the others must be >= 0 and at most
+// 1 GiB).
+absl::Status ValidateGrpcTuning(const GrpcTuning& tuning);
 
 // The flags that reproduce `tuning` in another process (only those != 0).
 std::vector<std::string> GrpcTuningArgs(const GrpcTuning& tuning);

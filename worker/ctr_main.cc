@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <optional>
 
-#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/learning_rates.h"
@@ -13,110 +12,63 @@
 #include "worker/ctr_metrics.h"
 #include "worker/ctr_trainer.h"
 
-ABSL_FLAG(std::string, ctr_data, "synthetic",
-          "--model=ctr data: synthetic (a hidden ground-truth model, so the "
-          "achievable AUC is known), criteo (TSV) or libsvm.");
-ABSL_FLAG(int, ctr_fields, 6, "Categorical fields (synthetic, criteo).");
-ABSL_FLAG(int, ctr_dense, 4, "Dense features (synthetic, criteo).");
-ABSL_FLAG(int64_t, ctr_vocab, 10000, "Synthetic: ids per field (Zipf).");
-ABSL_FLAG(int64_t, ctr_train_examples, 65536,
-          "Synthetic: training examples in the whole job.");
-ABSL_FLAG(int64_t, ctr_test_examples, 8192, "Synthetic: held-out examples.");
-ABSL_FLAG(int64_t, embedding_dim, 8, "Embedding row size.");
-ABSL_FLAG(int64_t, ctr_hidden, 32, "Hidden units of the CTR model's MLP.");
-ABSL_FLAG(std::string, sparse_optimizer, "adagrad",
-          "Row updates on the servers: sgd, adagrad, adam (lazy) or ftrl.");
-ABSL_FLAG(double, sparse_learning_rate, 0,
-          "Sparse optimizer rate (not ftrl's: see --ftrl_alpha). 0 (the "
-          "default): the optimizer's own default, as PyTorch and Keras users "
-          "know it: adagrad 0.01 (torch.optim.Adagrad), adam 0.001 "
-          "(torch.optim.SparseAdam and keras Adam), sgd 0.01 (keras SGD). "
-          "The rate in effect is logged at start.");
-ABSL_FLAG(double, adagrad_initial_accumulator, 0.1, "Adagrad's start.");
-ABSL_FLAG(double, ftrl_alpha, 0.05,
-          "FTRL-proximal alpha, ftrl's learning rate (keras Ftrl's "
-          "learning_rate defaults to 0.001; this keeps the 0.05 pstrain has "
-          "always used).");
-ABSL_FLAG(double, ftrl_beta, 1.0, "FTRL-proximal beta.");
-ABSL_FLAG(double, ftrl_l1, 0.0, "FTRL-proximal L1.");
-ABSL_FLAG(double, ftrl_l2, 0.0, "FTRL-proximal L2.");
-ABSL_FLAG(double, embedding_init_scale, 0.05,
-          "Rows start uniform in [-scale, scale] (deterministic per id).");
-
 namespace pstrain {
+namespace {
 
-int RunCtrWorker(const CtrWorkerContext& context) {
-  const std::string source = absl::GetFlag(FLAGS_ctr_data);
-  std::vector<absl::Status> checks;
-  if (source != "synthetic" && source != "criteo" && source != "libsvm") {
-    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
-        "--ctr_data must be synthetic, criteo or libsvm, got '", source, "'")));
-  }
-  if (source != "synthetic" && context.train_file.empty()) {
-    checks.push_back(absl::InvalidArgumentError(
-        absl::StrCat("--ctr_data=", source, " needs --train_file")));
-  }
+// The model the configuration describes (checked: ValidateWorkerConfig).
+CtrModelOptions CtrModel(const WorkerConfig& config) {
+  const CtrConfig& ctr = config.ctr;
   CtrModelOptions model;
-  model.dim = absl::GetFlag(FLAGS_embedding_dim);
-  model.hidden = absl::GetFlag(FLAGS_ctr_hidden);
-  model.seed = context.seed;
-  model.block_elements = context.block_elements;
-  if (model.dim < 1 || model.hidden < 1) {
-    checks.push_back(absl::InvalidArgumentError(
-        "--embedding_dim and --ctr_hidden must be >= 1"));
-  }
+  model.dim = ctr.embedding_dim;
+  model.hidden = ctr.hidden;
+  model.seed = config.seed;
+  model.block_elements = config.model.block_elements;
   model.embedding_init.set_kind(InitSpec::UNIFORM);
-  model.embedding_init.set_scale(absl::GetFlag(FLAGS_embedding_init_scale));
+  model.embedding_init.set_scale(ctr.embedding_init_scale);
   SparseOptimizer& o = model.sparse_optimizer;
-  o.set_name(absl::GetFlag(FLAGS_sparse_optimizer));
-  const double given_rate = absl::GetFlag(FLAGS_sparse_learning_rate);
-  const std::optional<DefaultLearningRate> default_rate =
-      DefaultSparseLearningRate(o.name());
-  o.set_learning_rate(EffectiveLearningRate(given_rate, default_rate));
-  o.set_initial_accumulator(absl::GetFlag(FLAGS_adagrad_initial_accumulator));
+  o.set_name(ctr.sparse_optimizer);
+  o.set_learning_rate(EffectiveLearningRate(
+      ctr.sparse_learning_rate, DefaultSparseLearningRate(o.name())));
+  o.set_initial_accumulator(ctr.adagrad_initial_accumulator);
   o.set_beta1(0.9f);
   o.set_beta2(0.999f);
   o.set_epsilon(1e-8f);
-  o.set_ftrl_alpha(absl::GetFlag(FLAGS_ftrl_alpha));
-  o.set_ftrl_beta(absl::GetFlag(FLAGS_ftrl_beta));
-  o.set_ftrl_l1(absl::GetFlag(FLAGS_ftrl_l1));
-  o.set_ftrl_l2(absl::GetFlag(FLAGS_ftrl_l2));
-  // The servers check every field at registration; these are the mistakes
-  // worth one clear line before any work.
-  if (o.name() != "sgd" && o.name() != "adagrad" && o.name() != "adam" &&
-      o.name() != "ftrl") {
-    checks.push_back(absl::InvalidArgumentError(
-        absl::StrCat("--sparse_optimizer must be sgd, adagrad, adam or ftrl, "
-                     "got '",
-                     o.name(), "'")));
-  }
-  // FTRL's rate is --ftrl_alpha; it reads no --sparse_learning_rate.
-  if (!(o.learning_rate() > 0 || o.name() == "ftrl") || !(o.ftrl_alpha() > 0)) {
-    checks.push_back(absl::InvalidArgumentError(
-        "--sparse_learning_rate and --ftrl_alpha must be positive"));
-  }
-  ExitOnFlagErrors(checks);
+  o.set_ftrl_alpha(ctr.ftrl_alpha);
+  o.set_ftrl_beta(ctr.ftrl_beta);
+  o.set_ftrl_l1(ctr.ftrl_l1);
+  o.set_ftrl_l2(ctr.ftrl_l2);
+  return model;
+}
+
+}  // namespace
+
+int RunCtrWorker(const CtrWorkerContext& context) {
+  const WorkerConfig& config = *context.config;
+  const CtrConfig& ctr = config.ctr;
+  const std::string& source = ctr.data;
+  CtrModelOptions model = CtrModel(config);
+  const SparseOptimizer& o = model.sparse_optimizer;
   LOG(INFO) << "sparse optimizer " << o.name() << ", learning rate "
             << (o.name() == "ftrl"
                     ? absl::StrCat(o.ftrl_alpha(), " (--ftrl_alpha)")
-                    : DescribeLearningRate(given_rate, o.name(), default_rate,
+                    : DescribeLearningRate(ctr.sparse_learning_rate, o.name(),
+                                           DefaultSparseLearningRate(o.name()),
                                            "--sparse_learning_rate"));
 
-  const ShardSpec shard{context.worker_id, context.num_workers};
+  const ShardSpec shard{config.worker_id, config.num_workers};
   CtrDataset train, test;
   double true_auc = NAN, true_logloss = NAN;
   if (source == "synthetic") {
     SyntheticCtrOptions synthetic;
-    synthetic.num_fields = absl::GetFlag(FLAGS_ctr_fields);
-    synthetic.num_dense = absl::GetFlag(FLAGS_ctr_dense);
-    synthetic.vocab_per_field = absl::GetFlag(FLAGS_ctr_vocab);
-    synthetic.seed = context.seed;
-    const int64_t train_examples = absl::GetFlag(FLAGS_ctr_train_examples);
+    synthetic.num_fields = ctr.fields;
+    synthetic.num_dense = ctr.dense;
+    synthetic.vocab_per_field = ctr.vocab;
+    synthetic.seed = config.seed;
+    const int64_t train_examples = ctr.train_examples;
     absl::StatusOr<CtrDataset> t =
         MakeSyntheticCtr(synthetic, 0, train_examples, shard);
     absl::StatusOr<CtrDataset> h =
-        MakeSyntheticCtr(synthetic, train_examples,
-                         absl::GetFlag(FLAGS_ctr_test_examples), {0, 1});
+        MakeSyntheticCtr(synthetic, train_examples, ctr.test_examples, {0, 1});
     ExitOnFlagErrors({t.status(), h.status()});
     train = std::move(*t);
     test = std::move(*h);
@@ -134,16 +86,15 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     auto read = [&](const std::string& path,
                     ShardSpec s) -> absl::StatusOr<CtrDataset> {
       if (source == "criteo") {
-        return ReadCriteoTsv(path, absl::GetFlag(FLAGS_ctr_dense),
-                             absl::GetFlag(FLAGS_ctr_fields), s);
+        return ReadCriteoTsv(path, ctr.dense, ctr.fields, s);
       }
       return ReadLibsvmCtr(path, s);
     };
-    absl::StatusOr<CtrDataset> t = read(context.train_file, shard);
+    absl::StatusOr<CtrDataset> t = read(config.data.train_file, shard);
     ExitOnFlagErrors({t.status()});
     train = std::move(*t);
-    if (!context.test_file.empty()) {
-      absl::StatusOr<CtrDataset> h = read(context.test_file, {0, 1});
+    if (!config.data.test_file.empty()) {
+      absl::StatusOr<CtrDataset> h = read(config.data.test_file, {0, 1});
       ExitOnFlagErrors({h.status()});
       test = std::move(*h);
     }
@@ -160,8 +111,8 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   absl::StatusOr<Registration> registration =
       context.register_model
           ? context.register_model(CtrSchema(model))
-          : context.client->Register(CtrSchema(model), context.num_workers,
-                                     context.worker_id);
+          : context.client->Register(CtrSchema(model), config.num_workers,
+                                     config.worker_id);
   if (!registration.ok() && interrupted(registration.status())) {
     return context.stopped_while_waiting(
         "to reach the servers and register the model", registration.status());
@@ -187,7 +138,7 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   if (registration->mode != "sync" && context.client_options != nullptr) {
     absl::StatusOr<std::unique_ptr<PsClient>> created =
         PsClient::CreateObserver(*context.client_options, CtrSchema(model),
-                                 context.num_workers);
+                                 config.num_workers);
     if (!created.ok()) {
       LOG(ERROR) << "cannot connect the observer for the final model: "
                  << created.status();
@@ -197,13 +148,13 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     observer = std::move(*created);
   }
   CtrTrainerOptions options;
-  options.worker_id = context.worker_id;
-  options.num_workers = context.num_workers;
+  options.worker_id = config.worker_id;
+  options.num_workers = config.num_workers;
   options.observer = observer.get();
-  options.final_model_timeout = context.final_model_timeout;
+  options.final_model_timeout = absl::Seconds(config.client.rpc_timeout_s);
   options.start_step = registration->start_step;
-  options.steps = context.steps;
-  options.batch_size = context.batch_size;
+  options.steps = config.training.steps;
+  options.batch_size = config.training.batch_size;
   options.stop = context.stop;
   options.on_steps_done = context.on_steps_done;
   int64_t last_step = registration->start_step;
@@ -217,7 +168,7 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   if (!result.ok() && interrupted(result.status())) {
     return context.stopped_while_waiting(
         absl::StrCat("on the servers after step ", last_step, " of ",
-                     context.steps),
+                     config.training.steps),
         result.status());
   }
   if (!result.ok()) {
@@ -225,7 +176,7 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     return 1;
   }
   std::printf("%s\n",
-              CtrFinalJson(*result, context.worker_id, context.num_workers,
+              CtrFinalJson(*result, config.worker_id, config.num_workers,
                            context.backend->Name(), true_auc, true_logloss)
                   .c_str());
   std::fflush(stdout);

@@ -1,5 +1,6 @@
 // The worker's --model=ctr path: CTR data, the sparse-table model, and its
-// final JSON line. The binary's main parses the shared flags and hands over.
+// final JSON line. The binary's Main validates the configuration (CTR's
+// part included: worker/worker_config.h) and hands over.
 #ifndef PSTRAIN_WORKER_CTR_MAIN_H_
 #define PSTRAIN_WORKER_CTR_MAIN_H_
 
@@ -11,23 +12,22 @@
 #include "kernels/backend.h"
 #include "worker/ps_client.h"
 #include "worker/trainer.h"
+#include "worker/worker_config.h"
 
 namespace pstrain {
 
 struct CtrWorkerContext {
-  int worker_id = 0;
-  int num_workers = 1;
-  int64_t steps = 100;
-  int64_t batch_size = 128;
-  uint64_t seed = 1;
-  int64_t block_elements = 1 << 17;
-  std::string train_file, test_file;  // with --ctr_data=criteo|libsvm
+  // What to train: worker_id, num_workers, seed, training.steps,
+  // training.batch_size, model.block_elements, data.train_file and
+  // data.test_file (with --ctr_data=criteo|libsvm), and ctr. Validated
+  // (ValidateWorkerConfig).
+  const WorkerConfig* config = nullptr;
   PsClient* client = nullptr;
   // async/ssp: how to connect an observer (worker id -1) that evaluates the
-  // job's final model after this worker has left, and how long to wait for
-  // the other workers to finish (TrainResult's rule, worker/trainer.h).
+  // job's final model after this worker has left; it waits
+  // client.rpc_timeout_s for the other workers to finish (TrainResult's
+  // rule, worker/trainer.h).
   const PsClientOptions* client_options = nullptr;
-  absl::Duration final_model_timeout = absl::Seconds(120);
   kernels::Backend* backend = nullptr;
   std::function<void(const StepReport&)> on_step;
   // While the job waits for its workers (PsClient::AwaitJobStart).
@@ -44,7 +44,7 @@ struct CtrWorkerContext {
       stopped_while_waiting;
 };
 
-// Checks the CTR flags (exits 2 with one line per problem), loads the data,
+// Loads the data (exits 2 with one line for a file that does not read),
 // registers, trains, prints the final JSON line. Returns the exit code.
 int RunCtrWorker(const CtrWorkerContext& context);
 

@@ -37,31 +37,43 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::CreateObserver(
   return client;
 }
 
+std::vector<absl::Status> PsClientOptionsProblems(
+    const PsClientOptions& options) {
+  std::vector<absl::Status> problems;
+  for (const std::string& host : options.hosts) {
+    if (host.empty() || host.find(':') == std::string::npos) {
+      problems.push_back(absl::InvalidArgumentError(absl::StrCat(
+          "--ps_hosts entries must be host:port, got '", host, "'")));
+      break;
+    }
+  }
+  if (options.connections_per_shard < 1 || options.connections_per_shard > 64) {
+    problems.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--connections_per_shard must be in [1, 64], got ",
+                     options.connections_per_shard)));
+  }
+  if (options.gradient_wire_type != TOPK_FLOAT32 &&
+      WireElementBytes(options.gradient_wire_type) == 0) {
+    problems.push_back(
+        absl::InvalidArgumentError("unsupported gradient wire type"));
+  }
+  if (!(options.gradient_topk_fraction > 0 &&
+        options.gradient_topk_fraction <= 1)) {
+    problems.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--gradient_topk_fraction must be in (0, 1], got ",
+                     options.gradient_topk_fraction)));
+  }
+  return problems;
+}
+
 absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Create(
     const PsClientOptions& options) {
   if (options.hosts.empty()) {
     return absl::InvalidArgumentError("--ps_hosts lists no servers");
   }
-  for (const std::string& host : options.hosts) {
-    if (host.empty() || host.find(':') == std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--ps_hosts entries must be host:port, got '", host, "'"));
-    }
-  }
-  if (options.connections_per_shard < 1 || options.connections_per_shard > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--connections_per_shard must be in [1, 64], got ",
-                     options.connections_per_shard));
-  }
-  if (options.gradient_wire_type != TOPK_FLOAT32 &&
-      WireElementBytes(options.gradient_wire_type) == 0) {
-    return absl::InvalidArgumentError("unsupported gradient wire type");
-  }
-  if (!(options.gradient_topk_fraction > 0 &&
-        options.gradient_topk_fraction <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--gradient_topk_fraction must be in (0, 1], got ",
-                     options.gradient_topk_fraction));
+  if (std::vector<absl::Status> problems = PsClientOptionsProblems(options);
+      !problems.empty()) {
+    return problems.front();
   }
   return std::unique_ptr<PsClient>(new PsClient(options));
 }

@@ -115,6 +115,13 @@ struct PsClientOptions {
   std::function<void(const std::string& line)> on_retry;
 };
 
+// Every problem PsClient::Create refuses `options` for, in its words (it
+// returns the first): a host that is not host:port, connections_per_shard
+// out of [1, 64], an unsupported wire type, a top-k fraction out of (0, 1].
+// (No hosts at all is Create's own refusal.)
+std::vector<absl::Status> PsClientOptionsProblems(
+    const PsClientOptions& options);
+
 struct Registration {
   std::string mode;        // the servers' consistency mode
   int64_t start_step = 0;  // where a (re)joining worker starts

@@ -90,7 +90,7 @@ struct TrainerOptions {
   std::function<absl::Status()> await_job_start;
   // Called once the steps are over (done, or stopped), before the final
   // model is pulled and evaluated: a signal then no longer cuts calls
-  // short (see worker/main.cc).
+  // short (see worker/signal_watch.h).
   std::function<void()> on_steps_done;
 };
 

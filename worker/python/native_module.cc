@@ -29,12 +29,10 @@
 #include "common/cluster_spec.h"
 #include "common/connection_check.h"
 #include "common/partition.h"
-#include "common/tensor_codec.h"
-#include "common/tls.h"
-#include "common/tls_stream.h"
 #include "glog/logging.h"
 #include "google/protobuf/util/json_util.h"
 #include "proto/ps.pb.h"
+#include "worker/client_config.h"
 #include "worker/ctr_data.h"
 #include "worker/data.h"
 #include "worker/idx_data.h"
@@ -216,55 +214,51 @@ T* RequireArray(const py::handle& object, int64_t elements, bool writable,
 // contract).
 class Client {
  public:
+  // The options are a ClientConfig's (worker/client_config.h), whose
+  // defaults and checks are the worker binary's flags'.
   explicit Client(const py::dict& options) {
-    PsClientOptions o;
-    ClientTlsFiles tls;
-    std::string token_file;
-    std::string wire_type = "fp32";
+    ClientConfig config;
     for (const auto& [key, value] : options) {
       const std::string name = py::str(key);
       if (name == "hosts") {
-        o.hosts = value.cast<std::vector<std::string>>();
+        config.hosts = value.cast<std::vector<std::string>>();
       } else if (name == "rpc_timeout_s") {
-        o.rpc_timeout = absl::Seconds(value.cast<double>());
+        config.rpc_timeout_s = value.cast<double>();
       } else if (name == "connect_timeout_s") {
-        o.connect_timeout = absl::Seconds(value.cast<double>());
+        config.connect_timeout_s = value.cast<double>();
       } else if (name == "retry_window_s") {
-        o.retry_window = absl::Seconds(value.cast<double>());
+        config.retry_window_s = value.cast<double>();
       } else if (name == "heartbeat_interval_s") {
-        o.heartbeat_interval = absl::Seconds(value.cast<double>());
+        config.heartbeat_interval_s = value.cast<double>();
       } else if (name == "data_plane") {
-        o.data_plane = value.cast<bool>();
+        config.data_plane = value.cast<bool>();
       } else if (name == "connections_per_shard") {
-        o.connections_per_shard = value.cast<int>();
+        config.connections_per_shard = value.cast<int>();
       } else if (name == "tls_ca") {
-        tls.ca = value.cast<std::string>();
+        config.tls.ca = value.cast<std::string>();
       } else if (name == "tls_cert") {
-        tls.cert = value.cast<std::string>();
+        config.tls.cert = value.cast<std::string>();
       } else if (name == "tls_key") {
-        tls.key = value.cast<std::string>();
+        config.tls.key = value.cast<std::string>();
       } else if (name == "tls_server_name") {
-        tls.server_name = value.cast<std::string>();
+        config.tls.server_name = value.cast<std::string>();
       } else if (name == "auth_token_file") {
-        token_file = value.cast<std::string>();
+        config.auth_token_file = value.cast<std::string>();
       } else if (name == "gradient_wire_type") {
-        wire_type = value.cast<std::string>();
+        config.gradient_wire_type = value.cast<std::string>();
       } else {
         throw py::value_error(
             absl::StrCat("unknown client option '", name, "'"));
       }
     }
-    if (o.hosts.empty()) {
+    if (config.hosts.empty()) {
       throw py::value_error(
           "hosts: the servers' host:port, every shard in order, is required");
     }
-    o.credentials = ValueOrRaise(MakeChannelCredentials(tls));
-    // Tensors on the servers' TLS data plane, as the worker binary does.
-    o.data_plane_tls = ValueOrRaise(TlsContext::ForClient(tls, false));
+    // TLS credentials, and the data plane's TLS as the worker binary has it.
+    const PsClientOptions o = ValueOrRaise(MakePsClientOptions(config));
     hosts_ = o.hosts;
     tls_ = o.credentials != nullptr;
-    o.auth_token = ValueOrRaise(ReadAuthToken(token_file));
-    o.gradient_wire_type = ValueOrRaise(ParseWireType(wire_type));
     client_ = ValueOrRaise(PsClient::Create(o));
   }
 

@@ -93,7 +93,8 @@ class Client:
     Options (all optional but ``hosts``): rpc_timeout_s, connect_timeout_s,
     retry_window_s, heartbeat_interval_s, data_plane, connections_per_shard,
     tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file,
-    gradient_wire_type; their meaning is PsClientOptions' (worker/ps_client.h).
+    gradient_wire_type; their meaning, defaults and checks are ClientConfig's
+    (worker/client_config.h), as for the worker binary's flags of those names.
     """
 
     def __init__(self, hosts, **options):

@@ -1,0 +1,70 @@
+// The worker's connection to the servers as plain values: what the worker
+// binary's --ps_hosts, --rpc_timeout_s, --tls_*, --gradient_wire_type...
+// flags set (worker/worker_flags.cc) and what the Python binding
+// (worker/python/native_module.cc) fills from its keyword options. One set
+// of defaults (the flags' defaults are these), one validation, one way to
+// the PsClientOptions both hand to PsClient::Create.
+#ifndef PSTRAIN_WORKER_CLIENT_CONFIG_H_
+#define PSTRAIN_WORKER_CLIENT_CONFIG_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/grpc_tuning.h"
+#include "common/protocol.h"
+#include "common/tls.h"
+#include "worker/ps_client.h"
+
+namespace pstrain {
+
+struct ClientConfig {
+  // host:port of every shard, in shard order (--ps_hosts, comma-separated).
+  std::vector<std::string> hosts;
+  // Deadline of each pull/push (a sync pull waits for all workers).
+  double rpc_timeout_s = 120;
+  // How long to wait for the servers to come up.
+  double connect_timeout_s = 60;
+  // Largest message sent or received, in MiB.
+  int max_message_mb = kDefaultMaxMessageBytes >> 20;
+  // TCP connections to each ps_server.
+  int connections_per_shard = 4;
+  // A push or pull that is one RPC goes on a long-lived stream.
+  bool call_streams = true;
+  // Dense tensors over the servers' data plane where they announce one.
+  bool data_plane = true;
+  // With TLS: the kernel encrypts the data plane's records where it can.
+  bool data_plane_ktls = false;
+  // How often to renew this worker's lease on the servers.
+  double heartbeat_interval_s = 2;
+  // How long a failed pull or push is retried before giving up.
+  double retry_window_s = 120;
+  // Gradients on the wire: fp32, fp16, bf16 or topk.
+  std::string gradient_wire_type = "fp32";
+  // With topk: the fraction of each block's elements a push sends.
+  double gradient_topk_fraction = 0.01;
+  // Fault injection: resend a successful push with this probability.
+  double inject_duplicate_push_probability = 0;
+  // --tls_ca, --tls_cert, --tls_key, --tls_server_name; any set: TLS.
+  ClientTlsFiles tls;
+  // The servers' shared token (empty: none).
+  std::string auth_token_file;
+  // HTTP/2 and socket settings (the --grpc_* flags, common/grpc_tuning.h).
+  GrpcTuning grpc_tuning;
+};
+
+// Every problem with `config`, one status each, worded by the flag that
+// sets it ("--rpc_timeout_s must be >= 0.001, got 0"). Reads the TLS and
+// token files, as connecting would. No hosts at all is no problem here:
+// whoever requires them says so (the worker unless --eval_only).
+std::vector<absl::Status> ClientConfigProblems(const ClientConfig& config);
+
+// The PsClientOptions `config` describes (TLS credentials and the token
+// read from their files), or every problem at once (JoinProblems of
+// ClientConfigProblems). `on_retry` is left for the caller.
+absl::StatusOr<PsClientOptions> MakePsClientOptions(const ClientConfig& config);
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_WORKER_CLIENT_CONFIG_H_

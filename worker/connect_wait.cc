@@ -1,0 +1,80 @@
+#include "worker/connect_wait.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/connection_check.h"
+#include "glog/logging.h"
+
+namespace pstrain {
+namespace {
+
+// While Register waits for the servers (gRPC's wait-for-ready says nothing
+// until the deadline), says every few seconds which shard it waits for,
+// why (a TCP probe of its address: common/connection_check.h) and how long
+// is left, in the log and on the progress bar.
+class ConnectWaitReport {
+ public:
+  ConnectWaitReport(const std::vector<std::string>& hosts, bool tls,
+                    absl::Duration timeout, StepOutput* output)
+      : thread_([=] { Run(hosts, tls, timeout, output); }) {}
+  ~ConnectWaitReport() {
+    done_.Notify();
+    thread_.join();
+  }
+
+ private:
+  static constexpr absl::Duration kEvery = absl::Seconds(3);
+
+  void Run(const std::vector<std::string>& hosts, bool tls,
+           absl::Duration timeout, StepOutput* output) {
+    const absl::Time give_up = absl::Now() + timeout;
+    while (!done_.WaitForNotificationWithTimeout(kEvery)) {
+      const int64_t left =
+          std::max<int64_t>(0, absl::ToInt64Seconds(give_up - absl::Now()));
+      std::vector<std::string> lines;
+      for (size_t s = 0; s < hosts.size(); ++s) {
+        const std::string cause =
+            DiagnoseConnection(hosts[s], tls, absl::Seconds(1));
+        if (cause.empty()) continue;
+        // The time left before the cause: a bar cut to the terminal's
+        // width keeps it.
+        lines.push_back(absl::StrCat("waiting to reach shard ", s, " (",
+                                     hosts[s], ") to register, ", left,
+                                     " s left (--connect_timeout_s): ", cause));
+      }
+      if (lines.empty()) {
+        lines.push_back(absl::StrCat("waiting for the servers (",
+                                     absl::StrJoin(hosts, ","),
+                                     ") to answer the registration; ", left,
+                                     " s left (--connect_timeout_s)"));
+      }
+      if (done_.HasBeenNotified()) return;
+      for (const std::string& line : lines) LOG(INFO) << line;
+      output->ShowWait(lines.front());
+    }
+  }
+
+  absl::Notification done_;
+  std::thread thread_;
+};
+
+}  // namespace
+
+absl::StatusOr<Registration> RegisterShowingWait(
+    PsClient& client, const PsClientOptions& options, StepOutput& output,
+    const ModelSchema& schema, int num_workers, int worker_id) {
+  ConnectWaitReport report(options.hosts, options.credentials != nullptr,
+                           options.connect_timeout, &output);
+  return client.Register(schema, num_workers, worker_id);
+}
+
+}  // namespace pstrain

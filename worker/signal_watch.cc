@@ -1,0 +1,84 @@
+#include "worker/signal_watch.h"
+
+#include <csignal>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "common/cli.h"
+#include "glog/logging.h"
+
+namespace pstrain {
+namespace {
+
+// Leaves the job on every shard, giving up after `within` (a shard that
+// cannot be reached must not hold a stopping worker).
+void LeaveWithin(PsClient& client, absl::Duration within) {
+  absl::Notification done;
+  std::thread leaver([&] {
+    absl::Status left = client.Leave();
+    if (!left.ok()) LOG(WARNING) << "leaving the job: " << left;
+    done.Notify();
+  });
+  if (!done.WaitForNotificationWithTimeout(within)) client.Interrupt();
+  leaver.join();
+}
+
+const char* SignalName(int signal_number) {
+  if (signal_number == SIGINT) return "SIGINT";
+  if (signal_number == SIGTERM) return "SIGTERM";
+  return "a signal";
+}
+
+}  // namespace
+
+void SignalWatch::Start() {
+  std::thread([this] { Run(); }).detach();
+}
+
+void SignalWatch::Add(PsClient* client) {
+  absl::MutexLock lock(&mu_);
+  clients_.push_back(client);
+}
+
+void SignalWatch::Quiet() {
+  absl::MutexLock lock(&mu_);
+  quiet_ = true;
+}
+
+int SignalWatch::signal_number() const {
+  absl::MutexLock lock(&mu_);
+  return signal_;
+}
+
+void SignalWatch::Run() {
+  const int signal_number = WaitForTerminationSignal();
+  {
+    absl::MutexLock lock(&mu_);
+    signal_ = signal_number;
+  }
+  LOG(INFO) << "signal " << signal_number
+            << ": stopping after this step and leaving the job";
+  stop_->store(true);
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(&quiet_), kGrace);
+  while (!quiet_) {
+    for (PsClient* client : clients_) client->Interrupt();
+    mu_.AwaitWithTimeout(absl::Condition(&quiet_), absl::Milliseconds(100));
+  }
+}
+
+int StoppedWhileWaiting(SignalWatch& watch, StepOutput& output,
+                        PsClient& client, int worker_id,
+                        const std::string& waiting_for,
+                        const absl::Status& status) {
+  watch.Quiet();
+  output.Finish();
+  LeaveWithin(client, absl::Milliseconds(300));
+  const int signal_number = watch.signal_number();
+  LOG(ERROR) << "worker " << worker_id << ": stopped by "
+             << SignalName(signal_number) << " while waiting " << waiting_for
+             << ": " << status.message();
+  return 128 + signal_number;
+}
+
+}  // namespace pstrain

@@ -1,0 +1,64 @@
+// How the worker stops on SIGINT/SIGTERM: training ends after the step in
+// hand and the worker leaves the job; a wait that would not end by itself
+// is cut short (SignalWatch), and a worker stopped while waiting says for
+// what and exits 128 + the signal (StoppedWhileWaiting).
+#ifndef PSTRAIN_WORKER_SIGNAL_WATCH_H_
+#define PSTRAIN_WORKER_SIGNAL_WATCH_H_
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "worker/ps_client.h"
+#include "worker/step_output.h"
+
+namespace pstrain {
+
+// SIGINT/SIGTERM: training stops after the step in hand and leaves the job
+// (`stop`). A wait (to reach a server, a retry, a sync pull held for a slow
+// peer) does not end by itself, so one still going kGrace after the
+// signal is cut short: every client's calls in progress are interrupted
+// (PsClient::Interrupt), again every 100 ms so that a wait begun since is
+// cut too, until the worker is past its waits (Quiet). The signal handler
+// only writes to a pipe (common/cli.h); all of this runs on a thread.
+class SignalWatch {
+ public:
+  explicit SignalWatch(std::atomic<bool>* stop) : stop_(stop) {}
+
+  // Never returns its thread: the object must live for the process.
+  void Start();
+  void Add(PsClient* client);
+  // No more interrupts: the worker is finishing (final model, leaving) or
+  // about to destroy its clients.
+  void Quiet();
+  int signal_number() const;
+
+ private:
+  // Long enough for a step in hand to end and the worker to leave on its
+  // own (and print its final JSON), short enough to stop within a second.
+  static constexpr absl::Duration kGrace = absl::Milliseconds(400);
+
+  void Run();
+
+  std::atomic<bool>* const stop_;
+  mutable absl::Mutex mu_;
+  std::vector<PsClient*> clients_ ABSL_GUARDED_BY(mu_);
+  bool quiet_ ABSL_GUARDED_BY(mu_) = false;
+  int signal_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// After a signal cut a wait short: leaves the job (this worker may have
+// joined it), says in one line what it waited for, and returns the exit
+// code, 128 + the signal as a shell reports a process it killed.
+int StoppedWhileWaiting(SignalWatch& watch, StepOutput& output,
+                        PsClient& client, int worker_id,
+                        const std::string& waiting_for,
+                        const absl::Status& status);
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_WORKER_SIGNAL_WATCH_H_

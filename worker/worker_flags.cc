@@ -1,0 +1,412 @@
+#include "worker/worker_flags.h"
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/cluster_spec.h"
+#include "common/grpc_tuning.h"
+#include "glog/logging.h"
+
+namespace {
+
+// Every flag's default is the config's (the struct is the one place that
+// says what a worker does when not told).
+const pstrain::WorkerConfig& Default() {
+  static const pstrain::WorkerConfig* const config = new pstrain::WorkerConfig;
+  return *config;
+}
+
+}  // namespace
+
+// The job: who this worker is (WorkerConfig's first fields).
+ABSL_FLAG(std::string, cluster_spec, "",
+          "JSON file describing the job ({\"ps\": [host:port...], "
+          "\"workers\": N, \"max_workers\": M, \"task\": {\"type\": "
+          "\"worker\", \"index\": i}, \"worker_flags\": {flag: value...}}); "
+          "it sets --ps_hosts, --worker_id, --num_workers and the "
+          "worker_flags unless given on the command line. Empty: the JSON in "
+          "$PSTRAIN_CLUSTER, if set.");
+ABSL_FLAG(int, worker_id, Default().worker_id,
+          "This worker's index, in [0, num_workers).");
+ABSL_FLAG(int, num_workers, Default().num_workers,
+          "Number of workers in the job.");
+ABSL_FLAG(uint64_t, seed, Default().seed,
+          "Seed of the initial model and synthetic data.");
+
+// Reaching the servers (ClientConfig, worker/client_config.h: the Python
+// binding fills the same struct).
+ABSL_FLAG(std::string, ps_hosts, "",
+          "Comma-separated host:port of every ps_server, in shard order.");
+ABSL_FLAG(double, rpc_timeout_s, Default().client.rpc_timeout_s,
+          "Deadline of each pull/push (a sync pull waits for all workers).");
+ABSL_FLAG(double, connect_timeout_s, Default().client.connect_timeout_s,
+          "How long to wait for the servers to come up.");
+ABSL_FLAG(int, max_message_mb, Default().client.max_message_mb,
+          "Largest message sent or received, in MiB.");
+ABSL_FLAG(int, connections_per_shard, Default().client.connections_per_shard,
+          "TCP connections to each ps_server; a shard's RPCs are spread over "
+          "them.");
+ABSL_FLAG(bool, call_streams, Default().client.call_streams,
+          "Send a push or pull that is one RPC (one shard, one block group) "
+          "as a message on a long-lived stream of its connection instead of "
+          "a unary call: a third less latency for small models. false: "
+          "always unary.");
+ABSL_FLAG(bool, data_plane, Default().client.data_plane,
+          "Push and pull dense tensors over the servers' data plane (framed "
+          "TCP beside gRPC; inside TLS with the --tls_* files when the "
+          "servers have TLS) where they announce one: about 1.5-2x the "
+          "throughput of gRPC for large tensors. false: gRPC only.");
+ABSL_FLAG(bool, data_plane_ktls, Default().client.data_plane_ktls,
+          "With TLS: let the kernel encrypt the data plane's records (kTLS) "
+          "where it can; OpenSSL does otherwise. Logged once.");
+ABSL_FLAG(double, heartbeat_interval_s, Default().client.heartbeat_interval_s,
+          "How often to renew this worker's lease on the servers (keep it "
+          "well under their --worker_lease_s).");
+ABSL_FLAG(double, retry_window_s, Default().client.retry_window_s,
+          "How long a failed pull or push is retried (server restarting, "
+          "peers slow) before the worker gives up.");
+ABSL_FLAG(std::string, gradient_wire_type, Default().client.gradient_wire_type,
+          "Gradients on the wire: fp32, or fp16/bf16 to halve the bytes "
+          "(servers decode to fp32), or topk: per block, only the "
+          "--gradient_topk_fraction largest-magnitude elements, the rest "
+          "carried into the next push (error feedback). Sparse-table rows "
+          "always go as fp32 under topk.");
+ABSL_FLAG(double, gradient_topk_fraction,
+          Default().client.gradient_topk_fraction,
+          "With --gradient_wire_type=topk: the fraction of each block's "
+          "elements a push sends, in (0, 1].");
+ABSL_FLAG(double, inject_duplicate_push_probability,
+          Default().client.inject_duplicate_push_probability,
+          "Fault injection: resend a successful push with this probability "
+          "(the servers must not apply it twice).");
+ABSL_FLAG(std::string, tls_ca, Default().client.tls.ca,
+          "PEM CA bundle the servers' certificates must chain to; setting "
+          "any --tls_* flag turns TLS on (no --tls_ca: the system's roots).");
+ABSL_FLAG(std::string, tls_cert, Default().client.tls.cert,
+          "PEM client certificate for mutual TLS (with --tls_key).");
+ABSL_FLAG(std::string, tls_key, Default().client.tls.key,
+          "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_server_name, Default().client.tls.server_name,
+          "Name to expect in the servers' certificates instead of the host "
+          "in --ps_hosts (e.g. when dialling an IP address).");
+ABSL_FLAG(std::string, auth_token_file, Default().client.auth_token_file,
+          "File holding the servers' shared token, sent as 'authorization: "
+          "Bearer <token>' on every call.");
+
+// The data (DataConfig).
+ABSL_FLAG(std::string, data, Default().data.source,
+          "Training data: synthetic (generated), csv, libsvm, idx (MNIST-"
+          "format image and label files, raw or .gz) or fashion_mnist (the "
+          "IDX files in --dataset_dir).");
+ABSL_FLAG(std::string, train_file, Default().data.train_file,
+          "Training file: csv/libsvm data, or with --data=idx the IDX images "
+          "file (labels in --train_labels).");
+ABSL_FLAG(std::string, test_file, Default().data.test_file,
+          "Held-out file, as --train_file (with --data=idx: --test_labels "
+          "too).");
+ABSL_FLAG(std::string, train_labels, Default().data.train_labels,
+          "--data=idx: the IDX labels file of --train_file.");
+ABSL_FLAG(std::string, test_labels, Default().data.test_labels,
+          "--data=idx: the IDX labels file of --test_file.");
+ABSL_FLAG(std::string, dataset_dir, Default().data.dataset_dir,
+          "--data=fashion_mnist: the directory of train-images-idx3-ubyte.gz "
+          "and its three siblings (Debian package dataset-fashion-mnist).");
+ABSL_FLAG(int64_t, num_features, Default().data.num_features,
+          "Input features: synthetic data has this many (0: 32); files "
+          "define it (0: take it from the file, else it must match).");
+ABSL_FLAG(int64_t, num_classes, Default().data.num_classes,
+          "Number of classes. 0: synthetic 4; files: the largest training "
+          "label + 1.");
+ABSL_FLAG(double, label_noise, Default().data.label_noise,
+          "Synthetic: share of random labels.");
+ABSL_FLAG(int64_t, train_examples, Default().data.train_examples,
+          "Synthetic: training examples in the whole job.");
+ABSL_FLAG(int64_t, test_examples, Default().data.test_examples,
+          "Synthetic: held-out examples.");
+
+// The model and where it computes (ModelConfig).
+ABSL_FLAG(std::string, model, Default().model.name,
+          "softmax (multinomial logistic regression), mlp, probe (a "
+          "diagnostic whose gradient is exactly 1: with SGD at learning rate "
+          "1 every weight ends at minus the number of updates applied), or "
+          "ctr (sparse embedding tables on the servers; see the --ctr_* "
+          "flags), or layers (a model described by --layers, e.g. a CNN).");
+ABSL_FLAG(std::string, hidden, Default().model.hidden,
+          "Hidden layer sizes of the mlp, comma-separated.");
+// With --model=layers: worker/layers.h has the grammar.
+ABSL_FLAG(std::string, layers, Default().model.layers,
+          "With --model=layers: the layer list, comma-separated: "
+          "conv:OUT:K[:STRIDE[:PAD]], maxpool:K[:STRIDE], relu, flatten, "
+          "dense:N; the last must output --num_classes values.");
+ABSL_FLAG(std::string, input_shape, Default().model.input_shape,
+          "With --model=layers: one example's HxWxC (NHWC), e.g. 28x28x1. "
+          "Empty: a square 1-channel image when the feature count is a "
+          "perfect square (784 -> 28x28x1), else flat.");
+ABSL_FLAG(int64_t, probe_elements, Default().model.probe_elements,
+          "Size of the probe model's tensor.");
+ABSL_FLAG(std::string, device, Default().model.backend.device,
+          "Compute device: auto, cpu (GEMMs through OpenBLAS), cpu_reference "
+          "(the exact CPU kernels the tests compare against) or cuda:N.");
+ABSL_FLAG(std::string, precision, Default().model.backend.precision,
+          "GEMM precision: fp32, or bf16 (bf16 inputs, fp32 accumulation; "
+          "needs a CUDA device).");
+ABSL_FLAG(int, cpu_threads, Default().model.backend.cpu_threads,
+          "Threads of the CPU GEMM (OpenBLAS); 0: every core this process "
+          "may run on. Several processes on one machine: give each its "
+          "share.");
+ABSL_FLAG(int64_t, block_elements, Default().model.block_elements,
+          "Dense tensors are cut into blocks of this many floats: the unit of "
+          "transfer (one RPC carries about one block) and of consistency.");
+
+// The training loop (TrainingConfig).
+ABSL_FLAG(int64_t, steps, Default().training.steps,
+          "Training steps (global: every worker runs all of them). With "
+          "--epochs, leave it out: --epochs sets the steps, and a --steps "
+          "that disagrees is an error.");
+ABSL_FLAG(int64_t, epochs, Default().training.epochs,
+          "Train for this many passes over the training set (steps = epochs "
+          "x the steps of one epoch, training examples / global batch, "
+          "rounded down); 0: use --steps.");
+ABSL_FLAG(int64_t, batch_size, Default().training.batch_size,
+          "Examples per step on this worker (the global batch is "
+          "--num_workers times it); see --global_batch_size.");
+ABSL_FLAG(int64_t, global_batch_size, Default().training.global_batch_size,
+          "Examples per step in the whole job, split evenly over the "
+          "workers (each takes its contiguous slice); must be divisible by "
+          "--num_workers. 0: --batch_size per worker.");
+ABSL_FLAG(bool, shuffle, Default().training.shuffle,
+          "Visit the training set in a new order every epoch: a permutation "
+          "of the whole set from (--seed, epoch), the same for any number of "
+          "workers. false: in file order.");
+ABSL_FLAG(bool, overlap_push, Default().training.overlap_push,
+          "Push each layer's gradient as soon as backward produces it (the "
+          "last layer's first), from a push thread, while backward goes on. "
+          "Pays where the worker has cores to spare while it computes (a GPU "
+          "worker); where compute and the network share a few cores it "
+          "costs (bench/results/distribution_cost.txt: 5-8% on 2 cores). "
+          "false: one push after backward.");
+ABSL_FLAG(bool, push_pull, Default().training.push_pull,
+          "End each step with one PushPull call: this step's gradients go "
+          "out and the next step's model comes back in one round trip per "
+          "connection on the servers' data plane (over gRPC: a push, then a "
+          "pull). The step report then counts the next step's pull in "
+          "push_ms. Not used with --overlap_push. false: a push, and a pull "
+          "at the start of the next step.");
+ABSL_FLAG(int64_t, loss_check_steps, Default().training.loss_check_steps,
+          "Warn once (training goes on) if this many steps after the first "
+          "the training loss has not fallen below the first step's loss, "
+          "naming the servers' optimizer and learning rate; NaN/Inf loss is "
+          "warned at once. The final JSON says \"not_learning\". 0: only "
+          "NaN/Inf.");
+ABSL_FLAG(int64_t, inject_step_delay_ms,
+          Default().training.inject_step_delay_ms,
+          "Fault injection: make every step this much slower (a straggler).");
+
+// Evaluation (EvalConfig).
+ABSL_FLAG(int64_t, eval_every_steps, Default().eval.eval_every_steps,
+          "Worker 0 evaluates the model on the held-out set every this many "
+          "steps (0: not by steps): progress line, --metrics_csv and the "
+          "pstrain_worker_test_* gauges.");
+ABSL_FLAG(int64_t, eval_every_epochs, Default().eval.eval_every_epochs,
+          "Worker 0 evaluates the model on the held-out set every this many "
+          "epochs (0: not by epochs).");
+ABSL_FLAG(double, target_accuracy, Default().eval.target_accuracy,
+          "Held-out accuracy to reach: the final JSON reports the training "
+          "time (evaluations left out) and step of the first evaluation at "
+          "or above it as time_to_target_s / step_to_target (null: not "
+          "reached). 0: none.");
+ABSL_FLAG(bool, eval_only, Default().eval.eval_only,
+          "Evaluate --model_file on the held-out set (the data flags as for "
+          "training) with no servers, print the final JSON line and exit.");
+ABSL_FLAG(std::string, model_file, Default().eval.model_file,
+          "With --eval_only: a model file written by pstrain_export "
+          "(safetensors).");
+ABSL_FLAG(std::string, logits_file, Default().eval.logits_file,
+          "With --eval_only: write the held-out logits here, .csv (one row "
+          "per example) or .npy.");
+
+// Progress and metrics (OutputConfig).
+ABSL_FLAG(int64_t, log_every, Default().output.log_every,
+          "Steps between progress lines when stdout is not a terminal (0: no "
+          "progress output at all).");
+ABSL_FLAG(std::string, progress, Default().output.progress,
+          "auto: a progress bar updated in place when stdout is a terminal, "
+          "plain lines every --log_every steps otherwise; bar; lines.");
+ABSL_FLAG(std::string, metrics_csv, Default().output.metrics_csv,
+          "Write one row per step here: step,time_s,loss,train_accuracy,"
+          "samples_per_sec,pull_ms,push_ms (bench/plot/plot_runs.sh plots "
+          "them).");
+ABSL_FLAG(int, metrics_port, Default().output.metrics_port,
+          "Serve Prometheus metrics on http://<metrics_host>:PORT/metrics "
+          "(0: off; -1: a free port, see --metrics_port_file).");
+ABSL_FLAG(std::string, metrics_host, Default().output.metrics_host,
+          "Address the metrics endpoint listens on.");
+ABSL_FLAG(std::string, metrics_port_file, Default().output.metrics_port_file,
+          "If set, the metrics port is written here once serving.");
+ABSL_FLAG(double, metrics_linger_s, Default().output.metrics_linger_s,
+          "After training, keep serving the final metrics this long (or "
+          "until SIGTERM) so a scraper sees them.");
+
+// --model=ctr (CtrConfig; worker/ctr_main.h).
+ABSL_FLAG(std::string, ctr_data, Default().ctr.data,
+          "--model=ctr data: synthetic (a hidden ground-truth model, so the "
+          "achievable AUC is known), criteo (TSV) or libsvm.");
+ABSL_FLAG(int, ctr_fields, Default().ctr.fields,
+          "Categorical fields (synthetic, criteo).");
+ABSL_FLAG(int, ctr_dense, Default().ctr.dense,
+          "Dense features (synthetic, criteo).");
+ABSL_FLAG(int64_t, ctr_vocab, Default().ctr.vocab,
+          "Synthetic: ids per field (Zipf).");
+ABSL_FLAG(int64_t, ctr_train_examples, Default().ctr.train_examples,
+          "Synthetic: training examples in the whole job.");
+ABSL_FLAG(int64_t, ctr_test_examples, Default().ctr.test_examples,
+          "Synthetic: held-out examples.");
+ABSL_FLAG(int64_t, embedding_dim, Default().ctr.embedding_dim,
+          "Embedding row size.");
+ABSL_FLAG(int64_t, ctr_hidden, Default().ctr.hidden,
+          "Hidden units of the CTR model's MLP.");
+ABSL_FLAG(std::string, sparse_optimizer, Default().ctr.sparse_optimizer,
+          "Row updates on the servers: sgd, adagrad, adam (lazy) or ftrl.");
+ABSL_FLAG(double, sparse_learning_rate, Default().ctr.sparse_learning_rate,
+          "Sparse optimizer rate (not ftrl's: see --ftrl_alpha). 0 (the "
+          "default): the optimizer's own default, as PyTorch and Keras users "
+          "know it: adagrad 0.01 (torch.optim.Adagrad), adam 0.001 "
+          "(torch.optim.SparseAdam and keras Adam), sgd 0.01 (keras SGD). "
+          "The rate in effect is logged at start.");
+ABSL_FLAG(double, adagrad_initial_accumulator,
+          Default().ctr.adagrad_initial_accumulator, "Adagrad's start.");
+ABSL_FLAG(double, ftrl_alpha, Default().ctr.ftrl_alpha,
+          "FTRL-proximal alpha, ftrl's learning rate (keras Ftrl's "
+          "learning_rate defaults to 0.001; this keeps the 0.05 pstrain has "
+          "always used).");
+ABSL_FLAG(double, ftrl_beta, Default().ctr.ftrl_beta, "FTRL-proximal beta.");
+ABSL_FLAG(double, ftrl_l1, Default().ctr.ftrl_l1, "FTRL-proximal L1.");
+ABSL_FLAG(double, ftrl_l2, Default().ctr.ftrl_l2, "FTRL-proximal L2.");
+ABSL_FLAG(double, embedding_init_scale, Default().ctr.embedding_init_scale,
+          "Rows start uniform in [-scale, scale] (deterministic per id).");
+
+namespace pstrain {
+
+absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
+  absl::StatusOr<std::vector<FlagSetting>> from_spec = ApplyClusterSpec(
+      ClusterRole::kWorker, absl::GetFlag(FLAGS_cluster_spec), argc, argv);
+  if (!from_spec.ok()) return from_spec.status();
+  if (!from_spec->empty()) {
+    std::vector<std::string> applied;
+    for (const FlagSetting& f : *from_spec) {
+      applied.push_back(absl::StrCat("--", f.name, "=", f.value));
+    }
+    LOG(INFO) << "from the cluster spec: " << absl::StrJoin(applied, " ");
+  }
+  // Set on the command line or by the cluster spec: its default, then, is
+  // no answer to "did the user ask for this value?".
+  std::set<std::string> given = FlagsOnCommandLine(argc, argv);
+  for (const FlagSetting& f : *from_spec) given.insert(f.name);
+
+  WorkerConfig c;
+  c.worker_id = absl::GetFlag(FLAGS_worker_id);
+  c.num_workers = absl::GetFlag(FLAGS_num_workers);
+  c.seed = absl::GetFlag(FLAGS_seed);
+
+  ClientConfig& client = c.client;
+  const std::string ps_hosts = absl::GetFlag(FLAGS_ps_hosts);
+  if (!ps_hosts.empty()) client.hosts = absl::StrSplit(ps_hosts, ',');
+  client.rpc_timeout_s = absl::GetFlag(FLAGS_rpc_timeout_s);
+  client.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
+  client.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  client.connections_per_shard = absl::GetFlag(FLAGS_connections_per_shard);
+  client.call_streams = absl::GetFlag(FLAGS_call_streams);
+  client.data_plane = absl::GetFlag(FLAGS_data_plane);
+  client.data_plane_ktls = absl::GetFlag(FLAGS_data_plane_ktls);
+  client.heartbeat_interval_s = absl::GetFlag(FLAGS_heartbeat_interval_s);
+  client.retry_window_s = absl::GetFlag(FLAGS_retry_window_s);
+  client.gradient_wire_type = absl::GetFlag(FLAGS_gradient_wire_type);
+  client.gradient_topk_fraction = absl::GetFlag(FLAGS_gradient_topk_fraction);
+  client.inject_duplicate_push_probability =
+      absl::GetFlag(FLAGS_inject_duplicate_push_probability);
+  client.tls = {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+                absl::GetFlag(FLAGS_tls_key),
+                absl::GetFlag(FLAGS_tls_server_name)};
+  client.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  client.grpc_tuning = GrpcTuningFlagValues();
+
+  DataConfig& data = c.data;
+  data.source = absl::GetFlag(FLAGS_data);
+  data.train_file = absl::GetFlag(FLAGS_train_file);
+  data.test_file = absl::GetFlag(FLAGS_test_file);
+  data.train_labels = absl::GetFlag(FLAGS_train_labels);
+  data.test_labels = absl::GetFlag(FLAGS_test_labels);
+  data.dataset_dir = absl::GetFlag(FLAGS_dataset_dir);
+  data.num_features = absl::GetFlag(FLAGS_num_features);
+  data.num_classes = absl::GetFlag(FLAGS_num_classes);
+  data.label_noise = absl::GetFlag(FLAGS_label_noise);
+  data.train_examples = absl::GetFlag(FLAGS_train_examples);
+  data.test_examples = absl::GetFlag(FLAGS_test_examples);
+
+  ModelConfig& model = c.model;
+  model.name = absl::GetFlag(FLAGS_model);
+  model.hidden = absl::GetFlag(FLAGS_hidden);
+  model.layers = absl::GetFlag(FLAGS_layers);
+  model.input_shape = absl::GetFlag(FLAGS_input_shape);
+  model.probe_elements = absl::GetFlag(FLAGS_probe_elements);
+  model.backend = {absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_precision),
+                   absl::GetFlag(FLAGS_cpu_threads)};
+  model.block_elements = absl::GetFlag(FLAGS_block_elements);
+
+  TrainingConfig& training = c.training;
+  training.steps = absl::GetFlag(FLAGS_steps);
+  training.epochs = absl::GetFlag(FLAGS_epochs);
+  training.batch_size = absl::GetFlag(FLAGS_batch_size);
+  training.global_batch_size = absl::GetFlag(FLAGS_global_batch_size);
+  training.steps_given = given.count("steps") > 0;
+  training.batch_size_given = given.count("batch_size") > 0;
+  training.shuffle = absl::GetFlag(FLAGS_shuffle);
+  training.overlap_push = absl::GetFlag(FLAGS_overlap_push);
+  training.push_pull = absl::GetFlag(FLAGS_push_pull);
+  training.loss_check_steps = absl::GetFlag(FLAGS_loss_check_steps);
+  training.inject_step_delay_ms = absl::GetFlag(FLAGS_inject_step_delay_ms);
+
+  EvalConfig& eval = c.eval;
+  eval.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);
+  eval.eval_every_epochs = absl::GetFlag(FLAGS_eval_every_epochs);
+  eval.target_accuracy = absl::GetFlag(FLAGS_target_accuracy);
+  eval.eval_only = absl::GetFlag(FLAGS_eval_only);
+  eval.model_file = absl::GetFlag(FLAGS_model_file);
+  eval.logits_file = absl::GetFlag(FLAGS_logits_file);
+
+  OutputConfig& output = c.output;
+  output.log_every = absl::GetFlag(FLAGS_log_every);
+  output.progress = absl::GetFlag(FLAGS_progress);
+  output.metrics_csv = absl::GetFlag(FLAGS_metrics_csv);
+  output.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  output.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  output.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  output.metrics_linger_s = absl::GetFlag(FLAGS_metrics_linger_s);
+
+  CtrConfig& ctr = c.ctr;
+  ctr.data = absl::GetFlag(FLAGS_ctr_data);
+  ctr.fields = absl::GetFlag(FLAGS_ctr_fields);
+  ctr.dense = absl::GetFlag(FLAGS_ctr_dense);
+  ctr.vocab = absl::GetFlag(FLAGS_ctr_vocab);
+  ctr.train_examples = absl::GetFlag(FLAGS_ctr_train_examples);
+  ctr.test_examples = absl::GetFlag(FLAGS_ctr_test_examples);
+  ctr.embedding_dim = absl::GetFlag(FLAGS_embedding_dim);
+  ctr.hidden = absl::GetFlag(FLAGS_ctr_hidden);
+  ctr.sparse_optimizer = absl::GetFlag(FLAGS_sparse_optimizer);
+  ctr.sparse_learning_rate = absl::GetFlag(FLAGS_sparse_learning_rate);
+  ctr.adagrad_initial_accumulator =
+      absl::GetFlag(FLAGS_adagrad_initial_accumulator);
+  ctr.ftrl_alpha = absl::GetFlag(FLAGS_ftrl_alpha);
+  ctr.ftrl_beta = absl::GetFlag(FLAGS_ftrl_beta);
+  ctr.ftrl_l1 = absl::GetFlag(FLAGS_ftrl_l1);
+  ctr.ftrl_l2 = absl::GetFlag(FLAGS_ftrl_l2);
+  ctr.embedding_init_scale = absl::GetFlag(FLAGS_embedding_init_scale);
+  return c;
+}
+
+}  // namespace pstrain
