@@ -122,6 +122,10 @@ metric() {  # metric DIR SHARD NAME: a value from the shard's /metrics
   curl -s -m 2 "http://127.0.0.1:$(cat "$1/ps$2.mport")/metrics" 2>/dev/null |
     awk -v m="$3" '$1 == m || index($1, m "{") == 1 {print $2; exit}' || true
 }
+newest_checkpoint() {  # newest_checkpoint DIR: shard 1's newest file
+  local files=("$1"/ckpt/shard-1-of-2/*.pstrain)
+  echo "${files[-1]}"
+}
 describe() {  # describe DIR: what a failed or hung trial left
   local dir=$1 s k pid
   for s in 0 1; do
@@ -162,19 +166,19 @@ for t in $(seq 1 "$trials"); do
   t0=$(date +%s.%N)
   deadline=$(($(date +%s) + trial_timeout_s))
   # Kill shard 1 once it reports the chosen step (polled every 20 ms), or
-  # with --kill_at=checkpoint once it has also written a checkpoint since.
+  # with --kill_at=checkpoint as soon as its next checkpoint file appears
+  # after that (a glob every 2 ms: no process per look).
   killed_at=""
-  written=""
   while (($(date +%s) < deadline)); do
     v=$(metric "$dir" 1 pstrain_shard_version)
     fire=0
     if [[ -n "$v" ]] && ((${v%.*} >= kill_step)); then
-      if [[ $kill_at == step ]]; then
-        fire=1
-      else
-        n=$(metric "$dir" 1 pstrain_checkpoint_written_total)
-        [[ -n $written ]] || written=${n:-0}
-        [[ -n $n && ${n%.*} != "${written%.*}" ]] && fire=1
+      fire=1
+      if [[ $kill_at == checkpoint ]]; then
+        newest=$(newest_checkpoint "$dir")
+        while [[ $(newest_checkpoint "$dir") == "$newest" ]] && (($(date +%s) < deadline)); do
+          read -r -t 0.002 <> <(:) || true
+        done
       fi
     fi
     if ((fire)); then
