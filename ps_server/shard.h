@@ -47,6 +47,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
@@ -299,8 +300,12 @@ class Shard {
                                               absl::Span<const uint64_t> ids,
                                               bool unique) const;
   // A restored sync shard meeting its first worker at `step`: moves every
-  // block forward to it.
-  void FastForwardLocked(const Model& model, int64_t step)
+  // block and table forward to it. True when it moved any: pulls may be
+  // waiting for the steps it skipped (a sparse pull of one step past a
+  // table's does not end the recovery), and the caller must answer them
+  // (ReleaseReadyWaiters, once mu_ is released) or they wait out their
+  // deadline while every other worker waits for theirs.
+  ABSL_MUST_USE_RESULT bool FastForwardLocked(const Model& model, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A fresh shard (fresh_) met by `worker` at `step`, past what it holds:
   // true once every expected worker has been, and the shard may take the

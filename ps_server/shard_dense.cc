@@ -112,13 +112,15 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
   return pushes;
 }
 
-void Shard::FastForwardLocked(const Model& model, int64_t step) {
+bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   int64_t lost = 0;
+  bool moved = false;
   for (const auto& block : model.blocks) {
     absl::MutexLock block_lock(&block->mu);
     const int64_t version = block->version.load();
     if (version >= step) continue;
     lost = std::max(lost, step - version);
+    moved = true;
     updates_lost_.fetch_add(step - version);
     block->contributors = 0;
     block->finite_contributors = 0;
@@ -131,6 +133,7 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
     const int64_t version = state->version.load();
     if (version >= step) continue;
     lost = std::max(lost, step - version);
+    moved = true;
     updates_lost_.fetch_add(step - version);
     state->gradient_sum.clear();
     state->contributors = 0;
@@ -147,6 +150,7 @@ void Shard::FastForwardLocked(const Model& model, int64_t step) {
   recovering_ = false;
   fresh_ = false;
   recovery_horizon_ = std::max(recovery_horizon_, step);
+  return moved;
 }
 
 bool Shard::ConfirmLostStateLocked(int worker) {
@@ -174,6 +178,9 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
       ValidatePushBlocks(**model, request);
   if (!pushes.ok()) return Reject(pushes.status());
   const bool sync = options_.mode == ConsistencyMode::kSync;
+  // A step completed here, or skipped by a fast-forward: pulls may wait
+  // for it.
+  bool completed_a_step = false;
   {
     absl::ReleasableMutexLock lock(&mu_);
     TouchLocked(request.worker_id);
@@ -195,7 +202,7 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
         const int64_t version = block.version.load();
         if (request.step <= version) continue;
         if (recovering_ || ConfirmLostStateLocked(request.worker_id)) {
-          FastForwardLocked(**model, request.step);
+          completed_a_step = FastForwardLocked(**model, request.step);
           break;
         }
         if (fresh_) {
@@ -239,7 +246,6 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
   }
 
   PushResponse response;
-  bool completed_a_step = false;
   const std::shared_ptr<const Membership> members =
       sync ? membership() : nullptr;
   for (const BlockPush& push : *pushes) {
@@ -596,7 +602,9 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
   auto waiter = std::make_unique<Waiter>();
   waiter->locals = std::move(*locals);
   waiter->step = step;
-  bool completed = false;  // a lost gradient completed some block's step
+  // A lost gradient completed some step, or a fast-forward skipped some:
+  // other pulls may wait for them.
+  bool completed = false;
   {
     absl::ReleasableMutexLock lock(&mu_);
     if (worker >= 0) {
@@ -611,7 +619,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
         const int64_t version = block.version.load();
         if (version + 1 >= step) continue;
         if (recovering_ || ConfirmLostStateLocked(worker)) {
-          FastForwardLocked(**model, step);
+          completed = FastForwardLocked(**model, step);
           break;
         }
         if (fresh_) {
@@ -637,7 +645,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
       // skipped non-finite one. Nowhere else: a client that pulls before it
       // pushes must not complete a step without its gradient.
       if (!follows_own_push) {
-        completed = CreditLostGradientsLocked(**model, worker, step);
+        completed |= CreditLostGradientsLocked(**model, worker, step);
       }
     }
     if (!WaiterReadyLocked(*waiter)) {

@@ -135,6 +135,8 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
   auto waiter = std::make_unique<Waiter>();
   waiter->sparse = (*model)->sparse_index.at(request.table());
   waiter->step = step;
+  // A lost gradient completed some step, or a fast-forward skipped some:
+  // other pulls may wait for them.
   bool completed = false;
   {
     absl::ReleasableMutexLock lock(&mu_);
@@ -146,7 +148,7 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
       const int64_t version = table->version.load();
       if (version + 1 < step &&
           (recovering_ || ConfirmLostStateLocked(worker))) {
-        FastForwardLocked(**model, step);
+        completed = FastForwardLocked(**model, step);
       } else if (version + 1 < step && fresh_) {
         const absl::Status behind =
             FreshShardBehindLocked("sparse pull", step, version);
@@ -160,7 +162,7 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
             ": a worker can be at most one step ahead"))));
       }
       // As for blocks: a member pulling step s has pushed s - 1.
-      completed = CreditLostGradientsLocked(**model, worker, step);
+      completed |= CreditLostGradientsLocked(**model, worker, step);
     }
     if (!WaiterReadyLocked(*waiter)) {
       if (shutting_down_) {
@@ -308,13 +310,14 @@ absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
     const int64_t version = table.version.load();
     if (step <= version) return absl::OkStatus();
     if (recovering_ || ConfirmLostStateLocked(request.worker_id())) {
-      FastForwardLocked(model, step);
-      return absl::OkStatus();
+      completed = FastForwardLocked(model, step);
+    } else if (fresh_) {
+      return FreshShardBehindLocked("sparse push", step, version);
+    } else {
+      // As for dense pushes: the worker pulled `step` from this shard's
+      // previous life, which lost its step - 1 gradient.
+      completed = CreditLostGradientsLocked(model, request.worker_id(), step);
     }
-    if (fresh_) return FreshShardBehindLocked("sparse push", step, version);
-    // As for dense pushes: the worker pulled `step` from this shard's
-    // previous life, which lost its step - 1 gradient.
-    completed = CreditLostGradientsLocked(model, request.worker_id(), step);
     if (table.version.load() < step && step == version + 1 &&
         version <= recovery_horizon_) {
       const std::shared_ptr<const Membership> members = membership_;

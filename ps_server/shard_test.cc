@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -1290,6 +1291,81 @@ TEST(ShardSparseTest, ARefusedPushStillReleasesWhatItsCreditCompleted) {
   EXPECT_TRUE(pulled.HasBeenNotified());
   EXPECT_EQ(shard->Stats().sparse(0).version(), 1);
   EXPECT_TRUE(pulled.WaitForNotificationWithTimeout(absl::Seconds(60)));
+}
+
+// Issue 24: a CTR job hung after a shard restored. Worker 0 asks the
+// restored shard for the table at step 1 (one past its step 0): nothing to
+// skip, so the pull waits. Then worker 1, which got further with the shard's
+// previous life, brings a later step and the shard fast-forwards to it. The
+// step worker 0 waits for is then done, but nobody told it: its pull
+// waited out its deadline while every other worker waited on worker 0.
+// Whatever request moves the shard forward answers the pulls it completed.
+TEST(ShardSparseTest, AFastForwardAnswersThePullsWaitingForTheStepsItSkips) {
+  struct Trigger {
+    const char* name;
+    std::function<absl::Status(Shard&)> request;
+  };
+  const std::vector<Trigger> triggers = {
+      {"sparse push of step 1",
+       [](Shard& shard) {
+         return shard.SparsePush(SparsePushOf(1, 1, {9}, {2, 2})).status();
+       }},
+      {"dense push of step 1",
+       [](Shard& shard) {
+         return DoPush(shard, UniformPush(1, 1, 2, /*pulled_version=*/1))
+             .status();
+       }},
+      {"sparse pull of step 2",
+       [](Shard& shard) {
+         SparsePullRequest pull;
+         pull.set_protocol_version(kProtocolVersion);
+         pull.set_worker_id(1);
+         pull.set_step(2);
+         pull.set_table("emb");
+         pull.add_ids(9);
+         absl::Notification done;
+         absl::Status status;
+         shard.SparsePull(pull, Soon(),
+                          [&](absl::Status s, SparsePullResponse) {
+                            status = std::move(s);
+                            done.Notify();
+                          });
+         done.WaitForNotificationWithTimeout(absl::Seconds(10));
+         return status;
+       }},
+      {"dense pull of step 2",
+       [](Shard& shard) {
+         return DoPull(shard, PullAt(1, 2), Soon())->status;
+       }},
+  };
+  for (const Trigger& trigger : triggers) {
+    SCOPED_TRACE(trigger.name);
+    Fixture original = MakeSparseShard(ConsistencyMode::kSync, 2);
+    auto shard = std::move(*Shard::Create(original.options));
+    ASSERT_TRUE(shard->Restore(RestoredFrom(*original.shard)).ok());
+    SparsePullRequest pull;
+    pull.set_protocol_version(kProtocolVersion);
+    pull.set_worker_id(0);
+    pull.set_step(1);
+    pull.set_table("emb");
+    pull.add_ids(7);
+    absl::Notification pulled;
+    absl::Status pull_status;
+    shard->SparsePull(pull, Soon(), [&](absl::Status s, SparsePullResponse) {
+      pull_status = std::move(s);
+      pulled.Notify();
+    });
+    ASSERT_FALSE(pulled.HasBeenNotified());  // worker 1's step 0 is not in
+    const absl::Status moved = trigger.request(*shard);
+    EXPECT_TRUE(moved.ok()) << moved;
+    EXPECT_GE(shard->Stats().sparse(0).version(), 1);
+    // Answered by the request that moved the shard, not by the deadline.
+    EXPECT_TRUE(pulled.HasBeenNotified());
+    ASSERT_TRUE(pulled.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    EXPECT_TRUE(pull_status.ok()) << pull_status;
+    EXPECT_EQ(shard->Stats().waiting_pulls(), 0);
+    EXPECT_GE(shard->Stats().steps_lost(), 1);
+  }
 }
 
 TEST(ShardSparseTest, AsyncAppliesEachPushOnArrival) {

@@ -2,6 +2,7 @@
 // restarted from its checkpoint while the job runs, a corrupt newest
 // checkpoint, and a job checkpointed on 3 shards restored onto 2.
 #include <dirent.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 
 #include <cmath>
@@ -9,15 +10,18 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "common/partition.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpoint.h"
 #include "tests/test_cluster.h"
 #include "worker/model.h"
@@ -255,6 +259,183 @@ TEST(CheckpointRecoveryTest, CtrJobSurvivesAServerRestart) {
                 << (*stats)[s].DebugString();
     }
   }
+}
+
+// Issue 24: a CTR job hung after a shard restored. The race, forced here in
+// order by two clients stepping as the CTR worker does (pull every table,
+// pull the dense tensors, push the dense gradient, push every table's rows):
+// shard 1 is killed after its checkpoint at step 5 and after worker 1 has
+// pulled step 6 from it; restored at 5, it first hears worker 0's sparse
+// pull of step 6 (one past its table: it waits), then worker 1's push of
+// step 6, which moves the shard forward to 6. That answered nothing, so
+// worker 0 waited out the pull's deadline while worker 1, its next pulls on
+// shard 0 needing worker 0's step 6, waited for worker 0: the whole job
+// stood still. Now the push that moves the shard forward answers the pull.
+TEST(CheckpointRecoveryTest, AFastForwardAnswersASparsePullWaitingOnIt) {
+  const std::string dir = absl::StrCat(testing::TestDir(), "/ckpt_forward");
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  // Checkpoints only when asked (below, at step 5). A pull left waiting
+  // ends at 30 s, after the test has given up on it.
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
+                          "--learning_rate=0.1", "--max_pull_wait_s=30"};
+  auto cluster = StartCluster(options, "forward_answers_pull");
+  ASSERT_NE(cluster, nullptr);
+
+  ModelSchema schema;
+  schema.set_seed(kSeed);
+  schema.set_block_elements(4);
+  DenseTensorSpec* w = schema.add_dense();  // one block on each shard
+  w->set_name("w");
+  w->add_shape(8);
+  w->mutable_init()->set_kind(InitSpec::CONSTANT);
+  w->mutable_init()->set_value(1.0f);
+  SparseTableSpec* table = schema.add_sparse();
+  table->set_name("emb");
+  table->set_dim(2);
+  table->mutable_init()->set_kind(InitSpec::CONSTANT);
+  table->mutable_init()->set_value(0.5f);
+  table->mutable_optimizer()->set_name("sgd");
+  table->mutable_optimizer()->set_learning_rate(0.1f);
+  // Rows on both shards: two of each.
+  std::vector<uint64_t> ids;
+  for (int shard = 0; shard < 2; ++shard) {
+    int found = 0;
+    for (uint64_t id = 0; found < 2; ++id) {
+      if (SparseShardOf("emb", id, 2) == shard) {
+        ids.push_back(id);
+        ++found;
+      }
+    }
+  }
+
+  std::vector<std::unique_ptr<PsClient>> clients;
+  for (int k = 0; k < 2; ++k) {
+    PsClientOptions client_options;
+    client_options.hosts = cluster->HostList();
+    client_options.heartbeat_interval = absl::Milliseconds(200);
+    client_options.rpc_timeout = absl::Seconds(60);
+    client_options.retry_window = absl::Seconds(60);
+    absl::StatusOr<std::unique_ptr<PsClient>> client =
+        PsClient::Create(client_options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->Register(schema, 2, k).ok());
+    clients.push_back(std::move(*client));
+  }
+  for (auto& client : clients) ASSERT_TRUE(client->AwaitJobStart().ok());
+
+  struct Worker {
+    std::vector<float> rows = std::vector<float>(8), w = std::vector<float>(8);
+    std::vector<float> row_grads = std::vector<float>(8, 0.1f);
+    std::vector<float> w_grad = std::vector<float>(8, 0.2f);
+  };
+  std::vector<Worker> workers(2);
+  auto pull_rows = [&](int k, int64_t step) {
+    return clients[k]->PullSparse(0, step, ids, workers[k].rows.data());
+  };
+  auto pull_dense = [&](int k, int64_t step) -> absl::Status {
+    absl::StatusOr<int64_t> at = clients[k]->Pull(step, {workers[k].w.data()});
+    if (!at.ok()) return at.status();
+    EXPECT_EQ(*at, step) << "worker " << k;
+    return absl::OkStatus();
+  };
+  auto push_dense = [&](int k, int64_t step) {
+    return clients[k]->Push(step, {workers[k].w_grad.data()}).status();
+  };
+  auto push_rows = [&](int k, int64_t step) {
+    return clients[k]
+        ->PushSparse(0, step, ids, workers[k].row_grads.data())
+        .status();
+  };
+  // Pushes never wait in sync mode, so one thread can step both workers.
+  auto step_both = [&](int64_t step) -> absl::Status {
+    for (int k = 0; k < 2; ++k) {
+      if (absl::Status s = pull_rows(k, step); !s.ok()) return s;
+      if (absl::Status s = pull_dense(k, step); !s.ok()) return s;
+      if (absl::Status s = push_dense(k, step); !s.ok()) return s;
+      if (absl::Status s = push_rows(k, step); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  };
+  for (int64_t step = 0; step < 5; ++step) {
+    const absl::Status stepped = step_both(step);
+    ASSERT_TRUE(stepped.ok()) << "step " << step << ": " << stepped;
+  }
+  // A checkpoint of step 5, tables included (a restore needs every shard's).
+  for (const std::string& host : cluster->HostList()) {
+    auto stub = ParameterServer::NewStub(
+        grpc::CreateChannel(host, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(30));
+    CheckpointResponse written;
+    const grpc::Status status =
+        stub->Checkpoint(&context, CheckpointRequest(), &written);
+    ASSERT_TRUE(status.ok()) << host << ": " << status.error_message();
+  }
+  {
+    absl::StatusOr<RestoredShard> saved =
+        CheckpointStore(dir, 0).LoadForShard(1, 2);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    ASSERT_EQ(saved->blocks.at(0).version, 5);
+    ASSERT_EQ(saved->sparse.at(0).version, 5);
+  }
+  ASSERT_TRUE(step_both(5).ok());
+  // Worker 1 goes on to step 6 with the shard's first life.
+  ASSERT_TRUE(pull_rows(1, 6).ok());
+  ASSERT_TRUE(pull_dense(1, 6).ok());
+
+  cluster->KillServer(1);
+  const absl::Status restarted = cluster->RestartServer(1);
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  ASSERT_EQ(RestoredStep(cluster->server(1).Stderr()), 5);
+
+  // Worker 0 asks for the table at step 6: the restored shard holds step 5
+  // and waits for worker 1's step 5 rows, which died with its first life.
+  absl::Notification pulled;
+  absl::Status pull_status;
+  std::thread puller([&] {
+    pull_status = pull_rows(0, 6);
+    pulled.Notify();
+  });
+  const absl::Status waiting = cluster->WaitForStats(
+      [](const StatsResponse& s) {
+        return s.shard_id() != 1 || s.waiting_pulls() == 1;
+      },
+      absl::Seconds(30));
+  EXPECT_TRUE(waiting.ok()) << waiting;
+  // Worker 1 pushes step 6: the restored shard moves forward to it.
+  const absl::Status pushed = push_dense(1, 6);
+  EXPECT_TRUE(pushed.ok()) << pushed;
+  const bool answered =
+      pulled.WaitForNotificationWithTimeout(absl::Seconds(10));
+  EXPECT_TRUE(answered) << "worker 0's pull of step 6 was left waiting on a "
+                           "step the restored shard had moved past";
+  if (!answered) clients[0]->Interrupt();  // ends it (CANCELLED) at once
+  puller.join();
+  ASSERT_TRUE(answered);
+  ASSERT_TRUE(pull_status.ok()) << pull_status;
+
+  // The rest of step 6, and both workers reach step 7.
+  ASSERT_TRUE(push_rows(1, 6).ok());
+  ASSERT_TRUE(pull_dense(0, 6).ok());
+  ASSERT_TRUE(push_dense(0, 6).ok());
+  ASSERT_TRUE(push_rows(0, 6).ok());
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(pull_rows(k, 7).ok());
+    ASSERT_TRUE(pull_dense(k, 7).ok());
+  }
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ((*stats)[s].version(), 7) << "shard " << s;
+    EXPECT_EQ((*stats)[s].sparse(0).version(), 7) << "shard " << s;
+  }
+  // Step 5's update on shard 1 died with its first life, and is counted.
+  EXPECT_EQ((*stats)[1].steps_lost(), 1);
+  EXPECT_EQ((*stats)[0].steps_lost(), 0);
+  for (auto& client : clients) EXPECT_TRUE(client->Leave().ok());
 }
 
 // A shard restarted with nothing to restore (killed before its first
