@@ -61,6 +61,7 @@ PsClientOptions BuildOptions(const ClientConfig& config,
   options.connections_per_shard = config.connections_per_shard;
   options.call_streams = config.call_streams;
   options.data_plane = config.data_plane;
+  options.data_requests_in_flight = config.data_requests_in_flight;
   options.gradient_topk_fraction = config.gradient_topk_fraction;
   options.heartbeat_interval = absl::Seconds(config.heartbeat_interval_s);
   options.retry_window = absl::Seconds(config.retry_window_s);

@@ -34,6 +34,8 @@ struct ClientConfig {
   bool call_streams = true;
   // Dense tensors over the servers' data plane where they announce one.
   bool data_plane = true;
+  // Requests a data-plane connection sends ahead of their answers.
+  int data_requests_in_flight = 1;
   // With TLS: the kernel encrypts the data plane's records where it can.
   bool data_plane_ktls = false;
   // How often to renew this worker's lease on the servers.

@@ -48,6 +48,9 @@ class DataLinkIo {
           iov_.push_back({const_cast<char*>(piece.data()), piece.size()});
         }
       }
+      request_ends_.push_back(
+          (request_ends_.empty() ? 0 : request_ends_.back()) +
+          kRequestHeaderBytes + body_bytes);
     }
     if (link_->tls_ != nullptr) GatherSmallPieces();
   }
@@ -56,9 +59,15 @@ class DataLinkIo {
         std::clamp<int64_t>(absl::ToInt64Milliseconds(timeout), 1, UINT32_MAX));
   }
 
+  // At most this many requests of the link unanswered (see SendLimit).
+  void set_window(size_t requests) {
+    window_ = std::clamp<size_t>(requests, 1, SIZE_MAX / 2);
+  }
+
   bool done() const { return answered_ == queue_.size(); }
   bool sending() const {
-    return iov_first_ < iov_.size() || tls_flush_pending_;
+    return (iov_first_ < iov_.size() && sent_bytes_ < SendLimit()) ||
+           tls_flush_pending_;
   }
   int fd() const { return link_->fd_.get(); }
 
@@ -66,15 +75,29 @@ class DataLinkIo {
   void Send() {
     if (link_->tls_ != nullptr) return SendTls();
     while (!done() && sending()) {
+      // The iovecs up to the window's end, the last one cut there.
+      const uint64_t allowed = SendLimit() - sent_bytes_;
+      uint64_t bytes = 0;
+      size_t count = 0;
+      while (iov_first_ + count < iov_.size() && count < IOV_MAX &&
+             bytes < allowed) {
+        bytes += iov_[iov_first_ + count].iov_len;
+        ++count;
+      }
+      iovec& last = iov_[iov_first_ + count - 1];
+      const size_t cut = bytes > allowed ? bytes - allowed : 0;
+      last.iov_len -= cut;
       msghdr message = {};
       message.msg_iov = iov_.data() + iov_first_;
-      message.msg_iovlen = std::min<size_t>(IOV_MAX, iov_.size() - iov_first_);
+      message.msg_iovlen = count;
       const ssize_t sent = sendmsg(fd(), &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+      last.iov_len += cut;
       if (sent < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         return Fail(SocketError(absl::StrCat("send to ", link_->peer_), errno));
       }
+      sent_bytes_ += static_cast<uint64_t>(sent);
       ConsumeIovecs(static_cast<size_t>(sent), iov_, &iov_first_);
     }
   }
@@ -193,12 +216,14 @@ class DataLinkIo {
   void SendTls() {
     TlsSession& tls = *link_->tls_;
     short want;
-    while (!done() && iov_first_ < iov_.size()) {
+    while (!done() && iov_first_ < iov_.size() && sent_bytes_ < SendLimit()) {
       const iovec& v = iov_[iov_first_];
-      absl::StatusOr<size_t> sent =
-          tls.Write(static_cast<const char*>(v.iov_base), v.iov_len, &want);
+      absl::StatusOr<size_t> sent = tls.Write(
+          static_cast<const char*>(v.iov_base),
+          std::min<uint64_t>(v.iov_len, SendLimit() - sent_bytes_), &want);
       if (!sent.ok()) return Fail(sent.status());
       if (*sent == 0) return;  // poll says when to go on
+      sent_bytes_ += *sent;
       ConsumeIovecs(*sent, iov_, &iov_first_);
     }
     if (done()) return;
@@ -341,8 +366,19 @@ class DataLinkIo {
     }
   }
 
+  // The bytes that may be sent now: every request up to `window_` past
+  // the oldest unanswered one.
+  uint64_t SendLimit() const {
+    if (request_ends_.empty()) return 0;
+    return request_ends_[std::min(answered_ + window_, request_ends_.size()) -
+                         1];
+  }
+
   DataLink* link_;
   std::vector<DataExchange*> queue_;
+  std::vector<uint64_t> request_ends_;  // bytes up to each request's end
+  uint64_t sent_bytes_ = 0;
+  size_t window_ = SIZE_MAX / 2;
   uint32_t timeout_ms_ = 1;
   std::vector<char> headers_;
   std::vector<iovec> iov_;
@@ -363,7 +399,8 @@ void DataLink::Abort() const {
   ::shutdown(fd_.get(), SHUT_RDWR);
 }
 
-void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline) {
+void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
+                  size_t requests_in_flight) {
   std::vector<DataLinkIo> links;
   for (DataExchange& e : exchanges) {
     auto it =
@@ -382,6 +419,7 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline) {
       continue;
     }
     io.set_timeout(deadline - absl::Now());
+    io.set_window(requests_in_flight);
     io.Prepare();
     io.Send();  // most requests fit the socket buffer: no wait
   }

@@ -52,6 +52,12 @@ std::vector<absl::Status> PsClientOptionsProblems(
         absl::StrCat("--connections_per_shard must be in [1, 64], got ",
                      options.connections_per_shard)));
   }
+  if (options.data_requests_in_flight < 1 ||
+      options.data_requests_in_flight > 1024) {
+    problems.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--data_requests_in_flight must be in [1, 1024], got ",
+                     options.data_requests_in_flight)));
+  }
   if (options.gradient_wire_type != TOPK_FLOAT32 &&
       WireElementBytes(options.gradient_wire_type) == 0) {
     problems.push_back(

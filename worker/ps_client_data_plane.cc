@@ -159,7 +159,8 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
   for (size_t k = 0; k < exchanges.size(); ++k) {
     Track(exchanges[k].link, calls[call_of_exchange[k]].epoch);
   }
-  RunExchanges(absl::MakeSpan(exchanges), deadline);
+  RunExchanges(absl::MakeSpan(exchanges), deadline,
+               options_.data_requests_in_flight);
   for (const DataExchange& exchange : exchanges) Untrack(exchange.link);
   for (size_t k = 0; k < exchanges.size(); ++k) {
     const absl::Status& status = exchanges[k].status;

@@ -56,6 +56,12 @@ ABSL_FLAG(bool, call_streams, Default().client.call_streams,
           "as a message on a long-lived stream of its connection instead of "
           "a unary call: a third less latency for small models. false: "
           "always unary.");
+ABSL_FLAG(int, data_requests_in_flight,
+          Default().client.data_requests_in_flight,
+          "Requests each data-plane connection sends ahead of their answers. "
+          "1 keeps the workers' pushes in step, which a sync step on a link "
+          "that binds needs; raise it where a round trip is long next to "
+          "sending one block group.");
 ABSL_FLAG(bool, data_plane, Default().client.data_plane,
           "Push and pull dense tensors over the servers' data plane (framed "
           "TCP beside gRPC; inside TLS with the --tls_* files when the "
@@ -322,6 +328,8 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   client.connections_per_shard = absl::GetFlag(FLAGS_connections_per_shard);
   client.call_streams = absl::GetFlag(FLAGS_call_streams);
   client.data_plane = absl::GetFlag(FLAGS_data_plane);
+  client.data_requests_in_flight =
+      absl::GetFlag(FLAGS_data_requests_in_flight);
   client.data_plane_ktls = absl::GetFlag(FLAGS_data_plane_ktls);
   client.heartbeat_interval_s = absl::GetFlag(FLAGS_heartbeat_interval_s);
   client.retry_window_s = absl::GetFlag(FLAGS_retry_window_s);

@@ -234,6 +234,8 @@ class Client {
         config.data_plane = value.cast<bool>();
       } else if (name == "connections_per_shard") {
         config.connections_per_shard = value.cast<int>();
+      } else if (name == "data_requests_in_flight") {
+        config.data_requests_in_flight = value.cast<int>();
       } else if (name == "tls_ca") {
         config.tls.ca = value.cast<std::string>();
       } else if (name == "tls_cert") {

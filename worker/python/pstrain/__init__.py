@@ -55,7 +55,8 @@ class ClusterSpec:
 _CLIENT_FLAGS = {
     "rpc_timeout_s": float, "connect_timeout_s": float,
     "retry_window_s": float, "heartbeat_interval_s": float,
-    "connections_per_shard": int, "tls_ca": str, "tls_cert": str,
+    "connections_per_shard": int, "data_requests_in_flight": int,
+    "tls_ca": str, "tls_cert": str,
     "tls_key": str, "tls_server_name": str, "auth_token_file": str,
     "gradient_wire_type": str,
     "data_plane": lambda v: str(v).lower() in ("1", "true", "yes"),
@@ -92,7 +93,7 @@ class Client:
 
     Options (all optional but ``hosts``): rpc_timeout_s, connect_timeout_s,
     retry_window_s, heartbeat_interval_s, data_plane, connections_per_shard,
-    tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file,
+    data_requests_in_flight, tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file,
     gradient_wire_type; their meaning, defaults and checks are ClientConfig's
     (worker/client_config.h), as for the worker binary's flags of those names.
     """
