@@ -48,6 +48,11 @@ void CheckModel(const ModelConfig& model, Problems& checks) {
                      name, "'")));
   }
   if (name == "layers") checks.push_back(ParseLayerList(model.layers).status());
+  // A layer list given with another --model would be silently ignored.
+  if (name != "layers" && model.layers != ModelConfig().layers) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--layers is read only with --model=layers, got --model=", name)));
+  }
   checks.push_back(ParseHidden(model.hidden).status());
   checks.push_back(CheckAtLeast("block_elements", model.block_elements, 1));
 }

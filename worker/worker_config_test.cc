@@ -67,6 +67,17 @@ TEST(WorkerConfigTest, EveryProblemAtOnce) {
           "--gradient_topk_fraction must be in (0, 1], got 2"));
 }
 
+// A layer list with another model would train something else than asked.
+TEST(WorkerConfigTest, LayersWithAnotherModelIsAnError) {
+  WorkerConfig config = WithHosts();
+  config.model.layers = "flatten,dense:10";
+  EXPECT_THAT(Lines(ValidateWorkerConfig(config)),
+              ElementsAre("--layers is read only with --model=layers, got "
+                          "--model=mlp"));
+  config.model.name = "layers";
+  EXPECT_TRUE(ValidateWorkerConfig(config).ok());
+}
+
 TEST(WorkerConfigTest, CtrFlagsAreCheckedWithTheRest) {
   WorkerConfig config = WithHosts();
   config.model.name = "ctr";

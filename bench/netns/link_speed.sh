@@ -31,6 +31,7 @@ repo=$(pwd)
 source tests/netns/lab.sh
 source bench/lib.sh
 
+command_line="$*"
 rate=1gbit repeats=3 steps=150 models=mlp,cnn workers_list=2,4 shards_list=1,2,4
 report=""
 any_rate=0
@@ -66,7 +67,7 @@ model_flags() {
   case $1 in
     mlp) echo "--model=mlp --hidden=256,128" ;;
     probe) echo "--model=probe --probe_elements=235146" ;;
-    cnn) echo "--layers=$CNN" ;;
+    cnn) echo "--model=layers --layers=$CNN" ;;
   esac
 }
 
@@ -170,7 +171,7 @@ for model in ${models//,/ }; do
 done
 if [[ -n $report ]]; then
   {
-    echo "# bench/netns/link_speed.sh $*"
+    echo "# bench/netns/link_speed.sh $command_line"
     echo "# commit $BENCH_COMMIT, $BENCH_MACHINE, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%F)"
     echo "# $rate_line"
     echo "# sync, Adam, global batch 128, $steps steps, median of $repeats runs; MLP 784-256-128-10,"
