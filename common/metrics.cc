@@ -619,6 +619,10 @@ std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
       "TLS data-plane connections refused before their first frame (failed "
       "or stalled handshakes, plaintext clients).",
       kCounter, static_cast<double>(s.data_plane_tls_refused()));
+  add("pstrain_shard_grpc_tls_refused_total",
+      "TLS handshakes the gRPC port refused (no or a wrongly signed client "
+      "certificate, plaintext clients).",
+      kCounter, static_cast<double>(s.grpc_tls_refused()));
   add("pstrain_shard_data_plane_ktls_connections_total",
       "TLS data-plane connections whose records the kernel handles (kTLS).",
       kCounter, static_cast<double>(s.data_plane_ktls_connections()));

@@ -33,6 +33,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/cli.h"
+#include "common/grpc_tls_refusals.h"
 #include "common/cluster_spec.h"
 #include "common/grpc_tuning.h"
 #include "common/learning_rates.h"
@@ -605,5 +606,8 @@ int main(int argc, char** argv) {
   pstrain::InitProgram(argc, argv,
                        "ps_server: one shard of the parameter server");
   pstrain::CatchTerminationSignals();
+  // gRPC's own log lines (a refused TLS handshake among them) into glog,
+  // counted: before any gRPC object exists.
+  pstrain::CountGrpcTlsRefusals();
   return pstrain::Main(argc, argv);
 }

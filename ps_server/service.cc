@@ -9,6 +9,7 @@
 #include "common/data_plane.h"
 #include "common/grpc_bytes.h"
 #include "common/grpc_status.h"
+#include "common/grpc_tls_refusals.h"
 #include "common/protocol.h"
 #include "common/wire.h"
 
@@ -134,6 +135,7 @@ StatsResponse ParameterServerService::CurrentStats() const {
     *stats.mutable_checkpoint() = checkpointer_->Stats();
   stats.set_data_port_tls(data_port_.load() > 0 && data_port_tls_.load());
   stats.set_data_plane_tls_refused(data_plane_tls_refused_.load());
+  stats.set_grpc_tls_refused(GrpcTlsRefusals());
   stats.set_data_plane_ktls_connections(data_plane_ktls_.load());
   stats.set_data_plane_user_tls_connections(data_plane_user_tls_.load());
   return stats;

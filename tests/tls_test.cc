@@ -85,7 +85,8 @@ class TlsTest : public ::testing::Test {
 
   // One Stats call to shard 0 with these credentials (and token).
   grpc::Status CallStats(const ClientTlsFiles& files, const std::string& token,
-                         const std::string& target = "") {
+                         const std::string& target = "",
+                         StatsResponse* out = nullptr) {
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
         MakeChannelCredentials(files);
     EXPECT_TRUE(credentials.ok()) << credentials.status();
@@ -103,7 +104,7 @@ class TlsTest : public ::testing::Test {
       context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
     }
     StatsResponse response;
-    return stub->Stats(&context, StatsRequest(), &response);
+    return stub->Stats(&context, StatsRequest(), out ? out : &response);
   }
 
   ClientTlsFiles Good() const {
@@ -285,7 +286,14 @@ TEST_F(TlsTest, RefusedHandshakesEndTheWorkerFastNamingTheCause) {
         << c.what;
     EXPECT_THAT(err, HasSubstr(c.cause)) << c.what;
   }
-  EXPECT_TRUE(CallStats(Good(), kToken).ok());
+  // The server refused three of the five itself (no certificate,
+  // plaintext, a certificate of another CA), each tried more than once:
+  // counted, and in its log.
+  StatsResponse stats;
+  EXPECT_TRUE(CallStats(Good(), kToken, "", &stats).ok());
+  EXPECT_GE(stats.grpc_tls_refused(), 3) << stats.ShortDebugString();
+  EXPECT_THAT(cluster_->server(0).Stderr(),
+              HasSubstr("gRPC port: refused a TLS handshake"));
 }
 
 // deploy/grpc/grpc_check.py reaches the main port of a mutual-TLS server
