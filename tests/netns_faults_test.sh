@@ -10,7 +10,7 @@ runfiles=${RUNFILES_DIR:-${TEST_SRCDIR:-}}
 root=$runfiles/pstrain
 cd "$root"
 trials() { bench/netns/fault_trials.sh --bin_dir="$root" --steps=120 "$@"; }
-out=$(trials --faults=partition_long,loss5,shard_cut_ckpt --modes=sync --planes=data) ||
+out=$(trials --faults=partition_long,loss5,shard_cut_ckpt,data_port_dropped --modes=sync --planes=data) ||
   { echo "$out"; exit 1; }
 echo "$out"
 grep -q '^SKIP: ' <<<"$out" && exit 0
@@ -19,6 +19,13 @@ grep -q '^SKIP: ' <<<"$out" && exit 0
 read -r late short < <(awk '$1 == "partition_long" {print $9, $11}' <<<"$out")
 if ((${late:-0} == 0 || ${short:-0} == 0)); then
   echo "FAIL: partition_long should have made steps short and gradients late (late=$late short=$short)" >&2
+  exit 1
+fi
+# A data port that drops packets while gRPC works: the workers fall back to
+# gRPC after one connect bound (5 s), not the 120 s call deadline.
+wall=$(awk '$1 == "data_port_dropped" {print $6}' <<<"$out")
+if ((${wall:-999} > 30)); then
+  echo "FAIL: with the data port dropping packets the job took ${wall}s" >&2
   exit 1
 fi
 trials --faults=partition_short,reorder --modes=async --planes=grpc

@@ -434,12 +434,21 @@ void PsClient::OpenDataLinks() {
   for (const Group& group : groups_) {
     used.insert({group.shard, group.connection});
   }
-  for (const auto& [shard, connection] : used) {
-    DataSlot& slot =
-        *data_slots_[shard * options_.connections_per_shard + connection];
-    absl::MutexLock lock(&slot.mu);
-    LinkFor(shard, slot, deadline);
+  // A thread per shard: a shard whose data port drops packets costs the
+  // connect bound once, not once for every shard in turn.
+  std::vector<std::thread> openers;
+  for (int s = 0; s < num_shards(); ++s) {
+    openers.emplace_back([this, s, &used, deadline] {
+      for (const auto& [shard, connection] : used) {
+        if (shard != s) continue;
+        DataSlot& slot =
+            *data_slots_[shard * options_.connections_per_shard + connection];
+        absl::MutexLock lock(&slot.mu);
+        LinkFor(shard, slot, deadline);
+      }
+    });
   }
+  for (std::thread& opener : openers) opener.join();
 }
 
 void PsClient::HeartbeatLoop() {

@@ -288,6 +288,14 @@ class PsClient {
   // The slot's link to `shard`, opened if need be; null when the shard has
   // no usable data port. The caller holds slot.mu.
   DataLink* LinkFor(int shard, DataSlot& slot, absl::Time deadline);
+  // The data port to use for `shard`, or 0 for gRPC (none announced, TLS
+  // mismatch, or it failed less than 30 s ago).
+  int DataPortToUse(int shard);
+  // Opens the links `which` calls need and lack, a shard per thread when
+  // several shards lack one: a data port that drops packets then costs the
+  // connect bound (5 s) once, not once for every shard in turn.
+  void OpenMissingLinks(const std::vector<Call>& calls,
+                        const std::vector<size_t>& which, absl::Time deadline);
   // Whether `shard` announced PushPull on its data plane.
   bool DataPushPullOffered(int shard);
   // Whether this client may use any data port (see data_plane_tls).

@@ -2,6 +2,8 @@
 // its connections, and running a step's calls over them.
 
 #include <algorithm>
+#include <map>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -30,20 +32,23 @@ bool PsClient::DataPushPullOffered(int shard) {
   return data_push_pull_[shard];
 }
 
-DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
-  int port;
-  {
-    absl::MutexLock lock(&data_ports_mu_);
-    port = data_ports_[shard];
-    // Tensors never leave in plaintext from a TLS client, and a plaintext
-    // client cannot speak to a TLS port: either way, gRPC.
-    const bool tls_client = options_.credentials != nullptr;
-    if (port == 0 || data_port_tls_[shard] != tls_client ||
-        (port == data_failed_ports_[shard] &&
-         absl::Now() < data_failed_at_[shard] + kDataPortRetry)) {
-      return nullptr;
-    }
+int PsClient::DataPortToUse(int shard) {
+  absl::MutexLock lock(&data_ports_mu_);
+  const int port = data_ports_[shard];
+  // Tensors never leave in plaintext from a TLS client, and a plaintext
+  // client cannot speak to a TLS port: either way, gRPC.
+  const bool tls_client = options_.credentials != nullptr;
+  if (port == 0 || data_port_tls_[shard] != tls_client ||
+      (port == data_failed_ports_[shard] &&
+       absl::Now() < data_failed_at_[shard] + kDataPortRetry)) {
+    return 0;
   }
+  return port;
+}
+
+DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
+  const int port = DataPortToUse(shard);
+  if (port == 0) return nullptr;
   if (slot.link != nullptr && slot.port == port && slot.link->usable()) {
     return slot.link.get();
   }
@@ -76,6 +81,38 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   return slot.link.get();
 }
 
+void PsClient::OpenMissingLinks(const std::vector<Call>& calls,
+                                const std::vector<size_t>& which,
+                                absl::Time deadline) {
+  std::map<int, std::vector<DataSlot*>> missing;  // by shard
+  for (size_t i : which) {
+    DataSlot* slot =
+        data_slots_[calls[i].shard * options_.connections_per_shard +
+                    calls[i].connection]
+            .get();
+    if (!slot->mu.TryLock()) continue;  // in use: not missing
+    const bool usable = slot->link != nullptr && slot->link->usable();
+    slot->mu.Unlock();
+    if (usable || DataPortToUse(calls[i].shard) == 0) continue;
+    std::vector<DataSlot*>& slots = missing[calls[i].shard];
+    if (std::find(slots.begin(), slots.end(), slot) == slots.end()) {
+      slots.push_back(slot);
+    }
+  }
+  if (missing.size() < 2) return;  // the caller opens one shard's itself
+  std::vector<std::thread> openers;
+  for (const auto& [shard, slots] : missing) {
+    openers.emplace_back([this, shard = shard, &slots = slots, deadline] {
+      for (DataSlot* slot : slots) {
+        if (!slot->mu.TryLock()) continue;
+        LinkFor(shard, *slot, deadline);
+        slot->mu.Unlock();
+      }
+    });
+  }
+  for (std::thread& opener : openers) opener.join();
+}
+
 void PsClient::MaybeRefreshDataPorts() {
   {
     absl::MutexLock lock(&data_ports_mu_);
@@ -106,6 +143,7 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
   }
   MaybeRefreshDataPorts();
   const absl::Time deadline = absl::Now() + timeout;
+  OpenMissingLinks(calls, which, deadline);
   std::vector<size_t> over_grpc;
   // Each slot this call holds, with its link resolved once: a second call
   // on the same connection must not reopen (and free) the link the first

@@ -30,6 +30,9 @@
 #   oneway           shard 0's packets to worker 0 dropped for 3 s
 #   shard_cut_ckpt   shard 1 cut from every worker for 3 s while it writes a
 #                    checkpoint every 10 steps
+#   data_port_dropped  every shard drops packets to its data port (gRPC
+#                    passes) for the whole job: the workers must fall back
+#                    to gRPC within the data plane's 5 s connect bound
 # Exit status: 0 when every trial passed, 1 otherwise, 2 on bad usage; the lab
 # skips (exit 0, "SKIP: ...") where namespaces are not allowed.
 set -euo pipefail
@@ -38,7 +41,7 @@ repo=$(pwd)
 source tests/netns/lab.sh
 source bench/lib.sh
 
-faults=none,loss1,loss5,delay20,reorder,partition_long,partition_short,oneway,shard_cut_ckpt
+faults=none,loss1,loss5,delay20,reorder,partition_long,partition_short,oneway,shard_cut_ckpt,data_port_dropped
 modes=sync,async
 planes=data,grpc
 report=""
@@ -99,7 +102,7 @@ min_version() {
 
 apply_fault() {  # apply_fault NAME: starts the fault; sets hold (s)
   case $1 in
-    none | delay20 | reorder) hold=0 ;;  # for the whole job (or none)
+    none | delay20 | reorder | data_port_dropped) hold=0 ;;  # whole job, or none
     loss1 | loss5)
       local w
       for ((w = 0; w < kWorkers; ++w)); do lab_loss "$(worker_host $w)" "${1#loss}"; done
@@ -151,6 +154,9 @@ trial() {
         >"$dir/proxy$s.log" 2>&1 &
     fi
   done
+  if [[ $fault == data_port_dropped ]]; then
+    for ((s = 0; s < kShards; ++s)); do lab_drop_port "$(shard_host $s)" $kDataPort; done
+  fi
   local started=$SECONDS
   for ((w = 0; w < kWorkers; ++w)); do
     lab_exec "$(worker_host $w)" "$run/bin/worker" --ps_hosts="$(hosts_csv)" \

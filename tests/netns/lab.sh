@@ -12,6 +12,7 @@
 #   lab_partition 0 1 oneway     # packets from 0 to 1 are dropped, 1 to 0 pass
 #   lab_heal                     # every partition and loss rule removed
 #   lab_link 3 down|up           # host 3's cable pulled / plugged back
+#   lab_drop_port 0 7001         # host 0 drops what arrives for its port 7001
 #
 # Topology: a router namespace with a bridge; host k's veth pair has eth0 in
 # host k (LAB_NET.(10+k)/24) and "hk" on the bridge. The router itself is
@@ -176,6 +177,12 @@ lab_partition() {
   if [[ $mode != oneway ]]; then
     ip netns exec "$(lab_ns "$b")" nft add rule inet lab out ip daddr "$(lab_addr "$a")" drop
   fi
+}
+
+# lab_drop_port HOST PORT: HOST silently drops TCP packets to its PORT (a
+# firewall that lets one port of a server through and not the other).
+lab_drop_port() {
+  ip netns exec "$(lab_ns "$1")" nft add rule inet lab in tcp dport "$2" drop
 }
 
 lab_heal() {
