@@ -52,6 +52,7 @@ class DataLinkIo {
       request_ends_.push_back(
           (request_ends_.empty() ? 0 : request_ends_.back()) +
           kRequestHeaderBytes + body_bytes);
+      if (body_bytes >= kHeavyBytes || e.place_payloads) heavy_ = true;
     }
     if (link_->tls_ != nullptr) GatherSmallPieces();
   }
@@ -64,6 +65,12 @@ class DataLinkIo {
   void set_window(size_t requests) {
     window_ = std::clamp<size_t>(requests, 1, SIZE_MAX / 2);
   }
+
+  // Whether a request or its answer is large enough (a body of
+  // kHeavyBytes, or payloads read into place) that sealing and opening it
+  // costs more than starting a thread for it.
+  bool heavy() const { return heavy_; }
+  static constexpr uint64_t kHeavyBytes = 64 << 10;
 
   bool done() const { return answered_ == queue_.size(); }
   bool sending() const {
@@ -386,6 +393,7 @@ class DataLinkIo {
   size_t iov_first_ = 0;
   std::vector<char> gathered_;      // TLS: small pieces copied together
   bool tls_flush_pending_ = false;  // TLS: records buffered, not yet sent
+  bool heavy_ = false;
   size_t answered_ = 0;
   // The answer whose payloads are being read into place.
   std::vector<absl::Span<char>> places_;
@@ -478,14 +486,16 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
     io.set_window(requests_in_flight);
     io.Prepare();
     live.push_back(&io);
-    if (io.link()->tls() != nullptr) ++tls_links;
+    if (io.link()->tls() != nullptr && io.heavy()) ++tls_links;
   }
   // TLS spends its time in the cipher (encrypting requests, decrypting
   // answers), which one thread does for one link after another: with
-  // several TLS links, each group of links gets its own thread so their
-  // records are encrypted and decrypted on every core at once. The
-  // plaintext path stays on the calling thread, where it is mostly copies
-  // the kernel does.
+  // several TLS links carrying large requests or answers, each group of
+  // links gets its own thread so their records are encrypted and decrypted
+  // on every core at once. Small calls, which would pay more for starting
+  // threads (tens of microseconds) than for their records, and the
+  // plaintext path (mostly copies the kernel does) stay on the calling
+  // thread.
   const size_t threads = tls_links >= 2 ? TlsThreads(live.size()) : 1;
   if (threads <= 1) {
     for (DataLinkIo* io : live) io->Send();  // most requests fit: no wait
