@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -51,6 +52,7 @@ class DataLinkIo {
       request_ends_.push_back(
           (request_ends_.empty() ? 0 : request_ends_.back()) +
           kRequestHeaderBytes + body_bytes);
+      if (body_bytes >= kHeavyBytes || e.place_payloads) heavy_ = true;
     }
     if (link_->tls_ != nullptr) GatherSmallPieces();
   }
@@ -63,6 +65,12 @@ class DataLinkIo {
   void set_window(size_t requests) {
     window_ = std::clamp<size_t>(requests, 1, SIZE_MAX / 2);
   }
+
+  // Whether a request or its answer is large enough (a body of
+  // kHeavyBytes, or payloads read into place) that sealing and opening it
+  // costs more than starting a thread for it.
+  bool heavy() const { return heavy_; }
+  static constexpr uint64_t kHeavyBytes = 64 << 10;
 
   bool done() const { return answered_ == queue_.size(); }
   bool sending() const {
@@ -385,6 +393,7 @@ class DataLinkIo {
   size_t iov_first_ = 0;
   std::vector<char> gathered_;      // TLS: small pieces copied together
   bool tls_flush_pending_ = false;  // TLS: records buffered, not yet sent
+  bool heavy_ = false;
   size_t answered_ = 0;
   // The answer whose payloads are being read into place.
   std::vector<absl::Span<char>> places_;
@@ -399,41 +408,21 @@ void DataLink::Abort() const {
   ::shutdown(fd_.get(), SHUT_RDWR);
 }
 
-void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
-                  size_t requests_in_flight) {
-  std::vector<DataLinkIo> links;
-  for (DataExchange& e : exchanges) {
-    auto it =
-        std::find_if(links.begin(), links.end(),
-                     [&](const DataLinkIo& l) { return l.link() == e.link; });
-    if (it == links.end()) {
-      links.emplace_back(e.link);
-      it = links.end() - 1;
-    }
-    it->Add(&e);
-  }
-  for (DataLinkIo& io : links) {
-    if (!io.link()->usable()) {
-      io.Fail(absl::UnavailableError(absl::StrCat(
-          "data-plane connection to ", io.link()->peer(), " is broken")));
-      continue;
-    }
-    io.set_timeout(deadline - absl::Now());
-    io.set_window(requests_in_flight);
-    io.Prepare();
-    io.Send();  // most requests fit the socket buffer: no wait
-  }
+namespace {
+
+// Polls `links` and moves each along until all are done or `deadline`.
+void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline) {
   std::vector<pollfd> waits;
   std::vector<DataLinkIo*> waiting;
   while (true) {
     waits.clear();
     waiting.clear();
-    for (DataLinkIo& io : links) {
-      if (io.done()) continue;
+    for (DataLinkIo* io : links) {
+      if (io->done()) continue;
       waits.push_back(
-          {io.fd(), static_cast<short>(POLLIN | (io.sending() ? POLLOUT : 0)),
+          {io->fd(), static_cast<short>(POLLIN | (io->sending() ? POLLOUT : 0)),
            0});
-      waiting.push_back(&io);
+      waiting.push_back(io);
     }
     if (waits.empty()) return;
     const absl::Duration left = deadline - absl::Now();
@@ -462,6 +451,72 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
       }
     }
   }
+}
+
+// Threads that drive TLS links at once (the calling thread is one).
+size_t TlsThreads(size_t links) {
+  const size_t cores = std::max(2u, std::thread::hardware_concurrency());
+  return std::min(links, cores);
+}
+
+}  // namespace
+
+void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
+                  size_t requests_in_flight) {
+  std::vector<DataLinkIo> links;
+  for (DataExchange& e : exchanges) {
+    auto it =
+        std::find_if(links.begin(), links.end(),
+                     [&](const DataLinkIo& l) { return l.link() == e.link; });
+    if (it == links.end()) {
+      links.emplace_back(e.link);
+      it = links.end() - 1;
+    }
+    it->Add(&e);
+  }
+  std::vector<DataLinkIo*> live;
+  size_t tls_links = 0;
+  for (DataLinkIo& io : links) {
+    if (!io.link()->usable()) {
+      io.Fail(absl::UnavailableError(absl::StrCat(
+          "data-plane connection to ", io.link()->peer(), " is broken")));
+      continue;
+    }
+    io.set_timeout(deadline - absl::Now());
+    io.set_window(requests_in_flight);
+    io.Prepare();
+    live.push_back(&io);
+    if (io.link()->tls() != nullptr && io.heavy()) ++tls_links;
+  }
+  // TLS spends its time in the cipher (encrypting requests, decrypting
+  // answers), which one thread does for one link after another: with
+  // several TLS links carrying large requests or answers, each group of
+  // links gets its own thread so their records are encrypted and decrypted
+  // on every core at once. Small calls, which would pay more for starting
+  // threads (tens of microseconds) than for their records, and the
+  // plaintext path (mostly copies the kernel does) stay on the calling
+  // thread.
+  const size_t threads = tls_links >= 2 ? TlsThreads(live.size()) : 1;
+  if (threads <= 1) {
+    for (DataLinkIo* io : live) io->Send();  // most requests fit: no wait
+    DriveLinks(absl::MakeConstSpan(live), deadline);
+    return;
+  }
+  std::vector<std::vector<DataLinkIo*>> shares(threads);
+  for (size_t i = 0; i < live.size(); ++i) {
+    shares[i % threads].push_back(live[i]);
+  }
+  auto drive = [deadline](const std::vector<DataLinkIo*>& share) {
+    for (DataLinkIo* io : share) io->Send();
+    DriveLinks(absl::MakeConstSpan(share), deadline);
+  };
+  std::vector<std::thread> helpers;
+  helpers.reserve(threads - 1);
+  for (size_t t = 1; t < threads; ++t) {
+    helpers.emplace_back(drive, std::cref(shares[t]));
+  }
+  drive(shares[0]);
+  for (std::thread& helper : helpers) helper.join();
 }
 
 absl::StatusOr<std::unique_ptr<DataLink>> DataLink::Open(
