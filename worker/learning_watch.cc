@@ -62,8 +62,6 @@ std::string LearningWatch::OnStep(int64_t step, double loss) {
   const double mean = std::accumulate(recent_.begin(), recent_.end(), 0.0) /
                       static_cast<double>(recent_.size());
   if (mean < kMargin * first_loss_) return "";
-  // A first loss of 0 has nothing to fall from (--model=probe reports 0).
-  if (first_loss_ <= 0) return "";
   fired_ = true;
   return Warning(absl::StrFormat(
       "training loss has not fallen below its first value (%.4f at step "

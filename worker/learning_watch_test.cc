@@ -37,14 +37,6 @@ TEST(LearningWatchTest, AFlatLossWarnsOnceNamingTheOptimizer) {
 
 // The case: Adam at 0.1 on 4 classes, a first loss near chance and
 // the loss hovering a little under it, learning nothing.
-TEST(LearningWatchTest, ALossThatStartsAtZeroHasNothingToFallFrom) {
-  LearningWatch watch(20, "sgd", 1);
-  for (int step = 1; step <= 100; ++step) {
-    EXPECT_THAT(watch.OnStep(step, 0.0), IsEmpty()) << step;
-  }
-  EXPECT_FALSE(watch.fired());
-}
-
 TEST(LearningWatchTest, HoveringJustUnderTheFirstLossWarns) {
   LearningWatch watch(20, "adam", 0.1);
   EXPECT_THAT(watch.OnStep(1, 1.41), IsEmpty());
