@@ -455,8 +455,16 @@ void RestartWithoutCheckpointCase(const std::vector<std::string>& worker_flags,
   for (int k = 0; k < 3; ++k) {
     workers.push_back(std::move(*cluster->StartWorker(k, 3, worker_flags)));
   }
+  // Five steps done everywhere: the dense blocks and, for a CTR model, the
+  // sparse tables (whose step can trail the blocks' by one).
   const absl::Status running = cluster->WaitForStats(
-      [](const StatsResponse& s) { return s.version() >= 5; },
+      [](const StatsResponse& s) {
+        if (s.version() < 5) return false;
+        for (const SparseStats& table : s.sparse()) {
+          if (table.version() < 5) return false;
+        }
+        return true;
+      },
       absl::Seconds(60));
   ASSERT_TRUE(running.ok()) << running;
   cluster->KillServer(1);
