@@ -32,6 +32,7 @@ class DataLinkIo {
   // Lays out every request as header + body pieces, in queue order.
   void Prepare() {
     headers_.resize(queue_.size() * kRequestHeaderBytes);
+    request_ends_.reserve(queue_.size());
     for (size_t i = 0; i < queue_.size(); ++i) {
       DataExchange& e = *queue_[i];
       uint64_t body_bytes = 0;

@@ -430,25 +430,17 @@ absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting,
 void PsClient::OpenDataLinks() {
   if (!DataPlaneAllowed()) return;
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
-  std::set<std::pair<int, int>> used;
+  std::map<int, std::vector<DataSlot*>> used;  // by shard
   for (const Group& group : groups_) {
-    used.insert({group.shard, group.connection});
+    DataSlot* slot = data_slots_[group.shard * options_.connections_per_shard +
+                                 group.connection]
+                         .get();
+    std::vector<DataSlot*>& slots = used[group.shard];
+    if (std::find(slots.begin(), slots.end(), slot) == slots.end()) {
+      slots.push_back(slot);
+    }
   }
-  // A thread per shard: a shard whose data port drops packets costs the
-  // connect bound once, not once for every shard in turn.
-  std::vector<std::thread> openers;
-  for (int s = 0; s < num_shards(); ++s) {
-    openers.emplace_back([this, s, &used, deadline] {
-      for (const auto& [shard, connection] : used) {
-        if (shard != s) continue;
-        DataSlot& slot =
-            *data_slots_[shard * options_.connections_per_shard + connection];
-        absl::MutexLock lock(&slot.mu);
-        LinkFor(shard, slot, deadline);
-      }
-    });
-  }
-  for (std::thread& opener : openers) opener.join();
+  OpenLinks(used, deadline);
 }
 
 void PsClient::HeartbeatLoop() {

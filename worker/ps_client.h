@@ -36,6 +36,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -291,11 +292,14 @@ class PsClient {
   // The data port to use for `shard`, or 0 for gRPC (none announced, TLS
   // mismatch, or it failed less than 30 s ago).
   int DataPortToUse(int shard);
-  // Opens the links `which` calls need and lack, a shard per thread when
-  // several shards lack one: a data port that drops packets then costs the
-  // connect bound (5 s) once, not once for every shard in turn.
+  // Opens the links `which` calls need and lack (OpenLinks).
   void OpenMissingLinks(const std::vector<Call>& calls,
                         const std::vector<size_t>& which, absl::Time deadline);
+  // Opens the slots' links, a shard per thread when there are several: a
+  // data port that drops packets then costs the connect bound (5 s) once,
+  // not once for every shard in turn.
+  void OpenLinks(const std::map<int, std::vector<DataSlot*>>& by_shard,
+                 absl::Time deadline);
   // Whether `shard` announced PushPull on its data plane.
   bool DataPushPullOffered(int shard);
   // Whether this client may use any data port (see data_plane_tls).

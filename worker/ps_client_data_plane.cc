@@ -99,16 +99,26 @@ void PsClient::OpenMissingLinks(const std::vector<Call>& calls,
       slots.push_back(slot);
     }
   }
-  if (missing.size() < 2) return;  // the caller opens one shard's itself
+  OpenLinks(missing, deadline);
+}
+
+void PsClient::OpenLinks(const std::map<int, std::vector<DataSlot*>>& by_shard,
+                         absl::Time deadline) {
+  auto open_shard = [this, deadline](int shard,
+                                     const std::vector<DataSlot*>& slots) {
+    for (DataSlot* slot : slots) {
+      if (!slot->mu.TryLock()) continue;  // in use: it has its link
+      LinkFor(shard, *slot, deadline);
+      slot->mu.Unlock();
+    }
+  };
+  if (by_shard.size() == 1) {
+    open_shard(by_shard.begin()->first, by_shard.begin()->second);
+    return;
+  }
   std::vector<std::thread> openers;
-  for (const auto& [shard, slots] : missing) {
-    openers.emplace_back([this, shard = shard, &slots = slots, deadline] {
-      for (DataSlot* slot : slots) {
-        if (!slot->mu.TryLock()) continue;
-        LinkFor(shard, *slot, deadline);
-        slot->mu.Unlock();
-      }
-    });
+  for (const auto& [shard, slots] : by_shard) {
+    openers.emplace_back(open_shard, shard, std::cref(slots));
   }
   for (std::thread& opener : openers) opener.join();
 }
