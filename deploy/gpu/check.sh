@@ -392,8 +392,8 @@ step_jobs() {
   if [[ $data != synthetic ]] && grep -q 'fashion_mnist' <<<"$worker_help"; then
     data_flags=(--data=fashion_mnist)
     data_name="Fashion-MNIST"
-    if [[ -d $BUNDLE/data/fashion-mnist ]] && grep -q -- '--data_dir' <<<"$worker_help"; then
-      data_flags+=(--data_dir="$BUNDLE/data/fashion-mnist")
+    if [[ -d $BUNDLE/data/fashion-mnist ]] && grep -q -- '--dataset_dir' <<<"$worker_help"; then
+      data_flags+=(--dataset_dir="$BUNDLE/data/fashion-mnist")
     fi
   elif [[ $data == fashion_mnist ]]; then
     row "job data" FAIL "-" "--data=fashion_mnist, but this worker has no --data=fashion_mnist"
