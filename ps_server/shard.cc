@@ -487,11 +487,21 @@ absl::Status Shard::Heartbeat(const HeartbeatRequest& request) {
                      "), got ", request.worker_id())));
   }
   bool started = false;
+  bool moved = false;
   {
     absl::MutexLock lock(&mu_);
     started = TouchLocked(request.worker_id());
+    // With nothing restored, every block is at step 0: a worker that has
+    // pulled past it is ahead, and may be held where its next request to
+    // this shard waits on the worker this shard refuses.
+    const Model* model = model_.load();
+    if (fresh_ && request.step() > 0 && model != nullptr &&
+        ConfirmLostStateLocked(request.worker_id(), request.step())) {
+      moved = FastForwardLocked(*model, request.step());
+    }
   }
   if (started) AnswerStartWaiters();
+  if (moved) ReleaseReadyWaiters();
   return absl::OkStatus();
 }
 

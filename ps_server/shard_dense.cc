@@ -113,6 +113,10 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
 }
 
 bool Shard::FastForwardLocked(const Model& model, int64_t step) {
+  // A fresh shard takes the furthest step a worker came with: a worker
+  // behind it has pushed its own step to this shard's previous life, and
+  // waiting for that push again could wait on workers held by the one ahead.
+  step = std::max(step, furthest_ahead_of_fresh_);
   int64_t lost = 0;
   bool moved = false;
   for (const auto& block : model.blocks) {
@@ -149,13 +153,16 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   }
   recovering_ = false;
   fresh_ = false;
+  ahead_of_fresh_.clear();
+  furthest_ahead_of_fresh_ = 0;
   recovery_horizon_ = std::max(recovery_horizon_, step);
   return moved;
 }
 
-bool Shard::ConfirmLostStateLocked(int worker) {
+bool Shard::ConfirmLostStateLocked(int worker, int64_t step) {
   if (!fresh_ || worker < 0 || worker >= options_.num_workers) return false;
   ahead_of_fresh_.insert(worker);
+  furthest_ahead_of_fresh_ = std::max(furthest_ahead_of_fresh_, step);
   return static_cast<int>(ahead_of_fresh_.size()) == options_.num_workers;
 }
 
@@ -201,7 +208,8 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
         const Block& block = *(*model)->blocks[push.local];
         const int64_t version = block.version.load();
         if (request.step <= version) continue;
-        if (recovering_ || ConfirmLostStateLocked(request.worker_id)) {
+        if (recovering_ ||
+            ConfirmLostStateLocked(request.worker_id, request.step)) {
           completed_a_step = FastForwardLocked(**model, request.step);
           break;
         }
@@ -618,7 +626,7 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
         const Block& block = *(*model)->blocks[local];
         const int64_t version = block.version.load();
         if (version + 1 >= step) continue;
-        if (recovering_ || ConfirmLostStateLocked(worker)) {
+        if (recovering_ || ConfirmLostStateLocked(worker, step)) {
           completed = FastForwardLocked(**model, step);
           break;
         }

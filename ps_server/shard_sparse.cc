@@ -147,7 +147,7 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
     if (options_.mode == ConsistencyMode::kSync) {
       const int64_t version = table->version.load();
       if (version + 1 < step &&
-          (recovering_ || ConfirmLostStateLocked(worker))) {
+          (recovering_ || ConfirmLostStateLocked(worker, step))) {
         completed = FastForwardLocked(**model, step);
       } else if (version + 1 < step && fresh_) {
         const absl::Status behind =
@@ -309,7 +309,7 @@ absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,
     absl::MutexLock lock(&mu_);
     const int64_t version = table.version.load();
     if (step <= version) return absl::OkStatus();
-    if (recovering_ || ConfirmLostStateLocked(request.worker_id())) {
+    if (recovering_ || ConfirmLostStateLocked(request.worker_id(), step)) {
       completed = FastForwardLocked(model, step);
     } else if (fresh_) {
       return FreshShardBehindLocked("sparse push", step, version);

@@ -864,6 +864,52 @@ TEST(ShardSyncTest, AFreshShardTakesTheJobsStepOnlyWhenEveryWorkerIsAhead) {
   EXPECT_EQ(f.shard->Stats().version(), 8);
 }
 
+HeartbeatRequest HeartbeatAt(int worker, int64_t pulled_step) {
+  HeartbeatRequest request;
+  request.set_worker_id(worker);
+  request.set_step(pulled_step);
+  return request;
+}
+
+// The fused PushPull deadlock (a CI hang): worker 0's push of step 7 to the
+// restarted shard is refused, and workers 1 and 2 wait in a live shard's
+// step 8 for worker 0, so they never come to this shard with a request.
+// Their heartbeats say they pulled step 8: the shard takes it, and worker
+// 0's push of step 7 (given to the previous life) is counted late.
+TEST(ShardSyncTest,
+     AFreshShardTakesTheJobsStepFromHeartbeatsOfWorkersHeldElsewhere) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 3);
+  EXPECT_EQ(DoPush(*f.shard, UniformPush(0, 7, 1)).status().code(),
+            absl::StatusCode::kUnavailable);
+  // A heartbeat of a worker at the shard's step, or from an older worker
+  // (no step), says nothing.
+  ASSERT_TRUE(f.shard->Heartbeat(HeartbeatAt(1, 0)).ok());
+  ASSERT_TRUE(f.shard->Heartbeat(HeartbeatAt(2, 0)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 0);
+  ASSERT_TRUE(f.shard->Heartbeat(HeartbeatAt(1, 8)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 0);  // worker 2 has not come ahead
+  ASSERT_TRUE(f.shard->Heartbeat(HeartbeatAt(2, 8)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 8);
+  EXPECT_EQ(f.shard->Stats().steps_lost(), 8);
+  absl::StatusOr<PushResponse> retried = DoPush(*f.shard, UniformPush(0, 7, 1));
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_EQ(retried->blocks_late(), 3);
+  auto pulled = DoPull(*f.shard, PullAt(0, 8), Soon());
+  EXPECT_TRUE(pulled->status.ok()) << pulled->status;
+}
+
+// One client alone, by heartbeats too, cannot move a new job's shard.
+TEST(ShardSyncTest, OneWorkersHeartbeatsDoNotMoveAFreshShard) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  ASSERT_TRUE(f.shard->Heartbeat(HeartbeatAt(1, 500)).ok());
+  ASSERT_TRUE(f.shard->Heartbeat(HeartbeatAt(1, 501)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 0);
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());  // the job's step
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 1);
+  EXPECT_EQ(f.shard->Stats().steps_lost(), 0);
+}
+
 TEST(ShardSyncTest, SkippedNonFiniteGradientStillCountsTowardQuorum) {
   ShardOptions options;
   options.num_workers = 2;

@@ -447,10 +447,11 @@ void PsClient::HeartbeatLoop() {
   HeartbeatRequest request;
   request.set_worker_id(worker_id_);
   request.set_incarnation(incarnation_);
-  const std::string bytes = request.SerializeAsString();
   absl::Time last_warning = absl::InfinitePast();
   while (!stop_heartbeats_.WaitForNotificationWithTimeout(
       options_.heartbeat_interval)) {
+    request.set_step(furthest_pulled_step_.load());
+    const std::string bytes = request.SerializeAsString();
     std::vector<Call> calls(num_shards());
     for (int s = 0; s < num_shards(); ++s) {
       calls[s].shard = s;

@@ -318,8 +318,9 @@ class PsClient {
       bool exact_values = false);
   static PushResult SumPushResponses(
       const std::vector<PushResponse>& responses);
-  // What Pull returns once the pull of `step` is in (see Pull).
-  int64_t PulledStep(int64_t step) const;
+  // What Pull returns once the pull of `step` is in (see Pull); also kept
+  // as the furthest step pulled, which the heartbeats carry.
+  int64_t RecordPulledStep(int64_t step);
   // Sends `pushed` again, each with inject_duplicate_push_probability.
   absl::Status InjectDuplicatePushes(const std::vector<Call>& pushed);
   // A PushPull call's data-plane request and answer handling
@@ -417,6 +418,8 @@ class PsClient {
   ModelSchema schema_;
   std::vector<Group> groups_;
   std::vector<int64_t> block_versions_;  // per global block, from Pull
+  // Read by the heartbeat thread (HeartbeatRequest.step).
+  std::atomic<int64_t> furthest_pulled_step_{0};
   // Reused across steps: encoded gradients when the wire type is not fp32.
   std::vector<std::string> encoded_;
   // TOPK_FLOAT32: per global block, the gradient not sent yet.

@@ -139,13 +139,20 @@ std::vector<PsClient::Call> PsClient::PullCalls(
   return calls;
 }
 
-int64_t PsClient::PulledStep(int64_t step) const {
-  if (mode_ != "sync") return step;
-  // Blocks past `step` mean the job moved on without this worker: continue
-  // from the step every block is at.
-  int64_t at = std::numeric_limits<int64_t>::max();
-  for (int64_t version : block_versions_) at = std::min(at, version);
-  return block_versions_.empty() ? step : std::max(at, step);
+int64_t PsClient::RecordPulledStep(int64_t step) {
+  int64_t pulled = step;
+  if (mode_ == "sync" && !block_versions_.empty()) {
+    // Blocks past `step` mean the job moved on without this worker:
+    // continue from the step every block is at.
+    int64_t at = std::numeric_limits<int64_t>::max();
+    for (int64_t version : block_versions_) at = std::min(at, version);
+    pulled = std::max(at, step);
+  }
+  int64_t furthest = furthest_pulled_step_.load();
+  while (pulled > furthest &&
+         !furthest_pulled_step_.compare_exchange_weak(furthest, pulled)) {
+  }
+  return pulled;
 }
 
 absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
@@ -157,7 +164,7 @@ absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
       !s.ok()) {
     return s;
   }
-  return PulledStep(step);
+  return RecordPulledStep(step);
 }
 
 absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
@@ -327,7 +334,7 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
   PushPullResult result;
   result.pushed = SumPushResponses(responses);
   if (absl::Status s = InjectDuplicatePushes(calls); !s.ok()) return s;
-  result.pulled_step = PulledStep(pull_step);
+  result.pulled_step = RecordPulledStep(pull_step);
   return result;
 }
 
@@ -384,7 +391,13 @@ absl::Status PsClient::PullSparse(int table, int64_t step,
       return absl::OkStatus();
     };
   }
-  return RunAll("SparsePull", calls, options_.rpc_timeout, /*retry=*/true);
+  if (absl::Status s =
+          RunAll("SparsePull", calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  RecordPulledStep(step);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
