@@ -77,7 +77,35 @@ std::vector<float>& PackBuffer() {
   return buffer;
 }
 
+std::vector<float>& Bf16Buffer(int which) {
+  thread_local std::vector<float> buffers[2];
+  return buffers[which];
+}
+
+// A's or B's elements (`count`) rounded to bfloat16, in a reused buffer.
+const float* RoundedToBf16(int which, const float* x, int64_t count) {
+  std::vector<float>& rounded = Bf16Buffer(which);
+  rounded.resize(count);
+  for (int64_t i = 0; i < count; ++i) rounded[i] = RoundToBf16(x[i]);
+  return rounded.data();
+}
+
 }  // namespace
+
+float RoundToBf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u) {
+    // Infinity keeps its zero mantissa; a NaN whose payload is only in the
+    // dropped half is kept a NaN by its quiet bit.
+    if ((bits & 0x007fffffu) != 0) bits |= 0x00400000u;
+  } else {
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+  }
+  bits &= 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
 
 int AvailableCores() {
   cpu_set_t set;
@@ -93,7 +121,15 @@ int SetCpuGemmThreads(int threads) {
 }
 
 std::string CpuBackend::Name() const {
-  return gemm_ == CpuGemm::kBlas ? "cpu" : "cpu_reference";
+  switch (gemm_) {
+    case CpuGemm::kBlas:
+      return "cpu";
+    case CpuGemm::kReference:
+      return "cpu_reference";
+    case CpuGemm::kBf16Inputs:
+      return "cpu bf16 inputs";
+  }
+  return "cpu";
 }
 
 absl::StatusOr<void*> CpuBackend::Allocate(size_t bytes) {
@@ -152,7 +188,11 @@ absl::Status CpuBackend::Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n,
 
   // k == 0 and alpha == 0 stay on the path below: BLAS rejects a leading
   // dimension of 0, and the reference's beta handling is already exact.
-  if (gemm_ == CpuGemm::kBlas && k > 0 && alpha != 0.0f) {
+  if (gemm_ == CpuGemm::kBf16Inputs && k > 0 && alpha != 0.0f) {
+    a = RoundedToBf16(0, a, m * k);
+    b = RoundedToBf16(1, b, k * n);
+  }
+  if (gemm_ != CpuGemm::kReference && k > 0 && alpha != 0.0f) {
     // OpenBLAS overwrites C when beta == 0 (stale NaN never leaks), as the
     // interface requires; cpu_backend_test checks it.
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,

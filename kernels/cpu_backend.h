@@ -27,7 +27,16 @@ namespace pstrain::kernels {
 enum class CpuGemm {
   kBlas,       // cblas_sgemm from OpenBLAS: fast, float accumulation
   kReference,  // the exact hand-written kernel
+  // A and B rounded to bfloat16 (to nearest, ties to even), then kBlas: the
+  // CPU reference of the CUDA backend's --precision=bf16 GEMMs, which round
+  // the same way and accumulate in float. A bf16 x bf16 product is exact in
+  // float, so the two differ only in summation order. For tests.
+  kBf16Inputs,
 };
+
+// `x` rounded to the nearest bfloat16 (ties to even), as a float; NaN stays
+// NaN and what overflows becomes infinity, as __float2bfloat16_rn does.
+float RoundToBf16(float x);
 
 // Sets the threads OpenBLAS uses, for the whole process (OpenBLAS has one
 // pool); threads <= 0 means the cores this process may run on. Returns the

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
@@ -65,6 +66,54 @@ void ExpectNear(const std::vector<float>& actual,
 TEST(CpuBackendTest, Name) {
   EXPECT_EQ(CpuBackend().Name(), "cpu");
   EXPECT_EQ(CpuBackend(CpuGemm::kReference).Name(), "cpu_reference");
+  EXPECT_EQ(CpuBackend(CpuGemm::kBf16Inputs).Name(), "cpu bf16 inputs");
+}
+
+// bfloat16 keeps 8 significant bits: the step between 1 and 2 is 2^-7.
+TEST(RoundToBf16Test, RoundsToNearestWithTiesToEven) {
+  EXPECT_EQ(RoundToBf16(1.0f), 1.0f);
+  EXPECT_EQ(RoundToBf16(1.0f + 0x1p-9f), 1.0f);  // below half
+  EXPECT_EQ(RoundToBf16(1.0f + 0x1p-8f), 1.0f);  // tie: even
+  EXPECT_EQ(RoundToBf16(1.0f + 0x1p-8f + 0x1p-20f), 1.0f + 0x1p-7f);
+  EXPECT_EQ(RoundToBf16(1.0f + 3 * 0x1p-8f), 1.0f + 0x1p-6f);  // tie: even
+  EXPECT_EQ(RoundToBf16(-1.0f - 0x1p-8f - 0x1p-20f), -1.0f - 0x1p-7f);
+  EXPECT_EQ(RoundToBf16(0.0f), 0.0f);
+  EXPECT_EQ(RoundToBf16(std::numeric_limits<float>::infinity()),
+            std::numeric_limits<float>::infinity());
+  EXPECT_EQ(RoundToBf16(std::numeric_limits<float>::max()),
+            std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(RoundToBf16(kNaN)));
+  uint32_t low_payload_nan_bits = 0x7f800001u;  // all of it in the low half
+  float low_payload_nan;
+  std::memcpy(&low_payload_nan, &low_payload_nan_bits, sizeof(float));
+  EXPECT_TRUE(std::isnan(RoundToBf16(low_payload_nan)));
+}
+
+// The bf16-inputs GEMM is the exact product of the rounded inputs (small
+// integers times rounded fractions, so float sums are exact too).
+TEST(CpuBackendTest, Bf16InputsGemmMultipliesTheRoundedInputs) {
+  const std::vector<float> a = {1.0f + 0x1p-9f, 2, 3 + 0x1p-5f, 4};
+  const std::vector<float> b = {5, 6 + 0x1p-6f, 7, 8};
+  std::vector<float> rounded_a, rounded_b;
+  for (float x : a) rounded_a.push_back(RoundToBf16(x));
+  for (float x : b) rounded_b.push_back(RoundToBf16(x));
+  ASSERT_NE(rounded_a, a);
+  ASSERT_NE(rounded_b, b);
+  for (bool trans_a : {false, true}) {
+    for (bool trans_b : {false, true}) {
+      SCOPED_TRACE(absl::StrCat("trans_a ", trans_a, " trans_b ", trans_b));
+      std::vector<float> want(4, kNaN), got(4, kNaN);
+      ASSERT_TRUE(CpuBackend(CpuGemm::kReference)
+                      .Gemm(trans_a, trans_b, 2, 2, 2, 1.0f, rounded_a.data(),
+                            rounded_b.data(), 0.0f, want.data())
+                      .ok());
+      ASSERT_TRUE(CpuBackend(CpuGemm::kBf16Inputs)
+                      .Gemm(trans_a, trans_b, 2, 2, 2, 1.0f, a.data(), b.data(),
+                            0.0f, got.data())
+                      .ok());
+      EXPECT_EQ(got, want);
+    }
+  }
 }
 
 // The GEMM tests run on both CPU GEMMs: OpenBLAS (what training uses) must

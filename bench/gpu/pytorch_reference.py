@@ -113,7 +113,7 @@ def main():
         "ms_per_step": round(ms, 4),
         "examples_per_s": round(args.batch_size / ms * 1e3, 1),
         "final_loss": round(loss, 6),
-    }))
+    }, separators=(",", ":")))  # compact, as check.sh's json_field reads it
     return 0
 
 
