@@ -438,6 +438,127 @@ TEST(CheckpointRecoveryTest, AFastForwardAnswersASparsePullWaitingOnIt) {
   for (auto& client : clients) EXPECT_TRUE(client->Leave().ok());
 }
 
+// Issue 24, a CI hang: with the fused per-shard PushPull, a sync shard can
+// die after taking workers 1 and 2's pushes of step 7 and before worker 0's.
+// Restarted with nothing to restore, it refuses worker 0's push of step 7
+// until every worker has come ahead of it; workers 1 and 2 wait in shard
+// 0's step 7 for worker 0's push there (their refused shard-1 halves are
+// retried only after), so they send the restarted shard no request. Forced
+// here in that order; the restarted shard learns from their heartbeats that
+// they pulled step 7, takes the step, and the job goes on.
+TEST(CheckpointRecoveryTest, AFreshShardCountsWorkersHeldInALiveShardsStep) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 3;
+  options.server_flags = {"--learning_rate=0.1", "--max_pull_wait_s=60"};
+  auto cluster = StartCluster(options, "fresh_shard_held_workers");
+  ASSERT_NE(cluster, nullptr);
+
+  ModelSchema schema;
+  schema.set_seed(kSeed);
+  schema.set_block_elements(4);
+  for (const char* name : {"a", "b"}) {  // block 0 on shard 0, 1 on shard 1
+    DenseTensorSpec* tensor = schema.add_dense();
+    tensor->set_name(name);
+    tensor->add_shape(4);
+    tensor->mutable_init()->set_kind(InitSpec::CONSTANT);
+    tensor->mutable_init()->set_value(1.0f);
+  }
+  ASSERT_EQ(ShardOfBlock(0, 2), 0);
+  ASSERT_EQ(ShardOfBlock(1, 2), 1);
+  constexpr int kWorkers = 3;
+  std::vector<std::unique_ptr<PsClient>> clients;
+  for (int k = 0; k < kWorkers; ++k) {
+    PsClientOptions client_options;
+    client_options.hosts = cluster->HostList();
+    client_options.heartbeat_interval = absl::Milliseconds(200);
+    client_options.rpc_timeout = absl::Seconds(60);
+    // Without the heartbeats' step, worker 0's push below is refused for
+    // all of it, and the test fails here instead of hanging.
+    client_options.retry_window = absl::Seconds(20);
+    absl::StatusOr<std::unique_ptr<PsClient>> client =
+        PsClient::Create(client_options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->Register(schema, kWorkers, k).ok());
+    clients.push_back(std::move(*client));
+  }
+  for (auto& client : clients) ASSERT_TRUE(client->AwaitJobStart().ok());
+
+  std::vector<std::vector<float>> a(kWorkers, std::vector<float>(4)),
+      b(kWorkers, std::vector<float>(4));
+  const std::vector<float> gradient(4, 0.5f);
+  auto tensors = [&](int k) {
+    return std::vector<float*>{a[k].data(), b[k].data()};
+  };
+  const std::vector<const float*> gradients = {gradient.data(),
+                                               gradient.data()};
+  // Steps 0-6 everywhere; pushes never wait in sync mode.
+  for (int k = 0; k < kWorkers; ++k) {
+    ASSERT_TRUE(clients[k]->Pull(0, tensors(k)).ok());
+  }
+  for (int64_t step = 0; step < 7; ++step) {
+    for (int k = 0; k < kWorkers; ++k) {
+      ASSERT_TRUE(clients[k]->Push(step, gradients).ok()) << step;
+    }
+    for (int k = 0; k < kWorkers; ++k) {
+      ASSERT_TRUE(clients[k]->Pull(step + 1, tensors(k)).ok()) << step;
+    }
+  }
+
+  // Workers 1 and 2 end step 7 with one PushPull to both shards; each
+  // shard takes their pushes, and their pulls of step 8 wait for worker 0.
+  absl::Status held_status[kWorkers];
+  std::vector<std::thread> held;
+  for (int k = 1; k < kWorkers; ++k) {
+    held.emplace_back([&, k] {
+      held_status[k] =
+          clients[k]->PushPull(7, gradients, 8, tensors(k)).status();
+    });
+  }
+  const absl::Status parked = cluster->WaitForStats(
+      [](const StatsResponse& s) { return s.waiting_pulls() == 2; },
+      absl::Seconds(30));
+  ASSERT_TRUE(parked.ok()) << parked;
+
+  // Shard 1 dies with their pushes and comes back with nothing: their
+  // shard-1 halves fail, to be retried once shard 0 answers.
+  cluster->KillServer(1);
+  const absl::Status restarted = cluster->RestartServer(1);
+  ASSERT_TRUE(restarted.ok()) << restarted;
+
+  // Worker 0 pushes step 7 to the restarted shard first ("b"), then to
+  // shard 0 ("a"), whose step then completes and answers workers 1 and 2.
+  const absl::StatusOr<PsClient::PushResult> to_fresh =
+      clients[0]->Push(7, gradients, /*only=*/{1});
+  EXPECT_TRUE(to_fresh.ok())
+      << "the restarted shard refused worker 0 while workers 1 and 2 waited "
+         "in shard 0 for it: "
+      << to_fresh.status();
+  if (!to_fresh.ok()) {
+    for (auto& client : clients) client->Interrupt();
+    for (std::thread& t : held) t.join();
+    FAIL();
+  }
+  ASSERT_TRUE(clients[0]->Push(7, gradients, /*only=*/{0}).ok());
+  for (std::thread& t : held) t.join();
+  for (int k = 1; k < kWorkers; ++k) {
+    EXPECT_TRUE(held_status[k].ok())
+        << "worker " << k << ": " << held_status[k];
+  }
+  absl::StatusOr<int64_t> pulled = clients[0]->Pull(8, tensors(0));
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(*pulled, 8);
+
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ((*stats)[0].version(), 8);
+  EXPECT_EQ((*stats)[1].version(), 8);
+  EXPECT_EQ((*stats)[1].steps_lost(), 7);  // steps 0-6 died with it
+  EXPECT_THAT(cluster->server(1).Stderr(),
+              ::testing::HasSubstr("this shard takes it"));
+  for (auto& client : clients) EXPECT_TRUE(client->Leave().ok());
+}
+
 // A shard restarted with nothing to restore (killed before its first
 // checkpoint, or run without --checkpoint_dir) meets workers already at
 // step s. It takes their step with its initial values, counts what it
