@@ -191,10 +191,12 @@ TEST(CheckpointRecoveryTest, KilledServerRestartsFromItsCheckpoint) {
   // It came back from the checkpoint it was killed after, not an older one,
   // and lost only the steps taken since: up to an interval until the next
   // checkpoint, plus the steps the job takes between this test seeing the
-  // checkpoint and the kill landing (several at the data plane's speed).
+  // checkpoint and the kill landing (several at the data plane's speed),
+  // plus the step in flight: a worker whose push of step s died with the
+  // shard comes back pulling s + 1, and step s counts as lost too.
   EXPECT_GE(RestoredStep(cluster->server(1).Stderr()), 40);
   const int64_t lost = (*stats)[1].steps_lost();
-  EXPECT_LE(lost, 2 * kInterval);
+  EXPECT_LE(lost, 2 * kInterval + 1);
   EXPECT_EQ((*stats)[0].steps_lost(), 0);
   std::cout << "[ recovery ] shard 1 killed at step >= 40 and restored; "
             << lost << " step(s) lost (interval " << kInterval << ")\n";
@@ -242,9 +244,9 @@ TEST(CheckpointRecoveryTest, CtrJobSurvivesAServerRestart) {
   absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ((*stats)[1].version(), 400);
-  // As in KilledServerRestartsFromItsCheckpoint.
+  // As in KilledServerRestartsFromItsCheckpoint (a CI run lost 21).
   EXPECT_GE(RestoredStep(cluster->server(1).Stderr()), 30);
-  EXPECT_LE((*stats)[1].steps_lost(), 2 * 10);
+  EXPECT_LE((*stats)[1].steps_lost(), 2 * 10 + 1);
   // The trained embedding rows came back, not fresh ones.
   EXPECT_THAT(
       cluster->server(1).Stderr(),
