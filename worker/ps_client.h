@@ -319,8 +319,10 @@ class PsClient {
   static PushResult SumPushResponses(
       const std::vector<PushResponse>& responses);
   // What Pull returns once the pull of `step` is in (see Pull); also kept
-  // as the furthest step pulled, which the heartbeats carry.
+  // as the furthest step pulled (NoteFurthestPulled).
   int64_t RecordPulledStep(int64_t step);
+  // Raises the furthest step pulled, which the heartbeats carry, to `step`.
+  void NoteFurthestPulled(int64_t step);
   // Sends `pushed` again, each with inject_duplicate_push_probability.
   absl::Status InjectDuplicatePushes(const std::vector<Call>& pushed);
   // A PushPull call's data-plane request and answer handling

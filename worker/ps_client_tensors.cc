@@ -148,11 +148,15 @@ int64_t PsClient::RecordPulledStep(int64_t step) {
     for (int64_t version : block_versions_) at = std::min(at, version);
     pulled = std::max(at, step);
   }
-  int64_t furthest = furthest_pulled_step_.load();
-  while (pulled > furthest &&
-         !furthest_pulled_step_.compare_exchange_weak(furthest, pulled)) {
-  }
+  NoteFurthestPulled(pulled);
   return pulled;
+}
+
+void PsClient::NoteFurthestPulled(int64_t step) {
+  int64_t furthest = furthest_pulled_step_.load();
+  while (step > furthest &&
+         !furthest_pulled_step_.compare_exchange_weak(furthest, step)) {
+  }
 }
 
 absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
@@ -396,7 +400,9 @@ absl::Status PsClient::PullSparse(int table, int64_t step,
       !s.ok()) {
     return s;
   }
-  RecordPulledStep(step);
+  // Not RecordPulledStep: it reads the dense pulls' block versions, which
+  // a dense Pull on another thread may be writing.
+  NoteFurthestPulled(step);
   return absl::OkStatus();
 }
 
