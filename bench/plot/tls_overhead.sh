@@ -14,7 +14,7 @@
 #    --metrics_csv rows, first 10% dropped as warm-up).
 #
 #   bench/plot/tls_overhead.sh [--ps_bench=PATH] [--bench_sizes=N,...]
-#       [--bench_repeats=R] [--ktls] [--jobs [--bin_dir=DIR] [--sizes=N,...]
+#       [--bench_repeats=R] [--ktls] [--pin_cpu=N] [--jobs [--bin_dir=DIR] [--sizes=N,...]
 #       [--steps=N] [--repeats=R]]
 #
 #   --ps_bench      the ps_bench binary (default: bazel-bin's; build it with
@@ -23,6 +23,10 @@
 #                   16777216)
 #   --bench_repeats ps_bench --repeats (default 3; medians are reported)
 #   --ktls          ask for kernel TLS on both ends (--data_plane_ktls)
+#   --pin_cpu       run ps_bench and its servers on CPU N alone (taskset): on a
+#                   VM, small round trips are mostly cross-CPU wake-ups whose
+#                   p50 moves 2-4x with load; pinned, the 4 KiB p50s are stable
+#                   to 0.1 us and show the CPU cost of TLS (part 1 only)
 #   --jobs          also run part 2:
 #   --bin_dir       ps_server and worker to run (default: bazel-bin's)
 #   --sizes         model sizes in floats (default 1000,262144,1048576:
@@ -46,6 +50,7 @@ ps_bench="$repo/bazel-bin/bench/transport/ps_bench"
 bench_sizes=4096,1048576,4194304,16777216
 bench_repeats=3
 ktls=false
+pin_cpu=""
 jobs=false
 sizes=1000,262144,1048576
 steps=300
@@ -58,6 +63,7 @@ for arg in "$@"; do
     --bench_sizes=*) bench_sizes=${arg#*=} ;;
     --bench_repeats=*) bench_repeats=${arg#*=} ;;
     --ktls) ktls=true ;;
+    --pin_cpu=*) pin_cpu=${arg#*=} ;;
     --jobs) jobs=true ;;
     --sizes=*) sizes=${arg#*=} ;;
     --steps=*) steps=${arg#*=} ;;
@@ -69,6 +75,13 @@ done
 [[ $sizes =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || usage_error "--sizes must be positive integers separated by commas"
 [[ $bench_sizes =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || usage_error "--bench_sizes must be positive integers separated by commas"
 [[ $bench_repeats =~ ^[1-9][0-9]*$ ]] || usage_error "--bench_repeats must be a positive integer"
+[[ -z $pin_cpu || $pin_cpu =~ ^[0-9]+$ ]] || usage_error "--pin_cpu must be a CPU number, got '$pin_cpu'"
+pin=()
+if [[ -n $pin_cpu ]]; then
+  command -v taskset >/dev/null || usage_error "--pin_cpu needs taskset (Debian: util-linux)"
+  taskset -c "$pin_cpu" true 2>/dev/null || usage_error "--pin_cpu: CPU $pin_cpu is not available to this process"
+  pin=(taskset -c "$pin_cpu")
+fi
 [[ -x $ps_bench ]] || usage_error "no ps_bench at $ps_bench (bazel build //bench/transport:ps_bench, or --ps_bench=PATH)"
 bin_args=()
 [[ -z "$bin_dir" ]] || bin_args=(--bin_dir="$bin_dir")
@@ -96,10 +109,11 @@ run() {
     "$(tail -n +$((skip + 1)) "$dir/worker0.csv" | cut -d, -f7 | median)"
 }
 
-printf '# part 1: ps_bench --tls_dir, sizes %s, %s repeat(s), kernel TLS requested: %s\n' "$bench_sizes" "$bench_repeats" "$ktls"
+printf '# part 1: ps_bench --tls_dir, sizes %s, %s repeat(s), kernel TLS requested: %s, pinned to CPU: %s\n' \
+  "$bench_sizes" "$bench_repeats" "$ktls" "${pin_cpu:-no}"
 ktls_args=()
 ! $ktls || ktls_args=(--ktls)
-"$ps_bench" --tls_dir="$tmp/tls" --sizes="$bench_sizes" --repeats="$bench_repeats" \
+${pin[@]+"${pin[@]}"} "$ps_bench" --tls_dir="$tmp/tls" --sizes="$bench_sizes" --repeats="$bench_repeats" \
   ${ktls_args[@]+"${ktls_args[@]}"} 2>"$tmp/ps_bench.log" || { tail -n 40 "$tmp/ps_bench.log" >&2; exit 1; }
 $jobs || exit 0
 echo
