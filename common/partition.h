@@ -20,6 +20,11 @@
 
 namespace pstrain {
 
+// The worker's --block_elements default (512 KiB of float32): what a model
+// registered without choosing gets, and what bench/transport/ps_bench
+// measures unless told otherwise.
+constexpr int64_t kDefaultBlockElements = int64_t{1} << 17;
+
 struct BlockLocation {
   int tensor = 0;      // index into schema.dense()
   int64_t block = 0;   // index of the block within its tensor

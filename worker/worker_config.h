@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/partition.h"
 #include "kernels/backend.h"
 #include "worker/client_config.h"
 #include "worker/eval_only.h"
@@ -54,7 +55,7 @@ struct ModelConfig {
   // --device, --precision, --cpu_threads.
   kernels::BackendOptions backend;
   // Dense tensors are cut into blocks of this many floats.
-  int64_t block_elements = 1 << 17;
+  int64_t block_elements = kDefaultBlockElements;
 };
 
 // The training loop.

@@ -70,6 +70,7 @@
 #include "bench/transport/grpc_floor.h"
 #include "common/cli.h"
 #include "common/grpc_tuning.h"
+#include "common/partition.h"
 #include "common/socket.h"
 #include "common/tensor_codec.h"
 #include "common/tls.h"
@@ -118,7 +119,7 @@ ABSL_FLAG(int, clients, 1,
           "Client threads, each with its own PsClient and worker_id (and its "
           "own TCP connection and gRPC channel for the baselines); goodput is "
           "aggregated over them.");
-ABSL_FLAG(int64_t, block_elements, 1 << 18,
+ABSL_FLAG(int64_t, block_elements, pstrain::kDefaultBlockElements,
           "Schema block size in elements (the worker's --block_elements "
           "default).");
 ABSL_FLAG(std::string, tls_dir, "",
