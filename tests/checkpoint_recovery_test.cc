@@ -86,6 +86,33 @@ std::vector<std::vector<float>> PullModel(TestCluster& cluster, int64_t step) {
   return tensors;
 }
 
+// `num_workers` clients stepping by hand, registered with `schema` and past
+// the job's start, heartbeating every 200 ms.
+absl::StatusOr<std::vector<std::unique_ptr<PsClient>>> StartedClients(
+    TestCluster& cluster, const ModelSchema& schema, int num_workers,
+    absl::Duration retry_window) {
+  std::vector<std::unique_ptr<PsClient>> clients;
+  for (int k = 0; k < num_workers; ++k) {
+    PsClientOptions client_options;
+    client_options.hosts = cluster.HostList();
+    client_options.heartbeat_interval = absl::Milliseconds(200);
+    client_options.rpc_timeout = absl::Seconds(60);
+    client_options.retry_window = retry_window;
+    absl::StatusOr<std::unique_ptr<PsClient>> client =
+        PsClient::Create(client_options);
+    if (!client.ok()) return client.status();
+    if (auto registered = (*client)->Register(schema, num_workers, k);
+        !registered.ok()) {
+      return registered.status();
+    }
+    clients.push_back(std::move(*client));
+  }
+  for (auto& client : clients) {
+    if (absl::Status s = client->AwaitJobStart(); !s.ok()) return s;
+  }
+  return clients;
+}
+
 std::unique_ptr<TestCluster> StartCluster(const ClusterOptions& options,
                                           const std::string& name) {
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
@@ -312,20 +339,10 @@ TEST(CheckpointRecoveryTest, AFastForwardAnswersASparsePullWaitingOnIt) {
     }
   }
 
-  std::vector<std::unique_ptr<PsClient>> clients;
-  for (int k = 0; k < 2; ++k) {
-    PsClientOptions client_options;
-    client_options.hosts = cluster->HostList();
-    client_options.heartbeat_interval = absl::Milliseconds(200);
-    client_options.rpc_timeout = absl::Seconds(60);
-    client_options.retry_window = absl::Seconds(60);
-    absl::StatusOr<std::unique_ptr<PsClient>> client =
-        PsClient::Create(client_options);
-    ASSERT_TRUE(client.ok()) << client.status();
-    ASSERT_TRUE((*client)->Register(schema, 2, k).ok());
-    clients.push_back(std::move(*client));
-  }
-  for (auto& client : clients) ASSERT_TRUE(client->AwaitJobStart().ok());
+  absl::StatusOr<std::vector<std::unique_ptr<PsClient>>> started =
+      StartedClients(*cluster, schema, 2, absl::Seconds(60));
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::vector<std::unique_ptr<PsClient>>& clients = *started;
 
   struct Worker {
     std::vector<float> rows = std::vector<float>(8), w = std::vector<float>(8);
@@ -469,22 +486,12 @@ TEST(CheckpointRecoveryTest, AFreshShardCountsWorkersHeldInALiveShardsStep) {
   ASSERT_EQ(ShardOfBlock(0, 2), 0);
   ASSERT_EQ(ShardOfBlock(1, 2), 1);
   constexpr int kWorkers = 3;
-  std::vector<std::unique_ptr<PsClient>> clients;
-  for (int k = 0; k < kWorkers; ++k) {
-    PsClientOptions client_options;
-    client_options.hosts = cluster->HostList();
-    client_options.heartbeat_interval = absl::Milliseconds(200);
-    client_options.rpc_timeout = absl::Seconds(60);
-    // Without the heartbeats' step, worker 0's push below is refused for
-    // all of it, and the test fails here instead of hanging.
-    client_options.retry_window = absl::Seconds(20);
-    absl::StatusOr<std::unique_ptr<PsClient>> client =
-        PsClient::Create(client_options);
-    ASSERT_TRUE(client.ok()) << client.status();
-    ASSERT_TRUE((*client)->Register(schema, kWorkers, k).ok());
-    clients.push_back(std::move(*client));
-  }
-  for (auto& client : clients) ASSERT_TRUE(client->AwaitJobStart().ok());
+  // Without the heartbeats' step, worker 0's push below is refused for the
+  // whole retry window, and the test fails there instead of hanging.
+  absl::StatusOr<std::vector<std::unique_ptr<PsClient>>> started =
+      StartedClients(*cluster, schema, kWorkers, absl::Seconds(20));
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::vector<std::unique_ptr<PsClient>>& clients = *started;
 
   std::vector<std::vector<float>> a(kWorkers, std::vector<float>(4)),
       b(kWorkers, std::vector<float>(4));
