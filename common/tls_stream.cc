@@ -402,6 +402,22 @@ absl::Status TlsSession::WriteAll(absl::Span<const absl::string_view> pieces) {
   return absl::OkStatus();
 }
 
+absl::Status TlsSession::ReadAll(char* data, size_t size) {
+  while (size > 0) {
+    short want;
+    absl::StatusOr<size_t> got = Read(data, size, &want);
+    if (!got.ok()) return got.status();
+    // A blocking socket only wants more when SO_RCVTIMEO passed.
+    if (*got == 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("TLS read from ", peer_, " timed out"));
+    }
+    data += *got;
+    size -= *got;
+  }
+  return absl::OkStatus();
+}
+
 std::string KernelTlsUnavailableReason() {
   static const std::string* const reason = [] {
     int port = 0;

@@ -106,6 +106,9 @@ class TlsSession {
   // gathered into one write, so a small message is one TLS record and one
   // system call rather than one per piece.
   absl::Status WriteAll(absl::Span<const absl::string_view> pieces);
+  // Blocking socket: reads exactly `size` bytes. DEADLINE_EXCEEDED when
+  // SO_RCVTIMEO passed first; OUT_OF_RANGE when the peer closed.
+  absl::Status ReadAll(char* data, size_t size);
 
  private:
   TlsSession(std::shared_ptr<const TlsContext> context, SSL* ssl,

@@ -161,15 +161,7 @@ class Connection {
   }
   absl::Status ReadExactly(char* data, size_t size) {
     if (tls_ == nullptr) return RecvAll(fd_.get(), data, size);
-    while (size > 0) {
-      short want;
-      absl::StatusOr<size_t> got = tls_->Read(data, size, &want);
-      if (!got.ok()) return got.status();
-      if (*got == 0) return absl::DeadlineExceededError("read timed out");
-      data += *got;
-      size -= *got;
-    }
-    return absl::OkStatus();
+    return tls_->ReadAll(data, size);
   }
   absl::StatusOr<Answer> Read() {
     char header[data_plane::kResponseHeaderBytes];

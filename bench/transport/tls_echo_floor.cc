@@ -55,14 +55,7 @@ class End {
 
   absl::Status Receive(char* data, size_t size) {
     if (tls_ == nullptr) return RecvAll(fd_.get(), data, size);
-    while (size > 0) {
-      short want;
-      absl::StatusOr<size_t> got = tls_->Read(data, size, &want);
-      if (!got.ok()) return got.status();
-      data += *got;
-      size -= *got;
-    }
-    return absl::OkStatus();
+    return tls_->ReadAll(data, size);
   }
 
  private:
