@@ -20,6 +20,7 @@
 #include <openssl/evp.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,6 +33,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 
 namespace {
 
@@ -167,6 +172,11 @@ void Tune(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
+  // No wait without a deadline: a peer that stops answering fails the run
+  // (SendAll/RecvAll die on the error) instead of hanging it.
+  timeval timeout = {30, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
 }
 
 // A connected pair of loopback TCP sockets.
@@ -251,36 +261,58 @@ Result Run(size_t size, int connections, bool aead, int trips) {
   return {1e6 * seconds / trips, 1e6 * cpu / trips};
 }
 
-std::vector<long> ParseList(const char* text) {
+// Positive whole numbers from a flag's comma-separated list; exits 2 naming
+// the flag and the value otherwise.
+std::vector<long> PositiveList(const char* flag,
+                               const std::vector<std::string>& items) {
   std::vector<long> values;
-  for (const char* p = text; *p != '\0';) {
-    char* end;
-    values.push_back(std::strtol(p, &end, 10));
-    p = *end == ',' ? end + 1 : end;
-    if (end == p && *p != '\0') break;
+  for (const std::string& item : items) {
+    long value = 0;
+    if (!absl::SimpleAtoi(item, &value) || value <= 0) {
+      std::fprintf(stderr,
+                   "aead_floor: --%s must be positive whole numbers, got "
+                   "'%s'\n",
+                   flag, item.c_str());
+      std::exit(2);
+    }
+    values.push_back(value);
+  }
+  if (values.empty()) {
+    std::fprintf(stderr, "aead_floor: --%s is empty\n", flag);
+    std::exit(2);
   }
   return values;
 }
 
 }  // namespace
 
+ABSL_FLAG(std::vector<std::string>, sizes,
+          (std::vector<std::string>{"1048576", "4194304", "16777216"}),
+          "Bytes each way per round trip, comma-separated.");
+ABSL_FLAG(std::vector<std::string>, connections,
+          (std::vector<std::string>{"1", "4"}),
+          "Connection counts to split each round trip over, comma-separated.");
+ABSL_FLAG(double, seconds, 1, "About this long per size and count (> 0).");
+ABSL_FLAG(int, repeats, 5, "Repeats; medians are printed (>= 1).");
+ABSL_FLAG(int, batch_records, 16,
+          "Records sealed before each send() (>= 1; the data plane's TLS "
+          "write buffer holds 16).");
+
 int main(int argc, char** argv) {
-  std::vector<long> sizes = {1 << 20, 4 << 20, 16 << 20};
-  std::vector<long> connections = {1, 4};
-  double seconds = 1;
-  int repeats = 5;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg.rfind("--sizes=", 0) == 0) sizes = ParseList(argv[i] + 8);
-    if (arg.rfind("--connections=", 0) == 0) {
-      connections = ParseList(argv[i] + 14);
-    }
-    if (arg.rfind("--seconds=", 0) == 0) seconds = std::atof(argv[i] + 10);
-    if (arg.rfind("--repeats=", 0) == 0) repeats = std::atoi(argv[i] + 10);
-    if (arg.rfind("--batch_records=", 0) == 0) {
-      batch_records = std::max(1, std::atoi(argv[i] + 16));
-    }
+  absl::ParseCommandLine(argc, argv);
+  const std::vector<long> sizes =
+      PositiveList("sizes", absl::GetFlag(FLAGS_sizes));
+  const std::vector<long> connections =
+      PositiveList("connections", absl::GetFlag(FLAGS_connections));
+  const double seconds = absl::GetFlag(FLAGS_seconds);
+  const int repeats = absl::GetFlag(FLAGS_repeats);
+  if (!(seconds > 0) || repeats < 1 || absl::GetFlag(FLAGS_batch_records) < 1) {
+    std::fprintf(stderr,
+                 "aead_floor: --seconds must be > 0 and --repeats and "
+                 "--batch_records >= 1\n");
+    return 2;
   }
+  batch_records = static_cast<size_t>(absl::GetFlag(FLAGS_batch_records));
   double load[3] = {0, 0, 0};
   getloadavg(load, 3);
   std::printf(
