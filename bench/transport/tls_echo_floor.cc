@@ -11,6 +11,7 @@
 // Prints the p50 and p99 of each mode per repeat, interleaved, and the
 // median of the per-repeat p50 ratios.
 #include <sys/socket.h>
+#include <sys/time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -78,6 +79,13 @@ absl::StatusOr<Pair> Connect(std::shared_ptr<const TlsContext> server_context,
   if (!client.ok()) return client.status();
   ScopedFd server(accept(listener->get(), nullptr, nullptr));
   if (server.get() < 0) return absl::InternalError("accept failed");
+  // No wait without a deadline: a round trip whose peer stopped answering
+  // ends the run with DEADLINE_EXCEEDED (RecvAll, TlsSession::ReadAll).
+  const timeval timeout = {10, 0};
+  for (int fd : {client->get(), server.get()}) {
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  }
   if (server_context == nullptr) {
     return Pair{std::make_unique<End>(*std::move(client), nullptr),
                 std::make_unique<End>(std::move(server), nullptr)};
