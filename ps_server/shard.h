@@ -42,6 +42,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -310,7 +311,8 @@ class Shard {
   // A fresh shard (fresh_) met by `worker` at `step`, past what it holds:
   // true once every expected worker has been, and the shard may take the
   // job's step (FastForwardLocked moves to the furthest step any of them
-  // came with); until then the caller refuses with FreshShardBehind.
+  // came with, at most one past the nearest); until then the caller
+  // refuses with FreshShardBehind.
   bool ConfirmLostStateLocked(int worker, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status FreshShardBehindLocked(absl::string_view what, int64_t step,
@@ -405,7 +407,10 @@ class Shard {
   // their step: ConfirmLostStateLocked); one client alone cannot move it.
   bool fresh_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<int> ahead_of_fresh_ ABSL_GUARDED_BY(mu_);
+  // The steps they came with, furthest and nearest (ConfirmLostStateLocked).
   int64_t furthest_ahead_of_fresh_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t nearest_ahead_of_fresh_ ABSL_GUARDED_BY(mu_) =
+      std::numeric_limits<int64_t>::max();
   // A restored shard may have lost gradients of steps up to this one (the
   // steps in flight when it crashed); -1 when it never restored.
   int64_t recovery_horizon_ ABSL_GUARDED_BY(mu_) = -1;

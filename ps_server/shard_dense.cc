@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <iterator>
+#include <limits>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -116,7 +117,12 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   // A fresh shard takes the furthest step a worker came with: a worker
   // behind it has pushed its own step to this shard's previous life, and
   // waiting for that push again could wait on workers held by the one ahead.
-  step = std::max(step, furthest_ahead_of_fresh_);
+  // Sync workers are at most a step apart (a pull one past the push), so a
+  // step further than one past the nearest is no worker's: one bad client
+  // cannot send the shard to a step the job never reaches.
+  if (!ahead_of_fresh_.empty()) {
+    step = std::min(furthest_ahead_of_fresh_, nearest_ahead_of_fresh_ + 1);
+  }
   int64_t lost = 0;
   bool moved = false;
   for (const auto& block : model.blocks) {
@@ -155,6 +161,7 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   fresh_ = false;
   ahead_of_fresh_.clear();
   furthest_ahead_of_fresh_ = 0;
+  nearest_ahead_of_fresh_ = std::numeric_limits<int64_t>::max();
   recovery_horizon_ = std::max(recovery_horizon_, step);
   return moved;
 }
@@ -163,6 +170,7 @@ bool Shard::ConfirmLostStateLocked(int worker, int64_t step) {
   if (!fresh_ || worker < 0 || worker >= options_.num_workers) return false;
   ahead_of_fresh_.insert(worker);
   furthest_ahead_of_fresh_ = std::max(furthest_ahead_of_fresh_, step);
+  nearest_ahead_of_fresh_ = std::min(nearest_ahead_of_fresh_, step);
   return static_cast<int>(ahead_of_fresh_.size()) == options_.num_workers;
 }
 

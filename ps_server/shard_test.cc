@@ -898,6 +898,19 @@ TEST(ShardSyncTest,
   EXPECT_TRUE(pulled->status.ok()) << pulled->status;
 }
 
+// A worker id that claims a step far past the others' (a bug, or a bad
+// client) does not send the shard there: sync workers are at most a step
+// apart, so the shard goes no further than one past the nearest.
+TEST(ShardSyncTest, AFreshShardGoesAtMostOneStepPastTheNearestWorker) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 3);
+  EXPECT_EQ(DoPush(*f.shard, UniformPush(0, 7, 1)).status().code(),
+            absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(f.shard->Heartbeat(HeartbeatAt(1, int64_t{1} << 40)).ok());
+  ASSERT_TRUE(f.shard->Heartbeat(HeartbeatAt(2, 8)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 8);
+  EXPECT_EQ(f.shard->Stats().steps_lost(), 8);
+}
+
 // One client alone, by heartbeats too, cannot move a new job's shard.
 TEST(ShardSyncTest, OneWorkersHeartbeatsDoNotMoveAFreshShard) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 2);
