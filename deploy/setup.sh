@@ -24,6 +24,8 @@ packages=(
                          # Debian's /usr/bin/python3
   iproute2 nftables iperf3  # tests/netns: hosts in network namespaces, partitions
                          # and loss (nft); bench/netns/link_speed.sh's raw TCP check
+  qemu-system-x86        # tests/vm: Debian's own kernel (it has the tls module,
+                         # this machine's has not) for //tests:kernel_tls_vm_test
   python3-grpcio curl    # deploy/grpc/grpc_check.py (health, reflection; grpcurl is
                          # not in Debian 12) and the README's operator commands
 )
