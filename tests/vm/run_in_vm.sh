@@ -10,9 +10,10 @@
 #
 # COMMAND runs as root in the current directory, with PATH and HOME, after
 # the guest loaded the `tls` module and brought up its loopback. The guest
-# has its own /tmp (tmpfs) and its own network (loopback only: no network
-# device at all). Everything else is this machine's files, read-only, except
-# --out=DIR, which the guest mounts writable at the same path. The script
+# sees this machine's files as they are, and what it writes stays in its
+# memory (an overlay on a read-only share) and is gone when it ends, except
+# under --out=DIR, which it writes through to this machine. Its network is
+# its own loopback (it has no network device). The script
 # prints COMMAND's output and exits with its exit status; 124 when the guest
 # did not finish in --timeout_s, and 2 with one line on a bad flag or a
 # missing part.
@@ -64,10 +65,22 @@ qemu=$(command -v qemu-system-x86_64) ||
 [[ $accel == tcg || -w /dev/kvm ]] || die "--accel=kvm: /dev/kvm not usable"
 [[ $(id -u) == 0 ]] || die "needs root (the guest runs the command as root)"
 
+# The initramfs: busybox, the modules that reach the host's files over
+# virtio 9p and lay a writable layer in memory over them (overlay), `tls`, and the AES-GCM the kernel's TLS asks the crypto API for
+# (without them TLS_TX fails with ENOENT and OpenSSL quietly stays in user
+# space), in load order: each after what it depends on.
+load_order=(virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev
+  virtio_pci 9pnet 9pnet_virtio netfs fscache 9p overlay
+  cryptd crypto_simd aesni-intel gf128mul ghash-generic ghash-clmulni-intel
+  ctr gcm tls)
+
+# Kept between runs: the kernel and the initramfs made for it, rebuilt when
+# the module list above changes.
 cache=${PSTRAIN_VM_CACHE:-/var/cache/pstrain-vm}
-mkdir -p "$cache"
-# The stock kernel and a static busybox for the guest's first seconds.
-if [[ ! -f $cache/ready ]]; then
+kernel=$cache/vmlinuz
+initramfs=$cache/initramfs.gz
+stamp="${load_order[*]}"
+if [[ ! -f $cache/ready || $(cat "$cache/ready") != "$stamp" ]]; then
   echo "run_in_vm.sh: fetching Debian's kernel and busybox into $cache" >&2
   kernel_package() {
     apt-cache depends linux-image-amd64 2>/dev/null |
@@ -79,36 +92,22 @@ if [[ ! -f $cache/ready ]]; then
     image=$(kernel_package)
   fi
   [[ -n $image ]] || die "apt-cache knows no linux-image-amd64 (apt-get update?)"
-  rm -rf "$cache/deb" "$cache/root"
-  mkdir -p "$cache/deb" "$cache/root"
-  (cd "$cache/deb" && apt-get download "$image" busybox-static >/dev/null 2>&1) ||
+  mkdir -p "$cache"
+  work=$(mktemp -d "$cache/fetch.XXXXXX")
+  trap 'rm -rf "$work"' EXIT
+  (cd "$work" && apt-get download "$image" busybox-static >/dev/null 2>&1) ||
     die "apt-get download $image busybox-static failed"
-  for deb in "$cache"/deb/*.deb; do dpkg-deb -x "$deb" "$cache/root"; done
-  echo "$image" >"$cache/ready"
-fi
-root=$cache/root
-kernel=$(ls "$root"/boot/vmlinuz-* | head -1)
-modules=$(ls -d "$root"/lib/modules/* | head -1)
-
-# The initramfs: busybox, the modules that reach the host's files over
-# virtio 9p, `tls`, and the AES-GCM the kernel's TLS asks the crypto API for
-# (without them TLS_TX fails with ENOENT and OpenSSL quietly stays in user
-# space), in load order: each after what it depends on.
-load_order=(virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev
-  virtio_pci 9pnet 9pnet_virtio netfs fscache 9p
-  cryptd crypto_simd aesni-intel gf128mul ghash-generic ghash-clmulni-intel
-  ctr gcm tls)
-initramfs=$cache/initramfs.gz
-if [[ ! -f $initramfs ]]; then
-  staging=$(mktemp -d)
+  for deb in "$work"/*.deb; do dpkg-deb -x "$deb" "$work/root"; done
+  modules=$(ls -d "$work"/root/lib/modules/* | head -1)
+  staging=$work/initramfs
   mkdir -p "$staging"/{bin,lib/modules,proc,sys,dev,host}
-  cp "$root/bin/busybox" "$staging/bin/"
+  cp "$work/root/bin/busybox" "$staging/bin/"
   for m in "${load_order[@]}"; do
     found=$(find "$modules" -name "$m.ko" | head -1)
-    [[ -n $found ]] || die "module $m not in $modules"
+    [[ -n $found ]] || die "module $m not in $image"
     cp "$found" "$staging/lib/modules/"
   done
-  cat >"$staging/init" <<EOF
+  cat >"$staging/init" <<INIT
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
@@ -116,30 +115,36 @@ for m in ${load_order[*]}; do
   insmod /lib/modules/\$m.ko || echo "guest: insmod \$m failed"
 done
 opts=trans=virtio,version=9p2000.L,msize=512000
-mount -t 9p -o \$opts,ro,cache=loose hostroot /host
+mkdir -p /lower /rw
+mount -t 9p -o \$opts,ro,cache=loose hostroot /lower
+mount -t tmpfs tmpfs /rw
+mkdir -p /rw/upper /rw/work
+mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /host
 mount -t proc proc /host/proc
 mount -t sysfs sys /host/sys
 mount -t devtmpfs dev /host/dev
 mkdir -p /host/dev/shm
-for d in tmp run dev/shm; do mount -t tmpfs tmpfs /host/\$d; done
-mkdir -p /host/tmp/pstrain-vm
-mount -t 9p -o \$opts control /host/tmp/pstrain-vm
-out=\$(cat /host/tmp/pstrain-vm/out)
+for d in run dev/shm; do mount -t tmpfs tmpfs /host/\$d; done
+mkdir -p /host/run/pstrain-vm
+mount -t 9p -o \$opts control /host/run/pstrain-vm
+out=\$(cat /host/run/pstrain-vm/out)
 if [ -n "\$out" ]; then
   mkdir -p "/host\$out" 2>/dev/null
   mount -t 9p -o \$opts out "/host\$out"
 fi
 ip link set lo up
-chroot /host /bin/bash /tmp/pstrain-vm/run.sh >/host/tmp/pstrain-vm/log 2>&1
-echo \$? >/host/tmp/pstrain-vm/rc
+chroot /host /bin/bash /run/pstrain-vm/run.sh >/host/run/pstrain-vm/log 2>&1
+echo \$? >/host/run/pstrain-vm/rc
 sync
 poweroff -f
-EOF
+INIT
   chmod +x "$staging/init"
-  (cd "$staging" && find . | "$root/bin/busybox" cpio -o -H newc 2>/dev/null |
-    gzip -1) >"$initramfs.tmp"
-  mv "$initramfs.tmp" "$initramfs"
-  rm -rf "$staging"
+  (cd "$staging" && find . | "$work/root/bin/busybox" cpio -o -H newc 2>/dev/null |
+    gzip -1) >"$initramfs"
+  cp "$(ls "$work"/root/boot/vmlinuz-* | head -1)" "$kernel"
+  rm -rf "$work"
+  trap - EXIT
+  echo "$stamp" >"$cache/ready"
 fi
 
 control=$(mktemp -d)
