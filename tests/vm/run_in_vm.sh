@@ -140,8 +140,11 @@ poweroff -f
 INIT
   chmod +x "$staging/init"
   (cd "$staging" && find . | "$work/root/bin/busybox" cpio -o -H newc 2>/dev/null |
-    gzip -1) >"$initramfs"
-  cp "$(ls "$work"/root/boot/vmlinuz-* | head -1)" "$kernel"
+    gzip -1) >"$work/initramfs.gz"
+  # Moved into place whole, so a run that starts meanwhile never boots half
+  # a file.
+  mv "$work/initramfs.gz" "$initramfs"
+  mv "$(ls "$work"/root/boot/vmlinuz-* | head -1)" "$kernel"
   rm -rf "$work"
   trap - EXIT
   echo "$stamp" >"$cache/ready"
