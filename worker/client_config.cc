@@ -1,5 +1,6 @@
 #include "worker/client_config.h"
 
+#include <algorithm>
 #include <memory>
 #include <utility>
 
@@ -27,6 +28,8 @@ PsClientOptions BuildOptions(const ClientConfig& config,
                      "got ",
                      duplicate_probability)));
   }
+  checks.push_back(
+      CheckAtLeast("inject_push_jitter_ms", config.inject_push_jitter_ms, 0));
   checks.push_back(CheckAtLeast("rpc_timeout_s", config.rpc_timeout_s, 0.001));
   checks.push_back(
       CheckAtLeast("connect_timeout_s", config.connect_timeout_s, 0.001));
@@ -66,6 +69,8 @@ PsClientOptions BuildOptions(const ClientConfig& config,
   options.heartbeat_interval = absl::Seconds(config.heartbeat_interval_s);
   options.retry_window = absl::Seconds(config.retry_window_s);
   options.inject_duplicate_push_probability = duplicate_probability;
+  options.inject_push_jitter =
+      absl::Milliseconds(std::max(0.0, config.inject_push_jitter_ms));
   const absl::StatusOr<DataType> wire_type =
       ParseWireType(config.gradient_wire_type);
   checks.push_back(wire_type.status());

@@ -48,6 +48,8 @@ struct ClientConfig {
   double gradient_topk_fraction = 0.01;
   // Fault injection: resend a successful push with this probability.
   double inject_duplicate_push_probability = 0;
+  // Fault injection: delay every push by a random time up to this.
+  double inject_push_jitter_ms = 0;
   // --tls_ca, --tls_cert, --tls_key, --tls_server_name; any set: TLS.
   ClientTlsFiles tls;
   // The servers' shared token (empty: none).

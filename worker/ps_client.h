@@ -114,6 +114,10 @@ struct PsClientOptions {
   // send it again with this probability, as a client whose response was
   // lost would.
   double inject_duplicate_push_probability = 0;
+  // Fault injection for reproducibility tests: every Push, PushPull and
+  // PushSparse first sleeps a uniformly random time in [0, this], so the
+  // workers' gradients reach the servers in a different order each run.
+  absl::Duration inject_push_jitter = absl::ZeroDuration();
   // Called (on the calling thread) each time a failed call is about to be
   // retried, with the line that is also logged: the shard, its address,
   // the last error and the time left in the retry window. A progress bar
@@ -325,6 +329,8 @@ class PsClient {
   void NoteFurthestPulled(int64_t step);
   // Sends `pushed` again, each with inject_duplicate_push_probability.
   absl::Status InjectDuplicatePushes(const std::vector<Call>& pushed);
+  // Sleeps up to inject_push_jitter (see PsClientOptions).
+  void InjectPushJitter();
   // A PushPull call's data-plane request and answer handling
   // (common/data_plane.h).
   static void PreparePushPull(Call& call, DataExchange& exchange);

@@ -274,9 +274,19 @@ absl::Status PsClient::InjectDuplicatePushes(const std::vector<Call>& pushed) {
   return RunAll("Push", again, options_.rpc_timeout, /*retry=*/true);
 }
 
+void PsClient::InjectPushJitter() {
+  if (options_.inject_push_jitter <= absl::ZeroDuration()) return;
+  // PushSparse may run on another thread than the dense calls (CTR).
+  thread_local absl::BitGen random;
+  SleepUnlessInterrupted(
+      options_.inject_push_jitter * absl::Uniform(random, 0.0, 1.0),
+      interrupts());
+}
+
 absl::StatusOr<PsClient::PushResult> PsClient::Push(
     int64_t step, const std::vector<const float*>& gradients,
     absl::Span<const int> only) {
+  InjectPushJitter();
   std::vector<PushResponse> responses;
   absl::StatusOr<std::vector<Call>> calls =
       PushCalls(step, gradients, only, responses);
@@ -309,6 +319,7 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
     int64_t push_step, const std::vector<const float*>& gradients,
     int64_t pull_step, const std::vector<float*>& tensors) {
   if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
+  InjectPushJitter();
   // One PushPull per group, all sent at once. A sync server answers a
   // connection's requests in order, each once its group's step completes;
   // every worker sends the groups in the same order, so the steps complete
@@ -413,6 +424,7 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
     return absl::InvalidArgumentError(
         absl::StrCat("no sparse table ", table, " in the model"));
   }
+  InjectPushJitter();
   const SparseTableSpec& spec = schema_.sparse(table);
   const int64_t dim = spec.dim();
   // Rows are already the few that changed: top-k has nothing to drop.

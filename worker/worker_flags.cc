@@ -90,6 +90,11 @@ ABSL_FLAG(double, inject_duplicate_push_probability,
           Default().client.inject_duplicate_push_probability,
           "Fault injection: resend a successful push with this probability "
           "(the servers must not apply it twice).");
+ABSL_FLAG(double, inject_push_jitter_ms,
+          Default().client.inject_push_jitter_ms,
+          "Fault injection: delay every push by a random time up to this "
+          "many ms, so gradients reach the servers in a different order "
+          "each run (sync results must not change).");
 ABSL_FLAG(std::string, tls_ca, Default().client.tls.ca,
           "PEM CA bundle the servers' certificates must chain to; setting "
           "any --tls_* flag turns TLS on (no --tls_ca: the system's roots).");
@@ -337,6 +342,7 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   client.gradient_topk_fraction = absl::GetFlag(FLAGS_gradient_topk_fraction);
   client.inject_duplicate_push_probability =
       absl::GetFlag(FLAGS_inject_duplicate_push_probability);
+  client.inject_push_jitter_ms = absl::GetFlag(FLAGS_inject_push_jitter_ms);
   client.tls = {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
                 absl::GetFlag(FLAGS_tls_key),
                 absl::GetFlag(FLAGS_tls_server_name)};
