@@ -565,6 +565,14 @@ std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
   add("pstrain_shard_values_copied_for_pulls_total",
       "Updates that copied a block first because a pull was still sending it.",
       kCounter, static_cast<double>(s.values_copied_for_pulls()));
+  add("pstrain_shard_early_gradient_bytes",
+      "sync: gradient bytes held now because they came before a lower "
+      "worker id's (summed in worker order).",
+      kGauge, static_cast<double>(s.early_gradient_bytes()));
+  add("pstrain_shard_early_gradient_bytes_peak",
+      "sync: the most gradient bytes ever held at once waiting for a lower "
+      "worker id's.",
+      kGauge, static_cast<double>(s.early_gradient_bytes_peak()));
   add("pstrain_shard_data_plane_requests_total",
       "Pushes and pulls answered on the tensor data plane, not over gRPC.",
       kCounter, static_cast<double>(s.data_plane_requests()));

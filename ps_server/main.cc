@@ -33,8 +33,8 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/cli.h"
-#include "common/grpc_tls_refusals.h"
 #include "common/cluster_spec.h"
+#include "common/grpc_tls_refusals.h"
 #include "common/grpc_tuning.h"
 #include "common/learning_rates.h"
 #include "common/metrics.h"
@@ -77,6 +77,13 @@ ABSL_FLAG(int, max_workers, 0,
 ABSL_FLAG(int, replicas_to_aggregate, 0,
           "sync with backup workers: apply a step once this many gradients "
           "are in; later ones are dropped and counted (0: every worker).");
+ABSL_FLAG(std::string, sync_sum_order, "worker_id",
+          "sync: the order a step's gradients are summed in. worker_id: "
+          "ascending worker id, whatever order they arrive in, so the same "
+          "job gives the same model bit for bit (gradients that come early "
+          "are held until their turn; ps_server/ordered_sum.h). arrival: as "
+          "they come, which float addition makes differ from run to run "
+          "(a baseline for bench/sum_order_cost.sh).");
 ABSL_FLAG(double, worker_lease_s, 10,
           "A worker not heard from (requests or heartbeats) for this long is "
           "dropped, and sync steps stop waiting for it. The lease starts at "
@@ -294,6 +301,13 @@ int Main(int argc, char** argv) {
                      nonfinite, "'")));
   }
   options.skip_nonfinite_gradients = nonfinite == "skip";
+  const std::string sum_order = absl::GetFlag(FLAGS_sync_sum_order);
+  if (sum_order != "worker_id" && sum_order != "arrival") {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--sync_sum_order must be worker_id or arrival, got '",
+                     sum_order, "'")));
+  }
+  options.sum_in_arrival_order = sum_order == "arrival";
   const int port = absl::GetFlag(FLAGS_port);
   checks.push_back(CheckPort("port", port));
   const int data_port = absl::GetFlag(FLAGS_data_port);

@@ -391,7 +391,17 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
       WorkerState& state = workers_[worker];
       const bool restarted =
           state.incarnation != 0 && state.incarnation != request.incarnation();
-      if (restarted || !state.member) {
+      const int64_t resume_step =
+          restarted && state.member && options_.mode == ConsistencyMode::kSync
+              ? PredecessorsNextStepLocked(*model, worker)
+              : -1;
+      if (resume_step >= 0) {
+        // It takes its predecessor's place: the step the job is at waits
+        // for it as it waited for its predecessor, and it recomputes the
+        // same gradient from the same model and examples.
+        response.set_resumes_in_place(true);
+        response.set_resume_step(resume_step);
+      } else if (restarted || !state.member) {
         // Its predecessor's step must not wait for it: it joins afresh at
         // the step of its next pull.
         dropped = state.member;
@@ -411,6 +421,31 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
 
 // ---------------------------------------------------------------------------
 // Membership.
+
+int64_t Shard::PredecessorsNextStepLocked(const Model& model, int worker) {
+  const int64_t joined_at = workers_[worker].joined_at;
+  int64_t lowest = kNever;
+  int64_t highest = -1;
+  bool behind = false;
+  // A member's next step on an object at version v is v (it has not pushed
+  // v yet) or v + 1 (it has, and the step waits for others).
+  auto note = [&](int64_t last_contributed, int64_t version) {
+    const int64_t next = std::max(last_contributed + 1, joined_at);
+    lowest = std::min(lowest, next);
+    highest = std::max(highest, next);
+    behind |= next < version;
+  };
+  for (const auto& block : model.blocks) {
+    absl::MutexLock lock(&block->mu);
+    note(block->last_contributed[worker], block->version.load());
+  }
+  for (const auto& table : model.sparse) {
+    absl::MutexLock lock(&table->mu);
+    note(table->last_contributed[worker], table->version.load());
+  }
+  if (highest < 0 || behind || lowest != highest) return -1;
+  return lowest;
+}
 
 void Shard::PublishMembershipLocked() {
   auto membership = std::make_shared<Membership>(workers_.size(), kNever);
@@ -859,6 +894,8 @@ StatsResponse Shard::Stats() const {
   stats.set_updates_lost(updates_lost_.load());
   stats.set_internal_errors(internal_errors_.load());
   stats.set_values_copied_for_pulls(values_copied_for_pulls_.load());
+  stats.set_early_gradient_bytes_peak(early_gradients_.peak_held_bytes());
+  stats.set_early_gradient_bytes(early_gradients_.held_bytes());
   stats.set_ssp_gap_max(ssp_gap_max_.load());
   stats.set_steps_short(steps_short_.load());
   absl::MutexLock lock(&mu_);

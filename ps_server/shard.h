@@ -60,6 +60,7 @@
 #include "proto/ps.pb.h"
 #include "ps_server/block_values.h"
 #include "ps_server/optimizer.h"
+#include "ps_server/ordered_sum.h"
 #include "ps_server/sparse_table.h"
 
 namespace pstrain {
@@ -94,6 +95,10 @@ struct ShardOptions {
   // of the update, counted in stats (true). In sync mode a skipped worker
   // still counts toward the block's quorum; the mean is over finite ones.
   bool skip_nonfinite_gradients = false;
+  // sync: sum each step's gradients as they arrive instead of in worker-id
+  // order (ordered_sum.h): results then vary from run to run. For measuring
+  // what the order costs.
+  bool sum_in_arrival_order = false;
   // Upper bound on how long a pull waits, whatever the caller's deadline.
   absl::Duration max_pull_wait = absl::Minutes(2);
   // Sparse tables: rows kept per table on this shard (0: unbounded; least
@@ -186,6 +191,18 @@ class Shard {
   void BeginShutdown();
 
  private:
+  // sync: a block gradient that came before a lower worker id's, as it
+  // came over the wire (a pool buffer); none for a skipped non-finite one.
+  struct EarlyGradient {
+    DataType dtype = FLOAT32;
+    bool has_values = false;
+    std::string bytes;
+  };
+  // sync: a sparse push that came before a lower worker id's.
+  struct EarlySparsePush {
+    std::vector<uint64_t> ids;
+    std::vector<float> grads;
+  };
   // Complete here (not only in shard_internal.h) so that the lock annotations
   // of the functions below can name their mutexes.
   struct Block {
@@ -203,12 +220,18 @@ class Shard {
     BlockValues value ABSL_GUARDED_BY(mu);
     std::vector<float> state ABSL_GUARDED_BY(mu);  // optimizer slots
     // sync: this step's gradient sum (meaningful only once
-    // finite_contributors > 0), and the last step each worker contributed to
-    // (== version: counted in this step).
+    // finite_contributors > 0), taken in worker order (ordered_sum.h) with
+    // the gradients that came before their turn held in `early`, and the
+    // last step each worker contributed to (== version: counted in this
+    // step).
     std::vector<float> gradient_sum ABSL_GUARDED_BY(mu);
+    InWorkerOrder<EarlyGradient> early ABSL_GUARDED_BY(mu);
     std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
     int contributors ABSL_GUARDED_BY(mu) = 0;
     int finite_contributors ABSL_GUARDED_BY(mu) = 0;
+    // Whether gradient_sum holds this step's first added gradient yet (the
+    // first overwrites what the last step left).
+    bool sum_started ABSL_GUARDED_BY(mu) = false;
     // async/ssp: the last step applied per worker (-1: none).
     std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
     // async/ssp after a restore: the workers not heard from since. A
@@ -228,9 +251,12 @@ class Shard {
     std::atomic<int64_t> rows_pulled{0}, rows_pushed{0};
 
     mutable absl::Mutex mu;
-    // sync: this step's per-row gradient sums and who has contributed.
+    // sync: this step's per-row gradient sums, taken in worker order with
+    // the pushes that came before their turn in `early`, and who has
+    // contributed.
     absl::flat_hash_map<uint64_t, std::vector<float>> gradient_sum
         ABSL_GUARDED_BY(mu);
+    InWorkerOrder<EarlySparsePush> early ABSL_GUARDED_BY(mu);
     std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
     int contributors ABSL_GUARDED_BY(mu) = 0;
     // async/ssp: the last step applied per worker (-1: none).
@@ -286,6 +312,24 @@ class Shard {
   BlockResult PushSyncBlock(Block& block, const Membership& membership,
                             const WirePushRequest& request,
                             const BlockPush& push, bool* completed);
+  // sync: adds `worker`'s gradient (none when non-finite) to the block's
+  // step sum in worker order: now if its turn has come, else held.
+  void AddInWorkerOrderLocked(Block& block, int worker, const BlockPush& push)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // Adds one gradient's payload to the block's step sum.
+  void AddToStepSumLocked(Block& block, DataType dtype,
+                          const ByteSegments& data)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // Adds the held gradients to the block's step sum (the step completes),
+  // or drops them (`add` false: a restored shard skips the step).
+  void SettleEarlyGradientsLocked(Block& block, bool add)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // The sparse counterparts.
+  void AddSparseInWorkerOrderLocked(SparseState& table, int worker,
+                                    EarlySparsePush push)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(table.mu);
+  void SettleEarlySparsePushesLocked(SparseState& table, bool add)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(table.mu);
   BlockResult PushAsyncBlock(Block& block, const WirePushRequest& request,
                              const BlockPush& push);
   // Applies the block's step if its quorum is in; true when it did.
@@ -324,6 +368,11 @@ class Shard {
   // start's waiters once mu_ is released).
   bool TouchLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void JoinIfPendingLocked(int worker, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // sync: the step a member's predecessor (a worker process that died) was
+  // to push next on every block and table of this shard, or -1 when it had
+  // pushed a step to some and not others, or not every step before.
+  int64_t PredecessorsNextStepLocked(const Model& model, int worker)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishMembershipLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::shared_ptr<const Membership> membership() const;
@@ -445,6 +494,8 @@ class Shard {
   std::atomic<int64_t> requests_rejected_{0};
   mutable std::atomic<int64_t> pulls_served_{0};
   std::atomic<int64_t> nonfinite_skipped_{0};
+  // sync: buffers of the gradients that came before their turn.
+  GradientBufferPool early_gradients_;
   std::atomic<int64_t> staleness_sum_{0};
   std::atomic<int64_t> staleness_max_{0};
   std::atomic<int64_t> async_applies_{0};

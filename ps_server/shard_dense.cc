@@ -132,6 +132,7 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
     lost = std::max(lost, step - version);
     moved = true;
     updates_lost_.fetch_add(step - version);
+    SettleEarlyGradientsLocked(*block, /*add=*/false);
     block->contributors = 0;
     block->finite_contributors = 0;
     block->version.store(step);
@@ -145,6 +146,7 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
     lost = std::max(lost, step - version);
     moved = true;
     updates_lost_.fetch_add(step - version);
+    SettleEarlySparsePushesLocked(*state, /*add=*/false);
     state->gradient_sum.clear();
     state->contributors = 0;
     state->version.store(step);
@@ -358,26 +360,89 @@ Shard::BlockResult Shard::PushSyncBlock(Block& block,
   if (push.nonfinite) {
     nonfinite_skipped_.fetch_add(1);
   } else {
-    // Validated above: dtype supported and length exact, so this cannot fail.
-    // The first finite gradient of a step overwrites what the last step
-    // left, which saves clearing the sum after every step.
-    if (absl::Status s =
-            DecodeSegments(push.wire->dtype, push.wire->data,
-                           absl::MakeSpan(block.gradient_sum),
-                           /*accumulate=*/block.finite_contributors > 0);
-        !s.ok()) {
-      ReportInternalError(
-          absl::StrCat("sync gradient of worker ", worker, " for ",
-                       QuoteForStatus(*block.tensor_name), " block ",
-                       block.location->block, " step ", version),
-          s);
-    }
     ++block.finite_contributors;
   }
+  AddInWorkerOrderLocked(block, worker, push);
   block.last_contributed[worker] = version;
   ++block.contributors;
   *completed = CompleteIfReadyLocked(block, membership);
   return BlockResult::kApplied;
+}
+
+void Shard::AddInWorkerOrderLocked(Block& block, int worker,
+                                   const BlockPush& push) {
+  if (options_.sum_in_arrival_order) {
+    if (!push.nonfinite) {
+      AddToStepSumLocked(block, push.wire->dtype, push.wire->data);
+    }
+    return;
+  }
+  if (!block.early.IsNext(worker)) {
+    // Copied: the request's memory is gone once the push is answered.
+    EarlyGradient early;
+    early.dtype = push.wire->dtype;
+    early.has_values = !push.nonfinite;
+    if (early.has_values) {
+      early.bytes = early_gradients_.Take();
+      early.bytes.reserve(push.wire->data_size);
+      for (absl::string_view segment : push.wire->data) {
+        early.bytes.append(segment.data(), segment.size());
+      }
+      early_gradients_.CountHeld(static_cast<int64_t>(early.bytes.size()));
+    }
+    block.early.Hold(worker, std::move(early));
+    return;
+  }
+  if (!push.nonfinite) {
+    AddToStepSumLocked(block, push.wire->dtype, push.wire->data);
+  }
+  block.early.Added(
+      worker,
+      [&](const EarlyGradient& early) {
+        block.mu.AssertHeld();
+        if (early.has_values) {
+          AddToStepSumLocked(block, early.dtype, ByteSegments{early.bytes});
+        }
+      },
+      [&](EarlyGradient early) {
+        early_gradients_.Give(std::move(early.bytes));
+      });
+}
+
+void Shard::AddToStepSumLocked(Block& block, DataType dtype,
+                               const ByteSegments& data) {
+  // Validated on arrival: dtype supported and length exact, so this cannot
+  // fail.
+  if (absl::Status s =
+          DecodeSegments(dtype, data, absl::MakeSpan(block.gradient_sum),
+                         /*accumulate=*/block.sum_started);
+      !s.ok()) {
+    ReportInternalError(
+        absl::StrCat("sync gradient for ", QuoteForStatus(*block.tensor_name),
+                     " block ", block.location->block, " step ",
+                     block.version.load()),
+        s);
+  }
+  block.sum_started = true;
+}
+
+void Shard::SettleEarlyGradientsLocked(Block& block, bool add) {
+  auto give_back = [&](EarlyGradient early) {
+    early_gradients_.Give(std::move(early.bytes));
+  };
+  if (add) {
+    block.early.AddRest(
+        [&](const EarlyGradient& early) {
+          block.mu.AssertHeld();
+          if (early.has_values) {
+            AddToStepSumLocked(block, early.dtype, ByteSegments{early.bytes});
+          }
+        },
+        give_back);
+  } else {
+    block.early.Reset(give_back);
+  }
+  block.sum_started = false;
 }
 
 Shard::BlockResult Shard::PushAsyncBlock(Block& block,
@@ -440,6 +505,8 @@ bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
                  membership, options_.replicas_to_aggregate)) {
     return false;
   }
+  // Resets sum_started for the next step; the sum stays for the update.
+  SettleEarlyGradientsLocked(block, /*add=*/true);
   if (block.finite_contributors > 0 && block.state_values) {
     // The mean of the pushed values is the tensor's new value.
     const float scale = 1.0f / static_cast<float>(block.finite_contributors);

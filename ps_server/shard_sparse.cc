@@ -64,17 +64,23 @@ bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
                  membership, options_.replicas_to_aggregate)) {
     return false;
   }
+  SettleEarlySparsePushesLocked(state, /*add=*/true);
   // Rows a worker did not touch count as a zero gradient from it, as in the
-  // dense path: the mean is over every contributor.
+  // dense path: the mean is over every contributor. Applied in id order:
+  // which rows a bounded table evicts must not depend on the hash map's
+  // order, which changes from process to process.
   const int64_t dim = state.spec->dim();
   std::vector<uint64_t> ids;
-  std::vector<float> grads;
   ids.reserve(state.gradient_sum.size());
-  grads.reserve(state.gradient_sum.size() * dim);
+  for (const auto& [id, sum] : state.gradient_sum) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  std::vector<float> grads;
+  grads.reserve(ids.size() * dim);
   const float inverse = 1.0f / static_cast<float>(state.contributors);
-  for (auto& [id, sum] : state.gradient_sum) {
-    ids.push_back(id);
-    for (float g : sum) grads.push_back(g * inverse);
+  for (uint64_t id : ids) {
+    for (float g : state.gradient_sum.find(id)->second) {
+      grads.push_back(g * inverse);
+    }
   }
   // Ids are unique (map keys) and lengths consistent; only a sum that
   // overflowed to infinity could be refused.
@@ -188,7 +194,7 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
       ValidateCommon(request.protocol_version(), request.worker_id(),
                      request.step(), /*allow_observer=*/false);
   if (!model.ok()) return Reject(model.status());
-  const std::vector<uint64_t> ids(request.ids().begin(), request.ids().end());
+  std::vector<uint64_t> ids(request.ids().begin(), request.ids().end());
   absl::StatusOr<SparseState*> state =
       ValidateSparse(**model, request.table(), ids, /*unique=*/true);
   if (!state.ok()) return Reject(state.status());
@@ -259,11 +265,8 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
       blocks_duplicate_.fetch_add(1);
       return response;
     }
-    for (size_t i = 0; i < ids.size(); ++i) {
-      std::vector<float>& sum = table.gradient_sum[ids[i]];
-      if (sum.empty()) sum.assign(dim, 0.0f);
-      for (int64_t j = 0; j < dim; ++j) sum[j] += grads[i * dim + j];
-    }
+    AddSparseInWorkerOrderLocked(table, request.worker_id(),
+                                 {std::move(ids), std::move(grads)});
     table.last_contributed[request.worker_id()] = version;
     ++table.contributors;
     completed = CompleteSparseIfReadyLocked(table, *members);
@@ -292,12 +295,69 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     WorkerState& w = workers_[request.worker_id()];
     w.next_step = std::max(w.next_step, request.step() + 1);
   }
-  table.rows_pushed.fetch_add(ids.size());
+  table.rows_pushed.fetch_add(request.ids_size());
   blocks_applied_.fetch_add(1);
   if (completed || options_.mode == ConsistencyMode::kSsp) {
     ReleaseReadyWaiters();
   }
   return response;
+}
+
+namespace {
+
+int64_t HeldBytes(const std::vector<uint64_t>& ids,
+                  const std::vector<float>& grads) {
+  return static_cast<int64_t>(ids.size() * sizeof(uint64_t) +
+                              grads.size() * sizeof(float));
+}
+
+void AddRows(const std::vector<uint64_t>& ids, const std::vector<float>& grads,
+             int64_t dim,
+             absl::flat_hash_map<uint64_t, std::vector<float>>& sums) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::vector<float>& sum = sums[ids[i]];
+    if (sum.empty()) sum.assign(dim, 0.0f);
+    for (int64_t j = 0; j < dim; ++j) sum[j] += grads[i * dim + j];
+  }
+}
+
+}  // namespace
+
+void Shard::AddSparseInWorkerOrderLocked(SparseState& table, int worker,
+                                         EarlySparsePush push) {
+  if (options_.sum_in_arrival_order) {
+    return AddRows(push.ids, push.grads, table.spec->dim(), table.gradient_sum);
+  }
+  if (!table.early.IsNext(worker)) {
+    early_gradients_.CountHeld(HeldBytes(push.ids, push.grads));
+    table.early.Hold(worker, std::move(push));
+    return;
+  }
+  const int64_t dim = table.spec->dim();
+  AddRows(push.ids, push.grads, dim, table.gradient_sum);
+  table.early.Added(
+      worker,
+      [&](const EarlySparsePush& early) {
+        table.mu.AssertHeld();
+        AddRows(early.ids, early.grads, dim, table.gradient_sum);
+      },
+      [&](EarlySparsePush early) {
+        early_gradients_.CountHeld(-HeldBytes(early.ids, early.grads));
+      });
+}
+
+void Shard::SettleEarlySparsePushesLocked(SparseState& table, bool add) {
+  auto release = [&](EarlySparsePush early) {
+    early_gradients_.CountHeld(-HeldBytes(early.ids, early.grads));
+  };
+  if (!add) return table.early.Reset(release);
+  const int64_t dim = table.spec->dim();
+  table.early.AddRest(
+      [&](const EarlySparsePush& early) {
+        table.mu.AssertHeld();
+        AddRows(early.ids, early.grads, dim, table.gradient_sum);
+      },
+      release);
 }
 
 absl::Status Shard::CatchUpSparseForPush(const Model& model, SparseState& table,

@@ -249,6 +249,9 @@ absl::Status TestCluster::RestartServer(
       argv, dir_, absl::StrCat("ps", shard, "_restart", ++restarts_));
   if (!server.ok()) return server.status();
   servers_[shard] = std::move(*server);
+  // The observer's connection to the old process may not have noticed it
+  // closed: its next Stats would fail with "Socket closed".
+  observer_.reset();
   return WaitForPortFile(shard, absl::Seconds(30));
 }
 

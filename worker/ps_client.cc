@@ -281,6 +281,20 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
   absl::StatusOr<std::vector<RegisterModelResponse>> responses =
       RegisterCalls();
   if (!responses.ok()) return responses.status();
+  if (!ResumesInPlaceEverywhere(*responses)) {
+    // A restarted sync worker whose predecessor died in the middle of a
+    // push: some shards hold its place at one step, others at the next. It
+    // leaves and registers again, so every shard's step goes on without it
+    // and it rejoins at the job's step (that step is short: steps_short).
+    LOG(WARNING) << "worker " << worker_id_
+                 << ": its previous process died in the middle of pushing a "
+                    "step; that step completes without its gradient on the "
+                    "shards that lack it, and this process starts at the "
+                    "job's next step";
+    if (absl::Status s = Leave(); !s.ok()) return s;
+    responses = RegisterCalls();
+    if (!responses.ok()) return responses.status();
+  }
   Registration registration;
   registration.mode = (*responses)[0].mode();
   for (int s = 0; s < num_shards(); ++s) {
@@ -290,8 +304,9 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
           "shards disagree on the mode: shard 0 runs ", registration.mode,
           ", shard ", s, " runs ", response.mode()));
     }
-    registration.start_step =
-        std::max(registration.start_step, response.step());
+    registration.start_step = std::max(
+        registration.start_step,
+        response.resumes_in_place() ? response.resume_step() : response.step());
   }
   registration.optimizer = (*responses)[0].optimizer();
   registration.learning_rate = (*responses)[0].learning_rate();
@@ -338,6 +353,17 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
     heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
   }
   return registration;
+}
+
+bool PsClient::ResumesInPlaceEverywhere(
+    const std::vector<RegisterModelResponse>& responses) {
+  bool any = false, all = true;
+  for (const RegisterModelResponse& response : responses) {
+    any |= response.resumes_in_place();
+    all &= response.resumes_in_place() &&
+           response.resume_step() == responses[0].resume_step();
+  }
+  return !any || all;
 }
 
 absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting,

@@ -361,6 +361,10 @@ class PsClient {
   // Registers schema_ as worker_id_ on every shard (again after a restart).
   absl::StatusOr<std::vector<RegisterModelResponse>> RegisterCalls();
   absl::Status RegisterOnShards();
+  // Whether the shards that hold a restarted worker's place (sync) all do,
+  // at one step; or none does.
+  static bool ResumesInPlaceEverywhere(
+      const std::vector<RegisterModelResponse>& responses);
   // Before the first registration: fails fast, naming TLS and the likely
   // cause, where a shard accepts TCP but refuses this client's transport.
   absl::Status CheckTransports();

@@ -1,6 +1,10 @@
 #include "worker/trainer.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <numeric>
@@ -170,6 +174,14 @@ absl::StatusOr<BatchResult> Evaluate(Model& model, kernels::Backend& backend,
   return total;
 }
 
+// Fault injection: dies as kill -9 would, with nothing flushed or sent.
+[[noreturn]] void CrashNow(const char* when, int64_t step) {
+  LOG(WARNING) << "fault injection: SIGKILL at step " << step << ", " << when;
+  google::FlushLogFiles(google::GLOG_INFO);
+  kill(getpid(), SIGKILL);
+  std::abort();  // not reached
+}
+
 }  // namespace
 
 int64_t PeakRssBytes() {
@@ -287,6 +299,8 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       step = *at;
       if (step >= options.steps) break;
     }
+    if (step == options.crash_before_push_step)
+      CrashNow("before its push", step);
     // The step fixes the examples, so a worker that joins late or catches
     // up takes exactly the slice a single process would have used.
     const absl::Time compute_start = absl::Now();
@@ -353,6 +367,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     }
     result.compute_seconds += absl::ToDoubleSeconds(compute_time);
     result.network_wait_seconds += absl::ToDoubleSeconds(pull_time + push_wait);
+    if (step == options.crash_after_step) CrashNow("after its exchange", step);
     result.duplicate_blocks += pushed->blocks_duplicate;
     result.late_blocks += pushed->blocks_late;
     ++result.steps_run;

@@ -79,6 +79,11 @@ struct TrainerOptions {
   std::function<void(const StepReport&)> on_step;
   // Fault injection: extra time per step, as a straggler would take.
   absl::Duration step_delay = absl::ZeroDuration();
+  // Fault injection: SIGKILL this process once the model of this step is
+  // pulled (before anything of it is pushed) / once this step's exchange
+  // returned. -1: never.
+  int64_t crash_before_push_step = -1;
+  int64_t crash_after_step = -1;
   // Set (e.g. by SIGTERM) to stop after the current step and leave the job.
   const std::atomic<bool>* stop = nullptr;
   // sync: waits until every expected worker has registered

@@ -132,6 +132,10 @@ void CheckTraining(const WorkerConfig& config, Problems& checks) {
   }
   checks.push_back(
       CheckAtLeast("inject_step_delay_ms", training.inject_step_delay_ms, 0));
+  checks.push_back(CheckAtLeast("inject_crash_before_push_step",
+                                training.inject_crash_before_push_step, -1));
+  checks.push_back(CheckAtLeast("inject_crash_after_step",
+                                training.inject_crash_after_step, -1));
 }
 
 void CheckEval(const WorkerConfig& config, Problems& checks) {

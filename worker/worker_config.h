@@ -82,6 +82,11 @@ struct TrainingConfig {
   int64_t loss_check_steps = 100;
   // Fault injection: extra time per step, in ms.
   int64_t inject_step_delay_ms = 0;
+  // Fault injection: the process kills itself (SIGKILL) once it has pulled
+  // this step, before pushing any of it / once this step's exchange has
+  // returned. -1: never.
+  int64_t inject_crash_before_push_step = -1;
+  int64_t inject_crash_after_step = -1;
 };
 
 // Held-out evaluation: during training (worker 0), or of a model file with

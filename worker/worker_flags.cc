@@ -90,8 +90,7 @@ ABSL_FLAG(double, inject_duplicate_push_probability,
           Default().client.inject_duplicate_push_probability,
           "Fault injection: resend a successful push with this probability "
           "(the servers must not apply it twice).");
-ABSL_FLAG(double, inject_push_jitter_ms,
-          Default().client.inject_push_jitter_ms,
+ABSL_FLAG(double, inject_push_jitter_ms, Default().client.inject_push_jitter_ms,
           "Fault injection: delay every push by a random time up to this "
           "many ms, so gradients reach the servers in a different order "
           "each run (sync results must not change).");
@@ -217,6 +216,16 @@ ABSL_FLAG(int64_t, loss_check_steps, Default().training.loss_check_steps,
 ABSL_FLAG(int64_t, inject_step_delay_ms,
           Default().training.inject_step_delay_ms,
           "Fault injection: make every step this much slower (a straggler).");
+ABSL_FLAG(int64_t, inject_crash_before_push_step,
+          Default().training.inject_crash_before_push_step,
+          "Fault injection: once this step's model is pulled, before any of "
+          "its gradient is pushed, the worker kills itself with SIGKILL (as "
+          "kill -9 would). -1: never.");
+ABSL_FLAG(int64_t, inject_crash_after_step,
+          Default().training.inject_crash_after_step,
+          "Fault injection: once this step's exchange has returned (its "
+          "gradient applied on every shard), the worker kills itself with "
+          "SIGKILL. -1: never.");
 
 // Evaluation (EvalConfig).
 ABSL_FLAG(int64_t, eval_every_steps, Default().eval.eval_every_steps,
@@ -333,8 +342,7 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   client.connections_per_shard = absl::GetFlag(FLAGS_connections_per_shard);
   client.call_streams = absl::GetFlag(FLAGS_call_streams);
   client.data_plane = absl::GetFlag(FLAGS_data_plane);
-  client.data_requests_in_flight =
-      absl::GetFlag(FLAGS_data_requests_in_flight);
+  client.data_requests_in_flight = absl::GetFlag(FLAGS_data_requests_in_flight);
   client.data_plane_ktls = absl::GetFlag(FLAGS_data_plane_ktls);
   client.heartbeat_interval_s = absl::GetFlag(FLAGS_heartbeat_interval_s);
   client.retry_window_s = absl::GetFlag(FLAGS_retry_window_s);
@@ -384,6 +392,10 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   training.push_pull = absl::GetFlag(FLAGS_push_pull);
   training.loss_check_steps = absl::GetFlag(FLAGS_loss_check_steps);
   training.inject_step_delay_ms = absl::GetFlag(FLAGS_inject_step_delay_ms);
+  training.inject_crash_before_push_step =
+      absl::GetFlag(FLAGS_inject_crash_before_push_step);
+  training.inject_crash_after_step =
+      absl::GetFlag(FLAGS_inject_crash_after_step);
 
   EvalConfig& eval = c.eval;
   eval.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);

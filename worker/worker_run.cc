@@ -321,6 +321,9 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
   options.stop = stopping.requested;
   if (registration->mode == "sync") options.await_job_start = await_job_start;
   options.step_delay = absl::Milliseconds(config.training.inject_step_delay_ms);
+  options.crash_before_push_step =
+      config.training.inject_crash_before_push_step;
+  options.crash_after_step = config.training.inject_crash_after_step;
   output.Start(registration->start_step);
   absl::StatusOr<TrainResult> result =
       Train(options, registration->mode, client, model, backend, *data.train,
