@@ -1,23 +1,21 @@
-"""Finds the Python interpreter the Python package is built for and tested
-with, and generates the @local_python repository.
+"""Finds the Python interpreter py_binary and py_test run under, and
+generates the @local_python repository.
 
 The interpreter is chosen on purpose, not found on PATH: Debian's
 /usr/bin/python3 is the one with python3-torch, while a pyenv shim earlier
 on PATH (as on these machines) has no torch. Override with
---repo_env=PSTRAIN_PYTHON=/path/to/python3 (that interpreter needs its
-headers: python3-dev, or the equivalent).
+--repo_env=PSTRAIN_PYTHON=/path/to/python3. (The pstrain package itself is
+built for no interpreter in particular: its C++ core is loaded with ctypes.)
 
   @local_python//:defs.bzl        PYTHON (the interpreter's path),
                                   PYTHON_VERSION ("3.11"), PYTHON_SITE (the
                                   directory it installs packages into)
-  @local_python//:python_headers  cc_library: Python.h and pybind11
   @local_python//:toolchain       the py_runtime py_binary/py_test run
                                   under (WORKSPACE registers it)
 """
 
 _QUERY = """
-import sys, sysconfig, site
-print(sysconfig.get_paths()["include"])
+import sys, site
 print("%d.%d" % sys.version_info[:2])
 print(site.getsitepackages()[0])
 """
@@ -29,10 +27,7 @@ def _python_configure_impl(repository_ctx):
     result = repository_ctx.execute([python, "-c", _QUERY])
     if result.return_code != 0:
         fail("%s could not describe itself: %s" % (python, result.stderr))
-    include, version, site = result.stdout.strip().split("\n")
-    if not repository_ctx.path(include + "/Python.h").exists:
-        fail("%s has no headers at %s: install python3-dev (deploy/setup.sh does)" % (python, include))
-    repository_ctx.symlink(include, "include")
+    version, site = result.stdout.strip().split("\n")
     repository_ctx.file("defs.bzl", """
 PYTHON = "{python}"
 PYTHON_VERSION = "{version}"
@@ -42,14 +37,6 @@ PYTHON_SITE = "{site}"
 load("@bazel_tools//tools/python:toolchain.bzl", "py_runtime_pair")
 
 package(default_visibility = ["//visibility:public"])
-
-# Python.h of the chosen interpreter; pybind11's headers are Debian's, in
-# /usr/include (pybind11-dev), which the C++ toolchain already searches.
-cc_library(
-    name = "python_headers",
-    hdrs = glob(["include/**/*.h"]),
-    includes = ["include"],
-)
 
 py_runtime(
     name = "python3_runtime",

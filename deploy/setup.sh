@@ -19,9 +19,10 @@ packages=(
   zlib1g-dev             # worker: reads gzipped IDX files
   libopenblas-dev        # kernels: the CPU backend's GEMM (cblas_sgemm)
   python3-numpy          # tests: reads an exported safetensors file as a user would
-  python3-dev pybind11-dev python3-torch  # the pstrain Python package
-                         # (worker/python) and its PyTorch front end, for
-                         # Debian's /usr/bin/python3
+  python3-torch python3-venv  # pstrain.torch's tests: Debian's torch, and
+                         # the venvs the wheel is installed into
+  binutils               # worker/python/make_wheel.py: objdump reads the
+                         # wheel's glibc floor
   iproute2 nftables iperf3  # tests/netns: hosts in network namespaces, partitions
                          # and loss (nft); bench/netns/link_speed.sh's raw TCP check
   qemu-system-x86        # tests/vm: Debian's own kernel (it has the tls module,

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <iterator>
 #include <memory>
 #include <optional>
@@ -257,6 +258,23 @@ std::string OpenPortWarning(const std::string& host, int port, int data_port) {
       "--host=127.0.0.1 (one machine), --auth_token_file (a shared token "
       "every call must carry), --tls_cert/--tls_key (TLS; with "
       "--tls_client_ca, clients need a certificate), or a firewall");
+}
+
+// {"event":"shard_final",...}: the step (sync) or update count (async) the
+// shard ends at, and what weakened or lost steps, for a launcher's report
+// of the job whatever its workers print.
+std::string ShardFinalJson(const StatsResponse& stats,
+                           absl::string_view final_checkpoint) {
+  return absl::StrCat(
+      "{\"event\":\"shard_final\",\"shard\":", stats.shard_id(),
+      ",\"num_shards\":", stats.num_shards(), ",\"mode\":\"", stats.mode(),
+      "\",\"model_registered\":", stats.model_registered() ? "true" : "false",
+      ",\"version\":", stats.version(),
+      ",\"steps_short\":", stats.steps_short(),
+      ",\"steps_lost\":", stats.steps_lost(),
+      ",\"updates_lost\":", stats.updates_lost(),
+      ",\"late_gradients_dropped\":", stats.late_gradients_dropped(),
+      ",\"final_checkpoint\":\"", final_checkpoint, "\"}");
 }
 
 int Main(int argc, char** argv) {
@@ -603,13 +621,20 @@ int Main(int argc, char** argv) {
                    std::chrono::milliseconds(static_cast<int64_t>(
                        absl::GetFlag(FLAGS_shutdown_grace_s) * 1000)));
   if (health_server != nullptr) health_server->Shutdown();
+  // Whether the state this shard ends with is on disk.
+  const char* final_checkpoint = "none";
   if (checkpointer != nullptr) {
+    final_checkpoint = "written";
     if (absl::Status s = checkpointer->Stop(); !s.ok()) {
       LOG(ERROR) << "final checkpoint failed: " << s;
+      final_checkpoint = "failed";
     }
   }
   const StatsResponse stats = (*shard)->Stats();
   LOG(INFO) << "final stats: " << stats.ShortDebugString();
+  // For whoever ran the job (deploy/local/launch.sh, pstrain.sbatch): what
+  // the shard ends with, on stdout, one line.
+  std::cout << ShardFinalJson(stats, final_checkpoint) << std::endl;
   return 0;
 }
 

@@ -28,6 +28,11 @@
 #   6. pytorch_reference.py on the same GPU, same model/batch/optimizer/
 #      precision: the worker's GPU step time as a ratio to PyTorch's (goal
 #      <= 1.5).
+#   7. pstrain_torch: pip install of the bundle's wheel into the host's
+#      PyTorch environment ($TORCH_PYTHON, default /opt/torch/.venv/bin/python;
+#      nothing downloaded), its import (a failure is loud: FAIL, with pip's and
+#      Python's words), and a pstrain.torch training step against a ps_server
+#      of the bundle, on cuda:0 where there is a GPU.
 #
 # Results: DIR (default ./gpu-check-<UTC time>) holds every step's output,
 # summary.txt (the table) and summary.tsv. Exit status: 0 when every check
@@ -35,7 +40,7 @@
 # 1 when a check failed; 2 bad usage. --require_gpu makes "no GPU found" a
 # failure (use it on a GPU host: a broken driver must not pass as a dry run).
 # --steps runs only the named steps (parity sanitizer kernel_bench step_bench
-# jobs pytorch); --deadline_s=N stops starting work so that the whole run,
+# jobs pytorch pstrain_torch); --deadline_s=N stops starting work so that the whole run,
 # summary included, ends within N seconds (for a device call with a limit).
 #
 # Knobs (environment): MODEL_HIDDEN (2048,2048), BATCH (512), CPU_STEPS,
@@ -56,7 +61,7 @@ usage() {
   exit 2
 }
 
-readonly ALL_STEPS="parity sanitizer kernel_bench step_bench jobs pytorch"
+readonly ALL_STEPS="parity sanitizer kernel_bench step_bench jobs pytorch pstrain_torch"
 read -ra STEPS <<<"$ALL_STEPS"
 results=""
 DEADLINE_S=0
@@ -578,6 +583,60 @@ step_pytorch() {
       row "pytorch reference $precision" INFO "${torch_ms} ms/step" "no step_bench figure to compare"
     fi
   done
+}
+
+# The wheel users pip install, into the host's PyTorch environment, then one
+# pstrain.torch step against a ps_server of the bundle (on cuda:0 where there
+# is a GPU).
+step_pstrain_torch() {
+  local python=${TORCH_PYTHON:-/opt/torch/.venv/bin/python} wheel device=cpu
+  local log=$results/pstrain_install.txt out=$results/pstrain_torch_step.txt
+  if [[ ! -x $python ]]; then
+    # No PyTorch venv here (a dry run): a venv that sees the system's torch.
+    python=$results/venv/bin/python
+    /usr/bin/python3 -m venv --system-site-packages "$results/venv" >"$log" 2>&1 ||
+      { row "pstrain.torch install" FAIL "-" "python3 -m venv failed: $(tail -n 1 "$log")"; return; }
+  fi
+  # The wheel, made here as the build makes it (make_wheel.py: the
+  # bundle's libraries beside libpstrain.so).
+  if ! wheel=$(python3 "$BUNDLE/python/make_wheel.py" --version="$(cat "$BUNDLE/python/VERSION")" \
+      --lib="$BUNDLE/python/libpstrain.so" --out_dir="$results/wheel" \
+      "$BUNDLE"/python/pstrain/*.py 2>"$results/pstrain_wheel.txt"); then
+    row "pstrain.torch install" FAIL "-" "make_wheel.py failed: $(tail -n 1 "$results/pstrain_wheel.txt")"
+    return
+  fi
+  if ! run_to "$log" "$python" -m pip install --no-index --no-deps --force-reinstall \
+      --ignore-installed --disable-pip-version-check "$wheel"; then
+    row "pstrain.torch install" FAIL "-" "pip install into $python failed: $(tail -n 1 "$log")"
+    return
+  fi
+  if ! (cd / && "$python" -c 'import pstrain.torch') >>"$log" 2>&1; then
+    row "pstrain.torch install" FAIL "-" "import failed in $python: $(tail -n 1 "$log")"
+    return
+  fi
+  row "pstrain.torch install" PASS "$(cd / && "$python" -c 'import sys, torch, pstrain; print("CPython %d.%d, torch %s, pstrain %s" % (sys.version_info[:2] + (torch.__version__, pstrain.__version__)))')" "$(basename "$wheel")"
+  (cd / && "$python" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())') && device=cuda
+  local port_file=$results/pstrain_torch_ps.port
+  rm -f "$port_file"
+  "$BUNDLE/bin/ps_server" --host=127.0.0.1 --port=0 --port_file="$port_file" --num_workers=1 \
+    --mode=sync --optimizer=sgd --learning_rate=0.25 >"$results/pstrain_torch_ps.log" 2>&1 &
+  local server=$! waited=0
+  while [[ ! -s $port_file ]] && ((waited < 300)); do sleep 0.1; waited=$((waited + 1)); done
+  if [[ ! -s $port_file ]]; then
+    kill "$server" 2>/dev/null
+    row "pstrain.torch $device step" FAIL "-" "the ps_server wrote no port; see pstrain_torch_ps.log"
+    return
+  fi
+  local status=0
+  run_to "$out" "$python" "$BUNDLE/install_smoke.py" --hosts="127.0.0.1:$(cat "$port_file")" \
+    --torch --device="$device" || status=$?
+  kill "$server" 2>/dev/null
+  wait "$server" 2>/dev/null
+  if ((status == 0)); then
+    row "pstrain.torch $device step" PASS "-" "$(tail -n 1 "$out")"
+  else
+    row "pstrain.torch $device step" FAIL "-" "$(exit_text "$status"): $(tail -n 1 "$out")"
+  fi
 }
 
 # --- Run them ------------------------------------------------------------------

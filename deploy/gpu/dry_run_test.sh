@@ -62,6 +62,9 @@ else
   expect '^kernel_bench +SKIP .*no GPU'
   expect '^jobs on 1 and 2 GPUs .* SKIP .*no GPU'
   expect '^pytorch reference.* SKIP'
+  # The wheel, assembled from the bundle and pip installed, runs a step.
+  expect '^pstrain.torch install +PASS +CPython 3'
+  expect '^pstrain.torch cpu step +PASS'
   expect '^RESULT: PASSED .*dry run: no GPU, GPU steps skipped'
   # A "skip" must never be a test that ran into a GPU and broke.
   if grep -E '^(parity|job|step_bench).* FAIL' "$summary"; then

@@ -8,7 +8,9 @@
 # OUTDIR gets what deploy/gather_runtime.sh --no-cuda-libs gathers for the
 # binaries below (bin/, lib/, run, MANIFEST; the host's own CUDA runtime and
 # cuBLAS are used), plus check.sh, launch.sh (deploy/local), the PyTorch
-# reference script, BUNDLE_INFO, and with --data the Fashion-MNIST .gz files
+# reference script, what the pstrain wheel is made of (python/: check.sh
+# assembles it) and install_smoke.py,
+# BUNDLE_INFO, and with --data the Fashion-MNIST .gz files
 # of Debian's dataset-fashion-mnist under data/fashion-mnist (auto: when they
 # are installed here). --tar also writes OUTDIR.tar.gz, the form to carry
 # (the libraries compress ~3x; the .gz data does not).
@@ -65,7 +67,7 @@ for arg in "$@"; do
         [[ $b == \?* ]] && continue
         printf '//%s:%s ' "$(dirname "$b")" "$(basename "$b")"
       done
-      echo
+      echo //worker/python:pstrain/_lib/libpstrain.so
       exit 0
       ;;
     --tar) tar=1 ;;
@@ -97,7 +99,20 @@ rm -rf "$outdir"
 "$src_root/deploy/gather_runtime.sh" --no-cuda-libs "$outdir" "${binaries[@]}" >&2
 install -m 0755 "$src_root/deploy/gpu/check.sh" "$outdir/check.sh"
 install -m 0755 "$src_root/deploy/local/launch.sh" "$outdir/launch.sh"
+install -m 0755 "$src_root/deploy/local/job_report.sh" "$outdir/job_report.sh"
 install -m 0755 "$src_root/bench/gpu/pytorch_reference.py" "$outdir/pytorch_reference.py"
+# What the pstrain wheel is made of, and the script that makes it: check.sh's
+# pstrain_torch step assembles the wheel there (its libraries are lib/'s
+# files, so carrying the wheel would carry them twice) and pip installs it
+# into the host's PyTorch environment; install_smoke.py tries it.
+install -m 0755 "$src_root/tests/python/install_smoke.py" "$outdir/install_smoke.py"
+mkdir -p "$outdir/python/pstrain"
+install -m 0755 "$src_root/worker/python/make_wheel.py" "$outdir/python/make_wheel.py"
+install -m 0644 "$src_root"/worker/python/pstrain/*.py "$outdir/python/pstrain/"
+[[ -f $bin_root/worker/python/pstrain/_lib/libpstrain.so ]] ||
+  die "$bin_root/worker/python/pstrain/_lib/libpstrain.so is not built: bazel build -c opt \$($0 --print_targets)"
+install -m 0755 "$bin_root/worker/python/pstrain/_lib/libpstrain.so" "$outdir/python/libpstrain.so"
+sed -n 's/^PSTRAIN_VERSION = "\(.*\)"$/\1/p' "$src_root/worker/python/version.bzl" >"$outdir/python/VERSION"
 install -m 0644 "$src_root/deploy/gpu/README.md" "$outdir/README.md"
 
 if [[ $data == yes || ($data == auto && -d $FASHION_MNIST_DIR) ]]; then

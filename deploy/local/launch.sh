@@ -10,6 +10,8 @@
 set -euo pipefail
 
 readonly PROG=launch.sh
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+readonly HERE
 readonly PORT_WAIT_S=30        # how long servers may take to write their port
 readonly STOP_GRACE_S=10       # SIGTERM -> SIGKILL grace when stopping
 readonly LOG_TAIL_LINES=20     # lines of a failed process's log shown
@@ -22,9 +24,12 @@ Usage: deploy/local/launch.sh [options] [-- extra flags...]
 Runs a parameter-server training job on this machine: S ps_server shards on
 127.0.0.1 (free ports picked by the servers), then W workers against them.
 Streams worker 0's progress, prints every worker's final JSON line
-({"event":"final",...}) on stdout and the final model's held-out accuracy
+({"event":"final",...}; a Python worker's only if its script prints one:
+exiting 0 is its success) on stdout and the final model's held-out accuracy
 (one number: every worker evaluates the job's final model) on stderr, stops
-the servers and exits 0.
+the servers, prints the job as they end it ({"event":"job",...}: the step
+every shard reached, steps completed short or lost, whether the final state
+is checkpointed) and exits 0.
 
 Options:
   --servers=S      number of ps_server shards (default 2)
@@ -729,35 +734,31 @@ wait_for_workers() {
   done
 }
 
-print_results() {
+# Every worker's final JSON line: the C++ worker always prints one (none is
+# a bug); a Python worker prints one only if its script does (pstrain's
+# examples do), and exiting 0 is its success.
+print_worker_results() {
   local k line
-  local -a finals=()
+  WORKER_FINALS=()
   for ((k = 0; k < WORKERS; k++)); do
     line=$(grep '^{"event":"final"' "$RUN/worker$k.out" | tail -n 1) || true
-    if [[ -z "$line" ]]; then
+    if [[ -z "$line" && -z "$PYTHON_SCRIPT" ]]; then
       info "worker $k exited 0 but printed no final JSON line to $RUN/worker$k.out"
       show_log_tail "$RUN/worker$k.log"
       exit 1
     fi
-    finals+=("$line")
+    [[ -n "$line" ]] && WORKER_FINALS+=("$line")
   done
-  printf '%s\n' "${finals[@]}"
-  report_final_model "${finals[@]}"
-  report_short_steps "${finals[@]}"
+  ((${#WORKER_FINALS[@]} == 0)) || printf '%s\n' "${WORKER_FINALS[@]}"
+  ((${#WORKER_FINALS[@]} == 0)) || report_final_model "${WORKER_FINALS[@]}"
 }
 
-# A sync step completed with fewer gradients than workers (one lapsed, or
-# the job started without some under --min_workers, or
-# --replicas_to_aggregate) is a weaker sync than asked for: say how often.
-report_short_steps() {
-  local line value most=0
-  for line in "$@"; do
-    value=$(sed -n 's/.*"steps_short":\([0-9]*\).*/\1/p' <<<"$line")
-    [[ -n "$value" ]] && ((value > most)) && most=$value
-  done
-  if ((most > 0)); then
-    info "warning: $most sync step(s) completed with fewer than $WORKERS workers' gradients (steps_short: a worker lapsed or never came, --min_workers, --replicas_to_aggregate); see $RUN/ps*.log"
-  fi
+# The job as the servers end it, whatever the workers printed
+# (deploy/local/job_report.sh): one {"event":"job",...} line on stdout,
+# warnings on stderr.
+report_job() {
+  "$HERE/job_report.sh" --prog="$PROG" --shards="$SERVERS" --workers="$WORKERS" \
+    --logs="$RUN/ps*.log" < <(cat "$RUN"/ps*.log 2>/dev/null) || true
 }
 
 # Every worker evaluates the job's final model (sync: the model after the
@@ -803,7 +804,7 @@ main() {
   start_workers
   wait_for_workers
   stop_stream
-  print_results
+  print_worker_results
 
   stop_pids "${SERVER_PIDS[@]}"
   if ((${#STOP_KILLED[@]} > 0)); then
@@ -812,6 +813,7 @@ main() {
   if ((${#STOP_FAILED[@]} > 0)); then
     info "warning: after SIGTERM: ${STOP_FAILED[*]}"
   fi
+  report_job
   printf 'logs: %s\n' "$RUN"
 }
 

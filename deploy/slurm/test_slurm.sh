@@ -60,15 +60,16 @@ if [[ -n "$runfiles" && -e "$runfiles/pstrain/deploy/slurm/pstrain.sbatch" ]]; t
   PS_BIN=$runfiles/pstrain/ps_server/ps_server
   WORKER_BIN=$runfiles/pstrain/worker/worker
   SBATCH_SCRIPT=$runfiles/pstrain/deploy/slurm/pstrain.sbatch
-  # The pstrain Python package as built for this test.
-  PYTHON_PACKAGE_ROOT=$runfiles/pstrain/worker/python
+  # The pstrain Python package as users get it: the wheel, pip-installed
+  # into a venv that sees Debian's torch (made below, once $T exists).
+  PYTHON_WHEEL=$(ls "$runfiles"/pstrain/worker/python/pstrain-*.whl)
 else
   here=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
   repo=$(cd -- "$here/../.." && pwd)
   PS_BIN=$repo/bazel-bin/ps_server/ps_server
   WORKER_BIN=$repo/bazel-bin/worker/worker
   SBATCH_SCRIPT=$here/pstrain.sbatch
-  PYTHON_PACKAGE_ROOT=""  # the installed one (worker/python/install.sh)
+  PYTHON_WHEEL=""  # the installed one (worker/python/install.sh)
 fi
 for f in "$PS_BIN" "$WORKER_BIN"; do
   [[ -x "$f" ]] || fail "$f missing (bazel build //ps_server:ps_server //worker:worker)"
@@ -347,8 +348,15 @@ _, accuracy = pstrain.data.evaluate(model, data)
 pstrain.print_final(worker_id=ps.worker_id, mode=ps.mode,
                     num_workers=ps.num_workers, test_accuracy=accuracy)
 PY
-submit F PS_BASE_PORT=0 PYTHON_SCRIPT="$T/torch_worker.py" \
-  ${PYTHON_PACKAGE_ROOT:+PYTHONPATH=$PYTHON_PACKAGE_ROOT} -- \
+PYTHON_FOR_F=/usr/bin/python3
+if [[ -n "$PYTHON_WHEEL" ]]; then
+  /usr/bin/python3 -m venv --system-site-packages "$T/venv" ||
+    fail "python3 -m venv failed (python3-venv)"
+  "$T/venv/bin/python" -m pip install --quiet --no-index --no-deps --ignore-installed \
+    --disable-pip-version-check "$PYTHON_WHEEL" || fail "pip install $PYTHON_WHEEL failed"
+  PYTHON_FOR_F=$T/venv/bin/python
+fi
+submit F PS_BASE_PORT=0 PYTHON_SCRIPT="$T/torch_worker.py" PYTHON="$PYTHON_FOR_F" -- \
   -p cpu -w n1 -N1 -n2 -c1 : -p gpu -w n2 -N1 -n2 -c1 --gres=none \
   "$SBATCH_SCRIPT" -- --steps=300 --server.optimizer=adam --server.learning_rate=0.01
 
@@ -407,6 +415,8 @@ check_training_job() {  # name mode workers shards
   state=$(job_state "$id")
   [[ "$state" == "COMPLETED 0:0" ]] || fail "job $name ($id): state '$state', want 'COMPLETED 0:0'"
   out=$T/job-$name.out
+  grep -q "^{\"event\":\"job\",\"mode\":\"$mode\",\"shards\":$shards,\"workers\":$workers,\"step\":" "$out" ||
+    fail "job $name: no report of the job from its servers in $out"
   lines=$(grep -c '^{"event":"final"' "$out" || true)
   ((lines == workers)) || fail "job $name: $lines final JSON lines in $out, want $workers"
   for ((k = 0; k < workers; k++)); do

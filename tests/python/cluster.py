@@ -3,6 +3,7 @@ processes: the servers come from the test's runfiles, listen on ports they
 pick themselves (reported through port files), and every process a test
 starts is killed when its Cluster closes. Every wait has a deadline."""
 
+import glob
 import json
 import os
 import signal
@@ -11,16 +12,41 @@ import sys
 import tempfile
 import time
 
-import pstrain
-
-# Where `import pstrain` finds the package built for this test: a worker
-# process gets it on its PYTHONPATH.
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pstrain.__file__)))
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def runfile(path):
     return os.path.join(os.environ["TEST_SRCDIR"], "pstrain", path)
+
+
+def _run_with_the_installed_package():
+    """The suite tests the package as users get it: the wheel, pip-installed
+    into a fresh virtual environment that sees Debian's torch, never the
+    build tree. The first import of this module re-runs the test under that
+    environment's interpreter (every process a test starts uses it too)."""
+    if os.environ.get("PSTRAIN_TEST_VENV"):
+        return
+    wheels = glob.glob(runfile("worker/python/pstrain-*.whl"))
+    assert len(wheels) == 1, f"expected one wheel in the runfiles: {wheels}"
+    venv = os.path.join(os.environ["TEST_TMPDIR"], "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages",
+                    venv], check=True)
+    python = os.path.join(venv, "bin", "python")
+    subprocess.run([python, "-m", "pip", "install", "--no-index", "--no-deps",
+                    "--ignore-installed",
+                    "--quiet", "--disable-pip-version-check", wheels[0]],
+                   check=True)
+    os.execve(python, [python] + sys.argv,
+              dict(os.environ, PSTRAIN_TEST_VENV=venv))
+
+
+_run_with_the_installed_package()
+
+import pstrain  # noqa: E402 (the installed one, after the re-run above)
+
+assert os.environ["PSTRAIN_TEST_VENV"] in pstrain.__file__, pstrain.__file__
+# Where `import pstrain` finds the installed package: a worker process run by
+# another interpreter gets it on its PYTHONPATH.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pstrain.__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def read(path):

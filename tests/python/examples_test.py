@@ -2,8 +2,10 @@
 --python with 2 servers and 2 workers (sync and async for the CNN), each
 printing one final line per worker about one final model."""
 
+import json
 import os
 import subprocess
+import sys
 import unittest
 
 from tests.python import cluster
@@ -12,7 +14,7 @@ EXAMPLES = os.path.join(os.environ["TEST_SRCDIR"], "pstrain", "worker",
                         "python", "examples")
 
 
-def launch(mode, script, args, timeout_s=600):
+def launch(mode, script, args, timeout_s=600, check=True):
     bin_dir = os.path.join(os.environ["TEST_TMPDIR"], f"bin_{mode}")
     os.makedirs(bin_dir, exist_ok=True)
     for binary in ("ps_server/ps_server", "worker/worker"):
@@ -20,12 +22,14 @@ def launch(mode, script, args, timeout_s=600):
         if not os.path.exists(link):
             os.symlink(cluster.runfile(binary), link)
     # The package as built for this test, ahead of any installed copy.
-    env = dict(os.environ, PYTHONPATH=cluster.PACKAGE_ROOT)
+    env = dict(os.environ, PSTRAIN_PYTHON=sys.executable)
     done = subprocess.run(
         [cluster.runfile("deploy/local/launch.sh"), f"--bin_dir={bin_dir}",
          "--servers=2", "--workers=2", f"--mode={mode}",
          f"--python={os.path.join(EXAMPLES, script)}", "--"] + args,
         env=env, capture_output=True, text=True, timeout=timeout_s)
+    if not check:
+        return done
     if done.returncode != 0:
         raise AssertionError(f"launch.sh exited {done.returncode}:\n"
                              + done.stderr[-4000:])
@@ -61,6 +65,32 @@ class ExamplesTest(unittest.TestCase):
         # Against the hidden truth: well above chance, below a perfect model.
         self.assertGreater(finals[0]["auc"], 0.75)
         self.assertLess(finals[0]["auc"], finals[0]["true_auc"] + 0.01)
+
+
+class UserScriptTest(unittest.TestCase):
+    """A script that prints nothing of pstrain's: exiting 0 is success, and
+    the launcher reports the job from the servers."""
+
+    SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "plain_user_script.py")
+
+    def test_a_script_that_exits_0_succeeded(self):
+        done = launch("sync", self.SCRIPT, ["--steps=20"], check=False)
+        self.assertEqual(done.returncode, 0, done.stderr[-4000:])
+        jobs = [json.loads(line) for line in done.stdout.splitlines()
+                if line.startswith('{"event":"job"')]
+        self.assertEqual(len(jobs), 1, done.stdout)
+        self.assertEqual(jobs[0]["step"], 20)
+        self.assertEqual(jobs[0]["step_max"], 20)
+        self.assertEqual(jobs[0]["steps_short"], 0)
+        self.assertEqual(jobs[0]["shards"], 2)
+        self.assertIn("the servers ended the sync job at step 20", done.stderr)
+
+    def test_a_script_that_fails_fails_the_job(self):
+        done = launch("sync", self.SCRIPT, ["--steps=20", "--fail_at=5"],
+                      check=False)
+        self.assertEqual(done.returncode, 1, done.stderr[-4000:])
+        self.assertIn("the user's script failed", done.stderr)
 
 
 if __name__ == "__main__":

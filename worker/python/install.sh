@@ -1,42 +1,47 @@
 #!/usr/bin/env bash
-# Builds the `pstrain` Python package and installs it for the interpreter the
-# build is for (bazel/python_configure.bzl: Debian's /usr/bin/python3, which
-# has python3-torch), into that interpreter's site directory
-# (/usr/local/lib/python3.11/dist-packages), so that `import pstrain` works
-# from any directory with no path set. A copy, as installing a wheel would
-# make (Debian 12's system Python refuses pip installs, PEP 668): rerun after
-# changing the package; `rm -r <site>/pstrain` removes it.
+# Builds the pstrain wheel (worker/python/build_wheel.sh) and installs it with
+# pip into one interpreter's environment, for this repository's own scripts
+# (the demo, the benchmarks, the launchers' Python workers):
 #
-#   worker/python/install.sh [--prefix=DIR]   # DIR/pstrain instead of the site
+#   worker/python/install.sh                    # $PSTRAIN_PYTHON, default
+#                                               # Debian's /usr/bin/python3
+#   worker/python/install.sh --python=~/venv/bin/python
+#   worker/python/install.sh --prefix=DIR       # DIR/pstrain (pip --target)
+#
+# Debian's /usr/bin/python3 is "externally managed" (PEP 668): for it pip is
+# told so explicitly (--break-system-packages), and the package lands in
+# /usr/local/lib/python3.11/dist-packages, where `pip uninstall pstrain`
+# removes it. Your own training environment: pip install the wheel there
+# (README.md, "PyTorch").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+python=${PSTRAIN_PYTHON:-/usr/bin/python3}
 prefix=""
 for arg in "$@"; do
   case "$arg" in
+    --python=*) python=${arg#*=} ;;
     --prefix=*) prefix=${arg#*=} ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "install.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
+python=${python/#\~/$HOME}
+[[ -x "$python" ]] || { echo "install.sh: no interpreter at $python" >&2; exit 2; }
 
-bazel build //worker/python:pstrain/_native.so
-defs="$(bazel info output_base 2>/dev/null)/external/local_python/defs.bzl"
-python=$(sed -n 's/^PYTHON = "\(.*\)"$/\1/p' "$defs")
-site=$(sed -n 's/^PYTHON_SITE = "\(.*\)"$/\1/p' "$defs")
-dest=${prefix:-$site}/pstrain
+wheel=$(worker/python/build_wheel.sh)
+pip_args=(install --no-index --no-deps --force-reinstall --quiet --disable-pip-version-check)
+if [[ -n "$prefix" ]]; then
+  pip_args+=(--target="$prefix" --upgrade)
+elif "$python" -c 'import sys, sysconfig, os; sys.exit(not (sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_paths()["stdlib"], "EXTERNALLY-MANAGED"))))'; then
+  pip_args+=(--break-system-packages)
+fi
 sudo=""
-if [[ ! -w "$(dirname "$dest")" && -e "$(dirname "$dest")" && $(id -u) -ne 0 ]]; then
+if [[ -z "$prefix" && $(id -u) -ne 0 ]] &&
+    ! "$python" -c 'import sys, sysconfig, os; sys.exit(not os.access(sysconfig.get_paths()["purelib"], os.W_OK))'; then
   sudo="sudo"
 fi
-staging=$(mktemp -d)
-trap 'rm -rf "$staging"' EXIT
-cp worker/python/pstrain/*.py "$staging/"
-cp bazel-bin/worker/python/pstrain/_native.so "$staging/"
-chmod 644 "$staging"/*
-$sudo mkdir -p "$dest"
-$sudo rm -f "$dest"/*.py "$dest"/_native.so
-$sudo cp "$staging"/* "$dest/"
+$sudo "$python" -m pip "${pip_args[@]}" "$wheel"
 (cd / && PYTHONPATH="$prefix" "$python" -c "import pstrain, pstrain.torch") ||
-  { echo "install.sh: $python cannot import pstrain from $dest" >&2; exit 1; }
-echo "pstrain installed in $dest (for $python)"
+  { echo "install.sh: $python cannot import pstrain after installing $wheel" >&2; exit 1; }
+echo "pstrain installed for $python${prefix:+ in $prefix} from $wheel"

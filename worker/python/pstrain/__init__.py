@@ -1,4 +1,4 @@
-"""pstrain from Python: the parameter servers' C++ client, bound with pybind11.
+"""pstrain from Python: the parameter servers' C++ client, through its C ABI.
 
 There is one client, the C++ ``PsClient`` (worker/ps_client.h): the data plane,
 PushPull, retries, heartbeats, exactly-once pushes, TLS, the bearer token and
@@ -12,20 +12,32 @@ servers or the network report raise ``pstrain.Error`` (its ``.code`` is the
 status name, e.g. ``"UNAVAILABLE"``); arguments refused before anything is sent
 raise ``TypeError`` or ``ValueError`` naming the tensor or option.
 
-Tensors go in and out as float32 numpy arrays, C-contiguous, with exactly the
-registered tensor's element count; a CPU ``torch.Tensor`` passes its memory
-with ``.numpy()`` (no copy): a pull writes the parameters into it, a push reads
-gradients from it.
+Tensors go in and out as contiguous float32 host memory with exactly the
+registered tensor's element count: numpy arrays, CPU ``torch.Tensor`` s, or
+writable buffers (``array.array("f")``), passed by address with no copy: a
+pull writes the parameters into them, a push reads gradients from them.
+numpy and torch are the user's own (the package needs neither to import).
 """
 
 import json
 import os
 
-from pstrain import _native
+from pstrain import _core
 
-Error = _native.Error
+Error = _core.Error
 
 __all__ = ["Client", "ClusterSpec", "Error", "cluster_spec"]
+
+
+def _version():
+    try:
+        from importlib import metadata
+        return metadata.version("pstrain")
+    except Exception:  # not installed: the build tree
+        return "dev"
+
+
+__version__ = _version()
 
 
 class ClusterSpec:
@@ -65,7 +77,7 @@ _CLIENT_FLAGS = {
 
 def cluster_spec(path=""):
     """The ClusterSpec of this process, or a ValueError saying what is missing."""
-    spec = _native.load_cluster_spec(path)
+    spec = _core.load_cluster_spec(path)
     if spec is None:
         raise ValueError(
             "no cluster description: set PSTRAIN_CLUSTER (deploy/local/launch.sh "
@@ -101,7 +113,7 @@ class Client:
     def __init__(self, hosts, **options):
         if isinstance(hosts, str):
             hosts = hosts.split(",")
-        self._native = _native.Client(dict(options, hosts=list(hosts)))
+        self._core = _core.Client(dict(options, hosts=list(hosts)))
         self.mode = None
         self.start_step = 0
 
@@ -109,7 +121,7 @@ class Client:
         """Registers ``schema`` (a ModelSchema as a dict in protobuf's JSON
         names) on every shard; worker_id -1 is an observer. Returns the mode and
         sets ``mode`` and ``start_step`` (where a (re)joining worker starts)."""
-        answer = self._native.register(json.dumps(schema), num_workers,
+        answer = self._core.register(json.dumps(schema), num_workers,
                                        worker_id)
         self.mode = answer["mode"]
         self.start_step = answer["start_step"]
@@ -118,45 +130,45 @@ class Client:
     def await_job_start(self, on_waiting=None):
         """Sync/ssp: returns once every expected worker has registered.
         ``on_waiting(info)`` is called about once a second meanwhile."""
-        self._native.await_job_start(on_waiting)
+        self._core.await_job_start(on_waiting)
 
     def pull(self, step, tensors):
-        return self._native.pull(step, tensors)
+        return self._core.pull(step, tensors)
 
     def push(self, step, gradients, only=()):
-        return self._native.push(step, gradients, list(only))
+        return self._core.push(step, gradients, list(only))
 
     def push_pull(self, push_step, gradients, pull_step, tensors):
-        return self._native.push_pull(push_step, gradients, pull_step, tensors)
+        return self._core.push_pull(push_step, gradients, pull_step, tensors)
 
     def assign(self, values, only=()):
-        return self._native.assign(values, list(only))
+        return self._core.assign(values, list(only))
 
     def pull_sparse(self, table, step, ids, out):
-        self._native.pull_sparse(table, step, ids, out)
+        self._core.pull_sparse(table, step, ids, out)
 
     def push_sparse(self, table, step, ids, gradients):
-        return self._native.push_sparse(table, step, ids, gradients)
+        return self._core.push_sparse(table, step, ids, gradients)
 
     def leave(self):
-        self._native.leave()
+        self._core.leave()
 
     def stats(self):
         """Every shard's Stats, as dicts (proto field names)."""
-        return [json.loads(s) for s in self._native.stats()]
+        return self._core.stats()
 
     def steps_short(self):
-        return self._native.steps_short()
+        return self._core.steps_short()
 
     def await_final_model(self, expected_version, timeout_s=120.0):
-        return self._native.await_final_model(expected_version, timeout_s)
+        return self._core.await_final_model(expected_version, timeout_s)
 
     def interrupt(self):
-        self._native.interrupt()
+        self._core.interrupt()
 
     @property
     def num_shards(self):
-        return self._native.num_shards
+        return self._core.num_shards
 
 
 def print_final(**fields):

@@ -11,7 +11,7 @@ Python job compared with a C++ one sample for sample.
 import numpy as np
 import torch
 
-from pstrain import _native
+from pstrain import _core
 
 __all__ = ["Batches", "CtrData", "FASHION_MNIST", "auc", "evaluate",
            "fashion_mnist", "synthetic"]
@@ -23,14 +23,14 @@ FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 def fashion_mnist(train=True, directory=FASHION_MNIST):
     """Fashion-MNIST's 60,000 training (or 10,000 held-out) 28x28 images,
     pixels scaled to [0, 1], as flat rows of 784 features."""
-    return _native.open_idx(directory, train)
+    return _core.open_idx(directory, train)
 
 
 def synthetic(count, num_features=32, num_classes=4, label_noise=0.05, seed=1,
               first_index=0):
     """The C++ worker's synthetic task (--data=synthetic): example i is a
     pure function of (seed, i)."""
-    return _native.synthetic(count, first_index, num_features, num_classes,
+    return _core.synthetic(count, first_index, num_features, num_classes,
                              label_noise, seed)
 
 
@@ -46,7 +46,7 @@ class Batches:
                  seed=1, shuffle=True, shape=None):
         self.examples = examples
         self.batch_size = batch_size
-        self._plan = _native.epoch_plan(examples.size, batch_size, num_workers,
+        self._plan = _core.epoch_plan(examples.size, batch_size, num_workers,
                                         worker_id, shuffle, seed)
         self._shape = tuple(shape) if shape else (examples.num_features,)
         self._x = np.empty((batch_size, examples.num_features), np.float32)
@@ -103,7 +103,7 @@ class CtrData:
 
     def __init__(self, count, first_index=0, num_dense=4, num_fields=6,
                  vocab_per_field=10000, max_bag=3, seed=1):
-        d = _native.synthetic_ctr(count, first_index, num_dense, num_fields,
+        d = _core.synthetic_ctr(count, first_index, num_dense, num_fields,
                                   vocab_per_field, max_bag, seed)
         self.size = count
         self.num_dense = num_dense

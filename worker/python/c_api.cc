@@ -1,0 +1,606 @@
+// libpstrain's C ABI (c_api.h): argument conversion only; every call's
+// logic is PsClient's or the data readers'.
+#include "worker/python/c_api.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/cluster_spec.h"
+#include "common/connection_check.h"
+#include "common/partition.h"
+#include "glog/logging.h"
+#include "google/protobuf/util/json_util.h"
+#include "nlohmann/json.hpp"
+#include "proto/ps.pb.h"
+#include "worker/client_config.h"
+#include "worker/ctr_data.h"
+#include "worker/data.h"
+#include "worker/idx_data.h"
+#include "worker/ps_client.h"
+
+struct pstrain_client {
+  std::unique_ptr<pstrain::PsClient> client;
+  std::vector<std::string> hosts;
+  bool tls = false;
+  pstrain::ModelSchema schema;
+};
+
+struct pstrain_examples {
+  std::unique_ptr<pstrain::ExampleSource> source;
+};
+
+struct pstrain_ctr_data {
+  pstrain::CtrDataset data;
+  std::vector<double> truth;
+};
+
+struct pstrain_epoch_plan {
+  pstrain::EpochPlan plan;
+};
+
+namespace pstrain {
+namespace {
+
+char* CopyString(const std::string& text) {
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  std::memcpy(out, text.c_str(), text.size() + 1);
+  return out;
+}
+
+// The C convention: 0, or the status code with *error set.
+int Fail(const absl::Status& status, char** error) {
+  if (status.ok()) return 0;
+  if (error != nullptr) *error = CopyString(std::string(status.message()));
+  return static_cast<int>(status.code());
+}
+
+// Runs `body`, which returns a status; a C++ exception (a bug, or a JSON
+// value of the wrong type) becomes INTERNAL / INVALID_ARGUMENT instead of
+// crossing the C boundary.
+int Guard(char** error, const std::function<absl::Status()>& body) {
+  try {
+    return Fail(body(), error);
+  } catch (const nlohmann::json::exception& e) {
+    return Fail(absl::InvalidArgumentError(e.what()), error);
+  } catch (const std::exception& e) {
+    return Fail(absl::InternalError(e.what()), error);
+  }
+}
+
+// Sets the ClientConfig option `name` (its worker flag's name) from `value`.
+using OptionSetter = std::function<void(const nlohmann::json&, ClientConfig&)>;
+const std::map<std::string, OptionSetter>& ClientOptionSetters() {
+  static const auto* setters = new std::map<std::string, OptionSetter>{
+      {"hosts", [](auto& v, auto& c) { c.hosts = v; }},
+      {"rpc_timeout_s", [](auto& v, auto& c) { c.rpc_timeout_s = v; }},
+      {"connect_timeout_s", [](auto& v, auto& c) { c.connect_timeout_s = v; }},
+      {"retry_window_s", [](auto& v, auto& c) { c.retry_window_s = v; }},
+      {"heartbeat_interval_s",
+       [](auto& v, auto& c) { c.heartbeat_interval_s = v; }},
+      {"max_message_mb", [](auto& v, auto& c) { c.max_message_mb = v; }},
+      {"connections_per_shard",
+       [](auto& v, auto& c) { c.connections_per_shard = v; }},
+      {"call_streams", [](auto& v, auto& c) { c.call_streams = v; }},
+      {"data_plane", [](auto& v, auto& c) { c.data_plane = v; }},
+      {"data_requests_in_flight",
+       [](auto& v, auto& c) { c.data_requests_in_flight = v; }},
+      {"data_plane_ktls", [](auto& v, auto& c) { c.data_plane_ktls = v; }},
+      {"gradient_wire_type",
+       [](auto& v, auto& c) { c.gradient_wire_type = v; }},
+      {"gradient_topk_fraction",
+       [](auto& v, auto& c) { c.gradient_topk_fraction = v; }},
+      {"inject_duplicate_push_probability",
+       [](auto& v, auto& c) { c.inject_duplicate_push_probability = v; }},
+      {"inject_push_jitter_ms",
+       [](auto& v, auto& c) { c.inject_push_jitter_ms = v; }},
+      {"tls_ca", [](auto& v, auto& c) { c.tls.ca = v; }},
+      {"tls_cert", [](auto& v, auto& c) { c.tls.cert = v; }},
+      {"tls_key", [](auto& v, auto& c) { c.tls.key = v; }},
+      {"tls_server_name", [](auto& v, auto& c) { c.tls.server_name = v; }},
+      {"auth_token_file", [](auto& v, auto& c) { c.auth_token_file = v; }},
+  };
+  return *setters;
+}
+
+absl::StatusOr<ClientConfig> ParseClientOptions(const char* options_json) {
+  const nlohmann::json options = nlohmann::json::parse(options_json);
+  if (!options.is_object()) {
+    return absl::InvalidArgumentError("client options must be a JSON object");
+  }
+  ClientConfig config;
+  for (const auto& [name, value] : options.items()) {
+    auto setter = ClientOptionSetters().find(name);
+    if (setter == ClientOptionSetters().end()) {
+      std::vector<std::string> known;
+      for (const auto& [known_name, unused] : ClientOptionSetters()) {
+        known.push_back(known_name);
+      }
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown client option '", name,
+                       "' (known: ", absl::StrJoin(known, ", "), ")"));
+    }
+    try {
+      setter->second(value, config);
+    } catch (const nlohmann::json::exception&) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "client option '", name, "': ", value.dump(), " is not of its type"));
+    }
+  }
+  if (config.hosts.empty()) {
+    return absl::InvalidArgumentError(
+        "hosts: the servers' host:port, every shard in order, is required");
+  }
+  return config;
+}
+
+// Exactly the schema's dense tensor count.
+absl::Status CheckTensorCount(const pstrain_client& c, int num_tensors) {
+  if (c.schema.dense_size() == 0) {
+    return absl::FailedPreconditionError("register the model first");
+  }
+  if (num_tensors != c.schema.dense_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        num_tensors, " tensors, the model has ", c.schema.dense_size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int>> Only(const pstrain_client& c, const int* only,
+                                      int num_only) {
+  std::vector<int> out;
+  for (int i = 0; i < num_only; ++i) {
+    if (only[i] < 0 || only[i] >= c.schema.dense_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor index ", only[i], " out of range"));
+    }
+    out.push_back(only[i]);
+  }
+  return out;
+}
+
+absl::Status CheckTable(const pstrain_client& c, int table) {
+  if (table < 0 || table >= c.schema.sparse_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sparse table ", table, " is not in the schema (it has ",
+                     c.schema.sparse_size(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace pstrain
+
+using pstrain::Fail;
+using pstrain::Guard;
+
+extern "C" {
+
+int pstrain_api_version(void) { return PSTRAIN_C_API_VERSION; }
+
+void pstrain_free(void* p) { std::free(p); }
+
+int pstrain_client_parse_options(const char* options_json, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    return pstrain::ParseClientOptions(options_json).status();
+  });
+}
+
+int pstrain_client_create(const char* options_json, pstrain_client** out,
+                          char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    if (!google::IsGoogleLoggingInitialized()) {
+      google::InitGoogleLogging("pstrain");
+      FLAGS_logtostderr = true;
+    }
+    absl::StatusOr<pstrain::ClientConfig> config =
+        pstrain::ParseClientOptions(options_json);
+    if (!config.ok()) return config.status();
+    absl::StatusOr<pstrain::PsClientOptions> options =
+        pstrain::MakePsClientOptions(*config);
+    if (!options.ok()) return options.status();
+    auto client = std::make_unique<pstrain_client>();
+    client->hosts = options->hosts;
+    client->tls = options->credentials != nullptr;
+    absl::StatusOr<std::unique_ptr<pstrain::PsClient>> made =
+        pstrain::PsClient::Create(*options);
+    if (!made.ok()) return made.status();
+    client->client = std::move(*made);
+    *out = client.release();
+    return absl::OkStatus();
+  });
+}
+
+void pstrain_client_destroy(pstrain_client* client) { delete client; }
+
+void pstrain_client_interrupt(pstrain_client* client) {
+  client->client->Interrupt();
+}
+
+int pstrain_client_num_shards(const pstrain_client* client) {
+  return client->client->num_shards();
+}
+
+int pstrain_client_register(pstrain_client* c, const char* schema_json,
+                            int num_workers, int worker_id, char** result_json,
+                            char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    pstrain::ModelSchema schema;
+    google::protobuf::util::JsonParseOptions strict;
+    if (auto s = google::protobuf::util::JsonStringToMessage(schema_json,
+                                                             &schema, strict);
+        !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("schema: ", std::string(s.message())));
+    }
+    if (absl::Status s = pstrain::ValidateSchema(schema); !s.ok()) return s;
+    absl::StatusOr<pstrain::Registration> registration =
+        c->client->Register(schema, num_workers, worker_id);
+    if (absl::IsDeadlineExceeded(registration.status())) {
+      // Waiting for servers, gRPC reports any cause as the deadline passing:
+      // say what the likely one is, as the worker binary does.
+      std::vector<std::string> causes;
+      for (const std::string& host : c->hosts) {
+        const std::string cause =
+            pstrain::DiagnoseConnection(host, c->tls, absl::Seconds(2));
+        if (!cause.empty()) causes.push_back(cause);
+      }
+      if (!causes.empty()) {
+        return absl::Status(
+            registration.status().code(),
+            absl::StrCat(registration.status().message(),
+                         "; likely cause: ", absl::StrJoin(causes, "; ")));
+      }
+    }
+    if (!registration.ok()) return registration.status();
+    c->schema = schema;
+    nlohmann::json result = {{"mode", registration->mode},
+                             {"start_step", registration->start_step}};
+    *result_json = pstrain::CopyString(result.dump());
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_await_job_start(pstrain_client* c,
+                                   pstrain_waiting_fn on_waiting, void* context,
+                                   char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    pstrain::PsClient::StartWaitReport report;
+    if (on_waiting != nullptr) {
+      report = [on_waiting, context](const pstrain::JobStart& waiting) {
+        nlohmann::json info = {
+            {"missing_workers",
+             std::vector<int>(waiting.missing_workers().begin(),
+                              waiting.missing_workers().end())},
+            {"num_workers", waiting.num_workers()},
+            {"waited_s", waiting.waited_s()},
+            {"startup_timeout_s", waiting.startup_timeout_s()}};
+        on_waiting(context, info.dump().c_str());
+      };
+    }
+    return c->client->AwaitJobStart(report);
+  });
+}
+
+int pstrain_client_pull(pstrain_client* c, int64_t step, float* const* tensors,
+                        int num_tensors, int64_t* pulled_step, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    if (absl::Status s = pstrain::CheckTensorCount(*c, num_tensors); !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<int64_t> pulled = c->client->Pull(
+        step, std::vector<float*>(tensors, tensors + num_tensors));
+    if (!pulled.ok()) return pulled.status();
+    *pulled_step = *pulled;
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_push(pstrain_client* c, int64_t step,
+                        const float* const* gradients, int num_tensors,
+                        const int* only, int num_only, int64_t result[2],
+                        char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    if (absl::Status s = pstrain::CheckTensorCount(*c, num_tensors); !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<std::vector<int>> selected =
+        pstrain::Only(*c, only, num_only);
+    if (!selected.ok()) return selected.status();
+    absl::StatusOr<pstrain::PsClient::PushResult> pushed = c->client->Push(
+        step, std::vector<const float*>(gradients, gradients + num_tensors),
+        *selected);
+    if (!pushed.ok()) return pushed.status();
+    result[0] = pushed->blocks_duplicate;
+    result[1] = pushed->blocks_late;
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_push_pull(pstrain_client* c, int64_t push_step,
+                             const float* const* gradients, int64_t pull_step,
+                             float* const* tensors, int num_tensors,
+                             int64_t result[3], char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    if (absl::Status s = pstrain::CheckTensorCount(*c, num_tensors); !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<pstrain::PsClient::PushPullResult> done =
+        c->client->PushPull(
+            push_step,
+            std::vector<const float*>(gradients, gradients + num_tensors),
+            pull_step, std::vector<float*>(tensors, tensors + num_tensors));
+    if (!done.ok()) return done.status();
+    result[0] = done->pushed.blocks_duplicate;
+    result[1] = done->pushed.blocks_late;
+    result[2] = done->pulled_step;
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_assign(pstrain_client* c, const float* const* values,
+                          int num_tensors, const int* only, int num_only,
+                          int64_t result[2], char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    if (absl::Status s = pstrain::CheckTensorCount(*c, num_tensors); !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<std::vector<int>> selected =
+        pstrain::Only(*c, only, num_only);
+    if (!selected.ok()) return selected.status();
+    absl::StatusOr<pstrain::PsClient::PushResult> assigned = c->client->Assign(
+        std::vector<const float*>(values, values + num_tensors), *selected);
+    if (!assigned.ok()) return assigned.status();
+    result[0] = assigned->blocks_duplicate;
+    result[1] = assigned->blocks_late;
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_pull_sparse(pstrain_client* c, int table, int64_t step,
+                               const uint64_t* ids, int64_t num_ids, float* out,
+                               char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    if (absl::Status s = pstrain::CheckTable(*c, table); !s.ok()) return s;
+    return c->client->PullSparse(table, step, absl::MakeConstSpan(ids, num_ids),
+                                 out);
+  });
+}
+
+int pstrain_client_push_sparse(pstrain_client* c, int table, int64_t step,
+                               const uint64_t* ids, int64_t num_ids,
+                               const float* gradients, int64_t result[2],
+                               char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    if (absl::Status s = pstrain::CheckTable(*c, table); !s.ok()) return s;
+    absl::StatusOr<pstrain::PsClient::PushResult> pushed =
+        c->client->PushSparse(table, step, absl::MakeConstSpan(ids, num_ids),
+                              gradients);
+    if (!pushed.ok()) return pushed.status();
+    result[0] = pushed->blocks_duplicate;
+    result[1] = pushed->blocks_late;
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_leave(pstrain_client* c, char** error) {
+  return Guard(error, [&] { return c->client->Leave(); });
+}
+
+int pstrain_client_stats(pstrain_client* c, char** stats_json, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    absl::StatusOr<std::vector<pstrain::StatsResponse>> stats =
+        c->client->Stats();
+    if (!stats.ok()) return stats.status();
+    google::protobuf::util::JsonPrintOptions options;
+    options.always_print_primitive_fields = true;
+    options.preserve_proto_field_names = true;
+    std::vector<std::string> shards;
+    for (const pstrain::StatsResponse& shard : *stats) {
+      std::string json;
+      // Cannot fail for a message this library parsed.
+      (void)google::protobuf::util::MessageToJsonString(shard, &json, options);
+      shards.push_back(std::move(json));
+    }
+    *stats_json =
+        pstrain::CopyString(absl::StrCat("[", absl::StrJoin(shards, ","), "]"));
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_steps_short(pstrain_client* c, int64_t* steps,
+                               char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    absl::StatusOr<int64_t> short_steps = c->client->StepsShort();
+    if (!short_steps.ok()) return short_steps.status();
+    *steps = *short_steps;
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_await_final_model(pstrain_client* c,
+                                     int64_t expected_version, double timeout_s,
+                                     char** how, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    *how = pstrain::CopyString(
+        c->client->AwaitFinalModel(expected_version, absl::Seconds(timeout_s)));
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_load_cluster_spec(const char* path, char** spec_json,
+                              char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    absl::StatusOr<std::optional<pstrain::ClusterSpec>> spec =
+        pstrain::LoadClusterSpec(path);
+    if (!spec.ok()) return spec.status();
+    if (!spec->has_value()) {
+      *spec_json = pstrain::CopyString("null");
+      return absl::OkStatus();
+    }
+    const pstrain::ClusterSpec& s = **spec;
+    nlohmann::json flags = nlohmann::json::object();
+    for (const auto& [name, value] : s.worker_flags) flags[name] = value;
+    nlohmann::json out = {{"ps", s.ps},
+                          {"workers", s.workers},
+                          {"max_workers", s.max_workers},
+                          {"mode", s.mode},
+                          {"task_type", s.task_type},
+                          {"task_index", s.task_index},
+                          {"worker_flags", flags},
+                          {"source", s.source}};
+    *spec_json = pstrain::CopyString(out.dump());
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_open_idx(const char* dir, int train, pstrain_examples** out,
+                     char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    absl::StatusOr<pstrain::IdxDataset> files = pstrain::FindIdxDataset(dir);
+    if (!files.ok()) return files.status();
+    absl::StatusOr<std::unique_ptr<pstrain::ExampleSource>> source =
+        train ? pstrain::OpenIdx(files->train_images, files->train_labels, 0)
+              : pstrain::OpenIdx(files->test_images, files->test_labels, 0);
+    if (!source.ok()) return source.status();
+    *out = new pstrain_examples{std::move(*source)};
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_synthetic(int64_t count, int64_t first_index, int64_t num_features,
+                      int64_t num_classes, double label_noise, uint64_t seed,
+                      pstrain_examples** out, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    pstrain::SyntheticOptions o;
+    o.num_features = num_features;
+    o.num_classes = num_classes;
+    o.label_noise = label_noise;
+    o.seed = seed;
+    absl::StatusOr<pstrain::Dataset> data =
+        pstrain::MakeSyntheticClassification(o, first_index, count, {0, 1});
+    if (!data.ok()) return data.status();
+    *out = new pstrain_examples{
+        std::make_unique<pstrain::InMemorySource>(std::move(*data))};
+    return absl::OkStatus();
+  });
+}
+
+void pstrain_examples_destroy(pstrain_examples* examples) { delete examples; }
+
+void pstrain_examples_shape(const pstrain_examples* examples,
+                            int64_t shape[3]) {
+  shape[0] = examples->source->size();
+  shape[1] = examples->source->num_features();
+  shape[2] = examples->source->num_classes();
+}
+
+int pstrain_examples_gather(pstrain_examples* examples, const int64_t* rows,
+                            int64_t n, float* features, int64_t* labels,
+                            char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    const int64_t size = examples->source->size();
+    for (int64_t i = 0; i < n; ++i) {
+      if (rows[i] < 0 || rows[i] >= size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("index ", rows[i], " out of [0, ", size, ")"));
+      }
+    }
+    std::vector<int32_t> narrow(n);
+    if (absl::Status s = examples->source->Gather(absl::MakeConstSpan(rows, n),
+                                                  features, narrow.data());
+        !s.ok()) {
+      return s;
+    }
+    for (int64_t i = 0; i < n; ++i) labels[i] = narrow[i];
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_synthetic_ctr(int64_t count, int64_t first_index, int num_dense,
+                          int num_fields, int64_t vocab_per_field, int max_bag,
+                          uint64_t seed, pstrain_ctr_data** out, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    pstrain::SyntheticCtrOptions o;
+    o.num_dense = num_dense;
+    o.num_fields = num_fields;
+    o.vocab_per_field = vocab_per_field;
+    o.max_bag = max_bag;
+    o.seed = seed;
+    absl::StatusOr<pstrain::CtrDataset> data =
+        pstrain::MakeSyntheticCtr(o, first_index, count, {0, 1});
+    if (!data.ok()) return data.status();
+    absl::StatusOr<std::vector<double>> truth =
+        pstrain::SyntheticCtrTrueProbabilities(o, *data);
+    if (!truth.ok()) return truth.status();
+    *out = new pstrain_ctr_data{std::move(*data), std::move(*truth)};
+    return absl::OkStatus();
+  });
+}
+
+void pstrain_ctr_data_sizes(const pstrain_ctr_data* data, int64_t sizes[2]) {
+  sizes[0] = data->data.size();
+  sizes[1] = static_cast<int64_t>(data->data.ids.size());
+}
+
+void pstrain_ctr_data_copy(const pstrain_ctr_data* d, float* labels,
+                           float* dense, int64_t* offsets, uint64_t* ids,
+                           double* true_probabilities) {
+  const pstrain::CtrDataset& data = d->data;
+  std::memcpy(labels, data.labels.data(), data.labels.size() * sizeof(float));
+  std::memcpy(dense, data.dense.data(), data.dense.size() * sizeof(float));
+  std::memcpy(offsets, data.offsets.data(),
+              data.offsets.size() * sizeof(int64_t));
+  std::memcpy(ids, data.ids.data(), data.ids.size() * sizeof(uint64_t));
+  std::memcpy(true_probabilities, d->truth.data(),
+              d->truth.size() * sizeof(double));
+}
+
+void pstrain_ctr_data_destroy(pstrain_ctr_data* data) { delete data; }
+
+int pstrain_epoch_plan_create(int64_t num_examples, int64_t worker_batch,
+                              int num_workers, int worker_index, int shuffle,
+                              uint64_t seed, pstrain_epoch_plan** out,
+                              char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    pstrain::EpochPlan::Options o;
+    o.num_examples = num_examples;
+    o.worker_batch = worker_batch;
+    o.num_workers = num_workers;
+    o.worker_index = worker_index;
+    o.shuffle = shuffle != 0;
+    o.seed = seed;
+    absl::StatusOr<pstrain::EpochPlan> plan = pstrain::EpochPlan::Create(o);
+    if (!plan.ok()) return plan.status();
+    *out = new pstrain_epoch_plan{std::move(*plan)};
+    return absl::OkStatus();
+  });
+}
+
+void pstrain_epoch_plan_destroy(pstrain_epoch_plan* plan) { delete plan; }
+
+int64_t pstrain_epoch_plan_steps_per_epoch(const pstrain_epoch_plan* plan) {
+  return plan->plan.steps_per_epoch();
+}
+
+int64_t pstrain_epoch_plan_global_batch(const pstrain_epoch_plan* plan) {
+  return plan->plan.global_batch();
+}
+
+int64_t pstrain_epoch_plan_worker_indices(pstrain_epoch_plan* plan,
+                                          int64_t step, int64_t* rows) {
+  absl::Span<const int64_t> indices = plan->plan.WorkerIndices(step);
+  std::memcpy(rows, indices.data(), indices.size() * sizeof(int64_t));
+  return static_cast<int64_t>(indices.size());
+}
+
+}  // extern "C"

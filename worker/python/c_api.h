@@ -1,0 +1,156 @@
+/* libpstrain: the C++ client (worker/ps_client.h) and the data readers the
+ * Python package uses, behind a plain C ABI.
+ *
+ * Why C: one build of this library serves every CPython (3.9 to 3.12 and
+ * later) and every torch, loaded with ctypes (pstrain/_native.py), instead
+ * of an extension module compiled per interpreter. The wheel carries it with
+ * the shared libraries it needs beside it (worker/python/build_wheel.sh), so
+ * a host needs nothing of ours but glibc >= the build host's and a
+ * libstdc++ as new.
+ *
+ * Conventions. Every call that can fail returns 0 (OK) or an absl status
+ * code (3 INVALID_ARGUMENT, 14 UNAVAILABLE, ...) and then sets *error to a
+ * message the caller frees with pstrain_free. Text in and out is UTF-8 JSON
+ * where the values are structured (options, schemas, stats); strings the
+ * library returns are freed with pstrain_free too. Tensors are float32
+ * host memory the caller owns: a pull writes into it, a push reads it, with
+ * no copy here. A client is used by one thread at a time, except
+ * pstrain_client_interrupt, which any thread may call: the call in
+ * progress then returns CANCELLED (1) within about a second.
+ */
+#ifndef PSTRAIN_WORKER_PYTHON_C_API_H_
+#define PSTRAIN_WORKER_PYTHON_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever a signature here changes; pstrain/_native.py checks it. */
+#define PSTRAIN_C_API_VERSION 1
+int pstrain_api_version(void);
+
+void pstrain_free(void* p);
+
+/* ----- Client (worker/ps_client.h has each call's contract) ----- */
+
+typedef struct pstrain_client pstrain_client;
+
+/* options_json: {"hosts": ["h:p", ...], "rpc_timeout_s": 120, ...}, the
+ * options of worker/client_config.h by their flag names.
+ * pstrain_client_parse_options only checks their names and types (an
+ * unknown name, a value of the wrong type, no hosts: INVALID_ARGUMENT);
+ * pstrain_client_create also their values and files, and connects. */
+int pstrain_client_parse_options(const char* options_json, char** error);
+int pstrain_client_create(const char* options_json, pstrain_client** out,
+                          char** error);
+void pstrain_client_destroy(pstrain_client* client);
+void pstrain_client_interrupt(pstrain_client* client);
+int pstrain_client_num_shards(const pstrain_client* client);
+
+/* schema_json: a ModelSchema in protobuf's JSON mapping. *result_json:
+ * {"mode": "sync", "start_step": 0}. */
+int pstrain_client_register(pstrain_client* client, const char* schema_json,
+                            int num_workers, int worker_id, char** result_json,
+                            char** error);
+
+/* Called about once a second while waiting, with
+ * {"missing_workers": [...], "num_workers": N, "waited_s": x,
+ *  "startup_timeout_s": y}. */
+typedef void (*pstrain_waiting_fn)(void* context, const char* waiting_json);
+int pstrain_client_await_job_start(pstrain_client* client,
+                                   pstrain_waiting_fn on_waiting, void* context,
+                                   char** error);
+
+/* tensors[i]: the schema's dense tensor i (its element count), in order. */
+int pstrain_client_pull(pstrain_client* client, int64_t step,
+                        float* const* tensors, int num_tensors,
+                        int64_t* pulled_step, char** error);
+/* only: indices of the tensors to push (NULL / 0: all; the others'
+ * pointers may be NULL). result: {blocks_duplicate, blocks_late}. */
+int pstrain_client_push(pstrain_client* client, int64_t step,
+                        const float* const* gradients, int num_tensors,
+                        const int* only, int num_only, int64_t result[2],
+                        char** error);
+/* result: {blocks_duplicate, blocks_late, pulled_step}. */
+int pstrain_client_push_pull(pstrain_client* client, int64_t push_step,
+                             const float* const* gradients, int64_t pull_step,
+                             float* const* tensors, int num_tensors,
+                             int64_t result[3], char** error);
+int pstrain_client_assign(pstrain_client* client, const float* const* values,
+                          int num_tensors, const int* only, int num_only,
+                          int64_t result[2], char** error);
+/* out: [num_ids, dim] rows of sparse table `table`. */
+int pstrain_client_pull_sparse(pstrain_client* client, int table, int64_t step,
+                               const uint64_t* ids, int64_t num_ids, float* out,
+                               char** error);
+int pstrain_client_push_sparse(pstrain_client* client, int table, int64_t step,
+                               const uint64_t* ids, int64_t num_ids,
+                               const float* gradients, int64_t result[2],
+                               char** error);
+int pstrain_client_leave(pstrain_client* client, char** error);
+/* *stats_json: a JSON array of every shard's StatsResponse (proto names). */
+int pstrain_client_stats(pstrain_client* client, char** stats_json,
+                         char** error);
+int pstrain_client_steps_short(pstrain_client* client, int64_t* steps,
+                               char** error);
+/* *how: "all_done", "quiet", "timeout" or "interrupted". */
+int pstrain_client_await_final_model(pstrain_client* client,
+                                     int64_t expected_version, double timeout_s,
+                                     char** how, char** error);
+
+/* The cluster description of this process (common/cluster_spec.h) as JSON,
+ * or "null" when there is none. */
+int pstrain_load_cluster_spec(const char* path, char** spec_json, char** error);
+
+/* ----- Data: the C++ worker's readers, in its order ----- */
+
+typedef struct pstrain_examples pstrain_examples;
+int pstrain_open_idx(const char* dir, int train, pstrain_examples** out,
+                     char** error);
+int pstrain_synthetic(int64_t count, int64_t first_index, int64_t num_features,
+                      int64_t num_classes, double label_noise, uint64_t seed,
+                      pstrain_examples** out, char** error);
+void pstrain_examples_destroy(pstrain_examples* examples);
+/* shape: {size, num_features, num_classes}. */
+void pstrain_examples_shape(const pstrain_examples* examples, int64_t shape[3]);
+/* features: [n, num_features]; labels: [n]. */
+int pstrain_examples_gather(pstrain_examples* examples, const int64_t* rows,
+                            int64_t n, float* features, int64_t* labels,
+                            char** error);
+
+/* The synthetic CTR data (worker/ctr_data.h). sizes: {examples, ids}; then
+ * pstrain_ctr_data_copy fills labels [n], dense [n, num_dense], offsets
+ * [n * num_fields + 1], ids [ids] and the hidden true click probabilities
+ * [n]. */
+typedef struct pstrain_ctr_data pstrain_ctr_data;
+int pstrain_synthetic_ctr(int64_t count, int64_t first_index, int num_dense,
+                          int num_fields, int64_t vocab_per_field, int max_bag,
+                          uint64_t seed, pstrain_ctr_data** out, char** error);
+void pstrain_ctr_data_sizes(const pstrain_ctr_data* data, int64_t sizes[2]);
+void pstrain_ctr_data_copy(const pstrain_ctr_data* data, float* labels,
+                           float* dense, int64_t* offsets, uint64_t* ids,
+                           double* true_probabilities);
+void pstrain_ctr_data_destroy(pstrain_ctr_data* data);
+
+/* The epoch plan (worker/data.h). */
+typedef struct pstrain_epoch_plan pstrain_epoch_plan;
+int pstrain_epoch_plan_create(int64_t num_examples, int64_t worker_batch,
+                              int num_workers, int worker_index, int shuffle,
+                              uint64_t seed, pstrain_epoch_plan** out,
+                              char** error);
+void pstrain_epoch_plan_destroy(pstrain_epoch_plan* plan);
+int64_t pstrain_epoch_plan_steps_per_epoch(const pstrain_epoch_plan* plan);
+int64_t pstrain_epoch_plan_global_batch(const pstrain_epoch_plan* plan);
+/* Writes the worker's example indices of `step` (worker_batch of them) to
+ * rows; returns how many. */
+int64_t pstrain_epoch_plan_worker_indices(pstrain_epoch_plan* plan,
+                                          int64_t step, int64_t* rows);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PSTRAIN_WORKER_PYTHON_C_API_H_ */

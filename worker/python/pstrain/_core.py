@@ -1,0 +1,499 @@
+"""pstrain's C++ core through its C ABI (worker/python/c_api.h), with ctypes.
+
+The library, ``_lib/libpstrain.so``, is the same for every CPython 3 and
+every torch: nothing here is compiled for an interpreter. This module only
+converts arguments, checks tensors before their memory is handed over, and
+makes blocking calls interruptible: ctypes releases the GIL for the call, and
+on the main thread the call runs on a helper thread while this one waits, so
+that Ctrl-C (KeyboardInterrupt) interrupts it (the call returns CANCELLED
+within about a second) instead of waiting for the servers.
+"""
+
+import concurrent.futures
+import ctypes
+import json
+import os
+import platform
+import threading
+
+_LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib",
+                         "libpstrain.so")
+_API_VERSION = 1
+
+# absl::StatusCode names, by value.
+_CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+          "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED",
+          "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
+          "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE",
+          "DATA_LOSS", "UNAUTHENTICATED"]
+
+
+class Error(RuntimeError):
+    """A failure the servers, the network or the C++ client reported; ``code``
+    is the status name ("UNAVAILABLE", "FAILED_PRECONDITION", ...)."""
+
+    def __init__(self, message, code="UNKNOWN"):
+        super().__init__(message)
+        self.code = code
+
+
+Error.__module__ = "pstrain"
+
+
+def _load():
+    try:
+        lib = ctypes.CDLL(_LIB_PATH)
+    except OSError as e:
+        glibc = platform.libc_ver()[1] or "unknown"
+        raise ImportError(
+            f"pstrain cannot load its C++ core {_LIB_PATH}: {e}. It was built "
+            f"on Debian 12 (glibc 2.36, libstdc++ of GCC 12) for x86-64 Linux; "
+            f"this host has glibc {glibc} on {platform.machine()}. Install a "
+            "wheel built for this host: worker/python/build_wheel.sh on a "
+            "machine like it, then pip install the wheel.") from None
+    lib.pstrain_api_version.restype = ctypes.c_int
+    if lib.pstrain_api_version() != _API_VERSION:
+        raise ImportError(
+            f"{_LIB_PATH} has C API version {lib.pstrain_api_version()}, this "
+            f"package expects {_API_VERSION}: reinstall pstrain")
+    return lib
+
+
+_lib = _load()
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_err = ctypes.POINTER(ctypes.c_void_p)
+_WAITING_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p)
+
+
+def _declare(name, *argtypes, restype=ctypes.c_int):
+    fn = getattr(_lib, name)
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+    return fn
+
+
+_lib.pstrain_free.argtypes = [ctypes.c_void_p]
+_lib.pstrain_free.restype = None
+_declare("pstrain_client_parse_options", ctypes.c_char_p, _err)
+_declare("pstrain_client_create", ctypes.c_char_p, ctypes.POINTER(_p), _err)
+_declare("pstrain_client_destroy", _p, restype=None)
+_declare("pstrain_client_interrupt", _p, restype=None)
+_declare("pstrain_client_num_shards", _p)
+_declare("pstrain_client_register", _p, ctypes.c_char_p, ctypes.c_int,
+         ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), _err)
+_declare("pstrain_client_await_job_start", _p, _WAITING_FN, _p, _err)
+_declare("pstrain_client_pull", _p, _i64, _p, ctypes.c_int,
+         ctypes.POINTER(_i64), _err)
+_declare("pstrain_client_push", _p, _i64, _p, ctypes.c_int, _p, ctypes.c_int,
+         _p, _err)
+_declare("pstrain_client_push_pull", _p, _i64, _p, _i64, _p, ctypes.c_int, _p,
+         _err)
+_declare("pstrain_client_assign", _p, _p, ctypes.c_int, _p, ctypes.c_int, _p,
+         _err)
+_declare("pstrain_client_pull_sparse", _p, ctypes.c_int, _i64, _p, _i64, _p,
+         _err)
+_declare("pstrain_client_push_sparse", _p, ctypes.c_int, _i64, _p, _i64, _p, _p,
+         _err)
+_declare("pstrain_client_leave", _p, _err)
+_declare("pstrain_client_stats", _p, ctypes.POINTER(ctypes.c_void_p), _err)
+_declare("pstrain_client_steps_short", _p, ctypes.POINTER(_i64), _err)
+_declare("pstrain_client_await_final_model", _p, _i64, ctypes.c_double,
+         ctypes.POINTER(ctypes.c_void_p), _err)
+_declare("pstrain_load_cluster_spec", ctypes.c_char_p,
+         ctypes.POINTER(ctypes.c_void_p), _err)
+_declare("pstrain_open_idx", ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_p),
+         _err)
+_declare("pstrain_synthetic", _i64, _i64, _i64, _i64, ctypes.c_double,
+         ctypes.c_uint64, ctypes.POINTER(_p), _err)
+_declare("pstrain_examples_destroy", _p, restype=None)
+_declare("pstrain_examples_shape", _p, _p, restype=None)
+_declare("pstrain_examples_gather", _p, _p, _i64, _p, _p, _err)
+_declare("pstrain_synthetic_ctr", _i64, _i64, ctypes.c_int, ctypes.c_int, _i64,
+         ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
+_declare("pstrain_ctr_data_sizes", _p, _p, restype=None)
+_declare("pstrain_ctr_data_copy", _p, _p, _p, _p, _p, _p, restype=None)
+_declare("pstrain_ctr_data_destroy", _p, restype=None)
+_declare("pstrain_epoch_plan_create", _i64, _i64, ctypes.c_int, ctypes.c_int,
+         ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
+_declare("pstrain_epoch_plan_destroy", _p, restype=None)
+_declare("pstrain_epoch_plan_steps_per_epoch", _p, restype=_i64)
+_declare("pstrain_epoch_plan_global_batch", _p, restype=_i64)
+_declare("pstrain_epoch_plan_worker_indices", _p, _i64, _p, restype=_i64)
+
+
+def _check(code, error):
+    """Raises pstrain.Error for a failed C call (code != 0); `error` is the
+    c_void_p the call set to its message."""
+    if code == 0:
+        return
+    message = ""
+    if error.value:
+        message = ctypes.string_at(error.value).decode(errors="replace")
+        _lib.pstrain_free(error)
+    name = _CODES[code] if 0 <= code < len(_CODES) else f"CODE_{code}"
+    raise Error(f"{name}: {message}", name)
+
+
+def _take_string(pointer):
+    """The C string the library returned, freed."""
+    try:
+        return ctypes.string_at(pointer.value).decode()
+    finally:
+        _lib.pstrain_free(pointer)
+
+
+def _address(obj, count, writable, what, typestr="<f4", kind="float32"):
+    """The address of `count` contiguous elements of `kind` in `obj`: a numpy
+    array (or anything with the array interface), a CPU torch.Tensor, or a
+    writable buffer (array.array, bytearray views), after checking it is
+    what the C++ side will read or write."""
+    interface = getattr(obj, "__array_interface__", None)
+    if interface is not None:
+        if interface["typestr"] != typestr:
+            raise TypeError(f"{what}: dtype must be {kind}, got "
+                            f"{getattr(obj, 'dtype', interface['typestr'])}")
+        strides = interface.get("strides")
+        if strides is not None:
+            expected = int(typestr[2:])
+            for extent, stride in zip(reversed(interface["shape"]),
+                                      reversed(strides)):
+                if extent != 1 and stride != expected:
+                    raise ValueError(f"{what}: must be contiguous (C order); "
+                                     "call .contiguous() first")
+                expected *= extent
+        address, read_only = interface["data"]
+        size = 1
+        for extent in interface["shape"]:
+            size *= extent
+    elif hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):
+        if str(obj.dtype) != "torch." + kind:
+            raise TypeError(f"{what}: dtype must be {kind}, got {obj.dtype}")
+        if obj.device.type != "cpu":
+            raise ValueError(f"{what}: must be in host memory, is on "
+                             f"{obj.device}")
+        if not obj.is_contiguous():
+            raise ValueError(f"{what}: must be contiguous; call "
+                             ".contiguous() first")
+        address, read_only, size = obj.data_ptr(), False, obj.numel()
+    else:
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise TypeError(f"{what}: expected a {kind} numpy array, torch "
+                            f"tensor or buffer, got {type(obj)}") from None
+        formats = {"float32": ("f",), "int64": ("q", "l"),
+                   "uint64": ("Q", "L")}[kind]
+        if view.itemsize != int(typestr[2:]) or view.format not in formats:
+            raise TypeError(f"{what}: dtype must be {kind}, got format "
+                            f"'{view.format}'")
+        if not view.c_contiguous:
+            raise ValueError(f"{what}: must be contiguous")
+        if view.readonly:
+            raise ValueError(f"{what}: a read-only buffer: pass a numpy array")
+        size = view.nbytes // view.itemsize
+        read_only = False
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view)) \
+            if size else 0
+    if writable and read_only:
+        raise ValueError(f"{what}: a read-only array where values are written")
+    if size != count:
+        raise ValueError(f"{what}: has {size} elements, the model's tensor "
+                         f"has {count}")
+    return address
+
+
+def _float_pointers(arrays, sizes, writable, call, names, only=None):
+    """The address of each float32 tensor (None for tensors a call leaves
+    out, with `only`), checked by _address."""
+    if len(arrays) != len(sizes):
+        raise ValueError(f"{call}: {len(arrays)} tensors, the model has "
+                         f"{len(sizes)}")
+    pointers = (ctypes.c_void_p * len(arrays))()
+    for t, array in enumerate(arrays):
+        if only is not None and t not in only:
+            continue
+        pointers[t] = _address(array, sizes[t], writable, f"'{names[t]}'")
+    return pointers
+
+
+def _ids_pointer(ids, what):
+    return _address(ids, len(ids), False, f"{what}: ids", "<u8", "uint64")
+
+
+class Client:
+    """One PsClient (worker/ps_client.h has every call's contract)."""
+
+    def __init__(self, options):
+        text = json.dumps(options).encode()
+        error = ctypes.c_void_p()
+        try:
+            _check(_lib.pstrain_client_parse_options(text, ctypes.byref(error)),
+                   error)
+        except Error as e:  # a wrong name or type: the caller's argument
+            raise ValueError(str(e).split(": ", 1)[1]) from None
+        handle = _p()
+        _check(_lib.pstrain_client_create(text,
+                                          ctypes.byref(handle),
+                                          ctypes.byref(error)), error)
+        self._handle = handle
+        self._sizes = []
+        self._names = []
+        self._tables = []  # (name, dim)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pstrain-call")
+
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle:
+            self._executor.shutdown(wait=True)
+            _lib.pstrain_client_destroy(handle)
+            self._handle = None
+
+    def _call(self, fn, *args):
+        """fn(handle, *args, error): on the main thread through the helper,
+        so that Ctrl-C interrupts the call; elsewhere directly."""
+        error = ctypes.c_void_p()
+        if threading.current_thread() is not threading.main_thread():
+            _check(fn(self._handle, *args, ctypes.byref(error)), error)
+            return
+        future = self._executor.submit(fn, self._handle, *args,
+                                       ctypes.byref(error))
+        try:
+            code = future.result()
+        except KeyboardInterrupt:
+            _lib.pstrain_client_interrupt(self._handle)
+            concurrent.futures.wait([future])
+            raise
+        _check(code, error)
+
+    @property
+    def num_shards(self):
+        return _lib.pstrain_client_num_shards(self._handle)
+
+    def register(self, schema_json, num_workers, worker_id):
+        schema = json.loads(schema_json)
+        result = ctypes.c_void_p()
+        self._call(_lib.pstrain_client_register, schema_json.encode(),
+                   num_workers, worker_id, ctypes.byref(result))
+        dense = schema.get("dense", [])
+        self._names = [d["name"] for d in dense]
+        self._sizes = [_product(d.get("shape", [])) for d in dense]
+        self._tables = [(t["name"], int(t["dim"]))
+                        for t in schema.get("sparse", [])]
+        return json.loads(_take_string(result))
+
+    def await_job_start(self, on_waiting):
+        def report(_, text):
+            try:
+                on_waiting(json.loads(text))
+            except Exception as e:  # never into C
+                print(f"pstrain: the waiting callback raised {e!r}")
+        callback = _WAITING_FN(report) if on_waiting is not None else \
+            ctypes.cast(None, _WAITING_FN)
+        self._call(_lib.pstrain_client_await_job_start, callback, None)
+
+    def _dense(self, arrays, writable, call, only=None):
+        if not self._sizes:
+            raise ValueError("register the model first")
+        return _float_pointers(arrays, self._sizes, writable, call,
+                               self._names, only)
+
+    @staticmethod
+    def _only(only):
+        only = list(only)
+        return (ctypes.c_int * len(only))(*only), len(only)
+
+    def pull(self, step, tensors):
+        pointers = self._dense(tensors, True, "pull")
+        pulled = _i64()
+        self._call(_lib.pstrain_client_pull, step, pointers, len(tensors),
+                   ctypes.byref(pulled))
+        return pulled.value
+
+    def push(self, step, gradients, only=()):
+        pointers = self._dense(gradients, False, "push", set(only) or None)
+        only_array, num_only = self._only(only)
+        result = (_i64 * 2)()
+        self._call(_lib.pstrain_client_push, step, pointers, len(gradients),
+                   only_array, num_only, result)
+        return result[0], result[1]
+
+    def push_pull(self, push_step, gradients, pull_step, tensors):
+        grads = self._dense(gradients, False, "push")
+        values = self._dense(tensors, True, "pull")
+        result = (_i64 * 3)()
+        self._call(_lib.pstrain_client_push_pull, push_step, grads, pull_step,
+                   values, len(tensors), result)
+        return result[0], result[1], result[2]
+
+    def assign(self, values, only=()):
+        pointers = self._dense(values, False, "assign", set(only) or None)
+        only_array, num_only = self._only(only)
+        result = (_i64 * 2)()
+        self._call(_lib.pstrain_client_assign, pointers, len(values),
+                   only_array, num_only, result)
+        return result[0], result[1]
+
+    def _table(self, table):
+        if not 0 <= table < len(self._tables):
+            raise ValueError(f"sparse table {table} is not in the schema (it "
+                             f"has {len(self._tables)})")
+        return self._tables[table]
+
+    def pull_sparse(self, table, step, ids, out):
+        name, dim = self._table(table)
+        ids_pointer = _ids_pointer(ids, name)
+        rows = _float_pointers([out], [len(ids) * dim], True, "pull_sparse",
+                               [name + " rows"])
+        self._call(_lib.pstrain_client_pull_sparse, table, step, ids_pointer,
+                   len(ids), rows[0])
+
+    def push_sparse(self, table, step, ids, gradients):
+        name, dim = self._table(table)
+        ids_pointer = _ids_pointer(ids, name)
+        rows = _float_pointers([gradients], [len(ids) * dim], False,
+                               "push_sparse", [name + " gradients"])
+        result = (_i64 * 2)()
+        self._call(_lib.pstrain_client_push_sparse, table, step, ids_pointer,
+                   len(ids), rows[0], result)
+        return result[0], result[1]
+
+    def leave(self):
+        self._call(_lib.pstrain_client_leave)
+
+    def stats(self):
+        """Every shard's StatsResponse, as dicts (proto field names)."""
+        out = ctypes.c_void_p()
+        self._call(_lib.pstrain_client_stats, ctypes.byref(out))
+        return json.loads(_take_string(out))
+
+    def steps_short(self):
+        steps = _i64()
+        self._call(_lib.pstrain_client_steps_short, ctypes.byref(steps))
+        return steps.value
+
+    def await_final_model(self, expected_version, timeout_s):
+        how = ctypes.c_void_p()
+        self._call(_lib.pstrain_client_await_final_model, expected_version,
+                   float(timeout_s), ctypes.byref(how))
+        return _take_string(how)
+
+    def interrupt(self):
+        _lib.pstrain_client_interrupt(self._handle)
+
+
+def _product(shape):
+    size = 1
+    for extent in shape:
+        size *= int(extent)
+    return size
+
+
+def load_cluster_spec(path=""):
+    """The cluster description of this process as a dict, or None."""
+    out = ctypes.c_void_p()
+    error = ctypes.c_void_p()
+    _check(_lib.pstrain_load_cluster_spec(path.encode(), ctypes.byref(out),
+                                          ctypes.byref(error)), error)
+    return json.loads(_take_string(out))
+
+
+class Examples:
+    """A labelled data set read by the C++ worker's readers: the same
+    examples, scaled the same way ([0, 1] pixels for IDX)."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        shape = (_i64 * 3)()
+        _lib.pstrain_examples_shape(handle, shape)
+        self.size, self.num_features, self.num_classes = shape
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            _lib.pstrain_examples_destroy(self._handle)
+            self._handle = None
+
+    def gather(self, indices, features, labels):
+        """Rows `indices` (int64) into `features` [n, num_features] (float32)
+        and `labels` [n] (int64, as torch's losses take them)."""
+        n = len(indices)
+        rows = _address(indices, n, False, "indices", "<i8", "int64")
+        y = _address(labels, n, True, "labels", "<i8", "int64")
+        x = _address(features, n * self.num_features, True, "features")
+        error = ctypes.c_void_p()
+        _check(_lib.pstrain_examples_gather(self._handle, rows, n, x, y,
+                                            ctypes.byref(error)), error)
+
+
+def _made(fn, *args):
+    handle = _p()
+    error = ctypes.c_void_p()
+    _check(fn(*args, ctypes.byref(handle), ctypes.byref(error)), error)
+    return handle
+
+
+def open_idx(dir, train):
+    return Examples(_made(_lib.pstrain_open_idx, dir.encode(), int(train)))
+
+
+def synthetic(count, first_index, num_features, num_classes, label_noise,
+              seed):
+    return Examples(_made(_lib.pstrain_synthetic, count, first_index,
+                          num_features, num_classes, float(label_noise), seed))
+
+
+def synthetic_ctr(count, first_index, num_dense, num_fields, vocab_per_field,
+                  max_bag, seed):
+    """The C++ CTR worker's synthetic data (worker/ctr_data.h) as numpy
+    arrays: labels [n], dense [n, num_dense], bags in CSR form (offsets
+    [n * num_fields + 1] into ids), and the hidden true click probabilities."""
+    import numpy as np
+    handle = _made(_lib.pstrain_synthetic_ctr, count, first_index, num_dense,
+                   num_fields, vocab_per_field, max_bag, seed)
+    try:
+        sizes = (_i64 * 2)()
+        _lib.pstrain_ctr_data_sizes(handle, sizes)
+        n, num_ids = sizes
+        out = {"labels": np.empty(n, np.float32),
+               "dense": np.empty((n, num_dense), np.float32),
+               "offsets": np.empty(n * num_fields + 1, np.int64),
+               "ids": np.empty(num_ids, np.uint64),
+               "true_probabilities": np.empty(n, np.float64)}
+        _lib.pstrain_ctr_data_copy(
+            handle, *(out[k].ctypes.data for k in
+                      ("labels", "dense", "offsets", "ids",
+                       "true_probabilities")))
+        return out
+    finally:
+        _lib.pstrain_ctr_data_destroy(handle)
+
+
+class EpochPlan:
+    """Which examples each worker takes at each step (worker/data.h)."""
+
+    def __init__(self, handle, worker_batch):
+        self._handle = handle
+        self._worker_batch = worker_batch
+        self.steps_per_epoch = _lib.pstrain_epoch_plan_steps_per_epoch(handle)
+        self.global_batch = _lib.pstrain_epoch_plan_global_batch(handle)
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            _lib.pstrain_epoch_plan_destroy(self._handle)
+            self._handle = None
+
+    def worker_indices(self, step):
+        import numpy as np
+        rows = np.empty(self._worker_batch, np.int64)
+        n = _lib.pstrain_epoch_plan_worker_indices(self._handle, step,
+                                                   rows.ctypes.data)
+        return rows[:n]
+
+
+def epoch_plan(num_examples, worker_batch, num_workers, worker_index, shuffle,
+               seed):
+    return EpochPlan(_made(_lib.pstrain_epoch_plan_create, num_examples,
+                           worker_batch, num_workers, worker_index,
+                           int(bool(shuffle)), seed), worker_batch)
