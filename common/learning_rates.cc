@@ -21,6 +21,9 @@ std::optional<DefaultLearningRate> DefaultDenseLearningRate(
   if (optimizer == "adam") {
     return DefaultLearningRate{0.001, "torch.optim.Adam and keras Adam"};
   }
+  if (optimizer == "adamw") {
+    return DefaultLearningRate{0.001, "torch.optim.AdamW"};
+  }
   return std::nullopt;
 }
 

@@ -141,6 +141,14 @@ std::string FirstSchemaDifference(const ModelSchema& expected,
                           DenseTensorSpec::Role_Name(a.role()), " vs ",
                           DenseTensorSpec::Role_Name(b.role()));
     }
+    // Workers handing the servers different optimizers (or one none).
+    if (a.optimizer().SerializeAsString() !=
+        b.optimizer().SerializeAsString()) {
+      return absl::StrCat(
+          where, ": optimizer {",
+          QuoteForStatus(a.optimizer().ShortDebugString(), 512), "} vs {",
+          QuoteForStatus(b.optimizer().ShortDebugString(), 512), "}");
+    }
   }
   if (expected.dense_size() != actual.dense_size()) {
     return absl::StrCat("tensor count ", expected.dense_size(), " vs ",

@@ -118,6 +118,17 @@ void WireMessage::AddVarint(int field, uint64_t value) {
   OwnedAppended(old_size);
 }
 
+void WireMessage::AddFixed64(int field, uint64_t value) {
+  const size_t old_size = arena_.size();
+  AppendTag(field, kFixed64);
+  char bytes[8];
+  for (int b = 0; b < 8; ++b) {
+    bytes[b] = static_cast<char>((value >> (8 * b)) & 0xff);
+  }
+  AppendOwned(bytes, sizeof(bytes));
+  OwnedAppended(old_size);
+}
+
 void WireMessage::AddString(int field, absl::string_view value) {
   const size_t old_size = arena_.size();
   AppendTag(field, kLengthDelimited);
@@ -250,10 +261,31 @@ size_t OwnedEstimate(absl::Span<const OutgoingBlock> blocks) {
 
 }  // namespace
 
+namespace {
+
+// A repeated double as protobuf packs it: one length-delimited run of
+// little-endian fixed64s; nothing when empty.
+void AddPackedDoubles(int field, absl::Span<const double> values,
+                      WireMessage* message) {
+  if (values.empty()) return;
+  std::string packed(values.size() * sizeof(double), '\0');
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint64_t bits;
+    std::memcpy(&bits, &values[i], sizeof(bits));
+    for (int b = 0; b < 8; ++b) {
+      packed[i * 8 + b] = static_cast<char>((bits >> (8 * b)) & 0xff);
+    }
+  }
+  message->AddString(field, packed);
+}
+
+}  // namespace
+
 WireMessage EncodePushRequest(uint32_t protocol_version, int32_t worker_id,
                               int64_t step,
                               absl::Span<const OutgoingBlock> blocks,
-                              size_t inline_below_bytes) {
+                              size_t inline_below_bytes,
+                              const PushExtras& extras) {
   WireMessage message(inline_below_bytes);
   message.ReserveOwned(OwnedEstimate(blocks));
   if (protocol_version != 0) {
@@ -268,6 +300,14 @@ WireMessage EncodePushRequest(uint32_t protocol_version, int32_t worker_id,
     message.AddVarint(PushRequest::kStepFieldNumber, SignExtended(step));
   }
   AddBlocks(PushRequest::kBlocksFieldNumber, blocks, &message);
+  AddPackedDoubles(PushRequest::kGroupLrFieldNumber, extras.group_lr, &message);
+  AddPackedDoubles(PushRequest::kGroupMomentumFieldNumber,
+                   extras.group_momentum, &message);
+  if (extras.clip_max_norm != 0) {
+    uint64_t bits;
+    std::memcpy(&bits, &extras.clip_max_norm, sizeof(bits));
+    message.AddFixed64(PushRequest::kClipMaxNormFieldNumber, bits);
+  }
   return message;
 }
 
@@ -570,6 +610,41 @@ absl::Status ParseBlock(SegmentReader& reader, const Tag& tag,
   return absl::OkStatus();
 }
 
+// A repeated double: packed (one length-delimited run of fixed64s) or one
+// fixed64 per occurrence, as protobuf accepts either.
+absl::Status ParseDoubles(SegmentReader& reader, const Tag& tag,
+                          absl::string_view name, std::vector<double>* out) {
+  size_t length = 8;
+  if (tag.wire_type == kLengthDelimited) {
+    absl::Status status = ReadLength(reader, tag, &length);
+    if (!status.ok()) return status;
+    if (length % 8 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "field ", tag.field, " (", name, ") at byte ", tag.position,
+          ": packed length ", length, " is not a multiple of 8"));
+    }
+  } else if (absl::Status status = ExpectWireType(tag, kFixed64, name);
+             !status.ok()) {
+    return status;
+  } else if (reader.remaining() < 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("truncated fixed64 field ", tag.field, " at byte ",
+                     tag.position, ": ", reader.remaining(), " bytes remain"));
+  }
+  std::string bytes;
+  reader.ReadString(length, &bytes);
+  for (size_t i = 0; i < length; i += 8) {
+    uint64_t bits = 0;
+    for (int b = 7; b >= 0; --b) {
+      bits = (bits << 8) | static_cast<uint8_t>(bytes[i + b]);
+    }
+    double value;
+    std::memcpy(&value, &bits, sizeof(value));
+    out->push_back(value);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WithContext(absl::string_view message, const absl::Status& s) {
   return absl::InvalidArgumentError(absl::StrCat(message, ": ", s.message()));
 }
@@ -601,6 +676,23 @@ absl::StatusOr<WirePushRequest> ParsePushRequest(
         case PushRequest::kBlocksFieldNumber:
           status = ParseBlock(reader, tag, &request.blocks);
           break;
+        case PushRequest::kGroupLrFieldNumber:
+          status = ParseDoubles(reader, tag, "group_lr", &request.group_lr);
+          break;
+        case PushRequest::kGroupMomentumFieldNumber:
+          status = ParseDoubles(reader, tag, "group_momentum",
+                                &request.group_momentum);
+          break;
+        case PushRequest::kClipMaxNormFieldNumber: {
+          if (tag.wire_type != kFixed64) {
+            status = ExpectWireType(tag, kFixed64, "clip_max_norm");
+            break;
+          }
+          std::vector<double> one;
+          status = ParseDoubles(reader, tag, "clip_max_norm", &one);
+          if (status.ok()) request.clip_max_norm = one.front();
+          break;
+        }
         default:
           status = SkipField(reader, tag);
           break;

@@ -113,6 +113,9 @@ class WireMessage {
   // static_cast<uint64_t>(static_cast<int64_t>(v)).
   void AddVarint(int field, uint64_t value);
 
+  // A fixed64 field (double, fixed64): 8 little-endian bytes.
+  void AddFixed64(int field, uint64_t value);
+
   // A length-delimited field (string, bytes, or an encoded submessage),
   // copied into the owned bytes.
   void AddString(int field, absl::string_view value);
@@ -169,12 +172,23 @@ class WireMessage {
   size_t inline_below_bytes_ = 0;
 };
 
+// What a push carries beside its blocks (PushRequest fields 6 to 8): the
+// param groups' rates and momentums, and a clipped step's max norm.
+struct PushExtras {
+  absl::Span<const double> group_lr;
+  absl::Span<const double> group_momentum;
+  double clip_max_norm = 0;
+};
+
 // A PushRequest: protocol_version (1), worker_id (2), step (3), then one
-// TensorBlock per entry of `blocks` as field 5, in order.
+// TensorBlock per entry of `blocks` as field 5, in order, then `extras`:
+// group_lr (6) and group_momentum (7) packed when not empty, clip_max_norm
+// (8) when not 0.
 WireMessage EncodePushRequest(uint32_t protocol_version, int32_t worker_id,
                               int64_t step,
                               absl::Span<const OutgoingBlock> blocks,
-                              size_t inline_below_bytes = 0);
+                              size_t inline_below_bytes = 0,
+                              const PushExtras& extras = {});
 
 // A PullResponse: one TensorBlock per entry of `blocks` as field 2.
 WireMessage EncodePullResponse(absl::Span<const OutgoingBlock> blocks,
@@ -196,6 +210,11 @@ struct WirePushRequest {
   int32_t worker_id = 0;
   int64_t step = 0;
   std::vector<WireBlock> blocks;
+  // Each param group's current rate and momentum (PushRequest.group_lr,
+  // group_momentum), packed or not on the wire as protobuf allows.
+  std::vector<double> group_lr;
+  std::vector<double> group_momentum;
+  double clip_max_norm = 0;  // PushRequest.clip_max_norm
 };
 
 struct WirePullResponse {

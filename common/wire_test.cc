@@ -95,6 +95,9 @@ PushRequest ToProto(const WirePushRequest& in) {
   out.set_worker_id(in.worker_id);
   out.set_step(in.step);
   for (const WireBlock& block : in.blocks) ToProto(block, out.add_blocks());
+  for (double lr : in.group_lr) out.add_group_lr(lr);
+  for (double momentum : in.group_momentum) out.add_group_momentum(momentum);
+  out.set_clip_max_norm(in.clip_max_norm);
   return out;
 }
 
@@ -942,6 +945,52 @@ TEST(WireMalformedTest, RandomBytesNeverCrash) {
       ASSERT_EQ(push.status().code(), absl::StatusCode::kInvalidArgument);
     }
   }
+}
+
+}  // namespace
+}  // namespace pstrain
+
+namespace pstrain {
+namespace {
+
+// The rates, momentums and clip a push carries (PushExtras) are protobuf's
+// encoding: protobuf reads them, and so does ParsePushRequest.
+TEST(WireExtrasTest, GroupRatesAndClipRoundTrip) {
+  const std::vector<double> rates = {0.1, 1e-3, 0.0};
+  const std::vector<double> momentums = {0.9, 0.85, 0.0};
+  const std::string data(8, 'x');
+  const OutgoingBlock block{{"w", 0, FLOAT32, 0}, data};
+  const WireMessage message =
+      EncodePushRequest(1, 2, 3, {block}, 0, PushExtras{rates, momentums, 0.5});
+  PushRequest proto;
+  ASSERT_TRUE(proto.ParseFromString(message.Flatten()));
+  EXPECT_EQ(
+      std::vector<double>(proto.group_lr().begin(), proto.group_lr().end()),
+      rates);
+  EXPECT_EQ(std::vector<double>(proto.group_momentum().begin(),
+                                proto.group_momentum().end()),
+            momentums);
+  EXPECT_EQ(proto.clip_max_norm(), 0.5);
+  const std::string flat = message.Flatten();
+  const absl::string_view view = flat;
+  absl::StatusOr<WirePushRequest> parsed =
+      ParsePushRequest(absl::MakeConstSpan(&view, 1));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->group_lr, rates);
+  EXPECT_EQ(parsed->group_momentum, momentums);
+  EXPECT_EQ(parsed->clip_max_norm, 0.5);
+  // Unpacked doubles (one fixed64 per value), as protobuf also accepts.
+  PushRequest unpacked;
+  unpacked.add_group_lr(0.25);
+  std::string bytes = unpacked.SerializeAsString();  // packed by protobuf
+  // Field 6, wire type 1 (fixed64), then 8 bytes.
+  std::string single = "\x31";
+  double value = 0.75;
+  single.append(reinterpret_cast<const char*>(&value), 8);
+  const absl::string_view pieces[] = {bytes, single};
+  parsed = ParsePushRequest(absl::MakeConstSpan(pieces));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->group_lr, (std::vector<double>{0.25, 0.75}));
 }
 
 }  // namespace

@@ -104,7 +104,14 @@ ABSL_FLAG(int, min_workers, 0,
 ABSL_FLAG(double, inject_drop_push_response_probability, 0,
           "Fault injection: after applying a push, answer UNAVAILABLE with "
           "this probability (the client retries; nothing may apply twice).");
-ABSL_FLAG(std::string, optimizer, "sgd", "sgd, momentum or adam.");
+ABSL_FLAG(std::string, optimizer, "sgd",
+          "sgd, momentum, adam or adamw (torch.optim.AdamW: decoupled "
+          "weight decay), for tensors that do not bring their own "
+          "(pstrain.torch hands the servers the user's torch optimizer).");
+ABSL_FLAG(double, weight_decay, 0,
+          "L2 weight decay of --optimizer, as torch.optim's weight_decay: "
+          "added to the gradient (sgd, momentum, adam) or decoupled "
+          "(adamw: w *= 1 - lr * weight_decay).");
 ABSL_FLAG(double, learning_rate, 0,
           "Optimizer learning rate. 0 (the default): the optimizer's own "
           "default, as PyTorch and Keras users know it: adam 0.001 "
@@ -303,6 +310,8 @@ int Main(int argc, char** argv) {
   options.optimizer.learning_rate =
       EffectiveLearningRate(given_learning_rate, default_learning_rate);
   options.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
+  options.optimizer.weight_decay =
+      static_cast<float>(absl::GetFlag(FLAGS_weight_decay));
   options.optimizer.beta1 = absl::GetFlag(FLAGS_adam_beta1);
   options.optimizer.beta2 = absl::GetFlag(FLAGS_adam_beta2);
   options.optimizer.epsilon = absl::GetFlag(FLAGS_adam_epsilon);

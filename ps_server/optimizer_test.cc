@@ -96,7 +96,7 @@ TEST(OptimizerTest, UpdatingInRangesEqualsUpdatingTheWholeBlock) {
       opt->Update(t, absl::MakeSpan(whole), grad, absl::MakeSpan(whole_state));
       for (int offset = 0; offset < kN; offset += 300) {
         const int n = std::min(300, kN - offset);
-        opt->UpdateRange(t, absl::MakeSpan(pieces), offset,
+        opt->UpdateRange(t, opt->OwnHyper(), absl::MakeSpan(pieces), offset,
                          absl::MakeConstSpan(grad).subspan(offset, n),
                          absl::MakeSpan(pieces_state), /*grad_scale=*/1.0f);
       }
@@ -155,6 +155,93 @@ TEST(OptimizerTest, BadConfigsNameTheFlag) {
   bad_beta.beta2 = 1.0f;
   EXPECT_NE(Optimizer::Create(bad_beta).status().message().find("--adam_beta2"),
             std::string::npos);
+}
+
+}  // namespace
+}  // namespace pstrain
+
+namespace pstrain {
+namespace {
+
+TorchOptimizer Rule(const std::string& name) {
+  TorchOptimizer rule;
+  rule.set_name(name);
+  rule.set_lr(0.01);
+  rule.set_weight_decay(0.01);
+  rule.set_momentum(name == "sgd" || name == "rmsprop" ? 0.9 : 0);
+  rule.set_dampening(0);
+  rule.set_nesterov(name == "sgd");
+  rule.set_beta1(0.9);
+  rule.set_beta2(0.999);
+  rule.set_eps(1e-8);
+  rule.set_lr_decay(0.01);
+  rule.set_initial_accumulator_value(0.1);
+  rule.set_alpha(0.99);
+  rule.set_centered(name == "rmsprop");
+  return rule;
+}
+
+// The torch rules, like the server's own, are elementwise: a block updated
+// piece by piece ends bit-identical to one updated at once, and a scaled
+// sum equals the mean passed first. (Their formulas are checked against
+// torch.optim itself by //tests/python:torch_optimizers_test.)
+TEST(TorchRuleTest, PiecesAndScalingChangeNothing) {
+  for (const char* name : {"sgd", "adam", "adamw", "adagrad", "rmsprop"}) {
+    auto made = Optimizer::CreateTorch(Rule(name));
+    ASSERT_TRUE(made.ok()) << name << ": " << made.status();
+    const Optimizer& opt = **made;
+    constexpr int kN = 1003;
+    constexpr float kScale = 1.0f / 3;
+    std::vector<float> whole(kN), pieces(kN), mean(kN), sum(kN);
+    for (int i = 0; i < kN; ++i) {
+      whole[i] = pieces[i] = std::sin(0.1f * i);
+      sum[i] = 3 * std::cos(0.37f * i);
+      mean[i] = kScale * sum[i];
+    }
+    std::vector<float> whole_state(opt.state_per_element() * kN);
+    opt.InitState(absl::MakeSpan(whole_state));
+    std::vector<float> pieces_state = whole_state;
+    const StepHyper hyper{0.02f, 0.85f};
+    for (int64_t t = 1; t <= 3; ++t) {
+      opt.UpdateRange(t, hyper, absl::MakeSpan(whole), 0, mean,
+                      absl::MakeSpan(whole_state), 1.0f);
+      for (int offset = 0; offset < kN; offset += 300) {
+        const int n = std::min(300, kN - offset);
+        opt.UpdateRange(t, hyper, absl::MakeSpan(pieces), offset,
+                        absl::MakeConstSpan(sum).subspan(offset, n),
+                        absl::MakeSpan(pieces_state), kScale);
+      }
+    }
+    EXPECT_EQ(pieces, whole) << name;
+    EXPECT_EQ(pieces_state, whole_state) << name;
+    EXPECT_NE(whole[1], std::sin(0.1f)) << name;
+  }
+}
+
+TEST(TorchRuleTest, AdagradStartsAtItsInitialAccumulator) {
+  auto made = Optimizer::CreateTorch(Rule("adagrad"));
+  ASSERT_TRUE(made.ok());
+  std::vector<float> state(4);
+  (*made)->InitState(absl::MakeSpan(state));
+  EXPECT_EQ(state, std::vector<float>(4, 0.1f));
+}
+
+TEST(TorchRuleTest, BadOptionsAreNamed) {
+  auto message = [](const TorchOptimizer& rule) {
+    return std::string(Optimizer::CreateTorch(rule).status().message());
+  };
+  EXPECT_NE(message(Rule("lamb")).find("'lamb' is not one the servers run"),
+            std::string::npos);
+  TorchOptimizer rule = Rule("adam");
+  rule.set_beta2(1.0);
+  EXPECT_NE(message(rule).find("adam: betas[1] must be in [0, 1)"),
+            std::string::npos);
+  rule = Rule("sgd");
+  rule.set_dampening(0.5);  // nesterov with dampening
+  EXPECT_NE(message(rule).find("nesterov"), std::string::npos);
+  rule = Rule("adagrad");
+  rule.set_lr(-1);
+  EXPECT_NE(message(rule).find("lr must be in [0"), std::string::npos);
 }
 
 }  // namespace

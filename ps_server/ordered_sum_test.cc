@@ -95,11 +95,13 @@ TEST(InWorkerOrderTest, WorkerOneNeverWaitsForWorkerZero) {
   // g1 + g0 is g0 + g1 bit for bit: nothing is held with two workers.
   InWorkerOrder<int> order;
   ASSERT_TRUE(order.IsNext(1));
-  order.Added(1, [](int) {}, [](int) {});
+  order.Added(
+      1, [](int) {}, [](int) {});
   EXPECT_FALSE(order.IsNext(1));
   EXPECT_FALSE(order.IsNext(2));  // after 0, whose sum with 1 comes first
   ASSERT_TRUE(order.IsNext(0));
-  order.Added(0, [](int) {}, [](int) {});
+  order.Added(
+      0, [](int) {}, [](int) {});
   EXPECT_TRUE(order.IsNext(2));
   EXPECT_EQ(order.num_held(), 0u);
 }

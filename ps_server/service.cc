@@ -483,6 +483,38 @@ grpc::ServerUnaryReactor* ParameterServerService::AwaitJobStart(
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ParameterServerService::ClipNorm(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
+  ClipNormRequest clip;
+  if (absl::Status s = ParseSmall(*request, &clip); !s.ok()) {
+    shard_->CountRejected();
+    return Finish(context, s);
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  shard_->ClipNorm(clip, absl::FromChrono(context->deadline()),
+                   [reactor, response](absl::StatusOr<ClipNormResponse> norm) {
+                     absl::Status status = norm.status();
+                     if (status.ok()) status = SerializeSmall(*norm, response);
+                     reactor->Finish(ToGrpcStatus(status));
+                   });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::ApplyClip(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
+  return ServeSmall<ApplyClipRequest>(
+      shard_, context, request, response,
+      [this](const ApplyClipRequest& r) { return shard_->ApplyClip(r); });
+}
+
 grpc::ServerUnaryReactor* ParameterServerService::Leave(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
     grpc::ByteBuffer* response) {

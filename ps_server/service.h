@@ -28,18 +28,18 @@ using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Pull<
     ParameterServer::WithRawCallbackMethod_Push<ParameterServer::WithRawCallbackMethod_PullStream<
         ParameterServer::WithRawCallbackMethod_PushStream<
             ParameterServer::WithRawCallbackMethod_RegisterModel<
-                ParameterServer::WithRawCallbackMethod_Stats<
-                    ParameterServer::WithRawCallbackMethod_Heartbeat<
-                        ParameterServer::WithRawCallbackMethod_Leave<
-                            ParameterServer::WithRawCallbackMethod_Checkpoint<
-                                ParameterServer::WithRawCallbackMethod_SparsePull<
-                                    ParameterServer::WithRawCallbackMethod_SparsePush<
-                                        ParameterServer::
-                                            WithRawCallbackMethod_AwaitJobStart<
+                ParameterServer::WithRawCallbackMethod_Stats<ParameterServer::WithRawCallbackMethod_Heartbeat<
+                    ParameterServer::WithRawCallbackMethod_Leave<
+                        ParameterServer::WithRawCallbackMethod_Checkpoint<
+                            ParameterServer::WithRawCallbackMethod_SparsePull<
+                                ParameterServer::WithRawCallbackMethod_SparsePush<
+                                    ParameterServer::WithRawCallbackMethod_AwaitJobStart<
+                                        ParameterServer::WithRawCallbackMethod_Assign<
+                                            ParameterServer::WithRawCallbackMethod_ClipNorm<
                                                 ParameterServer::
-                                                    WithRawCallbackMethod_Assign<
+                                                    WithRawCallbackMethod_ApplyClip<
                                                         ParameterServer::
-                                                            Service>>>>>>>>>>>>>;
+                                                            Service>>>>>>>>>>>>>>>;
 
 struct ServiceOptions {
   // Fault injection for exactly-once tests: after applying a push, answer
@@ -88,6 +88,12 @@ class ParameterServerService final : public ParameterServerRawService,
   grpc::ServerUnaryReactor* AwaitJobStart(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ClipNorm(grpc::CallbackServerContext* context,
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ApplyClip(grpc::CallbackServerContext* context,
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context,
                                   const grpc::ByteBuffer* request,
                                   grpc::ByteBuffer* response) override;

@@ -181,7 +181,33 @@ void Shard::ReportInternalError(absl::string_view what,
 // ---------------------------------------------------------------------------
 // Registration and the model.
 
-absl::Status Shard::CheckModelFits(const ModelSchema& schema) const {
+absl::StatusOr<std::vector<std::unique_ptr<Optimizer>>>
+Shard::MakeTensorOptimizers(const ModelSchema& schema) const {
+  std::vector<std::unique_ptr<Optimizer>> optimizers(schema.dense_size());
+  for (int t = 0; t < schema.dense_size(); ++t) {
+    const DenseTensorSpec& tensor = schema.dense(t);
+    if (!tensor.has_optimizer()) continue;
+    if (tensor.role() == DenseTensorSpec::STATE) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", QuoteForStatus(tensor.name()),
+                       " is STATE (its pushes are values): it has no "
+                       "optimizer"));
+    }
+    absl::StatusOr<std::unique_ptr<Optimizer>> made =
+        Optimizer::CreateTorch(tensor.optimizer());
+    if (!made.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", QuoteForStatus(tensor.name()), ": ",
+                       made.status().message()));
+    }
+    optimizers[t] = std::move(*made);
+  }
+  return optimizers;
+}
+
+absl::Status Shard::CheckModelFits(
+    const ModelSchema& schema,
+    const std::vector<std::unique_ptr<Optimizer>>& tensor_optimizers) const {
   if (absl::Status s = ValidateSchema(schema); !s.ok()) return s;
   // Counted from the schema, as Partition::Create will lay it out (blocks
   // round-robin over the shards), so that nothing is allocated for a model
@@ -199,27 +225,30 @@ absl::Status Shard::CheckModelFits(const ModelSchema& schema) const {
         " are allowed: use a larger block_elements (a worker's "
         "--block_elements)"));
   }
-  int64_t shard_blocks = 0, shard_elements = 0, global = 0;
-  for (const DenseTensorSpec& tensor : schema.dense()) {
-    const int64_t elements = NumElements(tensor);
+  // Values twice (a pull still sending one version while an update writes
+  // the other, block_values.h), optimizer state and (sync) the step's
+  // gradient sum, plus what each block costs beyond its floats: with tiny
+  // blocks that is most of it.
+  int64_t shard_blocks = 0, shard_elements = 0, shard_floats = 0, global = 0;
+  for (int t = 0; t < schema.dense_size(); ++t) {
+    const int64_t elements = NumElements(schema.dense(t));
+    const Optimizer& optimizer =
+        tensor_optimizers[t] != nullptr ? *tensor_optimizers[t] : *optimizer_;
+    const int64_t floats_per_element = 2 + optimizer.state_per_element() + 1;
     for (int64_t offset = 0; offset < elements;
          offset += block_elements, ++global) {
       if (ShardOfBlock(global, options_.num_shards) != options_.shard_id) {
         continue;
       }
+      const int64_t length = std::min(block_elements, elements - offset);
       ++shard_blocks;
-      shard_elements += std::min(block_elements, elements - offset);
+      shard_elements += length;
+      shard_floats += length * floats_per_element;
     }
   }
-  // Values twice (a pull still sending one version while an update writes
-  // the other, block_values.h), optimizer state and (sync) the step's
-  // gradient sum, plus what each block costs beyond its floats: with tiny
-  // blocks that is most of it.
-  const int64_t floats_per_element = 2 + optimizer_->state_per_element() + 1;
   const int64_t per_block =
       kBlockOverheadBytes + options_.max_workers * int64_t{sizeof(int64_t)};
-  const int64_t bytes = shard_elements * 4 * floats_per_element +
-                        shard_blocks * per_block +
+  const int64_t bytes = shard_floats * 4 + shard_blocks * per_block +
                         model_blocks * kLayoutBytesPerBlock;
   if (bytes > options_.max_shard_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -234,7 +263,12 @@ absl::Status Shard::CheckModelFits(const ModelSchema& schema) const {
 }
 
 absl::Status Shard::InstallModel(const ModelSchema& schema) {
-  if (absl::Status s = CheckModelFits(schema); !s.ok()) return s;
+  absl::StatusOr<std::vector<std::unique_ptr<Optimizer>>> tensor_optimizers =
+      MakeTensorOptimizers(schema);
+  if (!tensor_optimizers.ok()) return tensor_optimizers.status();
+  if (absl::Status s = CheckModelFits(schema, *tensor_optimizers); !s.ok()) {
+    return s;
+  }
   absl::StatusOr<Partition> partition =
       Partition::Create(schema, options_.num_shards);
   if (!partition.ok()) return partition.status();
@@ -243,7 +277,7 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
   model->partition = std::move(*partition);
   const std::vector<BlockLocation>& all = model->partition.blocks();
   model->local_of_global.assign(all.size(), -1);
-  const int slots = optimizer_->state_per_element();
+  model->tensor_optimizers = std::move(*tensor_optimizers);
   for (int g : model->partition.BlocksOfShard(options_.shard_id)) {
     const BlockLocation& loc = all[g];
     const DenseTensorSpec& tensor = model->schema.dense(loc.tensor);
@@ -251,6 +285,16 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
     block->location = &loc;
     block->tensor_name = &tensor.name();
     block->state_values = tensor.role() == DenseTensorSpec::STATE;
+    if (model->tensor_optimizers[loc.tensor] != nullptr) {
+      block->optimizer = model->tensor_optimizers[loc.tensor].get();
+      block->lr_group = tensor.optimizer().group();
+    } else {
+      // The server's --optimizer follows the rate of group 0 where pushes
+      // carry one (the C++ worker's --lr_schedule).
+      block->optimizer = optimizer_.get();
+      block->lr_group = block->state_values ? -1 : 0;
+    }
+    const int slots = block->optimizer->state_per_element();
     if (tensor.init().kind() == InitSpec::PROVIDED) {
       block->awaiting_values.store(true);
       blocks_awaiting_values_.fetch_add(1);
@@ -262,6 +306,7 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
                         loc.offset, absl::MakeSpan(initial));
       block->value.Assign(std::move(initial));
       block->state.assign(block->state_values ? 0 : slots * loc.length, 0.0f);
+      block->optimizer->InitState(absl::MakeSpan(block->state));
       if (options_.mode == ConsistencyMode::kSync) {
         block->gradient_sum.assign(loc.length, 0.0f);
         block->last_contributed.assign(options_.max_workers, -1);
@@ -350,6 +395,7 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
 
   RegisterModelResponse response;
   response.set_mode(ConsistencyModeName(options_.mode));
+  response.set_torch_optimizers(true);
   response.set_optimizer(options_.optimizer.name);
   response.set_learning_rate(options_.optimizer.learning_rate);
   {
@@ -378,6 +424,11 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
       step = std::max(step, block->version.load());
     }
     response.set_step(step);
+    if (const std::optional<int64_t> clip = PendingClipStep();
+        clip.has_value()) {
+      response.set_clip_pending(true);
+      response.set_clip_pending_step(*clip);
+    }
   } else if (worker >= 0) {
     absl::MutexLock lock(&mu_);
     response.set_step(workers_[worker].next_step);

@@ -44,6 +44,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -164,6 +165,19 @@ class Shard {
                   SparsePullDone done);
   absl::StatusOr<SparsePushResponse> SparsePush(
       const SparsePushRequest& request);
+  // sync, a clipped step (PushRequest.clip_max_norm): answers once every
+  // parameter block of this shard has the step's gradients in, with this
+  // shard's share of the squared norm of the step's mean gradient (or
+  // `applied` when a worker already brought the coefficient). Called once,
+  // like a pull's done, with a deadline like a pull's.
+  using ClipNormDone = std::function<void(absl::StatusOr<ClipNormResponse>)>;
+  void ClipNorm(const ClipNormRequest& request, absl::Time deadline,
+                ClipNormDone done);
+  // Applies the held step with its mean gradient times the coefficient;
+  // the first call for a step applies it, later ones change nothing.
+  absl::StatusOr<ApplyClipResponse> ApplyClip(const ApplyClipRequest& request);
+  // The clipped step that waits for its coefficient, if one does.
+  std::optional<int64_t> PendingClipStep() const;
   absl::Status Heartbeat(const HeartbeatRequest& request);
   // Answers (once) when the job has started, or failed to, or at
   // `deadline` (capped at a few seconds) with who is still missing.
@@ -210,6 +224,11 @@ class Shard {
     const std::string* tensor_name = nullptr;
     // A STATE tensor's block: pushes carry values, no optimizer.
     bool state_values = false;
+    // Its update rule (its tensor's torch rule, or the server's), and the
+    // param group whose rate a push carries (-1: none, the rule's own; the
+    // server's rule follows group 0's).
+    const Optimizer* optimizer = nullptr;
+    int lr_group = -1;
     // Init PROVIDED and no Assign yet: pulls wait, pushes are refused.
     std::atomic<bool> awaiting_values{false};
     // Updates applied. Written under mu; read without it by pulls deciding
@@ -232,6 +251,19 @@ class Shard {
     // Whether gradient_sum holds this step's first added gradient yet (the
     // first overwrites what the last step left).
     bool sum_started ABSL_GUARDED_BY(mu) = false;
+    // sync: the rate (and momentum) of this step's update, from the push of
+    // the lowest worker id that carried one (every worker's scheduler
+    // agrees; the lowest makes it one answer whatever the order).
+    StepHyper step_hyper ABSL_GUARDED_BY(mu);
+    int step_hyper_worker ABSL_GUARDED_BY(mu) = std::numeric_limits<int>::max();
+    // sync, a clipped step (PushRequest.clip_max_norm, from the lowest
+    // worker id's push): its mean is held once the quorum is in
+    // (awaiting_clip; read without mu by waiters) until ApplyClip, with its
+    // share of the norm.
+    std::atomic<bool> awaiting_clip{false};
+    double clip_max_norm ABSL_GUARDED_BY(mu) = 0;
+    int clip_worker ABSL_GUARDED_BY(mu) = std::numeric_limits<int>::max();
+    double clip_sum_of_squares ABSL_GUARDED_BY(mu) = 0;
     // async/ssp: the last step applied per worker (-1: none).
     std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
     // async/ssp after a restore: the workers not heard from since. A
@@ -306,9 +338,20 @@ class Shard {
   // Refuses, before anything is allocated, a schema with too many blocks
   // or one whose values, optimizer state and per-block bookkeeping on this
   // shard exceed max_shard_bytes.
-  absl::Status CheckModelFits(const ModelSchema& schema) const;
+  absl::Status CheckModelFits(
+      const ModelSchema& schema,
+      const std::vector<std::unique_ptr<Optimizer>>& tensor_optimizers) const;
+  // Each dense tensor's torch.optim rule (its spec's optimizer), null where
+  // it has none (the server's --optimizer); InvalidArgument naming the
+  // tensor for a rule the servers cannot run.
+  absl::StatusOr<std::vector<std::unique_ptr<Optimizer>>> MakeTensorOptimizers(
+      const ModelSchema& schema) const;
   absl::Status InstallModel(const ModelSchema& schema);
 
+  // The hyper-parameters `request` carries for `block`'s group, or the
+  // block's rule's own.
+  static StepHyper HyperOfPush(const Block& block,
+                               const WirePushRequest& request);
   BlockResult PushSyncBlock(Block& block, const Membership& membership,
                             const WirePushRequest& request,
                             const BlockPush& push, bool* completed);
@@ -332,8 +375,13 @@ class Shard {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(table.mu);
   BlockResult PushAsyncBlock(Block& block, const WirePushRequest& request,
                              const BlockPush& push);
-  // Applies the block's step if its quorum is in; true when it did.
+  // Applies the block's step if its quorum is in (a clipped step: holds it
+  // for ApplyClip); true when it did.
   bool CompleteIfReadyLocked(Block& block, const Membership& membership)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // Applies the step whose gradients are in, their mean times
+  // `coefficient`, and moves the block to the next step.
+  void ApplyStepLocked(Block& block, float coefficient)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
   void CompleteReadyBlocks();
   // Sparse counterparts of the block step protocol.
@@ -411,6 +459,9 @@ class Shard {
   // Expires waiters and leases; runs on reaper_ until shutdown.
   void RunReaper();
   std::string DescribeWait(const Waiter& waiter) const;
+  // A ClipNorm's answer for `step` over the blocks `locals`.
+  ClipNormResponse ClipAnswer(const Model& model, int64_t step,
+                              const std::vector<int>& locals) const;
   // Which members' gradients `block`'s current step still waits for.
   std::string DescribeBlockWaitLocked(const Block& block,
                                       const Membership& members) const

@@ -5,6 +5,7 @@
 // counterpart is shard_sparse.cc.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <iterator>
 #include <limits>
 
@@ -39,6 +40,38 @@ using shard_internal::QuorumMet;
 
 absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
     const Model& model, const WirePushRequest& request, bool assign) const {
+  for (size_t g = 0; g < request.group_lr.size(); ++g) {
+    const double lr = request.group_lr[g];
+    if (!std::isfinite(lr) || lr < 0 ||
+        lr > std::numeric_limits<float>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group_lr[", g, "] must be a finite rate >= 0, got ", lr));
+    }
+  }
+  for (size_t g = 0; g < request.group_momentum.size(); ++g) {
+    const double momentum = request.group_momentum[g];
+    if (!(momentum >= 0 && momentum < 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group_momentum[", g, "] must be in [0, 1), got ", momentum));
+    }
+  }
+  if (!(request.clip_max_norm >= 0 &&
+        request.clip_max_norm <= std::numeric_limits<float>::max())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("clip_max_norm must be a finite norm >= 0, got ",
+                     request.clip_max_norm));
+  }
+  if (request.clip_max_norm > 0 && options_.mode != ConsistencyMode::kSync) {
+    return absl::InvalidArgumentError(
+        "clip_max_norm clips a sync step's mean gradient; in async and ssp a "
+        "worker clips its own gradient before it pushes");
+  }
+  if (!request.group_momentum.empty() &&
+      request.group_momentum.size() != request.group_lr.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the push carries ", request.group_lr.size(), " group rate(s) and ",
+        request.group_momentum.size(), " momentum(s): one of each per group"));
+  }
   std::vector<BlockPush> pushes;
   pushes.reserve(request.blocks.size());
   absl::flat_hash_set<int> seen;
@@ -63,6 +96,14 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
           absl::StrCat(where(), " appears twice in one push"));
     }
     const Block& block = *model.blocks[local];
+    if (!request.group_lr.empty() && block.lr_group >= 0 &&
+        static_cast<size_t>(block.lr_group) >= request.group_lr.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), " is in param group ", block.lr_group,
+                       " but the push "
+                       "carries the rates of ",
+                       request.group_lr.size(), " group(s)"));
+    }
     if ((assign || block.state_values) && wire.dtype != FLOAT32) {
       return absl::InvalidArgumentError(absl::StrCat(
           where(), ": ", assign ? "assigned values" : "a STATE tensor's values",
@@ -133,6 +174,9 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
     moved = true;
     updates_lost_.fetch_add(step - version);
     SettleEarlyGradientsLocked(*block, /*add=*/false);
+    block->step_hyper_worker = std::numeric_limits<int>::max();
+    block->clip_worker = std::numeric_limits<int>::max();
+    block->awaiting_clip.store(false);
     block->contributors = 0;
     block->finite_contributors = 0;
     block->version.store(step);
@@ -341,6 +385,20 @@ absl::StatusOr<PushResponse> Shard::Assign(const WirePushRequest& request) {
   return response;
 }
 
+StepHyper Shard::HyperOfPush(const Block& block,
+                             const WirePushRequest& request) {
+  const size_t group = static_cast<size_t>(block.lr_group);
+  if (block.lr_group < 0 || group >= request.group_lr.size()) {
+    return block.optimizer->OwnHyper();
+  }
+  StepHyper hyper;
+  hyper.lr = static_cast<float>(request.group_lr[group]);
+  if (group < request.group_momentum.size()) {
+    hyper.momentum = static_cast<float>(request.group_momentum[group]);
+  }
+  return hyper;
+}
+
 Shard::BlockResult Shard::PushSyncBlock(Block& block,
                                         const Membership& membership,
                                         const WirePushRequest& request,
@@ -361,6 +419,17 @@ Shard::BlockResult Shard::PushSyncBlock(Block& block,
     nonfinite_skipped_.fetch_add(1);
   } else {
     ++block.finite_contributors;
+  }
+  if (request.clip_max_norm > 0 && !block.state_values &&
+      worker < block.clip_worker) {
+    block.clip_max_norm = request.clip_max_norm;
+    block.clip_worker = worker;
+  }
+  if (block.lr_group >= 0 &&
+      static_cast<size_t>(block.lr_group) < request.group_lr.size() &&
+      worker < block.step_hyper_worker) {
+    block.step_hyper = HyperOfPush(block, request);
+    block.step_hyper_worker = worker;
   }
   AddInWorkerOrderLocked(block, worker, push);
   block.last_contributed[worker] = version;
@@ -478,15 +547,16 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
   AtomicMax(staleness_max_, staleness);
   async_applies_.fetch_add(1);
   const absl::Span<float> values = MutableValues(block);
+  const StepHyper hyper = HyperOfPush(block, request);
   // Decoded a piece at a time into the update: the gradient is read once
   // from the received bytes and never written out whole.
   if (absl::Status s = DecodeSegmentsInPieces(
           push.wire->dtype, push.wire->data, block.location->length,
           [&](int64_t offset, absl::Span<const float> piece) {
             block.mu.AssertHeld();  // held by the caller of this callback
-            optimizer_->UpdateRange(version + 1, values, offset, piece,
-                                    absl::MakeSpan(block.state),
-                                    /*grad_scale=*/1.0f);
+            block.optimizer->UpdateRange(version + 1, hyper, values, offset,
+                                         piece, absl::MakeSpan(block.state),
+                                         /*grad_scale=*/1.0f);
           });
       !s.ok()) {
     ReportInternalError(
@@ -500,6 +570,8 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
 }
 
 bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
+  // A clipped step already in waits for its coefficient (ApplyClip).
+  if (block.awaiting_clip.load()) return false;
   const int64_t version = block.version.load();
   if (!QuorumMet(version, block.contributors, block.last_contributed,
                  membership, options_.replicas_to_aggregate)) {
@@ -507,6 +579,29 @@ bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
   }
   // Resets sum_started for the next step; the sum stays for the update.
   SettleEarlyGradientsLocked(block, /*add=*/true);
+  if (!block.state_values &&
+      block.clip_worker != std::numeric_limits<int>::max()) {
+    // Clipped: the step's mean is held, its share of the norm computed,
+    // until a worker brings the coefficient of the job's norm. Its pulls
+    // wait as for any step not applied; ClipNorm's waiters may go on.
+    double sum_of_squares = 0;
+    if (block.finite_contributors > 0) {
+      const float scale = 1.0f / static_cast<float>(block.finite_contributors);
+      for (float g : block.gradient_sum) {
+        const double mean = g * scale;
+        sum_of_squares += mean * mean;
+      }
+    }
+    block.clip_sum_of_squares = sum_of_squares;
+    block.awaiting_clip.store(true);
+    return true;
+  }
+  ApplyStepLocked(block, 1.0f);
+  return true;
+}
+
+void Shard::ApplyStepLocked(Block& block, float coefficient) {
+  const int64_t version = block.version.load();
   if (block.finite_contributors > 0 && block.state_values) {
     // The mean of the pushed values is the tensor's new value.
     const float scale = 1.0f / static_cast<float>(block.finite_contributors);
@@ -515,16 +610,27 @@ bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
       values[i] = block.gradient_sum[i] * scale;
     }
   } else if (block.finite_contributors > 0) {
-    // The mean of the finite gradients.
-    optimizer_->Update(version + 1, MutableValues(block), block.gradient_sum,
-                       absl::MakeSpan(block.state),
-                       1.0f / static_cast<float>(block.finite_contributors));
+    // The mean of the finite gradients (times a clip's coefficient), at the
+    // step's rate.
+    const StepHyper hyper =
+        block.step_hyper_worker != std::numeric_limits<int>::max()
+            ? block.step_hyper
+            : block.optimizer->OwnHyper();
+    const float scale =
+        coefficient == 1.0f
+            ? 1.0f / static_cast<float>(block.finite_contributors)
+            : coefficient / static_cast<float>(block.finite_contributors);
+    block.optimizer->UpdateRange(version + 1, hyper, MutableValues(block), 0,
+                                 block.gradient_sum,
+                                 absl::MakeSpan(block.state), scale);
   }
+  block.step_hyper_worker = std::numeric_limits<int>::max();
+  block.clip_worker = std::numeric_limits<int>::max();
+  block.awaiting_clip.store(false);
   OnStepCompleted(version, block.contributors);
   block.contributors = 0;
   block.finite_contributors = 0;
   block.version.store(version + 1);
-  return true;
 }
 
 void Shard::CompleteReadyBlocks() {
@@ -666,6 +772,18 @@ bool Shard::WaiterReadyLocked(const Waiter& waiter) const {
   if (waiter.sparse >= 0) {
     return model->sparse[waiter.sparse]->version.load() >= waiter.step;
   }
+  if (waiter.clip) {
+    // Every block has its clipped step in (or it was applied already).
+    for (int local : waiter.locals) {
+      const Block& block = *model->blocks[local];
+      const int64_t version = block.version.load();
+      if (version < waiter.step ||
+          (version == waiter.step && !block.awaiting_clip.load())) {
+        return false;
+      }
+    }
+    return true;
+  }
   for (int local : waiter.locals) {
     if (model->blocks[local]->version.load() < waiter.step) return false;
   }
@@ -783,6 +901,19 @@ void Shard::ReleaseReadyWaiters() {
 
 std::string Shard::DescribeWait(const Waiter& waiter) const {
   const Model* model = model_.load(std::memory_order_acquire);
+  if (waiter.clip) {
+    const std::shared_ptr<const Membership> members = membership();
+    for (int local : waiter.locals) {
+      const Block& block = *model->blocks[local];
+      absl::MutexLock lock(&block.mu);
+      if (block.version.load() > waiter.step || block.awaiting_clip.load()) {
+        continue;
+      }
+      return absl::StrCat("the norm of clipped step ", waiter.step,
+                          " waits: ", DescribeBlockWaitLocked(block, *members));
+    }
+    return "the clipped step completed as the deadline passed";
+  }
   if (waiter.sparse < 0) {
     for (int local : waiter.locals) {
       const Block& block = *model->blocks[local];

@@ -80,6 +80,8 @@ struct Shard::Model {
   absl::flat_hash_map<std::string, int> sparse_index;
   std::vector<std::unique_ptr<Block>> blocks;  // this shard's, global order
   std::vector<int> local_of_global;            // -1 when on another shard
+  // Per dense tensor: its torch.optim rule, null for the server's own.
+  std::vector<std::unique_ptr<Optimizer>> tensor_optimizers;
   int64_t num_elements = 0;
 };
 
@@ -89,6 +91,8 @@ struct Shard::Model {
 struct Shard::Waiter {
   std::vector<int> locals;
   int sparse = -1;
+  // A ClipNorm: waits until the clipped step `step` of every block is in.
+  bool clip = false;
   int64_t step = 0;
   absl::Time deadline;
   std::function<void(absl::Status)> answer;

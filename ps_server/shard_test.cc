@@ -1613,3 +1613,73 @@ TEST(ShardRegisterTest, RequestsBeforeRegistrationAreRefused) {
 
 }  // namespace
 }  // namespace pstrain
+
+namespace pstrain {
+namespace {
+
+// A clipped sync step (shard_clip.cc): held once every gradient is in,
+// its share of the norm answered, applied once with the coefficient.
+TEST(ShardClipTest, HoldsTheStepUntilItsCoefficientComesOnce) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  for (int worker = 0; worker < 2; ++worker) {
+    PushRequest push = UniformPush(worker, 0, worker == 0 ? 1 : 3);
+    push.set_clip_max_norm(0.5);
+    ASSERT_TRUE(DoPush(*f.shard, push).ok());
+  }
+  EXPECT_EQ(f.shard->Stats().version(), 0);  // held: no coefficient yet
+  EXPECT_EQ(f.shard->PendingClipStep(), std::optional<int64_t>(0));
+  ClipNormRequest clip;
+  clip.set_protocol_version(kProtocolVersion);
+  clip.set_step(0);
+  absl::Notification answered;
+  absl::StatusOr<ClipNormResponse> share;
+  f.shard->ClipNorm(clip, Soon(), [&](absl::StatusOr<ClipNormResponse> r) {
+    share = std::move(r);
+    answered.Notify();
+  });
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(share.ok()) << share.status();
+  // The mean gradient is 2 in each of the model's 8 elements.
+  EXPECT_DOUBLE_EQ(share->sum_of_squares(), 8 * 2.0 * 2.0);
+  EXPECT_DOUBLE_EQ(share->max_norm(), 0.5);
+  EXPECT_FALSE(share->applied());
+
+  ApplyClipRequest apply;
+  apply.set_protocol_version(kProtocolVersion);
+  apply.set_step(0);
+  apply.set_coefficient(0.25);
+  absl::StatusOr<ApplyClipResponse> applied = f.shard->ApplyClip(apply);
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(applied->blocks_applied(), 3);
+  EXPECT_EQ(f.shard->Stats().version(), 1);
+  // Once only: a second worker's coefficient changes nothing.
+  applied = f.shard->ApplyClip(apply);
+  ASSERT_TRUE(applied.ok());
+  EXPECT_EQ(applied->blocks_applied(), 0);
+  auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 1 - 0.5f * 0.25f * 2);
+}
+
+TEST(ShardClipTest, RefusesBadCoefficientsAndAsyncJobs) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 1);
+  ApplyClipRequest apply;
+  apply.set_protocol_version(kProtocolVersion);
+  for (double bad : {0.0, 1.5, -1.0, std::nan("")}) {
+    apply.set_coefficient(bad);
+    EXPECT_EQ(f.shard->ApplyClip(apply).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  Fixture async = MakeShard(ConsistencyMode::kAsync, 1);
+  PushRequest push = UniformPush(0, 0, 1);
+  push.set_clip_max_norm(1.0);
+  EXPECT_EQ(DoPush(*async.shard, push).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  apply.set_coefficient(0.5);
+  EXPECT_EQ(async.shard->ApplyClip(apply).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace pstrain

@@ -61,11 +61,20 @@ absl::Status ValidateSparseOptimizer(const SparseOptimizerConfig& c) {
     return CheckPositive("sparse_learning_rate", c.learning_rate);
   }
   if (c.name == "adagrad") {
+    // torch.optim.Adagrad's rule: w -= lr * g / (sqrt(acc) + eps), the
+    // accumulator starting at initial_accumulator (torch: 0, eps 1e-10).
     for (absl::Status s :
          {CheckPositive("sparse_learning_rate", c.learning_rate),
-          CheckPositive("sparse_adagrad_initial_accumulator",
-                        c.initial_accumulator)}) {
+          CheckNonNegative("sparse_adagrad_initial_accumulator",
+                           c.initial_accumulator),
+          CheckNonNegative("sparse_adagrad_epsilon", c.epsilon)}) {
       if (!s.ok()) return s;
+    }
+    if (c.initial_accumulator == 0 && c.epsilon == 0) {
+      return absl::InvalidArgumentError(
+          "adagrad with --sparse_adagrad_initial_accumulator=0 needs an "
+          "epsilon > 0 (torch's default is 1e-10): a row's first zero "
+          "gradient would divide 0 by 0");
     }
     return absl::OkStatus();
   }
@@ -425,7 +434,7 @@ void SparseTable::ApplyGradient(int64_t t, float* w, const float* g) const {
       float* acc = w + d;
       for (int64_t i = 0; i < d; ++i) {
         acc[i] += g[i] * g[i];
-        w[i] -= lr * g[i] / std::sqrt(acc[i]);
+        w[i] -= lr * g[i] / (std::sqrt(acc[i]) + c.epsilon);
       }
       break;
     }
@@ -639,9 +648,9 @@ absl::Status SparseTable::LoadRow(uint64_t id, absl::Span<const float> value,
       break;
     case Kind::kAdagrad:
       for (float acc : state) {
-        if (acc <= 0) {
+        if (!(acc >= 0)) {
           return absl::InvalidArgumentError(
-              absl::StrCat(where, "adagrad accumulator must be > 0"));
+              absl::StrCat(where, "adagrad accumulator must be >= 0"));
         }
       }
       break;

@@ -84,11 +84,11 @@ struct SparseOptimizerConfig {
   float initial_accumulator = 0.1f;  // --sparse_adagrad_initial_accumulator
   float beta1 = 0.9f;                // --sparse_adam_beta1
   float beta2 = 0.999f;              // --sparse_adam_beta2
-  float epsilon = 1e-8f;             // --sparse_adam_epsilon
-  float ftrl_alpha = 0.05f;          // --ftrl_alpha (ftrl's learning rate)
-  float ftrl_beta = 1.0f;            // --ftrl_beta
-  float ftrl_l1 = 0.0f;              // --ftrl_l1
-  float ftrl_l2 = 0.0f;              // --ftrl_l2
+  float epsilon = 1e-8f;     // adam's and adagrad's (torch's adagrad: 1e-10)
+  float ftrl_alpha = 0.05f;  // --ftrl_alpha (ftrl's learning rate)
+  float ftrl_beta = 1.0f;    // --ftrl_beta
+  float ftrl_l1 = 0.0f;      // --ftrl_l1
+  float ftrl_l2 = 0.0f;      // --ftrl_l2
 };
 
 // Refuses unknown names and out-of-range hyper-parameters of the chosen

@@ -599,8 +599,8 @@ TEST(SparseTableCheckpointTest, RowsRoundTripIntoAnyStripeCount) {
 
 TEST(SparseTableCheckpointTest, LoadRowRejectsImpossibleRows) {
   auto adagrad = Make(Options("adagrad", 2));
-  EXPECT_FALSE(adagrad->LoadRow(1, {1, 1}, {0.1f}, 0).ok());        // size
-  EXPECT_FALSE(adagrad->LoadRow(1, {1, 1}, {0.1f, 0.0f}, 0).ok());  // acc 0
+  EXPECT_FALSE(adagrad->LoadRow(1, {1, 1}, {0.1f}, 0).ok());         // size
+  EXPECT_FALSE(adagrad->LoadRow(1, {1, 1}, {0.1f, -1.0f}, 0).ok());  // acc < 0
   EXPECT_FALSE(adagrad->LoadRow(1, {1, NAN}, {0.1f, 0.1f}, 0).ok());
   EXPECT_FALSE(adagrad->LoadRow(1, {1, 1}, {0.1f, 0.1f}, -1).ok());
   auto ftrl = Make(Options("ftrl", 1));
@@ -629,9 +629,15 @@ TEST(SparseTableConfigTest, BadOptimizerConfigsNameTheFlag) {
   EXPECT_NE(message(c).find("--sparse_learning_rate"), std::string::npos);
   c = {};
   c.name = "adagrad";
-  c.initial_accumulator = 0;
+  c.initial_accumulator = -1;
   EXPECT_NE(message(c).find("--sparse_adagrad_initial_accumulator"),
             std::string::npos);
+  // torch's start (0) is fine with an epsilon, and 0/0 without one is not.
+  c.initial_accumulator = 0;
+  c.epsilon = 1e-10f;
+  EXPECT_TRUE(ValidateSparseOptimizer(c).ok());
+  c.epsilon = 0;
+  EXPECT_NE(message(c).find("needs an epsilon > 0"), std::string::npos);
   c = {};
   c.name = "adam";
   c.beta2 = 1;

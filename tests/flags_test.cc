@@ -70,7 +70,7 @@ INSTANTIATE_TEST_SUITE_P(
                  "--shard_id must be in [0, 2)"},
         FlagCase{"ps_server/ps_server",
                  {"--optimizer=lamb"},
-                 "--optimizer must be sgd, momentum or adam"},
+                 "--optimizer must be sgd, momentum, adam or adamw"},
         FlagCase{"ps_server/ps_server",
                  {"--learning_rate=-1"},
                  "--learning_rate must be"},

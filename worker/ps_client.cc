@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -297,8 +298,19 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
   }
   Registration registration;
   registration.mode = (*responses)[0].mode();
+  bool torch_rules = false;
+  for (const DenseTensorSpec& tensor : schema.dense()) {
+    torch_rules |= tensor.has_optimizer();
+  }
   for (int s = 0; s < num_shards(); ++s) {
     const RegisterModelResponse& response = (*responses)[s];
+    if (torch_rules && !response.torch_optimizers()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shard ", s, " (", options_.hosts[s],
+          ") does not run per-tensor torch optimizers (a ps_server older "
+          "than this client): it would train with its own --optimizer; "
+          "upgrade the servers"));
+    }
     if (response.mode() != registration.mode) {
       return absl::FailedPreconditionError(absl::StrCat(
           "shards disagree on the mode: shard 0 runs ", registration.mode,
@@ -311,6 +323,10 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
   registration.optimizer = (*responses)[0].optimizer();
   registration.learning_rate = (*responses)[0].learning_rate();
   mode_ = registration.mode;
+  std::optional<int64_t> pending_clip;
+  for (const RegisterModelResponse& response : *responses) {
+    if (response.clip_pending()) pending_clip = response.clip_pending_step();
+  }
 
   // Group each shard's blocks into RPCs of at most one block's bytes (small
   // tensors share an RPC), dealt round-robin over the shard's connections.
@@ -351,6 +367,11 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
   topk_residual_.assign(partition_->blocks().size(), std::vector<float>());
   if (worker_id_ >= 0 && options_.heartbeat_interval > absl::ZeroDuration()) {
     heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+  }
+  if (pending_clip.has_value() && worker_id_ >= 0) {
+    // A clipped step whose workers died before they sent its coefficient:
+    // its pulls would wait for it forever.
+    if (absl::Status s = FinishClippedStep(*pending_clip); !s.ok()) return s;
   }
   return registration;
 }

@@ -236,6 +236,27 @@ class PsClient {
                                         absl::Span<const uint64_t> ids,
                                         const float* grads);
 
+  // The current learning rate of each param group (a torch scheduler's,
+  // TorchOptimizer.group indexes them), and its momentum where a scheduler
+  // cycles it (empty otherwise): every later push carries them, and its
+  // updates use them (sync: the step's). Empty (the default): each
+  // tensor's registered rate, or the servers' --learning_rate.
+  void SetGroupRates(std::vector<double> rates,
+                     std::vector<double> momentums = {}) {
+    group_rates_ = std::move(rates);
+    group_momentums_ = std::move(momentums);
+  }
+
+  // sync: clip each later step's mean gradient to this 2-norm, as torch's
+  // clip_grad_norm_ clips one process's gradient (the norm over every
+  // dense parameter of the job, all shards); 0 (the default): no clipping.
+  // Push (and PushPull) then finish each clipped step themselves: they
+  // gather the shards' shares of the norm and send every shard the
+  // coefficient (one more round trip), so the next pull finds it applied.
+  // The norm of the last clipped step: last_clip_norm().
+  void SetGradientClip(double max_norm) { clip_max_norm_ = max_norm; }
+  double last_clip_norm() const { return last_clip_norm_; }
+
   // Tells every shard this worker is done; later steps stop waiting for it.
   // Stops the heartbeats.
   absl::Status Leave();
@@ -327,6 +348,9 @@ class PsClient {
   int64_t RecordPulledStep(int64_t step);
   // Raises the furthest step pulled, which the heartbeats carry, to `step`.
   void NoteFurthestPulled(int64_t step);
+  // sync, a clipped step: the norm from every shard's share, then the
+  // coefficient to every shard (nothing when a worker already sent it).
+  absl::Status FinishClippedStep(int64_t step);
   // Sends `pushed` again, each with inject_duplicate_push_probability.
   absl::Status InjectDuplicatePushes(const std::vector<Call>& pushed);
   // Sleeps up to inject_push_jitter (see PsClientOptions).
@@ -438,6 +462,9 @@ class PsClient {
   std::vector<std::vector<float>> topk_residual_;
   int64_t injected_duplicates_ = 0;
   absl::BitGen random_;
+  std::vector<double> group_rates_, group_momentums_;  // SetGroupRates
+  double clip_max_norm_ = 0;                           // SetGradientClip
+  double last_clip_norm_ = 0;
 
   absl::Notification stop_heartbeats_;
   std::thread heartbeat_thread_;

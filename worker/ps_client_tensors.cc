@@ -2,6 +2,7 @@
 // and the sparse tables' rows.
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -238,8 +239,9 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
     call.group = &group;
     call.shard = group.shard;
     call.connection = group.connection;
-    call.message = EncodePushRequest(kProtocolVersion, worker_id_, step, blocks,
-                                     kInlineBelowBytes);
+    call.message = EncodePushRequest(
+        kProtocolVersion, worker_id_, step, blocks, kInlineBelowBytes,
+        PushExtras{group_rates_, group_momentums_, clip_max_norm_});
     call.on_response = [&responses,
                         i](absl::Span<const absl::string_view> bytes) {
       return Deserialize(bytes, &responses[i]);
@@ -298,7 +300,53 @@ absl::StatusOr<PsClient::PushResult> PsClient::Push(
   }
   const PushResult result = SumPushResponses(responses);
   if (absl::Status s = InjectDuplicatePushes(*calls); !s.ok()) return s;
+  if (clip_max_norm_ > 0 && only.empty()) {
+    if (absl::Status s = FinishClippedStep(step); !s.ok()) return s;
+  }
   return result;
+}
+
+absl::Status PsClient::FinishClippedStep(int64_t step) {
+  ClipNormRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  request.set_worker_id(worker_id_);
+  request.set_step(step);
+  std::vector<Call> calls(num_shards());
+  std::vector<ClipNormResponse> shares(num_shards());
+  for (int s = 0; s < num_shards(); ++s) {
+    calls[s].shard = s;
+    calls[s].flat = request.SerializeAsString();
+    calls[s].on_response = [&shares,
+                            s](absl::Span<const absl::string_view> bytes) {
+      return Deserialize(bytes, &shares[s]);
+    };
+  }
+  if (absl::Status st =
+          RunAll("ClipNorm", calls, options_.rpc_timeout, /*retry=*/true);
+      !st.ok()) {
+    return st;
+  }
+  // Summed in shard order, so every worker computes the same coefficient.
+  double sum_of_squares = 0, max_norm = 0;
+  for (const ClipNormResponse& share : shares) {
+    if (share.applied()) return absl::OkStatus();  // another worker did it
+    sum_of_squares += share.sum_of_squares();
+    max_norm = std::max(max_norm, share.max_norm());
+  }
+  last_clip_norm_ = std::sqrt(sum_of_squares);
+  // torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), at most 1.
+  const double coefficient = std::min(1.0, max_norm / (last_clip_norm_ + 1e-6));
+  ApplyClipRequest apply;
+  apply.set_protocol_version(kProtocolVersion);
+  apply.set_worker_id(worker_id_);
+  apply.set_step(step);
+  apply.set_coefficient(coefficient);
+  std::vector<Call> applies(num_shards());
+  for (int s = 0; s < num_shards(); ++s) {
+    applies[s].shard = s;
+    applies[s].flat = apply.SerializeAsString();
+  }
+  return RunAll("ApplyClip", applies, options_.rpc_timeout, /*retry=*/true);
 }
 
 absl::StatusOr<PsClient::PushResult> PsClient::Assign(
@@ -319,6 +367,16 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
     int64_t push_step, const std::vector<const float*>& gradients,
     int64_t pull_step, const std::vector<float*>& tensors) {
   if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
+  if (clip_max_norm_ > 0) {
+    // The pull of a clipped step waits for its coefficient, which needs
+    // the norm of every shard's share first: a push, then the clip, then
+    // the pull, instead of one round trip.
+    absl::StatusOr<PushResult> pushed = Push(push_step, gradients);
+    if (!pushed.ok()) return pushed.status();
+    absl::StatusOr<int64_t> pulled = Pull(pull_step, tensors);
+    if (!pulled.ok()) return pulled.status();
+    return PushPullResult{*pushed, *pulled};
+  }
   InjectPushJitter();
   // One PushPull per group, all sent at once. A sync server answers a
   // connection's requests in order, each once its group's step completes;

@@ -299,8 +299,12 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       step = *at;
       if (step >= options.steps) break;
     }
-    if (step == options.crash_before_push_step)
+    if (step == options.crash_before_push_step) {
       CrashNow("before its push", step);
+    }
+    if (options.learning_rate_at) {
+      client.SetGroupRates({options.learning_rate_at(step)});
+    }
     // The step fixes the examples, so a worker that joins late or catches
     // up takes exactly the slice a single process would have used.
     const absl::Time compute_start = absl::Now();
@@ -367,7 +371,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     }
     result.compute_seconds += absl::ToDoubleSeconds(compute_time);
     result.network_wait_seconds += absl::ToDoubleSeconds(pull_time + push_wait);
-    if (step == options.crash_after_step) CrashNow("after its exchange", step);
+    if (step == options.crash_after_step) {
+      CrashNow("after its exchange", step);
+    }
     result.duplicate_blocks += pushed->blocks_duplicate;
     result.late_blocks += pushed->blocks_late;
     ++result.steps_run;

@@ -77,6 +77,9 @@ struct TrainerOptions {
   bool push_pull = true;
   // Called after every step (on the training thread).
   std::function<void(const StepReport&)> on_step;
+  // The servers' rate at each step (--lr_schedule), carried by the step's
+  // pushes; null: the servers' own.
+  std::function<double(int64_t step)> learning_rate_at;
   // Fault injection: extra time per step, as a straggler would take.
   absl::Duration step_delay = absl::ZeroDuration();
   // Fault injection: SIGKILL this process once the model of this step is

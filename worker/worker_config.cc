@@ -132,6 +132,13 @@ void CheckTraining(const WorkerConfig& config, Problems& checks) {
   }
   checks.push_back(
       CheckAtLeast("inject_step_delay_ms", training.inject_step_delay_ms, 0));
+  // The total steps are known once the data is (--epochs): cosine's check
+  // against the warmup waits for them (worker_run.cc).
+  LrSchedule schedule = training.lr_schedule;
+  schedule.total_steps = schedule.warmup_steps + 1;
+  for (absl::Status& problem : LrScheduleProblems(schedule)) {
+    checks.push_back(std::move(problem));
+  }
   checks.push_back(CheckAtLeast("inject_crash_before_push_step",
                                 training.inject_crash_before_push_step, -1));
   checks.push_back(CheckAtLeast("inject_crash_after_step",

@@ -17,6 +17,7 @@
 #include "kernels/backend.h"
 #include "worker/client_config.h"
 #include "worker/eval_only.h"
+#include "worker/lr_schedule.h"
 
 namespace pstrain {
 
@@ -80,6 +81,9 @@ struct TrainingConfig {
   bool push_pull = true;
   // Steps after which a loss that has not fallen is warned about once.
   int64_t loss_check_steps = 100;
+  // The servers' rate over the steps (--lr_schedule, --warmup_steps,
+  // --lr_step_size, --lr_step_gamma); total_steps is the job's.
+  LrSchedule lr_schedule;
   // Fault injection: extra time per step, in ms.
   int64_t inject_step_delay_ms = 0;
   // Fault injection: the process kills itself (SIGKILL) once it has pulled

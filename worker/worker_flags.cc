@@ -213,6 +213,17 @@ ABSL_FLAG(int64_t, loss_check_steps, Default().training.loss_check_steps,
           "naming the servers' optimizer and learning rate; NaN/Inf loss is "
           "warned at once. The final JSON says \"not_learning\". 0: only "
           "NaN/Inf.");
+ABSL_FLAG(std::string, lr_schedule, Default().training.lr_schedule.kind,
+          "The servers' learning rate over the job, carried by every push: "
+          "constant, step (times --lr_step_gamma every --lr_step_size steps, "
+          "torch's StepLR) or cosine (to 0 at the last step, torch's "
+          "CosineAnnealingLR), after --warmup_steps.");
+ABSL_FLAG(int64_t, warmup_steps, Default().training.lr_schedule.warmup_steps,
+          "Steps of linear warmup: the rate rises from lr / N to lr.");
+ABSL_FLAG(int64_t, lr_step_size, Default().training.lr_schedule.step_size,
+          "--lr_schedule=step: steps between decays.");
+ABSL_FLAG(double, lr_step_gamma, Default().training.lr_schedule.gamma,
+          "--lr_schedule=step: the factor of each decay.");
 ABSL_FLAG(int64_t, inject_step_delay_ms,
           Default().training.inject_step_delay_ms,
           "Fault injection: make every step this much slower (a straggler).");
@@ -392,6 +403,10 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   training.push_pull = absl::GetFlag(FLAGS_push_pull);
   training.loss_check_steps = absl::GetFlag(FLAGS_loss_check_steps);
   training.inject_step_delay_ms = absl::GetFlag(FLAGS_inject_step_delay_ms);
+  training.lr_schedule.kind = absl::GetFlag(FLAGS_lr_schedule);
+  training.lr_schedule.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
+  training.lr_schedule.step_size = absl::GetFlag(FLAGS_lr_step_size);
+  training.lr_schedule.gamma = absl::GetFlag(FLAGS_lr_step_gamma);
   training.inject_crash_before_push_step =
       absl::GetFlag(FLAGS_inject_crash_before_push_step);
   training.inject_crash_after_step =

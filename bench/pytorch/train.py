@@ -2,7 +2,9 @@
 model, data order, optimizer and global batch, trained three ways.
 
   --backend=pstrain  a pstrain.torch worker (launched by launch.sh --python;
-                     the optimizer runs on the servers)
+                     the optimizer runs on the servers: the script's
+                     torch.optim.Adam handed to them, or with
+                     --optimizer_from=servers their own --optimizer=adam)
   --backend=ddp      one rank of torch.nn.parallel.DistributedDataParallel
                      over gloo (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
   --backend=local    one process, the whole global batch (--global_batch)
@@ -46,11 +48,18 @@ def main():
     parser.add_argument("--global_batch", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.001)
+    parser.add_argument("--optimizer_from", choices=["script", "servers"],
+                        default="script",
+                        help="pstrain: hand the servers this script's Adam "
+                        "(its rate travels with every step), or run theirs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = make_model(args.model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     if args.backend == "pstrain":
-        ps = pstrain.torch.ParameterServer(model)
+        ps = pstrain.torch.ParameterServer(
+            model,
+            optimizer=optimizer if args.optimizer_from == "script" else None)
         rank, world = ps.worker_id, ps.num_workers
     elif args.backend == "ddp":
         import torch.distributed as dist
@@ -59,8 +68,6 @@ def main():
         model = nn.parallel.DistributedDataParallel(model)
     else:
         rank, world = 0, 1
-    if args.backend != "pstrain":
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     shape = (1, 28, 28) if args.model == "cnn" else (784,)
     batches = pstrain.data.Batches(pstrain.data.fashion_mnist(),
                                    args.global_batch // world, rank, world,
@@ -89,6 +96,7 @@ def main():
     _, accuracy = pstrain.data.evaluate(
         model, pstrain.data.fashion_mnist(train=False), shape=shape)
     pstrain.print_final(backend=args.backend, model=args.model, worker_id=rank,
+                        optimizer_from=args.optimizer_from,
                         num_workers=world, steps=steps, wall_time_s=wall,
                         compute_s=round(compute, 3), update_s=round(update, 3),
                         job_samples_per_sec=steps * args.global_batch / wall,

@@ -68,23 +68,44 @@ def wait_for(condition, timeout_s, what):
 class Cluster:
     """num_shards ps_server processes; use as a context manager."""
 
-    def __init__(self, num_shards=2, num_workers=2, mode="sync", flags=()):
+    def __init__(self, num_shards=2, num_workers=2, mode="sync", flags=(),
+                 checkpoint=False):
         self.num_shards = num_shards
         self.num_workers = num_workers
         self.mode = mode
         self.dir = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
         self.flags = list(flags)
+        if checkpoint:  # SIGTERM writes a last one; a restart restores it
+            self.flags.append(f"--checkpoint_dir={self.dir}/ckpt")
         self.servers = []
         self.workers = []
         self.ports = []
         for shard in range(num_shards):
             self.servers.append(self._start_server(shard, port=0))
         for shard in range(num_shards):
-            path = os.path.join(self.dir, f"ps{shard}.port")
-            self.ports.append(int(wait_for(
-                lambda p=path: os.path.exists(p) and read(p).strip(),
-                30, f"ps_server {shard}'s port")))
+            self.ports.append(self._wait_for_port(shard))
         self.hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def _wait_for_port(self, shard):
+        path = os.path.join(self.dir, f"ps{shard}.port")
+        return int(wait_for(lambda: os.path.exists(path) and read(path).strip(),
+                            30, f"ps_server {shard}'s port"))
+
+    def restart_all_servers(self):
+        """Stops every server (SIGTERM: with checkpoint=True each writes a
+        last checkpoint) and starts it again on its port, from it."""
+        for server in self.servers:
+            server.send_signal(signal.SIGTERM)
+        for shard, server in enumerate(self.servers):
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"ps_server {shard} ignored SIGTERM:\n"
+                                     + self.server_log(shard)[-3000:])
+        self.servers = [self._start_server(shard, port)
+                        for shard, port in enumerate(self.ports)]
+        for shard in range(self.num_shards):
+            self._wait_for_port(shard)
 
     def _start_server(self, shard, port):
         path = os.path.join(self.dir, f"ps{shard}.port")
@@ -107,9 +128,11 @@ class Cluster:
         spec = {"ps": self.hosts.split(","), "workers": num_workers,
                 "mode": self.mode,
                 "task": {"type": "worker", "index": worker_id}}
+        # pstrain is the installed one (sys.executable's); the tests'
+        # helper modules (tests.python.*) come from the runfiles.
         env = dict(os.environ, PSTRAIN_CLUSTER=json.dumps(spec),
                    RANK=str(worker_id), WORLD_SIZE=str(num_workers),
-                   PYTHONPATH=PACKAGE_ROOT, OMP_NUM_THREADS="1")
+                   PYTHONPATH=runfile(""), OMP_NUM_THREADS="1")
         return env
 
     def start_worker(self, script, worker_id, args=(), num_workers=None,

@@ -116,6 +116,76 @@ class BadInputTest(unittest.TestCase):
             client.register(self.ps.schema, 1, 5)
         self.assertIn("worker_id must be in [0, 1)", str(raised.exception))
 
+    def connect(self, model, **kwargs):
+        return pstrain.torch.ParameterServer(
+            model, hosts=self.cluster.hosts, worker_id=0, num_workers=1,
+            **kwargs)
+
+    def test_optimizer_options_the_servers_cannot_honour(self):
+        model = mlp()
+        for optimizer, option in [
+                (torch.optim.Adam(model.parameters(), amsgrad=True), "amsgrad"),
+                (torch.optim.SGD(model.parameters(), lr=0.1, maximize=True),
+                 "maximize")]:
+            with self.assertRaisesRegex(ValueError, f"{option}=True: the "
+                                        "servers do not run it"):
+                self.connect(model, optimizer=optimizer)
+
+    def test_an_optimizer_the_servers_do_not_run(self):
+        model = mlp()
+        with self.assertRaisesRegex(ValueError, "torch.optim.Adamax is not an "
+                                    "optimizer the servers run .*AdamW"):
+            self.connect(model, optimizer=torch.optim.Adamax(
+                model.parameters()))
+
+    def test_param_groups_that_do_not_cover_the_model(self):
+        model = mlp()
+        partial = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        with self.assertRaisesRegex(ValueError, "leave out 2.weight, 2.bias"):
+            self.connect(model, optimizer=partial)
+        stranger = torch.optim.SGD(
+            list(model.parameters()) + [torch.nn.Parameter(torch.ones(7))],
+            lr=0.1)
+        with self.assertRaisesRegex(ValueError, r"shape \[7\] that is not a "
+                                    "parameter of the model"):
+            self.connect(model, optimizer=stranger)
+
+    def test_workers_with_different_optimizers(self):
+        # The servers hold the job's first registration (this class's, with
+        # the servers' own SGD): a worker that brings another optimizer is
+        # refused, naming the first tensor whose rule differs.
+        model = mlp()
+        with self.assertRaises(pstrain.Error) as raised:
+            self.connect(model, optimizer=torch.optim.AdamW(
+                model.parameters(), lr=1e-3))
+        self.assertEqual(raised.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("tensor 0 ('0.weight'): optimizer", str(raised.exception))
+        self.assertIn("adamw", str(raised.exception))
+
+    def test_a_scheduler_stepped_after_finish(self):
+        with cluster.Cluster(num_shards=1, num_workers=1) as c:
+            model = mlp()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+            ps = pstrain.torch.ParameterServer(
+                model, optimizer=optimizer, scheduler=scheduler,
+                hosts=c.hosts, worker_id=0, num_workers=1)
+            model(torch.ones(2, 4)).sum().backward()
+            ps.step()
+            scheduler.step()
+            ps.finish()
+            with self.assertRaisesRegex(RuntimeError, r"scheduler.step\(\) "
+                                        r"after ParameterServer.finish\(\)"):
+                scheduler.step()
+
+    def test_a_scheduler_of_another_optimizer(self):
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        other = torch.optim.SGD(model.parameters(), lr=0.1)
+        with self.assertRaisesRegex(ValueError, "another optimizer"):
+            self.connect(model, optimizer=optimizer,
+                         scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+
     def test_unknown_option(self):
         with self.assertRaisesRegex(ValueError, "unknown client option 'rpc_timeout'"):
             pstrain.Client(self.cluster.hosts, rpc_timeout=3)

@@ -392,6 +392,23 @@ int pstrain_client_push_sparse(pstrain_client* c, int table, int64_t step,
   });
 }
 
+void pstrain_client_set_group_rates(pstrain_client* c, const double* rates,
+                                    const double* momentums, int num_groups) {
+  c->client->SetGroupRates(
+      std::vector<double>(rates, rates + num_groups),
+      momentums == nullptr
+          ? std::vector<double>()
+          : std::vector<double>(momentums, momentums + num_groups));
+}
+
+void pstrain_client_set_gradient_clip(pstrain_client* c, double max_norm) {
+  c->client->SetGradientClip(max_norm);
+}
+
+double pstrain_client_last_clip_norm(const pstrain_client* c) {
+  return c->client->last_clip_norm();
+}
+
 int pstrain_client_leave(pstrain_client* c, char** error) {
   return Guard(error, [&] { return c->client->Leave(); });
 }

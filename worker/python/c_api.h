@@ -90,6 +90,14 @@ int pstrain_client_push_sparse(pstrain_client* client, int table, int64_t step,
                                const uint64_t* ids, int64_t num_ids,
                                const float* gradients, int64_t result[2],
                                char** error);
+/* The current learning rate of each param group, and its momentum (NULL:
+ * none carried), carried by every later push (PsClient::SetGroupRates). */
+void pstrain_client_set_group_rates(pstrain_client* client, const double* rates,
+                                    const double* momentums, int num_groups);
+/* sync: clip each later step's mean gradient to this 2-norm (0: none);
+ * the norm of the last clipped step (PsClient::SetGradientClip). */
+void pstrain_client_set_gradient_clip(pstrain_client* client, double max_norm);
+double pstrain_client_last_clip_norm(const pstrain_client* client);
 int pstrain_client_leave(pstrain_client* client, char** error);
 /* *stats_json: a JSON array of every shard's StatsResponse (proto names). */
 int pstrain_client_stats(pstrain_client* client, char** stats_json,

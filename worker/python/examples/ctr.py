@@ -1,15 +1,23 @@
 """A click-through-rate model in PyTorch whose embedding tables live on
 pstrain's servers: one EmbeddingBag per categorical field (rows sharded over
-the servers, created on first use, updated by the servers' sparse
-optimizer), concatenated with the dense features into a small MLP.
+the servers, created on first use, updated there with torch's sparse
+Adagrad), concatenated with the dense features into a small MLP trained by
+torch.optim.Adam, which the servers run too.
 
-    deploy/local/launch.sh --servers=2 --workers=2 --mode=async \
-        --python=worker/python/examples/ctr.py -- \
-        --server.optimizer=adam --server.learning_rate=0.01 --steps=400
+As pstrain workers (2 servers, 2 workers, on this machine):
 
-Data: the C++ CTR worker's synthetic stream, whose hidden ground truth says
-what AUC a perfect model reaches. Prints a final JSON line with the
-held-out AUC beside it.
+    deploy/local/launch.sh --servers=2 --workers=2 --mode=sync \
+        --python=worker/python/examples/ctr.py -- --steps=400
+
+As one plain PyTorch process, the script a user starts from (nn.EmbeddingBag
+with sparse gradients and torch.optim.Adagrad, the same global batch, data
+and optimizers), the baseline the job is compared with:
+
+    /usr/bin/python3 worker/python/examples/ctr.py --local --steps=400
+
+The lines that differ are marked "pstrain:". Data: the C++ CTR worker's
+synthetic stream, whose hidden ground truth says what AUC a perfect model
+reaches. Prints a final JSON line with the held-out AUC beside it.
 """
 
 import argparse
@@ -25,14 +33,10 @@ import pstrain.torch
 
 
 class CtrNet(nn.Module):
-    def __init__(self, num_fields, num_dense, dim, lr):
+    def __init__(self, tables, num_dense, dim):
         super().__init__()
-        self.fields = nn.ModuleList(
-            pstrain.torch.EmbeddingBag(None, dim, mode="mean",
-                                       optimizer="adagrad", lr=lr,
-                                       init_std=0.01)
-            for _ in range(num_fields))
-        self.mlp = nn.Sequential(nn.Linear(num_fields * dim + num_dense, 64),
+        self.fields = nn.ModuleList(tables)
+        self.mlp = nn.Sequential(nn.Linear(len(tables) * dim + num_dense, 64),
                                  nn.ReLU(), nn.Linear(64, 1))
 
     def forward(self, dense, bags):
@@ -41,59 +45,104 @@ class CtrNet(nn.Module):
         return self.mlp(torch.cat(embedded + [dense], dim=1)).squeeze(1)
 
 
+class Rows:
+    """The one process's hashed ids -> table rows (nn.EmbeddingBag needs
+    rows 0..N-1; pstrain's tables take the 64-bit ids as they are)."""
+
+    def __init__(self, *datasets):
+        self.ids = torch.from_numpy(np.unique(np.concatenate(
+            [d.ids for d in datasets])))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __call__(self, bags):
+        return [(torch.searchsorted(self.ids, ids), offsets)
+                for ids, offsets in bags]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--batch_size", type=int, default=128,
-                        help="per worker")
+    parser.add_argument("--global_batch_size", type=int, default=256,
+                        help="the job's, shared by the workers")
     parser.add_argument("--fields", type=int, default=4)
     parser.add_argument("--dense", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2000)
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--sparse_lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--test_examples", type=int, default=20000)
+    parser.add_argument("--local", action="store_true",
+                        help="one plain PyTorch process")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(1)
-    model = CtrNet(args.fields, args.dense, args.dim, args.sparse_lr)
-    ps = pstrain.torch.ParameterServer(model)
 
-    # Worker k takes the k-th slice of each global batch of the stream.
-    global_batch = args.batch_size * ps.num_workers
-    train = pstrain.data.CtrData(args.steps * global_batch,
+    train = pstrain.data.CtrData(args.steps * args.global_batch_size,
                                  num_dense=args.dense, num_fields=args.fields,
                                  vocab_per_field=args.vocab)
-    start = time.time()
-    for step in range(ps.step_count, args.steps):
-        first = step * global_batch + ps.worker_id * args.batch_size
-        dense, labels, bags = train.batch(
-            np.arange(first, first + args.batch_size))
-        loss = nn.functional.binary_cross_entropy_with_logits(
-            model(dense, bags), labels)
-        loss.backward()
-        ps.step()
-    wall = time.time() - start
-    how = ps.finish()
-
     test = pstrain.data.CtrData(args.test_examples,
-                                first_index=args.steps * global_batch,
+                                first_index=args.steps * args.global_batch_size,
                                 num_dense=args.dense, num_fields=args.fields,
                                 vocab_per_field=args.vocab)
+    if args.local:
+        rows = Rows(train, test)
+        tables = [nn.EmbeddingBag(len(rows), args.dim, mode="mean",
+                                  sparse=True) for _ in range(args.fields)]
+        for table in tables:
+            nn.init.normal_(table.weight, std=0.01)
+        sparse_optimizer = torch.optim.Adagrad(
+            [t.weight for t in tables], lr=args.sparse_lr)
+    else:
+        rows = lambda bags: bags  # noqa: E731 (pstrain: ids as they are)
+        tables = [pstrain.torch.EmbeddingBag(  # pstrain: rows on the servers
+            None, args.dim, mode="mean", optimizer="adagrad", lr=args.sparse_lr,
+            init_std=0.01) for _ in range(args.fields)]
+    model = CtrNet(tables, args.dense, args.dim)
+    optimizer = torch.optim.Adam(model.mlp.parameters(), lr=args.lr)
+    if args.local:
+        worker_id, num_workers, mode, start_step = 0, 1, "local", 0
+    else:
+        # pstrain: join the job; the servers run this optimizer
+        ps = pstrain.torch.ParameterServer(model, optimizer=optimizer)
+        worker_id, num_workers = ps.worker_id, ps.num_workers
+        mode, start_step = ps.mode, ps.step_count
+
+    # Worker k takes the k-th slice of each global batch of the stream.
+    batch_size = args.global_batch_size // num_workers
+    start = time.time()
+    for step in range(start_step, args.steps):
+        first = step * args.global_batch_size + worker_id * batch_size
+        dense, labels, bags = train.batch(np.arange(first, first + batch_size))
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            model(dense, rows(bags)), labels)
+        loss.backward()
+        if args.local:
+            optimizer.step()
+            sparse_optimizer.step()
+            optimizer.zero_grad()
+            sparse_optimizer.zero_grad()
+        else:
+            ps.step()  # pstrain: push the gradients, pull the new model
+    wall = time.time() - start
+    final_model = "local" if args.local else ps.finish()  # pstrain: done
+
     model.eval()
     with torch.no_grad():
         scores = torch.cat([
-            model(*(lambda d, _, b: (d, b))(*test.batch(
-                np.arange(i, min(i + 1000, test.size)))))
-            for i in range(0, test.size, 1000)]).numpy()
+            model(dense, rows(bags)) for dense, _, bags in (
+                test.batch(np.arange(i, min(i + 1000, test.size)))
+                for i in range(0, test.size, 1000))]).numpy()
     pstrain.print_final(
-        model="ctr", mode=ps.mode, worker_id=ps.worker_id,
-        num_workers=ps.num_workers, steps=args.steps,
-        steps_run=args.steps - ps.start_step, final_model=how,
+        model="ctr", mode=mode, worker_id=worker_id, num_workers=num_workers,
+        steps=args.steps, steps_run=args.steps - start_step,
+        final_model=final_model,
         auc=round(pstrain.data.auc(test.labels, scores), 4),
         true_auc=round(pstrain.data.auc(test.labels,
                                         test.true_probabilities), 4),
         final_loss=round(loss.item(), 6), test_examples=test.size,
-        samples_per_sec=round((args.steps - ps.start_step) * args.batch_size
+        samples_per_sec=round((args.steps - start_step) * batch_size
                               / max(wall, 1e-9), 1))
 
 

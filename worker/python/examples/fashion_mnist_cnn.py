@@ -4,15 +4,15 @@ pstrain's parameter servers.
 As a pstrain worker (2 servers, 2 workers, on this machine):
 
     deploy/local/launch.sh --servers=2 --workers=2 --mode=sync \
-        --python=worker/python/examples/fashion_mnist_cnn.py -- \
-        --server.optimizer=adam --server.learning_rate=0.001 --epochs=2
+        --python=worker/python/examples/fashion_mnist_cnn.py -- --epochs=2
 
 As one plain PyTorch process, with the same model, data order and optimizer
-(Adam, lr 0.001), the baseline the job is compared with:
+(torch.optim.Adam, lr 0.001, which the servers run in the job), the
+baseline the job is compared with:
 
     /usr/bin/python3 worker/python/examples/fashion_mnist_cnn.py --local --epochs=2
 
-The three lines that differ are marked "pstrain:" below. Prints a final JSON
+The lines that differ are marked "pstrain:" below. Prints a final JSON
 line ({"event": "final", ...}) with the held-out accuracy of the job's final
 model.
 """
@@ -59,8 +59,8 @@ def main():
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per process")
     parser.add_argument("--local", action="store_true",
-                        help="one plain PyTorch process, Adam lr --lr")
-    parser.add_argument("--lr", type=float, default=0.001)
+                        help="one plain PyTorch process")
+    parser.add_argument("--lr", type=float, default=0.001, help="Adam's")
     parser.add_argument("--test_examples", type=int, default=10000,
                         help="held-out images evaluated (the first ones)")
     args = parser.parse_args()
@@ -68,12 +68,13 @@ def main():
     torch.manual_seed(args.seed)
     model = Net()
 
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     if args.local:
         worker_id, num_workers = 0, 1
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
         mode, start_step = "local", 0
     else:
-        ps = pstrain.torch.ParameterServer(model)  # pstrain: join the job
+        # pstrain: join the job; the servers run this optimizer
+        ps = pstrain.torch.ParameterServer(model, optimizer=optimizer)
         worker_id, num_workers = ps.worker_id, ps.num_workers
         mode, start_step = ps.mode, ps.step_count
 

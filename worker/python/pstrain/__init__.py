@@ -150,6 +150,22 @@ class Client:
     def push_sparse(self, table, step, ids, gradients):
         return self._core.push_sparse(table, step, ids, gradients)
 
+    def set_group_rates(self, rates, momentums=None):
+        """The current learning rate of each param group (a scheduler's), and
+        the momentum where a scheduler cycles it: every later push carries
+        them, and its update uses them."""
+        self._core.set_group_rates(rates, momentums)
+
+    def set_gradient_clip(self, max_norm):
+        """sync: clip each later step's mean gradient (the job's, over every
+        shard) to this 2-norm, as torch's clip_grad_norm_; 0: none."""
+        self._core.set_gradient_clip(max_norm)
+
+    def last_clip_norm(self):
+        """The job's gradient norm of the last clipped step (before it was
+        clipped)."""
+        return self._core.last_clip_norm()
+
     def leave(self):
         self._core.leave()
 

@@ -97,6 +97,10 @@ _declare("pstrain_client_pull_sparse", _p, ctypes.c_int, _i64, _p, _i64, _p,
 _declare("pstrain_client_push_sparse", _p, ctypes.c_int, _i64, _p, _i64, _p, _p,
          _err)
 _declare("pstrain_client_leave", _p, _err)
+_declare("pstrain_client_set_gradient_clip", _p, ctypes.c_double, restype=None)
+_declare("pstrain_client_last_clip_norm", _p, restype=ctypes.c_double)
+_declare("pstrain_client_set_group_rates", _p, _p, _p, ctypes.c_int,
+         restype=None)
 _declare("pstrain_client_stats", _p, ctypes.POINTER(ctypes.c_void_p), _err)
 _declare("pstrain_client_steps_short", _p, ctypes.POINTER(_i64), _err)
 _declare("pstrain_client_await_final_model", _p, _i64, ctypes.c_double,
@@ -359,6 +363,30 @@ class Client:
         self._call(_lib.pstrain_client_push_sparse, table, step, ids_pointer,
                    len(ids), rows[0], result)
         return result[0], result[1]
+
+    def set_group_rates(self, rates, momentums=None):
+        """Every later push carries these rates (and momentums), one per
+        param group."""
+        rates = list(rates)
+        array = (ctypes.c_double * len(rates))(*rates)
+        momentum_array = None
+        if momentums is not None:
+            momentums = list(momentums)
+            if len(momentums) != len(rates):
+                raise ValueError(f"{len(rates)} rates and {len(momentums)} "
+                                 "momentums: one of each per group")
+            momentum_array = (ctypes.c_double * len(momentums))(*momentums)
+        _lib.pstrain_client_set_group_rates(self._handle, array,
+                                            momentum_array, len(rates))
+
+    def set_gradient_clip(self, max_norm):
+        """sync: clip each later step's mean gradient to this 2-norm (0:
+        none)."""
+        _lib.pstrain_client_set_gradient_clip(self._handle, float(max_norm))
+
+    def last_clip_norm(self):
+        """The job's gradient norm of the last clipped step."""
+        return _lib.pstrain_client_last_clip_norm(self._handle)
 
     def leave(self):
         self._call(_lib.pstrain_client_leave)

@@ -2,15 +2,27 @@
 
 A single-process script becomes a pstrain worker with three lines::
 
-    ps = pstrain.torch.ParameterServer(model)    # after building the model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # as before
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, ...)
+    ps = pstrain.torch.ParameterServer(model, optimizer=optimizer,
+                                       scheduler=scheduler)
     ...
         loss.backward()
         ps.step()              # instead of optimizer.step() and zero_grad()
+        scheduler.step()       # as before
     ...
     ps.finish()                # the job's final model is now in `model`
 
-The optimizer runs on the servers (``ps_server --optimizer``), and so does the
-consistency mode: in sync mode W workers with batch b train exactly like one
+The user's optimizer runs on the servers, with torch.optim's formulas and
+defaults, per param group: SGD (momentum, dampening, nesterov,
+weight_decay), Adam, AdamW, Adagrad (lr_decay, initial_accumulator_value)
+and RMSprop (alpha, momentum, centered). A scheduler edits the groups' lr as
+usual; every ps.step() carries the current rates to the servers, so the
+schedule takes effect from the next step, in every mode. Other optimizers
+(LAMB, a class of one's own) and options the servers cannot honour
+(amsgrad, maximize, ...) are refused, naming them. Without ``optimizer``,
+the servers' own (``ps_server --optimizer``) runs. The consistency mode is
+the servers': in sync mode W workers with batch b train exactly like one
 process with batch W*b; async and ssp as the servers say.
 
 What the servers hold, by the names ``model.named_parameters()`` and
@@ -146,6 +158,109 @@ class _Tensor:
             self.tensor.data.copy_(self.host)
 
 
+# torch.optim's classes the servers run, by their rule's name; and the
+# options each takes, with the value the servers need for the ones they do
+# not run (anything else is refused, naming it).
+_RULES = [("adamw", "AdamW"), ("adam", "Adam"), ("sgd", "SGD"),
+          ("adagrad", "Adagrad"), ("rmsprop", "RMSprop")]
+_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False,
+                "differentiable": False}
+# Implementation choices with the same formulas: ignored.
+_IGNORED = {"foreach", "fused", "params", "initial_lr", "max_lr", "min_lr",
+            "base_lr", "base_momentum", "max_momentum"}
+
+
+def _rule_name(optimizer):
+    for name, class_name in _RULES:
+        cls = getattr(torch.optim, class_name, None)
+        if cls is not None and type(optimizer) is cls:
+            return name
+    supported = ", ".join(f"torch.optim.{c}" for _, c in _RULES)
+    module = type(optimizer).__module__
+    if module.startswith("torch.optim"):
+        module = "torch.optim"
+    raise ValueError(
+        f"{module}.{type(optimizer).__name__} is not an optimizer the servers "
+        f"run ({supported}); use one of those")
+
+
+def _number(group, key):
+    value = group[key]
+    return float(value.item() if torch.is_tensor(value) else value)
+
+
+def _momentum(group):
+    """The group's momentum as the servers' rule reads it: Adam's betas[0],
+    SGD's and RMSprop's momentum (0 for Adagrad, which has none)."""
+    if "betas" in group:
+        return float(group["betas"][0])
+    return _number(group, "momentum") if "momentum" in group else 0.0
+
+
+def _torch_rule(name, group, index):
+    """The TorchOptimizer (proto/ps.proto) of param group `index`."""
+    for option, needed in _UNSUPPORTED.items():
+        if option in group and bool(group[option]) != needed:
+            raise ValueError(
+                f"param group {index}: {option}={group[option]!r}: the servers "
+                f"do not run it (torch.optim's {option}={needed!r} only)")
+    if group.get("decoupled_weight_decay"):
+        name = "adamw"
+    rule = {"name": name, "lr": _number(group, "lr"),
+            "weight_decay": _number(group, "weight_decay"), "group": index}
+    if name == "sgd":
+        rule.update(momentum=_number(group, "momentum"),
+                    dampening=_number(group, "dampening"),
+                    nesterov=bool(group["nesterov"]))
+    elif name in ("adam", "adamw"):
+        rule.update(beta1=float(group["betas"][0]),
+                    beta2=float(group["betas"][1]), eps=_number(group, "eps"))
+    elif name == "adagrad":
+        rule.update(lr_decay=_number(group, "lr_decay"),
+                    initial_accumulator_value=_number(
+                        group, "initial_accumulator_value"),
+                    eps=_number(group, "eps"))
+    else:  # rmsprop
+        rule.update(alpha=_number(group, "alpha"), eps=_number(group, "eps"),
+                    momentum=_number(group, "momentum"),
+                    centered=bool(group["centered"]))
+    known = set(rule) | set(_UNSUPPORTED) | _IGNORED | {
+        "betas", "decoupled_weight_decay"}
+    for option in group:
+        if option not in known:
+            raise ValueError(f"param group {index}: option '{option}' of "
+                             f"torch.optim's {name} is not one the servers "
+                             "know; it would be ignored")
+    return rule
+
+
+def _group_rules(optimizer, tensors):
+    """{id(parameter): TorchOptimizer} for `optimizer`'s groups, checked to
+    cover every trained tensor of the model once, and nothing else."""
+    name = _rule_name(optimizer)
+    by_id = {id(t.tensor): t for t in tensors}
+    rules = {}
+    for index, group in enumerate(optimizer.param_groups):
+        rule = _torch_rule(name, group, index)
+        for p in group["params"]:
+            t = by_id.get(id(p))
+            if t is None:
+                raise ValueError(
+                    f"param group {index} holds a tensor of shape "
+                    f"{list(p.shape)} that is not a parameter of the model")
+            if id(p) in rules:
+                raise ValueError(f"'{t.name}' is in more than one param group")
+            rules[id(p)] = rule
+    missing = [t.name for t in tensors
+               if not t.state and id(t.tensor) not in rules]
+    if missing:
+        raise ValueError(
+            f"the optimizer's param groups leave out {', '.join(missing)}: "
+            "every trained parameter needs its group (the servers would "
+            "not know its rule)")
+    return rules
+
+
 class ParameterServer:
     """Binds ``model`` to the parameter servers as this process's worker.
 
@@ -161,9 +276,10 @@ class ParameterServer:
     ``pstrain.Client``'s (timeouts, TLS, token...).
     """
 
-    def __init__(self, model, *, spec=None, hosts=None, worker_id=None,
-                 num_workers=None, block_elements=DEFAULT_BLOCK_ELEMENTS,
-                 on_waiting=None, **client_options):
+    def __init__(self, model, *, optimizer=None, scheduler=None, spec=None,
+                 hosts=None, worker_id=None, num_workers=None,
+                 block_elements=DEFAULT_BLOCK_ELEMENTS, on_waiting=None,
+                 **client_options):
         if spec is None and hosts is None:
             spec = pstrain.cluster_spec()
         if spec is not None:
@@ -200,8 +316,24 @@ class ParameterServer:
         self._stream = None
         if any(t.cuda for t in self._tensors):
             self._stream = torch.cuda.Stream()
+        if scheduler is not None and optimizer is None:
+            raise ValueError("a scheduler needs its optimizer (optimizer=)")
+        if scheduler is not None and getattr(scheduler, "optimizer",
+                                             optimizer) is not optimizer:
+            raise ValueError("the scheduler steps another optimizer than "
+                             "the one given")
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        rules = {} if optimizer is None else _group_rules(optimizer,
+                                                          self._tensors)
+        specs = []
+        for t in self._tensors:
+            spec = t.spec()
+            if id(t.tensor) in rules:
+                spec["optimizer"] = rules[id(t.tensor)]
+            specs.append(spec)
         self.schema = {
-            "dense": [t.spec() for t in self._tensors],
+            "dense": specs,
             "sparse": [m._spec() for m in self._tables],
             "seed": "0",
             "block_elements": str(block_elements),
@@ -217,6 +349,8 @@ class ParameterServer:
         self._step = self.start_step
         self._observer = None
         self._finished = False
+        self._clip_max_norm = 0.0
+        self._fast_forward_scheduler()
         self._pull(self._step)
 
     @property
@@ -239,6 +373,16 @@ class ParameterServer:
             torch.cuda.current_stream().synchronize()  # gradient copies
         grads = [t.push_source() for t in self._tensors]
         values = [t.values_view for t in self._tensors]
+        if self.optimizer is not None:
+            # What the scheduler left in the groups: this step's rates (and
+            # momentums: OneCycleLR cycles them).
+            groups = self.optimizer.param_groups
+            self.client.set_group_rates(
+                [_number(g, "lr") for g in groups],
+                [_momentum(g) for g in groups])
+        # A clip asked for this step (clip_grad_norm_), and none after it.
+        self.client.set_gradient_clip(self._clip_max_norm)
+        self._clip_max_norm = 0.0
         self.client.push_pull(step, grads, step + 1, values)
         for t in self._tensors:
             t.after_pull(self._stream)
@@ -247,6 +391,38 @@ class ParameterServer:
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
         self._step = step + 1
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """In place of ``torch.nn.utils.clip_grad_norm_(model.parameters(),
+        max_norm)``, before ``step()``. Sync: clips the job's gradient, the
+        mean of every worker's, by its 2-norm over every dense parameter,
+        as one process with the whole batch would (the servers apply the
+        step once a worker has gathered the norm: one more round trip);
+        ``last_grad_norm`` then holds that norm. Async and ssp: each update
+        is one worker's gradient, so this clips this worker's own, exactly
+        torch's call. Returns this worker's gradient norm before clipping
+        (what torch's call returns for one process)."""
+        params = [t.tensor for t in self._tensors
+                  if not t.state and t.tensor.grad is not None]
+        if self.mode != "sync":
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"norm_type={norm_type}: a sync job clips the 2-norm of its "
+                "gradient only")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        self._clip_max_norm = float(max_norm)
+        if not params:
+            return torch.tensor(0.0)
+        return torch.norm(torch.stack([torch.norm(p.grad.detach(), 2.0)
+                                       for p in params]), 2.0)
+
+    @property
+    def last_grad_norm(self):
+        """Sync: the job's gradient norm of the last step clipped with
+        clip_grad_norm_ (before clipping)."""
+        return self.client.last_clip_norm()
 
     def finish(self, timeout_s=120.0):
         """Leaves the job and puts its final model into ``model``: sync, the
@@ -257,6 +433,12 @@ class ParameterServer:
         if self._finished:
             return self._how
         self._finished = True
+        if self.scheduler is not None:
+            def refuse(*args, **kwargs):
+                raise RuntimeError(
+                    "scheduler.step() after ParameterServer.finish(): the job "
+                    "is over, and its rates go nowhere")
+            self.scheduler.step = refuse
         if self.mode == "sync":
             self.client.leave()
             self._how = "sync_step"
@@ -269,6 +451,26 @@ class ParameterServer:
             self.num_workers * self._step, timeout_s)
         self._pull(self._step, self._observer)
         return self._how
+
+    def _fast_forward_scheduler(self):
+        """A worker that starts at step s > 0 (a job resumed from its
+        checkpoint, a worker restarted or joining late) takes the schedule
+        where the job is: the scheduler steps s times here, as it would have
+        in this worker's earlier steps, so the rates it sets are the job's
+        (exact for every schedule that depends on the step count alone)."""
+        if self.scheduler is None or self._step == 0:
+            return
+        if isinstance(self.scheduler,
+                      torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError(
+                "ReduceLROnPlateau steps on a metric, which a worker starting "
+                f"at step {self._step} cannot replay: its rates would restart")
+        import warnings
+        with warnings.catch_warnings():
+            # "lr_scheduler.step() before optimizer.step()": nothing to do.
+            warnings.simplefilter("ignore")
+            for _ in range(self._step):
+                self.scheduler.step()
 
     def stats(self):
         return self.client.stats()
@@ -301,6 +503,8 @@ class _ServerTable(torch.nn.Module):
                              f"got '{optimizer}'")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
+        if eps is None:  # torch.optim's defaults
+            eps = 1e-10 if optimizer == "adagrad" else 1e-8
         self._optimizer = {
             "name": optimizer, "learning_rate": lr,
             "initial_accumulator": initial_accumulator,
@@ -373,7 +577,10 @@ class Embedding(_ServerTable):
 
     Forward pulls only the batch's unique ids (sync: the rows after the
     current step); ``ParameterServer.step()`` pushes their gradients, and the
-    table's optimizer (sgd, adagrad, adam, ftrl; ``lr``) runs on the servers.
+    table's optimizer (sgd, adagrad, adam, ftrl; ``lr``) runs on the servers,
+    with torch.optim's defaults: Adagrad's accumulator starts at
+    ``initial_accumulator=0`` with ``eps=1e-10`` (Adam's eps: 1e-8), as
+    ``torch.optim.Adagrad`` on an ``nn.Embedding(sparse=True)`` does.
     Rows are created on first use, drawn from N(0, init_std^2) as
     ``nn.Embedding`` does, so the table is bounded by the servers' memory,
     not the worker's. ``num_embeddings=None``: any int64 id, taken as its
@@ -381,8 +588,8 @@ class Embedding(_ServerTable):
     """
 
     def __init__(self, num_embeddings, embedding_dim, *, optimizer="adagrad",
-                 lr=0.01, init_std=1.0, initial_accumulator=0.1,
-                 betas=(0.9, 0.999), eps=1e-8):
+                 lr=0.01, init_std=1.0, initial_accumulator=0.0,
+                 betas=(0.9, 0.999), eps=None):
         super().__init__(num_embeddings, embedding_dim, optimizer, lr,
                          init_std, initial_accumulator, betas, eps)
 
@@ -398,7 +605,7 @@ class EmbeddingBag(_ServerTable):
 
     def __init__(self, num_embeddings, embedding_dim, *, mode="mean",
                  optimizer="adagrad", lr=0.01, init_std=1.0,
-                 initial_accumulator=0.1, betas=(0.9, 0.999), eps=1e-8):
+                 initial_accumulator=0.0, betas=(0.9, 0.999), eps=None):
         super().__init__(num_embeddings, embedding_dim, optimizer, lr,
                          init_std, initial_accumulator, betas, eps)
         if mode not in ("sum", "mean"):
