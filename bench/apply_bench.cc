@@ -12,6 +12,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "ps_server/optimizer.h"
@@ -51,11 +52,30 @@ int Main() {
               "GB/s moved", "vs memcpy GB/s");
   std::printf("%-10s %10.3f %14s %12.2f %18s\n", "memcpy", memcpy_s * 1e3, "-",
               memcpy_gbps, "1.00");
-  for (const char* name : {"sgd", "momentum", "adam"}) {
-    OptimizerConfig config;
-    config.name = name;
-    config.learning_rate = 1e-6f;
-    auto optimizer = std::move(*Optimizer::Create(config));
+  // The servers' own (--optimizer) and torch.optim's rules (what a
+  // pstrain.torch worker hands them), as each is configured by default.
+  for (const char* name :
+       {"sgd", "momentum", "adam", "torch_sgd", "torch_momentum", "torch_adam",
+        "torch_adamw", "torch_adagrad", "torch_rmsprop"}) {
+    std::unique_ptr<Optimizer> optimizer;
+    if (absl::StartsWith(name, "torch_")) {
+      TorchOptimizer rule;
+      const std::string rule_name = std::string(name).substr(6);
+      rule.set_name(rule_name == "momentum" ? "sgd" : rule_name);
+      rule.set_lr(1e-6);
+      rule.set_momentum(rule_name == "momentum" ? 0.9 : 0);
+      rule.set_beta1(0.9);
+      rule.set_beta2(0.999);
+      rule.set_eps(rule_name == "adagrad" ? 1e-10 : 1e-8);
+      rule.set_alpha(0.99);
+      rule.set_weight_decay(rule_name == "adamw" ? 0.01 : 0);
+      optimizer = std::move(*Optimizer::CreateTorch(rule));
+    } else {
+      OptimizerConfig config;
+      config.name = name;
+      config.learning_rate = 1e-6f;
+      optimizer = std::move(*Optimizer::Create(config));
+    }
     const int slots = optimizer->state_per_element();
     std::vector<float> state(static_cast<size_t>(slots) * n, 0.0f);
     int64_t t = 0;

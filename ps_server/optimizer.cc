@@ -109,6 +109,89 @@ class Adam : public Optimizer {
 // float32 as torch computes float32 parameters, with its Python-float
 // scalars (bias corrections, the Adagrad rate) in double, as Python has them.
 
+// Their loops: over __restrict arrays, with every option a loop-invariant
+// condition GCC unswitches, built for AVX2 and the x86-64 baseline as
+// AdamLoop is (no FMA: the same bits either way), so that handing the
+// servers a torch optimizer costs what their own would
+// (bench/apply_bench.cc measures both).
+
+__attribute__((target_clones("avx2", "default"))) void TorchSgdLoop(
+    size_t n, float* __restrict w, const float* __restrict g,
+    float* __restrict b, float grad_scale, float lr, float wd, float mu,
+    float dampening, bool first, bool nesterov) {
+  if (b == nullptr) {  // no momentum buffer
+    for (size_t i = 0; i < n; ++i) {
+      const float d = grad_scale * g[i] + wd * w[i];
+      w[i] = w[i] - lr * d;
+    }
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    float d = grad_scale * g[i] + wd * w[i];
+    const float bi = first ? d : mu * b[i] + (1 - dampening) * d;
+    b[i] = bi;
+    d = nesterov ? d + mu * bi : bi;
+    w[i] = w[i] - lr * d;
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void TorchAdamLoop(
+    size_t n, float* __restrict w, const float* __restrict g,
+    float* __restrict m, float* __restrict v, float grad_scale, float beta1,
+    float beta2, float eps, float step_size, float inv_correction2_sqrt,
+    float coupled_wd, float decay) {
+  for (size_t i = 0; i < n; ++i) {
+    const float wi = w[i] * decay;  // AdamW's decoupled decay (1 for Adam)
+    const float gi = grad_scale * g[i] + coupled_wd * wi;
+    const float mi = beta1 * m[i] + (1 - beta1) * gi;
+    const float vi = beta2 * v[i] + (1 - beta2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    // torch divides by sqrt(1 - b2^t); a multiply by its inverse saves a
+    // division per element (a difference in the last bit).
+    const float denom = std::sqrt(vi) * inv_correction2_sqrt + eps;
+    w[i] = wi - step_size * (mi / denom);
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void TorchAdagradLoop(
+    size_t n, float* __restrict w, const float* __restrict g,
+    float* __restrict s, float grad_scale, float wd, float clr, float eps) {
+  for (size_t i = 0; i < n; ++i) {
+    const float gi = grad_scale * g[i] + wd * w[i];
+    const float si = s[i] + gi * gi;
+    s[i] = si;
+    w[i] = w[i] - clr * (gi / (std::sqrt(si) + eps));
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void TorchRmspropLoop(
+    size_t n, float* __restrict w, const float* __restrict g,
+    float* __restrict a, float* __restrict c, float* __restrict b,
+    float grad_scale, float wd, float alpha, float eps, float mu, float lr) {
+  for (size_t i = 0; i < n; ++i) {
+    const float gi = grad_scale * g[i] + wd * w[i];
+    const float ai = alpha * a[i] + (1 - alpha) * gi * gi;
+    a[i] = ai;
+    float avg;
+    if (c != nullptr) {  // centered
+      const float ci = alpha * c[i] + (1 - alpha) * gi;
+      c[i] = ci;
+      avg = std::sqrt(ai - ci * ci);
+    } else {
+      avg = std::sqrt(ai);
+    }
+    avg = avg + eps;
+    if (b != nullptr) {  // momentum
+      const float bi = mu * b[i] + gi / avg;
+      b[i] = bi;
+      w[i] = w[i] - lr * bi;
+    } else {
+      w[i] = w[i] - lr * (gi / avg);
+    }
+  }
+}
+
 // SGD: d = g + wd * w; with momentum, b = d on the first update, else
 // b = mu * b + (1 - dampening) * d, and d = nesterov ? d + mu * b : b;
 // w -= lr * d.
@@ -126,21 +209,10 @@ class TorchSgd : public Optimizer {
                    absl::Span<float> param, int64_t offset,
                    absl::Span<const float> grad, absl::Span<float> state,
                    float grad_scale) const override {
-    const float lr = hyper.lr;
-    const float mu = hyper.momentum.value_or(mu_);
-    float* __restrict w = param.data() + offset;
-    const float* __restrict g = grad.data();
-    const bool first = update_count == 1;
-    for (size_t i = 0; i < grad.size(); ++i) {
-      float d = grad_scale * g[i];
-      if (wd_ != 0) d = d + wd_ * w[i];
-      if (mu_ != 0) {  // the rule has a momentum buffer
-        float& b = state[offset + i];
-        b = first ? d : mu * b + (1 - dampening_) * d;
-        d = nesterov_ ? d + mu * b : b;
-      }
-      w[i] = w[i] - lr * d;
-    }
+    TorchSgdLoop(grad.size(), param.data() + offset, grad.data(),
+                 mu_ != 0 ? state.data() + offset : nullptr, grad_scale,
+                 hyper.lr, wd_, hyper.momentum.value_or(mu_), dampening_,
+                 update_count == 1, nesterov_);
   }
 
  private:
@@ -171,25 +243,14 @@ class TorchAdam : public Optimizer {
     const double t = static_cast<double>(update_count);
     const float step_size =
         static_cast<float>(lr / (1 - std::pow(double{beta1}, t)));
-    const float correction2_sqrt =
-        static_cast<float>(std::sqrt(1 - std::pow(double{beta2_}, t)));
-    const float decay = 1 - lr * wd_;
-    float* __restrict w = param.data() + offset;
-    const float* __restrict g = grad.data();
-    float* __restrict m = state.data() + offset;
-    float* __restrict v = state.data() + param.size() + offset;
-    for (size_t i = 0; i < grad.size(); ++i) {
-      float gi = grad_scale * g[i];
-      if (decoupled_) {
-        w[i] = w[i] * decay;
-      } else if (wd_ != 0) {
-        gi = gi + wd_ * w[i];
-      }
-      m[i] = beta1 * m[i] + (1 - beta1) * gi;
-      v[i] = beta2_ * v[i] + (1 - beta2_) * gi * gi;
-      const float denom = std::sqrt(v[i]) / correction2_sqrt + eps_;
-      w[i] = w[i] - step_size * (m[i] / denom);
-    }
+    const float inv_correction2_sqrt =
+        static_cast<float>(1 / std::sqrt(1 - std::pow(double{beta2_}, t)));
+    TorchAdamLoop(grad.size(), param.data() + offset, grad.data(),
+                  state.data() + offset, state.data() + param.size() + offset,
+                  grad_scale, beta1, beta2_, eps_, step_size,
+                  inv_correction2_sqrt,
+                  decoupled_ ? 0.0f : wd_,
+                  decoupled_ ? 1 - lr * wd_ : 1.0f);
   }
 
  private:
@@ -219,15 +280,8 @@ class TorchAdagrad : public Optimizer {
     const float clr = static_cast<float>(
         double{hyper.lr} /
         (1 + static_cast<double>(update_count - 1) * lr_decay_));
-    float* __restrict w = param.data() + offset;
-    const float* __restrict g = grad.data();
-    float* __restrict s = state.data() + offset;
-    for (size_t i = 0; i < grad.size(); ++i) {
-      float gi = grad_scale * g[i];
-      if (wd_ != 0) gi = gi + wd_ * w[i];
-      s[i] = s[i] + gi * gi;
-      w[i] = w[i] - clr * (gi / (std::sqrt(s[i]) + eps_));
-    }
+    TorchAdagradLoop(grad.size(), param.data() + offset, grad.data(),
+                     state.data() + offset, grad_scale, wd_, clr, eps_);
   }
 
  private:
@@ -256,34 +310,14 @@ class TorchRmsprop : public Optimizer {
   void UpdateRange(int64_t, const StepHyper& hyper, absl::Span<float> param,
                    int64_t offset, absl::Span<const float> grad,
                    absl::Span<float> state, float grad_scale) const override {
-    const float lr = hyper.lr;
-    const float mu = hyper.momentum.value_or(mu_);
     const size_t n = param.size();
-    float* __restrict w = param.data() + offset;
-    const float* __restrict g = grad.data();
-    float* __restrict a = state.data() + offset;
-    float* __restrict c = centered_ ? state.data() + n + offset : nullptr;
-    float* __restrict b =
+    float* a = state.data() + offset;
+    float* c = centered_ ? state.data() + n + offset : nullptr;
+    float* b =
         mu_ != 0 ? state.data() + (centered_ ? 2 : 1) * n + offset : nullptr;
-    for (size_t i = 0; i < grad.size(); ++i) {
-      float gi = grad_scale * g[i];
-      if (wd_ != 0) gi = gi + wd_ * w[i];
-      a[i] = alpha_ * a[i] + (1 - alpha_) * gi * gi;
-      float avg;
-      if (centered_) {
-        c[i] = alpha_ * c[i] + (1 - alpha_) * gi;
-        avg = std::sqrt(a[i] - c[i] * c[i]);
-      } else {
-        avg = std::sqrt(a[i]);
-      }
-      avg = avg + eps_;
-      if (mu_ != 0) {  // the rule has a momentum buffer
-        b[i] = mu * b[i] + gi / avg;
-        w[i] = w[i] - lr * b[i];
-      } else {
-        w[i] = w[i] - lr * (gi / avg);
-      }
-    }
+    TorchRmspropLoop(grad.size(), param.data() + offset, grad.data(), a, c, b,
+                     grad_scale, wd_, alpha_, eps_,
+                     hyper.momentum.value_or(mu_), hyper.lr);
   }
 
  private:

@@ -57,6 +57,20 @@ for python in "${pythons[@]}"; do
 done
 echo "the wheel installed and ran in $passed interpreter(s): ${pythons[*]}"
 
+# A library this host cannot load (here: a copy whose core is not a shared
+# library at all; on a host older than the glibc floor, the loader's own
+# words): an ImportError saying what was built for what, and the fix.
+broken=$tmp/broken
+mkdir -p "$broken"
+cp -r "$tmp/venv-0"/lib/python3*/site-packages/pstrain "$broken/"
+echo "not a shared library" >"$broken/pstrain/_lib/libpstrain.so"
+if (cd / && PYTHONPATH=$broken /usr/bin/python3 -c 'import pstrain' 2>"$tmp/import.err"); then
+  fail "a package whose core cannot load imported"
+fi
+grep -q "pstrain cannot load its C++ core" "$tmp/import.err" &&
+  grep -q "glibc" "$tmp/import.err" && grep -q "build_wheel.sh" "$tmp/import.err" ||
+  fail "the import error does not say what and how to fix it: $(cat "$tmp/import.err")"
+
 # A platform older than the wheel's glibc floor: pip says no, naming it.
 if /usr/bin/python3 -m pip install --quiet --no-index --no-deps --target="$tmp/old" \
     --platform=manylinux_2_17_x86_64 --only-binary=:all: "$wheel" 2>"$tmp/pip.err"; then

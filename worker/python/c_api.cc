@@ -2,19 +2,27 @@
 // logic is PsClient's or the data readers'.
 #include "worker/python/c_api.h"
 
+#include <errno.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "common/cluster_spec.h"
 #include "common/connection_check.h"
 #include "common/partition.h"
@@ -34,6 +42,17 @@ struct pstrain_client {
   bool tls = false;
   pstrain::ModelSchema schema;
 };
+
+namespace pstrain {
+namespace {
+
+// The clients pstrain_watch_signals interrupts.
+absl::Mutex live_clients_mu;
+std::set<pstrain_client*>* live_clients ABSL_GUARDED_BY(live_clients_mu) =
+    new std::set<pstrain_client*>;
+
+}  // namespace
+}  // namespace pstrain
 
 struct pstrain_examples {
   std::unique_ptr<pstrain::ExampleSource> source;
@@ -216,11 +235,43 @@ int pstrain_client_create(const char* options_json, pstrain_client** out,
     if (!made.ok()) return made.status();
     client->client = std::move(*made);
     *out = client.release();
+    absl::MutexLock lock(&pstrain::live_clients_mu);
+    pstrain::live_clients->insert(*out);
     return absl::OkStatus();
   });
 }
 
-void pstrain_client_destroy(pstrain_client* client) { delete client; }
+void pstrain_client_destroy(pstrain_client* client) {
+  {
+    absl::MutexLock lock(&pstrain::live_clients_mu);
+    pstrain::live_clients->erase(client);
+  }
+  delete client;
+}
+
+void pstrain_watch_signals(int fd) {
+  static std::once_flag started;
+  std::call_once(started, [fd] {
+    // Detached: it lives as long as the process, blocked in read().
+    std::thread([fd] {
+      unsigned char signals[64];
+      while (true) {
+        const ssize_t n = read(fd, signals, sizeof(signals));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return;  // the pipe closed
+        bool stop = false;
+        for (ssize_t i = 0; i < n; ++i) {
+          stop |= signals[i] == SIGINT || signals[i] == SIGTERM;
+        }
+        if (!stop) continue;
+        absl::MutexLock lock(&pstrain::live_clients_mu);
+        for (pstrain_client* client : *pstrain::live_clients) {
+          client->client->Interrupt();
+        }
+      }
+    }).detach();
+  });
+}
 
 void pstrain_client_interrupt(pstrain_client* client) {
   client->client->Interrupt();

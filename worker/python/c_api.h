@@ -113,6 +113,15 @@ int pstrain_client_await_final_model(pstrain_client* client,
  * or "null" when there is none. */
 int pstrain_load_cluster_spec(const char* path, char** spec_json, char** error);
 
+/* Interrupts every live client's call in progress (as
+ * pstrain_client_interrupt) whenever SIGINT's or SIGTERM's number can be
+ * read from `fd`: the read end of a pipe whose write end Python's
+ * signal.set_wakeup_fd was given. So a caller blocked in a call on its
+ * main thread (ctypes released the GIL) gets it back within about a second
+ * of Ctrl-C, and Python raises KeyboardInterrupt, with no thread hop per
+ * call. Starts one watcher thread, once; later calls are ignored. */
+void pstrain_watch_signals(int fd);
+
 /* ----- Data: the C++ worker's readers, in its order ----- */
 
 typedef struct pstrain_examples pstrain_examples;

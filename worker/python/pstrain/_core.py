@@ -3,10 +3,13 @@
 The library, ``_lib/libpstrain.so``, is the same for every CPython 3 and
 every torch: nothing here is compiled for an interpreter. This module only
 converts arguments, checks tensors before their memory is handed over, and
-makes blocking calls interruptible: ctypes releases the GIL for the call, and
-on the main thread the call runs on a helper thread while this one waits, so
-that Ctrl-C (KeyboardInterrupt) interrupts it (the call returns CANCELLED
-within about a second) instead of waiting for the servers.
+makes blocking calls interruptible. ctypes releases the GIL for each call,
+which runs on the caller's thread; Python's signal wakeup fd goes to the
+library, which interrupts the calls in progress on SIGINT and SIGTERM, so
+Ctrl-C ends a call waiting for the servers within about a second and Python
+raises KeyboardInterrupt. Where a program already uses the wakeup fd
+(asyncio), calls on the main thread run on a helper thread instead, which
+costs ~70 us a call.
 """
 
 import concurrent.futures
@@ -127,6 +130,34 @@ _declare("pstrain_epoch_plan_global_batch", _p, restype=_i64)
 _declare("pstrain_epoch_plan_worker_indices", _p, _i64, _p, restype=_i64)
 
 
+_declare("pstrain_watch_signals", ctypes.c_int, restype=None)
+
+
+def _watch_signals():
+    """Hands the library Python's signal wakeup fd (see the module's
+    docstring); False where it cannot have it."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    import signal
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        previous = signal.set_wakeup_fd(write)
+    except ValueError:
+        previous = None
+    if previous != -1:  # someone else's, or none to be had
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
+        return False
+    _lib.pstrain_watch_signals(read)
+    return True
+
+
+_SIGNALS_WATCHED = _watch_signals()
+
+
 def _check(code, error):
     """Raises pstrain.Error for a failed C call (code != 0); `error` is the
     c_void_p the call set to its message."""
@@ -245,23 +276,28 @@ class Client:
         self._sizes = []
         self._names = []
         self._tables = []  # (name, dim)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pstrain-call")
+        self._executor = None  # made on first use (see _call)
 
     def __del__(self):
         handle = getattr(self, "_handle", None)
         if handle:
-            self._executor.shutdown(wait=True)
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
             _lib.pstrain_client_destroy(handle)
             self._handle = None
 
     def _call(self, fn, *args):
-        """fn(handle, *args, error): on the main thread through the helper,
-        so that Ctrl-C interrupts the call; elsewhere directly."""
+        """fn(handle, *args, error), interruptible by Ctrl-C: directly where
+        the library watches the signals (or off the main thread, which
+        signals never reach), else through the helper thread."""
         error = ctypes.c_void_p()
-        if threading.current_thread() is not threading.main_thread():
+        if _SIGNALS_WATCHED or (threading.current_thread()
+                                is not threading.main_thread()):
             _check(fn(self._handle, *args, ctypes.byref(error)), error)
             return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="pstrain-call")
         future = self._executor.submit(fn, self._handle, *args,
                                        ctypes.byref(error))
         try:
