@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -135,6 +136,18 @@ absl::Status CheckAtLeast(const char* flag, double value, double minimum) {
   if (value >= minimum) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("--", flag, " must be >= ", minimum, ", got ", value));
+}
+
+absl::Status CheckPositive(const char* flag, double value) {
+  if (std::isfinite(value) && value > 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be a positive number, got ", value));
+}
+
+absl::Status CheckPort(const char* flag, int port, int minimum) {
+  if (port >= minimum && port <= 65535) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--", flag, " must be in [", minimum, ", 65535], got ", port));
 }
 
 absl::Status WriteFileAtomically(const std::string& path,

@@ -39,6 +39,13 @@ void ExitOnFlagErrors(const absl::Status& problems);
 // OK, or InvalidArgument "--<flag> must be >= <minimum>, got <value>".
 absl::Status CheckAtLeast(const char* flag, double value, double minimum);
 
+// OK, or InvalidArgument "--<flag> must be a positive number, got <value>"
+// (NaN and infinity are not).
+absl::Status CheckPositive(const char* flag, double value);
+
+// OK, or InvalidArgument "--<flag> must be in [<minimum>, 65535], got <p>".
+absl::Status CheckPort(const char* flag, int port, int minimum = 0);
+
 // Writes `contents` to `path` atomically (temporary file + rename), so a
 // reader polling for the file never sees it half written.
 absl::Status WriteFileAtomically(const std::string& path,

@@ -18,12 +18,6 @@ namespace {
 
 using Problems = std::vector<absl::Status>;
 
-absl::Status CheckPort(const char* flag, int port, int minimum) {
-  if (port >= minimum && port <= 65535) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--", flag, " must be in [", minimum, ", 65535], got ", port));
-}
-
 // Who this worker is, and whether it has servers to talk to.
 void CheckJob(const WorkerConfig& config, Problems& checks) {
   if (config.client.hosts.empty() && !config.eval.eval_only) {

@@ -1,0 +1,137 @@
+#include "ps_server/server_config.h"
+
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "common/cli.h"
+#include "common/learning_rates.h"
+#include "common/tls.h"
+#include "ps_server/optimizer.h"
+
+namespace pstrain {
+namespace {
+
+using Problems = std::vector<absl::Status>;
+
+absl::Status OneOf(const char* flag, const std::string& value,
+                   std::initializer_list<const char*> choices) {
+  std::string listed;
+  for (const char* choice : choices) {
+    if (value == choice) return absl::OkStatus();
+    absl::StrAppend(&listed, listed.empty() ? "" : " or ", choice);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be ", listed, ", got '", value, "'"));
+}
+
+// The job, this shard's place in it, and its consistency rules.
+void CheckJob(const ServerConfig& c, Problems& checks) {
+  // The shard's identity, counts and optimizer are Shard::Create's to
+  // check (ShardOptions); these are what it takes already parsed.
+  checks.push_back(ParseConsistencyMode(c.mode).status());
+  checks.push_back(
+      OneOf("nonfinite_gradients", c.nonfinite_gradients, {"reject", "skip"}));
+  checks.push_back(
+      OneOf("sync_sum_order", c.sync_sum_order, {"worker_id", "arrival"}));
+  checks.push_back(CheckPositive("max_pull_wait_s", c.max_pull_wait_s));
+  checks.push_back(CheckPositive("worker_lease_s", c.worker_lease_s));
+  checks.push_back(CheckPositive("startup_timeout_s", c.startup_timeout_s));
+  if (c.sparse_max_rows < 0 || c.sparse_admit_after < 0) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--sparse_max_rows and --sparse_admit_after must be >= 0"));
+  }
+  const double drop = c.inject_drop_push_response_probability;
+  if (!(drop >= 0 && drop <= 1)) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--inject_drop_push_response_probability must be in [0, 1], got ",
+        drop)));
+  }
+}
+
+void CheckNetwork(const ServerConfig& c, Problems& checks) {
+  const ServerNetworkConfig& n = c.network;
+  checks.push_back(CheckPort("port", n.port));
+  checks.push_back(CheckPort("data_port", n.data_port, -1));
+  checks.push_back(CheckPort("metrics_port", n.metrics_port, -1));
+  checks.push_back(CheckPort("health_port", n.health_port));
+  checks.push_back(
+      CheckPositive("data_plane_handshake_s", n.data_plane_handshake_s));
+  checks.push_back(CheckPositive("shutdown_grace_s", n.shutdown_grace_s));
+  if (n.max_message_mb < 1 || n.max_message_mb > 2047) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--max_message_mb must be in [1, 2047], got ", n.max_message_mb)));
+  }
+  checks.push_back(ValidateGrpcTuning(n.grpc_tuning));
+  checks.push_back(
+      MakeServerCredentials({c.tls.cert, c.tls.key, c.tls.client_ca}).status());
+  checks.push_back(ReadAuthToken(c.tls.auth_token_file).status());
+}
+
+void CheckCheckpoints(const ServerConfig& c, Problems& checks) {
+  if (c.checkpoint_every_steps < 0 || c.checkpoint_every_s < 0 ||
+      c.keep_checkpoints < 1) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--checkpoint_every_steps and --checkpoint_every_s must be >= 0 and "
+        "--keep_checkpoints >= 1"));
+  }
+  if (c.checkpoint_dir.empty() &&
+      (c.checkpoint_every_steps > 0 || c.checkpoint_every_s > 0)) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--checkpoint_every_steps/--checkpoint_every_s need --checkpoint_dir"));
+  }
+}
+
+}  // namespace
+
+std::vector<absl::Status> ServerConfigProblems(const ServerConfig& config) {
+  Problems checks;
+  CheckJob(config, checks);
+  CheckNetwork(config, checks);
+  CheckCheckpoints(config, checks);
+  Problems problems;
+  for (absl::Status& s : checks) {
+    if (!s.ok()) problems.push_back(std::move(s));
+  }
+  return problems;
+}
+
+ShardOptions ShardOptionsOf(const ServerConfig& c) {
+  ShardOptions o;
+  o.shard_id = c.shard_id;
+  o.num_shards = c.num_shards;
+  o.num_workers = c.num_workers;
+  o.max_workers = c.max_workers;
+  o.mode = ParseConsistencyMode(c.mode).value_or(ConsistencyMode::kSync);
+  o.ssp_staleness = c.staleness;
+  o.replicas_to_aggregate = c.replicas_to_aggregate;
+  o.min_workers = c.min_workers;
+  o.worker_lease = absl::Seconds(c.worker_lease_s);
+  o.startup_timeout = absl::Seconds(c.startup_timeout_s);
+  o.optimizer.name = c.optimizer;
+  o.optimizer.learning_rate = static_cast<float>(EffectiveLearningRate(
+      c.learning_rate, DefaultDenseLearningRate(c.optimizer)));
+  o.optimizer.momentum = static_cast<float>(c.momentum);
+  o.optimizer.beta1 = static_cast<float>(c.adam_beta1);
+  o.optimizer.beta2 = static_cast<float>(c.adam_beta2);
+  o.optimizer.epsilon = static_cast<float>(c.adam_epsilon);
+  o.optimizer.weight_decay = static_cast<float>(c.weight_decay);
+  o.skip_nonfinite_gradients = c.nonfinite_gradients == "skip";
+  o.sum_in_arrival_order = c.sync_sum_order == "arrival";
+  o.max_pull_wait = absl::Seconds(c.max_pull_wait_s);
+  o.sparse_max_rows = c.sparse_max_rows;
+  o.sparse_admit_after = c.sparse_admit_after;
+  o.max_shard_bytes =
+      static_cast<int64_t>(c.max_shard_memory_gb * (int64_t{1} << 30));
+  return o;
+}
+
+CheckpointerOptions CheckpointerOptionsOf(const ServerConfig& c) {
+  CheckpointerOptions o;
+  o.dir = c.checkpoint_dir;
+  o.keep_last = c.keep_checkpoints;
+  o.every_steps = c.checkpoint_every_steps;
+  o.every = absl::Seconds(c.checkpoint_every_s);
+  return o;
+}
+
+}  // namespace pstrain
