@@ -248,8 +248,7 @@ class TorchAdam : public Optimizer {
     TorchAdamLoop(grad.size(), param.data() + offset, grad.data(),
                   state.data() + offset, state.data() + param.size() + offset,
                   grad_scale, beta1, beta2_, eps_, step_size,
-                  inv_correction2_sqrt,
-                  decoupled_ ? 0.0f : wd_,
+                  inv_correction2_sqrt, decoupled_ ? 0.0f : wd_,
                   decoupled_ ? 1 - lr * wd_ : 1.0f);
   }
 

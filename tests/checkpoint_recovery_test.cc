@@ -24,8 +24,8 @@
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpoint.h"
 #include "tests/test_cluster.h"
+#include "worker/client/ps_client.h"
 #include "worker/model.h"
-#include "worker/ps_client.h"
 
 namespace pstrain {
 namespace {

@@ -9,9 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/test_cluster.h"
+#include "worker/client/ps_client.h"
 #include "worker/ctr_data.h"
 #include "worker/ctr_trainer.h"
-#include "worker/ps_client.h"
 
 namespace pstrain {
 namespace {

@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/test_cluster.h"
+#include "worker/client/ps_client.h"
 #include "worker/lr_schedule.h"
-#include "worker/ps_client.h"
 
 namespace pstrain {
 namespace {

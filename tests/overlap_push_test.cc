@@ -12,8 +12,8 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "tests/test_cluster.h"
+#include "worker/client/ps_client.h"
 #include "worker/model.h"
-#include "worker/ps_client.h"
 #include "worker/step_overlap.h"
 
 namespace pstrain {

@@ -22,7 +22,7 @@
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "tests/test_cluster.h"
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 
 namespace pstrain {
 namespace {

@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "proto/ps.pb.h"
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 
 namespace pstrain::testing {
 

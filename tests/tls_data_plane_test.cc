@@ -39,7 +39,7 @@
 #include "gtest/gtest.h"
 #include "proto/ps.grpc.pb.h"
 #include "tests/test_cluster.h"
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 
 namespace pstrain {
 namespace {

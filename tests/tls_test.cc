@@ -21,7 +21,7 @@
 #include "tests/http_util.h"
 #include "tests/proto/health.grpc.pb.h"
 #include "tests/test_cluster.h"
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 
 namespace pstrain {
 namespace {
@@ -111,7 +111,7 @@ class TlsTest : public ::testing::Test {
     return {Cert("ca.pem"), Cert("client.pem"), Cert("client.key"), ""};
   }
 
-  // Whether PsClient (worker/ps_client.cc, not owned here) dials with
+  // Whether PsClient (worker/client/ps_client.cc, not owned here) dials with
   // PsClientOptions::credentials: the worker's TLS depends on it. Empty when
   // it does; otherwise why not.
   std::string PsClientTlsGap() {
@@ -129,7 +129,7 @@ class TlsTest : public ::testing::Test {
     return absl::StrCat(
         "PsClient does not use PsClientOptions::credentials yet (its channels "
         "are made with grpc::InsecureChannelCredentials() in "
-        "worker/ps_client.cc), so the worker cannot speak TLS: ",
+        "worker/client/ps_client.cc), so the worker cannot speak TLS: ",
         stats.status().message());
   }
 

@@ -7,7 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "proto/ps.pb.h"
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 #include "worker/step_output.h"
 
 namespace pstrain {

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "kernels/backend.h"
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 #include "worker/trainer.h"
 #include "worker/worker_config.h"
 

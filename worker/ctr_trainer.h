@@ -20,8 +20,8 @@
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "proto/ps.pb.h"
+#include "worker/client/ps_client.h"
 #include "worker/ctr_data.h"
-#include "worker/ps_client.h"
 #include "worker/trainer.h"
 
 namespace pstrain {

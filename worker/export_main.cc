@@ -40,8 +40,8 @@
 #include "glog/logging.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpoint.h"
+#include "worker/client/ps_client.h"
 #include "worker/model_file.h"
-#include "worker/ps_client.h"
 
 ABSL_FLAG(std::string, output, "",
           "The safetensors file to write (replaced atomically).");

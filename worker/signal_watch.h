@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 #include "worker/step_output.h"
 
 namespace pstrain {

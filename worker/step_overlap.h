@@ -20,8 +20,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "worker/client/ps_client.h"
 #include "worker/data.h"
-#include "worker/ps_client.h"
 
 namespace pstrain {
 

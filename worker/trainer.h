@@ -12,9 +12,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "worker/client/ps_client.h"
 #include "worker/data.h"
 #include "worker/model.h"
-#include "worker/ps_client.h"
 
 namespace pstrain {
 

@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "common/partition.h"
 #include "kernels/backend.h"
-#include "worker/client_config.h"
+#include "worker/client/client_config.h"
 #include "worker/eval_only.h"
 #include "worker/lr_schedule.h"
 

@@ -6,8 +6,8 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "worker/client_config.h"
-#include "worker/ps_client.h"
+#include "worker/client/client_config.h"
+#include "worker/client/ps_client.h"
 
 namespace pstrain {
 namespace {

@@ -38,7 +38,7 @@ ABSL_FLAG(int, num_workers, Default().num_workers,
 ABSL_FLAG(uint64_t, seed, Default().seed,
           "Seed of the initial model and synthetic data.");
 
-// Reaching the servers (ClientConfig, worker/client_config.h: the Python
+// Reaching the servers (ClientConfig, worker/client/client_config.h: the Python
 // binding fills the same struct).
 ABSL_FLAG(std::string, ps_hosts, "",
           "Comma-separated host:port of every ps_server, in shard order.");

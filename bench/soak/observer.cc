@@ -34,8 +34,8 @@
 #include "common/cli.h"
 #include "common/partition.h"
 #include "kernels/backend.h"
+#include "worker/client/ps_client.h"
 #include "worker/model.h"
-#include "worker/ps_client.h"
 
 ABSL_FLAG(std::string, ps_hosts, "", "host:port of every shard, in order.");
 ABSL_FLAG(int, num_workers, 1, "The job's --num_workers.");

@@ -62,8 +62,8 @@
 #include "bench/child_process.h"
 #include "proto/ps.pb.h"
 #include "tools/cpp/runfiles/runfiles.h"
+#include "worker/client/ps_client.h"
 #include "worker/embedding_bag.h"
-#include "worker/ps_client.h"
 
 ABSL_FLAG(int, servers, 2, "ps_server shards to start (per dim).");
 ABSL_FLAG(std::vector<std::string>, dims,

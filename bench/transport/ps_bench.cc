@@ -78,7 +78,7 @@
 #include "glog/logging.h"
 #include "proto/ps.pb.h"
 #include "tools/cpp/runfiles/runfiles.h"
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 
 ABSL_FLAG(std::vector<std::string>, sizes,
           std::vector<std::string>({"4096", "65536", "1048576", "4194304",

@@ -30,11 +30,11 @@
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "proto/ps.pb.h"
-#include "worker/client_config.h"
+#include "worker/client/client_config.h"
+#include "worker/client/ps_client.h"
 #include "worker/ctr_data.h"
 #include "worker/data.h"
 #include "worker/idx_data.h"
-#include "worker/ps_client.h"
 
 struct pstrain_client {
   std::unique_ptr<pstrain::PsClient> client;

@@ -1,5 +1,5 @@
-/* libpstrain: the C++ client (worker/ps_client.h) and the data readers the
- * Python package uses, behind a plain C ABI.
+/* libpstrain: the C++ client (worker/client/ps_client.h) and the data readers
+ * the Python package uses, behind a plain C ABI.
  *
  * Why C: one build of this library serves every CPython (3.9 to 3.12 and
  * later) and every torch, loaded with ctypes (pstrain/_native.py), instead
@@ -34,12 +34,12 @@ int pstrain_api_version(void);
 
 void pstrain_free(void* p);
 
-/* ----- Client (worker/ps_client.h has each call's contract) ----- */
+/* ----- Client (worker/client/ps_client.h has each call's contract) ----- */
 
 typedef struct pstrain_client pstrain_client;
 
 /* options_json: {"hosts": ["h:p", ...], "rpc_timeout_s": 120, ...}, the
- * options of worker/client_config.h by their flag names.
+ * options of worker/client/client_config.h by their flag names.
  * pstrain_client_parse_options only checks their names and types (an
  * unknown name, a value of the wrong type, no hosts: INVALID_ARGUMENT);
  * pstrain_client_create also their values and files, and connects. */

@@ -1,6 +1,6 @@
 """pstrain from Python: the parameter servers' C++ client, through its C ABI.
 
-There is one client, the C++ ``PsClient`` (worker/ps_client.h): the data plane,
+There is one client, the C++ ``PsClient`` (worker/client/ps_client.h): the data plane,
 PushPull, retries, heartbeats, exactly-once pushes, TLS, the bearer token and
 the cluster description all come with it. This package adds argument checks
 and Python types; ``pstrain.torch`` trains a ``torch.nn.Module`` on the servers
@@ -107,7 +107,7 @@ class Client:
     retry_window_s, heartbeat_interval_s, data_plane, connections_per_shard,
     data_requests_in_flight, tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file,
     gradient_wire_type; their meaning, defaults and checks are ClientConfig's
-    (worker/client_config.h), as for the worker binary's flags of those names.
+    (worker/client/client_config.h), as for the worker binary's flags of those names.
     """
 
     def __init__(self, hosts, **options):

@@ -258,7 +258,7 @@ def _ids_pointer(ids, what):
 
 
 class Client:
-    """One PsClient (worker/ps_client.h has every call's contract)."""
+    """One PsClient (worker/client/ps_client.h has every call's contract)."""
 
     def __init__(self, options):
         text = json.dumps(options).encode()

@@ -27,8 +27,8 @@
 // deadline, so no call blocks forever.
 //
 // Not thread-safe: one PsClient per worker thread (Interrupt excepted).
-#ifndef PSTRAIN_WORKER_PS_CLIENT_H_
-#define PSTRAIN_WORKER_PS_CLIENT_H_
+#ifndef PSTRAIN_WORKER_CLIENT_PS_CLIENT_H_
+#define PSTRAIN_WORKER_CLIENT_PS_CLIENT_H_
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -54,7 +54,7 @@
 #include "common/tls_stream.h"
 #include "common/wire.h"
 #include "proto/ps.grpc.pb.h"
-#include "worker/data_link.h"
+#include "worker/client/data_link.h"
 
 namespace pstrain {
 
@@ -472,4 +472,4 @@ class PsClient {
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_WORKER_PS_CLIENT_H_
+#endif  // PSTRAIN_WORKER_CLIENT_PS_CLIENT_H_

@@ -15,7 +15,7 @@
 #include "glog/logging.h"
 #include "grpcpp/impl/codegen/client_unary_call.h"
 #include "grpcpp/impl/codegen/sync_stream.h"
-#include "worker/ps_client_internal.h"
+#include "worker/client/ps_client_internal.h"
 
 namespace pstrain {
 namespace {

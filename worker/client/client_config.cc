@@ -1,4 +1,4 @@
-#include "worker/client_config.h"
+#include "worker/client/client_config.h"
 
 #include <algorithm>
 #include <memory>

@@ -11,7 +11,7 @@
 #include "common/protocol.h"
 #include "common/tensor_codec.h"
 #include "glog/logging.h"
-#include "worker/ps_client_internal.h"
+#include "worker/client/ps_client_internal.h"
 
 namespace pstrain {
 

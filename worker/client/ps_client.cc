@@ -1,7 +1,7 @@
 // PsClient's life and the job's: connecting, registering, the start wait,
 // heartbeats, leaving, and what the servers say about the job.
 
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 
 #include <algorithm>
 #include <cstring>
@@ -19,7 +19,7 @@
 #include "common/socket.h"
 #include "common/status_text.h"
 #include "glog/logging.h"
-#include "worker/ps_client_internal.h"
+#include "worker/client/ps_client_internal.h"
 
 namespace pstrain {
 

@@ -4,8 +4,8 @@
 // (worker/python/native_module.cc) fills from its keyword options. One set
 // of defaults (the flags' defaults are these), one validation, one way to
 // the PsClientOptions both hand to PsClient::Create.
-#ifndef PSTRAIN_WORKER_CLIENT_CONFIG_H_
-#define PSTRAIN_WORKER_CLIENT_CONFIG_H_
+#ifndef PSTRAIN_WORKER_CLIENT_CLIENT_CONFIG_H_
+#define PSTRAIN_WORKER_CLIENT_CLIENT_CONFIG_H_
 
 #include <string>
 #include <vector>
@@ -15,7 +15,7 @@
 #include "common/grpc_tuning.h"
 #include "common/protocol.h"
 #include "common/tls.h"
-#include "worker/ps_client.h"
+#include "worker/client/ps_client.h"
 
 namespace pstrain {
 
@@ -71,4 +71,4 @@ absl::StatusOr<PsClientOptions> MakePsClientOptions(const ClientConfig& config);
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_WORKER_CLIENT_CONFIG_H_
+#endif  // PSTRAIN_WORKER_CLIENT_CLIENT_CONFIG_H_

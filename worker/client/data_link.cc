@@ -1,4 +1,4 @@
-#include "worker/data_link.h"
+#include "worker/client/data_link.h"
 
 #include <fcntl.h>
 #include <limits.h>

@@ -1,8 +1,8 @@
 // What the PsClient sources share and its header keeps private: the state
 // of one RPC, of a gRPC stream and of a data-plane connection. Only
-// worker/ps_client*.cc include this.
-#ifndef PSTRAIN_WORKER_PS_CLIENT_INTERNAL_H_
-#define PSTRAIN_WORKER_PS_CLIENT_INTERNAL_H_
+// worker/client/ps_client*.cc include this.
+#ifndef PSTRAIN_WORKER_CLIENT_PS_CLIENT_INTERNAL_H_
+#define PSTRAIN_WORKER_CLIENT_PS_CLIENT_INTERNAL_H_
 
 #include <functional>
 #include <memory>
@@ -20,8 +20,8 @@
 #include "common/protocol.h"
 #include "common/wire.h"
 #include "grpcpp/impl/codegen/sync_stream.h"
-#include "worker/data_link.h"
-#include "worker/ps_client.h"
+#include "worker/client/data_link.h"
+#include "worker/client/ps_client.h"
 
 namespace pstrain {
 namespace ps_client_internal {
@@ -126,4 +126,4 @@ struct PsClient::DataSlot {
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_WORKER_PS_CLIENT_INTERNAL_H_
+#endif  // PSTRAIN_WORKER_CLIENT_PS_CLIENT_INTERNAL_H_

@@ -1,5 +1,5 @@
-// PsClient on the data plane (worker/data_link.h): which shards offer it,
-// its connections, and running a step's calls over them.
+// PsClient on the data plane (worker/client/data_link.h): which shards offer
+// it, its connections, and running a step's calls over them.
 
 #include <algorithm>
 #include <map>
@@ -11,7 +11,7 @@
 #include "common/protocol.h"
 #include "common/socket.h"
 #include "glog/logging.h"
-#include "worker/ps_client_internal.h"
+#include "worker/client/ps_client_internal.h"
 
 namespace pstrain {
 namespace {
