@@ -13,7 +13,7 @@ packages=(
   nodejs                 # deploy/k8s manifest validation (npm: see the end)
   prometheus             # promtool: deploy/k8s/monitoring's alert rules, checked and unit-tested
   nlohmann-json3-dev     # common/cluster_spec: the cluster description's JSON
-  openssl libssl-dev     # common/tls (PEM checks); deploy/tls/make_certs.sh, TLS tests
+  openssl libssl-dev     # common/transport/tls (PEM checks); deploy/tls/make_certs.sh, TLS tests
   gnuplot-nox            # bench/plot/plot_runs.sh: loss/accuracy PNGs
   dataset-fashion-mnist  # the built-in real data set (IDX under /usr/share/datasets)
   zlib1g-dev             # worker: reads gzipped IDX files

@@ -16,7 +16,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "common/data_plane.h"
+#include "common/transport/data_plane.h"
 #include "glog/logging.h"
 
 namespace pstrain {
@@ -129,8 +129,8 @@ void LogRefusal(const std::string& line) {
   LOG(WARNING) << line;
 }
 
-// A PushPull's OK answer (common/data_plane.h): the pull's answer `pull`
-// with u32 + `push_response` before its PullResponse part. With payloads
+// A PushPull's OK answer (common/transport/data_plane.h): the pull's answer
+// `pull` with u32 + `push_response` before its PullResponse part. With payloads
 // apart that part is the meta, whose length prefix grows to cover it.
 // `push_length` and `meta_length` hold the new prefixes.
 std::vector<absl::string_view> PrefixPushResponse(

@@ -1,5 +1,5 @@
 // Serves a shard's Push and Pull on the tensor data plane
-// (common/data_plane.h): a listening TCP socket, and one thread per
+// (common/transport/data_plane.h): a listening TCP socket, and one thread per
 // connection that reads a request, answers it and reads the next, with
 // blocking socket calls. Workers open a few connections per shard and keep
 // them, so the thread count is the job's connection count; no request is
@@ -26,9 +26,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/data_plane.h"
-#include "common/socket.h"
-#include "common/tls_stream.h"
+#include "common/transport/data_plane.h"
+#include "common/transport/socket.h"
+#include "common/transport/tls_stream.h"
 
 namespace pstrain {
 
@@ -49,8 +49,9 @@ class DataPlaneHandler {
       absl::Span<const absl::string_view> request) = 0;
   // Runs `done` exactly once, inline or later on another thread, by
   // `deadline` (capped by the shard), with the PullResponse's encoding, or
-  // with `payloads_apart` its data-plane split form (common/data_plane.h).
-  // `follows_own_push`: the pull half of a PushPull (Shard::Pull).
+  // with `payloads_apart` its data-plane split form
+  // (common/transport/data_plane.h). `follows_own_push`: the pull half of a
+  // PushPull (Shard::Pull).
   using PullDone = std::function<void(absl::StatusOr<OutgoingBytes>)>;
   virtual void ServeDataPlanePull(absl::Span<const absl::string_view> request,
                                   absl::Time deadline, bool payloads_apart,

@@ -18,7 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cli.h"
 #include "common/cluster_spec.h"
-#include "common/grpc_tls_refusals.h"
+#include "common/transport/grpc_tls_refusals.h"
 #include "glog/logging.h"
 #include "ps_server/server_config.h"
 #include "ps_server/server_flags.h"

@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/learning_rates.h"
-#include "common/tls.h"
+#include "common/transport/tls.h"
 #include "ps_server/optimizer.h"
 
 namespace pstrain {

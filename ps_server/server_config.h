@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/grpc_tuning.h"
 #include "common/protocol.h"
+#include "common/transport/grpc_tuning.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/shard.h"
 

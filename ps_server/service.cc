@@ -6,12 +6,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/data_plane.h"
-#include "common/grpc_bytes.h"
-#include "common/grpc_status.h"
-#include "common/grpc_tls_refusals.h"
 #include "common/protocol.h"
-#include "common/wire.h"
+#include "common/transport/data_plane.h"
+#include "common/transport/grpc_bytes.h"
+#include "common/transport/grpc_status.h"
+#include "common/transport/grpc_tls_refusals.h"
+#include "common/transport/wire.h"
 
 namespace pstrain {
 namespace {

@@ -57,7 +57,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/partition.h"
-#include "common/wire.h"
+#include "common/transport/wire.h"
 #include "proto/ps.pb.h"
 #include "ps_server/block_values.h"
 #include "ps_server/optimizer.h"

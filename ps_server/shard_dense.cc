@@ -14,7 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/status_text.h"
-#include "common/tensor_codec.h"
+#include "common/transport/tensor_codec.h"
 #include "glog/logging.h"
 #include "ps_server/shard.h"
 #include "ps_server/shard_internal.h"

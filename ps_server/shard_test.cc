@@ -12,8 +12,8 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/protocol.h"
-#include "common/tensor_codec.h"
-#include "common/wire.h"
+#include "common/transport/tensor_codec.h"
+#include "common/transport/wire.h"
 #include "gtest/gtest.h"
 #include "ps_server/checkpoint.h"
 

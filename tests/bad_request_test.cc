@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/protocol.h"
-#include "common/tensor_codec.h"
+#include "common/transport/tensor_codec.h"
 #include "gtest/gtest.h"
 #include "proto/ps.grpc.pb.h"
 #include "tests/test_cluster.h"

@@ -7,7 +7,7 @@
 // The model is one tensor "w" of 8 elements, CONSTANT 1.5, in blocks of 4,
 // trained with SGD at learning rate 0.5 on gradients of 1, so every expected
 // value is exact.
-#include "common/data_plane.h"
+#include "common/transport/data_plane.h"
 
 #include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
@@ -27,7 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/protocol.h"
-#include "common/socket.h"
+#include "common/transport/socket.h"
 #include "gtest/gtest.h"
 #include "proto/ps.grpc.pb.h"
 #include "tests/test_cluster.h"
@@ -517,7 +517,7 @@ TEST(DataPlaneTest, AnUnreachableDataPortFallsBackToGrpcAtOnce) {
   (*client)->Leave().IgnoreError();
 }
 
-// A PushPull frame as common/data_plane.h lays it out.
+// A PushPull frame as common/transport/data_plane.h lays it out.
 std::string PushPullBody(absl::string_view push, absl::string_view pull) {
   char length[data_plane::kLengthPrefixBytes];
   data_plane::EncodeLengthPrefix(static_cast<uint32_t>(push.size()), length);

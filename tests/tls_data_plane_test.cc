@@ -1,5 +1,5 @@
-// The tensor data plane inside TLS (common/tls_stream.h), against real
-// ps_server and worker processes with certificates from
+// The tensor data plane inside TLS (common/transport/tls_stream.h), against
+// real ps_server and worker processes with certificates from
 // deploy/tls/make_certs.sh:
 //  - a sync MLP job over the TLS data plane ends with exactly the model of
 //    the same job in plaintext, and its tensors did take the data plane;
@@ -31,11 +31,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/data_plane.h"
 #include "common/protocol.h"
-#include "common/socket.h"
-#include "common/tls.h"
-#include "common/tls_stream.h"
+#include "common/transport/data_plane.h"
+#include "common/transport/socket.h"
+#include "common/transport/tls.h"
+#include "common/transport/tls_stream.h"
 #include "gtest/gtest.h"
 #include "proto/ps.grpc.pb.h"
 #include "tests/test_cluster.h"

@@ -3,7 +3,7 @@
 // a job with the right credentials trains; every client missing one piece
 // is refused with the status a client would see (UNAVAILABLE for a failed
 // handshake, UNAUTHENTICATED for the token) and the server keeps serving.
-#include "common/tls.h"
+#include "common/transport/tls.h"
 
 #include <grpcpp/grpcpp.h>
 

@@ -11,7 +11,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/connection_check.h"
+#include "common/transport/connection_check.h"
 #include "glog/logging.h"
 
 namespace pstrain {
@@ -19,8 +19,8 @@ namespace {
 
 // While Register waits for the servers (gRPC's wait-for-ready says nothing
 // until the deadline), says every few seconds which shard it waits for,
-// why (a TCP probe of its address: common/connection_check.h) and how long
-// is left, in the log and on the progress bar.
+// why (a TCP probe of its address: common/transport/connection_check.h) and how
+// long is left, in the log and on the progress bar.
 class ConnectWaitReport {
  public:
   ConnectWaitReport(const std::vector<std::string>& hosts, bool tls,

@@ -9,7 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cluster_spec.h"
-#include "common/grpc_tuning.h"
+#include "common/transport/grpc_tuning.h"
 #include "glog/logging.h"
 
 namespace {

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
-#include "common/grpc_bytes.h"
+#include "common/transport/grpc_bytes.h"
 
 namespace pstrain {
 namespace {

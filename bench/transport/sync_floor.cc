@@ -42,7 +42,7 @@
 #include "absl/time/time.h"
 #include "bench/child_process.h"
 #include "common/cli.h"
-#include "common/socket.h"
+#include "common/transport/socket.h"
 
 ABSL_FLAG(int, servers, 2, "Server processes (the job's shards).");
 ABSL_FLAG(int, workers, 2, "Worker processes.");

@@ -1,10 +1,10 @@
 // The floor under a small push over the TLS data plane (issue 25's 4 KiB
 // p50 goal): a loopback round trip of a --size request answered by a
 // 16-byte reply, like a Push and its PushResponse, through the data plane's
-// own TLS layer (common/tls_stream.h: OpenSSL, TLS 1.3, mutual TLS with the
-// certificates of deploy/tls/make_certs.sh) against the same round trip in
-// plaintext, in one run. No framing and no parameter server: what TLS adds
-// here is what any data plane built on OpenSSL's records pays.
+// own TLS layer (common/transport/tls_stream.h: OpenSSL, TLS 1.3, mutual TLS
+// with the certificates of deploy/tls/make_certs.sh) against the same round
+// trip in plaintext, in one run. No framing and no parameter server: what TLS
+// adds here is what any data plane built on OpenSSL's records pays.
 //
 //   tls_echo_floor --tls_dir=DIR [--size=4096] [--trips=20000] [--repeats=5]
 //
@@ -27,8 +27,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/socket.h"
-#include "common/tls_stream.h"
+#include "common/transport/socket.h"
+#include "common/transport/tls_stream.h"
 
 ABSL_FLAG(std::string, tls_dir, "",
           "A directory from deploy/tls/make_certs.sh (ca.pem, server.pem/key, "
@@ -174,7 +174,8 @@ int Run() {
   }
   std::printf(
       "# tls_echo_floor: %d-byte request, %zu-byte reply, %d round trips per "
-      "mode, loopback; TLS = common/tls_stream (OpenSSL TLS 1.3, mutual)\n",
+      "mode, loopback; TLS = common/transport/tls_stream (OpenSSL TLS 1.3, "
+      "mutual)\n",
       size, kReplyBytes, trips);
   std::printf("%6s | %10s %10s | %10s %10s | %8s\n", "repeat", "plain p50",
               "plain p99", "TLS p50", "TLS p99", "TLS/");

@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/protocol.h"
-#include "common/tensor_codec.h"
+#include "common/transport/tensor_codec.h"
 #include "proto/ps.pb.h"
 #include "ps_server/fuzz/push_pull_fuzz.h"
 

@@ -39,8 +39,8 @@
 #include "absl/time/time.h"
 #include "common/partition.h"
 #include "common/protocol.h"
-#include "common/tensor_codec.h"
-#include "common/wire.h"
+#include "common/transport/tensor_codec.h"
+#include "common/transport/wire.h"
 #include "proto/ps.pb.h"
 #include "ps_server/shard.h"
 

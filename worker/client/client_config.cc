@@ -7,8 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/cli.h"
-#include "common/tensor_codec.h"
-#include "common/tls_stream.h"
+#include "common/transport/tensor_codec.h"
+#include "common/transport/tls_stream.h"
 
 namespace pstrain {
 namespace {

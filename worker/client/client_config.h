@@ -12,9 +12,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/grpc_tuning.h"
 #include "common/protocol.h"
-#include "common/tls.h"
+#include "common/transport/grpc_tuning.h"
+#include "common/transport/tls.h"
 #include "worker/client/ps_client.h"
 
 namespace pstrain {
@@ -54,7 +54,8 @@ struct ClientConfig {
   ClientTlsFiles tls;
   // The servers' shared token (empty: none).
   std::string auth_token_file;
-  // HTTP/2 and socket settings (the --grpc_* flags, common/grpc_tuning.h).
+  // HTTP/2 and socket settings (the --grpc_* flags,
+  // common/transport/grpc_tuning.h).
   GrpcTuning grpc_tuning;
 };
 

@@ -1,4 +1,4 @@
-// The client half of the tensor data plane (common/data_plane.h): a
+// The client half of the tensor data plane (common/transport/data_plane.h): a
 // DataLink is one TCP connection to a shard's data port, and RunExchanges
 // drives any number of requests over any number of links from the calling
 // thread alone (non-blocking sockets and poll), so a push or pull that
@@ -16,9 +16,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/data_plane.h"
-#include "common/socket.h"
-#include "common/tls_stream.h"
+#include "common/transport/data_plane.h"
+#include "common/transport/socket.h"
+#include "common/transport/tls_stream.h"
 
 namespace pstrain {
 
@@ -76,7 +76,7 @@ struct DataExchange {
   // the call); its status becomes the exchange's.
   std::function<absl::Status(absl::string_view)> on_response;
   // Optional, for a Pull of large blocks: asks for the payloads apart
-  // (common/data_plane.h) and says where they go. Called with an OK
+  // (common/transport/data_plane.h) and says where they go. Called with an OK
   // answer's metadata (a PullResponse whose blocks carry no data), it
   // returns one destination per block, in order, whose sizes add up to the
   // payload bytes that follow; they are then read straight into place, and

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "common/data_plane.h"
-#include "common/socket.h"
+#include "common/transport/data_plane.h"
+#include "common/transport/socket.h"
 #include "gtest/gtest.h"
 
 namespace pstrain {

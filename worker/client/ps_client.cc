@@ -14,10 +14,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/connection_check.h"
 #include "common/protocol.h"
-#include "common/socket.h"
 #include "common/status_text.h"
+#include "common/transport/connection_check.h"
+#include "common/transport/socket.h"
 #include "glog/logging.h"
 #include "worker/client/ps_client_internal.h"
 

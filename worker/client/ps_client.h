@@ -49,10 +49,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/grpc_tuning.h"
 #include "common/partition.h"
-#include "common/tls_stream.h"
-#include "common/wire.h"
+#include "common/transport/grpc_tuning.h"
+#include "common/transport/tls_stream.h"
+#include "common/transport/wire.h"
 #include "proto/ps.grpc.pb.h"
 #include "worker/client/data_link.h"
 
@@ -69,7 +69,8 @@ struct PsClientOptions {
   int max_message_bytes = 512 << 20;
   // TCP connections to each shard; a shard's RPCs are spread over them.
   int connections_per_shard = 4;
-  // HTTP/2 and socket settings of every connection (common/grpc_tuning.h).
+  // HTTP/2 and socket settings of every connection
+  // (common/transport/grpc_tuning.h).
   GrpcTuning grpc_tuning;
   // A Push or Pull that goes to one shard as a single RPC (a small model,
   // or one shard) travels on a long-lived PushStream/PullStream of its
@@ -90,11 +91,11 @@ struct PsClientOptions {
   // acknowledged as a duplicate, never applied twice.
   absl::Duration retry_window = absl::Seconds(120);
   // Push and Pull travel on the servers' tensor data plane (framed TCP,
-  // common/data_plane.h) where they announce one, and over gRPC otherwise.
-  // With `credentials`, only a data port announced as TLS is used, and only
-  // with `data_plane_tls`; without them, only a plaintext one. A data port
-  // that cannot be reached (or whose handshake fails) is used no more until
-  // the server announces another one or 30 s pass; gRPC carries its calls
+  // common/transport/data_plane.h) where they announce one, and over gRPC
+  // otherwise. With `credentials`, only a data port announced as TLS is used,
+  // and only with `data_plane_tls`; without them, only a plaintext one. A data
+  // port that cannot be reached (or whose handshake fails) is used no more
+  // until the server announces another one or 30 s pass; gRPC carries its calls
   // meanwhile.
   bool data_plane = true;
   // Requests a data-plane connection sends ahead of their answers (>= 1).
@@ -356,7 +357,7 @@ class PsClient {
   // Sleeps up to inject_push_jitter (see PsClientOptions).
   void InjectPushJitter();
   // A PushPull call's data-plane request and answer handling
-  // (common/data_plane.h).
+  // (common/transport/data_plane.h).
   static void PreparePushPull(Call& call, DataExchange& exchange);
   // PushPull calls that cannot take the data plane: their pushes over gRPC,
   // then the pulls of those whose push succeeded.

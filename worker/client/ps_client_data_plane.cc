@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/protocol.h"
-#include "common/socket.h"
+#include "common/transport/socket.h"
 #include "glog/logging.h"
 #include "worker/client/ps_client_internal.h"
 

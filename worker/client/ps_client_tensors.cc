@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/protocol.h"
-#include "common/tensor_codec.h"
+#include "common/transport/tensor_codec.h"
 #include "glog/logging.h"
 #include "worker/client/ps_client_internal.h"
 

@@ -1,4 +1,4 @@
-#include "common/tensor_codec.h"
+#include "common/transport/tensor_codec.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "common/wire.h"
+#include "common/transport/wire.h"
 
 #include <algorithm>
 #include <cassert>

@@ -49,8 +49,8 @@
 //   * Nothing is allocated from a claimed size before it is checked against
 //     the bytes actually present, and no byte outside the segments is read,
 //     whatever the input.
-#ifndef PSTRAIN_COMMON_WIRE_H_
-#define PSTRAIN_COMMON_WIRE_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_WIRE_H_
+#define PSTRAIN_COMMON_TRANSPORT_WIRE_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -60,7 +60,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "common/tensor_codec.h"
+#include "common/transport/tensor_codec.h"
 #include "proto/ps.pb.h"
 
 namespace pstrain {
@@ -233,4 +233,4 @@ absl::StatusOr<WirePullResponse> ParsePullResponse(
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_WIRE_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_WIRE_H_

@@ -12,8 +12,8 @@
 // larger settings moved 4 MiB push+pull goodput beyond the noise (see
 // bench/results/transport_*.txt), so none is imposed; on a fast real
 // network a larger window is the usual first thing to try.
-#ifndef PSTRAIN_COMMON_GRPC_TUNING_H_
-#define PSTRAIN_COMMON_GRPC_TUNING_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_GRPC_TUNING_H_
+#define PSTRAIN_COMMON_TRANSPORT_GRPC_TUNING_H_
 
 #include <grpcpp/grpcpp.h>
 
@@ -51,4 +51,4 @@ void ApplyGrpcTuning(const GrpcTuning& tuning, grpc::ServerBuilder* builder);
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_GRPC_TUNING_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_GRPC_TUNING_H_

@@ -5,8 +5,8 @@
 // glog, so they land in the server's log like its own, and counts the
 // refused handshakes (Stats.grpc_tls_refused,
 // pstrain_shard_grpc_tls_refused_total).
-#ifndef PSTRAIN_COMMON_GRPC_TLS_REFUSALS_H_
-#define PSTRAIN_COMMON_GRPC_TLS_REFUSALS_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_GRPC_TLS_REFUSALS_H_
+#define PSTRAIN_COMMON_TRANSPORT_GRPC_TLS_REFUSALS_H_
 
 #include <cstdint>
 
@@ -21,4 +21,4 @@ int64_t GrpcTlsRefusals();
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_GRPC_TLS_REFUSALS_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_GRPC_TLS_REFUSALS_H_

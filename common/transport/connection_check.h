@@ -1,8 +1,8 @@
 // Why a gRPC server cannot be reached. A client that waits for its servers
 // (wait_for_ready) only ever sees "Deadline Exceeded", whatever the cause;
 // one raw TCP probe of the address tells the common causes apart.
-#ifndef PSTRAIN_COMMON_CONNECTION_CHECK_H_
-#define PSTRAIN_COMMON_CONNECTION_CHECK_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_CONNECTION_CHECK_H_
+#define PSTRAIN_COMMON_TRANSPORT_CONNECTION_CHECK_H_
 
 #include <string>
 
@@ -20,4 +20,4 @@ std::string DiagnoseConnection(const std::string& host_port, bool client_tls,
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_CONNECTION_CHECK_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_CONNECTION_CHECK_H_

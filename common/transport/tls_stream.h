@@ -1,7 +1,7 @@
-// TLS for the tensor data plane (common/data_plane.h), through OpenSSL: the
-// same certificate files, CA and mutual-TLS rule as the gRPC port
-// (common/tls.h), TLS 1.3 only. A TlsContext is made once per process from
-// the flags; a TlsSession is one connection's TLS state over a TCP socket
+// TLS for the tensor data plane (common/transport/data_plane.h), through
+// OpenSSL: the same certificate files, CA and mutual-TLS rule as the gRPC port
+// (common/transport/tls.h), TLS 1.3 only. A TlsContext is made once per process
+// from the flags; a TlsSession is one connection's TLS state over a TCP socket
 // it does not own.
 //
 // Kernel TLS: with `ktls`, OpenSSL 3 (SSL_OP_ENABLE_KTLS) hands the record
@@ -9,8 +9,8 @@
 // has it and supports the cipher; otherwise records stay in user space.
 // Either way the bytes on the wire are the same TLS, so the two ends need
 // not agree; TlsSession says which one each direction got.
-#ifndef PSTRAIN_COMMON_TLS_STREAM_H_
-#define PSTRAIN_COMMON_TLS_STREAM_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_TLS_STREAM_H_
+#define PSTRAIN_COMMON_TRANSPORT_TLS_STREAM_H_
 
 #include <cstddef>
 #include <memory>
@@ -22,7 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/tls.h"
+#include "common/transport/tls.h"
 
 typedef struct ssl_ctx_st SSL_CTX;
 typedef struct ssl_st SSL;
@@ -132,4 +132,4 @@ std::string KernelTlsUnavailableReason();
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_TLS_STREAM_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_TLS_STREAM_H_

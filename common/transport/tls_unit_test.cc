@@ -4,7 +4,7 @@
 #include <fstream>
 #include <string>
 
-#include "common/tls.h"
+#include "common/transport/tls.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

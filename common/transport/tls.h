@@ -10,8 +10,8 @@
 //
 // The shared bearer token (--auth_token_file) is separate: it works with or
 // without TLS, though without TLS anyone on the path can read it.
-#ifndef PSTRAIN_COMMON_TLS_H_
-#define PSTRAIN_COMMON_TLS_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_TLS_H_
+#define PSTRAIN_COMMON_TRANSPORT_TLS_H_
 
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
@@ -56,4 +56,4 @@ absl::StatusOr<std::string> ReadAuthToken(const std::string& path);
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_TLS_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_TLS_H_

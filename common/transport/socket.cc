@@ -1,4 +1,4 @@
-#include "common/socket.h"
+#include "common/transport/socket.h"
 
 #include <fcntl.h>
 #include <limits.h>

@@ -1,10 +1,10 @@
 // Plain TCP sockets: an owning descriptor and the few blocking helpers the
-// tensor data plane (common/data_plane.h) and the transport benchmark share.
-// Every error is an absl::Status: a peer that vanished or a socket error is
-// UNAVAILABLE, a timeout (SO_RCVTIMEO/SO_SNDTIMEO or a deadline) is
+// tensor data plane (common/transport/data_plane.h) and the transport benchmark
+// share. Every error is an absl::Status: a peer that vanished or a socket error
+// is UNAVAILABLE, a timeout (SO_RCVTIMEO/SO_SNDTIMEO or a deadline) is
 // DEADLINE_EXCEEDED.
-#ifndef PSTRAIN_COMMON_SOCKET_H_
-#define PSTRAIN_COMMON_SOCKET_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_SOCKET_H_
+#define PSTRAIN_COMMON_TRANSPORT_SOCKET_H_
 
 #include <sys/uio.h>
 
@@ -108,4 +108,4 @@ absl::Status SplitHostPort(absl::string_view address, std::string* host,
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_SOCKET_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_SOCKET_H_

@@ -1,4 +1,4 @@
-#include "common/grpc_tls_refusals.h"
+#include "common/transport/grpc_tls_refusals.h"
 
 #include <grpc/support/log.h>
 

@@ -1,4 +1,4 @@
-#include "common/grpc_bytes.h"
+#include "common/transport/grpc_bytes.h"
 
 #include <utility>
 

@@ -1,8 +1,8 @@
 // Moving bytes in and out of gRPC without copying payloads: a message given
 // as pieces becomes a ByteBuffer whose slices point at the pieces, and a
 // received ByteBuffer becomes views of the slices gRPC already holds.
-#ifndef PSTRAIN_COMMON_GRPC_BYTES_H_
-#define PSTRAIN_COMMON_GRPC_BYTES_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_GRPC_BYTES_H_
+#define PSTRAIN_COMMON_TRANSPORT_GRPC_BYTES_H_
 
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
@@ -40,4 +40,4 @@ class ReceivedBytes {
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_GRPC_BYTES_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_GRPC_BYTES_H_

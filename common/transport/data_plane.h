@@ -7,8 +7,8 @@
 // floor" in bench/transport); the kernel's per-byte path is the same for
 // both, and what gRPC adds is HTTP/2 framing, flow control and thread
 // hand-offs. This plane carries the same protobuf encodings as the gRPC
-// Push and Pull (common/wire.h), so parsing, validation and exactly-once
-// handling are shared; only the framing around them differs.
+// Push and Pull (common/transport/wire.h), so parsing, validation and
+// exactly-once handling are shared; only the framing around them differs.
 //
 // A connection starts with a Hello (the bearer token, if the servers want
 // one); then each request is answered in order by one response:
@@ -53,8 +53,8 @@
 // tensors go over gRPC. Servers from before TLS here announce no data port
 // when they have TLS, and clients from before it never use the data plane
 // with TLS, so mixed versions meet over gRPC.
-#ifndef PSTRAIN_COMMON_DATA_PLANE_H_
-#define PSTRAIN_COMMON_DATA_PLANE_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_DATA_PLANE_H_
+#define PSTRAIN_COMMON_TRANSPORT_DATA_PLANE_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -131,4 +131,4 @@ absl::StatusOr<ResponseHeader> DecodeResponseHeader(
 }  // namespace data_plane
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_DATA_PLANE_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_DATA_PLANE_H_

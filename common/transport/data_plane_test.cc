@@ -1,4 +1,4 @@
-#include "common/data_plane.h"
+#include "common/transport/data_plane.h"
 
 #include <string>
 

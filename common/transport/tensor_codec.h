@@ -5,8 +5,8 @@
 // the gRPC slices it arrived in, cut at arbitrary byte boundaries, so the
 // decoders here take a list of segments and handle an element that straddles
 // two of them.
-#ifndef PSTRAIN_COMMON_TENSOR_CODEC_H_
-#define PSTRAIN_COMMON_TENSOR_CODEC_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_TENSOR_CODEC_H_
+#define PSTRAIN_COMMON_TRANSPORT_TENSOR_CODEC_H_
 
 #include <cstdint>
 #include <string>
@@ -114,4 +114,4 @@ float Bfloat16BitsToFloat(uint16_t bits);
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_TENSOR_CODEC_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_TENSOR_CODEC_H_

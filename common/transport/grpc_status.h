@@ -1,8 +1,8 @@
 // absl::Status is the error type inside both binaries; grpc::Status exists
 // only at the RPC boundary. These convert between them without losing the
 // code or the message.
-#ifndef PSTRAIN_COMMON_GRPC_STATUS_H_
-#define PSTRAIN_COMMON_GRPC_STATUS_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_GRPC_STATUS_H_
+#define PSTRAIN_COMMON_TRANSPORT_GRPC_STATUS_H_
 
 #include <grpcpp/support/status.h>
 
@@ -20,4 +20,4 @@ absl::Status FromGrpcStatus(const grpc::Status& status,
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_COMMON_GRPC_STATUS_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_GRPC_STATUS_H_

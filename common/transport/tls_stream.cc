@@ -1,4 +1,4 @@
-#include "common/tls_stream.h"
+#include "common/transport/tls_stream.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -20,7 +20,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/socket.h"
+#include "common/transport/socket.h"
 
 #ifndef TCP_ULP
 #define TCP_ULP 31

@@ -1,4 +1,4 @@
-#include "common/connection_check.h"
+#include "common/transport/connection_check.h"
 
 #include <netdb.h>
 #include <poll.h>

@@ -1,4 +1,4 @@
-#include "common/wire.h"
+#include "common/transport/wire.h"
 
 #include <algorithm>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/tensor_codec.h"
+#include "common/transport/tensor_codec.h"
 #include "google/protobuf/stubs/logging.h"
 #include "gtest/gtest.h"
 #include "proto/ps.pb.h"

@@ -1,4 +1,4 @@
-#include "common/tls.h"
+#include "common/transport/tls.h"
 
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_certificate_verifier.h>
