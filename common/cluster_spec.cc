@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "common/consistency_mode.h"
 #include "nlohmann/json.hpp"
 
 namespace pstrain {
@@ -254,7 +255,7 @@ absl::StatusOr<ClusterSpec> ParseClusterSpec(absl::string_view json,
       spec.max_workers = *n;
     } else if (key == "mode") {
       if (!value.is_string() ||
-          (value != "sync" && value != "async" && value != "ssp")) {
+          !ParseConsistencyMode(value.get<std::string>()).ok()) {
         return FieldError(source, key,
                           absl::StrCat("must be \"sync\", \"async\" or "
                                        "\"ssp\", got ",

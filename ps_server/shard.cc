@@ -54,26 +54,6 @@ constexpr int64_t kLayoutBytesPerBlock = 64;
 
 using shard_internal::kNever;
 
-absl::StatusOr<ConsistencyMode> ParseConsistencyMode(absl::string_view name) {
-  if (name == "sync") return ConsistencyMode::kSync;
-  if (name == "async") return ConsistencyMode::kAsync;
-  if (name == "ssp") return ConsistencyMode::kSsp;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--mode must be sync, async or ssp, got '", name, "'"));
-}
-
-std::string ConsistencyModeName(ConsistencyMode mode) {
-  switch (mode) {
-    case ConsistencyMode::kSync:
-      return "sync";
-    case ConsistencyMode::kAsync:
-      return "async";
-    case ConsistencyMode::kSsp:
-      return "ssp";
-  }
-  return "?";
-}
-
 absl::StatusOr<std::unique_ptr<Shard>> Shard::Create(
     const ShardOptions& options) {
   if (options.num_shards < 1) {

@@ -56,6 +56,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/consistency_mode.h"
 #include "common/partition.h"
 #include "common/transport/wire.h"
 #include "proto/ps.pb.h"
@@ -65,12 +66,6 @@
 #include "ps_server/sparse_table.h"
 
 namespace pstrain {
-
-enum class ConsistencyMode { kSync, kAsync, kSsp };
-
-// "sync" | "async" | "ssp"; anything else is InvalidArgument naming --mode.
-absl::StatusOr<ConsistencyMode> ParseConsistencyMode(absl::string_view name);
-std::string ConsistencyModeName(ConsistencyMode mode);
 
 struct ShardOptions {
   int shard_id = 0;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
+#include "common/consistency_mode.h"
 #include "common/learning_rates.h"
 #include "glog/logging.h"
 #include "worker/ctr_data.h"
@@ -135,7 +136,8 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   // async/ssp: the final model is read as an observer, after this worker
   // has left (a pull as a worker would rejoin the job).
   std::unique_ptr<PsClient> observer;
-  if (registration->mode != "sync" && context.client_options != nullptr) {
+  if (registration->mode != ConsistencyMode::kSync &&
+      context.client_options != nullptr) {
     absl::StatusOr<std::unique_ptr<PsClient>> created =
         PsClient::CreateObserver(*context.client_options, CtrSchema(model),
                                  config.num_workers);

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/consistency_mode.h"
 #include "common/partition.h"
 #include "worker/ctr_metrics.h"
 #include "worker/embedding_bag.h"
@@ -330,7 +331,7 @@ ModelSchema CtrSchema(const CtrModelOptions& options) {
 
 absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
                                    const CtrTrainerOptions& options,
-                                   const std::string& mode, PsClient& client,
+                                   ConsistencyMode mode, PsClient& client,
                                    kernels::Backend& backend,
                                    const CtrDataset& train,
                                    const CtrDataset& test) {
@@ -422,7 +423,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
   // never pushed.
   const int64_t eval_step = result.stopped_early ? step : options.steps;
   PsClient* reader = &client;
-  if (mode == "sync") {
+  if (mode == ConsistencyMode::kSync) {
     result.final_model = "sync_step";
   } else {
     if (absl::Status s = client.Leave(); !s.ok()) return s;
@@ -442,7 +443,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     if (absl::Status s = (*net)->Scores(rows, &scores); !s.ok()) return s;
     labels.insert(labels.end(), batch.labels.begin(), batch.labels.end());
   }
-  if (mode == "sync") {
+  if (mode == ConsistencyMode::kSync) {
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
     if (!steps_short.ok()) return steps_short.status();
     result.steps_short = *steps_short;
@@ -473,10 +474,10 @@ std::string CtrFinalJson(const CtrResult& r, int worker_id, int num_workers,
       "\"test_examples\":%d,\"samples_per_sec\":%.1f,\"wall_time_s\":%.3f,"
       "\"sparse_rows_pulled\":%d,\"sparse_rows_pushed\":%d,"
       "\"steps_short\":%d,\"final_model\":\"%s\",\"stopped_early\":%s}",
-      r.mode, worker_id, num_workers, device, r.steps, r.steps_run,
-      r.final_loss, r.auc, r.logloss, truth, r.test_examples, r.samples_per_sec,
-      r.wall_time_s, r.rows_pulled, r.rows_pushed, r.steps_short, r.final_model,
-      r.stopped_early ? "true" : "false");
+      ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
+      r.steps_run, r.final_loss, r.auc, r.logloss, truth, r.test_examples,
+      r.samples_per_sec, r.wall_time_s, r.rows_pulled, r.rows_pushed,
+      r.steps_short, r.final_model, r.stopped_early ? "true" : "false");
 }
 
 }  // namespace pstrain

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/consistency_mode.h"
 #include "kernels/backend.h"
 #include "proto/ps.pb.h"
 #include "worker/client/ps_client.h"
@@ -59,7 +60,7 @@ struct CtrTrainerOptions {
 };
 
 struct CtrResult {
-  std::string mode;
+  ConsistencyMode mode = ConsistencyMode::kSync;
   int64_t steps = 0;
   int64_t steps_run = 0;
   double final_loss = 0;  // training logloss over the last tenth of steps
@@ -83,7 +84,7 @@ struct CtrResult {
 // this worker), leaves the job, and evaluates on `test` (may be empty).
 absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
                                    const CtrTrainerOptions& options,
-                                   const std::string& mode, PsClient& client,
+                                   ConsistencyMode mode, PsClient& client,
                                    kernels::Backend& backend,
                                    const CtrDataset& train,
                                    const CtrDataset& test);

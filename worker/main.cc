@@ -62,7 +62,8 @@ int Main(int argc, char** argv) {
   if (!config->eval.eval_only) servers = ConnectToServers(config->client);
   ExitOnFlagErrors({servers.status()});
   if (ctr) {  // sparse embedding tables: worker/ctr_main.h
-    return TrainCtr(*config, *servers, **backend, *output->steps, stopping);
+    return TrainCtrAndReport(*config, *servers, **backend, *output->steps,
+                             stopping);
   }
 
   // The model, trained with the job's other workers or (--eval_only)

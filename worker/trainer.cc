@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/consistency_mode.h"
 #include "common/partition.h"
 #include "glog/logging.h"
 #include "worker/step_overlap.h"
@@ -200,7 +201,7 @@ int64_t PeakRssBytes() {
 }
 
 absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
-                                  const std::string& mode, PsClient& client,
+                                  ConsistencyMode mode, PsClient& client,
                                   Model& model, kernels::Backend& backend,
                                   const ExampleSource& train,
                                   const ExampleSource* test) {
@@ -441,7 +442,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   result.injected_duplicate_pushes = client.injected_duplicate_pushes();
 
   // The job's final model, then leave so nobody waits for this worker.
-  if (mode == "sync") {
+  if (mode == ConsistencyMode::kSync) {
     // Pull(steps) waits for every member's last gradient; a worker stopping
     // early takes the step it reached.
     absl::StatusOr<int64_t> final_step = buffers.PullToDevice(
@@ -466,8 +467,8 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   }
   if (have_test) {
     BatchResult evaluation;
-    if (mode == "sync" && last_evaluated_step == options.steps &&
-        !result.stopped_early) {
+    if (mode == ConsistencyMode::kSync &&
+        last_evaluated_step == options.steps && !result.stopped_early) {
       evaluation = last_evaluation;  // the same model, evaluated already
     } else {
       absl::StatusOr<BatchResult> final_evaluation = evaluate(step);
@@ -506,8 +507,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"duplicate_blocks\":%d,\"late_blocks\":%d,"
       "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s,"
       "\"not_learning\":%s}",
-      r.mode, worker_id, num_workers, device, r.steps, r.epochs,
-      r.steps_per_epoch, r.final_loss, r.train_accuracy, r.test_loss,
+      ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
+      r.epochs, r.steps_per_epoch, r.final_loss, r.train_accuracy, r.test_loss,
       r.test_accuracy, r.test_examples, r.final_model, time_to_target,
       step_to_target, r.evaluations, r.evaluation_seconds, r.samples_per_sec,
       r.wall_time_s, r.compute_seconds, r.network_wait_seconds,

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/consistency_mode.h"
 #include "kernels/backend.h"
 #include "worker/client/ps_client.h"
 #include "worker/data.h"
@@ -103,7 +104,7 @@ struct TrainerOptions {
 };
 
 struct TrainResult {
-  std::string mode;
+  ConsistencyMode mode = ConsistencyMode::kSync;
   int64_t steps = 0;
   double final_loss = 0;  // mean training loss over the last 10% of steps
   double train_accuracy = 0;
@@ -150,7 +151,7 @@ struct TrainResult {
 // show no member left and every worker's updates applied), so that every
 // worker reports the same number.
 absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
-                                  const std::string& mode, PsClient& client,
+                                  ConsistencyMode mode, PsClient& client,
                                   Model& model, kernels::Backend& backend,
                                   const ExampleSource& train,
                                   const ExampleSource* test);

@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/cli.h"
+#include "common/consistency_mode.h"
 #include "common/run_output.h"
 #include "common/transport/connection_check.h"
 #include "glog/logging.h"
@@ -129,9 +130,9 @@ absl::StatusOr<ServerConnection> ConnectToServers(const ClientConfig& config) {
   return servers;
 }
 
-int TrainCtr(const WorkerConfig& config, ServerConnection& servers,
-             kernels::Backend& backend, StepOutput& output,
-             const Stopping& stopping) {
+int TrainCtrAndReport(const WorkerConfig& config, ServerConnection& servers,
+                      kernels::Backend& backend, StepOutput& output,
+                      const Stopping& stopping) {
   PsClient* const client = servers.client.get();
   SignalWatch* const signal_watch = stopping.watch;
   const int worker_id = config.worker_id;
@@ -261,7 +262,7 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
     client.Leave().IgnoreError();
     return 1;
   };
-  if (registration->mode != "sync" && !await_job_start().ok()) {
+  if (registration->mode != ConsistencyMode::kSync && !await_job_start().ok()) {
     return job_did_not_start();
   }
   if (registration->start_step > 0) {
@@ -270,7 +271,7 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
   // async/ssp: the final model is pulled as an observer, after this worker
   // has left (a pull as a worker would rejoin the job).
   std::unique_ptr<PsClient> observer;
-  if (registration->mode != "sync") {
+  if (registration->mode != ConsistencyMode::kSync) {
     absl::StatusOr<std::unique_ptr<PsClient>> created =
         PsClient::CreateObserver(servers.options, schema, num_workers);
     if (!created.ok() && signal_watch->signal_number() != 0) {
@@ -319,7 +320,8 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
   options.on_steps_done = [signal_watch] { signal_watch->Quiet(); };
   options.start_step = registration->start_step;
   options.stop = stopping.requested;
-  if (registration->mode == "sync") options.await_job_start = await_job_start;
+  if (registration->mode == ConsistencyMode::kSync)
+    options.await_job_start = await_job_start;
   options.step_delay = absl::Milliseconds(config.training.inject_step_delay_ms);
   options.crash_before_push_step =
       config.training.inject_crash_before_push_step;

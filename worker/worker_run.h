@@ -50,9 +50,9 @@ absl::StatusOr<ServerConnection> ConnectToServers(const ClientConfig& config);
 
 // --model=ctr: the sparse model (worker/ctr_main.h), trained and reported.
 // Returns the exit code.
-int TrainCtr(const WorkerConfig& config, ServerConnection& servers,
-             kernels::Backend& backend, StepOutput& output,
-             const Stopping& stopping);
+int TrainCtrAndReport(const WorkerConfig& config, ServerConnection& servers,
+                      kernels::Backend& backend, StepOutput& output,
+                      const Stopping& stopping);
 
 // One log line: this worker, its backend, its data and its steps.
 void LogRunPlan(const WorkerConfig& config, const TrainingData& data,

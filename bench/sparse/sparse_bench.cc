@@ -60,6 +60,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/child_process.h"
+#include "common/consistency_mode.h"
 #include "proto/ps.pb.h"
 #include "tools/cpp/runfiles/runfiles.h"
 #include "worker/client/ps_client.h"
@@ -254,9 +255,10 @@ absl::Status MeasureOnCluster(const std::vector<std::string>& hosts,
   absl::StatusOr<Registration> registration =
       (*client)->Register(schema, /*num_workers=*/1, /*worker_id=*/0);
   if (!registration.ok()) return registration.status();
-  if (registration->mode != "async") {
+  if (registration->mode != ConsistencyMode::kAsync) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "servers run mode '", registration->mode, "', expected async"));
+        "servers run mode '", ConsistencyModeName(registration->mode),
+        "', expected async"));
   }
 
   size_t max_rows = 0;

@@ -69,6 +69,7 @@
 #include "bench/child_process.h"
 #include "bench/transport/grpc_floor.h"
 #include "common/cli.h"
+#include "common/consistency_mode.h"
 #include "common/partition.h"
 #include "common/transport/grpc_tuning.h"
 #include "common/transport/socket.h"
@@ -590,9 +591,10 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
     absl::StatusOr<Registration> registration =
         (*client)->Register(schema, clients, /*worker_id=*/c);
     if (!registration.ok()) return registration.status();
-    if (registration->mode != "async") {
+    if (registration->mode != ConsistencyMode::kAsync) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "servers run mode '", registration->mode, "', expected async"));
+          "servers run mode '", ConsistencyModeName(registration->mode),
+          "', expected async"));
     }
     workers[c].client = std::move(*client);
     workers[c].params.assign(elements, 0.0f);

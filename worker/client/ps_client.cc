@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/consistency_mode.h"
 #include "common/protocol.h"
 #include "common/status_text.h"
 #include "common/transport/connection_check.h"
@@ -297,7 +298,14 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
     if (!responses.ok()) return responses.status();
   }
   Registration registration;
-  registration.mode = (*responses)[0].mode();
+  absl::StatusOr<ConsistencyMode> mode =
+      ParseConsistencyMode((*responses)[0].mode());
+  if (!mode.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard 0 (", options_.hosts[0], ") runs mode '", (*responses)[0].mode(),
+        "', which this client does not know"));
+  }
+  registration.mode = *mode;
   bool torch_rules = false;
   for (const DenseTensorSpec& tensor : schema.dense()) {
     torch_rules |= tensor.has_optimizer();
@@ -311,10 +319,11 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
           "than this client): it would train with its own --optimizer; "
           "upgrade the servers"));
     }
-    if (response.mode() != registration.mode) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "shards disagree on the mode: shard 0 runs ", registration.mode,
-          ", shard ", s, " runs ", response.mode()));
+    if (response.mode() != ConsistencyModeName(registration.mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("shards disagree on the mode: shard 0 runs ",
+                       ConsistencyModeName(registration.mode), ", shard ", s,
+                       " runs ", response.mode()));
     }
     registration.start_step = std::max(
         registration.start_step,
@@ -389,7 +398,8 @@ bool PsClient::ResumesInPlaceEverywhere(
 
 absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting,
                                      const std::atomic<bool>* stop) {
-  if (worker_id_ < 0 || mode_ == "async") return absl::OkStatus();
+  if (worker_id_ < 0 || mode_ == ConsistencyMode::kAsync)
+    return absl::OkStatus();
   // Each call is held by the servers for up to this long: short enough to
   // notice an Interrupt and report progress about once a second.
   constexpr absl::Duration kPoll = absl::Seconds(1);

@@ -49,6 +49,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/consistency_mode.h"
 #include "common/partition.h"
 #include "common/transport/grpc_tuning.h"
 #include "common/transport/tls_stream.h"
@@ -134,7 +135,7 @@ std::vector<absl::Status> PsClientOptionsProblems(
     const PsClientOptions& options);
 
 struct Registration {
-  std::string mode;        // the servers' consistency mode
+  ConsistencyMode mode = ConsistencyMode::kSync;  // the servers'
   int64_t start_step = 0;  // where a (re)joining worker starts
   // The dense optimizer shard 0 applies and its learning rate in effect
   // (empty / 0: a server from before they were told).
@@ -415,7 +416,7 @@ class PsClient {
   const uint64_t incarnation_;
   int worker_id_ = -1;
   int num_workers_ = 0;
-  std::string mode_;
+  ConsistencyMode mode_ = ConsistencyMode::kSync;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;   // [shard][conn]
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;  // on channels_
   // [shard][conn], opened on first use: the PushStream and PullStream.

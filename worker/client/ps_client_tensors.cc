@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/consistency_mode.h"
 #include "common/protocol.h"
 #include "common/transport/tensor_codec.h"
 #include "glog/logging.h"
@@ -142,7 +143,7 @@ std::vector<PsClient::Call> PsClient::PullCalls(
 
 int64_t PsClient::RecordPulledStep(int64_t step) {
   int64_t pulled = step;
-  if (mode_ == "sync" && !block_versions_.empty()) {
+  if (mode_ == ConsistencyMode::kSync && !block_versions_.empty()) {
     // Blocks past `step` mean the job moved on without this worker:
     // continue from the step every block is at.
     int64_t at = std::numeric_limits<int64_t>::max();
@@ -499,7 +500,8 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
   std::vector<int> shard_of_call;
   for (int s = 0; s < num_shards(); ++s) {
     // Sync steps complete only when every member has pushed, even nothing.
-    if (requests[s].ids_size() == 0 && mode_ != "sync") continue;
+    if (requests[s].ids_size() == 0 && mode_ != ConsistencyMode::kSync)
+      continue;
     requests[s].set_protocol_version(kProtocolVersion);
     requests[s].set_worker_id(worker_id_);
     requests[s].set_step(step);

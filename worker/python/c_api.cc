@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/cluster_spec.h"
+#include "common/consistency_mode.h"
 #include "common/partition.h"
 #include "common/transport/connection_check.h"
 #include "glog/logging.h"
@@ -314,8 +315,9 @@ int pstrain_client_register(pstrain_client* c, const char* schema_json,
     }
     if (!registration.ok()) return registration.status();
     c->schema = schema;
-    nlohmann::json result = {{"mode", registration->mode},
-                             {"start_step", registration->start_step}};
+    nlohmann::json result = {
+        {"mode", pstrain::ConsistencyModeName(registration->mode)},
+        {"start_step", registration->start_step}};
     *result_json = pstrain::CopyString(result.dump());
     return absl::OkStatus();
   });
