@@ -161,6 +161,175 @@ std::string Response(absl::string_view status, absl::string_view type,
                       "\r\nConnection: close\r\n\r\n", body);
 }
 
+// A shard's families as they are built: each sample labelled with the shard.
+struct ShardFamilies {
+  std::string shard;
+  std::vector<prometheus::MetricFamily> families;
+
+  void Add(const char* name, const char* help, prometheus::MetricType type,
+           double value) {
+    families.push_back(Family(name, help, type, value, shard));
+  }
+};
+
+// The job's progress on this shard: membership, steps, what was applied,
+// refused, lost.
+void AddProgressFamilies(const StatsResponse& s, ShardFamilies& out) {
+  using prometheus::MetricType;
+  out.Add("pstrain_shard_model_registered", "1 once a model is registered.",
+          MetricType::Gauge, s.model_registered() ? 1 : 0);
+  out.Add("pstrain_shard_version",
+          "Smallest block version on this shard: the step, in sync mode.",
+          MetricType::Gauge, static_cast<double>(s.version()));
+  out.Add("pstrain_shard_blocks", "Model blocks held by this shard.",
+          MetricType::Gauge, static_cast<double>(s.num_blocks()));
+  out.Add("pstrain_shard_elements", "Model elements held by this shard.",
+          MetricType::Gauge, static_cast<double>(s.num_elements()));
+  out.Add("pstrain_shard_members",
+          "Workers whose gradients the current step waits for.",
+          MetricType::Gauge, s.members());
+  out.Add(
+      "pstrain_shard_job_started",
+      "1 once the job has started (sync/ssp: every expected worker came, or "
+      "--min_workers of them by --startup_timeout_s).",
+      MetricType::Gauge, s.job_start().started() ? 1 : 0);
+  out.Add("pstrain_shard_workers_missing",
+          "Expected workers (ids below --num_workers) never heard from: before "
+          "the start, those the first step waits for.",
+          MetricType::Gauge, s.job_start().missing_workers_size());
+  out.Add("pstrain_shard_steps_short_total",
+          "sync: steps completed with fewer than --num_workers gradients.",
+          MetricType::Counter, static_cast<double>(s.steps_short()));
+  out.Add("pstrain_shard_waiting_pulls",
+          "Pulls waiting for their step or for slow workers (queue depth).",
+          MetricType::Gauge, static_cast<double>(s.waiting_pulls()));
+  out.Add("pstrain_shard_staleness_max",
+          "async: largest staleness (versions) of an applied block gradient.",
+          MetricType::Gauge, static_cast<double>(s.staleness_max()));
+  out.Add("pstrain_shard_staleness_mean",
+          "async: mean staleness (versions) of applied block gradients.",
+          MetricType::Gauge, s.staleness_mean());
+  out.Add("pstrain_shard_ssp_gap_max",
+          "ssp: largest clock gap a pull was served with.", MetricType::Gauge,
+          static_cast<double>(s.ssp_gap_max()));
+  out.Add("pstrain_shard_blocks_applied_total",
+          "Block gradients applied (async) or added to a step (sync).",
+          MetricType::Counter, static_cast<double>(s.blocks_applied()));
+  out.Add("pstrain_shard_blocks_duplicate_total",
+          "Block gradients received again and not applied twice.",
+          MetricType::Counter, static_cast<double>(s.blocks_duplicate()));
+  out.Add("pstrain_shard_late_gradients_dropped_total",
+          "sync: block gradients for a step that had completed without them.",
+          MetricType::Counter, static_cast<double>(s.late_gradients_dropped()));
+  out.Add("pstrain_shard_requests_rejected_total",
+          "Requests refused (bad, unauthenticated, wrong schema...).",
+          MetricType::Counter, static_cast<double>(s.requests_rejected()));
+  out.Add("pstrain_shard_pulls_served_total", "Pull requests answered.",
+          MetricType::Counter, static_cast<double>(s.pulls_served()));
+  out.Add("pstrain_shard_nonfinite_gradients_skipped_total",
+          "Gradients with NaN/Inf skipped (--nonfinite_gradients=skip).",
+          MetricType::Counter,
+          static_cast<double>(s.nonfinite_gradients_skipped()));
+  out.Add("pstrain_shard_steps_lost_total",
+          "Steps skipped when a restored shard caught up with the workers.",
+          MetricType::Counter, static_cast<double>(s.steps_lost()));
+  out.Add("pstrain_shard_gradients_lost_total",
+          "sync: block gradients lost in a crash, counted as given.",
+          MetricType::Counter, static_cast<double>(s.gradients_lost()));
+  out.Add("pstrain_shard_updates_lost_total",
+          "Block updates a restore from a checkpoint lost (every mode).",
+          MetricType::Counter, static_cast<double>(s.updates_lost()));
+  out.Add("pstrain_shard_internal_errors_total",
+          "Applies that validation promised could not fail and failed (a bug).",
+          MetricType::Counter, static_cast<double>(s.internal_errors()));
+  out.Add(
+      "pstrain_shard_values_copied_for_pulls_total",
+      "Updates that copied a block first because a pull was still sending it.",
+      MetricType::Counter, static_cast<double>(s.values_copied_for_pulls()));
+  out.Add("pstrain_shard_early_gradient_bytes",
+          "sync: gradient bytes held now because they came before a lower "
+          "worker id's (summed in worker order).",
+          MetricType::Gauge, static_cast<double>(s.early_gradient_bytes()));
+  out.Add("pstrain_shard_early_gradient_bytes_peak",
+          "sync: the most gradient bytes ever held at once waiting for a lower "
+          "worker id's.",
+          MetricType::Gauge,
+          static_cast<double>(s.early_gradient_bytes_peak()));
+  out.Add("pstrain_shard_data_plane_requests_total",
+          "Pushes and pulls answered on the tensor data plane, not over gRPC.",
+          MetricType::Counter, static_cast<double>(s.data_plane_requests()));
+}
+
+// The checkpoints this shard wrote, and how late the next one is.
+void AddCheckpointFamilies(const CheckpointStats& c, ShardFamilies& out) {
+  using prometheus::MetricType;
+  prometheus::MetricFamily failures{
+      "pstrain_checkpoint_failures_total",
+      "Checkpoint tries that failed, by reason (no_space, read_only, "
+      "permission, verify, io).",
+      MetricType::Counter,
+      {}};
+  std::map<std::string, int64_t> by_reason(c.failures().begin(),
+                                           c.failures().end());
+  for (const auto& [reason, count] : by_reason) {
+    prometheus::ClientMetric metric;
+    metric.label = {{"reason", reason}, {"shard", out.shard}};
+    metric.counter.value = static_cast<double>(count);
+    failures.metric.push_back(std::move(metric));
+  }
+  out.families.push_back(std::move(failures));
+  out.Add("pstrain_checkpoint_last_success_timestamp_seconds",
+          "Unix time of the newest good checkpoint this shard wrote or "
+          "restored from (0: none yet).",
+          MetricType::Gauge, c.last_success_unix_s());
+  out.Add("pstrain_checkpoint_written_total", "Checkpoints written.",
+          MetricType::Counter, static_cast<double>(c.written()));
+  out.Add("pstrain_checkpoint_written_bytes_total",
+          "Bytes of the checkpoints written.", MetricType::Counter,
+          static_cast<double>(c.bytes_written()));
+  out.Add("pstrain_checkpoint_duration_seconds_total",
+          "Time spent writing good checkpoints (snapshot, write, fsync, "
+          "verify).",
+          MetricType::Counter, c.duration_total_s());
+  out.Add("pstrain_checkpoint_last_duration_seconds",
+          "How long the last good checkpoint took.", MetricType::Gauge,
+          c.last_duration_s());
+  out.Add("pstrain_checkpoint_last_bytes", "Size of the last good checkpoint.",
+          MetricType::Gauge, static_cast<double>(c.last_bytes()));
+  out.Add("pstrain_checkpoint_failing_seconds",
+          "How long checkpoints have been failing (0: the last try succeeded).",
+          MetricType::Gauge, c.failing_s());
+  out.Add("pstrain_checkpoint_interval_seconds",
+          "The checkpoint interval: --checkpoint_every_s, or the time between "
+          "the last two checkpoints (0: unknown or periodic checkpoints off).",
+          MetricType::Gauge, c.interval_s());
+}
+
+// The transport's TLS: what each port speaks and what it refused.
+void AddTlsFamilies(const StatsResponse& s, ShardFamilies& out) {
+  using prometheus::MetricType;
+  out.Add("pstrain_shard_data_plane_tls",
+          "1 when the tensor data port speaks TLS, 0 when plaintext or off.",
+          MetricType::Gauge, s.data_port_tls() ? 1 : 0);
+  out.Add("pstrain_shard_data_plane_tls_refused_total",
+          "TLS data-plane connections refused before their first frame (failed "
+          "or stalled handshakes, plaintext clients).",
+          MetricType::Counter, static_cast<double>(s.data_plane_tls_refused()));
+  out.Add("pstrain_shard_grpc_tls_refused_total",
+          "TLS handshakes the gRPC port refused (no or a wrongly signed client "
+          "certificate, plaintext clients).",
+          MetricType::Counter, static_cast<double>(s.grpc_tls_refused()));
+  out.Add("pstrain_shard_data_plane_ktls_connections_total",
+          "TLS data-plane connections whose records the kernel handles (kTLS).",
+          MetricType::Counter,
+          static_cast<double>(s.data_plane_ktls_connections()));
+  out.Add("pstrain_shard_data_plane_user_tls_connections_total",
+          "TLS data-plane connections whose records OpenSSL handles in user "
+          "space (no kernel TLS).",
+          MetricType::Counter,
+          static_cast<double>(s.data_plane_user_tls_connections()));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
@@ -478,167 +647,22 @@ std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
 
 std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
   const StatsResponse s = stats_();
-  const std::string shard = absl::StrCat(s.shard_id());
-  using prometheus::MetricType;
-  const MetricType kCounter = MetricType::Counter;
-  const MetricType kGauge = MetricType::Gauge;
-  std::vector<prometheus::MetricFamily> families;
-  {
-    prometheus::ClientMetric info;
-    info.label = {{"shard", shard},
-                  {"num_shards", absl::StrCat(s.num_shards())},
-                  {"mode", s.mode()}};
-    info.gauge.value = 1;
-    families.push_back({"pstrain_shard_info",
-                        "This shard's place in the job (value 1).",
-                        kGauge,
-                        {info}});
-  }
-  auto add = [&](const char* name, const char* help, MetricType type,
-                 double value) {
-    families.push_back(Family(name, help, type, value, shard));
-  };
-  add("pstrain_shard_model_registered", "1 once a model is registered.", kGauge,
-      s.model_registered() ? 1 : 0);
-  add("pstrain_shard_version",
-      "Smallest block version on this shard: the step, in sync mode.", kGauge,
-      static_cast<double>(s.version()));
-  add("pstrain_shard_blocks", "Model blocks held by this shard.", kGauge,
-      static_cast<double>(s.num_blocks()));
-  add("pstrain_shard_elements", "Model elements held by this shard.", kGauge,
-      static_cast<double>(s.num_elements()));
-  add("pstrain_shard_members",
-      "Workers whose gradients the current step waits for.", kGauge,
-      s.members());
-  add("pstrain_shard_job_started",
-      "1 once the job has started (sync/ssp: every expected worker came, or "
-      "--min_workers of them by --startup_timeout_s).",
-      kGauge, s.job_start().started() ? 1 : 0);
-  add("pstrain_shard_workers_missing",
-      "Expected workers (ids below --num_workers) never heard from: before "
-      "the start, those the first step waits for.",
-      kGauge, s.job_start().missing_workers_size());
-  add("pstrain_shard_steps_short_total",
-      "sync: steps completed with fewer than --num_workers gradients.",
-      kCounter, static_cast<double>(s.steps_short()));
-  add("pstrain_shard_waiting_pulls",
-      "Pulls waiting for their step or for slow workers (queue depth).", kGauge,
-      static_cast<double>(s.waiting_pulls()));
-  add("pstrain_shard_staleness_max",
-      "async: largest staleness (versions) of an applied block gradient.",
-      kGauge, static_cast<double>(s.staleness_max()));
-  add("pstrain_shard_staleness_mean",
-      "async: mean staleness (versions) of applied block gradients.", kGauge,
-      s.staleness_mean());
-  add("pstrain_shard_ssp_gap_max",
-      "ssp: largest clock gap a pull was served with.", kGauge,
-      static_cast<double>(s.ssp_gap_max()));
-  add("pstrain_shard_blocks_applied_total",
-      "Block gradients applied (async) or added to a step (sync).", kCounter,
-      static_cast<double>(s.blocks_applied()));
-  add("pstrain_shard_blocks_duplicate_total",
-      "Block gradients received again and not applied twice.", kCounter,
-      static_cast<double>(s.blocks_duplicate()));
-  add("pstrain_shard_late_gradients_dropped_total",
-      "sync: block gradients for a step that had completed without them.",
-      kCounter, static_cast<double>(s.late_gradients_dropped()));
-  add("pstrain_shard_requests_rejected_total",
-      "Requests refused (bad, unauthenticated, wrong schema...).", kCounter,
-      static_cast<double>(s.requests_rejected()));
-  add("pstrain_shard_pulls_served_total", "Pull requests answered.", kCounter,
-      static_cast<double>(s.pulls_served()));
-  add("pstrain_shard_nonfinite_gradients_skipped_total",
-      "Gradients with NaN/Inf skipped (--nonfinite_gradients=skip).", kCounter,
-      static_cast<double>(s.nonfinite_gradients_skipped()));
-  add("pstrain_shard_steps_lost_total",
-      "Steps skipped when a restored shard caught up with the workers.",
-      kCounter, static_cast<double>(s.steps_lost()));
-  add("pstrain_shard_gradients_lost_total",
-      "sync: block gradients lost in a crash, counted as given.", kCounter,
-      static_cast<double>(s.gradients_lost()));
-  add("pstrain_shard_updates_lost_total",
-      "Block updates a restore from a checkpoint lost (every mode).", kCounter,
-      static_cast<double>(s.updates_lost()));
-  add("pstrain_shard_internal_errors_total",
-      "Applies that validation promised could not fail and failed (a bug).",
-      kCounter, static_cast<double>(s.internal_errors()));
-  add("pstrain_shard_values_copied_for_pulls_total",
-      "Updates that copied a block first because a pull was still sending it.",
-      kCounter, static_cast<double>(s.values_copied_for_pulls()));
-  add("pstrain_shard_early_gradient_bytes",
-      "sync: gradient bytes held now because they came before a lower "
-      "worker id's (summed in worker order).",
-      kGauge, static_cast<double>(s.early_gradient_bytes()));
-  add("pstrain_shard_early_gradient_bytes_peak",
-      "sync: the most gradient bytes ever held at once waiting for a lower "
-      "worker id's.",
-      kGauge, static_cast<double>(s.early_gradient_bytes_peak()));
-  add("pstrain_shard_data_plane_requests_total",
-      "Pushes and pulls answered on the tensor data plane, not over gRPC.",
-      kCounter, static_cast<double>(s.data_plane_requests()));
-  if (s.checkpoint().enabled()) {
-    // Only with --checkpoint_dir: a server that never checkpoints has no
-    // checkpoint to be late.
-    const CheckpointStats& c = s.checkpoint();
-    prometheus::MetricFamily failures{
-        "pstrain_checkpoint_failures_total",
-        "Checkpoint tries that failed, by reason (no_space, read_only, "
-        "permission, verify, io).",
-        kCounter,
-        {}};
-    std::map<std::string, int64_t> by_reason(c.failures().begin(),
-                                             c.failures().end());
-    for (const auto& [reason, count] : by_reason) {
-      prometheus::ClientMetric metric;
-      metric.label = {{"reason", reason}, {"shard", shard}};
-      metric.counter.value = static_cast<double>(count);
-      failures.metric.push_back(std::move(metric));
-    }
-    families.push_back(std::move(failures));
-    add("pstrain_checkpoint_last_success_timestamp_seconds",
-        "Unix time of the newest good checkpoint this shard wrote or "
-        "restored from (0: none yet).",
-        kGauge, c.last_success_unix_s());
-    add("pstrain_checkpoint_written_total", "Checkpoints written.", kCounter,
-        static_cast<double>(c.written()));
-    add("pstrain_checkpoint_written_bytes_total",
-        "Bytes of the checkpoints written.", kCounter,
-        static_cast<double>(c.bytes_written()));
-    add("pstrain_checkpoint_duration_seconds_total",
-        "Time spent writing good checkpoints (snapshot, write, fsync, "
-        "verify).",
-        kCounter, c.duration_total_s());
-    add("pstrain_checkpoint_last_duration_seconds",
-        "How long the last good checkpoint took.", kGauge, c.last_duration_s());
-    add("pstrain_checkpoint_last_bytes", "Size of the last good checkpoint.",
-        kGauge, static_cast<double>(c.last_bytes()));
-    add("pstrain_checkpoint_failing_seconds",
-        "How long checkpoints have been failing (0: the last try succeeded).",
-        kGauge, c.failing_s());
-    add("pstrain_checkpoint_interval_seconds",
-        "The checkpoint interval: --checkpoint_every_s, or the time between "
-        "the last two checkpoints (0: unknown or periodic checkpoints off).",
-        kGauge, c.interval_s());
-  }
-  add("pstrain_shard_data_plane_tls",
-      "1 when the tensor data port speaks TLS, 0 when plaintext or off.",
-      kGauge, s.data_port_tls() ? 1 : 0);
-  add("pstrain_shard_data_plane_tls_refused_total",
-      "TLS data-plane connections refused before their first frame (failed "
-      "or stalled handshakes, plaintext clients).",
-      kCounter, static_cast<double>(s.data_plane_tls_refused()));
-  add("pstrain_shard_grpc_tls_refused_total",
-      "TLS handshakes the gRPC port refused (no or a wrongly signed client "
-      "certificate, plaintext clients).",
-      kCounter, static_cast<double>(s.grpc_tls_refused()));
-  add("pstrain_shard_data_plane_ktls_connections_total",
-      "TLS data-plane connections whose records the kernel handles (kTLS).",
-      kCounter, static_cast<double>(s.data_plane_ktls_connections()));
-  add("pstrain_shard_data_plane_user_tls_connections_total",
-      "TLS data-plane connections whose records OpenSSL handles in user "
-      "space (no kernel TLS).",
-      kCounter, static_cast<double>(s.data_plane_user_tls_connections()));
-  return families;
+  ShardFamilies out{absl::StrCat(s.shard_id()), {}};
+  prometheus::ClientMetric info;
+  info.label = {{"shard", out.shard},
+                {"num_shards", absl::StrCat(s.num_shards())},
+                {"mode", s.mode()}};
+  info.gauge.value = 1;
+  out.families.push_back({"pstrain_shard_info",
+                          "This shard's place in the job (value 1).",
+                          prometheus::MetricType::Gauge,
+                          {info}});
+  AddProgressFamilies(s, out);
+  // Only with --checkpoint_dir: a server that never checkpoints has no
+  // checkpoint to be late.
+  if (s.checkpoint().enabled()) AddCheckpointFamilies(s.checkpoint(), out);
+  AddTlsFamilies(s, out);
+  return std::move(out.families);
 }
 
 WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, int worker_id)

@@ -177,6 +177,168 @@ struct PullWait {
   absl::StatusOr<OutgoingBytes> result;
 };
 
+// One framed request, its body still in the connection's buffer.
+struct Request {
+  data_plane::RequestHeader header;
+  absl::string_view body;
+  absl::Time arrived;  // when its header was complete
+};
+
+// Reads the next whole request into `received`. The wait for its first
+// byte has no deadline of its own on a greeted connection (`may_idle`): an
+// idle connection is normal, and SO_RCVTIMEO only wakes the read now and
+// then to notice `stopping`. Once a request has begun, every read of it must
+// make progress within SO_RCVTIMEO. Not OK: the connection ends
+// (OUT_OF_RANGE, not logged, when the peer closed or the server stops). A
+// header that cannot be followed is counted, answered and ends it too.
+absl::StatusOr<Request> ReadRequest(const Stream& stream, bool may_idle,
+                                    uint64_t max_body_bytes,
+                                    const std::atomic<bool>& stopping,
+                                    DataPlaneHandler& handler,
+                                    ReceiveBuffer& received) {
+  absl::Status read;
+  while (received.available().empty() && !stopping.load()) {
+    read = ReadMore(stream, data_plane::kRequestHeaderBytes, &received);
+    if (!absl::IsDeadlineExceeded(read) || !may_idle) break;
+    read = absl::OkStatus();
+  }
+  if (!read.ok()) return read;
+  if (stopping.load()) return absl::OutOfRangeError("server stopping");
+  while (received.available().size() < data_plane::kRequestHeaderBytes) {
+    read = ReadMore(stream, data_plane::kRequestHeaderBytes, &received);
+    if (!read.ok()) return read;
+  }
+  absl::StatusOr<data_plane::RequestHeader> header =
+      data_plane::DecodeRequestHeader(received.available().data(),
+                                      max_body_bytes);
+  if (!header.ok()) {
+    // The stream can no longer be followed: answer and close.
+    handler.CountRejected();
+    AnswerStatus(stream, header.status()).IgnoreError();
+    return header.status();
+  }
+  const absl::Time arrived = absl::Now();
+  const size_t frame_bytes =
+      data_plane::kRequestHeaderBytes + header->body_bytes;
+  while (received.available().size() < frame_bytes) {
+    read = ReadMore(stream, frame_bytes, &received);
+    if (!read.ok()) return read;
+  }
+  return Request{*header,
+                 received.available().substr(data_plane::kRequestHeaderBytes,
+                                             header->body_bytes),
+                 arrived};
+}
+
+// A Hello: the bearer token checked and answered. Not OK: the connection
+// ends.
+absl::Status Greet(const Stream& stream, DataPlaneHandler& handler,
+                   absl::string_view token) {
+  if (!handler.TokenAccepted(token)) {
+    handler.CountRejected();
+    AnswerStatus(
+        stream, absl::UnauthenticatedError("missing or wrong bearer token (see "
+                                           "--auth_token_file)"))
+        .IgnoreError();
+    return absl::UnauthenticatedError("bad token");
+  }
+  return Answer(stream, absl::StatusCode::kOk, {});
+}
+
+// One Push, Pull or PushPull of a greeted connection, served and answered;
+// options.on_call told of it. Not OK only when the connection must end: the
+// answer could not be sent, or the shard broke its promise to answer a pull
+// by its deadline.
+absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
+                       const DataPlaneServerOptions& options,
+                       const Request& request) {
+  const data_plane::RequestHeader& header = request.header;
+  absl::Status status;
+  std::vector<absl::string_view> answer;
+  // Keep the answer's memory alive until it is sent.
+  absl::StatusOr<std::string> pushed;
+  std::shared_ptr<PullWait> pulled;
+  char push_length[data_plane::kLengthPrefixBytes];
+  char meta_length[data_plane::kLengthPrefixBytes];
+  absl::string_view pull_request = request.body;
+  // A PushPull counts as the Push and the Pull it carries.
+  absl::Time pull_arrived = request.arrived;
+  if (header.method == Method::kPushPull) {
+    absl::StatusOr<data_plane::LengthPrefixed> parts =
+        data_plane::SplitLengthPrefixed(request.body, "PushPull request");
+    if (parts.ok()) {
+      pushed = handler.ServeDataPlanePush(absl::MakeConstSpan(&parts->head, 1));
+      status = pushed.status();
+      pull_request = parts->rest;
+    } else {
+      handler.CountRejected();
+      status = parts.status();
+    }
+    pull_arrived = absl::Now();
+    if (options.on_call) {
+      options.on_call(Method::kPush, status.code(),
+                      pull_arrived - request.arrived,
+                      request.body.size() - pull_request.size(),
+                      pushed.ok() ? pushed->size() : 0);
+    }
+  } else if (header.method == Method::kPush) {
+    pushed = handler.ServeDataPlanePush(absl::MakeConstSpan(&request.body, 1));
+    status = pushed.status();
+    if (pushed.ok()) answer.push_back(*pushed);
+  }
+  if (status.ok() && header.method != Method::kPush) {
+    const absl::Time deadline =
+        request.arrived +
+        std::min(absl::Milliseconds(header.timeout_ms), options.max_pull_wait);
+    pulled = std::make_shared<PullWait>();
+    handler.ServeDataPlanePull(
+        absl::MakeConstSpan(&pull_request, 1), deadline, header.payloads_apart,
+        /*follows_own_push=*/header.method == Method::kPushPull,
+        [wait = pulled](absl::StatusOr<OutgoingBytes> result) {
+          wait->result = std::move(result);
+          wait->done.Notify();
+        });
+    // The shard answers by the deadline; the margin only guards against
+    // a handler that breaks that promise.
+    if (!pulled->done.WaitForNotificationWithDeadline(deadline +
+                                                      absl::Seconds(5))) {
+      absl::Status broken =
+          absl::InternalError("pull not answered by its deadline");
+      LOG(ERROR) << "data plane: " << broken;
+      return broken;
+    }
+    status = pulled->result.status();
+    if (status.ok() && header.method == Method::kPushPull) {
+      answer =
+          PrefixPushResponse(*pushed, header.payloads_apart,
+                             pulled->result->pieces, push_length, meta_length);
+    } else if (status.ok()) {
+      answer = pulled->result->pieces;
+    }
+  }
+  const absl::string_view message = status.message();
+  if (!status.ok()) answer = {message};
+  uint64_t answer_bytes = 0;
+  for (absl::string_view piece : answer) answer_bytes += piece.size();
+  if (absl::Status s = Answer(stream, status.code(), answer); !s.ok()) return s;
+  if (options.on_call && header.method != Method::kPushPull) {
+    options.on_call(header.method, status.code(), absl::Now() - request.arrived,
+                    header.body_bytes, answer_bytes);
+  } else if (options.on_call && pulled != nullptr) {
+    // The pull's own answer: its pieces, or its error's message.
+    uint64_t pull_bytes = message.size();
+    if (status.ok()) {
+      pull_bytes = 0;
+      for (absl::string_view piece : pulled->result->pieces) {
+        pull_bytes += piece.size();
+      }
+    }
+    options.on_call(Method::kPull, status.code(), absl::Now() - pull_arrived,
+                    pull_request.size(), pull_bytes);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(
@@ -333,158 +495,30 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd, std::string peer) {
   }
   const Stream stream{fd.get(), tls.get()};
   while (ended.ok()) {
-    // The wait for the next request has no deadline of its own: an idle
-    // connection is normal. SO_RCVTIMEO wakes it now and then to notice
-    // Shutdown; the client closing or Shutdown's shutdown() end it.
-    while (received.available().empty() && !stopping_.load()) {
-      ended = ReadMore(stream, data_plane::kRequestHeaderBytes, &received);
-      // Only a greeted connection may idle: one that never says Hello
-      // cannot hold a thread past SO_RCVTIMEO.
-      if (!absl::IsDeadlineExceeded(ended) || !greeted) break;
-      ended = absl::OkStatus();
-    }
-    if (!ended.ok() || stopping_.load()) break;
-    // Once a request has begun, every read of it must make progress within
-    // SO_RCVTIMEO.
-    while (received.available().size() < data_plane::kRequestHeaderBytes &&
-           ended.ok()) {
-      ended = ReadMore(stream, data_plane::kRequestHeaderBytes, &received);
-    }
-    if (!ended.ok()) break;
-    absl::StatusOr<data_plane::RequestHeader> header =
-        data_plane::DecodeRequestHeader(received.available().data(),
-                                        options_.max_body_bytes);
-    if (!header.ok()) {
-      // The stream can no longer be followed: answer and close.
-      handler_->CountRejected();
-      AnswerStatus(stream, header.status()).IgnoreError();
-      ended = header.status();
+    absl::StatusOr<Request> request =
+        ReadRequest(stream, /*may_idle=*/greeted, options_.max_body_bytes,
+                    stopping_, *handler_, received);
+    if (!request.ok()) {
+      ended = request.status();
       break;
     }
-    const absl::Time arrived = absl::Now();
-    const size_t frame_bytes =
-        data_plane::kRequestHeaderBytes + header->body_bytes;
-    while (received.available().size() < frame_bytes && ended.ok()) {
-      ended = ReadMore(stream, frame_bytes, &received);
-    }
-    if (!ended.ok()) break;
-    const absl::string_view request = received.available().substr(
-        data_plane::kRequestHeaderBytes, header->body_bytes);
-    // Taken once answered: `request` views the buffer until then.
-    absl::Cleanup consume = [&received, frame_bytes] {
-      received.Consume(frame_bytes);
+    // Taken once answered: the request views the buffer until then.
+    absl::Cleanup consume = [&received, &request] {
+      received.Consume(data_plane::kRequestHeaderBytes +
+                       request->header.body_bytes);
     };
-    if (header->method == Method::kHello) {
-      if (!handler_->TokenAccepted(request)) {
-        handler_->CountRejected();
-        AnswerStatus(stream, absl::UnauthenticatedError(
-                                 "missing or wrong bearer token (see "
-                                 "--auth_token_file)"))
-            .IgnoreError();
-        ended = absl::UnauthenticatedError("bad token");
-        break;
-      }
-      greeted = true;
-      if (absl::Status s = Answer(stream, absl::StatusCode::kOk, {}); !s.ok()) {
-        ended = s;
-        break;
-      }
-      continue;
-    }
-    if (!greeted) {
+    if (request->header.method == Method::kHello) {
+      ended = Greet(stream, *handler_, request->body);
+      greeted = ended.ok();
+    } else if (!greeted) {
       handler_->CountRejected();
       AnswerStatus(stream, absl::FailedPreconditionError(
                                "a data-plane connection must start with "
                                "Hello"))
           .IgnoreError();
       ended = absl::FailedPreconditionError("no Hello");
-      break;
-    }
-    absl::Status status;
-    std::vector<absl::string_view> answer;
-    // Keep the answer's memory alive until it is sent.
-    absl::StatusOr<std::string> pushed;
-    std::shared_ptr<PullWait> pulled;
-    char push_length[data_plane::kLengthPrefixBytes];
-    char meta_length[data_plane::kLengthPrefixBytes];
-    absl::string_view pull_request = request;
-    // A PushPull counts as the Push and the Pull it carries.
-    absl::Time pull_arrived = arrived;
-    if (header->method == Method::kPushPull) {
-      absl::StatusOr<data_plane::LengthPrefixed> parts =
-          data_plane::SplitLengthPrefixed(request, "PushPull request");
-      if (parts.ok()) {
-        pushed =
-            handler_->ServeDataPlanePush(absl::MakeConstSpan(&parts->head, 1));
-        status = pushed.status();
-        pull_request = parts->rest;
-      } else {
-        handler_->CountRejected();
-        status = parts.status();
-      }
-      pull_arrived = absl::Now();
-      if (options_.on_call) {
-        options_.on_call(Method::kPush, status.code(), pull_arrived - arrived,
-                         request.size() - pull_request.size(),
-                         pushed.ok() ? pushed->size() : 0);
-      }
-    } else if (header->method == Method::kPush) {
-      pushed = handler_->ServeDataPlanePush(absl::MakeConstSpan(&request, 1));
-      status = pushed.status();
-      if (pushed.ok()) answer.push_back(*pushed);
-    }
-    if (status.ok() && header->method != Method::kPush) {
-      const absl::Time deadline =
-          arrived + std::min(absl::Milliseconds(header->timeout_ms),
-                             options_.max_pull_wait);
-      pulled = std::make_shared<PullWait>();
-      handler_->ServeDataPlanePull(
-          absl::MakeConstSpan(&pull_request, 1), deadline,
-          header->payloads_apart,
-          /*follows_own_push=*/header->method == Method::kPushPull,
-          [wait = pulled](absl::StatusOr<OutgoingBytes> result) {
-            wait->result = std::move(result);
-            wait->done.Notify();
-          });
-      // The shard answers by the deadline; the margin only guards against
-      // a handler that breaks that promise.
-      if (!pulled->done.WaitForNotificationWithDeadline(deadline +
-                                                        absl::Seconds(5))) {
-        ended = absl::InternalError("pull not answered by its deadline");
-        LOG(ERROR) << "data plane: " << ended;
-        break;
-      }
-      status = pulled->result.status();
-      if (status.ok() && header->method == Method::kPushPull) {
-        answer = PrefixPushResponse(*pushed, header->payloads_apart,
-                                    pulled->result->pieces, push_length,
-                                    meta_length);
-      } else if (status.ok()) {
-        answer = pulled->result->pieces;
-      }
-    }
-    const absl::string_view message = status.message();
-    if (!status.ok()) answer = {message};
-    uint64_t answer_bytes = 0;
-    for (absl::string_view piece : answer) answer_bytes += piece.size();
-    if (absl::Status s = Answer(stream, status.code(), answer); !s.ok()) {
-      ended = s;
-      break;
-    }
-    if (options_.on_call && header->method != Method::kPushPull) {
-      options_.on_call(header->method, status.code(), absl::Now() - arrived,
-                       header->body_bytes, answer_bytes);
-    } else if (options_.on_call && pulled != nullptr) {
-      // The pull's own answer: its pieces, or its error's message.
-      uint64_t pull_bytes = message.size();
-      if (status.ok()) {
-        pull_bytes = 0;
-        for (absl::string_view piece : pulled->result->pieces) {
-          pull_bytes += piece.size();
-        }
-      }
-      options_.on_call(Method::kPull, status.code(), absl::Now() - pull_arrived,
-                       pull_request.size(), pull_bytes);
+    } else {
+      ended = ServeCall(stream, *handler_, options_, *request);
     }
   }
   if (!ended.ok() && !stopping_.load() && !absl::IsOutOfRange(ended)) {

@@ -41,24 +41,19 @@ CtrModelOptions CtrModel(const WorkerConfig& config) {
   return model;
 }
 
-}  // namespace
-
-int RunCtrWorker(const CtrWorkerContext& context) {
-  const WorkerConfig& config = *context.config;
-  const CtrConfig& ctr = config.ctr;
-  const std::string& source = ctr.data;
-  CtrModelOptions model = CtrModel(config);
-  const SparseOptimizer& o = model.sparse_optimizer;
-  LOG(INFO) << "sparse optimizer " << o.name() << ", learning rate "
-            << (o.name() == "ftrl"
-                    ? absl::StrCat(o.ftrl_alpha(), " (--ftrl_alpha)")
-                    : DescribeLearningRate(ctr.sparse_learning_rate, o.name(),
-                                           DefaultSparseLearningRate(o.name()),
-                                           "--sparse_learning_rate"));
-
-  const ShardSpec shard{config.worker_id, config.num_workers};
+// This worker's slice of the training set and the whole held-out set, from
+// --ctr_data; for synthetic data also the ground truth's figures (NaN
+// otherwise). Exits 2 on a data flag that cannot be read.
+struct CtrData {
   CtrDataset train, test;
   double true_auc = NAN, true_logloss = NAN;
+};
+
+CtrData LoadCtrData(const WorkerConfig& config) {
+  const CtrConfig& ctr = config.ctr;
+  const std::string& source = ctr.data;
+  const ShardSpec shard{config.worker_id, config.num_workers};
+  CtrData data;
   if (source == "synthetic") {
     SyntheticCtrOptions synthetic;
     synthetic.num_fields = ctr.fields;
@@ -71,17 +66,17 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     absl::StatusOr<CtrDataset> h =
         MakeSyntheticCtr(synthetic, train_examples, ctr.test_examples, {0, 1});
     ExitOnFlagErrors({t.status(), h.status()});
-    train = std::move(*t);
-    test = std::move(*h);
+    data.train = std::move(*t);
+    data.test = std::move(*h);
     absl::StatusOr<std::vector<double>> truth =
-        SyntheticCtrTrueProbabilities(synthetic, test);
+        SyntheticCtrTrueProbabilities(synthetic, data.test);
     if (truth.ok()) {
       std::vector<double> logits;
       for (double p : *truth) logits.push_back(std::log(p / (1 - p)));
-      true_auc = Auc(test.labels, logits);
-      true_logloss = LogLoss(test.labels, *truth);
-      LOG(INFO) << "synthetic CTR task: ground-truth AUC " << true_auc
-                << ", logloss " << true_logloss;
+      data.true_auc = Auc(data.test.labels, logits);
+      data.true_logloss = LogLoss(data.test.labels, *truth);
+      LOG(INFO) << "synthetic CTR task: ground-truth AUC " << data.true_auc
+                << ", logloss " << data.true_logloss;
     }
   } else {
     auto read = [&](const std::string& path,
@@ -93,15 +88,33 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     };
     absl::StatusOr<CtrDataset> t = read(config.data.train_file, shard);
     ExitOnFlagErrors({t.status()});
-    train = std::move(*t);
+    data.train = std::move(*t);
     if (!config.data.test_file.empty()) {
       absl::StatusOr<CtrDataset> h = read(config.data.test_file, {0, 1});
       ExitOnFlagErrors({h.status()});
-      test = std::move(*h);
+      data.test = std::move(*h);
     }
   }
-  model.num_fields = train.num_fields;
-  model.num_dense = train.num_dense;
+  return data;
+}
+
+}  // namespace
+
+int RunCtrWorker(const CtrWorkerContext& context) {
+  const WorkerConfig& config = *context.config;
+  const CtrConfig& ctr = config.ctr;
+  CtrModelOptions model = CtrModel(config);
+  const SparseOptimizer& o = model.sparse_optimizer;
+  LOG(INFO) << "sparse optimizer " << o.name() << ", learning rate "
+            << (o.name() == "ftrl"
+                    ? absl::StrCat(o.ftrl_alpha(), " (--ftrl_alpha)")
+                    : DescribeLearningRate(ctr.sparse_learning_rate, o.name(),
+                                           DefaultSparseLearningRate(o.name()),
+                                           "--sparse_learning_rate"));
+
+  const CtrData data = LoadCtrData(config);
+  model.num_fields = data.train.num_fields;
+  model.num_dense = data.train.num_dense;
 
   // A wait cut short by a signal (SIGINT/SIGTERM set `stop`, then the
   // caller interrupted the client).
@@ -166,7 +179,7 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   };
   absl::StatusOr<CtrResult> result =
       TrainCtr(model, options, registration->mode, *context.client,
-               *context.backend, train, test);
+               *context.backend, data.train, data.test);
   if (!result.ok() && interrupted(result.status())) {
     return context.stopped_while_waiting(
         absl::StrCat("on the servers after step ", last_step, " of ",
@@ -177,10 +190,10 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     LOG(ERROR) << "training failed: " << result.status();
     return 1;
   }
-  std::printf("%s\n",
-              CtrFinalJson(*result, config.worker_id, config.num_workers,
-                           context.backend->Name(), true_auc, true_logloss)
-                  .c_str());
+  std::printf("%s\n", CtrFinalJson(*result, config.worker_id,
+                                   config.num_workers, context.backend->Name(),
+                                   data.true_auc, data.true_logloss)
+                          .c_str());
   std::fflush(stdout);
   return 0;
 }
