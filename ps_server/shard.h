@@ -36,6 +36,18 @@
 // max_workers (elastic scale-up) joins at the step of its next pull. Leave
 // drops one at once. A sync step completed with fewer than num_workers
 // gradients is counted (Stats.steps_short).
+//
+// Shard is one class over several files, each holding one part:
+//   shard.cc             creation, registration and the model, the
+//                        validation every request shares, reaper, stats
+//   shard_membership.cc  leases, heartbeats, joining and leaving, job start
+//   shard_dense.cc       where a dense push is applied (sync sum in worker
+//                        order, async apply), what a restored shard lost
+//   shard_pull.cc        dense pulls, and the waiting every pull shares
+//   shard_sparse.cc      sparse tables: their pulls and pushes
+//   shard_clip.cc        sync steps with clip_grad_norm_ (ClipNorm, ApplyClip)
+//   shard_restore.cc     checkpoint snapshot and restore
+//   shard_internal.h     the nested types and helpers those files share
 #ifndef PSTRAIN_PS_SERVER_SHARD_H_
 #define PSTRAIN_PS_SERVER_SHARD_H_
 

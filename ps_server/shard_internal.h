@@ -5,6 +5,7 @@
 #ifndef PSTRAIN_PS_SERVER_SHARD_INTERNAL_H_
 #define PSTRAIN_PS_SERVER_SHARD_INTERNAL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -26,6 +27,13 @@ namespace pstrain {
 namespace shard_internal {
 
 inline constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+// Raises `target` to `value` if it is larger (a peak gauge).
+inline void AtomicMax(std::atomic<int64_t>& target, int64_t value) {
+  int64_t current = target.load();
+  while (value > current && !target.compare_exchange_weak(current, value)) {
+  }
+}
 
 // Whether a sync step at `version` (of a block or a table) may be applied.
 // It needs at least one gradient, and then every member counted in the

@@ -1,6 +1,5 @@
 // Checkpoints: Restore rebuilds a shard from a saved one, Snapshot takes one.
-// Split from shard.cc, which keeps the shard's life and membership; pushes
-// are applied in shard_dense.cc and shard_sparse.cc.
+// Part of Shard (shard.h lists its files).
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"

@@ -1,7 +1,7 @@
 // PsClient: the one client of pstrain's parameter servers. The C++ worker
 // (worker/trainer.cc, worker/ctr_main.cc) and the Python package
-// (worker/python/native_module.cc) both train through it; this header is
-// its whole API, each call's contract written above it.
+// (worker/python/c_api.cc) both train through it; this header is its whole
+// API, each call's contract written above it.
 //
 // A worker's life, in order:
 //   Create(options)            connect to every shard (nothing is sent yet)
@@ -27,6 +27,15 @@
 // deadline, so no call blocks forever.
 //
 // Not thread-safe: one PsClient per worker thread (Interrupt excepted).
+//
+// The class over its files:
+//   ps_client.cc             its life and the job's: connect, register, the
+//                            start wait, heartbeats, leave, stats
+//   ps_client_calls.cc       running a call on every shard at once (RunAll),
+//                            gRPC streams, retries, deadlines
+//   ps_client_data_plane.cc  which shards offer the data plane, its links
+//   ps_client_tensors.cc     dense and sparse pulls and pushes by blocks
+//   ps_client_internal.h     what those files share
 #ifndef PSTRAIN_WORKER_CLIENT_PS_CLIENT_H_
 #define PSTRAIN_WORKER_CLIENT_PS_CLIENT_H_
 
