@@ -40,6 +40,8 @@
 #include "glog/logging.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpoint.h"
+#include "worker/client/client_config.h"
+#include "worker/client/client_options.h"
 #include "worker/client/ps_client.h"
 #include "worker/model_file.h"
 
@@ -55,24 +57,12 @@ ABSL_FLAG(std::string, cluster_spec, "",
           "Export from the running servers of this cluster spec (its \"ps\" "
           "list), as the worker reads it; empty: $PSTRAIN_CLUSTER, if set and "
           "no other source is given.");
-ABSL_FLAG(double, rpc_timeout_s, 120,
-          "Deadline of each call to the servers (a checkpoint of a big shard "
-          "included).");
-ABSL_FLAG(double, connect_timeout_s, 30,
-          "How long to wait for the servers to answer at all.");
-ABSL_FLAG(int, max_message_mb, pstrain::kDefaultMaxMessageBytes >> 20,
-          "Largest message received, in MiB.");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA bundle the servers' certificates must chain to; setting "
-          "any --tls_* flag turns TLS on.");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM client certificate for mutual TLS (with --tls_key).");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
-ABSL_FLAG(std::string, tls_server_name, "",
-          "Name to expect in the servers' certificates instead of the host "
-          "dialled.");
-ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding the servers' shared token.");
+// Reaching the servers: the client's connection options, by the worker's
+// flag names and with ClientConfig's defaults (worker/client/client_options.h).
+#define PSTRAIN_CLIENT_FLAG(type, name, member, help) \
+  ABSL_FLAG(type, name, pstrain::ClientConfig().member, help);
+PSTRAIN_CLIENT_CONNECTION_OPTIONS(PSTRAIN_CLIENT_FLAG)
+#undef PSTRAIN_CLIENT_FLAG
 
 namespace pstrain {
 namespace {
@@ -273,31 +263,16 @@ int Main() {
         "give exactly one source: --checkpoint_dir, or running servers "
         "(--ps_hosts or --cluster_spec)"));
   }
-  PsClientOptions options;
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      MakeChannelCredentials(
-          {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
-           absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_server_name)});
-  checks.push_back(credentials.status());
-  if (credentials.ok()) options.credentials = *credentials;
-  absl::StatusOr<std::string> token =
-      ReadAuthToken(absl::GetFlag(FLAGS_auth_token_file));
-  checks.push_back(token.status());
-  if (token.ok()) options.auth_token = *token;
+  ClientConfig client;
+#define PSTRAIN_READ_CLIENT_FLAG(type, name, member, help) \
+  client.member = absl::GetFlag(FLAGS_##name);
+  PSTRAIN_CLIENT_CONNECTION_OPTIONS(PSTRAIN_READ_CLIENT_FLAG)
+#undef PSTRAIN_READ_CLIENT_FLAG
   absl::StatusOr<GrpcTuning> tuning = GrpcTuningFromFlags();
   checks.push_back(tuning.status());
-  if (tuning.ok()) options.grpc_tuning = *tuning;
-  const double rpc_timeout_s = absl::GetFlag(FLAGS_rpc_timeout_s);
-  const double connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
-  if (!(rpc_timeout_s > 0) || !(connect_timeout_s > 0)) {
-    checks.push_back(absl::InvalidArgumentError(
-        "--rpc_timeout_s and --connect_timeout_s must be > 0"));
-  }
-  const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
-  if (max_message_mb < 1 || max_message_mb > 2047) {
-    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
-        "--max_message_mb must be in [1, 2047], got ", max_message_mb)));
-  }
+  if (tuning.ok()) client.grpc_tuning = *tuning;
+  absl::StatusOr<PsClientOptions> options = MakePsClientOptions(client);
+  if (!options.ok()) checks.push_back(options.status());
   ExitOnFlagErrors(checks);
 
   absl::StatusOr<ModelSnapshot> snapshot;
@@ -307,14 +282,13 @@ int Main() {
     snapshot = SnapshotFromCheckpoint(checkpoint_dir, &files_used);
     source = absl::StrJoin(files_used, ", ");
   } else {
-    options.hosts = absl::StrSplit(ps_hosts, ',');
-    options.rpc_timeout = absl::Seconds(rpc_timeout_s);
-    options.connect_timeout = absl::Seconds(connect_timeout_s);
-    options.retry_window = absl::Seconds(connect_timeout_s);
-    options.max_message_bytes = max_message_mb << 20;
-    options.heartbeat_interval = absl::ZeroDuration();  // an observer
-    options.connections_per_shard = 1;
-    snapshot = SnapshotFromServers(options);
+    options->hosts = absl::StrSplit(ps_hosts, ',');
+    // An observer: no lease to renew, one connection, and no retrying
+    // beyond the wait for the servers to come up.
+    options->retry_window = options->connect_timeout;
+    options->heartbeat_interval = absl::ZeroDuration();
+    options->connections_per_shard = 1;
+    snapshot = SnapshotFromServers(*options);
     source = ps_hosts;
   }
   // What the user pointed at is wrong (missing, corrupt, another model):

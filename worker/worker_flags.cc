@@ -11,6 +11,7 @@
 #include "common/cluster_spec.h"
 #include "common/transport/grpc_tuning.h"
 #include "glog/logging.h"
+#include "worker/client/client_options.h"
 
 namespace {
 
@@ -38,75 +39,15 @@ ABSL_FLAG(int, num_workers, Default().num_workers,
 ABSL_FLAG(uint64_t, seed, Default().seed,
           "Seed of the initial model and synthetic data.");
 
-// Reaching the servers (ClientConfig, worker/client/client_config.h: the Python
-// binding fills the same struct).
+// Reaching the servers: ClientConfig, one flag per option of
+// worker/client/client_options.h (the Python binding's keywords are the same
+// list).
 ABSL_FLAG(std::string, ps_hosts, "",
           "Comma-separated host:port of every ps_server, in shard order.");
-ABSL_FLAG(double, rpc_timeout_s, Default().client.rpc_timeout_s,
-          "Deadline of each pull/push (a sync pull waits for all workers).");
-ABSL_FLAG(double, connect_timeout_s, Default().client.connect_timeout_s,
-          "How long to wait for the servers to come up.");
-ABSL_FLAG(int, max_message_mb, Default().client.max_message_mb,
-          "Largest message sent or received, in MiB.");
-ABSL_FLAG(int, connections_per_shard, Default().client.connections_per_shard,
-          "TCP connections to each ps_server; a shard's RPCs are spread over "
-          "them.");
-ABSL_FLAG(bool, call_streams, Default().client.call_streams,
-          "Send a push or pull that is one RPC (one shard, one block group) "
-          "as a message on a long-lived stream of its connection instead of "
-          "a unary call: a third less latency for small models. false: "
-          "always unary.");
-ABSL_FLAG(int, data_requests_in_flight,
-          Default().client.data_requests_in_flight,
-          "Requests each data-plane connection sends ahead of their answers. "
-          "1 keeps the workers' pushes in step, which a sync step on a link "
-          "that binds needs; raise it where a round trip is long next to "
-          "sending one block group.");
-ABSL_FLAG(bool, data_plane, Default().client.data_plane,
-          "Push and pull dense tensors over the servers' data plane (framed "
-          "TCP beside gRPC; inside TLS with the --tls_* files when the "
-          "servers have TLS) where they announce one: about 1.5-2x the "
-          "throughput of gRPC for large tensors. false: gRPC only.");
-ABSL_FLAG(bool, data_plane_ktls, Default().client.data_plane_ktls,
-          "With TLS: let the kernel encrypt the data plane's records (kTLS) "
-          "where it can; OpenSSL does otherwise. Logged once.");
-ABSL_FLAG(double, heartbeat_interval_s, Default().client.heartbeat_interval_s,
-          "How often to renew this worker's lease on the servers (keep it "
-          "well under their --worker_lease_s).");
-ABSL_FLAG(double, retry_window_s, Default().client.retry_window_s,
-          "How long a failed pull or push is retried (server restarting, "
-          "peers slow) before the worker gives up.");
-ABSL_FLAG(std::string, gradient_wire_type, Default().client.gradient_wire_type,
-          "Gradients on the wire: fp32, or fp16/bf16 to halve the bytes "
-          "(servers decode to fp32), or topk: per block, only the "
-          "--gradient_topk_fraction largest-magnitude elements, the rest "
-          "carried into the next push (error feedback). Sparse-table rows "
-          "always go as fp32 under topk.");
-ABSL_FLAG(double, gradient_topk_fraction,
-          Default().client.gradient_topk_fraction,
-          "With --gradient_wire_type=topk: the fraction of each block's "
-          "elements a push sends, in (0, 1].");
-ABSL_FLAG(double, inject_duplicate_push_probability,
-          Default().client.inject_duplicate_push_probability,
-          "Fault injection: resend a successful push with this probability "
-          "(the servers must not apply it twice).");
-ABSL_FLAG(double, inject_push_jitter_ms, Default().client.inject_push_jitter_ms,
-          "Fault injection: delay every push by a random time up to this "
-          "many ms, so gradients reach the servers in a different order "
-          "each run (sync results must not change).");
-ABSL_FLAG(std::string, tls_ca, Default().client.tls.ca,
-          "PEM CA bundle the servers' certificates must chain to; setting "
-          "any --tls_* flag turns TLS on (no --tls_ca: the system's roots).");
-ABSL_FLAG(std::string, tls_cert, Default().client.tls.cert,
-          "PEM client certificate for mutual TLS (with --tls_key).");
-ABSL_FLAG(std::string, tls_key, Default().client.tls.key,
-          "PEM private key of --tls_cert.");
-ABSL_FLAG(std::string, tls_server_name, Default().client.tls.server_name,
-          "Name to expect in the servers' certificates instead of the host "
-          "in --ps_hosts (e.g. when dialling an IP address).");
-ABSL_FLAG(std::string, auth_token_file, Default().client.auth_token_file,
-          "File holding the servers' shared token, sent as 'authorization: "
-          "Bearer <token>' on every call.");
+#define PSTRAIN_CLIENT_FLAG(type, name, member, help) \
+  ABSL_FLAG(type, name, Default().client.member, help);
+PSTRAIN_CLIENT_OPTIONS(PSTRAIN_CLIENT_FLAG)
+#undef PSTRAIN_CLIENT_FLAG
 
 // The data (DataConfig).
 ABSL_FLAG(std::string, data, Default().data.source,
@@ -347,25 +288,10 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   ClientConfig& client = c.client;
   const std::string ps_hosts = absl::GetFlag(FLAGS_ps_hosts);
   if (!ps_hosts.empty()) client.hosts = absl::StrSplit(ps_hosts, ',');
-  client.rpc_timeout_s = absl::GetFlag(FLAGS_rpc_timeout_s);
-  client.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
-  client.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
-  client.connections_per_shard = absl::GetFlag(FLAGS_connections_per_shard);
-  client.call_streams = absl::GetFlag(FLAGS_call_streams);
-  client.data_plane = absl::GetFlag(FLAGS_data_plane);
-  client.data_requests_in_flight = absl::GetFlag(FLAGS_data_requests_in_flight);
-  client.data_plane_ktls = absl::GetFlag(FLAGS_data_plane_ktls);
-  client.heartbeat_interval_s = absl::GetFlag(FLAGS_heartbeat_interval_s);
-  client.retry_window_s = absl::GetFlag(FLAGS_retry_window_s);
-  client.gradient_wire_type = absl::GetFlag(FLAGS_gradient_wire_type);
-  client.gradient_topk_fraction = absl::GetFlag(FLAGS_gradient_topk_fraction);
-  client.inject_duplicate_push_probability =
-      absl::GetFlag(FLAGS_inject_duplicate_push_probability);
-  client.inject_push_jitter_ms = absl::GetFlag(FLAGS_inject_push_jitter_ms);
-  client.tls = {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
-                absl::GetFlag(FLAGS_tls_key),
-                absl::GetFlag(FLAGS_tls_server_name)};
-  client.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+#define PSTRAIN_READ_CLIENT_FLAG(type, name, member, help) \
+  client.member = absl::GetFlag(FLAGS_##name);
+  PSTRAIN_CLIENT_OPTIONS(PSTRAIN_READ_CLIENT_FLAG)
+#undef PSTRAIN_READ_CLIENT_FLAG
   client.grpc_tuning = GrpcTuningFlagValues();
 
   DataConfig& data = c.data;

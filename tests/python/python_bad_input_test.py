@@ -2,6 +2,9 @@
 option, and leaves the servers as they were (every case against real
 servers, whose Stats are compared before and after)."""
 
+import json
+import os
+import tempfile
 import time
 import unittest
 
@@ -202,6 +205,37 @@ class BadInputTest(unittest.TestCase):
         message = str(raised.exception)
         self.assertIn("shard 0 (127.0.0.1:1)", message)
         self.assertIn("Connection refused", message)
+
+
+class ClusterSpecClientOptionsTest(unittest.TestCase):
+    """A cluster description's worker_flags reach a Python worker's client
+    as the worker binary reads them: the client options typed, model flags
+    left out, a bad value refused naming the flag."""
+
+    def spec(self, worker_flags):
+        with tempfile.NamedTemporaryFile("w", suffix=".json",
+                                         delete=False) as f:
+            json.dump({"ps": ["127.0.0.1:1"], "workers": 2,
+                       "task": {"type": "worker", "index": 1},
+                       "worker_flags": worker_flags}, f)
+        self.addCleanup(os.unlink, f.name)
+        return pstrain.cluster_spec(f.name)
+
+    def test_client_flags_typed_and_model_flags_left_out(self):
+        spec = self.spec({"rpc_timeout_s": 7.5, "call_streams": False,
+                          "connections_per_shard": "3",
+                          "gradient_wire_type": "bf16", "model": "mlp",
+                          "learning_rate": 0.5})
+        self.assertEqual(spec.worker_id, 1)
+        self.assertEqual(spec.client_options,
+                         {"rpc_timeout_s": 7.5, "call_streams": False,
+                          "connections_per_shard": 3,
+                          "gradient_wire_type": "bf16"})
+
+    def test_a_value_the_flag_cannot_take(self):
+        with self.assertRaisesRegex(pstrain.Error,
+                                    "worker_flags.connections_per_shard=four"):
+            self.spec({"connections_per_shard": "four"})
 
 
 class BadEmbeddingInputTest(unittest.TestCase):

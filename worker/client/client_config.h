@@ -1,9 +1,10 @@
 // The worker's connection to the servers as plain values: what the worker
 // binary's --ps_hosts, --rpc_timeout_s, --tls_*, --gradient_wire_type...
-// flags set (worker/worker_flags.cc) and what the Python binding
-// (worker/python/native_module.cc) fills from its keyword options. One set
-// of defaults (the flags' defaults are these), one validation, one way to
-// the PsClientOptions both hand to PsClient::Create.
+// flags set (worker/worker_flags.cc), what the Python binding
+// (worker/python/c_api.cc) fills from its keyword options, and what the
+// export tool's flags set. The options are listed once, in
+// client_options.h; one set of defaults (these member initialisers), one
+// validation, one way to the PsClientOptions all hand to PsClient::Create.
 #ifndef PSTRAIN_WORKER_CLIENT_CLIENT_CONFIG_H_
 #define PSTRAIN_WORKER_CLIENT_CLIENT_CONFIG_H_
 

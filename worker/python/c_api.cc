@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/flags/marshalling.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -32,6 +33,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/ps.pb.h"
 #include "worker/client/client_config.h"
+#include "worker/client/client_options.h"
 #include "worker/client/ps_client.h"
 #include "worker/ctr_data.h"
 #include "worker/data.h"
@@ -97,39 +99,36 @@ int Guard(char** error, const std::function<absl::Status()>& body) {
   }
 }
 
-// Sets the ClientConfig option `name` (its worker flag's name) from `value`.
+// Sets the ClientConfig option `name` (client_options.h) from `value`.
 using OptionSetter = std::function<void(const nlohmann::json&, ClientConfig&)>;
 const std::map<std::string, OptionSetter>& ClientOptionSetters() {
+#define PSTRAIN_OPTION_SETTER(type, name, member, help)  \
+  {#name, [](const nlohmann::json& v, ClientConfig& c) { \
+     c.member = v.get<type>();                           \
+   }},
   static const auto* setters = new std::map<std::string, OptionSetter>{
       {"hosts", [](auto& v, auto& c) { c.hosts = v; }},
-      {"rpc_timeout_s", [](auto& v, auto& c) { c.rpc_timeout_s = v; }},
-      {"connect_timeout_s", [](auto& v, auto& c) { c.connect_timeout_s = v; }},
-      {"retry_window_s", [](auto& v, auto& c) { c.retry_window_s = v; }},
-      {"heartbeat_interval_s",
-       [](auto& v, auto& c) { c.heartbeat_interval_s = v; }},
-      {"max_message_mb", [](auto& v, auto& c) { c.max_message_mb = v; }},
-      {"connections_per_shard",
-       [](auto& v, auto& c) { c.connections_per_shard = v; }},
-      {"call_streams", [](auto& v, auto& c) { c.call_streams = v; }},
-      {"data_plane", [](auto& v, auto& c) { c.data_plane = v; }},
-      {"data_requests_in_flight",
-       [](auto& v, auto& c) { c.data_requests_in_flight = v; }},
-      {"data_plane_ktls", [](auto& v, auto& c) { c.data_plane_ktls = v; }},
-      {"gradient_wire_type",
-       [](auto& v, auto& c) { c.gradient_wire_type = v; }},
-      {"gradient_topk_fraction",
-       [](auto& v, auto& c) { c.gradient_topk_fraction = v; }},
-      {"inject_duplicate_push_probability",
-       [](auto& v, auto& c) { c.inject_duplicate_push_probability = v; }},
-      {"inject_push_jitter_ms",
-       [](auto& v, auto& c) { c.inject_push_jitter_ms = v; }},
-      {"tls_ca", [](auto& v, auto& c) { c.tls.ca = v; }},
-      {"tls_cert", [](auto& v, auto& c) { c.tls.cert = v; }},
-      {"tls_key", [](auto& v, auto& c) { c.tls.key = v; }},
-      {"tls_server_name", [](auto& v, auto& c) { c.tls.server_name = v; }},
-      {"auth_token_file", [](auto& v, auto& c) { c.auth_token_file = v; }},
-  };
+      PSTRAIN_CLIENT_OPTIONS(PSTRAIN_OPTION_SETTER)};
+#undef PSTRAIN_OPTION_SETTER
   return *setters;
+}
+
+// Reads a client option's value from its flag text (a cluster description's
+// worker_flags) as the worker binary's flag of that name does.
+using OptionParser =
+    std::function<bool(const std::string&, nlohmann::json&, std::string*)>;
+const std::map<std::string, OptionParser>& ClientOptionParsers() {
+#define PSTRAIN_OPTION_PARSER(type, name, member, help)                        \
+  {#name, [](const std::string& text, nlohmann::json& out, std::string* why) { \
+     type parsed{};                                                            \
+     if (!absl::ParseFlag(text, &parsed, why)) return false;                   \
+     out = parsed;                                                             \
+     return true;                                                              \
+   }},
+  static const auto* parsers = new std::map<std::string, OptionParser>{
+      PSTRAIN_CLIENT_OPTIONS(PSTRAIN_OPTION_PARSER)};
+#undef PSTRAIN_OPTION_PARSER
+  return *parsers;
 }
 
 absl::StatusOr<ClientConfig> ParseClientOptions(const char* options_json) {
@@ -520,6 +519,18 @@ int pstrain_load_cluster_spec(const char* path, char** spec_json,
     const pstrain::ClusterSpec& s = **spec;
     nlohmann::json flags = nlohmann::json::object();
     for (const auto& [name, value] : s.worker_flags) flags[name] = value;
+    // The worker flags that are client options, typed as the worker binary
+    // would parse them; the rest (model flags) mean nothing to a script.
+    nlohmann::json client_options = nlohmann::json::object();
+    for (const auto& [name, value] : s.worker_flags) {
+      auto parse = pstrain::ClientOptionParsers().find(name);
+      if (parse == pstrain::ClientOptionParsers().end()) continue;
+      std::string why;
+      if (!parse->second(value, client_options[name], &why)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            s.source, ": worker_flags.", name, "=", value, ": ", why));
+      }
+    }
     nlohmann::json out = {{"ps", s.ps},
                           {"workers", s.workers},
                           {"max_workers", s.max_workers},
@@ -527,6 +538,7 @@ int pstrain_load_cluster_spec(const char* path, char** spec_json,
                           {"task_type", s.task_type},
                           {"task_index", s.task_index},
                           {"worker_flags", flags},
+                          {"client_options", client_options},
                           {"source", s.source}};
     *spec_json = pstrain::CopyString(out.dump());
     return absl::OkStatus();

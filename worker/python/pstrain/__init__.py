@@ -62,19 +62,6 @@ class ClusterSpec:
                 f"worker_id={self.worker_id})")
 
 
-# Worker flags of a cluster description that configure the client; the rest
-# (model flags of the C++ worker) mean nothing to a Python script.
-_CLIENT_FLAGS = {
-    "rpc_timeout_s": float, "connect_timeout_s": float,
-    "retry_window_s": float, "heartbeat_interval_s": float,
-    "connections_per_shard": int, "data_requests_in_flight": int,
-    "tls_ca": str, "tls_cert": str,
-    "tls_key": str, "tls_server_name": str, "auth_token_file": str,
-    "gradient_wire_type": str,
-    "data_plane": lambda v: str(v).lower() in ("1", "true", "yes"),
-}
-
-
 def cluster_spec(path=""):
     """The ClusterSpec of this process, or a ValueError saying what is missing."""
     spec = _core.load_cluster_spec(path)
@@ -93,21 +80,21 @@ def cluster_spec(path=""):
     if workers < 1:
         raise ValueError(f"{spec['source']}: no worker count (\"workers\") and "
                          "no $WORLD_SIZE")
-    options = {}
-    for name, value in spec["worker_flags"].items():
-        if name in _CLIENT_FLAGS:
-            options[name] = _CLIENT_FLAGS[name](value)
-    return ClusterSpec(spec["ps"], workers, worker_id, spec["mode"], options)
+    # The worker flags that configure the client (worker/client/
+    # client_options.h), typed by the C++ side; model flags are left out.
+    return ClusterSpec(spec["ps"], workers, worker_id, spec["mode"],
+                       spec["client_options"])
 
 
 class Client:
     """One worker's (or an observer's) connection to every shard.
 
-    Options (all optional but ``hosts``): rpc_timeout_s, connect_timeout_s,
-    retry_window_s, heartbeat_interval_s, data_plane, connections_per_shard,
-    data_requests_in_flight, tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file,
-    gradient_wire_type; their meaning, defaults and checks are ClientConfig's
-    (worker/client/client_config.h), as for the worker binary's flags of those names.
+    Options (all optional but ``hosts``) are the worker binary's client
+    flags, by the same names: one list, worker/client/client_options.h
+    (rpc_timeout_s, connect_timeout_s, tls_*, auth_token_file,
+    gradient_wire_type, data_plane, ...); their defaults and checks are
+    ClientConfig's (worker/client/client_config.h). An unknown name is a
+    ValueError listing the known ones.
     """
 
     def __init__(self, hosts, **options):

@@ -1,0 +1,87 @@
+// Every option of the client, once: its type, its name (the worker flag's,
+// the Python keyword's, the cluster description's worker_flags key), the
+// ClientConfig member it sets, and its help. The worker's flags
+// (worker/worker_flags.cc), the Python binding's keyword table
+// (worker/python/c_api.cc) and the export tool's flags (worker/export_main.cc)
+// are all expanded from these lists; the defaults are ClientConfig's member
+// initialisers. Adding an option here adds it everywhere.
+//
+// X(type, name, member, help) for each option. Two lists: reaching the
+// servers at all (what an observer such as the export tool needs), and how a
+// worker trains over the connection.
+#ifndef PSTRAIN_WORKER_CLIENT_CLIENT_OPTIONS_H_
+#define PSTRAIN_WORKER_CLIENT_CLIENT_OPTIONS_H_
+
+// clang-format off
+#define PSTRAIN_CLIENT_CONNECTION_OPTIONS(X) \
+  X(double, rpc_timeout_s, rpc_timeout_s, \
+    "Deadline of each pull/push (a sync pull waits for all workers).") \
+  X(double, connect_timeout_s, connect_timeout_s, \
+    "How long to wait for the servers to come up.") \
+  X(int, max_message_mb, max_message_mb, \
+    "Largest message sent or received, in MiB.") \
+  X(std::string, tls_ca, tls.ca, \
+    "PEM CA bundle the servers' certificates must chain to; setting " \
+    "any --tls_* flag turns TLS on (no --tls_ca: the system's roots).") \
+  X(std::string, tls_cert, tls.cert, \
+    "PEM client certificate for mutual TLS (with --tls_key).") \
+  X(std::string, tls_key, tls.key, \
+    "PEM private key of --tls_cert.") \
+  X(std::string, tls_server_name, tls.server_name, \
+    "Name to expect in the servers' certificates instead of the host " \
+    "in --ps_hosts (e.g. when dialling an IP address).") \
+  X(std::string, auth_token_file, auth_token_file, \
+    "File holding the servers' shared token, sent as 'authorization: " \
+    "Bearer <token>' on every call.")
+
+#define PSTRAIN_CLIENT_TRAINING_OPTIONS(X) \
+  X(int, connections_per_shard, connections_per_shard, \
+    "TCP connections to each ps_server; a shard's RPCs are spread over " \
+    "them.") \
+  X(bool, call_streams, call_streams, \
+    "Send a push or pull that is one RPC (one shard, one block group) " \
+    "as a message on a long-lived stream of its connection instead of " \
+    "a unary call: a third less latency for small models. false: " \
+    "always unary.") \
+  X(int, data_requests_in_flight, data_requests_in_flight, \
+    "Requests each data-plane connection sends ahead of their answers. " \
+    "1 keeps the workers' pushes in step, which a sync step on a link " \
+    "that binds needs; raise it where a round trip is long next to " \
+    "sending one block group.") \
+  X(bool, data_plane, data_plane, \
+    "Push and pull dense tensors over the servers' data plane (framed " \
+    "TCP beside gRPC; inside TLS with the --tls_* files when the " \
+    "servers have TLS) where they announce one: about 1.5-2x the " \
+    "throughput of gRPC for large tensors. false: gRPC only.") \
+  X(bool, data_plane_ktls, data_plane_ktls, \
+    "With TLS: let the kernel encrypt the data plane's records (kTLS) " \
+    "where it can; OpenSSL does otherwise. Logged once.") \
+  X(double, heartbeat_interval_s, heartbeat_interval_s, \
+    "How often to renew this worker's lease on the servers (keep it " \
+    "well under their --worker_lease_s).") \
+  X(double, retry_window_s, retry_window_s, \
+    "How long a failed pull or push is retried (server restarting, " \
+    "peers slow) before the worker gives up.") \
+  X(std::string, gradient_wire_type, gradient_wire_type, \
+    "Gradients on the wire: fp32, or fp16/bf16 to halve the bytes " \
+    "(servers decode to fp32), or topk: per block, only the " \
+    "--gradient_topk_fraction largest-magnitude elements, the rest " \
+    "carried into the next push (error feedback). Sparse-table rows " \
+    "always go as fp32 under topk.") \
+  X(double, gradient_topk_fraction, gradient_topk_fraction, \
+    "With --gradient_wire_type=topk: the fraction of each block's " \
+    "elements a push sends, in (0, 1].") \
+  X(double, inject_duplicate_push_probability, inject_duplicate_push_probability, \
+    "Fault injection: resend a successful push with this probability " \
+    "(the servers must not apply it twice).") \
+  X(double, inject_push_jitter_ms, inject_push_jitter_ms, \
+    "Fault injection: delay every push by a random time up to this " \
+    "many ms, so gradients reach the servers in a different order " \
+    "each run (sync results must not change).")
+
+#define PSTRAIN_CLIENT_OPTIONS(X)      \
+  PSTRAIN_CLIENT_CONNECTION_OPTIONS(X) \
+  PSTRAIN_CLIENT_TRAINING_OPTIONS(X)
+// clang-format on
+
+#endif  // PSTRAIN_WORKER_CLIENT_CLIENT_OPTIONS_H_
