@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "common/hash.h"
+#include "worker/libsvm.h"
 #include "worker/line_reader.h"
 
 namespace pstrain {
@@ -604,45 +605,31 @@ absl::StatusOr<CtrDataset> ReadLibsvmCtr(const std::string& path,
   CtrDataset data = EmptyDataset(/*num_dense=*/0, /*num_fields=*/1);
   int64_t example_index = 0;
   absl::string_view line;
-  std::vector<absl::string_view> tokens;
+  LibsvmLine parsed;
   while (reader.Next(&line)) {
-    tokens = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
-    if (tokens.empty()) continue;
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty()) continue;
     const bool kept = InShard(example_index, shard);
     ++example_index;
     if (!kept) continue;
+    if (absl::Status form = ParseLibsvmLine(line, &parsed); !form.ok()) {
+      return reader.Error(form.message());
+    }
     double label;
-    if (!absl::SimpleAtod(tokens[0], &label) ||
+    if (!absl::SimpleAtod(parsed.label, &label) ||
         (label != 0.0 && label != 1.0 && label != -1.0)) {
       return reader.Error(
-          absl::StrCat("label '", tokens[0], "' is not 0, 1, -1 or +1"));
+          absl::StrCat("label '", parsed.label, "' is not 0, 1, -1 or +1"));
     }
     data.labels.push_back(label == 1.0 ? 1.0f : 0.0f);
-    bool first = true;
-    uint64_t previous = 0;
-    for (size_t k = 1; k < tokens.size(); ++k) {
-      const absl::string_view token = tokens[k];
-      const size_t colon = token.find(':');
-      uint64_t index;
-      if (colon == absl::string_view::npos ||
-          !absl::SimpleAtoi(token.substr(0, colon), &index)) {
-        return reader.Error(absl::StrCat(
-            "'", token, "' is not index:value with a non-negative index"));
-      }
-      if (!first && index <= previous) {
-        return reader.Error(absl::StrCat(
-            "index ", index, " does not increase (previous ", previous, ")"));
-      }
-      const absl::string_view value_text = token.substr(colon + 1);
+    for (const LibsvmFeature& feature : parsed.features) {
       double value;
-      if (!absl::SimpleAtod(value_text, &value) || value != 1.0) {
+      if (!absl::SimpleAtod(feature.value, &value) || value != 1.0) {
         return reader.Error(
-            absl::StrCat("value '", value_text, "' of index ", index,
+            absl::StrCat("value '", feature.value, "' of index ", feature.index,
                          " is not 1: CTR LIBSVM features must be binary"));
       }
-      data.ids.push_back(index);
-      previous = index;
-      first = false;
+      data.ids.push_back(feature.index);
     }
     data.offsets.push_back(static_cast<int64_t>(data.ids.size()));
   }

@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "common/hash.h"
+#include "worker/libsvm.h"
 #include "worker/line_reader.h"
 
 namespace pstrain {
@@ -339,56 +340,46 @@ absl::StatusOr<Dataset> ReadLibsvm(const std::string& path,
   std::vector<size_t> row_ends;
   int64_t example_index = 0;
   absl::string_view line;
+  LibsvmLine parsed;
   while (reader.Next(&line)) {
     line = absl::StripAsciiWhitespace(line);
     if (line.empty()) continue;
     const bool kept = InShard(example_index, shard);
     ++example_index;
     if (!kept && !infer) continue;
-    std::vector<absl::string_view> tokens =
-        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    const absl::Status form = ParseLibsvmLine(line, &parsed);
     if (!kept) {
-      // Indices only, no values and no checks: the shard that keeps this line
-      // validates it, but every shard must agree on the width.
-      for (size_t k = 1; k < tokens.size(); ++k) {
-        const size_t colon = tokens[k].find(':');
-        int64_t index;
-        if (colon != absl::string_view::npos &&
-            absl::SimpleAtoi(tokens[k].substr(0, colon), &index)) {
-          max_index = std::max(max_index, index);
-        }
+      // No value or label checks: the shard that keeps this line validates
+      // it, but every shard must agree on the width.
+      if (form.ok() && !parsed.features.empty()) {
+        max_index = std::max(
+            max_index, static_cast<int64_t>(parsed.features.back().index));
       }
       continue;
     }
+    if (!form.ok()) return reader.Error(form.message());
     int32_t label;
     if (absl::Status status =
-            ParseLabel(reader, tokens[0], num_classes, true, &label);
+            ParseLabel(reader, parsed.label, num_classes, true, &label);
         !status.ok()) {
       return status;
     }
     labels.push_back(label);
     int64_t previous = 0;
-    for (size_t k = 1; k < tokens.size(); ++k) {
-      const absl::string_view token = tokens[k];
-      const size_t colon = token.find(':');
-      int64_t index;
-      if (colon == absl::string_view::npos ||
-          !absl::SimpleAtoi(token.substr(0, colon), &index)) {
-        return reader.Error(absl::StrCat("'", token, "' is not index:value"));
-      }
-      if (index < 1 || (!infer && index > num_features)) {
+    for (const LibsvmFeature& feature : parsed.features) {
+      if (feature.index < 1 ||
+          (!infer && feature.index > static_cast<uint64_t>(num_features)) ||
+          feature.index >
+              static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
         return reader.Error(absl::StrCat(
-            "index ", index, " is out of range [1, ",
+            "index ", feature.index, " is out of range [1, ",
             infer ? std::string("inf") : absl::StrCat(num_features), "]"));
       }
-      if (index <= previous) {
-        return reader.Error(absl::StrCat(
-            "index ", index, " does not increase (previous ", previous, ")"));
-      }
+      const int64_t index = static_cast<int64_t>(feature.index);
       previous = index;
       float value;
       if (absl::Status status =
-              ParseValue(reader, token.substr(colon + 1),
+              ParseValue(reader, feature.value,
                          absl::StrCat("value of index ", index), &value);
           !status.ok()) {
         return status;
