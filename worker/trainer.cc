@@ -183,6 +183,322 @@ absl::StatusOr<BatchResult> Evaluate(Model& model, kernels::Backend& backend,
   std::abort();  // not reached
 }
 
+// What one step's forward, backward and push produced.
+struct StepExchange {
+  BatchResult batch;
+  PsClient::PushResult pushed;
+  absl::Duration compute_time;  // from staging the batch to the gradients
+  absl::Duration push_time;     // the push's own time
+  absl::Duration push_wait;     // how long the step waited for the push
+  // A PushPull's: the step of the model it left in backend memory.
+  std::optional<int64_t> pulled_ahead;
+};
+
+// One step's forward, backward and push by one of the three push
+// strategies, so that the training loop reads the same whichever runs:
+//   overlap_push  each tensor is pushed as backward reports it ready;
+//   push_pull     one PushPull after backward, which also brings the next
+//                 step's model (where the caller allows it);
+//   otherwise     one Push after backward.
+class StepRunner {
+ public:
+  StepRunner(const TrainerOptions& options, PsClient& client, Model& model,
+             kernels::Backend& backend, ParameterBuffers& buffers)
+      : options_(options),
+        client_(client),
+        model_(model),
+        backend_(backend),
+        buffers_(buffers),
+        params_(ParameterBuffers::Pointers<const float>(buffers.device_params)),
+        grads_(ParameterBuffers::Pointers<float>(buffers.device_grads)) {
+    // Its push thread only where it is used.
+    if (options.overlap_push) {
+      overlapped_push_.emplace(client, backend, grads_, buffers.host_grads);
+    }
+  }
+
+  const std::vector<const float*>& params() const { return params_; }
+
+  // `staged_at`: when the step began staging its batch (counted as
+  // compute). `may_pull_ahead`: a PushPull may bring the next step's model
+  // (not on the last step, nor before the job-start wait).
+  absl::StatusOr<StepExchange> Run(int64_t step, const DeviceBatch& batch,
+                                   absl::Time staged_at, bool may_pull_ahead) {
+    return overlapped_push_.has_value()
+               ? RunOverlapped(step, batch, staged_at)
+               : RunThenPush(step, batch, staged_at, may_pull_ahead);
+  }
+
+ private:
+  absl::StatusOr<StepExchange> RunOverlapped(int64_t step,
+                                             const DeviceBatch& batch,
+                                             absl::Time staged_at) {
+    // The first error stops the reports (the step fails below).
+    absl::Status ready_status;
+    overlapped_push_->Start(step);
+    absl::StatusOr<BatchResult> computed =
+        model_.ComputeGradients(params_, batch, grads_, [&](int tensor) {
+          if (ready_status.ok()) ready_status = overlapped_push_->Ready(tensor);
+        });
+    DelayIfAsked();
+    StepExchange out;
+    const absl::Time wait_start = absl::Now();
+    absl::StatusOr<PsClient::PushResult> pushed = overlapped_push_->Finish();
+    out.push_wait = absl::Now() - wait_start;
+    out.compute_time = wait_start - staged_at;
+    out.push_time = overlapped_push_->push_time();
+    if (!computed.ok()) return computed.status();
+    if (!ready_status.ok()) return ready_status;
+    if (!pushed.ok()) return pushed.status();
+    out.batch = *computed;
+    out.pushed = *pushed;
+    return out;
+  }
+
+  absl::StatusOr<StepExchange> RunThenPush(int64_t step,
+                                           const DeviceBatch& batch,
+                                           absl::Time staged_at,
+                                           bool may_pull_ahead) {
+    absl::StatusOr<BatchResult> computed =
+        model_.ComputeGradients(params_, batch, grads_);
+    if (!computed.ok()) return computed.status();
+    if (absl::Status s = buffers_.GradsToHost(backend_); !s.ok()) return s;
+    DelayIfAsked();
+    StepExchange out;
+    out.batch = *computed;
+    const absl::Time push_start = absl::Now();
+    out.compute_time = push_start - staged_at;
+    if (options_.push_pull && may_pull_ahead) {
+      absl::StatusOr<PsClient::PushPullResult> done =
+          buffers_.PushPullToDevice(client_, step, backend_);
+      if (!done.ok()) return done.status();
+      out.pushed = done->pushed;
+      out.pulled_ahead = done->pulled_step;
+    } else {
+      absl::StatusOr<PsClient::PushResult> pushed =
+          client_.Push(step, buffers_.push_from);
+      if (!pushed.ok()) return pushed.status();
+      out.pushed = *pushed;
+    }
+    out.push_time = out.push_wait = absl::Now() - push_start;
+    return out;
+  }
+
+  void DelayIfAsked() const {
+    if (options_.step_delay > absl::ZeroDuration()) {
+      absl::SleepFor(options_.step_delay);
+    }
+  }
+
+  const TrainerOptions& options_;
+  PsClient& client_;
+  Model& model_;
+  kernels::Backend& backend_;
+  ParameterBuffers& buffers_;
+  const std::vector<const float*> params_;
+  const std::vector<float*> grads_;
+  std::optional<OverlappedPush> overlapped_push_;
+};
+
+// Held-out evaluations of the parameters in backend memory: when one is
+// due, and the first time the target accuracy is reached (in training
+// time: evaluations left out). Only the evaluating worker times the target:
+// the others see just the final model, whose time says nothing about when
+// the target was met.
+class Evaluator {
+ public:
+  Evaluator(const TrainerOptions& options, Model& model,
+            kernels::Backend& backend, const std::vector<const float*>& params,
+            const ExampleSource* test, BatchBuffers& batch,
+            int64_t steps_per_epoch)
+      : options_(options),
+        model_(model),
+        backend_(backend),
+        params_(params),
+        test_(test != nullptr && test->size() > 0 ? test : nullptr),
+        batch_(batch),
+        steps_per_epoch_(steps_per_epoch) {}
+
+  bool has_test() const { return test_ != nullptr; }
+
+  bool Due(int64_t step) const {
+    if (!options_.periodic_evaluation || !has_test()) return false;
+    return (options_.eval_every_steps > 0 &&
+            step % options_.eval_every_steps == 0) ||
+           (options_.eval_every_epochs > 0 &&
+            step % (options_.eval_every_epochs * steps_per_epoch_) == 0);
+  }
+
+  // `start`: when training started (the job-start wait left out).
+  absl::StatusOr<BatchResult> Run(int64_t at_step, absl::Time start,
+                                  TrainResult& result) {
+    const absl::Time eval_start = absl::Now();
+    absl::StatusOr<BatchResult> evaluation = Evaluate(
+        model_, backend_, params_, *test_, options_.batch_size, batch_);
+    if (!evaluation.ok()) return evaluation.status();
+    const double accuracy =
+        static_cast<double>(evaluation->num_correct) / evaluation->rows;
+    if (options_.periodic_evaluation && options_.target_accuracy > 0 &&
+        result.step_to_target < 0 && accuracy >= options_.target_accuracy) {
+      result.step_to_target = at_step;
+      result.time_to_target_s =
+          absl::ToDoubleSeconds(eval_start - start - time_);
+    }
+    time_ += absl::Now() - eval_start;
+    return evaluation;
+  }
+
+  // After `step` steps: if an evaluation is due, evaluates the model of
+  // that step (sync: after exactly `step` updates, waiting for the other
+  // workers' gradients; async: the servers' current model), pulling it
+  // unless `model_is_at_step` (a PushPull ending the step brought it), and
+  // puts the figures in `report`.
+  absl::Status AfterStep(int64_t step, bool model_is_at_step,
+                         ParameterBuffers& buffers, PsClient& client,
+                         absl::Time start, TrainResult& result,
+                         StepReport& report) {
+    if (!Due(step)) return absl::OkStatus();
+    if (!model_is_at_step) {
+      const absl::Time pull_start = absl::Now();
+      absl::StatusOr<int64_t> pulled =
+          buffers.PullToDevice(client, step, backend_);
+      if (!pulled.ok()) return pulled.status();
+      time_ += absl::Now() - pull_start;
+    }
+    absl::StatusOr<BatchResult> evaluation = Run(step, start, result);
+    if (!evaluation.ok()) return evaluation.status();
+    ++result.evaluations;
+    last_evaluated_step_ = step;
+    last_evaluation_ = *evaluation;
+    report.evaluated = true;
+    report.test_loss = evaluation->loss_sum / evaluation->rows;
+    report.test_accuracy =
+        static_cast<double>(evaluation->num_correct) / evaluation->rows;
+    return absl::OkStatus();
+  }
+
+  // The job's final model, in backend memory, on the held-out set (none:
+  // nothing to do). A sync job's model after its last step, if evaluated
+  // then already, is not evaluated again.
+  absl::Status Final(int64_t step, ConsistencyMode mode, absl::Time start,
+                     TrainResult& result) {
+    if (!has_test()) return absl::OkStatus();
+    BatchResult evaluation;
+    if (mode == ConsistencyMode::kSync &&
+        last_evaluated_step_ == options_.steps && !result.stopped_early) {
+      evaluation = last_evaluation_;
+    } else {
+      absl::StatusOr<BatchResult> final_evaluation = Run(step, start, result);
+      if (!final_evaluation.ok()) return final_evaluation.status();
+      evaluation = *final_evaluation;
+    }
+    result.test_examples = evaluation.rows;
+    result.test_loss = evaluation.loss_sum / evaluation.rows;
+    result.test_accuracy =
+        static_cast<double>(evaluation.num_correct) / evaluation.rows;
+    return absl::OkStatus();
+  }
+
+  // Time spent on evaluations, and on the pulls made only for them.
+  absl::Duration time() const { return time_; }
+
+ private:
+  const TrainerOptions& options_;
+  Model& model_;
+  kernels::Backend& backend_;
+  const std::vector<const float*>& params_;
+  const ExampleSource* const test_;
+  BatchBuffers& batch_;
+  const int64_t steps_per_epoch_;
+  absl::Duration time_ = absl::ZeroDuration();
+  int64_t last_evaluated_step_ = -1;
+  BatchResult last_evaluation_;
+};
+
+// Ends this worker's part in the job and leaves the job's final model in
+// backend memory. sync: Pull(steps) waits for every member's last gradient
+// (a worker that stopped early takes the step it reached), and the steps
+// that ran short are counted. async/ssp: leave first, so that the others'
+// wait counts this worker as done, then read the servers' model once every
+// worker has finished, through the observer, which does not rejoin the job.
+absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
+                            int64_t reached_step, PsClient& client,
+                            ParameterBuffers& buffers,
+                            kernels::Backend& backend, TrainResult& result) {
+  if (mode == ConsistencyMode::kSync) {
+    absl::StatusOr<int64_t> final_step = buffers.PullToDevice(
+        client, result.stopped_early ? reached_step : options.steps, backend);
+    if (!final_step.ok()) return final_step.status();
+    // Every step this worker ran is complete now: count the short ones.
+    absl::StatusOr<int64_t> steps_short = client.StepsShort();
+    if (!steps_short.ok()) return steps_short.status();
+    result.steps_short = *steps_short;
+    if (absl::Status s = client.Leave(); !s.ok()) return s;
+    result.final_model = "sync_step";
+    return absl::OkStatus();
+  }
+  if (absl::Status s = client.Leave(); !s.ok()) return s;
+  PsClient& reader = options.observer != nullptr ? *options.observer : client;
+  result.final_model = reader.AwaitFinalModel(
+      options.num_workers * options.steps, options.final_model_timeout);
+  return buffers.PullToDevice(reader, options.steps, backend).status();
+}
+
+// This worker's figures once its steps are done: `steps_done` of them in
+// `wall_time`, of which `evaluation_time` on evaluations; `window` the
+// batches of the job's last tenth.
+void Summarize(const TrainerOptions& options, int64_t steps_done,
+               int64_t steps_per_epoch, const BatchResult& window,
+               absl::Duration wall_time, absl::Duration evaluation_time,
+               TrainResult& result) {
+  if (window.rows > 0) {
+    result.final_loss = window.loss_sum / window.rows;
+    result.train_accuracy =
+        static_cast<double>(window.num_correct) / window.rows;
+  }
+  result.steps = options.steps;
+  result.epochs = static_cast<double>(steps_done) / steps_per_epoch;
+  result.wall_time_s = absl::ToDoubleSeconds(wall_time);
+  result.evaluation_seconds = absl::ToDoubleSeconds(evaluation_time);
+  result.samples_per_sec =
+      result.steps_run * options.batch_size /
+      std::max(result.wall_time_s - result.evaluation_seconds, 1e-9);
+}
+
+// This worker's slice of every global batch, epoch after epoch.
+EpochPlan::Options PlanOptions(const TrainerOptions& options,
+                               const ExampleSource& train) {
+  EpochPlan::Options plan_options;
+  plan_options.num_examples = train.size();
+  plan_options.worker_batch = options.batch_size;
+  plan_options.num_workers = options.num_workers;
+  plan_options.worker_index = options.worker_id;
+  plan_options.shuffle = options.shuffle;
+  plan_options.seed = options.seed;
+  return plan_options;
+}
+
+// The progress line of the step just run (`step`: the steps done).
+StepReport ReportOf(int64_t step, const TrainerOptions& options,
+                    int64_t steps_per_epoch, const StepExchange& exchange,
+                    absl::Duration pull_time, absl::Duration step_time) {
+  StepReport report;
+  report.step = step;
+  report.steps = options.steps;
+  const BatchResult& batch = exchange.batch;
+  report.loss = batch.loss_sum / batch.rows;
+  report.train_accuracy = static_cast<double>(batch.num_correct) / batch.rows;
+  report.examples = batch.rows;
+  report.step_seconds = absl::ToDoubleSeconds(step_time);
+  report.pull_seconds = absl::ToDoubleSeconds(pull_time);
+  report.push_seconds = absl::ToDoubleSeconds(exchange.push_time);
+  report.compute_seconds = absl::ToDoubleSeconds(exchange.compute_time);
+  report.network_wait_seconds =
+      absl::ToDoubleSeconds(pull_time + exchange.push_wait);
+  report.epoch = step / steps_per_epoch;
+  return report;
+}
+
 }  // namespace
 
 int64_t PeakRssBytes() {
@@ -205,17 +521,10 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
                                   Model& model, kernels::Backend& backend,
                                   const ExampleSource& train,
                                   const ExampleSource* test) {
-  EpochPlan::Options plan_options;
-  plan_options.num_examples = train.size();
-  plan_options.worker_batch = options.batch_size;
-  plan_options.num_workers = options.num_workers;
-  plan_options.worker_index = options.worker_id;
-  plan_options.shuffle = options.shuffle;
-  plan_options.seed = options.seed;
-  absl::StatusOr<EpochPlan> plan = EpochPlan::Create(plan_options);
+  absl::StatusOr<EpochPlan> plan =
+      EpochPlan::Create(PlanOptions(options, train));
   if (!plan.ok()) return plan.status();
   const int64_t steps_per_epoch = plan->steps_per_epoch();
-
   ParameterBuffers buffers;
   if (absl::Status s = buffers.Allocate(model, backend); !s.ok()) return s;
   BatchBuffers batch;
@@ -224,63 +533,24 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       !s.ok()) {
     return s;
   }
-  const std::vector<const float*> params =
-      ParameterBuffers::Pointers<const float>(buffers.device_params);
-  const std::vector<float*> grads =
-      ParameterBuffers::Pointers<float>(buffers.device_grads);
+  StepRunner runner(options, client, model, backend, buffers);
+  Evaluator evaluator(options, model, backend, runner.params(), test, batch,
+                      steps_per_epoch);
+  BatchPrefetcher prefetcher(*plan, train, options.batch_size);
 
   TrainResult result;
   result.mode = mode;
   result.start_step = options.start_step;
   result.steps_per_epoch = steps_per_epoch;
-  const bool have_test = test != nullptr && test->size() > 0;
-  absl::Duration evaluation_time = absl::ZeroDuration();
+  BatchResult window;  // the last tenth of the job's batches
   // Moved on by the start wait (TrainerOptions::await_job_start).
   absl::Time start = absl::Now();
-  // Evaluates the parameters in backend memory; notes the first time the
-  // target is reached (training time: evaluations left out).
-  auto evaluate = [&](int64_t at_step) -> absl::StatusOr<BatchResult> {
-    const absl::Time eval_start = absl::Now();
-    absl::StatusOr<BatchResult> evaluation =
-        Evaluate(model, backend, params, *test, options.batch_size, batch);
-    if (!evaluation.ok()) return evaluation.status();
-    const double accuracy =
-        static_cast<double>(evaluation->num_correct) / evaluation->rows;
-    // Only the evaluating worker times the target: the others see just the
-    // final model, whose time says nothing about when the target was met.
-    if (options.periodic_evaluation && options.target_accuracy > 0 &&
-        result.step_to_target < 0 && accuracy >= options.target_accuracy) {
-      result.step_to_target = at_step;
-      result.time_to_target_s =
-          absl::ToDoubleSeconds(eval_start - start - evaluation_time);
-    }
-    evaluation_time += absl::Now() - eval_start;
-    return evaluation;
-  };
-  auto evaluation_due = [&](int64_t step) {
-    if (!options.periodic_evaluation || !have_test) return false;
-    return (options.eval_every_steps > 0 &&
-            step % options.eval_every_steps == 0) ||
-           (options.eval_every_epochs > 0 &&
-            step % (options.eval_every_epochs * steps_per_epoch) == 0);
-  };
-
-  BatchResult window;
-  int64_t last_evaluated_step = -1;
-  BatchResult last_evaluation;
-  // Its push thread only where it is used.
-  std::optional<OverlappedPush> overlapped_push;
-  if (options.overlap_push) {
-    overlapped_push.emplace(client, backend, grads, buffers.host_grads);
-  }
-  BatchPrefetcher prefetcher(*plan, train, options.batch_size);
   int64_t step = options.start_step;
   if (step < options.steps) prefetcher.Prefetch(step);
   // Where the last step's PushPull left the model in backend memory (the
   // step it is at): this step needs no pull of its own.
   std::optional<int64_t> pulled_ahead;
   while (step < options.steps) {
-    absl::Duration compute_time;
     absl::Time step_start = absl::Now();
     const bool await_start_after_push =
         options.await_job_start != nullptr && step == options.start_step;
@@ -308,7 +578,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     }
     // The step fixes the examples, so a worker that joins late or catches
     // up takes exactly the slice a single process would have used.
-    const absl::Time compute_start = absl::Now();
+    const absl::Time staged_at = absl::Now();
     if (absl::Status s =
             prefetcher.Take(step, batch.host_features, batch.host_labels);
         !s.ok()) {
@@ -318,51 +588,11 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
         batch.Upload(options.batch_size, train.num_features(), backend);
     if (!device_batch.ok()) return device_batch.status();
     if (step + 1 < options.steps) prefetcher.Prefetch(step + 1);
-    absl::StatusOr<BatchResult> batch_result;
-    absl::Duration push_time, push_wait;
-    absl::StatusOr<PsClient::PushResult> pushed;
-    if (overlapped_push.has_value()) {
-      // Each tensor goes to the servers as backward issues its gradient;
-      // the first error stops the reports (the step fails below).
-      absl::Status ready_status;
-      overlapped_push->Start(step);
-      batch_result =
-          model.ComputeGradients(params, *device_batch, grads, [&](int tensor) {
-            if (ready_status.ok())
-              ready_status = overlapped_push->Ready(tensor);
-          });
-      if (options.step_delay > absl::ZeroDuration()) {
-        absl::SleepFor(options.step_delay);
-      }
-      const absl::Time wait_start = absl::Now();
-      pushed = overlapped_push->Finish();
-      push_wait = absl::Now() - wait_start;
-      compute_time = wait_start - compute_start;
-      push_time = overlapped_push->push_time();
-      if (!batch_result.ok()) return batch_result.status();
-      if (!ready_status.ok()) return ready_status;
-    } else {
-      batch_result = model.ComputeGradients(params, *device_batch, grads);
-      if (!batch_result.ok()) return batch_result.status();
-      if (absl::Status s = buffers.GradsToHost(backend); !s.ok()) return s;
-      if (options.step_delay > absl::ZeroDuration()) {
-        absl::SleepFor(options.step_delay);
-      }
-      const absl::Time push_start = absl::Now();
-      compute_time = push_start - compute_start;
-      if (options.push_pull && step + 1 < options.steps &&
-          !await_start_after_push) {
-        absl::StatusOr<PsClient::PushPullResult> done =
-            buffers.PushPullToDevice(client, step, backend);
-        if (!done.ok()) return done.status();
-        pushed = done->pushed;
-        pulled_ahead = done->pulled_step;
-      } else {
-        pushed = client.Push(step, buffers.push_from);
-      }
-      push_time = push_wait = absl::Now() - push_start;
-    }
-    if (!pushed.ok()) return pushed.status();
+    absl::StatusOr<StepExchange> exchange = runner.Run(
+        step, *device_batch, staged_at,
+        /*may_pull_ahead=*/step + 1 < options.steps && !await_start_after_push);
+    if (!exchange.ok()) return exchange.status();
+    pulled_ahead = exchange->pulled_ahead;
     if (await_start_after_push) {
       const absl::Time wait_start = absl::Now();
       if (absl::Status s = options.await_job_start(); !s.ok()) return s;
@@ -370,115 +600,46 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       start += waited;
       step_start += waited;
     }
-    result.compute_seconds += absl::ToDoubleSeconds(compute_time);
-    result.network_wait_seconds += absl::ToDoubleSeconds(pull_time + push_wait);
+    result.compute_seconds += absl::ToDoubleSeconds(exchange->compute_time);
+    result.network_wait_seconds +=
+        absl::ToDoubleSeconds(pull_time + exchange->push_wait);
     if (step == options.crash_after_step) {
       CrashNow("after its exchange", step);
     }
-    result.duplicate_blocks += pushed->blocks_duplicate;
-    result.late_blocks += pushed->blocks_late;
+    result.duplicate_blocks += exchange->pushed.blocks_duplicate;
+    result.late_blocks += exchange->pushed.blocks_late;
     ++result.steps_run;
     ++step;
 
     // The final loss and accuracy average the last tenth of the job.
     if (step > options.steps - std::max<int64_t>(1, options.steps / 10)) {
-      window.loss_sum += batch_result->loss_sum;
-      window.num_correct += batch_result->num_correct;
-      window.rows += batch_result->rows;
+      window.loss_sum += exchange->batch.loss_sum;
+      window.num_correct += exchange->batch.num_correct;
+      window.rows += exchange->batch.rows;
     }
-    const absl::Time step_end = absl::Now();
-    StepReport report;
-    if (evaluation_due(step)) {
-      // sync: the model after exactly `step` updates (waits for the other
-      // workers' gradients); async: the servers' current model.
-      // The PushPull that ended the step already brought that model.
-      if (!pulled_ahead.has_value()) {
-        const absl::Time eval_pull_start = absl::Now();
-        absl::StatusOr<int64_t> pulled =
-            buffers.PullToDevice(client, step, backend);
-        if (!pulled.ok()) return pulled.status();
-        evaluation_time += absl::Now() - eval_pull_start;
-      }
-      absl::StatusOr<BatchResult> evaluation = evaluate(step);
-      if (!evaluation.ok()) return evaluation.status();
-      ++result.evaluations;
-      last_evaluated_step = step;
-      last_evaluation = *evaluation;
-      report.evaluated = true;
-      report.test_loss = evaluation->loss_sum / evaluation->rows;
-      report.test_accuracy =
-          static_cast<double>(evaluation->num_correct) / evaluation->rows;
+    const absl::Duration step_time = absl::Now() - step_start;
+    StepReport report = ReportOf(step, options, steps_per_epoch, *exchange,
+                                 pull_time, step_time);
+    if (absl::Status s =
+            evaluator.AfterStep(step, pulled_ahead.has_value(), buffers, client,
+                                start, result, report);
+        !s.ok()) {
+      return s;
     }
-    if (options.on_step) {
-      report.step = step;
-      report.steps = options.steps;
-      report.loss = batch_result->loss_sum / batch_result->rows;
-      report.train_accuracy =
-          static_cast<double>(batch_result->num_correct) / batch_result->rows;
-      report.examples = batch_result->rows;
-      report.step_seconds = absl::ToDoubleSeconds(step_end - step_start);
-      report.pull_seconds = absl::ToDoubleSeconds(pull_time);
-      report.push_seconds = absl::ToDoubleSeconds(push_time);
-      report.compute_seconds = absl::ToDoubleSeconds(compute_time);
-      report.network_wait_seconds =
-          absl::ToDoubleSeconds(pull_time + push_wait);
-      report.epoch = step / steps_per_epoch;
-      options.on_step(report);
-    }
+    if (options.on_step) options.on_step(report);
   }
   if (options.on_steps_done) options.on_steps_done();
-  if (window.rows > 0) {
-    result.final_loss = window.loss_sum / window.rows;
-    result.train_accuracy =
-        static_cast<double>(window.num_correct) / window.rows;
-  }
-  result.steps = options.steps;
-  result.epochs = static_cast<double>(step) / steps_per_epoch;
-  result.wall_time_s = absl::ToDoubleSeconds(absl::Now() - start);
-  result.evaluation_seconds = absl::ToDoubleSeconds(evaluation_time);
-  result.samples_per_sec =
-      result.steps_run * options.batch_size /
-      std::max(result.wall_time_s - result.evaluation_seconds, 1e-9);
+  Summarize(options, step, steps_per_epoch, window, absl::Now() - start,
+            evaluator.time(), result);
   result.injected_duplicate_pushes = client.injected_duplicate_pushes();
 
-  // The job's final model, then leave so nobody waits for this worker.
-  if (mode == ConsistencyMode::kSync) {
-    // Pull(steps) waits for every member's last gradient; a worker stopping
-    // early takes the step it reached.
-    absl::StatusOr<int64_t> final_step = buffers.PullToDevice(
-        client, result.stopped_early ? step : options.steps, backend);
-    if (!final_step.ok()) return final_step.status();
-    // Every step this worker ran is complete now: count the short ones.
-    absl::StatusOr<int64_t> steps_short = client.StepsShort();
-    if (!steps_short.ok()) return steps_short.status();
-    result.steps_short = *steps_short;
-    if (absl::Status s = client.Leave(); !s.ok()) return s;
-    result.final_model = "sync_step";
-  } else {
-    // Leave first: the others' wait below counts this worker as done. The
-    // pull then goes through the observer, which does not rejoin the job.
-    if (absl::Status s = client.Leave(); !s.ok()) return s;
-    PsClient& reader = options.observer != nullptr ? *options.observer : client;
-    result.final_model = reader.AwaitFinalModel(
-        options.num_workers * options.steps, options.final_model_timeout);
-    absl::StatusOr<int64_t> final_step =
-        buffers.PullToDevice(reader, options.steps, backend);
-    if (!final_step.ok()) return final_step.status();
+  if (absl::Status s =
+          PullFinalModel(options, mode, step, client, buffers, backend, result);
+      !s.ok()) {
+    return s;
   }
-  if (have_test) {
-    BatchResult evaluation;
-    if (mode == ConsistencyMode::kSync &&
-        last_evaluated_step == options.steps && !result.stopped_early) {
-      evaluation = last_evaluation;  // the same model, evaluated already
-    } else {
-      absl::StatusOr<BatchResult> final_evaluation = evaluate(step);
-      if (!final_evaluation.ok()) return final_evaluation.status();
-      evaluation = *final_evaluation;
-    }
-    result.test_examples = evaluation.rows;
-    result.test_loss = evaluation.loss_sum / evaluation.rows;
-    result.test_accuracy =
-        static_cast<double>(evaluation.num_correct) / evaluation.rows;
+  if (absl::Status s = evaluator.Final(step, mode, start, result); !s.ok()) {
+    return s;
   }
   result.peak_rss_bytes = PeakRssBytes();
   return result;
