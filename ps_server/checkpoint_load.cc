@@ -465,31 +465,18 @@ LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
   return scan;
 }
 
-}  // namespace
-
-absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
-    int shard_id, int num_shards) const {
-  if (num_shards < 1 || shard_id < 0 || shard_id >= num_shards) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot restore shard ", shard_id, " of ", num_shards,
-                     ": need 0 <= shard_id < num_shards"));
-  }
-  absl::StatusOr<std::vector<std::string>> entries = ListDir(dir_);
-  if (!entries.ok()) {
-    if (absl::IsNotFound(entries.status())) {
-      return absl::NotFoundError(
-          absl::StrCat("no checkpoint in ", dir_, ": no such directory"));
-    }
-    return entries.status();
-  }
-
-  // Every checkpoint file, grouped by layout.
+// Every checkpoint file under `dir`'s shard directories, grouped by
+// layout (the shard count they were written for), each shard's newest
+// first; `max_sequence` the highest sequence number seen (-1: none).
+std::map<int, Layout> ListLayouts(const std::string& dir,
+                                  const std::vector<std::string>& entries,
+                                  int64_t* max_sequence) {
+  *max_sequence = -1;
   std::map<int, Layout> layouts;
-  int64_t max_sequence = -1;
-  for (const std::string& entry : *entries) {
+  for (const std::string& entry : entries) {
     int old_shard = 0, old_num_shards = 0;
     if (!ParseShardDirName(entry, &old_shard, &old_num_shards)) continue;
-    const std::string shard_dir = JoinPath(dir_, entry);
+    const std::string shard_dir = JoinPath(dir, entry);
     absl::StatusOr<std::vector<std::string>> names = ListDir(shard_dir);
     if (!names.ok()) {
       // Not a directory, or unreadable: its files cannot be tried.
@@ -511,12 +498,9 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
       layout.num_shards = old_num_shards;
       layout.newest_mtime_ns = std::max(layout.newest_mtime_ns, file.mtime_ns);
       layout.max_sequence = std::max(layout.max_sequence, file.sequence);
-      max_sequence = std::max(max_sequence, file.sequence);
+      *max_sequence = std::max(*max_sequence, file.sequence);
       layout.shards[old_shard].push_back(std::move(file));
     }
-  }
-  if (layouts.empty()) {
-    return absl::NotFoundError(absl::StrCat("no checkpoint in ", dir_));
   }
   for (auto& [n, layout] : layouts) {
     for (auto& [i, files] : layout.shards) {
@@ -527,7 +511,13 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
     }
   }
 
-  // The matching layout first, then the others, newest first.
+  return layouts;
+}
+
+// The order to try layouts in: the one matching `num_shards` first, then
+// the others, newest first.
+std::vector<const Layout*> LayoutsToTry(const std::map<int, Layout>& layouts,
+                                        int num_shards) {
   std::vector<const Layout*> order;
   for (const auto& [n, layout] : layouts) {
     if (n != num_shards) order.push_back(&layout);
@@ -539,6 +529,151 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
   if (const auto it = layouts.find(num_shards); it != layouts.end()) {
     order.insert(order.begin(), &it->second);
   }
+
+  return order;
+}
+
+// The old shards must describe the same model and training setup.
+absl::Status CheckFilesAgree(const std::vector<LoadedFile>& files) {
+  const LoadedFile& first = files.front();
+  for (const LoadedFile& other : files) {
+    std::string difference =
+        FirstSchemaDifference(first.header.schema(), other.header.schema());
+    if (difference.empty() && first.header.mode() != other.header.mode()) {
+      difference = absl::StrCat("mode ", QuoteForStatus(first.header.mode()),
+                                " vs ", QuoteForStatus(other.header.mode()));
+    }
+    if (difference.empty() &&
+        first.header.optimizer() != other.header.optimizer()) {
+      difference =
+          absl::StrCat("optimizer ", QuoteForStatus(first.header.optimizer()),
+                       " vs ", QuoteForStatus(other.header.optimizer()));
+    }
+    if (!difference.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoints disagree: ", first.file.path, " vs ",
+                       other.file.path, ": ", difference));
+    }
+  }
+
+  return absl::OkStatus();
+}
+
+// Every block shard `shard_id` of `num_shards` owns, exactly once, in
+// global order, moved out of `files` (written for `old_num_shards`).
+absl::Status GatherBlocks(std::vector<LoadedFile>& files, int old_num_shards,
+                          int shard_id, int num_shards,
+                          std::vector<BlockSnapshot>* blocks) {
+  const LoadedFile& first = files.front();
+  const BlockGeometry geometry(first.header.schema());
+  absl::flat_hash_map<int64_t, BlockSnapshot*> found;
+  for (LoadedFile& file : files) {
+    for (BlockSnapshot& block : file.blocks) {
+      found[block.global_block] = &block;
+    }
+  }
+  const int64_t owned =
+      BlocksOnShard(geometry.num_blocks(), shard_id, num_shards);
+  (*blocks).reserve(std::min<int64_t>(owned, found.size()));
+  int64_t state_per_element = -1;
+  for (int64_t g = shard_id; g < geometry.num_blocks(); g += num_shards) {
+    const auto it = found.find(g);
+    const int old_shard = static_cast<int>(g % old_num_shards);
+    if (it == found.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot restore shard ", shard_id, " of ", num_shards,
+                       ": ", geometry.Describe(g), " is missing from ",
+                       files[old_shard].file.path));
+    }
+    BlockSnapshot& block = *it->second;
+    const int64_t per_element =
+        static_cast<int64_t>(block.optimizer_state.size()) /
+        static_cast<int64_t>(block.value.size());
+    if (state_per_element >= 0 && per_element != state_per_element) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoints disagree on optimizer state per element: ",
+          geometry.Describe(g), " in ", files[old_shard].file.path, " has ",
+          per_element, ", earlier blocks ", state_per_element));
+    }
+    state_per_element = per_element;
+    (*blocks).push_back(std::move(block));
+  }
+
+  return absl::OkStatus();
+}
+
+// Sparse rows: each old shard's share of the new shard's rows, merged per
+// table. None when some file predates sparse checkpoints.
+absl::Status MergeSparseTables(std::vector<LoadedFile>& files,
+                               std::vector<SparseTableSnapshot>* tables) {
+  const LoadedFile& first = files.front();
+  const bool all_have_sparse =
+      std::all_of(files.begin(), files.end(), [&](const LoadedFile& f) {
+        return static_cast<int>(f.sparse.size()) ==
+               first.header.schema().sparse_size();
+      });
+  if (first.header.schema().sparse_size() > 0 && !all_have_sparse) {
+    LOG(WARNING) << "some checkpoint files hold no sparse rows (written by an "
+                    "older ps_server): every table starts afresh";
+  }
+  for (int t = 0; all_have_sparse && t < first.header.schema().sparse_size();
+       ++t) {
+    SparseTableSnapshot& merged = (*tables).emplace_back();
+    merged.name = first.sparse[t].name;
+    merged.dim = first.sparse[t].dim;
+    merged.state_floats = first.sparse[t].state_floats;
+    merged.version = first.sparse[t].version;
+    for (LoadedFile& file : files) {
+      SparseTableSnapshot& part = file.sparse[t];
+      if (part.state_floats != merged.state_floats) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoints disagree on the state floats per row of sparse "
+            "table ",
+            QuoteForStatus(merged.name), ": ", file.file.path, " has ",
+            part.state_floats, ", ", first.file.path, " ",
+            merged.state_floats));
+      }
+      merged.version = std::min(merged.version, part.version);
+      merged.ids.insert(merged.ids.end(), part.ids.begin(), part.ids.end());
+      merged.update_counts.insert(merged.update_counts.end(),
+                                  part.update_counts.begin(),
+                                  part.update_counts.end());
+      merged.values.insert(merged.values.end(), part.values.begin(),
+                           part.values.end());
+      merged.states.insert(merged.states.end(), part.states.begin(),
+                           part.states.end());
+      part = SparseTableSnapshot();
+    }
+  }
+
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
+    int shard_id, int num_shards) const {
+  if (num_shards < 1 || shard_id < 0 || shard_id >= num_shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot restore shard ", shard_id, " of ", num_shards,
+                     ": need 0 <= shard_id < num_shards"));
+  }
+  absl::StatusOr<std::vector<std::string>> entries = ListDir(dir_);
+  if (!entries.ok()) {
+    if (absl::IsNotFound(entries.status())) {
+      return absl::NotFoundError(
+          absl::StrCat("no checkpoint in ", dir_, ": no such directory"));
+    }
+    return entries.status();
+  }
+
+  int64_t max_sequence;
+  const std::map<int, Layout> layouts =
+      ListLayouts(dir_, *entries, &max_sequence);
+  if (layouts.empty()) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint in ", dir_));
+  }
+  const std::vector<const Layout*> order = LayoutsToTry(layouts, num_shards);
 
   RestoredShard restored;
   restored.next_sequence = max_sequence + 1;
@@ -576,103 +711,17 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
     }
   }
 
-  // The old shards must describe the same model and training setup.
+  if (absl::Status s = CheckFilesAgree(scan.files); !s.ok()) return s;
+  if (absl::Status s = GatherBlocks(scan.files, chosen->num_shards, shard_id,
+                                    num_shards, &restored.blocks);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = MergeSparseTables(scan.files, &restored.sparse);
+      !s.ok()) {
+    return s;
+  }
   const LoadedFile& first = scan.files.front();
-  for (const LoadedFile& other : scan.files) {
-    std::string difference =
-        FirstSchemaDifference(first.header.schema(), other.header.schema());
-    if (difference.empty() && first.header.mode() != other.header.mode()) {
-      difference = absl::StrCat("mode ", QuoteForStatus(first.header.mode()),
-                                " vs ", QuoteForStatus(other.header.mode()));
-    }
-    if (difference.empty() &&
-        first.header.optimizer() != other.header.optimizer()) {
-      difference =
-          absl::StrCat("optimizer ", QuoteForStatus(first.header.optimizer()),
-                       " vs ", QuoteForStatus(other.header.optimizer()));
-    }
-    if (!difference.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("checkpoints disagree: ", first.file.path, " vs ",
-                       other.file.path, ": ", difference));
-    }
-  }
-
-  // Every block the new shard owns, exactly once, in global order.
-  const BlockGeometry geometry(first.header.schema());
-  absl::flat_hash_map<int64_t, BlockSnapshot*> found;
-  for (LoadedFile& file : scan.files) {
-    for (BlockSnapshot& block : file.blocks) {
-      found[block.global_block] = &block;
-    }
-  }
-  const int64_t owned =
-      BlocksOnShard(geometry.num_blocks(), shard_id, num_shards);
-  restored.blocks.reserve(std::min<int64_t>(owned, found.size()));
-  int64_t state_per_element = -1;
-  for (int64_t g = shard_id; g < geometry.num_blocks(); g += num_shards) {
-    const auto it = found.find(g);
-    const int old_shard = static_cast<int>(g % chosen->num_shards);
-    if (it == found.end()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot restore shard ", shard_id, " of ", num_shards,
-                       ": ", geometry.Describe(g), " is missing from ",
-                       scan.files[old_shard].file.path));
-    }
-    BlockSnapshot& block = *it->second;
-    const int64_t per_element =
-        static_cast<int64_t>(block.optimizer_state.size()) /
-        static_cast<int64_t>(block.value.size());
-    if (state_per_element >= 0 && per_element != state_per_element) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoints disagree on optimizer state per element: ",
-          geometry.Describe(g), " in ", scan.files[old_shard].file.path,
-          " has ", per_element, ", earlier blocks ", state_per_element));
-    }
-    state_per_element = per_element;
-    restored.blocks.push_back(std::move(block));
-  }
-
-  // Sparse rows: each old shard's share of the new shard's rows.
-  const bool all_have_sparse = std::all_of(
-      scan.files.begin(), scan.files.end(), [&](const LoadedFile& f) {
-        return static_cast<int>(f.sparse.size()) ==
-               first.header.schema().sparse_size();
-      });
-  if (first.header.schema().sparse_size() > 0 && !all_have_sparse) {
-    LOG(WARNING) << "some checkpoint files hold no sparse rows (written by an "
-                    "older ps_server): every table starts afresh";
-  }
-  for (int t = 0; all_have_sparse && t < first.header.schema().sparse_size();
-       ++t) {
-    SparseTableSnapshot& merged = restored.sparse.emplace_back();
-    merged.name = first.sparse[t].name;
-    merged.dim = first.sparse[t].dim;
-    merged.state_floats = first.sparse[t].state_floats;
-    merged.version = first.sparse[t].version;
-    for (LoadedFile& file : scan.files) {
-      SparseTableSnapshot& part = file.sparse[t];
-      if (part.state_floats != merged.state_floats) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoints disagree on the state floats per row of sparse "
-            "table ",
-            QuoteForStatus(merged.name), ": ", file.file.path, " has ",
-            part.state_floats, ", ", first.file.path, " ",
-            merged.state_floats));
-      }
-      merged.version = std::min(merged.version, part.version);
-      merged.ids.insert(merged.ids.end(), part.ids.begin(), part.ids.end());
-      merged.update_counts.insert(merged.update_counts.end(),
-                                  part.update_counts.begin(),
-                                  part.update_counts.end());
-      merged.values.insert(merged.values.end(), part.values.begin(),
-                           part.values.end());
-      merged.states.insert(merged.states.end(), part.states.begin(),
-                           part.states.end());
-      part = SparseTableSnapshot();
-    }
-  }
-
   restored.schema = first.header.schema();
   restored.mode = first.header.mode();
   restored.optimizer = first.header.optimizer();
