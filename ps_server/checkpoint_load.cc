@@ -258,6 +258,96 @@ absl::Status CheckHeaderContents(const CheckpointHeader& header, int shard_id,
 
 // Reads and verifies one file, keeping the blocks that shard `new_shard_id`
 // of `new_num_shards` owns. Errors are the reason the file is invalid.
+// The dense blocks of `header` that shard `new_shard_id` of
+// `new_num_shards` holds, into `kept`; every payload passes through
+// `reader`'s checksum, kept or not.
+absl::Status ReadKeptBlocks(CrcFileReader& reader,
+                            const CheckpointHeader& header, int new_shard_id,
+                            int new_num_shards,
+                            std::vector<BlockSnapshot>* kept) {
+  for (const CheckpointBlock& b : header.blocks()) {
+    const bool keep =
+        b.global_block() >= 0 &&
+        ShardOfBlock(b.global_block(), new_num_shards) == new_shard_id;
+    if (!keep) {
+      if (absl::Status s = reader.Skip(4 * (b.value_count() + b.state_count()));
+          !s.ok()) {
+        return s;
+      }
+      continue;
+    }
+    BlockSnapshot block;
+    block.global_block = b.global_block();
+    block.version = b.version();
+    block.last_step.assign(b.last_step().begin(), b.last_step().end());
+    block.value.resize(b.value_count());
+    block.optimizer_state.resize(b.state_count());
+    if (absl::Status s = reader.Read(block.value.data(), 4 * b.value_count());
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            reader.Read(block.optimizer_state.data(), 4 * b.state_count());
+        !s.ok()) {
+      return s;
+    }
+#if defined(ABSL_IS_BIG_ENDIAN)
+    ByteSwapFloats(block.value.data(), block.value.size());
+    ByteSwapFloats(block.optimizer_state.data(), block.optimizer_state.size());
+#endif
+    kept->push_back(std::move(block));
+  }
+  return absl::OkStatus();
+}
+
+// Every sparse row of `header` is read (its id says where it goes); those of
+// shard `new_shard_id` of `new_num_shards` are kept, one table each.
+absl::Status ReadKeptRows(CrcFileReader& reader, const CheckpointHeader& header,
+                          int new_shard_id, int new_num_shards,
+                          std::vector<SparseTableSnapshot>* kept_tables) {
+  for (const CheckpointSparseTable& t : header.sparse()) {
+    const int64_t rows = t.row_count();
+    SparseTableSnapshot all;
+    all.ids.resize(rows);
+    all.update_counts.resize(rows);
+    all.values.resize(rows * t.value_floats());
+    all.states.resize(rows * t.state_floats());
+    for (absl::Status s :
+         {reader.Read(all.ids.data(), 8 * rows),
+          reader.Read(all.update_counts.data(), 8 * rows),
+          reader.Read(all.values.data(), 4 * all.values.size()),
+          reader.Read(all.states.data(), 4 * all.states.size())}) {
+      if (!s.ok()) return s;
+    }
+#if defined(ABSL_IS_BIG_ENDIAN)
+    for (uint64_t& id : all.ids) id = GetLE64(reinterpret_cast<char*>(&id));
+    for (int64_t& n : all.update_counts) {
+      n = static_cast<int64_t>(GetLE64(reinterpret_cast<char*>(&n)));
+    }
+    ByteSwapFloats(all.values.data(), all.values.size());
+    ByteSwapFloats(all.states.data(), all.states.size());
+#endif
+    SparseTableSnapshot& kept = kept_tables->emplace_back();
+    kept.name = t.name();
+    kept.version = t.version();
+    kept.dim = t.value_floats();
+    kept.state_floats = t.state_floats();
+    for (int64_t r = 0; r < rows; ++r) {
+      if (SparseShardOf(t.name(), all.ids[r], new_num_shards) != new_shard_id) {
+        continue;
+      }
+      kept.ids.push_back(all.ids[r]);
+      kept.update_counts.push_back(all.update_counts[r]);
+      kept.values.insert(kept.values.end(), all.values.begin() + r * kept.dim,
+                         all.values.begin() + (r + 1) * kept.dim);
+      kept.states.insert(kept.states.end(),
+                         all.states.begin() + r * kept.state_floats,
+                         all.states.begin() + (r + 1) * kept.state_floats);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LoadedFile> ReadCheckpointFile(const CheckpointFile& file,
                                               int shard_id, int num_shards,
                                               int new_shard_id,
@@ -321,79 +411,16 @@ absl::StatusOr<LoadedFile> ReadCheckpointFile(const CheckpointFile& file,
     return s;
   }
 
-  // One pass over the payloads: keep the new shard's blocks, checksum all.
-  for (const CheckpointBlock& b : loaded.header.blocks()) {
-    const bool keep =
-        b.global_block() >= 0 &&
-        ShardOfBlock(b.global_block(), new_num_shards) == new_shard_id;
-    if (!keep) {
-      if (absl::Status s = reader.Skip(4 * (b.value_count() + b.state_count()));
-          !s.ok()) {
-        return s;
-      }
-      continue;
-    }
-    BlockSnapshot block;
-    block.global_block = b.global_block();
-    block.version = b.version();
-    block.last_step.assign(b.last_step().begin(), b.last_step().end());
-    block.value.resize(b.value_count());
-    block.optimizer_state.resize(b.state_count());
-    if (absl::Status s = reader.Read(block.value.data(), 4 * b.value_count());
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s =
-            reader.Read(block.optimizer_state.data(), 4 * b.state_count());
-        !s.ok()) {
-      return s;
-    }
-#if defined(ABSL_IS_BIG_ENDIAN)
-    ByteSwapFloats(block.value.data(), block.value.size());
-    ByteSwapFloats(block.optimizer_state.data(), block.optimizer_state.size());
-#endif
-    loaded.blocks.push_back(std::move(block));
+  // One pass over the payloads: keep the new shard's, checksum all.
+  if (absl::Status s = ReadKeptBlocks(reader, loaded.header, new_shard_id,
+                                      new_num_shards, &loaded.blocks);
+      !s.ok()) {
+    return s;
   }
-  // Every row is read (its id says where it goes); the new shard's are kept.
-  for (const CheckpointSparseTable& t : loaded.header.sparse()) {
-    const int64_t rows = t.row_count();
-    SparseTableSnapshot all;
-    all.ids.resize(rows);
-    all.update_counts.resize(rows);
-    all.values.resize(rows * t.value_floats());
-    all.states.resize(rows * t.state_floats());
-    for (absl::Status s :
-         {reader.Read(all.ids.data(), 8 * rows),
-          reader.Read(all.update_counts.data(), 8 * rows),
-          reader.Read(all.values.data(), 4 * all.values.size()),
-          reader.Read(all.states.data(), 4 * all.states.size())}) {
-      if (!s.ok()) return s;
-    }
-#if defined(ABSL_IS_BIG_ENDIAN)
-    for (uint64_t& id : all.ids) id = GetLE64(reinterpret_cast<char*>(&id));
-    for (int64_t& n : all.update_counts) {
-      n = static_cast<int64_t>(GetLE64(reinterpret_cast<char*>(&n)));
-    }
-    ByteSwapFloats(all.values.data(), all.values.size());
-    ByteSwapFloats(all.states.data(), all.states.size());
-#endif
-    SparseTableSnapshot& kept = loaded.sparse.emplace_back();
-    kept.name = t.name();
-    kept.version = t.version();
-    kept.dim = t.value_floats();
-    kept.state_floats = t.state_floats();
-    for (int64_t r = 0; r < rows; ++r) {
-      if (SparseShardOf(t.name(), all.ids[r], new_num_shards) != new_shard_id) {
-        continue;
-      }
-      kept.ids.push_back(all.ids[r]);
-      kept.update_counts.push_back(all.update_counts[r]);
-      kept.values.insert(kept.values.end(), all.values.begin() + r * kept.dim,
-                         all.values.begin() + (r + 1) * kept.dim);
-      kept.states.insert(kept.states.end(),
-                         all.states.begin() + r * kept.state_floats,
-                         all.states.begin() + (r + 1) * kept.state_floats);
-    }
+  if (absl::Status s = ReadKeptRows(reader, loaded.header, new_shard_id,
+                                    new_num_shards, &loaded.sparse);
+      !s.ok()) {
+    return s;
   }
   const uint32_t stored_crc = GetLE32(trailer);
   if (reader.crc() != stored_crc) {

@@ -353,30 +353,19 @@ std::string HumanBytes(int64_t bytes) {
   return absl::StrFormat("%.1f %s", value, units[unit]);
 }
 
-}  // namespace
-
-CheckpointStore::CheckpointStore(std::string dir, int keep_last)
-    : dir_(std::move(dir)), keep_last_(keep_last) {}
-
-absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
-                                    CheckpointWriteInfo* info) {
-  CheckpointWriteInfo ignored;
-  if (info == nullptr) info = &ignored;
-  *info = CheckpointWriteInfo();
-  if (absl::Status s = ValidateSnapshot(snapshot); !s.ok()) return s;
-  const std::string shard_dir =
-      JoinPath(dir_, ShardDirName(snapshot.shard_id, snapshot.num_shards));
-  if (absl::Status s = MakeDirs(shard_dir); !s.ok()) return s;
-
+// The sequences of the checkpoint files in `shard_dir`, newest first.
+// Temporary files left by a write that crashed before its rename are
+// removed on the way: they are never checkpoints.
+absl::StatusOr<std::vector<int64_t>> SequencesRemovingLeftovers(
+    const std::string& shard_dir) {
   absl::StatusOr<std::vector<std::string>> names = ListDir(shard_dir);
   if (!names.ok()) return names.status();
-  std::vector<int64_t> sequences;  // of this shard's checkpoint files
+  std::vector<int64_t> sequences;
   for (const std::string& name : *names) {
     int64_t sequence = 0;
     if (ParseCheckpointFileName(name, &sequence)) {
       sequences.push_back(sequence);
     } else if (IsTempFileName(name)) {
-      // Left by a write that crashed before its rename: never a checkpoint.
       const std::string path = JoinPath(shard_dir, name);
       if (::unlink(path.c_str()) == 0) {
         LOG(WARNING) << "removed leftover temporary checkpoint file " << path;
@@ -386,29 +375,24 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
     }
   }
   std::sort(sequences.begin(), sequences.end(), std::greater<int64_t>());
-  const int64_t newest = sequences.empty() ? -1 : sequences.front();
-  const std::string final_name = CheckpointFileName(snapshot.sequence);
-  const std::string final_path = JoinPath(shard_dir, final_name);
-  if (snapshot.sequence <= newest) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint sequence ", snapshot.sequence, " for ",
-                     final_path, " is not greater than the shard's newest, ",
-                     JoinPath(shard_dir, CheckpointFileName(newest))));
-  }
+  return sequences;
+}
 
-  const CheckpointHeader header = MakeHeader(snapshot);
-  const int64_t bytes =
-      FileBytes(snapshot, static_cast<int64_t>(header.ByteSizeLong()));
-  info->bytes = bytes;
-  // A checkpoint that cannot fit is not started: on a full disk every try
-  // would otherwise write (and delete) up to the model's size, and fill any
-  // room that other writers (logs) free up. The files that the write would
-  // prune anyway may go first, but never the newest: until a newer one is
-  // complete and verified it is the last good checkpoint.
+// RESOURCE_EXHAUSTED (and info->no_room) when `bytes` cannot fit in
+// `shard_dir`. A checkpoint that cannot fit is not started: on a full disk
+// every try would otherwise write (and delete) up to the model's size, and
+// fill any room that other writers (logs) free up. The files that the write
+// would prune anyway (`sequences`, newest first) may go first, but never the
+// newest: until a newer one is complete and verified it is the last good
+// checkpoint.
+absl::Status MakeRoom(const std::string& shard_dir,
+                      const std::string& final_path, int64_t bytes,
+                      int keep_last, std::vector<int64_t> sequences,
+                      CheckpointWriteInfo* info) {
   absl::StatusOr<int64_t> free_bytes = FreeBytesAt(shard_dir);
   if (free_bytes.ok()) {
-    const size_t keep_now = std::max(keep_last_ - 1, 1);
-    while (*free_bytes < bytes && keep_last_ > 0 &&
+    const size_t keep_now = std::max(keep_last - 1, 1);
+    while (*free_bytes < bytes && keep_last > 0 &&
            sequences.size() > keep_now) {
       const std::string path =
           JoinPath(shard_dir, CheckpointFileName(sequences.back()));
@@ -419,7 +403,7 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
       LOG_FIRST_N(WARNING, 1)
           << "removed old checkpoint " << path << " before its time to make "
           << "room for " << final_path << ": the disk holds fewer than "
-          << keep_last_ << " checkpoints (logged once; --v=1 logs each)";
+          << keep_last << " checkpoints (logged once; --v=1 logs each)";
       VLOG(1) << "removed old checkpoint " << path << " to make room";
       free_bytes = FreeBytesAt(shard_dir);
       if (!free_bytes.ok()) break;
@@ -435,7 +419,17 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
                        " free in ", shard_dir));
     }
   }
+  return absl::OkStatus();
+}
 
+// Writes `snapshot` to a temporary file in `shard_dir`, fsyncs it and renames
+// it to `final_name`: a reader sees the whole file or none. No failed try
+// leaves its partial file behind to fill the disk.
+absl::Status WriteAndRename(const ShardSnapshot& snapshot,
+                            const CheckpointHeader& header,
+                            const std::string& shard_dir,
+                            const std::string& final_name, uint32_t* crc) {
+  const std::string final_path = JoinPath(shard_dir, final_name);
   const std::string temp_path =
       JoinPath(shard_dir, absl::StrCat(".", final_name, ".tmp-", ::getpid()));
   const int fd =
@@ -443,10 +437,9 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
              O_WRONLY | O_CREAT | O_EXCL | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoError(errno, "cannot create", temp_path);
   absl::Status status;
-  uint32_t crc = 0;
   {
     FdCloser closer(fd);
-    status = WriteCheckpointFile(snapshot, header, fd, temp_path, &crc);
+    status = WriteCheckpointFile(snapshot, header, fd, temp_path, crc);
     if (status.ok() && ::fsync(fd) != 0) {
       status = ErrnoError(errno, "cannot fsync", temp_path);
     }
@@ -456,12 +449,77 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
     status = ErrnoError(errno, absl::StrCat("cannot rename ", temp_path, " to"),
                         final_path);
   }
-  if (!status.ok()) {
-    // No failed try leaves its partial file behind to fill the disk.
-    if (::unlink(temp_path.c_str()) != 0 && errno != ENOENT) {
-      LOG(WARNING) << ErrnoError(errno, "cannot remove", temp_path);
+  if (!status.ok() && ::unlink(temp_path.c_str()) != 0 && errno != ENOENT) {
+    LOG(WARNING) << ErrnoError(errno, "cannot remove", temp_path);
+  }
+  return status;
+}
+
+// Keeps the newest `keep_last` checkpoint files of `shard_dir`; what cannot
+// be listed or removed is logged.
+void PruneOldCheckpoints(const std::string& shard_dir, int keep_last) {
+  absl::StatusOr<std::vector<std::string>> names = ListDir(shard_dir);
+  if (!names.ok()) {
+    LOG(WARNING) << "not pruning old checkpoints: " << names.status();
+    return;
+  }
+  std::vector<int64_t> sequences;
+  for (const std::string& name : *names) {
+    int64_t sequence = 0;
+    if (ParseCheckpointFileName(name, &sequence)) sequences.push_back(sequence);
+  }
+  std::sort(sequences.begin(), sequences.end(), std::greater<int64_t>());
+  for (size_t k = keep_last; k < sequences.size(); ++k) {
+    const std::string path =
+        JoinPath(shard_dir, CheckpointFileName(sequences[k]));
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      LOG(WARNING) << ErrnoError(errno, "cannot remove old checkpoint", path);
     }
-    return status;
+  }
+}
+
+}  // namespace
+
+CheckpointStore::CheckpointStore(std::string dir, int keep_last)
+    : dir_(std::move(dir)), keep_last_(keep_last) {}
+
+absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
+                                    CheckpointWriteInfo* info) {
+  CheckpointWriteInfo ignored;
+  if (info == nullptr) info = &ignored;
+  *info = CheckpointWriteInfo();
+  if (absl::Status s = ValidateSnapshot(snapshot); !s.ok()) return s;
+  const std::string shard_dir =
+      JoinPath(dir_, ShardDirName(snapshot.shard_id, snapshot.num_shards));
+  if (absl::Status s = MakeDirs(shard_dir); !s.ok()) return s;
+
+  absl::StatusOr<std::vector<int64_t>> sequences =
+      SequencesRemovingLeftovers(shard_dir);
+  if (!sequences.ok()) return sequences.status();
+  const int64_t newest = sequences->empty() ? -1 : sequences->front();
+  const std::string final_name = CheckpointFileName(snapshot.sequence);
+  const std::string final_path = JoinPath(shard_dir, final_name);
+  if (snapshot.sequence <= newest) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint sequence ", snapshot.sequence, " for ",
+                     final_path, " is not greater than the shard's newest, ",
+                     JoinPath(shard_dir, CheckpointFileName(newest))));
+  }
+
+  const CheckpointHeader header = MakeHeader(snapshot);
+  const int64_t bytes =
+      FileBytes(snapshot, static_cast<int64_t>(header.ByteSizeLong()));
+  info->bytes = bytes;
+  if (absl::Status s =
+          MakeRoom(shard_dir, final_path, bytes, keep_last_, *sequences, info);
+      !s.ok()) {
+    return s;
+  }
+  uint32_t crc = 0;
+  if (absl::Status s =
+          WriteAndRename(snapshot, header, shard_dir, final_name, &crc);
+      !s.ok()) {
+    return s;
   }
   if (absl::Status s = VerifyWritten(final_path, bytes, crc); !s.ok()) {
     ::unlink(final_path.c_str());
@@ -469,28 +527,9 @@ absl::Status CheckpointStore::Write(const ShardSnapshot& snapshot,
   }
   if (absl::Status s = FsyncDir(shard_dir); !s.ok()) return s;
   info->written = true;
-
-  // Pruning: the new file is durable and verified, so a failure here is only
+  // The new file is durable and verified: a failure to prune is only
   // reported.
-  if (keep_last_ <= 0) return absl::OkStatus();
-  names = ListDir(shard_dir);
-  if (!names.ok()) {
-    LOG(WARNING) << "not pruning old checkpoints: " << names.status();
-    return absl::OkStatus();
-  }
-  sequences.clear();
-  for (const std::string& name : *names) {
-    int64_t sequence = 0;
-    if (ParseCheckpointFileName(name, &sequence)) sequences.push_back(sequence);
-  }
-  std::sort(sequences.begin(), sequences.end(), std::greater<int64_t>());
-  for (size_t k = keep_last_; k < sequences.size(); ++k) {
-    const std::string path =
-        JoinPath(shard_dir, CheckpointFileName(sequences[k]));
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-      LOG(WARNING) << ErrnoError(errno, "cannot remove old checkpoint", path);
-    }
-  }
+  if (keep_last_ > 0) PruneOldCheckpoints(shard_dir, keep_last_);
   return absl::OkStatus();
 }
 

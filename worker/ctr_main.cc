@@ -146,26 +146,25 @@ int RunCtrWorker(const CtrWorkerContext& context) {
     context.client->Leave().IgnoreError();
     return 1;
   }
-  // async/ssp: the final model is read as an observer, after this worker
-  // has left (a pull as a worker would rejoin the job).
-  std::unique_ptr<PsClient> observer;
-  if (registration->mode != ConsistencyMode::kSync &&
-      context.client_options != nullptr) {
-    absl::StatusOr<std::unique_ptr<PsClient>> created =
-        PsClient::CreateObserver(*context.client_options, CtrSchema(model),
-                                 config.num_workers);
-    if (!created.ok()) {
-      LOG(ERROR) << "cannot connect the observer for the final model: "
-                 << created.status();
-      context.client->Leave().IgnoreError();
-      return 1;
-    }
-    observer = std::move(*created);
+  // Without client options there is no observer: the worker's own client
+  // reads the final model, as in sync.
+  absl::StatusOr<std::unique_ptr<PsClient>> observer =
+      std::unique_ptr<PsClient>();
+  if (context.client_options != nullptr) {
+    observer = PsClient::CreateFinalModelReader(
+        registration->mode, *context.client_options, CtrSchema(model),
+        config.num_workers);
+  }
+  if (!observer.ok()) {
+    LOG(ERROR) << "cannot connect the observer for the final model: "
+               << observer.status();
+    context.client->Leave().IgnoreError();
+    return 1;
   }
   CtrTrainerOptions options;
   options.worker_id = config.worker_id;
   options.num_workers = config.num_workers;
-  options.observer = observer.get();
+  options.observer = observer->get();
   options.final_model_timeout = absl::Seconds(config.client.rpc_timeout_s);
   options.start_step = registration->start_step;
   options.steps = config.training.steps;

@@ -302,6 +302,58 @@ class CtrNet {
   int64_t rows_pulled_ = 0, rows_pushed_ = 0;
 };
 
+// What on_step is told about the step just trained on `batch`, whose
+// scores (logit_1 - logit_0) are `scores`: a click is predicted at
+// score > 0.
+StepReport CtrStepReport(int64_t step, int64_t steps, double loss_sum,
+                         const CtrDataset& batch,
+                         const std::vector<float>& scores,
+                         absl::Time step_start, absl::Time pulled,
+                         absl::Time computed) {
+  StepReport report;
+  report.step = step;
+  report.steps = steps;
+  report.loss = loss_sum / batch.size();
+  int64_t correct = 0;
+  for (int64_t i = 0; i < batch.size(); ++i) {
+    correct += (scores[i] > 0) == (batch.labels[i] > 0.5f);
+  }
+  report.train_accuracy = static_cast<double>(correct) / batch.size();
+  report.examples = batch.size();
+  report.step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+  report.pull_seconds = absl::ToDoubleSeconds(pulled - step_start);
+  report.push_seconds = absl::ToDoubleSeconds(absl::Now() - computed);
+  report.compute_seconds = absl::ToDoubleSeconds(computed - pulled);
+  report.network_wait_seconds = report.pull_seconds + report.push_seconds;
+  return report;
+}
+
+// AUC and log loss of the model `reader` holds at `step` on `test`, into
+// `result`. Held-out ids are pulled, never pushed.
+absl::Status EvaluateHeldOut(CtrNet& net, PsClient& reader, int64_t step,
+                             const CtrDataset& test, int64_t batch_size,
+                             CtrResult* result) {
+  std::vector<float> scores, labels;
+  CtrDataset batch;
+  for (int64_t first = 0; first < test.size(); first += batch_size) {
+    const int64_t rows = std::min(batch_size, test.size() - first);
+    CtrBatchCursor slice(&test);
+    slice.Next(first, &batch);  // skip to `first`
+    slice.Next(rows, &batch);
+    absl::StatusOr<int64_t> at = net.Load(reader, step, batch);
+    if (!at.ok()) return at.status();
+    PSTRAIN_RETURN_IF_ERROR(net.Forward(rows));
+    PSTRAIN_RETURN_IF_ERROR(net.Scores(rows, &scores));
+    labels.insert(labels.end(), batch.labels.begin(), batch.labels.end());
+  }
+  result->test_examples = static_cast<int64_t>(labels.size());
+  if (!labels.empty()) {
+    result->auc = Auc(labels, scores);
+    result->logloss = LogLossFromLogits(labels, scores);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 ModelSchema CtrSchema(const CtrModelOptions& options) {
@@ -391,23 +443,8 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       window_rows += batch.size();
     }
     if (options.on_step) {
-      StepReport report;
-      report.step = step;
-      report.steps = options.steps;
-      report.loss = *loss_sum / batch.size();
-      // Of the batch just trained on: a click is predicted at score > 0.
-      int64_t correct = 0;
-      for (int64_t i = 0; i < batch.size(); ++i) {
-        correct += (step_scores[i] > 0) == (batch.labels[i] > 0.5f);
-      }
-      report.train_accuracy = static_cast<double>(correct) / batch.size();
-      report.examples = batch.size();
-      report.step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
-      report.pull_seconds = absl::ToDoubleSeconds(pulled - step_start);
-      report.push_seconds = absl::ToDoubleSeconds(absl::Now() - computed);
-      report.compute_seconds = absl::ToDoubleSeconds(computed - pulled);
-      report.network_wait_seconds = report.pull_seconds + report.push_seconds;
-      options.on_step(report);
+      options.on_step(CtrStepReport(step, options.steps, *loss_sum, batch,
+                                    step_scores, step_start, pulled, computed));
     }
   }
   if (options.on_steps_done) options.on_steps_done();
@@ -419,8 +456,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
   // Every worker evaluates the job's final model. sync: the model after the
   // last step (the pulls wait for it). async/ssp: this worker leaves first
   // (the wait counts it as done), then reads the servers' model once every
-  // worker has finished, through the observer. Held-out ids are pulled,
-  // never pushed.
+  // worker has finished, through the observer.
   const int64_t eval_step = result.stopped_early ? step : options.steps;
   PsClient* reader = &client;
   if (mode == ConsistencyMode::kSync) {
@@ -431,28 +467,16 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     result.final_model = reader->AwaitFinalModel(
         options.num_workers * options.steps, options.final_model_timeout);
   }
-  std::vector<float> scores, labels;
-  for (int64_t first = 0; first < test.size(); first += options.batch_size) {
-    const int64_t rows = std::min(options.batch_size, test.size() - first);
-    CtrBatchCursor slice(&test);
-    slice.Next(first, &batch);  // skip to `first`
-    slice.Next(rows, &batch);
-    absl::StatusOr<int64_t> at = (*net)->Load(*reader, eval_step, batch);
-    if (!at.ok()) return at.status();
-    if (absl::Status s = (*net)->Forward(rows); !s.ok()) return s;
-    if (absl::Status s = (*net)->Scores(rows, &scores); !s.ok()) return s;
-    labels.insert(labels.end(), batch.labels.begin(), batch.labels.end());
+  if (absl::Status s = EvaluateHeldOut(**net, *reader, eval_step, test,
+                                       options.batch_size, &result);
+      !s.ok()) {
+    return s;
   }
   if (mode == ConsistencyMode::kSync) {
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
     if (!steps_short.ok()) return steps_short.status();
     result.steps_short = *steps_short;
     if (absl::Status s = client.Leave(); !s.ok()) return s;
-  }
-  result.test_examples = static_cast<int64_t>(labels.size());
-  if (!labels.empty()) {
-    result.auc = Auc(labels, scores);
-    result.logloss = LogLossFromLogits(labels, scores);
   }
   result.rows_pulled = (*net)->rows_pulled();
   result.rows_pushed = (*net)->rows_pushed();

@@ -210,6 +210,54 @@ absl::StatusOr<std::unique_ptr<Model>> BuildModel(const WorkerConfig& config,
                    data.train->num_classes(), data.batch_size);
 }
 
+namespace {
+
+// The trainer's options from this worker's configuration and what the
+// servers said at registration; the callbacks that need the caller's
+// state are set by the caller.
+TrainerOptions TrainerOptionsFor(const WorkerConfig& config,
+                                 const TrainingData& data,
+                                 const Registration& registration,
+                                 const Stopping& stopping) {
+  TrainerOptions options;
+  options.worker_id = config.worker_id;
+  options.num_workers = config.num_workers;
+  options.steps = data.steps;
+  options.batch_size = data.batch_size;
+  options.shuffle = config.training.shuffle;
+  options.overlap_push = config.training.overlap_push;
+  options.push_pull = config.training.push_pull;
+  options.seed = config.seed;
+  options.periodic_evaluation = config.worker_id == 0;
+  options.eval_every_steps = config.eval.eval_every_steps;
+  options.eval_every_epochs = config.eval.eval_every_epochs;
+  options.target_accuracy = config.eval.target_accuracy;
+  options.final_model_timeout = absl::Seconds(config.client.rpc_timeout_s);
+  options.start_step = registration.start_step;
+  options.stop = stopping.requested;
+  options.step_delay = absl::Milliseconds(config.training.inject_step_delay_ms);
+  options.crash_before_push_step =
+      config.training.inject_crash_before_push_step;
+  options.crash_after_step = config.training.inject_crash_after_step;
+  LrSchedule schedule = config.training.lr_schedule;
+  schedule.total_steps = data.steps;
+  if (Scheduled(schedule)) {
+    ExitOnFlagErrors(LrScheduleProblems(schedule));
+    if (!(registration.learning_rate > 0)) {
+      ExitOnFlagErrors({absl::FailedPreconditionError(
+          "--lr_schedule: the servers did not say their learning rate (a "
+          "ps_server older than this worker)")});
+    }
+    const double base = registration.learning_rate;
+    options.learning_rate_at = [base, schedule](int64_t step) {
+      return base * LrFactor(schedule, step);
+    };
+  }
+  return options;
+}
+
+}  // namespace
+
 int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
                    Model& model, kernels::Backend& backend,
                    ServerConnection& servers, RunOutput& run_output,
@@ -268,42 +316,25 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
   if (registration->start_step > 0) {
     LOG(INFO) << "joining a running job at step " << registration->start_step;
   }
-  // async/ssp: the final model is pulled as an observer, after this worker
-  // has left (a pull as a worker would rejoin the job).
-  std::unique_ptr<PsClient> observer;
-  if (registration->mode != ConsistencyMode::kSync) {
-    absl::StatusOr<std::unique_ptr<PsClient>> created =
-        PsClient::CreateObserver(servers.options, schema, num_workers);
-    if (!created.ok() && signal_watch->signal_number() != 0) {
-      return interrupted("to connect the observer for the final model",
-                         created.status());
-    }
-    if (!created.ok()) {
-      LOG(ERROR) << "cannot connect the observer for the final model: "
-                 << created.status();
-      return 1;
-    }
-    observer = std::move(*created);
-    signal_watch->Add(observer.get());
+  absl::StatusOr<std::unique_ptr<PsClient>> observer =
+      PsClient::CreateFinalModelReader(registration->mode, servers.options,
+                                       schema, num_workers);
+  if (!observer.ok() && signal_watch->signal_number() != 0) {
+    return interrupted("to connect the observer for the final model",
+                       observer.status());
   }
+  if (!observer.ok()) {
+    LOG(ERROR) << "cannot connect the observer for the final model: "
+               << observer.status();
+    return 1;
+  }
+  if (*observer != nullptr) signal_watch->Add(observer->get());
   // Declared after the observer: runs before it is destroyed.
   absl::Cleanup quiet_observer = [signal_watch] { signal_watch->Quiet(); };
 
-  TrainerOptions options;
-  options.worker_id = worker_id;
-  options.num_workers = num_workers;
-  options.steps = data.steps;
-  options.batch_size = data.batch_size;
-  options.shuffle = config.training.shuffle;
-  options.overlap_push = config.training.overlap_push;
-  options.push_pull = config.training.push_pull;
-  options.seed = config.seed;
-  options.periodic_evaluation = worker_id == 0;
-  options.eval_every_steps = config.eval.eval_every_steps;
-  options.eval_every_epochs = config.eval.eval_every_epochs;
-  options.target_accuracy = config.eval.target_accuracy;
-  options.final_model_timeout = absl::Seconds(config.client.rpc_timeout_s);
-  options.observer = observer.get();
+  TrainerOptions options =
+      TrainerOptionsFor(config, data, *registration, stopping);
+  options.observer = observer->get();
   LearningWatch learning_watch(config.training.loss_check_steps,
                                registration->optimizer,
                                registration->learning_rate);
@@ -318,28 +349,8 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
     output.OnStep(r);
   };
   options.on_steps_done = [signal_watch] { signal_watch->Quiet(); };
-  options.start_step = registration->start_step;
-  options.stop = stopping.requested;
   if (registration->mode == ConsistencyMode::kSync)
     options.await_job_start = await_job_start;
-  options.step_delay = absl::Milliseconds(config.training.inject_step_delay_ms);
-  options.crash_before_push_step =
-      config.training.inject_crash_before_push_step;
-  options.crash_after_step = config.training.inject_crash_after_step;
-  LrSchedule schedule = config.training.lr_schedule;
-  schedule.total_steps = data.steps;
-  if (Scheduled(schedule)) {
-    ExitOnFlagErrors(LrScheduleProblems(schedule));
-    if (!(registration->learning_rate > 0)) {
-      ExitOnFlagErrors({absl::FailedPreconditionError(
-          "--lr_schedule: the servers did not say their learning rate (a "
-          "ps_server older than this worker)")});
-    }
-    const double base = registration->learning_rate;
-    options.learning_rate_at = [base, schedule](int64_t step) {
-      return base * LrFactor(schedule, step);
-    };
-  }
   output.Start(registration->start_step);
   absl::StatusOr<TrainResult> result =
       Train(options, registration->mode, client, model, backend, *data.train,

@@ -39,6 +39,13 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::CreateObserver(
   return client;
 }
 
+absl::StatusOr<std::unique_ptr<PsClient>> PsClient::CreateFinalModelReader(
+    ConsistencyMode mode, const PsClientOptions& options,
+    const ModelSchema& schema, int num_workers) {
+  if (mode == ConsistencyMode::kSync) return std::unique_ptr<PsClient>();
+  return CreateObserver(options, schema, num_workers);
+}
+
 std::vector<absl::Status> PsClientOptionsProblems(
     const PsClientOptions& options) {
   std::vector<absl::Status> problems;

@@ -162,6 +162,14 @@ class PsClient {
   static absl::StatusOr<std::unique_ptr<PsClient>> CreateObserver(
       const PsClientOptions& options, const ModelSchema& schema,
       int num_workers);
+  // What reads the final model at the end of a job in `mode`, made before
+  // training starts (so a missing server shows at once, not after the last
+  // step): nullptr in sync, where the last PushPull returns the model; an
+  // observer in async/ssp, where this worker leaves first and a pull as
+  // that worker would rejoin the job.
+  static absl::StatusOr<std::unique_ptr<PsClient>> CreateFinalModelReader(
+      ConsistencyMode mode, const PsClientOptions& options,
+      const ModelSchema& schema, int num_workers);
   ~PsClient();
 
   // Registers the schema on every shard (idempotent) and fixes the block
