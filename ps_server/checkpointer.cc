@@ -137,8 +137,18 @@ absl::StatusOr<std::string> Checkpointer::CheckpointNow() {
   return Attempt(&no_model);
 }
 
-absl::StatusOr<std::string> Checkpointer::Attempt(bool* no_model) {
+absl::StatusOr<std::string> Checkpointer::CheckpointFinalState() {
+  bool no_model = false;
+  return Attempt(&no_model, Clock::now());
+}
+
+absl::StatusOr<std::string> Checkpointer::Attempt(
+    bool* no_model, std::optional<Clock::time_point> unless_begun_after) {
   absl::MutexLock lock(&mu_);
+  if (unless_begun_after.has_value() && !last_path_.empty() &&
+      last_write_began_ >= *unless_begun_after) {
+    return last_path_;
+  }
   const Clock::time_point start = Clock::now();
   const int64_t version = shard_->MinVersion();
   absl::StatusOr<ShardSnapshot> snapshot = shard_->Snapshot(next_sequence_);
@@ -161,6 +171,8 @@ absl::StatusOr<std::string> Checkpointer::Attempt(bool* no_model) {
     ++next_sequence_;
     last_version_ = version;
     last_time_ = Clock::now();
+    last_path_ = path;
+    last_write_began_ = start;
   }
   Record(status, info, path, Clock::now() - start);
   if (!status.ok()) return status;

@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -70,6 +71,13 @@ class Checkpointer {
   // model is registered.
   absl::StatusOr<std::string> CheckpointNow();
 
+  // At the end of a job (CheckpointRequest.final_version): a checkpoint of
+  // the shard's state unless one begun after this call did already holds it
+  // (the job's workers ask at about the same moment, once nothing changes
+  // any more: one file serves them). Returns its path; FailedPrecondition
+  // before a model is registered.
+  absl::StatusOr<std::string> CheckpointFinalState();
+
   // For Stats and /metrics; never waits for a checkpoint being written.
   CheckpointStats Stats() const;
 
@@ -78,8 +86,11 @@ class Checkpointer {
 
   void Run();
   // One try: a snapshot and its write. *no_model is set when there is
-  // nothing to write yet (not a failure).
-  absl::StatusOr<std::string> Attempt(bool* no_model);
+  // nothing to write yet (not a failure). With `unless_begun_after`, a
+  // write begun at or after it is the answer (its path), if there is one.
+  absl::StatusOr<std::string> Attempt(
+      bool* no_model,
+      std::optional<Clock::time_point> unless_begun_after = std::nullopt);
   // Records a try's outcome in the stats and logs what the operator needs
   // to see (see the file comment).
   void Record(const absl::Status& status, const CheckpointWriteInfo& info,
@@ -96,6 +107,9 @@ class Checkpointer {
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t last_version_ ABSL_GUARDED_BY(mu_) = -1;
   Clock::time_point last_time_ ABSL_GUARDED_BY(mu_);
+  // The newest file written by this process, and when its write began.
+  std::string last_path_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point last_write_began_ ABSL_GUARDED_BY(mu_);
 
   // What Stats() reports, and the failure streak; a separate lock so a
   // scrape does not wait behind a write of gigabytes.

@@ -76,6 +76,11 @@ ABSL_FLAG(double, inject_drop_push_response_probability,
           Default().inject_drop_push_response_probability,
           "Fault injection: after applying a push, answer UNAVAILABLE with "
           "this probability (the client retries; nothing may apply twice).");
+ABSL_FLAG(bool, inject_crash_on_final_state,
+          Default().inject_crash_on_final_state,
+          "Fault injection: die (SIGKILL) when a worker first asks for the "
+          "job's final state, after the last step and before the final "
+          "checkpoint (the test of that moment).");
 ABSL_FLAG(std::string, optimizer, Default().optimizer,
           "sgd, momentum, adam or adamw (torch.optim.AdamW: decoupled "
           "weight decay), for tensors that do not bring their own "
@@ -192,6 +197,8 @@ ServerConfig ServerConfigFromFlags(std::vector<absl::Status>* problems) {
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
   c.inject_drop_push_response_probability =
       absl::GetFlag(FLAGS_inject_drop_push_response_probability);
+  c.inject_crash_on_final_state =
+      absl::GetFlag(FLAGS_inject_crash_on_final_state);
   ServerNetworkConfig& n = c.network;
   n.host = absl::GetFlag(FLAGS_host);
   n.port = absl::GetFlag(FLAGS_port);

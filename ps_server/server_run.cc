@@ -111,9 +111,17 @@ std::string OpenPortWarning(const std::string& host, int port, int data_port) {
 
 // {"event":"shard_final",...}: the step (sync) or update count (async) the
 // shard ends at, and what weakened or lost steps, for a launcher's report
-// of the job whatever its workers print.
-std::string ShardFinalJson(const StatsResponse& stats,
+// of the job whatever its workers print. job_final_version: the version of
+// the final model the workers reported (0: none did); behind: this shard's
+// state is older than that (restored from a checkpoint taken before the
+// job's last steps, after the workers had them): those steps are lost.
+std::string ShardFinalJson(const StatsResponse& stats, int64_t state_version,
+                           int64_t skipped_to_step,
                            absl::string_view final_checkpoint) {
+  const int64_t final_version = stats.job_final_version();
+  const bool behind = final_version > 0 &&
+                      ((state_version >= 0 && state_version < final_version) ||
+                       skipped_to_step >= final_version);
   return absl::StrCat(
       "{\"event\":\"shard_final\",\"shard\":", stats.shard_id(),
       ",\"num_shards\":", stats.num_shards(), ",\"mode\":\"", stats.mode(),
@@ -123,7 +131,9 @@ std::string ShardFinalJson(const StatsResponse& stats,
       ",\"steps_lost\":", stats.steps_lost(),
       ",\"updates_lost\":", stats.updates_lost(),
       ",\"late_gradients_dropped\":", stats.late_gradients_dropped(),
-      ",\"final_checkpoint\":\"", final_checkpoint, "\"}");
+      ",\"job_final_version\":", stats.job_final_version(),
+      ",\"behind\":", behind ? "true" : "false", ",\"final_checkpoint\":\"",
+      final_checkpoint, "\"}");
 }
 
 // The server's parts, built in order by Start and taken down in reverse by
@@ -175,6 +185,7 @@ class ServerRun {
     ServiceOptions service_options;
     service_options.drop_push_response_probability =
         config_.inject_drop_push_response_probability;
+    service_options.crash_on_final_state = config_.inject_crash_on_final_state;
     service_options.auth_token = *ReadAuthToken(config_.tls.auth_token_file);
     auth_token_ = service_options.auth_token;
     service_ = std::make_unique<ParameterServerService>(
@@ -397,7 +408,9 @@ class ServerRun {
     LOG(INFO) << "final stats: " << stats.ShortDebugString();
     // For whoever ran the job (deploy/local/launch.sh, pstrain.sbatch): what
     // the shard ends with, on stdout, one line.
-    std::cout << ShardFinalJson(stats, final_checkpoint) << std::endl;
+    std::cout << ShardFinalJson(stats, shard_->StateVersion(),
+                                shard_->SkippedToStep(), final_checkpoint)
+              << std::endl;
   }
 
   const ServerConfig& config_;

@@ -1,5 +1,6 @@
 #include "ps_server/service.h"
 
+#include <csignal>
 #include <memory>
 #include <string>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "common/transport/grpc_status.h"
 #include "common/transport/grpc_tls_refusals.h"
 #include "common/transport/wire.h"
+#include "glog/logging.h"
 
 namespace pstrain {
 namespace {
@@ -537,7 +539,12 @@ grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
   }
   return ServeSmall<CheckpointRequest>(
       shard_, context, request, response,
-      [this](const CheckpointRequest&) -> absl::StatusOr<CheckpointResponse> {
+      [this](const CheckpointRequest& r) -> absl::StatusOr<CheckpointResponse> {
+        if (r.final_version() < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "final_version must be >= 0, got ", r.final_version()));
+        }
+        if (r.final_version() > 0) return FinalState(r);
         if (checkpointer_ == nullptr) {
           return absl::FailedPreconditionError(
               "this server has no --checkpoint_dir");
@@ -546,8 +553,41 @@ grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
         if (!path.ok()) return path.status();
         CheckpointResponse answer;
         answer.set_path(*path);
+        answer.set_version(shard_->StateVersion());
+        answer.set_checkpointed(true);
         return answer;
       });
+}
+
+absl::StatusOr<CheckpointResponse> ParameterServerService::FinalState(
+    const CheckpointRequest& request) {
+  if (options_.crash_on_final_state) {
+    LOG(ERROR) << "--inject_crash_on_final_state: dying before the final "
+                  "checkpoint";
+    ::raise(SIGKILL);
+  }
+  if (absl::Status s = shard_->NoteJobFinalVersion(request.worker_id(),
+                                                   request.final_version());
+      !s.ok()) {
+    return s;
+  }
+  CheckpointResponse answer;
+  answer.set_skipped_to_step(shard_->SkippedToStep());
+  if (checkpointer_ == nullptr) {
+    answer.set_version(shard_->StateVersion());
+    answer.set_not_checkpointed_reason("no --checkpoint_dir");
+    return answer;
+  }
+  // The version first: the file then holds at least this state.
+  answer.set_version(shard_->StateVersion());
+  absl::StatusOr<std::string> path = checkpointer_->CheckpointFinalState();
+  if (!path.ok()) {  // a failed write, or no model (restarted empty)
+    answer.set_not_checkpointed_reason(path.status().ToString());
+    return answer;
+  }
+  answer.set_path(*path);
+  answer.set_checkpointed(true);
+  return answer;
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Stats(

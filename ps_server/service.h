@@ -46,6 +46,9 @@ struct ServiceOptions {
   // UNAVAILABLE with this probability, as if the response was lost, so the
   // client retries a push the shard already has.
   double drop_push_response_probability = 0;
+  // Fault injection: SIGKILL itself on the first request for the job's
+  // final state (CheckpointRequest.final_version > 0).
+  bool crash_on_final_state = false;
   // When not empty, every call must carry "authorization: Bearer <token>";
   // others are refused UNAUTHENTICATED before they are read.
   std::string auth_token;
@@ -144,6 +147,11 @@ class ParameterServerService final : public ParameterServerRawService,
   }
 
  private:
+  // The end of a job, as a worker holding its final model asks it
+  // (CheckpointRequest.final_version > 0).
+  absl::StatusOr<CheckpointResponse> FinalState(
+      const CheckpointRequest& request);
+
   // Push and Pull from the request's bytes on, whichever transport brought
   // them: the encoded PushResponse / the PullResponse's pieces.
   absl::StatusOr<std::string> PushFromBytes(

@@ -45,6 +45,7 @@ constexpr int64_t kLayoutBytesPerBlock = 64;
 
 }  // namespace
 
+using shard_internal::AtomicMax;
 using shard_internal::kNever;
 
 absl::StatusOr<std::unique_ptr<Shard>> Shard::Create(
@@ -556,6 +557,34 @@ int64_t Shard::MinVersion() const {
   return min_version;
 }
 
+int64_t Shard::StateVersion() const {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr) return 0;
+  if (!model->blocks.empty() || model->sparse.empty()) return MinVersion();
+  if (options_.mode != ConsistencyMode::kSync) return -1;
+  int64_t min_version = kNever;
+  for (const auto& state : model->sparse) {
+    min_version = std::min(min_version, state->version.load());
+  }
+  return min_version;
+}
+
+absl::Status Shard::NoteJobFinalVersion(int worker_id, int64_t version) {
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(kProtocolVersion, worker_id, version,
+                     /*allow_observer=*/true);
+  if (absl::IsNotFound(model.status())) return model.status();
+  if (!model.ok()) return Reject(model.status());
+  AtomicMax(job_final_version_, version);
+  if (options_.mode != ConsistencyMode::kSync || worker_id < 0) {
+    return absl::OkStatus();
+  }
+  HeartbeatRequest at_step;
+  at_step.set_worker_id(worker_id);
+  at_step.set_step(version);
+  return Heartbeat(at_step);
+}
+
 StatsResponse Shard::Stats() const {
   StatsResponse stats;
   stats.set_shard_id(options_.shard_id);
@@ -598,6 +627,7 @@ StatsResponse Shard::Stats() const {
                              applies);
   }
   stats.set_steps_lost(steps_lost_.load());
+  stats.set_job_final_version(job_final_version_.load());
   stats.set_gradients_lost(gradients_lost_.load());
   stats.set_updates_lost(updates_lost_.load());
   stats.set_internal_errors(internal_errors_.load());

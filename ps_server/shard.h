@@ -203,6 +203,23 @@ class Shard {
   absl::StatusOr<ShardSnapshot> Snapshot(int64_t sequence) const;
   // The smallest block version: the step every block has completed.
   int64_t MinVersion() const;
+  // The version a job's final model is compared with (CheckpointResponse):
+  // MinVersion; with sparse tables only, their smallest step in sync and -1
+  // in async/ssp (tables count no versions there).
+  int64_t StateVersion() const;
+  // Worker `worker_id` (-1: an observer) holds the job's final model at
+  // `version` and says so at the end of the job. The largest is kept
+  // (Stats.job_final_version), so a shard restored behind it says so at its
+  // exit. In sync it is also the worker's step, as a heartbeat carries it:
+  // a shard restarted empty after the last step then takes that step once
+  // every worker has shown it, though some will never pull again.
+  // NOT_FOUND before a model is registered (the client registers again:
+  // the heartbeat needs the model's blocks).
+  absl::Status NoteJobFinalVersion(int worker_id, int64_t version);
+  // The furthest step this shard skipped to without the updates before it
+  // (restarted behind the workers; the steps are counted in steps_lost); 0
+  // when it never did.
+  int64_t SkippedToStep() const { return skipped_to_step_.load(); }
 
   // Counts a request refused before it reached the shard (unparseable).
   void CountRejected() { requests_rejected_.fetch_add(1); }
@@ -558,6 +575,10 @@ class Shard {
   std::atomic<int64_t> staleness_max_{0};
   std::atomic<int64_t> async_applies_{0};
   std::atomic<int64_t> steps_lost_{0};
+  std::atomic<int64_t> job_final_version_{0};
+  // The furthest step FastForwardLocked moved this shard to: its state
+  // lacks the updates up to it.
+  std::atomic<int64_t> skipped_to_step_{0};
   std::atomic<int64_t> gradients_lost_{0};
   std::atomic<int64_t> updates_lost_{0};
   std::atomic<int64_t> internal_errors_{0};

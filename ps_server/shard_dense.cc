@@ -187,6 +187,7 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
     state->version.store(step);
   }
   steps_lost_.fetch_add(lost);
+  if (moved) AtomicMax(skipped_to_step_, step);
   if (lost > 0) {
     LOG(WARNING) << "the workers are at step " << step
                  << ": this shard takes it, " << lost

@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -611,6 +612,104 @@ void RestartWithoutCheckpointCase(const std::vector<std::string>& worker_flags,
   EXPECT_THAT(cluster->server(1).Stderr(),
               ::testing::HasSubstr("this shard takes it"));
 }
+
+// The newest checkpoint of shard `shard` of 2 in `dir`: the smallest block
+// version in it, or -1 when there is none.
+int64_t NewestCheckpointVersion(const std::string& dir, int shard) {
+  absl::StatusOr<RestoredShard> restored =
+      CheckpointStore(dir, 0).LoadForShard(shard, 2);
+  if (!restored.ok() || restored->blocks.empty()) return -1;
+  int64_t newest = restored->blocks[0].version;
+  for (const BlockSnapshot& b : restored->blocks) {
+    newest = std::min(newest, b.version);
+  }
+  return newest;
+}
+
+// A job is reported finished only once the servers' copy of its final model
+// is durable: the workers' last call has every shard checkpoint it, so the
+// newest checkpoints hold the last step before any server is stopped (the
+// periodic ones stop at step 20 of 25).
+TEST(CheckpointRecoveryTest, TheFinalModelIsCheckpointedBeforeTheJobEnds) {
+  const std::string dir =
+      absl::StrCat(testing::TestDir(), "/ckpt_final_", getpid());
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
+                          "--checkpoint_every_steps=10"};
+  auto cluster = StartCluster(options, "final_state");
+  ASSERT_NE(cluster, nullptr);
+  constexpr int kSteps = 25;
+  absl::StatusOr<std::vector<std::string>> outs = cluster->RunWorkers(
+      {WorkerFlags(kSteps), WorkerFlags(kSteps)}, absl::Seconds(120));
+  ASSERT_TRUE(outs.ok()) << outs.status();
+  for (const std::string& out : *outs) {
+    EXPECT_THAT(out, ::testing::HasSubstr(
+                         "\"final_state\":\"durable\",\"shards_behind\":[]"));
+  }
+  EXPECT_EQ(NewestCheckpointVersion(dir, 0), kSteps);
+  EXPECT_EQ(NewestCheckpointVersion(dir, 1), kSteps);
+}
+
+// A shard killed after the job's last step and before its final checkpoint
+// comes back behind the model the workers hold: from its step-20 checkpoint,
+// or empty (no --checkpoint_dir; the workers' heartbeats then move it to
+// their step with its initial values). The workers still exit 0 with the
+// model they trained, and say the servers' copy is behind, naming the
+// shard; so does the shard's exit line, for the launcher's job report.
+class ShardBehindTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ShardBehindTest, AShardRestartedAfterTheLastStepIsReportedBehind) {
+  const bool with_checkpoints = GetParam();
+  const std::string dir =
+      absl::StrCat(testing::TestDir(), "/ckpt_behind_", getpid());
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 3;
+  if (with_checkpoints) {
+    options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
+                            "--checkpoint_every_steps=10"};
+  }
+  auto cluster = StartCluster(options, "behind");
+  ASSERT_NE(cluster, nullptr);
+  ASSERT_TRUE(cluster->StopServer(1).ok());
+  ASSERT_TRUE(
+      cluster->RestartServer(1, {"--inject_crash_on_final_state"}).ok());
+  constexpr int kSteps = 25;
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < 3; ++k) {
+    workers.push_back(
+        std::move(*cluster->StartWorker(k, 3, WorkerFlags(kSteps))));
+  }
+  // It dies when the first worker, holding the final model, asks for it.
+  absl::StatusOr<int> died = cluster->server(1).Wait(absl::Seconds(120));
+  ASSERT_TRUE(died.ok()) << died.status();
+  EXPECT_THAT(cluster->server(1).Stderr(),
+              ::testing::HasSubstr("--inject_crash_on_final_state"));
+  ASSERT_TRUE(cluster->RestartServer(1).ok());
+  for (auto& worker : workers) {
+    const std::string out = Finish(*worker);
+    EXPECT_THAT(out, ::testing::HasSubstr(
+                         "\"final_state\":\"behind\",\"shards_behind\":[1]"));
+    EXPECT_THAT(worker->Stderr(),
+                ::testing::HasSubstr("the servers' model is not the job's "
+                                     "final model: shard 1"));
+  }
+  ASSERT_TRUE(cluster->StopServer(1).ok());
+  ASSERT_TRUE(cluster->StopServer(0).ok());
+  EXPECT_THAT(cluster->server(1).Stdout(),
+              ::testing::HasSubstr(absl::StrCat(
+                  "\"job_final_version\":", kSteps, ",\"behind\":true")));
+  EXPECT_THAT(cluster->server(0).Stdout(),
+              ::testing::HasSubstr(absl::StrCat(
+                  "\"job_final_version\":", kSteps, ",\"behind\":false")));
+}
+
+INSTANTIATE_TEST_SUITE_P(RestoredOrEmpty, ShardBehindTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "FromCheckpoint" : "Empty";
+                         });
 
 TEST(CheckpointRecoveryTest, DenseShardRestartedWithoutCheckpointRejoins) {
   std::vector<std::string> flags = WorkerFlags(200);

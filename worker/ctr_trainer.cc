@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/consistency_mode.h"
 #include "common/partition.h"
@@ -472,6 +473,17 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       !s.ok()) {
     return s;
   }
+  // The servers' copy of the model just evaluated (sync: the pulls above
+  // waited for the last step everywhere).
+  if ((mode == ConsistencyMode::kSync && eval_step > 0) ||
+      result.final_model == "all_done") {
+    absl::StatusOr<FinalState> state = reader->SecureFinalState(
+        mode == ConsistencyMode::kSync ? eval_step
+                                       : options.num_workers * options.steps);
+    if (!state.ok()) return state.status();
+    result.final_state = state->summary;
+    result.shards_behind = state->shards_behind;
+  }
   if (mode == ConsistencyMode::kSync) {
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
     if (!steps_short.ok()) return steps_short.status();
@@ -497,11 +509,13 @@ std::string CtrFinalJson(const CtrResult& r, int worker_id, int num_workers,
       "\"steps_run\":%d,\"final_loss\":%.6f,\"auc\":%.4f,\"logloss\":%.4f%s,"
       "\"test_examples\":%d,\"samples_per_sec\":%.1f,\"wall_time_s\":%.3f,"
       "\"sparse_rows_pulled\":%d,\"sparse_rows_pushed\":%d,"
-      "\"steps_short\":%d,\"final_model\":\"%s\",\"stopped_early\":%s}",
+      "\"steps_short\":%d,\"final_model\":\"%s\",\"final_state\":\"%s\","
+      "\"shards_behind\":[%s],\"stopped_early\":%s}",
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
       r.steps_run, r.final_loss, r.auc, r.logloss, truth, r.test_examples,
       r.samples_per_sec, r.wall_time_s, r.rows_pulled, r.rows_pushed,
-      r.steps_short, r.final_model, r.stopped_early ? "true" : "false");
+      r.steps_short, r.final_model, r.final_state,
+      absl::StrJoin(r.shards_behind, ","), r.stopped_early ? "true" : "false");
 }
 
 }  // namespace pstrain

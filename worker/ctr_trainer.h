@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/consistency_mode.h"
@@ -78,6 +79,9 @@ struct CtrResult {
   // "sync_step", or how the async/ssp wait ended ("all_done", "quiet",
   // "timeout").
   std::string final_model;
+  // The servers' copy of that model, as TrainResult::final_state.
+  std::string final_state = "unknown";
+  std::vector<int> shards_behind;
 };
 
 // Trains against servers that `client` is registered with (CtrSchema, as

@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/consistency_mode.h"
@@ -426,22 +427,41 @@ absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
                             ParameterBuffers& buffers,
                             kernels::Backend& backend, TrainResult& result) {
   if (mode == ConsistencyMode::kSync) {
-    absl::StatusOr<int64_t> final_step = buffers.PullToDevice(
-        client, result.stopped_early ? reached_step : options.steps, backend);
-    if (!final_step.ok()) return final_step.status();
+    const int64_t final_step =
+        result.stopped_early ? reached_step : options.steps;
+    absl::StatusOr<int64_t> pulled =
+        buffers.PullToDevice(client, final_step, backend);
+    if (!pulled.ok()) return pulled.status();
+    result.final_model = "sync_step";
+    // First, as it waits out a shard restarting after the last step.
+    if (final_step > 0) {
+      absl::StatusOr<FinalState> state = client.SecureFinalState(final_step);
+      if (!state.ok()) return state.status();
+      result.final_state = state->summary;
+      result.shards_behind = state->shards_behind;
+    }
     // Every step this worker ran is complete now: count the short ones.
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
     if (!steps_short.ok()) return steps_short.status();
     result.steps_short = *steps_short;
-    if (absl::Status s = client.Leave(); !s.ok()) return s;
-    result.final_model = "sync_step";
-    return absl::OkStatus();
+    return client.Leave();
   }
   if (absl::Status s = client.Leave(); !s.ok()) return s;
   PsClient& reader = options.observer != nullptr ? *options.observer : client;
   result.final_model = reader.AwaitFinalModel(
       options.num_workers * options.steps, options.final_model_timeout);
-  return buffers.PullToDevice(reader, options.steps, backend).status();
+  if (absl::Status s =
+          buffers.PullToDevice(reader, options.steps, backend).status();
+      !s.ok()) {
+    return s;
+  }
+  if (result.final_model != "all_done") return absl::OkStatus();
+  absl::StatusOr<FinalState> state =
+      reader.SecureFinalState(options.num_workers * options.steps);
+  if (!state.ok()) return state.status();
+  result.final_state = state->summary;
+  result.shards_behind = state->shards_behind;
+  return absl::OkStatus();
 }
 
 // This worker's figures once its steps are done: `steps_done` of them in
@@ -667,7 +687,7 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"steps_skipped\":%d,\"steps_short\":%d,"
       "\"duplicate_blocks\":%d,\"late_blocks\":%d,"
       "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s,"
-      "\"not_learning\":%s}",
+      "\"not_learning\":%s,\"final_state\":\"%s\",\"shards_behind\":[%s]}",
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
       r.epochs, r.steps_per_epoch, r.final_loss, r.train_accuracy, r.test_loss,
       r.test_accuracy, r.test_examples, r.final_model, time_to_target,
@@ -678,7 +698,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       r.peak_rss_bytes / 1048576.0, r.start_step, r.steps_run, r.steps_skipped,
       r.steps_short, r.duplicate_blocks, r.late_blocks,
       r.injected_duplicate_pushes, r.stopped_early ? "true" : "false",
-      r.not_learning ? "true" : "false");
+      r.not_learning ? "true" : "false", r.final_state,
+      absl::StrJoin(r.shards_behind, ","));
 }
 
 }  // namespace pstrain

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -115,6 +116,11 @@ struct TrainResult {
   // (async/ssp: every worker finished), "quiet" (async/ssp: the servers
   // stopped changing short of every worker's steps: one stopped early).
   std::string final_model;
+  // The servers' copy of that model (FinalState::summary): "durable",
+  // "in_memory" or "behind" (then shards_behind says which); "unknown" when
+  // it is not every worker's final model (final_model "quiet"/"timeout").
+  std::string final_state = "unknown";
+  std::vector<int> shards_behind;
   int64_t evaluations = 0;        // periodic ones
   double evaluation_seconds = 0;  // time spent in them
   double time_to_target_s = -1;   // training time, evaluations excluded

@@ -6,14 +6,17 @@
 #
 #   {"event":"job","mode":"sync","shards":2,"workers":2,"step":938,
 #    "step_max":938,"steps_short":0,"steps_lost":0,"updates_lost":0,
-#    "late_gradients_dropped":0,"shards_without_model":0,
+#    "late_gradients_dropped":0,"shards_without_model":0,"shards_behind":0,
 #    "final_checkpoint":"written"}
 #
 # step: what every shard reached (sync: steps; async/ssp: the fewest updates
 # of a block); steps_short / steps_lost: the most any shard completed short
 # (without some worker's gradient) or lost to a restore; final_checkpoint:
 # "written" when every shard's final state is in a checkpoint, "none" when
-# some ran without --checkpoint_dir, "failed" when a final checkpoint failed.
+# some ran without --checkpoint_dir, "failed" when a final checkpoint failed;
+# shards_behind: shards whose state is older than the final model the
+# workers reported (a server killed after the job's last step and restored
+# from an older checkpoint: those steps are not in the servers' model).
 # Anything that weakened the job, or shards that did not report, is said on
 # stderr, one line each, prefixed with --prog.
 #
@@ -62,11 +65,12 @@ job=$(awk -v workers="$workers" -v shards="$shards" '
     c = field("final_checkpoint")
     if (checkpoint == "" || c == "failed" || (c == "none" && checkpoint == "written")) checkpoint = c
     if (field("model_registered") != "true") unregistered++
+    if (field("behind") == "true") behind++
   }
   END {
     printf "{\"event\":\"job\",\"mode\":\"%s\",\"shards\":%d,\"workers\":%d,\"step\":%d,\"step_max\":%d,", mode, shards, workers, step, top
     printf "\"steps_short\":%d,\"steps_lost\":%d,\"updates_lost\":%d,\"late_gradients_dropped\":%d,", short, lost, updates_lost, late
-    printf "\"shards_without_model\":%d,\"final_checkpoint\":\"%s\"}\n", unregistered, checkpoint
+    printf "\"shards_without_model\":%d,\"shards_behind\":%d,\"final_checkpoint\":\"%s\"}\n", unregistered, behind, checkpoint
   }' <<<"$finals")
 printf '%s\n' "$job"
 
@@ -81,6 +85,8 @@ step=$(number step) top=$(number step_max)
   warn "$(number steps_short) sync step(s) completed with fewer than $workers workers' gradients (steps_short: a worker lapsed, died mid-push or never came, --min_workers, --replicas_to_aggregate); see $logs"
 (($(number steps_lost) == 0)) ||
   warn "a server lost $(number steps_lost) step(s) (restored from an older checkpoint); see $logs"
+(($(number shards_behind) == 0)) ||
+  warn "$(number shards_behind) server(s) ended behind the final model the workers reported (killed after the last step and restored from an older checkpoint): the servers' model, and an export of it, lack those steps; see $logs"
 grep -q '"final_checkpoint":"failed"' <<<"$job" &&
   warn "a server's final checkpoint failed: its last steps are not on disk; see $logs"
 echo "$prog: the servers ended the $mode job at step $step" >&2

@@ -61,7 +61,8 @@ def main():
         f.writelines(f"{r!r}\n" for r in rates)
     pstrain.print_final(worker_id=ps.worker_id, mode=ps.mode,
                         start_step=ps.start_step, final_model=how,
-                        steps_run=end - ps.start_step)
+                        steps_run=end - ps.start_step,
+                        final_state=ps.final_state)
 
 
 if __name__ == "__main__":

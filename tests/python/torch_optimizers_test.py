@@ -46,10 +46,15 @@ def max_difference(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def run_job(c, workers, recipe, extra=()):
-    c.run_workers(WORKER, lambda k: [
+def run_job(c, workers, recipe, extra=(), final_state="in_memory"):
+    finals = c.run_workers(WORKER, lambda k: [
         f"--recipe={recipe}", f"--batch={BATCH}", f"--out={c.dir}",
         f"--seed={3 + k}"] + list(extra))
+    # The servers' copy of the model each worker ended with: checkpointed
+    # by the servers with a --checkpoint_dir, else in their memory.
+    for final in finals:
+        assert final["final_state"]["summary"] == final_state, final
+        assert final["final_state"]["shards_behind"] == [], final
     return torch.load(os.path.join(c.dir, "worker0.pt"))
 
 
@@ -113,9 +118,10 @@ class TorchOptimizersTest(unittest.TestCase):
             uninterrupted = run_job(c, workers, recipe)
         with cluster.Cluster(num_shards=2, num_workers=workers,
                              checkpoint=True) as c:
-            run_job(c, workers, recipe, ["--stop_after=12"])
+            run_job(c, workers, recipe, ["--stop_after=12"],
+                    final_state="durable")
             c.restart_all_servers()
-            resumed = run_job(c, workers, recipe)
+            resumed = run_job(c, workers, recipe, final_state="durable")
             with open(os.path.join(c.dir, "rates0.txt")) as f:
                 rates = [float(line) for line in f]
         _, reference_rates = single_process(recipe, workers * BATCH)

@@ -604,6 +604,65 @@ std::string PsClient::AwaitFinalModel(int64_t expected_version,
   }
 }
 
+absl::StatusOr<FinalState> PsClient::SecureFinalState(int64_t final_version) {
+  if (final_version <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("final_version must be > 0, got ", final_version));
+  }
+  CheckpointRequest request;
+  request.set_final_version(final_version);
+  request.set_worker_id(worker_id_);
+  std::vector<Call> calls(num_shards());
+  std::vector<CheckpointResponse> responses(num_shards());
+  for (int s = 0; s < num_shards(); ++s) {
+    calls[s].shard = s;
+    calls[s].flat = request.SerializeAsString();
+    calls[s].on_response = [&responses,
+                            s](absl::Span<const absl::string_view> bytes) {
+      return Deserialize(bytes, &responses[s]);
+    };
+  }
+  if (absl::Status s =
+          RunAll("Checkpoint", calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  FinalState state;
+  bool all_checkpointed = true;
+  for (int s = 0; s < num_shards(); ++s) {
+    const CheckpointResponse& shard = responses[s];
+    const std::string who =
+        absl::StrCat("shard ", s, " (", options_.hosts[s], ")");
+    const bool behind = shard.version() >= 0 && shard.version() < final_version;
+    const bool skipped = shard.skipped_to_step() >= final_version;
+    if (behind || skipped) {
+      state.shards_behind.push_back(s);
+      state.problems.push_back(
+          behind ? absl::StrCat(who, " is at version ", shard.version(),
+                                ", behind the final model's ", final_version,
+                                ": restored from an older checkpoint after "
+                                "the job's last steps, which the servers' "
+                                "model now lacks")
+                 : absl::StrCat(who, " restarted and skipped to step ",
+                                shard.skipped_to_step(),
+                                " without the updates before it: the "
+                                "servers' model lacks steps of the final "
+                                "model (counted in steps_lost)"));
+      LOG(WARNING) << "the servers' model is not the job's final model: "
+                   << state.problems.back();
+    } else if (!shard.checkpointed()) {
+      all_checkpointed = false;
+      state.problems.push_back(
+          absl::StrCat(who, " holds the final model in memory only: ",
+                       shard.not_checkpointed_reason()));
+    }
+  }
+  state.summary = !state.shards_behind.empty() ? "behind"
+                  : all_checkpointed           ? "durable"
+                                               : "in_memory";
+  return state;
+}
+
 absl::StatusOr<int64_t> PsClient::StepsShort() {
   absl::StatusOr<std::vector<StatsResponse>> stats = Stats();
   if (!stats.ok()) return stats.status();

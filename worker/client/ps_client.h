@@ -152,6 +152,22 @@ struct Registration {
   double learning_rate = 0;
 };
 
+// The servers' copy of a job's final model, as a worker ending the job
+// finds it (PsClient::SecureFinalState).
+struct FinalState {
+  // "durable": every shard's newest checkpoint holds its state at the final
+  // version. "in_memory": some shard has no --checkpoint_dir or its
+  // checkpoint failed: the servers hold the model until they stop (SIGTERM
+  // then tries a last checkpoint). "behind": some shard's state is older
+  // than the final model (killed after the job's last steps and restored
+  // from an older checkpoint): those steps are not in the servers' model,
+  // nor in an export of it.
+  std::string summary;
+  std::vector<int> shards_behind;
+  // One line per shard whose state is not durable, saying why.
+  std::vector<std::string> problems;
+};
+
 class PsClient {
  public:
   static absl::StatusOr<std::unique_ptr<PsClient>> Create(
@@ -289,6 +305,15 @@ class PsClient {
   // stopped early); or `timeout` passed. Returns how the wait ended:
   // "all_done", "quiet", "timeout" or "interrupted" (Interrupt).
   std::string AwaitFinalModel(int64_t expected_version, absl::Duration timeout);
+
+  // Once this client holds the job's final model, at `final_version` (sync:
+  // the step the job ended at; async/ssp: num_workers * steps), asks every
+  // shard to make its state durable (a checkpoint, where the shard has a
+  // --checkpoint_dir) and to say its version, so that a job is not reported
+  // finished while a shard's copy is behind the model the workers report.
+  // Retries, like every call, while a shard restarts; an error when a shard
+  // does not answer within the retry window.
+  absl::StatusOr<FinalState> SecureFinalState(int64_t final_version);
 
   // sync: the most steps a shard completed with fewer than num_workers
   // gradients (StatsResponse.steps_short): how often sync was weakened.

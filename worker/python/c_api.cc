@@ -29,6 +29,7 @@
 #include "common/partition.h"
 #include "common/transport/connection_check.h"
 #include "glog/logging.h"
+#include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "proto/ps.pb.h"
@@ -502,6 +503,33 @@ int pstrain_client_await_final_model(pstrain_client* c,
   return Guard(error, [&]() -> absl::Status {
     *how = pstrain::CopyString(
         c->client->AwaitFinalModel(expected_version, absl::Seconds(timeout_s)));
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_secure_final_state(pstrain_client* c, int64_t final_version,
+                                      char** state_json, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    absl::StatusOr<pstrain::FinalState> state =
+        c->client->SecureFinalState(final_version);
+    if (!state.ok()) return state.status();
+    // Through protobuf's JSON printer: the problems are free text.
+    google::protobuf::Struct json;
+    auto& fields = *json.mutable_fields();
+    fields["summary"].set_string_value(state->summary);
+    auto* behind = fields["shards_behind"].mutable_list_value();
+    for (int shard : state->shards_behind) {
+      behind->add_values()->set_number_value(shard);
+    }
+    auto* problems = fields["problems"].mutable_list_value();
+    for (const std::string& problem : state->problems) {
+      problems->add_values()->set_string_value(problem);
+    }
+    std::string text;
+    if (!google::protobuf::util::MessageToJsonString(json, &text).ok()) {
+      return absl::InternalError("cannot print the final state as JSON");
+    }
+    *state_json = pstrain::CopyString(text);
     return absl::OkStatus();
   });
 }

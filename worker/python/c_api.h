@@ -109,6 +109,14 @@ int pstrain_client_await_final_model(pstrain_client* client,
                                      int64_t expected_version, double timeout_s,
                                      char** how, char** error);
 
+/* Once the client holds the job's final model at `final_version`
+ * (PsClient::SecureFinalState): *state_json is
+ * {"summary":"durable"|"in_memory"|"behind","shards_behind":[...],
+ *  "problems":["..."]}. */
+int pstrain_client_secure_final_state(pstrain_client* client,
+                                      int64_t final_version, char** state_json,
+                                      char** error);
+
 /* The cluster description of this process (common/cluster_spec.h) as JSON,
  * or "null" when there is none. */
 int pstrain_load_cluster_spec(const char* path, char** spec_json, char** error);

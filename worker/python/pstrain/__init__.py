@@ -166,6 +166,15 @@ class Client:
     def await_final_model(self, expected_version, timeout_s=120.0):
         return self._core.await_final_model(expected_version, timeout_s)
 
+    def secure_final_state(self, final_version):
+        """Once this client holds the job's final model at ``final_version``
+        (sync: the last step; async/ssp: num_workers * steps), asks every
+        shard to make its state durable (a checkpoint, where it has a
+        --checkpoint_dir) and returns {"summary": "durable" | "in_memory" |
+        "behind", "shards_behind": [...], "problems": [...]}: "behind" names
+        shards restored after the last step without it."""
+        return self._core.secure_final_state(final_version)
+
     def interrupt(self):
         self._core.interrupt()
 

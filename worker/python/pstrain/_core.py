@@ -108,6 +108,8 @@ _declare("pstrain_client_stats", _p, ctypes.POINTER(ctypes.c_void_p), _err)
 _declare("pstrain_client_steps_short", _p, ctypes.POINTER(_i64), _err)
 _declare("pstrain_client_await_final_model", _p, _i64, ctypes.c_double,
          ctypes.POINTER(ctypes.c_void_p), _err)
+_declare("pstrain_client_secure_final_state", _p, _i64,
+         ctypes.POINTER(ctypes.c_void_p), _err)
 _declare("pstrain_load_cluster_spec", ctypes.c_char_p,
          ctypes.POINTER(ctypes.c_void_p), _err)
 _declare("pstrain_open_idx", ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_p),
@@ -443,6 +445,12 @@ class Client:
         self._call(_lib.pstrain_client_await_final_model, expected_version,
                    float(timeout_s), ctypes.byref(how))
         return _take_string(how)
+
+    def secure_final_state(self, final_version):
+        state = ctypes.c_void_p()
+        self._call(_lib.pstrain_client_secure_final_state, final_version,
+                   ctypes.byref(state))
+        return json.loads(_take_string(state))
 
     def interrupt(self):
         _lib.pstrain_client_interrupt(self._handle)

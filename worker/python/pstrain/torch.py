@@ -349,6 +349,9 @@ class ParameterServer:
         self._step = self.start_step
         self._observer = None
         self._finished = False
+        # After finish(): the servers' copy of the final model
+        # (Client.secure_final_state); None until then, or when unknown.
+        self.final_state = None
         self._clip_max_norm = 0.0
         self._fast_forward_scheduler()
         self._pull(self._step)
@@ -440,6 +443,8 @@ class ParameterServer:
                     "is over, and its rates go nowhere")
             self.scheduler.step = refuse
         if self.mode == "sync":
+            if self._step > 0:
+                self._secure_final_state(self.client, self._step)
             self.client.leave()
             self._how = "sync_step"
             return self._how
@@ -450,7 +455,21 @@ class ParameterServer:
         self._how = self._observer.await_final_model(
             self.num_workers * self._step, timeout_s)
         self._pull(self._step, self._observer)
+        if self._how == "all_done":
+            self._secure_final_state(self._observer,
+                                     self.num_workers * self._step)
         return self._how
+
+    def _secure_final_state(self, client, final_version):
+        """The servers' copy of the final model this worker holds: durable
+        (checkpointed), in memory, or behind (a shard restored after the
+        last step without it). Kept in ``final_state``; behind warns."""
+        self.final_state = client.secure_final_state(final_version)
+        if self.final_state["summary"] == "behind":
+            import warnings
+            warnings.warn(
+                "the servers' model is not the job's final model: "
+                + "; ".join(self.final_state["problems"]), RuntimeWarning)
 
     def _fast_forward_scheduler(self):
         """A worker that starts at step s > 0 (a job resumed from its
