@@ -203,37 +203,48 @@ class Bench {
   std::vector<Row> rows_;
 };
 
-int Run() {
+// The fp32 backend under test and a bf16 one on the same device, with their
+// streams: the events that time an op must be recorded on the stream the
+// op's backend enqueues on.
+struct Backends {
+  std::unique_ptr<Backend> fp32;
+  std::unique_ptr<Backend> bf16;
+  cudaStream_t stream = nullptr;    // fp32's
+  cudaStream_t stream16 = nullptr;  // bf16's
+};
+
+// False (after saying so) when --device names a backend that is not CUDA:
+// there is no stream to time it on.
+bool CreateBackends(Backends* out) {
   BackendOptions options;
   options.device = absl::GetFlag(FLAGS_device);
   absl::StatusOr<std::unique_ptr<Backend>> created =
       kernels::CreateBackend(options);
   Check(created.status(), "creating the fp32 backend");
-  std::unique_ptr<Backend> gpu = *std::move(created);
+  out->fp32 = *std::move(created);
   options.precision = "bf16";
   created = kernels::CreateBackend(options);
   Check(created.status(), "creating the bf16 backend");
-  std::unique_ptr<Backend> gpu16 = *std::move(created);
-  auto stream = static_cast<cudaStream_t>(kernels::CudaStreamOf(gpu.get()));
-  auto stream16 = static_cast<cudaStream_t>(kernels::CudaStreamOf(gpu16.get()));
-  if (stream == nullptr || stream16 == nullptr) {
+  out->bf16 = *std::move(created);
+  out->stream =
+      static_cast<cudaStream_t>(kernels::CudaStreamOf(out->fp32.get()));
+  out->stream16 =
+      static_cast<cudaStream_t>(kernels::CudaStreamOf(out->bf16.get()));
+  if (out->stream == nullptr || out->stream16 == nullptr) {
     std::fprintf(stderr, "kernel_bench: %s is not a CUDA backend\n",
-                 gpu->Name().c_str());
-    return 1;
+                 out->fp32->Name().c_str());
+    return false;
   }
-  int ordinal = 0;
-  CheckCuda(cudaGetDevice(&ordinal), "cudaGetDevice");
-  const std::string device_name = gpu->Name();
-  std::printf("kernel_bench on %s\n",
-              kernels::DescribeCudaDevice(ordinal).c_str());
-  const bool quick = absl::GetFlag(FLAGS_quick);
-  Bench bench(device_name);
+  return true;
+}
 
-  // --- Baselines, measured first, in this run. ---
-  // Device-to-device copy: every byte read once and written once.
+// Device-to-device copy: every byte read once and written once. Measured
+// before any op, in this run, so the memory-bound ratios do not depend on
+// a datasheet or on another day's machine state.
+Row MeasureCopyBaseline(Backend* gpu, cudaStream_t stream, bool quick) {
   const size_t copy_bytes = (quick ? size_t{64} : size_t{512}) << 20;
-  DeviceArray<float> copy_src = Array(gpu.get(), copy_bytes / 4, 1.0f);
-  DeviceArray<float> copy_dst = Array(gpu.get(), copy_bytes / 4, 0.0f);
+  DeviceArray<float> copy_src = Array(gpu, copy_bytes / 4, 1.0f);
+  DeviceArray<float> copy_dst = Array(gpu, copy_bytes / 4, 0.0f);
   Row d2d{"cudaMemcpy D2D (baseline)", absl::StrCat(copy_bytes >> 20, " MiB")};
   d2d.seconds = TimePerCall(stream, [&] {
     CheckCuda(cudaMemcpyAsync(copy_dst.data(), copy_src.data(), copy_bytes,
@@ -241,20 +252,27 @@ int Run() {
               "cudaMemcpyAsync");
   });
   d2d.bytes = 2.0 * copy_bytes;
-  const double d2d_gbps = d2d.bytes / d2d.seconds / 1e9;
-  d2d.baseline = d2d_gbps;
+  d2d.baseline = d2d.bytes / d2d.seconds / 1e9;
   d2d.baseline_name = "d2d";
-  copy_src = DeviceArray<float>();
-  copy_dst = DeviceArray<float>();
+  return d2d;
+}
 
-  // cuBLAS on large square matrices, straight (no conversion, no backend).
+struct GemmBaselines {
+  Row sgemm;
+  Row bgemm;
+};
+
+// cuBLAS on large square matrices, straight (no conversion, no backend):
+// the rate the backend's GEMMs could reach at best on this device.
+GemmBaselines MeasureGemmBaselines(Backend* gpu, cudaStream_t stream,
+                                   bool quick) {
   const int64_t square = quick ? 2048 : 8192;
   cublasHandle_t cublas;
   CheckCublas(cublasCreate(&cublas), "cublasCreate");
   CheckCublas(cublasSetStream(cublas, stream), "cublasSetStream");
-  DeviceArray<float> sa = Array(gpu.get(), square * square, 0.5f);
-  DeviceArray<float> sb = Array(gpu.get(), square * square, 0.25f);
-  DeviceArray<float> sc = Array(gpu.get(), square * square, 0.0f);
+  DeviceArray<float> sa = Array(gpu, square * square, 0.5f);
+  DeviceArray<float> sb = Array(gpu, square * square, 0.25f);
+  DeviceArray<float> sc = Array(gpu, square * square, 0.0f);
   const float one = 1.0f, zero = 0.0f;
   const int sq = static_cast<int>(square);
   Row sgemm{"cublasSgemm (baseline)", absl::StrCat(square, "^3")};
@@ -264,8 +282,7 @@ int Run() {
                             sa.data(), sq, sb.data(), sq, &zero, sc.data(), sq),
                 "cublasSgemm");
   });
-  const double sgemm_tflops = sgemm.flops / sgemm.seconds / 1e12;
-  sgemm.baseline = sgemm_tflops;
+  sgemm.baseline = sgemm.flops / sgemm.seconds / 1e12;
   sgemm.baseline_name = "sgemm";
   // bf16 inputs (bit patterns of 0.5/0.25 are irrelevant to speed; the
   // fp32 arrays are reused as storage), fp32 accumulation and output.
@@ -278,91 +295,104 @@ int Run() {
                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                 "cublasGemmEx");
   });
-  const double bgemm_tflops = bgemm.flops / bgemm.seconds / 1e12;
-  bgemm.baseline = bgemm_tflops;
+  bgemm.baseline = bgemm.flops / bgemm.seconds / 1e12;
   bgemm.baseline_name = "bf16_gemm";
-  sa = DeviceArray<float>();
-  sb = DeviceArray<float>();
-  sc = DeviceArray<float>();
   CheckCublas(cublasDestroy(cublas), "cublasDestroy");
+  return {std::move(sgemm), std::move(bgemm)};
+}
 
-  bench.PrintHeader();
-  bench.Add(d2d);
-  bench.Add(sgemm);
-  bench.Add(bgemm);
+// Adds the rows of memory-bound ops, which are all compared with the one
+// copy bandwidth measured in this run.
+class MemoryRows {
+ public:
+  MemoryRows(Bench* bench, double d2d_gbps)
+      : bench_(bench), d2d_gbps_(d2d_gbps) {}
 
-  auto memory_row = [&](const std::string& op, const std::string& shape,
-                        double bytes, cudaStream_t s,
-                        const std::function<void()>& run) {
+  void Add(const std::string& op, const std::string& shape, double bytes,
+           cudaStream_t stream, const std::function<void()>& run) const {
     Row row{op, shape};
-    row.seconds = TimePerCall(s, run);
+    row.seconds = TimePerCall(stream, run);
     row.bytes = bytes;
-    row.baseline = d2d_gbps;
+    row.baseline = d2d_gbps_;
     row.baseline_name = "d2d";
-    bench.Add(row);
-  };
+    bench_->Add(row);
+  }
 
-  // --- Elementwise: bytes are the reads and writes each element needs. ---
+ private:
+  Bench* bench_;
+  double d2d_gbps_;
+};
+
+// Elementwise: bytes are the reads and writes each element needs.
+void MeasureElementwise(Backend* gpu, cudaStream_t stream, bool quick,
+                        const MemoryRows& memory) {
   std::vector<int64_t> sizes = {1 << 16, 1 << 20, 1 << 24};
   if (!quick) sizes.push_back(1 << 26);
   for (int64_t n : sizes) {
     const std::string shape = absl::StrCat("n=", n);
-    DeviceArray<float> x = Array(gpu.get(), n, 0.5f);
-    DeviceArray<float> y = Array(gpu.get(), n, -0.25f);
-    DeviceArray<float> z = Array(gpu.get(), n, 0.0f);
+    DeviceArray<float> x = Array(gpu, n, 0.5f);
+    DeviceArray<float> y = Array(gpu, n, -0.25f);
+    DeviceArray<float> z = Array(gpu, n, 0.0f);
     const double f = sizeof(float);
-    memory_row("Fill", shape, f * n, stream,
+    memory.Add("Fill", shape, f * n, stream,
                [&] { Check(gpu->Fill(n, 1.0f, z.data()), "Fill"); });
-    memory_row("Scale", shape, 2 * f * n, stream,
+    memory.Add("Scale", shape, 2 * f * n, stream,
                [&] { Check(gpu->Scale(n, 1.0f, z.data()), "Scale"); });
-    memory_row("Axpy", shape, 3 * f * n, stream,
+    memory.Add("Axpy", shape, 3 * f * n, stream,
                [&] { Check(gpu->Axpy(n, 1e-6f, x.data(), y.data()), "Axpy"); });
-    memory_row("Relu", shape, 2 * f * n, stream,
+    memory.Add("Relu", shape, 2 * f * n, stream,
                [&] { Check(gpu->Relu(n, y.data(), z.data()), "Relu"); });
-    memory_row("ReluGrad", shape, 3 * f * n, stream, [&] {
+    memory.Add("ReluGrad", shape, 3 * f * n, stream, [&] {
       Check(gpu->ReluGrad(n, y.data(), x.data(), z.data()), "ReluGrad");
     });
   }
+}
 
-  // --- Row-wise ops on [rows, cols] activations. ---
+// Row-wise ops on [rows, cols] activations.
+void MeasureRowwise(Backend* gpu, cudaStream_t stream, bool quick,
+                    const MemoryRows& memory) {
   std::vector<std::pair<int64_t, int64_t>> shapes = {
       {256, 1024}, {4096, 1024}, {65536, 16}};
   if (!quick) shapes.push_back({65536, 1024});
   for (const auto& [rows, cols] : shapes) {
     const std::string shape = absl::StrCat(rows, "x", cols);
     const double f = sizeof(float);
-    DeviceArray<float> y = Array(gpu.get(), rows * cols, 0.5f);
-    DeviceArray<float> bias = Array(gpu.get(), cols, 0.0f);
-    memory_row("AddBias", shape, f * (2.0 * rows * cols + cols), stream, [&] {
+    DeviceArray<float> y = Array(gpu, rows * cols, 0.5f);
+    DeviceArray<float> bias = Array(gpu, cols, 0.0f);
+    memory.Add("AddBias", shape, f * (2.0 * rows * cols + cols), stream, [&] {
       Check(gpu->AddBias(rows, cols, bias.data(), y.data()), "AddBias");
     });
-    memory_row("BiasGrad", shape, f * (1.0 * rows * cols + cols), stream, [&] {
+    memory.Add("BiasGrad", shape, f * (1.0 * rows * cols + cols), stream, [&] {
       Check(gpu->BiasGrad(rows, cols, y.data(), bias.data()), "BiasGrad");
     });
   }
+}
 
-  // --- Softmax cross-entropy: includes its one device->host sync. ---
+// Softmax cross-entropy: includes its one device->host sync, which is part
+// of what a training step pays for it.
+void MeasureSoftmaxCrossEntropy(Backend* gpu, cudaStream_t stream, bool quick,
+                                const MemoryRows& memory) {
   std::vector<std::pair<int64_t, int64_t>> ce_shapes = {
       {256, 10}, {4096, 1000}, {65536, 16}};
   if (!quick) ce_shapes.push_back({512, 32000});
   for (const auto& [rows, cols] : ce_shapes) {
     const std::string shape = absl::StrCat(rows, "x", cols);
-    DeviceArray<float> logits = Array(gpu.get(), rows * cols, 0.0f);
-    DeviceArray<float> grad = Array(gpu.get(), rows * cols, 0.0f);
+    DeviceArray<float> logits = Array(gpu, rows * cols, 0.0f);
+    DeviceArray<float> grad = Array(gpu, rows * cols, 0.0f);
     std::vector<int32_t> host_labels(rows);
     for (int64_t r = 0; r < rows; ++r) host_labels[r] = r % cols;
-    DeviceArray<int32_t> labels = Upload(gpu.get(), host_labels);
+    DeviceArray<int32_t> labels = Upload(gpu, host_labels);
     double loss;
     int64_t correct;
     // Logits read, gradient written.
-    memory_row("SoftmaxCrossEntropy fwd+bwd", shape,
+    memory.Add("SoftmaxCrossEntropy fwd+bwd", shape,
                2.0 * sizeof(float) * rows * cols, stream, [&] {
                  Check(gpu->SoftmaxCrossEntropy(rows, cols, logits.data(),
                                                 labels.data(), 1.0f,
                                                 grad.data(), &loss, &correct),
                        "SoftmaxCrossEntropy");
                });
-    memory_row("SoftmaxCrossEntropy fwd", shape,
+    memory.Add("SoftmaxCrossEntropy fwd", shape,
                1.0 * sizeof(float) * rows * cols, stream, [&] {
                  Check(gpu->SoftmaxCrossEntropy(rows, cols, logits.data(),
                                                 labels.data(), 1.0f, nullptr,
@@ -370,39 +400,45 @@ int Run() {
                        "SoftmaxCrossEntropy");
                });
   }
+}
 
-  // --- Embeddings: rows read/written plus the indices. ---
-  {
-    const int64_t table_rows = quick ? 100000 : 1000000, dim = 128;
-    const int64_t n = 65536;
-    DeviceArray<float> table = Array(gpu.get(), table_rows * dim, 0.0f);
-    DeviceArray<float> rows = Array(gpu.get(), n * dim, 1.0f);
-    std::vector<int64_t> host_indices(n);
-    for (int64_t i = 0; i < n; ++i) {
-      host_indices[i] = (i * 7919) % table_rows;  // spread, no repeats
-    }
-    DeviceArray<int64_t> indices = Upload(gpu.get(), host_indices);
-    const std::string shape = absl::StrCat(n, " of ", table_rows, "x", dim);
-    const double row_bytes = sizeof(float) * static_cast<double>(n) * dim;
-    memory_row("Gather", shape, 2 * row_bytes + 8.0 * n, stream, [&] {
-      Check(gpu->Gather(n, dim, table_rows, table.data(), indices.data(),
-                        rows.data()),
-            "Gather");
-    });
-    memory_row("ScatterAdd", shape, 3 * row_bytes + 8.0 * n, stream, [&] {
-      Check(gpu->ScatterAdd(n, dim, table_rows, rows.data(), indices.data(),
-                            table.data()),
-            "ScatterAdd");
-    });
-    Check(gpu->Synchronize(), "Synchronize");
+// Embeddings: rows read/written plus the indices.
+void MeasureEmbeddings(Backend* gpu, cudaStream_t stream, bool quick,
+                       const MemoryRows& memory) {
+  const int64_t table_rows = quick ? 100000 : 1000000, dim = 128;
+  const int64_t n = 65536;
+  DeviceArray<float> table = Array(gpu, table_rows * dim, 0.0f);
+  DeviceArray<float> rows = Array(gpu, n * dim, 1.0f);
+  std::vector<int64_t> host_indices(n);
+  for (int64_t i = 0; i < n; ++i) {
+    host_indices[i] = (i * 7919) % table_rows;  // spread, no repeats
   }
+  DeviceArray<int64_t> indices = Upload(gpu, host_indices);
+  const std::string shape = absl::StrCat(n, " of ", table_rows, "x", dim);
+  const double row_bytes = sizeof(float) * static_cast<double>(n) * dim;
+  memory.Add("Gather", shape, 2 * row_bytes + 8.0 * n, stream, [&] {
+    Check(gpu->Gather(n, dim, table_rows, table.data(), indices.data(),
+                      rows.data()),
+          "Gather");
+  });
+  memory.Add("ScatterAdd", shape, 3 * row_bytes + 8.0 * n, stream, [&] {
+    Check(gpu->ScatterAdd(n, dim, table_rows, rows.data(), indices.data(),
+                          table.data()),
+          "ScatterAdd");
+  });
+  Check(gpu->Synchronize(), "Synchronize");
+}
 
-  // --- GEMMs through the backend: forward (NN) and the two backward
-  // shapes (TN for weights, NT for inputs) of MLP layers, and squares. ---
-  struct GemmCase {
-    bool ta, tb;
-    int64_t m, n, k;
-  };
+struct GemmCase {
+  bool ta, tb;
+  int64_t m, n, k;
+};
+
+// GEMMs through the backend, fp32 and bf16 on the same operands: forward
+// (NN) and the two backward shapes (TN for weights, NT for inputs) of MLP
+// layers, and squares.
+void MeasureGemms(const Backends& gpus, bool quick,
+                  const GemmBaselines& baselines, Bench* bench) {
   std::vector<GemmCase> gemms = {
       {false, false, 256, 1024, 1024},
       {true, false, 1024, 1024, 256},
@@ -410,33 +446,64 @@ int Run() {
       {false, false, 4096, 4096, 4096},
   };
   if (!quick) gemms.push_back({false, false, 8192, 8192, 8192});
+  Backend* const gpu = gpus.fp32.get();
+  Backend* const gpu16 = gpus.bf16.get();
   for (const GemmCase& g : gemms) {
     const std::string shape = absl::StrCat(g.ta ? "T" : "N", g.tb ? "T" : "N",
                                            " ", g.m, "x", g.n, "x", g.k);
-    DeviceArray<float> a = Array(gpu.get(), g.m * g.k, 0.5f);
-    DeviceArray<float> b = Array(gpu.get(), g.k * g.n, 0.25f);
-    DeviceArray<float> c = Array(gpu.get(), g.m * g.n, 0.0f);
-    for (Backend* backend : {gpu.get(), gpu16.get()}) {
-      const bool bf16 = backend == gpu16.get();
+    DeviceArray<float> a = Array(gpu, g.m * g.k, 0.5f);
+    DeviceArray<float> b = Array(gpu, g.k * g.n, 0.25f);
+    DeviceArray<float> c = Array(gpu, g.m * g.n, 0.0f);
+    for (Backend* backend : {gpu, gpu16}) {
+      const bool bf16 = backend == gpu16;
       // a, b and c come from the fp32 backend's pool and were filled on its
       // stream; the bf16 backend's stream must not start on them earlier.
-      if (bf16) StreamWaitsFor(stream16, stream);
+      if (bf16) StreamWaitsFor(gpus.stream16, gpus.stream);
       Row row{bf16 ? "Gemm bf16 (incl. conversion)" : "Gemm fp32", shape};
       row.flops = 2.0 * g.m * g.n * g.k;
-      row.seconds = TimePerCall(bf16 ? stream16 : stream, [&] {
+      row.seconds = TimePerCall(bf16 ? gpus.stream16 : gpus.stream, [&] {
         Check(backend->Gemm(g.ta, g.tb, g.m, g.n, g.k, 1.0f, a.data(), b.data(),
                             0.0f, c.data()),
               "Gemm");
       });
-      row.baseline = bf16 ? bgemm_tflops : sgemm_tflops;
+      row.baseline = bf16 ? baselines.bgemm.baseline : baselines.sgemm.baseline;
       row.baseline_name = bf16 ? "bf16_gemm" : "sgemm";
-      bench.Add(row);
+      bench->Add(row);
     }
     // The arrays go back to the fp32 pool at the end of this iteration,
     // where the next shape's Fill on the fp32 stream may reuse them: that
     // stream must first wait for the bf16 GEMMs still reading them.
-    StreamWaitsFor(stream, stream16);
+    StreamWaitsFor(gpus.stream, gpus.stream16);
   }
+}
+
+int Run() {
+  Backends gpus;
+  if (!CreateBackends(&gpus)) return 1;
+  int ordinal = 0;
+  CheckCuda(cudaGetDevice(&ordinal), "cudaGetDevice");
+  const std::string device_name = gpus.fp32->Name();
+  std::printf("kernel_bench on %s\n",
+              kernels::DescribeCudaDevice(ordinal).c_str());
+  const bool quick = absl::GetFlag(FLAGS_quick);
+  Bench bench(device_name);
+
+  // The baselines are all measured before the table starts, since every
+  // row after them is printed as a ratio to one of them.
+  const Row d2d = MeasureCopyBaseline(gpus.fp32.get(), gpus.stream, quick);
+  const GemmBaselines gemm =
+      MeasureGemmBaselines(gpus.fp32.get(), gpus.stream, quick);
+  bench.PrintHeader();
+  bench.Add(d2d);
+  bench.Add(gemm.sgemm);
+  bench.Add(gemm.bgemm);
+
+  const MemoryRows memory(&bench, d2d.baseline);
+  MeasureElementwise(gpus.fp32.get(), gpus.stream, quick, memory);
+  MeasureRowwise(gpus.fp32.get(), gpus.stream, quick, memory);
+  MeasureSoftmaxCrossEntropy(gpus.fp32.get(), gpus.stream, quick, memory);
+  MeasureEmbeddings(gpus.fp32.get(), gpus.stream, quick, memory);
+  MeasureGemms(gpus, quick, gemm, &bench);
 
   std::printf("\n");
   bench.PrintJson();
