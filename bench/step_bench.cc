@@ -317,22 +317,32 @@ Result Measure(const std::string& device, Backend* backend, const Job& job) {
   return result;
 }
 
-int Run() {
-  Job job;
+// The --hidden widths; false after naming the bad entry.
+bool ParseHidden(std::vector<int64_t>* hidden) {
   for (absl::string_view width :
        absl::StrSplit(absl::GetFlag(FLAGS_hidden), ',', absl::SkipEmpty())) {
     int64_t w;
     if (!absl::SimpleAtoi(width, &w) || w < 1) {
       std::fprintf(stderr, "step_bench: bad --hidden entry '%s'\n",
                    std::string(width).c_str());
-      return 1;
+      return false;
     }
-    job.hidden.push_back(w);
+    hidden->push_back(w);
   }
+  return true;
+}
+
+SyntheticOptions SyntheticFromFlags() {
   SyntheticOptions synthetic;
   synthetic.num_features = absl::GetFlag(FLAGS_num_features);
   synthetic.num_classes = absl::GetFlag(FLAGS_num_classes);
   synthetic.seed = absl::GetFlag(FLAGS_seed);
+  return synthetic;
+}
+
+// The training set and, right after it in the same example stream, the
+// held-out set: disjoint, and the same for every backend.
+void MakeData(const SyntheticOptions& synthetic, Job* job) {
   const int64_t train_examples = absl::GetFlag(FLAGS_train_examples);
   absl::StatusOr<Dataset> train =
       MakeSyntheticClassification(synthetic, 0, train_examples, {});
@@ -340,25 +350,14 @@ int Run() {
   absl::StatusOr<Dataset> test = MakeSyntheticClassification(
       synthetic, train_examples, absl::GetFlag(FLAGS_test_examples), {});
   Check(test.status(), "held-out data");
-  job.train = *std::move(train);
-  job.test = *std::move(test);
+  job->train = *std::move(train);
+  job->test = *std::move(test);
+}
 
-  const bool layers = absl::GetFlag(FLAGS_model) == "layers";
-  if (!layers && absl::GetFlag(FLAGS_model) != "mlp") {
-    std::fprintf(stderr, "step_bench: --model must be mlp or layers\n");
-    return 2;
-  }
-  const std::string description =
-      layers ? absl::StrCat("layers ", absl::GetFlag(FLAGS_layers))
-             : absl::StrCat("MLP hidden [", absl::GetFlag(FLAGS_hidden), "]");
-  std::printf(
-      "step_bench: %lld features -> %s -> %lld classes, batch %lld, SGD lr "
-      "%g; synthetic task, best achievable accuracy %.3f\n",
-      static_cast<long long>(synthetic.num_features), description.c_str(),
-      static_cast<long long>(synthetic.num_classes),
-      static_cast<long long>(absl::GetFlag(FLAGS_batch_size)),
-      absl::GetFlag(FLAGS_learning_rate), SyntheticBestAccuracy(synthetic));
-
+// Every --devices entry that can be created, in order (the first is what
+// the others are compared with). A GPU that is not there is skipped, so
+// the same command line works on a host without one.
+std::vector<Result> MeasureDevices(const Job& job) {
   std::vector<Result> results;
   for (absl::string_view device_view :
        absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipEmpty())) {
@@ -383,11 +382,10 @@ int Run() {
     std::fflush(stdout);
     results.push_back(Measure(device, backend->get(), job));
   }
-  if (results.empty()) {
-    std::fprintf(stderr, "step_bench: no backend could be measured\n");
-    return 1;
-  }
+  return results;
+}
 
+void PrintTable(const std::vector<Result>& results) {
   std::printf("\n%-40s %12s %12s %14s %10s %9s\n", "backend", "ms/step",
               "examples/s", "s to target", "steps", "test acc");
   for (const Result& r : results) {
@@ -401,6 +399,12 @@ int Run() {
         reached ? absl::StrCat(r.steps_to_target).c_str() : "-",
         tried ? absl::StrFormat("%.3f", r.final_accuracy).c_str() : "-");
   }
+}
+
+// Each backend against the first: the speed ratios, and how far its loss
+// curve strays from the first's (they must agree, or the faster backend
+// is not computing the same thing).
+void PrintComparisons(const std::vector<Result>& results) {
   const Result& base = results.front();
   for (size_t i = 1; i < results.size(); ++i) {
     const Result& r = results[i];
@@ -425,7 +429,11 @@ int Run() {
         "(one backend only: no ratio; run on a host with a GPU for "
         "the comparison)\n");
   }
-  std::printf("\n");
+}
+
+void PrintJson(const std::vector<Result>& results,
+               const std::string& description) {
+  const Result& base = results.front();
   for (const Result& r : results) {
     std::printf(
         "{\"bench\":\"step\",\"device\":\"%s\",\"backend\":\"%s\","
@@ -442,6 +450,39 @@ int Run() {
         absl::GetFlag(FLAGS_target_accuracy), r.final_accuracy,
         r.losses.empty() ? 0.0 : r.losses.back());
   }
+}
+
+int Run() {
+  Job job;
+  if (!ParseHidden(&job.hidden)) return 1;
+  const SyntheticOptions synthetic = SyntheticFromFlags();
+  MakeData(synthetic, &job);
+
+  const bool layers = absl::GetFlag(FLAGS_model) == "layers";
+  if (!layers && absl::GetFlag(FLAGS_model) != "mlp") {
+    std::fprintf(stderr, "step_bench: --model must be mlp or layers\n");
+    return 2;
+  }
+  const std::string description =
+      layers ? absl::StrCat("layers ", absl::GetFlag(FLAGS_layers))
+             : absl::StrCat("MLP hidden [", absl::GetFlag(FLAGS_hidden), "]");
+  std::printf(
+      "step_bench: %lld features -> %s -> %lld classes, batch %lld, SGD lr "
+      "%g; synthetic task, best achievable accuracy %.3f\n",
+      static_cast<long long>(synthetic.num_features), description.c_str(),
+      static_cast<long long>(synthetic.num_classes),
+      static_cast<long long>(absl::GetFlag(FLAGS_batch_size)),
+      absl::GetFlag(FLAGS_learning_rate), SyntheticBestAccuracy(synthetic));
+
+  const std::vector<Result> results = MeasureDevices(job);
+  if (results.empty()) {
+    std::fprintf(stderr, "step_bench: no backend could be measured\n");
+    return 1;
+  }
+  PrintTable(results);
+  PrintComparisons(results);
+  std::printf("\n");
+  PrintJson(results, description);
   return 0;
 }
 
