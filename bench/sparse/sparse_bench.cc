@@ -224,15 +224,18 @@ double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-absl::Status MeasureOnCluster(const std::vector<std::string>& hosts,
-                              const Workload& workload, DimResult* out) {
-  const int64_t dim = out->dim;
+// One dim's schema: a sparse table of that dim and a dense tensor of the
+// bytes a mean batch's unique rows hold. PsClient::Pull and Push move
+// every dense tensor of the schema, so each dim needs a schema (and
+// servers) of its own for the comparison to be of equal bytes.
+ModelSchema DimSchema(const DimResult& dim_result) {
+  const int64_t dim = dim_result.dim;
   ModelSchema schema;
   schema.set_seed(1);
-  schema.set_block_elements(out->block_elements);
+  schema.set_block_elements(dim_result.block_elements);
   DenseTensorSpec* dense = schema.add_dense();
   dense->set_name(absl::StrCat("dense_d", dim));
-  dense->add_shape(out->dense_elements);
+  dense->add_shape(dim_result.dense_elements);
   dense->mutable_init()->set_kind(InitSpec::ZEROS);
   SparseTableSpec* table = schema.add_sparse();
   table->set_name(absl::StrCat("emb_d", dim));
@@ -244,7 +247,15 @@ absl::Status MeasureOnCluster(const std::vector<std::string>& hosts,
   table->mutable_optimizer()->set_name("sgd");
   table->mutable_optimizer()->set_learning_rate(
       static_cast<float>(absl::GetFlag(FLAGS_sparse_learning_rate)));
+  return schema;
+}
 
+// The bench's one worker, registered with `schema`. The servers must run
+// async: in any other mode a push could wait for other workers, and the
+// times would measure the wait.
+absl::StatusOr<std::unique_ptr<PsClient>> RegisterWorker(
+    const std::vector<std::string>& hosts, const ModelSchema& schema,
+    int64_t* start_step) {
   PsClientOptions options;
   options.hosts = hosts;
   options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
@@ -260,101 +271,140 @@ absl::Status MeasureOnCluster(const std::vector<std::string>& hosts,
         "servers run mode '", ConsistencyModeName(registration->mode),
         "', expected async"));
   }
+  *start_step = registration->start_step;
+  return client;
+}
 
-  size_t max_rows = 0;
-  for (const std::vector<uint64_t>& ids : workload.unique) {
-    max_rows = std::max(max_rows, ids.size());
+// The four measured operations on one registered worker, with the buffers
+// they read and fill, allocated once so that no repetition pays for them.
+class Operations {
+ public:
+  Operations(PsClient* client, const Workload& workload,
+             const DimResult& dim_result, int64_t start_step)
+      : client_(client), sparse_step_(start_step), dense_step_(start_step) {
+    size_t max_rows = 0;
+    for (const std::vector<uint64_t>& ids : workload.unique) {
+      max_rows = std::max(max_rows, ids.size());
+    }
+    rows_.resize(max_rows * dim_result.dim);
+    row_grads_.assign(max_rows * dim_result.dim, kGradient);
+    params_.resize(dim_result.dense_elements);
+    dense_grads_.assign(dim_result.dense_elements, kGradient);
   }
-  std::vector<float> rows(max_rows * dim);
-  const std::vector<float> row_grads(max_rows * dim, kGradient);
-  std::vector<float> params(out->dense_elements);
-  const std::vector<float> dense_grads(out->dense_elements, kGradient);
-  const double dense_bytes = 4.0 * static_cast<double>(out->dense_elements);
-  // Async servers ignore a push whose step is not above the worker's last,
-  // per block and per table: separate counters.
-  int64_t sparse_step = registration->start_step;
-  int64_t dense_step = registration->start_step;
 
-  auto sparse_pull = [&](absl::Span<const uint64_t> ids) {
-    return (*client)->PullSparse(0, sparse_step, ids, rows.data());
-  };
-  auto sparse_push = [&](absl::Span<const uint64_t> ids) -> absl::Status {
+  absl::Status SparsePull(absl::Span<const uint64_t> ids) {
+    return client_->PullSparse(0, sparse_step_, ids, rows_.data());
+  }
+
+  absl::Status SparsePush(absl::Span<const uint64_t> ids) {
     absl::StatusOr<PsClient::PushResult> pushed =
-        (*client)->PushSparse(0, sparse_step++, ids, row_grads.data());
+        client_->PushSparse(0, sparse_step_++, ids, row_grads_.data());
     if (!pushed.ok()) return pushed.status();
     if (pushed->blocks_duplicate != 0) {
       return absl::InternalError("a fresh sparse push was a duplicate");
     }
     return absl::OkStatus();
-  };
-  auto dense_pull = [&]() {
-    return (*client)->Pull(dense_step, {params.data()}).status();
-  };
-  auto dense_push = [&]() -> absl::Status {
+  }
+
+  absl::Status DensePull() {
+    return client_->Pull(dense_step_, {params_.data()}).status();
+  }
+
+  absl::Status DensePush() {
     absl::StatusOr<PsClient::PushResult> pushed =
-        (*client)->Push(dense_step++, {dense_grads.data()});
+        client_->Push(dense_step_++, {dense_grads_.data()});
     if (!pushed.ok()) return pushed.status();
     if (pushed->blocks_duplicate != 0) {
       return absl::InternalError("a fresh dense push was a duplicate");
     }
     return absl::OkStatus();
-  };
+  }
 
-  const int warmup = absl::GetFlag(FLAGS_warmup);
+ private:
+  PsClient* client_;
+  std::vector<float> rows_;
+  std::vector<float> row_grads_;
+  std::vector<float> params_;
+  std::vector<float> dense_grads_;
+  // Async servers ignore a push whose step is not above the worker's last,
+  // per block and per table: separate counters.
+  int64_t sparse_step_;
+  int64_t dense_step_;
+};
+
+// Seconds each operation of one repetition took.
+struct RepetitionTimes {
+  double sparse_pull = 0, sparse_push = 0, dense_pull = 0, dense_push = 0;
+};
+
+// One repetition: the batch's sparse pull and push and the dense pull and
+// push, each timed on its own. `sparse_first` alternates between
+// repetitions so that neither kind always follows the other.
+absl::Status RunRepetition(Operations& ops, absl::Span<const uint64_t> ids,
+                           bool sparse_first, RepetitionTimes* times) {
+  auto run_sparse = [&]() -> absl::Status {
+    Clock::time_point start = Clock::now();
+    if (absl::Status s = ops.SparsePull(ids); !s.ok()) return s;
+    times->sparse_pull = Seconds(start);
+    start = Clock::now();
+    if (absl::Status s = ops.SparsePush(ids); !s.ok()) return s;
+    times->sparse_push = Seconds(start);
+    return absl::OkStatus();
+  };
+  auto run_dense = [&]() -> absl::Status {
+    Clock::time_point start = Clock::now();
+    if (absl::Status s = ops.DensePull(); !s.ok()) return s;
+    times->dense_pull = Seconds(start);
+    start = Clock::now();
+    if (absl::Status s = ops.DensePush(); !s.ok()) return s;
+    times->dense_push = Seconds(start);
+    return absl::OkStatus();
+  };
+  absl::Status status = sparse_first ? run_sparse() : run_dense();
+  if (status.ok()) status = sparse_first ? run_dense() : run_sparse();
+  return status;
+}
+
+// The rates of every measured repetition: the table shows their medians,
+// which a noisy machine's outliers move less than a mean.
+struct Samples {
   std::vector<double> sp_rows, sp_gbps, sp_us, su_rows, su_gbps, su_us;
   std::vector<double> dp_gbps, dp_us, du_gbps, du_us;
-  for (size_t r = 0; r < workload.unique.size(); ++r) {
-    const std::vector<uint64_t>& ids = workload.unique[r];
-    double t_sparse_pull = 0, t_sparse_push = 0, t_dense_pull = 0,
-           t_dense_push = 0;
-    auto run_sparse = [&]() -> absl::Status {
-      Clock::time_point start = Clock::now();
-      if (absl::Status s = sparse_pull(ids); !s.ok()) return s;
-      t_sparse_pull = Seconds(start);
-      start = Clock::now();
-      if (absl::Status s = sparse_push(ids); !s.ok()) return s;
-      t_sparse_push = Seconds(start);
-      return absl::OkStatus();
-    };
-    auto run_dense = [&]() -> absl::Status {
-      Clock::time_point start = Clock::now();
-      if (absl::Status s = dense_pull(); !s.ok()) return s;
-      t_dense_pull = Seconds(start);
-      start = Clock::now();
-      if (absl::Status s = dense_push(); !s.ok()) return s;
-      t_dense_push = Seconds(start);
-      return absl::OkStatus();
-    };
-    // Alternate which goes first, so neither always follows the other.
-    absl::Status status = r % 2 == 0 ? run_sparse() : run_dense();
-    if (status.ok()) status = r % 2 == 0 ? run_dense() : run_sparse();
-    if (!status.ok()) return status;
-    if (static_cast<int>(r) < warmup) continue;
-    const double n = static_cast<double>(ids.size());
-    const double row_bytes = 4.0 * static_cast<double>(dim) * n;
-    sp_rows.push_back(n / t_sparse_pull);
-    sp_gbps.push_back(row_bytes / t_sparse_pull / 1e9);
-    sp_us.push_back(t_sparse_pull * 1e6);
-    su_rows.push_back(n / t_sparse_push);
-    su_gbps.push_back(row_bytes / t_sparse_push / 1e9);
-    su_us.push_back(t_sparse_push * 1e6);
-    dp_gbps.push_back(dense_bytes / t_dense_pull / 1e9);
-    dp_us.push_back(t_dense_pull * 1e6);
-    du_gbps.push_back(dense_bytes / t_dense_push / 1e9);
-    du_us.push_back(t_dense_push * 1e6);
-  }
-  out->sparse_pull_rows_per_s = Median(sp_rows);
-  out->sparse_pull_gbps = Median(sp_gbps);
-  out->sparse_pull_us = Median(sp_us);
-  out->sparse_push_rows_per_s = Median(su_rows);
-  out->sparse_push_gbps = Median(su_gbps);
-  out->sparse_push_us = Median(su_us);
-  out->dense_pull_gbps = Median(dp_gbps);
-  out->dense_pull_us = Median(dp_us);
-  out->dense_push_gbps = Median(du_gbps);
-  out->dense_push_us = Median(du_us);
 
-  absl::StatusOr<std::vector<StatsResponse>> stats = (*client)->Stats();
+  void Add(const RepetitionTimes& t, size_t unique_rows, int64_t dim,
+           double dense_bytes) {
+    const double n = static_cast<double>(unique_rows);
+    const double row_bytes = 4.0 * static_cast<double>(dim) * n;
+    sp_rows.push_back(n / t.sparse_pull);
+    sp_gbps.push_back(row_bytes / t.sparse_pull / 1e9);
+    sp_us.push_back(t.sparse_pull * 1e6);
+    su_rows.push_back(n / t.sparse_push);
+    su_gbps.push_back(row_bytes / t.sparse_push / 1e9);
+    su_us.push_back(t.sparse_push * 1e6);
+    dp_gbps.push_back(dense_bytes / t.dense_pull / 1e9);
+    dp_us.push_back(t.dense_pull * 1e6);
+    du_gbps.push_back(dense_bytes / t.dense_push / 1e9);
+    du_us.push_back(t.dense_push * 1e6);
+  }
+
+  void MediansInto(DimResult* out) const {
+    out->sparse_pull_rows_per_s = Median(sp_rows);
+    out->sparse_pull_gbps = Median(sp_gbps);
+    out->sparse_pull_us = Median(sp_us);
+    out->sparse_push_rows_per_s = Median(su_rows);
+    out->sparse_push_gbps = Median(su_gbps);
+    out->sparse_push_us = Median(su_us);
+    out->dense_pull_gbps = Median(dp_gbps);
+    out->dense_pull_us = Median(dp_us);
+    out->dense_push_gbps = Median(du_gbps);
+    out->dense_push_us = Median(du_us);
+  }
+};
+
+// The rows the servers hold at the end, summed over the shards: checked
+// against the ids the stream sent, so a lost or doubled row shows.
+absl::Status AddServerStats(PsClient& client, DimResult* out) {
+  absl::StatusOr<std::vector<StatsResponse>> stats = client.Stats();
   if (!stats.ok()) return stats.status();
   for (const StatsResponse& shard : *stats) {
     if (shard.sparse_size() != 1) {
@@ -366,6 +416,31 @@ absl::Status MeasureOnCluster(const std::vector<std::string>& hosts,
     out->rows_created += shard.sparse(0).rows_created();
     out->memory_bytes += shard.sparse(0).memory_bytes();
     out->rows_per_shard.push_back(shard.sparse(0).rows());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MeasureOnCluster(const std::vector<std::string>& hosts,
+                              const Workload& workload, DimResult* out) {
+  int64_t start_step = 0;
+  absl::StatusOr<std::unique_ptr<PsClient>> client =
+      RegisterWorker(hosts, DimSchema(*out), &start_step);
+  if (!client.ok()) return client.status();
+  Operations ops(client->get(), workload, *out, start_step);
+  const double dense_bytes = 4.0 * static_cast<double>(out->dense_elements);
+  const int warmup = absl::GetFlag(FLAGS_warmup);
+  Samples samples;
+  for (size_t r = 0; r < workload.unique.size(); ++r) {
+    const std::vector<uint64_t>& ids = workload.unique[r];
+    RepetitionTimes times;
+    absl::Status status = RunRepetition(ops, ids, r % 2 == 0, &times);
+    if (!status.ok()) return status;
+    if (static_cast<int>(r) < warmup) continue;
+    samples.Add(times, ids.size(), out->dim, dense_bytes);
+  }
+  samples.MediansInto(out);
+  if (absl::Status status = AddServerStats(**client, out); !status.ok()) {
+    return status;
   }
   return (*client)->Leave();
 }
