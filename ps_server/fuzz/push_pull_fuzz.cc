@@ -444,39 +444,38 @@ bool Verbose() {
   return verbose;
 }
 
-void RunOne(const FuzzHeader& h, absl::string_view message) {
-  // The message in up to four segments, each in its own heap block so the
-  // address sanitizer sees a read past any of them.
+// The message in up to four segments, each in its own heap block so the
+// address sanitizer sees a read past any of them.
+struct Segments {
+  std::vector<std::unique_ptr<char[]>> buffers;
+  std::vector<absl::string_view> views;  // into `buffers`
+};
+
+Segments CutIntoSegments(const FuzzHeader& h, absl::string_view message) {
   const int num_cuts = h.extra_segments;
   std::vector<size_t> cuts;
   for (int i = 0; i < num_cuts; ++i) {
     cuts.push_back(h.cuts[i] % (message.size() + 1));
   }
   std::sort(cuts.begin(), cuts.end());
-  std::vector<std::unique_ptr<char[]>> buffers;
-  std::vector<absl::string_view> segments;
+  Segments segments;
   size_t begin = 0;
   for (int i = 0; i <= num_cuts; ++i) {
     const size_t end = i < num_cuts ? cuts[i] : message.size();
     const size_t length = end - begin;
-    buffers.emplace_back(new char[length > 0 ? length : 1]);
+    segments.buffers.emplace_back(new char[length > 0 ? length : 1]);
     if (length > 0)
-      std::memcpy(buffers.back().get(), message.data() + begin, length);
-    segments.emplace_back(buffers.back().get(), length);
+      std::memcpy(segments.buffers.back().get(), message.data() + begin,
+                  length);
+    segments.views.emplace_back(segments.buffers.back().get(), length);
     begin = end;
   }
-  const std::string flat(message);
+  return segments;
+}
 
-  // Parsed before the shard exists: a RegisterModelRequest that would
-  // install an unbounded model is skipped.
-  RegisterModelRequest register_request;
-  const bool register_parsed =
-      h.kind == RpcKind::kRegister && register_request.ParseFromString(flat);
-  if (register_parsed && h.unregistered &&
-      TooBigToInstall(register_request.schema())) {
-    return;
-  }
-
+// A fresh shard in the header's mode, with FuzzSchema() registered and the
+// prelude run, unless the input asks for a shard with no model.
+std::unique_ptr<Shard> PrepareShard(const FuzzHeader& h) {
   std::unique_ptr<Shard> shard = MakeShard(h);
   if (!h.unregistered) {
     absl::StatusOr<RegisterModelResponse> registered =
@@ -484,126 +483,159 @@ void RunOne(const FuzzHeader& h, absl::string_view message) {
     FUZZ_CHECK(registered.ok(), registered.status().ToString());
     RunPrelude(*shard, h);
   }
+  return shard;
+}
 
-  const Fingerprint before = TakeFingerprint(*shard);
-  const StatsResponse stats_before = shard->Stats();
+// What the fuzzed request did: the invariants checked after it depend on
+// which outcomes may legitimately change the model or the counters.
+struct Outcome {
   absl::Status status;
   bool counts_as_rejected = true;  // when !status.ok()
   bool may_change_model = false;   // when status.ok()
   int64_t applied = 0, duplicate = 0, late = 0;
-  std::shared_ptr<PullAnswer> pull_answer;
+  std::shared_ptr<PullAnswer> pull_answer;  // for a parsed Pull
+  // A known finding that is not run (see SkipKnownFinding): nothing to
+  // check.
+  bool skipped = false;
+};
 
-  switch (h.kind) {
-    case RpcKind::kPush: {
-      absl::StatusOr<WirePushRequest> push = ParsePushRequest(segments);
-      const absl::string_view whole = flat;
-      absl::StatusOr<WirePushRequest> push_flat =
-          ParsePushRequest(absl::MakeConstSpan(&whole, 1));
-      FUZZ_CHECK(
-          push.ok() == push_flat.ok(),
-          absl::StrCat("segmented parse: ", push.status().ToString(),
-                       "; single buffer: ", push_flat.status().ToString()));
-      if (!push.ok()) {
-        shard->CountRejected();  // as the service does
-        status = push.status();
-        break;
-      }
-      FUZZ_CHECK(Describe(*push) == Describe(*push_flat),
-                 "segmented and single-buffer parses differ");
-      if (SkipKnownFinding(h, *push)) return;
-      absl::StatusOr<PushResponse> response = shard->Push(*push);
-      status = response.status();
-      if (!response.ok()) break;
-      applied = response->blocks_applied();
-      duplicate = response->blocks_duplicate();
-      late = response->blocks_late();
-      FUZZ_CHECK(
-          applied >= 0 && duplicate >= 0 && late >= 0 &&
-              applied + duplicate + late ==
-                  static_cast<int64_t>(push->blocks.size()),
-          absl::StrCat("push of ", push->blocks.size(), " blocks answered ",
-                       response->ShortDebugString()));
-      FUZZ_CHECK(IsSync(h) || late == 0, "late blocks outside sync mode");
-      may_change_model = applied > 0;
-      break;
-    }
-    case RpcKind::kPull: {
-      PullRequest request;
-      if (!request.ParseFromString(flat)) {
-        shard->CountRejected();
-        status = absl::InvalidArgumentError("malformed PullRequest");
-        break;
-      }
-      pull_answer = std::make_shared<PullAnswer>();
-      const absl::Time deadline = h.pull_waits_for_deadline
-                                      ? absl::Now() + absl::Milliseconds(1)
-                                      : absl::InfiniteFuture();
-      shard->Pull(request, deadline, PullAnswer::Callback(pull_answer));
-      if (pull_answer->Calls() == 0) {
-        // Waiting: nothing else runs, so only its deadline or the shutdown
-        // can answer it.
-        if (h.pull_waits_for_deadline) {
-          FUZZ_CHECK(pull_answer->WaitFor(kReaperAnswerBound),
-                     "a waiting pull was not answered after its deadline");
-          absl::MutexLock lock(&pull_answer->mu);
-          FUZZ_CHECK(absl::IsDeadlineExceeded(pull_answer->status),
-                     pull_answer->status.ToString());
-        } else {
-          shard->BeginShutdown();
-          absl::MutexLock lock(&pull_answer->mu);
-          FUZZ_CHECK(pull_answer->calls == 1 &&
-                         absl::IsUnavailable(pull_answer->status),
-                     "BeginShutdown must answer a waiting pull UNAVAILABLE");
-        }
-        counts_as_rejected = false;
-      }
-      absl::MutexLock lock(&pull_answer->mu);
-      FUZZ_CHECK(pull_answer->calls == 1, "a pull answered more than once");
-      status = pull_answer->status;
-      if (status.ok()) CheckPulledBlocks(h, request, pull_answer->blocks);
-      break;
-    }
-    case RpcKind::kRegister: {
-      if (!register_parsed) {
-        shard->CountRejected();
-        status = absl::InvalidArgumentError("malformed RegisterModelRequest");
-        break;
-      }
-      status = shard->Register(register_request).status();
-      // Installing the model changes everything; a (re)joining member in
-      // sync mode may let a step complete without it.
-      may_change_model = h.unregistered || IsSync(h);
-      break;
-    }
-    case RpcKind::kHeartbeat: {
-      HeartbeatRequest request;
-      if (!request.ParseFromString(flat)) {
-        shard->CountRejected();
-        status = absl::InvalidArgumentError("malformed HeartbeatRequest");
-        break;
-      }
-      status = shard->Heartbeat(request);
-      break;
-    }
-    case RpcKind::kLeave: {
-      LeaveRequest request;
-      if (!request.ParseFromString(flat)) {
-        shard->CountRejected();
-        status = absl::InvalidArgumentError("malformed LeaveRequest");
-        break;
-      }
-      status = shard->Leave(request);
-      may_change_model = IsSync(h);  // the step may complete without it
-      break;
-    }
+// A push as the service handles it: the zero-copy parse of the segments
+// (checked against the single-buffer parse), then Shard::Push.
+void HandlePush(Shard& shard, const FuzzHeader& h, const Segments& segments,
+                const std::string& flat, Outcome* outcome) {
+  absl::StatusOr<WirePushRequest> push = ParsePushRequest(segments.views);
+  const absl::string_view whole = flat;
+  absl::StatusOr<WirePushRequest> push_flat =
+      ParsePushRequest(absl::MakeConstSpan(&whole, 1));
+  FUZZ_CHECK(push.ok() == push_flat.ok(),
+             absl::StrCat("segmented parse: ", push.status().ToString(),
+                          "; single buffer: ", push_flat.status().ToString()));
+  if (!push.ok()) {
+    shard.CountRejected();  // as the service does
+    outcome->status = push.status();
+    return;
   }
+  FUZZ_CHECK(Describe(*push) == Describe(*push_flat),
+             "segmented and single-buffer parses differ");
+  if (SkipKnownFinding(h, *push)) {
+    outcome->skipped = true;
+    return;
+  }
+  absl::StatusOr<PushResponse> response = shard.Push(*push);
+  outcome->status = response.status();
+  if (!response.ok()) return;
+  const int64_t applied = response->blocks_applied();
+  const int64_t duplicate = response->blocks_duplicate();
+  const int64_t late = response->blocks_late();
+  FUZZ_CHECK(applied >= 0 && duplicate >= 0 && late >= 0 &&
+                 applied + duplicate + late ==
+                     static_cast<int64_t>(push->blocks.size()),
+             absl::StrCat("push of ", push->blocks.size(), " blocks answered ",
+                          response->ShortDebugString()));
+  FUZZ_CHECK(IsSync(h) || late == 0, "late blocks outside sync mode");
+  outcome->applied = applied;
+  outcome->duplicate = duplicate;
+  outcome->late = late;
+  outcome->may_change_model = applied > 0;
+}
 
-  const StatsResponse stats_after = shard->Stats();
-  const Fingerprint after = TakeFingerprint(*shard);
-  const std::string what = absl::StrCat(
-      "request kind ", static_cast<int>(h.kind), " mode ", h.mode, " prelude ",
-      static_cast<int>(h.prelude), " -> ", status.ToString());
-  if (Verbose()) std::fprintf(stderr, "push_pull_fuzz: %s\n", what.c_str());
+// A pull, answered exactly once: inline, or (when it has to wait, since
+// nothing else runs) by the reaper at its deadline or by BeginShutdown.
+void HandlePull(Shard& shard, const FuzzHeader& h, const std::string& flat,
+                Outcome* outcome) {
+  PullRequest request;
+  if (!request.ParseFromString(flat)) {
+    shard.CountRejected();
+    outcome->status = absl::InvalidArgumentError("malformed PullRequest");
+    return;
+  }
+  const std::shared_ptr<PullAnswer> pull_answer =
+      std::make_shared<PullAnswer>();
+  outcome->pull_answer = pull_answer;
+  const absl::Time deadline = h.pull_waits_for_deadline
+                                  ? absl::Now() + absl::Milliseconds(1)
+                                  : absl::InfiniteFuture();
+  shard.Pull(request, deadline, PullAnswer::Callback(pull_answer));
+  if (pull_answer->Calls() == 0) {
+    // Waiting: nothing else runs, so only its deadline or the shutdown
+    // can answer it.
+    if (h.pull_waits_for_deadline) {
+      FUZZ_CHECK(pull_answer->WaitFor(kReaperAnswerBound),
+                 "a waiting pull was not answered after its deadline");
+      absl::MutexLock lock(&pull_answer->mu);
+      FUZZ_CHECK(absl::IsDeadlineExceeded(pull_answer->status),
+                 pull_answer->status.ToString());
+    } else {
+      shard.BeginShutdown();
+      absl::MutexLock lock(&pull_answer->mu);
+      FUZZ_CHECK(
+          pull_answer->calls == 1 && absl::IsUnavailable(pull_answer->status),
+          "BeginShutdown must answer a waiting pull UNAVAILABLE");
+    }
+    outcome->counts_as_rejected = false;
+  }
+  absl::MutexLock lock(&pull_answer->mu);
+  FUZZ_CHECK(pull_answer->calls == 1, "a pull answered more than once");
+  outcome->status = pull_answer->status;
+  if (outcome->status.ok()) {
+    CheckPulledBlocks(h, request, pull_answer->blocks);
+  }
+}
+
+// `parsed` is the request RunOne parsed before the shard existed, or null
+// when it did not parse.
+void HandleRegister(Shard& shard, const FuzzHeader& h,
+                    const RegisterModelRequest* parsed, Outcome* outcome) {
+  if (parsed == nullptr) {
+    shard.CountRejected();
+    outcome->status =
+        absl::InvalidArgumentError("malformed RegisterModelRequest");
+    return;
+  }
+  outcome->status = shard.Register(*parsed).status();
+  // Installing the model changes everything; a (re)joining member in
+  // sync mode may let a step complete without it.
+  outcome->may_change_model = h.unregistered || IsSync(h);
+}
+
+void HandleHeartbeat(Shard& shard, const std::string& flat, Outcome* outcome) {
+  HeartbeatRequest request;
+  if (!request.ParseFromString(flat)) {
+    shard.CountRejected();
+    outcome->status = absl::InvalidArgumentError("malformed HeartbeatRequest");
+    return;
+  }
+  outcome->status = shard.Heartbeat(request);
+}
+
+void HandleLeave(Shard& shard, const FuzzHeader& h, const std::string& flat,
+                 Outcome* outcome) {
+  LeaveRequest request;
+  if (!request.ParseFromString(flat)) {
+    shard.CountRejected();
+    outcome->status = absl::InvalidArgumentError("malformed LeaveRequest");
+    return;
+  }
+  outcome->status = shard.Leave(request);
+  outcome->may_change_model = IsSync(h);  // the step may complete without it
+}
+
+// The shard's model and counters just before and just after the request.
+struct BeforeAfter {
+  Fingerprint before, after;
+  StatsResponse stats_before, stats_after;
+};
+
+// A refused request leaves the model alone and counts once as rejected (a
+// pull that waited and was then answered by the shard is not a refusal);
+// an accepted one changes the model only where its outcome allows.
+void CheckModelAndRejections(const FuzzHeader& h, const Outcome& outcome,
+                             const BeforeAfter& seen, const std::string& what) {
+  const Fingerprint& before = seen.before;
+  const Fingerprint& after = seen.after;
+  const StatsResponse& stats_before = seen.stats_before;
+  const StatsResponse& stats_after = seen.stats_after;
+  const bool counts_as_rejected = outcome.counts_as_rejected;
   const int64_t rejected =
       stats_after.requests_rejected() - stats_before.requests_rejected();
   // Known finding 2 (README.md): since commit 3c99641 a sync Pull(step s)
@@ -616,7 +648,7 @@ void RunOne(const FuzzHeader& h, absl::string_view message) {
   FUZZ_CHECK(lost == 0 || h.kind == RpcKind::kPull,
              absl::StrCat("gradients_lost moved by ", lost, "; ", what));
   const bool lost_gradient_path = lost > 0 && !RunKnownFindings();
-  if (!status.ok()) {
+  if (!outcome.status.ok()) {
     if (!lost_gradient_path) {
       FUZZ_CHECK(before == after,
                  absl::StrCat(
@@ -629,12 +661,26 @@ void RunOne(const FuzzHeader& h, absl::string_view message) {
   } else {
     FUZZ_CHECK(rejected == 0, absl::StrCat("requests_rejected moved by ",
                                            rejected, "; ", what));
-    if (!may_change_model && !lost_gradient_path) {
+    if (!outcome.may_change_model && !lost_gradient_path) {
       FUZZ_CHECK(before == after,
                  absl::StrCat("the model changed: ", before.ToString(), " -> ",
                               after.ToString(), "; ", what));
     }
   }
+}
+
+// The Stats counters moved by exactly what the push answered (zero for
+// any other request), and in async/ssp each applied finite block gradient
+// is one more version.
+void CheckBlockCounters(const FuzzHeader& h, const Outcome& outcome,
+                        const BeforeAfter& seen, const std::string& what) {
+  const Fingerprint& before = seen.before;
+  const Fingerprint& after = seen.after;
+  const StatsResponse& stats_before = seen.stats_before;
+  const StatsResponse& stats_after = seen.stats_after;
+  const int64_t applied = outcome.applied;
+  const int64_t duplicate = outcome.duplicate;
+  const int64_t late = outcome.late;
   const int64_t nonfinite = stats_after.nonfinite_gradients_skipped() -
                             stats_before.nonfinite_gradients_skipped();
   FUZZ_CHECK(
@@ -655,7 +701,7 @@ void RunOne(const FuzzHeader& h, absl::string_view message) {
               stats_before.late_gradients_dropped(),
           " nonfinite ", nonfinite, " but the push answered ", applied, "/",
           duplicate, "/", late, "; ", what));
-  if (h.kind == RpcKind::kPush && status.ok() && !IsSync(h)) {
+  if (h.kind == RpcKind::kPush && outcome.status.ok() && !IsSync(h)) {
     // async/ssp: each applied finite block gradient is one more version.
     FUZZ_CHECK(
         after.version_sum - before.version_sum == applied - nonfinite,
@@ -663,8 +709,60 @@ void RunOne(const FuzzHeader& h, absl::string_view message) {
                      after.version_sum - before.version_sum, " for ", applied,
                      " applied, ", nonfinite, " non-finite; ", what));
   }
+}
+
+void RunOne(const FuzzHeader& h, absl::string_view message) {
+  const Segments segments = CutIntoSegments(h, message);
+  const std::string flat(message);
+
+  // Parsed before the shard exists: a RegisterModelRequest that would
+  // install an unbounded model is skipped.
+  RegisterModelRequest register_request;
+  const bool register_parsed =
+      h.kind == RpcKind::kRegister && register_request.ParseFromString(flat);
+  if (register_parsed && h.unregistered &&
+      TooBigToInstall(register_request.schema())) {
+    return;
+  }
+
+  std::unique_ptr<Shard> shard = PrepareShard(h);
+  // The fingerprints are taken outside the stats window, so their
+  // observer pulls never show in the counters compared below.
+  BeforeAfter seen;
+  seen.before = TakeFingerprint(*shard);
+  seen.stats_before = shard->Stats();
+  Outcome outcome;
+  switch (h.kind) {
+    case RpcKind::kPush:
+      HandlePush(*shard, h, segments, flat, &outcome);
+      break;
+    case RpcKind::kPull:
+      HandlePull(*shard, h, flat, &outcome);
+      break;
+    case RpcKind::kRegister:
+      HandleRegister(*shard, h, register_parsed ? &register_request : nullptr,
+                     &outcome);
+      break;
+    case RpcKind::kHeartbeat:
+      HandleHeartbeat(*shard, flat, &outcome);
+      break;
+    case RpcKind::kLeave:
+      HandleLeave(*shard, h, flat, &outcome);
+      break;
+  }
+  if (outcome.skipped) return;
+  seen.stats_after = shard->Stats();
+  seen.after = TakeFingerprint(*shard);
+
+  const std::string what = absl::StrCat(
+      "request kind ", static_cast<int>(h.kind), " mode ", h.mode, " prelude ",
+      static_cast<int>(h.prelude), " -> ", outcome.status.ToString());
+  if (Verbose()) std::fprintf(stderr, "push_pull_fuzz: %s\n", what.c_str());
+  CheckModelAndRejections(h, outcome, seen, what);
+  CheckBlockCounters(h, outcome, seen, what);
 
   shard.reset();  // stops the reaper; nothing may answer the pull again
+  const std::shared_ptr<PullAnswer>& pull_answer = outcome.pull_answer;
   if (pull_answer != nullptr) {
     FUZZ_CHECK(pull_answer->Calls() == 1, "a pull answered more than once");
   }
