@@ -569,6 +569,48 @@ absl::StatusOr<std::vector<int64_t>> ParseDims() {
   return dims;
 }
 
+// The legend, the table and the JSON lines of what was measured (also
+// after a failure, for the dims done before it). Returns the JSON lines
+// for --json_out.
+std::string PrintReport(const std::vector<DimResult>& results,
+                        const Workload& workload) {
+  std::printf(
+      "%s",
+      absl::StrFormat(
+          "\n# %d servers, batches of %d ids drawn Zipf(%.2f) over %d ids, "
+          "de-duplicated: %.1f unique rows per batch (mean; %.1f of them new "
+          "to "
+          "the servers, created by the pull), dedup %.0f us (median, not in "
+          "the "
+          "rates)\n"
+          "# sparse: PullSparse / PushSparse of a batch's unique rows; GB/s "
+          "counts row payload only (4 * dim bytes a row, not the 8-byte ids)\n"
+          "# dense: Pull / Push of one tensor of the same bytes (mean unique "
+          "rows * dim floats), split over the servers\n"
+          "# medians over %d repetitions after %d warm-up; s/d = sparse GB/s / "
+          "dense GB/s; rows on servers: Stats().sparse(0).rows summed over "
+          "shards at the end (%d distinct ids sent)\n",
+          absl::GetFlag(FLAGS_servers), absl::GetFlag(FLAGS_batch),
+          absl::GetFlag(FLAGS_zipf), absl::GetFlag(FLAGS_vocab),
+          workload.mean_unique, workload.mean_new, workload.dedup_us,
+          absl::GetFlag(FLAGS_repeats), absl::GetFlag(FLAGS_warmup),
+          workload.distinct_ids)
+          .c_str());
+  std::printf("%s", TableHeader().c_str());
+  for (const DimResult& r : results) {
+    std::printf("%s", TableRow(r, workload).c_str());
+  }
+  std::printf("\n");
+  std::string json;
+  for (const DimResult& r : results) {
+    absl::StrAppend(&json, JsonLine(r, workload), "\n");
+  }
+  std::printf("%s# load average at end: %s\n", json.c_str(),
+              LoadAverage().c_str());
+  std::fflush(stdout);
+  return json;
+}
+
 int BenchMain(const char* argv0) {
   absl::StatusOr<std::vector<int64_t>> dims = ParseDims();
   if (!dims.ok()) {
@@ -639,40 +681,7 @@ int BenchMain(const char* argv0) {
     results.push_back(*std::move(result));
   }
 
-  std::printf(
-      "%s",
-      absl::StrFormat(
-          "\n# %d servers, batches of %d ids drawn Zipf(%.2f) over %d ids, "
-          "de-duplicated: %.1f unique rows per batch (mean; %.1f of them new "
-          "to "
-          "the servers, created by the pull), dedup %.0f us (median, not in "
-          "the "
-          "rates)\n"
-          "# sparse: PullSparse / PushSparse of a batch's unique rows; GB/s "
-          "counts row payload only (4 * dim bytes a row, not the 8-byte ids)\n"
-          "# dense: Pull / Push of one tensor of the same bytes (mean unique "
-          "rows * dim floats), split over the servers\n"
-          "# medians over %d repetitions after %d warm-up; s/d = sparse GB/s / "
-          "dense GB/s; rows on servers: Stats().sparse(0).rows summed over "
-          "shards at the end (%d distinct ids sent)\n",
-          absl::GetFlag(FLAGS_servers), absl::GetFlag(FLAGS_batch),
-          absl::GetFlag(FLAGS_zipf), absl::GetFlag(FLAGS_vocab),
-          workload.mean_unique, workload.mean_new, workload.dedup_us,
-          absl::GetFlag(FLAGS_repeats), absl::GetFlag(FLAGS_warmup),
-          workload.distinct_ids)
-          .c_str());
-  std::printf("%s", TableHeader().c_str());
-  for (const DimResult& r : results) {
-    std::printf("%s", TableRow(r, workload).c_str());
-  }
-  std::printf("\n");
-  std::string json;
-  for (const DimResult& r : results) {
-    absl::StrAppend(&json, JsonLine(r, workload), "\n");
-  }
-  std::printf("%s# load average at end: %s\n", json.c_str(),
-              LoadAverage().c_str());
-  std::fflush(stdout);
+  const std::string json = PrintReport(results, workload);
 
   const std::string json_out = absl::GetFlag(FLAGS_json_out);
   if (status.ok() && !json_out.empty()) {
