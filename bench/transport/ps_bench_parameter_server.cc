@@ -36,18 +36,10 @@ struct PsWorker {
   int64_t next_step = 0;
 };
 
-// Clients, registration and the three PS phases against running shards.
-absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
-                         Security security, int64_t size, PsPhases* out) {
-  const int64_t elements = size / 4;
-  ModelSchema schema;
-  schema.set_seed(1);
-  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements));
-  DenseTensorSpec* tensor = schema.add_dense();
-  tensor->set_name("bench");
-  tensor->add_shape(elements);
-  tensor->mutable_init()->set_kind(InitSpec::ZEROS);
-
+// The options of every bench client: the worker's transport flags, with
+// `security` deciding credentials and whether the data plane is used.
+absl::StatusOr<PsClientOptions> ClientOptions(
+    const std::vector<std::string>& hosts, Security security) {
   const absl::StatusOr<GrpcTuning> tuning = GrpcTuningFromFlags();
   if (!tuning.ok()) return tuning.status();
   PsClientOptions options;
@@ -80,10 +72,28 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   options.gradient_topk_fraction = absl::GetFlag(FLAGS_gradient_topk_fraction);
   options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
   options.connect_timeout = kStartTimeout;
+  return options;
+}
+
+// Clients, registration and the three PS phases against running shards.
+absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
+                         Security security, int64_t size, PsPhases* out) {
+  const int64_t elements = size / 4;
+  ModelSchema schema;
+  schema.set_seed(1);
+  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements));
+  DenseTensorSpec* tensor = schema.add_dense();
+  tensor->set_name("bench");
+  tensor->add_shape(elements);
+  tensor->mutable_init()->set_kind(InitSpec::ZEROS);
+
+  const absl::StatusOr<PsClientOptions> options =
+      ClientOptions(hosts, security);
+  if (!options.ok()) return options.status();
   std::vector<PsWorker> workers(clients);
   for (int c = 0; c < clients; ++c) {
     absl::StatusOr<std::unique_ptr<PsClient>> client =
-        PsClient::Create(options);
+        PsClient::Create(*options);
     if (!client.ok()) return client.status();
     absl::StatusOr<Registration> registration =
         (*client)->Register(schema, clients, /*worker_id=*/c);
