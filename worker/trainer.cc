@@ -464,6 +464,25 @@ absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
   return absl::OkStatus();
 }
 
+// What the step that brought the job to `step_done` adds to this worker's
+// figures. The final loss and accuracy average the last tenth of the job's
+// batches, gathered in `window`.
+void Tally(const StepExchange& exchange, absl::Duration pull_time,
+           int64_t step_done, const TrainerOptions& options,
+           BatchResult& window, TrainResult& result) {
+  result.compute_seconds += absl::ToDoubleSeconds(exchange.compute_time);
+  result.network_wait_seconds +=
+      absl::ToDoubleSeconds(pull_time + exchange.push_wait);
+  result.duplicate_blocks += exchange.pushed.blocks_duplicate;
+  result.late_blocks += exchange.pushed.blocks_late;
+  ++result.steps_run;
+  if (step_done > options.steps - std::max<int64_t>(1, options.steps / 10)) {
+    window.loss_sum += exchange.batch.loss_sum;
+    window.num_correct += exchange.batch.num_correct;
+    window.rows += exchange.batch.rows;
+  }
+}
+
 // This worker's figures once its steps are done: `steps_done` of them in
 // `wall_time`, of which `evaluation_time` on evaluations; `window` the
 // batches of the job's last tenth.
@@ -620,23 +639,11 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       start += waited;
       step_start += waited;
     }
-    result.compute_seconds += absl::ToDoubleSeconds(exchange->compute_time);
-    result.network_wait_seconds +=
-        absl::ToDoubleSeconds(pull_time + exchange->push_wait);
     if (step == options.crash_after_step) {
       CrashNow("after its exchange", step);
     }
-    result.duplicate_blocks += exchange->pushed.blocks_duplicate;
-    result.late_blocks += exchange->pushed.blocks_late;
-    ++result.steps_run;
     ++step;
-
-    // The final loss and accuracy average the last tenth of the job.
-    if (step > options.steps - std::max<int64_t>(1, options.steps / 10)) {
-      window.loss_sum += exchange->batch.loss_sum;
-      window.num_correct += exchange->batch.num_correct;
-      window.rows += exchange->batch.rows;
-    }
+    Tally(*exchange, pull_time, step, options, window, result);
     const absl::Duration step_time = absl::Now() - step_start;
     StepReport report = ReportOf(step, options, steps_per_epoch, *exchange,
                                  pull_time, step_time);
