@@ -707,16 +707,33 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
   const Layout* chosen = nullptr;
   LayoutScan scan;
   std::vector<std::string> incomplete;
+  // The matching layout lacks this shard's own files, valid or not.
+  bool own_never_written = false;
   for (const Layout* layout : order) {
     scan = ScanLayout(*layout, shard_id, num_shards, &restored.files_skipped);
     if (scan.complete) {
       chosen = layout;
       break;
     }
+    if (layout->num_shards == num_shards &&
+        layout->shards.find(shard_id) == layout->shards.end()) {
+      own_never_written = true;
+    }
     incomplete.push_back(
         absl::StrCat(ShardDirName(scan.missing_shard, layout->num_shards),
                      " has no valid checkpoint file (", scan.missing_skipped,
                      " invalid ones skipped)"));
+  }
+  if (chosen == nullptr && own_never_written) {
+    // This shard died before its first checkpoint completed (a temporary
+    // file at most), while the others have theirs: its state is the
+    // initial one, as a shard without --checkpoint_dir restarts; the
+    // workers' steps it lacks are then skipped and counted (steps_lost).
+    // Files that are there but invalid are still a DataLoss below.
+    return absl::NotFoundError(absl::StrCat(
+        "no checkpoint of shard ", shard_id, " of ", num_shards, " in ", dir_,
+        " yet (the other shards have theirs: this one died before its first "
+        "was complete)"));
   }
   if (chosen == nullptr) {
     return absl::DataLossError(absl::StrCat(

@@ -680,6 +680,29 @@ TEST(CheckpointTest, ShardWithNoValidFileIsDataLossNamingIt) {
               HasSubstr("shard-2-of-3 has no valid checkpoint file (0"));
 }
 
+// A shard killed before its first checkpoint was complete (a temporary file
+// at most) while the others have theirs starts fresh, like a shard without
+// --checkpoint_dir (the workers' steps it lacks are skipped and counted);
+// the others still need every shard of the layout.
+TEST(CheckpointTest, AShardThatNeverWroteOneStartsFreshInItsOwnLayout) {
+  const std::string dir = TestDir();
+  CheckpointStore store(dir, 3);
+  const ModelSchema schema = TestSchema();
+  WriteLayout(store, schema, 3, 1, 1);
+  fs::remove_all(dir + "/shard-2-of-3");
+  fs::create_directories(dir + "/shard-2-of-3");
+  WriteBytes(dir + "/shard-2-of-3/.ckpt-000000000001.pstrain.tmp-123", "part");
+  const absl::StatusOr<RestoredShard> fresh = store.LoadForShard(2, 3);
+  EXPECT_EQ(fresh.status().code(), absl::StatusCode::kNotFound)
+      << fresh.status();
+  EXPECT_THAT(fresh.status().message(),
+              HasSubstr("no checkpoint of shard 2 of 3"));
+  const absl::StatusOr<RestoredShard> other = store.LoadForShard(0, 3);
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(other.status().message(),
+              HasSubstr("shard-2-of-3 has no valid checkpoint file (0"));
+}
+
 // Restores every shard of `new_shards` from a checkpoint taken on 3 and
 // checks that every block of the model comes back exactly once, on the
 // shard that Partition says owns it, with the saved values.

@@ -84,7 +84,10 @@ Checkpointer::~Checkpointer() {
 absl::StatusOr<std::string> Checkpointer::Restore() {
   absl::StatusOr<RestoredShard> restored =
       store_.LoadForShard(shard_id_, num_shards_);
-  if (absl::IsNotFound(restored.status())) return std::string();
+  if (absl::IsNotFound(restored.status())) {
+    LOG(INFO) << restored.status().message();
+    return std::string();
+  }
   if (!restored.ok()) return restored.status();
   if (absl::Status s = shard_->Restore(*restored); !s.ok()) return s;
   int64_t min_version = INT64_MAX, max_version = 0;

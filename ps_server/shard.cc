@@ -286,6 +286,12 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
         block->last_contributed.assign(options_.max_workers, -1);
       } else {
         block->last_step.assign(options_.max_workers, -1);
+        // Counted as after a restore (Restore sets it again): a worker
+        // whose first push here is of step s > 0 pushed its steps before s
+        // to this shard's previous life, which died with them (an async
+        // worker pushes every block every step). In a new job every first
+        // push is of step 0, and nothing is counted.
+        block->unseen_since_restore.assign(options_.max_workers, true);
       }
     }
     model->local_of_global[g] = static_cast<int>(model->blocks.size());

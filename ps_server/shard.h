@@ -272,6 +272,10 @@ class Shard {
     std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
     int contributors ABSL_GUARDED_BY(mu) = 0;
     int finite_contributors ABSL_GUARDED_BY(mu) = 0;
+    // Of `contributors`, the gradients credited as lost with a previous life
+    // (CreditLostGradientsLocked): a step made of those alone applies no
+    // update, and that update counts as lost.
+    int lost_contributors ABSL_GUARDED_BY(mu) = 0;
     // Whether gradient_sum holds this step's first added gradient yet (the
     // first overwrites what the last step left).
     bool sum_started ABSL_GUARDED_BY(mu) = false;

@@ -170,6 +170,7 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
     block->awaiting_clip.store(false);
     block->contributors = 0;
     block->finite_contributors = 0;
+    block->lost_contributors = 0;
     block->version.store(step);
   }
   // Tables behind the workers' step skip to it like blocks; their rows
@@ -616,12 +617,20 @@ void Shard::ApplyStepLocked(Block& block, float coefficient) {
                                  block.gradient_sum,
                                  absl::MakeSpan(block.state), scale);
   }
+  if (block.finite_contributors == 0 && block.lost_contributors > 0) {
+    // Every gradient of this step died with the shard's previous life: the
+    // update is lost, as surely as a step a restore skipped.
+    ++block.updates_lost;
+    updates_lost_.fetch_add(1);
+    AtomicMax(steps_lost_, block.updates_lost);
+  }
   block.step_hyper_worker = std::numeric_limits<int>::max();
   block.clip_worker = std::numeric_limits<int>::max();
   block.awaiting_clip.store(false);
   OnStepCompleted(version, block.contributors);
   block.contributors = 0;
   block.finite_contributors = 0;
+  block.lost_contributors = 0;
   block.version.store(version + 1);
 }
 
@@ -676,6 +685,7 @@ bool Shard::CreditLostGradientsLocked(const Model& model, int worker,
     }
     block->last_contributed[worker] = step - 1;
     ++block->contributors;
+    ++block->lost_contributors;
     gradients_lost_.fetch_add(1);
     completed |= CompleteIfReadyLocked(*block, *membership_);
   }

@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "common/partition.h"
 #include "gmock/gmock.h"
@@ -710,6 +711,117 @@ INSTANTIATE_TEST_SUITE_P(RestoredOrEmpty, ShardBehindTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "FromCheckpoint" : "Empty";
                          });
+
+// Every update a restart loses is counted, exactly: the probe model (SGD at
+// rate 1, a gradient of 1 everywhere) makes each element minus the updates
+// its block received, so what the model lacks is read off it and compared
+// with the shards' updates_lost. Shard 1 is killed while it writes its
+// first checkpoint (it restarts with none: a temporary file is not one) or
+// its third (it restores the second), in sync and async jobs.
+struct LostUpdatesCase {
+  std::string mode;
+  int checkpoint;  // killed while writing this one (1: the first)
+};
+
+class LostUpdatesTest : public ::testing::TestWithParam<LostUpdatesCase> {};
+
+// Waits (polling the directory, bounded) until `shard_dir` holds the
+// temporary file of checkpoint sequence `sequence`: the write is under way.
+absl::Status WaitForCheckpointWrite(const std::string& shard_dir, int sequence,
+                                    absl::Duration timeout) {
+  const std::string prefix =
+      absl::StrFormat(".ckpt-%012d.pstrain.tmp-", sequence);
+  const absl::Time give_up = absl::Now() + timeout;
+  while (absl::Now() < give_up) {
+    if (DIR* d = opendir(shard_dir.c_str())) {
+      bool found = false;
+      while (dirent* entry = readdir(d)) {
+        found |= absl::StartsWith(entry->d_name, prefix);
+      }
+      closedir(d);
+      if (found) return absl::OkStatus();
+    }
+    absl::SleepFor(absl::Microseconds(200));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("no write of checkpoint ", sequence, " in ", shard_dir));
+}
+
+TEST_P(LostUpdatesTest, AKillDuringACheckpointWriteLosesOnlyWhatIsCounted) {
+  const LostUpdatesCase& c = GetParam();
+  constexpr int kWorkers = 2;
+  constexpr int kSteps = 120;
+  constexpr int64_t kElements = 1 << 22;  // 16 MiB: a write takes a while
+  constexpr int64_t kBlock = 1 << 16;
+  const std::string dir = absl::StrCat(testing::TestDir(), "/lost_", c.mode,
+                                       c.checkpoint, "_", getpid());
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = kWorkers;
+  options.mode = c.mode;
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
+                          "--checkpoint_every_steps=10", "--optimizer=sgd",
+                          "--learning_rate=1", "--worker_lease_s=5"};
+  auto cluster = StartCluster(options, absl::StrCat("lost_", c.mode));
+  ASSERT_NE(cluster, nullptr);
+  const std::vector<std::string> flags = {
+      "--model=probe",
+      absl::StrCat("--probe_elements=", kElements),
+      absl::StrCat("--block_elements=", kBlock),
+      absl::StrCat("--steps=", kSteps),
+      "--log_every=0",
+      "--device=cpu",
+      "--heartbeat_interval_s=0.2",
+      "--retry_window_s=60",
+      "--rpc_timeout_s=30"};
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < kWorkers; ++k) {
+    workers.push_back(std::move(*cluster->StartWorker(k, kWorkers, flags)));
+  }
+  const absl::Status writing = WaitForCheckpointWrite(
+      absl::StrCat(dir, "/shard-1-of-2"), c.checkpoint - 1, absl::Seconds(60));
+  ASSERT_TRUE(writing.ok()) << writing;
+  cluster->KillServer(1);
+  ASSERT_TRUE(cluster->RestartServer(1).ok());
+  for (auto& worker : workers) Finish(*worker);
+
+  // What the model lacks, in block-updates: every element of a block is
+  // minus the updates it received, out of kSteps (sync) or one per push.
+  PsClientOptions client_options;
+  client_options.hosts = cluster->HostList();
+  auto observer = std::move(*PsClient::Create(client_options));
+  auto backend = std::move(*kernels::CreateBackend("cpu"));
+  ModelSchema schema;
+  schema.set_seed(1);
+  schema.set_block_elements(kBlock);
+  *schema.add_dense() =
+      (*CreateProbeModel(backend.get(), kElements))->Params()[0];
+  ASSERT_TRUE(observer->Register(schema, kWorkers, -1).ok());
+  std::vector<float> w(kElements, NAN);
+  ASSERT_TRUE(observer->Pull(0, {w.data()}).ok());
+  const int64_t expected = c.mode == "sync" ? kSteps : kSteps * kWorkers;
+  int64_t missing = 0;
+  for (int64_t i = 0; i < kElements; i += kBlock) {
+    missing += expected + static_cast<int64_t>(w[i]);
+  }
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  int64_t counted = 0;
+  for (const StatsResponse& shard : *stats) counted += shard.updates_lost();
+  EXPECT_GT(missing, 0);  // the kill did cost updates
+  EXPECT_EQ(missing, counted)
+      << "updates the model lacks vs the shards' updates_lost; shard 1 said: "
+      << (*stats)[1].ShortDebugString();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    FirstOrLaterCheckpoint, LostUpdatesTest,
+    ::testing::Values(LostUpdatesCase{"sync", 1}, LostUpdatesCase{"sync", 3},
+                      LostUpdatesCase{"async", 1}, LostUpdatesCase{"async", 3}),
+    [](const ::testing::TestParamInfo<LostUpdatesCase>& info) {
+      return absl::StrCat(info.param.mode, "_checkpoint",
+                          info.param.checkpoint);
+    });
 
 TEST(CheckpointRecoveryTest, DenseShardRestartedWithoutCheckpointRejoins) {
   std::vector<std::string> flags = WorkerFlags(200);

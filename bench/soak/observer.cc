@@ -14,6 +14,7 @@
 // probe's exact invariant: with SGD at learning rate 1 and a gradient of
 // exactly 1 per element per update, every element is -T. It prints
 //   check elements=N expected=-T min=... max=... mismatches=M
+//         missing_block_steps=X (the updates short of T, summed over blocks)
 // and exits 1 when M > 0 (0 otherwise; 2 on a bad flag, 3 when the servers
 // cannot be read). --expect_shard_versions checks the same with T taken per
 // shard, the version of the shard holding the element's block: in sync mode a
@@ -129,17 +130,22 @@ int Main() {
   };
   int64_t mismatches = 0;
   float lo = INFINITY, hi = -INFINITY;
+  // Updates short of the expected, in block-steps (a block's elements move
+  // together): what the shards' updates_lost + gradients_lost / W should
+  // account for.
+  double missing_block_steps = 0;
   for (int64_t i = 0; i < elements; ++i) {
     mismatches += w[i] != expected_at(i);
     lo = std::fmin(lo, w[i]);
     hi = std::fmax(hi, w[i]);
+    if (i % block_elements == 0) missing_block_steps += w[i] - expected_at(i);
   }
   std::printf(
       "check elements=%lld expected=%s min=%.1f max=%.1f "
-      "mismatches=%lld\n",
+      "mismatches=%lld missing_block_steps=%.3f\n",
       static_cast<long long>(elements),
       per_shard ? "-shard_version" : absl::StrCat(-expected_updates).c_str(),
-      lo, hi, static_cast<long long>(mismatches));
+      lo, hi, static_cast<long long>(mismatches), missing_block_steps);
   return mismatches == 0 ? 0 : 1;
 }
 
