@@ -75,10 +75,10 @@ struct ServerConfig {
   ServerTlsConfig tls;
   // Fault injection: answer UNAVAILABLE after applying a push.
   double inject_drop_push_response_probability = 0;
-  // Fault injection: die (SIGKILL) when a worker first asks for the job's
-  // final state (CheckpointRequest.final_version): after the last step,
-  // before the final checkpoint.
-  bool inject_crash_on_final_state = false;
+  // Fault injection: die (SIGKILL) at "register" (a worker's first
+  // RegisterModel) or "final_state" (a worker's first request for the job's
+  // final state, CheckpointRequest.final_version); "": never.
+  std::string inject_crash_at;
 };
 
 // Every problem with `config`, one status each, worded by the flag that

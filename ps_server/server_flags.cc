@@ -76,11 +76,12 @@ ABSL_FLAG(double, inject_drop_push_response_probability,
           Default().inject_drop_push_response_probability,
           "Fault injection: after applying a push, answer UNAVAILABLE with "
           "this probability (the client retries; nothing may apply twice).");
-ABSL_FLAG(bool, inject_crash_on_final_state,
-          Default().inject_crash_on_final_state,
-          "Fault injection: die (SIGKILL) when a worker first asks for the "
-          "job's final state, after the last step and before the final "
-          "checkpoint (the test of that moment).");
+ABSL_FLAG(std::string, inject_crash_at, Default().inject_crash_at,
+          "Fault injection: die (SIGKILL) at a moment a test picks: "
+          "'register' (a worker's first RegisterModel, before it is "
+          "answered) or 'final_state' (a worker's first request for the "
+          "job's final state: after the last step, before the final "
+          "checkpoint); empty: never.");
 ABSL_FLAG(std::string, optimizer, Default().optimizer,
           "sgd, momentum, adam or adamw (torch.optim.AdamW: decoupled "
           "weight decay), for tensors that do not bring their own "
@@ -197,8 +198,7 @@ ServerConfig ServerConfigFromFlags(std::vector<absl::Status>* problems) {
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
   c.inject_drop_push_response_probability =
       absl::GetFlag(FLAGS_inject_drop_push_response_probability);
-  c.inject_crash_on_final_state =
-      absl::GetFlag(FLAGS_inject_crash_on_final_state);
+  c.inject_crash_at = absl::GetFlag(FLAGS_inject_crash_at);
   ServerNetworkConfig& n = c.network;
   n.host = absl::GetFlag(FLAGS_host);
   n.port = absl::GetFlag(FLAGS_port);

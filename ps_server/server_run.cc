@@ -185,7 +185,7 @@ class ServerRun {
     ServiceOptions service_options;
     service_options.drop_push_response_probability =
         config_.inject_drop_push_response_probability;
-    service_options.crash_on_final_state = config_.inject_crash_on_final_state;
+    service_options.crash_at = config_.inject_crash_at;
     service_options.auth_token = *ReadAuthToken(config_.tls.auth_token_file);
     auth_token_ = service_options.auth_token;
     service_ = std::make_unique<ParameterServerService>(

@@ -119,6 +119,7 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
       shard_, context, request, response,
       [this](const RegisterModelRequest& r)
           -> absl::StatusOr<RegisterModelResponse> {
+        if (r.worker_id() >= 0) CrashIfInjectedAt("register");
         absl::StatusOr<RegisterModelResponse> response = shard_->Register(r);
         if (response.ok()) {
           const int port = data_port_.load();
@@ -559,13 +560,15 @@ grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
       });
 }
 
+void ParameterServerService::CrashIfInjectedAt(absl::string_view moment) {
+  if (options_.crash_at != moment) return;
+  LOG(ERROR) << "--inject_crash_at=" << moment << ": dying (SIGKILL)";
+  ::raise(SIGKILL);
+}
+
 absl::StatusOr<CheckpointResponse> ParameterServerService::FinalState(
     const CheckpointRequest& request) {
-  if (options_.crash_on_final_state) {
-    LOG(ERROR) << "--inject_crash_on_final_state: dying before the final "
-                  "checkpoint";
-    ::raise(SIGKILL);
-  }
+  CrashIfInjectedAt("final_state");
   if (absl::Status s = shard_->NoteJobFinalVersion(request.worker_id(),
                                                    request.final_version());
       !s.ok()) {

@@ -46,9 +46,10 @@ struct ServiceOptions {
   // UNAVAILABLE with this probability, as if the response was lost, so the
   // client retries a push the shard already has.
   double drop_push_response_probability = 0;
-  // Fault injection: SIGKILL itself on the first request for the job's
-  // final state (CheckpointRequest.final_version > 0).
-  bool crash_on_final_state = false;
+  // Fault injection: SIGKILL itself on a worker's first RegisterModel
+  // ("register") or request for the job's final state ("final_state",
+  // CheckpointRequest.final_version > 0); "": never.
+  std::string crash_at;
   // When not empty, every call must carry "authorization: Bearer <token>";
   // others are refused UNAUTHENTICATED before they are read.
   std::string auth_token;
@@ -151,6 +152,8 @@ class ParameterServerService final : public ParameterServerRawService,
   // (CheckpointRequest.final_version > 0).
   absl::StatusOr<CheckpointResponse> FinalState(
       const CheckpointRequest& request);
+  // Dies (SIGKILL) when ServiceOptions::crash_at is `moment`.
+  void CrashIfInjectedAt(absl::string_view moment);
 
   // Push and Pull from the request's bytes on, whichever transport brought
   // them: the encoded PushResponse / the PullResponse's pieces.

@@ -676,7 +676,7 @@ TEST_P(ShardBehindTest, AShardRestartedAfterTheLastStepIsReportedBehind) {
   ASSERT_NE(cluster, nullptr);
   ASSERT_TRUE(cluster->StopServer(1).ok());
   ASSERT_TRUE(
-      cluster->RestartServer(1, {"--inject_crash_on_final_state"}).ok());
+      cluster->RestartServer(1, {"--inject_crash_at=final_state"}).ok());
   constexpr int kSteps = 25;
   std::vector<std::unique_ptr<Process>> workers;
   for (int k = 0; k < 3; ++k) {
@@ -687,7 +687,7 @@ TEST_P(ShardBehindTest, AShardRestartedAfterTheLastStepIsReportedBehind) {
   absl::StatusOr<int> died = cluster->server(1).Wait(absl::Seconds(120));
   ASSERT_TRUE(died.ok()) << died.status();
   EXPECT_THAT(cluster->server(1).Stderr(),
-              ::testing::HasSubstr("--inject_crash_on_final_state"));
+              ::testing::HasSubstr("--inject_crash_at=final_state"));
   ASSERT_TRUE(cluster->RestartServer(1).ok());
   for (auto& worker : workers) {
     const std::string out = Finish(*worker);
@@ -711,6 +711,32 @@ INSTANTIATE_TEST_SUITE_P(RestoredOrEmpty, ShardBehindTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "FromCheckpoint" : "Empty";
                          });
+
+// A server killed while a worker's registration is in its hands (the
+// worker saw it up: the call was cut, not refused) is waited for, as a
+// server not up yet is, and the job trains once it is back.
+TEST(CheckpointRecoveryTest, AServerKilledDuringRegistrationIsWaitedFor) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  auto cluster = StartCluster(options, "register_crash");
+  ASSERT_NE(cluster, nullptr);
+  ASSERT_TRUE(cluster->StopServer(1).ok());
+  ASSERT_TRUE(cluster->RestartServer(1, {"--inject_crash_at=register"}).ok());
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < 2; ++k) {
+    workers.push_back(std::move(*cluster->StartWorker(k, 2, WorkerFlags(20))));
+  }
+  absl::StatusOr<int> died = cluster->server(1).Wait(absl::Seconds(60));
+  ASSERT_TRUE(died.ok()) << died.status();
+  ASSERT_THAT(cluster->server(1).Stderr(),
+              ::testing::HasSubstr("--inject_crash_at=register"));
+  ASSERT_TRUE(cluster->RestartServer(1).ok());
+  for (auto& worker : workers) {
+    const std::string out = Finish(*worker);
+    EXPECT_THAT(out, ::testing::HasSubstr("\"steps_run\":20"));
+  }
+}
 
 // Every update a restart loses is counted, exactly: the probe model (SGD at
 // rate 1, a gradient of 1 everywhere) makes each element minus the updates

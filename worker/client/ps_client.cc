@@ -172,6 +172,9 @@ bool PsClient::SleepUnlessInterrupted(absl::Duration duration,
   return !interrupt_mu_.AwaitWithDeadline(absl::Condition(&interrupted), until);
 }
 
+// Between tries of a registration cut by a server going away.
+constexpr absl::Duration kReregisterPause = absl::Milliseconds(200);
+
 absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
   RegisterModelRequest request;
   request.set_protocol_version(kProtocolVersion);
@@ -192,9 +195,19 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
       return Deserialize(bytes, &responses[s]);
     };
   }
-  if (absl::Status s = RunAll("RegisterModel", calls, options_.connect_timeout);
-      !s.ok()) {
-    return s;
+  // A server that dies in the middle of the call (UNAVAILABLE at once, not
+  // a deadline) is waited for like one not up yet: registering again is
+  // harmless, and the connect timeout still bounds the whole wait.
+  const absl::Time give_up = absl::Now() + options_.connect_timeout;
+  while (true) {
+    const absl::Status s =
+        RunAll("RegisterModel", calls, give_up - absl::Now());
+    if (s.ok()) break;
+    if (!absl::IsUnavailable(s) || absl::Now() + kReregisterPause >= give_up ||
+        !SleepUnlessInterrupted(kReregisterPause, interrupts())) {
+      return s;
+    }
+    LOG(WARNING) << "registering again after " << s;
   }
   absl::MutexLock lock(&data_ports_mu_);
   for (int s = 0; s < num_shards(); ++s) {
@@ -268,6 +281,13 @@ absl::Status PsClient::CheckTransports() {
       }
       std::string cause =
           DiagnoseConnection(options_.hosts[s], tls, absl::Seconds(1));
+      // A plaintext server answering plaintext (or nothing listening): the
+      // calls failed because the server went away, not on a handshake;
+      // registration waits for it.
+      if (!tls &&
+          (cause.empty() || absl::StrContains(cause, ": cannot connect: "))) {
+        continue;
+      }
       if (cause.empty()) cause = CertificateHint(error);
       return absl::UnavailableError(absl::StrCat(
           tls ? "TLS handshake" : "plaintext gRPC", " with shard ", s, " (",
