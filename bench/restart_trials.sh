@@ -51,6 +51,7 @@ bazel build //ps_server:ps_server //worker:worker //bench/soak:observer >/dev/nu
 server_bin=bazel-bin/ps_server/ps_server
 worker_bin=bazel-bin/worker/worker
 observer_bin=bazel-bin/bench/soak/observer
+source bench/lib.sh
 
 run_dir=$(mktemp -d /tmp/restart_trials.XXXXXX)
 pids=()
@@ -160,6 +161,7 @@ trial() {
 }
 
 summary=()
+rows=()
 status=0
 for kind in ${kinds//,/ }; do
   ok=0
@@ -168,7 +170,8 @@ for kind in ${kinds//,/ }; do
     mode=sync
     ((t % 2)) || mode=async
     line=$(trial "$kind" $mode "$run_dir/$kind$t")
-    printf '%-10s %-5s %3d  %s\n' "$kind" $mode "$t" "$line"
+    rows+=("$(printf '%-10s %-5s %3d  %s' "$kind" $mode "$t" "$line")")
+    echo "${rows[-1]}"
     if [[ $line == ok* ]]; then ok=$((ok + 1)); else bad=$((bad + 1)); status=1; fi
   done
   summary+=("$kind: $ok of $trials ok, $bad not (hung, failed, uncounted or no-write)")
@@ -176,8 +179,8 @@ done
 printf '%s\n' "${summary[@]}"
 if ((record)); then
   {
-    echo "# $(date -u +%F) bench/restart_trials.sh $args on $(nproc) cores, $(uname -r), $(git rev-parse --short HEAD)"
-    printf '%s\n' "${summary[@]}"
+    echo "# $(date -u +%F) bench/restart_trials.sh $args at $BENCH_COMMIT on $BENCH_MACHINE"
+    printf '%s\n' "${rows[@]}" "${summary[@]}"
   } >>bench/results/restart_trials.txt
 fi
 exit $status
