@@ -87,6 +87,58 @@ TEST(LrScheduleFlagsTest, CosineReachesZeroAtTheLastStep) {
   for (float v : values) EXPECT_NEAR(v, expected, 1e-5);
 }
 
+// The dense tensors of a one-worker CTR job of `steps` steps (sync, SGD at
+// `rate` on the servers), as the servers end it.
+std::vector<std::vector<float>> TrainCtrDense(
+    int steps, const std::string& rate,
+    const std::vector<std::string>& worker_flags, const std::string& name) {
+  testing::ClusterOptions options;
+  options.server_flags = {"--optimizer=sgd",
+                          absl::StrCat("--learning_rate=", rate)};
+  absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
+      testing::TestCluster::Start(options, name);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  if (!cluster.ok()) return {};
+  std::vector<std::string> flags = {
+      "--model=ctr",     "--ctr_fields=2",  "--ctr_dense=2",
+      "--ctr_vocab=200", "--batch_size=32", "--seed=3",
+      "--log_every=0",   "--device=cpu",    absl::StrCat("--steps=", steps)};
+  flags.insert(flags.end(), worker_flags.begin(), worker_flags.end());
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({flags}, absl::Seconds(60));
+  EXPECT_TRUE(outputs.ok()) << outputs.status();
+  absl::StatusOr<std::vector<StatsResponse>> stats = (*cluster)->Stats();
+  EXPECT_TRUE(stats.ok());
+  if (!stats.ok()) return {};
+  PsClientOptions client_options;
+  client_options.hosts = (*cluster)->HostList();
+  auto client = std::move(*PsClient::Create(client_options));
+  const ModelSchema& schema = stats->front().schema();
+  EXPECT_TRUE(client->Register(schema, 1, /*worker_id=*/-1).ok());
+  std::vector<std::vector<float>> tensors;
+  std::vector<float*> pointers;
+  for (const DenseTensorSpec& spec : schema.dense()) {
+    int64_t n = 1;
+    for (int64_t d : spec.shape()) n *= d;
+    tensors.emplace_back(n);
+  }
+  for (auto& t : tensors) pointers.push_back(t.data());
+  EXPECT_TRUE(client->Pull(steps, pointers).ok());
+  return tensors;
+}
+
+// --lr_schedule reaches the CTR worker's dense layers too: a step at a
+// quarter of the servers' 0.1 (the first of a 4-step warmup) is a step at
+// their rate of 0.025 (0.1 / 4 is the double nearest 0.025), bit for bit.
+TEST(LrScheduleFlagsTest, TheCtrWorkersDenseLayersFollowTheSchedule) {
+  const auto warmup = TrainCtrDense(1, "0.1", {"--warmup_steps=4"}, "ctr_a");
+  const auto quarter = TrainCtrDense(1, "0.025", {}, "ctr_b");
+  const auto full = TrainCtrDense(1, "0.1", {}, "ctr_c");
+  ASSERT_FALSE(warmup.empty());
+  EXPECT_EQ(warmup, quarter);
+  EXPECT_NE(warmup, full);  // not vacuous: the rate moves them
+}
+
 TEST(LrScheduleFlagsTest, WeightDecayIsTorchs) {
   // torch.optim.SGD(weight_decay=wd): w -= lr * (g + wd * w).
   double w = 0;

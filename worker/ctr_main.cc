@@ -12,6 +12,7 @@
 #include "worker/ctr_data.h"
 #include "worker/ctr_metrics.h"
 #include "worker/ctr_trainer.h"
+#include "worker/lr_schedule.h"
 
 namespace pstrain {
 namespace {
@@ -171,6 +172,11 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   options.batch_size = config.training.batch_size;
   options.stop = context.stop;
   options.on_steps_done = context.on_steps_done;
+  std::vector<absl::Status> problems;
+  options.learning_rate_at =
+      ScheduledRate(config.training.lr_schedule, config.training.steps,
+                    registration->learning_rate, &problems);
+  ExitOnFlagErrors(problems);
   int64_t last_step = registration->start_step;
   options.on_step = [&](const StepReport& r) {
     last_step = r.step;

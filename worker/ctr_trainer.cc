@@ -436,6 +436,9 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     absl::StatusOr<double> loss_sum = (*net)->Backward(batch.size());
     if (!loss_sum.ok()) return loss_sum.status();
     const absl::Time computed = absl::Now();
+    if (options.learning_rate_at) {
+      client.SetGroupRates({options.learning_rate_at(step)});
+    }
     if (absl::Status s = (*net)->Push(client, step); !s.ok()) return s;
     ++result.steps_run;
     ++step;

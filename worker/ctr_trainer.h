@@ -58,6 +58,10 @@ struct CtrTrainerOptions {
   absl::Duration final_model_timeout = absl::Seconds(120);
   // Called once the steps are over, before the final evaluation.
   std::function<void()> on_steps_done;
+  // The servers' rate for the dense layers at each step (--lr_schedule),
+  // carried by the step's pushes; null: their own. The tables keep their
+  // optimizer's rate.
+  std::function<double(int64_t)> learning_rate_at;
 };
 
 struct CtrResult {

@@ -52,4 +52,24 @@ double LrFactor(const LrSchedule& s, int64_t step) {
   return 1.0;
 }
 
+std::function<double(int64_t)> ScheduledRate(
+    LrSchedule schedule, int64_t total_steps, double servers_rate,
+    std::vector<absl::Status>* problems) {
+  schedule.total_steps = total_steps;
+  if (!Scheduled(schedule)) return nullptr;
+  std::vector<absl::Status> found = LrScheduleProblems(schedule);
+  if (!(servers_rate > 0)) {
+    found.push_back(absl::FailedPreconditionError(
+        "--lr_schedule: the servers did not say their learning rate (a "
+        "ps_server older than this worker)"));
+  }
+  if (!found.empty()) {
+    problems->insert(problems->end(), found.begin(), found.end());
+    return nullptr;
+  }
+  return [servers_rate, schedule](int64_t step) {
+    return servers_rate * LrFactor(schedule, step);
+  };
+}
+
 }  // namespace pstrain

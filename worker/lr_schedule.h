@@ -7,6 +7,7 @@
 #define PSTRAIN_WORKER_LR_SCHEDULE_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,15 @@ bool Scheduled(const LrSchedule& schedule);
 
 // The factor of the base rate at step t (0-based).
 double LrFactor(const LrSchedule& schedule, int64_t step);
+
+// The servers' rate at each step of a job of `total_steps`: `servers_rate`
+// (their learning rate, said at registration) times the schedule's factor.
+// Null when the schedule changes nothing. Every problem (the schedule's
+// against the job's length, or a servers_rate that is not > 0: a server
+// older than the worker) goes to `problems`, and the result is then null.
+std::function<double(int64_t)> ScheduledRate(
+    LrSchedule schedule, int64_t total_steps, double servers_rate,
+    std::vector<absl::Status>* problems);
 
 }  // namespace pstrain
 

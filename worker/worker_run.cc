@@ -239,20 +239,11 @@ TrainerOptions TrainerOptionsFor(const WorkerConfig& config,
   options.crash_before_push_step =
       config.training.inject_crash_before_push_step;
   options.crash_after_step = config.training.inject_crash_after_step;
-  LrSchedule schedule = config.training.lr_schedule;
-  schedule.total_steps = data.steps;
-  if (Scheduled(schedule)) {
-    ExitOnFlagErrors(LrScheduleProblems(schedule));
-    if (!(registration.learning_rate > 0)) {
-      ExitOnFlagErrors({absl::FailedPreconditionError(
-          "--lr_schedule: the servers did not say their learning rate (a "
-          "ps_server older than this worker)")});
-    }
-    const double base = registration.learning_rate;
-    options.learning_rate_at = [base, schedule](int64_t step) {
-      return base * LrFactor(schedule, step);
-    };
-  }
+  std::vector<absl::Status> problems;
+  options.learning_rate_at =
+      ScheduledRate(config.training.lr_schedule, data.steps,
+                    registration.learning_rate, &problems);
+  ExitOnFlagErrors(problems);
   return options;
 }
 
