@@ -461,8 +461,16 @@ LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
                       int new_num_shards,
                       std::vector<std::string>* files_skipped) {
   LayoutScan scan;
+  // In its own layout a shard's blocks and rows are all in its own files;
+  // the others' are read to check that they describe the same job. A peer
+  // that never completed a checkpoint (no file at all: it died before its
+  // first) has nothing to check and does not hold this shard back.
+  const bool own_layout = layout.num_shards == new_num_shards;
   for (int i = 0; i < layout.num_shards; ++i) {
     const auto it = layout.shards.find(i);
+    if (own_layout && i != new_shard_id && it == layout.shards.end()) {
+      continue;
+    }
     int skipped = 0;
     bool found = false;
     if (it != layout.shards.end()) {
