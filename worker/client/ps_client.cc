@@ -175,7 +175,8 @@ bool PsClient::SleepUnlessInterrupted(absl::Duration duration,
 // Between tries of a registration cut by a server going away.
 constexpr absl::Duration kReregisterPause = absl::Milliseconds(200);
 
-absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
+absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls(
+    bool wait_out_dying_servers) {
   RegisterModelRequest request;
   request.set_protocol_version(kProtocolVersion);
   *request.mutable_schema() = schema_;
@@ -199,12 +200,14 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
   // a deadline) is waited for like one not up yet: registering again is
   // harmless, and the connect timeout still bounds the whole wait.
   const absl::Time give_up = absl::Now() + options_.connect_timeout;
+  const uint64_t epoch = interrupts();
   while (true) {
     const absl::Status s =
         RunAll("RegisterModel", calls, give_up - absl::Now());
     if (s.ok()) break;
-    if (!absl::IsUnavailable(s) || absl::Now() + kReregisterPause >= give_up ||
-        !SleepUnlessInterrupted(kReregisterPause, interrupts())) {
+    if (!wait_out_dying_servers || !absl::IsUnavailable(s) ||
+        absl::Now() + kReregisterPause >= give_up ||
+        !SleepUnlessInterrupted(kReregisterPause, epoch)) {
       return s;
     }
     LOG(WARNING) << "registering again after " << s;
@@ -218,7 +221,9 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls() {
   return responses;
 }
 
-absl::Status PsClient::RegisterOnShards() { return RegisterCalls().status(); }
+absl::Status PsClient::RegisterOnShards() {
+  return RegisterCalls(/*wait_out_dying_servers=*/false).status();
+}
 
 namespace {
 
@@ -308,7 +313,7 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
   num_workers_ = num_workers;
   worker_id_ = worker_id;
   absl::StatusOr<std::vector<RegisterModelResponse>> responses =
-      RegisterCalls();
+      RegisterCalls(/*wait_out_dying_servers=*/true);
   if (!responses.ok()) return responses.status();
   if (!ResumesInPlaceEverywhere(*responses)) {
     // A restarted sync worker whose predecessor died in the middle of a
@@ -321,7 +326,7 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
                     "shards that lack it, and this process starts at the "
                     "job's next step";
     if (absl::Status s = Leave(); !s.ok()) return s;
-    responses = RegisterCalls();
+    responses = RegisterCalls(/*wait_out_dying_servers=*/true);
     if (!responses.ok()) return responses.status();
   }
   Registration registration;

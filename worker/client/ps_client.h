@@ -427,7 +427,12 @@ class PsClient {
   static void FinishCall(const grpc::Status& status,
                          const std::string& short_name, Call& call);
   // Registers schema_ as worker_id_ on every shard (again after a restart).
-  absl::StatusOr<std::vector<RegisterModelResponse>> RegisterCalls();
+  // With `wait_out_dying_servers` (a worker's first registration), a call
+  // cut by a server going away is made again within the connect timeout;
+  // without (inside RunAll's retries, which have their own window), the
+  // first failure is returned.
+  absl::StatusOr<std::vector<RegisterModelResponse>> RegisterCalls(
+      bool wait_out_dying_servers);
   absl::Status RegisterOnShards();
   // Whether the shards that hold a restarted worker's place (sync) all do,
   // at one step; or none does.
