@@ -114,14 +114,15 @@ std::string OpenPortWarning(const std::string& host, int port, int data_port) {
 // of the job whatever its workers print. job_final_version: the version of
 // the final model the workers reported (0: none did); behind: this shard's
 // state is older than that (restored from a checkpoint taken before the
-// job's last steps, after the workers had them): those steps are lost.
+// job's last steps, after the workers had them), or was rebuilt up to it
+// with losses after a worker had pulled it: those steps are lost.
 std::string ShardFinalJson(const StatsResponse& stats, int64_t state_version,
-                           int64_t skipped_to_step,
+                           int64_t skipped_to_step, bool final_rebuilt,
                            absl::string_view final_checkpoint) {
   const int64_t final_version = stats.job_final_version();
   const bool behind = final_version > 0 &&
                       ((state_version >= 0 && state_version < final_version) ||
-                       skipped_to_step >= final_version);
+                       skipped_to_step >= final_version || final_rebuilt);
   return absl::StrCat(
       "{\"event\":\"shard_final\",\"shard\":", stats.shard_id(),
       ",\"num_shards\":", stats.num_shards(), ",\"mode\":\"", stats.mode(),
@@ -409,7 +410,8 @@ class ServerRun {
     // For whoever ran the job (deploy/local/launch.sh, pstrain.sbatch): what
     // the shard ends with, on stdout, one line.
     std::cout << ShardFinalJson(stats, shard_->StateVersion(),
-                                shard_->SkippedToStep(), final_checkpoint)
+                                shard_->SkippedToStep(),
+                                shard_->FinalModelRebuilt(), final_checkpoint)
               << std::endl;
   }
 

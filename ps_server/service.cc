@@ -576,6 +576,8 @@ absl::StatusOr<CheckpointResponse> ParameterServerService::FinalState(
   }
   CheckpointResponse answer;
   answer.set_skipped_to_step(shard_->SkippedToStep());
+  answer.set_rebuilt_with_losses(shard_->RebuiltWithLossesBefore(
+      request.worker_id(), request.final_version()));
   if (checkpointer_ == nullptr) {
     answer.set_version(shard_->StateVersion());
     answer.set_not_checkpointed_reason("no --checkpoint_dir");

@@ -575,6 +575,19 @@ int64_t Shard::StateVersion() const {
   return min_version;
 }
 
+bool Shard::RebuiltWithLossesBefore(int worker, int64_t version) {
+  if (options_.mode != ConsistencyMode::kSync || worker < 0 ||
+      worker >= options_.max_workers) {
+    return false;
+  }
+  absl::MutexLock lock(&mu_);
+  const bool rebuilt = workers_[worker].pulled_in_this_life < version &&
+                       life_start_version_ < version &&
+                       updates_lost_.load() + gradients_lost_.load() > 0;
+  if (rebuilt) final_model_rebuilt_.store(true);
+  return rebuilt;
+}
+
 absl::Status Shard::NoteJobFinalVersion(int worker_id, int64_t version) {
   absl::StatusOr<const Model*> model =
       ValidateCommon(kProtocolVersion, worker_id, version,

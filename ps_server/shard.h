@@ -220,6 +220,14 @@ class Shard {
   // (restarted behind the workers; the steps are counted in steps_lost); 0
   // when it never did.
   int64_t SkippedToStep() const { return skipped_to_step_.load(); }
+  // sync: worker `worker` holds the job's final model at `version`, pulled
+  // from a process before this one (this one never served it that step),
+  // and this process rebuilt the state up to `version` from a checkpoint
+  // below it with updates or gradients lost: the servers' copy is not the
+  // model the worker holds, though both are at `version`.
+  // Remembered for the shard's exit line (FinalModelRebuilt).
+  bool RebuiltWithLossesBefore(int worker, int64_t version);
+  bool FinalModelRebuilt() const { return final_model_rebuilt_.load(); }
 
   // Counts a request refused before it reached the shard (unparseable).
   void CountRejected() { requests_rejected_.fetch_add(1); }
@@ -534,6 +542,9 @@ class Shard {
   // are refused as retryable until every expected worker is (then it takes
   // their step: ConfirmLostStateLocked); one client alone cannot move it.
   bool fresh_ ABSL_GUARDED_BY(mu_) = false;
+  // The step this process's state started from: the restored checkpoint's
+  // (its smallest block version), 0 when it restored nothing.
+  int64_t life_start_version_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_set<int> ahead_of_fresh_ ABSL_GUARDED_BY(mu_);
   // The steps they came with, furthest and nearest (ConfirmLostStateLocked).
   int64_t furthest_ahead_of_fresh_ ABSL_GUARDED_BY(mu_) = 0;
@@ -583,6 +594,7 @@ class Shard {
   // The furthest step FastForwardLocked moved this shard to: its state
   // lacks the updates up to it.
   std::atomic<int64_t> skipped_to_step_{0};
+  std::atomic<bool> final_model_rebuilt_{false};
   std::atomic<int64_t> gradients_lost_{0};
   std::atomic<int64_t> updates_lost_{0};
   std::atomic<int64_t> internal_errors_{0};

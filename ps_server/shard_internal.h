@@ -116,6 +116,9 @@ struct Shard::WorkerState {
   // One past the last step pushed here: the ssp clock, and where a
   // restarted async/ssp worker resumes so its pushes are not repeats.
   int64_t next_step = 0;
+  // The furthest step it asked this process to pull (-1: none): whether
+  // its final model came from this process or from one before it.
+  int64_t pulled_in_this_life = -1;
 };
 
 }  // namespace pstrain

@@ -130,6 +130,8 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
     absl::ReleasableMutexLock lock(&mu_);
     if (worker >= 0) {
       TouchLocked(worker);
+      workers_[worker].pulled_in_this_life =
+          std::max(workers_[worker].pulled_in_this_life, step);
       if (options_.mode != ConsistencyMode::kAsync) {
         JoinIfPendingLocked(worker, step);
       }

@@ -115,6 +115,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
   recovering_ = options_.mode == ConsistencyMode::kSync;
   fresh_ = false;
   recovery_horizon_ = newest;
+  life_start_version_ = oldest;
   // The job was running: its workers are coming back, not starting, so
   // each expected one holds a lease from now, as after any restart.
   if (!started_) {

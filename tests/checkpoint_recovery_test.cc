@@ -657,8 +657,9 @@ TEST(CheckpointRecoveryTest, TheFinalModelIsCheckpointedBeforeTheJobEnds) {
 // comes back behind the model the workers hold: from its step-20 checkpoint,
 // or empty (no --checkpoint_dir; the workers' heartbeats then move it to
 // their step with its initial values). The workers still exit 0 with the
-// model they trained, and say the servers' copy is behind, naming the
-// shard; so does the shard's exit line, for the launcher's job report.
+// model they trained, and those whose model the restarted shard lacks say
+// the servers' copy is behind, naming the shard; so does the shard's exit
+// line, for the launcher's job report.
 class ShardBehindTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(ShardBehindTest, AShardRestartedAfterTheLastStepIsReportedBehind) {
@@ -689,14 +690,27 @@ TEST_P(ShardBehindTest, AShardRestartedAfterTheLastStepIsReportedBehind) {
   EXPECT_THAT(cluster->server(1).Stderr(),
               ::testing::HasSubstr("--inject_crash_at=final_state"));
   ASSERT_TRUE(cluster->RestartServer(1).ok());
+  // A worker whose final pull the dying process answered holds a model the
+  // restarted one lacks: it says behind, naming shard 1. One whose final
+  // pull was still in flight got it from the restarted process, which then
+  // holds exactly that model: durable (it can happen only with the
+  // checkpoint, where the restored shard rebuilds the last steps).
+  int behind = 0;
   for (auto& worker : workers) {
     const std::string out = Finish(*worker);
-    EXPECT_THAT(out, ::testing::HasSubstr(
-                         "\"final_state\":\"behind\",\"shards_behind\":[1]"));
-    EXPECT_THAT(worker->Stderr(),
-                ::testing::HasSubstr("the servers' model is not the job's "
-                                     "final model: shard 1"));
+    if (absl::StrContains(out, "\"final_state\":\"behind\"")) {
+      ++behind;
+      EXPECT_THAT(out, ::testing::HasSubstr("\"shards_behind\":[1]"));
+      EXPECT_THAT(worker->Stderr(),
+                  ::testing::HasSubstr("the servers' model is not the job's "
+                                       "final model: shard 1"));
+    } else {
+      EXPECT_TRUE(with_checkpoints) << out;
+      EXPECT_THAT(out, ::testing::HasSubstr(
+                           "\"final_state\":\"durable\",\"shards_behind\":[]"));
+    }
   }
+  EXPECT_GE(behind, 1);  // the worker whose request found it dying
   ASSERT_TRUE(cluster->StopServer(1).ok());
   ASSERT_TRUE(cluster->StopServer(0).ok());
   EXPECT_THAT(cluster->server(1).Stdout(),

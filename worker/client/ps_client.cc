@@ -647,32 +647,56 @@ absl::StatusOr<FinalState> PsClient::SecureFinalState(int64_t final_version) {
       return Deserialize(bytes, &responses[s]);
     };
   }
+  FinalState state;
+  // A ps_server older than this client takes the request for an operator's
+  // checkpoint: it refuses it without --checkpoint_dir, and otherwise
+  // answers only the path. It cannot say its version: "unknown".
+  constexpr absl::string_view kOlderServer =
+      ": a ps_server older than this worker, which does not say its version";
   if (absl::Status s =
           RunAll("Checkpoint", calls, options_.rpc_timeout, /*retry=*/true);
       !s.ok()) {
-    return s;
+    if (!absl::IsFailedPrecondition(s) ||
+        !absl::StrContains(s.message(), "has no --checkpoint_dir")) {
+      return s;
+    }
+    state.summary = "unknown";
+    state.problems.push_back(absl::StrCat(s.message(), kOlderServer));
+    return state;
   }
-  FinalState state;
   bool all_checkpointed = true;
+  bool all_known = true;
   for (int s = 0; s < num_shards(); ++s) {
     const CheckpointResponse& shard = responses[s];
     const std::string who =
         absl::StrCat("shard ", s, " (", options_.hosts[s], ")");
+    if (!shard.checkpointed() && !shard.path().empty()) {
+      all_known = false;
+      state.problems.push_back(
+          absl::StrCat(who, " wrote ", shard.path(), kOlderServer));
+      continue;
+    }
     const bool behind = shard.version() >= 0 && shard.version() < final_version;
     const bool skipped = shard.skipped_to_step() >= final_version;
-    if (behind || skipped) {
+    if (behind || skipped || shard.rebuilt_with_losses()) {
       state.shards_behind.push_back(s);
       state.problems.push_back(
-          behind ? absl::StrCat(who, " is at version ", shard.version(),
-                                ", behind the final model's ", final_version,
-                                ": restored from an older checkpoint after "
-                                "the job's last steps, which the servers' "
-                                "model now lacks")
-                 : absl::StrCat(who, " restarted and skipped to step ",
-                                shard.skipped_to_step(),
-                                " without the updates before it: the "
-                                "servers' model lacks steps of the final "
-                                "model (counted in steps_lost)"));
+          behind    ? absl::StrCat(who, " is at version ", shard.version(),
+                                   ", behind the final model's ", final_version,
+                                   ": restored from an older checkpoint after "
+                                      "the job's last steps, which the servers' "
+                                      "model now lacks")
+          : skipped ? absl::StrCat(who, " restarted and skipped to step ",
+                                   shard.skipped_to_step(),
+                                   " without the updates before it: the "
+                                   "servers' model lacks steps of the final "
+                                   "model (counted in steps_lost)")
+                    : absl::StrCat(who,
+                                   " restarted after this worker's final "
+                                   "pull and rebuilt the last steps from an "
+                                   "older checkpoint with updates lost "
+                                   "(counted): the servers' model is not "
+                                   "the one this worker holds"));
       LOG(WARNING) << "the servers' model is not the job's final model: "
                    << state.problems.back();
     } else if (!shard.checkpointed()) {
@@ -683,6 +707,7 @@ absl::StatusOr<FinalState> PsClient::SecureFinalState(int64_t final_version) {
     }
   }
   state.summary = !state.shards_behind.empty() ? "behind"
+                  : !all_known                 ? "unknown"
                   : all_checkpointed           ? "durable"
                                                : "in_memory";
   return state;

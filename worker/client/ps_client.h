@@ -161,7 +161,8 @@ struct FinalState {
   // then tries a last checkpoint). "behind": some shard's state is older
   // than the final model (killed after the job's last steps and restored
   // from an older checkpoint): those steps are not in the servers' model,
-  // nor in an export of it.
+  // nor in an export of it. "unknown": a ps_server older than this client
+  // cannot say.
   std::string summary;
   std::vector<int> shards_behind;
   // One line per shard whose state is not durable, saying why.
