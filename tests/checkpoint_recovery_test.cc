@@ -130,6 +130,19 @@ std::string Finish(Process& worker) {
   return worker.Stdout();
 }
 
+// The newest checkpoint of shard `shard` of 2 in `dir`: the smallest block
+// version in it, or -1 when there is none.
+int64_t NewestCheckpointVersion(const std::string& dir, int shard) {
+  absl::StatusOr<RestoredShard> restored =
+      CheckpointStore(dir, 0).LoadForShard(shard, 2);
+  if (!restored.ok() || restored->blocks.empty()) return -1;
+  int64_t newest = restored->blocks[0].version;
+  for (const BlockSnapshot& b : restored->blocks) {
+    newest = std::min(newest, b.version);
+  }
+  return newest;
+}
+
 // Waits (polling, bounded by `timeout`) until shard `shard` of 2 has a
 // checkpoint in `dir` whose blocks are all at `step` or later, so that a
 // kill right after loses only the steps taken since.
@@ -138,15 +151,8 @@ absl::Status WaitForCheckpoint(const std::string& dir, int shard, int64_t step,
   const absl::Time give_up = absl::Now() + timeout;
   int64_t newest = -1;
   while (absl::Now() < give_up) {
-    absl::StatusOr<RestoredShard> restored =
-        CheckpointStore(dir, 0).LoadForShard(shard, 2);
-    if (restored.ok() && !restored->blocks.empty()) {
-      newest = restored->blocks[0].version;
-      for (const BlockSnapshot& b : restored->blocks) {
-        newest = std::min(newest, b.version);
-      }
-      if (newest >= step) return absl::OkStatus();
-    }
+    newest = NewestCheckpointVersion(dir, shard);
+    if (newest >= step) return absl::OkStatus();
     absl::SleepFor(absl::Milliseconds(2));
   }
   return absl::DeadlineExceededError(absl::StrCat(
@@ -612,19 +618,6 @@ void RestartWithoutCheckpointCase(const std::vector<std::string>& worker_flags,
   EXPECT_EQ((*stats)[0].steps_lost(), 0);
   EXPECT_THAT(cluster->server(1).Stderr(),
               ::testing::HasSubstr("this shard takes it"));
-}
-
-// The newest checkpoint of shard `shard` of 2 in `dir`: the smallest block
-// version in it, or -1 when there is none.
-int64_t NewestCheckpointVersion(const std::string& dir, int shard) {
-  absl::StatusOr<RestoredShard> restored =
-      CheckpointStore(dir, 0).LoadForShard(shard, 2);
-  if (!restored.ok() || restored->blocks.empty()) return -1;
-  int64_t newest = restored->blocks[0].version;
-  for (const BlockSnapshot& b : restored->blocks) {
-    newest = std::min(newest, b.version);
-  }
-  return newest;
 }
 
 // A job is reported finished only once the servers' copy of its final model

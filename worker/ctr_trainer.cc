@@ -484,8 +484,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
         mode == ConsistencyMode::kSync ? eval_step
                                        : options.num_workers * options.steps);
     if (!state.ok()) return state.status();
-    result.final_state = state->summary;
-    result.shards_behind = state->shards_behind;
+    result.final_state = *std::move(state);
   }
   if (mode == ConsistencyMode::kSync) {
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
@@ -517,8 +516,9 @@ std::string CtrFinalJson(const CtrResult& r, int worker_id, int num_workers,
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
       r.steps_run, r.final_loss, r.auc, r.logloss, truth, r.test_examples,
       r.samples_per_sec, r.wall_time_s, r.rows_pulled, r.rows_pushed,
-      r.steps_short, r.final_model, r.final_state,
-      absl::StrJoin(r.shards_behind, ","), r.stopped_early ? "true" : "false");
+      r.steps_short, r.final_model, r.final_state.summary,
+      absl::StrJoin(r.final_state.shards_behind, ","),
+      r.stopped_early ? "true" : "false");
 }
 
 }  // namespace pstrain

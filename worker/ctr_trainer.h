@@ -84,8 +84,7 @@ struct CtrResult {
   // "timeout").
   std::string final_model;
   // The servers' copy of that model, as TrainResult::final_state.
-  std::string final_state = "unknown";
-  std::vector<int> shards_behind;
+  FinalState final_state;
 };
 
 // Trains against servers that `client` is registered with (CtrSchema, as

@@ -437,8 +437,7 @@ absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
     if (final_step > 0) {
       absl::StatusOr<FinalState> state = client.SecureFinalState(final_step);
       if (!state.ok()) return state.status();
-      result.final_state = state->summary;
-      result.shards_behind = state->shards_behind;
+      result.final_state = *std::move(state);
     }
     // Every step this worker ran is complete now: count the short ones.
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
@@ -459,8 +458,7 @@ absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
   absl::StatusOr<FinalState> state =
       reader.SecureFinalState(options.num_workers * options.steps);
   if (!state.ok()) return state.status();
-  result.final_state = state->summary;
-  result.shards_behind = state->shards_behind;
+  result.final_state = *std::move(state);
   return absl::OkStatus();
 }
 
@@ -705,8 +703,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       r.peak_rss_bytes / 1048576.0, r.start_step, r.steps_run, r.steps_skipped,
       r.steps_short, r.duplicate_blocks, r.late_blocks,
       r.injected_duplicate_pushes, r.stopped_early ? "true" : "false",
-      r.not_learning ? "true" : "false", r.final_state,
-      absl::StrJoin(r.shards_behind, ","));
+      r.not_learning ? "true" : "false", r.final_state.summary,
+      absl::StrJoin(r.final_state.shards_behind, ","));
 }
 
 }  // namespace pstrain

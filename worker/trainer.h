@@ -116,11 +116,10 @@ struct TrainResult {
   // (async/ssp: every worker finished), "quiet" (async/ssp: the servers
   // stopped changing short of every worker's steps: one stopped early).
   std::string final_model;
-  // The servers' copy of that model (FinalState::summary): "durable",
-  // "in_memory" or "behind" (then shards_behind says which); "unknown" when
-  // it is not every worker's final model (final_model "quiet"/"timeout").
-  std::string final_state = "unknown";
-  std::vector<int> shards_behind;
+  // The servers' copy of that model (PsClient::SecureFinalState); summary
+  // "unknown" when it is not every worker's final model (final_model
+  // "quiet"/"timeout").
+  FinalState final_state;
   int64_t evaluations = 0;        // periodic ones
   double evaluation_seconds = 0;  // time spent in them
   double time_to_target_s = -1;   // training time, evaluations excluded

@@ -26,6 +26,22 @@ namespace pstrain {
 
 using ps_client_internal::Deserialize;
 
+template <typename Response>
+std::vector<PsClient::Call> PsClient::CallsToEveryShard(
+    const std::string& request, std::vector<Response>* responses) const {
+  std::vector<Call> calls(num_shards());
+  responses->assign(num_shards(), Response());
+  for (int s = 0; s < num_shards(); ++s) {
+    calls[s].shard = s;
+    calls[s].flat = request;
+    calls[s].on_response = [responses,
+                            s](absl::Span<const absl::string_view> bytes) {
+      return Deserialize(bytes, &(*responses)[s]);
+    };
+  }
+  return calls;
+}
+
 absl::StatusOr<std::unique_ptr<PsClient>> PsClient::CreateObserver(
     const PsClientOptions& options, const ModelSchema& schema,
     int num_workers) {
@@ -184,18 +200,11 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls(
   request.set_num_workers(num_workers_);
   request.set_worker_id(worker_id_);
   request.set_incarnation(incarnation_);
-  const std::string bytes = request.SerializeAsString();
-  std::vector<Call> calls(num_shards());
-  std::vector<RegisterModelResponse> responses(num_shards());
-  for (int s = 0; s < num_shards(); ++s) {
-    calls[s].shard = s;
-    calls[s].flat = bytes;
-    calls[s].wait_for_ready = true;  // servers may still be starting
-    calls[s].on_response = [&responses,
-                            s](absl::Span<const absl::string_view> bytes) {
-      return Deserialize(bytes, &responses[s]);
-    };
-  }
+  std::vector<RegisterModelResponse> responses;
+  std::vector<Call> calls =
+      CallsToEveryShard(request.SerializeAsString(), &responses);
+  // Servers may still be starting.
+  for (Call& call : calls) call.wait_for_ready = true;
   // A server that dies in the middle of the call (UNAVAILABLE at once, not
   // a deadline) is waited for like one not up yet: registering again is
   // harmless, and the connect timeout still bounds the whole wait.
@@ -452,16 +461,8 @@ absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting,
       return absl::CancelledError(
           "interrupted while waiting for the job's workers to register");
     }
-    std::vector<Call> calls(num_shards());
-    std::vector<JobStart> answers(num_shards());
-    for (int s = 0; s < num_shards(); ++s) {
-      calls[s].shard = s;
-      calls[s].flat = bytes;
-      calls[s].on_response = [&answers,
-                              s](absl::Span<const absl::string_view> bytes) {
-        return Deserialize(bytes, &answers[s]);
-      };
-    }
+    std::vector<JobStart> answers;
+    std::vector<Call> calls = CallsToEveryShard(bytes, &answers);
     absl::Status status = RunAll("AwaitJobStart", calls,
                                  kPoll + absl::Seconds(5), /*retry=*/true);
     if (absl::IsCancelled(status) && interrupts() != epoch) {
@@ -637,16 +638,9 @@ absl::StatusOr<FinalState> PsClient::SecureFinalState(int64_t final_version) {
   CheckpointRequest request;
   request.set_final_version(final_version);
   request.set_worker_id(worker_id_);
-  std::vector<Call> calls(num_shards());
-  std::vector<CheckpointResponse> responses(num_shards());
-  for (int s = 0; s < num_shards(); ++s) {
-    calls[s].shard = s;
-    calls[s].flat = request.SerializeAsString();
-    calls[s].on_response = [&responses,
-                            s](absl::Span<const absl::string_view> bytes) {
-      return Deserialize(bytes, &responses[s]);
-    };
-  }
+  std::vector<CheckpointResponse> responses;
+  std::vector<Call> calls =
+      CallsToEveryShard(request.SerializeAsString(), &responses);
   FinalState state;
   // A ps_server older than this client takes the request for an operator's
   // checkpoint: it refuses it without --checkpoint_dir, and otherwise
@@ -724,15 +718,8 @@ absl::StatusOr<int64_t> PsClient::StepsShort() {
 }
 
 absl::StatusOr<std::vector<StatsResponse>> PsClient::Stats() {
-  std::vector<Call> calls(num_shards());
-  std::vector<StatsResponse> responses(num_shards());
-  for (int s = 0; s < num_shards(); ++s) {
-    calls[s].shard = s;
-    calls[s].on_response = [&responses,
-                            s](absl::Span<const absl::string_view> bytes) {
-      return Deserialize(bytes, &responses[s]);
-    };
-  }
+  std::vector<StatsResponse> responses;
+  std::vector<Call> calls = CallsToEveryShard(std::string(), &responses);
   if (absl::Status s = RunAll("Stats", calls, options_.rpc_timeout); !s.ok()) {
     return s;
   }

@@ -163,7 +163,7 @@ struct FinalState {
   // from an older checkpoint): those steps are not in the servers' model,
   // nor in an export of it. "unknown": a ps_server older than this client
   // cannot say.
-  std::string summary;
+  std::string summary = "unknown";
   std::vector<int> shards_behind;
   // One line per shard whose state is not durable, saying why.
   std::vector<std::string> problems;
@@ -427,6 +427,11 @@ class PsClient {
   // Sets call.status from the RPC's and, if that is OK, on_response's.
   static void FinishCall(const grpc::Status& status,
                          const std::string& short_name, Call& call);
+  // One call of `request` (serialized) to every shard, shard s's answer
+  // parsed into (*responses)[s], which it sizes.
+  template <typename Response>
+  std::vector<Call> CallsToEveryShard(const std::string& request,
+                                      std::vector<Response>* responses) const;
   // Registers schema_ as worker_id_ on every shard (again after a restart).
   // With `wait_out_dying_servers` (a worker's first registration), a call
   // cut by a server going away is made again within the connect timeout;
