@@ -172,5 +172,50 @@ TEST_F(BadRequestTest, EachBadRequestGetsItsStatusAndTheServerKeepsServing) {
   EXPECT_TRUE(cluster_->server(0).running());
 }
 
+// A bad request for the job's final state is refused with its status and
+// changes nothing: no job_final_version recorded, the model untouched.
+TEST_F(BadRequestTest, BadFinalStateRequestsChangeNothing) {
+  CheckpointRequest request;
+  CheckpointResponse response;
+  request.set_final_version(3);
+  EXPECT_EQ(
+      Call(&ParameterServer::Stub::Checkpoint, request, &response).error_code(),
+      grpc::StatusCode::NOT_FOUND);  // no model yet: register first
+  ASSERT_TRUE(Register(Schema()).ok());
+  struct Case {
+    std::string name;
+    int64_t final_version;
+    int worker_id;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"negative version", -1, 0, "final_version must be >= 0"},
+      {"worker id", 3, 7, "worker_id"},
+      {"version past 2^53", int64_t{1} << 53, 0, "step must be in"},
+  };
+  for (const Case& c : cases) {
+    request.set_final_version(c.final_version);
+    request.set_worker_id(c.worker_id);
+    const grpc::Status status =
+        Call(&ParameterServer::Stub::Checkpoint, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << c.name << ": " << status.error_message();
+    EXPECT_NE(status.error_message().find(c.message), std::string::npos)
+        << c.name << ": " << status.error_message();
+  }
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ((*stats)[0].job_final_version(), 0);
+  EXPECT_FLOAT_EQ(PullFirstWeight(0), 1.0f);
+  // A good one (an observer's, no --checkpoint_dir) answers the version.
+  request.set_final_version(1);
+  request.set_worker_id(-1);
+  ASSERT_TRUE(
+      Call(&ParameterServer::Stub::Checkpoint, request, &response).ok());
+  EXPECT_EQ(response.version(), 0);
+  EXPECT_FALSE(response.checkpointed());
+  EXPECT_EQ(response.not_checkpointed_reason(), "no --checkpoint_dir");
+}
+
 }  // namespace
 }  // namespace pstrain
