@@ -140,16 +140,20 @@ absl::StatusOr<std::string> Checkpointer::CheckpointNow() {
   return Attempt(&no_model);
 }
 
-absl::StatusOr<std::string> Checkpointer::CheckpointFinalState() {
+absl::StatusOr<std::string> Checkpointer::CheckpointFinalState(
+    int64_t final_version) {
   bool no_model = false;
-  return Attempt(&no_model, Clock::now());
+  return Attempt(&no_model, FinalAsk{Clock::now(), final_version});
 }
 
 absl::StatusOr<std::string> Checkpointer::Attempt(
-    bool* no_model, std::optional<Clock::time_point> unless_begun_after) {
+    bool* no_model, std::optional<FinalAsk> final_ask) {
   absl::MutexLock lock(&mu_);
-  if (unless_begun_after.has_value() && !last_path_.empty() &&
-      last_write_began_ >= *unless_begun_after) {
+  const int64_t state_version = shard_->StateVersion();
+  if (final_ask.has_value() && !last_path_.empty() &&
+      (last_write_began_ >= final_ask->asked ||
+       (last_final_version_ >= final_ask->final_version &&
+        last_state_version_ == state_version))) {
     return last_path_;
   }
   const Clock::time_point start = Clock::now();
@@ -176,6 +180,8 @@ absl::StatusOr<std::string> Checkpointer::Attempt(
     last_time_ = Clock::now();
     last_path_ = path;
     last_write_began_ = start;
+    last_final_version_ = final_ask.has_value() ? final_ask->final_version : 0;
+    last_state_version_ = state_version;
   }
   Record(status, info, path, Clock::now() - start);
   if (!status.ok()) return status;

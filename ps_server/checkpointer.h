@@ -72,11 +72,12 @@ class Checkpointer {
   absl::StatusOr<std::string> CheckpointNow();
 
   // At the end of a job (CheckpointRequest.final_version): a checkpoint of
-  // the shard's state unless one begun after this call did already holds it
-  // (the job's workers ask at about the same moment, once nothing changes
-  // any more: one file serves them). Returns its path; FailedPrecondition
-  // before a model is registered.
-  absl::StatusOr<std::string> CheckpointFinalState();
+  // the shard's state at `final_version`, unless one already holds it: one
+  // begun after this call, or one written for this final version with the
+  // shard's version unchanged since. Every worker of the job asks once
+  // nothing changes any more, so one file serves them all, not one each.
+  // Returns its path; FailedPrecondition before a model is registered.
+  absl::StatusOr<std::string> CheckpointFinalState(int64_t final_version);
 
   // For Stats and /metrics; never waits for a checkpoint being written.
   CheckpointStats Stats() const;
@@ -85,12 +86,16 @@ class Checkpointer {
   using Clock = std::chrono::steady_clock;
 
   void Run();
+  // A request for the job's final state (CheckpointFinalState).
+  struct FinalAsk {
+    Clock::time_point asked;
+    int64_t final_version = 0;
+  };
   // One try: a snapshot and its write. *no_model is set when there is
-  // nothing to write yet (not a failure). With `unless_begun_after`, a
-  // write begun at or after it is the answer (its path), if there is one.
+  // nothing to write yet (not a failure). With `final_ask`, a file that
+  // already holds that final state is the answer (its path).
   absl::StatusOr<std::string> Attempt(
-      bool* no_model,
-      std::optional<Clock::time_point> unless_begun_after = std::nullopt);
+      bool* no_model, std::optional<FinalAsk> final_ask = std::nullopt);
   // Records a try's outcome in the stats and logs what the operator needs
   // to see (see the file comment).
   void Record(const absl::Status& status, const CheckpointWriteInfo& info,
@@ -110,6 +115,10 @@ class Checkpointer {
   // The newest file written by this process, and when its write began.
   std::string last_path_ ABSL_GUARDED_BY(mu_);
   Clock::time_point last_write_began_ ABSL_GUARDED_BY(mu_);
+  // The final version the newest file was written for (0: none), and the
+  // shard's StateVersion when its snapshot was taken.
+  int64_t last_final_version_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t last_state_version_ ABSL_GUARDED_BY(mu_) = -1;
 
   // What Stats() reports, and the failure streak; a separate lock so a
   // scrape does not wait behind a write of gigabytes.

@@ -585,7 +585,8 @@ absl::StatusOr<CheckpointResponse> ParameterServerService::FinalState(
   }
   // The version first: the file then holds at least this state.
   answer.set_version(shard_->StateVersion());
-  absl::StatusOr<std::string> path = checkpointer_->CheckpointFinalState();
+  absl::StatusOr<std::string> path =
+      checkpointer_->CheckpointFinalState(request.final_version());
   if (!path.ok()) {  // a failed write, or no model (restarted empty)
     answer.set_not_checkpointed_reason(path.status().ToString());
     return answer;
