@@ -135,9 +135,22 @@ absl::Status Shard::Heartbeat(const HeartbeatRequest& request) {
     // pulled past it is ahead, and may be held where its next request to
     // this shard waits on the worker this shard refuses.
     const Model* model = model_.load();
-    if (fresh_ && request.step() > 0 && model != nullptr &&
-        ConfirmLostStateLocked(request.worker_id(), request.step())) {
-      moved = FastForwardLocked(*model, request.step());
+    if (options_.mode == ConsistencyMode::kSync && request.step() > 0 &&
+        model != nullptr) {
+      if (fresh_) {
+        if (ConfirmLostStateLocked(request.worker_id(), request.step())) {
+          moved = FastForwardLocked(*model, request.step());
+        }
+      } else if (!recovering_) {
+        // A restored shard that took the job's step (from a checkpoint, or
+        // by a fast-forward) waits in it for every member. One that pulled
+        // past it got that step from this shard's previous life, which had
+        // its gradient: lost, as a push of that step would say. The
+        // worker may never send that push: it can be held in a live
+        // shard's next step, which waits on a worker held here.
+        moved = CreditLostGradientsLocked(*model, request.worker_id(),
+                                          request.step());
+      }
     }
   }
   if (started) AnswerStartWaiters();
