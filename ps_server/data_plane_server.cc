@@ -263,11 +263,17 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
   absl::string_view pull_request = request.body;
   // A PushPull counts as the Push and the Pull it carries.
   absl::Time pull_arrived = request.arrived;
+  // This connection's answers go in order anyway: a push that waits here
+  // holds nothing a refusal would not.
+  const absl::Time deadline =
+      request.arrived +
+      std::min(absl::Milliseconds(header.timeout_ms), options.max_pull_wait);
   if (header.method == Method::kPushPull) {
     absl::StatusOr<data_plane::LengthPrefixed> parts =
         data_plane::SplitLengthPrefixed(request.body, "PushPull request");
     if (parts.ok()) {
-      pushed = handler.ServeDataPlanePush(absl::MakeConstSpan(&parts->head, 1));
+      pushed = handler.ServeDataPlanePush(absl::MakeConstSpan(&parts->head, 1),
+                                          deadline);
       status = pushed.status();
       pull_request = parts->rest;
     } else {
@@ -282,14 +288,12 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
                       pushed.ok() ? pushed->size() : 0);
     }
   } else if (header.method == Method::kPush) {
-    pushed = handler.ServeDataPlanePush(absl::MakeConstSpan(&request.body, 1));
+    pushed = handler.ServeDataPlanePush(absl::MakeConstSpan(&request.body, 1),
+                                        deadline);
     status = pushed.status();
     if (pushed.ok()) answer.push_back(*pushed);
   }
   if (status.ok() && header.method != Method::kPush) {
-    const absl::Time deadline =
-        request.arrived +
-        std::min(absl::Milliseconds(header.timeout_ms), options.max_pull_wait);
     pulled = std::make_shared<PullWait>();
     handler.ServeDataPlanePull(
         absl::MakeConstSpan(&pull_request, 1), deadline, header.payloads_apart,

@@ -44,9 +44,10 @@ struct OutgoingBytes {
 class DataPlaneHandler {
  public:
   virtual ~DataPlaneHandler() = default;
-  // The encoded PushResponse, or the status to answer.
+  // The encoded PushResponse, or the status to answer. A push the shard
+  // would refuse as early (Shard::Push) may be held until `hold_until`.
   virtual absl::StatusOr<std::string> ServeDataPlanePush(
-      absl::Span<const absl::string_view> request) = 0;
+      absl::Span<const absl::string_view> request, absl::Time hold_until) = 0;
   // Runs `done` exactly once, inline or later on another thread, by
   // `deadline` (capped by the shard), with the PullResponse's encoding, or
   // with `payloads_apart` its data-plane split form

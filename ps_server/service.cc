@@ -221,9 +221,9 @@ void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
 }
 
 absl::StatusOr<std::string> ParameterServerService::ServeDataPlanePush(
-    absl::Span<const absl::string_view> request) {
+    absl::Span<const absl::string_view> request, absl::Time hold_until) {
   data_plane_requests_.fetch_add(1, std::memory_order_relaxed);
-  return PushFromBytes(request);
+  return PushFromBytes(request, hold_until);
 }
 
 void ParameterServerService::ServeDataPlanePull(
@@ -235,14 +235,14 @@ void ParameterServerService::ServeDataPlanePull(
 }
 
 absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
-    absl::Span<const absl::string_view> request) {
+    absl::Span<const absl::string_view> request, absl::Time hold_until) {
   absl::StatusOr<WirePushRequest> push = ParsePushRequest(request);
   if (!push.ok()) {
     shard_->CountRejected();
     return absl::InvalidArgumentError(
         absl::StrCat("malformed PushRequest: ", push.status().message()));
   }
-  absl::StatusOr<PushResponse> result = shard_->Push(*push);
+  absl::StatusOr<PushResponse> result = shard_->Push(*push, hold_until);
   if (!result.ok()) return result.status();
   if (DropThisResponse()) {
     return absl::UnavailableError(
@@ -259,7 +259,8 @@ absl::Status ParameterServerService::HandlePush(const grpc::ByteBuffer& request,
     shard_->CountRejected();
     return absl::InvalidArgumentError("unreadable request buffer");
   }
-  absl::StatusOr<std::string> encoded = PushFromBytes(bytes.views());
+  absl::StatusOr<std::string> encoded =
+      PushFromBytes(bytes.views(), absl::InfinitePast());
   if (!encoded.ok()) return encoded.status();
   grpc::Slice slice(encoded->data(), encoded->size());
   *response = grpc::ByteBuffer(&slice, 1);

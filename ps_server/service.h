@@ -133,7 +133,8 @@ class ParameterServerService final : public ParameterServerRawService,
 
   // DataPlaneHandler.
   absl::StatusOr<std::string> ServeDataPlanePush(
-      absl::Span<const absl::string_view> request) override;
+      absl::Span<const absl::string_view> request,
+      absl::Time hold_until) override;
   void ServeDataPlanePull(absl::Span<const absl::string_view> request,
                           absl::Time deadline, bool payloads_apart,
                           bool follows_own_push, PullDone done) override;
@@ -157,8 +158,9 @@ class ParameterServerService final : public ParameterServerRawService,
 
   // Push and Pull from the request's bytes on, whichever transport brought
   // them: the encoded PushResponse / the PullResponse's pieces.
+  // `hold_until`: see Shard::Push (gRPC's callback threads are not held).
   absl::StatusOr<std::string> PushFromBytes(
-      absl::Span<const absl::string_view> request);
+      absl::Span<const absl::string_view> request, absl::Time hold_until);
   void PullFromBytes(absl::Span<const absl::string_view> request,
                      absl::Time deadline, bool payloads_apart,
                      bool follows_own_push, PullDone done);

@@ -156,7 +156,16 @@ class Shard {
   // other blocks may still be on their way, so nothing counts as lost.
   void Pull(const PullRequest& request, absl::Time deadline, PullDone done,
             bool follows_own_push = false);
-  absl::StatusOr<PushResponse> Push(const WirePushRequest& request);
+  // Sync: a push one step past a restored block that still waits for
+  // another member's gradient (that worker pulled the step from this
+  // shard's previous life), or a push to a shard restarted with nothing
+  // restored before every worker has come ahead of it, is refused as
+  // retryable; with `hold_until` in the future it waits instead, until
+  // then. A refused push is retried only after the worker's other calls
+  // end, and those can wait on a worker held behind it.
+  absl::StatusOr<PushResponse> Push(
+      const WirePushRequest& request,
+      absl::Time hold_until = absl::InfinitePast());
   // Sets the values of blocks whose init is PROVIDED and that have none
   // yet (others are acknowledged as duplicates): float32 only, from any
   // worker id; releases the pulls that waited for them.
@@ -383,6 +392,16 @@ class Shard {
   absl::StatusOr<std::vector<std::unique_ptr<Optimizer>>> MakeTensorOptimizers(
       const ModelSchema& schema) const;
   absl::Status InstallModel(const ModelSchema& schema);
+
+  // Returns once this shard is no longer fresh_ (it took the job's step),
+  // or at `until`.
+  void WaitWhileFresh(absl::Time until) ABSL_LOCKS_EXCLUDED(mu_);
+  bool TookTheJobsStepLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return !fresh_;
+  }
+  // Returns once `block` is at `step` or later, or at `until`.
+  static void WaitForBlockStep(const Block& block, int64_t step,
+                               absl::Time until);
 
   // The hyper-parameters `request` carries for `block`'s group, or the
   // block's rule's own.

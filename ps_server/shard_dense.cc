@@ -145,6 +145,30 @@ absl::StatusOr<std::vector<Shard::BlockPush>> Shard::ValidatePushBlocks(
   return pushes;
 }
 
+void Shard::WaitForBlockStep(const Block& block, int64_t step,
+                             absl::Time until) {
+  struct Reached {
+    const Block* block;
+    int64_t step;
+    static bool Check(Reached* r) {
+      return r->block->version.load() >= r->step;
+    }
+  } reached{&block, step};
+  // Versions change under the block's mutex, which re-checks the condition.
+  // Whether it came or the time ran out, the push is tried again.
+  static_cast<void>(block.mu.LockWhenWithDeadline(
+      absl::Condition(&Reached::Check, &reached), until));
+  block.mu.Unlock();
+}
+
+void Shard::WaitWhileFresh(absl::Time until) {
+  // Whether the shard took the job's step or the time ran out, the push is
+  // tried again.
+  static_cast<void>(mu_.LockWhenWithDeadline(
+      absl::Condition(this, &Shard::TookTheJobsStepLocked), until));
+  mu_.Unlock();
+}
+
 bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   // A fresh shard takes the furthest step a worker came with: a worker
   // behind it has pushed its own step to this shard's previous life, and
@@ -223,7 +247,8 @@ absl::Status Shard::FreshShardBehindLocked(absl::string_view what, int64_t step,
       " so far); retry"));
 }
 
-absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
+absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request,
+                                         absl::Time hold_until) {
   absl::StatusOr<const Model*> model =
       ValidateCommon(request.protocol_version, request.worker_id, request.step,
                      /*allow_observer=*/false);
@@ -261,6 +286,11 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
           break;
         }
         if (fresh_) {
+          if (absl::Now() < hold_until) {
+            lock.Release();
+            WaitWhileFresh(hold_until);
+            return Push(request, hold_until);  // refused once it has passed
+          }
           const absl::Status behind =
               FreshShardBehindLocked("push", request.step, version);
           lock.Release();
@@ -275,10 +305,16 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request) {
         if (completed && block.version.load() >= request.step) {
           lock.Release();
           ReleaseReadyWaiters();
-          return Push(request);
+          return Push(request, hold_until);
         }
         absl::Status refused;
         if (request.step == version + 1 && version <= recovery_horizon_) {
+          if (absl::Now() < hold_until) {
+            lock.Release();
+            if (completed) ReleaseReadyWaiters();
+            WaitForBlockStep(block, request.step, hold_until);
+            return Push(request, hold_until);  // refused once it has passed
+          }
           absl::MutexLock block_lock(&block.mu);
           refused = absl::UnavailableError(absl::StrCat(
               "push for step ", request.step, " waits on this restored shard: ",

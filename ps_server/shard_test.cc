@@ -102,8 +102,10 @@ PushRequest UniformPush(int worker, int64_t step, float value,
   return push;
 }
 
-absl::StatusOr<PushResponse> DoPush(Shard& shard, const PushRequest& request) {
-  return shard.Push(Encode(request)->wire);
+absl::StatusOr<PushResponse> DoPush(
+    Shard& shard, const PushRequest& request,
+    absl::Time hold_until = absl::InfinitePast()) {
+  return shard.Push(Encode(request)->wire, hold_until);
 }
 
 PullRequest PullAt(int worker, int64_t step) {
@@ -318,6 +320,67 @@ TEST(ShardSyncTest, PushFromAPreviousLifeRetriesUntilTheStepCompletes) {
       DoPush(*shard, UniformPush(0, 1, 2, /*pulled_version=*/1));
   ASSERT_TRUE(retried.ok()) << retried.status();
   EXPECT_EQ(retried->blocks_applied(), 3);
+}
+
+// The data plane's form of the case above: a connection answers in order,
+// so worker 0's refused push would be retried only after its next calls
+// there, which wait for worker 1's pushes queued behind worker 1's own
+// wait. Held instead, the push goes through as soon as step 0 completes.
+TEST(ShardSyncTest, AHeldPushFromAPreviousLifeWaitsForTheRestoredStep) {
+  Fixture original = MakeShard(ConsistencyMode::kSync, 3);
+  std::unique_ptr<Shard> shard = RestoredAtStepZero(original);
+  ASSERT_TRUE(DoPush(*shard, UniformPush(2, 0, 3)).ok());  // a laggard
+  // Until the hold runs out, then refused as without one.
+  absl::StatusOr<PushResponse> early =
+      DoPush(*shard, UniformPush(0, 1, 2, /*pulled_version=*/1),
+             absl::Now() + absl::Milliseconds(30));
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable)
+      << early.status();
+  absl::StatusOr<PushResponse> held;
+  absl::Notification pushed;
+  std::thread pusher([&] {
+    held = DoPush(*shard, UniformPush(0, 1, 2, /*pulled_version=*/1),
+                  absl::Now() + absl::Seconds(30));
+    pushed.Notify();
+  });
+  EXPECT_FALSE(pushed.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
+  auto pulled = DoPull(*shard, PullAt(1, 1), Soon());  // worker 1 was ahead
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  ASSERT_TRUE(pushed.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  pusher.join();
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->blocks_applied(), 3);
+}
+
+HeartbeatRequest HeartbeatAt(int worker, int64_t pulled_step) {
+  HeartbeatRequest request;
+  request.set_worker_id(worker);
+  request.set_step(pulled_step);
+  return request;
+}
+
+// A CI hang: the restored shard took step 0 and worker 0 pushed it; worker
+// 1 had pushed step 0 to the previous life and pulled step 1, and now waits
+// in another shard's step 1 for worker 0, who waits here. Worker 1 sends
+// this shard nothing but heartbeats, which say it pulled step 1: its step 0
+// gradient is lost, and the step completes.
+TEST(ShardSyncTest, AHeartbeatFromAPreviousLifeCompletesTheRestoredStep) {
+  Fixture original = MakeShard(ConsistencyMode::kSync, 2);
+  std::unique_ptr<Shard> shard = RestoredAtStepZero(original);
+  ASSERT_TRUE(DoPush(*shard, UniformPush(0, 0, 2)).ok());
+  PullResult waiting;
+  shard->Pull(PullAt(0, 1), Soon(), waiting.Callback(),
+              /*follows_own_push=*/true);
+  ASSERT_TRUE(shard->Heartbeat(HeartbeatAt(1, 0)).ok());  // says nothing
+  EXPECT_FALSE(waiting.done.HasBeenNotified());
+  ASSERT_TRUE(shard->Heartbeat(HeartbeatAt(1, 1)).ok());
+  ASSERT_TRUE(waiting.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(waiting.status.ok()) << waiting.status;
+  EXPECT_FLOAT_EQ(waiting.FirstWeight(), 0.0f);   // 1 - 0.5 * 2 (worker 0's)
+  EXPECT_EQ(shard->Stats().gradients_lost(), 3);  // one per block
+  // Worker 1 goes on with step 1, as in a shard that never crashed.
+  ASSERT_TRUE(DoPush(*shard, UniformPush(1, 1, 2, /*pulled_version=*/1)).ok());
+  EXPECT_EQ(shard->Stats().gradients_lost(), 3);
 }
 
 // A sync shard whose leases lapse after `lease` without a request.
@@ -864,11 +927,26 @@ TEST(ShardSyncTest, AFreshShardTakesTheJobsStepOnlyWhenEveryWorkerIsAhead) {
   EXPECT_EQ(f.shard->Stats().version(), 8);
 }
 
-HeartbeatRequest HeartbeatAt(int worker, int64_t pulled_step) {
-  HeartbeatRequest request;
-  request.set_worker_id(worker);
-  request.set_step(pulled_step);
-  return request;
+// On the data plane the first worker's push waits for the others instead:
+// refused, it would be retried only after that worker's next calls on the
+// connection, which wait for the other workers' pushes held behind theirs.
+TEST(ShardSyncTest, AHeldPushToAFreshShardWaitsForTheOtherWorkers) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  absl::StatusOr<PushResponse> held;
+  absl::Notification pushed;
+  std::thread pusher([&] {
+    held =
+        DoPush(*f.shard, UniformPush(0, 7, 1), absl::Now() + absl::Seconds(30));
+    pushed.Notify();
+  });
+  EXPECT_FALSE(pushed.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 7, 3)).ok());
+  ASSERT_TRUE(pushed.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  pusher.join();
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->blocks_applied(), 3);
+  EXPECT_EQ(f.shard->Stats().version(), 8);
+  EXPECT_EQ(f.shard->Stats().steps_lost(), 7);
 }
 
 // The fused PushPull deadlock (a CI hang): worker 0's push of step 7 to the
