@@ -244,6 +244,7 @@ absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
   }
   absl::StatusOr<PushResponse> result = shard_->Push(*push, hold_until);
   if (!result.ok()) return result.status();
+  result->set_server_life(life_);
   if (DropThisResponse()) {
     return absl::UnavailableError(
         "push response dropped by fault injection "

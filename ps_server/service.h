@@ -7,6 +7,8 @@
 #define PSTRAIN_PS_SERVER_SERVICE_H_
 
 #include <atomic>
+#include <cstdint>
+#include <limits>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/random/random.h"
@@ -65,7 +67,11 @@ class ParameterServerService final : public ParameterServerRawService,
   explicit ParameterServerService(Shard* shard,
                                   const ServiceOptions& options = {},
                                   Checkpointer* checkpointer = nullptr)
-      : shard_(shard), options_(options), checkpointer_(checkpointer) {}
+      : shard_(shard),
+        options_(options),
+        life_(absl::Uniform<uint64_t>(absl::BitGen(), 1,
+                                      std::numeric_limits<uint64_t>::max())),
+        checkpointer_(checkpointer) {}
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
@@ -183,6 +189,7 @@ class ParameterServerService final : public ParameterServerRawService,
 
   Shard* shard_;
   const ServiceOptions options_;
+  const uint64_t life_;  // PushResponse.server_life
   Checkpointer* checkpointer_;
   std::atomic<int64_t> dropped_{0};
   std::atomic<int> data_port_{0};

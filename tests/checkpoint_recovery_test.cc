@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -817,6 +818,16 @@ TEST_P(LostUpdatesTest, AKillDuringACheckpointWriteLosesOnlyWhatIsCounted) {
   cluster->KillServer(1);
   ASSERT_TRUE(cluster->RestartServer(1).ok());
   for (auto& worker : workers) Finish(*worker);
+  if (HasFailure()) {  // every process's log, for the next one to read
+    for (const auto& entry :
+         std::filesystem::directory_iterator(cluster->dir())) {
+      if (entry.path().extension() != ".log") continue;
+      std::ifstream in(entry.path());
+      std::stringstream text;
+      text << in.rdbuf();
+      ADD_FAILURE() << "=== " << entry.path() << "\n" << text.str();
+    }
+  }
 
   // What the model lacks, in block-updates: every element of a block is
   // minus the updates it received, out of kSteps (sync) or one per push.

@@ -140,6 +140,7 @@ PsClient::PsClient(const PsClientOptions& options)
   data_port_tls_.assign(options.hosts.size(), false);
   data_failed_ports_.assign(options.hosts.size(), 0);
   data_failed_at_.assign(options.hosts.size(), absl::InfinitePast());
+  server_lives_ = std::vector<std::atomic<uint64_t>>(options.hosts.size());
 }
 
 PsClient::~PsClient() { StopHeartbeats(); }

@@ -511,6 +511,8 @@ class PsClient {
   std::vector<int64_t> block_versions_;  // per global block, from Pull
   // Read by the heartbeat thread (HeartbeatRequest.step).
   std::atomic<int64_t> furthest_pulled_step_{0};
+  // Per shard, the server_life of its newest push answer (0: none yet).
+  std::vector<std::atomic<uint64_t>> server_lives_;
   // Reused across steps: encoded gradients when the wire type is not fp32.
   std::vector<std::string> encoded_;
   // TOPK_FLOAT32: per global block, the gradient not sent yet.

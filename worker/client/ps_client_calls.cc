@@ -199,12 +199,15 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
 absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
                               absl::Duration timeout, bool retry) {
   const std::string full_method = absl::StrCat(kServicePath, method);
-  std::vector<size_t> which(calls.size());
-  for (size_t i = 0; i < which.size(); ++i) which[i] = i;
+  std::vector<size_t> all(calls.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  std::vector<size_t> which = all;
   const absl::Time give_up = absl::Now() + options_.retry_window;
   absl::Duration backoff = absl::Milliseconds(50);
   const uint64_t epoch = interrupts();
   for (Call& call : calls) call.epoch = epoch;
+  std::vector<uint64_t> lives(num_shards());
+  for (int s = 0; s < num_shards(); ++s) lives[s] = server_lives_[s].load();
   // What the call was waiting for when it was cut: the shards still
   // unanswered, or the error it was retrying after.
   std::string waiting_for;
@@ -246,7 +249,36 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
           retryable = false;
       }
     }
-    if (failed.empty()) return absl::OkStatus();
+    // A server that restarted during the call lost what its previous life
+    // applied: a sync step it completed there for this worker's other
+    // pushes now waits for them again, and the other workers' calls with
+    // it. Sent again (once per restart), each is applied once: a step the
+    // restart kept takes the push as a duplicate.
+    std::vector<bool> restarted(num_shards(), false);
+    for (int s = 0; s < num_shards(); ++s) {
+      const uint64_t life = server_lives_[s].load();
+      restarted[s] = lives[s] != 0 && life != lives[s];
+      if (life != 0) lives[s] = life;
+    }
+    auto again = [&] {
+      std::vector<size_t> calls_again;
+      for (size_t i : all) {
+        if (!calls[i].status.ok() || restarted[calls[i].shard]) {
+          calls_again.push_back(i);
+        }
+      }
+      return calls_again;
+    };
+    if (failed.empty()) {
+      if (std::find(restarted.begin(), restarted.end(), true) ==
+          restarted.end()) {
+        return absl::OkStatus();
+      }
+      which = again();
+      LOG(WARNING) << method << ": a shard restarted during the call; its "
+                   << which.size() << " call(s) go again";
+      continue;
+    }
     const Call& first = calls[failed.front()];
     const absl::Status error(
         first.status.code(),
@@ -270,7 +302,7 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
         LOG(WARNING) << "registering again failed: " << s;
       }
     }
-    which = std::move(failed);
+    which = again();
   }
 }
 

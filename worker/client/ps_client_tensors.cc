@@ -243,9 +243,13 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
     call.message = EncodePushRequest(
         kProtocolVersion, worker_id_, step, blocks, kInlineBelowBytes,
         PushExtras{group_rates_, group_momentums_, clip_max_norm_});
-    call.on_response = [&responses,
+    call.on_response = [this, &responses,
                         i](absl::Span<const absl::string_view> bytes) {
-      return Deserialize(bytes, &responses[i]);
+      absl::Status parsed = Deserialize(bytes, &responses[i]);
+      if (parsed.ok() && responses[i].server_life() != 0) {
+        server_lives_[groups_[i].shard].store(responses[i].server_life());
+      }
+      return parsed;
     };
   }
   return calls;
