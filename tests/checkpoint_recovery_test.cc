@@ -673,10 +673,14 @@ TEST_P(ShardBehindTest, AShardRestartedAfterTheLastStepIsReportedBehind) {
   ASSERT_TRUE(
       cluster->RestartServer(1, {"--inject_crash_at=final_state"}).ok());
   constexpr int kSteps = 25;
+  // Steps slow enough that the step-20 checkpoint is taken before the last
+  // step: a checkpoint is a snapshot of whatever step its poll finds, and a
+  // loaded machine once found the job's end there (nothing was behind).
+  std::vector<std::string> flags = WorkerFlags(kSteps);
+  flags.push_back("--inject_step_delay_ms=20");
   std::vector<std::unique_ptr<Process>> workers;
   for (int k = 0; k < 3; ++k) {
-    workers.push_back(
-        std::move(*cluster->StartWorker(k, 3, WorkerFlags(kSteps))));
+    workers.push_back(std::move(*cluster->StartWorker(k, 3, flags)));
   }
   // It dies when the first worker, holding the final model, asks for it.
   absl::StatusOr<int> died = cluster->server(1).Wait(absl::Seconds(120));
