@@ -541,8 +541,14 @@ void Shard::BeginShutdown() {
   {
     absl::MutexLock lock(&mu_);
     shutting_down_ = true;
+    holds_released_.store(true);
     waiting.swap(waiters_);
     starting.swap(start_waiters_);
+  }
+  // A push held on a block (WaitForBlockStep) waits on the block's mutex,
+  // which re-checks its condition when released.
+  if (const Model* model = model_.load(); model != nullptr) {
+    for (const auto& block : model->blocks) absl::MutexLock touch(&block->mu);
   }
   const absl::Status stopping =
       absl::UnavailableError("the server is shutting down");

@@ -393,15 +393,19 @@ class Shard {
       const ModelSchema& schema) const;
   absl::Status InstallModel(const ModelSchema& schema);
 
-  // Returns once this shard is no longer fresh_ (it took the job's step),
-  // or at `until`.
-  void WaitWhileFresh(absl::Time until) ABSL_LOCKS_EXCLUDED(mu_);
-  bool TookTheJobsStepLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return !fresh_;
+  // Whether Push may still hold a push until `until`: not once the
+  // server is shutting down, so a held push ends with it.
+  bool MayHold(absl::Time until) const {
+    return absl::Now() < until && !holds_released_.load();
   }
-  // Returns once `block` is at `step` or later, or at `until`.
-  static void WaitForBlockStep(const Block& block, int64_t step,
-                               absl::Time until);
+  // Returns once this shard is no longer fresh_ (it took the job's step),
+  // at shutdown, or at `until`.
+  void WaitWhileFresh(absl::Time until) ABSL_LOCKS_EXCLUDED(mu_);
+  bool FreshWaitOverLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return !fresh_ || shutting_down_;
+  }
+  // Returns once `block` is at `step` or later, at shutdown, or at `until`.
+  void WaitForBlockStep(const Block& block, int64_t step, absl::Time until);
 
   // The hyper-parameters `request` carries for `block`'s group, or the
   // block's rule's own.
@@ -614,6 +618,8 @@ class Shard {
   // lacks the updates up to it.
   std::atomic<int64_t> skipped_to_step_{0};
   std::atomic<bool> final_model_rebuilt_{false};
+  // Set by BeginShutdown: Push holds nothing any more (MayHold).
+  std::atomic<bool> holds_released_{false};
   std::atomic<int64_t> gradients_lost_{0};
   std::atomic<int64_t> updates_lost_{0};
   std::atomic<int64_t> internal_errors_{0};

@@ -150,10 +150,11 @@ void Shard::WaitForBlockStep(const Block& block, int64_t step,
   struct Reached {
     const Block* block;
     int64_t step;
+    const std::atomic<bool>* released;
     static bool Check(Reached* r) {
-      return r->block->version.load() >= r->step;
+      return r->block->version.load() >= r->step || r->released->load();
     }
-  } reached{&block, step};
+  } reached{&block, step, &holds_released_};
   // Versions change under the block's mutex, which re-checks the condition.
   // Whether it came or the time ran out, the push is tried again.
   static_cast<void>(block.mu.LockWhenWithDeadline(
@@ -165,7 +166,7 @@ void Shard::WaitWhileFresh(absl::Time until) {
   // Whether the shard took the job's step or the time ran out, the push is
   // tried again.
   static_cast<void>(mu_.LockWhenWithDeadline(
-      absl::Condition(this, &Shard::TookTheJobsStepLocked), until));
+      absl::Condition(this, &Shard::FreshWaitOverLocked), until));
   mu_.Unlock();
 }
 
@@ -286,7 +287,7 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request,
           break;
         }
         if (fresh_) {
-          if (absl::Now() < hold_until) {
+          if (MayHold(hold_until)) {
             lock.Release();
             WaitWhileFresh(hold_until);
             return Push(request, hold_until);  // refused once it has passed
@@ -309,7 +310,7 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request,
         }
         absl::Status refused;
         if (request.step == version + 1 && version <= recovery_horizon_) {
-          if (absl::Now() < hold_until) {
+          if (MayHold(hold_until)) {
             lock.Release();
             if (completed) ReleaseReadyWaiters();
             WaitForBlockStep(block, request.step, hold_until);

@@ -887,6 +887,41 @@ TEST(ShardSyncTest, PullTimesOutNamingTheMissingWorkers) {
       << pulled->status;
 }
 
+// Held pushes end with the server too, fresh or restored, refused as
+// retryable: a SIGTERM does not wait out their hold.
+TEST(ShardSyncTest, ShutdownReleasesHeldPushes) {
+  Fixture fresh = MakeShard(ConsistencyMode::kSync, 2);
+  Fixture original = MakeShard(ConsistencyMode::kSync, 3);
+  std::unique_ptr<Shard> restored = RestoredAtStepZero(original);
+  ASSERT_TRUE(DoPush(*restored, UniformPush(2, 0, 3)).ok());
+  absl::StatusOr<PushResponse> held_fresh, held_restored;
+  absl::Notification fresh_done, restored_done;
+  std::thread fresh_pusher([&] {
+    held_fresh = DoPush(*fresh.shard, UniformPush(0, 7, 1),
+                        absl::Now() + absl::Seconds(60));
+    fresh_done.Notify();
+  });
+  std::thread restored_pusher([&] {
+    held_restored =
+        DoPush(*restored, UniformPush(0, 1, 2, /*pulled_version=*/1),
+               absl::Now() + absl::Seconds(60));
+    restored_done.Notify();
+  });
+  EXPECT_FALSE(
+      fresh_done.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
+  EXPECT_FALSE(restored_done.HasBeenNotified());
+  fresh.shard->BeginShutdown();
+  restored->BeginShutdown();
+  ASSERT_TRUE(fresh_done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(restored_done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  fresh_pusher.join();
+  restored_pusher.join();
+  EXPECT_EQ(held_fresh.status().code(), absl::StatusCode::kUnavailable)
+      << held_fresh.status();
+  EXPECT_EQ(held_restored.status().code(), absl::StatusCode::kUnavailable)
+      << held_restored.status();
+}
+
 TEST(ShardSyncTest, ShutdownReleasesWaitingPulls) {
   Fixture f = MakeShard(ConsistencyMode::kSync, 2);
   ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
