@@ -243,11 +243,11 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
     call.message = EncodePushRequest(
         kProtocolVersion, worker_id_, step, blocks, kInlineBelowBytes,
         PushExtras{group_rates_, group_momentums_, clip_max_norm_});
-    call.on_response = [this, &responses,
-                        i](absl::Span<const absl::string_view> bytes) {
+    call.on_response = [&responses, i, &life = server_lives_[group.shard]](
+                           absl::Span<const absl::string_view> bytes) {
       absl::Status parsed = Deserialize(bytes, &responses[i]);
       if (parsed.ok() && responses[i].server_life() != 0) {
-        server_lives_[groups_[i].shard].store(responses[i].server_life());
+        life.store(responses[i].server_life());
       }
       return parsed;
     };
