@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/blocking_counter.h"
@@ -206,7 +207,8 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
   absl::Duration backoff = absl::Milliseconds(50);
   const uint64_t epoch = interrupts();
   for (Call& call : calls) call.epoch = epoch;
-  std::vector<uint64_t> lives(num_shards());
+  // Per step, so kept off the heap for up to 16 shards.
+  absl::InlinedVector<uint64_t, 16> lives(num_shards());
   for (int s = 0; s < num_shards(); ++s) lives[s] = server_lives_[s].load();
   // What the call was waiting for when it was cut: the shards still
   // unanswered, or the error it was retrying after.
@@ -254,7 +256,7 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
     // pushes now waits for them again, and the other workers' calls with
     // it. Sent again (once per restart), each is applied once: a step the
     // restart kept takes the push as a duplicate.
-    std::vector<bool> restarted(num_shards(), false);
+    absl::InlinedVector<bool, 16> restarted(num_shards(), false);
     for (int s = 0; s < num_shards(); ++s) {
       const uint64_t life = server_lives_[s].load();
       restarted[s] = lives[s] != 0 && life != lives[s];
