@@ -77,20 +77,7 @@ fi
   { echo "ctr_restore_trials.sh: no ps_server and worker binaries in ${bin_dir:-bazel-bin}" >&2; exit 2; }
 source bench/lib.sh
 
-run_dir=$(mktemp -d /tmp/ctr_restore_trials.XXXXXX)
-pids=()
-kill_all() {
-  local pid
-  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  pids=()
-}
-cleanup() {
-  kill_all
-  if ((keep)); then echo "run directory kept: $run_dir" >&2; else rm -rf "$run_dir"; fi
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+bench_trial_processes ctr_restore_trials
 
 RANDOM=$seed
 num_workers=3

@@ -53,20 +53,7 @@ worker_bin=bazel-bin/worker/worker
 observer_bin=bazel-bin/bench/soak/observer
 source bench/lib.sh
 
-run_dir=$(mktemp -d /tmp/restart_trials.XXXXXX)
-pids=()
-kill_all() {
-  local pid
-  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  pids=()
-}
-cleanup() {
-  kill_all
-  if ((keep)); then echo "run directory kept: $run_dir" >&2; else rm -rf "$run_dir"; fi
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+bench_trial_processes restart_trials
 RANDOM=$seed
 
 # start_server DIR SHARD PORT MODE WORKERS: a shard of the trial in DIR.
