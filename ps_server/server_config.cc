@@ -69,6 +69,37 @@ void CheckNetwork(const ServerConfig& c, Problems& checks) {
   checks.push_back(ReadAuthToken(c.tls.auth_token_file).status());
 }
 
+void CheckReplicas(const ServerConfig& c, Problems& checks) {
+  if (c.replicas < 1 || c.replicas > 5) {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--replicas must be in [1, 5], got ", c.replicas)));
+    return;
+  }
+  if (c.replica_index < 0 || c.replica_index >= c.replicas) {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--replica_index must be in [0, --replicas=", c.replicas,
+                     "), got ", c.replica_index)));
+  }
+  if (c.replicas == 1) return;
+  if (static_cast<int>(c.replica_hosts.size()) != c.replicas) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--replica_hosts must list the gRPC address of each of the shard's ",
+        c.replicas, " replicas (--replicas), got ", c.replica_hosts.size())));
+  }
+  for (const std::string& host : c.replica_hosts) {
+    if (host.empty() || host.find(':') == std::string::npos) {
+      checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+          "--replica_hosts entries must be host:port, got '", host, "'")));
+    }
+  }
+  checks.push_back(CheckPositive("replica_takeover_s", c.replica_takeover_s));
+  if (!c.tls.cert.empty()) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--replicas > 1 with --tls_cert is not supported yet: the replicas "
+        "forward to each other in plaintext"));
+  }
+}
+
 void CheckCheckpoints(const ServerConfig& c, Problems& checks) {
   if (c.checkpoint_every_steps < 0 || c.checkpoint_every_s < 0 ||
       c.keep_checkpoints < 1) {
@@ -90,6 +121,7 @@ std::vector<absl::Status> ServerConfigProblems(const ServerConfig& config) {
   CheckJob(config, checks);
   CheckNetwork(config, checks);
   CheckCheckpoints(config, checks);
+  CheckReplicas(config, checks);
   Problems problems;
   for (absl::Status& s : checks) {
     if (!s.ok()) problems.push_back(std::move(s));
@@ -130,9 +162,21 @@ ShardOptions ShardOptionsOf(const ServerConfig& c) {
 CheckpointerOptions CheckpointerOptionsOf(const ServerConfig& c) {
   CheckpointerOptions o;
   o.dir = c.checkpoint_dir;
+  if (c.replicas > 1 && !o.dir.empty()) {
+    o.dir = absl::StrCat(o.dir, "/replica-", c.replica_index);
+  }
   o.keep_last = c.keep_checkpoints;
   o.every_steps = c.checkpoint_every_steps;
   o.every = absl::Seconds(c.checkpoint_every_s);
+  return o;
+}
+
+ReplicaOptions ReplicaOptionsOf(const ServerConfig& c) {
+  ReplicaOptions o;
+  o.shard_id = c.shard_id;
+  o.replica_index = c.replica_index;
+  o.addresses = c.replica_hosts;
+  o.takeover_after_silence = absl::Seconds(c.replica_takeover_s);
   return o;
 }
 

@@ -13,6 +13,7 @@
 #include "common/protocol.h"
 #include "common/transport/grpc_tuning.h"
 #include "ps_server/checkpointer.h"
+#include "ps_server/replication.h"
 #include "ps_server/shard.h"
 
 namespace pstrain {
@@ -66,7 +67,16 @@ struct ServerConfig {
   int64_t sparse_max_rows = 0;
   int sparse_admit_after = 0;
   double max_shard_memory_gb = 16;
-  // Checkpoints (none without a directory).
+  // The shard's replica set (ps_server/replication.h): how many server
+  // processes hold it, this one's index, the gRPC address of each (by
+  // index; this one's included), and how long a replica may be silent
+  // before the next one takes over.
+  int replicas = 1;
+  int replica_index = 0;
+  std::vector<std::string> replica_hosts;
+  double replica_takeover_s = 2;
+  // Checkpoints (none without a directory; with replicas, each writes its
+  // own, under replica-<index>/ of it).
   std::string checkpoint_dir;
   int64_t checkpoint_every_steps = 0;
   double checkpoint_every_s = 0;
@@ -89,6 +99,7 @@ std::vector<absl::Status> ServerConfigProblems(const ServerConfig& config);
 // The options of the parts, from a config without problems.
 ShardOptions ShardOptionsOf(const ServerConfig& config);
 CheckpointerOptions CheckpointerOptionsOf(const ServerConfig& config);
+ReplicaOptions ReplicaOptionsOf(const ServerConfig& config);
 
 }  // namespace pstrain
 

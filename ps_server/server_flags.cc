@@ -3,6 +3,9 @@
 // flags' defaults). Validation is ServerConfigProblems'.
 #include "ps_server/server_flags.h"
 
+#include <string>
+#include <vector>
+
 #include "absl/flags/flag.h"
 #include "common/protocol.h"
 
@@ -105,6 +108,20 @@ ABSL_FLAG(double, adam_epsilon, Default().adam_epsilon, "Adam epsilon.");
 ABSL_FLAG(std::string, nonfinite_gradients, Default().nonfinite_gradients,
           "A gradient containing NaN/Inf: 'reject' the push with an error, or "
           "'skip' it (acknowledged, not applied, counted in stats).");
+ABSL_FLAG(int, replicas, Default().replicas,
+          "Server processes holding this shard (1: this one alone). The "
+          "primary forwards every change to the others before it answers, "
+          "and one takes over when it dies (ps_server/replication.h).");
+ABSL_FLAG(int, replica_index, Default().replica_index,
+          "This process's index in its shard's replica set; replica 0 starts "
+          "as the primary.");
+ABSL_FLAG(std::vector<std::string>, replica_hosts, Default().replica_hosts,
+          "With --replicas > 1: the gRPC host:port of each of the shard's "
+          "replicas, by index, this one's included (comma-separated).");
+ABSL_FLAG(double, replica_takeover_s, Default().replica_takeover_s,
+          "How long the primary may be silent (no answer, port not refusing "
+          "either: a dead or cut-off host) before a backup takes over; a "
+          "primary whose port refuses connections is replaced at once.");
 ABSL_FLAG(double, max_pull_wait_s, Default().max_pull_wait_s,
           "Longest a sync pull waits for its step before DEADLINE_EXCEEDED.");
 ABSL_FLAG(int, max_message_mb, Default().network.max_message_mb,
@@ -192,6 +209,10 @@ ServerConfig ServerConfigFromFlags(std::vector<absl::Status>* problems) {
   c.sparse_max_rows = absl::GetFlag(FLAGS_sparse_max_rows);
   c.sparse_admit_after = absl::GetFlag(FLAGS_sparse_admit_after);
   c.max_shard_memory_gb = absl::GetFlag(FLAGS_max_shard_memory_gb);
+  c.replicas = absl::GetFlag(FLAGS_replicas);
+  c.replica_index = absl::GetFlag(FLAGS_replica_index);
+  c.replica_hosts = absl::GetFlag(FLAGS_replica_hosts);
+  c.replica_takeover_s = absl::GetFlag(FLAGS_replica_takeover_s);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   c.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
   c.checkpoint_every_s = absl::GetFlag(FLAGS_checkpoint_every_s);

@@ -33,6 +33,7 @@
 #include "glog/logging.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/data_plane_server.h"
+#include "ps_server/replication.h"
 #include "ps_server/service.h"
 #include "ps_server/shard.h"
 
@@ -146,7 +147,7 @@ class ServerRun {
 
   int Run() {
     if (!StartShard() || !StartMetrics() || !StartDataPlane() || !StartGrpc() ||
-        !StartHealth() || !Announce()) {
+        !StartHealth() || !StartReplicas() || !Announce()) {
       if (server_ != nullptr) server_->Shutdown();
       StopDataPlane();
       return 1;
@@ -165,7 +166,7 @@ class ServerRun {
     absl::StatusOr<std::unique_ptr<Shard>> shard = Shard::Create(options);
     ExitOnFlagErrors({shard.status()});
     shard_ = std::move(*shard);
-    const std::string& dir = config_.checkpoint_dir;
+    const std::string dir = CheckpointerOptionsOf(config_).dir;
     if (!dir.empty()) {
       // A directory that cannot take a checkpoint ends the server now (exit
       // 2), not after a job's worth of failed checkpoints.
@@ -191,6 +192,14 @@ class ServerRun {
     auth_token_ = service_options.auth_token;
     service_ = std::make_unique<ParameterServerService>(
         shard_.get(), service_options, checkpointer_.get());
+    if (config_.replicas > 1) {
+      ReplicaOptions replica_options = ReplicaOptionsOf(config_);
+      replica_options.auth_token = auth_token_;
+      Shard* shard = shard_.get();
+      replicas_ = std::make_unique<ReplicaSet>(
+          replica_options, [shard] { return shard->HasModel(); });
+      service_->set_replicas(replicas_.get());
+    }
     return true;
   }
 
@@ -296,6 +305,10 @@ class ServerRun {
         &port_);
     builder.SetMaxReceiveMessageSize(n.max_message_mb << 20);
     builder.SetMaxSendMessageSize(n.max_message_mb << 20);
+    // gRPC shares a port between processes by default (SO_REUSEPORT): a
+    // second server on a port in use would silently take half its calls,
+    // and a replica could answer for the dead one it should replace.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     ApplyGrpcTuning(n.grpc_tuning, &builder);
     builder.RegisterService(service_.get());
     if (rpc_metrics_ != nullptr) {
@@ -332,6 +345,12 @@ class ServerRun {
       LOG(ERROR) << "cannot listen on " << address << " (--health_port)";
       return false;
     }
+    return true;
+  }
+
+  // Once peers can reach this one: its place in the shard's replica set.
+  bool StartReplicas() {
+    if (replicas_ != nullptr) replicas_->Start();
     return true;
   }
 
@@ -389,6 +408,7 @@ class ServerRun {
 
   void Stop() {
     SetServing(false);  // probes and balancers stop sending work first
+    if (replicas_ != nullptr) replicas_->Stop();
     shard_->BeginShutdown();
     service_->CancelCallStreams();
     StopDataPlane();  // before the gRPC server goes
@@ -418,6 +438,7 @@ class ServerRun {
   const ServerConfig& config_;
   std::unique_ptr<Shard> shard_;
   std::unique_ptr<Checkpointer> checkpointer_;
+  std::unique_ptr<ReplicaSet> replicas_;
   std::unique_ptr<ParameterServerService> service_;
   std::string auth_token_;
   std::unique_ptr<MetricsEndpoint> metrics_;

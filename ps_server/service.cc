@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/protocol.h"
 #include "common/transport/data_plane.h"
@@ -119,9 +120,17 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
       shard_, context, request, response,
       [this](const RegisterModelRequest& r)
           -> absl::StatusOr<RegisterModelResponse> {
+        if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
         if (r.worker_id() >= 0) CrashIfInjectedAt("register");
+        // The job's first registration waits for replicas not up yet.
+        const bool first = !shard_->HasModel();
         absl::StatusOr<RegisterModelResponse> response = shard_->Register(r);
         if (response.ok()) {
+          if (absl::Status forwarded =
+                  Forward("RegisterModel", r.SerializeAsString(), first);
+              !forwarded.ok()) {
+            return forwarded;
+          }
           const int port = data_port_.load();
           response->set_data_port(port);
           response->set_data_push_pull(port > 0);
@@ -141,6 +150,7 @@ StatsResponse ParameterServerService::CurrentStats() const {
   stats.set_grpc_tls_refused(GrpcTlsRefusals());
   stats.set_data_plane_ktls_connections(data_plane_ktls_.load());
   stats.set_data_plane_user_tls_connections(data_plane_user_tls_.load());
+  if (replicas_ != nullptr) replicas_->AddStats(&stats);
   return stats;
 }
 
@@ -151,6 +161,9 @@ bool ParameterServerService::TokenAccepted(absl::string_view token) const {
 void ParameterServerService::PullFromBytes(
     absl::Span<const absl::string_view> request, absl::Time deadline,
     bool payloads_apart, bool follows_own_push, PullDone done) {
+  if (absl::Status serves = ServesWorkers(); !serves.ok()) {
+    return done(std::move(serves));
+  }
   PullRequest pull;
   if (absl::Status s = ParseSmall(request, &pull); !s.ok()) {
     shard_->CountRejected();
@@ -242,8 +255,15 @@ absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
     return absl::InvalidArgumentError(
         absl::StrCat("malformed PushRequest: ", push.status().message()));
   }
+  if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
   absl::StatusOr<PushResponse> result = shard_->Push(*push, hold_until);
   if (!result.ok()) return result.status();
+  if (replicas_ != nullptr) {
+    if (absl::Status forwarded = Forward("Push", absl::StrJoin(request, ""));
+        !forwarded.ok()) {
+      return forwarded;
+    }
+  }
   result->set_server_life(life_);
   if (DropThisResponse()) {
     return absl::UnavailableError(
@@ -312,8 +332,16 @@ grpc::ServerUnaryReactor* ParameterServerService::Assign(
                   absl::InvalidArgumentError(absl::StrCat(
                       "malformed PushRequest: ", values.status().message())));
   }
+  if (absl::Status serves = ServesWorkers(); !serves.ok()) {
+    return Finish(context, serves);
+  }
   absl::StatusOr<PushResponse> result = shard_->Assign(*values);
   if (!result.ok()) return Finish(context, result.status());
+  if (absl::Status forwarded =
+          Forward("Assign", absl::StrJoin(bytes.views(), ""));
+      !forwarded.ok()) {
+    return Finish(context, forwarded);
+  }
   return Finish(context, SerializeSmall(*result, response));
 }
 
@@ -420,6 +448,9 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
     shard_->CountRejected();
     return Finish(context, s);
   }
+  if (absl::Status serves = ServesWorkers(); !serves.ok()) {
+    return Finish(context, serves);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   shard_->SparsePull(
       pull, absl::FromChrono(context->deadline()),
@@ -438,7 +469,17 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePush(
   }
   return ServeSmall<SparsePushRequest>(
       shard_, context, request, response,
-      [this](const SparsePushRequest& r) { return shard_->SparsePush(r); });
+      [this](const SparsePushRequest& r) -> absl::StatusOr<SparsePushResponse> {
+        if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+        absl::StatusOr<SparsePushResponse> pushed = shard_->SparsePush(r);
+        if (!pushed.ok()) return pushed;
+        if (absl::Status forwarded =
+                Forward("SparsePush", r.SerializeAsString());
+            !forwarded.ok()) {
+          return forwarded;
+        }
+        return pushed;
+      });
 }
 
 bool ParameterServerService::DropThisResponse() {
@@ -460,7 +501,13 @@ grpc::ServerUnaryReactor* ParameterServerService::Heartbeat(
   return ServeSmall<HeartbeatRequest>(
       shard_, context, request, response,
       [this](const HeartbeatRequest& r) -> absl::StatusOr<HeartbeatResponse> {
+        if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
         if (absl::Status s = shard_->Heartbeat(r); !s.ok()) return s;
+        if (absl::Status forwarded =
+                Forward("Heartbeat", r.SerializeAsString());
+            !forwarded.ok()) {
+          return forwarded;
+        }
         return HeartbeatResponse();
       });
 }
@@ -475,6 +522,9 @@ grpc::ServerUnaryReactor* ParameterServerService::AwaitJobStart(
   if (absl::Status s = ParseSmall(*request, &await); !s.ok()) {
     shard_->CountRejected();
     return Finish(context, s);
+  }
+  if (absl::Status serves = ServesWorkers(); !serves.ok()) {
+    return Finish(context, serves);
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   shard_->AwaitJobStart(await, absl::FromChrono(context->deadline()),
@@ -499,6 +549,9 @@ grpc::ServerUnaryReactor* ParameterServerService::ClipNorm(
     shard_->CountRejected();
     return Finish(context, s);
   }
+  if (absl::Status serves = ServesWorkers(); !serves.ok()) {
+    return Finish(context, serves);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   shard_->ClipNorm(clip, absl::FromChrono(context->deadline()),
                    [reactor, response](absl::StatusOr<ClipNormResponse> norm) {
@@ -517,7 +570,17 @@ grpc::ServerUnaryReactor* ParameterServerService::ApplyClip(
   }
   return ServeSmall<ApplyClipRequest>(
       shard_, context, request, response,
-      [this](const ApplyClipRequest& r) { return shard_->ApplyClip(r); });
+      [this](const ApplyClipRequest& r) -> absl::StatusOr<ApplyClipResponse> {
+        if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+        absl::StatusOr<ApplyClipResponse> applied = shard_->ApplyClip(r);
+        if (!applied.ok()) return applied;
+        if (absl::Status forwarded =
+                Forward("ApplyClip", r.SerializeAsString());
+            !forwarded.ok()) {
+          return forwarded;
+        }
+        return applied;
+      });
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Leave(
@@ -529,7 +592,12 @@ grpc::ServerUnaryReactor* ParameterServerService::Leave(
   return ServeSmall<LeaveRequest>(
       shard_, context, request, response,
       [this](const LeaveRequest& r) -> absl::StatusOr<LeaveResponse> {
+        if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
         if (absl::Status s = shard_->Leave(r); !s.ok()) return s;
+        if (absl::Status forwarded = Forward("Leave", r.SerializeAsString());
+            !forwarded.ok()) {
+          return forwarded;
+        }
         return LeaveResponse();
       });
 }
@@ -543,6 +611,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
   return ServeSmall<CheckpointRequest>(
       shard_, context, request, response,
       [this](const CheckpointRequest& r) -> absl::StatusOr<CheckpointResponse> {
+        if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
         if (r.final_version() < 0) {
           return absl::InvalidArgumentError(absl::StrCat(
               "final_version must be >= 0, got ", r.final_version()));
@@ -576,6 +645,11 @@ absl::StatusOr<CheckpointResponse> ParameterServerService::FinalState(
       !s.ok()) {
     return s;
   }
+  if (absl::Status forwarded =
+          Forward("FinalState", request.SerializeAsString());
+      !forwarded.ok()) {
+    return forwarded;
+  }
   CheckpointResponse answer;
   answer.set_skipped_to_step(shard_->SkippedToStep());
   answer.set_rebuilt_with_losses(shard_->RebuiltWithLossesBefore(
@@ -596,6 +670,100 @@ absl::StatusOr<CheckpointResponse> ParameterServerService::FinalState(
   answer.set_path(*path);
   answer.set_checkpointed(true);
   return answer;
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::Replicate(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
+  ReplicateRequest forward;
+  if (absl::Status s = ParseSmall(*request, &forward); !s.ok()) {
+    shard_->CountRejected();
+    return Finish(context, s);
+  }
+  if (replicas_ == nullptr) {
+    return Finish(context, absl::FailedPreconditionError(
+                               "this server is its shard's only replica "
+                               "(--replicas=1): it takes no forwards"));
+  }
+  if (forward.method() == "probe" || forward.method() == "drop") {
+    return Finish(context,
+                  SerializeSmall(replicas_->Answer(forward), response));
+  }
+  if (absl::Status admitted = replicas_->AdmitForward(forward);
+      !admitted.ok()) {
+    return Finish(context, admitted);
+  }
+  if (absl::Status applied =
+          ApplyForwarded(forward, absl::FromChrono(context->deadline()));
+      !applied.ok()) {
+    return Finish(context, applied);
+  }
+  return Finish(
+      context, SerializeSmall(replicas_->Answer(ReplicateRequest()), response));
+}
+
+absl::Status ParameterServerService::ApplyForwarded(
+    const ReplicateRequest& forward, absl::Time deadline) {
+  const absl::string_view bytes = forward.request();
+  const absl::string_view method = forward.method();
+  // One try; UNAVAILABLE means the shard wants it again a little later.
+  auto apply_once = [&]() -> absl::Status {
+    if (method == "Push") {
+      absl::StatusOr<WirePushRequest> push = ParsePushRequest({bytes});
+      if (!push.ok()) return push.status();
+      shard_->WaitForPushStep(*push, deadline);
+      return shard_->Push(*push, deadline).status();
+    }
+    if (method == "Assign") {
+      absl::StatusOr<WirePushRequest> values = ParsePushRequest({bytes});
+      if (!values.ok()) return values.status();
+      return shard_->Assign(*values).status();
+    }
+    if (method == "RegisterModel") {
+      RegisterModelRequest r;
+      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      return shard_->Register(r).status();
+    }
+    if (method == "SparsePush") {
+      SparsePushRequest r;
+      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      shard_->WaitForSparsePushStep(r, deadline);
+      return shard_->SparsePush(r).status();
+    }
+    if (method == "Heartbeat") {
+      HeartbeatRequest r;
+      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      return shard_->Heartbeat(r);
+    }
+    if (method == "Leave") {
+      LeaveRequest r;
+      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      return shard_->Leave(r);
+    }
+    if (method == "ApplyClip") {
+      ApplyClipRequest r;
+      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      return shard_->ApplyClip(r).status();
+    }
+    if (method == "FinalState") {
+      CheckpointRequest r;
+      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      return shard_->NoteJobFinalVersion(r.worker_id(), r.final_version());
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("no forwarded method '", method, "'"));
+  };
+  while (true) {
+    absl::Status applied = apply_once();
+    if (applied.code() != absl::StatusCode::kUnavailable ||
+        absl::Now() + absl::Milliseconds(20) >= deadline) {
+      return applied;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Stats(

@@ -16,6 +16,7 @@
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/data_plane_server.h"
+#include "ps_server/replication.h"
 #include "ps_server/shard.h"
 
 namespace pstrain {
@@ -26,9 +27,9 @@ namespace pstrain {
 // Push and Pull payloads are neither copied into nor out of protobuf
 // strings. The chain is spelled out because a raw streaming method cannot
 // sit on top of its typed twin (same signature, different reactor type).
-using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Pull<
-    ParameterServer::WithRawCallbackMethod_Push<ParameterServer::WithRawCallbackMethod_PullStream<
-        ParameterServer::WithRawCallbackMethod_PushStream<
+using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Replicate<
+    ParameterServer::WithRawCallbackMethod_Pull<ParameterServer::WithRawCallbackMethod_Push<
+        ParameterServer::WithRawCallbackMethod_PullStream<ParameterServer::WithRawCallbackMethod_PushStream<
             ParameterServer::WithRawCallbackMethod_RegisterModel<
                 ParameterServer::WithRawCallbackMethod_Stats<ParameterServer::WithRawCallbackMethod_Heartbeat<
                     ParameterServer::WithRawCallbackMethod_Leave<
@@ -41,7 +42,7 @@ using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Pull<
                                                 ParameterServer::
                                                     WithRawCallbackMethod_ApplyClip<
                                                         ParameterServer::
-                                                            Service>>>>>>>>>>>>>>>;
+                                                            Service>>>>>>>>>>>>>>>>;
 
 struct ServiceOptions {
   // Fault injection for exactly-once tests: after applying a push, answer
@@ -116,6 +117,14 @@ class ParameterServerService final : public ParameterServerRawService,
   grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Replicate(grpc::CallbackServerContext* context,
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
+
+  // --replicas > 1: this shard's replica set. Workers are then served only
+  // by the primary, which forwards what changes the shard before answering.
+  // Set before the server starts; null (the default) for one replica.
+  void set_replicas(ReplicaSet* replicas) { replicas_ = replicas; }
 
   // Ends every open PushStream/PullStream (each waits for its next request
   // with no deadline of its own), so that Server::Shutdown need not wait for
@@ -159,6 +168,21 @@ class ParameterServerService final : public ParameterServerRawService,
   // (CheckpointRequest.final_version > 0).
   absl::StatusOr<CheckpointResponse> FinalState(
       const CheckpointRequest& request);
+  // OK when this process serves workers (one replica, or the primary).
+  absl::Status ServesWorkers() const {
+    return replicas_ == nullptr ? absl::OkStatus() : replicas_->ServesWorkers();
+  }
+  // The primary: `request` of `method` to the other replicas, after it
+  // was applied here and before the worker's answer (OK with one replica).
+  absl::Status Forward(absl::string_view method, std::string request,
+                       bool wait_for_replicas = false) {
+    if (replicas_ == nullptr) return absl::OkStatus();
+    return replicas_->Forward(method, std::move(request), wait_for_replicas);
+  }
+  // A backup: applies a request the primary forwarded, as the worker's own
+  // call would, holding what the shard wants retried until `deadline`.
+  absl::Status ApplyForwarded(const ReplicateRequest& forward,
+                              absl::Time deadline);
   // Dies (SIGKILL) when ServiceOptions::crash_at is `moment`.
   void CrashIfInjectedAt(absl::string_view moment);
 
@@ -188,6 +212,7 @@ class ParameterServerService final : public ParameterServerRawService,
   bool HasToken(grpc::CallbackServerContext* context) const;
 
   Shard* shard_;
+  ReplicaSet* replicas_ = nullptr;
   const ServiceOptions options_;
   const uint64_t life_;  // PushResponse.server_life
   Checkpointer* checkpointer_;

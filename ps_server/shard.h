@@ -166,6 +166,15 @@ class Shard {
   absl::StatusOr<PushResponse> Push(
       const WirePushRequest& request,
       absl::Time hold_until = absl::InfinitePast());
+  // A backup replica (ps_server/replication.h), before it applies a sync
+  // push the primary forwarded: returns once every block the push names has
+  // reached its step, at shutdown, or at `until`. Forwards travel on
+  // concurrent calls, so a worker's push of step s can arrive before the
+  // last gradient of step s - 1 that the primary applied first.
+  void WaitForPushStep(const WirePushRequest& request, absl::Time until);
+  // The same for a forwarded sync push to a sparse table.
+  void WaitForSparsePushStep(const SparsePushRequest& request,
+                             absl::Time until);
   // Sets the values of blocks whose init is PROVIDED and that have none
   // yet (others are acknowledged as duplicates): float32 only, from any
   // worker id; releases the pulls that waited for them.
@@ -210,6 +219,8 @@ class Shard {
   // Copies the model's state (each block consistent under its lock), or
   // FailedPrecondition before a model is registered.
   absl::StatusOr<ShardSnapshot> Snapshot(int64_t sequence) const;
+  // Whether a model is registered (or restored) here.
+  bool HasModel() const { return model_.load() != nullptr; }
   // The smallest block version: the step every block has completed.
   int64_t MinVersion() const;
   // The version a job's final model is compared with (CheckpointResponse):

@@ -162,6 +162,21 @@ void Shard::WaitForBlockStep(const Block& block, int64_t step,
   block.mu.Unlock();
 }
 
+void Shard::WaitForPushStep(const WirePushRequest& request, absl::Time until) {
+  if (options_.mode != ConsistencyMode::kSync) return;
+  const Model* model = model_.load();
+  if (model == nullptr) return;
+  absl::StatusOr<std::vector<BlockPush>> pushes =
+      ValidatePushBlocks(*model, request);
+  if (!pushes.ok()) return;  // Push refuses it, with the reason
+  for (const BlockPush& push : *pushes) {
+    const Block& block = *model->blocks[push.local];
+    if (block.version.load() < request.step) {
+      WaitForBlockStep(block, request.step, until);
+    }
+  }
+}
+
 void Shard::WaitWhileFresh(absl::Time until) {
   // Whether the shard took the job's step or the time ran out, the push is
   // tried again.

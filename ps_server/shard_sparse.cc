@@ -22,6 +22,27 @@ using shard_internal::QuorumMet;
 // Sparse tables: validation, pull, push, completing a table's sync step, and
 // catching a restored table up to a push.
 
+void Shard::WaitForSparsePushStep(const SparsePushRequest& request,
+                                  absl::Time until) {
+  if (options_.mode != ConsistencyMode::kSync) return;
+  const Model* model = model_.load();
+  if (model == nullptr) return;
+  auto it = model->sparse_index.find(request.table());
+  if (it == model->sparse_index.end()) return;  // SparsePush refuses it
+  const SparseState& table = *model->sparse[it->second];
+  struct Reached {
+    const SparseState* table;
+    int64_t step;
+    const std::atomic<bool>* released;
+    static bool Check(Reached* r) {
+      return r->table->version.load() >= r->step || r->released->load();
+    }
+  } reached{&table, request.step(), &holds_released_};
+  static_cast<void>(table.mu.LockWhenWithDeadline(
+      absl::Condition(&Reached::Check, &reached), until));
+  table.mu.Unlock();
+}
+
 absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
     const Model& model, absl::string_view table, absl::Span<const uint64_t> ids,
     bool unique) const {

@@ -21,6 +21,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "tests/http_util.h"
 #include "tools/cpp/runfiles/runfiles.h"
 
 extern char** environ;
@@ -161,16 +162,30 @@ void Process::Signal(int signal_number) {
 std::string Process::Stdout() const { return ReadFile(stdout_path_); }
 std::string Process::Stderr() const { return ReadFile(stderr_path_); }
 
-std::vector<std::string> TestCluster::ServerArgv(int shard, int port) const {
+std::string TestCluster::ReplicaAddress(int index) const {
+  return absl::StrCat("127.0.0.1:", ports_[index]);
+}
+
+std::vector<std::string> TestCluster::ServerArgv(int index, int port) const {
+  const int shard = index / options_.replicas;
   std::vector<std::string> argv = {
       BinaryPath("ps_server/ps_server"),
       "--host=127.0.0.1",
       absl::StrCat("--port=", port),
-      absl::StrCat("--port_file=", dir_, "/ps", shard, ".port"),
+      absl::StrCat("--port_file=", dir_, "/ps", index, ".port"),
       absl::StrCat("--shard_id=", shard),
       absl::StrCat("--num_shards=", options_.num_shards),
       absl::StrCat("--num_workers=", options_.num_workers),
       absl::StrCat("--mode=", options_.mode)};
+  if (options_.replicas > 1) {
+    std::vector<std::string> set;
+    for (int r = 0; r < options_.replicas; ++r) {
+      set.push_back(ReplicaAddress(shard * options_.replicas + r));
+    }
+    argv.push_back(absl::StrCat("--replicas=", options_.replicas));
+    argv.push_back(absl::StrCat("--replica_index=", index % options_.replicas));
+    argv.push_back(absl::StrCat("--replica_hosts=", absl::StrJoin(set, ",")));
+  }
   argv.insert(argv.end(), options_.server_flags.begin(),
               options_.server_flags.end());
   return argv;
@@ -205,15 +220,27 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(
   cluster->options_ = options;
   cluster->dir_ = absl::StrCat(TestDir(), "/", name);
   mkdir(cluster->dir_.c_str(), 0755);
-  cluster->ports_.assign(options.num_shards, 0);
-  for (int s = 0; s < options.num_shards; ++s) {
+  const int servers = options.num_shards * options.replicas;
+  cluster->ports_.assign(servers, 0);
+  // Replicas must know each other's ports before they start.
+  if (options.replicas > 1) {
+    for (size_t i = 0; i < cluster->ports_.size(); ++i) {
+      // FreePort may hand out a port twice (it is free again once closed).
+      do {
+        cluster->ports_[i] = FreePort();
+      } while (std::count(cluster->ports_.begin(), cluster->ports_.begin() + i,
+                          cluster->ports_[i]) > 0);
+    }
+  }
+  for (int s = 0; s < servers; ++s) {
     std::remove(absl::StrCat(cluster->dir_, "/ps", s, ".port").c_str());
-    absl::StatusOr<std::unique_ptr<Process>> server = Process::Start(
-        cluster->ServerArgv(s, 0), cluster->dir_, absl::StrCat("ps", s));
+    absl::StatusOr<std::unique_ptr<Process>> server =
+        Process::Start(cluster->ServerArgv(s, cluster->ports_[s]),
+                       cluster->dir_, absl::StrCat("ps", s));
     if (!server.ok()) return server.status();
     cluster->servers_.push_back(std::move(*server));
   }
-  for (int s = 0; s < options.num_shards; ++s) {
+  for (int s = 0; s < servers; ++s) {
     if (absl::Status st = cluster->WaitForPortFile(s, absl::Seconds(30));
         !st.ok()) {
       return st;
@@ -222,9 +249,25 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(
   return cluster;
 }
 
-void TestCluster::KillServer(int shard) {
-  servers_[shard]->Signal(SIGKILL);
-  servers_[shard]->Wait(absl::Seconds(10)).IgnoreError();
+void TestCluster::KillServer(int shard) { KillReplica(shard, 0); }
+
+void TestCluster::KillReplica(int shard, int replica) {
+  Process& server = *servers_[shard * options_.replicas + replica];
+  server.Signal(SIGKILL);
+  server.Wait(absl::Seconds(10)).IgnoreError();
+}
+
+absl::StatusOr<StatsResponse> TestCluster::ReplicaStats(int shard,
+                                                        int replica) {
+  PsClientOptions options;
+  options.hosts = {ReplicaAddress(shard * options_.replicas + replica)};
+  options.rpc_timeout = absl::Seconds(5);
+  options.retry_window = absl::ZeroDuration();
+  absl::StatusOr<std::unique_ptr<PsClient>> client = PsClient::Create(options);
+  if (!client.ok()) return client.status();
+  absl::StatusOr<std::vector<StatsResponse>> stats = (*client)->Stats();
+  if (!stats.ok()) return stats.status();
+  return stats->front();
 }
 
 absl::Status TestCluster::StopServer(int shard) {
@@ -241,18 +284,24 @@ absl::Status TestCluster::StopServer(int shard) {
 
 absl::Status TestCluster::RestartServer(
     int shard, const std::vector<std::string>& extra_flags) {
-  const std::string port_file = absl::StrCat(dir_, "/ps", shard, ".port");
+  return RestartReplica(shard, 0, extra_flags);
+}
+
+absl::Status TestCluster::RestartReplica(
+    int shard, int replica, const std::vector<std::string>& extra_flags) {
+  const int index = shard * options_.replicas + replica;
+  const std::string port_file = absl::StrCat(dir_, "/ps", index, ".port");
   std::remove(port_file.c_str());
-  std::vector<std::string> argv = ServerArgv(shard, ports_[shard]);
+  std::vector<std::string> argv = ServerArgv(index, ports_[index]);
   argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
   absl::StatusOr<std::unique_ptr<Process>> server = Process::Start(
-      argv, dir_, absl::StrCat("ps", shard, "_restart", ++restarts_));
+      argv, dir_, absl::StrCat("ps", index, "_restart", ++restarts_));
   if (!server.ok()) return server.status();
-  servers_[shard] = std::move(*server);
+  servers_[index] = std::move(*server);
   // The observer's connection to the old process may not have noticed it
   // closed: its next Stats would fail with "Socket closed".
   observer_.reset();
-  return WaitForPortFile(shard, absl::Seconds(30));
+  return WaitForPortFile(index, absl::Seconds(30));
 }
 
 absl::StatusOr<std::unique_ptr<Process>> TestCluster::StartWorker(
@@ -307,7 +356,13 @@ absl::Status TestCluster::WaitForStats(
 
 std::vector<std::string> TestCluster::HostList() const {
   std::vector<std::string> hosts;
-  for (int port : ports_) hosts.push_back(absl::StrCat("127.0.0.1:", port));
+  for (int s = 0; s < options_.num_shards; ++s) {
+    std::vector<std::string> set;
+    for (int r = 0; r < options_.replicas; ++r) {
+      set.push_back(ReplicaAddress(s * options_.replicas + r));
+    }
+    hosts.push_back(absl::StrJoin(set, "|"));
+  }
   return hosts;
 }
 

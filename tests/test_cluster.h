@@ -61,6 +61,11 @@ struct ClusterOptions {
   int num_workers = 1;
   std::string mode = "sync";
   std::vector<std::string> server_flags;  // extra, e.g. "--learning_rate=0.1"
+  // Server processes per shard (ps_server --replicas). With more than one,
+  // the ports are picked free before the servers start (each replica is
+  // told the others'), and a shard's entry in PsHosts is its replicas'
+  // addresses joined by '|'.
+  int replicas = 1;
 };
 
 // A set of running ps_server shards.
@@ -89,12 +94,19 @@ class TestCluster {
       int worker_id, int num_workers, const std::vector<std::string>& flags);
 
   // Kills shard `shard` with SIGKILL / stops it with SIGTERM and waits.
+  // With replicas: its replica 0.
   void KillServer(int shard);
+  // Kills one replica of a replicated shard with SIGKILL and waits.
+  void KillReplica(int shard, int replica);
+  // The stats of one replica (a backup answers Stats too).
+  absl::StatusOr<StatsResponse> ReplicaStats(int shard, int replica);
   absl::Status StopServer(int shard);
   // Starts shard `shard` again on the port it had, with the cluster's flags
   // plus `extra_flags`, and waits until it serves.
   absl::Status RestartServer(int shard,
                              const std::vector<std::string>& extra_flags = {});
+  absl::Status RestartReplica(int shard, int replica,
+                              const std::vector<std::string>& extra_flags = {});
 
   // Every shard's stats, read by an observer (not a worker).
   absl::StatusOr<std::vector<StatsResponse>> Stats();
@@ -104,17 +116,22 @@ class TestCluster {
       const std::function<bool(const StatsResponse&)>& done,
       absl::Duration timeout);
 
-  Process& server(int shard) { return *servers_[shard]; }
+  Process& server(int shard) { return *servers_[shard * options_.replicas]; }
+  Process& replica(int shard, int replica) {
+    return *servers_[shard * options_.replicas + replica];
+  }
   const std::string& dir() const { return dir_; }
 
  private:
-  std::vector<std::string> ServerArgv(int shard, int port) const;
-  absl::Status WaitForPortFile(int shard, absl::Duration timeout);
+  // Server `index` is replica index % replicas of shard index / replicas.
+  std::vector<std::string> ServerArgv(int index, int port) const;
+  absl::Status WaitForPortFile(int index, absl::Duration timeout);
+  std::string ReplicaAddress(int index) const;
 
   ClusterOptions options_;
   std::string dir_;
-  std::vector<std::unique_ptr<Process>> servers_;
-  std::vector<int> ports_;
+  std::vector<std::unique_ptr<Process>> servers_;  // [shard][replica]
+  std::vector<int> ports_;                         // [shard][replica]
   int restarts_ = 0;
   std::unique_ptr<PsClient> observer_;
 };

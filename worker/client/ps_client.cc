@@ -13,6 +13,7 @@
 #include "absl/random/distributions.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "common/consistency_mode.h"
 #include "common/protocol.h"
@@ -65,12 +66,29 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::CreateFinalModelReader(
 std::vector<absl::Status> PsClientOptionsProblems(
     const PsClientOptions& options) {
   std::vector<absl::Status> problems;
-  for (const std::string& host : options.hosts) {
-    if (host.empty() || host.find(':') == std::string::npos) {
+  size_t replicas = 0;
+  for (const std::string& shard : options.hosts) {
+    const std::vector<std::string> set = absl::StrSplit(shard, '|');
+    bool bad = false;
+    for (const std::string& host : set) {
+      if (host.empty() || host.find(':') == std::string::npos) {
+        problems.push_back(absl::InvalidArgumentError(absl::StrCat(
+            "--ps_hosts entries must be host:port",
+            set.size() > 1 ? " (a replicated shard's: host:port|host:port)"
+                           : "",
+            ", got '", shard, "'")));
+        bad = true;
+        break;
+      }
+    }
+    if (bad) break;
+    if (replicas != 0 && set.size() != replicas) {
       problems.push_back(absl::InvalidArgumentError(absl::StrCat(
-          "--ps_hosts entries must be host:port, got '", host, "'")));
+          "--ps_hosts: every shard must list as many replicas; '", shard,
+          "' lists ", set.size(), ", an earlier shard ", replicas)));
       break;
     }
+    replicas = set.size();
   }
   if (options.connections_per_shard < 1 || options.connections_per_shard > 64) {
     problems.push_back(absl::InvalidArgumentError(
@@ -113,25 +131,33 @@ PsClient::PsClient(const PsClientOptions& options)
     : options_(options),
       incarnation_(absl::Uniform<uint64_t>(
           absl::BitGen(), 1, std::numeric_limits<uint64_t>::max())) {
-  for (const std::string& host : options.hosts) {
-    for (int c = 0; c < options.connections_per_shard; ++c) {
-      grpc::ChannelArguments args;
-      args.SetMaxReceiveMessageSize(options.max_message_bytes);
-      args.SetMaxSendMessageSize(options.max_message_bytes);
-      // A private subchannel pool and a distinct argument make each channel
-      // its own TCP connection instead of sharing one.
-      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-      ApplyGrpcTuning(options.grpc_tuning, &args);
-      args.SetInt("pstrain.connection_index", c);
-      channels_.push_back(grpc::CreateCustomChannel(
-          host,
-          options.credentials != nullptr ? options.credentials
-                                         : grpc::InsecureChannelCredentials(),
-          args));
-      stubs_.push_back(std::make_unique<grpc::GenericStub>(channels_.back()));
-      push_streams_.push_back(std::make_unique<CallStream>());
-      pull_streams_.push_back(std::make_unique<CallStream>());
-      data_slots_.push_back(std::make_unique<DataSlot>());
+  for (const std::string& shard : options.hosts) {
+    replica_hosts_.push_back(absl::StrSplit(shard, '|'));
+  }
+  replicas_ = static_cast<int>(replica_hosts_.front().size());
+  current_replica_ = std::make_unique<std::atomic<int>[]>(options.hosts.size());
+  for (size_t s = 0; s < options.hosts.size(); ++s) current_replica_[s] = 0;
+  for (const std::vector<std::string>& set : replica_hosts_) {
+    for (const std::string& host : set) {
+      for (int c = 0; c < options.connections_per_shard; ++c) {
+        grpc::ChannelArguments args;
+        args.SetMaxReceiveMessageSize(options.max_message_bytes);
+        args.SetMaxSendMessageSize(options.max_message_bytes);
+        // A private subchannel pool and a distinct argument make each channel
+        // its own TCP connection instead of sharing one.
+        args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+        ApplyGrpcTuning(options.grpc_tuning, &args);
+        args.SetInt("pstrain.connection_index", c);
+        channels_.push_back(grpc::CreateCustomChannel(
+            host,
+            options.credentials != nullptr ? options.credentials
+                                           : grpc::InsecureChannelCredentials(),
+            args));
+        stubs_.push_back(std::make_unique<grpc::GenericStub>(channels_.back()));
+        push_streams_.push_back(std::make_unique<CallStream>());
+        pull_streams_.push_back(std::make_unique<CallStream>());
+        data_slots_.push_back(std::make_unique<DataSlot>());
+      }
     }
   }
   absl::MutexLock lock(&data_ports_mu_);
@@ -204,8 +230,11 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls(
   std::vector<RegisterModelResponse> responses;
   std::vector<Call> calls =
       CallsToEveryShard(request.SerializeAsString(), &responses);
-  // Servers may still be starting.
-  for (Call& call : calls) call.wait_for_ready = true;
+  // Servers may still be starting. Not with replicas: a replica that is
+  // gone would hold the call until the connect timeout, where the next
+  // replica may be the primary (a failed call moves on to it, and the
+  // loop below waits out replicas not up yet).
+  for (Call& call : calls) call.wait_for_ready = replicas_ == 1;
   // A server that dies in the middle of the call (UNAVAILABLE at once, not
   // a deadline) is waited for like one not up yet: registering again is
   // harmless, and the connect timeout still bounds the whole wait.
@@ -267,7 +296,7 @@ absl::Status PsClient::CheckTransports() {
   for (int s = 0; s < num_shards(); ++s) {
     std::string host;
     int port;
-    if (!SplitHostPort(options_.hosts[s], &host, &port).ok() ||
+    if (!SplitHostPort(HostOf(s), &host, &port).ok() ||
         !ConnectTcp(host, port, 0, absl::Now() + absl::Seconds(1)).ok()) {
       continue;
     }
@@ -294,8 +323,7 @@ absl::Status PsClient::CheckTransports() {
           at != std::string::npos) {
         error = error.substr(at + std::strlen("last error: "));
       }
-      std::string cause =
-          DiagnoseConnection(options_.hosts[s], tls, absl::Seconds(1));
+      std::string cause = DiagnoseConnection(HostOf(s), tls, absl::Seconds(1));
       // A plaintext server answering plaintext (or nothing listening): the
       // calls failed because the server went away, not on a handshake;
       // registration waits for it.
@@ -306,7 +334,7 @@ absl::Status PsClient::CheckTransports() {
       if (cause.empty()) cause = CertificateHint(error);
       return absl::UnavailableError(absl::StrCat(
           tls ? "TLS handshake" : "plaintext gRPC", " with shard ", s, " (",
-          options_.hosts[s], ") refused: ", error, "; likely cause: ", cause));
+          HostOf(s), ") refused: ", error, "; likely cause: ", cause));
     }
   }
   return absl::OkStatus();
@@ -344,7 +372,7 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
       ParseConsistencyMode((*responses)[0].mode());
   if (!mode.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "shard 0 (", options_.hosts[0], ") runs mode '", (*responses)[0].mode(),
+        "shard 0 (", HostOf(0), ") runs mode '", (*responses)[0].mode(),
         "', which this client does not know"));
   }
   registration.mode = *mode;
@@ -356,7 +384,7 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
     const RegisterModelResponse& response = (*responses)[s];
     if (torch_rules && !response.torch_optimizers()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "shard ", s, " (", options_.hosts[s],
+          "shard ", s, " (", HostOf(s),
           ") does not run per-tensor torch optimizers (a ps_server older "
           "than this client): it would train with its own --optimizer; "
           "upgrade the servers"));
@@ -523,9 +551,7 @@ void PsClient::OpenDataLinks() {
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   std::map<int, std::vector<DataSlot*>> used;  // by shard
   for (const Group& group : groups_) {
-    DataSlot* slot = data_slots_[group.shard * options_.connections_per_shard +
-                                 group.connection]
-                         .get();
+    DataSlot* slot = data_slots_[SlotOf(group.shard, group.connection)].get();
     std::vector<DataSlot*>& slots = used[group.shard];
     if (std::find(slots.begin(), slots.end(), slot) == slots.end()) {
       slots.push_back(slot);
@@ -663,8 +689,7 @@ absl::StatusOr<FinalState> PsClient::SecureFinalState(int64_t final_version) {
   bool all_known = true;
   for (int s = 0; s < num_shards(); ++s) {
     const CheckpointResponse& shard = responses[s];
-    const std::string who =
-        absl::StrCat("shard ", s, " (", options_.hosts[s], ")");
+    const std::string who = absl::StrCat("shard ", s, " (", HostOf(s), ")");
     if (!shard.checkpointed() && !shard.path().empty()) {
       all_known = false;
       state.problems.push_back(

@@ -69,7 +69,11 @@
 namespace pstrain {
 
 struct PsClientOptions {
-  // host:port of every shard, in shard order.
+  // host:port of every shard, in shard order. A replicated shard
+  // (ps_server --replicas) is its replicas' addresses joined by '|', in
+  // replica order ("h1:7000|h2:7000"); every shard has as many. Calls go to
+  // the replica that answered last, and to the next one when it is gone or
+  // says it is not the primary.
   std::vector<std::string> hosts;
   // Deadline of each Pull/Push RPC (a sync pull includes waiting for the
   // slowest worker's gradient).
@@ -452,8 +456,24 @@ class PsClient {
   void OpenDataLinks();
   void HeartbeatLoop();
   void StopHeartbeats();
+  // Where shard `shard`'s connection `connection` to its current replica
+  // sits in channels_, stubs_, the streams and data_slots_.
+  size_t SlotOf(int shard, int connection) const {
+    return (static_cast<size_t>(shard) * replicas_ +
+            current_replica_[shard].load()) *
+               options_.connections_per_shard +
+           connection;
+  }
+  // The address of shard `shard`'s current replica.
+  const std::string& HostOf(int shard) const {
+    return replica_hosts_[shard][current_replica_[shard].load()];
+  }
+  // A call to `shard` failed as one to a replica that is gone or not the
+  // primary: its calls go to the next replica (unless another call moved
+  // them on from `from` already), which is registered with again.
+  void NextReplica(int shard, int from);
   grpc::GenericStub& Connection(int shard, int connection) {
-    return *stubs_[shard * options_.connections_per_shard + connection];
+    return *stubs_[SlotOf(shard, connection)];
   }
   absl::Status StoreBlocks(const Group& group, const WirePullResponse& response,
                            const std::vector<float*>& tensors);
@@ -470,7 +490,13 @@ class PsClient {
   int worker_id_ = -1;
   int num_workers_ = 0;
   ConsistencyMode mode_ = ConsistencyMode::kSync;
-  std::vector<std::shared_ptr<grpc::Channel>> channels_;   // [shard][conn]
+  // Each shard's replicas' addresses (options_.hosts split at '|'), as
+  // many for every shard, and the replica each shard's calls go to.
+  std::vector<std::vector<std::string>> replica_hosts_;
+  int replicas_ = 1;
+  std::unique_ptr<std::atomic<int>[]> current_replica_;
+  // [shard][replica][conn]
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;  // on channels_
   // [shard][conn], opened on first use: the PushStream and PullStream.
   std::vector<std::unique_ptr<CallStream>> push_streams_, pull_streams_;

@@ -42,8 +42,7 @@ bool PsClient::CallOnStream(const std::string& method, absl::Duration timeout,
                             const std::string& short_name, Call& call) {
   const bool push = short_name == "Push";
   if (!push && short_name != "Pull") return false;
-  const size_t index =
-      call.shard * options_.connections_per_shard + call.connection;
+  const size_t index = SlotOf(call.shard, call.connection);
   CallStream& s = *(push ? push_streams_ : pull_streams_)[index];
   if (!s.mu.TryLock()) return false;
   absl::Cleanup unlock = [&s]() ABSL_UNLOCK_FUNCTION(s.mu) { s.mu.Unlock(); };
@@ -166,9 +165,7 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
     Track(call.context.get(), call.epoch);
     const grpc::Status status =
         grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-            channels_[call.shard * options_.connections_per_shard +
-                      call.connection]
-                .get(),
+            channels_[SlotOf(call.shard, call.connection)].get(),
             grpc::internal::RpcMethod(method.c_str(),
                                       grpc::internal::RpcMethod::NORMAL_RPC),
             call.context.get(), call.request, &call.response);
@@ -197,6 +194,17 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
   for (size_t i : which) Untrack(calls[i].context.get());
 }
 
+void PsClient::NextReplica(int shard, int from) {
+  int expected = from;
+  if (!current_replica_[shard].compare_exchange_strong(
+          expected, (from + 1) % replicas_)) {
+    return;  // moved on already
+  }
+  // Its data port is the new replica's to announce (registration).
+  absl::MutexLock lock(&data_ports_mu_);
+  data_ports_[shard] = 0;
+}
+
 absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
                               absl::Duration timeout, bool retry) {
   const std::string full_method = absl::StrCat(kServicePath, method);
@@ -209,6 +217,7 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
   for (Call& call : calls) call.epoch = epoch;
   // Per step, so kept off the heap for up to 16 shards.
   absl::InlinedVector<uint64_t, 16> lives(num_shards());
+  absl::InlinedVector<int, 16> replica_tried(num_shards());
   for (int s = 0; s < num_shards(); ++s) lives[s] = server_lives_[s].load();
   // What the call was waiting for when it was cut: the shards still
   // unanswered, or the error it was retrying after.
@@ -219,13 +228,16 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
                      " (Interrupt: a signal, or Ctrl-C in Python)"));
   };
   while (true) {
+    for (int s = 0; s < num_shards(); ++s) {
+      replica_tried[s] = current_replica_[s].load();
+    }
     StartAndWait(full_method, calls, which, timeout);
     if (interrupts() != epoch) {
       std::vector<std::string> pending;
       for (size_t i : which) {
         if (calls[i].status.ok()) continue;
         pending.push_back(absl::StrCat("shard ", calls[i].shard, " (",
-                                       options_.hosts[calls[i].shard], ")"));
+                                       HostOf(calls[i].shard), ")"));
       }
       waiting_for = absl::StrCat(
           "waiting for ", pending.empty() ? std::string("the servers")
@@ -235,6 +247,7 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
     std::vector<size_t> failed;
     bool retryable = retry;
     bool reregister = false;
+    bool moved_replica = false;
     for (size_t i : which) {
       if (calls[i].status.ok()) continue;
       failed.push_back(i);
@@ -243,6 +256,13 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
         case absl::StatusCode::kDeadlineExceeded:  // peers slow or dead
         case absl::StatusCode::kCancelled:  // by a server shutting down: this
                                             // client never cancels a call
+          // A replicated shard: gone, or not the primary (a backup says
+          // so as UNAVAILABLE): the next replica may be.
+          if (replicas_ > 1) {
+            NextReplica(calls[i].shard, replica_tried[calls[i].shard]);
+            reregister = true;
+            moved_replica = true;
+          }
           break;
         case absl::StatusCode::kNotFound:  // restarted with no model
           reregister = true;
@@ -287,7 +307,7 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
     const Call& first = calls[failed.front()];
     const absl::Status error(
         first.status.code(),
-        absl::StrCat("shard ", first.shard, " (", options_.hosts[first.shard],
+        absl::StrCat("shard ", first.shard, " (", HostOf(first.shard),
                      "): ", first.status.message()));
     if (!retryable || absl::Now() + backoff > give_up) return error;
     // The time left before the error: a bar cut to the terminal's width
@@ -301,7 +321,10 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
     if (options_.on_retry) options_.on_retry(line);
     waiting_for = absl::StrCat("retrying after ", error.ToString());
     if (!SleepUnlessInterrupted(backoff, epoch)) return interrupted();
-    backoff = std::min(backoff * 2, absl::Seconds(5));
+    // Moving through a shard's replicas while one takes over: a takeover
+    // takes a fraction of a second, so the tries stay close together.
+    backoff = moved_replica ? absl::Milliseconds(50)
+                            : std::min(backoff * 2, absl::Seconds(5));
     if (reregister) {
       if (absl::Status s = RegisterOnShards(); !s.ok()) {
         LOG(WARNING) << "registering again failed: " << s;

@@ -55,7 +55,7 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   slot.link.reset();
   std::string host;
   int grpc_port;
-  absl::Status split = SplitHostPort(options_.hosts[shard], &host, &grpc_port);
+  absl::Status split = SplitHostPort(HostOf(shard), &host, &grpc_port);
   absl::StatusOr<std::unique_ptr<DataLink>> link =
       split.ok()
           ? DataLink::Open(
@@ -66,7 +66,7 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
           : split;
   if (!link.ok()) {
     LOG(WARNING) << "data plane of shard " << shard << " (port " << port
-                 << " of " << options_.hosts[shard]
+                 << " of " << HostOf(shard)
                  << ") cannot be reached: " << link.status()
                  << "; its pushes and pulls go over gRPC until it announces "
                     "another port or 30 s have passed";
@@ -87,9 +87,7 @@ void PsClient::OpenMissingLinks(const std::vector<Call>& calls,
   std::map<int, std::vector<DataSlot*>> missing;  // by shard
   for (size_t i : which) {
     DataSlot* slot =
-        data_slots_[calls[i].shard * options_.connections_per_shard +
-                    calls[i].connection]
-            .get();
+        data_slots_[SlotOf(calls[i].shard, calls[i].connection)].get();
     if (!slot->mu.TryLock()) continue;  // in use: not missing
     const bool usable = slot->link != nullptr && slot->link->usable();
     slot->mu.Unlock();
@@ -169,8 +167,7 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
       over_grpc.push_back(i);  // the two calls, on the data plane or not
       continue;
     }
-    DataSlot& slot = *data_slots_[call.shard * options_.connections_per_shard +
-                                  call.connection];
+    DataSlot& slot = *data_slots_[SlotOf(call.shard, call.connection)];
     auto it = std::find_if(held.begin(), held.end(),
                            [&slot](const auto& h) { return h.first == &slot; });
     if (it == held.end()) {

@@ -1,0 +1,168 @@
+// A shard held by R server processes (--replicas=R): primary-backup with a
+// synchronous forward.
+//
+// The primary serves the workers. Every request that changes the shard's
+// state (a push, a registration, a heartbeat, ...) is applied by the
+// primary and then forwarded, as the worker sent it, to every replica of
+// its set; the worker gets its answer only once each of them has applied
+// it too. A backup applies forwarded requests with the same shard code, so
+// its state follows the primary's: in sync mode exactly (a step's gradients
+// are summed in worker order, whatever order they came in), in async mode
+// up to the order of concurrent pushes. Workers' requests to a backup are
+// refused UNAVAILABLE, naming the primary; the client then tries the next
+// replica of the shard.
+//
+// Why primary-backup and not a chain: a sync step is one round of pushes
+// from every worker, and its latency is what a job feels. A forward from
+// the primary reaches every backup in one hop (in parallel for R = 3); a
+// chain adds a hop per replica to every push. The chain's advantage (the
+// tail answers reads, spreading them) matters little here, where each
+// worker pulls every block of a shard once a step.
+//
+// Failover. A backup watches the replicas before it in the set (probes
+// every 100 ms). It takes over, at a higher epoch, when every one of them
+// is gone: refusing connections (the process died; its host is up) three
+// probes in a row, silent for --replica_takeover_s (the host died or is cut
+// off), or restarted without the state ("stale"). Every forward carries
+// the sender's epoch, and a replica refuses one from a lower epoch: a
+// primary that was cut off and replaced can no longer get a forward
+// acknowledged, so it acknowledges nothing to workers, and steps down
+// (stale) when it hears of the higher epoch. A primary drops a backup from
+// its set only when the backup's port refuses connections (its process is
+// gone, so it cannot have taken over) or the backup says it is stale; a
+// backup that is merely silent holds the primary's answers (the job waits,
+// nothing diverges) until it answers or its process is gone.
+//
+// Not yet: a replacement replica does not catch up from a live one. A
+// replica process that starts while another replica of its shard holds the
+// model stays "stale": it refuses workers and forwards, and the shard runs
+// with the replicas it has left.
+#ifndef PSTRAIN_PS_SERVER_REPLICATION_H_
+#define PSTRAIN_PS_SERVER_REPLICATION_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "proto/ps.grpc.pb.h"
+#include "proto/ps.pb.h"
+
+namespace pstrain {
+
+struct ReplicaOptions {
+  int shard_id = 0;
+  // This process's index in its shard's replica set, and the set's
+  // addresses (host:port of each replica's gRPC port, by index).
+  int replica_index = 0;
+  std::vector<std::string> addresses;
+  // Sent on every forward when the servers require a token.
+  std::string auth_token;
+  absl::Duration probe_interval = absl::Milliseconds(100);
+  // Probes in a row that must find a replica's port refusing connections.
+  int refused_probes = 3;
+  // How long a replica may be silent before the next one takes over.
+  absl::Duration takeover_after_silence = absl::Seconds(2);
+  // How long a forward may take before the worker is answered UNAVAILABLE.
+  absl::Duration forward_timeout = absl::Seconds(10);
+  // How long a registration's forward waits for a replica that is not up
+  // yet (the job's start).
+  absl::Duration startup_wait = absl::Seconds(60);
+};
+
+class ReplicaSet {
+ public:
+  enum class Role { kJoining, kPrimary, kBackup, kStale };
+  static const char* RoleName(Role role);
+
+  // `has_model`: whether this process's shard holds a registered model.
+  ReplicaSet(const ReplicaOptions& options, std::function<bool()> has_model);
+  ~ReplicaSet();  // Stop()
+
+  // Once the server listens (its peers' probes need an answer): asks the
+  // other replicas where the set stands, takes this process's role, and
+  // (a backup) starts watching the replicas before it. A process that
+  // finds another replica holding the model is stale.
+  void Start();
+  void Stop();
+
+  // OK when this replica serves workers (the primary); otherwise
+  // UNAVAILABLE, naming the primary as far as this replica knows.
+  absl::Status ServesWorkers() const;
+
+  // The primary: `request` (the worker's request of `method`, as sent) to
+  // every replica of the set, in parallel; OK once each has applied it.
+  // UNAVAILABLE when one did not answer in time or this replica was
+  // deposed: the worker's answer must not say the request is held.
+  // `wait_for_replicas`: wait up to startup_wait for replicas that are not
+  // up yet (a registration at the job's start).
+  absl::Status Forward(absl::string_view method, std::string request,
+                       bool wait_for_replicas = false);
+
+  // The receiving side of Replicate, before the request is applied: OK
+  // when a request of `epoch` may be applied here. Refuses one from a
+  // lower epoch (FAILED_PRECONDITION "fenced"), and any forward to a stale
+  // replica; a primary hearing of a higher epoch steps down (stale).
+  absl::Status AdmitForward(const ReplicateRequest& request);
+  // Answers "probe" and "drop" (the latter: this replica left the set).
+  ReplicateResponse Answer(const ReplicateRequest& request);
+
+  // The replica fields of StatsResponse.
+  void AddStats(StatsResponse* stats) const;
+  bool is_primary() const { return role_.load() == Role::kPrimary; }
+
+ private:
+  struct Peer {
+    int index = 0;
+    std::string address;
+    std::unique_ptr<ParameterServer::Stub> stub;
+    // The watcher's view (backups, of the replicas before them).
+    int refused_in_a_row = 0;
+    absl::Time last_heard;
+    bool stale = false;
+  };
+
+  absl::StatusOr<ReplicateResponse> Call(Peer& peer,
+                                         const ReplicateRequest& request,
+                                         absl::Duration timeout,
+                                         bool wait_for_ready) const;
+  // Whether `peer`'s port refuses TCP connections now: its process is gone.
+  bool Gone(const Peer& peer) const;
+  void Watch();
+  // Takes over as primary, at an epoch past every one seen.
+  void TakeOver(const std::string& why);
+  void Drop(int index, const std::string& why);
+  void StepDown(const std::string& why);
+  void NoteEpoch(int64_t epoch);
+
+  const ReplicaOptions options_;
+  const std::function<bool()> has_model_;
+  std::vector<std::unique_ptr<Peer>> peers_;  // every replica but this one
+
+  std::atomic<Role> role_{Role::kJoining};
+  std::atomic<int64_t> epoch_{0};
+  // The replica this one believes is primary (-1: none known).
+  std::atomic<int> primary_{0};
+  mutable absl::Mutex mu_;
+  // The primary's set: the peers it forwards to, by index.
+  std::vector<int> in_set_ ABSL_GUARDED_BY(mu_);
+
+  std::atomic<int64_t> forwards_{0};
+  std::atomic<int64_t> takeovers_{0};
+  std::atomic<int64_t> dropped_{0};
+  absl::Notification stop_;
+  std::thread watcher_;
+};
+
+}  // namespace pstrain
+
+#endif  // PSTRAIN_PS_SERVER_REPLICATION_H_

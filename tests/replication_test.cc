@@ -1,0 +1,278 @@
+// Replicated shards (ps_server --replicas, ps_server/replication.h) with real
+// processes: a primary or a backup killed with SIGKILL in the middle of a job,
+// the old primary restarted, and what the job ends with. The probe model
+// pushes a gradient of exactly 1 per element per step with SGD at rate 1, so
+// the servers' final model says how many updates each block got: anything
+// lost or applied twice shows as a value off by whole steps.
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "tests/test_cluster.h"
+#include "worker/client/ps_client.h"
+#include "worker/model.h"
+
+namespace pstrain {
+namespace {
+
+using testing::ClusterOptions;
+using testing::Process;
+using testing::TestCluster;
+
+constexpr int kWorkers = 2;
+constexpr int kShards = 2;
+constexpr int kSteps = 300;
+constexpr int64_t kElements = 1 << 16;
+constexpr int64_t kBlock = 1 << 12;
+
+struct ReplicationCase {
+  std::string mode;
+  // Which replica of shard 1 dies (0: the primary), and whether the dead
+  // process is started again during the job.
+  int killed_replica;
+  bool restarted;
+};
+
+// Every process's log, for whoever reads a failure.
+void DumpLogsOnFailure(const TestCluster& cluster) {
+  if (!::testing::Test::HasFailure()) return;
+  for (const auto& entry : std::filesystem::directory_iterator(cluster.dir())) {
+    if (entry.path().extension() != ".log") continue;
+    std::ifstream in(entry.path());
+    std::stringstream text;
+    text << in.rdbuf();
+    ADD_FAILURE() << "=== " << entry.path() << "\n" << text.str();
+  }
+}
+
+class ReplicationTest : public ::testing::TestWithParam<ReplicationCase> {};
+
+TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
+  const ReplicationCase& c = GetParam();
+  ClusterOptions options;
+  options.num_shards = kShards;
+  options.num_workers = kWorkers;
+  options.mode = c.mode;
+  options.replicas = 2;
+  options.server_flags = {"--optimizer=sgd", "--learning_rate=1",
+                          "--worker_lease_s=5"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> started = TestCluster::Start(
+      options, absl::StrCat("replicated_", c.mode, "_", c.killed_replica,
+                            c.restarted ? "_restarted" : ""));
+  ASSERT_TRUE(started.ok()) << started.status();
+  TestCluster& cluster = **started;
+  const std::vector<std::string> flags = {
+      "--model=probe",
+      absl::StrCat("--probe_elements=", kElements),
+      absl::StrCat("--block_elements=", kBlock),
+      absl::StrCat("--steps=", kSteps),
+      "--log_every=0",
+      "--device=cpu",
+      "--heartbeat_interval_s=0.2",
+      "--retry_window_s=60",
+      "--rpc_timeout_s=30",
+      "--inject_step_delay_ms=5"};
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < kWorkers; ++k) {
+    absl::StatusOr<std::unique_ptr<Process>> worker =
+        cluster.StartWorker(k, kWorkers, flags);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    workers.push_back(std::move(*worker));
+  }
+  // A third of the way in, every shard's primary has applied updates and
+  // forwarded them.
+  const int64_t kill_at = c.mode == "sync" ? kSteps / 3 : kSteps * kWorkers / 3;
+  ASSERT_TRUE(cluster
+                  .WaitForStats(
+                      [kill_at](const StatsResponse& s) {
+                        return s.version() >= kill_at;
+                      },
+                      absl::Seconds(60))
+                  .ok());
+  cluster.KillReplica(1, c.killed_replica);
+  if (c.restarted) {
+    ASSERT_TRUE(cluster.RestartReplica(1, c.killed_replica).ok());
+  }
+  for (auto& worker : workers) {
+    absl::StatusOr<int> code = worker->Wait(absl::Seconds(120));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << worker->Stderr();
+  }
+
+  // The servers' model: every element was pushed 1 by every update.
+  PsClientOptions client_options;
+  client_options.hosts = cluster.HostList();
+  absl::StatusOr<std::unique_ptr<PsClient>> observer =
+      PsClient::Create(client_options);
+  ASSERT_TRUE(observer.ok()) << observer.status();
+  auto backend = std::move(*kernels::CreateBackend("cpu"));
+  ModelSchema schema;
+  schema.set_seed(1);
+  schema.set_block_elements(kBlock);
+  *schema.add_dense() =
+      (*CreateProbeModel(backend.get(), kElements))->Params()[0];
+  ASSERT_TRUE((*observer)->Register(schema, kWorkers, -1).ok());
+  std::vector<float> w(kElements, NAN);
+  ASSERT_TRUE((*observer)->Pull(0, {w.data()}).ok());
+  const float expected = c.mode == "sync" ? -kSteps : -kSteps * kWorkers;
+  int64_t off = 0;
+  for (int64_t i = 0; i < kElements; ++i) off += w[i] != expected;
+  EXPECT_EQ(off, 0) << "elements off the " << expected
+                    << " every update gives; the first is " << w[0];
+
+  // Shard 1 ends with one replica serving, which took over if the primary
+  // died, lost nothing by its count, and dropped the dead one if it was a
+  // backup.
+  const int survivor = 1 - c.killed_replica;
+  absl::StatusOr<StatsResponse> stats = cluster.ReplicaStats(1, survivor);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->replica_role(), "primary");
+  EXPECT_EQ(stats->replica_takeovers(), c.killed_replica == 0 ? 1 : 0);
+  EXPECT_EQ(stats->updates_lost(), 0);
+  EXPECT_EQ(stats->steps_lost(), 0);
+  if (c.killed_replica == 1) {
+    EXPECT_EQ(stats->replicas_dropped(), 1);
+  }
+  if (c.restarted) {
+    absl::StatusOr<StatsResponse> back =
+        cluster.ReplicaStats(1, c.killed_replica);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->replica_role(), "stale");
+  }
+  // Shard 0 was not disturbed: its backup holds what its primary holds.
+  absl::StatusOr<StatsResponse> primary0 = cluster.ReplicaStats(0, 0);
+  absl::StatusOr<StatsResponse> backup0 = cluster.ReplicaStats(0, 1);
+  ASSERT_TRUE(primary0.ok() && backup0.ok());
+  EXPECT_EQ(backup0->replica_role(), "backup");
+  EXPECT_EQ(backup0->version(), primary0->version());
+  EXPECT_GT(primary0->replica_forwards(), 0);
+  DumpLogsOnFailure(cluster);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    KillOneReplica, ReplicationTest,
+    ::testing::Values(ReplicationCase{"sync", 0, false},
+                      ReplicationCase{"sync", 1, false},
+                      ReplicationCase{"sync", 0, true},
+                      ReplicationCase{"async", 0, false},
+                      ReplicationCase{"async", 1, true}),
+    [](const ::testing::TestParamInfo<ReplicationCase>& info) {
+      return absl::StrCat(
+          info.param.mode,
+          info.param.killed_replica == 0 ? "_primary" : "_backup",
+          info.param.restarted ? "_restarted" : "");
+    });
+
+// A sync job whose shard 1 loses its primary (after `kill_after_step`
+// steps; 0: never) on 2 shards x 2 replicas; worker 0's final JSON line.
+std::string RunSyncJob(const std::string& name,
+                       const std::vector<std::string>& flags,
+                       int64_t kill_after_step) {
+  ClusterOptions options;
+  options.num_shards = kShards;
+  options.num_workers = kWorkers;
+  options.replicas = 2;
+  options.server_flags = {"--worker_lease_s=5"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> started =
+      TestCluster::Start(options, name);
+  EXPECT_TRUE(started.ok()) << started.status();
+  if (!started.ok()) return "";
+  TestCluster& cluster = **started;
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < kWorkers; ++k) {
+    absl::StatusOr<std::unique_ptr<Process>> worker =
+        cluster.StartWorker(k, kWorkers, flags);
+    EXPECT_TRUE(worker.ok()) << worker.status();
+    if (!worker.ok()) return "";
+    workers.push_back(std::move(*worker));
+  }
+  if (kill_after_step > 0) {
+    EXPECT_TRUE(cluster
+                    .WaitForStats(
+                        [kill_after_step](const StatsResponse& s) {
+                          return s.version() >= kill_after_step;
+                        },
+                        absl::Seconds(60))
+                    .ok());
+    cluster.KillReplica(1, 0);
+  }
+  std::string out;
+  for (auto& worker : workers) {
+    absl::StatusOr<int> code = worker->Wait(absl::Seconds(120));
+    EXPECT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(code.value_or(-1), 0) << worker->Stderr();
+    if (out.empty()) out = worker->Stdout();
+  }
+  if (kill_after_step > 0) {
+    absl::StatusOr<StatsResponse> survivor = cluster.ReplicaStats(1, 1);
+    EXPECT_TRUE(survivor.ok()) << survivor.status();
+    if (survivor.ok()) {
+      EXPECT_EQ(survivor->replica_takeovers(), 1);
+    }
+  }
+  DumpLogsOnFailure(cluster);
+  return out;
+}
+
+// In sync mode the new primary holds exactly the model the old one did, so
+// the job ends as an undisturbed one does, to the last digit printed.
+TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> models = {
+      {"mlp",
+       {"--model=mlp", "--hidden=16", "--num_features=12", "--num_classes=3",
+        "--train_examples=4096", "--test_examples=512", "--batch_size=16",
+        "--block_elements=64", "--steps=240"}},
+      {"ctr",
+       {"--model=ctr", "--ctr_fields=4", "--ctr_dense=2", "--ctr_vocab=2000",
+        "--batch_size=128", "--steps=240"}}};
+  for (const auto& [model, model_flags] : models) {
+    std::vector<std::string> flags = model_flags;
+    flags.insert(flags.end(),
+                 {"--log_every=0", "--device=cpu", "--heartbeat_interval_s=0.2",
+                  "--retry_window_s=60", "--rpc_timeout_s=30",
+                  "--inject_step_delay_ms=5"});
+    const std::string calm =
+        RunSyncJob(absl::StrCat("calm_", model), flags, /*kill_after=*/0);
+    const std::string killed =
+        RunSyncJob(absl::StrCat("killed_", model), flags, /*kill_after=*/80);
+    for (const char* key :
+         model == "mlp"
+             ? std::vector<const char*>{"final_loss", "test_loss",
+                                        "test_accuracy"}
+             : std::vector<const char*>{"final_loss", "auc", "logloss"}) {
+      absl::StatusOr<double> a = testing::FinalJsonNumber(calm, key);
+      absl::StatusOr<double> b = testing::FinalJsonNumber(killed, key);
+      ASSERT_TRUE(a.ok() && b.ok()) << model << " " << key << "\n"
+                                    << calm << "\n"
+                                    << killed;
+      EXPECT_EQ(*a, *b) << model << " " << key;
+    }
+  }
+}
+
+// Flags a replica set cannot start with: one line, exit 2.
+TEST(ReplicationFlagsTest, AReplicaSetWithoutItsAddressesIsRefused) {
+  const std::string dir = testing::TestDir();
+  absl::StatusOr<std::unique_ptr<Process>> server = Process::Start(
+      {testing::BinaryPath("ps_server/ps_server"), "--port=0", "--replicas=2",
+       "--replica_index=1", "--replica_hosts=127.0.0.1:1"},
+      dir, "bad_replica_flags");
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::StatusOr<int> code = (*server)->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 2);
+  EXPECT_NE((*server)->Stderr().find(
+                "--replica_hosts must list the gRPC address of each of the "
+                "shard's 2 replicas"),
+            std::string::npos)
+      << (*server)->Stderr();
+}
+
+}  // namespace
+}  // namespace pstrain
