@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/consistency_mode.h"
 #include "nlohmann/json.hpp"
@@ -92,9 +93,10 @@ absl::Status ParseFlagMap(
 
 // The flags a role derives from the spec's own keys.
 bool DerivedFlag(ClusterRole role, const std::string& name) {
-  static const char* const kPs[] = {"num_shards",  "shard_id",    "port",
-                                    "num_workers", "max_workers", "mode",
-                                    "cluster_spec"};
+  static const char* const kPs[] = {
+      "num_shards",    "shard_id",     "port",         "num_workers",
+      "max_workers",   "mode",         "cluster_spec", "replicas",
+      "replica_index", "replica_hosts"};
   static const char* const kWorker[] = {"ps_hosts", "worker_id", "num_workers",
                                         "cluster_spec"};
   if (role == ClusterRole::kPs) {
@@ -121,9 +123,22 @@ absl::Status ParsePsList(const Json& value, absl::string_view source,
                         absl::StrCat("must be a \"host:port\" string, got ",
                                      Shown(value[i])));
     }
+    // A replicated shard: its replicas' host:port joined by '|'.
     const std::string host = value[i].get<std::string>();
-    if (absl::Status s = ParseHostPort(host).status(); !s.ok()) {
-      return FieldError(source, entry, s.message());
+    const std::vector<std::string> replicas = absl::StrSplit(host, '|');
+    for (const std::string& replica : replicas) {
+      if (absl::Status s = ParseHostPort(replica).status(); !s.ok()) {
+        return FieldError(source, entry, s.message());
+      }
+    }
+    if (!ps->empty() &&
+        std::count(ps->front().begin(), ps->front().end(), '|') + 1 !=
+            static_cast<int>(replicas.size())) {
+      return FieldError(source, entry,
+                        absl::StrCat("lists ", replicas.size(),
+                                     " replica(s), \"", ps->front(),
+                                     "\" another number: every shard has as "
+                                     "many"));
     }
     ps->push_back(host);
   }
@@ -284,9 +299,14 @@ absl::StatusOr<ClusterSpec> ParseClusterSpec(absl::string_view json,
           absl::StatusOr<int> n = IntField(task_value, source, field, 0);
           if (!n.ok()) return n.status();
           spec.task_index = *n;
+        } else if (task_key == "replica") {
+          absl::StatusOr<int> n = IntField(task_value, source, field, 0);
+          if (!n.ok()) return n.status();
+          spec.task_replica = *n;
         } else {
           return FieldError(source, field,
-                            "unknown field (task has \"type\" and \"index\")");
+                            "unknown field (task has \"type\", \"index\" "
+                            "and, for a replicated ps, \"replica\")");
         }
       }
       if (spec.task_type.empty() || spec.task_index < 0) {
@@ -404,7 +424,24 @@ absl::StatusOr<std::vector<FlagSetting>> FlagsFromClusterSpec(
     // The shard's port is the one the others will dial; out of range is
     // left to ps_server's own --shard_id check.
     if (shard >= 0 && shard < static_cast<int>(spec.ps.size())) {
-      set("port", absl::StrCat(*ParseHostPort(spec.ps[shard])));
+      const std::vector<std::string> replicas =
+          absl::StrSplit(spec.ps[shard], '|');
+      int replica = 0;
+      if (replicas.size() > 1) {
+        replica = explicit_flags.count("replica_index") == 0
+                      ? spec.task_replica
+                      : std::atoi(current("replica_index").c_str());
+        if (replica < 0 || replica >= static_cast<int>(replicas.size())) {
+          return FieldError(
+              spec.source, "task.replica",
+              absl::StrCat("replica ", replica, " out of range: shard ", shard,
+                           " has ", replicas.size(), " replicas"));
+        }
+        set("replicas", absl::StrCat(replicas.size()));
+        set("replica_index", absl::StrCat(replica));
+        set("replica_hosts", absl::StrJoin(replicas, ","));
+      }
+      set("port", absl::StrCat(*ParseHostPort(replicas[replica])));
     }
     if (spec.workers > 0) set("num_workers", absl::StrCat(spec.workers));
     if (spec.max_workers > 0) {

@@ -6,6 +6,11 @@
 //    "mode": "sync", "task": {"type": "worker", "index": 2},
 //    "ps_flags": {"optimizer": "adam"}, "worker_flags": {"model": "mlp"}}
 //
+// A replicated shard (ps_server --replicas) is its replicas' addresses
+// joined by '|' ("ps0a:5000|ps0b:5000"), and its ps tasks say which replica
+// they are: {"type": "ps", "index": 0, "replica": 1}; ps_server then derives
+// --replicas --replica_index --replica_hosts too.
+//
 // Every key but "ps" is optional. A binary derives its job flags from it
 // (ps_server: --num_shards --shard_id --port --num_workers --max_workers
 // --mode; worker: --ps_hosts --worker_id --num_workers), takes any other
@@ -45,6 +50,9 @@ struct ClusterSpec {
   std::string mode;             // empty: not given
   std::string task_type;        // "ps", "worker" or empty (no task)
   int task_index = -1;
+  // A ps task of a replicated shard ("ps" entries "h1:p|h2:p"): which
+  // replica of shard task_index this process is.
+  int task_replica = 0;
   // More flags of each binary, name -> value as on a command line.
   std::vector<std::pair<std::string, std::string>> ps_flags, worker_flags;
   std::string source;  // where it came from, for messages

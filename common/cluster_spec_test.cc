@@ -101,6 +101,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{R"({"ps": ["a:1"], "workers": 2, "task": {"type": "worker",
                 "index": 2}})",
                 "\"task.index\": worker task 2 out of range"},
+        BadCase{R"({"ps": ["a:1|b:2", "c:3"]})",
+                "\"ps[1]\": lists 1 replica(s), \"a:1|b:2\" another number"},
+        BadCase{R"({"ps": ["a:1|b"]})", "\"ps[0]\": \"b\" is not host:port"},
         BadCase{R"({"ps": ["a:1"], "worker_flags": ["--model=mlp"]})",
                 "\"worker_flags\": must be an object of flag values"},
         BadCase{R"({"ps": ["a:1"], "ps_flags": {"learning_rate": [1]}})",
@@ -172,6 +175,31 @@ TEST(FlagsFromClusterSpecTest, PsWithoutTaskUsesItsShardIdFlag) {
   EXPECT_EQ(AsMap(*flags),
             (std::map<std::string, std::string>{
                 {"num_shards", "2"}, {"port", "2"}, {"num_workers", "2"}}));
+}
+
+TEST(FlagsFromClusterSpecTest, ReplicatedPsTakesItsReplicaSet) {
+  absl::StatusOr<ClusterSpec> spec = ParseClusterSpec(
+      R"({"ps": ["a:1|b:2", "c:3|d:4"], "workers": 2,
+          "task": {"type": "ps", "index": 1, "replica": 1}})",
+      "test");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  absl::StatusOr<std::vector<FlagSetting>> flags =
+      FlagsFromClusterSpec(ClusterRole::kPs, *spec, {}, NoCurrent);
+  ASSERT_TRUE(flags.ok()) << flags.status();
+  EXPECT_EQ(AsMap(*flags),
+            (std::map<std::string, std::string>{{"num_shards", "2"},
+                                                {"shard_id", "1"},
+                                                {"replicas", "2"},
+                                                {"replica_index", "1"},
+                                                {"replica_hosts", "c:3,d:4"},
+                                                {"port", "4"},
+                                                {"num_workers", "2"}}));
+  // Workers list every replica set as it is.
+  absl::StatusOr<std::vector<FlagSetting>> worker =
+      FlagsFromClusterSpec(ClusterRole::kWorker, *spec, {"worker_id"},
+                           [](const std::string&) { return "0"; });
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  EXPECT_EQ(AsMap(*worker).at("ps_hosts"), "a:1|b:2,c:3|d:4");
 }
 
 TEST(FlagsFromClusterSpecTest, WorkerTakesHostsIdAndCount) {

@@ -35,4 +35,18 @@ launch --servers=1 --workers=1 --run_dir="$T/ok" -- --server.optimizer=adam \
   --server.learning_rate=0.001 --steps=5 --log_every=0 >"$T/out" 2>"$T/err" ||
   fail "a valid --server. flag was refused: $(tail -n 20 "$T/err")"
 grep -q "adam" "$T/ok/ps0.log" || fail "ps_server did not get --optimizer=adam: $(head -n 20 "$T/ok/ps0.log")"
+# --replicas: a bad count is one line, exit 2; two replicas per shard run
+# the job, replica 0 as the primary and replica 1 as its backup.
+rc=0
+launch --replicas=0 --run_dir="$T/bad_replicas" -- --steps=5 >"$T/out" 2>"$T/err" || rc=$?
+[[ $rc == 2 && $(wc -l <"$T/err") == 1 ]] || fail "--replicas=0: exit $rc: $(cat "$T/err")"
+grep -qF -- "--replicas must be an integer >= 1, got '0'" "$T/err" || fail "--replicas=0: $(cat "$T/err")"
+launch --servers=1 --replicas=2 --workers=1 --run_dir="$T/replicated" -- --steps=5 \
+  --log_every=0 >"$T/out" 2>"$T/err" || fail "a replicated job failed: $(tail -n 20 "$T/err")"
+grep -q "replica 0 of shard 0 is the primary" "$T/replicated/ps0.log" ||
+  fail "replica 0 is not the primary: $(head -n 20 "$T/replicated/ps0.log")"
+grep -q "replica 1 of shard 0 is a backup" "$T/replicated/ps1.log" ||
+  fail "replica 1 is not a backup: $(head -n 20 "$T/replicated/ps1.log")"
+grep -q '"ps": \["127.0.0.1:[0-9]*|127.0.0.1:[0-9]*"\]' "$T/replicated/cluster.json" ||
+  fail "cluster.json lacks the replica set: $(cat "$T/replicated/cluster.json")"
 echo PASS

@@ -33,6 +33,12 @@ is checkpointed) and exits 0.
 
 Options:
   --servers=S      number of ps_server shards (default 2)
+  --replicas=R     server processes per shard (default 1): each shard's
+                   primary forwards every change to its R-1 backups before
+                   answering, and a backup takes over when it dies (see
+                   README.md, "Replicated shards"). All of them run on this
+                   machine, so the replicas share its fate: this is for
+                   trying failover, not for surviving a host.
   --workers=W      number of workers (default 2)
   --mode=MODE      sync, async or ssp (default sync; ssp: add
                    --server.staleness=S after --)
@@ -293,6 +299,7 @@ on_signal() {
 # --- Options ------------------------------------------------------------------
 
 SERVERS=2
+REPLICAS=1
 WORKERS=2
 MODE=sync
 BIN_DIR=""
@@ -316,7 +323,7 @@ check_count() {
     usage_error "--$name must be an integer >= 1, got '$value'"
 }
 
-readonly SERVER_OWNED=" host port port_file shard_id num_shards num_workers mode "
+readonly SERVER_OWNED=" host port port_file shard_id num_shards num_workers mode replicas replica_index replica_hosts "
 readonly WORKER_OWNED=" cluster_spec ps_hosts worker_id num_workers "
 
 # Splits one extra flag into SERVER_FLAGS / WORKER_FLAGS.
@@ -405,14 +412,14 @@ parse_args() {
         done
         break
         ;;
-      --servers* | --workers* | --mode* | --bin_dir* | --run_dir* | --timeout_s*)
+      --servers* | --replicas* | --workers* | --mode* | --bin_dir* | --run_dir* | --timeout_s*)
         if [[ "$arg" == *=* ]]; then
           name=${arg%%=*}
           value=${arg#*=}
         else
           name=$arg
           case "$name" in
-            --servers | --workers | --mode | --bin_dir | --run_dir | --timeout_s) ;;
+            --servers | --replicas | --workers | --mode | --bin_dir | --run_dir | --timeout_s) ;;
             *) usage_error "unknown option '$arg' (see --help)" ;;
           esac
           (($# > 0)) || usage_error "$name needs a value"
@@ -421,6 +428,7 @@ parse_args() {
         fi
         case "$name" in
           --servers) SERVERS=$value ;;
+          --replicas) REPLICAS=$value ;;
           --workers) WORKERS=$value ;;
           --mode) MODE=$value ;;
           --bin_dir) BIN_DIR=$value BIN_DIR_SET=1 ;;
@@ -465,6 +473,10 @@ parse_args() {
       usage_error "--python: $PYTHON cannot import pstrain.torch (install it: worker/python/install.sh)"
   fi
   check_count servers "$SERVERS"
+  check_count replicas "$REPLICAS"
+  ((REPLICAS <= 5)) || usage_error "--replicas must be at most 5, got $REPLICAS"
+  [[ -z "$TLS_DIR" || "$REPLICAS" == 1 ]] ||
+    usage_error "--replicas > 1 with --tls_dir is not supported yet (replicas forward to each other in plaintext)"
   check_count workers "$WORKERS"
   check_count timeout_s "$TIMEOUT_S"
   [[ "$MODE" == sync || "$MODE" == async || "$MODE" == ssp ]] ||
@@ -521,14 +533,44 @@ metrics_flags() {
   fi
 }
 
+# Server process i is replica i % REPLICAS of shard i / REPLICAS.
 start_servers() {
-  local i pid
-  for ((i = 0; i < SERVERS; i++)); do
+  local i pid shard replica port set r
+  local -a ports=()
+  if ((REPLICAS > 1)); then
+    # Each replica is told the others' addresses, so the ports are picked
+    # here (distinct, free now) instead of by the servers.
+    mapfile -t ports < <("$PYTHON" - "$((SERVERS * REPLICAS))" <<'PY'
+import socket, sys
+held = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    held.append(s)
+for s in held:
+    print(s.getsockname()[1])
+PY
+    ) || { info "cannot pick free ports for the replicas"; exit 1; }
+  fi
+  for ((i = 0; i < SERVERS * REPLICAS; i++)); do
+    shard=$((i / REPLICAS))
+    replica=$((i % REPLICAS))
+    REPLICA_FLAGS=()
+    port=0
+    if ((REPLICAS > 1)); then
+      port=${ports[i]}
+      set=""
+      for ((r = 0; r < REPLICAS; r++)); do
+        set+="${set:+,}127.0.0.1:${ports[shard * REPLICAS + r]}"
+      done
+      REPLICA_FLAGS=(--replicas="$REPLICAS" --replica_index="$replica" --replica_hosts="$set")
+    fi
     rm -f -- "$RUN/ps$i.port"
     metrics_flags "ps$i"
-    "$PS_BIN" --host=127.0.0.1 --port=0 --port_file="$RUN/ps$i.port" \
-      --shard_id="$i" --num_shards="$SERVERS" --num_workers="$WORKERS" \
-      --mode="$MODE" ${METRICS_FLAGS[@]+"${METRICS_FLAGS[@]}"} \
+    "$PS_BIN" --host=127.0.0.1 --port="$port" --port_file="$RUN/ps$i.port" \
+      --shard_id="$shard" --num_shards="$SERVERS" --num_workers="$WORKERS" \
+      --mode="$MODE" ${REPLICA_FLAGS[@]+"${REPLICA_FLAGS[@]}"} \
+      ${METRICS_FLAGS[@]+"${METRICS_FLAGS[@]}"} \
       ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} \
       >"$RUN/ps$i.log" 2>&1 &
     pid=$!
@@ -544,7 +586,7 @@ wait_for_ports() {
   local deadline=$((NOW_MS + PORT_WAIT_S * 1000))
   while :; do
     ready=0
-    for ((i = 0; i < SERVERS; i++)); do
+    for ((i = 0; i < SERVERS * REPLICAS; i++)); do
       if [[ -n "${ports[i]:-}" ]]; then
         ready=$((ready + 1))
         continue
@@ -566,11 +608,11 @@ wait_for_ports() {
         exit 1
       fi
     done
-    ((ready < SERVERS)) || break
+    ((ready < SERVERS * REPLICAS)) || break
     check_job_deadline
     now_ms
     if ((NOW_MS >= deadline)); then
-      for ((i = 0; i < SERVERS; i++)); do
+      for ((i = 0; i < SERVERS * REPLICAS; i++)); do
         if [[ -z "${ports[i]:-}" ]]; then
           info "ps_server $i did not write $RUN/ps$i.port within $PORT_WAIT_S s"
           show_log_tail "$RUN/ps$i.log"
@@ -580,20 +622,27 @@ wait_for_ports() {
     fi
     pause
   done
+  # A replicated shard is its replicas' addresses joined by '|'.
   PS_HOSTS=""
-  local json=""
+  local json="" entry r
   for ((i = 0; i < SERVERS; i++)); do
-    PS_HOSTS+="${PS_HOSTS:+,}127.0.0.1:${ports[i]}"
-    json+="${json:+, }\"127.0.0.1:${ports[i]}\""
+    entry=""
+    for ((r = 0; r < REPLICAS; r++)); do
+      entry+="${entry:+|}127.0.0.1:${ports[i * REPLICAS + r]}"
+    done
+    PS_HOSTS+="${PS_HOSTS:+,}$entry"
+    json+="${json:+, }\"$entry\""
   done
   PS_JSON=$json
   # The job's one description, which every worker reads (--cluster_spec).
   printf '{"ps": [%s], "workers": %d, "mode": "%s"}\n' "$json" "$WORKERS" "$MODE" \
     >"$RUN/cluster.json.tmp" && mv -f -- "$RUN/cluster.json.tmp" "$RUN/cluster.json"
   info "$SERVERS ps_server(s) serving ($MODE): $PS_HOSTS"
+  ((REPLICAS == 1)) ||
+    info "each shard has $REPLICAS replicas, all on this machine (127.0.0.1): one host cannot keep them apart (on a cluster, give each replica of a shard its own host: the Slurm and Kubernetes scripts do not place replicas yet)"
   if ((METRICS)); then
     local urls="" port
-    for ((i = 0; i < SERVERS; i++)); do
+    for ((i = 0; i < SERVERS * REPLICAS; i++)); do
       port=$(cat -- "$RUN/ps$i.metrics_port" 2>/dev/null) || port="?"
       urls+="${urls:+ }http://127.0.0.1:${port//[[:space:]]/}/metrics"
     done
@@ -720,7 +769,7 @@ wait_for_workers() {
       fi
     done
     ((remaining > 0)) || break
-    for ((i = 0; i < SERVERS; i++)); do
+    for ((i = 0; i < SERVERS * REPLICAS; i++)); do
       pid=${SERVER_PIDS[i]}
       [[ -n "${LIVE[$pid]+x}" ]] || continue
       alive "$pid" && continue
@@ -757,7 +806,8 @@ print_worker_results() {
 # (deploy/local/job_report.sh): one {"event":"job",...} line on stdout,
 # warnings on stderr.
 report_job() {
-  "$HERE/job_report.sh" --prog="$PROG" --shards="$SERVERS" --workers="$WORKERS" \
+  # Every replica says how its shard ends.
+  "$HERE/job_report.sh" --prog="$PROG" --shards="$((SERVERS * REPLICAS))" --workers="$WORKERS" \
     --logs="$RUN/ps*.log" < <(cat "$RUN"/ps*.log 2>/dev/null) || true
 }
 
@@ -797,7 +847,7 @@ main() {
   else
     RUN=$(mktemp -d /tmp/pstrain-run.XXXXXX)
   fi
-  info "run dir $RUN; $SERVERS server(s), $WORKERS worker(s), mode $MODE, timeout ${TIMEOUT_S}s"
+  info "run dir $RUN; $SERVERS server(s)$( ((REPLICAS == 1)) || echo " x $REPLICAS replicas"), $WORKERS worker(s), mode $MODE, timeout ${TIMEOUT_S}s"
 
   start_servers
   wait_for_ports
