@@ -96,6 +96,12 @@ ReplicaSet::ReplicaSet(const ReplicaOptions& options,
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(-1);
     args.SetMaxSendMessageSize(-1);
+    // A peer not up yet, or restarting, is tried again soon: gRPC's default
+    // backoff (1 s growing to 120 s) would keep probes failing fast long
+    // after it is back.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     peer->stub = ParameterServer::NewStub(grpc::CreateCustomChannel(
         peer->address, grpc::InsecureChannelCredentials(), args));
     peers_.push_back(std::move(peer));
@@ -126,6 +132,7 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::Call(
     return FromGrpcStatus(
         status, absl::StrCat("replica ", peer.index, " (", peer.address, ")"));
   }
+  peer.answered = true;
   return response;
 }
 
@@ -187,6 +194,7 @@ void ReplicaSet::Watch() {
   ReplicateRequest probe;
   probe.set_method("probe");
   probe.set_from_replica(options_.replica_index);
+  const absl::Time watching_since = absl::Now();
   while (!stop_.WaitForNotificationWithTimeout(options_.probe_interval)) {
     if (role_.load() != Role::kBackup) return;
     bool all_down = true;
@@ -213,19 +221,22 @@ void ReplicaSet::Watch() {
         }
         continue;
       }
-      // A replica never heard from is not up yet, not gone.
-      if (peer->last_heard == absl::InfinitePast()) {
-        all_down = false;
-        continue;
+      if (peer->last_heard == absl::InfinitePast() && peer->forwarded.load()) {
+        peer->last_heard = now;
       }
+      const bool heard = peer->last_heard != absl::InfinitePast();
+      // One never heard from may be starting still: its silence counts
+      // from when this one began watching.
+      const absl::Time since = heard ? peer->last_heard : watching_since;
       peer->refused_in_a_row = Gone(*peer) ? peer->refused_in_a_row + 1 : 0;
-      if (peer->refused_in_a_row >= options_.refused_probes) {
+      if (peer->refused_in_a_row >= options_.refused_probes &&
+          (heard || now - since >= options_.takeover_after_silence)) {
         why.push_back(absl::StrCat("replica ", peer->index, " (", peer->address,
                                    ") refuses connections"));
-      } else if (now - peer->last_heard >= options_.takeover_after_silence) {
-        why.push_back(absl::StrCat(
-            "replica ", peer->index, " (", peer->address, ") silent for ",
-            absl::FormatDuration(now - peer->last_heard)));
+      } else if (now - since >= options_.takeover_after_silence) {
+        why.push_back(absl::StrCat("replica ", peer->index, " (", peer->address,
+                                   ") ", heard ? "silent" : "never heard from",
+                                   " for ", absl::FormatDuration(now - since)));
       } else {
         all_down = false;
       }
@@ -330,14 +341,22 @@ absl::Status ReplicaSet::Forward(absl::string_view method, std::string request,
   // One call per replica, in parallel past the first.
   std::vector<absl::Status> results(targets.size());
   auto send = [&](size_t i) {
+    Peer& peer = *targets[i];
     while (true) {
       absl::StatusOr<ReplicateResponse> answer =
-          Call(*targets[i], forward, give_up - absl::Now(), wait_for_replicas);
+          Call(peer, forward, give_up - absl::Now(), /*wait_for_ready=*/false);
       results[i] = answer.status();
-      // A replica still learning its role answers in a moment.
-      if (answer.ok() ||
-          !absl::StrContains(answer.status().message(), kJoining) ||
-          absl::Now() + absl::Milliseconds(50) >= give_up) {
+      // A replica still learning its role answers in a moment; at the
+      // job's start, one that never answered may not be up yet (gRPC's
+      // wait-for-ready would also wait out one that died: one that answered
+      // before and now refuses is gone).
+      const bool again =
+          !answer.ok() &&
+          (absl::StrContains(answer.status().message(), kJoining) ||
+           (wait_for_replicas && !peer.answered.load() &&
+            absl::IsUnavailable(answer.status())));
+      if (!again || absl::Now() + absl::Milliseconds(50) >= give_up ||
+          !InSet(peer.index)) {
         return;
       }
       absl::SleepFor(absl::Milliseconds(50));
@@ -427,10 +446,23 @@ absl::Status ReplicaSet::AdmitForward(const ReplicateRequest& request) {
   }
   epoch_ = request.epoch();
   primary_ = request.from_replica();
+  for (auto& peer : peers_) {
+    if (peer->index == request.from_replica()) peer->forwarded = true;
+  }
   return absl::OkStatus();
 }
 
+bool ReplicaSet::InSet(int index) const {
+  absl::MutexLock lock(&mu_);
+  return std::find(in_set_.begin(), in_set_.end(), index) != in_set_.end();
+}
+
 ReplicateResponse ReplicaSet::Answer(const ReplicateRequest& request) {
+  // A replica that probes this one is up: if it refuses connections later,
+  // it is gone, not starting.
+  for (auto& peer : peers_) {
+    if (peer->index == request.from_replica()) peer->answered = true;
+  }
   if (request.method() == "drop" && request.epoch() >= epoch_.load()) {
     StepDown(absl::StrCat("replica ", request.from_replica(),
                           " dropped it from its set"));

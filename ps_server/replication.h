@@ -23,9 +23,11 @@
 // every 100 ms). It takes over, at a higher epoch, when every one of them
 // is gone: refusing connections (the process died; its host is up) three
 // probes in a row, silent for --replica_takeover_s (the host died or is cut
-// off), or restarted without the state ("stale"). Every forward carries
-// the sender's epoch, and a replica refuses one from a lower epoch: a
-// primary that was cut off and replaced can no longer get a forward
+// off), or restarted without the state ("stale"). A replica never heard
+// from (no probe answered, no forward sent) may still be starting: it is
+// gone only once it has refused or been silent for --replica_takeover_s. Every
+// forward carries the sender's epoch, and a replica refuses one from a lower
+// epoch: a primary that was cut off and replaced can no longer get a forward
 // acknowledged, so it acknowledges nothing to workers, and steps down
 // (stale) when it hears of the higher epoch. A primary drops a backup from
 // its set only when the backup's port refuses connections (its process is
@@ -127,8 +129,13 @@ class ReplicaSet {
     std::unique_ptr<ParameterServer::Stub> stub;
     // The watcher's view (backups, of the replicas before them).
     int refused_in_a_row = 0;
-    absl::Time last_heard;
+    absl::Time last_heard;  // InfinitePast: never
     bool stale = false;
+    // It sent this replica a forward: it was up (the watcher then counts
+    // it heard, though no probe of it has been answered yet).
+    std::atomic<bool> forwarded{false};
+    // It answered a call of this one's, or probed it: it was up.
+    std::atomic<bool> answered{false};
   };
 
   absl::StatusOr<ReplicateResponse> Call(Peer& peer,
@@ -141,6 +148,7 @@ class ReplicaSet {
   // Takes over as primary, at an epoch past every one seen.
   void TakeOver(const std::string& why);
   void Drop(int index, const std::string& why);
+  bool InSet(int index) const;
   void StepDown(const std::string& why);
   void NoteEpoch(int64_t epoch);
 

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -42,8 +43,16 @@ class ConnectWaitReport {
           std::max<int64_t>(0, absl::ToInt64Seconds(give_up - absl::Now()));
       std::vector<std::string> lines;
       for (size_t s = 0; s < hosts.size(); ++s) {
-        const std::string cause =
-            DiagnoseConnection(hosts[s], tls, absl::Seconds(1));
+        // A replicated shard ("a:1|b:2") is reached when any replica is.
+        std::string cause;
+        for (absl::string_view replica : absl::StrSplit(hosts[s], '|')) {
+          cause =
+              DiagnoseConnection(std::string(replica), tls, absl::Seconds(1));
+          if (cause.empty()) break;
+          if (hosts[s].find('|') != std::string::npos) {
+            cause = absl::StrCat(replica, ": ", cause);
+          }
+        }
         if (cause.empty()) continue;
         // The time left before the cause: a bar cut to the terminal's
         // width keeps it.

@@ -49,6 +49,9 @@ ABSL_FLAG(int64_t, expect_updates, -1,
 ABSL_FLAG(bool, expect_shard_versions, false,
           "Check that every element is minus the version of its shard.");
 ABSL_FLAG(double, rpc_timeout_s, 30, "Deadline of each call.");
+ABSL_FLAG(double, retry_window_s, 0,
+          "How long failed calls are retried (a replicated shard's calls "
+          "move to its next replica when one fails); 0: not at all.");
 
 namespace pstrain {
 namespace {
@@ -59,7 +62,7 @@ int Main() {
       absl::StrSplit(absl::GetFlag(FLAGS_ps_hosts), ',', absl::SkipEmpty());
   options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
   options.connect_timeout = options.rpc_timeout;
-  options.retry_window = absl::ZeroDuration();
+  options.retry_window = absl::Seconds(absl::GetFlag(FLAGS_retry_window_s));
   options.heartbeat_interval = absl::ZeroDuration();
   options.connections_per_shard = 1;
   if (options.hosts.empty()) {

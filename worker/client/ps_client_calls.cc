@@ -218,6 +218,7 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
   // Per step, so kept off the heap for up to 16 shards.
   absl::InlinedVector<uint64_t, 16> lives(num_shards());
   absl::InlinedVector<int, 16> replica_tried(num_shards());
+  int moving_rounds_left = replicas_ - 1;
   for (int s = 0; s < num_shards(); ++s) lives[s] = server_lives_[s].load();
   // What the call was waiting for when it was cut: the shards still
   // unanswered, or the error it was retrying after.
@@ -248,6 +249,7 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
     bool retryable = retry;
     bool reregister = false;
     bool moved_replica = false;
+    bool all_transient = true;
     for (size_t i : which) {
       if (calls[i].status.ok()) continue;
       failed.push_back(i);
@@ -269,6 +271,7 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
           break;
         default:
           retryable = false;
+          all_transient = false;
       }
     }
     // A server that restarted during the call lost what its previous life
@@ -309,7 +312,16 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
         first.status.code(),
         absl::StrCat("shard ", first.shard, " (", HostOf(first.shard),
                      "): ", first.status.message()));
-    if (!retryable || absl::Now() + backoff > give_up) return error;
+    if (!retryable || absl::Now() + backoff > give_up) {
+      // A replicated shard's next replica is tried even without retries:
+      // one that is gone is no reason to fail while another serves.
+      if (!moved_replica || moving_rounds_left == 0 || !all_transient) {
+        return error;
+      }
+      --moving_rounds_left;
+      which = again();
+      continue;
+    }
     // The time left before the error: a bar cut to the terminal's width
     // keeps it.
     const std::string line =

@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Issue 38, replicated shards: one replica of a shard killed -9 at a moment
+# an operator does not choose, and what the job then holds. Each trial runs
+# the probe model (2 workers, 200 steps, SGD at rate 1, a gradient of 1
+# everywhere: every element ends at minus the updates it got) on 2 shards x
+# 2 replicas on loopback, and kills replica 0 (the primary) or replica 1 (a
+# backup) of shard 1, in turn, in sync and async mode:
+#
+#   mid   at a random moment 0.1-1.2 s after the workers start (the job runs
+#         about 1.5 s undisturbed): registration, the first steps, or later;
+#   end   as soon as the first worker has finished (just after the last step,
+#         while the other may still be pushing it).
+#
+# ok: every worker exits 0 within --trial_timeout_s (else "hung"/"failed"),
+# and the servers' model, read by bench/soak/observer through the replica
+# sets, is exactly what an undisturbed run gives: every element -200 (sync)
+# or -400 (async), so nothing was lost and nothing applied twice (else
+# "wrong"). For a primary killed mid-job it also reports the failover
+# pause: worker 0's longest gap between two completed steps (its
+# --metrics_csv), which holds the time from the kill to the next step.
+#
+#   bench/replication_trials.sh [--trials=40] [--trial_timeout_s=60]
+#       [--seed=N] [--record] [--keep]
+#
+# Prints a line per trial and a summary; --record appends them (command,
+# machine, date) to bench/results/replication_trials.txt. Exit status: 0
+# when every trial was ok, 1 otherwise, 2 bad usage. Every process a trial
+# starts is killed when it ends and on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+trials=40 trial_timeout_s=60 seed=$$ record=0 keep=0
+args="$*"
+for arg in "$@"; do
+  case "$arg" in
+    --trials=*) trials=${arg#*=} ;;
+    --trial_timeout_s=*) trial_timeout_s=${arg#*=} ;;
+    --seed=*) seed=${arg#*=} ;;
+    --record) record=1 ;;
+    --keep) keep=1 ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "replication_trials.sh: unknown argument '$arg'" >&2; exit 2 ;;
+  esac
+done
+for v in trials trial_timeout_s seed; do
+  [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "replication_trials.sh: --$v must be a non-negative integer, got '${!v}'" >&2; exit 2; }
+done
+
+bazel build //ps_server:ps_server //worker:worker //bench/soak:observer >/dev/null
+server_bin=bazel-bin/ps_server/ps_server
+worker_bin=bazel-bin/worker/worker
+observer_bin=bazel-bin/bench/soak/observer
+source bench/lib.sh
+
+bench_trial_processes replication_trials
+RANDOM=$seed
+readonly STEPS=200 ELEMENTS=262144 BLOCK=16384
+
+# free_ports N: N distinct free loopback ports, one per line.
+free_ports() {
+  /usr/bin/python3 - "$1" <<'PY'
+import socket, sys
+held = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    held.append(s)
+for s in held:
+    print(s.getsockname()[1])
+PY
+}
+
+# trial MODE REPLICA MOMENT DIR: prints "result detail".
+trial() {
+  local mode=$1 victim=$2 moment=$3 dir=$4 i k pid deadline detail="" hosts
+  mkdir -p "$dir"
+  local -a ports server_pid worker_pids=()
+  mapfile -t ports < <(free_ports 4)
+  for i in 0 1 2 3; do
+    local shard=$((i / 2))
+    "$server_bin" --host=127.0.0.1 --port="${ports[i]}" --shard_id=$shard --num_shards=2 \
+      --num_workers=2 --mode="$mode" --optimizer=sgd --learning_rate=1 --worker_lease_s=5 \
+      --replicas=2 --replica_index=$((i % 2)) \
+      --replica_hosts="127.0.0.1:${ports[2 * shard]},127.0.0.1:${ports[2 * shard + 1]}" \
+      >"$dir/ps$i.out" 2>"$dir/ps$i.log" &
+    server_pid[i]=$!
+    pids+=("$!")
+  done
+  hosts="127.0.0.1:${ports[0]}|127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}|127.0.0.1:${ports[3]}"
+  for ((k = 0; k < 2; ++k)); do
+    "$worker_bin" --ps_hosts="$hosts" --worker_id=$k --num_workers=2 --model=probe \
+      --probe_elements=$ELEMENTS --block_elements=$BLOCK --steps=$STEPS \
+      --inject_step_delay_ms=5 --log_every=0 --device=cpu --heartbeat_interval_s=0.2 \
+      --retry_window_s=30 --rpc_timeout_s=20 --metrics_csv="$dir/w$k.csv" \
+      >"$dir/w$k.out" 2>"$dir/w$k.log" &
+    worker_pids+=("$!")
+    pids+=("$!")
+  done
+  deadline=$((SECONDS + trial_timeout_s))
+  local target=$((2 + victim)) # shard 1's replica
+  if [[ $moment == mid ]]; then
+    local at
+    at=$(awk -v r=$RANDOM 'BEGIN {printf "%.2f", 0.1 + 1.1 * r / 32767}')
+    sleep "$at"
+    detail="killed at $at s"
+  else
+    while kill -0 "${worker_pids[0]}" 2>/dev/null && kill -0 "${worker_pids[1]}" 2>/dev/null &&
+      ((SECONDS < deadline)); do
+      read -r -t 0.002 <> <(:) || true
+    done
+    detail="killed after a worker finished"
+  fi
+  kill -9 "${server_pid[target]}"
+  wait "${server_pid[target]}" 2>/dev/null || true
+  local codes="" result=ok code
+  for pid in "${worker_pids[@]}"; do
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.05; done
+    if kill -0 "$pid" 2>/dev/null; then
+      result=hung
+      kill -9 "$pid" 2>/dev/null || true
+    fi
+    code=0
+    wait "$pid" 2>/dev/null || code=$?
+    codes+="${codes:+/}$code"
+    [[ $code != 0 && $result == ok ]] && result=failed
+  done
+  detail+=", exits $codes"
+  if [[ $result == ok ]]; then
+    local expect=$STEPS out mismatches
+    [[ $mode != sync ]] && expect=$((2 * STEPS))
+    out=$("$observer_bin" --ps_hosts="$hosts" --num_workers=2 --probe_elements=$ELEMENTS \
+      --block_elements=$BLOCK --expect_updates=$expect --retry_window_s=10 2>"$dir/observer.log" || true)
+    mismatches=$(sed -n 's/.*mismatches=\([0-9]*\).*/\1/p' <<<"$out")
+    detail+=", elements off -$expect: ${mismatches:-unread}"
+    [[ $mismatches == 0 ]] || result=wrong
+  fi
+  if [[ $victim == 0 && $moment == mid && -s "$dir/w0.csv" ]]; then
+    local gap
+    gap=$(awk -F, 'NR > 2 {d = $2 - t; if (d > m) m = d} NR > 1 {t = $2} END {printf "%.3f", m}' "$dir/w0.csv")
+    detail+=", failover pause $gap s"
+    pauses+=("$gap")
+  fi
+  if grep -q "takes over" "$dir/ps$((2 + 1 - victim)).log" 2>/dev/null; then detail+=", backup took over"; fi
+  kill_all
+  echo "$result $detail"
+}
+
+rows=()
+pauses=()
+ok=0
+bad=0
+status=0
+for t in $(seq 1 "$trials"); do
+  mode=sync
+  ((t % 2)) || mode=async
+  victim=$(((t - 1) / 2 % 2)) # primary, primary, backup, backup, ...
+  moment=mid
+  ((t % 5)) || moment=end
+  line=$(trial $mode $victim $moment "$run_dir/t$t")
+  rows+=("$(printf '%3d %-5s %-7s %-3s  %s' "$t" $mode "$([[ $victim == 0 ]] && echo primary || echo backup)" $moment "$line")")
+  echo "${rows[-1]}"
+  if [[ $line == ok* ]]; then ok=$((ok + 1)); else bad=$((bad + 1)); status=1; fi
+done
+summary="$ok of $trials ok, $bad not (hung, failed or wrong)"
+if ((${#pauses[@]} > 0)); then
+  summary+="; failover pause (primary killed mid-job) p50 $(printf '%s\n' "${pauses[@]}" | sort -n |
+    awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}') s, max $(printf '%s\n' "${pauses[@]}" | sort -n | tail -n 1) s over ${#pauses[@]}"
+fi
+echo "$summary"
+if ((record)); then
+  {
+    echo "# $(date -u +%F) bench/replication_trials.sh $args at $BENCH_COMMIT on $BENCH_MACHINE"
+    printf '%s\n' "${rows[@]}" "$summary"
+  } >>bench/results/replication_trials.txt
+fi
+exit $status
