@@ -110,6 +110,9 @@ trial() {
     done
     detail="killed after a worker finished"
   fi
+  # Worker 0's steps so far (its CSV is flushed every step, after a header).
+  local rows_at_kill
+  rows_at_kill=$(wc -l <"$dir/w0.csv" 2>/dev/null || echo 0)
   kill -9 "${server_pid[target]}"
   wait "${server_pid[target]}" 2>/dev/null || true
   local codes="" result=ok code
@@ -134,11 +137,16 @@ trial() {
     detail+=", elements off -$expect: ${mismatches:-unread}"
     [[ $mismatches == 0 ]] || result=wrong
   fi
-  if [[ $victim == 0 && $moment == mid && -s "$dir/w0.csv" ]]; then
-    local gap
-    gap=$(awk -F, 'NR > 2 {d = $2 - t; if (d > m) m = d} NR > 1 {t = $2} END {printf "%.3f", m}' "$dir/w0.csv")
-    detail+=", failover pause $gap s"
-    pauses+=("$gap")
+  if [[ $victim == 0 && $moment == mid && $result == ok ]]; then
+    if ((rows_at_kill >= 2)); then
+      # The gap holding the kill: the last step before it to the first after.
+      local gap
+      gap=$(awk -F, -v k="$rows_at_kill" 'NR == k {t = $2} NR == k + 1 {printf "%.3f", $2 - t}' "$dir/w0.csv")
+      detail+=", failover pause $gap s (worker 0's step $((rows_at_kill - 1)) to the next)"
+      [[ -n $gap ]] && echo "$gap" >>"$run_dir/pauses"
+    else
+      detail+=", killed before worker 0's first step"
+    fi
   fi
   if grep -q "takes over" "$dir/ps$((2 + 1 - victim)).log" 2>/dev/null; then detail+=", backup took over"; fi
   kill_all
@@ -162,6 +170,7 @@ for t in $(seq 1 "$trials"); do
   if [[ $line == ok* ]]; then ok=$((ok + 1)); else bad=$((bad + 1)); status=1; fi
 done
 summary="$ok of $trials ok, $bad not (hung, failed or wrong)"
+[[ -s "$run_dir/pauses" ]] && mapfile -t pauses <"$run_dir/pauses"
 if ((${#pauses[@]} > 0)); then
   summary+="; failover pause (primary killed mid-job) p50 $(printf '%s\n' "${pauses[@]}" | sort -n |
     awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}') s, max $(printf '%s\n' "${pauses[@]}" | sort -n | tail -n 1) s over ${#pauses[@]}"

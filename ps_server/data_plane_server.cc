@@ -292,8 +292,13 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
                                         deadline);
     status = pushed.status();
     if (pushed.ok()) answer.push_back(*pushed);
+  } else if (header.method == Method::kForward) {
+    pushed = handler.ServeDataPlaneForward(request.body, deadline);
+    status = pushed.status();
+    if (pushed.ok()) answer.push_back(*pushed);
   }
-  if (status.ok() && header.method != Method::kPush) {
+  if (status.ok() && header.method != Method::kPush &&
+      header.method != Method::kForward) {
     pulled = std::make_shared<PullWait>();
     handler.ServeDataPlanePull(
         absl::MakeConstSpan(&pull_request, 1), deadline, header.payloads_apart,
@@ -325,7 +330,8 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
   uint64_t answer_bytes = 0;
   for (absl::string_view piece : answer) answer_bytes += piece.size();
   if (absl::Status s = Answer(stream, status.code(), answer); !s.ok()) return s;
-  if (options.on_call && header.method != Method::kPushPull) {
+  if (options.on_call && header.method != Method::kPushPull &&
+      header.method != Method::kForward) {
     options.on_call(header.method, status.code(), absl::Now() - request.arrived,
                     header.body_bytes, answer_bytes);
   } else if (options.on_call && pulled != nullptr) {

@@ -57,6 +57,12 @@ class DataPlaneHandler {
   virtual void ServeDataPlanePull(absl::Span<const absl::string_view> request,
                                   absl::Time deadline, bool payloads_apart,
                                   bool follows_own_push, PullDone done) = 0;
+  // A replica's forward (Method kForward): the encoded ReplicateResponse,
+  // or the status to answer.
+  virtual absl::StatusOr<std::string> ServeDataPlaneForward(
+      absl::string_view body, absl::Time deadline) {
+    return absl::UnimplementedError("this server takes no forwards");
+  }
   // Whether `token` (a Hello's body) is the bearer token the server wants.
   virtual bool TokenAccepted(absl::string_view token) const = 0;
   // A request refused for its form (the shard's Stats.requests_rejected).

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/transport/data_plane.h"
 #include "common/transport/grpc_status.h"
 #include "common/transport/socket.h"
 #include "glog/logging.h"
@@ -132,7 +133,69 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::Call(
     return FromGrpcStatus(
         status, absl::StrCat("replica ", peer.index, " (", peer.address, ")"));
   }
+  NoteAnswer(peer, response);
+  return response;
+}
+
+void ReplicaSet::NoteAnswer(Peer& peer,
+                            const ReplicateResponse& response) const {
   peer.answered = true;
+  if (response.data_port() > 0) peer.data_port = response.data_port();
+}
+
+absl::StatusOr<ReplicateResponse> ReplicaSet::CallOnDataPlane(
+    Peer& peer, const std::string& meta,
+    absl::Span<const absl::string_view> request, absl::Time deadline) const {
+  const std::string who =
+      absl::StrCat("replica ", peer.index, " (", peer.address, ")");
+  std::unique_ptr<DataLink> link;
+  {
+    absl::MutexLock lock(&peer.links_mu);
+    if (!peer.idle_links.empty()) {
+      link = std::move(peer.idle_links.back());
+      peer.idle_links.pop_back();
+    }
+  }
+  if (link == nullptr || !link->usable()) {
+    std::string host;
+    int grpc_port = 0;
+    if (absl::Status s = SplitHostPort(peer.address, &host, &grpc_port);
+        !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<std::unique_ptr<DataLink>> opened = DataLink::Open(
+        host, peer.data_port.load(), options_.auth_token, uint64_t{1} << 20,
+        std::min(deadline, absl::Now() + absl::Seconds(5)));
+    if (!opened.ok()) {
+      return absl::Status(opened.status().code(),
+                          absl::StrCat(who, ": ", opened.status().message()));
+    }
+    link = std::move(*opened);
+  }
+  char prefix[data_plane::kLengthPrefixBytes];
+  data_plane::EncodeLengthPrefix(static_cast<uint32_t>(meta.size()), prefix);
+  DataExchange exchange;
+  exchange.link = link.get();
+  exchange.method = data_plane::Method::kForward;
+  exchange.body = {absl::string_view(prefix, sizeof(prefix)), meta};
+  exchange.body.insert(exchange.body.end(), request.begin(), request.end());
+  ReplicateResponse response;
+  exchange.on_response = [&response](absl::string_view body) {
+    if (!response.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
+      return absl::DataLossError("unreadable ReplicateResponse");
+    }
+    return absl::OkStatus();
+  };
+  RunExchanges(absl::MakeSpan(&exchange, 1), deadline);
+  if (link->usable()) {
+    absl::MutexLock lock(&peer.links_mu);
+    peer.idle_links.push_back(std::move(link));
+  }
+  if (!exchange.status.ok()) {
+    return absl::Status(exchange.status.code(),
+                        absl::StrCat(who, ": ", exchange.status.message()));
+  }
+  NoteAnswer(peer, response);
   return response;
 }
 
@@ -316,7 +379,8 @@ absl::Status ReplicaSet::ServesWorkers() const {
                                              " is starting"));
 }
 
-absl::Status ReplicaSet::Forward(absl::string_view method, std::string request,
+absl::Status ReplicaSet::Forward(absl::string_view method,
+                                 absl::Span<const absl::string_view> request,
                                  bool wait_for_replicas) {
   if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
   std::vector<Peer*> targets;
@@ -334,7 +398,11 @@ absl::Status ReplicaSet::Forward(absl::string_view method, std::string request,
   forward.set_epoch(epoch_.load());
   forward.set_from_replica(options_.replica_index);
   forward.set_method(std::string(method));
-  forward.set_request(std::move(request));
+  // A push goes on a replica's data plane, its bytes as they came; the
+  // rest (small) in the gRPC message.
+  const bool tensors = method == "Push";
+  const std::string meta = tensors ? forward.SerializeAsString() : "";
+  if (!tensors) forward.set_request(absl::StrJoin(request, ""));
   const absl::Time give_up =
       absl::Now() +
       (wait_for_replicas ? options_.startup_wait : options_.forward_timeout);
@@ -343,8 +411,20 @@ absl::Status ReplicaSet::Forward(absl::string_view method, std::string request,
   auto send = [&](size_t i) {
     Peer& peer = *targets[i];
     while (true) {
-      absl::StatusOr<ReplicateResponse> answer =
-          Call(peer, forward, give_up - absl::Now(), /*wait_for_ready=*/false);
+      absl::StatusOr<ReplicateResponse> answer;
+      if (tensors && peer.data_port.load() > 0) {
+        answer = CallOnDataPlane(peer, meta, request, give_up);
+      } else if (tensors) {
+        // A replica that has not said where its data plane is (or has
+        // none) gets the push inside the gRPC message.
+        ReplicateRequest inline_forward = forward;
+        inline_forward.set_request(absl::StrJoin(request, ""));
+        answer = Call(peer, inline_forward, give_up - absl::Now(),
+                      /*wait_for_ready=*/false);
+      } else {
+        answer = Call(peer, forward, give_up - absl::Now(),
+                      /*wait_for_ready=*/false);
+      }
       results[i] = answer.status();
       // A replica still learning its role answers in a moment; at the
       // job's start, one that never answered may not be up yet (gRPC's
@@ -471,6 +551,7 @@ ReplicateResponse ReplicaSet::Answer(const ReplicateRequest& request) {
   response.set_epoch(epoch_.load());
   response.set_role(RoleName(role_.load()));
   response.set_model_registered(has_model_());
+  response.set_data_port(data_port_.load());
   return response;
 }
 

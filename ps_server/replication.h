@@ -56,6 +56,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/transport/data_link.h"
 #include "proto/ps.grpc.pb.h"
 #include "proto/ps.pb.h"
 
@@ -107,7 +109,10 @@ class ReplicaSet {
   // deposed: the worker's answer must not say the request is held.
   // `wait_for_replicas`: wait up to startup_wait for replicas that are not
   // up yet (a registration at the job's start).
-  absl::Status Forward(absl::string_view method, std::string request,
+  // Pushes travel on the replica's data port (common/transport/data_plane.h,
+  // Method kForward), the rest over gRPC.
+  absl::Status Forward(absl::string_view method,
+                       absl::Span<const absl::string_view> request,
                        bool wait_for_replicas = false);
 
   // The receiving side of Replicate, before the request is applied: OK
@@ -117,6 +122,9 @@ class ReplicaSet {
   absl::Status AdmitForward(const ReplicateRequest& request);
   // Answers "probe" and "drop" (the latter: this replica left the set).
   ReplicateResponse Answer(const ReplicateRequest& request);
+
+  // This process's data port, told to the primary in every answer.
+  void set_data_port(int port) { data_port_ = port; }
 
   // The replica fields of StatsResponse.
   void AddStats(StatsResponse* stats) const;
@@ -136,12 +144,23 @@ class ReplicaSet {
     std::atomic<bool> forwarded{false};
     // It answered a call of this one's, or probed it: it was up.
     std::atomic<bool> answered{false};
+    // Its data port (0: not known yet, or none), and idle connections to
+    // it: a forward takes one, or opens one, and gives it back.
+    std::atomic<int> data_port{0};
+    absl::Mutex links_mu;
+    std::vector<std::unique_ptr<DataLink>> idle_links ABSL_GUARDED_BY(links_mu);
   };
 
   absl::StatusOr<ReplicateResponse> Call(Peer& peer,
                                          const ReplicateRequest& request,
                                          absl::Duration timeout,
                                          bool wait_for_ready) const;
+  // `meta` (a ReplicateRequest with no request) and `request`'s pieces as
+  // one Forward on `peer`'s data plane.
+  absl::StatusOr<ReplicateResponse> CallOnDataPlane(
+      Peer& peer, const std::string& meta,
+      absl::Span<const absl::string_view> request, absl::Time deadline) const;
+  void NoteAnswer(Peer& peer, const ReplicateResponse& response) const;
   // Whether `peer`'s port refuses TCP connections now: its process is gone.
   bool Gone(const Peer& peer) const;
   void Watch();
@@ -164,6 +183,7 @@ class ReplicaSet {
   // The primary's set: the peers it forwards to, by index.
   std::vector<int> in_set_ ABSL_GUARDED_BY(mu_);
 
+  std::atomic<int> data_port_{0};
   std::atomic<int64_t> forwards_{0};
   std::atomic<int64_t> takeovers_{0};
   std::atomic<int64_t> dropped_{0};

@@ -287,6 +287,7 @@ class ServerRun {
     }
     data_plane_ = std::move(*started);
     service_->set_data_port(data_plane_->port(), tls());
+    if (replicas_ != nullptr) replicas_->set_data_port(data_plane_->port());
     return true;
   }
 
@@ -425,7 +426,7 @@ class ServerRun {
         final_checkpoint = "failed";
       }
     }
-    const StatsResponse stats = shard_->Stats();
+    const StatsResponse stats = service_->CurrentStats();
     LOG(INFO) << "final stats: " << stats.ShortDebugString();
     // For whoever ran the job (deploy/local/launch.sh, pstrain.sbatch): what
     // the shard ends with, on stdout, one line.

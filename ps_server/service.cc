@@ -259,8 +259,7 @@ absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
   absl::StatusOr<PushResponse> result = shard_->Push(*push, hold_until);
   if (!result.ok()) return result.status();
   if (replicas_ != nullptr) {
-    if (absl::Status forwarded = Forward("Push", absl::StrJoin(request, ""));
-        !forwarded.ok()) {
+    if (absl::Status forwarded = Forward("Push", request); !forwarded.ok()) {
       return forwarded;
     }
   }
@@ -337,8 +336,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Assign(
   }
   absl::StatusOr<PushResponse> result = shard_->Assign(*values);
   if (!result.ok()) return Finish(context, result.status());
-  if (absl::Status forwarded =
-          Forward("Assign", absl::StrJoin(bytes.views(), ""));
+  if (absl::Status forwarded = Forward("Assign", bytes.views());
       !forwarded.ok()) {
     return Finish(context, forwarded);
   }
@@ -692,65 +690,95 @@ grpc::ServerUnaryReactor* ParameterServerService::Replicate(
     return Finish(context,
                   SerializeSmall(replicas_->Answer(forward), response));
   }
-  if (absl::Status admitted = replicas_->AdmitForward(forward);
-      !admitted.ok()) {
-    return Finish(context, admitted);
+  const absl::string_view request_bytes = forward.request();
+  absl::StatusOr<ReplicateResponse> answer =
+      ServeForward(forward, absl::MakeConstSpan(&request_bytes, 1),
+                   absl::FromChrono(context->deadline()));
+  if (!answer.ok()) return Finish(context, answer.status());
+  return Finish(context, SerializeSmall(*answer, response));
+}
+
+absl::StatusOr<std::string> ParameterServerService::ServeDataPlaneForward(
+    absl::string_view body, absl::Time deadline) {
+  data_plane_requests_.fetch_add(1, std::memory_order_relaxed);
+  absl::StatusOr<data_plane::LengthPrefixed> parts =
+      data_plane::SplitLengthPrefixed(body, "Forward request");
+  ReplicateRequest meta;
+  if (!parts.ok() ||
+      !meta.ParseFromArray(parts->head.data(),
+                           static_cast<int>(parts->head.size()))) {
+    shard_->CountRejected();
+    return absl::InvalidArgumentError("malformed Forward request");
   }
-  if (absl::Status applied =
-          ApplyForwarded(forward, absl::FromChrono(context->deadline()));
+  absl::StatusOr<ReplicateResponse> answer =
+      ServeForward(meta, absl::MakeConstSpan(&parts->rest, 1), deadline);
+  if (!answer.ok()) return answer.status();
+  return answer->SerializeAsString();
+}
+
+absl::StatusOr<ReplicateResponse> ParameterServerService::ServeForward(
+    const ReplicateRequest& meta, absl::Span<const absl::string_view> request,
+    absl::Time deadline) {
+  if (replicas_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "this server is its shard's only replica (--replicas=1): it takes no "
+        "forwards");
+  }
+  if (absl::Status admitted = replicas_->AdmitForward(meta); !admitted.ok()) {
+    return admitted;
+  }
+  if (absl::Status applied = ApplyForwarded(meta.method(), request, deadline);
       !applied.ok()) {
-    return Finish(context, applied);
+    return applied;
   }
-  return Finish(
-      context, SerializeSmall(replicas_->Answer(ReplicateRequest()), response));
+  return replicas_->Answer(ReplicateRequest());
 }
 
 absl::Status ParameterServerService::ApplyForwarded(
-    const ReplicateRequest& forward, absl::Time deadline) {
-  const absl::string_view bytes = forward.request();
-  const absl::string_view method = forward.method();
+    absl::string_view method, absl::Span<const absl::string_view> bytes,
+    absl::Time deadline) {
   // One try; UNAVAILABLE means the shard wants it again a little later.
   auto apply_once = [&]() -> absl::Status {
     if (method == "Push") {
-      absl::StatusOr<WirePushRequest> push = ParsePushRequest({bytes});
+      absl::StatusOr<WirePushRequest> push = ParsePushRequest(bytes);
       if (!push.ok()) return push.status();
       shard_->WaitForPushStep(*push, deadline);
       return shard_->Push(*push, deadline).status();
     }
     if (method == "Assign") {
-      absl::StatusOr<WirePushRequest> values = ParsePushRequest({bytes});
+      absl::StatusOr<WirePushRequest> values = ParsePushRequest(bytes);
       if (!values.ok()) return values.status();
       return shard_->Assign(*values).status();
     }
     if (method == "RegisterModel") {
       RegisterModelRequest r;
-      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      if (absl::Status s = ParseSmall(bytes, &r); !s.ok()) return s;
       return shard_->Register(r).status();
     }
     if (method == "SparsePush") {
       SparsePushRequest r;
-      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      if (absl::Status s = ParseSmall(bytes, &r); !s.ok()) return s;
       shard_->WaitForSparsePushStep(r, deadline);
       return shard_->SparsePush(r).status();
     }
     if (method == "Heartbeat") {
       HeartbeatRequest r;
-      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      if (absl::Status s = ParseSmall(bytes, &r); !s.ok()) return s;
       return shard_->Heartbeat(r);
     }
     if (method == "Leave") {
       LeaveRequest r;
-      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      if (absl::Status s = ParseSmall(bytes, &r); !s.ok()) return s;
       return shard_->Leave(r);
     }
     if (method == "ApplyClip") {
       ApplyClipRequest r;
-      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      if (absl::Status s = ParseSmall(bytes, &r); !s.ok()) return s;
       return shard_->ApplyClip(r).status();
     }
     if (method == "FinalState") {
       CheckpointRequest r;
-      if (absl::Status s = ParseSmall({bytes}, &r); !s.ok()) return s;
+      if (absl::Status s = ParseSmall(bytes, &r); !s.ok()) return s;
       return shard_->NoteJobFinalVersion(r.worker_id(), r.final_version());
     }
     return absl::InvalidArgumentError(

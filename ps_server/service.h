@@ -153,6 +153,8 @@ class ParameterServerService final : public ParameterServerRawService,
   void ServeDataPlanePull(absl::Span<const absl::string_view> request,
                           absl::Time deadline, bool payloads_apart,
                           bool follows_own_push, PullDone done) override;
+  absl::StatusOr<std::string> ServeDataPlaneForward(
+      absl::string_view body, absl::Time deadline) override;
   bool TokenAccepted(absl::string_view token) const override;
   void CountRejected() override { shard_->CountRejected(); }
   void CountHandshakeRefused() override {
@@ -174,15 +176,27 @@ class ParameterServerService final : public ParameterServerRawService,
   }
   // The primary: `request` of `method` to the other replicas, after it
   // was applied here and before the worker's answer (OK with one replica).
-  absl::Status Forward(absl::string_view method, std::string request,
+  absl::Status Forward(absl::string_view method,
+                       absl::Span<const absl::string_view> request,
                        bool wait_for_replicas = false) {
     if (replicas_ == nullptr) return absl::OkStatus();
-    return replicas_->Forward(method, std::move(request), wait_for_replicas);
+    return replicas_->Forward(method, request, wait_for_replicas);
   }
-  // A backup: applies a request the primary forwarded, as the worker's own
-  // call would, holding what the shard wants retried until `deadline`.
-  absl::Status ApplyForwarded(const ReplicateRequest& forward,
+  absl::Status Forward(absl::string_view method, const std::string& request,
+                       bool wait_for_replicas = false) {
+    const absl::string_view piece = request;
+    return Forward(method, absl::MakeConstSpan(&piece, 1), wait_for_replicas);
+  }
+  // A backup: applies `request` of `method` that the primary forwarded, as
+  // the worker's own call would, holding what the shard wants retried
+  // until `deadline`.
+  absl::Status ApplyForwarded(absl::string_view method,
+                              absl::Span<const absl::string_view> request,
                               absl::Time deadline);
+  // A forward, from either transport: admitted (epoch) and applied.
+  absl::StatusOr<ReplicateResponse> ServeForward(
+      const ReplicateRequest& meta, absl::Span<const absl::string_view> request,
+      absl::Time deadline);
   // Dies (SIGKILL) when ServiceOptions::crash_at is `moment`.
   void CrashIfInjectedAt(absl::string_view moment);
 

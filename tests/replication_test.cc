@@ -4,6 +4,9 @@
 // pushes a gradient of exactly 1 per element per step with SGD at rate 1, so
 // the servers' final model says how many updates each block got: anything
 // lost or applied twice shows as a value off by whole steps.
+#include <signal.h>
+
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -12,8 +15,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "proto/ps.grpc.pb.h"
 #include "tests/test_cluster.h"
 #include "worker/client/ps_client.h"
 #include "worker/model.h"
@@ -254,6 +259,107 @@ TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
       EXPECT_EQ(*a, *b) << model << " " << key;
     }
   }
+}
+
+// A primary that stops answering without dying (SIGSTOP: a host cut off, or
+// frozen) is replaced once it has been silent for --replica_takeover_s; when
+// it wakes it still believes it is the primary, but it cannot get anything
+// acknowledged: its forwards are refused by the new primary's higher epoch,
+// and it steps down.
+TEST(ReplicationFencingTest, AFrozenPrimaryIsReplacedAndFencedWhenItWakes) {
+  ClusterOptions options;
+  options.num_shards = 1;
+  options.num_workers = kWorkers;
+  options.replicas = 2;
+  options.server_flags = {"--optimizer=sgd", "--learning_rate=1",
+                          "--worker_lease_s=20", "--replica_takeover_s=1"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> started =
+      TestCluster::Start(options, "frozen_primary");
+  ASSERT_TRUE(started.ok()) << started.status();
+  TestCluster& cluster = **started;
+  const std::vector<std::string> flags = {
+      "--model=probe",
+      absl::StrCat("--probe_elements=", kElements),
+      absl::StrCat("--block_elements=", kBlock),
+      absl::StrCat("--steps=", kSteps),
+      "--log_every=0",
+      "--device=cpu",
+      "--heartbeat_interval_s=0.2",
+      "--retry_window_s=60",
+      "--rpc_timeout_s=3",
+      "--inject_step_delay_ms=5"};
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < kWorkers; ++k) {
+    absl::StatusOr<std::unique_ptr<Process>> worker =
+        cluster.StartWorker(k, kWorkers, flags);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    workers.push_back(std::move(*worker));
+  }
+  ASSERT_TRUE(
+      cluster
+          .WaitForStats(
+              [](const StatsResponse& s) { return s.version() >= kSteps / 3; },
+              absl::Seconds(60))
+          .ok());
+  cluster.replica(0, 0).Signal(SIGSTOP);
+  // The backup takes over once the primary has been silent for 1 s.
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  absl::StatusOr<StatsResponse> backup;
+  do {
+    backup = cluster.ReplicaStats(0, 1);
+  } while ((!backup.ok() || backup->replica_role() != "primary") &&
+           absl::Now() < give_up);
+  ASSERT_TRUE(backup.ok()) << backup.status();
+  ASSERT_EQ(backup->replica_role(), "primary");
+  EXPECT_EQ(backup->replica_epoch(), 1);
+  cluster.replica(0, 0).Signal(SIGCONT);
+  for (auto& worker : workers) {
+    absl::StatusOr<int> code = worker->Wait(absl::Seconds(120));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << worker->Stderr();
+  }
+
+  // Whatever the woken primary applied was never acknowledged: the job's
+  // model (on the new primary) is exact.
+  absl::StatusOr<StatsResponse> final_stats = cluster.ReplicaStats(0, 1);
+  ASSERT_TRUE(final_stats.ok()) << final_stats.status();
+  EXPECT_EQ(final_stats->version(), kSteps);
+  PsClientOptions client_options;
+  client_options.hosts = cluster.HostList();
+  absl::StatusOr<std::unique_ptr<PsClient>> observer =
+      PsClient::Create(client_options);
+  ASSERT_TRUE(observer.ok()) << observer.status();
+  auto backend = std::move(*kernels::CreateBackend("cpu"));
+  ModelSchema schema;
+  schema.set_seed(1);
+  schema.set_block_elements(kBlock);
+  *schema.add_dense() =
+      (*CreateProbeModel(backend.get(), kElements))->Params()[0];
+  ASSERT_TRUE((*observer)->Register(schema, kWorkers, -1).ok());
+  std::vector<float> w(kElements, NAN);
+  ASSERT_TRUE((*observer)->Pull(0, {w.data()}).ok());
+  int64_t off = 0;
+  for (float v : w) off += v != -kSteps;
+  EXPECT_EQ(off, 0) << "the first element is " << w[0];
+
+  // A request that changes the shard, sent to the old primary, is not
+  // acknowledged: its forward is fenced, and it steps down.
+  auto stub = ParameterServer::NewStub(grpc::CreateChannel(
+      cluster.HostList()[0].substr(0, cluster.HostList()[0].find('|')),
+      grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  HeartbeatRequest heartbeat;
+  heartbeat.set_worker_id(0);
+  HeartbeatResponse answer;
+  const grpc::Status status = stub->Heartbeat(&context, heartbeat, &answer);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << status.error_message();
+  absl::StatusOr<StatsResponse> old = cluster.ReplicaStats(0, 0);
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ(old->replica_role(), "stale");
+  DumpLogsOnFailure(cluster);
 }
 
 // Flags a replica set cannot start with: one line, exit 2.

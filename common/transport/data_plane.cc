@@ -95,7 +95,7 @@ absl::StatusOr<RequestHeader> DecodeRequestHeader(
   }
   const uint8_t method = static_cast<uint8_t>(in[4]);
   if (method < static_cast<uint8_t>(Method::kHello) ||
-      method > static_cast<uint8_t>(Method::kPushPull)) {
+      method > static_cast<uint8_t>(Method::kForward)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown data-plane method ", method));
   }

@@ -45,6 +45,16 @@
 // timed out): a retry then reports that push's blocks as duplicates. A
 // server says it takes PushPull in RegisterModelResponse.data_push_pull.
 //
+// A Forward is one replica's forward to another (ps_server/replication.h):
+// a request the primary applied, sent on to a backup before the worker's
+// answer. Its body is
+//
+//   u32 meta_bytes + ReplicateRequest (its request field empty) + request
+//
+// where request is the worker's request as it came (a PushRequest's
+// encoding, not copied into the message); an OK answer's body is a
+// ReplicateResponse.
+//
 // TLS: a server with --tls_cert serves this plane inside TLS 1.3 (common/
 // tls_stream.h) with the gRPC port's certificates and client-certificate
 // rule, and says so in RegisterModelResponse.data_port_tls; the framing
@@ -67,7 +77,13 @@
 namespace pstrain {
 namespace data_plane {
 
-enum class Method : uint8_t { kHello = 1, kPush = 2, kPull = 3, kPushPull = 4 };
+enum class Method : uint8_t {
+  kHello = 1,
+  kPush = 2,
+  kPull = 3,
+  kPushPull = 4,
+  kForward = 5,
+};
 
 inline constexpr size_t kRequestHeaderBytes = 24;
 inline constexpr size_t kResponseHeaderBytes = 16;

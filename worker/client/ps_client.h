@@ -60,11 +60,11 @@
 #include "absl/types/span.h"
 #include "common/consistency_mode.h"
 #include "common/partition.h"
+#include "common/transport/data_link.h"
 #include "common/transport/grpc_tuning.h"
 #include "common/transport/tls_stream.h"
 #include "common/transport/wire.h"
 #include "proto/ps.grpc.pb.h"
-#include "worker/client/data_link.h"
 
 namespace pstrain {
 

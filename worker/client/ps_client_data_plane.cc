@@ -1,4 +1,4 @@
-// PsClient on the data plane (worker/client/data_link.h): which shards offer
+// PsClient on the data plane (common/transport/data_link.h): which shards offer
 // it, its connections, and running a step's calls over them.
 
 #include <algorithm>

@@ -17,10 +17,10 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/protocol.h"
+#include "common/transport/data_link.h"
 #include "common/transport/grpc_bytes.h"
 #include "common/transport/wire.h"
 #include "grpcpp/impl/codegen/sync_stream.h"
-#include "worker/client/data_link.h"
 #include "worker/client/ps_client.h"
 
 namespace pstrain {

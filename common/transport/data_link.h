@@ -3,8 +3,8 @@
 // drives any number of requests over any number of links from the calling
 // thread alone (non-blocking sockets and poll), so a push or pull that
 // spans shards and connections involves no other thread and no hand-off.
-#ifndef PSTRAIN_WORKER_CLIENT_DATA_LINK_H_
-#define PSTRAIN_WORKER_CLIENT_DATA_LINK_H_
+#ifndef PSTRAIN_COMMON_TRANSPORT_DATA_LINK_H_
+#define PSTRAIN_COMMON_TRANSPORT_DATA_LINK_H_
 
 #include <cstdint>
 #include <functional>
@@ -107,4 +107,4 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_WORKER_CLIENT_DATA_LINK_H_
+#endif  // PSTRAIN_COMMON_TRANSPORT_DATA_LINK_H_

@@ -1,4 +1,4 @@
-#include "worker/client/data_link.h"
+#include "common/transport/data_link.h"
 
 #include <fcntl.h>
 #include <limits.h>

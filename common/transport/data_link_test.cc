@@ -2,7 +2,7 @@
 // `requests_in_flight` earlier ones are unanswered. The peer is a minimal
 // data-plane server on loopback that answers by hand, so the test sees
 // exactly which request bytes had arrived before it answered.
-#include "worker/client/data_link.h"
+#include "common/transport/data_link.h"
 
 #include <poll.h>
 #include <sys/socket.h>
