@@ -174,6 +174,86 @@ INSTANTIATE_TEST_SUITE_P(
           info.param.restarted ? "_restarted" : "");
     });
 
+// Three replicas, the primary and then the one that replaced it killed in
+// turn: the last one takes over at epoch 2, and nothing is lost.
+TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
+  ClusterOptions options;
+  options.num_shards = 1;
+  options.num_workers = kWorkers;
+  options.mode = "sync";
+  options.replicas = 3;
+  options.server_flags = {"--optimizer=sgd", "--learning_rate=1",
+                          "--worker_lease_s=5"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> started =
+      TestCluster::Start(options, "three_replicas");
+  ASSERT_TRUE(started.ok()) << started.status();
+  TestCluster& cluster = **started;
+  const std::vector<std::string> flags = {
+      "--model=probe",
+      absl::StrCat("--probe_elements=", kElements),
+      absl::StrCat("--block_elements=", kBlock),
+      absl::StrCat("--steps=", kSteps),
+      "--log_every=0",
+      "--device=cpu",
+      "--heartbeat_interval_s=0.2",
+      "--retry_window_s=60",
+      "--rpc_timeout_s=30",
+      "--inject_step_delay_ms=5"};
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < kWorkers; ++k) {
+    absl::StatusOr<std::unique_ptr<Process>> worker =
+        cluster.StartWorker(k, kWorkers, flags);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    workers.push_back(std::move(*worker));
+  }
+  auto wait_for_version = [&cluster](int replica, int64_t version) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(60);
+    absl::StatusOr<StatsResponse> stats;
+    do {
+      stats = cluster.ReplicaStats(0, replica);
+    } while ((!stats.ok() || stats->replica_role() != "primary" ||
+              stats->version() < version) &&
+             absl::Now() < give_up);
+    return stats.ok() && stats->replica_role() == "primary" &&
+           stats->version() >= version;
+  };
+  ASSERT_TRUE(wait_for_version(0, kSteps / 4));
+  cluster.KillReplica(0, 0);
+  ASSERT_TRUE(wait_for_version(1, kSteps / 2));
+  cluster.KillReplica(0, 1);
+  for (auto& worker : workers) {
+    absl::StatusOr<int> code = worker->Wait(absl::Seconds(120));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << worker->Stderr();
+  }
+  absl::StatusOr<StatsResponse> last = cluster.ReplicaStats(0, 2);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->replica_role(), "primary");
+  EXPECT_EQ(last->replica_epoch(), 2);
+  EXPECT_EQ(last->version(), kSteps);
+  EXPECT_EQ(last->steps_lost(), 0);
+  EXPECT_EQ(last->updates_lost(), 0);
+  // Every step's update is there once: the probe's elements are exact.
+  PsClientOptions client_options;
+  client_options.hosts = cluster.HostList();
+  absl::StatusOr<std::unique_ptr<PsClient>> observer =
+      PsClient::Create(client_options);
+  ASSERT_TRUE(observer.ok()) << observer.status();
+  auto backend = std::move(*kernels::CreateBackend("cpu"));
+  ModelSchema schema;
+  schema.set_seed(1);
+  schema.set_block_elements(kBlock);
+  *schema.add_dense() =
+      (*CreateProbeModel(backend.get(), kElements))->Params()[0];
+  ASSERT_TRUE((*observer)->Register(schema, kWorkers, -1).ok());
+  std::vector<float> w(kElements, NAN);
+  ASSERT_TRUE((*observer)->Pull(0, {w.data()}).ok());
+  int64_t off = 0;
+  for (float v : w) off += v != -kSteps;
+  EXPECT_EQ(off, 0) << "the first element is " << w[0];
+  DumpLogsOnFailure(cluster);
+}
+
 // A sync job whose shard 1 loses its primary (after `kill_after_step`
 // steps; 0: never) on 2 shards x 2 replicas; worker 0's final JSON line.
 std::string RunSyncJob(const std::string& name,
