@@ -56,22 +56,29 @@ void DumpLogsOnFailure(const TestCluster& cluster) {
   }
 }
 
-class ReplicationTest : public ::testing::TestWithParam<ReplicationCase> {};
-
-TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
-  const ReplicationCase& c = GetParam();
+// A cluster of `shards` x `replicas` for the probe model (SGD at rate 1).
+std::unique_ptr<TestCluster> StartProbeCluster(
+    const std::string& name, const std::string& mode, int shards, int replicas,
+    std::vector<std::string> extra_server_flags = {}) {
   ClusterOptions options;
-  options.num_shards = kShards;
+  options.num_shards = shards;
   options.num_workers = kWorkers;
-  options.mode = c.mode;
-  options.replicas = 2;
+  options.mode = mode;
+  options.replicas = replicas;
   options.server_flags = {"--optimizer=sgd", "--learning_rate=1",
                           "--worker_lease_s=5"};
-  absl::StatusOr<std::unique_ptr<TestCluster>> started = TestCluster::Start(
-      options, absl::StrCat("replicated_", c.mode, "_", c.killed_replica,
-                            c.restarted ? "_restarted" : ""));
-  ASSERT_TRUE(started.ok()) << started.status();
-  TestCluster& cluster = **started;
+  options.server_flags.insert(options.server_flags.end(),
+                              extra_server_flags.begin(),
+                              extra_server_flags.end());
+  absl::StatusOr<std::unique_ptr<TestCluster>> started =
+      TestCluster::Start(options, name);
+  EXPECT_TRUE(started.ok()) << started.status();
+  return started.ok() ? std::move(*started) : nullptr;
+}
+
+// The probe model's kWorkers workers, started on `cluster`.
+std::vector<std::unique_ptr<Process>> StartProbeWorkers(
+    TestCluster& cluster, int rpc_timeout_s = 30) {
   const std::vector<std::string> flags = {
       "--model=probe",
       absl::StrCat("--probe_elements=", kElements),
@@ -81,61 +88,85 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
       "--device=cpu",
       "--heartbeat_interval_s=0.2",
       "--retry_window_s=60",
-      "--rpc_timeout_s=30",
+      absl::StrCat("--rpc_timeout_s=", rpc_timeout_s),
       "--inject_step_delay_ms=5"};
   std::vector<std::unique_ptr<Process>> workers;
   for (int k = 0; k < kWorkers; ++k) {
     absl::StatusOr<std::unique_ptr<Process>> worker =
         cluster.StartWorker(k, kWorkers, flags);
-    ASSERT_TRUE(worker.ok()) << worker.status();
-    workers.push_back(std::move(*worker));
+    EXPECT_TRUE(worker.ok()) << worker.status();
+    if (worker.ok()) workers.push_back(std::move(*worker));
   }
-  // A third of the way in, every shard's primary has applied updates and
-  // forwarded them.
-  const int64_t kill_at = c.mode == "sync" ? kSteps / 3 : kSteps * kWorkers / 3;
-  ASSERT_TRUE(cluster
-                  .WaitForStats(
-                      [kill_at](const StatsResponse& s) {
-                        return s.version() >= kill_at;
-                      },
-                      absl::Seconds(60))
-                  .ok());
-  cluster.KillReplica(1, c.killed_replica);
-  if (c.restarted) {
-    ASSERT_TRUE(cluster.RestartReplica(1, c.killed_replica).ok());
-  }
+  return workers;
+}
+
+// Waits for every worker; each must exit 0.
+void ExpectAllExitZero(std::vector<std::unique_ptr<Process>>& workers) {
   for (auto& worker : workers) {
     absl::StatusOr<int> code = worker->Wait(absl::Seconds(120));
-    ASSERT_TRUE(code.ok()) << code.status();
-    EXPECT_EQ(*code, 0) << worker->Stderr();
+    EXPECT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(code.value_or(-1), 0) << worker->Stderr();
   }
+}
 
-  // The servers' model: every element was pushed 1 by every update.
+// How many elements of the servers' probe model (read through the replica
+// sets, as an observer) are not `expected`: every update pushes each
+// element by exactly 1, so one lost or applied twice shows. -1 when the
+// model cannot be read.
+int64_t ProbeElementsOff(const TestCluster& cluster, float expected) {
   PsClientOptions client_options;
   client_options.hosts = cluster.HostList();
   absl::StatusOr<std::unique_ptr<PsClient>> observer =
       PsClient::Create(client_options);
-  ASSERT_TRUE(observer.ok()) << observer.status();
+  if (!observer.ok()) return -1;
   auto backend = std::move(*kernels::CreateBackend("cpu"));
   ModelSchema schema;
   schema.set_seed(1);
   schema.set_block_elements(kBlock);
   *schema.add_dense() =
       (*CreateProbeModel(backend.get(), kElements))->Params()[0];
-  ASSERT_TRUE((*observer)->Register(schema, kWorkers, -1).ok());
+  if (!(*observer)->Register(schema, kWorkers, -1).ok()) return -1;
   std::vector<float> w(kElements, NAN);
-  ASSERT_TRUE((*observer)->Pull(0, {w.data()}).ok());
-  const float expected = c.mode == "sync" ? -kSteps : -kSteps * kWorkers;
+  if (!(*observer)->Pull(0, {w.data()}).ok()) return -1;
   int64_t off = 0;
-  for (int64_t i = 0; i < kElements; ++i) off += w[i] != expected;
-  EXPECT_EQ(off, 0) << "elements off the " << expected
-                    << " every update gives; the first is " << w[0];
+  for (float v : w) off += v != expected;
+  return off;
+}
+
+class ReplicationTest : public ::testing::TestWithParam<ReplicationCase> {};
+
+TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
+  const ReplicationCase& c = GetParam();
+  std::unique_ptr<TestCluster> cluster = StartProbeCluster(
+      absl::StrCat("replicated_", c.mode, "_", c.killed_replica,
+                   c.restarted ? "_restarted" : ""),
+      c.mode, kShards, /*replicas=*/2);
+  ASSERT_NE(cluster, nullptr);
+  std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(*cluster);
+  ASSERT_EQ(workers.size(), kWorkers);
+  // A third of the way in, every shard's primary has applied updates and
+  // forwarded them.
+  const int64_t kill_at = c.mode == "sync" ? kSteps / 3 : kSteps * kWorkers / 3;
+  ASSERT_TRUE(cluster
+                  ->WaitForStats(
+                      [kill_at](const StatsResponse& s) {
+                        return s.version() >= kill_at;
+                      },
+                      absl::Seconds(60))
+                  .ok());
+  cluster->KillReplica(1, c.killed_replica);
+  if (c.restarted) {
+    ASSERT_TRUE(cluster->RestartReplica(1, c.killed_replica).ok());
+  }
+  ExpectAllExitZero(workers);
+  const float expected = c.mode == "sync" ? -kSteps : -kSteps * kWorkers;
+  EXPECT_EQ(ProbeElementsOff(*cluster, expected), 0);
 
   // Shard 1 ends with one replica serving, which took over if the primary
   // died, lost nothing by its count, and dropped the dead one if it was a
   // backup.
   const int survivor = 1 - c.killed_replica;
-  absl::StatusOr<StatsResponse> stats = cluster.ReplicaStats(1, survivor);
+  absl::StatusOr<StatsResponse> stats = cluster->ReplicaStats(1, survivor);
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->replica_role(), "primary");
   EXPECT_EQ(stats->replica_takeovers(), c.killed_replica == 0 ? 1 : 0);
@@ -146,18 +177,18 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
   }
   if (c.restarted) {
     absl::StatusOr<StatsResponse> back =
-        cluster.ReplicaStats(1, c.killed_replica);
+        cluster->ReplicaStats(1, c.killed_replica);
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(back->replica_role(), "stale");
   }
   // Shard 0 was not disturbed: its backup holds what its primary holds.
-  absl::StatusOr<StatsResponse> primary0 = cluster.ReplicaStats(0, 0);
-  absl::StatusOr<StatsResponse> backup0 = cluster.ReplicaStats(0, 1);
+  absl::StatusOr<StatsResponse> primary0 = cluster->ReplicaStats(0, 0);
+  absl::StatusOr<StatsResponse> backup0 = cluster->ReplicaStats(0, 1);
   ASSERT_TRUE(primary0.ok() && backup0.ok());
   EXPECT_EQ(backup0->replica_role(), "backup");
   EXPECT_EQ(backup0->version(), primary0->version());
   EXPECT_GT(primary0->replica_forwards(), 0);
-  DumpLogsOnFailure(cluster);
+  DumpLogsOnFailure(*cluster);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -177,35 +208,12 @@ INSTANTIATE_TEST_SUITE_P(
 // Three replicas, the primary and then the one that replaced it killed in
 // turn: the last one takes over at epoch 2, and nothing is lost.
 TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
-  ClusterOptions options;
-  options.num_shards = 1;
-  options.num_workers = kWorkers;
-  options.mode = "sync";
-  options.replicas = 3;
-  options.server_flags = {"--optimizer=sgd", "--learning_rate=1",
-                          "--worker_lease_s=5"};
-  absl::StatusOr<std::unique_ptr<TestCluster>> started =
-      TestCluster::Start(options, "three_replicas");
-  ASSERT_TRUE(started.ok()) << started.status();
-  TestCluster& cluster = **started;
-  const std::vector<std::string> flags = {
-      "--model=probe",
-      absl::StrCat("--probe_elements=", kElements),
-      absl::StrCat("--block_elements=", kBlock),
-      absl::StrCat("--steps=", kSteps),
-      "--log_every=0",
-      "--device=cpu",
-      "--heartbeat_interval_s=0.2",
-      "--retry_window_s=60",
-      "--rpc_timeout_s=30",
-      "--inject_step_delay_ms=5"};
-  std::vector<std::unique_ptr<Process>> workers;
-  for (int k = 0; k < kWorkers; ++k) {
-    absl::StatusOr<std::unique_ptr<Process>> worker =
-        cluster.StartWorker(k, kWorkers, flags);
-    ASSERT_TRUE(worker.ok()) << worker.status();
-    workers.push_back(std::move(*worker));
-  }
+  std::unique_ptr<TestCluster> started =
+      StartProbeCluster("three_replicas", "sync", 1, /*replicas=*/3);
+  ASSERT_NE(started, nullptr);
+  TestCluster& cluster = *started;
+  std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(cluster);
+  ASSERT_EQ(workers.size(), kWorkers);
   auto wait_for_version = [&cluster](int replica, int64_t version) {
     const absl::Time give_up = absl::Now() + absl::Seconds(60);
     absl::StatusOr<StatsResponse> stats;
@@ -221,11 +229,7 @@ TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
   cluster.KillReplica(0, 0);
   ASSERT_TRUE(wait_for_version(1, kSteps / 2));
   cluster.KillReplica(0, 1);
-  for (auto& worker : workers) {
-    absl::StatusOr<int> code = worker->Wait(absl::Seconds(120));
-    ASSERT_TRUE(code.ok()) << code.status();
-    EXPECT_EQ(*code, 0) << worker->Stderr();
-  }
+  ExpectAllExitZero(workers);
   absl::StatusOr<StatsResponse> last = cluster.ReplicaStats(0, 2);
   ASSERT_TRUE(last.ok()) << last.status();
   EXPECT_EQ(last->replica_role(), "primary");
@@ -234,23 +238,7 @@ TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
   EXPECT_EQ(last->steps_lost(), 0);
   EXPECT_EQ(last->updates_lost(), 0);
   // Every step's update is there once: the probe's elements are exact.
-  PsClientOptions client_options;
-  client_options.hosts = cluster.HostList();
-  absl::StatusOr<std::unique_ptr<PsClient>> observer =
-      PsClient::Create(client_options);
-  ASSERT_TRUE(observer.ok()) << observer.status();
-  auto backend = std::move(*kernels::CreateBackend("cpu"));
-  ModelSchema schema;
-  schema.set_seed(1);
-  schema.set_block_elements(kBlock);
-  *schema.add_dense() =
-      (*CreateProbeModel(backend.get(), kElements))->Params()[0];
-  ASSERT_TRUE((*observer)->Register(schema, kWorkers, -1).ok());
-  std::vector<float> w(kElements, NAN);
-  ASSERT_TRUE((*observer)->Pull(0, {w.data()}).ok());
-  int64_t off = 0;
-  for (float v : w) off += v != -kSteps;
-  EXPECT_EQ(off, 0) << "the first element is " << w[0];
+  EXPECT_EQ(ProbeElementsOff(cluster, -kSteps), 0);
   DumpLogsOnFailure(cluster);
 }
 
@@ -347,34 +335,15 @@ TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
 // acknowledged: its forwards are refused by the new primary's higher epoch,
 // and it steps down.
 TEST(ReplicationFencingTest, AFrozenPrimaryIsReplacedAndFencedWhenItWakes) {
-  ClusterOptions options;
-  options.num_shards = 1;
-  options.num_workers = kWorkers;
-  options.replicas = 2;
-  options.server_flags = {"--optimizer=sgd", "--learning_rate=1",
-                          "--worker_lease_s=20", "--replica_takeover_s=1"};
-  absl::StatusOr<std::unique_ptr<TestCluster>> started =
-      TestCluster::Start(options, "frozen_primary");
-  ASSERT_TRUE(started.ok()) << started.status();
-  TestCluster& cluster = **started;
-  const std::vector<std::string> flags = {
-      "--model=probe",
-      absl::StrCat("--probe_elements=", kElements),
-      absl::StrCat("--block_elements=", kBlock),
-      absl::StrCat("--steps=", kSteps),
-      "--log_every=0",
-      "--device=cpu",
-      "--heartbeat_interval_s=0.2",
-      "--retry_window_s=60",
-      "--rpc_timeout_s=3",
-      "--inject_step_delay_ms=5"};
-  std::vector<std::unique_ptr<Process>> workers;
-  for (int k = 0; k < kWorkers; ++k) {
-    absl::StatusOr<std::unique_ptr<Process>> worker =
-        cluster.StartWorker(k, kWorkers, flags);
-    ASSERT_TRUE(worker.ok()) << worker.status();
-    workers.push_back(std::move(*worker));
-  }
+  // Leases outlast the workers' 3 s calls to the frozen primary.
+  std::unique_ptr<TestCluster> started =
+      StartProbeCluster("frozen_primary", "sync", 1, /*replicas=*/2,
+                        {"--worker_lease_s=20", "--replica_takeover_s=1"});
+  ASSERT_NE(started, nullptr);
+  TestCluster& cluster = *started;
+  std::vector<std::unique_ptr<Process>> workers =
+      StartProbeWorkers(cluster, /*rpc_timeout_s=*/3);
+  ASSERT_EQ(workers.size(), kWorkers);
   ASSERT_TRUE(
       cluster
           .WaitForStats(
@@ -393,34 +362,14 @@ TEST(ReplicationFencingTest, AFrozenPrimaryIsReplacedAndFencedWhenItWakes) {
   ASSERT_EQ(backup->replica_role(), "primary");
   EXPECT_EQ(backup->replica_epoch(), 1);
   cluster.replica(0, 0).Signal(SIGCONT);
-  for (auto& worker : workers) {
-    absl::StatusOr<int> code = worker->Wait(absl::Seconds(120));
-    ASSERT_TRUE(code.ok()) << code.status();
-    EXPECT_EQ(*code, 0) << worker->Stderr();
-  }
+  ExpectAllExitZero(workers);
 
   // Whatever the woken primary applied was never acknowledged: the job's
   // model (on the new primary) is exact.
   absl::StatusOr<StatsResponse> final_stats = cluster.ReplicaStats(0, 1);
   ASSERT_TRUE(final_stats.ok()) << final_stats.status();
   EXPECT_EQ(final_stats->version(), kSteps);
-  PsClientOptions client_options;
-  client_options.hosts = cluster.HostList();
-  absl::StatusOr<std::unique_ptr<PsClient>> observer =
-      PsClient::Create(client_options);
-  ASSERT_TRUE(observer.ok()) << observer.status();
-  auto backend = std::move(*kernels::CreateBackend("cpu"));
-  ModelSchema schema;
-  schema.set_seed(1);
-  schema.set_block_elements(kBlock);
-  *schema.add_dense() =
-      (*CreateProbeModel(backend.get(), kElements))->Params()[0];
-  ASSERT_TRUE((*observer)->Register(schema, kWorkers, -1).ok());
-  std::vector<float> w(kElements, NAN);
-  ASSERT_TRUE((*observer)->Pull(0, {w.data()}).ok());
-  int64_t off = 0;
-  for (float v : w) off += v != -kSteps;
-  EXPECT_EQ(off, 0) << "the first element is " << w[0];
+  EXPECT_EQ(ProbeElementsOff(cluster, -kSteps), 0);
 
   // A request that changes the shard, sent to the old primary, is not
   // acknowledged: its forward is fenced, and it steps down.
