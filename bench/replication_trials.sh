@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Issue 38, replicated shards: one replica of a shard killed -9 at a moment
 # an operator does not choose, and what the job then holds. Each trial runs
-# the probe model (2 workers, 200 steps, SGD at rate 1, a gradient of 1
-# everywhere: every element ends at minus the updates it got) on 2 shards x
-# 2 replicas on loopback, and kills replica 0 (the primary) or replica 1 (a
-# backup) of shard 1, in turn, in sync and async mode:
+# a job on 2 shards x 2 replicas on loopback, and kills replica 0 (the
+# primary) or replica 1 (a backup) of shard 1, in turn, in sync and async
+# mode. The job is, by --models (taken in turn):
+#
+#   probe  2 workers, 200 steps, SGD at rate 1, a gradient of 1 everywhere:
+#          every element ends at minus the updates it got;
+#   ctr    the CTR model (dense layers and sparse embedding tables, 2
+#          workers, 200 steps); in sync mode its final loss and AUC must be
+#          those of an undisturbed run of the same job (run once first).
+#
+# The moment of the kill:
 #
 #   mid   at a random moment 0.1-1.2 s after the workers start (the job runs
 #         about 1.5 s undisturbed): registration, the first steps, or later;
@@ -12,15 +19,16 @@
 #         while the other may still be pushing it).
 #
 # ok: every worker exits 0 within --trial_timeout_s (else "hung"/"failed"),
-# and the servers' model, read by bench/soak/observer through the replica
-# sets, is exactly what an undisturbed run gives: every element -200 (sync)
-# or -400 (async), so nothing was lost and nothing applied twice (else
-# "wrong"). For a primary killed mid-job it also reports the failover
+# and the model is what an undisturbed run gives (else "wrong"): probe, the
+# servers' model read by bench/soak/observer through the replica sets, every
+# element -200 (sync) or -400 (async), so nothing was lost and nothing
+# applied twice; ctr in sync mode, worker 0's final_loss, auc and logloss
+# equal to the undisturbed run's (async: exits only). For a primary killed mid-job it also reports the failover
 # pause: worker 0's longest gap between two completed steps (its
 # --metrics_csv), which holds the time from the kill to the next step.
 #
-#   bench/replication_trials.sh [--trials=40] [--trial_timeout_s=60]
-#       [--seed=N] [--record] [--keep]
+#   bench/replication_trials.sh [--trials=40] [--models=probe,ctr]
+#       [--trial_timeout_s=60] [--seed=N] [--record] [--keep]
 #
 # Prints a line per trial and a summary; --record appends them (command,
 # machine, date) to bench/results/replication_trials.txt. Exit status: 0
@@ -29,11 +37,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-trials=40 trial_timeout_s=60 seed=$$ record=0 keep=0
+trials=40 models=probe trial_timeout_s=60 seed=$$ record=0 keep=0
 args="$*"
 for arg in "$@"; do
   case "$arg" in
     --trials=*) trials=${arg#*=} ;;
+    --models=*) models=${arg#*=} ;;
     --trial_timeout_s=*) trial_timeout_s=${arg#*=} ;;
     --seed=*) seed=${arg#*=} ;;
     --record) record=1 ;;
@@ -44,6 +53,11 @@ for arg in "$@"; do
 done
 for v in trials trial_timeout_s seed; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "replication_trials.sh: --$v must be a non-negative integer, got '${!v}'" >&2; exit 2; }
+done
+read -r -a model_list <<<"${models//,/ }"
+for model in "${model_list[@]}"; do
+  [[ $model == probe || $model == ctr ]] ||
+    { echo "replication_trials.sh: --models takes probe and ctr, got '$model'" >&2; exit 2; }
 done
 
 bazel build //ps_server:ps_server //worker:worker //bench/soak:observer >/dev/null
@@ -70,9 +84,24 @@ for s in held:
 PY
 }
 
-# trial MODE REPLICA MOMENT DIR: prints "result detail".
+# The workers' flags for MODEL.
+model_flags() {
+  if [[ $1 == probe ]]; then
+    echo "--model=probe --probe_elements=$ELEMENTS --block_elements=$BLOCK --steps=$STEPS"
+  else
+    echo "--model=ctr --ctr_fields=4 --ctr_dense=2 --ctr_vocab=2000 --batch_size=128 --steps=$STEPS"
+  fi
+}
+ctr_figures() { # worker 0's final_loss auc logloss, from its stdout FILE
+  local line
+  line=$(grep '^{"event":"final"' "$1" | tail -n 1)
+  echo "$(json_field final_loss "$line") $(json_field auc "$line") $(json_field logloss "$line")"
+}
+
+# trial MODEL MODE REPLICA MOMENT DIR: prints "result detail". REPLICA -1:
+# nothing killed (the undisturbed baseline).
 trial() {
-  local mode=$1 victim=$2 moment=$3 dir=$4 i k pid deadline detail="" hosts
+  local model=$1 mode=$2 victim=$3 moment=$4 dir=$5 i k pid deadline detail="" hosts
   mkdir -p "$dir"
   local -a ports server_pid worker_pids=()
   mapfile -t ports < <(free_ports 4)
@@ -88,8 +117,8 @@ trial() {
   done
   hosts="127.0.0.1:${ports[0]}|127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}|127.0.0.1:${ports[3]}"
   for ((k = 0; k < 2; ++k)); do
-    "$worker_bin" --ps_hosts="$hosts" --worker_id=$k --num_workers=2 --model=probe \
-      --probe_elements=$ELEMENTS --block_elements=$BLOCK --steps=$STEPS \
+    # shellcheck disable=SC2046
+    "$worker_bin" --ps_hosts="$hosts" --worker_id=$k --num_workers=2 $(model_flags "$model") \
       --inject_step_delay_ms=5 --log_every=0 --device=cpu --heartbeat_interval_s=0.2 \
       --retry_window_s=30 --rpc_timeout_s=20 --metrics_csv="$dir/w$k.csv" \
       >"$dir/w$k.out" 2>"$dir/w$k.log" &
@@ -98,7 +127,9 @@ trial() {
   done
   deadline=$((SECONDS + trial_timeout_s))
   local target=$((2 + victim)) # shard 1's replica
-  if [[ $moment == mid ]]; then
+  if ((victim < 0)); then
+    detail="undisturbed"
+  elif [[ $moment == mid ]]; then
     local at
     at=$(awk -v r=$RANDOM 'BEGIN {printf "%.2f", 0.1 + 1.1 * r / 32767}')
     sleep "$at"
@@ -113,8 +144,10 @@ trial() {
   # Worker 0's steps so far (its CSV is flushed every step, after a header).
   local rows_at_kill
   rows_at_kill=$(wc -l <"$dir/w0.csv" 2>/dev/null || echo 0)
-  kill -9 "${server_pid[target]}"
-  wait "${server_pid[target]}" 2>/dev/null || true
+  if ((victim >= 0)); then
+    kill -9 "${server_pid[target]}"
+    wait "${server_pid[target]}" 2>/dev/null || true
+  fi
   local codes="" result=ok code
   for pid in "${worker_pids[@]}"; do
     while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.05; done
@@ -128,7 +161,15 @@ trial() {
     [[ $code != 0 && $result == ok ]] && result=failed
   done
   detail+=", exits $codes"
-  if [[ $result == ok ]]; then
+  if [[ $result == ok && $model == ctr ]]; then
+    local figures
+    figures=$(ctr_figures "$dir/w0.out")
+    detail+=", final_loss/auc/logloss $figures"
+    if [[ $mode == sync && -n ${ctr_baseline:-} && $figures != "$ctr_baseline" ]]; then
+      result=wrong
+      detail+=" (undisturbed: $ctr_baseline)"
+    fi
+  elif [[ $result == ok ]]; then
     local expect=$STEPS out mismatches
     [[ $mode != sync ]] && expect=$((2 * STEPS))
     out=$("$observer_bin" --ps_hosts="$hosts" --num_workers=2 --probe_elements=$ELEMENTS \
@@ -137,12 +178,14 @@ trial() {
     detail+=", elements off -$expect: ${mismatches:-unread}"
     [[ $mismatches == 0 ]] || result=wrong
   fi
-  if [[ $victim == 0 && $moment == mid && $result == ok ]]; then
+  if [[ $victim == 0 && $moment == mid && $result == ok && $model == probe ]]; then
     if ((rows_at_kill >= 2)); then
-      # The gap holding the kill: the last step before it to the first after.
+      # The gap holding the kill: the last step before it to the first
+      # after. A step (~10 ms) may complete between the count and the kill,
+      # so the larger of the two gaps after the count.
       local gap
-      gap=$(awk -F, -v k="$rows_at_kill" 'NR == k {t = $2} NR == k + 1 {printf "%.3f", $2 - t}' "$dir/w0.csv")
-      detail+=", failover pause $gap s (worker 0's step $((rows_at_kill - 1)) to the next)"
+      gap=$(awk -F, -v k="$rows_at_kill" 'NR >= k && NR <= k + 2 {if (NR > k && $2 - t > m) m = $2 - t; t = $2} END {printf "%.3f", m}' "$dir/w0.csv")
+      detail+=", failover pause $gap s (after worker 0's step $((rows_at_kill - 1)))"
       [[ -n $gap ]] && echo "$gap" >>"$run_dir/pauses"
     else
       detail+=", killed before worker 0's first step"
@@ -158,14 +201,23 @@ pauses=()
 ok=0
 bad=0
 status=0
+ctr_baseline=""
+if [[ " ${model_list[*]} " == *" ctr "* ]]; then
+  line=$(trial ctr sync -1 mid "$run_dir/ctr_baseline")
+  [[ $line == ok* ]] || { echo "replication_trials.sh: the undisturbed CTR job failed: $line" >&2; exit 1; }
+  ctr_baseline=$(ctr_figures "$run_dir/ctr_baseline/w0.out")
+  rows+=("undisturbed sync CTR job: final_loss/auc/logloss $ctr_baseline")
+  echo "${rows[-1]}"
+fi
 for t in $(seq 1 "$trials"); do
   mode=sync
   ((t % 2)) || mode=async
   victim=$(((t - 1) / 2 % 2)) # primary, primary, backup, backup, ...
   moment=mid
   ((t % 5)) || moment=end
-  line=$(trial $mode $victim $moment "$run_dir/t$t")
-  rows+=("$(printf '%3d %-5s %-7s %-3s  %s' "$t" $mode "$([[ $victim == 0 ]] && echo primary || echo backup)" $moment "$line")")
+  model=${model_list[$(((t - 1) / 4 % ${#model_list[@]}))]}
+  line=$(trial "$model" $mode $victim $moment "$run_dir/t$t")
+  rows+=("$(printf '%3d %-5s %-5s %-7s %-3s  %s' "$t" "$model" $mode "$([[ $victim == 0 ]] && echo primary || echo backup)" $moment "$line")")
   echo "${rows[-1]}"
   if [[ $line == ok* ]]; then ok=$((ok + 1)); else bad=$((bad + 1)); status=1; fi
 done
