@@ -135,7 +135,14 @@ std::string ShardFinalJson(const StatsResponse& stats, int64_t state_version,
       ",\"late_gradients_dropped\":", stats.late_gradients_dropped(),
       ",\"job_final_version\":", stats.job_final_version(),
       ",\"behind\":", behind ? "true" : "false", ",\"final_checkpoint\":\"",
-      final_checkpoint, "\"}");
+      final_checkpoint, "\"",
+      // A replicated shard's every replica reports; a job's report takes
+      // the primary's (deploy/local/job_report.sh).
+      stats.replicas() > 1
+          ? absl::StrCat(",\"replica\":", stats.replica_index(),
+                         ",\"replica_role\":\"", stats.replica_role(), "\"")
+          : "",
+      "}");
 }
 
 // The server's parts, built in order by Start and taken down in reverse by

@@ -47,6 +47,8 @@ grep -q "replica 0 of shard 0 is the primary" "$T/replicated/ps0.log" ||
   fail "replica 0 is not the primary: $(head -n 20 "$T/replicated/ps0.log")"
 grep -q "replica 1 of shard 0 is a backup" "$T/replicated/ps1.log" ||
   fail "replica 1 is not a backup: $(head -n 20 "$T/replicated/ps1.log")"
+grep -q '^{"event":"job","mode":"sync","shards":1,.*"step":5,' "$T/out" ||
+  fail "the job line does not count the replicated shard once: $(cat "$T/out")"
 grep -q '"ps": \["127.0.0.1:[0-9]*|127.0.0.1:[0-9]*"\]' "$T/replicated/cluster.json" ||
   fail "cluster.json lacks the replica set: $(cat "$T/replicated/cluster.json")"
 echo PASS

@@ -18,7 +18,9 @@
 # workers reported (a server killed after the job's last step and restored
 # from an older checkpoint: those steps are not in the servers' model).
 # Anything that weakened the job, or shards that did not report, is said on
-# stderr, one line each, prefixed with --prog.
+# stderr, one line each, prefixed with --prog. Of a replicated shard
+# (ps_server --replicas), whose every replica reports, only the primary's
+# line counts.
 #
 #   cat RUN/ps*.log | deploy/local/job_report.sh --shards=S --workers=W \
 #       [--prog=NAME] [--logs=WHERE]
@@ -41,7 +43,7 @@ done
   { echo "job_report.sh: --shards and --workers must be positive integers" >&2; exit 2; }
 warn() { printf '%s: warning: %s\n' "$prog" "$*" >&2; }
 
-finals=$(grep -o '{"event":"shard_final".*}' || true)
+finals=$(grep -o '{"event":"shard_final".*}' | grep -v '"replica_role":"\(backup\|stale\|joining\)"' || true)
 reported=$(grep -c . <<<"$finals" || true)
 if ((reported != shards)); then
   warn "$reported of $shards server(s) said how they ended (a server killed, or older than this script?); see $logs"

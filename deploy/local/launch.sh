@@ -774,6 +774,11 @@ wait_for_workers() {
       [[ -n "${LIVE[$pid]+x}" ]] || continue
       alive "$pid" && continue
       reap "$pid"
+      if ((REPLICAS > 1)); then
+        # Its shard goes on on its other replicas (a backup takes over).
+        info "ps_server $i (shard $((i / REPLICAS)), replica $((i % REPLICAS))) died during training: exited with $(describe_rc "$REAPED_RC"); its shard goes on on its other replicas"
+        continue
+      fi
       info "ps_server $i died during training: exited with $(describe_rc "$REAPED_RC")"
       show_log_tail "$RUN/ps$i.log"
       exit 1
@@ -806,8 +811,7 @@ print_worker_results() {
 # (deploy/local/job_report.sh): one {"event":"job",...} line on stdout,
 # warnings on stderr.
 report_job() {
-  # Every replica says how its shard ends.
-  "$HERE/job_report.sh" --prog="$PROG" --shards="$((SERVERS * REPLICAS))" --workers="$WORKERS" \
+  "$HERE/job_report.sh" --prog="$PROG" --shards="$SERVERS" --workers="$WORKERS" \
     --logs="$RUN/ps*.log" < <(cat "$RUN"/ps*.log 2>/dev/null) || true
 }
 
