@@ -1,10 +1,13 @@
 #include "tests/test_cluster.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,13 +18,13 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/random/random.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "tests/http_util.h"
 #include "tools/cpp/runfiles/runfiles.h"
 
 extern char** environ;
@@ -162,6 +165,30 @@ void Process::Signal(int signal_number) {
 std::string Process::Stdout() const { return ReadFile(stdout_path_); }
 std::string Process::Stderr() const { return ReadFile(stderr_path_); }
 
+namespace {
+
+// A free loopback port below the kernel's ephemeral range (32768-60999 by
+// default): a port picked from that range (FreePort) can be taken, before
+// the server binds it, by another server's data port (bound to port 0) or
+// an outgoing connection; this one only by another explicit bind.
+int PortBelowEphemeralRange() {
+  static absl::BitGen random;
+  while (true) {
+    const int port = absl::Uniform(random, 20000, 32000);
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    address.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free =
+        bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+}
+
+}  // namespace
+
 std::string TestCluster::ReplicaAddress(int index) const {
   return absl::StrCat("127.0.0.1:", ports_[index]);
 }
@@ -225,9 +252,8 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(
   // Replicas must know each other's ports before they start.
   if (options.replicas > 1) {
     for (size_t i = 0; i < cluster->ports_.size(); ++i) {
-      // FreePort may hand out a port twice (it is free again once closed).
       do {
-        cluster->ports_[i] = FreePort();
+        cluster->ports_[i] = PortBelowEphemeralRange();
       } while (std::count(cluster->ports_.begin(), cluster->ports_.begin() + i,
                           cluster->ports_[i]) > 0);
     }
