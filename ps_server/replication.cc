@@ -146,8 +146,10 @@ void ReplicaSet::NoteAnswer(Peer& peer,
 absl::StatusOr<ReplicateResponse> ReplicaSet::CallOnDataPlane(
     Peer& peer, const std::string& meta,
     absl::Span<const absl::string_view> request, absl::Time deadline) const {
-  const std::string who =
-      absl::StrCat("replica ", peer.index, " (", peer.address, ")");
+  // Named in an error only: built then, not for every forward.
+  auto who = [&peer] {
+    return absl::StrCat("replica ", peer.index, " (", peer.address, ")");
+  };
   std::unique_ptr<DataLink> link;
   {
     absl::MutexLock lock(&peer.links_mu);
@@ -168,7 +170,7 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::CallOnDataPlane(
         std::min(deadline, absl::Now() + absl::Seconds(5)));
     if (!opened.ok()) {
       return absl::Status(opened.status().code(),
-                          absl::StrCat(who, ": ", opened.status().message()));
+                          absl::StrCat(who(), ": ", opened.status().message()));
     }
     link = std::move(*opened);
   }
@@ -193,7 +195,7 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::CallOnDataPlane(
   }
   if (!exchange.status.ok()) {
     return absl::Status(exchange.status.code(),
-                        absl::StrCat(who, ": ", exchange.status.message()));
+                        absl::StrCat(who(), ": ", exchange.status.message()));
   }
   NoteAnswer(peer, response);
   return response;

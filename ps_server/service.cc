@@ -126,8 +126,7 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
         const bool first = !shard_->HasModel();
         absl::StatusOr<RegisterModelResponse> response = shard_->Register(r);
         if (response.ok()) {
-          if (absl::Status forwarded =
-                  Forward("RegisterModel", r.SerializeAsString(), first);
+          if (absl::Status forwarded = Forward("RegisterModel", r, first);
               !forwarded.ok()) {
             return forwarded;
           }
@@ -471,8 +470,7 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePush(
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
         absl::StatusOr<SparsePushResponse> pushed = shard_->SparsePush(r);
         if (!pushed.ok()) return pushed;
-        if (absl::Status forwarded =
-                Forward("SparsePush", r.SerializeAsString());
+        if (absl::Status forwarded = Forward("SparsePush", r);
             !forwarded.ok()) {
           return forwarded;
         }
@@ -501,9 +499,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Heartbeat(
       [this](const HeartbeatRequest& r) -> absl::StatusOr<HeartbeatResponse> {
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
         if (absl::Status s = shard_->Heartbeat(r); !s.ok()) return s;
-        if (absl::Status forwarded =
-                Forward("Heartbeat", r.SerializeAsString());
-            !forwarded.ok()) {
+        if (absl::Status forwarded = Forward("Heartbeat", r); !forwarded.ok()) {
           return forwarded;
         }
         return HeartbeatResponse();
@@ -572,9 +568,7 @@ grpc::ServerUnaryReactor* ParameterServerService::ApplyClip(
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
         absl::StatusOr<ApplyClipResponse> applied = shard_->ApplyClip(r);
         if (!applied.ok()) return applied;
-        if (absl::Status forwarded =
-                Forward("ApplyClip", r.SerializeAsString());
-            !forwarded.ok()) {
+        if (absl::Status forwarded = Forward("ApplyClip", r); !forwarded.ok()) {
           return forwarded;
         }
         return applied;
@@ -592,8 +586,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Leave(
       [this](const LeaveRequest& r) -> absl::StatusOr<LeaveResponse> {
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
         if (absl::Status s = shard_->Leave(r); !s.ok()) return s;
-        if (absl::Status forwarded = Forward("Leave", r.SerializeAsString());
-            !forwarded.ok()) {
+        if (absl::Status forwarded = Forward("Leave", r); !forwarded.ok()) {
           return forwarded;
         }
         return LeaveResponse();
@@ -643,8 +636,7 @@ absl::StatusOr<CheckpointResponse> ParameterServerService::FinalState(
       !s.ok()) {
     return s;
   }
-  if (absl::Status forwarded =
-          Forward("FinalState", request.SerializeAsString());
+  if (absl::Status forwarded = Forward("FinalState", request);
       !forwarded.ok()) {
     return forwarded;
   }

@@ -182,9 +182,14 @@ class ParameterServerService final : public ParameterServerRawService,
     if (replicas_ == nullptr) return absl::OkStatus();
     return replicas_->Forward(method, request, wait_for_replicas);
   }
-  absl::Status Forward(absl::string_view method, const std::string& request,
+  // A small request, serialized only when there are replicas to send it to
+  // (heartbeats and sparse pushes come every step).
+  absl::Status Forward(absl::string_view method,
+                       const google::protobuf::MessageLite& request,
                        bool wait_for_replicas = false) {
-    const absl::string_view piece = request;
+    if (replicas_ == nullptr) return absl::OkStatus();
+    const std::string bytes = request.SerializeAsString();
+    const absl::string_view piece = bytes;
     return Forward(method, absl::MakeConstSpan(&piece, 1), wait_for_replicas);
   }
   // A backup: applies `request` of `method` that the primary forwarded, as
