@@ -1,6 +1,13 @@
 """Async from PyTorch: two Python workers training an MLP on Fashion-MNIST
 against servers in async mode reach the accuracy of one torch process
-within 1 point, in the same epochs."""
+within 2 points, in the same epochs, and every shard applied every push.
+
+Async is not deterministic: which pushes a pull sees depends on the
+scheduler. Eleven runs of this test gave 0.8414-0.8542 against the single
+process's 0.8518 (the low end under CI's two parallel test jobs, where the
+staleness is largest), hence the 2 points. Accuracy alone cannot tell a lost
+half of the updates (one epoch of the single process reaches 0.8374), so the
+servers' versions must count every worker's every step."""
 
 import os
 import subprocess
@@ -21,6 +28,7 @@ class TorchAsyncTest(unittest.TestCase):
                                     f"--learning_rate={LR}"]) as c:
             finals = c.run_workers(SCRIPT, lambda k: [
                 f"--epochs={EPOCHS}", f"--global_batch={GLOBAL_BATCH}"])
+            stats = c.stats()
         local = subprocess.run(
             [sys.executable, SCRIPT, "--local", f"--epochs={EPOCHS}",
              f"--global_batch={GLOBAL_BATCH}", f"--lr={LR}"],
@@ -31,7 +39,12 @@ class TorchAsyncTest(unittest.TestCase):
         self.assertEqual({f["final_model"] for f in finals}, {"all_done"})
         self.assertGreater(single["test_accuracy"], 0.8)
         self.assertGreaterEqual(finals[0]["test_accuracy"],
-                                single["test_accuracy"] - 0.01)
+                                single["test_accuracy"] - 0.02)
+        # protobuf's JSON writes 64-bit integers as strings.
+        pushes = sum(f["steps"] for f in finals)
+        self.assertEqual([int(s["version"]) for s in stats], [pushes, pushes])
+        self.assertEqual([int(s.get("gradients_lost", 0)) for s in stats],
+                         [0, 0])
 
 
 if __name__ == "__main__":
