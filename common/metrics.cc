@@ -645,6 +645,39 @@ std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
   return families;
 }
 
+// --replicas > 1 (ps_server/replication.h): where this replica stands.
+void AddReplicaFamilies(const StatsResponse& s, ShardFamilies& out) {
+  using prometheus::MetricType;
+  prometheus::ClientMetric role;
+  role.label = {{"shard", out.shard},
+                {"replica", absl::StrCat(s.replica_index())},
+                {"role", s.replica_role()}};
+  role.gauge.value = 1;
+  out.families.push_back({"pstrain_replica_info",
+                          "This process's place in its shard's replica set "
+                          "and its role (value 1).",
+                          MetricType::Gauge,
+                          {role}});
+  out.Add("pstrain_replica_epoch",
+          "The epoch this replica is at (one more for every takeover).",
+          MetricType::Gauge, static_cast<double>(s.replica_epoch()));
+  out.Add("pstrain_replica_forwards_total",
+          "Changes this replica forwarded to its backups as primary.",
+          MetricType::Counter, static_cast<double>(s.replica_forwards()));
+  out.Add("pstrain_replica_takeovers_total",
+          "Times this replica took over as primary.", MetricType::Counter,
+          static_cast<double>(s.replica_takeovers()));
+  out.Add("pstrain_replica_dropped_total",
+          "Backups this replica dropped from its set (dead, or disagreeing).",
+          MetricType::Counter, static_cast<double>(s.replicas_dropped()));
+  out.Add("pstrain_replica_catchups_total",
+          "Replicas brought into the set by state transfer, as primary.",
+          MetricType::Counter, static_cast<double>(s.replica_catchups()));
+  out.Add("pstrain_replica_catchup_last_seconds",
+          "How long the last catch-up took (sent, or received).",
+          MetricType::Gauge, s.replica_catchup_seconds());
+}
+
 std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
   const StatsResponse s = stats_();
   ShardFamilies out{absl::StrCat(s.shard_id()), {}};
@@ -661,6 +694,7 @@ std::vector<prometheus::MetricFamily> ShardStatsCollector::Collect() const {
   // Only with --checkpoint_dir: a server that never checkpoints has no
   // checkpoint to be late.
   if (s.checkpoint().enabled()) AddCheckpointFamilies(s.checkpoint(), out);
+  if (s.replicas() > 1) AddReplicaFamilies(s, out);
   AddTlsFamilies(s, out);
   return std::move(out.families);
 }

@@ -94,6 +94,10 @@ class InWorkerOrder {
   }
 
   size_t num_held() const { return held_.size(); }
+  // No contribution of the step is in yet.
+  bool AtStepStart() const {
+    return next_ == 0 && !one_added_ && held_.empty();
+  }
 
  private:
   int next_ = 0;

@@ -82,6 +82,8 @@ const char* ReplicaSet::RoleName(Role role) {
       return "backup";
     case Role::kStale:
       return "stale";
+    case Role::kCatchingUp:
+      return "catching_up";
   }
   return "unknown";
 }
@@ -106,6 +108,10 @@ ReplicaSet::ReplicaSet(const ReplicaOptions& options,
     peer->stub = ParameterServer::NewStub(grpc::CreateCustomChannel(
         peer->address, grpc::InsecureChannelCredentials(), args));
     peers_.push_back(std::move(peer));
+  }
+  absl::MutexLock lock(&mu_);
+  for (int i = 0; i < static_cast<int>(options_.addresses.size()); ++i) {
+    succession_.push_back(i);
   }
 }
 
@@ -234,12 +240,14 @@ void ReplicaSet::Start() {
   const std::string self = absl::StrCat("replica ", options_.replica_index,
                                         " of shard ", options_.shard_id);
   if (!holders.empty()) {
-    role_ = Role::kStale;
-    LOG(ERROR) << self << " is stale: " << absl::StrJoin(holders, ", ")
-               << " holds the shard's state, and this process started "
-                  "without it. Catching up from a live replica is not built "
-                  "yet: this process serves no one, and the shard runs on "
-                  "the replicas it has.";
+    role_ = Role::kCatchingUp;
+    catch_up_started_ = absl::Now();
+    LOG(WARNING) << self << " started without the shard's state, which "
+                 << absl::StrJoin(holders, ", ")
+                 << " holds: it catches up from the primary";
+    watcher_ = std::thread([this] {
+      if (CatchUp()) Watch();
+    });
     return;
   }
   if (options_.replica_index == 0) {
@@ -265,7 +273,7 @@ void ReplicaSet::Watch() {
     bool all_down = true;
     std::vector<std::string> why;
     for (auto& peer : peers_) {
-      if (peer->index > options_.replica_index) continue;
+      if (!Ahead(peer->index)) continue;
       probe.set_epoch(epoch_.load());
       absl::StatusOr<ReplicateResponse> answer = Call(
           *peer, probe, std::max(absl::Seconds(1), 2 * options_.probe_interval),
@@ -275,12 +283,15 @@ void ReplicaSet::Watch() {
         peer->last_heard = now;
         peer->refused_in_a_row = 0;
         NoteEpoch(answer->epoch());
-        peer->stale = answer->role() == RoleName(Role::kStale);
+        // One catching up does not hold the state: it cannot take over.
+        peer->stale = answer->role() == RoleName(Role::kStale) ||
+                      answer->role() == RoleName(Role::kCatchingUp);
         if (answer->role() == RoleName(Role::kPrimary)) {
           primary_ = peer->index;
         }
         if (peer->stale) {
-          why.push_back(absl::StrCat("replica ", peer->index, " is stale"));
+          why.push_back(
+              absl::StrCat("replica ", peer->index, " is ", answer->role()));
         } else {
           all_down = false;
         }
@@ -320,21 +331,40 @@ void ReplicaSet::NoteEpoch(int64_t epoch) {
 }
 
 void ReplicaSet::TakeOver(const std::string& why) {
-  absl::MutexLock lock(&mu_);
-  if (role_.load() != Role::kBackup) return;
-  epoch_ = epoch_.load() + 1;
-  // The replicas before this one are gone; those after it follow it.
-  in_set_.clear();
-  for (auto& peer : peers_) {
-    if (peer->index > options_.replica_index) in_set_.push_back(peer->index);
+  {
+    absl::MutexLock lock(&mu_);
+    if (role_.load() != Role::kBackup) return;
+    epoch_ = epoch_.load() + 1;
+    // The replicas before this one are gone; those after it follow it.
+    in_set_.clear();
+    auto self = std::find(succession_.begin(), succession_.end(),
+                          options_.replica_index);
+    if (self != succession_.end()) in_set_.assign(self + 1, succession_.end());
+    succession_ = {options_.replica_index};
+    succession_.insert(succession_.end(), in_set_.begin(), in_set_.end());
+    primary_ = options_.replica_index;
+    role_ = Role::kPrimary;
+    takeovers_.fetch_add(1);
+    LOG(WARNING) << "replica " << options_.replica_index << " of shard "
+                 << options_.shard_id << " takes over as primary at epoch "
+                 << epoch_.load() << ": " << why << "; forwarding to "
+                 << in_set_.size() << " replica(s)";
   }
-  primary_ = options_.replica_index;
-  role_ = Role::kPrimary;
-  takeovers_.fetch_add(1);
-  LOG(WARNING) << "replica " << options_.replica_index << " of shard "
-               << options_.shard_id << " takes over as primary at epoch "
-               << epoch_.load() << ": " << why << "; forwarding to "
-               << in_set_.size() << " replica(s)";
+  // The backups learn the new order (and epoch) now, not at the next
+  // change: one of them may be next soon.
+  Forward("view", {}).IgnoreError();
+}
+
+bool ReplicaSet::Ahead(int index) const {
+  absl::MutexLock lock(&mu_);
+  for (int i : succession_) {
+    if (i == options_.replica_index) return false;
+    if (i == index) return true;
+  }
+  // Not in the order this one knows (it was dropped from it): every
+  // replica there comes first.
+  return std::find(succession_.begin(), succession_.end(), index) !=
+         succession_.end();
 }
 
 void ReplicaSet::Drop(int index, const std::string& why) {
@@ -371,8 +401,12 @@ absl::Status ReplicaSet::ServesWorkers() const {
     case Role::kStale:
       return absl::UnavailableError(absl::StrCat(
           "replica ", options_.replica_index, " of shard ", options_.shard_id,
-          " is stale (restarted, or replaced by another primary) and serves "
-          "no one"));
+          " is stale (replaced by another primary, or its catch-up failed) "
+          "and serves no one"));
+    case Role::kCatchingUp:
+      return absl::UnavailableError(
+          absl::StrCat("replica ", options_.replica_index, " of shard ",
+                       options_.shard_id, " is catching up from the primary"));
     case Role::kJoining:
       break;
   }
@@ -386,17 +420,19 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
                                  bool wait_for_replicas) {
   if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
   std::vector<Peer*> targets;
+  ReplicateRequest forward;
   {
     absl::MutexLock lock(&mu_);
+    forward.add_succession(options_.replica_index);
     for (int index : in_set_) {
       for (auto& peer : peers_) {
         if (peer->index == index) targets.push_back(peer.get());
       }
+      forward.add_succession(index);
     }
   }
   if (targets.empty()) return absl::OkStatus();
   forwards_.fetch_add(1, std::memory_order_relaxed);
-  ReplicateRequest forward;
   forward.set_epoch(epoch_.load());
   forward.set_from_replica(options_.replica_index);
   forward.set_method(std::string(method));
@@ -508,6 +544,10 @@ absl::Status ReplicaSet::AdmitForward(const ReplicateRequest& request) {
     return absl::FailedPreconditionError(
         absl::StrCat(kStale, self, " does not hold the shard's state"));
   }
+  if (role == Role::kCatchingUp) {
+    return absl::UnavailableError(absl::StrCat(
+        self, " is ", kJoining, "it is catching up from the primary"));
+  }
   if (request.epoch() < epoch_.load() ||
       (request.epoch() == epoch_.load() && role == Role::kPrimary)) {
     return absl::FailedPreconditionError(
@@ -528,10 +568,163 @@ absl::Status ReplicaSet::AdmitForward(const ReplicateRequest& request) {
   }
   epoch_ = request.epoch();
   primary_ = request.from_replica();
+  if (request.succession_size() > 0) {
+    succession_.assign(request.succession().begin(),
+                       request.succession().end());
+  }
   for (auto& peer : peers_) {
     if (peer->index == request.from_replica()) peer->forwarded = true;
   }
   return absl::OkStatus();
+}
+
+bool ReplicaSet::CatchUp() {
+  const std::string self = absl::StrCat("replica ", options_.replica_index,
+                                        " of shard ", options_.shard_id);
+  ReplicateRequest probe;
+  probe.set_method("probe");
+  probe.set_from_replica(options_.replica_index);
+  ReplicateRequest join;
+  join.set_method("join");
+  join.set_from_replica(options_.replica_index);
+  std::string last_problem;
+  while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+    if (role_.load() != Role::kCatchingUp) break;
+    Peer* primary = nullptr;
+    for (auto& peer : peers_) {
+      absl::StatusOr<ReplicateResponse> answer =
+          Call(*peer, probe, absl::Seconds(1), /*wait_for_ready=*/false);
+      if (answer.ok() && answer->role() == RoleName(Role::kPrimary)) {
+        primary = peer.get();
+      }
+    }
+    std::string problem = "no replica of the shard is primary now";
+    if (primary != nullptr) {
+      absl::StatusOr<ReplicateResponse> accepted =
+          Call(*primary, join, absl::Seconds(5), /*wait_for_ready=*/false);
+      problem = accepted.status().ToString();
+      if (accepted.ok()) {
+        // The primary sends the state once it finds a quiet moment (it
+        // gives up after kCatchUpQuietWait); chunks then keep coming.
+        absl::Time give_up =
+            absl::Now() + kCatchUpQuietWait + absl::Seconds(15);
+        int64_t chunks = 0;
+        while (role_.load() == Role::kCatchingUp && absl::Now() < give_up &&
+               !stop_.WaitForNotificationWithTimeout(absl::Milliseconds(20))) {
+          if (chunks_installed_.load() != chunks) {
+            chunks = chunks_installed_.load();
+            give_up = absl::Now() + options_.forward_timeout + absl::Seconds(5);
+          }
+        }
+        if (role_.load() == Role::kBackup) return true;
+        if (role_.load() != Role::kCatchingUp) return false;  // failed
+        if (chunks_installed_.load() > 0) {
+          CatchUpFailed(absl::StrCat("the transfer from replica ",
+                                     primary->index, " broke off"));
+          return false;
+        }
+        problem = "the primary found no quiet moment to send the state";
+      }
+    }
+    if (problem != last_problem) {
+      LOG(WARNING) << self
+                   << " could not catch up yet (tries again): " << problem;
+      last_problem = problem;
+    }
+  }
+  return role_.load() == Role::kBackup;
+}
+
+absl::Status ReplicaSet::SendState(int joiner,
+                                   absl::Span<const ReplicaStateChunk> chunks) {
+  Peer* peer = nullptr;
+  for (auto& p : peers_) {
+    if (p->index == joiner) peer = p.get();
+  }
+  if (peer == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no replica ", joiner, " in this set"));
+  }
+  const absl::Time start = absl::Now();
+  ReplicateRequest message;
+  message.set_epoch(epoch_.load());
+  message.set_from_replica(options_.replica_index);
+  message.set_method("state");
+  int64_t bytes = 0;
+  for (const ReplicaStateChunk& chunk : chunks) {
+    if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+    if (chunk.last()) {
+      absl::MutexLock lock(&mu_);
+      message.add_succession(options_.replica_index);
+      for (int index : in_set_) {
+        if (index != joiner) message.add_succession(index);
+      }
+      message.add_succession(joiner);
+    }
+    message.set_request(chunk.SerializeAsString());
+    bytes += static_cast<int64_t>(message.request().size());
+    absl::StatusOr<ReplicateResponse> answer =
+        Call(*peer, message, options_.forward_timeout, false);
+    if (!answer.ok()) return answer.status();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (std::find(in_set_.begin(), in_set_.end(), joiner) == in_set_.end()) {
+      in_set_.push_back(joiner);
+    }
+    succession_ = {options_.replica_index};
+    succession_.insert(succession_.end(), in_set_.begin(), in_set_.end());
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  catchups_.fetch_add(1);
+  catchup_bytes_ = bytes;
+  catchup_seconds_ = seconds;
+  LOG(INFO) << "replica " << options_.replica_index << " of shard "
+            << options_.shard_id << " brought replica " << joiner
+            << " into its set: " << chunks.size() << " chunks, " << bytes
+            << " bytes in " << seconds << " s";
+  // Every backup learns the new order (the joiner already has it).
+  return Forward("view", {});
+}
+
+absl::Status ReplicaSet::AdmitState(const ReplicateRequest& request) {
+  const std::string self = absl::StrCat("replica ", options_.replica_index,
+                                        " of shard ", options_.shard_id);
+  if (role_.load() != Role::kCatchingUp) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        self, " is ", RoleName(role_.load()), ", not catching up"));
+  }
+  if (request.epoch() < epoch_.load()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(kFenced, self, " is at epoch ", epoch_.load(),
+                     "; the state is of epoch ", request.epoch()));
+  }
+  chunks_installed_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+void ReplicaSet::Joined(const ReplicateRequest& request, int64_t bytes) {
+  {
+    absl::MutexLock lock(&mu_);
+    epoch_ = request.epoch();
+    primary_ = request.from_replica();
+    succession_.assign(request.succession().begin(),
+                       request.succession().end());
+    for (auto& peer : peers_) {
+      if (peer->index == request.from_replica()) peer->forwarded = true;
+    }
+    role_ = Role::kBackup;
+  }
+  catchup_bytes_ = bytes;
+  catchup_seconds_ = absl::ToDoubleSeconds(absl::Now() - catch_up_started_);
+  LOG(INFO) << "replica " << options_.replica_index << " of shard "
+            << options_.shard_id << " caught up from replica "
+            << request.from_replica() << " (epoch " << request.epoch() << ", "
+            << chunks_installed_.load() << " chunks): a backup now";
+}
+
+void ReplicaSet::CatchUpFailed(const std::string& why) {
+  StepDown(absl::StrCat("its catch-up failed: ", why));
 }
 
 bool ReplicaSet::InSet(int index) const {
@@ -565,6 +758,61 @@ void ReplicaSet::AddStats(StatsResponse* stats) const {
   stats->set_replica_forwards(forwards_.load());
   stats->set_replica_takeovers(takeovers_.load());
   stats->set_replicas_dropped(dropped_.load());
+  stats->set_replica_catchups(catchups_.load());
+  stats->set_replica_catchup_bytes(catchup_bytes_.load());
+  stats->set_replica_catchup_seconds(catchup_seconds_.load());
+}
+
+absl::StatusOr<ChangeGate::Pass> ChangeGate::Enter(int64_t step,
+                                                   absl::Time until) {
+  absl::MutexLock lock(&mu_);
+  auto may_pass = [this, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !held_ || (step >= 0 && step <= passes_up_to_);
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&may_pass), until)) {
+    return absl::UnavailableError(
+        "a replica is catching up and changes are held; retry");
+  }
+  ++in_flight_;
+  highest_step_ = std::max(highest_step_, step);
+  return Pass(this);
+}
+
+void ChangeGate::Exit() {
+  absl::MutexLock lock(&mu_);
+  --in_flight_;
+}
+
+void ChangeGate::Hold(bool finish_step) {
+  absl::MutexLock lock(&mu_);
+  held_ = true;
+  passes_up_to_ = finish_step ? highest_step_ : -1;
+}
+
+bool ChangeGate::AwaitQuiet(const std::function<bool()>& quiet,
+                            absl::Time until) {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return in_flight_ == 0;
+      };
+      // Under mu_ with nothing in flight, no change can start: what quiet()
+      // sees stays so once passes_up_to_ lets nothing more through.
+      if (mu_.AwaitWithDeadline(absl::Condition(&drained), until) && quiet()) {
+        passes_up_to_ = -1;
+        return true;
+      }
+    }
+    if (absl::Now() >= until) return false;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+}
+
+void ChangeGate::Release() {
+  absl::MutexLock lock(&mu_);
+  held_ = false;
+  passes_up_to_ = -1;
 }
 
 }  // namespace pstrain

@@ -35,10 +35,20 @@
 // backup that is merely silent holds the primary's answers (the job waits,
 // nothing diverges) until it answers or its process is gone.
 //
-// Not yet: a replacement replica does not catch up from a live one. A
-// replica process that starts while another replica of its shard holds the
-// model stays "stale": it refuses workers and forwards, and the shard runs
-// with the replicas it has left.
+// Catch-up. A replica process that starts while another replica of its
+// shard holds the model (a restarted one, or a replacement) asks the
+// primary to join. The primary holds new changes (ChangeGate), waits for a
+// quiet moment (no change in flight, and in sync mode no step part summed:
+// the pushes of the step under way still pass, later ones wait), sends its
+// whole state in chunks (Shard::ExportReplicaState), adds the joiner at the
+// end of its set, and lets the changes go on. The job pauses for the
+// transfer; the joiner is then a backup like any other.
+//
+// Succession. The primary's set is ordered: the primary, then its backups
+// in the order they take over (a joiner goes last). Every forward carries
+// that order, and a backup watches the replicas before it in it, so after
+// failovers and catch-ups exactly one replica is next. A replica that is
+// catching up is no one's successor.
 #ifndef PSTRAIN_PS_SERVER_REPLICATION_H_
 #define PSTRAIN_PS_SERVER_REPLICATION_H_
 
@@ -83,9 +93,55 @@ struct ReplicaOptions {
   absl::Duration startup_wait = absl::Seconds(60);
 };
 
+// The changes a primary applies and forwards, counted; held while a replica
+// catches up, so that the state it is sent is the state the forwards after
+// it go on from.
+class ChangeGate {
+ public:
+  // A change let through; it ends (Exit) when the Pass goes.
+  class Pass {
+   public:
+    explicit Pass(ChangeGate* gate) : gate_(gate) {}
+    Pass(Pass&& other) : gate_(other.gate_) { other.gate_ = nullptr; }
+    Pass& operator=(Pass&&) = delete;
+    ~Pass() {
+      if (gate_ != nullptr) gate_->Exit();
+    }
+
+   private:
+    ChangeGate* gate_;
+  };
+
+  // A change of sync step `step` (-1: of no step: a registration, a
+  // heartbeat, ...) starts: waits while the gate holds it, until `until`
+  // (then UNAVAILABLE: retry).
+  absl::StatusOr<Pass> Enter(int64_t step, absl::Time until);
+  // Holds the changes that have not started. `finish_step` (sync): a step
+  // part summed completes only with the rest of its pushes, so pushes of
+  // steps up to the highest that started still pass, until AwaitQuiet.
+  void Hold(bool finish_step);
+  // Waits until no change is in flight and `quiet()` holds (then holds
+  // every change), or until `until` (false).
+  bool AwaitQuiet(const std::function<bool()>& quiet, absl::Time until);
+  void Release();
+
+ private:
+  void Exit();
+
+  absl::Mutex mu_;
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool held_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t highest_step_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t passes_up_to_ ABSL_GUARDED_BY(mu_) = -1;  // while held
+};
+
+// How long a primary waits for a quiet moment to send a joiner its state
+// (a sync step that waits for a worker's lease holds it up).
+inline constexpr absl::Duration kCatchUpQuietWait = absl::Seconds(30);
+
 class ReplicaSet {
  public:
-  enum class Role { kJoining, kPrimary, kBackup, kStale };
+  enum class Role { kJoining, kPrimary, kBackup, kStale, kCatchingUp };
   static const char* RoleName(Role role);
 
   // `has_model`: whether this process's shard holds a registered model.
@@ -95,7 +151,8 @@ class ReplicaSet {
   // Once the server listens (its peers' probes need an answer): asks the
   // other replicas where the set stands, takes this process's role, and
   // (a backup) starts watching the replicas before it. A process that
-  // finds another replica holding the model is stale.
+  // finds another replica holding the model catches up from the primary
+  // (in the background: "catching_up" until it is a backup).
   void Start();
   void Stop();
 
@@ -122,6 +179,20 @@ class ReplicaSet {
   absl::Status AdmitForward(const ReplicateRequest& request);
   // Answers "probe" and "drop" (the latter: this replica left the set).
   ReplicateResponse Answer(const ReplicateRequest& request);
+
+  // Catch-up, on the primary: sends `chunks` (Shard::ExportReplicaState)
+  // to replica `joiner` as "state" messages, then adds it at the end of the
+  // set and tells every backup the new order. Call with changes held.
+  absl::Status SendState(int joiner,
+                         absl::Span<const ReplicaStateChunk> chunks);
+  // Catch-up, on the joiner: OK when a "state" message may be installed
+  // (this replica is catching up, and it comes from the primary it asked).
+  absl::Status AdmitState(const ReplicateRequest& request);
+  // The last chunk is installed: a backup from now.
+  void Joined(const ReplicateRequest& request, int64_t bytes);
+  // A chunk could not be installed: the shard holds part of a model, so
+  // this process can only be stale.
+  void CatchUpFailed(const std::string& why);
 
   // This process's data port, told to the primary in every answer.
   void set_data_port(int port) { data_port_ = port; }
@@ -164,6 +235,10 @@ class ReplicaSet {
   // Whether `peer`'s port refuses TCP connections now: its process is gone.
   bool Gone(const Peer& peer) const;
   void Watch();
+  // The joiner: asks the primary to join until it has (true) or stops.
+  bool CatchUp();
+  // Whether replica `index` comes before this one in the succession.
+  bool Ahead(int index) const;
   // Takes over as primary, at an epoch past every one seen.
   void TakeOver(const std::string& why);
   void Drop(int index, const std::string& why);
@@ -182,11 +257,20 @@ class ReplicaSet {
   mutable absl::Mutex mu_;
   // The primary's set: the peers it forwards to, by index.
   std::vector<int> in_set_ ABSL_GUARDED_BY(mu_);
+  // The set's order as last heard from the primary (the primary: itself,
+  // then in_set_).
+  std::vector<int> succession_ ABSL_GUARDED_BY(mu_);
 
   std::atomic<int> data_port_{0};
   std::atomic<int64_t> forwards_{0};
   std::atomic<int64_t> takeovers_{0};
   std::atomic<int64_t> dropped_{0};
+  std::atomic<int64_t> catchups_{0};
+  std::atomic<int64_t> catchup_bytes_{0};
+  std::atomic<double> catchup_seconds_{0};
+  // The joiner: when it asked to join, and the chunks installed since.
+  absl::Time catch_up_started_;
+  std::atomic<int64_t> chunks_installed_{0};
   absl::Notification stop_;
   std::thread watcher_;
 };

@@ -122,6 +122,8 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
           -> absl::StatusOr<RegisterModelResponse> {
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
         if (r.worker_id() >= 0) CrashIfInjectedAt("register");
+        absl::StatusOr<ChangeGate::Pass> pass = EnterChange(-1);
+        if (!pass.ok()) return pass.status();
         // The job's first registration waits for replicas not up yet.
         const bool first = !shard_->HasModel();
         absl::StatusOr<RegisterModelResponse> response = shard_->Register(r);
@@ -255,6 +257,8 @@ absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
         absl::StrCat("malformed PushRequest: ", push.status().message()));
   }
   if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+  absl::StatusOr<ChangeGate::Pass> pass = EnterChange(push->step);
+  if (!pass.ok()) return pass.status();
   absl::StatusOr<PushResponse> result = shard_->Push(*push, hold_until);
   if (!result.ok()) return result.status();
   if (replicas_ != nullptr) {
@@ -333,6 +337,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Assign(
   if (absl::Status serves = ServesWorkers(); !serves.ok()) {
     return Finish(context, serves);
   }
+  absl::StatusOr<ChangeGate::Pass> pass = EnterChange(-1);
+  if (!pass.ok()) return Finish(context, pass.status());
   absl::StatusOr<PushResponse> result = shard_->Assign(*values);
   if (!result.ok()) return Finish(context, result.status());
   if (absl::Status forwarded = Forward("Assign", bytes.views());
@@ -419,7 +425,87 @@ class ParameterServerService::CallStream final
   grpc::ByteBuffer response_;
 };
 
+ParameterServerService::~ParameterServerService() {
+  stopping_ = true;
+  absl::MutexLock lock(&catch_up_mu_);
+  if (catch_up_thread_.joinable()) catch_up_thread_.join();
+}
+
+absl::Status ParameterServerService::StartCatchUp(int joiner) {
+  if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+  if (!shard_->HasModel()) {
+    return absl::UnavailableError(
+        "no model is registered yet: there is no state to send; ask again");
+  }
+  if (stopping_.load()) return absl::UnavailableError("shutting down");
+  absl::MutexLock lock(&catch_up_mu_);
+  if (catching_up_) {
+    return absl::UnavailableError(
+        "another replica is catching up; ask again once it has");
+  }
+  if (catch_up_thread_.joinable()) catch_up_thread_.join();
+  catching_up_ = true;
+  catch_up_thread_ = std::thread([this, joiner] {
+    CatchUp(joiner);
+    absl::MutexLock lock(&catch_up_mu_);
+    catching_up_ = false;
+  });
+  return absl::OkStatus();
+}
+
+void ParameterServerService::CatchUp(int joiner) {
+  const absl::Time start = absl::Now();
+  const absl::Time give_up = start + kCatchUpQuietWait;
+  // Sync: the step under way finishes (its other pushes still come in),
+  // so that the state is whole at a step; async has no step part done.
+  gate_.Hold(shard_->mode() == ConsistencyMode::kSync);
+  bool quiet = false;
+  while (!quiet && !stopping_.load() && absl::Now() < give_up) {
+    quiet = gate_.AwaitQuiet([this] { return shard_->QuietForTransfer(); },
+                             std::min(give_up, absl::Now() + absl::Seconds(1)));
+  }
+  absl::Status sent;
+  if (!quiet) {
+    sent = absl::DeadlineExceededError(absl::StrCat(
+        "no quiet moment in ", absl::FormatDuration(absl::Now() - start),
+        " (a sync step waits for a worker?)"));
+  } else {
+    const absl::Time quiet_at = absl::Now();
+    absl::StatusOr<std::vector<ReplicaStateChunk>> chunks =
+        shard_->ExportReplicaState(int64_t{8} << 20);
+    sent =
+        chunks.ok() ? replicas_->SendState(joiner, *chunks) : chunks.status();
+    LOG(INFO) << "catch-up of replica " << joiner << ": changes held "
+              << absl::FormatDuration(absl::Now() - start) << " (quiet after "
+              << absl::FormatDuration(quiet_at - start) << ")";
+  }
+  gate_.Release();
+  if (!sent.ok()) {
+    LOG(WARNING) << "replica " << joiner << " could not catch up: " << sent;
+  }
+}
+
+absl::StatusOr<ReplicateResponse> ParameterServerService::ServeStateChunk(
+    const ReplicateRequest& meta, absl::Span<const absl::string_view> bytes) {
+  if (absl::Status admitted = replicas_->AdmitState(meta); !admitted.ok()) {
+    return admitted;
+  }
+  ReplicaStateChunk chunk;
+  int64_t size = 0;
+  for (absl::string_view piece : bytes) size += piece.size();
+  absl::Status installed = ParseSmall(bytes, &chunk);
+  if (installed.ok()) installed = shard_->ImportReplicaChunk(chunk);
+  if (!installed.ok()) {
+    replicas_->CatchUpFailed(installed.ToString());
+    return installed;
+  }
+  const int64_t total = received_state_bytes_.fetch_add(size) + size;
+  if (chunk.last()) replicas_->Joined(meta, total);
+  return replicas_->Answer(ReplicateRequest());
+}
+
 void ParameterServerService::CancelCallStreams() {
+  stopping_ = true;
   absl::MutexLock lock(&streams_mu_);
   for (CallStream* stream : streams_) stream->Cancel();
 }
@@ -468,6 +554,8 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePush(
       shard_, context, request, response,
       [this](const SparsePushRequest& r) -> absl::StatusOr<SparsePushResponse> {
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+        absl::StatusOr<ChangeGate::Pass> pass = EnterChange(r.step());
+        if (!pass.ok()) return pass.status();
         absl::StatusOr<SparsePushResponse> pushed = shard_->SparsePush(r);
         if (!pushed.ok()) return pushed;
         if (absl::Status forwarded = Forward("SparsePush", r);
@@ -498,6 +586,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Heartbeat(
       shard_, context, request, response,
       [this](const HeartbeatRequest& r) -> absl::StatusOr<HeartbeatResponse> {
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+        absl::StatusOr<ChangeGate::Pass> pass = EnterChange(-1);
+        if (!pass.ok()) return pass.status();
         if (absl::Status s = shard_->Heartbeat(r); !s.ok()) return s;
         if (absl::Status forwarded = Forward("Heartbeat", r); !forwarded.ok()) {
           return forwarded;
@@ -566,6 +656,8 @@ grpc::ServerUnaryReactor* ParameterServerService::ApplyClip(
       shard_, context, request, response,
       [this](const ApplyClipRequest& r) -> absl::StatusOr<ApplyClipResponse> {
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+        absl::StatusOr<ChangeGate::Pass> pass = EnterChange(r.step());
+        if (!pass.ok()) return pass.status();
         absl::StatusOr<ApplyClipResponse> applied = shard_->ApplyClip(r);
         if (!applied.ok()) return applied;
         if (absl::Status forwarded = Forward("ApplyClip", r); !forwarded.ok()) {
@@ -585,6 +677,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Leave(
       shard_, context, request, response,
       [this](const LeaveRequest& r) -> absl::StatusOr<LeaveResponse> {
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+        absl::StatusOr<ChangeGate::Pass> pass = EnterChange(-1);
+        if (!pass.ok()) return pass.status();
         if (absl::Status s = shard_->Leave(r); !s.ok()) return s;
         if (absl::Status forwarded = Forward("Leave", r); !forwarded.ok()) {
           return forwarded;
@@ -631,6 +725,8 @@ void ParameterServerService::CrashIfInjectedAt(absl::string_view moment) {
 absl::StatusOr<CheckpointResponse> ParameterServerService::FinalState(
     const CheckpointRequest& request) {
   CrashIfInjectedAt("final_state");
+  absl::StatusOr<ChangeGate::Pass> pass = EnterChange(-1);
+  if (!pass.ok()) return pass.status();
   if (absl::Status s = shard_->NoteJobFinalVersion(request.worker_id(),
                                                    request.final_version());
       !s.ok()) {
@@ -682,6 +778,13 @@ grpc::ServerUnaryReactor* ParameterServerService::Replicate(
     return Finish(context,
                   SerializeSmall(replicas_->Answer(forward), response));
   }
+  if (forward.method() == "join") {
+    if (absl::Status s = StartCatchUp(forward.from_replica()); !s.ok()) {
+      return Finish(context, s);
+    }
+    return Finish(context, SerializeSmall(replicas_->Answer(ReplicateRequest()),
+                                          response));
+  }
   const absl::string_view request_bytes = forward.request();
   absl::StatusOr<ReplicateResponse> answer =
       ServeForward(forward, absl::MakeConstSpan(&request_bytes, 1),
@@ -716,6 +819,7 @@ absl::StatusOr<ReplicateResponse> ParameterServerService::ServeForward(
         "this server is its shard's only replica (--replicas=1): it takes no "
         "forwards");
   }
+  if (meta.method() == "state") return ServeStateChunk(meta, request);
   if (absl::Status admitted = replicas_->AdmitForward(meta); !admitted.ok()) {
     return admitted;
   }
@@ -768,6 +872,7 @@ absl::Status ParameterServerService::ApplyForwarded(
       if (absl::Status s = ParseSmall(bytes, &r); !s.ok()) return s;
       return shard_->ApplyClip(r).status();
     }
+    if (method == "view") return absl::OkStatus();  // AdmitForward took it
     if (method == "FinalState") {
       CheckpointRequest r;
       if (absl::Status s = ParseSmall(bytes, &r); !s.ok()) return s;

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <thread>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/random/random.h"
@@ -73,6 +74,7 @@ class ParameterServerService final : public ParameterServerRawService,
         life_(absl::Uniform<uint64_t>(absl::BitGen(), 1,
                                       std::numeric_limits<uint64_t>::max())),
         checkpointer_(checkpointer) {}
+  ~ParameterServerService() override;
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
@@ -130,6 +132,7 @@ class ParameterServerService final : public ParameterServerRawService,
   // with no deadline of its own), so that Server::Shutdown need not wait for
   // them; their clients see a cancelled call and retry elsewhere or later.
   // Call after Shard::BeginShutdown.
+  // Also ends a replica catch-up in progress (ps_server/replication.h).
   void CancelCallStreams();
 
   // Push responses dropped on purpose (drop_push_response_probability).
@@ -198,6 +201,20 @@ class ParameterServerService final : public ParameterServerRawService,
   absl::Status ApplyForwarded(absl::string_view method,
                               absl::Span<const absl::string_view> request,
                               absl::Time deadline);
+  // A change to the shard (applied, then forwarded) of sync step `step`
+  // (-1: of none) may start: a Pass of the gate, which holds changes while a
+  // replica catches up. Always passes with one replica.
+  absl::StatusOr<ChangeGate::Pass> EnterChange(int64_t step) {
+    if (replicas_ == nullptr) return ChangeGate::Pass(nullptr);
+    return gate_.Enter(step, absl::Now() + kCatchUpQuietWait);
+  }
+  // The primary, asked by replica `joiner` to join: starts sending it the
+  // shard's state (CatchUp, on catch_up_thread_), or says why it cannot.
+  absl::Status StartCatchUp(int joiner);
+  void CatchUp(int joiner);
+  // The joiner: installs one chunk of the primary's state.
+  absl::StatusOr<ReplicateResponse> ServeStateChunk(
+      const ReplicateRequest& meta, absl::Span<const absl::string_view> bytes);
   // A forward, from either transport: admitted (epoch) and applied.
   absl::StatusOr<ReplicateResponse> ServeForward(
       const ReplicateRequest& meta, absl::Span<const absl::string_view> request,
@@ -244,6 +261,12 @@ class ParameterServerService final : public ParameterServerRawService,
   std::atomic<int64_t> data_plane_user_tls_{0};
   absl::Mutex streams_mu_;
   absl::flat_hash_set<CallStream*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  ChangeGate gate_;
+  absl::Mutex catch_up_mu_;
+  std::thread catch_up_thread_ ABSL_GUARDED_BY(catch_up_mu_);
+  bool catching_up_ ABSL_GUARDED_BY(catch_up_mu_) = false;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> received_state_bytes_{0};
   absl::Mutex random_mu_;
   absl::BitGen random_ ABSL_GUARDED_BY(random_mu_);
 };

@@ -47,6 +47,7 @@
 //   shard_sparse.cc      sparse tables: their pulls and pushes
 //   shard_clip.cc        sync steps with clip_grad_norm_ (ClipNorm, ApplyClip)
 //   shard_restore.cc     checkpoint snapshot and restore
+//   shard_replica_state.cc  the whole state, for a replica that catches up
 //   shard_internal.h     the nested types and helpers those files share
 #ifndef PSTRAIN_PS_SERVER_SHARD_H_
 #define PSTRAIN_PS_SERVER_SHARD_H_
@@ -219,8 +220,24 @@ class Shard {
   // Copies the model's state (each block consistent under its lock), or
   // FailedPrecondition before a model is registered.
   absl::StatusOr<ShardSnapshot> Snapshot(int64_t sequence) const;
+
+  // Replica catch-up (ps_server/replication.h). Whether no sync step is
+  // part done here: no block or table holds some of a step's gradients or
+  // waits for its clip. The state is then whole at each block's step, and
+  // ExportReplicaState need not carry sums in progress.
+  bool QuietForTransfer() const;
+  // The whole state a backup needs (model, rows, optimizer state, versions,
+  // de-duplication steps, workers), in chunks of about `chunk_bytes`. Call
+  // while QuietForTransfer and no change can reach the shard.
+  absl::StatusOr<std::vector<ReplicaStateChunk>> ExportReplicaState(
+      int64_t chunk_bytes) const;
+  // A joining replica installs the chunks in order; the first installs the
+  // model, so this shard must have none. InvalidArgument (naming what) for
+  // a chunk that does not fit the model it installed.
+  absl::Status ImportReplicaChunk(const ReplicaStateChunk& chunk);
   // Whether a model is registered (or restored) here.
   bool HasModel() const { return model_.load() != nullptr; }
+  ConsistencyMode mode() const { return options_.mode; }
   // The smallest block version: the step every block has completed.
   int64_t MinVersion() const;
   // The version a job's final model is compared with (CheckpointResponse):

@@ -1233,11 +1233,13 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
             static_cast<int64_t>(cases.size()));
 }
 
-// A schema with one sparse table "emb" of dim 2, zeros, SGD at rate 1.
-Fixture MakeSparseShard(ConsistencyMode mode, int num_workers,
-                        int64_t dim = 2) {
+// A schema with one sparse table "emb" of dim 2, zeros, SGD at rate 1 (or
+// `optimizer`: adam for the dense blocks, adagrad for the table).
+Fixture MakeSparseShard(ConsistencyMode mode, int num_workers, int64_t dim = 2,
+                        const std::string& optimizer = "sgd") {
   Fixture f;
   f.options.mode = mode;
+  if (optimizer != "sgd") f.options.optimizer.name = "adam";
   f.options.num_workers = num_workers;
   f.options.max_pull_wait = absl::Seconds(5);
   f.shard = std::move(*Shard::Create(f.options));
@@ -1247,8 +1249,9 @@ Fixture MakeSparseShard(ConsistencyMode mode, int num_workers,
   SparseTableSpec* table = request.mutable_schema()->add_sparse();
   table->set_name("emb");
   table->set_dim(dim);
-  table->mutable_optimizer()->set_name("sgd");
+  table->mutable_optimizer()->set_name(optimizer == "sgd" ? "sgd" : "adagrad");
   table->mutable_optimizer()->set_learning_rate(1.0f);
+  if (optimizer != "sgd") table->mutable_optimizer()->set_epsilon(1e-10f);
   request.set_num_shards(1);
   request.set_num_workers(num_workers);
   absl::StatusOr<RegisterModelResponse> registered = f.shard->Register(request);
@@ -1306,6 +1309,79 @@ TEST(ShardSparseTest, SyncAppliesTheMeanOfEveryWorkersRowsOnce) {
   EXPECT_EQ(SparseRows(*f.shard, 1, {7, 9, 11}),
             (std::vector<float>{-3, -3, -3, -3, 0, 0}));
   EXPECT_EQ(f.shard->Stats().sparse(0).version(), 1);
+}
+
+// Replica catch-up: a shard built from another's exported state (in many
+// small chunks) holds the same model, and the next steps' pushes, given to
+// both, leave both with the same values and rows.
+TEST(ShardReplicaStateTest, AnImportedStateGoesOnAsTheOriginalDoes) {
+  for (ConsistencyMode mode :
+       {ConsistencyMode::kSync, ConsistencyMode::kAsync}) {
+    // Optimizers with state: it must travel too.
+    Fixture primary = MakeSparseShard(mode, 2, /*dim=*/2, "adam");
+    for (int step = 0; step < 3; ++step) {
+      for (int worker = 0; worker < 2; ++worker) {
+        ASSERT_TRUE(
+            DoPush(*primary.shard, UniformPush(worker, step, step + worker))
+                .ok());
+        ASSERT_TRUE(
+            primary.shard
+                ->SparsePush(SparsePushOf(
+                    worker, step, {uint64_t(7 + step), 100}, {1, 2, 3, 4}))
+                .ok());
+      }
+    }
+    ASSERT_TRUE(primary.shard->QuietForTransfer());
+    absl::StatusOr<std::vector<ReplicaStateChunk>> chunks =
+        primary.shard->ExportReplicaState(/*chunk_bytes=*/24);
+    ASSERT_TRUE(chunks.ok()) << chunks.status();
+    EXPECT_GT(chunks->size(), 2u);  // the chunk size is honoured
+    auto joiner = std::move(*Shard::Create(primary.options));
+    for (const ReplicaStateChunk& chunk : *chunks) {
+      ASSERT_TRUE(joiner->ImportReplicaChunk(chunk).ok());
+    }
+    // A chunk of a second transfer finds a model there.
+    EXPECT_FALSE(joiner->ImportReplicaChunk((*chunks)[0]).ok());
+    for (Shard* shard : {primary.shard.get(), joiner.get()}) {
+      // A resend of an old step is a duplicate on both.
+      absl::StatusOr<PushResponse> resent =
+          DoPush(*shard, UniformPush(0, 2, 9));
+      ASSERT_TRUE(resent.ok()) << resent.status();
+      EXPECT_EQ(resent->blocks_applied(), 0);
+      for (int worker = 0; worker < 2; ++worker) {
+        ASSERT_TRUE(DoPush(*shard, UniformPush(worker, 3, 5)).ok());
+        ASSERT_TRUE(
+            shard->SparsePush(SparsePushOf(worker, 3, {7, 8}, {1, 1, 1, 1}))
+                .ok());
+      }
+    }
+    const int64_t step = mode == ConsistencyMode::kSync ? 4 : 8;
+    auto a = DoPull(*primary.shard, PullAt(-1, step), Soon());
+    auto b = DoPull(*joiner, PullAt(-1, step), Soon());
+    ASSERT_TRUE(a->status.ok() && b->status.ok()) << a->status << b->status;
+    ASSERT_EQ(a->blocks.size(), b->blocks.size());
+    for (size_t i = 0; i < a->blocks.size(); ++i) {
+      EXPECT_EQ(a->blocks[i].version, b->blocks[i].version);
+      EXPECT_EQ(*a->blocks[i].values, *b->blocks[i].values);
+    }
+    EXPECT_EQ(SparseRows(*primary.shard, 4, {7, 8, 9, 100}),
+              SparseRows(*joiner, 4, {7, 8, 9, 100}));
+    EXPECT_EQ(primary.shard->Stats().version(), joiner->Stats().version());
+  }
+}
+
+// Half a sync step is not a state to send: the step must finish first.
+TEST(ShardReplicaStateTest, APartStepIsNotQuiet) {
+  Fixture f = MakeSparseShard(ConsistencyMode::kSync, 2);
+  EXPECT_TRUE(f.shard->QuietForTransfer());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());  // held early
+  EXPECT_FALSE(f.shard->QuietForTransfer());
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  EXPECT_TRUE(f.shard->QuietForTransfer());
+  ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(0, 0, {7}, {1, 1})).ok());
+  EXPECT_FALSE(f.shard->QuietForTransfer());
+  ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(1, 0, {7}, {1, 1})).ok());
+  EXPECT_TRUE(f.shard->QuietForTransfer());
 }
 
 // A table restored behind the workers (here from a checkpoint without sparse

@@ -1,6 +1,7 @@
 // Replicated shards (ps_server --replicas, ps_server/replication.h) with real
 // processes: a primary or a backup killed with SIGKILL in the middle of a job,
-// the old primary restarted, and what the job ends with. The probe model
+// the dead one restarted (it catches up from the primary while the job runs),
+// the other then killed too, and what the job ends with. The probe model
 // pushes a gradient of exactly 1 per element per step with SGD at rate 1, so
 // the servers' final model says how many updates each block got: anything
 // lost or applied twice shows as a value off by whole steps.
@@ -39,9 +40,11 @@ constexpr int64_t kBlock = 1 << 12;
 struct ReplicationCase {
   std::string mode;
   // Which replica of shard 1 dies (0: the primary), and whether the dead
-  // process is started again during the job.
+  // process is started again during the job (it catches up), and whether
+  // the other one is then killed (the caught-up one carries the job on).
   int killed_replica;
   bool restarted;
+  bool survivor_killed = false;
 };
 
 // Every process's log, for whoever reads a failure.
@@ -100,6 +103,18 @@ std::vector<std::unique_ptr<Process>> StartProbeWorkers(
   return workers;
 }
 
+// Waits until replica `replica` of shard `shard` has role `role`.
+bool WaitForRole(TestCluster& cluster, int shard, int replica,
+                 const std::string& role) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(90);
+  absl::StatusOr<StatsResponse> stats;
+  do {
+    stats = cluster.ReplicaStats(shard, replica);
+  } while ((!stats.ok() || stats->replica_role() != role) &&
+           absl::Now() < give_up);
+  return stats.ok() && stats->replica_role() == role;
+}
+
 // Waits for every worker; each must exit 0.
 void ExpectAllExitZero(std::vector<std::unique_ptr<Process>>& workers) {
   for (auto& worker : workers) {
@@ -139,7 +154,8 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
   const ReplicationCase& c = GetParam();
   std::unique_ptr<TestCluster> cluster = StartProbeCluster(
       absl::StrCat("replicated_", c.mode, "_", c.killed_replica,
-                   c.restarted ? "_restarted" : ""),
+                   c.restarted ? "_restarted" : "",
+                   c.survivor_killed ? "_then_survivor" : ""),
       c.mode, kShards, /*replicas=*/2);
   ASSERT_NE(cluster, nullptr);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(*cluster);
@@ -155,17 +171,46 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
                       absl::Seconds(60))
                   .ok());
   cluster->KillReplica(1, c.killed_replica);
+  const int survivor = 1 - c.killed_replica;
   if (c.restarted) {
     ASSERT_TRUE(cluster->RestartReplica(1, c.killed_replica).ok());
+    // It catches up from the survivor while the job runs.
+    ASSERT_TRUE(WaitForRole(*cluster, 1, c.killed_replica, "backup"));
+    absl::StatusOr<StatsResponse> primary = cluster->ReplicaStats(1, survivor);
+    ASSERT_TRUE(primary.ok()) << primary.status();
+    EXPECT_EQ(primary->replica_role(), "primary");
+    EXPECT_EQ(primary->replica_catchups(), 1);
+    EXPECT_GT(primary->replica_catchup_bytes(), kElements / kShards * 4);
+  }
+  if (c.survivor_killed) {
+    ASSERT_TRUE(cluster
+                    ->WaitForStats(
+                        [kill_at](const StatsResponse& s) {
+                          return s.version() >= 2 * kill_at;
+                        },
+                        absl::Seconds(60))
+                    .ok());
+    cluster->KillReplica(1, survivor);
   }
   ExpectAllExitZero(workers);
   const float expected = c.mode == "sync" ? -kSteps : -kSteps * kWorkers;
   EXPECT_EQ(ProbeElementsOff(*cluster, expected), 0);
+  if (c.survivor_killed) {
+    // The caught-up replica carried the job to its end, exactly.
+    absl::StatusOr<StatsResponse> last =
+        cluster->ReplicaStats(1, c.killed_replica);
+    ASSERT_TRUE(last.ok()) << last.status();
+    EXPECT_EQ(last->replica_role(), "primary");
+    EXPECT_EQ(last->replica_takeovers(), 1);
+    EXPECT_EQ(last->updates_lost(), 0);
+    EXPECT_EQ(last->steps_lost(), 0);
+    DumpLogsOnFailure(*cluster);
+    return;
+  }
 
   // Shard 1 ends with one replica serving, which took over if the primary
   // died, lost nothing by its count, and dropped the dead one if it was a
   // backup.
-  const int survivor = 1 - c.killed_replica;
   absl::StatusOr<StatsResponse> stats = cluster->ReplicaStats(1, survivor);
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->replica_role(), "primary");
@@ -176,10 +221,12 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
     EXPECT_EQ(stats->replicas_dropped(), 1);
   }
   if (c.restarted) {
+    // Caught up, it followed every change since: the survivor's step.
     absl::StatusOr<StatsResponse> back =
         cluster->ReplicaStats(1, c.killed_replica);
     ASSERT_TRUE(back.ok()) << back.status();
-    EXPECT_EQ(back->replica_role(), "stale");
+    EXPECT_EQ(back->replica_role(), "backup");
+    EXPECT_EQ(back->version(), stats->version());
   }
   // Shard 0 was not disturbed: its backup holds what its primary holds.
   absl::StatusOr<StatsResponse> primary0 = cluster->ReplicaStats(0, 0);
@@ -196,13 +243,16 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ReplicationCase{"sync", 0, false},
                       ReplicationCase{"sync", 1, false},
                       ReplicationCase{"sync", 0, true},
+                      ReplicationCase{"sync", 0, true, true},
                       ReplicationCase{"async", 0, false},
-                      ReplicationCase{"async", 1, true}),
+                      ReplicationCase{"async", 1, true},
+                      ReplicationCase{"async", 0, true, true}),
     [](const ::testing::TestParamInfo<ReplicationCase>& info) {
       return absl::StrCat(
           info.param.mode,
           info.param.killed_replica == 0 ? "_primary" : "_backup",
-          info.param.restarted ? "_restarted" : "");
+          info.param.restarted ? "_restarted" : "",
+          info.param.survivor_killed ? "_then_survivor" : "");
     });
 
 // Three replicas, the primary and then the one that replaced it killed in
@@ -242,8 +292,10 @@ TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
   DumpLogsOnFailure(cluster);
 }
 
-// A sync job whose shard 1 loses its primary (after `kill_after_step`
-// steps; 0: never) on 2 shards x 2 replicas; worker 0's final JSON line.
+// A sync job on 2 shards x 2 replicas whose shard 1 loses its primary
+// (after `kill_after_step` steps; 0: never), which is restarted, catches up,
+// and takes over when the other is killed after twice as many steps;
+// worker 0's final JSON line.
 std::string RunSyncJob(const std::string& name,
                        const std::vector<std::string>& flags,
                        int64_t kill_after_step) {
@@ -274,6 +326,16 @@ std::string RunSyncJob(const std::string& name,
                         absl::Seconds(60))
                     .ok());
     cluster.KillReplica(1, 0);
+    EXPECT_TRUE(cluster.RestartReplica(1, 0).ok());
+    EXPECT_TRUE(WaitForRole(cluster, 1, 0, "backup"));
+    EXPECT_TRUE(cluster
+                    .WaitForStats(
+                        [kill_after_step](const StatsResponse& s) {
+                          return s.version() >= 2 * kill_after_step;
+                        },
+                        absl::Seconds(60))
+                    .ok());
+    cluster.KillReplica(1, 1);
   }
   std::string out;
   for (auto& worker : workers) {
@@ -283,18 +345,21 @@ std::string RunSyncJob(const std::string& name,
     if (out.empty()) out = worker->Stdout();
   }
   if (kill_after_step > 0) {
-    absl::StatusOr<StatsResponse> survivor = cluster.ReplicaStats(1, 1);
+    absl::StatusOr<StatsResponse> survivor = cluster.ReplicaStats(1, 0);
     EXPECT_TRUE(survivor.ok()) << survivor.status();
     if (survivor.ok()) {
+      EXPECT_EQ(survivor->replica_role(), "primary");
       EXPECT_EQ(survivor->replica_takeovers(), 1);
+      EXPECT_EQ(survivor->replica_epoch(), 2);
     }
   }
   DumpLogsOnFailure(cluster);
   return out;
 }
 
-// In sync mode the new primary holds exactly the model the old one did, so
-// the job ends as an undisturbed one does, to the last digit printed.
+// In sync mode the new primary holds exactly the model the old one did, and
+// a replica that caught up holds exactly the primary's, so the job ends as an
+// undisturbed one does, to the last digit printed.
 TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
   const std::vector<std::pair<std::string, std::vector<std::string>>> models = {
       {"mlp",

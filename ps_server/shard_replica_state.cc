@@ -1,0 +1,314 @@
+// Replica catch-up: the whole state of a shard, exported by a primary at a
+// quiet moment and installed by a replica that joins its set. Part of Shard
+// (shard.h lists its files).
+//
+// A checkpoint (shard_restore.cc) keeps what a restarted process can go on
+// from, and the job makes up the rest (lost steps are counted); a replica
+// must hold exactly what the primary holds, so this also carries the
+// workers' places, the sync de-duplication steps and the restart state.
+// Floats go in the host's byte order: the replicas of a shard run one build.
+#include <cstring>
+#include <deque>
+#include <iterator>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_text.h"
+#include "ps_server/shard.h"
+#include "ps_server/shard_internal.h"
+
+namespace pstrain {
+namespace {
+
+std::string FloatBytes(absl::Span<const float> values) {
+  return std::string(reinterpret_cast<const char*>(values.data()),
+                     values.size() * sizeof(float));
+}
+
+// `bytes` as floats into `out`, which must be their exact size.
+bool CopyFloats(const std::string& bytes, absl::Span<float> out) {
+  if (bytes.size() != out.size() * sizeof(float)) return false;
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
+  return true;
+}
+
+}  // namespace
+
+bool Shard::QuietForTransfer() const {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr) return true;
+  for (const auto& block : model->blocks) {
+    if (block->awaiting_clip.load()) return false;
+    absl::MutexLock lock(&block->mu);
+    if (block->contributors > 0 || block->lost_contributors > 0 ||
+        block->sum_started || !block->early.AtStepStart()) {
+      return false;
+    }
+  }
+  for (const auto& table : model->sparse) {
+    absl::MutexLock lock(&table->mu);
+    if (table->contributors > 0 || !table->gradient_sum.empty() ||
+        !table->early.AtStepStart()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::StatusOr<std::vector<ReplicaStateChunk>> Shard::ExportReplicaState(
+    int64_t chunk_bytes) const {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr) {
+    return absl::FailedPreconditionError("no model is registered yet");
+  }
+  // A deque: what was added to a chunk stays where it is as chunks are
+  // added.
+  std::deque<ReplicaStateChunk> chunks(1);
+  int64_t bytes_in_chunk = 0;
+  // A new chunk once the current one holds `chunk_bytes`.
+  auto room_for = [&](int64_t bytes) -> ReplicaStateChunk& {
+    if (bytes_in_chunk > 0 && bytes_in_chunk + bytes > chunk_bytes) {
+      chunks.emplace_back();
+      bytes_in_chunk = 0;
+    }
+    bytes_in_chunk += bytes;
+    return chunks.back();
+  };
+
+  ReplicaShardMeta& meta = *chunks[0].mutable_meta();
+  *meta.mutable_schema() = model->schema;
+  meta.set_job_final_version(job_final_version_.load());
+  meta.set_skipped_to_step(skipped_to_step_.load());
+  {
+    absl::MutexLock lock(&mu_);
+    for (const WorkerState& w : workers_) {
+      ReplicaWorkerState& out = *meta.add_workers();
+      out.set_member(w.member);
+      out.set_pending(w.pending);
+      out.set_joined_at(w.joined_at);
+      out.set_incarnation(w.incarnation);
+      out.set_seen(w.seen);
+      out.set_next_step(w.next_step);
+      out.set_pulled_in_this_life(w.pulled_in_this_life);
+    }
+    meta.set_started(started_);
+    meta.set_expected_seen(expected_seen_);
+    meta.set_fresh(fresh_);
+    meta.set_recovering(recovering_);
+    meta.set_life_start_version(life_start_version_);
+    meta.set_recovery_horizon(recovery_horizon_);
+  }
+
+  const std::vector<int>& globals =
+      model->partition.BlocksOfShard(options_.shard_id);
+  for (size_t i = 0; i < globals.size(); ++i) {
+    const Block& block = *model->blocks[i];
+    absl::MutexLock lock(&block.mu);
+    const int64_t bytes =
+        static_cast<int64_t>(block.value.size() + block.state.size()) *
+        sizeof(float);
+    ReplicaBlockState& out = *room_for(bytes).add_blocks();
+    out.set_global_block(globals[i]);
+    out.set_version(block.version.load());
+    out.set_awaiting_values(block.awaiting_values.load());
+    if (!out.awaiting_values()) out.set_value(FloatBytes(block.value.Read()));
+    out.set_optimizer_state(FloatBytes(block.state));
+    out.mutable_last_step()->Add(block.last_step.begin(),
+                                 block.last_step.end());
+    out.mutable_last_contributed()->Add(block.last_contributed.begin(),
+                                        block.last_contributed.end());
+    for (bool unseen : block.unseen_since_restore) {
+      out.add_unseen_since_restore(unseen);
+    }
+    out.set_updates_lost(block.updates_lost);
+  }
+
+  for (size_t t = 0; t < model->sparse.size(); ++t) {
+    const SparseState& state = *model->sparse[t];
+    const int64_t dim = state.table->dim();
+    const int64_t state_floats = state.table->state_per_element() * dim;
+    const int64_t row_bytes = 16 + (dim + state_floats) * sizeof(float);
+    absl::MutexLock lock(&state.mu);
+    ReplicaSparseRows* rows = nullptr;
+    auto open_rows = [&](int64_t bytes) {
+      rows = room_for(bytes).add_sparse();
+      rows->set_table(static_cast<int>(t));
+    };
+    open_rows(0);
+    rows->set_version(state.version.load());
+    rows->mutable_last_step()->Add(state.last_step.begin(),
+                                   state.last_step.end());
+    rows->mutable_last_contributed()->Add(state.last_contributed.begin(),
+                                          state.last_contributed.end());
+    // Least recently used first (ForEachRow's order), so that loading them
+    // in order leaves the joiner's eviction order the primary's.
+    state.table->ForEachRow([&](uint64_t id, absl::Span<const float> value,
+                                absl::Span<const float> row_state,
+                                int64_t update_count) {
+      if (bytes_in_chunk + row_bytes > chunk_bytes && rows->ids_size() > 0) {
+        open_rows(row_bytes);
+      } else {
+        bytes_in_chunk += row_bytes;
+      }
+      rows->add_ids(id);
+      rows->add_update_counts(update_count);
+      rows->mutable_values()->append(
+          reinterpret_cast<const char*>(value.data()),
+          value.size() * sizeof(float));
+      rows->mutable_states()->append(
+          reinterpret_cast<const char*>(row_state.data()),
+          row_state.size() * sizeof(float));
+    });
+  }
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    chunks[c].set_index(static_cast<int64_t>(c));
+    chunks[c].set_total_chunks(static_cast<int64_t>(chunks.size()));
+  }
+  chunks.back().set_last(true);
+  return std::vector<ReplicaStateChunk>(std::make_move_iterator(chunks.begin()),
+                                        std::make_move_iterator(chunks.end()));
+}
+
+absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk) {
+  if (chunk.has_meta()) {
+    const ReplicaShardMeta& meta = chunk.meta();
+    absl::MutexLock lock(&register_mu_);
+    if (model_owner_ != nullptr) {
+      return absl::FailedPreconditionError(
+          "this replica already holds a model; a catch-up starts empty");
+    }
+    if (absl::Status s = ValidateSchema(meta.schema()); !s.ok()) return s;
+    if (absl::Status s = InstallModel(meta.schema()); !s.ok()) return s;
+    job_final_version_.store(meta.job_final_version());
+    skipped_to_step_.store(meta.skipped_to_step());
+    absl::MutexLock state_lock(&mu_);
+    if (meta.workers_size() != static_cast<int>(workers_.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the primary has room for ", meta.workers_size(),
+                       " workers, this replica for ", workers_.size(),
+                       ": their --num_workers/--max_workers differ"));
+    }
+    for (size_t w = 0; w < workers_.size(); ++w) {
+      const ReplicaWorkerState& in = meta.workers(static_cast<int>(w));
+      WorkerState& out = workers_[w];
+      out.member = in.member();
+      out.pending = in.pending();
+      out.joined_at = in.joined_at();
+      out.incarnation = in.incarnation();
+      out.seen = in.seen();
+      // Leases run on each replica's own clock: from now, as after a
+      // restart.
+      out.last_seen = LeaseNow();
+      out.next_step = in.next_step();
+      out.pulled_in_this_life = in.pulled_in_this_life();
+    }
+    started_ = meta.started();
+    if (started_) started_at_ = absl::Now();
+    expected_seen_ = meta.expected_seen();
+    fresh_ = meta.fresh();
+    recovering_ = meta.recovering();
+    life_start_version_ = meta.life_start_version();
+    recovery_horizon_ = meta.recovery_horizon();
+    PublishMembershipLocked();
+  }
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr) {
+    return absl::FailedPreconditionError(
+        "a state chunk came before the one that installs the model");
+  }
+  for (const ReplicaBlockState& in : chunk.blocks()) {
+    const int local =
+        in.global_block() >= 0 &&
+                in.global_block() <
+                    static_cast<int64_t>(model->local_of_global.size())
+            ? model->local_of_global[in.global_block()]
+            : -1;
+    if (local < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", in.global_block(), " is not on this shard"));
+    }
+    Block& block = *model->blocks[local];
+    absl::MutexLock lock(&block.mu);
+    // Same mode, same --max_workers: the same per-worker vectors.
+    if (static_cast<size_t>(in.last_step_size()) != block.last_step.size() ||
+        static_cast<size_t>(in.last_contributed_size()) !=
+            block.last_contributed.size() ||
+        static_cast<size_t>(in.unseen_since_restore_size()) !=
+            block.unseen_since_restore.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "block ", in.global_block(), ": its per-worker steps do not fit"));
+    }
+    if (!in.awaiting_values()) {
+      std::vector<float> value(block.value.size());
+      if (!CopyFloats(in.value(), absl::MakeSpan(value))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "block ", in.global_block(), ": ", in.value().size(),
+            " value bytes, expected ", value.size() * sizeof(float)));
+      }
+      block.value.Assign(std::move(value));
+      if (block.awaiting_values.exchange(false)) {
+        blocks_awaiting_values_.fetch_sub(1);
+      }
+    }
+    if (!CopyFloats(in.optimizer_state(), absl::MakeSpan(block.state))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "block ", in.global_block(), ": ", in.optimizer_state().size(),
+          " state bytes, expected ", block.state.size() * sizeof(float)));
+    }
+    block.version.store(in.version());
+    block.last_step.assign(in.last_step().begin(), in.last_step().end());
+    block.last_contributed.assign(in.last_contributed().begin(),
+                                  in.last_contributed().end());
+    block.unseen_since_restore.assign(in.unseen_since_restore().begin(),
+                                      in.unseen_since_restore().end());
+    block.updates_lost = in.updates_lost();
+  }
+  for (const ReplicaSparseRows& in : chunk.sparse()) {
+    if (in.table() < 0 ||
+        in.table() >= static_cast<int>(model->sparse.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sparse table ", in.table(), " is not in the schema"));
+    }
+    SparseState& state = *model->sparse[in.table()];
+    const int64_t dim = state.table->dim();
+    const int64_t state_floats = state.table->state_per_element() * dim;
+    const int64_t n = in.ids_size();
+    if (in.update_counts_size() != n ||
+        static_cast<int64_t>(in.values().size()) != n * dim * 4 ||
+        static_cast<int64_t>(in.states().size()) != n * state_floats * 4) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sparse table ", QuoteForStatus(state.spec->name()),
+                       ": rows of the wrong size"));
+    }
+    absl::MutexLock lock(&state.mu);
+    if (in.last_step_size() > 0) {
+      if (static_cast<size_t>(in.last_step_size()) != state.last_step.size() ||
+          static_cast<size_t>(in.last_contributed_size()) !=
+              state.last_contributed.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sparse table ", QuoteForStatus(state.spec->name()),
+                         ": its per-worker steps do not fit"));
+      }
+      state.version.store(in.version());
+      state.last_step.assign(in.last_step().begin(), in.last_step().end());
+      state.last_contributed.assign(in.last_contributed().begin(),
+                                    in.last_contributed().end());
+    }
+    std::vector<float> value(dim), row_state(state_floats);
+    for (int64_t r = 0; r < n; ++r) {
+      std::memcpy(value.data(), in.values().data() + r * dim * 4, dim * 4);
+      std::memcpy(row_state.data(), in.states().data() + r * state_floats * 4,
+                  state_floats * 4);
+      if (absl::Status s = state.table->LoadRow(
+              in.ids(static_cast<int>(r)), value, row_state,
+              in.update_counts(static_cast<int>(r)));
+          !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sparse table ", QuoteForStatus(state.spec->name()), " row ",
+            in.ids(static_cast<int>(r)), ": ", s.message()));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace pstrain
