@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Issue 38, replicated shards: one replica of a shard killed -9 at a moment
 # an operator does not choose, and what the job then holds. Each trial runs
-# a job on 2 shards x 2 replicas on loopback, and kills replica 0 (the
-# primary) or replica 1 (a backup) of shard 1, in turn, in sync and async
-# mode. The job is, by --models (taken in turn):
+# a job on 2 shards x 2 replicas on loopback, and kills, in turn, replica 0
+# (the primary) of shard 1, replica 1 (a backup), or both: the primary, then
+# started again at once (it catches up from replica 1, which took over),
+# then replica 1 the moment the catch-up is done, so the caught-up replica
+# carries the job on; in sync and async mode. The job is, by --models
+# (taken in turn):
 #
 #   probe  2 workers, 200 steps, SGD at rate 1, a gradient of 1 everywhere:
 #          every element ends at minus the updates it got;
@@ -106,22 +109,24 @@ ctr_figures() { # worker 0's final_loss auc logloss, from its stdout FILE
 }
 
 # trial MODEL MODE REPLICA MOMENT DIR: prints "result detail". REPLICA -1:
-# nothing killed (the undisturbed baseline).
+# nothing killed (the undisturbed baseline); 2: both in turn (see above).
 trial() {
   local model=$1 mode=$2 victim=$3 moment=$4 dir=$5 i k pid deadline detail="" hosts
   mkdir -p "$dir"
   local -a ports server_pid worker_pids=()
   mapfile -t ports < <(free_ports 4)
-  for i in 0 1 2 3; do
-    local shard=$((i / 2))
+  # start_server I [NAME]: server I (replica I % 2 of shard I / 2).
+  start_server() {
+    local i=$1 name=${2:-ps$1} shard=$(($1 / 2))
     "$server_bin" --host=127.0.0.1 --port="${ports[i]}" --shard_id=$shard --num_shards=2 \
       --num_workers=2 --mode="$mode" --optimizer=sgd --learning_rate=1 --worker_lease_s=5 \
       --replicas=2 --replica_index=$((i % 2)) \
       --replica_hosts="127.0.0.1:${ports[2 * shard]},127.0.0.1:${ports[2 * shard + 1]}" \
-      >"$dir/ps$i.out" 2>"$dir/ps$i.log" &
+      >"$dir/$name.out" 2>"$dir/$name.log" &
     server_pid[i]=$!
     pids+=("$!")
-  done
+  }
+  for i in 0 1 2 3; do start_server "$i"; done
   hosts="127.0.0.1:${ports[0]}|127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}|127.0.0.1:${ports[3]}"
   for ((k = 0; k < 2; ++k)); do
     # shellcheck disable=SC2046
@@ -133,12 +138,15 @@ trial() {
     pids+=("$!")
   done
   deadline=$((SECONDS + trial_timeout_s))
-  local target=$((2 + victim)) # shard 1's replica
+  local target=$((2 + victim % 2)) # shard 1's replica
   if ((victim < 0)); then
     detail="undisturbed"
   elif [[ $moment == mid ]]; then
     local at
     at=$(awk -v r=$RANDOM 'BEGIN {printf "%.2f", 0.1 + 1.1 * r / 32767}')
+    # Both in turn: early, so that the catch-up and the second kill fall
+    # inside the job.
+    ((victim == 2)) && at=$(awk -v a="$at" 'BEGIN {printf "%.2f", a / 2}')
     sleep "$at"
     detail="killed at $at s"
   else
@@ -154,6 +162,20 @@ trial() {
   if ((victim >= 0)); then
     kill -9 "${server_pid[target]}"
     wait "${server_pid[target]}" 2>/dev/null || true
+  fi
+  if ((victim == 2)); then
+    start_server 2 ps2_again
+    while ! grep -q "caught up" "$dir/ps2_again.log" && kill -0 "${worker_pids[0]}" 2>/dev/null &&
+      ((SECONDS < deadline)); do
+      read -r -t 0.005 <> <(:) || true
+    done
+    if grep -q "caught up" "$dir/ps2_again.log"; then
+      kill -9 "${server_pid[3]}"
+      wait "${server_pid[3]}" 2>/dev/null || true
+      detail+=", restarted, caught up ($(sed -n 's/.*caught up from replica 1 (epoch \([0-9]*\), \([0-9]*\) chunks).*/epoch \1, \2 chunks/p' "$dir/ps2_again.log")), then replica 1 killed"
+    else
+      detail+=", restarted; the job ended before it caught up"
+    fi
   fi
   local codes="" result=ok code
   for pid in "${worker_pids[@]}"; do
@@ -198,7 +220,11 @@ trial() {
       detail+=", killed before worker 0's first step"
     fi
   fi
-  if grep -q "takes over" "$dir/ps$((2 + 1 - victim)).log" 2>/dev/null; then detail+=", backup took over"; fi
+  if ((victim == 2)); then
+    grep -q "takes over" "$dir/ps2_again.log" 2>/dev/null && detail+=", the caught-up replica took over"
+  elif grep -q "takes over" "$dir/ps$((2 + 1 - victim)).log" 2>/dev/null; then
+    detail+=", backup took over"
+  fi
   kill_all
   echo "$result $detail"
 }
@@ -219,12 +245,13 @@ fi
 for t in $(seq 1 "$trials"); do
   mode=sync
   ((t % 2)) || mode=async
-  victim=$(((t - 1) / 2 % 2)) # primary, primary, backup, backup, ...
+  victim=$(((t - 1) / 2 % 3)) # primary, primary, backup, backup, both, both, ...
   moment=mid
   ((t % 5)) || moment=end
   model=${model_list[$(((t - 1) / 4 % ${#model_list[@]}))]}
   line=$(trial "$model" $mode $victim $moment "$run_dir/t$t")
-  rows+=("$(printf '%3d %-5s %-5s %-7s %-3s  %s' "$t" "$model" $mode "$([[ $victim == 0 ]] && echo primary || echo backup)" $moment "$line")")
+  victim_name=(primary backup both)
+  rows+=("$(printf '%3d %-5s %-5s %-7s %-3s  %s' "$t" "$model" $mode "${victim_name[victim]}" $moment "$line")")
   echo "${rows[-1]}"
   if [[ $line == ok* ]]; then ok=$((ok + 1)); else bad=$((bad + 1)); status=1; fi
 done

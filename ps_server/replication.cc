@@ -268,8 +268,19 @@ void ReplicaSet::Watch() {
   probe.set_method("probe");
   probe.set_from_replica(options_.replica_index);
   const absl::Time watching_since = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    LOG(INFO) << "replica " << options_.replica_index << " of shard "
+              << options_.shard_id << " watches the replicas before it in "
+              << absl::StrJoin(succession_, ", ");
+  }
   while (!stop_.WaitForNotificationWithTimeout(options_.probe_interval)) {
-    if (role_.load() != Role::kBackup) return;
+    if (role_.load() != Role::kBackup) {
+      LOG(INFO) << "replica " << options_.replica_index << " of shard "
+                << options_.shard_id << " stops watching: it is "
+                << RoleName(role_.load());
+      return;
+    }
     bool all_down = true;
     std::vector<std::string> why;
     for (auto& peer : peers_) {
@@ -775,12 +786,40 @@ absl::StatusOr<ChangeGate::Pass> ChangeGate::Enter(int64_t step,
   }
   ++in_flight_;
   highest_step_ = std::max(highest_step_, step);
-  return Pass(this);
+  const int64_t ticket = next_ticket_++;
+  open_tickets_.insert(ticket);
+  return Pass(this, ticket);
 }
 
-void ChangeGate::Exit() {
-  absl::MutexLock lock(&mu_);
-  --in_flight_;
+void ChangeGate::Exit(int64_t ticket) {
+  std::vector<std::function<void()>> ready;
+  {
+    absl::MutexLock lock(&mu_);
+    --in_flight_;
+    open_tickets_.erase(ticket);
+    const int64_t oldest_open =
+        open_tickets_.empty() ? next_ticket_ : *open_tickets_.begin();
+    for (auto it = after_.begin(); it != after_.end();) {
+      if (it->first <= oldest_open) {
+        ready.push_back(std::move(it->second));
+        it = after_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& done : ready) done();
+}
+
+void ChangeGate::AfterChangesInFlight(std::function<void()> done) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!open_tickets_.empty()) {
+      after_.emplace_back(next_ticket_, std::move(done));
+      return;
+    }
+  }
+  done();
 }
 
 void ChangeGate::Hold(bool finish_step) {

@@ -56,6 +56,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -95,21 +96,29 @@ struct ReplicaOptions {
 
 // The changes a primary applies and forwards, counted; held while a replica
 // catches up, so that the state it is sent is the state the forwards after
-// it go on from.
+// it go on from. It also orders a sync pull after the forwards of what it
+// shows: a step completes on the primary when it applies the step's last
+// push, before that push is forwarded, and a worker that pulled the next
+// step from the primary must not find the backup without it (the backup
+// would refuse its next push if the primary died in between).
 class ChangeGate {
  public:
   // A change let through; it ends (Exit) when the Pass goes.
   class Pass {
    public:
-    explicit Pass(ChangeGate* gate) : gate_(gate) {}
-    Pass(Pass&& other) : gate_(other.gate_) { other.gate_ = nullptr; }
+    explicit Pass(ChangeGate* gate, int64_t ticket = 0)
+        : gate_(gate), ticket_(ticket) {}
+    Pass(Pass&& other) : gate_(other.gate_), ticket_(other.ticket_) {
+      other.gate_ = nullptr;
+    }
     Pass& operator=(Pass&&) = delete;
     ~Pass() {
-      if (gate_ != nullptr) gate_->Exit();
+      if (gate_ != nullptr) gate_->Exit(ticket_);
     }
 
    private:
     ChangeGate* gate_;
+    int64_t ticket_;
   };
 
   // A change of sync step `step` (-1: of no step: a registration, a
@@ -125,11 +134,20 @@ class ChangeGate {
   bool AwaitQuiet(const std::function<bool()>& quiet, absl::Time until);
   void Release();
 
+  // Runs `done` once every change that entered before this call has exited
+  // (applied and forwarded): now, or on the thread of the last of them.
+  void AfterChangesInFlight(std::function<void()> done);
+
  private:
-  void Exit();
+  void Exit(int64_t ticket);
 
   absl::Mutex mu_;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
+  std::set<int64_t> open_tickets_ ABSL_GUARDED_BY(mu_);
+  // Waiting for every ticket up to `first` to exit.
+  std::vector<std::pair<int64_t, std::function<void()>>> after_
+      ABSL_GUARDED_BY(mu_);
   bool held_ ABSL_GUARDED_BY(mu_) = false;
   int64_t highest_step_ ABSL_GUARDED_BY(mu_) = -1;
   int64_t passes_up_to_ ABSL_GUARDED_BY(mu_) = -1;  // while held

@@ -170,49 +170,60 @@ void ParameterServerService::PullFromBytes(
     shard_->CountRejected();
     return done(std::move(s));
   }
-  shard_->Pull(
-      pull, deadline,
-      [done = std::move(done), payloads_apart](
-          absl::Status status, std::vector<PulledBlock> blocks) {
-        if (!status.ok()) return done(std::move(status));
-        auto reply = std::make_shared<PullReply>();
-        reply->blocks = std::move(blocks);
-        std::vector<OutgoingBlock> outgoing;
-        outgoing.reserve(reply->blocks.size());
-        for (const PulledBlock& b : reply->blocks) {
-          outgoing.push_back(OutgoingBlock{
-              {*b.tensor, b.block, FLOAT32, b.version},
-              absl::string_view(reinterpret_cast<const char*>(b.values->data()),
-                                b.values->size() * sizeof(float))});
-        }
-        OutgoingBytes bytes;
-        if (!payloads_apart) {
-          reply->message = EncodePullResponse(outgoing, kInlineBelowBytes);
-          bytes.pieces = reply->message.Pieces();
-        } else {
-          // u32 meta length, the blocks without data, then the payloads.
-          std::vector<absl::string_view> payloads;
-          payloads.reserve(outgoing.size());
-          for (OutgoingBlock& block : outgoing) {
-            payloads.push_back(block.data);
-            block.data = {};
-          }
-          reply->message = EncodePullResponse(outgoing);
-          data_plane::EncodeLengthPrefix(
-              static_cast<uint32_t>(reply->message.ByteSize()),
-              reply->meta_length);
-          bytes.pieces.emplace_back(reply->meta_length,
-                                    sizeof(reply->meta_length));
-          for (absl::string_view piece : reply->message.Pieces()) {
-            bytes.pieces.push_back(piece);
-          }
-          bytes.pieces.insert(bytes.pieces.end(), payloads.begin(),
-                              payloads.end());
-        }
-        bytes.keep_alive = std::move(reply);
-        done(std::move(bytes));
-      },
-      follows_own_push);
+  Shard::PullDone answer = [done = std::move(done), payloads_apart](
+                               absl::Status status,
+                               std::vector<PulledBlock> blocks) {
+    if (!status.ok()) return done(std::move(status));
+    auto reply = std::make_shared<PullReply>();
+    reply->blocks = std::move(blocks);
+    std::vector<OutgoingBlock> outgoing;
+    outgoing.reserve(reply->blocks.size());
+    for (const PulledBlock& b : reply->blocks) {
+      outgoing.push_back(OutgoingBlock{
+          {*b.tensor, b.block, FLOAT32, b.version},
+          absl::string_view(reinterpret_cast<const char*>(b.values->data()),
+                            b.values->size() * sizeof(float))});
+    }
+    OutgoingBytes bytes;
+    if (!payloads_apart) {
+      reply->message = EncodePullResponse(outgoing, kInlineBelowBytes);
+      bytes.pieces = reply->message.Pieces();
+    } else {
+      // u32 meta length, the blocks without data, then the payloads.
+      std::vector<absl::string_view> payloads;
+      payloads.reserve(outgoing.size());
+      for (OutgoingBlock& block : outgoing) {
+        payloads.push_back(block.data);
+        block.data = {};
+      }
+      reply->message = EncodePullResponse(outgoing);
+      data_plane::EncodeLengthPrefix(
+          static_cast<uint32_t>(reply->message.ByteSize()), reply->meta_length);
+      bytes.pieces.emplace_back(reply->meta_length, sizeof(reply->meta_length));
+      for (absl::string_view piece : reply->message.Pieces()) {
+        bytes.pieces.push_back(piece);
+      }
+      bytes.pieces.insert(bytes.pieces.end(), payloads.begin(), payloads.end());
+    }
+    bytes.keep_alive = std::move(reply);
+    done(std::move(bytes));
+  };
+  shard_->Pull(pull, deadline, AfterForwards(std::move(answer)),
+               follows_own_push);
+}
+
+Shard::PullDone ParameterServerService::AfterForwards(Shard::PullDone answer) {
+  if (replicas_ == nullptr || shard_->mode() != ConsistencyMode::kSync) {
+    return answer;
+  }
+  // What the pull shows goes out once the backups have it too.
+  return [this, answer = std::make_shared<Shard::PullDone>(std::move(answer))](
+             absl::Status status, std::vector<PulledBlock> blocks) {
+    if (!status.ok()) return (*answer)(std::move(status), {});
+    auto held = std::make_shared<std::vector<PulledBlock>>(std::move(blocks));
+    gate_.AfterChangesInFlight(
+        [answer, held] { (*answer)(absl::OkStatus(), std::move(*held)); });
+  };
 }
 
 void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
@@ -535,11 +546,22 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
     return Finish(context, serves);
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto answer = [reactor, response](absl::Status status,
+                                    SparsePullResponse result) {
+    if (status.ok()) status = SerializeSmall(result, response);
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  const bool after_forwards =
+      replicas_ != nullptr && shard_->mode() == ConsistencyMode::kSync;
   shard_->SparsePull(
       pull, absl::FromChrono(context->deadline()),
-      [reactor, response](absl::Status status, SparsePullResponse result) {
-        if (status.ok()) status = SerializeSmall(result, response);
-        reactor->Finish(ToGrpcStatus(status));
+      [this, after_forwards, answer](absl::Status status,
+                                     SparsePullResponse result) {
+        if (!after_forwards || !status.ok()) return answer(status, result);
+        // As a dense pull (AfterForwards).
+        auto held = std::make_shared<SparsePullResponse>(std::move(result));
+        gate_.AfterChangesInFlight(
+            [answer, held] { answer(absl::OkStatus(), std::move(*held)); });
       });
   return reactor;
 }

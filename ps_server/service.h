@@ -208,6 +208,9 @@ class ParameterServerService final : public ParameterServerRawService,
     if (replicas_ == nullptr) return ChangeGate::Pass(nullptr);
     return gate_.Enter(step, absl::Now() + kCatchUpQuietWait);
   }
+  // Sync with replicas: `answer`, run once every change that came before
+  // the pull's step completed is on the backups (ChangeGate).
+  Shard::PullDone AfterForwards(Shard::PullDone answer);
   // The primary, asked by replica `joiner` to join: starts sending it the
   // shard's state (CatchUp, on catch_up_thread_), or says why it cannot.
   absl::Status StartCatchUp(int joiner);
