@@ -158,12 +158,13 @@ trial() {
   fi
   # Worker 0's steps so far (its CSV is flushed every step, after a header).
   local rows_at_kill
-  rows_at_kill=$(wc -l <"$dir/w0.csv" 2>/dev/null || echo 0)
+  rows_at_kill=$( (wc -l <"$dir/w0.csv") 2>/dev/null || echo 0)
   if ((victim >= 0)); then
     kill -9 "${server_pid[target]}"
     wait "${server_pid[target]}" 2>/dev/null || true
   fi
   if ((victim == 2)); then
+    : >"$dir/ps2_again.log"
     start_server 2 ps2_again
     while ! grep -q "caught up" "$dir/ps2_again.log" && kill -0 "${worker_pids[0]}" 2>/dev/null &&
       ((SECONDS < deadline)); do

@@ -657,6 +657,20 @@ absl::Status ReplicaSet::SendState(int joiner,
         absl::StrCat("no replica ", joiner, " in this set"));
   }
   const absl::Time start = absl::Now();
+  {
+    // Its answer names its data port (a restarted replica has a new one):
+    // the state goes there, as pushes do. Links to a process before it are
+    // dead.
+    peer->data_port = 0;
+    {
+      absl::MutexLock lock(&peer->links_mu);
+      peer->idle_links.clear();
+    }
+    ReplicateRequest probe;
+    probe.set_method("probe");
+    probe.set_from_replica(options_.replica_index);
+    Call(*peer, probe, absl::Seconds(1), false).status().IgnoreError();
+  }
   ReplicateRequest message;
   message.set_epoch(epoch_.load());
   message.set_from_replica(options_.replica_index);
@@ -672,10 +686,19 @@ absl::Status ReplicaSet::SendState(int joiner,
       }
       message.add_succession(joiner);
     }
-    message.set_request(chunk.SerializeAsString());
-    bytes += static_cast<int64_t>(message.request().size());
-    absl::StatusOr<ReplicateResponse> answer =
-        Call(*peer, message, options_.forward_timeout, false);
+    const std::string serialized = chunk.SerializeAsString();
+    bytes += static_cast<int64_t>(serialized.size());
+    absl::StatusOr<ReplicateResponse> answer;
+    if (peer->data_port.load() > 0) {
+      const absl::string_view piece = serialized;
+      answer = CallOnDataPlane(*peer, message.SerializeAsString(),
+                               absl::MakeConstSpan(&piece, 1),
+                               absl::Now() + options_.forward_timeout);
+    } else {
+      ReplicateRequest inline_message = message;
+      inline_message.set_request(serialized);
+      answer = Call(*peer, inline_message, options_.forward_timeout, false);
+    }
     if (!answer.ok()) return answer.status();
   }
   {

@@ -30,6 +30,11 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
 template <typename Message>
 absl::Status ParseSmall(absl::Span<const absl::string_view> pieces,
                         Message* message) {
+  if (pieces.size() == 1 &&
+      message->ParseFromArray(pieces[0].data(),
+                              static_cast<int>(pieces[0].size()))) {
+    return absl::OkStatus();
+  }
   std::string flat;
   for (absl::string_view piece : pieces)
     flat.append(piece.data(), piece.size());
