@@ -166,11 +166,14 @@ trial() {
   if ((victim == 2)); then
     : >"$dir/ps2_again.log"
     start_server 2 ps2_again
-    while ! grep -q "caught up" "$dir/ps2_again.log" && kill -0 "${worker_pids[0]}" 2>/dev/null &&
+    while ! grep -q "caught up\|is the primary" "$dir/ps2_again.log" && kill -0 "${worker_pids[0]}" 2>/dev/null &&
       ((SECONDS < deadline)); do
       read -r -t 0.005 <> <(:) || true
     done
-    if grep -q "caught up" "$dir/ps2_again.log"; then
+    if grep -q "is the primary" "$dir/ps2_again.log"; then
+      # Back before the job registered its model: nothing to catch up.
+      detail+=", restarted before the model was registered (primary again)"
+    elif grep -q "caught up" "$dir/ps2_again.log"; then
       kill -9 "${server_pid[3]}"
       wait "${server_pid[3]}" 2>/dev/null || true
       detail+=", restarted, caught up ($(sed -n 's/.*caught up from replica 1 (epoch \([0-9]*\), \([0-9]*\) chunks).*/epoch \1, \2 chunks/p' "$dir/ps2_again.log")), then replica 1 killed"
