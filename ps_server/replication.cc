@@ -801,7 +801,17 @@ absl::StatusOr<ChangeGate::Pass> ChangeGate::Enter(int64_t step,
                                                    absl::Time until) {
   absl::MutexLock lock(&mu_);
   auto may_pass = [this, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !held_ || (step >= 0 && step <= passes_up_to_);
+    switch (phase_) {
+      case Phase::kOpen:
+        return true;
+      case Phase::kFinishing:
+        // A registration, a leave, ... may be what the step waits for (a
+        // worker that moved to this primary registers before it pushes).
+        return step < 0 || step <= finishing_step_;
+      case Phase::kClosed:
+        return false;
+    }
+    return false;
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&may_pass), until)) {
     return absl::UnavailableError(
@@ -845,10 +855,10 @@ void ChangeGate::AfterChangesInFlight(std::function<void()> done) {
   done();
 }
 
-void ChangeGate::Hold(bool finish_step) {
+void ChangeGate::Hold(bool finish_step, int64_t step_under_way) {
   absl::MutexLock lock(&mu_);
-  held_ = true;
-  passes_up_to_ = finish_step ? highest_step_ : -1;
+  phase_ = finish_step ? Phase::kFinishing : Phase::kClosed;
+  finishing_step_ = std::max(step_under_way, highest_step_);
 }
 
 bool ChangeGate::AwaitQuiet(const std::function<bool()>& quiet,
@@ -860,9 +870,9 @@ bool ChangeGate::AwaitQuiet(const std::function<bool()>& quiet,
         return in_flight_ == 0;
       };
       // Under mu_ with nothing in flight, no change can start: what quiet()
-      // sees stays so once passes_up_to_ lets nothing more through.
+      // sees stays so once the gate is closed.
       if (mu_.AwaitWithDeadline(absl::Condition(&drained), until) && quiet()) {
-        passes_up_to_ = -1;
+        phase_ = Phase::kClosed;
         return true;
       }
     }
@@ -873,8 +883,7 @@ bool ChangeGate::AwaitQuiet(const std::function<bool()>& quiet,
 
 void ChangeGate::Release() {
   absl::MutexLock lock(&mu_);
-  held_ = false;
-  passes_up_to_ = -1;
+  phase_ = Phase::kOpen;
 }
 
 }  // namespace pstrain

@@ -127,8 +127,9 @@ class ChangeGate {
   absl::StatusOr<Pass> Enter(int64_t step, absl::Time until);
   // Holds the changes that have not started. `finish_step` (sync): a step
   // part summed completes only with the rest of its pushes, so pushes of
-  // steps up to the highest that started still pass, until AwaitQuiet.
-  void Hold(bool finish_step);
+  // steps up to `step_under_way`, and changes of no step, still pass until
+  // AwaitQuiet.
+  void Hold(bool finish_step, int64_t step_under_way = -1);
   // Waits until no change is in flight and `quiet()` holds (then holds
   // every change), or until `until` (false).
   bool AwaitQuiet(const std::function<bool()>& quiet, absl::Time until);
@@ -148,9 +149,16 @@ class ChangeGate {
   // Waiting for every ticket up to `first` to exit.
   std::vector<std::pair<int64_t, std::function<void()>>> after_
       ABSL_GUARDED_BY(mu_);
-  bool held_ ABSL_GUARDED_BY(mu_) = false;
+  // Open: every change passes. Finishing (sync, waiting for the quiet
+  // moment): the step under way completes, so its pushes pass, and so do
+  // changes of no step; the next step's pushes wait. Closed (the state is
+  // being sent): every change waits.
+  enum class Phase { kOpen, kFinishing, kClosed };
+  Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kOpen;
+  int64_t finishing_step_ ABSL_GUARDED_BY(mu_) = -1;
+  // The highest step of a change that passed: one of a later step than the
+  // shard's may be in flight when it is held, and its step must finish.
   int64_t highest_step_ ABSL_GUARDED_BY(mu_) = -1;
-  int64_t passes_up_to_ ABSL_GUARDED_BY(mu_) = -1;  // while held
 };
 
 // How long a primary waits for a quiet moment to send a joiner its state

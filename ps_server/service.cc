@@ -474,7 +474,7 @@ void ParameterServerService::CatchUp(int joiner) {
   const absl::Time give_up = start + kCatchUpQuietWait;
   // Sync: the step under way finishes (its other pushes still come in),
   // so that the state is whole at a step; async has no step part done.
-  gate_.Hold(shard_->mode() == ConsistencyMode::kSync);
+  gate_.Hold(shard_->mode() == ConsistencyMode::kSync, shard_->StepUnderWay());
   bool quiet = false;
   while (!quiet && !stopping_.load() && absl::Now() < give_up) {
     quiet = gate_.AwaitQuiet([this] { return shard_->QuietForTransfer(); },

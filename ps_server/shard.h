@@ -226,6 +226,9 @@ class Shard {
   // waits for its clip. The state is then whole at each block's step, and
   // ExportReplicaState need not carry sums in progress.
   bool QuietForTransfer() const;
+  // Sync: the lowest step of any block or table (the step under way); the
+  // pushes a quiet moment waits for are of this step.
+  int64_t StepUnderWay() const;
   // The whole state a backup needs (model, rows, optimizer state, versions,
   // de-duplication steps, workers), in chunks of about `chunk_bytes`. Call
   // while QuietForTransfer and no change can reach the shard.

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <iterator>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_text.h"
@@ -52,6 +53,19 @@ bool Shard::QuietForTransfer() const {
     }
   }
   return true;
+}
+
+int64_t Shard::StepUnderWay() const {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr) return 0;
+  int64_t step = std::numeric_limits<int64_t>::max();
+  for (const auto& block : model->blocks) {
+    step = std::min(step, block->version.load());
+  }
+  for (const auto& table : model->sparse) {
+    step = std::min(step, table->version.load());
+  }
+  return step == std::numeric_limits<int64_t>::max() ? 0 : step;
 }
 
 absl::StatusOr<std::vector<ReplicaStateChunk>> Shard::ExportReplicaState(
