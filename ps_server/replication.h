@@ -39,7 +39,9 @@
 // shard holds the model (a restarted one, or a replacement) asks the
 // primary to join. The primary holds new changes (ChangeGate), waits for a
 // quiet moment (no change in flight, and in sync mode no step part summed:
-// the pushes of the step under way still pass, later ones wait), sends its
+// the pushes of the step under way, and changes of no step such as the
+// registration of a worker that just moved here, still pass; the next
+// step's pushes wait), sends its
 // whole state in chunks (Shard::ExportReplicaState), adds the joiner at the
 // end of its set, and lets the changes go on. The job pauses for the
 // transfer; the joiner is then a backup like any other.
