@@ -308,9 +308,11 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
       continue;
     }
     const Call& first = calls[failed.front()];
+    // The replica the call went to (HostOf may have moved on to the next).
     const absl::Status error(
         first.status.code(),
-        absl::StrCat("shard ", first.shard, " (", HostOf(first.shard),
+        absl::StrCat("shard ", first.shard, " (",
+                     replica_hosts_[first.shard][replica_tried[first.shard]],
                      "): ", first.status.message()));
     if (!retryable || absl::Now() + backoff > give_up) {
       // A replicated shard's next replica is tried even without retries:
