@@ -647,7 +647,8 @@ bool ReplicaSet::CatchUp() {
 }
 
 absl::Status ReplicaSet::SendState(int joiner,
-                                   absl::Span<const ReplicaStateChunk> chunks) {
+                                   const ReplicaStateExport& state) {
+  const std::vector<ReplicaStateChunk>& chunks = state.chunks;
   Peer* peer = nullptr;
   for (auto& p : peers_) {
     if (p->index == joiner) peer = p.get();
@@ -676,7 +677,8 @@ absl::Status ReplicaSet::SendState(int joiner,
   message.set_from_replica(options_.replica_index);
   message.set_method("state");
   int64_t bytes = 0;
-  for (const ReplicaStateChunk& chunk : chunks) {
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const ReplicaStateChunk& chunk = chunks[c];
     if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
     if (chunk.last()) {
       absl::MutexLock lock(&mu_);
@@ -686,17 +688,22 @@ absl::Status ReplicaSet::SendState(int joiner,
       }
       message.add_succession(joiner);
     }
-    const std::string serialized = chunk.SerializeAsString();
-    bytes += static_cast<int64_t>(serialized.size());
+    const std::string header = chunk.SerializeAsString();
+    char length[data_plane::kLengthPrefixBytes];
+    data_plane::EncodeLengthPrefix(static_cast<uint32_t>(header.size()),
+                                   length);
+    // The floats go from the blocks' memory (changes are held).
+    std::vector<absl::string_view> pieces = {
+        absl::string_view(length, sizeof(length)), header};
+    pieces.insert(pieces.end(), state.floats[c].begin(), state.floats[c].end());
+    for (absl::string_view piece : pieces) bytes += piece.size();
     absl::StatusOr<ReplicateResponse> answer;
     if (peer->data_port.load() > 0) {
-      const absl::string_view piece = serialized;
-      answer = CallOnDataPlane(*peer, message.SerializeAsString(),
-                               absl::MakeConstSpan(&piece, 1),
+      answer = CallOnDataPlane(*peer, message.SerializeAsString(), pieces,
                                absl::Now() + options_.forward_timeout);
     } else {
       ReplicateRequest inline_message = message;
-      inline_message.set_request(serialized);
+      inline_message.set_request(absl::StrJoin(pieces, ""));
       answer = Call(*peer, inline_message, options_.forward_timeout, false);
     }
     if (!answer.ok()) return answer.status();

@@ -73,6 +73,7 @@
 #include "common/transport/data_link.h"
 #include "proto/ps.grpc.pb.h"
 #include "proto/ps.pb.h"
+#include "ps_server/shard.h"
 
 namespace pstrain {
 
@@ -208,11 +209,11 @@ class ReplicaSet {
   // Answers "probe" and "drop" (the latter: this replica left the set).
   ReplicateResponse Answer(const ReplicateRequest& request);
 
-  // Catch-up, on the primary: sends `chunks` (Shard::ExportReplicaState)
-  // to replica `joiner` as "state" messages, then adds it at the end of the
+  // Catch-up, on the primary: sends `state` (Shard::ExportReplicaState)
+  // to replica `joiner` as "state" messages (a u32 length, the chunk, its
+  // floats), then adds it at the end of the
   // set and tells every backup the new order. Call with changes held.
-  absl::Status SendState(int joiner,
-                         absl::Span<const ReplicaStateChunk> chunks);
+  absl::Status SendState(int joiner, const ReplicaStateExport& state);
   // Catch-up, on the joiner: OK when a "state" message may be installed
   // (this replica is catching up, and it comes from the primary it asked).
   absl::Status AdmitState(const ReplicateRequest& request);

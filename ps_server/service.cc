@@ -487,10 +487,9 @@ void ParameterServerService::CatchUp(int joiner) {
         " (a sync step waits for a worker?)"));
   } else {
     const absl::Time quiet_at = absl::Now();
-    absl::StatusOr<std::vector<ReplicaStateChunk>> chunks =
+    absl::StatusOr<ReplicaStateExport> state =
         shard_->ExportReplicaState(int64_t{8} << 20);
-    sent =
-        chunks.ok() ? replicas_->SendState(joiner, *chunks) : chunks.status();
+    sent = state.ok() ? replicas_->SendState(joiner, *state) : state.status();
     LOG(INFO) << "catch-up of replica " << joiner << ": changes held "
               << absl::FormatDuration(absl::Now() - start) << " (quiet after "
               << absl::FormatDuration(quiet_at - start) << ")";
@@ -506,11 +505,24 @@ absl::StatusOr<ReplicateResponse> ParameterServerService::ServeStateChunk(
   if (absl::Status admitted = replicas_->AdmitState(meta); !admitted.ok()) {
     return admitted;
   }
+  // A u32 length, the chunk, then its floats (ReplicaStateChunk).
+  std::string flat;
+  for (absl::string_view piece : bytes) flat.append(piece.data(), piece.size());
+  const absl::string_view request =
+      bytes.size() == 1 ? bytes[0] : absl::string_view(flat);
+  const int64_t size = static_cast<int64_t>(request.size());
   ReplicaStateChunk chunk;
-  int64_t size = 0;
-  for (absl::string_view piece : bytes) size += piece.size();
-  absl::Status installed = ParseSmall(bytes, &chunk);
-  if (installed.ok()) installed = shard_->ImportReplicaChunk(chunk);
+  absl::StatusOr<data_plane::LengthPrefixed> parts =
+      data_plane::SplitLengthPrefixed(request, "state chunk");
+  absl::Status installed = parts.status();
+  if (installed.ok() &&
+      !chunk.ParseFromArray(parts->head.data(),
+                            static_cast<int>(parts->head.size()))) {
+    installed = absl::InvalidArgumentError("unreadable state chunk");
+  }
+  if (installed.ok()) {
+    installed = shard_->ImportReplicaChunk(chunk, parts->rest);
+  }
   if (!installed.ok()) {
     replicas_->CatchUpFailed(installed.ToString());
     return installed;

@@ -131,6 +131,16 @@ struct PulledBlock {
 };
 
 // The saved state of one block (see ps_server/checkpoint.h).
+// A shard's whole state for a replica that catches up
+// (Shard::ExportReplicaState): chunk headers and, per chunk, the pieces of
+// block memory its floats are (each block's value, then its state).
+struct ReplicaStateExport {
+  std::vector<ReplicaStateChunk> chunks;
+  std::vector<std::vector<absl::string_view>> floats;
+  // Holds the values the pieces point into, whatever an update does.
+  std::vector<BlockValues::Ref> values;
+};
+
 struct BlockSnapshot;
 struct ShardSnapshot;
 struct RestoredShard;
@@ -230,14 +240,18 @@ class Shard {
   // pushes a quiet moment waits for are of this step.
   int64_t StepUnderWay() const;
   // The whole state a backup needs (model, rows, optimizer state, versions,
-  // de-duplication steps, workers), in chunks of about `chunk_bytes`. Call
-  // while QuietForTransfer and no change can reach the shard.
-  absl::StatusOr<std::vector<ReplicaStateChunk>> ExportReplicaState(
+  // de-duplication steps, workers), in chunks of about `chunk_bytes`, with
+  // the dense blocks' floats apart, in place (ReplicaStateExport). Call
+  // while QuietForTransfer and no change can reach the shard, and send it
+  // before any can: the floats are the blocks' own memory.
+  absl::StatusOr<ReplicaStateExport> ExportReplicaState(
       int64_t chunk_bytes) const;
-  // A joining replica installs the chunks in order; the first installs the
-  // model, so this shard must have none. InvalidArgument (naming what) for
-  // a chunk that does not fit the model it installed.
-  absl::Status ImportReplicaChunk(const ReplicaStateChunk& chunk);
+  // A joining replica installs the chunks in order, each with its floats
+  // (`floats`: what followed it); the first installs the model, so this
+  // shard must have none. InvalidArgument (naming what) for a chunk that
+  // does not fit the model it installed.
+  absl::Status ImportReplicaChunk(const ReplicaStateChunk& chunk,
+                                  absl::string_view floats = {});
   // Whether a model is registered (or restored) here.
   bool HasModel() const { return model_.load() != nullptr; }
   ConsistencyMode mode() const { return options_.mode; }

@@ -11,6 +11,7 @@
 #include <deque>
 #include <iterator>
 #include <limits>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_text.h"
@@ -20,13 +21,13 @@
 namespace pstrain {
 namespace {
 
-std::string FloatBytes(absl::Span<const float> values) {
-  return std::string(reinterpret_cast<const char*>(values.data()),
-                     values.size() * sizeof(float));
+absl::string_view FloatBytes(absl::Span<const float> values) {
+  return absl::string_view(reinterpret_cast<const char*>(values.data()),
+                           values.size() * sizeof(float));
 }
 
 // `bytes` as floats into `out`, which must be their exact size.
-bool CopyFloats(const std::string& bytes, absl::Span<float> out) {
+bool CopyFloats(absl::string_view bytes, absl::Span<float> out) {
   if (bytes.size() != out.size() * sizeof(float)) return false;
   if (!out.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
   return true;
@@ -68,7 +69,7 @@ int64_t Shard::StepUnderWay() const {
   return step == std::numeric_limits<int64_t>::max() ? 0 : step;
 }
 
-absl::StatusOr<std::vector<ReplicaStateChunk>> Shard::ExportReplicaState(
+absl::StatusOr<ReplicaStateExport> Shard::ExportReplicaState(
     int64_t chunk_bytes) const {
   const Model* model = model_.load(std::memory_order_acquire);
   if (model == nullptr) {
@@ -77,11 +78,14 @@ absl::StatusOr<std::vector<ReplicaStateChunk>> Shard::ExportReplicaState(
   // A deque: what was added to a chunk stays where it is as chunks are
   // added.
   std::deque<ReplicaStateChunk> chunks(1);
+  ReplicaStateExport out_state;
+  out_state.floats.resize(1);
   int64_t bytes_in_chunk = 0;
   // A new chunk once the current one holds `chunk_bytes`.
   auto room_for = [&](int64_t bytes) -> ReplicaStateChunk& {
     if (bytes_in_chunk > 0 && bytes_in_chunk + bytes > chunk_bytes) {
       chunks.emplace_back();
+      out_state.floats.emplace_back();
       bytes_in_chunk = 0;
     }
     bytes_in_chunk += bytes;
@@ -120,12 +124,19 @@ absl::StatusOr<std::vector<ReplicaStateChunk>> Shard::ExportReplicaState(
     const int64_t bytes =
         static_cast<int64_t>(block.value.size() + block.state.size()) *
         sizeof(float);
-    ReplicaBlockState& out = *room_for(bytes).add_blocks();
+    ReplicaStateChunk& chunk = room_for(bytes);
+    chunk.set_floats_apart(true);
+    std::vector<absl::string_view>& floats = out_state.floats.back();
+    ReplicaBlockState& out = *chunk.add_blocks();
     out.set_global_block(globals[i]);
     out.set_version(block.version.load());
     out.set_awaiting_values(block.awaiting_values.load());
-    if (!out.awaiting_values()) out.set_value(FloatBytes(block.value.Read()));
-    out.set_optimizer_state(FloatBytes(block.state));
+    if (!out.awaiting_values()) {
+      BlockValues::Ref values = block.value.Share();
+      floats.push_back(FloatBytes(*values));
+      out_state.values.push_back(std::move(values));
+    }
+    floats.push_back(FloatBytes(block.state));
     out.mutable_last_step()->Add(block.last_step.begin(),
                                  block.last_step.end());
     out.mutable_last_contributed()->Add(block.last_contributed.begin(),
@@ -178,11 +189,13 @@ absl::StatusOr<std::vector<ReplicaStateChunk>> Shard::ExportReplicaState(
     chunks[c].set_total_chunks(static_cast<int64_t>(chunks.size()));
   }
   chunks.back().set_last(true);
-  return std::vector<ReplicaStateChunk>(std::make_move_iterator(chunks.begin()),
-                                        std::make_move_iterator(chunks.end()));
+  out_state.chunks.assign(std::make_move_iterator(chunks.begin()),
+                          std::make_move_iterator(chunks.end()));
+  return out_state;
 }
 
-absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk) {
+absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
+                                       absl::string_view floats) {
   if (chunk.has_meta()) {
     const ReplicaShardMeta& meta = chunk.meta();
     absl::MutexLock lock(&register_mu_);
@@ -229,6 +242,19 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk) {
     return absl::FailedPreconditionError(
         "a state chunk came before the one that installs the model");
   }
+  // The next `n` floats apart, or the bytes of the chunk's own field.
+  size_t floats_used = 0;
+  auto next_floats = [&](const std::string& field,
+                         size_t n) -> std::optional<absl::string_view> {
+    if (!chunk.floats_apart()) {
+      if (field.size() != n * sizeof(float)) return std::nullopt;
+      return absl::string_view(field);
+    }
+    if (floats.size() - floats_used < n * sizeof(float)) return std::nullopt;
+    absl::string_view piece = floats.substr(floats_used, n * sizeof(float));
+    floats_used += piece.size();
+    return piece;
+  };
   for (const ReplicaBlockState& in : chunk.blocks()) {
     const int local =
         in.global_block() >= 0 &&
@@ -252,22 +278,28 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk) {
           "block ", in.global_block(), ": its per-worker steps do not fit"));
     }
     if (!in.awaiting_values()) {
-      std::vector<float> value(block.value.size());
-      if (!CopyFloats(in.value(), absl::MakeSpan(value))) {
+      std::optional<absl::string_view> value =
+          next_floats(in.value(), block.value.size());
+      if (!value.has_value()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "block ", in.global_block(), ": ", in.value().size(),
-            " value bytes, expected ", value.size() * sizeof(float)));
+            "block ", in.global_block(), ": too few value bytes, expected ",
+            block.value.size() * sizeof(float)));
       }
-      block.value.Assign(std::move(value));
+      // In place: the model was installed with the block's length.
+      CopyFloats(*value, block.value.Mutable());
       if (block.awaiting_values.exchange(false)) {
         blocks_awaiting_values_.fetch_sub(1);
       }
     }
-    if (!CopyFloats(in.optimizer_state(), absl::MakeSpan(block.state))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "block ", in.global_block(), ": ", in.optimizer_state().size(),
-          " state bytes, expected ", block.state.size() * sizeof(float)));
+    std::optional<absl::string_view> state =
+        next_floats(in.optimizer_state(), block.state.size());
+    if (!state.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", in.global_block(),
+                       ": too few optimizer state bytes, expected ",
+                       block.state.size() * sizeof(float)));
     }
+    CopyFloats(*state, absl::MakeSpan(block.state));
     block.version.store(in.version());
     block.last_step.assign(in.last_step().begin(), in.last_step().end());
     block.last_contributed.assign(in.last_contributed().begin(),
@@ -321,6 +353,11 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk) {
             in.ids(static_cast<int>(r)), ": ", s.message()));
       }
     }
+  }
+  if (floats_used != floats.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the chunk's floats are ", floats.size(),
+                     " bytes, its blocks take ", floats_used));
   }
   return absl::OkStatus();
 }

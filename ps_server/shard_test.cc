@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/protocol.h"
@@ -1332,16 +1333,22 @@ TEST(ShardReplicaStateTest, AnImportedStateGoesOnAsTheOriginalDoes) {
       }
     }
     ASSERT_TRUE(primary.shard->QuietForTransfer());
-    absl::StatusOr<std::vector<ReplicaStateChunk>> chunks =
+    absl::StatusOr<ReplicaStateExport> state =
         primary.shard->ExportReplicaState(/*chunk_bytes=*/24);
-    ASSERT_TRUE(chunks.ok()) << chunks.status();
-    EXPECT_GT(chunks->size(), 2u);  // the chunk size is honoured
+    ASSERT_TRUE(state.ok()) << state.status();
+    const std::vector<ReplicaStateChunk>& chunks = state->chunks;
+    EXPECT_GT(chunks.size(), 2u);  // the chunk size is honoured
+    ASSERT_EQ(state->floats.size(), chunks.size());
     auto joiner = std::move(*Shard::Create(primary.options));
-    for (const ReplicaStateChunk& chunk : *chunks) {
-      ASSERT_TRUE(joiner->ImportReplicaChunk(chunk).ok());
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const std::string floats = absl::StrJoin(state->floats[c], "");
+      if (c == 1) {  // floats that do not fit the blocks are refused
+        EXPECT_FALSE(joiner->ImportReplicaChunk(chunks[c], floats + "x").ok());
+      }
+      ASSERT_TRUE(joiner->ImportReplicaChunk(chunks[c], floats).ok());
     }
     // A chunk of a second transfer finds a model there.
-    EXPECT_FALSE(joiner->ImportReplicaChunk((*chunks)[0]).ok());
+    EXPECT_FALSE(joiner->ImportReplicaChunk(chunks[0]).ok());
     for (Shard* shard : {primary.shard.get(), joiner.get()}) {
       // A resend of an old step is a duplicate on both.
       absl::StatusOr<PushResponse> resent =
