@@ -7,6 +7,10 @@
 # makes $run_dir (/tmp/NAME.XXXXXX) and pids=(); kill_all kills -9 and reaps
 # every pid in pids; on exit (and Ctrl-C) all are killed and $run_dir is
 # removed unless keep=1.
+# free_ports N: N distinct free loopback ports, one per line, below the
+# kernel's ephemeral range (32768-60999 by default), so that no port a
+# process binds to port 0 (a data port) and no outgoing connection takes one
+# between the pick and the server's bind.
 # Outside a git checkout (bazel runfiles) the commit is "unknown".
 if BENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null); then
   git diff --quiet HEAD -- . ':!bench/results' || BENCH_COMMIT+="+local changes"
@@ -31,4 +35,20 @@ kill_all() {
 bench_trial_cleanup() {
   kill_all
   if ((${keep:-0})); then echo "run directory kept: $run_dir" >&2; else rm -rf "$run_dir"; fi
+}
+free_ports() {
+  /usr/bin/python3 - "$1" <<'PY'
+import random, socket, sys
+held = []
+while len(held) < int(sys.argv[1]):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", random.randrange(20000, 32000)))
+    except OSError:
+        s.close()
+        continue
+    held.append(s)
+for s in held:
+    print(s.getsockname()[1])
+PY
 }

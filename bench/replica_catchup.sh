@@ -40,24 +40,6 @@ worker_bin=bazel-bin/worker/worker
 source bench/lib.sh
 bench_trial_processes replica_catchup
 
-# Two free loopback ports below the ephemeral range (see replication_trials.sh).
-free_ports() {
-  /usr/bin/python3 - <<'PY'
-import random, socket
-held = []
-while len(held) < 2:
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", random.randrange(20000, 32000)))
-    except OSError:
-        s.close()
-        continue
-    held.append(s)
-for s in held:
-    print(s.getsockname()[1])
-PY
-}
-
 # tcp_copy_s BYTES: seconds to send BYTES once over loopback TCP.
 tcp_copy_s() {
   /usr/bin/python3 - "$1" <<'PY'
@@ -88,10 +70,10 @@ PY
 
 # One round: prints "bytes transfer_s held_s step_ms".
 round() {
-  local dir=$1 i
+  local dir=$1
   mkdir -p "$dir"
   local -a ports server_pid worker_pids=()
-  mapfile -t ports < <(free_ports)
+  mapfile -t ports < <(free_ports 2)
   start_server() {
     "$server_bin" --host=127.0.0.1 --port="${ports[$1]}" --shard_id=0 --num_shards=1 \
       --num_workers=2 --mode=sync --optimizer=sgd --learning_rate=1 --worker_lease_s=10 \

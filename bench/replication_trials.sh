@@ -73,27 +73,6 @@ bench_trial_processes replication_trials
 RANDOM=$seed
 readonly STEPS=200 ELEMENTS=262144 BLOCK=16384
 
-# free_ports N: N distinct free loopback ports, one per line.
-free_ports() {
-  /usr/bin/python3 - "$1" <<'PY'
-import random, socket, sys
-# Below the kernel's ephemeral range (32768-60999 by default), so that no
-# port a process binds to port 0 (a data port) and no outgoing connection
-# takes one between this pick and the server's bind.
-held = []
-while len(held) < int(sys.argv[1]):
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", random.randrange(20000, 32000)))
-    except OSError:
-        s.close()
-        continue
-    held.append(s)
-for s in held:
-    print(s.getsockname()[1])
-PY
-}
-
 # The workers' flags for MODEL.
 model_flags() {
   if [[ $1 == probe ]]; then
