@@ -117,6 +117,13 @@ ReplicaSet::ReplicaSet(const ReplicaOptions& options,
 
 ReplicaSet::~ReplicaSet() { Stop(); }
 
+ReplicateRequest ReplicaSet::Message(absl::string_view method) const {
+  ReplicateRequest message;
+  message.set_method(std::string(method));
+  message.set_from_replica(options_.replica_index);
+  return message;
+}
+
 void ReplicaSet::Stop() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (watcher_.joinable()) watcher_.join();
@@ -212,9 +219,7 @@ bool ReplicaSet::Gone(const Peer& peer) const {
 }
 
 void ReplicaSet::Start() {
-  ReplicateRequest probe;
-  probe.set_method("probe");
-  probe.set_from_replica(options_.replica_index);
+  ReplicateRequest probe = Message("probe");
   std::vector<std::string> holders;
   int64_t epoch = 0;
   for (auto& peer : peers_) {
@@ -264,9 +269,7 @@ void ReplicaSet::Start() {
 }
 
 void ReplicaSet::Watch() {
-  ReplicateRequest probe;
-  probe.set_method("probe");
-  probe.set_from_replica(options_.replica_index);
+  ReplicateRequest probe = Message("probe");
   const absl::Time watching_since = absl::Now();
   {
     absl::MutexLock lock(&mu_);
@@ -431,7 +434,7 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
                                  bool wait_for_replicas) {
   if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
   std::vector<Peer*> targets;
-  ReplicateRequest forward;
+  ReplicateRequest forward = Message(method);
   {
     absl::MutexLock lock(&mu_);
     forward.add_succession(options_.replica_index);
@@ -445,8 +448,6 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
   if (targets.empty()) return absl::OkStatus();
   forwards_.fetch_add(1, std::memory_order_relaxed);
   forward.set_epoch(epoch_.load());
-  forward.set_from_replica(options_.replica_index);
-  forward.set_method(std::string(method));
   // A push goes on a replica's data plane, its bytes as they came; the
   // rest (small) in the gRPC message.
   const bool tensors = method == "Push";
@@ -533,10 +534,8 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
     LOG(ERROR) << "replica " << peer.index << " refused a forwarded " << method
                << " that the primary applied: " << result;
     Drop(peer.index, absl::StrCat("it disagrees: ", result.message()));
-    ReplicateRequest drop;
+    ReplicateRequest drop = Message("drop");
     drop.set_epoch(epoch_.load());
-    drop.set_from_replica(options_.replica_index);
-    drop.set_method("drop");
     Call(peer, drop, absl::Seconds(1), false).status().IgnoreError();
   }
   return failure;
@@ -592,12 +591,8 @@ absl::Status ReplicaSet::AdmitForward(const ReplicateRequest& request) {
 bool ReplicaSet::CatchUp() {
   const std::string self = absl::StrCat("replica ", options_.replica_index,
                                         " of shard ", options_.shard_id);
-  ReplicateRequest probe;
-  probe.set_method("probe");
-  probe.set_from_replica(options_.replica_index);
-  ReplicateRequest join;
-  join.set_method("join");
-  join.set_from_replica(options_.replica_index);
+  ReplicateRequest probe = Message("probe");
+  ReplicateRequest join = Message("join");
   std::string last_problem;
   while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
     if (role_.load() != Role::kCatchingUp) break;
@@ -667,15 +662,11 @@ absl::Status ReplicaSet::SendState(int joiner,
       absl::MutexLock lock(&peer->links_mu);
       peer->idle_links.clear();
     }
-    ReplicateRequest probe;
-    probe.set_method("probe");
-    probe.set_from_replica(options_.replica_index);
+    ReplicateRequest probe = Message("probe");
     Call(*peer, probe, absl::Seconds(1), false).status().IgnoreError();
   }
-  ReplicateRequest message;
+  ReplicateRequest message = Message("state");
   message.set_epoch(epoch_.load());
-  message.set_from_replica(options_.replica_index);
-  message.set_method("state");
   int64_t bytes = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const ReplicaStateChunk& chunk = chunks[c];
@@ -824,29 +815,27 @@ absl::StatusOr<ChangeGate::Pass> ChangeGate::Enter(int64_t step,
     return absl::UnavailableError(
         "a replica is catching up and changes are held; retry");
   }
-  ++in_flight_;
   highest_step_ = std::max(highest_step_, step);
-  const int64_t ticket = next_ticket_++;
-  open_tickets_.insert(ticket);
-  return Pass(this, ticket);
+  closed_.push_back(false);
+  return Pass(this, oldest_open_ + static_cast<int64_t>(closed_.size()) - 1);
 }
 
 void ChangeGate::Exit(int64_t ticket) {
   std::vector<std::function<void()>> ready;
   {
     absl::MutexLock lock(&mu_);
-    --in_flight_;
-    open_tickets_.erase(ticket);
-    const int64_t oldest_open =
-        open_tickets_.empty() ? next_ticket_ : *open_tickets_.begin();
-    for (auto it = after_.begin(); it != after_.end();) {
-      if (it->first <= oldest_open) {
-        ready.push_back(std::move(it->second));
-        it = after_.erase(it);
-      } else {
-        ++it;
-      }
+    closed_[ticket - oldest_open_] = true;
+    while (!closed_.empty() && closed_.front()) {
+      closed_.pop_front();
+      ++oldest_open_;
     }
+    // Registered in ticket order: the ready ones lead.
+    auto waiting = after_.begin();
+    while (waiting != after_.end() && waiting->first <= oldest_open_) {
+      ready.push_back(std::move(waiting->second));
+      ++waiting;
+    }
+    after_.erase(after_.begin(), waiting);
   }
   for (auto& done : ready) done();
 }
@@ -854,8 +843,9 @@ void ChangeGate::Exit(int64_t ticket) {
 void ChangeGate::AfterChangesInFlight(std::function<void()> done) {
   {
     absl::MutexLock lock(&mu_);
-    if (!open_tickets_.empty()) {
-      after_.emplace_back(next_ticket_, std::move(done));
+    if (!closed_.empty()) {
+      after_.emplace_back(oldest_open_ + static_cast<int64_t>(closed_.size()),
+                          std::move(done));
       return;
     }
   }
@@ -874,7 +864,7 @@ bool ChangeGate::AwaitQuiet(const std::function<bool()>& quiet,
     {
       absl::MutexLock lock(&mu_);
       auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return in_flight_ == 0;
+        return closed_.empty();
       };
       // Under mu_ with nothing in flight, no change can start: what quiet()
       // sees stays so once the gate is closed.

@@ -56,9 +56,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -146,9 +146,12 @@ class ChangeGate {
   void Exit(int64_t ticket);
 
   absl::Mutex mu_;
-  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
-  std::set<int64_t> open_tickets_ ABSL_GUARDED_BY(mu_);
+  // Changes get tickets in the order they pass. oldest_open_ is the first
+  // not yet exited; closed_[i] says whether ticket oldest_open_ + i has
+  // (empty: nothing in flight). A deque, so that a change costs no
+  // allocation of its own.
+  int64_t oldest_open_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<bool> closed_ ABSL_GUARDED_BY(mu_);
   // Waiting for every ticket up to `first` to exit.
   std::vector<std::pair<int64_t, std::function<void()>>> after_
       ABSL_GUARDED_BY(mu_);
@@ -260,6 +263,9 @@ class ReplicaSet {
   absl::StatusOr<ReplicateResponse> CallOnDataPlane(
       Peer& peer, const std::string& meta,
       absl::Span<const absl::string_view> request, absl::Time deadline) const;
+  // A message of `method` from this replica (its epoch is the caller's to
+  // set).
+  ReplicateRequest Message(absl::string_view method) const;
   void NoteAnswer(Peer& peer, const ReplicateResponse& response) const;
   // Whether `peer`'s port refuses TCP connections now: its process is gone.
   bool Gone(const Peer& peer) const;

@@ -3,6 +3,7 @@
 #include <csignal>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -217,17 +218,25 @@ void ParameterServerService::PullFromBytes(
                follows_own_push);
 }
 
-Shard::PullDone ParameterServerService::AfterForwards(Shard::PullDone answer) {
+template <typename... Result>
+std::function<void(absl::Status, Result...)>
+ParameterServerService::AfterForwards(
+    std::function<void(absl::Status, Result...)> answer) {
   if (replicas_ == nullptr || shard_->mode() != ConsistencyMode::kSync) {
     return answer;
   }
   // What the pull shows goes out once the backups have it too.
-  return [this, answer = std::make_shared<Shard::PullDone>(std::move(answer))](
-             absl::Status status, std::vector<PulledBlock> blocks) {
-    if (!status.ok()) return (*answer)(std::move(status), {});
-    auto held = std::make_shared<std::vector<PulledBlock>>(std::move(blocks));
-    gate_.AfterChangesInFlight(
-        [answer, held] { (*answer)(absl::OkStatus(), std::move(*held)); });
+  return [this, answer = std::move(answer)](absl::Status status,
+                                            Result... result) {
+    if (!status.ok()) return answer(std::move(status), std::move(result)...);
+    auto held = std::make_shared<std::tuple<Result...>>(std::move(result)...);
+    gate_.AfterChangesInFlight([answer, held] {
+      std::apply(
+          [&answer](Result&... r) {
+            answer(absl::OkStatus(), std::move(r)...);
+          },
+          *held);
+    });
   };
 }
 
@@ -505,11 +514,12 @@ absl::StatusOr<ReplicateResponse> ParameterServerService::ServeStateChunk(
   if (absl::Status admitted = replicas_->AdmitState(meta); !admitted.ok()) {
     return admitted;
   }
-  // A u32 length, the chunk, then its floats (ReplicaStateChunk).
-  std::string flat;
-  for (absl::string_view piece : bytes) flat.append(piece.data(), piece.size());
-  const absl::string_view request =
-      bytes.size() == 1 ? bytes[0] : absl::string_view(flat);
+  // A u32 length, the chunk, then its floats (ReplicaStateChunk); both
+  // transports bring it in one piece.
+  if (bytes.size() != 1) {
+    return absl::InvalidArgumentError("a state chunk comes in one piece");
+  }
+  const absl::string_view request = bytes[0];
   const int64_t size = static_cast<int64_t>(request.size());
   ReplicaStateChunk chunk;
   absl::StatusOr<data_plane::LengthPrefixed> parts =
@@ -563,23 +573,13 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
     return Finish(context, serves);
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto answer = [reactor, response](absl::Status status,
-                                    SparsePullResponse result) {
-    if (status.ok()) status = SerializeSmall(result, response);
-    reactor->Finish(ToGrpcStatus(status));
-  };
-  const bool after_forwards =
-      replicas_ != nullptr && shard_->mode() == ConsistencyMode::kSync;
   shard_->SparsePull(
       pull, absl::FromChrono(context->deadline()),
-      [this, after_forwards, answer](absl::Status status,
-                                     SparsePullResponse result) {
-        if (!after_forwards || !status.ok()) return answer(status, result);
-        // As a dense pull (AfterForwards).
-        auto held = std::make_shared<SparsePullResponse>(std::move(result));
-        gate_.AfterChangesInFlight(
-            [answer, held] { answer(absl::OkStatus(), std::move(*held)); });
-      });
+      AfterForwards(Shard::SparsePullDone(
+          [reactor, response](absl::Status status, SparsePullResponse result) {
+            if (status.ok()) status = SerializeSmall(result, response);
+            reactor->Finish(ToGrpcStatus(status));
+          })));
   return reactor;
 }
 

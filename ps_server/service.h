@@ -208,9 +208,11 @@ class ParameterServerService final : public ParameterServerRawService,
     if (replicas_ == nullptr) return ChangeGate::Pass(nullptr);
     return gate_.Enter(step, absl::Now() + kCatchUpQuietWait);
   }
-  // Sync with replicas: `answer`, run once every change that came before
-  // the pull's step completed is on the backups (ChangeGate).
-  Shard::PullDone AfterForwards(Shard::PullDone answer);
+  // A pull's answer (dense or sparse): with replicas in sync mode, run once
+  // every change before it is on the backups (ChangeGate); otherwise as is.
+  template <typename... Result>
+  std::function<void(absl::Status, Result...)> AfterForwards(
+      std::function<void(absl::Status, Result...)> answer);
   // The primary, asked by replica `joiner` to join: starts sending it the
   // shard's state (CatchUp, on catch_up_thread_), or says why it cannot.
   absl::Status StartCatchUp(int joiner);

@@ -11,7 +11,6 @@
 #include <deque>
 #include <iterator>
 #include <limits>
-#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_text.h"
@@ -24,13 +23,6 @@ namespace {
 absl::string_view FloatBytes(absl::Span<const float> values) {
   return absl::string_view(reinterpret_cast<const char*>(values.data()),
                            values.size() * sizeof(float));
-}
-
-// `bytes` as floats into `out`, which must be their exact size.
-bool CopyFloats(absl::string_view bytes, absl::Span<float> out) {
-  if (bytes.size() != out.size() * sizeof(float)) return false;
-  if (!out.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
-  return true;
 }
 
 }  // namespace
@@ -125,7 +117,6 @@ absl::StatusOr<ReplicaStateExport> Shard::ExportReplicaState(
         static_cast<int64_t>(block.value.size() + block.state.size()) *
         sizeof(float);
     ReplicaStateChunk& chunk = room_for(bytes);
-    chunk.set_floats_apart(true);
     std::vector<absl::string_view>& floats = out_state.floats.back();
     ReplicaBlockState& out = *chunk.add_blocks();
     out.set_global_block(globals[i]);
@@ -242,18 +233,15 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
     return absl::FailedPreconditionError(
         "a state chunk came before the one that installs the model");
   }
-  // The next `n` floats apart, or the bytes of the chunk's own field.
+  // Copies the next out.size() floats that followed the chunk into `out`;
+  // false when fewer are left.
   size_t floats_used = 0;
-  auto next_floats = [&](const std::string& field,
-                         size_t n) -> std::optional<absl::string_view> {
-    if (!chunk.floats_apart()) {
-      if (field.size() != n * sizeof(float)) return std::nullopt;
-      return absl::string_view(field);
-    }
-    if (floats.size() - floats_used < n * sizeof(float)) return std::nullopt;
-    absl::string_view piece = floats.substr(floats_used, n * sizeof(float));
-    floats_used += piece.size();
-    return piece;
+  auto next_floats = [&](absl::Span<float> out) {
+    const size_t bytes = out.size() * sizeof(float);
+    if (floats.size() - floats_used < bytes) return false;
+    if (bytes > 0) std::memcpy(out.data(), floats.data() + floats_used, bytes);
+    floats_used += bytes;
+    return true;
   };
   for (const ReplicaBlockState& in : chunk.blocks()) {
     const int local =
@@ -277,29 +265,23 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
       return absl::InvalidArgumentError(absl::StrCat(
           "block ", in.global_block(), ": its per-worker steps do not fit"));
     }
+    // In place: the model was installed with the block's lengths.
     if (!in.awaiting_values()) {
-      std::optional<absl::string_view> value =
-          next_floats(in.value(), block.value.size());
-      if (!value.has_value()) {
+      if (!next_floats(block.value.Mutable())) {
         return absl::InvalidArgumentError(absl::StrCat(
             "block ", in.global_block(), ": too few value bytes, expected ",
             block.value.size() * sizeof(float)));
       }
-      // In place: the model was installed with the block's length.
-      CopyFloats(*value, block.value.Mutable());
       if (block.awaiting_values.exchange(false)) {
         blocks_awaiting_values_.fetch_sub(1);
       }
     }
-    std::optional<absl::string_view> state =
-        next_floats(in.optimizer_state(), block.state.size());
-    if (!state.has_value()) {
+    if (!next_floats(absl::MakeSpan(block.state))) {
       return absl::InvalidArgumentError(
           absl::StrCat("block ", in.global_block(),
                        ": too few optimizer state bytes, expected ",
                        block.state.size() * sizeof(float)));
     }
-    CopyFloats(*state, absl::MakeSpan(block.state));
     block.version.store(in.version());
     block.last_step.assign(in.last_step().begin(), in.last_step().end());
     block.last_contributed.assign(in.last_contributed().begin(),
