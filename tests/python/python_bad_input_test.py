@@ -110,6 +110,28 @@ class BadInputTest(unittest.TestCase):
         finally:
             self.model[2].weight.data = saved
 
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device")
+    def test_a_cuda_model_moved_to_the_cpu_after_registration(self):
+        with cluster.Cluster(num_shards=1, num_workers=1) as c:
+            model = mlp().cuda()
+            ps = pstrain.torch.ParameterServer(model, hosts=c.hosts,
+                                               worker_id=0, num_workers=1)
+            model.cpu()
+            model(torch.ones(2, 4)).sum().backward()
+            with self.assertRaisesRegex(ValueError,
+                                        "'0.weight' moved from cuda:0 to cpu"):
+                ps.step()
+
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device")
+    def test_a_model_split_over_devices(self):
+        model = mlp()
+        model[2].cuda()
+        with self.assertRaisesRegex(
+                ValueError, "split over devices: '0.weight' is on cpu, "
+                "'2.weight' on cuda:0"):
+            pstrain.torch.ParameterServer(model, hosts=self.cluster.hosts,
+                                          worker_id=0, num_workers=1)
+
     def test_worker_id_out_of_range(self):
         with self.assertRaisesRegex(ValueError, r"worker_id must be in \[0, 1\)"):
             pstrain.torch.ParameterServer(mlp(), hosts=self.cluster.hosts,

@@ -69,6 +69,7 @@ class _Tensor:
         self.numel = tensor.numel()
         self.shape = list(tensor.shape) or [1]
         self.cuda = tensor.is_cuda
+        self.device = tensor.device
         if tensor.device.type not in ("cpu", "cuda"):
             raise ValueError(f"'{name}' is on device {tensor.device}: "
                              "pstrain.torch takes CPU and CUDA tensors")
@@ -103,6 +104,11 @@ class _Tensor:
         tensor's memory still the one pulls write (a new tensor of the same
         shape is taken as it is)."""
         data = self.tensor.data
+        if data.device != self.device:
+            raise ValueError(
+                f"'{self.name}' moved from {self.device} to {data.device} "
+                "after registration: move the model before "
+                "ParameterServer(model), where it will train")
         if list(data.shape or [1]) != self.shape or data.dtype != (
                 torch.float32 if self.direct else data.dtype):
             raise ValueError(
@@ -313,9 +319,17 @@ class ParameterServer:
                 self._tables.append(module)
         if not self._tensors:
             raise ValueError("the model has no parameters or buffers to train")
+        first = self._tensors[0]
+        for t in self._tensors:
+            if t.device != first.device:
+                # One worker, one device: its copies run on one stream.
+                raise ValueError(
+                    f"the model is split over devices: '{first.name}' is on "
+                    f"{first.device}, '{t.name}' on {t.device}; pstrain.torch "
+                    "trains a model on one device (run one worker per GPU)")
         self._stream = None
         if any(t.cuda for t in self._tensors):
-            self._stream = torch.cuda.Stream()
+            self._stream = torch.cuda.Stream(device=first.device)
         if scheduler is not None and optimizer is None:
             raise ValueError("a scheduler needs its optimizer (optimizer=)")
         if scheduler is not None and getattr(scheduler, "optimizer",
