@@ -33,6 +33,13 @@
 #      nothing downloaded), its import (a failure is loud: FAIL, with pip's and
 #      Python's words), and a pstrain.torch training step against a ps_server
 #      of the bundle, on cuda:0 where there is a GPU.
+#   8. exchange: ps_bench's PushPull of the MLP's bytes through the servers,
+#      the 1-GPU job's step against it (goal <= 1.15x).
+#   9. torch_cuda: the Python suite's torch tests (TORCH_CUDA_TESTS) against
+#      the installed wheel with their models on cuda:0, and
+#      torch_cuda_bench.py: pstrain.torch's MLP against the C++ GPU worker's
+#      job (goal >= 0.9x) and its CNN with BatchNorm against one torch process
+#      on the same GPU (goal >= 0.8x). Needs pstrain_torch before it.
 #
 # Results: DIR (default ./gpu-check-<UTC time>) holds every step's output,
 # summary.txt (the table) and summary.tsv. Exit status: 0 when every check
@@ -40,14 +47,15 @@
 # 1 when a check failed; 2 bad usage. --require_gpu makes "no GPU found" a
 # failure (use it on a GPU host: a broken driver must not pass as a dry run).
 # --steps runs only the named steps (parity sanitizer kernel_bench step_bench
-# jobs pytorch pstrain_torch); --deadline_s=N stops starting work so that the whole run,
+# jobs pytorch pstrain_torch exchange torch_cuda); --deadline_s=N stops starting work so that the whole run,
 # summary included, ends within N seconds (for a device call with a limit).
 #
 # Knobs (environment): MODEL_HIDDEN (2048,2048), BATCH (512), CPU_STEPS,
 # GPU_STEPS, JOB_SERVERS (2), JOB_MODE (sync), TARGET_ACCURACY (0.9),
 # SANITIZE_TESTS (GPU test binaries run under compute-sanitizer),
 # SANITIZE_FILTER (their --gtest_filter),
-# STEP_TIMEOUT_S (300: the limit of any one step), PSTRAIN_CUDA_LIB_DIR.
+# STEP_TIMEOUT_S (300: the limit of any one step), PSTRAIN_CUDA_LIB_DIR,
+# TORCH_PYTHON, TORCH_CUDA_TESTS (empty: none), TORCH_TEST_DEVICE (cuda).
 set -uo pipefail
 
 readonly PROG=check.sh
@@ -61,7 +69,7 @@ usage() {
   exit 2
 }
 
-readonly ALL_STEPS="parity sanitizer kernel_bench step_bench jobs pytorch pstrain_torch"
+readonly ALL_STEPS="parity sanitizer kernel_bench step_bench jobs pytorch pstrain_torch exchange torch_cuda"
 read -ra STEPS <<<"$ALL_STEPS"
 results=""
 DEADLINE_S=0
@@ -637,6 +645,127 @@ step_pstrain_torch() {
   else
     row "pstrain.torch $device step" FAIL "-" "$(exit_text "$status"): $(tail -n 1 "$out")"
   fi
+}
+
+# goal_row CHECK RATIO at_least|at_most GOAL NOTE: a MET or MISSED row for
+# "RATIOx" against the goal.
+goal_row() {
+  local met
+  if [[ $3 == at_least ]]; then at_least "$2" "$4" && met=1; else at_least "$4" "$2" && met=1; fi
+  row "goal: $1" "$([[ -n ${met:-} ]] && echo MET || echo MISSED)" "${2}x" "$5"
+}
+
+# The figure of an earlier row of this run (summary.tsv), or "".
+figure_of() { awk -F'\t' -v c="$1" '$1 == c { f = $3 } END { print f }' "$results/summary.tsv"; }
+
+# --- 8. The exchange alone --------------------------------------------------
+# ps_bench's PushPull of the MLP's bytes through JOB_SERVERS servers on this
+# host: what a step of the 1-GPU job would cost if staging and compute hid
+# behind the exchange (issue 37's goal: the job's step <= 1.15x this).
+step_exchange() {
+  local out=$results/exchange.txt floats bytes status=0
+  [[ -x $BUNDLE/bin/ps_bench ]] || { row "exchange alone" SKIP "-" "no ps_bench in this bundle"; return; }
+  # The MLP's parameters: 784 inputs, MODEL_HIDDEN, 10 classes.
+  floats=$(awk -v h="$MODEL_HIDDEN" 'BEGIN { n = split(h, w, ","); a = 784; t = 0;
+    for (i = 1; i <= n; i++) { t += a * w[i] + w[i]; a = w[i] } print t + a * 10 + 10 }')
+  bytes=$((floats * 4))
+  CUDA_VISIBLE_DEVICES= run_to "$out" "$BUNDLE/bin/ps_bench" --ps_server="$BUNDLE/bin/ps_server" \
+    --servers="$JOB_SERVERS" --sizes="$bytes" --repeats=3 || status=$?
+  local gbps
+  gbps=$(json_field "$out" ps_one_call_gbps)
+  if ((status != 0)) || [[ -z $gbps ]]; then
+    row "exchange alone" FAIL "-" "ps_bench: $(exit_text "$status"); see exchange.txt"
+    return
+  fi
+  local exchange_ms job_rate step_ms
+  exchange_ms=$(awk -v b="$bytes" -v g="$gbps" 'BEGIN { printf "%.2f", 2 * b / (g * 1e9) * 1e3 }')
+  row "exchange alone" INFO "$exchange_ms ms" "ps_bench PushPull of $bytes bytes (the MLP), $JOB_SERVERS servers, $gbps GB/s both ways"
+  job_rate=$(figure_of "job gpu1_1worker_fp32")
+  job_rate=${job_rate%% *}
+  if [[ -n $job_rate ]]; then
+    step_ms=$(awk -v b="$BATCH" -v r="$job_rate" 'BEGIN { printf "%.2f", b / r * 1e3 }')
+    goal_row "1-GPU job step vs exchange alone" "$(ratio "$step_ms" "$exchange_ms")" at_most 1.15 \
+      "step $step_ms ms (job gpu1_1worker_fp32), exchange $exchange_ms ms; goal <= 1.15x"
+  fi
+}
+
+# --- 9. pstrain.torch on cuda -------------------------------------------------
+# The Python suite's torch tests against the wheel installed by the
+# pstrain_torch step, with their models on cuda:0 (PSTRAIN_TEST_DEVICE), from
+# a tree laid out as Bazel's runfiles; then torch_cuda_bench.py: the MLP and
+# the CNN with BatchNorm through the servers against one torch process on the
+# same GPU.
+: "${TORCH_CUDA_TESTS=python_bad_input_test torch_sync_equivalence_test torch_optimizers_test torch_faults_test examples_test}"
+# TORCH_TEST_DEVICE=cpu runs the same tests on the CPU (no benchmark): how
+# this step is tried on a machine without a GPU.
+: "${TORCH_TEST_DEVICE:=cuda}"
+step_torch_cuda() {
+  local python=${TORCH_PYTHON:-/opt/torch/.venv/bin/python}
+  [[ -x $python ]] || python=$results/venv/bin/python  # pstrain_torch's dry-run venv
+  if [[ $TORCH_TEST_DEVICE == cuda* ]] && ((gpu_count == 0)); then
+    skip_gpu "pstrain.torch tests on cuda"
+    return
+  fi
+  if ! (cd / && "$python" -c 'import pstrain.torch') >/dev/null 2>&1; then
+    row "pstrain.torch tests on cuda" FAIL "-" "pstrain is not installed in $python: run the pstrain_torch step first"
+    return
+  fi
+  local dir=$results/torch_cuda venv status
+  local tree=$dir/runfiles/pstrain
+  venv=$(cd / && "$python" -c 'import sys; print(sys.prefix)')
+  rm -rf "$dir"
+  mkdir -p "$tree"/{ps_server,worker/python/examples,tests/python,deploy/local} "$dir/tmp"
+  ln -s "$BUNDLE/bin/ps_server" "$tree/ps_server/ps_server"
+  ln -s "$BUNDLE/bin/worker" "$tree/worker/worker"
+  cp "$BUNDLE/launch.sh" "$BUNDLE/job_report.sh" "$tree/deploy/local/"
+  cp "$BUNDLE"/tests/python/*.py "$tree/tests/python/"
+  cp "$BUNDLE"/python/examples/*.py "$tree/worker/python/examples/"
+  touch "$tree/tests/__init__.py"
+  local fashion=/usr/share/datasets/fashion-mnist
+  [[ -d $BUNDLE/data/fashion-mnist ]] && fashion=$BUNDLE/data/fashion-mnist
+  if [[ $TORCH_TEST_DEVICE == cuda* ]]; then
+    local data_flag=()
+    [[ -d $BUNDLE/data/fashion-mnist ]] && data_flag=(--fashion_mnist="$BUNDLE/data/fashion-mnist")
+    local model out sps local_sps
+    for model in mlp cnn; do
+      out=$dir/bench_$model.txt
+      status=0
+      (cd / && run_to "$out" "$python" "$BUNDLE/torch_cuda_bench.py" --ps_server="$BUNDLE/bin/ps_server" \
+        --model="$model" --servers="$JOB_SERVERS" --batch="$([[ $model == mlp ]] && echo "$BATCH" || echo 128)" \
+        --steps=$((GPU_STEPS > 50 ? GPU_STEPS : 50)) "${data_flag[@]}") || status=$?
+      sps=$(json_field "$out" pstrain_samples_per_s)
+      local_sps=$(json_field "$out" local_samples_per_s)
+      if ((status != 0)) || [[ -z $sps ]]; then
+        row "pstrain.torch $model on cuda" FAIL "-" "torch_cuda_bench.py: $(exit_text "$status"); see torch_cuda/bench_$model.txt"
+        continue
+      fi
+      row "pstrain.torch $model on cuda" INFO "$sps samples/s" "one torch process on the GPU: $local_sps; ps.step $(json_field "$out" pstrain_step_ms) ms, forward+backward queued in $(json_field "$out" pstrain_compute_ms) ms"
+      local cpp
+      cpp=$(figure_of "job gpu1_1worker_fp32")
+      cpp=${cpp%% *}
+      if [[ $model == cnn ]]; then
+        goal_row "pstrain.torch CNN vs one torch process" "$(ratio "$sps" "$local_sps")" at_least 0.8 \
+          "same GPU, batch 128, Adam; goal >= 0.8x"
+      elif [[ -n $cpp ]]; then
+        goal_row "pstrain.torch MLP vs C++ GPU worker" "$(ratio "$sps" "$cpp")" at_least 0.9 \
+          "$sps vs $cpp samples/s (job gpu1_1worker_fp32); goal >= 0.9x"
+      fi
+    done
+  fi
+  local t summary
+  for t in $TORCH_CUDA_TESTS; do
+    mkdir -p "$dir/tmp/$t"
+    status=0
+    (cd "$tree" && TEST_SRCDIR=$dir/runfiles TEST_TMPDIR=$dir/tmp/$t PSTRAIN_TEST_VENV=$venv \
+      PSTRAIN_TEST_DEVICE=$TORCH_TEST_DEVICE PSTRAIN_FASHION_MNIST=$fashion PYTHONPATH=$tree \
+      run_to "$dir/$t.txt" "$python" -u "tests/python/$t.py") || status=$?
+    summary="$(grep -m1 '^Ran ' "$dir/$t.txt"), $(grep -E '^(OK|FAILED)' "$dir/$t.txt" | tail -n 1)"
+    if ((status == 0)); then
+      row "torch $TORCH_TEST_DEVICE $t" PASS "${summary%% in *}" "${summary#*, }"
+    else
+      row "torch $TORCH_TEST_DEVICE $t" FAIL "${summary%% in *}" "$(exit_text "$status"): ${summary#*, }; see torch_cuda/$t.txt"
+    fi
+  done
 }
 
 # --- Run them ------------------------------------------------------------------

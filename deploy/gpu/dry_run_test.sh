@@ -65,6 +65,8 @@ else
   # The wheel, assembled from the bundle and pip installed, runs a step.
   expect '^pstrain.torch install +PASS +CPython 3'
   expect '^pstrain.torch cpu step +PASS'
+  expect '^exchange alone +INFO +[0-9.]+ ms'
+  expect '^pstrain.torch tests on cuda +SKIP .*no GPU'
   expect '^RESULT: PASSED .*dry run: no GPU, GPU steps skipped'
   # A "skip" must never be a test that ran into a GPU and broke.
   if grep -E '^(parity|job|step_bench).* FAIL' "$summary"; then

@@ -9,7 +9,8 @@
 # binaries below (bin/, lib/, run, MANIFEST; the host's own CUDA runtime and
 # cuBLAS are used), plus check.sh, launch.sh (deploy/local), the PyTorch
 # reference script, what the pstrain wheel is made of (python/: check.sh
-# assembles it) and install_smoke.py,
+# assembles it) and install_smoke.py, the Python tests, examples and
+# torch_cuda_bench.py (check.sh's torch_cuda step),
 # BUNDLE_INFO, and with --data the Fashion-MNIST .gz files
 # of Debian's dataset-fashion-mnist under data/fashion-mnist (auto: when they
 # are installed here). --tar also writes OUTDIR.tar.gz, the form to carry
@@ -39,6 +40,7 @@ readonly BINARIES=(
   ?kernels/layer_ops_test
   bench/kernel_bench
   bench/step_bench
+  bench/transport/ps_bench
   ps_server/ps_server
   worker/worker
 )
@@ -106,6 +108,12 @@ install -m 0755 "$src_root/bench/gpu/pytorch_reference.py" "$outdir/pytorch_refe
 # files, so carrying the wheel would carry them twice) and pip installs it
 # into the host's PyTorch environment; install_smoke.py tries it.
 install -m 0755 "$src_root/tests/python/install_smoke.py" "$outdir/install_smoke.py"
+# check.sh's torch_cuda step: the Python suite's tests and the examples, run
+# on cuda against the installed wheel, and the pstrain.torch GPU benchmark.
+mkdir -p "$outdir/tests/python" "$outdir/python/examples"
+install -m 0644 "$src_root"/tests/python/*.py "$outdir/tests/python/"
+install -m 0644 "$src_root"/worker/python/examples/*.py "$outdir/python/examples/"
+install -m 0755 "$src_root/bench/gpu/torch_cuda_bench.py" "$outdir/torch_cuda_bench.py"
 mkdir -p "$outdir/python/pstrain"
 install -m 0755 "$src_root/worker/python/make_wheel.py" "$outdir/python/make_wheel.py"
 install -m 0644 "$src_root"/worker/python/pstrain/*.py "$outdir/python/pstrain/"

@@ -43,7 +43,7 @@ def main():
     rates = []
     end = args.steps if args.stop_after < 0 else args.stop_after
     for step in range(ps.step_count, end):
-        x, y = batches.batch(step)
+        x, y = train_worker.batch(batches, step)
         if args.model == "probe":  # the gradient is 1 everywhere
             model.p.sum().backward()
         else:

@@ -30,7 +30,7 @@ def single_process(recipe, global_batch, steps=optim_recipes.STEPS,
                                    seed=5)
     rates = []
     for step in range(steps):
-        x, y = batches.batch(step)
+        x, y = train_worker.batch(batches, step)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         if max_norm is not None and clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

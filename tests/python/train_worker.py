@@ -20,7 +20,22 @@ import pstrain.torch
 FEATURES, CLASSES = 12, 3
 
 
+def device():
+    """Where the tests' models train: $PSTRAIN_TEST_DEVICE, the CPU unless
+    the GPU host's check (deploy/gpu/check.sh) runs them on cuda."""
+    return torch.device(os.environ.get("PSTRAIN_TEST_DEVICE", "cpu"))
+
+
 def make_model(name, seed):
+    return _make_model(name, seed).to(device())
+
+
+def batch(batches, step):
+    x, y = batches.batch(step)
+    return x.to(device()), y.to(device())
+
+
+def _make_model(name, seed):
     torch.manual_seed(seed)
     if name == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16),
@@ -59,7 +74,7 @@ def main():
                                    ps.num_workers, seed=5)
     loss = None
     for step in range(ps.step_count, args.steps):
-        x, y = batches.batch(step)
+        x, y = batch(batches, step)
         if args.model == "probe":  # the gradient is 1 everywhere
             loss = model.p.sum()
         else:

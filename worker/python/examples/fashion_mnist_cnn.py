@@ -63,10 +63,16 @@ def main():
     parser.add_argument("--lr", type=float, default=0.001, help="Adam's")
     parser.add_argument("--test_examples", type=int, default=10000,
                         help="held-out images evaluated (the first ones)")
+    parser.add_argument("--device", default="auto",
+                        help="where the model trains: cpu, cuda, cuda:N, or "
+                        "auto (cuda when torch sees a GPU)")
     args = parser.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model = Net()
+    model = Net().to(device)  # before ParameterServer: it registers in place
 
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     if args.local:
@@ -86,7 +92,7 @@ def main():
     start = time.time()
     for step in range(start_step, steps):
         x, y = batches.batch(step)
-        loss = label_smoothed_loss(model(x), y)
+        loss = label_smoothed_loss(model(x.to(device)), y.to(device))
         loss.backward()
         if args.local:
             optimizer.step()
@@ -100,7 +106,7 @@ def main():
         model, pstrain.data.fashion_mnist(train=False), shape=(1, 28, 28),
         limit=args.test_examples)
     pstrain.print_final(
-        model="cnn", mode=mode, worker_id=worker_id, num_workers=num_workers,
+        model="cnn", device=str(device), mode=mode, worker_id=worker_id, num_workers=num_workers,
         steps=steps, steps_run=steps - start_step, start_step=start_step,
         epochs=round(steps / batches.steps_per_epoch, 3),
         final_loss=round(loss.item(), 6), test_loss=round(test_loss, 6),

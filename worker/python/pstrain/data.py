@@ -8,6 +8,8 @@ workers do: the sync contract can be checked against a single process, and a
 Python job compared with a C++ one sample for sample.
 """
 
+import os
+
 import numpy as np
 import torch
 
@@ -16,8 +18,10 @@ from pstrain import _core
 __all__ = ["Batches", "CtrData", "FASHION_MNIST", "auc", "evaluate",
            "fashion_mnist", "synthetic"]
 
-# Debian's dataset-fashion-mnist.
-FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+# Debian's dataset-fashion-mnist, unless $PSTRAIN_FASHION_MNIST names
+# another folder of the four -ubyte.gz files.
+FASHION_MNIST = os.environ.get("PSTRAIN_FASHION_MNIST",
+                               "/usr/share/datasets/fashion-mnist")
 
 
 def fashion_mnist(train=True, directory=FASHION_MNIST):
@@ -70,8 +74,9 @@ class Batches:
 def evaluate(model, examples, batch_size=1000, shape=None, limit=None):
     """Mean cross-entropy loss and accuracy of ``model`` (logits) on
     ``examples`` (the first ``limit`` of them, or all), in eval mode (the mode
-    is restored)."""
+    is restored), on the device the model is on."""
     was_training = model.training
+    device = next(model.parameters()).device  # where the model is
     model.eval()
     shape = tuple(shape) if shape else (examples.num_features,)
     size = examples.size if limit is None else min(limit, examples.size)
@@ -82,8 +87,8 @@ def evaluate(model, examples, batch_size=1000, shape=None, limit=None):
         rows = min(batch_size, size - first)
         indices = np.arange(first, first + rows, dtype=np.int64)
         examples.gather(indices, x[:rows], y[:rows])
-        logits = model(torch.from_numpy(x[:rows]).view(-1, *shape))
-        labels = torch.from_numpy(y[:rows])
+        logits = model(torch.from_numpy(x[:rows]).view(-1, *shape).to(device))
+        labels = torch.from_numpy(y[:rows]).to(device)
         loss_sum += torch.nn.functional.cross_entropy(
             logits, labels, reduction="sum").item()
         correct += (logits.argmax(1) == labels).sum().item()
