@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -67,6 +68,23 @@ class Backend {
                                     size_t bytes) = 0;
   virtual absl::Status CopyToHost(const void* device, void* host,
                                   size_t bytes) = 0;
+  // Host memory that CopyToDevice and CopyToHost move at the link's full
+  // speed: page-locked on CUDA, so a copy from or to any part of it is one
+  // DMA with no pass through the backend's own staging buffers (an ordinary
+  // host buffer costs a second copy on the host, each way). The copies'
+  // contract is unchanged: the caller may reuse the memory once they return.
+  // The default (the CPU backends) is plain 64-byte-aligned memory.
+  // AllocateHost(0) returns a valid, unusable pointer that FreeHost accepts.
+  virtual absl::StatusOr<void*> AllocateHost(size_t bytes) {
+    void* ptr = ::operator new (bytes, std::align_val_t{64}, std::nothrow);
+    if (ptr == nullptr) {
+      return absl::ResourceExhaustedError("AllocateHost: out of host memory");
+    }
+    return ptr;
+  }
+  virtual void FreeHost(void* ptr) {
+    ::operator delete (ptr, std::align_val_t{64});
+  }
   // True when Allocate's memory is host memory that the host may read and
   // write directly once Synchronize returned (the CPU backends): callers may
   // then skip staging copies.
@@ -195,30 +213,42 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
     const std::string& device);
 
-// An array of T in a backend's memory, freed on destruction. Move-only.
-template <typename T>
-class DeviceArray {
+// Where a BackendArray lives: the backend's memory (Allocate), or host
+// memory the backend copies to and from at full speed (AllocateHost).
+enum class Memory { kDevice, kHost };
+
+// An array of T allocated by a backend, freed on destruction (before the
+// backend is destroyed). Move-only. Use the aliases below.
+template <typename T, Memory kWhere>
+class BackendArray {
  public:
-  DeviceArray() = default;
-  static absl::StatusOr<DeviceArray> Create(Backend* backend, size_t size) {
+  BackendArray() = default;
+  static absl::StatusOr<BackendArray> Create(Backend* backend, size_t size) {
     if (size > SIZE_MAX / sizeof(T)) {
-      return absl::InvalidArgumentError("DeviceArray: size overflows");
+      return absl::InvalidArgumentError("BackendArray: size overflows");
     }
-    absl::StatusOr<void*> ptr = backend->Allocate(size * sizeof(T));
+    absl::StatusOr<void*> ptr = kWhere == Memory::kDevice
+                                    ? backend->Allocate(size * sizeof(T))
+                                    : backend->AllocateHost(size * sizeof(T));
     if (!ptr.ok()) return ptr.status();
-    return DeviceArray(backend, static_cast<T*>(*ptr), size);
+    return BackendArray(backend, static_cast<T*>(*ptr), size);
   }
-  DeviceArray(DeviceArray&& other) noexcept { *this = std::move(other); }
-  DeviceArray& operator=(DeviceArray&& other) noexcept {
+  BackendArray(BackendArray&& other) noexcept { *this = std::move(other); }
+  BackendArray& operator=(BackendArray&& other) noexcept {
     std::swap(backend_, other.backend_);
     std::swap(data_, other.data_);
     std::swap(size_, other.size_);
     return *this;
   }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() {
-    if (backend_ != nullptr) backend_->Free(data_);
+  BackendArray(const BackendArray&) = delete;
+  BackendArray& operator=(const BackendArray&) = delete;
+  ~BackendArray() {
+    if (backend_ == nullptr) return;
+    if (kWhere == Memory::kDevice) {
+      backend_->Free(data_);
+    } else {
+      backend_->FreeHost(data_);
+    }
   }
 
   T* data() const { return data_; }
@@ -226,13 +256,21 @@ class DeviceArray {
   size_t bytes() const { return size_ * sizeof(T); }
 
  private:
-  DeviceArray(Backend* backend, T* data, size_t size)
+  BackendArray(Backend* backend, T* data, size_t size)
       : backend_(backend), data_(data), size_(size) {}
 
   Backend* backend_ = nullptr;
   T* data_ = nullptr;
   size_t size_ = 0;
 };
+
+// An array in the backend's memory (what ops read and write).
+template <typename T>
+using DeviceArray = BackendArray<T, Memory::kDevice>;
+// Host memory for what travels between the host and the backend's memory:
+// page-locked on CUDA (see Backend::AllocateHost).
+template <typename T>
+using HostArray = BackendArray<T, Memory::kHost>;
 
 }  // namespace pstrain::kernels
 

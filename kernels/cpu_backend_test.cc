@@ -1,5 +1,6 @@
 #include "kernels/cpu_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -8,6 +9,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -135,6 +137,30 @@ TEST(CpuBackendTest, AllocateIsAlignedAndZeroBytesIsFreeable) {
     backend.Free(*ptr);
   }
   backend.Free(nullptr);
+}
+
+TEST(CpuBackendTest, HostArraysAreAlignedAndCopyBothWays) {
+  CpuBackend backend;
+  absl::StatusOr<HostArray<float>> host = HostArray<float>::Create(&backend, 5);
+  absl::StatusOr<DeviceArray<float>> device =
+      DeviceArray<float>::Create(&backend, 5);
+  ASSERT_TRUE(host.ok() && device.ok());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(host->data()) % 64, 0u);
+  EXPECT_EQ(host->bytes(), 5 * sizeof(float));
+  for (int i = 0; i < 5; ++i) host->data()[i] = 0.5f * i;
+  ASSERT_TRUE(
+      backend.CopyToDevice(host->data(), device->data(), host->bytes()).ok());
+  std::fill(host->data(), host->data() + 5, -1.0f);
+  ASSERT_TRUE(
+      backend.CopyToHost(device->data(), host->data(), host->bytes()).ok());
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(host->data()[i], 0.5f * i);
+  absl::StatusOr<HostArray<float>> empty =
+      HostArray<float>::Create(&backend, 0);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_NE(empty->data(), nullptr);
+  // Moved from: the new owner frees it, once.
+  HostArray<float> moved = *std::move(host);
+  EXPECT_EQ(moved.size(), 5u);
 }
 
 TEST(CpuBackendTest, AllocateTooLargeFails) {

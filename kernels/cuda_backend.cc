@@ -17,7 +17,9 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -194,6 +196,12 @@ CudaBackend::~CudaBackend() {
                 << " bytes) are still in use: destroy every DeviceArray "
                    "before its backend";
   }
+  // Likewise for AllocateHost's blocks (HostArrays).
+  if (!pinned_.empty()) {
+    LOG(DFATAL) << name_ << " destroyed while " << pinned_.size()
+                << " of its host allocations are still in use: destroy "
+                   "every HostArray before its backend";
+  }
   for (const auto& [size, blocks] : free_) {
     for (void* ptr : blocks) PSTRAIN_CUDA_LOG_IF_ERROR(kOp, cudaFree(ptr));
   }
@@ -348,6 +356,13 @@ absl::Status CudaBackend::CopyToDevice(const void* host, void* device,
   absl::MutexLock lock(&mu_);
   constexpr absl::string_view kOp = "CopyToDevice";
   PSTRAIN_RETURN_IF_ERROR(Enter(kOp));
+  if (IsPinnedLocked(host, bytes)) {
+    PSTRAIN_CUDA_RETURN_IF_ERROR(
+        kOp,
+        cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream_));
+    // The caller may write `host` again on return, as after a staged copy.
+    return SyncLocked(kOp);
+  }
   // Alternating between the two staging buffers lets the host fill one
   // while the other is being transferred.
   for (size_t offset = 0; offset < bytes; offset += kStagingChunk) {
@@ -373,6 +388,12 @@ absl::Status CudaBackend::CopyToHost(const void* device, void* host,
   absl::MutexLock lock(&mu_);
   constexpr absl::string_view kOp = "CopyToHost";
   PSTRAIN_RETURN_IF_ERROR(Enter(kOp));
+  if (bytes > 0 && IsPinnedLocked(host, bytes)) {
+    PSTRAIN_CUDA_RETURN_IF_ERROR(
+        kOp,
+        cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_));
+    return SyncLocked(kOp);
+  }
   // Chunk i goes through staging buffer i % 2: chunk i + 1 is in flight
   // while chunk i is copied out on the host.
   struct InFlight {
@@ -410,6 +431,38 @@ absl::Status CudaBackend::CopyToHost(const void* device, void* host,
   // Waits for all earlier work too (a no-op wait when the copies above
   // already did), and reports what it left behind.
   return SyncLocked(kOp);
+}
+
+absl::StatusOr<void*> CudaBackend::AllocateHost(size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  constexpr absl::string_view kOp = "AllocateHost";
+  PSTRAIN_RETURN_IF_ERROR(Enter(kOp));
+  void* ptr = nullptr;
+  // One byte for AllocateHost(0): a valid, distinct pointer.
+  PSTRAIN_CUDA_RETURN_IF_ERROR(
+      kOp,
+      cudaHostAlloc(&ptr, std::max<size_t>(bytes, 1), cudaHostAllocDefault));
+  pinned_[reinterpret_cast<uintptr_t>(ptr)] = bytes;
+  return ptr;
+}
+
+void CudaBackend::FreeHost(void* ptr) {
+  absl::MutexLock lock(&mu_);
+  if (pinned_.erase(reinterpret_cast<uintptr_t>(ptr)) == 0) {
+    LOG(DFATAL) << name_ << ": FreeHost of " << ptr
+                << ", which AllocateHost did not return";
+    return;
+  }
+  // cudaFreeHost waits for copies still using the block.
+  PSTRAIN_CUDA_LOG_IF_ERROR("FreeHost", cudaFreeHost(ptr));
+}
+
+bool CudaBackend::IsPinnedLocked(const void* host, size_t bytes) const {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(host);
+  auto after = pinned_.upper_bound(start);
+  if (after == pinned_.begin()) return false;
+  const auto& [block, block_bytes] = *std::prev(after);
+  return start - block <= block_bytes && bytes <= block_bytes - (start - block);
 }
 
 absl::Status CudaBackend::Synchronize() {

@@ -97,6 +97,8 @@ class CudaBackend final : public Backend {
                             size_t bytes) override;
   absl::Status CopyToHost(const void* device, void* host,
                           size_t bytes) override;
+  absl::StatusOr<void*> AllocateHost(size_t bytes) override;
+  void FreeHost(void* ptr) override;
   absl::Status Synchronize() override;
 
   absl::Status Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
@@ -166,6 +168,11 @@ class CudaBackend final : public Backend {
                                 size_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // True when [host, host + bytes) lies inside one AllocateHost block: the
+  // copy can be one DMA, with no staging.
+  bool IsPinnedLocked(const void* host, size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Waits for the staging buffer to be free and grows it to `bytes`.
   absl::Status ReadyStaging(absl::string_view op, Staging& staging,
                             size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -216,6 +223,9 @@ class CudaBackend final : public Backend {
   // blocks by size class.
   absl::flat_hash_map<void*, size_t> live_ ABSL_GUARDED_BY(mu_);
   std::map<size_t, std::vector<void*>> free_ ABSL_GUARDED_BY(mu_);
+
+  // AllocateHost's page-locked blocks: start address -> bytes.
+  std::map<uintptr_t, size_t> pinned_ ABSL_GUARDED_BY(mu_);
 
   Staging staging_[2] ABSL_GUARDED_BY(mu_);
   int next_staging_ ABSL_GUARDED_BY(mu_) = 0;

@@ -315,6 +315,50 @@ TEST_F(CudaBackendTest, CopyRoundTrip) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(CudaBackendTest, PinnedHostArraysCopyStraightAndWhole) {
+  // AllocateHost's memory goes by one DMA each way (no staging): whole
+  // arrays, sub-ranges starting inside one, sizes past the staging chunk.
+  for (size_t bytes : {size_t{1}, size_t{13}, size_t{4096 + 3},
+                       (size_t{32} << 20) * 2 + 12345}) {
+    SCOPED_TRACE(bytes);
+    absl::StatusOr<HostArray<unsigned char>> in =
+        HostArray<unsigned char>::Create(gpu_.get(), bytes);
+    absl::StatusOr<HostArray<unsigned char>> out =
+        HostArray<unsigned char>::Create(gpu_.get(), bytes);
+    absl::StatusOr<DeviceArray<unsigned char>> device =
+        DeviceArray<unsigned char>::Create(gpu_.get(), bytes);
+    ASSERT_TRUE(in.ok() && out.ok() && device.ok());
+    std::vector<unsigned char> expected(bytes);
+    for (size_t i = 0; i < bytes; ++i) {
+      expected[i] = in->data()[i] = static_cast<unsigned char>(rng_());
+    }
+    ASSERT_TRUE(gpu_->CopyToDevice(in->data(), device->data(), bytes).ok());
+    // The host memory may be reused as soon as CopyToDevice returns.
+    std::memset(in->data(), 0xab, bytes);
+    std::memset(out->data(), 0, bytes);
+    ASSERT_TRUE(gpu_->CopyToHost(device->data(), out->data(), bytes).ok());
+    EXPECT_EQ(std::memcmp(out->data(), expected.data(), bytes), 0);
+    // A range that starts inside the block.
+    const size_t skip = bytes / 2;
+    std::memset(out->data(), 0, bytes);
+    ASSERT_TRUE(gpu_->CopyToHost(device->data() + skip, out->data() + skip,
+                                 bytes - skip)
+                    .ok());
+    EXPECT_EQ(
+        std::memcmp(out->data() + skip, expected.data() + skip, bytes - skip),
+        0);
+    ASSERT_TRUE(gpu_->CopyToDevice(in->data() + skip, device->data() + skip,
+                                   bytes - skip)
+                    .ok());
+    ASSERT_TRUE(gpu_->CopyToHost(device->data(), out->data(), bytes).ok());
+    for (size_t i = skip; i < bytes; ++i) ASSERT_EQ(out->data()[i], 0xab) << i;
+  }
+  absl::StatusOr<HostArray<float>> empty =
+      HostArray<float>::Create(gpu_.get(), 0);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_NE(empty->data(), nullptr);
+}
+
 TEST_F(CudaBackendTest, Fill) {
   SCOPED_TRACE(SeedTrace());
   for (int64_t n : Sizes()) {

@@ -62,9 +62,12 @@ TEST(OverlappedPushTest, AReadyTensorIsAppliedBeforeBackwardEnds) {
   // Gradients of ones in backend memory, and their host copies.
   std::vector<kernels::DeviceArray<float>> device_grads;
   std::vector<float*> device_pointers;
-  std::vector<std::vector<float>> host_grads = {std::vector<float>(18),
-                                                std::vector<float>(3)};
-  for (const std::vector<float>& host : host_grads) {
+  std::vector<kernels::HostArray<float>> host_grads;
+  for (size_t n : {size_t{18}, size_t{3}}) {
+    host_grads.push_back(
+        std::move(*kernels::HostArray<float>::Create(backend.get(), n)));
+  }
+  for (const kernels::HostArray<float>& host : host_grads) {
     device_grads.push_back(std::move(
         *kernels::DeviceArray<float>::Create(backend.get(), host.size())));
     const std::vector<float> ones(host.size(), 1.0f);

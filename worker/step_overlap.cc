@@ -52,14 +52,15 @@ void SerialWorker::Loop() {
   }
 }
 
-OverlappedPush::OverlappedPush(PsClient& client, kernels::Backend& backend,
-                               const std::vector<float*>& device_grads,
-                               std::vector<std::vector<float>>& host_grads)
+OverlappedPush::OverlappedPush(
+    PsClient& client, kernels::Backend& backend,
+    const std::vector<float*>& device_grads,
+    std::vector<kernels::HostArray<float>>& host_grads)
     : client_(client),
       backend_(backend),
       device_grads_(device_grads),
       host_grads_(host_grads) {
-  for (const std::vector<float>& host : host_grads_) {
+  for (const kernels::HostArray<float>& host : host_grads_) {
     host_pointers_.push_back(host.data());
   }
 }
@@ -81,9 +82,9 @@ absl::Status OverlappedPush::Ready(int tensor) {
                                             "model has ",
                                             host_grads_.size()));
   }
-  std::vector<float>& host = host_grads_[tensor];
-  if (absl::Status s = backend_.CopyToHost(device_grads_[tensor], host.data(),
-                                           host.size() * sizeof(float));
+  kernels::HostArray<float>& host = host_grads_[tensor];
+  if (absl::Status s =
+          backend_.CopyToHost(device_grads_[tensor], host.data(), host.bytes());
       !s.ok()) {
     return s;
   }

@@ -57,7 +57,7 @@ class OverlappedPush {
   // the tensor) when tensor i is ready; both outlive this object.
   OverlappedPush(PsClient& client, kernels::Backend& backend,
                  const std::vector<float*>& device_grads,
-                 std::vector<std::vector<float>>& host_grads);
+                 std::vector<kernels::HostArray<float>>& host_grads);
 
   void Start(int64_t step);
   // On the compute thread: tensor i's gradient is issued on the backend.
@@ -78,7 +78,7 @@ class OverlappedPush {
   PsClient& client_;
   kernels::Backend& backend_;
   const std::vector<float*> device_grads_;
-  std::vector<std::vector<float>>& host_grads_;
+  std::vector<kernels::HostArray<float>>& host_grads_;
   std::vector<const float*> host_pointers_;  // host_grads_'s, for Push
 
   absl::Mutex mu_;

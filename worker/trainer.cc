@@ -28,9 +28,11 @@ namespace pstrain {
 namespace {
 
 // The model's parameters and gradients, in host memory (for the wire) and
-// in backend memory (for compute).
+// in backend memory (for compute). The host side is the backend's host
+// memory (page-locked on CUDA): each copy between the two is then one DMA
+// straight into or out of what the client sends and receives.
 struct ParameterBuffers {
-  std::vector<std::vector<float>> host_params, host_grads;
+  std::vector<kernels::HostArray<float>> host_params, host_grads;
   std::vector<kernels::DeviceArray<float>> device_params, device_grads;
   // What the client pulls into and pushes from: the backend's arrays when
   // the backend computes in host memory (no staging copies), else
@@ -42,8 +44,12 @@ struct ParameterBuffers {
   absl::Status Allocate(const Model& model, kernels::Backend& backend) {
     for (const DenseTensorSpec& spec : model.Params()) {
       const int64_t n = NumElements(spec);
-      host_params.emplace_back(n);
-      host_grads.emplace_back(n);
+      for (auto* host : {&host_params, &host_grads}) {
+        absl::StatusOr<kernels::HostArray<float>> array =
+            kernels::HostArray<float>::Create(&backend, n);
+        if (!array.ok()) return array.status();
+        host->push_back(std::move(*array));
+      }
       for (auto* device : {&device_params, &device_grads}) {
         absl::StatusOr<kernels::DeviceArray<float>> array =
             kernels::DeviceArray<float>::Create(&backend, n);
