@@ -41,6 +41,11 @@ rc=0
 launch --replicas=0 --run_dir="$T/bad_replicas" -- --steps=5 >"$T/out" 2>"$T/err" || rc=$?
 [[ $rc == 2 && $(wc -l <"$T/err") == 1 ]] || fail "--replicas=0: exit $rc: $(cat "$T/err")"
 grep -qF -- "--replicas must be an integer >= 1, got '0'" "$T/err" || fail "--replicas=0: $(cat "$T/err")"
+rc=0
+launch --replicas=2 --replica_restarts=-1 --run_dir="$T/bad_restarts" -- --steps=5 >"$T/out" 2>"$T/err" || rc=$?
+[[ $rc == 2 && $(wc -l <"$T/err") == 1 ]] || fail "--replica_restarts=-1: exit $rc: $(cat "$T/err")"
+grep -qF -- "--replica_restarts must be an integer >= 0, got '-1'" "$T/err" ||
+  fail "--replica_restarts=-1: $(cat "$T/err")"
 launch --servers=1 --replicas=2 --workers=1 --run_dir="$T/replicated" -- --steps=5 \
   --log_every=0 >"$T/out" 2>"$T/err" || fail "a replicated job failed: $(tail -n 20 "$T/err")"
 grep -q "replica 0 of shard 0 is the primary" "$T/replicated/ps0.log" ||

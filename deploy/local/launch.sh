@@ -39,6 +39,10 @@ Options:
                    README.md, "Replicated shards"). All of them run on this
                    machine, so the replicas share its fate: this is for
                    trying failover, not for surviving a host.
+  --replica_restarts=N  a replica that dies while the job trains is started
+                   again with the same command line, at most N times each
+                   (default 3; 0: never). It catches up from its shard's
+                   primary and is a backup again (README.md, "Catch-up").
   --workers=W      number of workers (default 2)
   --mode=MODE      sync, async or ssp (default sync; ssp: add
                    --server.staleness=S after --)
@@ -300,6 +304,7 @@ on_signal() {
 
 SERVERS=2
 REPLICAS=1
+REPLICA_RESTARTS=3
 WORKERS=2
 MODE=sync
 BIN_DIR=""
@@ -412,14 +417,14 @@ parse_args() {
         done
         break
         ;;
-      --servers* | --replicas* | --workers* | --mode* | --bin_dir* | --run_dir* | --timeout_s*)
+      --servers* | --replicas* | --replica_restarts* | --workers* | --mode* | --bin_dir* | --run_dir* | --timeout_s*)
         if [[ "$arg" == *=* ]]; then
           name=${arg%%=*}
           value=${arg#*=}
         else
           name=$arg
           case "$name" in
-            --servers | --replicas | --workers | --mode | --bin_dir | --run_dir | --timeout_s) ;;
+            --servers | --replicas | --replica_restarts | --workers | --mode | --bin_dir | --run_dir | --timeout_s) ;;
             *) usage_error "unknown option '$arg' (see --help)" ;;
           esac
           (($# > 0)) || usage_error "$name needs a value"
@@ -429,6 +434,7 @@ parse_args() {
         case "$name" in
           --servers) SERVERS=$value ;;
           --replicas) REPLICAS=$value ;;
+          --replica_restarts) REPLICA_RESTARTS=$value ;;
           --workers) WORKERS=$value ;;
           --mode) MODE=$value ;;
           --bin_dir) BIN_DIR=$value BIN_DIR_SET=1 ;;
@@ -475,6 +481,8 @@ parse_args() {
   check_count servers "$SERVERS"
   check_count replicas "$REPLICAS"
   ((REPLICAS <= 5)) || usage_error "--replicas must be at most 5, got $REPLICAS"
+  [[ "$REPLICA_RESTARTS" =~ ^[0-9]{1,4}$ ]] ||
+    usage_error "--replica_restarts must be an integer >= 0, got '$REPLICA_RESTARTS'"
   [[ -z "$TLS_DIR" || "$REPLICAS" == 1 ]] ||
     usage_error "--replicas > 1 with --tls_dir is not supported yet (replicas forward to each other in plaintext)"
   check_count workers "$WORKERS"
@@ -534,13 +542,14 @@ metrics_flags() {
 }
 
 # Server process i is replica i % REPLICAS of shard i / REPLICAS.
+REPLICA_PORTS=() # with --replicas > 1: server i's port, picked here
+declare -A RESTARTS=() # server i -> times it was started again
 start_servers() {
-  local i pid shard replica port set r
-  local -a ports=()
+  local i
   if ((REPLICAS > 1)); then
     # Each replica is told the others' addresses, so the ports are picked
     # here (distinct, free now) instead of by the servers.
-    mapfile -t ports < <("$PYTHON" - "$((SERVERS * REPLICAS))" <<'PY'
+    mapfile -t REPLICA_PORTS < <("$PYTHON" - "$((SERVERS * REPLICAS))" <<'PY'
 import random, socket, sys
 # Below the kernel's ephemeral range (32768-60999 by default), so that no
 # port a process binds to port 0 (a data port) and no outgoing connection
@@ -560,30 +569,34 @@ PY
     ) || { info "cannot pick free ports for the replicas"; exit 1; }
   fi
   for ((i = 0; i < SERVERS * REPLICAS; i++)); do
-    shard=$((i / REPLICAS))
-    replica=$((i % REPLICAS))
-    REPLICA_FLAGS=()
-    port=0
-    if ((REPLICAS > 1)); then
-      port=${ports[i]}
-      set=""
-      for ((r = 0; r < REPLICAS; r++)); do
-        set+="${set:+,}127.0.0.1:${ports[shard * REPLICAS + r]}"
-      done
-      REPLICA_FLAGS=(--replicas="$REPLICAS" --replica_index="$replica" --replica_hosts="$set")
-    fi
-    rm -f -- "$RUN/ps$i.port"
-    metrics_flags "ps$i"
-    "$PS_BIN" --host=127.0.0.1 --port="$port" --port_file="$RUN/ps$i.port" \
-      --shard_id="$shard" --num_shards="$SERVERS" --num_workers="$WORKERS" \
-      --mode="$MODE" ${REPLICA_FLAGS[@]+"${REPLICA_FLAGS[@]}"} \
-      ${METRICS_FLAGS[@]+"${METRICS_FLAGS[@]}"} \
-      ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} \
-      >"$RUN/ps$i.log" 2>&1 &
-    pid=$!
-    LIVE[$pid]="ps_server $i (pid $pid)"
-    SERVER_PIDS+=("$pid")
+    : >"$RUN/ps$i.log"
+    start_server "$i"
   done
+}
+
+# start_server I: starts server process I (again, when it died: same
+# command line, same port, its log appended to).
+start_server() {
+  local i=$1 pid shard=$(($1 / REPLICAS)) replica=$(($1 % REPLICAS)) port=0 set="" r
+  REPLICA_FLAGS=()
+  if ((REPLICAS > 1)); then
+    port=${REPLICA_PORTS[i]}
+    for ((r = 0; r < REPLICAS; r++)); do
+      set+="${set:+,}127.0.0.1:${REPLICA_PORTS[shard * REPLICAS + r]}"
+    done
+    REPLICA_FLAGS=(--replicas="$REPLICAS" --replica_index="$replica" --replica_hosts="$set")
+  fi
+  rm -f -- "$RUN/ps$i.port"
+  metrics_flags "ps$i"
+  "$PS_BIN" --host=127.0.0.1 --port="$port" --port_file="$RUN/ps$i.port" \
+    --shard_id="$shard" --num_shards="$SERVERS" --num_workers="$WORKERS" \
+    --mode="$MODE" ${REPLICA_FLAGS[@]+"${REPLICA_FLAGS[@]}"} \
+    ${METRICS_FLAGS[@]+"${METRICS_FLAGS[@]}"} \
+    ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} \
+    >>"$RUN/ps$i.log" 2>&1 &
+  pid=$!
+  LIVE[$pid]="ps_server $i (pid $pid)"
+  SERVER_PIDS[i]=$pid
 }
 
 # Waits for every server's port file; sets PS_HOSTS.
@@ -782,8 +795,16 @@ wait_for_workers() {
       alive "$pid" && continue
       reap "$pid"
       if ((REPLICAS > 1)); then
-        # Its shard goes on on its other replicas (a backup takes over).
-        info "ps_server $i (shard $((i / REPLICAS)), replica $((i % REPLICAS))) died during training: exited with $(describe_rc "$REAPED_RC"); its shard goes on on its other replicas"
+        # Its shard goes on on its other replicas (a backup takes over);
+        # started again, it catches up from the primary.
+        local restarts=${RESTARTS[$i]:-0} what="ps_server $i (shard $((i / REPLICAS)), replica $((i % REPLICAS)))"
+        if ((restarts < REPLICA_RESTARTS)); then
+          RESTARTS[$i]=$((restarts + 1))
+          info "$what died during training: exited with $(describe_rc "$REAPED_RC"); its shard goes on on its other replicas; starting it again (restart $((restarts + 1)) of $REPLICA_RESTARTS): it catches up from the primary"
+          start_server "$i"
+        else
+          info "$what died during training: exited with $(describe_rc "$REAPED_RC"); its shard goes on on its other replicas (not restarted: --replica_restarts=$REPLICA_RESTARTS used)"
+        fi
         continue
       fi
       info "ps_server $i died during training: exited with $(describe_rc "$REAPED_RC")"
