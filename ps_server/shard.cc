@@ -236,7 +236,8 @@ absl::Status Shard::CheckModelFits(
   return absl::OkStatus();
 }
 
-absl::Status Shard::InstallModel(const ModelSchema& schema) {
+absl::Status Shard::InstallModel(const ModelSchema& schema,
+                                 InitialValues values) {
   absl::StatusOr<std::vector<std::unique_ptr<Optimizer>>> tensor_optimizers =
       MakeTensorOptimizers(schema);
   if (!tensor_optimizers.ok()) return tensor_optimizers.status();
@@ -276,13 +277,17 @@ absl::Status Shard::InstallModel(const ModelSchema& schema) {
     {
       absl::MutexLock block_lock(&block->mu);
       std::vector<float> initial(loc.length);
-      FillInitialValues(tensor.init(), model->schema.seed(), tensor.name(),
-                        loc.offset, absl::MakeSpan(initial));
+      if (values == InitialValues::kFromSchema) {
+        FillInitialValues(tensor.init(), model->schema.seed(), tensor.name(),
+                          loc.offset, absl::MakeSpan(initial));
+      }
       block->value.Assign(std::move(initial));
       block->state.assign(block->state_values ? 0 : slots * loc.length, 0.0f);
       block->optimizer->InitState(absl::MakeSpan(block->state));
       if (options_.mode == ConsistencyMode::kSync) {
-        block->gradient_sum.assign(loc.length, 0.0f);
+        // gradient_sum is allocated by the first gradient (AddToStepSumLocked):
+        // a replica catching up pays for its model's memory once, not twice,
+        // while the job's changes are held.
         block->last_contributed.assign(options_.max_workers, -1);
       } else {
         block->last_step.assign(options_.max_workers, -1);

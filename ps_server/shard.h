@@ -325,10 +325,10 @@ class Shard {
     BlockValues value ABSL_GUARDED_BY(mu);
     std::vector<float> state ABSL_GUARDED_BY(mu);  // optimizer slots
     // sync: this step's gradient sum (meaningful only once
-    // finite_contributors > 0), taken in worker order (ordered_sum.h) with
-    // the gradients that came before their turn held in `early`, and the
-    // last step each worker contributed to (== version: counted in this
-    // step).
+    // finite_contributors > 0; allocated by the first gradient added), taken in
+    // worker order (ordered_sum.h) with the gradients that came before their
+    // turn held in `early`, and the last step each worker contributed to (==
+    // version: counted in this step).
     std::vector<float> gradient_sum ABSL_GUARDED_BY(mu);
     InWorkerOrder<EarlyGradient> early ABSL_GUARDED_BY(mu);
     std::vector<int64_t> last_contributed ABSL_GUARDED_BY(mu);
@@ -436,7 +436,12 @@ class Shard {
   // tensor for a rule the servers cannot run.
   absl::StatusOr<std::vector<std::unique_ptr<Optimizer>>> MakeTensorOptimizers(
       const ModelSchema& schema) const;
-  absl::Status InstallModel(const ModelSchema& schema);
+  // What InstallModel puts in the blocks: the schema's initial values, or
+  // zeros for a caller that writes every value itself (a catch-up's import:
+  // computing 16M random initial values it then overwrites took 75 ms).
+  enum class InitialValues { kFromSchema, kZerosToOverwrite };
+  absl::Status InstallModel(const ModelSchema& schema,
+                            InitialValues values = InitialValues::kFromSchema);
 
   // Whether Push may still hold a push until `until`: not once the
   // server is shutting down, so a held push ends with it.

@@ -525,6 +525,9 @@ void Shard::AddInWorkerOrderLocked(Block& block, int worker,
 
 void Shard::AddToStepSumLocked(Block& block, DataType dtype,
                                const ByteSegments& data) {
+  if (block.gradient_sum.empty()) {
+    block.gradient_sum.resize(block.location->length);
+  }
   // Validated on arrival: dtype supported and length exact, so this cannot
   // fail.
   if (absl::Status s =

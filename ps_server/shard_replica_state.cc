@@ -195,7 +195,13 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
           "this replica already holds a model; a catch-up starts empty");
     }
     if (absl::Status s = ValidateSchema(meta.schema()); !s.ok()) return s;
-    if (absl::Status s = InstallModel(meta.schema()); !s.ok()) return s;
+    // Every block's value comes in the chunks, except those still awaiting
+    // worker 0's (PROVIDED: zeros, as on the primary).
+    if (absl::Status s =
+            InstallModel(meta.schema(), InitialValues::kZerosToOverwrite);
+        !s.ok()) {
+      return s;
+    }
     job_final_version_.store(meta.job_final_version());
     skipped_to_step_.store(meta.skipped_to_step());
     absl::MutexLock state_lock(&mu_);
