@@ -8,7 +8,7 @@
 # new temporary directory: creates a munge key and a slurm.conf (cluster of two
 # nodes n1 and n2, both NodeAddr=127.0.0.1 with their own SlurmdPort, ports
 # picked free at run time), starts munged, slurmctld -D and two slurmd -D -N
-# n1/n2, waits for both nodes to be idle, and submits six heterogeneous jobs
+# n1/n2, waits for both nodes to be idle, and submits eight heterogeneous jobs
 # with sbatch (servers on n1, CPU workers on n2):
 #   A  sync, 2 shards on fixed ports (PS_BASE_PORT), 2 workers: must COMPLETE
 #      with every worker's final JSON line, test_accuracy well above chance
@@ -17,6 +17,11 @@
 #   D  the #SBATCH partitions and METRICS=1: every process's /metrics
 #   E  a fixed metrics port for two shards on a node: FAILED 2 at once
 #   F  Python workers (PYTHON_SCRIPT, pstrain.torch): as A
+#   G  REPLICAS=2 (REPLICAS_SHARE_NODES=1: a hetjob's components cannot
+#      share a node, and n2 runs the workers): one shard's two replicas on
+#      n1; its primary is killed with SIGKILL mid-job and the job must
+#      COMPLETE as A does
+#   H  REPLICAS=2 on one server node without REPLICAS_SHARE_NODES: FAILED 2
 # Every wait has a deadline. Whatever happens, it cancels its jobs, stops the
 # daemons it started (by PID; SIGKILL after a grace period) and removes its
 # temporary directory (KEEP_TMP=1 keeps it); on failure it prints the job
@@ -30,7 +35,7 @@ readonly PROG=test_slurm.sh
 readonly START_S=$SECONDS
 readonly DAEMON_UP_S=20      # munged socket, slurmctld answering
 readonly NODES_IDLE_S=30     # both slurmd registered and idle
-readonly JOBS_DONE_S=120     # all six jobs finished
+readonly JOBS_DONE_S=120     # all seven jobs finished
 readonly STOP_GRACE_S=10     # SIGTERM -> SIGKILL for the daemons
 readonly MIN_ACCURACY=0.6    # chance is 0.25 (4 classes)
 
@@ -203,6 +208,7 @@ CTLD_PORT=$(pick_port)
 N1_PORT=$(pick_port)
 N2_PORT=$(pick_port)
 PS_BASE=$(pick_port 2)
+PS_BASE_G=$(pick_port 2)
 
 # --- munge ------------------------------------------------------------------------
 
@@ -360,6 +366,22 @@ submit F PS_BASE_PORT=0 PYTHON_SCRIPT="$T/torch_worker.py" PYTHON="$PYTHON_FOR_F
   -p cpu -w n1 -N1 -n2 -c1 : -p gpu -w n2 -N1 -n2 -c1 --gres=none \
   "$SBATCH_SCRIPT" -- --steps=300 --server.optimizer=adam --server.learning_rate=0.01
 
+# G: one shard, two replicas, 2 workers; slowed so that its primary can be
+# killed mid-job.
+submit G PS_BASE_PORT="$PS_BASE_G" REPLICAS=2 REPLICAS_SHARE_NODES=1 -- \
+  -p cpu -w n1 -N1 -n2 -c1 : -p gpu -w n2 -N1 -n2 -c1 --gres=none \
+  "$SBATCH_SCRIPT" -- "${TRAIN[@]/--steps=200/--steps=400}" --inject_step_delay_ms=20
+# H: the same shape without REPLICAS_SHARE_NODES is refused at once.
+submit H PS_BASE_PORT="$PS_BASE_G" REPLICAS=2 -- \
+  -p cpu -w n1 -N1 -n2 -c1 : -p gpu -w n2 -N1 -n1 -c1 --gres=none \
+  "$SBATCH_SCRIPT" -- "${TRAIN[@]}"
+g_at_step_100() { grep -qE ': worker 0 step (1|2|3)[0-9]{2}/400' "$T/run-G/workers.out"; }
+wait_for "$JOBS_DONE_S" "job G's worker 0 at step 100" g_at_step_100
+g_primary=$(pgrep -f -- "--port=$PS_BASE_G --port_file=" | head -n 1)
+[[ -n $g_primary ]] || fail "job G: no ps_server on port $PS_BASE_G"
+kill -9 "$g_primary"
+log "job G: killed its primary (pid $g_primary, replica 0 on n1)"
+
 # While D runs: its target file lists 2 shards and 2 workers, each answering
 # /metrics on the port listed.
 D_TARGETS=$T/run-D/prometheus_targets.json
@@ -409,8 +431,8 @@ log "all jobs ended"
 
 # --- Checks -----------------------------------------------------------------------
 
-check_training_job() {  # name mode workers shards
-  local name=$1 mode=$2 workers=$3 shards=$4 id state out lines line acc k
+check_training_job() {  # name mode workers shards [server processes]
+  local name=$1 mode=$2 workers=$3 shards=$4 processes=${5:-$4} id state out lines line acc k
   id=$(eval echo "\$JOB_$name")
   state=$(job_state "$id")
   [[ "$state" == "COMPLETED 0:0" ]] || fail "job $name ($id): state '$state', want 'COMPLETED 0:0'"
@@ -433,7 +455,7 @@ check_training_job() {  # name mode workers shards
   # Placement: every shard reported from n1, every worker ran on n2.
   local ready
   ready=$(grep -c 'pstrain-ps-ready shard=[0-9]* node=n1 ' "$T/run-$name/servers.log" || true)
-  ((ready == shards)) || fail "job $name: $ready of $shards shards reported ready on n1"
+  ((ready == processes)) || fail "job $name: $ready of $processes server processes reported ready on n1"
   local on_n2
   on_n2=$(grep -c 'pstrain: worker [0-9]* on n2 .* device cpu' "$T/run-$name/workers.log" || true)
   ((on_n2 == workers)) || fail "job $name: $on_n2 of $workers workers ran on n2 with device cpu"
@@ -457,6 +479,21 @@ grep -q 'shutting down' "$T/run-A/servers.log" || fail "job A: servers did not s
 
 check_training_job D sync 2 2
 check_training_job F sync 2 2
+check_training_job G sync 2 1 2
+for r in 0 1; do
+  grep -q "pstrain-ps-ready shard=0 node=n1 port=$((PS_BASE_G + r)) replica=$r\$" "$T/run-G/servers.log" ||
+    fail "job G: replica $r of shard 0 is not on n1, port $((PS_BASE_G + r))"
+done
+grep -q "servers serving: 127.0.0.1:$PS_BASE_G|127.0.0.1:$((PS_BASE_G + 1))\$" "$T/job-G.out" ||
+  fail "job G: ps_hosts is not the replica set 127.0.0.1:$PS_BASE_G|127.0.0.1:$((PS_BASE_G + 1))"
+grep -q "takes over as primary" "$T/run-G/servers.log" ||
+  fail "job G: replica 1 did not take over from the killed primary"
+log "job G: the shard's backup took over and the job completed"
+state=$(job_state "$JOB_H")
+[[ "$state" == "FAILED 2:0" ]] ||
+  fail "job H (REPLICAS=2 on one server node): state '$state', want 'FAILED 2:0'"
+grep -q "would share a node and its fate; give component 0 at least 2 nodes" "$T/job-H.out" ||
+  fail "job H: no message naming the shared node in $(cat "$T/job-H.out")"
 
 state=$(job_state "$JOB_E")
 [[ "$state" == "FAILED 2:0" ]] ||
