@@ -174,6 +174,18 @@ absl::StatusOr<ReplicaStateExport> Shard::ExportReplicaState(
           reinterpret_cast<const char*>(row_state.data()),
           row_state.size() * sizeof(float));
     });
+    // After the rows, so that loading them cannot age a count away.
+    constexpr int64_t kSightingBytes = 12;
+    state.table->ForEachSighting([&](uint64_t id, uint32_t count) {
+      if (bytes_in_chunk + kSightingBytes > chunk_bytes &&
+          (rows->ids_size() > 0 || rows->sighting_ids_size() > 0)) {
+        open_rows(kSightingBytes);
+      } else {
+        bytes_in_chunk += kSightingBytes;
+      }
+      rows->add_sighting_ids(id);
+      rows->add_sighting_counts(count);
+    });
   }
   for (size_t c = 0; c < chunks.size(); ++c) {
     chunks[c].set_index(static_cast<int64_t>(c));
@@ -339,6 +351,21 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
         return absl::InvalidArgumentError(absl::StrCat(
             "sparse table ", QuoteForStatus(state.spec->name()), " row ",
             in.ids(static_cast<int>(r)), ": ", s.message()));
+      }
+    }
+    if (in.sighting_ids_size() != in.sighting_counts_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sparse table ", QuoteForStatus(state.spec->name()),
+                       ": ", in.sighting_ids_size(), " sighted ids, ",
+                       in.sighting_counts_size(), " counts"));
+    }
+    for (int k = 0; k < in.sighting_ids_size(); ++k) {
+      if (absl::Status s = state.table->LoadSighting(in.sighting_ids(k),
+                                                     in.sighting_counts(k));
+          !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sparse table ", QuoteForStatus(state.spec->name()),
+                         ": ", s.message()));
       }
     }
   }

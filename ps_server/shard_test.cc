@@ -1237,9 +1237,11 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
 // A schema with one sparse table "emb" of dim 2, zeros, SGD at rate 1 (or
 // `optimizer`: adam for the dense blocks, adagrad for the table).
 Fixture MakeSparseShard(ConsistencyMode mode, int num_workers, int64_t dim = 2,
-                        const std::string& optimizer = "sgd") {
+                        const std::string& optimizer = "sgd",
+                        int admit_after = 0) {
   Fixture f;
   f.options.mode = mode;
+  f.options.sparse_admit_after = admit_after;
   if (optimizer != "sgd") f.options.optimizer.name = "adam";
   f.options.num_workers = num_workers;
   f.options.max_pull_wait = absl::Seconds(5);
@@ -1375,6 +1377,35 @@ TEST(ShardReplicaStateTest, AnImportedStateGoesOnAsTheOriginalDoes) {
               SparseRows(*joiner, 4, {7, 8, 9, 100}));
     EXPECT_EQ(primary.shard->Stats().version(), joiner->Stats().version());
   }
+}
+
+// Ids counted toward admission travel too: a caught-up replica admits an id
+// at the same pull as the primary, so a push to it is applied on both (a
+// joiner that started counting afresh would drop it).
+TEST(ShardReplicaStateTest, AdmissionCountsTravel) {
+  Fixture primary = MakeSparseShard(ConsistencyMode::kAsync, 1, /*dim=*/2,
+                                    "sgd", /*admit_after=*/3);
+  // Id 7 seen twice, id 9 once: neither admitted yet.
+  const std::vector<float> initial = SparseRows(*primary.shard, 0, {7, 7, 9});
+  absl::StatusOr<ReplicaStateExport> state =
+      primary.shard->ExportReplicaState(/*chunk_bytes=*/24);
+  ASSERT_TRUE(state.ok()) << state.status();
+  auto joiner = std::move(*Shard::Create(primary.options));
+  for (size_t c = 0; c < state->chunks.size(); ++c) {
+    ASSERT_TRUE(joiner
+                    ->ImportReplicaChunk(state->chunks[c],
+                                         absl::StrJoin(state->floats[c], ""))
+                    .ok());
+  }
+  for (Shard* shard : {primary.shard.get(), joiner.get()}) {
+    SparseRows(*shard, 0, {7});  // the third sighting admits it
+    ASSERT_TRUE(
+        shard->SparsePush(SparsePushOf(0, 0, {7, 9}, {1, 1, 1, 1})).ok());
+  }
+  const std::vector<float> rows = SparseRows(*primary.shard, 1, {7, 9});
+  EXPECT_EQ(SparseRows(*joiner, 1, {7, 9}), rows);
+  EXPECT_NE(rows[0], initial[0]);  // id 7's push applied
+  EXPECT_EQ(rows[2], initial[4]);  // id 9's dropped: 2 sightings of 3
 }
 
 // Half a sync step is not a state to send: the step must finish first.

@@ -413,6 +413,44 @@ void SparseTable::RememberEvicted(Stripe& s, uint64_t id) const
   }
 }
 
+void SparseTable::ForEachSighting(
+    const std::function<void(uint64_t id, uint32_t count)>& visit) const {
+  for (const auto& stripe : stripes_) {
+    absl::MutexLock lock(&stripe->mu);
+    for (const auto& [id, count] : stripe->sightings) visit(id, count);
+  }
+}
+
+absl::Status SparseTable::LoadSighting(uint64_t id, uint32_t count) {
+  const uint32_t n = static_cast<uint32_t>(std::max(options_.admit_after, 0));
+  if (n <= 1) {
+    return absl::InvalidArgumentError(
+        "this table admits every id (admit_after <= 1): it counts no "
+        "sightings");
+  }
+  if (count == 0 || count > n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("id ", id, ": ", count, " sightings, expected 1 to ", n));
+  }
+  Stripe& s = *stripes_[StripeOf(id)];
+  absl::MutexLock lock(&s.mu);
+  if (s.index.contains(id)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("id ", id, " has a row: it is admitted"));
+  }
+  auto it = s.sightings.find(id);
+  if (it == s.sightings.end()) {
+    if (static_cast<int64_t>(s.sightings.size()) >= sightings_capacity_) {
+      AgeSightings(s);
+    }
+    it = s.sightings.emplace(id, 0).first;
+  }
+  if (it->second >= n) --s.remembered;
+  it->second = count;
+  if (count >= n) ++s.remembered;
+  return absl::OkStatus();
+}
+
 float SparseTable::FtrlWeight(float z, float n) const {
   const SparseOptimizerConfig& c = options_.optimizer;
   if (std::fabs(z) <= c.ftrl_l1) return 0.0f;

@@ -205,6 +205,19 @@ class SparseTable {
   // visitor must not call back into this table. Not a global snapshot.
   void ForEachRow(const RowVisitor& visit) const;
 
+  // Visits every id whose sightings are counted for admission (admit_after
+  // > 1) with its count (admit_after: an admitted id whose row was evicted),
+  // stripe by stripe, each stripe locked while visited. With LoadSighting,
+  // how a replica catching up admits ids when the primary would.
+  void ForEachSighting(
+      const std::function<void(uint64_t id, uint32_t count)>& visit) const;
+
+  // Sets an id's count as ForEachSighting gave it (ageing the stripe's
+  // counts first when its table is full, as a sighting would).
+  // InvalidArgument when this table counts no sightings, the count is 0 or
+  // above admit_after, or the id has a resident row.
+  absl::Status LoadSighting(uint64_t id, uint32_t count);
+
   // Stores a row as ForEachRow gave it (overwriting a resident one), marking
   // the id admitted and most recently used; may evict. For ftrl the value is
   // recomputed from (z, n) and `value` only size-checked. InvalidArgument on

@@ -11,6 +11,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -505,6 +506,31 @@ TEST(SparseTableAdmissionTest, RowIsCreatedOnTheNthSighting) {
                                 Initial(*t, 5)[0], Initial(*t, 5)[1]}));
   EXPECT_EQ(t->Stats().rows, 2);
   EXPECT_EQ(t->Stats().pulls_unadmitted, 4);
+}
+
+TEST(SparseTableAdmissionTest, SightingsRoundTripAndBadOnesAreRefused) {
+  SparseTableOptions o = Options("sgd", 2);
+  o.admit_after = 3;
+  auto a = Make(o);
+  PullRows(*a, {7, 7, 9});
+  PullRows(*a, {11, 11, 11});  // admitted: a row, no count
+  std::vector<std::pair<uint64_t, uint32_t>> seen;
+  a->ForEachSighting(
+      [&](uint64_t id, uint32_t count) { seen.emplace_back(id, count); });
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, (std::vector<std::pair<uint64_t, uint32_t>>{{7, 2}, {9, 1}}));
+  auto b = Make(o);
+  for (const auto& [id, count] : seen)
+    ASSERT_TRUE(b->LoadSighting(id, count).ok());
+  EXPECT_EQ(b->Stats().ids_pending_admission, 2);
+  PullRow(*b, 7);  // the third sighting, on the copy too
+  EXPECT_EQ(b->Stats().rows, 1);
+
+  EXPECT_FALSE(b->LoadSighting(5, 0).ok());
+  EXPECT_FALSE(b->LoadSighting(5, 4).ok());  // above admit_after
+  EXPECT_FALSE(b->LoadSighting(7, 1).ok());  // resident
+  EXPECT_FALSE(Make(Options("sgd", 2))->LoadSighting(5, 1).ok());
+  EXPECT_EQ(b->Stats().ids_pending_admission, 1);  // nothing changed
 }
 
 TEST(SparseTableAdmissionTest, AdmittedThenEvictedRowIsRecreatedByPush) {
