@@ -105,6 +105,11 @@ absl::Status ValidateSchema(const ModelSchema& schema) {
         !std::isfinite(table.init().scale()) || table.init().scale() < 0) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": bad init"));
     }
+    if (table.max_bytes() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": max_bytes must be >= 0 (0: no budget), got ",
+                       table.max_bytes()));
+    }
   }
   return absl::OkStatus();
 }

@@ -7,9 +7,12 @@
 #include <chrono>
 #include <cstdlib>
 #include <iterator>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/init.h"
 #include "common/protocol.h"
@@ -181,7 +184,8 @@ Shard::MakeTensorOptimizers(const ModelSchema& schema) const {
 
 absl::Status Shard::CheckModelFits(
     const ModelSchema& schema,
-    const std::vector<std::unique_ptr<Optimizer>>& tensor_optimizers) const {
+    const std::vector<std::unique_ptr<Optimizer>>& tensor_optimizers,
+    std::string* estimate) const {
   if (absl::Status s = ValidateSchema(schema); !s.ok()) return s;
   // Counted from the schema, as Partition::Create will lay it out (blocks
   // round-robin over the shards), so that nothing is allocated for a model
@@ -222,8 +226,52 @@ absl::Status Shard::CheckModelFits(
   }
   const int64_t per_block =
       kBlockOverheadBytes + options_.max_workers * int64_t{sizeof(int64_t)};
-  const int64_t bytes = shard_floats * 4 + shard_blocks * per_block +
-                        model_blocks * kLayoutBytesPerBlock;
+  const int64_t dense_bytes = shard_floats * 4 + shard_blocks * per_block +
+                              model_blocks * kLayoutBytesPerBlock;
+  // Each sparse table's most, where it has one: its budget, or
+  // --sparse_max_rows rows (the smaller).
+  auto mib = [](int64_t b) {
+    return absl::StrFormat("%.1f MiB", b / 1048576.0);
+  };
+  int64_t bytes = dense_bytes;
+  bool unbounded = false;
+  std::vector<std::string> tables;
+  for (const SparseTableSpec& table : schema.sparse()) {
+    const int64_t row_bytes =
+        SparseTable::BytesPerRow(table.dim(), table.optimizer().name());
+    int64_t most = table.max_bytes();
+    if (options_.sparse_max_rows > 0 && row_bytes > 0 &&
+        (most == 0 || options_.sparse_max_rows < most / row_bytes)) {
+      most = options_.sparse_max_rows * row_bytes;
+    }
+    bytes += most;
+    unbounded = unbounded || most == 0;
+    tables.push_back(absl::StrCat(
+        "table ", QuoteForStatus(table.name()),
+        most > 0 ? absl::StrCat(" up to ", mib(most), " (",
+                                row_bytes > 0 ? most / row_bytes : 0,
+                                " rows of up to ", row_bytes, " bytes)")
+                 : absl::StrCat(" unbounded (no max_bytes, no "
+                                "--sparse_max_rows: it grows with the ids it "
+                                "is sent, up to ",
+                                row_bytes, " bytes a row)")));
+  }
+  if (estimate != nullptr) {
+    *estimate = absl::StrCat("dense ", mib(dense_bytes), " (", shard_elements,
+                             " elements in ", shard_blocks,
+                             " blocks, with optimizer state)");
+    for (const std::string& t : tables) absl::StrAppend(estimate, "; ", t);
+    absl::StrAppend(estimate, unbounded ? "; at least " : "; at most ",
+                    mib(bytes), " of --max_shard_memory_gb's ",
+                    mib(options_.max_shard_bytes));
+  }
+  if (bytes > options_.max_shard_bytes && bytes > dense_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the model may need ", mib(bytes), " on this shard: ",
+        absl::StrJoin(tables, "; "), ", dense ", mib(dense_bytes),
+        "; --max_shard_memory_gb allows ", mib(options_.max_shard_bytes),
+        ": give the tables smaller budgets (max_bytes), or use more shards"));
+  }
   if (bytes > options_.max_shard_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the model needs ", bytes >> 20, " MiB on this shard (", shard_elements,
@@ -241,9 +289,13 @@ absl::Status Shard::InstallModel(const ModelSchema& schema,
   absl::StatusOr<std::vector<std::unique_ptr<Optimizer>>> tensor_optimizers =
       MakeTensorOptimizers(schema);
   if (!tensor_optimizers.ok()) return tensor_optimizers.status();
-  if (absl::Status s = CheckModelFits(schema, *tensor_optimizers); !s.ok()) {
+  std::string estimate;
+  if (absl::Status s = CheckModelFits(schema, *tensor_optimizers, &estimate);
+      !s.ok()) {
     return s;
   }
+  // Before the job starts: what this shard may hold (README.md, "Memory").
+  LOG(INFO) << "shard " << options_.shard_id << " memory: " << estimate;
   absl::StatusOr<Partition> partition =
       Partition::Create(schema, options_.num_shards);
   if (!partition.ok()) return partition.status();
@@ -321,6 +373,7 @@ absl::Status Shard::InstallModel(const ModelSchema& schema,
     table_options.optimizer.ftrl_l1 = o.ftrl_l1();
     table_options.optimizer.ftrl_l2 = o.ftrl_l2();
     table_options.max_rows = options_.sparse_max_rows;
+    table_options.max_bytes = spec.max_bytes();
     table_options.admit_after = options_.sparse_admit_after;
     absl::StatusOr<std::unique_ptr<SparseTable>> table =
         SparseTable::Create(table_options);

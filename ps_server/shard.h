@@ -428,9 +428,12 @@ class Shard {
   // Refuses, before anything is allocated, a schema with too many blocks
   // or one whose values, optimizer state and per-block bookkeeping on this
   // shard exceed max_shard_bytes.
+  // Also describes, in `estimate` when given, what the shard may hold: the
+  // dense blocks and each sparse table's bound (or that it has none).
   absl::Status CheckModelFits(
       const ModelSchema& schema,
-      const std::vector<std::unique_ptr<Optimizer>>& tensor_optimizers) const;
+      const std::vector<std::unique_ptr<Optimizer>>& tensor_optimizers,
+      std::string* estimate = nullptr) const;
   // Each dense tensor's torch.optim rule (its spec's optimizer), null where
   // it has none (the server's --optimizer); InvalidArgument naming the
   // tensor for a rule the servers cannot run.

@@ -1379,6 +1379,46 @@ TEST(ShardReplicaStateTest, AnImportedStateGoesOnAsTheOriginalDoes) {
   }
 }
 
+// A table's byte budget counts toward --max_shard_memory_gb at
+// registration: over it, the registration is refused naming the table and
+// the numbers, and nothing is installed; a budget below one row is refused.
+TEST(ShardSparseTest, TableBudgetsAreCheckedAtRegistration) {
+  ShardOptions options;
+  options.max_shard_bytes = int64_t{4} << 20;
+  auto shard = std::move(*Shard::Create(options));
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  *request.mutable_schema() = TestSchema();
+  request.set_num_shards(1);
+  request.set_num_workers(1);
+  SparseTableSpec* table = request.mutable_schema()->add_sparse();
+  table->set_name("emb");
+  table->set_dim(16);
+  table->mutable_optimizer()->set_name("sgd");
+  table->mutable_optimizer()->set_learning_rate(0.1f);
+  table->set_max_bytes(int64_t{8} << 20);
+  absl::StatusOr<RegisterModelResponse> over = shard->Register(request);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("table 'emb' up to 8.0 MiB"),
+            absl::string_view::npos)
+      << over.status();
+  EXPECT_NE(over.status().message().find("allows 4.0 MiB"),
+            absl::string_view::npos)
+      << over.status();
+
+  table->set_max_bytes(10);
+  absl::StatusOr<RegisterModelResponse> tiny = shard->Register(request);
+  ASSERT_FALSE(tiny.ok());
+  EXPECT_NE(tiny.status().message().find("holds no row"),
+            absl::string_view::npos)
+      << tiny.status();
+
+  table->set_max_bytes(int64_t{2} << 20);
+  absl::StatusOr<RegisterModelResponse> fits = shard->Register(request);
+  EXPECT_TRUE(fits.ok()) << fits.status();
+}
+
 // Ids counted toward admission travel too: a caught-up replica admits an id
 // at the same pull as the primary, so a push to it is applied on both (a
 // joiner that started counting afresh would drop it).

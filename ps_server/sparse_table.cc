@@ -184,8 +184,34 @@ struct alignas(64) SparseTable::Stripe {
   }
 };
 
+namespace {
+int StatePerElement(int kind) {
+  // sgd, adagrad, adam, ftrl
+  static constexpr int kState[] = {0, 1, 2, 2};
+  return kState[kind];
+}
+}  // namespace
+
+int64_t SparseTable::BytesPerRow(int64_t dim, absl::string_view optimizer) {
+  int state = 0;
+  if (optimizer == "adagrad") {
+    state = 1;
+  } else if (optimizer == "adam" || optimizer == "ftrl") {
+    state = 2;
+  } else if (optimizer != "sgd") {
+    return 0;
+  }
+  // The index's slots (key, value and a control byte) at its lowest load,
+  // 7/16 after growing, and the slot vector at twice its size.
+  using IndexEntry = std::pair<const uint64_t, uint32_t>;
+  const int64_t index_bytes = (sizeof(IndexEntry) + 1) * 16 / 7 + 1;
+  return dim * (1 + state) * int64_t{sizeof(float)} + 2 * sizeof(RowMeta) +
+         index_bytes;
+}
+
 absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
-    const SparseTableOptions& o) {
+    const SparseTableOptions& options) {
+  SparseTableOptions o = options;
   if (o.name.empty()) {
     return absl::InvalidArgumentError("sparse table: the name is empty");
   }
@@ -223,20 +249,27 @@ absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
   if (o.optimizer.name == "adagrad") kind = Kind::kAdagrad;
   if (o.optimizer.name == "adam") kind = Kind::kAdam;
   if (o.optimizer.name == "ftrl") kind = Kind::kFtrl;
+  if (o.max_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "max_bytes must be >= 0 (0: no budget), got ", o.max_bytes));
+  }
+  if (o.max_bytes > 0) {
+    const int64_t row_bytes = BytesPerRow(o.dim, o.optimizer.name);
+    const int64_t rows = o.max_bytes / row_bytes;
+    if (rows < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "max_bytes ", o.max_bytes,
+                       " holds no row: one row of dim ", o.dim, " with ",
+                       o.optimizer.name, " takes up to ", row_bytes, " bytes"));
+    }
+    if (o.max_rows == 0 || rows < o.max_rows) o.max_rows = rows;
+  }
   int stripes = o.num_stripes;
   if (o.max_rows > 0 && o.max_rows < stripes) {
     stripes = static_cast<int>(o.max_rows);
   }
   return std::unique_ptr<SparseTable>(new SparseTable(o, kind, stripes));
 }
-
-namespace {
-int StatePerElement(int kind) {
-  // sgd, adagrad, adam, ftrl
-  static constexpr int kState[] = {0, 1, 2, 2};
-  return kState[kind];
-}
-}  // namespace
 
 SparseTable::SparseTable(const SparseTableOptions& options, Kind kind,
                          int num_stripes)

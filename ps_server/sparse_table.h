@@ -104,6 +104,10 @@ struct SparseTableOptions {
   // 0: unbounded. Otherwise at most this many rows, evicting least recently
   // used rows per stripe (see the file comment).
   int64_t max_rows = 0;
+  // 0: no budget. Otherwise the rows the table holds are bounded to
+  // max_bytes / BytesPerRow (max_rows, when smaller, bounds them instead);
+  // a budget below one row is refused.
+  int64_t max_bytes = 0;
   // 0 or 1: rows are created on first sight. N > 1: on the N-th pull.
   int admit_after = 0;
   // Bound on the ids whose sightings are being counted (admit_after > 1).
@@ -161,6 +165,12 @@ class SparseTable {
   ~SparseTable();
   SparseTable(const SparseTable&) = delete;
   SparseTable& operator=(const SparseTable&) = delete;
+
+  // What one resident row may cost, at most: its values and optimizer
+  // state, and its bookkeeping with the hash index and slot vector at their
+  // largest for that row count. The unit of a table's byte budget; 0 for an
+  // optimizer name the tables do not run.
+  static int64_t BytesPerRow(int64_t dim, absl::string_view optimizer);
 
   int64_t dim() const { return options_.dim; }
   // Optimizer state floats per value float (sgd 0, adagrad 1, adam 2,

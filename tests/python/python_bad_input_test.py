@@ -280,6 +280,21 @@ class BadEmbeddingInputTest(unittest.TestCase):
                 model.emb(torch.tensor([[0.5, 1.0]]))
             self.assertEqual([s["sparse"] for s in c.stats()], before)
 
+    def test_table_budgets_that_cannot_be_held(self):
+        with self.assertRaisesRegex(ValueError, "max_bytes must be an int >= 0"):
+            pstrain.torch.EmbeddingBag(100, 4, max_bytes=-1)
+        with cluster.Cluster(num_shards=1, num_workers=1) as c:
+            model = torch.nn.Module()
+            model.add_module("emb", pstrain.torch.EmbeddingBag(
+                100, 4, max_bytes=10))
+            model.add_module("out", torch.nn.Linear(4, 1))
+            with self.assertRaisesRegex(pstrain.Error,
+                                        "max_bytes 10 holds no row"):
+                pstrain.torch.ParameterServer(model, hosts=c.hosts,
+                                              worker_id=0, num_workers=1)
+            self.assertEqual(
+                [int(s["num_elements"]) for s in c.stats()], [0])
+
 
 if __name__ == "__main__":
     cluster.main()

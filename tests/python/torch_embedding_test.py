@@ -86,6 +86,31 @@ class TorchEmbeddingTest(unittest.TestCase):
     def test_adagrad(self):
         self.check("adagrad")
 
+    def test_a_byte_budget_bounds_the_rows_each_server_holds(self):
+        # 2000 bytes a server holds a dozen rows of dim 4 with Adagrad (the
+        # servers log the exact count); the batches touch every one of the
+        # 50 ids, 25 a server.
+        with cluster.Cluster(num_shards=2, num_workers=1) as c:
+            model = Net(pstrain.torch.EmbeddingBag(VOCAB, DIM,
+                                                   max_bytes=2000))
+            ps = pstrain.torch.ParameterServer(model, hosts=c.hosts,
+                                               worker_id=0, num_workers=1)
+            for ids, labels in batches():
+                torch.nn.functional.binary_cross_entropy_with_logits(
+                    model(ids), labels).backward()
+                ps.step()
+            ps.finish()
+            tables = [s["sparse"][0] for s in c.stats()]
+            logs = [c.server_log(shard) for shard in range(2)]
+        for table, log in zip(tables, logs):
+            rows = int(table["rows"])
+            self.assertRegex(log, r"memory: dense .*; table 'table.weight' "
+                             r"up to 0.0 MiB \(\d+ rows of up to \d+ bytes\)")
+            self.assertGreater(rows, 0)
+            self.assertLess(rows, 25)  # bounded: not every id it saw
+            self.assertGreater(int(table["rows_evicted"]), 0)
+            self.assertLessEqual(int(table["memory_bytes"]), 2000 + 8192)
+
 
 if __name__ == "__main__":
     cluster.main()

@@ -527,10 +527,14 @@ class _ServerTable(torch.nn.Module):
     """An embedding table that lives on the servers (see Embedding)."""
 
     def __init__(self, num_embeddings, embedding_dim, optimizer, lr,
-                 init_std, initial_accumulator, betas, eps):
+                 init_std, initial_accumulator, betas, eps, max_bytes):
         super().__init__()
         if embedding_dim < 1:
             raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError("max_bytes must be an int >= 0 (bytes per "
+                             f"server; 0: no budget), got {max_bytes!r}")
+        self.max_bytes = max_bytes
         if optimizer not in ("sgd", "adagrad", "adam", "ftrl"):
             raise ValueError("optimizer must be sgd, adagrad, adam or ftrl, "
                              f"got '{optimizer}'")
@@ -556,7 +560,8 @@ class _ServerTable(torch.nn.Module):
     def _spec(self):
         return {"name": self.table_name, "dim": str(self.embedding_dim),
                 "init": {"kind": "NORMAL", "scale": self._init_std},
-                "optimizer": self._optimizer}
+                "optimizer": self._optimizer,
+                "max_bytes": str(self.max_bytes)}
 
     def _rows(self, ids):
         """(rows of the batch's unique ids, the index of each id among them);
@@ -618,13 +623,18 @@ class Embedding(_ServerTable):
     ``nn.Embedding`` does, so the table is bounded by the servers' memory,
     not the worker's. ``num_embeddings=None``: any int64 id, taken as its
     64 bits (hashed feature ids: the table's keys are uint64).
+    ``max_bytes``: the most memory the table may hold on each server (rows,
+    optimizer state and bookkeeping); at it, least recently used rows are
+    evicted (and start again from their initial values when seen again).
+    Registration refuses a budget below one row, or tables that with the
+    dense model exceed a server's ``--max_shard_memory_gb``. 0: no budget.
     """
 
     def __init__(self, num_embeddings, embedding_dim, *, optimizer="adagrad",
                  lr=0.01, init_std=1.0, initial_accumulator=0.0,
-                 betas=(0.9, 0.999), eps=None):
+                 betas=(0.9, 0.999), eps=None, max_bytes=0):
         super().__init__(num_embeddings, embedding_dim, optimizer, lr,
-                         init_std, initial_accumulator, betas, eps)
+                         init_std, initial_accumulator, betas, eps, max_bytes)
 
     def forward(self, ids):
         rows, index = self._rows(ids)
@@ -638,9 +648,10 @@ class EmbeddingBag(_ServerTable):
 
     def __init__(self, num_embeddings, embedding_dim, *, mode="mean",
                  optimizer="adagrad", lr=0.01, init_std=1.0,
-                 initial_accumulator=0.0, betas=(0.9, 0.999), eps=None):
+                 initial_accumulator=0.0, betas=(0.9, 0.999), eps=None,
+                 max_bytes=0):
         super().__init__(num_embeddings, embedding_dim, optimizer, lr,
-                         init_std, initial_accumulator, betas, eps)
+                         init_std, initial_accumulator, betas, eps, max_bytes)
         if mode not in ("sum", "mean"):
             raise ValueError(f"mode must be sum or mean, got '{mode}'")
         self.mode = mode
