@@ -35,6 +35,13 @@ launch --servers=1 --workers=1 --run_dir="$T/ok" -- --server.optimizer=adam \
   --server.learning_rate=0.001 --steps=5 --log_every=0 >"$T/out" 2>"$T/err" ||
   fail "a valid --server. flag was refused: $(tail -n 20 "$T/err")"
 grep -q "adam" "$T/ok/ps0.log" || fail "ps_server did not get --optimizer=adam: $(head -n 20 "$T/ok/ps0.log")"
+# A CTR table budget reaches the servers: each logs the table's bound
+# before the first step, and the job trains under it.
+launch --servers=1 --workers=1 --run_dir="$T/budget" -- --model=ctr --steps=20 \
+  --log_every=0 --embedding_max_bytes=20000 >"$T/out" 2>"$T/err" ||
+  fail "a CTR job with --embedding_max_bytes failed: $(tail -n 20 "$T/err")"
+grep -q "memory: .*table 'field0' up to 0.0 MiB ([0-9]* rows of up to [0-9]* bytes)" "$T/budget/ps0.log" ||
+  fail "no table bound in the server's log: $(grep memory: "$T/budget/ps0.log")"
 # --replicas: a bad count is one line, exit 2; two replicas per shard run
 # the job, replica 0 as the primary and replica 1 as its backup.
 rc=0

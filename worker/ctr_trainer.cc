@@ -378,6 +378,7 @@ ModelSchema CtrSchema(const CtrModelOptions& options) {
     table->set_dim(options.dim);
     *table->mutable_init() = options.embedding_init;
     *table->mutable_optimizer() = options.sparse_optimizer;
+    table->set_max_bytes(options.table_max_bytes);
   }
   return schema;
 }

@@ -37,6 +37,7 @@ struct CtrModelOptions {
   int64_t block_elements = 1 << 17;
   InitSpec embedding_init;  // rows are created with it on the servers
   SparseOptimizer sparse_optimizer;
+  int64_t table_max_bytes = 0;  // each table's budget per server; 0: none
 };
 
 // The model's schema: dense layers and one sparse table per field

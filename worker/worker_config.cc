@@ -189,6 +189,11 @@ void CheckCtr(const WorkerConfig& config, Problems& checks) {
     checks.push_back(absl::InvalidArgumentError(
         "--embedding_dim and --ctr_hidden must be >= 1"));
   }
+  if (ctr.embedding_max_bytes < 0) {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--embedding_max_bytes must be >= 0 (0: no budget), got ",
+                     ctr.embedding_max_bytes)));
+  }
   const std::string& optimizer = ctr.sparse_optimizer;
   if (optimizer != "sgd" && optimizer != "adagrad" && optimizer != "adam" &&
       optimizer != "ftrl") {

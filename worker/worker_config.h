@@ -145,6 +145,9 @@ struct CtrConfig {
   double ftrl_l1 = 0.0;
   double ftrl_l2 = 0.0;
   double embedding_init_scale = 0.05;
+  // Each table's memory budget on each server, in bytes (SparseTableSpec.
+  // max_bytes); 0: none.
+  int64_t embedding_max_bytes = 0;
 };
 
 struct WorkerConfig {

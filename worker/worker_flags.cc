@@ -240,6 +240,11 @@ ABSL_FLAG(int64_t, ctr_test_examples, Default().ctr.test_examples,
           "Synthetic: held-out examples.");
 ABSL_FLAG(int64_t, embedding_dim, Default().ctr.embedding_dim,
           "Embedding row size.");
+ABSL_FLAG(int64_t, embedding_max_bytes, Default().ctr.embedding_max_bytes,
+          "Each CTR table's memory budget on each server, in bytes: at it "
+          "the server evicts the least recently used rows; registration "
+          "refuses a budget below one row or over --max_shard_memory_gb. "
+          "0: none.");
 ABSL_FLAG(int64_t, ctr_hidden, Default().ctr.hidden,
           "Hidden units of the CTR model's MLP.");
 ABSL_FLAG(std::string, sparse_optimizer, Default().ctr.sparse_optimizer,
@@ -363,6 +368,7 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   ctr.train_examples = absl::GetFlag(FLAGS_ctr_train_examples);
   ctr.test_examples = absl::GetFlag(FLAGS_ctr_test_examples);
   ctr.embedding_dim = absl::GetFlag(FLAGS_embedding_dim);
+  ctr.embedding_max_bytes = absl::GetFlag(FLAGS_embedding_max_bytes);
   ctr.hidden = absl::GetFlag(FLAGS_ctr_hidden);
   ctr.sparse_optimizer = absl::GetFlag(FLAGS_sparse_optimizer);
   ctr.sparse_learning_rate = absl::GetFlag(FLAGS_sparse_learning_rate);
