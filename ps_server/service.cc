@@ -496,9 +496,12 @@ void ParameterServerService::CatchUp(int joiner) {
         " (a sync step waits for a worker?)"));
   } else {
     const absl::Time quiet_at = absl::Now();
+    // Heartbeats wait with every other change until the state is sent.
+    shard_->HoldLeaseClock(true);
     absl::StatusOr<ReplicaStateExport> state =
         shard_->ExportReplicaState(int64_t{8} << 20);
     sent = state.ok() ? replicas_->SendState(joiner, *state) : state.status();
+    shard_->HoldLeaseClock(false);
     LOG(INFO) << "catch-up of replica " << joiner << ": changes held "
               << absl::FormatDuration(absl::Now() - start) << " (quiet after "
               << absl::FormatDuration(quiet_at - start) << ")";

@@ -561,8 +561,10 @@ void Shard::RunReaper() {
     last_tick = tick;
     const absl::Duration counted =
         std::min(elapsed, kReaperInterval + kLateTick);
-    lease_clock_ns_.fetch_add(absl::ToInt64Nanoseconds(counted),
-                              std::memory_order_acq_rel);
+    if (lease_clock_holds_.load(std::memory_order_acquire) == 0) {
+      lease_clock_ns_.fetch_add(absl::ToInt64Nanoseconds(counted),
+                                std::memory_order_acq_rel);
+    }
     if (elapsed - counted > absl::Seconds(1)) {
       LOG(WARNING) << "this server did not run for "
                    << absl::FormatDuration(elapsed - counted)

@@ -236,6 +236,14 @@ class Shard {
   // waits for its clip. The state is then whole at each block's step, and
   // ExportReplicaState need not carry sums in progress.
   bool QuietForTransfer() const;
+
+  // While held, the lease clock stands still, as for a server that did not
+  // run: the requests waiting meanwhile (a catch-up holds every change,
+  // heartbeats too, while the state is sent) cost no worker its lease,
+  // however long that takes. Holds nest; each true needs its false.
+  void HoldLeaseClock(bool hold) {
+    lease_clock_holds_.fetch_add(hold ? 1 : -1, std::memory_order_acq_rel);
+  }
   // Sync: the lowest step of any block or table (the step under way); the
   // pushes a quiet moment waits for are of this step.
   int64_t StepUnderWay() const;
@@ -639,6 +647,8 @@ class Shard {
     return absl::FromUnixNanos(lease_clock_ns_.load(std::memory_order_acquire));
   }
   std::atomic<int64_t> lease_clock_ns_{0};
+  // HoldLeaseClock's holds in force: while any, the clock stands still.
+  std::atomic<int> lease_clock_holds_{0};
 
   // The job's start (sync and ssp; async starts at once).
   bool started_ ABSL_GUARDED_BY(mu_) = false;

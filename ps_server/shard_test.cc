@@ -460,6 +460,21 @@ TEST(ShardLeaseTest, AStepCompletesWhenEveryLeaseLapsedBeforeAnyPush) {
   EXPECT_FLOAT_EQ(pulled->FirstWeight(), -0.5f);  // 1 - 0.5 * 3
 }
 
+// A catch-up holds heartbeats with every other change while the state is
+// sent; the lease clock stands still meanwhile, so a transfer longer than
+// a lease costs no worker its membership. Released, leases lapse as before.
+TEST(ShardLeaseTest, NoLeaseLapsesWhileTheClockIsHeld) {
+  Fixture f = MakeLeasedShard(2, absl::Milliseconds(100));
+  ASSERT_TRUE(DoPull(*f.shard, PullAt(0, 0), Soon())->status.ok());
+  ASSERT_TRUE(DoPull(*f.shard, PullAt(1, 0), Soon())->status.ok());
+  f.shard->HoldLeaseClock(true);
+  // Five leases of wall time, the reaper ticking every 20 ms.
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_EQ(f.shard->Stats().members(), 2);
+  f.shard->HoldLeaseClock(false);
+  WaitUntilNoMembers(*f.shard);  // the clock runs again
+}
+
 TEST(ShardLeaseTest, ALoneWorkerSlowerThanItsLeaseStillCompletesItsStep) {
   Fixture f = MakeLeasedShard(1, absl::Milliseconds(100));
   for (int64_t step = 0; step < 3; ++step) {
