@@ -5,7 +5,10 @@
 # (the primary) of shard 1, replica 1 (a backup), or both: the primary, then
 # started again at once (it catches up from replica 1, which took over),
 # then replica 1 the moment the catch-up is done, so the caught-up replica
-# carries the job on; in sync and async mode. The job is, by --models
+# carries the job on; in sync and async mode. With --replicas=3 (2 shards x
+# 3 replicas) the third case is two in turn: the primary, then replica 1 the
+# moment it has taken over, so replica 2 carries the job on (the backup
+# killed in the second case is replica 2). The job is, by --models
 # (taken in turn):
 #
 #   probe  2 workers, 200 steps, SGD at rate 1, a gradient of 1 everywhere:
@@ -31,7 +34,7 @@
 # --metrics_csv), which holds the time from the kill to the next step.
 #
 #   bench/replication_trials.sh [--trials=40] [--models=probe,ctr]
-#       [--trial_timeout_s=60] [--seed=N] [--record] [--keep]
+#       [--replicas=2|3] [--trial_timeout_s=60] [--seed=N] [--record] [--keep]
 #
 # Prints a line per trial and a summary; --record appends them (command,
 # machine, date) to bench/results/replication_trials.txt. Exit status: 0
@@ -40,12 +43,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-trials=40 models=probe trial_timeout_s=60 seed=$$ record=0 keep=0
+trials=40 models=probe replicas=2 trial_timeout_s=60 seed=$$ record=0 keep=0
 args="$*"
 for arg in "$@"; do
   case "$arg" in
     --trials=*) trials=${arg#*=} ;;
     --models=*) models=${arg#*=} ;;
+    --replicas=*) replicas=${arg#*=} ;;
     --trial_timeout_s=*) trial_timeout_s=${arg#*=} ;;
     --seed=*) seed=${arg#*=} ;;
     --record) record=1 ;;
@@ -57,6 +61,9 @@ done
 for v in trials trial_timeout_s seed; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "replication_trials.sh: --$v must be a non-negative integer, got '${!v}'" >&2; exit 2; }
 done
+[[ $replicas == 2 || $replicas == 3 ]] ||
+  { echo "replication_trials.sh: --replicas must be 2 or 3, got '$replicas'" >&2; exit 2; }
+readonly R=$replicas
 read -r -a model_list <<<"${models//,/ }"
 for model in "${model_list[@]}"; do
   [[ $model == probe || $model == ctr ]] ||
@@ -88,25 +95,30 @@ ctr_figures() { # worker 0's final_loss auc logloss, from its stdout FILE
 }
 
 # trial MODEL MODE REPLICA MOMENT DIR: prints "result detail". REPLICA -1:
-# nothing killed (the undisturbed baseline); 2: both in turn (see above).
+# nothing killed (the undisturbed baseline); 2: both (R = 3: two) in turn
+# (see above).
 trial() {
-  local model=$1 mode=$2 victim=$3 moment=$4 dir=$5 i k pid deadline detail="" hosts
+  local model=$1 mode=$2 victim=$3 moment=$4 dir=$5 i k r pid deadline detail="" hosts="" set
   mkdir -p "$dir"
-  local -a ports server_pid worker_pids=()
-  mapfile -t ports < <(free_ports 4)
-  # start_server I [NAME]: server I (replica I % 2 of shard I / 2).
+  local -a ports server_pid worker_pids=() sets=()
+  mapfile -t ports < <(free_ports $((2 * R)))
+  for ((k = 0; k < 2; ++k)); do
+    set=""
+    for ((r = 0; r < R; ++r)); do set+="${set:+,}127.0.0.1:${ports[R * k + r]}"; done
+    sets[k]=$set
+    hosts+="${hosts:+,}${set//,/|}"
+  done
+  # start_server I [NAME]: server I (replica I % R of shard I / R).
   start_server() {
-    local i=$1 name=${2:-ps$1} shard=$(($1 / 2))
+    local i=$1 name=${2:-ps$1} shard=$(($1 / R))
     "$server_bin" --host=127.0.0.1 --port="${ports[i]}" --shard_id=$shard --num_shards=2 \
       --num_workers=2 --mode="$mode" --optimizer=sgd --learning_rate=1 --worker_lease_s=5 \
-      --replicas=2 --replica_index=$((i % 2)) \
-      --replica_hosts="127.0.0.1:${ports[2 * shard]},127.0.0.1:${ports[2 * shard + 1]}" \
+      --replicas=$R --replica_index=$((i % R)) --replica_hosts="${sets[shard]}" \
       >"$dir/$name.out" 2>"$dir/$name.log" &
     server_pid[i]=$!
     pids+=("$!")
   }
-  for i in 0 1 2 3; do start_server "$i"; done
-  hosts="127.0.0.1:${ports[0]}|127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}|127.0.0.1:${ports[3]}"
+  for ((i = 0; i < 2 * R; ++i)); do start_server "$i"; done
   for ((k = 0; k < 2; ++k)); do
     # shellcheck disable=SC2046
     "$worker_bin" --ps_hosts="$hosts" --worker_id=$k --num_workers=2 $(model_flags "$model") \
@@ -117,7 +129,8 @@ trial() {
     pids+=("$!")
   done
   deadline=$((SECONDS + trial_timeout_s))
-  local target=$((2 + victim % 2)) # shard 1's replica
+  local target=$R # shard 1's primary; its last replica for "backup"
+  ((victim == 1)) && target=$((2 * R - 1))
   if ((victim < 0)); then
     detail="undisturbed"
   elif [[ $moment == mid ]]; then
@@ -142,7 +155,20 @@ trial() {
     kill -9 "${server_pid[target]}"
     wait "${server_pid[target]}" 2>/dev/null || true
   fi
-  if ((victim == 2)); then
+  if ((victim == 2 && R == 3)); then
+    # Two in turn: replica 1 the moment it has taken over.
+    while ! grep -q "takes over" "$dir/ps4.log" && kill -0 "${worker_pids[0]}" 2>/dev/null &&
+      ((SECONDS < deadline)); do
+      read -r -t 0.005 <> <(:) || true
+    done
+    if grep -q "takes over" "$dir/ps4.log"; then
+      kill -9 "${server_pid[4]}"
+      wait "${server_pid[4]}" 2>/dev/null || true
+      detail+=", then replica 1 the moment it took over"
+    else
+      detail+=", replica 1 had not taken over when the job ended"
+    fi
+  elif ((victim == 2)); then
     : >"$dir/ps2_again.log"
     start_server 2 ps2_again
     while ! grep -q "caught up\|is the primary" "$dir/ps2_again.log" && kill -0 "${worker_pids[0]}" 2>/dev/null &&
@@ -203,9 +229,11 @@ trial() {
       detail+=", killed before worker 0's first step"
     fi
   fi
-  if ((victim == 2)); then
+  if ((victim == 2 && R == 3)); then
+    grep -q "takes over" "$dir/ps5.log" 2>/dev/null && detail+=", replica 2 took over"
+  elif ((victim == 2)); then
     grep -q "takes over" "$dir/ps2_again.log" 2>/dev/null && detail+=", the caught-up replica took over"
-  elif grep -q "takes over" "$dir/ps$((2 + 1 - victim)).log" 2>/dev/null; then
+  elif ((victim == 0)) && grep -q "takes over" "$dir/ps$((R + 1)).log" 2>/dev/null; then
     detail+=", backup took over"
   fi
   kill_all
@@ -234,6 +262,7 @@ for t in $(seq 1 "$trials"); do
   model=${model_list[$(((t - 1) / 4 % ${#model_list[@]}))]}
   line=$(trial "$model" $mode $victim $moment "$run_dir/t$t")
   victim_name=(primary backup both)
+  ((R == 3)) && victim_name=(primary backup two)
   rows+=("$(printf '%3d %-5s %-5s %-7s %-3s  %s' "$t" "$model" $mode "${victim_name[victim]}" $moment "$line")")
   echo "${rows[-1]}"
   if [[ $line == ok* ]]; then ok=$((ok + 1)); else bad=$((bad + 1)); status=1; fi
