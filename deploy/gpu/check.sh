@@ -669,7 +669,7 @@ step_exchange() {
   floats=$(awk -v h="$MODEL_HIDDEN" 'BEGIN { n = split(h, w, ","); a = 784; t = 0;
     for (i = 1; i <= n; i++) { t += a * w[i] + w[i]; a = w[i] } print t + a * 10 + 10 }')
   bytes=$((floats * 4))
-  CUDA_VISIBLE_DEVICES= run_to "$out" "$BUNDLE/bin/ps_bench" --ps_server="$BUNDLE/bin/ps_server" \
+  CUDA_VISIBLE_DEVICES='' run_to "$out" "$BUNDLE/bin/ps_bench" --ps_server="$BUNDLE/bin/ps_server" \
     --servers="$JOB_SERVERS" --sizes="$bytes" --repeats=3 || status=$?
   local gbps
   gbps=$(json_field "$out" ps_one_call_gbps)
