@@ -36,19 +36,4 @@ bench_trial_cleanup() {
   kill_all
   if ((${keep:-0})); then echo "run directory kept: $run_dir" >&2; else rm -rf "$run_dir"; fi
 }
-free_ports() {
-  /usr/bin/python3 - "$1" <<'PY'
-import random, socket, sys
-held = []
-while len(held) < int(sys.argv[1]):
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", random.randrange(20000, 32000)))
-    except OSError:
-        s.close()
-        continue
-    held.append(s)
-for s in held:
-    print(s.getsockname()[1])
-PY
-}
+free_ports() { /usr/bin/python3 "$(dirname "${BASH_SOURCE[0]}")/../deploy/local/free_ports.py" "$1"; }

@@ -89,6 +89,7 @@ set -e
 repo=$T/repo
 mkdir -p "$repo/deploy/local" "$repo/deploy/tls" "$repo/bazel-bin/ps_server" "$repo/bazel-bin/worker" "$T/tmp"
 ln -s "$root/deploy/local/launch.sh" "$repo/deploy/local/launch.sh"
+ln -s "$root/deploy/local/free_ports.py" "$repo/deploy/local/free_ports.py"
 ln -s "$root/deploy/tls/make_certs.sh" "$repo/deploy/tls/make_certs.sh"
 ln -s "$root/ps_server/ps_server" "$repo/bazel-bin/ps_server/ps_server"
 ln -s "$root/worker/worker" "$repo/bazel-bin/worker/worker"

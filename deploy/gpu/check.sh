@@ -717,7 +717,7 @@ step_torch_cuda() {
   mkdir -p "$tree"/{ps_server,worker/python/examples,tests/python,deploy/local} "$dir/tmp"
   ln -s "$BUNDLE/bin/ps_server" "$tree/ps_server/ps_server"
   ln -s "$BUNDLE/bin/worker" "$tree/worker/worker"
-  cp "$BUNDLE/launch.sh" "$BUNDLE/job_report.sh" "$tree/deploy/local/"
+  cp "$BUNDLE/launch.sh" "$BUNDLE/job_report.sh" "$BUNDLE/free_ports.py" "$tree/deploy/local/"
   cp "$BUNDLE"/tests/python/*.py "$tree/tests/python/"
   cp "$BUNDLE"/python/examples/*.py "$tree/worker/python/examples/"
   touch "$tree/tests/__init__.py"

@@ -102,6 +102,7 @@ rm -rf "$outdir"
 install -m 0755 "$src_root/deploy/gpu/check.sh" "$outdir/check.sh"
 install -m 0755 "$src_root/deploy/local/launch.sh" "$outdir/launch.sh"
 install -m 0755 "$src_root/deploy/local/job_report.sh" "$outdir/job_report.sh"
+install -m 0755 "$src_root/deploy/local/free_ports.py" "$outdir/free_ports.py"
 install -m 0755 "$src_root/bench/gpu/pytorch_reference.py" "$outdir/pytorch_reference.py"
 # What the pstrain wheel is made of, and the script that makes it: check.sh's
 # pstrain_torch step assembles the wheel there (its libraries are lib/'s

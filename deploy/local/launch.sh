@@ -549,24 +549,9 @@ start_servers() {
   if ((REPLICAS > 1)); then
     # Each replica is told the others' addresses, so the ports are picked
     # here (distinct, free now) instead of by the servers.
-    mapfile -t REPLICA_PORTS < <("$PYTHON" - "$((SERVERS * REPLICAS))" <<'PY'
-import random, socket, sys
-# Below the kernel's ephemeral range (32768-60999 by default), so that no
-# port a process binds to port 0 (a data port) and no outgoing connection
-# takes one between this pick and the server's bind.
-held = []
-while len(held) < int(sys.argv[1]):
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", random.randrange(20000, 32000)))
-    except OSError:
-        s.close()
-        continue
-    held.append(s)
-for s in held:
-    print(s.getsockname()[1])
-PY
-    ) || { info "cannot pick free ports for the replicas"; exit 1; }
+    mapfile -t REPLICA_PORTS < <("$PYTHON" "$HERE/free_ports.py" "$((SERVERS * REPLICAS))")
+    ((${#REPLICA_PORTS[@]} == SERVERS * REPLICAS)) ||
+      { info "cannot pick free ports for the replicas ($HERE/free_ports.py with $PYTHON)"; exit 1; }
   fi
   for ((i = 0; i < SERVERS * REPLICAS; i++)); do
     : >"$RUN/ps$i.log"
