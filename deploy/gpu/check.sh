@@ -185,6 +185,13 @@ json_field() {
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f\n", a / b; else print "n/a" }'; }
 # at_least A B: succeeds when A >= B (numbers).
 at_least() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 >= b + 0) }'; }
+# goal_row CHECK RATIO at_least|at_most GOAL NOTE: a MET or MISSED row for
+# "RATIOx" against the goal.
+goal_row() {
+  local met
+  if [[ $3 == at_least ]]; then at_least "$2" "$4" && met=1; else at_least "$4" "$2" && met=1; fi
+  row "goal: $1" "$([[ -n ${met:-} ]] && echo MET || echo MISSED)" "${2}x" "$5"
+}
 
 # Prints the table (and writes summary.txt / summary.tsv), then exits 1
 # when a check failed, else 0.
@@ -336,8 +343,7 @@ for name in ("sgemm", "bf16_gemm"):
         print(f"Gemm {'fp32' if name == 'sgemm' else 'bf16'} vs cuBLAS (best shape)\t{big[f'ratio_to_{name}']:.2f}x\t{big['shape']}, {big['tflops']:.1f} TF/s\t0.9")
 PY
       while IFS=$'\t' read -r what value detail goal; do
-        if at_least "${value%x}" "$goal"; then verdict=MET; else verdict=MISSED; fi
-        row "goal: $what" "$verdict" "$value" "$detail; goal >= $goal"
+        goal_row "$what" "${value%x}" at_least "$goal" "$detail; goal >= $goal"
       done <"$results/kernel_goals.tsv"
     else
       row "kernel_bench" FAIL "-" "$(exit_text "$status"); see kernel_bench.txt"
@@ -519,9 +525,8 @@ PY
     fi
     one=${JOB_RATE[gpu1_1worker_fp32]:-}
     if [[ -n $one && -n $cpu_job_rate ]]; then
-      speedup=$(ratio "$one" "$cpu_job_rate")
-      if at_least "$speedup" 10; then verdict=MET; else verdict=MISSED; fi
-      row "goal: 1 GPU worker vs CPU worker (job)" "$verdict" "${speedup}x" "samples/s through the servers; goal >= 10x"
+      goal_row "1 GPU worker vs CPU worker (job)" "$(ratio "$one" "$cpu_job_rate")" at_least 10 \
+        "samples/s through the servers; goal >= 10x"
     fi
   fi
 
@@ -583,9 +588,7 @@ step_pytorch() {
     ours=$gpu_ms_fp32
     [[ $precision == bf16 ]] && ours=$gpu_ms_bf16
     if [[ -n $ours && -n $torch_ms ]]; then
-      r=$(ratio "$ours" "$torch_ms")
-      if at_least 1.5 "$r"; then verdict=MET; else verdict=MISSED; fi
-      row "goal: worker step / PyTorch step, $precision" "$verdict" "${r}x" \
+      goal_row "worker step / PyTorch step, $precision" "$(ratio "$ours" "$torch_ms")" at_most 1.5 \
         "ours $ours ms, PyTorch $torch_ms ms; goal <= 1.5x"
     else
       row "pytorch reference $precision" INFO "${torch_ms} ms/step" "no step_bench figure to compare"
@@ -645,14 +648,6 @@ step_pstrain_torch() {
   else
     row "pstrain.torch $device step" FAIL "-" "$(exit_text "$status"): $(tail -n 1 "$out")"
   fi
-}
-
-# goal_row CHECK RATIO at_least|at_most GOAL NOTE: a MET or MISSED row for
-# "RATIOx" against the goal.
-goal_row() {
-  local met
-  if [[ $3 == at_least ]]; then at_least "$2" "$4" && met=1; else at_least "$4" "$2" && met=1; fi
-  row "goal: $1" "$([[ -n ${met:-} ]] && echo MET || echo MISSED)" "${2}x" "$5"
 }
 
 # The figure of an earlier row of this run (summary.tsv), or "".
