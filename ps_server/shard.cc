@@ -182,6 +182,30 @@ Shard::MakeTensorOptimizers(const ModelSchema& schema) const {
   return optimizers;
 }
 
+SparseTableOptions Shard::TableOptions(const SparseTableSpec& spec,
+                                       uint64_t seed) const {
+  SparseTableOptions o;
+  o.name = spec.name();
+  o.dim = spec.dim();
+  o.init = spec.init();
+  o.seed = seed;
+  const SparseOptimizer& opt = spec.optimizer();
+  o.optimizer.name = opt.name();
+  o.optimizer.learning_rate = opt.learning_rate();
+  o.optimizer.initial_accumulator = opt.initial_accumulator();
+  o.optimizer.beta1 = opt.beta1();
+  o.optimizer.beta2 = opt.beta2();
+  o.optimizer.epsilon = opt.epsilon();
+  o.optimizer.ftrl_alpha = opt.ftrl_alpha();
+  o.optimizer.ftrl_beta = opt.ftrl_beta();
+  o.optimizer.ftrl_l1 = opt.ftrl_l1();
+  o.optimizer.ftrl_l2 = opt.ftrl_l2();
+  o.max_rows = options_.sparse_max_rows;
+  o.max_bytes = spec.max_bytes();
+  o.admit_after = options_.sparse_admit_after;
+  return o;
+}
+
 absl::Status Shard::CheckModelFits(
     const ModelSchema& schema,
     const std::vector<std::unique_ptr<Optimizer>>& tensor_optimizers,
@@ -228,8 +252,7 @@ absl::Status Shard::CheckModelFits(
       kBlockOverheadBytes + options_.max_workers * int64_t{sizeof(int64_t)};
   const int64_t dense_bytes = shard_floats * 4 + shard_blocks * per_block +
                               model_blocks * kLayoutBytesPerBlock;
-  // Each sparse table's most, where it has one: its budget, or
-  // --sparse_max_rows rows (the smaller).
+  // Each sparse table's most, where it has one (SparseTable::RowBound).
   auto mib = [](int64_t b) {
     return absl::StrFormat("%.1f MiB", b / 1048576.0);
   };
@@ -239,11 +262,8 @@ absl::Status Shard::CheckModelFits(
   for (const SparseTableSpec& table : schema.sparse()) {
     const int64_t row_bytes =
         SparseTable::BytesPerRow(table.dim(), table.optimizer().name());
-    int64_t most = table.max_bytes();
-    if (options_.sparse_max_rows > 0 && row_bytes > 0 &&
-        (most == 0 || options_.sparse_max_rows < most / row_bytes)) {
-      most = options_.sparse_max_rows * row_bytes;
-    }
+    const int64_t most =
+        SparseTable::RowBound(TableOptions(table, schema.seed())) * row_bytes;
     bytes += most;
     unbounded = unbounded || most == 0;
     tables.push_back(absl::StrCat(
@@ -356,25 +376,8 @@ absl::Status Shard::InstallModel(const ModelSchema& schema,
     model->blocks.push_back(std::move(block));
   }
   for (const SparseTableSpec& spec : model->schema.sparse()) {
-    SparseTableOptions table_options;
-    table_options.name = spec.name();
-    table_options.dim = spec.dim();
-    table_options.init = spec.init();
-    table_options.seed = model->schema.seed();
-    const SparseOptimizer& o = spec.optimizer();
-    table_options.optimizer.name = o.name();
-    table_options.optimizer.learning_rate = o.learning_rate();
-    table_options.optimizer.initial_accumulator = o.initial_accumulator();
-    table_options.optimizer.beta1 = o.beta1();
-    table_options.optimizer.beta2 = o.beta2();
-    table_options.optimizer.epsilon = o.epsilon();
-    table_options.optimizer.ftrl_alpha = o.ftrl_alpha();
-    table_options.optimizer.ftrl_beta = o.ftrl_beta();
-    table_options.optimizer.ftrl_l1 = o.ftrl_l1();
-    table_options.optimizer.ftrl_l2 = o.ftrl_l2();
-    table_options.max_rows = options_.sparse_max_rows;
-    table_options.max_bytes = spec.max_bytes();
-    table_options.admit_after = options_.sparse_admit_after;
+    const SparseTableOptions table_options =
+        TableOptions(spec, model->schema.seed());
     absl::StatusOr<std::unique_ptr<SparseTable>> table =
         SparseTable::Create(table_options);
     if (!table.ok()) {

@@ -436,6 +436,9 @@ class Shard {
   // Refuses, before anything is allocated, a schema with too many blocks
   // or one whose values, optimizer state and per-block bookkeeping on this
   // shard exceed max_shard_bytes.
+  // A sparse table's options: the spec's, with this server's bounds.
+  SparseTableOptions TableOptions(const SparseTableSpec& spec,
+                                  uint64_t seed) const;
   // Also describes, in `estimate` when given, what the shard may hold: the
   // dense blocks and each sparse table's bound (or that it has none).
   absl::Status CheckModelFits(

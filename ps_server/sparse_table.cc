@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -185,28 +186,37 @@ struct alignas(64) SparseTable::Stripe {
 };
 
 namespace {
-int StatePerElement(int kind) {
-  // sgd, adagrad, adam, ftrl
-  static constexpr int kState[] = {0, 1, 2, 2};
-  return kState[kind];
+// The optimizers in Kind's order, and their state floats per value float.
+constexpr absl::string_view kOptimizers[] = {"sgd", "adagrad", "adam", "ftrl"};
+constexpr int kStatePerElement[] = {0, 1, 2, 2};
+
+// Kind's index of `optimizer`; -1 for one the tables do not run.
+int KindIndex(absl::string_view optimizer) {
+  for (int k = 0; k < static_cast<int>(std::size(kOptimizers)); ++k) {
+    if (kOptimizers[k] == optimizer) return k;
+  }
+  return -1;
 }
+
+int StatePerElement(int kind) { return kStatePerElement[kind]; }
 }  // namespace
 
 int64_t SparseTable::BytesPerRow(int64_t dim, absl::string_view optimizer) {
-  int state = 0;
-  if (optimizer == "adagrad") {
-    state = 1;
-  } else if (optimizer == "adam" || optimizer == "ftrl") {
-    state = 2;
-  } else if (optimizer != "sgd") {
-    return 0;
-  }
+  const int kind = KindIndex(optimizer);
+  if (kind < 0) return 0;
   // The index's slots (key, value and a control byte) at its lowest load,
   // 7/16 after growing, and the slot vector at twice its size.
   using IndexEntry = std::pair<const uint64_t, uint32_t>;
   const int64_t index_bytes = (sizeof(IndexEntry) + 1) * 16 / 7 + 1;
-  return dim * (1 + state) * int64_t{sizeof(float)} + 2 * sizeof(RowMeta) +
-         index_bytes;
+  return dim * (1 + StatePerElement(kind)) * int64_t{sizeof(float)} +
+         2 * sizeof(RowMeta) + index_bytes;
+}
+
+int64_t SparseTable::RowBound(const SparseTableOptions& options) {
+  const int64_t row_bytes = BytesPerRow(options.dim, options.optimizer.name);
+  if (options.max_bytes <= 0 || row_bytes <= 0) return options.max_rows;
+  const int64_t rows = options.max_bytes / row_bytes;
+  return options.max_rows > 0 ? std::min(options.max_rows, rows) : rows;
 }
 
 absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
@@ -245,25 +255,19 @@ absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
   if (absl::Status s = ValidateSparseOptimizer(o.optimizer); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(where, s.message()));
   }
-  Kind kind = Kind::kSgd;
-  if (o.optimizer.name == "adagrad") kind = Kind::kAdagrad;
-  if (o.optimizer.name == "adam") kind = Kind::kAdam;
-  if (o.optimizer.name == "ftrl") kind = Kind::kFtrl;
+  // Validated above: one of the four.
+  const Kind kind = static_cast<Kind>(KindIndex(o.optimizer.name));
   if (o.max_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, "max_bytes must be >= 0 (0: no budget), got ", o.max_bytes));
   }
-  if (o.max_bytes > 0) {
-    const int64_t row_bytes = BytesPerRow(o.dim, o.optimizer.name);
-    const int64_t rows = o.max_bytes / row_bytes;
-    if (rows < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, "max_bytes ", o.max_bytes,
-                       " holds no row: one row of dim ", o.dim, " with ",
-                       o.optimizer.name, " takes up to ", row_bytes, " bytes"));
-    }
-    if (o.max_rows == 0 || rows < o.max_rows) o.max_rows = rows;
+  if (o.max_bytes > 0 && RowBound(o) < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "max_bytes ", o.max_bytes, " holds no row: one row of dim ",
+        o.dim, " with ", o.optimizer.name, " takes up to ",
+        BytesPerRow(o.dim, o.optimizer.name), " bytes"));
   }
+  o.max_rows = RowBound(o);
   int stripes = o.num_stripes;
   if (o.max_rows > 0 && o.max_rows < stripes) {
     stripes = static_cast<int>(o.max_rows);

@@ -171,6 +171,9 @@ class SparseTable {
   // largest for that row count. The unit of a table's byte budget; 0 for an
   // optimizer name the tables do not run.
   static int64_t BytesPerRow(int64_t dim, absl::string_view optimizer);
+  // The most rows a table of these options holds: max_rows, or as many as
+  // max_bytes holds at BytesPerRow each when that is fewer; 0: unbounded.
+  static int64_t RowBound(const SparseTableOptions& options);
 
   int64_t dim() const { return options_.dim; }
   // Optimizer state floats per value float (sgd 0, adagrad 1, adam 2,
