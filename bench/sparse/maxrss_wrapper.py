@@ -5,6 +5,7 @@ or to $MAXRSS_FILE. SIGTERM and SIGINT are passed on, so launch.sh can stop
 it as it stops a ps_server. bench/sparse/table_budget.sh puts it in front of
 ps_server through a --bin_dir."""
 
+import ctypes
 import os
 import resource
 import signal
@@ -15,7 +16,15 @@ out = os.environ.get("MAXRSS_FILE", "")
 for arg in sys.argv[2:]:
     if arg.startswith("--port_file="):
         out = out or arg[len("--port_file="):] + ".maxrss"
-child = subprocess.Popen(sys.argv[1:])
+
+
+def die_with_this_process():
+    # A SIGKILL of the wrapper (launch.sh's last resort) must not leave the
+    # server running: PR_SET_PDEATHSIG (1) with SIGKILL.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+child = subprocess.Popen(sys.argv[1:], preexec_fn=die_with_this_process)
 for number in (signal.SIGTERM, signal.SIGINT):
     signal.signal(number, lambda n, _: child.send_signal(n))
 code = child.wait()
