@@ -392,26 +392,109 @@ function crossErrors(docs) {
         add(cm, '/data/MAX_WORKERS', `NUM_WORKERS ${data.NUM_WORKERS} > MAX_WORKERS ${data.MAX_WORKERS} (the servers refuse worker ids >= MAX_WORKERS)`);
       }
     }
-    const ps = find('StatefulSet', 'ps');
-    if (!ps) add(cm, '', 'no StatefulSet "ps" (the servers) in the set');
-    else {
-      const replicas = get(ps.obj, 'spec', 'replicas');
-      if (replicas !== shards) add(ps, '/spec/replicas', `replicas ${replicas} != NUM_SHARDS ${data.NUM_SHARDS} of pstrain-config`);
-      const service = get(ps.obj, 'spec', 'serviceName');
+    // The servers: StatefulSet "ps", pod ps-<s> = shard s (REPLICAS 1, the
+    // default); or, with REPLICAS R > 1 (replicas/, make_replicas.js), one
+    // StatefulSet "ps-<s>" per shard of R pods, pod ps-<s>-<r> = replica r.
+    let R = 1;
+    if ('REPLICAS' in data) {
+      R = int('REPLICAS');
+      if (Number.isNaN(R) || R > 5) {
+        add(cm, '/data/REPLICAS', `REPLICAS must be an integer in [1, 5] (ps_server --replicas), not "${data.REPLICAS}"`);
+        R = NaN;
+      }
+    }
+    const shardSetName = /^ps-([0-9]+)$/;
+    const shardSets = docs.filter((d) => d.obj && d.obj.kind === 'StatefulSet' &&
+      shardSetName.test(String(get(d.obj, 'metadata', 'name'))));
+    const psSets = [];  // [shard or -1 for all, doc]
+    if (R === 1) {
+      const ps = find('StatefulSet', 'ps');
+      if (!ps) add(cm, '', 'no StatefulSet "ps" (the servers) in the set');
+      else {
+        const replicas = get(ps.obj, 'spec', 'replicas');
+        if (replicas !== shards) add(ps, '/spec/replicas', `replicas ${replicas} != NUM_SHARDS ${data.NUM_SHARDS} of pstrain-config`);
+        psSets.push([-1, ps]);
+      }
+      for (const d of shardSets) {
+        add(d, '/metadata/name', `StatefulSet ${get(d.obj, 'metadata', 'name')} looks like a shard's replica set (make_replicas.js), but pstrain-config has no REPLICAS > 1`);
+      }
+    } else if (R > 1) {
+      const ps = find('StatefulSet', 'ps');
+      if (ps) {
+        add(ps, '/metadata/name', `StatefulSet "ps" runs one server per shard, but REPLICAS is ${R}: ` +
+          'the replicated overlay (replicas/, make_replicas.js) has one StatefulSet ps-<shard> per shard instead');
+      }
+      for (let sh = 0; sh < (Number.isNaN(shards) ? 0 : shards); sh++) {
+        const d = find('StatefulSet', `ps-${sh}`);
+        if (!d) add(cm, '', `no StatefulSet "ps-${sh}" (the ${R} replicas of shard ${sh}) in the set`);
+        else psSets.push([sh, d]);
+      }
+      for (const d of shardSets) {
+        const n = Number(shardSetName.exec(get(d.obj, 'metadata', 'name'))[1]);
+        if (!(n < shards)) add(d, '/metadata/name', `StatefulSet ps-${n}: shard ${n} >= NUM_SHARDS ${data.NUM_SHARDS}`);
+      }
+      if (/--tls_cert\b/.test(String(data.SERVER_EXTRA_FLAGS || ''))) {
+        add(cm, '/data/SERVER_EXTRA_FLAGS', `--tls_cert with REPLICAS ${R}: ps_server refuses TLS with --replicas > 1 (the replicas forward in plaintext)`);
+      }
+      const serviceErrors = new Set();
+      for (const [sh, d] of psSets) {
+        const replicas = get(d.obj, 'spec', 'replicas');
+        if (replicas !== R) add(d, '/spec/replicas', `replicas ${replicas} != REPLICAS ${data.REPLICAS} of pstrain-config (the replicas of shard ${sh})`);
+        const labels = get(d.obj, 'spec', 'template', 'metadata', 'labels') || {};
+        if (labels[SHARD_LABEL] !== String(sh)) {
+          add(d, '/spec/template/metadata/labels', `the pods of shard ${sh} need the label ${SHARD_LABEL}: "${sh}" (their anti-affinity selects it)`);
+        }
+        for (const [p, e] of antiAffinityErrors(d.obj, sh, psSets.filter(([o]) => o !== sh), shards * R)) add(d, p, e);
+        const container = (get(d.obj, 'spec', 'template', 'spec', 'containers') || [])[0] || {};
+        const command = [...(container.command || []), ...(container.args || [])].join(' ');
+        for (const flag of ['--replicas="$REPLICAS"', '--replica_index=', '--replica_hosts=']) {
+          if (!command.includes(flag)) {
+            add(d, '/spec/template/spec/containers/0/args', `ps_server runs without ${flag}: each replica would hold the shard alone`);
+          }
+        }
+        const svc = find('Service', get(d.obj, 'spec', 'serviceName'));
+        if (svc && get(svc.obj, 'spec', 'publishNotReadyAddresses') !== true && !serviceErrors.has(svc)) {
+          serviceErrors.add(svc);
+          add(svc, '/spec/publishNotReadyAddresses', 'the Service of replicated shards must publish not-ready addresses ' +
+            '(publishNotReadyAddresses: true): a replica tells a dead peer by its port refusing connections, which needs its name to resolve');
+        }
+      }
+    }
+    if (psSets.length > 0 && !Number.isNaN(R)) {
+      // PS_HOSTS: shard s's entry names its servers, replicas joined by '|'.
+      const serviceOf = (sh) => get((psSets.find(([o]) => o === sh || o === -1) || psSets[0])[1].obj, 'spec', 'serviceName');
       const hosts = String(data.PS_HOSTS || '').split(',').filter((h) => h !== '');
       if (hosts.length !== shards) add(cm, '/data/PS_HOSTS', `PS_HOSTS has ${hosts.length} entries, NUM_SHARDS is ${data.NUM_SHARDS}`);
+      const hostOk = (h, want) => {
+        const m = /^([^:|]+):([0-9]+)$/.exec(h);
+        return m && (m[1] === want || m[1].startsWith(`${want}.`)) && m[2] === String(data.PS_PORT);
+      };
       hosts.forEach((h, i) => {
-        const m = /^([^:]+):([0-9]+)$/.exec(h);
-        const want = `ps-${i}.${service}`;
-        if (!m || !(m[1] === want || m[1].startsWith(`${want}.`)) || m[2] !== String(data.PS_PORT)) {
-          add(cm, '/data/PS_HOSTS', `entry ${i} "${h}" is not ${want}[.<namespace>.svc...]:${data.PS_PORT} (shard ${i} of StatefulSet ps)`);
+        const parts = h.split('|');
+        if (parts.length !== R) {
+          add(cm, '/data/PS_HOSTS', `entry ${i} "${h}" lists ${parts.length} replica(s) (joined by '|'), REPLICAS is ${R}`);
+        } else if (R === 1) {
+          const want = `ps-${i}.${serviceOf(i)}`;
+          if (!hostOk(h, want)) {
+            add(cm, '/data/PS_HOSTS', `entry ${i} "${h}" is not ${want}[.<namespace>.svc...]:${data.PS_PORT} (shard ${i} of StatefulSet ps)`);
+          }
+        } else {
+          parts.forEach((part, r) => {
+            const want = `ps-${i}-${r}.${serviceOf(i)}`;
+            if (!hostOk(part, want)) {
+              add(cm, '/data/PS_HOSTS', `entry ${i}, replica ${r}: "${part}" is not ${want}[.<namespace>.svc...]:${data.PS_PORT} (pod ${r} of StatefulSet ps-${i})`);
+            }
+          });
         }
       });
-      const containerPorts = (get(ps.obj, 'spec', 'template', 'spec', 'containers') || [])
+    }
+    for (const [, d] of psSets) {
+      const containerPorts = (get(d.obj, 'spec', 'template', 'spec', 'containers') || [])
         .flatMap((c) => (c.ports || []).map((p) => p.containerPort));
       if (!containerPorts.includes(Number(data.PS_PORT))) {
-        add(ps, '/spec/template/spec/containers', `no containerPort ${data.PS_PORT} (PS_PORT of pstrain-config)`);
+        add(d, '/spec/template/spec/containers', `no containerPort ${data.PS_PORT} (PS_PORT of pstrain-config)`);
       }
+      for (const [p, e] of checkpointErrors(d.obj, data, (name) => find('PersistentVolumeClaim', name))) add(d, p, e);
     }
     const job = find('Job', 'worker');
     if (!job) add(cm, '', 'no Job "worker" (the workers) in the set');
@@ -424,10 +507,6 @@ function crossErrors(docs) {
         add(job, '/spec/completionMode', 'the worker Job must be Indexed (worker id = JOB_COMPLETION_INDEX)');
       }
       for (const e of workerJobFailureErrors(get(job.obj, 'spec') || {})) add(job, '/spec', e);
-    }
-    const psSet = find('StatefulSet', 'ps');
-    if (psSet) {
-      for (const [p, e] of checkpointErrors(psSet.obj, data, (name) => find('PersistentVolumeClaim', name))) add(psSet, p, e);
     }
   }
 
@@ -448,6 +527,71 @@ function crossErrors(docs) {
       }
     });
   }
+  return errors;
+}
+
+// The label that tells a shard's replicas (deploy/k8s/make_replicas.js).
+const SHARD_LABEL = 'pstrain.io/shard';
+
+// Whether a LabelSelector selects a pod with these labels (null: none).
+function selects(selector, labels) {
+  if (!selector || typeof selector !== 'object') return false;
+  const has = (k) => Object.prototype.hasOwnProperty.call(labels, k);
+  if (!Object.entries(selector.matchLabels || {}).every(([k, v]) => has(k) && labels[k] === v)) return false;
+  return (selector.matchExpressions || []).every((e) => {
+    const values = (e && e.values) || [];
+    switch (e && e.operator) {
+      case 'In': return has(e.key) && values.includes(labels[e.key]);
+      case 'NotIn': return !has(e.key) || !values.includes(labels[e.key]);
+      case 'Exists': return has(e.key);
+      case 'DoesNotExist': return !has(e.key);
+      default: return false;
+    }
+  });
+}
+
+// A pod affinity term's selector as the API server completes it for a pod
+// with these labels: matchLabelKeys become "key In (the pod's value)".
+function termSelector(term, podLabels) {
+  const selector = (term && term.labelSelector) || null;
+  const keys = ((term && term.matchLabelKeys) || []).filter((k) => k in podLabels);
+  if (!selector || keys.length === 0) return selector;
+  return {
+    matchLabels: selector.matchLabels,
+    matchExpressions: [...(selector.matchExpressions || []),
+      ...keys.map((k) => ({ key: k, operator: 'In', values: [podLabels[k]] }))],
+  };
+}
+
+// A shard's replicas must repel each other per node (required anti-affinity
+// on kubernetes.io/hostname selecting their own pods), and only each other:
+// a term that also selects other shards' pods would ask for a node per pod.
+function antiAffinityErrors(set, shard, others, pods) {
+  const errors = [];
+  const labels = get(set, 'spec', 'template', 'metadata', 'labels') || {};
+  const base = '/spec/template/spec/affinity/podAntiAffinity';
+  const anti = get(set, 'spec', 'template', 'spec', 'affinity', 'podAntiAffinity') || {};
+  const required = Array.isArray(anti.requiredDuringSchedulingIgnoredDuringExecution)
+    ? anti.requiredDuringSchedulingIgnoredDuringExecution : [];
+  const apart = required.some((t) => t && t.topologyKey === 'kubernetes.io/hostname' &&
+    !t.namespaceSelector && !(t.namespaces || []).length && selects(termSelector(t, labels), labels));
+  if (!apart) {
+    errors.push([`${base}/requiredDuringSchedulingIgnoredDuringExecution`,
+      `no required podAntiAffinity term with topologyKey kubernetes.io/hostname selecting the pods of shard ${shard} ` +
+      `(${SHARD_LABEL}: "${shard}"): two replicas of the shard could run on one node` +
+      (anti.preferredDuringSchedulingIgnoredDuringExecution ? ' (preferredDuringScheduling is a preference, not a guarantee)' : '')]);
+  }
+  required.forEach((t, i) => {
+    for (const [otherShard, other] of others) {
+      const otherLabels = get(other.obj, 'spec', 'template', 'metadata', 'labels') || {};
+      if (selects(termSelector(t, labels), otherLabels)) {
+        errors.push([`${base}/requiredDuringSchedulingIgnoredDuringExecution/${i}`,
+          `also selects the pods of StatefulSet ${get(other.obj, 'metadata', 'name')} (shard ${otherShard}): ` +
+          `every ps pod would need a node of its own (${pods}); select ${SHARD_LABEL}: "${shard}" too`]);
+        break;
+      }
+    }
+  });
   return errors;
 }
 
