@@ -19,6 +19,14 @@
 #     installed) and the rendered objects pass the validator.
 #  5. monitoring/alerts.yaml's rules pass promtool check rules, and fire as
 #     testdata/checkpoint_alerts_test.yaml expects (promtool test rules).
+#  6. replicated shards: replicas/ is what make_replicas.js writes from base/
+#     (not stale); an overlay it writes for 3 shards x 3 replicas on
+#     monitoring/ renders and validates; the ps pods' command line, run by sh
+#     for every pod with a stand-in ps_server, passes each its shard, replica
+#     index and its shard's replicas, and refuses a pod PS_HOSTS does not
+#     list; the workers' wait-for-ps waits for every replica ('|'); bad
+#     arguments exit 2. (testdata/bad_replicas_*.yaml, in step 2, are the
+#     overlay with broken anti-affinity and counts.)
 #
 #   bash deploy/k8s/manifests_test.sh      # directly
 #   bazel test //deploy/k8s:manifests_test
@@ -139,5 +147,102 @@ promtool check rules "$tmp/checkpoint_alerts.rules.yaml" ||
 cp "$dir/testdata/checkpoint_alerts_test.yaml" "$tmp/"
 (cd "$tmp" && promtool test rules checkpoint_alerts_test.yaml) ||
   fail "monitoring/alerts.yaml: the alerts do not fire as testdata/checkpoint_alerts_test.yaml expects"
+
+echo "== 6. replicated shards (replicas/, make_replicas.js)"
+make_replicas=$(readlink -f -- "$dir/make_replicas.js")
+src_k8s=$(dirname -- "$make_replicas")
+node "$make_replicas" --check || fail "replicas/ is stale: run node deploy/k8s/make_replicas.js (it records its arguments in replicas/kustomization.yaml)"
+for args in --replicas=1 --replicas=6 --replicas=x --shards=0 --base=nope --bogus; do
+  rc=0
+  node "$make_replicas" "$args" --out="$tmp/never" >/dev/null 2>&1 || rc=$?
+  ((rc == 2)) || fail "make_replicas.js $args exited $rc, want 2"
+done
+[[ ! -e "$tmp/never" ]] || fail "make_replicas.js wrote an overlay for bad arguments"
+node "$make_replicas" --replicas=3 --shards=3 --base=monitoring --out="$tmp/rep3" >/dev/null ||
+  fail "make_replicas.js --replicas=3 --shards=3 failed"
+node "$make_replicas" --check --out="$tmp/rep3" >/dev/null || fail "make_replicas.js --check disagrees with what it just wrote"
+if ! command -v kubectl >/dev/null || [[ -z "$kustomize_version" || "$kustomize_version" -lt 4 ]]; then
+  echo "SKIP (step 6): no kubectl with kustomize >= v4 (see step 4): the replicated overlays were not rendered"
+else
+  kubectl kustomize "$tmp/rep3" >"$tmp/rep3.yaml" 2>"$tmp/kustomize.err" ||
+    fail "kubectl kustomize of a 3 x 3 overlay failed: $(cat "$tmp/kustomize.err")"
+  node "$validate" "$tmp/rep3.yaml" >"$tmp/rep3.out" || { cat "$tmp/rep3.out"; fail "the 3 shards x 3 replicas overlay is invalid"; }
+  grep -q 'PodMonitor/' "$tmp/rep3.out" || fail "--base=monitoring left out the PodMonitor"
+  echo "rendered 3 shards x 3 replicas on monitoring/: $(grep -c '^kind:' "$tmp/rep3.yaml") objects, valid"
+
+  # Each ps pod's command line and the workers' wait-for-ps, from what
+  # replicas/ renders, run here: ConfigMap as the environment, stand-in
+  # ps_server printing its flags, local listeners for the replicas.
+  kubectl kustomize "$src_k8s/replicas" >"$tmp/rep.yaml" 2>"$tmp/kustomize.err" ||
+    fail "kubectl kustomize deploy/k8s/replicas failed: $(cat "$tmp/kustomize.err")"
+  js_yaml=$src_k8s/validate/node_modules/js-yaml
+  # shellcheck disable=SC2016  # JavaScript, not shell
+  REP_YAML=$tmp/rep.yaml OUT=$tmp JS_YAML=$js_yaml node -e '
+    const fs = require("fs"), yaml = require(process.env.JS_YAML), out = process.env.OUT;
+    const docs = yaml.loadAll(fs.readFileSync(process.env.REP_YAML, "utf8")).filter(Boolean);
+    const cm = docs.find((d) => d.kind === "ConfigMap");
+    fs.writeFileSync(`${out}/env`, Object.entries(cm.data).map(([k, v]) => `${k}=${v}`).join("\n") + "\n");
+    const ps = docs.filter((d) => d.kind === "StatefulSet").map((d) => d.spec.template.spec.containers[0].args[0]);
+    if (new Set(ps).size !== 1) throw new Error("the ps StatefulSets run different commands");
+    fs.writeFileSync(`${out}/ps.sh`, ps[0]);
+    const job = docs.find((d) => d.kind === "Job");
+    fs.writeFileSync(`${out}/wait.sh`, job.spec.template.spec.initContainers[0].args[0]);
+  ' || fail "cannot read the rendered replicas/ overlay"
+  mkdir -p "$tmp/bin"
+  printf '#!/bin/sh\nprintf "%%s\\n" "$@"\n' >"$tmp/bin/ps_server"
+  chmod +x "$tmp/bin/ps_server"
+  sed "s|/opt/pstrain/bin/ps_server|$tmp/bin/ps_server|" "$tmp/ps.sh" >"$tmp/ps_local.sh"
+  grep -q "$tmp/bin/ps_server" "$tmp/ps_local.sh" || fail "the ps pods do not exec /opt/pstrain/bin/ps_server"
+  mapfile -t env_vars <"$tmp/env"
+  replicas=$(sed -n 's/^REPLICAS=//p' "$tmp/env")
+  shards=$(sed -n 's/^NUM_SHARDS=//p' "$tmp/env")
+  for ((s = 0; s < shards; s++)); do
+    want_hosts=""
+    for ((r = 0; r < replicas; r++)); do want_hosts+="${want_hosts:+,}ps-$s-$r.ps:5000"; done
+    for ((r = 0; r < replicas; r++)); do
+      env -i PATH="$PATH" HOSTNAME="ps-$s-$r" "${env_vars[@]}" sh "$tmp/ps_local.sh" >"$tmp/flags" 2>&1 ||
+        { cat "$tmp/flags"; fail "pod ps-$s-$r: its command line failed"; }
+      for flag in --shard_id="$s" --num_shards="$shards" --replicas="$replicas" --replica_index="$r" \
+        --replica_hosts="$want_hosts"; do
+        grep -qxF -- "$flag" "$tmp/flags" || { cat "$tmp/flags"; fail "pod ps-$s-$r: ps_server is not given $flag"; }
+      done
+    done
+  done
+  echo "pods ps-<shard>-<replica> of $shards x $replicas: ps_server gets its shard, replica index and replica set"
+  rc=0
+  env -i PATH="$PATH" HOSTNAME="ps-$shards-0" "${env_vars[@]}" sh "$tmp/ps_local.sh" >"$tmp/flags" 2>&1 || rc=$?
+  if ((rc != 2)) || ! grep -q 'does not list' "$tmp/flags"; then
+    cat "$tmp/flags"; fail "pod ps-$shards-0 (no such shard) was not refused (exit $rc)"
+  fi
+  rc=0
+  env -i PATH="$PATH" HOSTNAME="ps-0-$replicas" "${env_vars[@]}" sh "$tmp/ps_local.sh" >"$tmp/flags" 2>&1 || rc=$?
+  ((rc == 2)) || { cat "$tmp/flags"; fail "pod ps-0-$replicas (no such replica) was not refused (exit $rc)"; }
+
+  # wait-for-ps with two shards of two replicas on local ports.
+  # shellcheck disable=SC2016  # JavaScript, not shell
+  node -e '
+    const net = require("net"), fs = require("fs");
+    const ports = [];
+    for (let i = 0; i < 4; i++) {
+      const srv = net.createServer((c) => c.destroy()).listen(0, "127.0.0.1", () => {
+        ports.push(srv.address().port);
+        if (ports.length === 4) fs.writeFileSync(process.argv[1] + ".tmp", ports.join(" ") + "\n"), fs.renameSync(process.argv[1] + ".tmp", process.argv[1]);
+      });
+    }
+    setTimeout(() => process.exit(0), 60000);
+  ' "$tmp/ports" &
+  listener=$!
+  for _ in $(seq 100); do [[ -s "$tmp/ports" ]] && break; sleep 0.1; done
+  read -r p0 p1 p2 p3 <"$tmp/ports" || { kill "$listener"; fail "no local listeners for wait-for-ps"; }
+  rc=0
+  PS_HOSTS="127.0.0.1:$p0|127.0.0.1:$p1,127.0.0.1:$p2|127.0.0.1:$p3" \
+    timeout 30 bash "$tmp/wait.sh" >"$tmp/wait.out" 2>&1 || rc=$?
+  kill "$listener" 2>/dev/null || true
+  wait "$listener" 2>/dev/null || true
+  if ((rc != 0)) || (($(grep -c 'is up' "$tmp/wait.out") != 4)); then
+    cat "$tmp/wait.out"; fail "wait-for-ps did not see each of 4 replicas up (exit $rc)"
+  fi
+  echo "wait-for-ps waits for each replica of each shard"
+fi
 
 echo "manifests_test: PASS"

@@ -34,7 +34,15 @@
 //     (job_rules.js), survives a crashing worker and fails fast on exit 2;
 //     ps checkpoints go to CHECKPOINT_DIR on one ReadWriteMany claim; a
 //     PodMonitor selects the pods and names their port; a kustomization
-//     lists every manifest of its directory.
+//     lists every manifest of its directory. Replicated shards (REPLICAS
+//     R > 1 in pstrain-config; ../replicas/, ../make_replicas.js): instead
+//     of StatefulSet "ps", one StatefulSet "ps-<s>" per shard with replicas
+//     == R, its pods labelled pstrain.io/shard=<s> and kept apart by a
+//     required podAntiAffinity term (topologyKey kubernetes.io/hostname)
+//     that selects them and no other shard's pods; ps_server given
+//     --replicas/--replica_index/--replica_hosts; PS_HOSTS entry s ==
+//     ps-<s>-0.<service>:PORT|...|ps-<s>-<R-1>.<service>:PORT; the Service
+//     publishes not-ready addresses; no TLS (ps_server refuses it).
 //
 // --kubectl-log=LOG: LOG is what a stand-in kubectl recorded for
 // scale_workers.sh: each call's arguments one per line, then a line "<<end>>".
@@ -587,7 +595,7 @@ function antiAffinityErrors(set, shard, others, pods) {
       if (selects(termSelector(t, labels), otherLabels)) {
         errors.push([`${base}/requiredDuringSchedulingIgnoredDuringExecution/${i}`,
           `also selects the pods of StatefulSet ${get(other.obj, 'metadata', 'name')} (shard ${otherShard}): ` +
-          `every ps pod would need a node of its own (${pods}); select ${SHARD_LABEL}: "${shard}" too`]);
+          `every ps pod would need a node of its own (${pods} nodes); select ${SHARD_LABEL}: "${shard}" too`]);
         break;
       }
     }
