@@ -644,7 +644,7 @@ wait_for_ports() {
     >"$RUN/cluster.json.tmp" && mv -f -- "$RUN/cluster.json.tmp" "$RUN/cluster.json"
   info "$SERVERS ps_server(s) serving ($MODE): $PS_HOSTS"
   ((REPLICAS == 1)) ||
-    info "each shard has $REPLICAS replicas, all on this machine (127.0.0.1): one host cannot keep them apart (on a cluster, give each replica of a shard its own host: deploy/slurm/pstrain.sbatch with REPLICAS does; the Kubernetes manifests do not place replicas yet)"
+    info "each shard has $REPLICAS replicas, all on this machine (127.0.0.1): one host cannot keep them apart (on a cluster, give each replica of a shard its own host: deploy/slurm/pstrain.sbatch with REPLICAS does; so does deploy/k8s/replicas/, made by deploy/k8s/make_replicas.js)"
   if ((METRICS)); then
     local urls="" port
     for ((i = 0; i < SERVERS * REPLICAS; i++)); do
