@@ -5,6 +5,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/consistency_mode.h"
 #include "common/hash.h"
 #include "common/status_text.h"
 
@@ -109,6 +110,13 @@ absl::Status ValidateSchema(const ModelSchema& schema) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": max_bytes must be >= 0 (0: no budget), got ",
                        table.max_bytes()));
+    }
+    if (!table.mode().empty() && !ParseConsistencyMode(table.mode()).ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where,
+                       ": mode must be empty (the servers' --mode), "
+                       "sync, async or ssp, got ",
+                       QuoteForStatus(table.mode(), 16)));
     }
   }
   return absl::OkStatus();

@@ -385,8 +385,12 @@ absl::Status Shard::InstallModel(const ModelSchema& schema,
           absl::StrCat("sparse table ", QuoteForStatus(spec.name()), ": ",
                        table.status().message()));
     }
+    absl::StatusOr<ConsistencyMode> mode =
+        TableConsistencyMode(options_.mode, spec.name(), spec.mode());
+    if (!mode.ok()) return mode.status();
     auto state = std::make_unique<SparseState>();
     state->spec = &spec;
+    state->mode = *mode;
     state->table = std::move(*table);
     {
       absl::MutexLock state_lock(&state->mu);
@@ -639,9 +643,11 @@ int64_t Shard::StateVersion() const {
   if (options_.mode != ConsistencyMode::kSync) return -1;
   int64_t min_version = kNever;
   for (const auto& state : model->sparse) {
+    if (state->mode != ConsistencyMode::kSync) continue;
     min_version = std::min(min_version, state->version.load());
   }
-  return min_version;
+  // Only async tables here: no step to report.
+  return min_version == kNever ? -1 : min_version;
 }
 
 bool Shard::RebuiltWithLossesBefore(int worker, int64_t version) {
@@ -689,6 +695,7 @@ StatsResponse Shard::Stats() const {
       const SparseTableStats table = state->table->Stats();
       SparseStats* out = stats.add_sparse();
       out->set_name(state->spec->name());
+      out->set_mode(ConsistencyModeName(state->mode));
       out->set_version(state->version.load());
       out->set_rows(table.rows);
       out->set_rows_created(table.rows_created);

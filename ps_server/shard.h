@@ -376,6 +376,11 @@ class Shard {
   // themselves are thread-safe in SparseTable).
   struct SparseState {
     const SparseTableSpec* spec = nullptr;
+    // The table's own mode (TableConsistencyMode), fixed at install: an
+    // async table under sync servers takes no part in the step (its pushes
+    // are applied on arrival, its pulls never wait, no fast-forward or lost
+    // gradient touches it) and its version stays what async gives it.
+    ConsistencyMode mode = ConsistencyMode::kSync;
     std::unique_ptr<SparseTable> table;
     std::atomic<int64_t> version{0};
     std::atomic<int64_t> rows_pulled{0}, rows_pushed{0};

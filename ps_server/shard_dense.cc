@@ -216,6 +216,7 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   // Tables behind the workers' step skip to it like blocks; their rows
   // keep what the checkpoint restored.
   for (const auto& state : model.sparse) {
+    if (state->mode != ConsistencyMode::kSync) continue;
     absl::MutexLock state_lock(&state->mu);
     const int64_t version = state->version.load();
     if (version >= step) continue;
@@ -699,6 +700,7 @@ void Shard::CompleteReadyBlocks() {
     completed |= CompleteIfReadyLocked(*block, *members);
   }
   for (const auto& state : model->sparse) {
+    if (state->mode != ConsistencyMode::kSync) continue;
     absl::MutexLock lock(&state->mu);
     completed |= CompleteSparseIfReadyLocked(*state, *members);
   }
@@ -745,6 +747,7 @@ bool Shard::CreditLostGradientsLocked(const Model& model, int worker,
     completed |= CompleteIfReadyLocked(*block, *membership_);
   }
   for (const auto& table : model.sparse) {
+    if (table->mode != ConsistencyMode::kSync) continue;
     absl::MutexLock table_lock(&table->mu);
     if (table->version.load() != step - 1 ||
         table->last_contributed[worker] == step - 1) {

@@ -45,6 +45,7 @@ int64_t Shard::PredecessorsNextStepLocked(const Model& model, int worker) {
     note(block->last_contributed[worker], block->version.load());
   }
   for (const auto& table : model.sparse) {
+    if (table->mode != ConsistencyMode::kSync) continue;
     absl::MutexLock lock(&table->mu);
     note(table->last_contributed[worker], table->version.load());
   }

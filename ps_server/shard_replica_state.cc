@@ -56,6 +56,7 @@ int64_t Shard::StepUnderWay() const {
     step = std::min(step, block->version.load());
   }
   for (const auto& table : model->sparse) {
+    if (table->mode != ConsistencyMode::kSync) continue;
     step = std::min(step, table->version.load());
   }
   return step == std::numeric_limits<int64_t>::max() ? 0 : step;

@@ -87,6 +87,11 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
     }
     const SparseTableSnapshot& saved = restored.sparse[t];
     const int64_t dim = saved.dim;
+    if (table.mode != ConsistencyMode::kSync) {
+      // An async table's version is not a step: it comes back as saved,
+      // with no steps to count lost.
+      table.version.store(saved.version);
+    }
     for (size_t r = 0; r < saved.ids.size(); ++r) {
       if (absl::Status s = table.table->LoadRow(
               saved.ids[r],
@@ -105,6 +110,7 @@ absl::Status Shard::Restore(const RestoredShard& restored) {
     // more than a step behind the blocks, where no worker will ask for its
     // old steps again. It skips to the blocks' step (its rows stay), like a
     // fast-forward, and the steps it skips count as lost.
+    if (table.mode != ConsistencyMode::kSync) continue;
     tables_behind = std::max(tables_behind, oldest - saved.version);
     updates_lost_.fetch_add(std::max<int64_t>(0, oldest - saved.version));
     table.version.store(std::max(saved.version, oldest));

@@ -24,12 +24,12 @@ using shard_internal::QuorumMet;
 
 void Shard::WaitForSparsePushStep(const SparsePushRequest& request,
                                   absl::Time until) {
-  if (options_.mode != ConsistencyMode::kSync) return;
   const Model* model = model_.load();
   if (model == nullptr) return;
   auto it = model->sparse_index.find(request.table());
   if (it == model->sparse_index.end()) return;  // SparsePush refuses it
   const SparseState& table = *model->sparse[it->second];
+  if (table.mode != ConsistencyMode::kSync) return;
   struct Reached {
     const SparseState* table;
     int64_t step;
@@ -157,7 +157,7 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
     table->rows_pulled.fetch_add(ids.size());
     done(absl::OkStatus(), std::move(response));
   };
-  if (options_.mode == ConsistencyMode::kAsync) return answer(absl::OkStatus());
+  if (table->mode == ConsistencyMode::kAsync) return answer(absl::OkStatus());
 
   auto waiter = std::make_unique<Waiter>();
   waiter->sparse = (*model)->sparse_index.at(request.table());
@@ -171,7 +171,7 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
       TouchLocked(worker);
       JoinIfPendingLocked(worker, step);
     }
-    if (options_.mode == ConsistencyMode::kSync) {
+    if (table->mode == ConsistencyMode::kSync) {
       const int64_t version = table->version.load();
       if (version + 1 < step &&
           (recovering_ || ConfirmLostStateLocked(worker, step))) {
@@ -260,7 +260,7 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     absl::MutexLock lock(&mu_);
     TouchLocked(request.worker_id());
   }
-  if (options_.mode == ConsistencyMode::kSync) {
+  if (table.mode == ConsistencyMode::kSync) {
     if (absl::Status ahead = CatchUpSparseForPush(**model, table, request);
         !ahead.ok()) {
       return Reject(std::move(ahead));

@@ -1253,7 +1253,8 @@ TEST(ShardValidationTest, BadRequestsAreRefusedAndChangeNothing) {
 // `optimizer`: adam for the dense blocks, adagrad for the table).
 Fixture MakeSparseShard(ConsistencyMode mode, int num_workers, int64_t dim = 2,
                         const std::string& optimizer = "sgd",
-                        int admit_after = 0) {
+                        int admit_after = 0,
+                        const std::string& table_mode = "") {
   Fixture f;
   f.options.mode = mode;
   f.options.sparse_admit_after = admit_after;
@@ -1270,6 +1271,7 @@ Fixture MakeSparseShard(ConsistencyMode mode, int num_workers, int64_t dim = 2,
   table->mutable_optimizer()->set_name(optimizer == "sgd" ? "sgd" : "adagrad");
   table->mutable_optimizer()->set_learning_rate(1.0f);
   if (optimizer != "sgd") table->mutable_optimizer()->set_epsilon(1e-10f);
+  table->set_mode(table_mode);
   request.set_num_shards(1);
   request.set_num_workers(num_workers);
   absl::StatusOr<RegisterModelResponse> registered = f.shard->Register(request);
@@ -1714,6 +1716,82 @@ TEST(ShardSparseTest, AsyncAppliesEachPushOnArrival) {
   ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2})).ok());
   ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(1, 0, {7}, {4, 4})).ok());
   EXPECT_EQ(SparseRows(*f.shard, 0, {7}), (std::vector<float>{-6, -6}));
+}
+
+// Sync dense layers with an async table (SparseTableSpec.mode): the table's
+// pushes are applied on arrival, exactly once, and its pulls never wait,
+// while the dense step still waits for every worker and is their mean.
+TEST(ShardSparseTest, AnAsyncTableUnderSyncServersNeverWaitsForTheStep) {
+  Fixture f = MakeSparseShard(ConsistencyMode::kSync, 2, /*dim=*/2, "sgd",
+                              /*admit_after=*/0, "async");
+  ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2})).ok());
+  // Worker 1 has pushed nothing, yet the row has worker 0's update.
+  EXPECT_EQ(SparseRows(*f.shard, 1, {7}), (std::vector<float>{-2, -2}));
+  absl::StatusOr<SparsePushResponse> again =
+      f.shard->SparsePush(SparsePushOf(0, 0, {7}, {2, 2}));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->duplicate());
+  ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(1, 0, {7}, {4, 4})).ok());
+  EXPECT_EQ(SparseRows(*f.shard, 1, {7}), (std::vector<float>{-6, -6}));
+
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
+  PullResult dense;
+  f.shard->Pull(PullAt(0, 1), Soon(), dense.Callback());
+  EXPECT_FALSE(dense.done.HasBeenNotified());  // the dense step waits
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 3)).ok());
+  ASSERT_TRUE(dense.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(dense.status.ok()) << dense.status;
+  EXPECT_EQ(dense.blocks[0].version, 1);
+  const StatsResponse stats = f.shard->Stats();
+  EXPECT_EQ(stats.version(), 1);
+  EXPECT_EQ(stats.sparse(0).mode(), "async");
+  EXPECT_EQ(stats.sparse(0).rows_pushed(), 2);
+  EXPECT_EQ(stats.gradients_lost(), 0);
+
+  // Restored, the table keeps its rows and counts no step lost.
+  absl::StatusOr<ShardSnapshot> snapshot = f.shard->Snapshot(0);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+  RestoredShard saved = RestoredFrom(*f.shard);
+  saved.sparse = snapshot->sparse;
+  auto restored = std::move(*Shard::Create(f.options));
+  ASSERT_TRUE(restored->Restore(saved).ok());
+  EXPECT_EQ(SparseRows(*restored, 1, {7}), (std::vector<float>{-6, -6}));
+  EXPECT_EQ(restored->Stats().steps_lost(), 0);
+  EXPECT_EQ(restored->Stats().updates_lost(), 0);
+}
+
+TEST(ShardSparseTest, ATableModeTheServersDoNotRunIsRefusedAtRegistration) {
+  ShardOptions options;
+  options.mode = ConsistencyMode::kAsync;
+  auto shard = std::move(*Shard::Create(options));
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  *request.mutable_schema() = TestSchema();
+  request.set_num_shards(1);
+  request.set_num_workers(1);
+  SparseTableSpec* table = request.mutable_schema()->add_sparse();
+  table->set_name("emb");
+  table->set_dim(4);
+  table->mutable_optimizer()->set_name("sgd");
+  table->mutable_optimizer()->set_learning_rate(0.1f);
+  table->set_mode("sync");
+  absl::StatusOr<RegisterModelResponse> refused = shard->Register(request);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find(
+                "sparse table 'emb' asks for mode 'sync' but the servers "
+                "run --mode=async"),
+            absl::string_view::npos)
+      << refused.status();
+  table->set_mode("bsp");
+  refused = shard->Register(request);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("mode must be empty"),
+            absl::string_view::npos)
+      << refused.status();
+  EXPECT_FALSE(shard->Stats().model_registered());
+  table->set_mode("async");
+  EXPECT_TRUE(shard->Register(request).ok());
 }
 
 TEST(ShardSparseTest, BadSparsePushesAreRefusedAndChangeNothing) {

@@ -103,6 +103,47 @@ TEST(CtrTest, AsyncWorkersEvaluateOneFinalModel) {
   EXPECT_EQ(Number((*outputs)[0], "logloss"), Number((*outputs)[1], "logloss"));
 }
 
+// Sync servers, async tables (--embedding_mode=async): the dense layers step
+// together while each table applies every push on arrival. The tables take
+// no part in the step (their version is not the step count), the job still
+// learns, and both workers evaluate one final model.
+TEST(CtrTest, SyncDenseLayersWithAsyncTablesLearnAndEndOnOneModel) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  options.mode = "sync";
+  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "ctr_async_tables");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  std::vector<std::string> flags = CtrFlags(300);
+  flags.push_back("--embedding_mode=async");
+  // Worker 1 starts late: the tables' pulls of worker 0 do not wait for it.
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({flags, flags}, absl::Seconds(240),
+                             {absl::ZeroDuration(), absl::Milliseconds(500)});
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  ASSERT_EQ(outputs->size(), 2u);
+  for (const std::string& out : *outputs) {
+    EXPECT_NE(out.find("\"final_model\":\"sync_step\""), std::string::npos)
+        << out;
+    EXPECT_GE(Number(out, "auc"), Number(out, "true_auc") - 0.06) << out;
+  }
+  EXPECT_EQ(Number((*outputs)[0], "auc"), Number((*outputs)[1], "auc"));
+  EXPECT_EQ(Number((*outputs)[0], "logloss"), Number((*outputs)[1], "logloss"));
+  absl::StatusOr<std::vector<StatsResponse>> stats = (*cluster)->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  for (const StatsResponse& shard : *stats) {
+    EXPECT_EQ(shard.version(), 300);  // the dense step
+    ASSERT_EQ(shard.sparse_size(), 4);
+    for (const SparseStats& table : shard.sparse()) {
+      EXPECT_EQ(table.mode(), "async") << table.name();
+      EXPECT_EQ(table.version(), 0) << table.name();
+      EXPECT_GT(table.rows_pushed(), 0) << table.name();
+    }
+  }
+}
+
 // The model (dense tensors and every row the job touched) after a sync job.
 struct FinalModel {
   std::vector<std::vector<float>> dense;

@@ -28,6 +28,7 @@ CtrModelOptions CtrModel(const WorkerConfig& config) {
   model.embedding_init.set_kind(InitSpec::UNIFORM);
   model.embedding_init.set_scale(ctr.embedding_init_scale);
   model.table_max_bytes = ctr.embedding_max_bytes;
+  model.table_mode = ctr.embedding_mode;
   SparseOptimizer& o = model.sparse_optimizer;
   o.set_name(ctr.sparse_optimizer);
   o.set_learning_rate(EffectiveLearningRate(

@@ -239,11 +239,21 @@ class CtrNet {
     return loss_sum;
   }
 
-  // Every gradient of the step: dense tensors, then each table's rows.
+  // Every gradient of the step: dense tensors, then each table's rows. Async
+  // tables (--embedding_mode=async) go first: their rows have no step of
+  // their own, so once the dense step completes every worker's rows of it
+  // are in, and the model each worker evaluates at the end is the same one.
   absl::Status Push(PsClient& client, int64_t step) {
+    const bool tables_first = options_.table_mode == "async";
+    if (tables_first) PSTRAIN_RETURN_IF_ERROR(PushTables(client, step));
     absl::StatusOr<PsClient::PushResult> pushed =
         client.Push(step, HostGrads());
     if (!pushed.ok()) return pushed.status();
+    if (!tables_first) PSTRAIN_RETURN_IF_ERROR(PushTables(client, step));
+    return absl::OkStatus();
+  }
+
+  absl::Status PushTables(PsClient& client, int64_t step) {
     for (int f = 0; f < options_.num_fields; ++f) {
       const Field& field = fields_[f];
       absl::StatusOr<PsClient::PushResult> rows = client.PushSparse(
@@ -379,6 +389,7 @@ ModelSchema CtrSchema(const CtrModelOptions& options) {
     *table->mutable_init() = options.embedding_init;
     *table->mutable_optimizer() = options.sparse_optimizer;
     table->set_max_bytes(options.table_max_bytes);
+    table->set_mode(options.table_mode);
   }
   return schema;
 }

@@ -38,6 +38,7 @@ struct CtrModelOptions {
   InitSpec embedding_init;  // rows are created with it on the servers
   SparseOptimizer sparse_optimizer;
   int64_t table_max_bytes = 0;  // each table's budget per server; 0: none
+  std::string table_mode;       // each table's SparseTableSpec.mode
 };
 
 // The model's schema: dense layers and one sparse table per field

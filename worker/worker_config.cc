@@ -194,6 +194,11 @@ void CheckCtr(const WorkerConfig& config, Problems& checks) {
         absl::StrCat("--embedding_max_bytes must be >= 0 (0: no budget), got ",
                      ctr.embedding_max_bytes)));
   }
+  if (!ctr.embedding_mode.empty() && ctr.embedding_mode != "async") {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--embedding_mode must be empty (the servers' --mode) or async, got '",
+        ctr.embedding_mode, "'")));
+  }
   const std::string& optimizer = ctr.sparse_optimizer;
   if (optimizer != "sgd" && optimizer != "adagrad" && optimizer != "adam" &&
       optimizer != "ftrl") {

@@ -148,6 +148,8 @@ struct CtrConfig {
   // Each table's memory budget on each server, in bytes (SparseTableSpec.
   // max_bytes); 0: none.
   int64_t embedding_max_bytes = 0;
+  // Each table's mode (SparseTableSpec.mode): "" the servers', or "async".
+  std::string embedding_mode;
 };
 
 struct WorkerConfig {

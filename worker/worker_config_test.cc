@@ -84,11 +84,14 @@ TEST(WorkerConfigTest, CtrFlagsAreCheckedWithTheRest) {
   config.ctr.data = "criteo";
   config.ctr.sparse_optimizer = "lamb";
   config.ctr.embedding_max_bytes = -1;
+  config.ctr.embedding_mode = "sync";
   config.training.batch_size = 0;
   EXPECT_THAT(Lines(ValidateWorkerConfig(config)),
               UnorderedElementsAre(
                   "--batch_size must be >= 1, got 0",
                   "--embedding_max_bytes must be >= 0 (0: no budget), got -1",
+                  "--embedding_mode must be empty (the servers' --mode) or "
+                  "async, got 'sync'",
                   "--ctr_data=criteo needs --train_file",
                   "--sparse_optimizer must be sgd, adagrad, adam or ftrl, "
                   "got 'lamb'",

@@ -245,6 +245,10 @@ ABSL_FLAG(int64_t, embedding_max_bytes, Default().ctr.embedding_max_bytes,
           "the server evicts the least recently used rows; registration "
           "refuses a budget below one row or over --max_shard_memory_gb. "
           "0: none.");
+ABSL_FLAG(std::string, embedding_mode, Default().ctr.embedding_mode,
+          "How the servers apply the CTR tables' pushes: empty (the "
+          "servers' --mode) or async (each push on arrival, pulls never "
+          "wait: with sync servers, sync dense layers and async tables).");
 ABSL_FLAG(int64_t, ctr_hidden, Default().ctr.hidden,
           "Hidden units of the CTR model's MLP.");
 ABSL_FLAG(std::string, sparse_optimizer, Default().ctr.sparse_optimizer,
@@ -369,6 +373,7 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   ctr.test_examples = absl::GetFlag(FLAGS_ctr_test_examples);
   ctr.embedding_dim = absl::GetFlag(FLAGS_embedding_dim);
   ctr.embedding_max_bytes = absl::GetFlag(FLAGS_embedding_max_bytes);
+  ctr.embedding_mode = absl::GetFlag(FLAGS_embedding_mode);
   ctr.hidden = absl::GetFlag(FLAGS_ctr_hidden);
   ctr.sparse_optimizer = absl::GetFlag(FLAGS_sparse_optimizer);
   ctr.sparse_learning_rate = absl::GetFlag(FLAGS_sparse_learning_rate);

@@ -280,6 +280,22 @@ class BadEmbeddingInputTest(unittest.TestCase):
                 model.emb(torch.tensor([[0.5, 1.0]]))
             self.assertEqual([s["sparse"] for s in c.stats()], before)
 
+    def test_table_modes_the_servers_do_not_run(self):
+        with self.assertRaisesRegex(ValueError, "consistency must be None"):
+            pstrain.torch.EmbeddingBag(100, 4, consistency="bsp")
+        with cluster.Cluster(num_shards=1, num_workers=1, mode="async") as c:
+            model = torch.nn.Module()
+            model.add_module("emb", pstrain.torch.EmbeddingBag(
+                100, 4, consistency="sync"))
+            model.add_module("out", torch.nn.Linear(4, 1))
+            with self.assertRaisesRegex(
+                    pstrain.Error, "sparse table 'emb.weight' asks for mode "
+                    "'sync' but the servers run --mode=async"):
+                pstrain.torch.ParameterServer(model, hosts=c.hosts,
+                                              worker_id=0, num_workers=1)
+            self.assertEqual(
+                [int(s["num_elements"]) for s in c.stats()], [0])
+
     def test_table_budgets_that_cannot_be_held(self):
         with self.assertRaisesRegex(ValueError, "max_bytes must be an int >= 0"):
             pstrain.torch.EmbeddingBag(100, 4, max_bytes=-1)

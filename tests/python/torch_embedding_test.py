@@ -35,13 +35,13 @@ def batches():
 
 class TorchEmbeddingTest(unittest.TestCase):
 
-    def check(self, sparse_optimizer):
+    def check(self, sparse_optimizer, consistency=None):
         with cluster.Cluster(num_shards=2, num_workers=1,
                              flags=["--optimizer=sgd",
                                     f"--learning_rate={LR}"]) as c:
             model = Net(pstrain.torch.EmbeddingBag(
                 VOCAB, DIM, mode="mean", optimizer=sparse_optimizer, lr=LR,
-                initial_accumulator=0.1))
+                initial_accumulator=0.1, consistency=consistency))
             ps = pstrain.torch.ParameterServer(model, hosts=c.hosts,
                                                worker_id=0, num_workers=1)
             every_id = np.arange(VOCAB, dtype=np.uint64)
@@ -70,6 +70,7 @@ class TorchEmbeddingTest(unittest.TestCase):
 
             rows = np.zeros((VOCAB, DIM), np.float32)
             ps.client.pull_sparse(0, STEPS, every_id, rows)
+            tables = [s["sparse"][0] for s in c.stats()]
         trained = torch.from_numpy(rows)
         self.assertLessEqual(
             (trained - local.table.weight.data).abs().max().item(), 1e-5)
@@ -79,12 +80,21 @@ class TorchEmbeddingTest(unittest.TestCase):
             self.assertLessEqual(
                 (getattr(model.out, name) - getattr(local.out, name))
                 .abs().max().item(), 1e-5)
+        return tables
 
     def test_sgd(self):
         self.check("sgd")
 
     def test_adagrad(self):
         self.check("adagrad")
+
+    def test_an_async_table_under_sync_servers(self):
+        # One worker: async rows are the sync ones, so the same equivalence
+        # holds; the servers run the table async, outside the dense step.
+        for table in self.check("adagrad", consistency="async"):
+            self.assertEqual(table["mode"], "async")
+            self.assertEqual(int(table.get("version", 0)), 0)
+            self.assertGreater(int(table["rows_pushed"]), 0)
 
     def test_a_byte_budget_bounds_the_rows_each_server_holds(self):
         # 2000 bytes a server holds a dozen rows of dim 4 with Adagrad (the

@@ -501,11 +501,14 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
     requests[s].add_ids(ids[i]);
     rows[s].insert(rows[s].end(), grads + i * dim, grads + (i + 1) * dim);
   }
+  // The servers accepted the table's mode at registration.
+  const bool sync_table =
+      TableConsistencyMode(mode_, spec.name(), spec.mode()).value_or(mode_) ==
+      ConsistencyMode::kSync;
   std::vector<int> shard_of_call;
   for (int s = 0; s < num_shards(); ++s) {
     // Sync steps complete only when every member has pushed, even nothing.
-    if (requests[s].ids_size() == 0 && mode_ != ConsistencyMode::kSync)
-      continue;
+    if (requests[s].ids_size() == 0 && !sync_table) continue;
     requests[s].set_protocol_version(kProtocolVersion);
     requests[s].set_worker_id(worker_id_);
     requests[s].set_step(step);

@@ -527,7 +527,8 @@ class _ServerTable(torch.nn.Module):
     """An embedding table that lives on the servers (see Embedding)."""
 
     def __init__(self, num_embeddings, embedding_dim, optimizer, lr,
-                 init_std, initial_accumulator, betas, eps, max_bytes):
+                 init_std, initial_accumulator, betas, eps, max_bytes,
+                 consistency):
         super().__init__()
         if embedding_dim < 1:
             raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
@@ -535,6 +536,10 @@ class _ServerTable(torch.nn.Module):
             raise ValueError("max_bytes must be an int >= 0 (bytes per "
                              f"server; 0: no budget), got {max_bytes!r}")
         self.max_bytes = max_bytes
+        if consistency not in (None, "sync", "async", "ssp"):
+            raise ValueError("consistency must be None (the servers' --mode), "
+                             f"'async', 'sync' or 'ssp', got {consistency!r}")
+        self.consistency = consistency
         if optimizer not in ("sgd", "adagrad", "adam", "ftrl"):
             raise ValueError("optimizer must be sgd, adagrad, adam or ftrl, "
                              f"got '{optimizer}'")
@@ -561,7 +566,8 @@ class _ServerTable(torch.nn.Module):
         return {"name": self.table_name, "dim": str(self.embedding_dim),
                 "init": {"kind": "NORMAL", "scale": self._init_std},
                 "optimizer": self._optimizer,
-                "max_bytes": str(self.max_bytes)}
+                "max_bytes": str(self.max_bytes),
+                "mode": self.consistency or ""}
 
     def _rows(self, ids):
         """(rows of the batch's unique ids, the index of each id among them);
@@ -628,13 +634,20 @@ class Embedding(_ServerTable):
     evicted (and start again from their initial values when seen again).
     Registration refuses a budget below one row, or tables that with the
     dense model exceed a server's ``--max_shard_memory_gb``. 0: no budget.
+    ``consistency``: how the servers apply the table's pushes. None: as the
+    servers' ``--mode``; ``"async"`` under any mode: each worker's rows are
+    applied on arrival and pulls never wait for the step, so sync dense
+    layers with async tables (PERSIA's split) keep the dense step exact while
+    the tables skip its barrier. Registration refuses a mode the servers do
+    not run (``"sync"`` under ``--mode=async``).
     """
 
     def __init__(self, num_embeddings, embedding_dim, *, optimizer="adagrad",
                  lr=0.01, init_std=1.0, initial_accumulator=0.0,
-                 betas=(0.9, 0.999), eps=None, max_bytes=0):
+                 betas=(0.9, 0.999), eps=None, max_bytes=0, consistency=None):
         super().__init__(num_embeddings, embedding_dim, optimizer, lr,
-                         init_std, initial_accumulator, betas, eps, max_bytes)
+                         init_std, initial_accumulator, betas, eps, max_bytes,
+                         consistency)
 
     def forward(self, ids):
         rows, index = self._rows(ids)
@@ -649,9 +662,10 @@ class EmbeddingBag(_ServerTable):
     def __init__(self, num_embeddings, embedding_dim, *, mode="mean",
                  optimizer="adagrad", lr=0.01, init_std=1.0,
                  initial_accumulator=0.0, betas=(0.9, 0.999), eps=None,
-                 max_bytes=0):
+                 max_bytes=0, consistency=None):
         super().__init__(num_embeddings, embedding_dim, optimizer, lr,
-                         init_std, initial_accumulator, betas, eps, max_bytes)
+                         init_std, initial_accumulator, betas, eps, max_bytes,
+                         consistency)
         if mode not in ("sum", "mean"):
             raise ValueError(f"mode must be sum or mean, got '{mode}'")
         self.mode = mode
