@@ -132,13 +132,17 @@ class CtrNet {
   absl::StatusOr<int64_t> Load(PsClient& client, int64_t step,
                                const CtrDataset& batch) {
     const int64_t dim = options_.dim;
+    std::vector<PsClient::SparsePullPart> parts;
     for (int f = 0; f < options_.num_fields; ++f) {
       Field& field = fields_[f];
       ExtractFieldBags(batch, f, &field.offsets, &field.ids);
       field.dedup.Run(field.ids, &field.unique);
+      parts.push_back({f, field.unique.unique, field.host_rows.data()});
+    }
+    PSTRAIN_RETURN_IF_ERROR(client.PullSparse(step, parts));
+    for (int f = 0; f < options_.num_fields; ++f) {
+      Field& field = fields_[f];
       const int64_t n = field.unique.unique.size();
-      PSTRAIN_RETURN_IF_ERROR(client.PullSparse(f, step, field.unique.unique,
-                                                field.host_rows.data()));
       PSTRAIN_RETURN_IF_ERROR(backend_->CopyToDevice(
           field.host_rows.data(), field.rows.data(), n * dim * sizeof(float)));
       PSTRAIN_RETURN_IF_ERROR(
@@ -254,11 +258,14 @@ class CtrNet {
   }
 
   absl::Status PushTables(PsClient& client, int64_t step) {
+    std::vector<PsClient::SparsePushPart> parts;
     for (int f = 0; f < options_.num_fields; ++f) {
       const Field& field = fields_[f];
-      absl::StatusOr<PsClient::PushResult> rows = client.PushSparse(
-          f, step, field.unique.unique, field.host_grad_rows.data());
-      if (!rows.ok()) return rows.status();
+      parts.push_back({f, field.unique.unique, field.host_grad_rows.data()});
+    }
+    absl::StatusOr<PsClient::PushResult> rows = client.PushSparse(step, parts);
+    if (!rows.ok()) return rows.status();
+    for (const Field& field : fields_) {
       rows_pushed_ += field.unique.unique.size();
     }
     return absl::OkStatus();

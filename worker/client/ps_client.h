@@ -271,10 +271,28 @@ class PsClient {
                           absl::Span<const uint64_t> ids, float* out);
   // Sends one gradient row per id (ids unique, grads [ids, dim]). In sync
   // mode every shard gets a push, empty where the batch touched none of its
-  // rows, so the table's step completes everywhere.
+  // rows, so the table's step completes everywhere (an async table's empty
+  // pushes are not sent).
   absl::StatusOr<PushResult> PushSparse(int table, int64_t step,
                                         absl::Span<const uint64_t> ids,
                                         const float* grads);
+  // Several tables' rows in one round trip (every table's requests to
+  // every shard in flight together): a model with many tables (CTR, DLRM)
+  // pays one network wait a step for its pulls, and one for its pushes,
+  // not one per table. Each part as in the single-table calls above.
+  struct SparsePullPart {
+    int table = 0;
+    absl::Span<const uint64_t> ids;
+    float* out = nullptr;
+  };
+  absl::Status PullSparse(int64_t step, absl::Span<const SparsePullPart> parts);
+  struct SparsePushPart {
+    int table = 0;
+    absl::Span<const uint64_t> ids;
+    const float* grads = nullptr;
+  };
+  absl::StatusOr<PushResult> PushSparse(int64_t step,
+                                        absl::Span<const SparsePushPart> parts);
 
   // The current learning rate of each param group (a torch scheduler's,
   // TorchOptimizer.group indexes them), and its momentum where a scheduler

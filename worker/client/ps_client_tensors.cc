@@ -418,56 +418,60 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
 
 absl::Status PsClient::PullSparse(int table, int64_t step,
                                   absl::Span<const uint64_t> ids, float* out) {
-  if (table < 0 || table >= schema_.sparse_size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("no sparse table ", table, " in the model"));
+  return PullSparse(step, {SparsePullPart{table, ids, out}});
+}
+
+absl::Status PsClient::PullSparse(int64_t step,
+                                  absl::Span<const SparsePullPart> parts) {
+  for (const SparsePullPart& part : parts) {
+    if (part.table < 0 || part.table >= schema_.sparse_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("no sparse table ", part.table, " in the model"));
+    }
   }
-  const SparseTableSpec& spec = schema_.sparse(table);
-  const int64_t dim = spec.dim();
-  // positions[s]: where shard s's rows go in `out`.
-  std::vector<std::vector<size_t>> positions(num_shards());
-  std::vector<SparsePullRequest> requests(num_shards());
-  for (size_t i = 0; i < ids.size(); ++i) {
-    const int s = SparseShardOf(spec.name(), ids[i], num_shards());
-    positions[s].push_back(i);
-    requests[s].add_ids(ids[i]);
-  }
+  // positions[p][s]: where shard s's rows of part p go in its `out`.
+  std::vector<std::vector<std::vector<size_t>>> positions(parts.size());
   std::vector<Call> calls;
-  calls.reserve(num_shards());
-  std::vector<int> shard_of_call;
-  for (int s = 0; s < num_shards(); ++s) {
-    if (positions[s].empty()) continue;
-    requests[s].set_protocol_version(kProtocolVersion);
-    requests[s].set_worker_id(worker_id_);
-    requests[s].set_step(step);
-    requests[s].set_table(spec.name());
-    shard_of_call.push_back(s);
-  }
-  calls.resize(shard_of_call.size());
-  for (size_t c = 0; c < calls.size(); ++c) {
-    const int s = shard_of_call[c];
-    calls[c].shard = s;
-    calls[c].connection = c % options_.connections_per_shard;
-    calls[c].flat = requests[s].SerializeAsString();
-    calls[c].on_response = [&positions, s, dim,
-                            out](absl::Span<const absl::string_view> bytes) {
-      SparsePullResponse response;
-      if (absl::Status st = Deserialize(bytes, &response); !st.ok()) {
-        return st;
-      }
-      const std::vector<size_t>& where = positions[s];
-      if (response.values().size() != where.size() * dim * sizeof(float)) {
-        return absl::DataLossError(
-            absl::StrCat("sparse pull returned ", response.values().size(),
-                         " bytes for ", where.size(), " rows of dim ", dim));
-      }
-      const char* values = response.values().data();
-      for (size_t r = 0; r < where.size(); ++r) {
-        std::memcpy(out + where[r] * dim, values + r * dim * sizeof(float),
-                    dim * sizeof(float));
-      }
-      return absl::OkStatus();
-    };
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const SparseTableSpec& spec = schema_.sparse(parts[p].table);
+    const int64_t dim = spec.dim();
+    positions[p].resize(num_shards());
+    std::vector<SparsePullRequest> requests(num_shards());
+    for (size_t i = 0; i < parts[p].ids.size(); ++i) {
+      const int s = SparseShardOf(spec.name(), parts[p].ids[i], num_shards());
+      positions[p][s].push_back(i);
+      requests[s].add_ids(parts[p].ids[i]);
+    }
+    for (int s = 0; s < num_shards(); ++s) {
+      if (positions[p][s].empty()) continue;
+      requests[s].set_protocol_version(kProtocolVersion);
+      requests[s].set_worker_id(worker_id_);
+      requests[s].set_step(step);
+      requests[s].set_table(spec.name());
+      Call& call = calls.emplace_back();
+      call.shard = s;
+      call.connection =
+          static_cast<int>(calls.size() - 1) % options_.connections_per_shard;
+      call.flat = requests[s].SerializeAsString();
+      call.on_response = [where = &positions[p][s], dim, out = parts[p].out](
+                             absl::Span<const absl::string_view> bytes) {
+        SparsePullResponse response;
+        if (absl::Status st = Deserialize(bytes, &response); !st.ok()) {
+          return st;
+        }
+        if (response.values().size() != where->size() * dim * sizeof(float)) {
+          return absl::DataLossError(
+              absl::StrCat("sparse pull returned ", response.values().size(),
+                           " bytes for ", where->size(), " rows of dim ", dim));
+        }
+        const char* values = response.values().data();
+        for (size_t r = 0; r < where->size(); ++r) {
+          std::memcpy(out + (*where)[r] * dim, values + r * dim * sizeof(float),
+                      dim * sizeof(float));
+        }
+        return absl::OkStatus();
+      };
+    }
   }
   if (absl::Status s =
           RunAll("SparsePull", calls, options_.rpc_timeout, /*retry=*/true);
@@ -483,47 +487,56 @@ absl::Status PsClient::PullSparse(int table, int64_t step,
 absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
     int table, int64_t step, absl::Span<const uint64_t> ids,
     const float* grads) {
-  if (table < 0 || table >= schema_.sparse_size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("no sparse table ", table, " in the model"));
+  return PushSparse(step, {SparsePushPart{table, ids, grads}});
+}
+
+absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
+    int64_t step, absl::Span<const SparsePushPart> parts) {
+  for (const SparsePushPart& part : parts) {
+    if (part.table < 0 || part.table >= schema_.sparse_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("no sparse table ", part.table, " in the model"));
+    }
   }
   InjectPushJitter();
-  const SparseTableSpec& spec = schema_.sparse(table);
-  const int64_t dim = spec.dim();
   // Rows are already the few that changed: top-k has nothing to drop.
   const DataType wire_type = options_.gradient_wire_type == TOPK_FLOAT32
                                  ? FLOAT32
                                  : options_.gradient_wire_type;
-  std::vector<SparsePushRequest> requests(num_shards());
-  std::vector<std::vector<float>> rows(num_shards());
-  for (size_t i = 0; i < ids.size(); ++i) {
-    const int s = SparseShardOf(spec.name(), ids[i], num_shards());
-    requests[s].add_ids(ids[i]);
-    rows[s].insert(rows[s].end(), grads + i * dim, grads + (i + 1) * dim);
+  std::vector<Call> calls;
+  for (const SparsePushPart& part : parts) {
+    const SparseTableSpec& spec = schema_.sparse(part.table);
+    const int64_t dim = spec.dim();
+    std::vector<SparsePushRequest> requests(num_shards());
+    std::vector<std::vector<float>> rows(num_shards());
+    for (size_t i = 0; i < part.ids.size(); ++i) {
+      const int s = SparseShardOf(spec.name(), part.ids[i], num_shards());
+      requests[s].add_ids(part.ids[i]);
+      rows[s].insert(rows[s].end(), part.grads + i * dim,
+                     part.grads + (i + 1) * dim);
+    }
+    // The servers accepted the table's mode at registration.
+    const bool sync_table =
+        TableConsistencyMode(mode_, spec.name(), spec.mode()).value_or(mode_) ==
+        ConsistencyMode::kSync;
+    for (int s = 0; s < num_shards(); ++s) {
+      // Sync steps complete only when every member has pushed, even nothing.
+      if (requests[s].ids_size() == 0 && !sync_table) continue;
+      requests[s].set_protocol_version(kProtocolVersion);
+      requests[s].set_worker_id(worker_id_);
+      requests[s].set_step(step);
+      requests[s].set_table(spec.name());
+      requests[s].set_dtype(wire_type);
+      EncodeFromFloat32(wire_type, rows[s], requests[s].mutable_gradients());
+      Call& call = calls.emplace_back();
+      call.shard = s;
+      call.connection =
+          static_cast<int>(calls.size() - 1) % options_.connections_per_shard;
+      call.flat = requests[s].SerializeAsString();
+    }
   }
-  // The servers accepted the table's mode at registration.
-  const bool sync_table =
-      TableConsistencyMode(mode_, spec.name(), spec.mode()).value_or(mode_) ==
-      ConsistencyMode::kSync;
-  std::vector<int> shard_of_call;
-  for (int s = 0; s < num_shards(); ++s) {
-    // Sync steps complete only when every member has pushed, even nothing.
-    if (requests[s].ids_size() == 0 && !sync_table) continue;
-    requests[s].set_protocol_version(kProtocolVersion);
-    requests[s].set_worker_id(worker_id_);
-    requests[s].set_step(step);
-    requests[s].set_table(spec.name());
-    requests[s].set_dtype(wire_type);
-    EncodeFromFloat32(wire_type, rows[s], requests[s].mutable_gradients());
-    shard_of_call.push_back(s);
-  }
-  std::vector<Call> calls(shard_of_call.size());
   std::vector<SparsePushResponse> responses(calls.size());
   for (size_t c = 0; c < calls.size(); ++c) {
-    const int s = shard_of_call[c];
-    calls[c].shard = s;
-    calls[c].connection = c % options_.connections_per_shard;
-    calls[c].flat = requests[s].SerializeAsString();
     calls[c].on_response = [&responses,
                             c](absl::Span<const absl::string_view> bytes) {
       return Deserialize(bytes, &responses[c]);
