@@ -15,6 +15,17 @@ and optimizers), the baseline the job is compared with:
 
     /usr/bin/python3 worker/python/examples/ctr.py --local --steps=400
 
+With sync dense layers and async tables (each worker's rows applied on
+arrival, the tables' pulls never waiting for the step), add
+--table_consistency=async to the pstrain job. As one rank of
+DistributedDataParallel over gloo (the tables replicated on every rank, their
+sparse gradients all-reduced), what a PyTorch user scales out with instead:
+
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=0 WORLD_SIZE=2 \
+        /usr/bin/python3 worker/python/examples/ctr.py --ddp --steps=400 &
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=1 WORLD_SIZE=2 \
+        /usr/bin/python3 worker/python/examples/ctr.py --ddp --steps=400
+
 The lines that differ are marked "pstrain:". Data: the C++ CTR worker's
 synthetic stream, whose hidden ground truth says what AUC a perfect model
 reaches. Prints a final JSON line with the held-out AUC beside it.
@@ -75,6 +86,13 @@ def main():
     parser.add_argument("--test_examples", type=int, default=20000)
     parser.add_argument("--local", action="store_true",
                         help="one plain PyTorch process")
+    parser.add_argument("--ddp", action="store_true",
+                        help="one rank of DistributedDataParallel over gloo "
+                        "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+    parser.add_argument("--table_consistency", choices=["async"],
+                        default=None,
+                        help="pstrain: the tables' mode (default: the "
+                        "servers' --mode)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(1)
@@ -86,7 +104,10 @@ def main():
                                 first_index=args.steps * args.global_batch_size,
                                 num_dense=args.dense, num_fields=args.fields,
                                 vocab_per_field=args.vocab)
-    if args.local:
+    if args.local and args.ddp:
+        parser.error("--local and --ddp are two different baselines")
+    plain_torch = args.local or args.ddp
+    if plain_torch:
         rows = Rows(train, test)
         tables = [nn.EmbeddingBag(len(rows), args.dim, mode="mean",
                                   sparse=True) for _ in range(args.fields)]
@@ -98,11 +119,19 @@ def main():
         rows = lambda bags: bags  # noqa: E731 (pstrain: ids as they are)
         tables = [pstrain.torch.EmbeddingBag(  # pstrain: rows on the servers
             None, args.dim, mode="mean", optimizer="adagrad", lr=args.sparse_lr,
-            init_std=0.01) for _ in range(args.fields)]
+            init_std=0.01, consistency=args.table_consistency)
+            for _ in range(args.fields)]
     model = CtrNet(tables, args.dense, args.dim)
     optimizer = torch.optim.Adam(model.mlp.parameters(), lr=args.lr)
+    net = model
     if args.local:
         worker_id, num_workers, mode, start_step = 0, 1, "local", 0
+    elif args.ddp:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        worker_id, num_workers = dist.get_rank(), dist.get_world_size()
+        mode, start_step = "ddp", 0
+        net = nn.parallel.DistributedDataParallel(model)
     else:
         # pstrain: join the job; the servers run this optimizer
         ps = pstrain.torch.ParameterServer(model, optimizer=optimizer)
@@ -116,9 +145,9 @@ def main():
         first = step * args.global_batch_size + worker_id * batch_size
         dense, labels, bags = train.batch(np.arange(first, first + batch_size))
         loss = nn.functional.binary_cross_entropy_with_logits(
-            model(dense, rows(bags)), labels)
+            net(dense, rows(bags)), labels)
         loss.backward()
-        if args.local:
+        if plain_torch:
             optimizer.step()
             sparse_optimizer.step()
             optimizer.zero_grad()
@@ -126,7 +155,7 @@ def main():
         else:
             ps.step()  # pstrain: push the gradients, pull the new model
     wall = time.time() - start
-    final_model = "local" if args.local else ps.finish()  # pstrain: done
+    final_model = mode if plain_torch else ps.finish()  # pstrain: done
 
     model.eval()
     with torch.no_grad():
@@ -143,7 +172,10 @@ def main():
                                         test.true_probabilities), 4),
         final_loss=round(loss.item(), 6), test_examples=test.size,
         samples_per_sec=round((args.steps - start_step) * batch_size
-                              / max(wall, 1e-9), 1))
+                              / max(wall, 1e-9), 1),
+        wall_time_s=round(wall, 3))
+    if args.ddp:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
