@@ -96,6 +96,58 @@ class TorchEmbeddingTest(unittest.TestCase):
             self.assertEqual(int(table.get("version", 0)), 0)
             self.assertGreater(int(table["rows_pushed"]), 0)
 
+    def test_a_collection_pulls_every_table_as_each_would_alone(self):
+        # Two tables in an EmbeddingBagCollection (one round trip) against
+        # two local nn.EmbeddingBag tables: the same model after training.
+        class Pair(torch.nn.Module):
+            def __init__(self, fields, local):
+                super().__init__()
+                self.fields, self.local = fields, local
+                torch.manual_seed(4)
+                self.out = torch.nn.Linear(2 * DIM, 1)
+
+            def forward(self, ids):
+                bags = [(ids[:, :2], None), (ids[:, 1:], None)]
+                if self.local:
+                    pooled = [t(i) for t, (i, _) in zip(self.fields, bags)]
+                else:
+                    pooled = self.fields(bags)
+                return self.out(torch.cat(pooled, dim=1)).squeeze(1)
+
+        with cluster.Cluster(num_shards=2, num_workers=1,
+                             flags=["--optimizer=sgd",
+                                    f"--learning_rate={LR}"]) as c:
+            model = Pair(pstrain.torch.EmbeddingBagCollection(
+                pstrain.torch.EmbeddingBag(VOCAB, DIM, mode="sum",
+                                           optimizer="sgd", lr=LR)
+                for _ in range(2)), local=False)
+            ps = pstrain.torch.ParameterServer(model, hosts=c.hosts,
+                                               worker_id=0, num_workers=1)
+            every_id = np.arange(VOCAB, dtype=np.uint64)
+            local = Pair(torch.nn.ModuleList(
+                torch.nn.EmbeddingBag(VOCAB, DIM, mode="sum")
+                for _ in range(2)), local=True)
+            for t, table in enumerate(local.fields):
+                initial = np.zeros((VOCAB, DIM), np.float32)
+                ps.client.pull_sparse(t, 0, every_id, initial)
+                table.weight.data.copy_(torch.from_numpy(initial))
+            opt = torch.optim.SGD(local.parameters(), lr=LR)
+            loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
+            for ids, labels in batches():
+                loss_fn(model(ids), labels).backward()
+                ps.step()
+                loss_fn(local(ids), labels).backward()
+                opt.step()
+                opt.zero_grad()
+            for t, table in enumerate(local.fields):
+                rows = np.zeros((VOCAB, DIM), np.float32)
+                ps.client.pull_sparse(t, STEPS, every_id, rows)
+                self.assertLessEqual(
+                    (torch.from_numpy(rows) - table.weight.data)
+                    .abs().max().item(), 1e-5)
+        with self.assertRaisesRegex(TypeError, "holds pstrain.torch"):
+            pstrain.torch.EmbeddingBagCollection([torch.nn.Linear(2, 2)])
+
     def test_a_byte_budget_bounds_the_rows_each_server_holds(self):
         # 2000 bytes a server holds a dozen rows of dim 4 with Adagrad (the
         # servers log the exact count); the batches touch every one of the

@@ -197,6 +197,30 @@ absl::Status CheckTable(const pstrain_client& c, int table) {
   return absl::OkStatus();
 }
 
+// The parts' tables and counts, checked; `make(i, ids)` builds part i.
+template <typename Part, typename Make>
+absl::StatusOr<std::vector<Part>> SparseParts(const pstrain_client& c,
+                                              int num_parts, const int* tables,
+                                              const uint64_t* const* ids,
+                                              const int64_t* num_ids,
+                                              Make make) {
+  if (num_parts < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_parts must be >= 0, got ", num_parts));
+  }
+  std::vector<Part> parts;
+  parts.reserve(num_parts);
+  for (int i = 0; i < num_parts; ++i) {
+    if (absl::Status s = CheckTable(c, tables[i]); !s.ok()) return s;
+    if (num_ids[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("part ", i, ": num_ids must be >= 0, got ", num_ids[i]));
+    }
+    parts.push_back(make(i, absl::MakeConstSpan(ids[i], num_ids[i])));
+  }
+  return parts;
+}
+
 }  // namespace
 }  // namespace pstrain
 
@@ -438,6 +462,46 @@ int pstrain_client_push_sparse(pstrain_client* c, int table, int64_t step,
     absl::StatusOr<pstrain::PsClient::PushResult> pushed =
         c->client->PushSparse(table, step, absl::MakeConstSpan(ids, num_ids),
                               gradients);
+    if (!pushed.ok()) return pushed.status();
+    result[0] = pushed->blocks_duplicate;
+    result[1] = pushed->blocks_late;
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_client_pull_sparse_tables(pstrain_client* c, int64_t step,
+                                      int num_parts, const int* tables,
+                                      const uint64_t* const* ids,
+                                      const int64_t* num_ids,
+                                      float* const* outs, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    using Part = pstrain::PsClient::SparsePullPart;
+    absl::StatusOr<std::vector<Part>> parts = pstrain::SparseParts<Part>(
+        *c, num_parts, tables, ids, num_ids,
+        [&](int i, absl::Span<const uint64_t> part_ids) {
+          return Part{tables[i], part_ids, outs[i]};
+        });
+    if (!parts.ok()) return parts.status();
+    return c->client->PullSparse(step, *parts);
+  });
+}
+
+int pstrain_client_push_sparse_tables(pstrain_client* c, int64_t step,
+                                      int num_parts, const int* tables,
+                                      const uint64_t* const* ids,
+                                      const int64_t* num_ids,
+                                      const float* const* gradients,
+                                      int64_t result[2], char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    using Part = pstrain::PsClient::SparsePushPart;
+    absl::StatusOr<std::vector<Part>> parts = pstrain::SparseParts<Part>(
+        *c, num_parts, tables, ids, num_ids,
+        [&](int i, absl::Span<const uint64_t> part_ids) {
+          return Part{tables[i], part_ids, gradients[i]};
+        });
+    if (!parts.ok()) return parts.status();
+    absl::StatusOr<pstrain::PsClient::PushResult> pushed =
+        c->client->PushSparse(step, *parts);
     if (!pushed.ok()) return pushed.status();
     result[0] = pushed->blocks_duplicate;
     result[1] = pushed->blocks_late;

@@ -90,6 +90,23 @@ int pstrain_client_push_sparse(pstrain_client* client, int table, int64_t step,
                                const uint64_t* ids, int64_t num_ids,
                                const float* gradients, int64_t result[2],
                                char** error);
+/* Several tables' rows in one round trip (PsClient::PullSparse with parts):
+ * part i fills outs[i] ([num_ids[i], dim]) with the rows of table tables[i]
+ * for ids[i], as pstrain_client_pull_sparse does. */
+int pstrain_client_pull_sparse_tables(pstrain_client* client, int64_t step,
+                                      int num_parts, const int* tables,
+                                      const uint64_t* const* ids,
+                                      const int64_t* num_ids,
+                                      float* const* outs, char** error);
+/* Several tables' rows in one round trip (PsClient::PushSparse with parts):
+ * part i pushes num_ids[i] rows of table tables[i], ids[i] and gradients[i]
+ * ([num_ids[i], dim]) as pstrain_client_push_sparse does. */
+int pstrain_client_push_sparse_tables(pstrain_client* client, int64_t step,
+                                      int num_parts, const int* tables,
+                                      const uint64_t* const* ids,
+                                      const int64_t* num_ids,
+                                      const float* const* gradients,
+                                      int64_t result[2], char** error);
 /* The current learning rate of each param group, and its momentum (NULL:
  * none carried), carried by every later push (PsClient::SetGroupRates). */
 void pstrain_client_set_group_rates(pstrain_client* client, const double* rates,

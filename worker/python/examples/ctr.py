@@ -43,16 +43,23 @@ import pstrain.data
 import pstrain.torch
 
 
+class Tables(nn.ModuleList):
+    """One nn.EmbeddingBag per field, called with every field's bags at once
+    (the interface of pstrain.torch.EmbeddingBagCollection)."""
+
+    def forward(self, bags):
+        return [table(ids, offsets) for table, (ids, offsets) in zip(self, bags)]
+
+
 class CtrNet(nn.Module):
-    def __init__(self, tables, num_dense, dim):
+    def __init__(self, fields, num_fields, num_dense, dim):
         super().__init__()
-        self.fields = nn.ModuleList(tables)
-        self.mlp = nn.Sequential(nn.Linear(len(tables) * dim + num_dense, 64),
+        self.fields = fields
+        self.mlp = nn.Sequential(nn.Linear(num_fields * dim + num_dense, 64),
                                  nn.ReLU(), nn.Linear(64, 1))
 
     def forward(self, dense, bags):
-        embedded = [table(ids, offsets)
-                    for table, (ids, offsets) in zip(self.fields, bags)]
+        embedded = self.fields(bags)
         return self.mlp(torch.cat(embedded + [dense], dim=1)).squeeze(1)
 
 
@@ -109,19 +116,22 @@ def main():
     plain_torch = args.local or args.ddp
     if plain_torch:
         rows = Rows(train, test)
-        tables = [nn.EmbeddingBag(len(rows), args.dim, mode="mean",
-                                  sparse=True) for _ in range(args.fields)]
+        tables = Tables(nn.EmbeddingBag(len(rows), args.dim, mode="mean",
+                                        sparse=True) for _ in range(args.fields))
         for table in tables:
             nn.init.normal_(table.weight, std=0.01)
         sparse_optimizer = torch.optim.Adagrad(
             [t.weight for t in tables], lr=args.sparse_lr)
     else:
         rows = lambda bags: bags  # noqa: E731 (pstrain: ids as they are)
-        tables = [pstrain.torch.EmbeddingBag(  # pstrain: rows on the servers
-            None, args.dim, mode="mean", optimizer="adagrad", lr=args.sparse_lr,
-            init_std=0.01, consistency=args.table_consistency)
-            for _ in range(args.fields)]
-    model = CtrNet(tables, args.dense, args.dim)
+        # pstrain: rows on the servers, every table's pulled in one round trip
+        tables = pstrain.torch.EmbeddingBagCollection(
+            pstrain.torch.EmbeddingBag(
+                None, args.dim, mode="mean", optimizer="adagrad",
+                lr=args.sparse_lr, init_std=0.01,
+                consistency=args.table_consistency)
+            for _ in range(args.fields))
+    model = CtrNet(tables, args.fields, args.dense, args.dim)
     optimizer = torch.optim.Adam(model.mlp.parameters(), lr=args.lr)
     net = model
     if args.local:

@@ -137,6 +137,14 @@ class Client:
     def push_sparse(self, table, step, ids, gradients):
         return self._core.push_sparse(table, step, ids, gradients)
 
+    def pull_sparse_tables(self, step, parts):
+        """[(table, ids, out), ...] in one round trip."""
+        self._core.pull_sparse_tables(step, parts)
+
+    def push_sparse_tables(self, step, parts):
+        """[(table, ids, gradients), ...] in one round trip."""
+        return self._core.push_sparse_tables(step, parts)
+
     def set_group_rates(self, rates, momentums=None):
         """The current learning rate of each param group (a scheduler's), and
         the momentum where a scheduler cycles it: every later push carries

@@ -99,6 +99,10 @@ _declare("pstrain_client_pull_sparse", _p, ctypes.c_int, _i64, _p, _i64, _p,
          _err)
 _declare("pstrain_client_push_sparse", _p, ctypes.c_int, _i64, _p, _i64, _p, _p,
          _err)
+_declare("pstrain_client_pull_sparse_tables", _p, _i64, ctypes.c_int, _p, _p,
+         _p, _p, _err)
+_declare("pstrain_client_push_sparse_tables", _p, _i64, ctypes.c_int, _p, _p,
+         _p, _p, _p, _err)
 _declare("pstrain_client_leave", _p, _err)
 _declare("pstrain_client_set_gradient_clip", _p, ctypes.c_double, restype=None)
 _declare("pstrain_client_last_clip_norm", _p, restype=ctypes.c_double)
@@ -400,6 +404,35 @@ class Client:
         result = (_i64 * 2)()
         self._call(_lib.pstrain_client_push_sparse, table, step, ids_pointer,
                    len(ids), rows[0], result)
+        return result[0], result[1]
+
+    def _sparse_parts(self, parts, writable, call):
+        """(tables, ids, counts, rows) C arrays of [(table, ids, rows), ...]."""
+        n = len(parts)
+        tables = (ctypes.c_int * n)()
+        ids = (ctypes.c_void_p * n)()
+        counts = (_i64 * n)()
+        rows = (ctypes.c_void_p * n)()
+        for i, (table, part_ids, part_rows) in enumerate(parts):
+            name, dim = self._table(table)
+            tables[i] = table
+            ids[i] = _ids_pointer(part_ids, name)
+            counts[i] = len(part_ids)
+            rows[i] = _float_pointers([part_rows], [len(part_ids) * dim],
+                                      writable, call, [name + " rows"])[0]
+        return tables, ids, counts, rows
+
+    def pull_sparse_tables(self, step, parts):
+        """parts: (table, ids, out) each, pulled in one round trip."""
+        self._call(_lib.pstrain_client_pull_sparse_tables, step, len(parts),
+                   *self._sparse_parts(parts, True, "pull_sparse_tables"))
+
+    def push_sparse_tables(self, step, parts):
+        """parts: (table, ids, gradients) each, pushed in one round trip."""
+        result = (_i64 * 2)()
+        self._call(_lib.pstrain_client_push_sparse_tables, step, len(parts),
+                   *self._sparse_parts(parts, False, "push_sparse_tables"),
+                   result)
         return result[0], result[1]
 
     def set_group_rates(self, rates, momentums=None):

@@ -53,7 +53,8 @@ import torch
 
 import pstrain
 
-__all__ = ["Embedding", "EmbeddingBag", "ParameterServer"]
+__all__ = ["Embedding", "EmbeddingBag", "EmbeddingBagCollection",
+           "ParameterServer"]
 
 # One block of a dense tensor, the unit of transfer, locking and sharding.
 DEFAULT_BLOCK_ELEMENTS = 1 << 17
@@ -384,8 +385,9 @@ class ParameterServer:
         step = self._step
         for t in self._tensors:
             t.check_unchanged()
-        for table in self._tables:
-            table._push_pending(step)
+        if self._tables:  # every table's rows in one round trip
+            self.client.push_sparse_tables(
+                step, [table._take_pending() for table in self._tables])
         if self._stream is not None:
             torch.cuda.current_stream().synchronize()  # gradient copies
         grads = [t.push_source() for t in self._tensors]
@@ -569,9 +571,9 @@ class _ServerTable(torch.nn.Module):
                 "max_bytes": str(self.max_bytes),
                 "mode": self.consistency or ""}
 
-    def _rows(self, ids):
-        """(rows of the batch's unique ids, the index of each id among them);
-        the rows are a leaf whose gradient step() pushes when training."""
+    def _keys(self, ids):
+        """(the batch's unique ids as the table's uint64 keys, the index of
+        each id among them), checked."""
         if self._ps is None:
             raise RuntimeError(
                 f"{type(self).__name__} is not bound to a ParameterServer: "
@@ -587,20 +589,38 @@ class _ServerTable(torch.nn.Module):
                     f"'{self.table_name}': ids must be in [0, "
                     f"{self.num_embeddings}), got {low}..{high}")
         unique, inverse = torch.unique(flat, return_inverse=True)
-        keys = unique.numpy().astype(np.uint64)
-        rows = torch.empty((len(keys), self.embedding_dim), dtype=torch.float32)
-        training = self.training and torch.is_grad_enabled()
-        ps = self._ps
-        client = ps.client if training else ps._reader()
-        client.pull_sparse(self._index, ps._step, keys, rows.numpy())
+        return unique.numpy().astype(np.uint64), inverse.reshape(ids.shape)
+
+    def _training(self):
+        return self.training and torch.is_grad_enabled()
+
+    def _client(self, training):
+        return self._ps.client if training else self._ps._reader()
+
+    def _empty_rows(self, keys):
+        return torch.empty((len(keys), self.embedding_dim), dtype=torch.float32)
+
+    def _leaf(self, keys, rows, training):
+        """The pulled rows as a leaf whose gradient step() pushes (training)."""
         if training:
             rows.requires_grad_(True)
             self._pending.append((keys, rows))
-        return rows, inverse.reshape(ids.shape)
+        return rows
 
-    def _push_pending(self, step):
-        # Every shard hears from every worker each sync step, even with no
-        # rows (PushSparse sends the empty ones): the table's step completes.
+    def _rows(self, ids):
+        """(rows of the batch's unique ids, the index of each id among them)."""
+        keys, index = self._keys(ids)
+        rows = self._empty_rows(keys)
+        training = self._training()
+        self._client(training).pull_sparse(self._index, self._ps._step, keys,
+                                           rows.numpy())
+        return self._leaf(keys, rows, training), index
+
+    def _take_pending(self):
+        """(table index, unique ids, summed gradient rows) of this step's
+        forwards, for ParameterServer.step's push. Every shard hears from
+        every worker each sync step, even with no rows (PushSparse sends the
+        empty ones): the table's step completes."""
         if not self._pending:
             keys = np.zeros(0, dtype=np.uint64)
             grads = np.zeros((0, self.embedding_dim), dtype=np.float32)
@@ -613,7 +633,7 @@ class _ServerTable(torch.nn.Module):
             grads = np.zeros((len(keys), self.embedding_dim), dtype=np.float32)
             np.add.at(grads, where, all_grads)
         self._pending = []
-        self._ps.client.push_sparse(self._index, step, keys, grads)
+        return self._index, keys, grads
 
 
 class Embedding(_ServerTable):
@@ -675,3 +695,46 @@ class EmbeddingBag(_ServerTable):
         return torch.nn.functional.embedding_bag(index, rows, offsets,
                                                  mode=self.mode)
 
+
+class EmbeddingBagCollection(torch.nn.Module):
+    """Several ``EmbeddingBag`` tables (one per categorical field, as DLRM's,
+    or TorchRec's ``EmbeddingBagCollection``) whose rows one forward pulls
+    from every server in one round trip: a model with 26 tables waits for
+    the network once a step, not 26 times (their gradients go back in one
+    round trip too, as every table's do in ``ParameterServer.step``).
+
+    ``forward(bags)``: one ``(ids, offsets)`` per table (``offsets`` None for
+    2-D ids of equal bags), in the tables' order; returns the list of pooled
+    ``[bags, embedding_dim]`` tensors, each what its table's own forward
+    would return.
+    """
+
+    def __init__(self, tables):
+        super().__init__()
+        tables = list(tables)
+        for table in tables:
+            if not isinstance(table, EmbeddingBag):
+                raise TypeError("EmbeddingBagCollection holds "
+                                "pstrain.torch.EmbeddingBag tables, got "
+                                f"{type(table).__name__}")
+        self.tables = torch.nn.ModuleList(tables)
+
+    def forward(self, bags):
+        bags = list(bags)
+        if len(bags) != len(self.tables):
+            raise ValueError(f"{len(bags)} (ids, offsets) pairs for "
+                             f"{len(self.tables)} tables")
+        if not bags:
+            return []
+        keys = [t._keys(ids) for t, (ids, _) in zip(self.tables, bags)]
+        rows = [t._empty_rows(k) for t, (k, _) in zip(self.tables, keys)]
+        first = self.tables[0]
+        training = first._training()
+        first._client(training).pull_sparse_tables(
+            first._ps._step,
+            [(t._index, k, r.numpy())
+             for t, (k, _), r in zip(self.tables, keys, rows)])
+        return [torch.nn.functional.embedding_bag(
+                    index, t._leaf(k, r, training), offsets, mode=t.mode)
+                for t, (k, index), r, (_, offsets)
+                in zip(self.tables, keys, rows, bags)]
