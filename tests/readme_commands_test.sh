@@ -113,6 +113,8 @@ run_block local-launcher 4 '^{"event":"final","mode":"async",.*"steps":500,'
 run_block tls 2 '^{"event":"final","mode":"sync",.*"steps":500,'
 # Async CTR: every worker evaluates the one final model.
 run_block ctr-synthetic 2 '^{"event":"final","model":"ctr","mode":"async",.*"final_model":"all_done"'
+# Sync dense layers with async tables: the job ends on the sync step.
+run_block ctr-async-tables 2 '^{"event":"final","model":"ctr","mode":"sync",.*"final_model":"sync_step"'
 
 # Defaults the README states are the binaries' own (--help says them).
 readme_default() {  # binary flag

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Issue 40, per-table consistency: sync dense layers with async embedding
+# tables (SparseTableSpec.mode "async", PERSIA's split) against the all-sync
+# job and what a PyTorch user would run instead, in one run, 2 servers x 2
+# workers, the same data everywhere:
+#   C++ CTR worker (--model=ctr, Zipf ids):
+#     sync        every tensor and table in the sync step;
+#     mixed       sync servers, --embedding_mode=async;
+#     async       --mode=async: no barrier anywhere, the most that taking
+#                 the tables out of the step could give on this machine;
+#   PyTorch (worker/python/examples/ctr.py, pstrain.torch.EmbeddingBag):
+#     torch_sync, torch_mixed (--table_consistency=async);
+#     ddp         DistributedDataParallel over gloo, 2 ranks, the tables
+#                 replicated (nn.EmbeddingBag(sparse=True), sparse Adagrad);
+#     local       one torch process at the global batch.
+# Job samples/s (the slowest worker's rate x workers) and held-out AUC,
+# medians of --repeats interleaved runs; ratios mixed/sync (goal >= 1.3x, AUC
+# within 0.002) and torch_mixed/ddp (goal >= 3x).
+#
+#   bench/sparse/table_consistency.sh [--repeats=3] [--steps=1500]
+#       [--torch_steps=300] [--record]
+#
+# --record writes bench/results/table_consistency.txt. Exit status: 0, or 1
+# when a run failed; 2 bad usage.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+repeats=3 steps=1500 torch_steps=300 record=0
+for arg in "$@"; do
+  case "$arg" in
+    --repeats=*) repeats=${arg#*=} ;;
+    --steps=*) steps=${arg#*=} ;;
+    --torch_steps=*) torch_steps=${arg#*=} ;;
+    --record) record=1 ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "table_consistency.sh: unknown argument '$arg'" >&2; exit 2 ;;
+  esac
+done
+for v in repeats steps torch_steps; do
+  [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "table_consistency.sh: --$v must be a positive integer, got '${!v}'" >&2; exit 2; }
+done
+
+python=/usr/bin/python3
+bazel build //ps_server:ps_server //worker:worker >/dev/null
+worker/python/install.sh >/dev/null
+source bench/lib.sh
+bench_trial_processes table_consistency
+mkdir -p "$run_dir/bin"
+ln -s "$(readlink -f bazel-bin/ps_server/ps_server)" "$run_dir/bin/ps_server"
+ln -s "$(readlink -f bazel-bin/worker/worker)" "$run_dir/bin/worker"
+
+readonly CPP_FLAGS=(--model=ctr --ctr_fields=8 --ctr_vocab=1000000 --embedding_dim=16
+  --batch_size=512 --log_every=0)
+readonly TORCH_FLAGS=(--fields=8 --vocab=100000 --dim=16 --global_batch_size=1024)
+readonly CTR_PY=worker/python/examples/ctr.py
+
+# job_rate FILE WORKERS: "samples/s auc" from the final JSON lines in FILE
+# (each worker's samples_per_sec is its own batch's; the job goes at the
+# slowest worker's rate).
+job_rate() {
+  local lines
+  lines=$(grep '^{"event":"final"' "$1") || { echo "table_consistency.sh: no final line in $1" >&2; return 1; }
+  awk -v w="$2" -v auc="$(json_field auc "$(head -n 1 <<<"$lines")")" '
+    { match($0, /"samples_per_sec":[0-9.]+/); r = substr($0, RSTART + 18, RLENGTH - 18) + 0
+      if (NR == 1 || r < min) min = r }
+    END { printf "%.0f %s\n", min * w, auc }' <<<"$lines"
+}
+
+run_cpp() {  # name mode [worker flags]
+  local name=$1 mode=$2
+  shift 2
+  deploy/local/launch.sh --bin_dir="$run_dir/bin" --run_dir="$run_dir/$name" --servers=2 --workers=2 \
+    --mode="$mode" -- "${CPP_FLAGS[@]}" --steps="$steps" "$@" >"$run_dir/out" 2>"$run_dir/err" ||
+    { echo "table_consistency.sh: $name failed: $(tail -n 5 "$run_dir/err")" >&2; exit 1; }
+  rm -rf "${run_dir:?}/$name"
+  job_rate "$run_dir/out" 2
+}
+
+run_torch() {  # name [script flags]
+  local name=$1
+  shift
+  PSTRAIN_PYTHON=$python deploy/local/launch.sh --bin_dir="$run_dir/bin" --run_dir="$run_dir/$name" \
+    --servers=2 --workers=2 --mode=sync --python="$CTR_PY" -- "${TORCH_FLAGS[@]}" \
+    --steps="$torch_steps" "$@" >"$run_dir/out" 2>"$run_dir/err" ||
+    { echo "table_consistency.sh: $name failed: $(tail -n 5 "$run_dir/err")" >&2; exit 1; }
+  rm -rf "${run_dir:?}/$name"
+  job_rate "$run_dir/out" 2
+}
+
+run_ddp() {
+  local port rank ddp_pids=()
+  port=$(free_ports 1)
+  : >"$run_dir/out"
+  for rank in 0 1; do
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$rank WORLD_SIZE=2 \
+      timeout 900 "$python" "$CTR_PY" --ddp "${TORCH_FLAGS[@]}" --steps="$torch_steps" \
+      >>"$run_dir/out" 2>"$run_dir/err$rank" &
+    ddp_pids+=($!)
+    pids+=($!)
+  done
+  for rank in 0 1; do
+    wait "${ddp_pids[rank]}" || { echo "table_consistency.sh: ddp rank $rank failed: $(tail -n 5 "$run_dir/err$rank")" >&2; exit 1; }
+  done
+  pids=()
+  job_rate "$run_dir/out" 2
+}
+
+run_local() {
+  timeout 900 "$python" "$CTR_PY" --local "${TORCH_FLAGS[@]}" --steps="$torch_steps" \
+    >"$run_dir/out" 2>"$run_dir/err" ||
+    { echo "table_consistency.sh: local failed: $(tail -n 5 "$run_dir/err")" >&2; exit 1; }
+  job_rate "$run_dir/out" 1
+}
+
+variants=(sync mixed async torch_sync torch_mixed ddp local)
+declare -A rates aucs
+for ((r = 1; r <= repeats; r++)); do
+  for v in "${variants[@]}"; do
+    case $v in
+      sync) result=$(run_cpp sync sync) ;;
+      mixed) result=$(run_cpp mixed sync --embedding_mode=async) ;;
+      async) result=$(run_cpp async async) ;;
+      torch_sync) result=$(run_torch torch_sync) ;;
+      torch_mixed) result=$(run_torch torch_mixed --table_consistency=async) ;;
+      ddp) result=$(run_ddp) ;;
+      local) result=$(run_local) ;;
+    esac
+    read -r rate auc <<<"$result"
+    rates[$v]+="$rate "
+    aucs[$v]+="$auc "
+    echo "repeat $r $v: $rate samples/s, auc $auc" >&2
+  done
+done
+
+median() { tr ' ' '\n' | grep . | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+declare -A rate auc
+for v in "${variants[@]}"; do
+  rate[$v]=$(median <<<"${rates[$v]}")
+  auc[$v]=$(median <<<"${aucs[$v]}")
+done
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
+goal() { awk -v x="$1" -v g="$2" 'BEGIN { print (x >= g) ? "MET" : "MISSED" }'; }
+mixed_vs_sync=$(ratio "${rate[mixed]}" "${rate[sync]}")
+async_vs_sync=$(ratio "${rate[async]}" "${rate[sync]}")
+torch_mixed_vs_ddp=$(ratio "${rate[torch_mixed]}" "${rate[ddp]}")
+auc_cost=$(awk -v a="${auc[mixed]}" -v b="${auc[sync]}" 'BEGIN { printf "%+.4f", a - b }')
+auc_ok=$(awk -v a="${auc[mixed]}" -v b="${auc[sync]}" 'BEGIN { print (a >= b - 0.002) ? "MET" : "MISSED" }')
+{
+  echo "# table_consistency: sync dense layers with async tables vs all-sync, DDP and one process (issue 40)"
+  echo "command: bench/sparse/table_consistency.sh --repeats=$repeats --steps=$steps --torch_steps=$torch_steps"
+  echo "commit: $BENCH_COMMIT; machine: $BENCH_MACHINE"
+  echo "C++: 2 servers x 2 workers, ${CPP_FLAGS[*]} --steps=$steps"
+  echo "torch: 2 servers x 2 workers (ddp: 2 ranks), $CTR_PY ${TORCH_FLAGS[*]} --steps=$torch_steps"
+  echo "medians of $repeats interleaved runs; job samples/s = slowest worker's x workers"
+  echo
+  printf '%-12s %12s %8s\n' variant samples/s auc
+  for v in "${variants[@]}"; do printf '%-12s %12s %8s\n' "$v" "${rate[$v]}" "${auc[$v]}"; done
+  echo
+  echo "mixed / sync (C++):        ${mixed_vs_sync}x  goal >= 1.3x: $(goal "$mixed_vs_sync" 1.3)"
+  echo "mixed AUC - sync AUC:      $auc_cost  goal >= -0.002: $auc_ok"
+  echo "async / sync (C++, no barrier at all: the ceiling here): ${async_vs_sync}x"
+  echo "torch_mixed / torch_sync:  $(ratio "${rate[torch_mixed]}" "${rate[torch_sync]}")x"
+  echo "torch_mixed / ddp:         ${torch_mixed_vs_ddp}x  goal >= 3x: $(goal "$torch_mixed_vs_ddp" 3)"
+  echo "torch_mixed / local:       $(ratio "${rate[torch_mixed]}" "${rate[local]}")x"
+} | if ((record)); then tee bench/results/table_consistency.txt; else cat; fi
