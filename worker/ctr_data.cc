@@ -145,14 +145,21 @@ absl::Status ValidateOptions(const SyntheticCtrOptions& o) {
   if (o.num_fields < 0) {
     return bad(absl::StrCat("num_fields must be >= 0, got ", o.num_fields));
   }
-  if (o.vocab_per_field < 1) {
-    return bad(
-        absl::StrCat("vocab_per_field must be >= 1, got ", o.vocab_per_field));
+  if (!o.field_vocab.empty() &&
+      static_cast<int>(o.field_vocab.size()) != o.num_fields) {
+    return bad(absl::StrCat("field_vocab has ", o.field_vocab.size(),
+                            " entries for ", o.num_fields, " fields"));
   }
-  // The sampler's arithmetic is in double; ranks beyond 2^53 would round.
-  if (o.vocab_per_field > (int64_t{1} << 53)) {
-    return bad(absl::StrCat("vocab_per_field must be <= 2^53, got ",
-                            o.vocab_per_field));
+  for (int64_t vocab : o.field_vocab.empty()
+                           ? std::vector<int64_t>{o.vocab_per_field}
+                           : o.field_vocab) {
+    if (vocab < 1) {
+      return bad(absl::StrCat("vocab_per_field must be >= 1, got ", vocab));
+    }
+    // The sampler's arithmetic is in double; ranks beyond 2^53 would round.
+    if (vocab > (int64_t{1} << 53)) {
+      return bad(absl::StrCat("vocab_per_field must be <= 2^53, got ", vocab));
+    }
   }
   // Written so that NaN fails too.
   if (!(o.zipf_exponent >= 0.0 && o.zipf_exponent <= 100.0)) {
@@ -184,8 +191,19 @@ absl::Status ValidateOptions(const SyntheticCtrOptions& o) {
 
 // Appends the features (dense values and bags, no label) of global example i
 // to `data`.
+// One sampler per field, over that field's vocabulary.
+std::vector<ZipfSampler> FieldSamplers(const SyntheticCtrOptions& o) {
+  std::vector<ZipfSampler> samplers;
+  for (int f = 0; f < o.num_fields; ++f) {
+    samplers.emplace_back(
+        o.field_vocab.empty() ? o.vocab_per_field : o.field_vocab[f],
+        o.zipf_exponent);
+  }
+  return samplers;
+}
+
 void AppendSyntheticFeatures(const SyntheticCtrOptions& o,
-                             const ZipfSampler& zipf, uint64_t i,
+                             const std::vector<ZipfSampler>& zipf, uint64_t i,
                              CtrDataset* data) {
   for (int j = 0; j < o.num_dense; ++j) {
     static constexpr double kMeans[] = {1.0, 10.0, 100.0, 1000.0};
@@ -198,7 +216,7 @@ void AppendSyntheticFeatures(const SyntheticCtrOptions& o,
     const int bag =
         1 + std::min(static_cast<int>(u * o.max_bag), o.max_bag - 1);
     for (int k = 0; k < bag; ++k) {
-      const int64_t rank = zipf.Sample([&](uint64_t t) {
+      const int64_t rank = zipf[f].Sample([&](uint64_t t) {
         return Uniform(
             Hash({o.seed, kZipfStream, i, uint64_t(f), uint64_t(k), t}));
       });
@@ -313,7 +331,7 @@ class Truth {
     sample.num_dense = o_.num_dense;
     sample.num_fields = o_.num_fields;
     sample.offsets.push_back(0);
-    const ZipfSampler zipf(o_.vocab_per_field, o_.zipf_exponent);
+    const std::vector<ZipfSampler> zipf = FieldSamplers(o_);
     std::vector<double> raw(kCalibrationExamples);
     for (int64_t i = 0; i < kCalibrationExamples; ++i) {
       AppendSyntheticFeatures(o_, zipf, static_cast<uint64_t>(i), &sample);
@@ -356,6 +374,7 @@ class Truth {
                         const SyntheticCtrOptions& b) {
     return a.num_dense == b.num_dense && a.num_fields == b.num_fields &&
            a.vocab_per_field == b.vocab_per_field &&
+           a.field_vocab == b.field_vocab &&
            a.zipf_exponent == b.zipf_exponent && a.max_bag == b.max_bag &&
            a.dim_truth == b.dim_truth && a.seed == b.seed &&
            a.positive_rate == b.positive_rate &&
@@ -461,7 +480,7 @@ absl::StatusOr<CtrDataset> MakeSyntheticCtr(const SyntheticCtrOptions& options,
   const int64_t start = first_index + offset;
   const int64_t rows = (count - offset - 1) / shard.count + 1;
 
-  const ZipfSampler zipf(options.vocab_per_field, options.zipf_exponent);
+  const std::vector<ZipfSampler> zipf = FieldSamplers(options);
   Truth truth(options);
   data.labels.reserve(rows);
   data.dense.reserve(rows * options.num_dense);

@@ -95,6 +95,9 @@ struct SyntheticCtrOptions {
   int num_dense = 4;
   int num_fields = 6;
   int64_t vocab_per_field = 10000;
+  // Each field's own vocabulary (num_fields entries), in place of
+  // vocab_per_field; empty: vocab_per_field for every field.
+  std::vector<int64_t> field_vocab;
   double zipf_exponent = 1.1;  // >= 0; 0 is uniform
   int max_bag = 3;             // bag sizes are uniform in [1, max_bag]
   int dim_truth = 4;
@@ -104,6 +107,15 @@ struct SyntheticCtrOptions {
   double logit_scale = 2.0;     // standard deviation of the true logit
   double interaction = 0;       // weight of the pairwise field term
 };
+
+// The distinct values of each of the 26 categorical fields of Criteo's
+// Kaggle display-advertising set (as counted for DLRM): a few fields of
+// tens of values beside fields of millions, the shape recommendation
+// benchmarks use with 13 dense features.
+inline constexpr int64_t kCriteoKaggleCardinalities[26] = {
+    1460,  583,  10131227, 2202608, 305, 24,     12517,   633,   3,
+    93145, 5683, 8351593,  3194,    27,  14992,  5461306, 10,    5652,
+    2173,  4,    7046547,  18,      15,  286181, 105,     142572};
 
 // Examples [first_index, first_index + count) of the synthetic stream, of
 // which this shard keeps its own (by global index).

@@ -263,6 +263,34 @@ TEST(SyntheticCtrTest, DefaultIdsAreSkewed) {
             static_cast<size_t>(options.num_fields * options.vocab_per_field));
 }
 
+TEST(SyntheticCtrTest, EachFieldDrawsFromItsOwnVocabulary) {
+  SyntheticCtrOptions options;
+  options.num_fields = 3;
+  options.field_vocab = {3, 40, 100000};
+  const CtrDataset data = MustSynthetic(options, 0, 20000);
+  std::vector<absl::flat_hash_map<uint64_t, int>> distinct(3);
+  for (int64_t i = 0; i < data.size(); ++i) {
+    for (int f = 0; f < 3; ++f) {
+      for (int64_t k = data.BagBegin(i, f); k < data.BagEnd(i, f); ++k) {
+        ++distinct[f][data.ids[k]];
+      }
+    }
+  }
+  EXPECT_EQ(distinct[0].size(), 3u);
+  EXPECT_EQ(distinct[1].size(), 40u);  // 20000 draws reach all 40
+  EXPECT_GT(distinct[2].size(), 1000u);
+  for (uint64_t raw = 0; raw < 3; ++raw) {
+    EXPECT_TRUE(distinct[0].contains(CtrSyntheticId(0, raw))) << raw;
+  }
+  SyntheticCtrOptions bad = options;
+  bad.field_vocab = {3, 40};
+  EXPECT_THAT(MakeSyntheticCtr(bad, 0, 10, {0, 1}).status().message(),
+              HasSubstr("field_vocab has 2 entries for 3 fields"));
+  bad.field_vocab = {3, 0, 5};
+  EXPECT_THAT(MakeSyntheticCtr(bad, 0, 10, {0, 1}).status().message(),
+              HasSubstr("vocab_per_field must be >= 1, got 0"));
+}
+
 TEST(SyntheticCtrTest, NoiseMixesTheProbabilityWithACoin) {
   SyntheticCtrOptions clean;
   SyntheticCtrOptions noisy = clean;

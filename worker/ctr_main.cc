@@ -62,6 +62,8 @@ CtrData LoadCtrData(const WorkerConfig& config) {
     synthetic.num_fields = ctr.fields;
     synthetic.num_dense = ctr.dense;
     synthetic.vocab_per_field = ctr.vocab;
+    // Checked with the rest of the flags (ValidateWorkerConfig).
+    synthetic.field_vocab = CtrFieldVocab(ctr).value_or(std::vector<int64_t>{});
     synthetic.seed = config.seed;
     const int64_t train_examples = ctr.train_examples;
     absl::StatusOr<CtrDataset> t =

@@ -11,6 +11,7 @@
 #include "common/cli.h"
 #include "common/learning_rates.h"
 #include "common/run_output.h"
+#include "worker/ctr_data.h"
 #include "worker/layers.h"
 
 namespace pstrain {
@@ -194,6 +195,7 @@ void CheckCtr(const WorkerConfig& config, Problems& checks) {
         absl::StrCat("--embedding_max_bytes must be >= 0 (0: no budget), got ",
                      ctr.embedding_max_bytes)));
   }
+  checks.push_back(CtrFieldVocab(ctr).status());
   if (!ctr.embedding_mode.empty() && ctr.embedding_mode != "async") {
     checks.push_back(absl::InvalidArgumentError(absl::StrCat(
         "--embedding_mode must be empty (the servers' --mode) or async, got '",
@@ -219,6 +221,32 @@ void CheckCtr(const WorkerConfig& config, Problems& checks) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<int64_t>> CtrFieldVocab(const CtrConfig& ctr) {
+  std::vector<int64_t> vocab;
+  if (ctr.cardinalities.empty()) return vocab;
+  if (ctr.cardinalities == "criteo") {
+    vocab.assign(std::begin(kCriteoKaggleCardinalities),
+                 std::end(kCriteoKaggleCardinalities));
+  } else {
+    for (absl::string_view part : absl::StrSplit(ctr.cardinalities, ',')) {
+      int64_t n = 0;
+      if (!absl::SimpleAtoi(part, &n) || n < 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--ctr_cardinalities must be criteo or positive integers joined "
+            "by ',', got '",
+            ctr.cardinalities, "'"));
+      }
+      vocab.push_back(n);
+    }
+  }
+  if (static_cast<int>(vocab.size()) != ctr.fields) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ctr_cardinalities=", ctr.cardinalities, " names ",
+                     vocab.size(), " fields but --ctr_fields=", ctr.fields));
+  }
+  return vocab;
+}
 
 absl::Status ValidateWorkerConfig(const WorkerConfig& config) {
   Problems checks;

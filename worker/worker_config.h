@@ -131,6 +131,9 @@ struct CtrConfig {
   int dense = 4;   // dense features (synthetic, criteo)
   // Synthetic only.
   int64_t vocab = 10000;
+  // Each field's vocabulary: "" (vocab for every field), "criteo" (Criteo
+  // Kaggle's 26 fields') or a comma-separated list, one per field.
+  std::string cardinalities;
   int64_t train_examples = 65536;
   int64_t test_examples = 8192;
   int64_t embedding_dim = 8;
@@ -174,6 +177,10 @@ struct WorkerConfig {
 // token, --metrics_csv) are opened here, as the worker would; data files
 // are read later (LoadTrainingData), as they take time.
 absl::Status ValidateWorkerConfig(const WorkerConfig& config);
+
+// Each synthetic CTR field's vocabulary from --ctr_cardinalities (empty:
+// --ctr_vocab for every field), or what is wrong with it.
+absl::StatusOr<std::vector<int64_t>> CtrFieldVocab(const CtrConfig& ctr);
 
 // The --eval_only part of `config`, as worker/eval_only.h takes it.
 EvalOnlyOptions EvalOnlyOptionsOf(const WorkerConfig& config);

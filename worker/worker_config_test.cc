@@ -85,6 +85,7 @@ TEST(WorkerConfigTest, CtrFlagsAreCheckedWithTheRest) {
   config.ctr.sparse_optimizer = "lamb";
   config.ctr.embedding_max_bytes = -1;
   config.ctr.embedding_mode = "sync";
+  config.ctr.cardinalities = "3,x";
   config.training.batch_size = 0;
   EXPECT_THAT(Lines(ValidateWorkerConfig(config)),
               UnorderedElementsAre(
@@ -92,6 +93,8 @@ TEST(WorkerConfigTest, CtrFlagsAreCheckedWithTheRest) {
                   "--embedding_max_bytes must be >= 0 (0: no budget), got -1",
                   "--embedding_mode must be empty (the servers' --mode) or "
                   "async, got 'sync'",
+                  "--ctr_cardinalities must be criteo or positive integers "
+                  "joined by ',', got '3,x'",
                   "--ctr_data=criteo needs --train_file",
                   "--sparse_optimizer must be sgd, adagrad, adam or ftrl, "
                   "got 'lamb'",
