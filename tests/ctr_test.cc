@@ -144,6 +144,43 @@ TEST(CtrTest, SyncDenseLayersWithAsyncTablesLearnAndEndOnOneModel) {
   }
 }
 
+// The worker's row cache (--sparse_cache_steps): hot rows come from the
+// cache, fewer rows from the servers, and the job still learns. Without the
+// cache every training row comes from the servers.
+TEST(CtrTest, TheRowCacheServesHotRowsWithinItsBound) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 1;
+  options.mode = "sync";
+  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "ctr_row_cache");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  std::vector<std::string> flags = CtrFlags(300);
+  flags.push_back("--sparse_cache_steps=2");
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({flags}, absl::Seconds(240));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  const std::string& out = outputs->front();
+  const double hits = Number(out, "sparse_cache_hits");
+  const double from_servers = Number(out, "sparse_rows_from_servers");
+  EXPECT_GT(hits, 0) << out;
+  EXPECT_GT(from_servers, 0) << out;
+  std::cout << "[ ctr ] row cache: " << hits << " hits, " << from_servers
+            << " rows from the servers\n";
+  EXPECT_GE(Number(out, "auc"), Number(out, "true_auc") - 0.06) << out;
+  // A second job of the same cluster without the cache: no hits.
+  absl::StatusOr<std::unique_ptr<TestCluster>> plain =
+      TestCluster::Start(options, "ctr_no_row_cache");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  outputs = (*plain)->RunWorkers({CtrFlags(300)}, absl::Seconds(240));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  EXPECT_EQ(Number(outputs->front(), "sparse_cache_hits"), 0);
+  EXPECT_EQ(Number(outputs->front(), "sparse_rows_from_servers"),
+            hits + from_servers)
+      << "the same job asks for the same rows";
+}
+
 // The model (dense tensors and every row the job touched) after a sync job.
 struct FinalModel {
   std::vector<std::vector<float>> dense;

@@ -471,6 +471,11 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     }
   }
   if (options.on_steps_done) options.on_steps_done();
+  const SparseRowCacheStats cache = client.sparse_row_cache_stats();
+  result.cache_hits = cache.hits;
+  result.rows_from_servers = (*net)->rows_pulled() - cache.hits;
+  // The final model is the servers' rows, not the cache's.
+  client.DropSparseRowCache();
   result.wall_time_s = absl::ToDoubleSeconds(absl::Now() - start);
   result.samples_per_sec = result.steps_run * options.batch_size /
                            std::max(result.wall_time_s, 1e-9);
@@ -530,13 +535,14 @@ std::string CtrFinalJson(const CtrResult& r, int worker_id, int num_workers,
       "\"steps_run\":%d,\"final_loss\":%.6f,\"auc\":%.4f,\"logloss\":%.4f%s,"
       "\"test_examples\":%d,\"samples_per_sec\":%.1f,\"wall_time_s\":%.3f,"
       "\"sparse_rows_pulled\":%d,\"sparse_rows_pushed\":%d,"
+      "\"sparse_rows_from_servers\":%d,\"sparse_cache_hits\":%d,"
       "\"steps_short\":%d,\"final_model\":\"%s\",\"final_state\":\"%s\","
       "\"shards_behind\":[%s],\"stopped_early\":%s}",
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
       r.steps_run, r.final_loss, r.auc, r.logloss, truth, r.test_examples,
       r.samples_per_sec, r.wall_time_s, r.rows_pulled, r.rows_pushed,
-      r.steps_short, r.final_model, r.final_state.summary,
-      absl::StrJoin(r.final_state.shards_behind, ","),
+      r.rows_from_servers, r.cache_hits, r.steps_short, r.final_model,
+      r.final_state.summary, absl::StrJoin(r.final_state.shards_behind, ","),
       r.stopped_early ? "true" : "false");
 }
 

@@ -78,6 +78,10 @@ struct CtrResult {
   double wall_time_s = 0;
   int64_t rows_pulled = 0;  // sparse rows moved: the job never moves a table
   int64_t rows_pushed = 0;
+  // Training's rows that came from the servers (with --sparse_cache_steps:
+  // those the row cache did not have), and the cache's hits.
+  int64_t rows_from_servers = 0;
+  int64_t cache_hits = 0;
   // sync: steps completed with fewer than num_workers gradients.
   int64_t steps_short = 0;
   bool stopped_early = false;

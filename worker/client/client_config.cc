@@ -66,6 +66,8 @@ PsClientOptions BuildOptions(const ClientConfig& config,
   options.data_plane = config.data_plane;
   options.data_requests_in_flight = config.data_requests_in_flight;
   options.gradient_topk_fraction = config.gradient_topk_fraction;
+  options.sparse_row_cache_steps = config.sparse_cache_steps;
+  options.sparse_row_cache_bytes = int64_t{config.sparse_cache_mb} << 20;
   options.heartbeat_interval = absl::Seconds(config.heartbeat_interval_s);
   options.retry_window = absl::Seconds(config.retry_window_s);
   options.inject_duplicate_push_probability = duplicate_probability;

@@ -47,6 +47,10 @@ struct ClientConfig {
   std::string gradient_wire_type = "fp32";
   // With topk: the fraction of each block's elements a push sends.
   double gradient_topk_fraction = 0.01;
+  // Steps a pulled embedding row is reused for (0: no cache), and the
+  // cache's memory in MiB.
+  int sparse_cache_steps = 0;
+  int sparse_cache_mb = 256;
   // Fault injection: resend a successful push with this probability.
   double inject_duplicate_push_probability = 0;
   // Fault injection: delay every push by a random time up to this.

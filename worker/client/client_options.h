@@ -71,6 +71,14 @@
   X(double, gradient_topk_fraction, gradient_topk_fraction, \
     "With --gradient_wire_type=topk: the fraction of each block's " \
     "elements a push sends, in (0, 1].") \
+  X(int, sparse_cache_steps, sparse_cache_steps, \
+    "Embedding rows a pull got serve this worker's pulls of the next " \
+    "this-many steps instead of being pulled again (a row then lags " \
+    "the servers' by at most that many steps of updates). 0: every " \
+    "pull goes to the servers.") \
+  X(int, sparse_cache_mb, sparse_cache_mb, \
+    "With --sparse_cache_steps: the most memory the cached rows take, " \
+    "in MiB; when full, rows past their bound make room.") \
   X(double, inject_duplicate_push_probability, inject_duplicate_push_probability, \
     "Fault injection: resend a successful push with this probability " \
     "(the servers must not apply it twice).") \

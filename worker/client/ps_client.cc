@@ -112,6 +112,18 @@ std::vector<absl::Status> PsClientOptionsProblems(
         absl::StrCat("--gradient_topk_fraction must be in (0, 1], got ",
                      options.gradient_topk_fraction)));
   }
+  if (options.sparse_row_cache_steps < 0) {
+    problems.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--sparse_cache_steps must be >= 0 (0: no cache), got ",
+                     options.sparse_row_cache_steps)));
+  }
+  if (options.sparse_row_cache_steps > 0 &&
+      options.sparse_row_cache_bytes < SparseRowCache::RowBytes(1)) {
+    problems.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--sparse_cache_mb must hold at least one row with "
+                     "--sparse_cache_steps > 0, got ",
+                     options.sparse_row_cache_bytes, " bytes")));
+  }
   return problems;
 }
 
@@ -135,6 +147,10 @@ PsClient::PsClient(const PsClientOptions& options)
     replica_hosts_.push_back(absl::StrSplit(shard, '|'));
   }
   replicas_ = static_cast<int>(replica_hosts_.front().size());
+  if (options.sparse_row_cache_steps > 0) {
+    row_cache_ = std::make_unique<SparseRowCache>(
+        options.sparse_row_cache_steps, options.sparse_row_cache_bytes);
+  }
   current_replica_ = std::make_unique<std::atomic<int>[]>(options.hosts.size());
   for (size_t s = 0; s < options.hosts.size(); ++s) current_replica_[s] = 0;
   for (const std::vector<std::string>& set : replica_hosts_) {
@@ -591,8 +607,17 @@ void PsClient::StopHeartbeats() {
   heartbeat_thread_.join();
 }
 
+SparseRowCacheStats PsClient::sparse_row_cache_stats() const {
+  return row_cache_ != nullptr ? row_cache_->stats() : SparseRowCacheStats();
+}
+
+void PsClient::DropSparseRowCache() {
+  if (row_cache_ != nullptr) row_cache_->Clear();
+}
+
 absl::Status PsClient::Leave() {
   StopHeartbeats();
+  DropSparseRowCache();
   if (worker_id_ < 0) return absl::OkStatus();
   LeaveRequest request;
   request.set_worker_id(worker_id_);

@@ -65,6 +65,7 @@
 #include "common/transport/tls_stream.h"
 #include "common/transport/wire.h"
 #include "proto/ps.grpc.pb.h"
+#include "worker/client/sparse_row_cache.h"
 
 namespace pstrain {
 
@@ -133,6 +134,12 @@ struct PsClientOptions {
   // PushSparse first sleeps a uniformly random time in [0, this], so the
   // workers' gradients reach the servers in a different order each run.
   absl::Duration inject_push_jitter = absl::ZeroDuration();
+  // Sparse rows a pull got are reused by this worker's pulls of the next
+  // this-many steps instead of being pulled again (0: every pull goes to
+  // the servers); bounded by sparse_row_cache_bytes. See
+  // worker/client/sparse_row_cache.h for what the bound means.
+  int64_t sparse_row_cache_steps = 0;
+  int64_t sparse_row_cache_bytes = int64_t{256} << 20;
   // Called (on the calling thread) each time a failed call is about to be
   // retried, with the line that is also logged: the shard, its address,
   // the last error and the time left in the retry window. A progress bar
@@ -316,8 +323,14 @@ class PsClient {
   double last_clip_norm() const { return last_clip_norm_; }
 
   // Tells every shard this worker is done; later steps stop waiting for it.
-  // Stops the heartbeats.
+  // Stops the heartbeats, and drops the sparse row cache: what a worker
+  // reads after training (its final evaluation) is the servers' model.
   absl::Status Leave();
+  // The sparse row cache's counts (all 0 when it is off).
+  SparseRowCacheStats sparse_row_cache_stats() const;
+  // Forgets every cached row (a sync worker about to evaluate the final
+  // model: the rows must be the servers').
+  void DropSparseRowCache();
 
   absl::StatusOr<std::vector<StatsResponse>> Stats();
   // async/ssp, on a client that does not train (an observer, or a worker
@@ -562,6 +575,7 @@ class PsClient {
   // TOPK_FLOAT32: per global block, the gradient not sent yet.
   std::vector<std::vector<float>> topk_residual_;
   int64_t injected_duplicates_ = 0;
+  std::unique_ptr<SparseRowCache> row_cache_;  // null: off
   absl::BitGen random_;
   std::vector<double> group_rates_, group_momentums_;  // SetGroupRates
   double clip_max_norm_ = 0;                           // SetGradientClip

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -429,15 +430,24 @@ absl::Status PsClient::PullSparse(int64_t step,
           absl::StrCat("no sparse table ", part.table, " in the model"));
     }
   }
-  // positions[p][s]: where shard s's rows of part p go in its `out`.
+  // positions[p][s]: where shard s's rows of part p go in its `out`;
+  // missing[p]: the rows of part p the cache did not have (all without one).
   std::vector<std::vector<std::vector<size_t>>> positions(parts.size());
+  std::vector<std::vector<size_t>> missing(parts.size());
   std::vector<Call> calls;
   for (size_t p = 0; p < parts.size(); ++p) {
     const SparseTableSpec& spec = schema_.sparse(parts[p].table);
     const int64_t dim = spec.dim();
+    if (row_cache_ != nullptr) {
+      missing[p] = row_cache_->Lookup(parts[p].table, dim, step, parts[p].ids,
+                                      parts[p].out);
+    } else {
+      missing[p].resize(parts[p].ids.size());
+      std::iota(missing[p].begin(), missing[p].end(), size_t{0});
+    }
     positions[p].resize(num_shards());
     std::vector<SparsePullRequest> requests(num_shards());
-    for (size_t i = 0; i < parts[p].ids.size(); ++i) {
+    for (size_t i : missing[p]) {
       const int s = SparseShardOf(spec.name(), parts[p].ids[i], num_shards());
       positions[p][s].push_back(i);
       requests[s].add_ids(parts[p].ids[i]);
@@ -477,6 +487,12 @@ absl::Status PsClient::PullSparse(int64_t step,
           RunAll("SparsePull", calls, options_.rpc_timeout, /*retry=*/true);
       !s.ok()) {
     return s;
+  }
+  if (row_cache_ != nullptr) {
+    for (size_t p = 0; p < parts.size(); ++p) {
+      row_cache_->Insert(parts[p].table, schema_.sparse(parts[p].table).dim(),
+                         step, parts[p].ids, missing[p], parts[p].out);
+    }
   }
   // Not RecordPulledStep: it reads the dense pulls' block versions, which
   // a dense Pull on another thread may be writing.
