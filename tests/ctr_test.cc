@@ -181,6 +181,33 @@ TEST(CtrTest, TheRowCacheServesHotRowsWithinItsBound) {
       << "the same job asks for the same rows";
 }
 
+// A sync table's pull is its step's barrier: a worker whose rows on some
+// shard all come from the cache (tables of 1 to 3 ids, a bound longer than
+// the job) still waits there for the step before pushing the next, or its
+// push would find the table a step behind (jittered pushes make that
+// likely at every step).
+TEST(CtrTest, CachedRowsStillWaitForTheirTablesSyncStep) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  options.mode = "sync";
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "ctr_cached_barrier");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  std::vector<std::string> flags = CtrFlags(150);
+  flags.push_back("--ctr_cardinalities=1,2,3,2000");
+  flags.push_back("--sparse_cache_steps=1000");
+  flags.push_back("--inject_push_jitter_ms=4");
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({flags, flags}, absl::Seconds(240));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  for (const std::string& out : *outputs) {
+    EXPECT_EQ(Number(out, "steps_run"), 150) << out;
+    EXPECT_GT(Number(out, "sparse_cache_hits"), 0) << out;
+  }
+  EXPECT_EQ(Number((*outputs)[0], "auc"), Number((*outputs)[1], "auc"));
+}
+
 // The model (dense tensors and every row the job touched) after a sync job.
 struct FinalModel {
   std::vector<std::vector<float>> dense;

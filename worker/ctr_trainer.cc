@@ -126,11 +126,21 @@ class CtrNet {
   }
   Field& field(int f) { return fields_[f]; }
 
-  // Pulls the batch's rows of every table and the dense tensors (the model
-  // at `step`), and uploads them with the batch. Returns the step the
-  // model is at (see PsClient::Pull).
+  // Pulls the dense tensors (the model at `step`) and then the batch's rows
+  // of every table, and uploads them with the batch. Returns the step the
+  // model is at (see PsClient::Pull; past `step`, nothing else is loaded).
+  // Dense first: its pull is the step's barrier, and an async table's rows
+  // read after it hold every worker's rows of the steps before (each pushes
+  // its rows before its dense gradient), so the final evaluation of every
+  // worker reads one model.
   absl::StatusOr<int64_t> Load(PsClient& client, int64_t step,
                                const CtrDataset& batch) {
+    absl::StatusOr<int64_t> at = client.Pull(step, HostParams());
+    if (!at.ok() || *at > step) return at;
+    for (size_t t = 0; t < params_.size(); ++t) {
+      PSTRAIN_RETURN_IF_ERROR(backend_->CopyToDevice(
+          host_params_[t].data(), params_[t].data(), params_[t].bytes()));
+    }
     const int64_t dim = options_.dim;
     std::vector<PsClient::SparsePullPart> parts;
     for (int f = 0; f < options_.num_fields; ++f) {
@@ -148,12 +158,6 @@ class CtrNet {
       PSTRAIN_RETURN_IF_ERROR(
           field.bag->SetBags(field.offsets, field.unique.index, n));
       rows_pulled_ += n;
-    }
-    absl::StatusOr<int64_t> at = client.Pull(step, HostParams());
-    if (!at.ok()) return at.status();
-    for (size_t t = 0; t < params_.size(); ++t) {
-      PSTRAIN_RETURN_IF_ERROR(backend_->CopyToDevice(
-          host_params_[t].data(), params_[t].data(), params_[t].bytes()));
     }
     const int64_t rows = batch.size();
     for (int64_t i = 0; i < rows; ++i) {

@@ -426,6 +426,8 @@ class PsClient {
   // What Pull returns once the pull of `step` is in (see Pull); also kept
   // as the furthest step pulled (NoteFurthestPulled).
   int64_t RecordPulledStep(int64_t step);
+  // Whether the servers run this table in the sync step.
+  bool IsSyncTable(const SparseTableSpec& spec) const;
   // Raises the furthest step pulled, which the heartbeats carry, to `step`.
   void NoteFurthestPulled(int64_t step);
   // sync, a clipped step: the norm from every shard's share, then the

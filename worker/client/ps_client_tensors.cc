@@ -417,6 +417,12 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
   return result;
 }
 
+bool PsClient::IsSyncTable(const SparseTableSpec& spec) const {
+  // The servers accepted the table's mode at registration.
+  return TableConsistencyMode(mode_, spec.name(), spec.mode())
+             .value_or(mode_) == ConsistencyMode::kSync;
+}
+
 absl::Status PsClient::PullSparse(int table, int64_t step,
                                   absl::Span<const uint64_t> ids, float* out) {
   return PullSparse(step, {SparsePullPart{table, ids, out}});
@@ -452,8 +458,13 @@ absl::Status PsClient::PullSparse(int64_t step,
       positions[p][s].push_back(i);
       requests[s].add_ids(parts[p].ids[i]);
     }
+    // A sync table's pull is also its step's barrier (it returns once the
+    // table has every member's rows of the step before): every shard gets
+    // one, with no ids where the batch (or the row cache) needs none, or
+    // this worker's next push could reach a shard still a step behind.
+    const bool sync_table = IsSyncTable(spec);
     for (int s = 0; s < num_shards(); ++s) {
-      if (positions[p][s].empty()) continue;
+      if (positions[p][s].empty() && !sync_table) continue;
       requests[s].set_protocol_version(kProtocolVersion);
       requests[s].set_worker_id(worker_id_);
       requests[s].set_step(step);
@@ -531,10 +542,7 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
       rows[s].insert(rows[s].end(), part.grads + i * dim,
                      part.grads + (i + 1) * dim);
     }
-    // The servers accepted the table's mode at registration.
-    const bool sync_table =
-        TableConsistencyMode(mode_, spec.name(), spec.mode()).value_or(mode_) ==
-        ConsistencyMode::kSync;
+    const bool sync_table = IsSyncTable(spec);
     for (int s = 0; s < num_shards(); ++s) {
       // Sync steps complete only when every member has pushed, even nothing.
       if (requests[s].ids_size() == 0 && !sync_table) continue;
