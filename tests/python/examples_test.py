@@ -82,6 +82,20 @@ class ExamplesTest(unittest.TestCase):
         self.assertGreater(finals[0]["auc"], 0.75)
         self.assertLess(finals[0]["auc"], finals[0]["true_auc"] + 0.01)
 
+    def test_dlrm_with_async_tables_on_criteo_shaped_data(self):
+        # The README's DLRM: sync dense layers, async tables, 26 fields of
+        # Criteo's cardinalities. It learns (well above chance), and both
+        # workers evaluate one model: each pushes its rows before its dense
+        # gradient, so the last dense step has every worker's rows.
+        finals, _ = launch("sync", "ctr.py", [
+            "--model=dlrm", "--criteo_shape", "--table_consistency=async",
+            "--dim=8", "--steps=150", "--test_examples=4000"])
+        self.assertEqual(len(finals), 2)
+        self.assertEqual({f["model"] for f in finals}, {"dlrm"})
+        self.assertEqual({f["final_model"] for f in finals}, {"sync_step"})
+        self.assertEqual(len({f["auc"] for f in finals}), 1)
+        self.assertGreater(finals[0]["auc"], 0.6)
+
 
 class UserScriptTest(unittest.TestCase):
     """A script that prints nothing of pstrain's: exiting 0 is success, and

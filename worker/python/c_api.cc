@@ -6,9 +6,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -701,13 +703,17 @@ int pstrain_examples_gather(pstrain_examples* examples, const int64_t* rows,
 }
 
 int pstrain_synthetic_ctr(int64_t count, int64_t first_index, int num_dense,
-                          int num_fields, int64_t vocab_per_field, int max_bag,
+                          int num_fields, int64_t vocab_per_field,
+                          const int64_t* field_vocab, int max_bag,
                           uint64_t seed, pstrain_ctr_data** out, char** error) {
   return Guard(error, [&]() -> absl::Status {
     pstrain::SyntheticCtrOptions o;
     o.num_dense = num_dense;
     o.num_fields = num_fields;
     o.vocab_per_field = vocab_per_field;
+    if (field_vocab != nullptr && num_fields > 0) {
+      o.field_vocab.assign(field_vocab, field_vocab + num_fields);
+    }
     o.max_bag = max_bag;
     o.seed = seed;
     absl::StatusOr<pstrain::CtrDataset> data =
@@ -719,6 +725,12 @@ int pstrain_synthetic_ctr(int64_t count, int64_t first_index, int num_dense,
     *out = new pstrain_ctr_data{std::move(*data), std::move(*truth)};
     return absl::OkStatus();
   });
+}
+
+int pstrain_criteo_kaggle_cardinalities(int64_t* out) {
+  std::copy(std::begin(pstrain::kCriteoKaggleCardinalities),
+            std::end(pstrain::kCriteoKaggleCardinalities), out);
+  return static_cast<int>(std::size(pstrain::kCriteoKaggleCardinalities));
 }
 
 void pstrain_ctr_data_sizes(const pstrain_ctr_data* data, int64_t sizes[2]) {

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature here changes; pstrain/_native.py checks it. */
-#define PSTRAIN_C_API_VERSION 1
+#define PSTRAIN_C_API_VERSION 2
 int pstrain_api_version(void);
 
 void pstrain_free(void* p);
@@ -163,13 +163,19 @@ int pstrain_examples_gather(pstrain_examples* examples, const int64_t* rows,
                             int64_t n, float* features, int64_t* labels,
                             char** error);
 
-/* The synthetic CTR data (worker/ctr_data.h). sizes: {examples, ids}; then
+/* The synthetic CTR data (worker/ctr_data.h); field_vocab: num_fields
+ * vocabularies, one per field, or NULL for vocab_per_field in every field.
+ * sizes: {examples, ids}; then
  * pstrain_ctr_data_copy fills labels [n], dense [n, num_dense], offsets
  * [n * num_fields + 1], ids [ids] and the hidden true click probabilities
  * [n]. */
 typedef struct pstrain_ctr_data pstrain_ctr_data;
+/* Writes the 26 Criteo Kaggle field cardinalities into out (room for 64)
+ * and returns how many. */
+int pstrain_criteo_kaggle_cardinalities(int64_t* out);
 int pstrain_synthetic_ctr(int64_t count, int64_t first_index, int num_dense,
-                          int num_fields, int64_t vocab_per_field, int max_bag,
+                          int num_fields, int64_t vocab_per_field,
+                          const int64_t* field_vocab, int max_bag,
                           uint64_t seed, pstrain_ctr_data** out, char** error);
 void pstrain_ctr_data_sizes(const pstrain_ctr_data* data, int64_t sizes[2]);
 void pstrain_ctr_data_copy(const pstrain_ctr_data* data, float* labels,

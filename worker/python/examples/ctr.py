@@ -26,6 +26,13 @@ sparse gradients all-reduced), what a PyTorch user scales out with instead:
     MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=1 WORLD_SIZE=2 \
         /usr/bin/python3 worker/python/examples/ctr.py --ddp --steps=400
 
+DLRM (the model recommendation benchmarks run) on Criteo-shaped data, dense
+layers sync and tables async, as pstrain workers:
+
+    deploy/local/launch.sh --servers=2 --workers=2 --mode=sync \
+        --python=worker/python/examples/ctr.py -- --model=dlrm \
+        --criteo_shape --table_consistency=async --dim=16 --steps=400
+
 The lines that differ are marked "pstrain:". Data: the C++ CTR worker's
 synthetic stream, whose hidden ground truth says what AUC a perfect model
 reaches. Prints a final JSON line with the held-out AUC beside it.
@@ -63,6 +70,31 @@ class CtrNet(nn.Module):
         return self.mlp(torch.cat(embedded + [dense], dim=1)).squeeze(1)
 
 
+class Dlrm(nn.Module):
+    """DLRM (Naumov et al., 2019, arXiv:1906.00091): a bottom MLP takes the
+    dense features to the embeddings' width; that vector and each field's
+    pooled embedding interact pairwise by dot products; a top MLP scores the
+    products beside the bottom vector."""
+
+    def __init__(self, fields, num_fields, num_dense, dim):
+        super().__init__()
+        self.fields = fields
+        self.bottom = nn.Sequential(nn.Linear(num_dense, 64), nn.ReLU(),
+                                    nn.Linear(64, dim), nn.ReLU())
+        n = num_fields + 1
+        self.top = nn.Sequential(nn.Linear(dim + n * (n - 1) // 2, 128),
+                                 nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                                 nn.Linear(64, 1))
+        self._pairs = torch.triu_indices(n, n, offset=1)  # not a buffer
+
+    def forward(self, dense, bags):
+        x = self.bottom(dense)
+        vectors = torch.stack([x] + self.fields(bags), dim=1)  # [B, n, dim]
+        products = torch.bmm(vectors, vectors.transpose(1, 2))
+        pairs = products[:, self._pairs[0], self._pairs[1]]
+        return self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
+
+
 class Rows:
     """The one process's hashed ids -> table rows (nn.EmbeddingBag needs
     rows 0..N-1; pstrain's tables take the 64-bit ids as they are)."""
@@ -81,6 +113,13 @@ class Rows:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["ctr", "dlrm"], default="ctr",
+                        help="ctr: embeddings beside the dense features into "
+                        "an MLP; dlrm: DLRM's dot-product interactions")
+    parser.add_argument("--criteo_shape", action="store_true",
+                        help="26 fields with the Criteo Kaggle set's numbers "
+                        "of values (3 to 10 million) and 13 dense features, "
+                        "in place of --fields, --vocab and --dense")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--global_batch_size", type=int, default=256,
                         help="the job's, shared by the workers")
@@ -104,13 +143,16 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(1)
 
-    train = pstrain.data.CtrData(args.steps * args.global_batch_size,
-                                 num_dense=args.dense, num_fields=args.fields,
-                                 vocab_per_field=args.vocab)
-    test = pstrain.data.CtrData(args.test_examples,
-                                first_index=args.steps * args.global_batch_size,
-                                num_dense=args.dense, num_fields=args.fields,
-                                vocab_per_field=args.vocab)
+    field_vocab = None
+    if args.criteo_shape:
+        field_vocab = pstrain.data.CRITEO_KAGGLE_CARDINALITIES
+        args.fields, args.dense = len(field_vocab), 13
+    shape = dict(num_dense=args.dense, num_fields=args.fields,
+                 vocab_per_field=args.vocab, field_vocab=field_vocab)
+    train = pstrain.data.CtrData(args.steps * args.global_batch_size, **shape)
+    test = pstrain.data.CtrData(
+        args.test_examples, first_index=args.steps * args.global_batch_size,
+        **shape)
     if args.local and args.ddp:
         parser.error("--local and --ddp are two different baselines")
     plain_torch = args.local or args.ddp
@@ -131,8 +173,11 @@ def main():
                 lr=args.sparse_lr, init_std=0.01,
                 consistency=args.table_consistency)
             for _ in range(args.fields))
-    model = CtrNet(tables, args.fields, args.dense, args.dim)
-    optimizer = torch.optim.Adam(model.mlp.parameters(), lr=args.lr)
+    network = Dlrm if args.model == "dlrm" else CtrNet
+    model = network(tables, args.fields, args.dense, args.dim)
+    optimizer = torch.optim.Adam(
+        [p for name, p in model.named_parameters()
+         if not name.startswith("fields.")], lr=args.lr)
     net = model
     if args.local:
         worker_id, num_workers, mode, start_step = 0, 1, "local", 0
@@ -174,7 +219,7 @@ def main():
                 test.batch(np.arange(i, min(i + 1000, test.size)))
                 for i in range(0, test.size, 1000))]).numpy()
     pstrain.print_final(
-        model="ctr", mode=mode, worker_id=worker_id, num_workers=num_workers,
+        model=args.model, mode=mode, worker_id=worker_id, num_workers=num_workers,
         steps=args.steps, steps_run=args.steps - start_step,
         final_model=final_model,
         auc=round(pstrain.data.auc(test.labels, scores), 4),

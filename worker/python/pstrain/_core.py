@@ -21,7 +21,7 @@ import threading
 
 _LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib",
                          "libpstrain.so")
-_API_VERSION = 1
+_API_VERSION = 2
 
 # absl::StatusCode names, by value.
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
@@ -124,8 +124,9 @@ _declare("pstrain_examples_destroy", _p, restype=None)
 _declare("pstrain_examples_shape", _p, _p, restype=None)
 _declare("pstrain_examples_gather", _p, _p, _i64, _p, _p, _err)
 _declare("pstrain_synthetic_ctr", _i64, _i64, ctypes.c_int, ctypes.c_int, _i64,
-         ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
+         _p, ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
 _declare("pstrain_ctr_data_sizes", _p, _p, restype=None)
+_declare("pstrain_criteo_kaggle_cardinalities", _p, restype=ctypes.c_int)
 _declare("pstrain_ctr_data_copy", _p, _p, _p, _p, _p, _p, restype=None)
 _declare("pstrain_ctr_data_destroy", _p, restype=None)
 _declare("pstrain_epoch_plan_create", _i64, _i64, ctypes.c_int, ctypes.c_int,
@@ -549,14 +550,29 @@ def synthetic(count, first_index, num_features, num_classes, label_noise,
                           num_features, num_classes, float(label_noise), seed))
 
 
+def criteo_kaggle_cardinalities():
+    """The values of each of Criteo Kaggle's 26 fields (worker/ctr_data.h)."""
+    out = (_i64 * 64)()
+    n = _lib.pstrain_criteo_kaggle_cardinalities(out)
+    return [out[i] for i in range(n)]
+
+
 def synthetic_ctr(count, first_index, num_dense, num_fields, vocab_per_field,
-                  max_bag, seed):
+                  max_bag, seed, field_vocab=None):
     """The C++ CTR worker's synthetic data (worker/ctr_data.h) as numpy
     arrays: labels [n], dense [n, num_dense], bags in CSR form (offsets
-    [n * num_fields + 1] into ids), and the hidden true click probabilities."""
+    [n * num_fields + 1] into ids), and the hidden true click probabilities.
+    field_vocab: one vocabulary per field (None: vocab_per_field for all)."""
     import numpy as np
+    vocab = None
+    if field_vocab is not None:
+        field_vocab = list(field_vocab)
+        if len(field_vocab) != num_fields:
+            raise ValueError(f"field_vocab has {len(field_vocab)} entries for "
+                             f"{num_fields} fields")
+        vocab = (_i64 * num_fields)(*field_vocab)
     handle = _made(_lib.pstrain_synthetic_ctr, count, first_index, num_dense,
-                   num_fields, vocab_per_field, max_bag, seed)
+                   num_fields, vocab_per_field, vocab, max_bag, seed)
     try:
         sizes = (_i64 * 2)()
         _lib.pstrain_ctr_data_sizes(handle, sizes)

@@ -96,6 +96,10 @@ def evaluate(model, examples, batch_size=1000, shape=None, limit=None):
     return loss_sum / size, correct / size
 
 
+# Criteo Kaggle's 26 categorical fields' numbers of values (DLRM's counts).
+CRITEO_KAGGLE_CARDINALITIES = _core.criteo_kaggle_cardinalities()
+
+
 class CtrData:
     """The C++ CTR worker's synthetic click data (worker/ctr_data.h):
     examples [first_index, first_index + count) of the stream for ``seed``,
@@ -103,13 +107,15 @@ class CtrData:
 
     ``batch(rows)`` gives (dense features, labels, bags) of those rows as
     torch tensors, bags as one (ids, offsets) pair per field, the form
-    ``EmbeddingBag`` takes.
+    ``EmbeddingBag`` takes. ``field_vocab``: each field's own number of
+    values (``CRITEO_KAGGLE_CARDINALITIES`` with 26 fields and 13 dense
+    features: Criteo's shape), in place of ``vocab_per_field``.
     """
 
     def __init__(self, count, first_index=0, num_dense=4, num_fields=6,
-                 vocab_per_field=10000, max_bag=3, seed=1):
+                 vocab_per_field=10000, max_bag=3, seed=1, field_vocab=None):
         d = _core.synthetic_ctr(count, first_index, num_dense, num_fields,
-                                  vocab_per_field, max_bag, seed)
+                                  vocab_per_field, max_bag, seed, field_vocab)
         self.size = count
         self.num_dense = num_dense
         self.num_fields = num_fields
