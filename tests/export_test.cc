@@ -313,6 +313,78 @@ TEST(ExportTest, SparseTablesFromServersComeFromACheckpointTheyWriteNow) {
   EXPECT_EQ(ReadBytes(from_servers), ReadBytes(from_checkpoint));
 }
 
+// Delta export (--since) from running servers and --apply: the base model
+// file plus the delta of what a second run of the job changed is the
+// model's full export byte for byte, and the delta holds fewer rows; a
+// delta applied to a base it was not taken from is refused, naming it.
+TEST(ExportTest, ABaseAndItsDeltaAreTheModelExactly) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  const std::string dir = absl::StrCat(TestDir(), "/delta");
+  std::filesystem::create_directories(dir);
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir, "/ckpt")};
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "export_delta");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto train_to = [&](int steps) {
+    absl::StatusOr<std::vector<std::string>> outputs = (*cluster)->RunWorkers(
+        {{"--model=ctr", "--ctr_data=synthetic", "--ctr_fields=3",
+          "--ctr_dense=2", "--ctr_vocab=5000", "--ctr_train_examples=4096",
+          "--ctr_test_examples=512", "--embedding_dim=4", "--ctr_hidden=8",
+          "--batch_size=64", "--block_elements=32",
+          absl::StrCat("--steps=", steps), "--log_every=0", "--device=cpu"}},
+        absl::Seconds(120));
+    ASSERT_TRUE(outputs.ok()) << outputs.status();
+  };
+  const std::string exporter = BinaryPath("worker/pstrain_export");
+  auto export_to = [&](const std::string& name, std::vector<std::string> more) {
+    more.insert(more.begin(), {exporter, "--ps_hosts=" + (*cluster)->PsHosts(),
+                               absl::StrCat("--output=", dir, "/", name)});
+    return RunProgram(more, dir, name);
+  };
+  train_to(15);
+  const std::string base = absl::StrCat(dir, "/base");
+  ProgramRun run = export_to("base", {});
+  ASSERT_EQ(run.code, 0) << run.err;
+  train_to(18);  // the same job, three steps on
+  run = export_to("full", {});
+  ASSERT_EQ(run.code, 0) << run.err;
+  run = export_to("delta", {"--since=" + base});
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_THAT(run.out, HasSubstr("exported the changes since"));
+  absl::StatusOr<SafetensorsFile> full =
+      ReadSafetensorsFile(absl::StrCat(dir, "/full"));
+  absl::StatusOr<SafetensorsFile> delta =
+      ReadSafetensorsFile(absl::StrCat(dir, "/delta"));
+  ASSERT_TRUE(full.ok() && delta.ok()) << full.status() << delta.status();
+  EXPECT_EQ(delta->metadata["base_step"], "15");
+  EXPECT_EQ(delta->metadata["step"], "18");
+  const SafetensorsTensor* full_ids = full->Find("field0/ids");
+  const SafetensorsTensor* delta_ids = delta->Find("field0/ids");
+  ASSERT_NE(full_ids, nullptr);
+  ASSERT_NE(delta_ids, nullptr);
+  EXPECT_GT(delta_ids->NumElements(), 0);
+  EXPECT_LT(delta_ids->NumElements(), full_ids->NumElements());
+
+  const std::string merged = absl::StrCat(dir, "/merged");
+  run = RunProgram(
+      {exporter, "--base=" + base, absl::StrCat("--apply=", dir, "/delta"),
+       "--output=" + merged},
+      dir, "apply");
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_EQ(ReadBytes(merged), ReadBytes(absl::StrCat(dir, "/full")));
+
+  // Applied to the full model instead of its base: refused, one line.
+  run = RunProgram({exporter, absl::StrCat("--base=", dir, "/full"),
+                    absl::StrCat("--apply=", dir, "/delta"),
+                    absl::StrCat("--output=", dir, "/wrong")},
+                   dir, "apply_wrong");
+  EXPECT_EQ(run.code, 2) << run.err;
+  EXPECT_THAT(run.err, HasSubstr("was taken from a base at step 15, this "
+                                 "model is at step 18"));
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(dir, "/wrong")));
+}
+
 TEST(ExportTest, SparseTablesNeedTheServersCheckpointDir) {
   ClusterOptions options;
   const std::string dir = absl::StrCat(TestDir(), "/ctr_no_dir");

@@ -5,6 +5,12 @@
 //   pstrain_export --ps_hosts=ps0:5000,ps1:5000 --output=model.safetensors
 //   pstrain_export --cluster_spec=job.json --output=model.safetensors
 //   pstrain_export --checkpoint_dir=/ckpt --output=model.safetensors
+//   pstrain_export --ps_hosts=... --since=model.safetensors --output=d1
+//   pstrain_export --base=model.safetensors --apply=d1,d2 --output=now
+//
+// --since writes a delta file (worker/model_file.h): only the dense tensors
+// and rows that changed since the base model file, and the rows evicted
+// since; --apply applies deltas in order to a base, no servers needed.
 //
 // From running servers: the schema comes from the servers' Stats, the dense
 // tensors from a read-only pull as an observer (worker id -1) at the
@@ -26,6 +32,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -50,6 +57,16 @@ ABSL_FLAG(std::string, output, "",
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Export from this checkpoint directory (the servers' "
           "--checkpoint_dir); no server needs to run.");
+ABSL_FLAG(std::string, since, "",
+          "Write only what changed since this model file (a delta: the dense "
+          "tensors and rows that changed, the rows evicted) instead of the "
+          "whole model.");
+ABSL_FLAG(std::string, base, "",
+          "With --apply: the model file the first delta was taken from.");
+ABSL_FLAG(std::string, apply, "",
+          "Apply these delta files (comma-separated, in the order they were "
+          "taken) to --base and write the model they end at; no servers or "
+          "checkpoint needed.");
 ABSL_FLAG(std::string, ps_hosts, "",
           "Export from these running servers: host:port of every ps_server, "
           "in shard order.");
@@ -239,8 +256,49 @@ absl::StatusOr<ModelSnapshot> SnapshotFromServers(
   return snapshot;
 }
 
+// --base with --apply: the model the deltas end at, written to `output`.
+int ApplyDeltas(const std::string& base_path, const std::string& deltas,
+                const std::string& output) {
+  absl::StatusOr<ModelSnapshot> model = ReadModelSnapshot(base_path);
+  if (!model.ok()) {
+    ExitOnFlagErrors({absl::InvalidArgumentError(
+        absl::StrCat("--base=", base_path, ": ", model.status().message()))});
+  }
+  std::vector<std::string> paths = absl::StrSplit(deltas, ',');
+  for (const std::string& path : paths) {
+    absl::StatusOr<SafetensorsFile> delta = ReadSafetensorsFile(path);
+    if (delta.ok()) {
+      absl::StatusOr<ModelSnapshot> next =
+          ApplyModelDelta(*model, *delta, path);
+      if (next.ok()) {
+        model = std::move(next);
+        continue;
+      }
+      delta = next.status();
+    }
+    ExitOnFlagErrors({absl::InvalidArgumentError(
+        absl::StrCat("--apply: ", delta.status().message()))});
+  }
+  absl::StatusOr<SafetensorsFile> file = ModelFileFromSnapshot(*model);
+  if (!file.ok()) {
+    LOG(ERROR) << file.status();
+    return 1;
+  }
+  if (absl::Status s = WriteSafetensorsFile(output, *file); !s.ok()) {
+    ExitOnFlagErrors({absl::InvalidArgumentError(
+        absl::StrCat("--output=", output, ": ", s.message()))});
+  }
+  std::printf("applied %zu delta(s) to %s: the model at step %lld in %s\n",
+              paths.size(), base_path.c_str(),
+              static_cast<long long>(model->step), output.c_str());
+  return 0;
+}
+
 int Main() {
   const std::string output = absl::GetFlag(FLAGS_output);
+  const std::string since = absl::GetFlag(FLAGS_since);
+  const std::string apply = absl::GetFlag(FLAGS_apply);
+  const std::string base = absl::GetFlag(FLAGS_base);
   const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   std::string ps_hosts = absl::GetFlag(FLAGS_ps_hosts);
   const std::string spec_path = absl::GetFlag(FLAGS_cluster_spec);
@@ -248,6 +306,21 @@ int Main() {
   if (output.empty()) {
     checks.push_back(absl::InvalidArgumentError(
         "--output is required (the safetensors file to write)"));
+  }
+  if (apply.empty() != base.empty()) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--apply and --base go together: the deltas and the model file the "
+        "first was taken from"));
+  }
+  if (!apply.empty()) {
+    if (!since.empty() || !ps_hosts.empty() || !spec_path.empty() ||
+        !absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
+      checks.push_back(absl::InvalidArgumentError(
+          "--apply reads only --base and the deltas: drop --since and the "
+          "model source"));
+    }
+    ExitOnFlagErrors(checks);
+    return ApplyDeltas(base, apply, output);
   }
   // Like the worker, an empty --cluster_spec falls back on $PSTRAIN_CLUSTER.
   if (!spec_path.empty() || (ps_hosts.empty() && checkpoint_dir.empty())) {
@@ -303,7 +376,19 @@ int Main() {
     LOG(ERROR) << "export failed: " << snapshot.status();
     return 1;
   }
-  absl::StatusOr<SafetensorsFile> file = ModelFileFromSnapshot(*snapshot);
+  absl::StatusOr<SafetensorsFile> file;
+  if (since.empty()) {
+    file = ModelFileFromSnapshot(*snapshot);
+  } else {
+    absl::StatusOr<ModelSnapshot> base_model = ReadModelSnapshot(since);
+    if (base_model.ok()) file = ModelDelta(*base_model, *snapshot);
+    const absl::Status refused =
+        base_model.ok() ? file.status() : base_model.status();
+    if (!refused.ok()) {
+      ExitOnFlagErrors({absl::InvalidArgumentError(
+          absl::StrCat("--since=", since, ": ", refused.message()))});
+    }
+  }
   if (!file.ok()) {
     LOG(ERROR) << file.status();
     return 1;
@@ -315,6 +400,27 @@ int Main() {
   int64_t sparse_rows = 0;
   for (const SparseTableRows& table : snapshot->sparse) {
     sparse_rows += table.ids.size();
+  }
+  if (!since.empty()) {
+    int64_t dense = 0, rows = 0, deleted = 0;
+    for (const SafetensorsTensor& tensor : file->tensors) {
+      if (absl::EndsWith(tensor.name, "/deleted_ids")) {
+        deleted += tensor.NumElements();
+      } else if (absl::EndsWith(tensor.name, "/ids")) {
+        rows += tensor.NumElements();
+      } else if (!absl::EndsWith(tensor.name, "/rows")) {
+        ++dense;
+      }
+    }
+    std::printf(
+        "exported the changes since %s (step %s) at step %lld: %lld dense "
+        "tensors, %lld of %lld rows changed or added, %lld evicted, from %s "
+        "to %s\n",
+        since.c_str(), file->metadata["base_step"].c_str(),
+        static_cast<long long>(snapshot->step), static_cast<long long>(dense),
+        static_cast<long long>(rows), static_cast<long long>(sparse_rows),
+        static_cast<long long>(deleted), source.c_str(), output.c_str());
+    return 0;
   }
   std::printf(
       "exported %d dense tensors and %d sparse tables (%lld rows) at step "

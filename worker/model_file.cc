@@ -1,10 +1,12 @@
 #include "worker/model_file.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/partition.h"
@@ -19,6 +21,111 @@ std::string ShapeText(absl::Span<const int64_t> shape) {
 
 std::vector<int64_t> ShapeOf(const DenseTensorSpec& spec) {
   return {spec.shape().begin(), spec.shape().end()};
+}
+
+std::string SchemaJson(const ModelSchema& schema) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  if (!google::protobuf::util::MessageToJsonString(schema, &json, options)
+           .ok()) {
+    return "";
+  }
+  return json;
+}
+
+// A tensor of `file` (named `where` in errors) of this dtype and shape.
+absl::StatusOr<const SafetensorsTensor*> Expect(
+    const SafetensorsFile& file, absl::string_view where,
+    const std::string& name, SafetensorsDtype dtype,
+    const std::vector<int64_t>& shape) {
+  const SafetensorsTensor* tensor = file.Find(name);
+  if (tensor == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": tensor '", name, "' is missing"));
+  }
+  if (tensor->dtype != dtype || tensor->shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": tensor '", name, "' is ", SafetensorsDtypeName(tensor->dtype),
+        " ", ShapeText(tensor->shape), ", expected ",
+        SafetensorsDtypeName(dtype), " ", ShapeText(shape)));
+  }
+  return tensor;
+}
+
+// The schema and step in `file`'s metadata, whose format must be `format`.
+absl::Status ReadHeader(const SafetensorsFile& file, absl::string_view where,
+                        absl::string_view format, ModelSchema* schema,
+                        int64_t* step) {
+  auto text = [&](const std::string& key) -> std::string {
+    auto it = file.metadata.find(key);
+    return it == file.metadata.end() ? "" : it->second;
+  };
+  if (text("format") != format) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": not a ", format,
+                                                   " file (its format is '",
+                                                   text("format"), "')"));
+  }
+  if (!google::protobuf::util::JsonStringToMessage(text("schema"), schema)
+           .ok() ||
+      !absl::SimpleAtoi(text("step"), step)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": its schema or step metadata is unreadable"));
+  }
+  return absl::OkStatus();
+}
+
+// `table`'s ids (U64 [n]) and rows (F32 [n, dim]) named prefix + "/ids" and
+// prefix + "/rows" in `file`; none when `optional` and both are absent.
+absl::StatusOr<SparseTableRows> ReadRows(const SafetensorsFile& file,
+                                         absl::string_view where,
+                                         const SparseTableSpec& spec,
+                                         bool optional) {
+  const std::string ids_name = absl::StrCat(spec.name(), "/ids");
+  const std::string rows_name = absl::StrCat(spec.name(), "/rows");
+  SparseTableRows out;
+  const SafetensorsTensor* ids = file.Find(ids_name);
+  if (ids == nullptr && optional && file.Find(rows_name) == nullptr) {
+    return out;
+  }
+  const int64_t n = ids != nullptr && !ids->shape.empty() ? ids->shape[0] : 0;
+  absl::StatusOr<const SafetensorsTensor*> checked_ids =
+      Expect(file, where, ids_name, SafetensorsDtype::kU64, {n});
+  if (!checked_ids.ok()) return checked_ids.status();
+  absl::StatusOr<const SafetensorsTensor*> rows =
+      Expect(file, where, rows_name, SafetensorsDtype::kF32, {n, spec.dim()});
+  if (!rows.ok()) return rows.status();
+  out.ids = (*checked_ids)->AsU64();
+  out.rows = (*rows)->AsF32();
+  for (int64_t i = 1; i < n; ++i) {
+    if (out.ids[i] <= out.ids[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": '", ids_name, "' is not strictly ascending at ", i));
+    }
+  }
+  return out;
+}
+
+bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+}
+
+// `table`'s rows by ascending id.
+SparseTableRows Sorted(const SparseTableRows& table, int64_t dim) {
+  std::vector<int64_t> order(table.ids.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return table.ids[a] < table.ids[b]; });
+  SparseTableRows out;
+  out.ids.reserve(order.size());
+  out.rows.reserve(order.size() * dim);
+  for (int64_t i : order) {
+    out.ids.push_back(table.ids[i]);
+    out.rows.insert(out.rows.end(), table.rows.begin() + i * dim,
+                    table.rows.begin() + (i + 1) * dim);
+  }
+  return out;
 }
 
 }  // namespace
@@ -79,12 +186,8 @@ absl::StatusOr<SafetensorsFile> ModelFileFromSnapshot(
     file.tensors.push_back(SafetensorsTensor::F32(
         absl::StrCat(spec.name(), "/rows"), {n, dim}, rows));
   }
-  std::string schema_json;
-  google::protobuf::util::JsonPrintOptions json_options;
-  json_options.preserve_proto_field_names = true;
-  if (!google::protobuf::util::MessageToJsonString(schema, &schema_json,
-                                                   json_options)
-           .ok()) {
+  const std::string schema_json = SchemaJson(schema);
+  if (schema_json.empty()) {
     return absl::InternalError("cannot print the model schema as JSON");
   }
   file.metadata["format"] = "pstrain";
@@ -136,6 +239,176 @@ absl::StatusOr<std::vector<std::vector<float>>> LoadModelFile(
     values.push_back(tensor->AsF32());
   }
   return values;
+}
+
+absl::StatusOr<ModelSnapshot> ReadModelSnapshot(const std::string& path) {
+  absl::StatusOr<SafetensorsFile> file = ReadSafetensorsFile(path);
+  if (!file.ok()) return file.status();
+  ModelSnapshot snapshot;
+  if (absl::Status s =
+          ReadHeader(*file, path, "pstrain", &snapshot.schema, &snapshot.step);
+      !s.ok()) {
+    return s;
+  }
+  for (const DenseTensorSpec& spec : snapshot.schema.dense()) {
+    absl::StatusOr<const SafetensorsTensor*> tensor =
+        Expect(*file, path, spec.name(), SafetensorsDtype::kF32, ShapeOf(spec));
+    if (!tensor.ok()) return tensor.status();
+    snapshot.dense.push_back((*tensor)->AsF32());
+  }
+  for (const SparseTableSpec& spec : snapshot.schema.sparse()) {
+    absl::StatusOr<SparseTableRows> rows =
+        ReadRows(*file, path, spec, /*optional=*/false);
+    if (!rows.ok()) return rows.status();
+    snapshot.sparse.push_back(*std::move(rows));
+  }
+  return snapshot;
+}
+
+absl::StatusOr<SafetensorsFile> ModelDelta(const ModelSnapshot& base,
+                                           const ModelSnapshot& current) {
+  if (const std::string difference =
+          FirstSchemaDifference(base.schema, current.schema);
+      !difference.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the base is a file of another model (", difference, ")"));
+  }
+  if (current.step < base.step) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the base is at step ", base.step,
+                     ", after the model's step ", current.step));
+  }
+  const ModelSchema& schema = current.schema;
+  SafetensorsFile file;
+  for (int i = 0; i < schema.dense_size(); ++i) {
+    if (SameBits(base.dense[i], current.dense[i])) continue;
+    file.tensors.push_back(SafetensorsTensor::F32(
+        schema.dense(i).name(), ShapeOf(schema.dense(i)), current.dense[i]));
+  }
+  for (int t = 0; t < schema.sparse_size(); ++t) {
+    const SparseTableSpec& spec = schema.sparse(t);
+    const int64_t dim = spec.dim();
+    const SparseTableRows old_rows = Sorted(base.sparse[t], dim);
+    const SparseTableRows new_rows = Sorted(current.sparse[t], dim);
+    std::vector<uint64_t> changed_ids, deleted;
+    std::vector<float> changed;
+    size_t a = 0, b = 0;
+    auto row = [dim](const SparseTableRows& r, size_t i) {
+      return absl::MakeConstSpan(r.rows).subspan(i * dim, dim);
+    };
+    while (a < old_rows.ids.size() || b < new_rows.ids.size()) {
+      if (b == new_rows.ids.size() ||
+          (a < old_rows.ids.size() && old_rows.ids[a] < new_rows.ids[b])) {
+        deleted.push_back(old_rows.ids[a++]);
+        continue;
+      }
+      const bool same_id =
+          a < old_rows.ids.size() && old_rows.ids[a] == new_rows.ids[b];
+      if (!same_id || !SameBits(row(old_rows, a), row(new_rows, b))) {
+        changed_ids.push_back(new_rows.ids[b]);
+        const absl::Span<const float> values = row(new_rows, b);
+        changed.insert(changed.end(), values.begin(), values.end());
+      }
+      if (same_id) ++a;
+      ++b;
+    }
+    const int64_t n = static_cast<int64_t>(changed_ids.size());
+    file.tensors.push_back(SafetensorsTensor::U64(
+        absl::StrCat(spec.name(), "/ids"), {n}, changed_ids));
+    file.tensors.push_back(SafetensorsTensor::F32(
+        absl::StrCat(spec.name(), "/rows"), {n, dim}, changed));
+    file.tensors.push_back(SafetensorsTensor::U64(
+        absl::StrCat(spec.name(), "/deleted_ids"),
+        {static_cast<int64_t>(deleted.size())}, deleted));
+  }
+  file.metadata["format"] = "pstrain-delta";
+  file.metadata["step"] = absl::StrCat(current.step);
+  file.metadata["base_step"] = absl::StrCat(base.step);
+  file.metadata["schema"] = SchemaJson(schema);
+  return file;
+}
+
+absl::StatusOr<ModelSnapshot> ApplyModelDelta(const ModelSnapshot& base,
+                                              const SafetensorsFile& delta,
+                                              absl::string_view delta_name) {
+  ModelSchema schema;
+  int64_t step = 0;
+  if (absl::Status s =
+          ReadHeader(delta, delta_name, "pstrain-delta", &schema, &step);
+      !s.ok()) {
+    return s;
+  }
+  if (const std::string difference = FirstSchemaDifference(base.schema, schema);
+      !difference.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        delta_name, " is a delta of another model (", difference, ")"));
+  }
+  const auto base_step = delta.metadata.find("base_step");
+  int64_t delta_base = -1;
+  if (base_step == delta.metadata.end() ||
+      !absl::SimpleAtoi(base_step->second, &delta_base) ||
+      delta_base != base.step) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        delta_name, " was taken from a base at step ",
+        base_step == delta.metadata.end() ? "?" : base_step->second,
+        ", this model is at step ", base.step,
+        ": apply the deltas in order, from the base they were taken from"));
+  }
+  absl::flat_hash_set<std::string> known;
+  ModelSnapshot out = base;
+  out.step = step;
+  for (int i = 0; i < schema.dense_size(); ++i) {
+    const DenseTensorSpec& spec = schema.dense(i);
+    known.insert(spec.name());
+    if (delta.Find(spec.name()) == nullptr) continue;
+    absl::StatusOr<const SafetensorsTensor*> tensor = Expect(
+        delta, delta_name, spec.name(), SafetensorsDtype::kF32, ShapeOf(spec));
+    if (!tensor.ok()) return tensor.status();
+    out.dense[i] = (*tensor)->AsF32();
+  }
+  for (int t = 0; t < schema.sparse_size(); ++t) {
+    const SparseTableSpec& spec = schema.sparse(t);
+    const int64_t dim = spec.dim();
+    for (const char* suffix : {"/ids", "/rows", "/deleted_ids"}) {
+      known.insert(absl::StrCat(spec.name(), suffix));
+    }
+    absl::StatusOr<SparseTableRows> changed =
+        ReadRows(delta, delta_name, spec, /*optional=*/true);
+    if (!changed.ok()) return changed.status();
+    absl::flat_hash_set<uint64_t> dropped;
+    if (const SafetensorsTensor* deleted =
+            delta.Find(absl::StrCat(spec.name(), "/deleted_ids"));
+        deleted != nullptr) {
+      if (deleted->dtype != SafetensorsDtype::kU64 ||
+          deleted->shape.size() != 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            delta_name, ": '", spec.name(), "/deleted_ids' must be U64 [n]"));
+      }
+      for (uint64_t id : deleted->AsU64()) dropped.insert(id);
+    }
+    for (uint64_t id : changed->ids) dropped.insert(id);
+    const SparseTableRows old_rows = Sorted(base.sparse[t], dim);
+    SparseTableRows merged;
+    for (size_t i = 0; i < old_rows.ids.size(); ++i) {
+      if (dropped.contains(old_rows.ids[i])) continue;
+      merged.ids.push_back(old_rows.ids[i]);
+      merged.rows.insert(merged.rows.end(), old_rows.rows.begin() + i * dim,
+                         old_rows.rows.begin() + (i + 1) * dim);
+    }
+    merged.ids.insert(merged.ids.end(), changed->ids.begin(),
+                      changed->ids.end());
+    merged.rows.insert(merged.rows.end(), changed->rows.begin(),
+                       changed->rows.end());
+    out.sparse[t] = Sorted(merged, dim);
+  }
+  for (const SafetensorsTensor& tensor : delta.tensors) {
+    if (!known.contains(tensor.name)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(delta_name, ": tensor '", tensor.name,
+                       "' is not part of this model"));
+    }
+  }
+  return out;
 }
 
 }  // namespace pstrain

@@ -15,6 +15,17 @@
 // The file is a pure function of the model, so exporting the same model
 // twice (from running servers, or from their checkpoint) gives the same
 // bytes.
+//
+// Delta files (pstrain_export --since): what changed from a base model file
+// to the current model, for a serving copy that holds the base.
+//   <dense tensor name>   F32, only the tensors whose values changed
+//   <table>/ids, /rows    the rows added or changed since the base
+//                         (ascending ids), as in a model file
+//   <table>/deleted_ids   U64: rows the base holds and the model no longer
+//                         does (evicted)
+// Metadata: format "pstrain-delta", step, base_step, schema. Applying a
+// base's deltas in order (ApplyModelDelta) gives exactly the model file of
+// the last one's step.
 #ifndef PSTRAIN_WORKER_MODEL_FILE_H_
 #define PSTRAIN_WORKER_MODEL_FILE_H_
 
@@ -44,6 +55,23 @@ struct ModelSnapshot {
 // sizes do not match its schema (a bug in whoever assembled it).
 absl::StatusOr<SafetensorsFile> ModelFileFromSnapshot(
     const ModelSnapshot& snapshot);
+
+// A model file read back: its schema, step, dense tensors and rows (ids
+// ascending). InvalidArgument naming the file for one that is not a whole
+// pstrain model file.
+absl::StatusOr<ModelSnapshot> ReadModelSnapshot(const std::string& path);
+
+// The delta file from `base` to `current`, which must be snapshots of the
+// same model (schema); InvalidArgument otherwise, or when `current` is older.
+absl::StatusOr<SafetensorsFile> ModelDelta(const ModelSnapshot& base,
+                                           const ModelSnapshot& current);
+
+// `base` with `delta` (named `delta_name` in errors) applied: the model the
+// delta was taken of. A delta of another model, or taken from another base
+// step, is refused (InvalidArgument naming both) and nothing is applied.
+absl::StatusOr<ModelSnapshot> ApplyModelDelta(const ModelSnapshot& base,
+                                              const SafetensorsFile& delta,
+                                              absl::string_view delta_name);
 
 // Reads `path` and returns, for each of `params` in order, its values.
 // The file must hold exactly these tensors, each F32 of the spec's shape:

@@ -122,5 +122,87 @@ TEST(ModelFileTest, EveryMismatchNamesTheFileAndTheTensor) {
               HasSubstr("'fc9/bias' is not a parameter of this model"));
 }
 
+// The bytes of `snapshot`'s model file: equal bytes, equal models.
+std::string FileBytes(const ModelSnapshot& snapshot) {
+  absl::StatusOr<SafetensorsFile> file = ModelFileFromSnapshot(snapshot);
+  EXPECT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::string> bytes = SerializeSafetensors(*file);
+  EXPECT_TRUE(bytes.ok()) << bytes.status();
+  return bytes.value_or("");
+}
+
+TEST(ModelFileTest, AFileReadsBackAsItsSnapshot) {
+  const std::string path = TempPath("read_back.safetensors");
+  ASSERT_TRUE(
+      WriteSafetensorsFile(path, *ModelFileFromSnapshot(Snapshot())).ok());
+  absl::StatusOr<ModelSnapshot> read = ReadModelSnapshot(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->step, 7);
+  EXPECT_EQ(FileBytes(*read), FileBytes(Snapshot()));
+}
+
+// Two deltas (a row changed, one added, one evicted; a dense tensor
+// changed, one not) applied in order to the base give the last model's file
+// byte for byte, and hold only what changed.
+TEST(ModelFileTest, DeltasAppliedInOrderGiveTheLastModelExactly) {
+  const ModelSnapshot base = Snapshot();
+  ModelSnapshot second = base;
+  second.step = 9;
+  second.dense[1] = {-1, -2, -3.5};
+  second.sparse[0] = {{40, 30, 10, 20}, {4, 4, 3, 3.5, 1, 1.25, 2, 2.5}};
+  ModelSnapshot third = second;
+  third.step = 12;
+  third.sparse[0] = {{40, 10, 20}, {4, 4, 1, 1.25, 2, 2.75}};  // 30 evicted
+
+  absl::StatusOr<SafetensorsFile> first_delta = ModelDelta(base, second);
+  ASSERT_TRUE(first_delta.ok()) << first_delta.status();
+  EXPECT_EQ(first_delta->Find("fc0/weight"), nullptr);  // unchanged
+  EXPECT_EQ(first_delta->Find("fc0/bias")->AsF32(),
+            (std::vector<float>{-1, -2, -3.5}));
+  EXPECT_EQ(first_delta->Find("emb/ids")->AsU64(),
+            (std::vector<uint64_t>{10, 40}));
+  EXPECT_TRUE(first_delta->Find("emb/deleted_ids")->AsU64().empty());
+  absl::StatusOr<SafetensorsFile> second_delta = ModelDelta(second, third);
+  ASSERT_TRUE(second_delta.ok()) << second_delta.status();
+  EXPECT_EQ(second_delta->Find("fc0/bias"), nullptr);
+  EXPECT_EQ(second_delta->Find("emb/ids")->AsU64(),
+            (std::vector<uint64_t>{20}));
+  EXPECT_EQ(second_delta->Find("emb/deleted_ids")->AsU64(),
+            (std::vector<uint64_t>{30}));
+
+  absl::StatusOr<ModelSnapshot> applied =
+      ApplyModelDelta(base, *first_delta, "d1");
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  applied = ApplyModelDelta(*applied, *second_delta, "d2");
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(applied->step, 12);
+  EXPECT_EQ(FileBytes(*applied), FileBytes(third));
+}
+
+TEST(ModelFileTest, ADeltaOfAnotherBaseOrModelIsRefusedNamingIt) {
+  const ModelSnapshot base = Snapshot();
+  ModelSnapshot later = base;
+  later.step = 9;
+  later.dense[0][0] = 100;
+  absl::StatusOr<SafetensorsFile> delta = ModelDelta(base, later);
+  ASSERT_TRUE(delta.ok()) << delta.status();
+  // Out of order: applied to the later model instead of its base.
+  absl::StatusOr<ModelSnapshot> wrong = ApplyModelDelta(later, *delta, "d1");
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_THAT(wrong.status().message(),
+              HasSubstr("d1 was taken from a base at step 7, this model is at "
+                        "step 9"));
+  ModelSnapshot other = base;
+  other.schema.set_seed(4);
+  wrong = ApplyModelDelta(other, *delta, "d1");
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_THAT(wrong.status().message(),
+              HasSubstr("d1 is a delta of another model (seed"));
+  EXPECT_THAT(ModelDelta(other, later).status().message(),
+              HasSubstr("the base is a file of another model"));
+  EXPECT_THAT(ModelDelta(later, base).status().message(),
+              HasSubstr("the base is at step 9, after the model's step 7"));
+}
+
 }  // namespace
 }  // namespace pstrain
