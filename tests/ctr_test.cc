@@ -40,6 +40,16 @@ std::vector<std::string> CtrFlags(int steps) {
           absl::StrCat("--steps=", steps)};
 }
 
+// 2 shards running Adam at 0.01 for the dense layers, `workers` workers.
+ClusterOptions CtrCluster(const std::string& mode, int workers) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = workers;
+  options.mode = mode;
+  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
+  return options;
+}
+
 double Number(const std::string& out, const std::string& key) {
   absl::StatusOr<double> value = FinalJsonNumber(out, key);
   EXPECT_TRUE(value.ok()) << value.status() << "\n" << out;
@@ -47,14 +57,9 @@ double Number(const std::string& out, const std::string& key) {
 }
 
 TEST(CtrTest, ReachesTheGroundTruthAucWithinAMargin) {
-  ClusterOptions options;
-  options.num_shards = 2;
-  options.num_workers = 2;
   // Sync: deterministic, so the margin below cannot flake.
-  options.mode = "sync";
-  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
-      TestCluster::Start(options, "ctr_auc");
+      TestCluster::Start(CtrCluster("sync", 2), "ctr_auc");
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   absl::StatusOr<std::vector<std::string>> outputs = (*cluster)->RunWorkers(
       {CtrFlags(400), CtrFlags(400)}, absl::Seconds(240));
@@ -82,13 +87,8 @@ TEST(CtrTest, ReachesTheGroundTruthAucWithinAMargin) {
 // starts 1.5 s late, so worker 0 would otherwise evaluate a model that is
 // still changing).
 TEST(CtrTest, AsyncWorkersEvaluateOneFinalModel) {
-  ClusterOptions options;
-  options.num_shards = 2;
-  options.num_workers = 2;
-  options.mode = "async";
-  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
-      TestCluster::Start(options, "ctr_async_final");
+      TestCluster::Start(CtrCluster("async", 2), "ctr_async_final");
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   absl::StatusOr<std::vector<std::string>> outputs =
       (*cluster)->RunWorkers({CtrFlags(200), CtrFlags(200)}, absl::Seconds(240),
@@ -108,13 +108,8 @@ TEST(CtrTest, AsyncWorkersEvaluateOneFinalModel) {
 // no part in the step (their version is not the step count), the job still
 // learns, and both workers evaluate one final model.
 TEST(CtrTest, SyncDenseLayersWithAsyncTablesLearnAndEndOnOneModel) {
-  ClusterOptions options;
-  options.num_shards = 2;
-  options.num_workers = 2;
-  options.mode = "sync";
-  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
-      TestCluster::Start(options, "ctr_async_tables");
+      TestCluster::Start(CtrCluster("sync", 2), "ctr_async_tables");
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   std::vector<std::string> flags = CtrFlags(300);
   flags.push_back("--embedding_mode=async");
@@ -148,13 +143,8 @@ TEST(CtrTest, SyncDenseLayersWithAsyncTablesLearnAndEndOnOneModel) {
 // cache, fewer rows from the servers, and the job still learns. Without the
 // cache every training row comes from the servers.
 TEST(CtrTest, TheRowCacheServesHotRowsWithinItsBound) {
-  ClusterOptions options;
-  options.num_shards = 2;
-  options.num_workers = 1;
-  options.mode = "sync";
-  options.server_flags = {"--optimizer=adam", "--learning_rate=0.01"};
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
-      TestCluster::Start(options, "ctr_row_cache");
+      TestCluster::Start(CtrCluster("sync", 1), "ctr_row_cache");
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   std::vector<std::string> flags = CtrFlags(300);
   flags.push_back("--sparse_cache_steps=2");
@@ -171,7 +161,7 @@ TEST(CtrTest, TheRowCacheServesHotRowsWithinItsBound) {
   EXPECT_GE(Number(out, "auc"), Number(out, "true_auc") - 0.06) << out;
   // A second job of the same cluster without the cache: no hits.
   absl::StatusOr<std::unique_ptr<TestCluster>> plain =
-      TestCluster::Start(options, "ctr_no_row_cache");
+      TestCluster::Start(CtrCluster("sync", 1), "ctr_no_row_cache");
   ASSERT_TRUE(plain.ok()) << plain.status();
   outputs = (*plain)->RunWorkers({CtrFlags(300)}, absl::Seconds(240));
   ASSERT_TRUE(outputs.ok()) << outputs.status();
@@ -187,12 +177,8 @@ TEST(CtrTest, TheRowCacheServesHotRowsWithinItsBound) {
 // push would find the table a step behind (jittered pushes make that
 // likely at every step).
 TEST(CtrTest, CachedRowsStillWaitForTheirTablesSyncStep) {
-  ClusterOptions options;
-  options.num_shards = 2;
-  options.num_workers = 2;
-  options.mode = "sync";
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
-      TestCluster::Start(options, "ctr_cached_barrier");
+      TestCluster::Start(CtrCluster("sync", 2), "ctr_cached_barrier");
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   std::vector<std::string> flags = CtrFlags(150);
   flags.push_back("--ctr_cardinalities=1,2,3,2000");

@@ -256,6 +256,21 @@ absl::StatusOr<ModelSnapshot> SnapshotFromServers(
   return snapshot;
 }
 
+// Writes `file` to `output`: false (logged) when there is no file (a bug);
+// an unwritable output exits 2 with one line, as a bad flag.
+bool WrittenOrExit(const absl::StatusOr<SafetensorsFile>& file,
+                   const std::string& output) {
+  if (!file.ok()) {
+    LOG(ERROR) << file.status();
+    return false;
+  }
+  if (absl::Status s = WriteSafetensorsFile(output, *file); !s.ok()) {
+    ExitOnFlagErrors({absl::InvalidArgumentError(
+        absl::StrCat("--output=", output, ": ", s.message()))});
+  }
+  return true;
+}
+
 // --base with --apply: the model the deltas end at, written to `output`.
 int ApplyDeltas(const std::string& base_path, const std::string& deltas,
                 const std::string& output) {
@@ -280,14 +295,7 @@ int ApplyDeltas(const std::string& base_path, const std::string& deltas,
         absl::StrCat("--apply: ", delta.status().message()))});
   }
   absl::StatusOr<SafetensorsFile> file = ModelFileFromSnapshot(*model);
-  if (!file.ok()) {
-    LOG(ERROR) << file.status();
-    return 1;
-  }
-  if (absl::Status s = WriteSafetensorsFile(output, *file); !s.ok()) {
-    ExitOnFlagErrors({absl::InvalidArgumentError(
-        absl::StrCat("--output=", output, ": ", s.message()))});
-  }
+  if (!WrittenOrExit(file, output)) return 1;
   std::printf("applied %zu delta(s) to %s: the model at step %lld in %s\n",
               paths.size(), base_path.c_str(),
               static_cast<long long>(model->step), output.c_str());
@@ -389,14 +397,7 @@ int Main() {
           absl::StrCat("--since=", since, ": ", refused.message()))});
     }
   }
-  if (!file.ok()) {
-    LOG(ERROR) << file.status();
-    return 1;
-  }
-  if (absl::Status s = WriteSafetensorsFile(output, *file); !s.ok()) {
-    ExitOnFlagErrors({absl::InvalidArgumentError(
-        absl::StrCat("--output=", output, ": ", s.message()))});
-  }
+  if (!WrittenOrExit(file, output)) return 1;
   int64_t sparse_rows = 0;
   for (const SparseTableRows& table : snapshot->sparse) {
     sparse_rows += table.ids.size();
