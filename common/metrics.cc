@@ -773,7 +773,26 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, int worker_id)
                          .Name("pstrain_worker_test_accuracy")
                          .Help("Held-out accuracy at the last evaluation.")
                          .Register(registry)
-                         .Add({{"worker", absl::StrCat(worker_id)}})) {}
+                         .Add({{"worker", absl::StrCat(worker_id)}})),
+      sparse_rows_pulled_(
+          prometheus::BuildCounter()
+              .Name("pstrain_worker_sparse_rows_pulled_total")
+              .Help("Embedding rows pulled from the servers while training.")
+              .Register(registry)
+              .Add({{"worker", absl::StrCat(worker_id)}})),
+      sparse_cache_hits_(
+          prometheus::BuildCounter()
+              .Name("pstrain_worker_sparse_cache_hits_total")
+              .Help("Embedding rows the worker's row cache served instead "
+                    "(--sparse_cache_steps).")
+              .Register(registry)
+              .Add({{"worker", absl::StrCat(worker_id)}})),
+      sparse_cache_bytes_saved_(
+          prometheus::BuildCounter()
+              .Name("pstrain_worker_sparse_cache_bytes_saved_total")
+              .Help("Row bytes the row cache kept off the network.")
+              .Register(registry)
+              .Add({{"worker", absl::StrCat(worker_id)}})) {}
 
 void WorkerMetrics::ObserveEvaluation(double test_loss, double test_accuracy) {
   test_loss_.Set(test_loss);
@@ -791,6 +810,10 @@ void WorkerMetrics::Observe(const StepSample& sample) {
   push_seconds_.Observe(sample.push_seconds);
   compute_seconds_.Observe(sample.compute_seconds);
   network_wait_seconds_.Observe(sample.network_wait_seconds);
+  sparse_rows_pulled_.Increment(static_cast<double>(sample.sparse_rows_pulled));
+  sparse_cache_hits_.Increment(static_cast<double>(sample.sparse_cache_hits));
+  sparse_cache_bytes_saved_.Increment(
+      static_cast<double>(sample.sparse_cache_bytes_saved));
   window_examples_ += static_cast<double>(sample.examples);
   window_seconds_ += sample.step_seconds;
   // Shown from the first step on, then refreshed once a second of steps.

@@ -180,6 +180,10 @@ struct StepSample {
   double push_seconds = 0;
   double compute_seconds = 0;
   double network_wait_seconds = 0;  // blocked on the pull and the pushes
+  // This step's sparse rows from the servers, and from the row cache.
+  int64_t sparse_rows_pulled = 0;
+  int64_t sparse_cache_hits = 0;
+  int64_t sparse_cache_bytes_saved = 0;
 };
 
 // The worker's metrics, labelled worker="k":
@@ -187,7 +191,10 @@ struct StepSample {
 //   _samples_per_second (gauges), pstrain_worker_examples_total (counter),
 //   pstrain_worker_{step,pull,push,compute}_duration_seconds and
 //   pstrain_worker_network_wait_seconds (histograms),
-//   pstrain_worker_test_loss, _test_accuracy (the last held-out evaluation).
+//   pstrain_worker_test_loss, _test_accuracy (the last held-out evaluation),
+//   pstrain_worker_sparse_rows_pulled_total, _sparse_cache_hits_total and
+//   _sparse_cache_bytes_saved_total (counters: embedding rows from the
+//   servers, and from the worker's row cache).
 class WorkerMetrics {
  public:
   WorkerMetrics(prometheus::Registry& registry, int worker_id);
@@ -210,6 +217,9 @@ class WorkerMetrics {
   prometheus::Histogram& network_wait_seconds_;
   prometheus::Gauge& test_loss_;
   prometheus::Gauge& test_accuracy_;
+  prometheus::Counter& sparse_rows_pulled_;
+  prometheus::Counter& sparse_cache_hits_;
+  prometheus::Counter& sparse_cache_bytes_saved_;
   // samples/s over at least one second of steps, so one slow or fast step
   // does not make the gauge jump.
   double window_examples_ = 0;

@@ -156,6 +156,8 @@ TEST(CtrTest, TheRowCacheServesHotRowsWithinItsBound) {
   const double from_servers = Number(out, "sparse_rows_from_servers");
   EXPECT_GT(hits, 0) << out;
   EXPECT_GT(from_servers, 0) << out;
+  // Rows of dim 8, float32.
+  EXPECT_EQ(Number(out, "sparse_cache_bytes_saved"), hits * 8 * 4) << out;
   std::cout << "[ ctr ] row cache: " << hits << " hits, " << from_servers
             << " rows from the servers\n";
   EXPECT_GE(Number(out, "auc"), Number(out, "true_auc") - 0.06) << out;

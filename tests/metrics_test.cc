@@ -136,6 +136,10 @@ TEST(MetricsTest, ServerAndWorkerCountWhatTheJobDid) {
       kSteps);
   EXPECT_EQ(Value(page, "pstrain_worker_network_wait_seconds_count", kWorker0),
             kSteps);
+  // No embedding tables in the probe model: the row counters are there, 0.
+  EXPECT_EQ(Value(page, "pstrain_worker_sparse_rows_pulled_total", kWorker0),
+            0);
+  EXPECT_EQ(Value(page, "pstrain_worker_sparse_cache_hits_total", kWorker0), 0);
   // The injected 5 ms a step counts as compute, not as network wait.
   EXPECT_GE(
       Value(page, "pstrain_worker_compute_duration_seconds_sum", kWorker0),

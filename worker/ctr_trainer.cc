@@ -439,6 +439,8 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       break;
     }
     const absl::Time step_start = absl::Now();
+    const SparseRowCacheStats cache_before = client.sparse_row_cache_stats();
+    const int64_t rows_before = (*net)->rows_pulled();
     cursor.Next(options.batch_size, &batch);
     absl::StatusOr<int64_t> at = (*net)->Load(client, step, batch);
     if (!at.ok()) return at.status();
@@ -470,13 +472,22 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       window_rows += batch.size();
     }
     if (options.on_step) {
-      options.on_step(CtrStepReport(step, options.steps, *loss_sum, batch,
-                                    step_scores, step_start, pulled, computed));
+      StepReport report =
+          CtrStepReport(step, options.steps, *loss_sum, batch, step_scores,
+                        step_start, pulled, computed);
+      const SparseRowCacheStats cache = client.sparse_row_cache_stats();
+      report.sparse_cache_hits = cache.hits - cache_before.hits;
+      report.sparse_rows_pulled =
+          (*net)->rows_pulled() - rows_before - report.sparse_cache_hits;
+      report.sparse_cache_bytes_saved =
+          cache.bytes_saved - cache_before.bytes_saved;
+      options.on_step(report);
     }
   }
   if (options.on_steps_done) options.on_steps_done();
   const SparseRowCacheStats cache = client.sparse_row_cache_stats();
   result.cache_hits = cache.hits;
+  result.cache_bytes_saved = cache.bytes_saved;
   result.rows_from_servers = (*net)->rows_pulled() - cache.hits;
   // The final model is the servers' rows, not the cache's.
   client.DropSparseRowCache();
@@ -540,13 +551,15 @@ std::string CtrFinalJson(const CtrResult& r, int worker_id, int num_workers,
       "\"test_examples\":%d,\"samples_per_sec\":%.1f,\"wall_time_s\":%.3f,"
       "\"sparse_rows_pulled\":%d,\"sparse_rows_pushed\":%d,"
       "\"sparse_rows_from_servers\":%d,\"sparse_cache_hits\":%d,"
+      "\"sparse_cache_bytes_saved\":%d,"
       "\"steps_short\":%d,\"final_model\":\"%s\",\"final_state\":\"%s\","
       "\"shards_behind\":[%s],\"stopped_early\":%s}",
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
       r.steps_run, r.final_loss, r.auc, r.logloss, truth, r.test_examples,
       r.samples_per_sec, r.wall_time_s, r.rows_pulled, r.rows_pushed,
-      r.rows_from_servers, r.cache_hits, r.steps_short, r.final_model,
-      r.final_state.summary, absl::StrJoin(r.final_state.shards_behind, ","),
+      r.rows_from_servers, r.cache_hits, r.cache_bytes_saved, r.steps_short,
+      r.final_model, r.final_state.summary,
+      absl::StrJoin(r.final_state.shards_behind, ","),
       r.stopped_early ? "true" : "false");
 }
 

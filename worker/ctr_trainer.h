@@ -82,6 +82,7 @@ struct CtrResult {
   // those the row cache did not have), and the cache's hits.
   int64_t rows_from_servers = 0;
   int64_t cache_hits = 0;
+  int64_t cache_bytes_saved = 0;
   // sync: steps completed with fewer than num_workers gradients.
   int64_t steps_short = 0;
   bool stopped_early = false;

@@ -22,7 +22,9 @@ void StepOutput::OnStep(const StepReport& r) {
   if (metrics_ != nullptr) {
     metrics_->Observe({r.step, r.steps, r.loss, r.train_accuracy, r.examples,
                        r.step_seconds, r.pull_seconds, r.push_seconds,
-                       r.compute_seconds, r.network_wait_seconds});
+                       r.compute_seconds, r.network_wait_seconds,
+                       r.sparse_rows_pulled, r.sparse_cache_hits,
+                       r.sparse_cache_bytes_saved});
   }
   if (r.evaluated) {
     last_test_accuracy_ = r.test_accuracy;

@@ -42,6 +42,11 @@ struct StepReport {
   double test_loss = 0;
   double test_accuracy = 0;
   int64_t epoch = 0;  // epochs completed (steps / steps_per_epoch, floored)
+  // Sparse rows of the step (CTR): those pulled from the servers, and those
+  // the row cache served (--sparse_cache_steps) with the bytes that saved.
+  int64_t sparse_rows_pulled = 0;
+  int64_t sparse_cache_hits = 0;
+  int64_t sparse_cache_bytes_saved = 0;
 };
 
 struct TrainerOptions {
