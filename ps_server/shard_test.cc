@@ -1396,13 +1396,9 @@ TEST(ShardReplicaStateTest, AnImportedStateGoesOnAsTheOriginalDoes) {
   }
 }
 
-// A table's byte budget counts toward --max_shard_memory_gb at
-// registration: over it, the registration is refused naming the table and
-// the numbers, and nothing is installed; a budget below one row is refused.
-TEST(ShardSparseTest, TableBudgetsAreCheckedAtRegistration) {
-  ShardOptions options;
-  options.max_shard_bytes = int64_t{4} << 20;
-  auto shard = std::move(*Shard::Create(options));
+// One worker's registration of TestSchema() plus table "emb" of `dim`
+// (SGD at 0.1), for the tests of what registration refuses.
+RegisterModelRequest OneTableRequest(int64_t dim) {
   RegisterModelRequest request;
   request.set_protocol_version(kProtocolVersion);
   *request.mutable_schema() = TestSchema();
@@ -1410,9 +1406,21 @@ TEST(ShardSparseTest, TableBudgetsAreCheckedAtRegistration) {
   request.set_num_workers(1);
   SparseTableSpec* table = request.mutable_schema()->add_sparse();
   table->set_name("emb");
-  table->set_dim(16);
+  table->set_dim(dim);
   table->mutable_optimizer()->set_name("sgd");
   table->mutable_optimizer()->set_learning_rate(0.1f);
+  return request;
+}
+
+// A table's byte budget counts toward --max_shard_memory_gb at
+// registration: over it, the registration is refused naming the table and
+// the numbers, and nothing is installed; a budget below one row is refused.
+TEST(ShardSparseTest, TableBudgetsAreCheckedAtRegistration) {
+  ShardOptions options;
+  options.max_shard_bytes = int64_t{4} << 20;
+  auto shard = std::move(*Shard::Create(options));
+  RegisterModelRequest request = OneTableRequest(/*dim=*/16);
+  SparseTableSpec* table = request.mutable_schema()->mutable_sparse(0);
   table->set_max_bytes(int64_t{8} << 20);
   absl::StatusOr<RegisterModelResponse> over = shard->Register(request);
   ASSERT_FALSE(over.ok());
@@ -1764,16 +1772,8 @@ TEST(ShardSparseTest, ATableModeTheServersDoNotRunIsRefusedAtRegistration) {
   ShardOptions options;
   options.mode = ConsistencyMode::kAsync;
   auto shard = std::move(*Shard::Create(options));
-  RegisterModelRequest request;
-  request.set_protocol_version(kProtocolVersion);
-  *request.mutable_schema() = TestSchema();
-  request.set_num_shards(1);
-  request.set_num_workers(1);
-  SparseTableSpec* table = request.mutable_schema()->add_sparse();
-  table->set_name("emb");
-  table->set_dim(4);
-  table->mutable_optimizer()->set_name("sgd");
-  table->mutable_optimizer()->set_learning_rate(0.1f);
+  RegisterModelRequest request = OneTableRequest(/*dim=*/4);
+  SparseTableSpec* table = request.mutable_schema()->mutable_sparse(0);
   table->set_mode("sync");
   absl::StatusOr<RegisterModelResponse> refused = shard->Register(request);
   ASSERT_FALSE(refused.ok());
