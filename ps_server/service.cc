@@ -758,6 +758,23 @@ grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
       });
 }
 
+grpc::ServerUnaryReactor* ParameterServerService::SparseChanges(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
+    return refused;
+  }
+  return ServeSmall<SparseChangesRequest>(
+      shard_, context, request, response,
+      [this](const SparseChangesRequest& r)
+          -> absl::StatusOr<SparseChangesResponse> {
+        if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+        absl::StatusOr<SparseChangesResponse> answer = shard_->SparseChanges(r);
+        if (answer.ok()) answer->set_server_life(life_);
+        return answer;
+      });
+}
+
 void ParameterServerService::CrashIfInjectedAt(absl::string_view moment) {
   if (options_.crash_at != moment) return;
   LOG(ERROR) << "--inject_crash_at=" << moment << ": dying (SIGKILL)";

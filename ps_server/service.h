@@ -31,19 +31,19 @@ namespace pstrain {
 using ParameterServerRawService = ParameterServer::WithRawCallbackMethod_Replicate<
     ParameterServer::WithRawCallbackMethod_Pull<ParameterServer::WithRawCallbackMethod_Push<
         ParameterServer::WithRawCallbackMethod_PullStream<ParameterServer::WithRawCallbackMethod_PushStream<
-            ParameterServer::WithRawCallbackMethod_RegisterModel<
-                ParameterServer::WithRawCallbackMethod_Stats<ParameterServer::WithRawCallbackMethod_Heartbeat<
-                    ParameterServer::WithRawCallbackMethod_Leave<
-                        ParameterServer::WithRawCallbackMethod_Checkpoint<
-                            ParameterServer::WithRawCallbackMethod_SparsePull<
-                                ParameterServer::WithRawCallbackMethod_SparsePush<
-                                    ParameterServer::WithRawCallbackMethod_AwaitJobStart<
-                                        ParameterServer::WithRawCallbackMethod_Assign<
-                                            ParameterServer::WithRawCallbackMethod_ClipNorm<
+            ParameterServer::WithRawCallbackMethod_RegisterModel<ParameterServer::WithRawCallbackMethod_Stats<
+                ParameterServer::WithRawCallbackMethod_Heartbeat<ParameterServer::WithRawCallbackMethod_Leave<
+                    ParameterServer::WithRawCallbackMethod_Checkpoint<
+                        ParameterServer::WithRawCallbackMethod_SparsePull<
+                            ParameterServer::WithRawCallbackMethod_SparsePush<
+                                ParameterServer::WithRawCallbackMethod_AwaitJobStart<
+                                    ParameterServer::WithRawCallbackMethod_Assign<
+                                        ParameterServer::WithRawCallbackMethod_ClipNorm<
+                                            ParameterServer::WithRawCallbackMethod_ApplyClip<
                                                 ParameterServer::
-                                                    WithRawCallbackMethod_ApplyClip<
+                                                    WithRawCallbackMethod_SparseChanges<
                                                         ParameterServer::
-                                                            Service>>>>>>>>>>>>>>>>;
+                                                            Service>>>>>>>>>>>>>>>>>;
 
 struct ServiceOptions {
   // Fault injection for exactly-once tests: after applying a push, answer
@@ -119,6 +119,9 @@ class ParameterServerService final : public ParameterServerRawService,
   grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* SparseChanges(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Replicate(grpc::CallbackServerContext* context,
                                       const grpc::ByteBuffer* request,
                                       grpc::ByteBuffer* response) override;

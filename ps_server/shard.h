@@ -201,6 +201,11 @@ class Shard {
                   SparsePullDone done);
   absl::StatusOr<SparsePushResponse> SparsePush(
       const SparsePushRequest& request);
+  // SparseChangesRequest: ends every table's change epoch (mark) and/or
+  // answers a page of the asked tables' rows changed since their marks
+  // (SparseTable::ChangesSince); server_life is the caller's to fill.
+  absl::StatusOr<SparseChangesResponse> SparseChanges(
+      const SparseChangesRequest& request);
   // sync, a clipped step (PushRequest.clip_max_norm): answers once every
   // parameter block of this shard has the step's gradients in, with this
   // shard's share of the squared norm of the step's mean gradient (or

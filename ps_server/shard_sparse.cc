@@ -3,11 +3,13 @@
 // and sparse pulls. Split from shard.cc so that "where is a push applied"
 // has one answer per kind; the dense counterpart is shard_dense.cc.
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/protocol.h"
 #include "common/status_text.h"
 #include "common/transport/tensor_codec.h"
 #include "ps_server/shard.h"
@@ -115,6 +117,77 @@ bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
   state.contributors = 0;
   state.version.store(version + 1);
   return true;
+}
+
+absl::StatusOr<SparseChangesResponse> Shard::SparseChanges(
+    const SparseChangesRequest& request) {
+  if (request.protocol_version() != kProtocolVersion) {
+    return Reject(absl::FailedPreconditionError(absl::StrCat(
+        "protocol version ", request.protocol_version(),
+        " is not supported; this server speaks ", kProtocolVersion)));
+  }
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr) {
+    return absl::FailedPreconditionError("no model is registered yet");
+  }
+  SparseChangesResponse answer;
+  if (request.mark()) {
+    for (const std::unique_ptr<SparseState>& state : model->sparse) {
+      TableChangeMark* mark = answer.add_marks();
+      mark->set_table(state->spec->name());
+      mark->set_mark(state->table->MarkChanges());
+    }
+  }
+  if (request.table_index() < 0 ||
+      request.table_index() > request.since_size()) {
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("changes cursor at table ", request.table_index(), " of ",
+                     request.since_size())));
+  }
+  // Pages of at most 32 MiB of values, whatever was asked.
+  constexpr int64_t kMaxPageBytes = int64_t{32} << 20;
+  int64_t bytes_left = kMaxPageBytes;
+  int64_t rows_left = request.max_rows() > 0
+                          ? request.max_rows()
+                          : std::numeric_limits<int64_t>::max();
+  SparseTable::ChangesCursor cursor{request.stripe(), request.slot()};
+  int t = request.table_index();
+  for (; t < request.since_size(); ++t, cursor = {}) {
+    const TableChangeMark& since = request.since(t);
+    auto it = model->sparse_index.find(since.table());
+    if (it == model->sparse_index.end()) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat(
+          "unknown sparse table ", QuoteForStatus(since.table()))));
+    }
+    const SparseTable& table = *model->sparse[it->second]->table;
+    const int64_t row_bytes = table.dim() * int64_t{sizeof(float)};
+    const int64_t max_rows = std::min(rows_left, bytes_left / row_bytes);
+    if (max_rows < 1) break;
+    absl::StatusOr<SparseTable::ChangesPage> page =
+        table.ChangesSince(since.mark(), cursor, max_rows);
+    if (!page.ok()) {
+      return absl::IsInvalidArgument(page.status()) ? Reject(page.status())
+                                                    : page.status();
+    }
+    TableChanges* changes = answer.add_tables();
+    changes->set_table(since.table());
+    changes->mutable_ids()->Assign(page->ids.begin(), page->ids.end());
+    changes->set_values(page->values.data(),
+                        page->values.size() * sizeof(float));
+    changes->mutable_evicted_ids()->Assign(page->evicted_ids.begin(),
+                                           page->evicted_ids.end());
+    rows_left -= static_cast<int64_t>(page->ids.size());
+    bytes_left -= static_cast<int64_t>(page->ids.size()) * row_bytes;
+    if (!page->done) {
+      cursor = page->next;
+      break;
+    }
+  }
+  answer.set_done(t == request.since_size());
+  answer.set_next_table_index(t);
+  answer.set_next_stripe(cursor.stripe);
+  answer.set_next_slot(cursor.slot);
+  return answer;
 }
 
 void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,

@@ -24,6 +24,11 @@ constexpr int64_t kMinChunkRows = 16;
 constexpr int64_t kMaxChunkRows = 4096;
 constexpr int kMaxStripes = 4096;
 constexpr int64_t kMaxDim = int64_t{1} << 20;
+// A stripe's eviction log holds one entry per this many rows of its share
+// (and at least kMinEvictionLogEntries): deltas since a mark stay exact
+// while fewer rows than that were evicted since it.
+constexpr int64_t kEvictionLogRowsPerEntry = 8;
+constexpr int64_t kMinEvictionLogEntries = 64;
 
 absl::Status CheckRange(const char* flag, float value, float lo, float hi,
                         bool lo_inclusive, bool hi_inclusive) {
@@ -144,6 +149,15 @@ struct alignas(64) SparseTable::Stripe {
   int64_t allocated_rows ABSL_GUARDED_BY(mu) = 0;  // row capacity of chunks
   float* chunk_cursor ABSL_GUARDED_BY(mu) = nullptr;
   int64_t chunk_rows_left ABSL_GUARDED_BY(mu) = 0;
+  // The table's change epoch when each slot's row last changed (created,
+  // pushed to or loaded), by slot: what ChangesSince reads.
+  std::vector<uint32_t> changed_at ABSL_GUARDED_BY(mu);
+  // Ids evicted since the table's first change mark, with the epoch of
+  // their eviction, oldest first; at most EvictionLogCapacity entries, the
+  // oldest half dropped when full. Evictions of epochs up to
+  // `evictions_forgotten_through` may be missing.
+  std::vector<std::pair<uint64_t, uint32_t>> evictions ABSL_GUARDED_BY(mu);
+  uint32_t evictions_forgotten_through ABSL_GUARDED_BY(mu) = 0;
   // LRU list over slots, maintained only when capacity > 0.
   uint32_t lru_head ABSL_GUARDED_BY(mu) = kNil;  // most recently used
   uint32_t lru_tail ABSL_GUARDED_BY(mu) = kNil;  // least recently used
@@ -208,8 +222,13 @@ int64_t SparseTable::BytesPerRow(int64_t dim, absl::string_view optimizer) {
   // 7/16 after growing, and the slot vector at twice its size.
   using IndexEntry = std::pair<const uint64_t, uint32_t>;
   const int64_t index_bytes = (sizeof(IndexEntry) + 1) * 16 / 7 + 1;
+  // The change stamp (a slot vector, so also at twice its size) and the
+  // eviction log's share: one 16-byte entry per kEvictionLogRowsPerEntry
+  // rows.
   return dim * (1 + StatePerElement(kind)) * int64_t{sizeof(float)} +
-         2 * sizeof(RowMeta) + index_bytes;
+         2 * (sizeof(RowMeta) + sizeof(uint32_t)) + index_bytes +
+         2 * int64_t{sizeof(std::pair<uint64_t, uint32_t>)} /
+             kEvictionLogRowsPerEntry;
 }
 
 int64_t SparseTable::RowBound(const SparseTableOptions& options) {
@@ -371,6 +390,7 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
     s.index.erase(victim);
     ++s.rows_evicted;
     if (options_.admit_after > 1) RememberEvicted(s, victim);
+    LogEviction(s, victim);
   } else {
     if (s.chunk_rows_left == 0) {
       int64_t rows = std::clamp<int64_t>(static_cast<int64_t>(s.rows.size()),
@@ -383,12 +403,14 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
     }
     slot = static_cast<uint32_t>(s.rows.size());
     s.rows.push_back(RowMeta{id, 0, s.chunk_cursor, kNil, kNil});
+    s.changed_at.push_back(0);
     s.chunk_cursor += row_floats_;
     --s.chunk_rows_left;
   }
   RowMeta& r = s.rows[slot];
   r.id = id;
   r.update_count = 0;
+  s.changed_at[slot] = epoch_.load();
   InitialValue(id, absl::MakeSpan(r.data, options_.dim));
   InitRowState(
       absl::MakeSpan(r.data + options_.dim, row_floats_ - options_.dim));
@@ -448,6 +470,82 @@ void SparseTable::RememberEvicted(Stripe& s, uint64_t id) const
     if (it->second < n) ++s.remembered;
     it->second = n;
   }
+}
+
+void SparseTable::LogEviction(Stripe& s, uint64_t id) const
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+  const uint32_t epoch = epoch_.load();
+  if (epoch <= 1) return;  // no mark yet: no delta can ask for it
+  const size_t capacity = static_cast<size_t>(
+      std::max(kMinEvictionLogEntries, s.capacity / kEvictionLogRowsPerEntry));
+  if (s.evictions.size() >= capacity) {
+    // Drop the older half: amortised O(1) per eviction.
+    const size_t drop = s.evictions.size() / 2;
+    s.evictions_forgotten_through = s.evictions[drop - 1].second;
+    s.evictions.erase(s.evictions.begin(), s.evictions.begin() + drop);
+  }
+  s.evictions.emplace_back(id, epoch);
+}
+
+uint32_t SparseTable::MarkChanges() { return epoch_.fetch_add(1); }
+
+absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
+    uint32_t mark, ChangesCursor cursor, int64_t max_rows) const {
+  const std::string where =
+      absl::StrCat("sparse table ", QuoteForStatus(options_.name), ": ");
+  const uint32_t epoch = epoch_.load();
+  if (mark == 0 || mark >= epoch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "change mark ", mark,
+                     " was not given by this server process (its marks so "
+                     "far are 1 to ",
+                     epoch - 1, ")"));
+  }
+  if (cursor.stripe < 0 || cursor.stripe > num_stripes() || max_rows < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "changes cursor at stripe ", cursor.stripe, " of ",
+                     num_stripes(), ", page of ", max_rows, " rows"));
+  }
+  const int64_t d = options_.dim;
+  ChangesPage page;
+  page.next = cursor;
+  while (page.next.stripe < num_stripes()) {
+    const Stripe& s = *stripes_[page.next.stripe];
+    absl::ReaderMutexLock lock(&s.mu);
+    if (s.evictions_forgotten_through > mark) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, "rows evicted since change mark ", mark,
+          " are no longer all known (the eviction log keeps the last ",
+          std::max(kMinEvictionLogEntries,
+                   s.capacity / kEvictionLogRowsPerEntry),
+          " of a stripe's evictions): take a whole export"));
+    }
+    const uint32_t slots = static_cast<uint32_t>(s.rows.size());
+    if (page.next.slot > slots) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "changes cursor at slot ", page.next.slot,
+                       " of stripe ", page.next.stripe, ", which has ", slots));
+    }
+    uint32_t slot = page.next.slot;
+    for (; slot < slots; ++slot) {
+      if (s.changed_at[slot] <= mark) continue;
+      if (static_cast<int64_t>(page.ids.size()) == max_rows) break;
+      const RowMeta& r = s.rows[slot];
+      page.ids.push_back(r.id);
+      page.values.insert(page.values.end(), r.data, r.data + d);
+    }
+    if (slot < slots) {
+      page.next.slot = slot;
+      return page;
+    }
+    for (const auto& [id, evicted_in] : s.evictions) {
+      if (evicted_in > mark) page.evicted_ids.push_back(id);
+    }
+    ++page.next.stripe;
+    page.next.slot = 0;
+  }
+  page.done = true;
+  return page;
 }
 
 void SparseTable::ForEachSighting(
@@ -619,6 +717,9 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
     if (begin[si] == begin[si + 1]) continue;
     Stripe& s = *stripes_[si];
     absl::MutexLock lock(&s.mu);
+    // Read under the stripe's lock: a mark taken before a reader locked
+    // this stripe is seen by every change applied after that reader.
+    const uint32_t epoch = epoch_.load();
     for (uint32_t k = begin[si]; k < begin[si + 1]; ++k) {
       const uint32_t i = order[k];
       const uint64_t id = ids[i];
@@ -639,6 +740,7 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
         ++result->rows_created;
       }
       ++result->rows_applied;
+      s.changed_at[slot] = epoch;
       RowMeta& r = s.rows[slot];
       ApplyGradient(++r.update_count, r.data,
                     grads.data() + static_cast<size_t>(i) * d);
@@ -670,6 +772,8 @@ SparseTableStats SparseTable::Stats() const {
         s.allocated_rows * row_floats_ * static_cast<int64_t>(sizeof(float)) +
         static_cast<int64_t>(s.chunks.capacity() * sizeof(s.chunks[0])) +
         static_cast<int64_t>(s.rows.capacity() * sizeof(RowMeta)) +
+        static_cast<int64_t>(s.changed_at.capacity() * sizeof(uint32_t)) +
+        static_cast<int64_t>(s.evictions.capacity() * sizeof(s.evictions[0])) +
         static_cast<int64_t>(s.index.capacity() * (sizeof(IndexEntry) + 1)) +
         static_cast<int64_t>(s.sightings.capacity() * (sizeof(IndexEntry) + 1));
   }
@@ -769,6 +873,7 @@ absl::Status SparseTable::LoadRow(uint64_t id, absl::Span<const float> value,
     slot = CreateRow(s, id);
   }
   ++s.rows_loaded;
+  s.changed_at[slot] = epoch_.load();
   RowMeta& r = s.rows[slot];
   r.update_count = update_count;
   std::copy(value.begin(), value.end(), r.data);

@@ -64,6 +64,7 @@
 #ifndef PSTRAIN_PS_SERVER_SPARSE_TABLE_H_
 #define PSTRAIN_PS_SERVER_SPARSE_TABLE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -209,6 +210,39 @@ class SparseTable {
 
   SparseTableStats Stats() const;
 
+  // Change marks, so an export can carry only what changed since an earlier
+  // one. Every change to a row (its creation, a push, LoadRow) is stamped
+  // with the table's current epoch, and every eviction after the first mark
+  // is logged with it. MarkChanges ends the current epoch and returns it:
+  // the mark. A row whose value a reader that started after MarkChanges
+  // returned m has not seen carries a stamp > m (stamps are read under the
+  // row's stripe lock), so ChangesSince(m) covers every change after that
+  // read, and perhaps a few rows that did not change.
+  uint32_t MarkChanges();
+
+  struct ChangesCursor {
+    int stripe = 0;     // stripes before this one are done
+    uint32_t slot = 0;  // and this one's slots before this
+  };
+  struct ChangesPage {
+    std::vector<uint64_t> ids;          // rows stamped after the mark
+    std::vector<float> values;          // [ids, dim]
+    std::vector<uint64_t> evicted_ids;  // in the stripes this page finished
+    bool done = false;                  // no page follows
+    ChangesCursor next;                 // where the next page starts
+  };
+  // A page of the changes since `mark`: from `cursor` on, up to `max_rows`
+  // resident rows stamped after it (their current values), and the ids
+  // evicted after it from every stripe the page finishes (an id may also be
+  // resident again, then its row is in the page or a later one). Ask again
+  // with `next` until `done`. The eviction log is bounded (an entry per
+  // kEvictionLogRowsPerEntry rows of a stripe's share): FailedPrecondition
+  // when a finished stripe forgot evictions after `mark`, InvalidArgument
+  // for a mark this table never gave (0, or not below its epoch) or a cursor
+  // out of range.
+  absl::StatusOr<ChangesPage> ChangesSince(uint32_t mark, ChangesCursor cursor,
+                                           int64_t max_rows) const;
+
   using RowVisitor =
       std::function<void(uint64_t id, absl::Span<const float> value,
                          absl::Span<const float> state, int64_t update_count)>;
@@ -256,6 +290,7 @@ class SparseTable {
   // (ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu)), which clang checks at every
   // caller after them.
   uint32_t FindAndTouch(Stripe& s, uint64_t id) const;
+  void LogEviction(Stripe& s, uint64_t id) const;
   uint32_t CreateRow(Stripe& s, uint64_t id) const;
   void InitRowState(absl::Span<float> state) const;
   uint32_t CountSighting(Stripe& s, uint64_t id) const;
@@ -269,6 +304,8 @@ class SparseTable {
   const int state_per_element_;
   const int64_t row_floats_;          // dim * (1 + state_per_element)
   const int64_t sightings_capacity_;  // per stripe
+  // The change epoch (MarkChanges): 1 until the first mark.
+  std::atomic<uint32_t> epoch_{1};
   std::vector<std::unique_ptr<Stripe>> stripes_;
 };
 

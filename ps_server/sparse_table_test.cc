@@ -510,6 +510,183 @@ TEST(SparseTableBudgetTest,
   EXPECT_EQ(SparseTable::BytesPerRow(4, "rmsprop"), 0);
 }
 
+TEST(SparseTableBudgetTest, TheEvictionLogStaysWithinTheBudget) {
+  SparseTableOptions o = Options("adagrad", 16);
+  const int64_t row_bytes = SparseTable::BytesPerRow(16, "adagrad");
+  o.max_bytes = 4000 * row_bytes;
+  o.num_stripes = 4;
+  auto t = Make(o);
+  t->MarkChanges();  // evictions are logged from the first mark on
+  for (uint64_t first = 0; first < 40000; first += 500) {
+    std::vector<uint64_t> ids(500);
+    for (uint64_t k = 0; k < 500; ++k) ids[k] = first + k;
+    PullRows(*t, ids);
+  }
+  EXPECT_EQ(t->Stats().rows_evicted, 36000);
+  EXPECT_LE(t->Stats().memory_bytes - Make(o)->Stats().memory_bytes,
+            o.max_bytes);
+}
+
+// ---------------------------------------------------------------------------
+// Change marks.
+
+struct Changes {
+  std::map<uint64_t, std::vector<float>> rows;
+  std::multiset<uint64_t> evicted;
+};
+
+// Every page of the changes since `mark`, `max_rows` at a time.
+Changes ChangesSince(const SparseTable& t, uint32_t mark,
+                     int64_t max_rows = 1 << 20) {
+  Changes out;
+  SparseTable::ChangesCursor cursor;
+  for (bool done = false; !done;) {
+    absl::StatusOr<SparseTable::ChangesPage> page =
+        t.ChangesSince(mark, cursor, max_rows);
+    EXPECT_TRUE(page.ok()) << page.status();
+    if (!page.ok()) break;
+    EXPECT_LE(static_cast<int64_t>(page->ids.size()), max_rows);
+    for (size_t i = 0; i < page->ids.size(); ++i) {
+      EXPECT_EQ(out.rows.count(page->ids[i]), 0u)
+          << "row " << page->ids[i] << " in two pages";
+      out.rows[page->ids[i]] = {page->values.begin() + i * t.dim(),
+                                page->values.begin() + (i + 1) * t.dim()};
+    }
+    out.evicted.insert(page->evicted_ids.begin(), page->evicted_ids.end());
+    cursor = page->next;
+    done = page->done;
+  }
+  return out;
+}
+
+std::set<uint64_t> Ids(const Changes& c) {
+  std::set<uint64_t> ids;
+  for (const auto& [id, row] : c.rows) ids.insert(id);
+  return ids;
+}
+
+TEST(SparseTableChangesTest, ChangesSinceAMarkAreTheRowsWrittenAfterIt) {
+  auto t = Make(Options("sgd", 4));
+  PullRows(*t, {1, 2, 3, 4, 5});
+  const uint32_t first = t->MarkChanges();
+  EXPECT_TRUE(ChangesSince(*t, first).rows.empty());
+  ASSERT_TRUE(t->Push({2, 5}, std::vector<float>(8, 0.5f)).ok());
+  PullRows(*t, {3, 9});  // a read changes nothing; a new row is a change
+  Changes changes = ChangesSince(*t, first);
+  EXPECT_EQ(Ids(changes), (std::set<uint64_t>{2, 5, 9}));
+  EXPECT_EQ(changes.rows[5], PullRow(*t, 5));
+  EXPECT_TRUE(changes.evicted.empty());
+
+  const uint32_t second = t->MarkChanges();
+  EXPECT_GT(second, first);
+  EXPECT_TRUE(ChangesSince(*t, second).rows.empty());
+  const std::map<uint64_t, Row> rows = Dump(*t);
+  const Row& row = rows.at(3);
+  ASSERT_TRUE(t->LoadRow(3, row.value, row.state, row.update_count).ok());
+  EXPECT_EQ(Ids(ChangesSince(*t, second)), (std::set<uint64_t>{3}));
+  EXPECT_EQ(Ids(ChangesSince(*t, first)), (std::set<uint64_t>{2, 3, 5, 9}));
+}
+
+TEST(SparseTableChangesTest, RowsEvictedSinceAMarkAreReported) {
+  SparseTableOptions o = Options("sgd", 2);
+  o.max_rows = 4;
+  o.num_stripes = 1;
+  auto t = Make(o);
+  PullRows(*t, {1, 2, 3, 4});
+  const uint32_t mark = t->MarkChanges();
+  PullRows(*t, {5, 6});  // evicts 1 and 2
+  Changes changes = ChangesSince(*t, mark);
+  EXPECT_EQ(Ids(changes), (std::set<uint64_t>{5, 6}));
+  EXPECT_EQ(changes.evicted, (std::multiset<uint64_t>{1, 2}));
+  PullRows(*t, {1});  // back, evicting 3
+  changes = ChangesSince(*t, mark);
+  EXPECT_EQ(Ids(changes), (std::set<uint64_t>{1, 5, 6}));
+  EXPECT_EQ(changes.evicted, (std::multiset<uint64_t>{1, 2, 3}));
+}
+
+TEST(SparseTableChangesTest, PagesCoverEveryChangedRowExactlyOnce) {
+  SparseTableOptions o = Options("sgd", 3);
+  o.num_stripes = 8;
+  auto t = Make(o);
+  std::vector<uint64_t> all(1000);
+  for (uint64_t i = 0; i < all.size(); ++i) all[i] = i * 7919;
+  PullRows(*t, all);
+  const uint32_t mark = t->MarkChanges();
+  std::vector<uint64_t> pushed;
+  for (uint64_t i = 0; i < all.size(); i += 3) pushed.push_back(all[i]);
+  ASSERT_TRUE(
+      t->Push(pushed, std::vector<float>(pushed.size() * 3, 1.0f)).ok());
+  for (int64_t page_rows : {1, 7, 64, 1 << 20}) {
+    const Changes changes = ChangesSince(*t, mark, page_rows);
+    EXPECT_EQ(Ids(changes), std::set<uint64_t>(pushed.begin(), pushed.end()))
+        << page_rows << " rows a page";
+  }
+}
+
+TEST(SparseTableChangesTest, ChangesCoverWritesRacingTheMark) {
+  constexpr int kDim = 2;
+  SparseTableOptions o = Options("sgd", kDim);
+  o.num_stripes = 16;
+  auto t = Make(o);
+  std::vector<uint64_t> ids(200);
+  for (uint64_t i = 0; i < ids.size(); ++i) ids[i] = i;
+  PullRows(*t, ids);
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    std::mt19937_64 rng(1);
+    while (!stop.load()) {
+      std::set<uint64_t> some;
+      for (int k = 0; k < 16; ++k) some.insert(rng() % ids.size());
+      std::vector<uint64_t> push(some.begin(), some.end());
+      ASSERT_TRUE(
+          t->Push(push, std::vector<float>(push.size() * kDim, 0.25f)).ok());
+    }
+  });
+  // An export: a mark, then a read of every row while pushes go on.
+  const uint32_t mark = t->MarkChanges();
+  const std::map<uint64_t, Row> base = Dump(*t);
+  stop.store(true);
+  writer.join();
+  const Changes changes = ChangesSince(*t, mark);
+  for (const auto& [id, row] : Dump(*t)) {
+    const auto in_base = base.find(id);
+    if (in_base != base.end() && in_base->second.value == row.value) continue;
+    EXPECT_EQ(changes.rows.count(id), 1u)
+        << "row " << id << " changed after the base read, not reported";
+  }
+}
+
+TEST(SparseTableChangesTest, AForgottenEvictionOrABadMarkIsRefused) {
+  SparseTableOptions o = Options("sgd", 2);
+  o.max_rows = 8;
+  o.num_stripes = 1;
+  auto t = Make(o);
+  const uint32_t mark = t->MarkChanges();
+  for (uint64_t id = 0; id < 200; ++id) PullRow(*t, id);  // 192 evictions
+  absl::StatusOr<SparseTable::ChangesPage> page =
+      t->ChangesSince(mark, {}, 100);
+  ASSERT_FALSE(page.ok());
+  EXPECT_EQ(page.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(page.status().message().find("take a whole export"),
+            absl::string_view::npos)
+      << page.status();
+  const uint32_t later = t->MarkChanges();
+  PullRow(*t, 500);
+  EXPECT_EQ(ChangesSince(*t, later).evicted.size(), 1u);
+
+  for (uint32_t bad : {0u, later + 1, later + 100}) {
+    page = t->ChangesSince(bad, {}, 100);
+    EXPECT_EQ(page.status().code(), absl::StatusCode::kInvalidArgument)
+        << "mark " << bad << ": " << page.status();
+  }
+  EXPECT_EQ(t->ChangesSince(later, {5, 0}, 100).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->ChangesSince(later, {0, 99}, 100).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->ChangesSince(later, {}, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // ---------------------------------------------------------------------------
 // Admission.
 

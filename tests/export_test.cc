@@ -322,7 +322,9 @@ TEST(ExportTest, ABaseAndItsDeltaAreTheModelExactly) {
   options.num_shards = 2;
   const std::string dir = absl::StrCat(TestDir(), "/delta");
   std::filesystem::create_directories(dir);
-  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir, "/ckpt")};
+  // Few rows a table, so rows are evicted between exports.
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir, "/ckpt"),
+                          "--sparse_max_rows=100"};
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
       TestCluster::Start(options, "export_delta");
   ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -349,9 +351,13 @@ TEST(ExportTest, ABaseAndItsDeltaAreTheModelExactly) {
   train_to(18);  // the same job, three steps on
   run = export_to("full", {});
   ASSERT_EQ(run.code, 0) << run.err;
+  std::filesystem::copy_file(base, base + "_without_marks");
   run = export_to("delta", {"--since=" + base});
   ASSERT_EQ(run.code, 0) << run.err;
+  // The servers knew what changed since the base: its marks are beside it.
+  EXPECT_TRUE(std::filesystem::exists(base + ".changes"));
   EXPECT_THAT(run.out, HasSubstr("exported the changes since"));
+  EXPECT_THAT(run.out, HasSubstr("by the servers' change marks"));
   absl::StatusOr<SafetensorsFile> full =
       ReadSafetensorsFile(absl::StrCat(dir, "/full"));
   absl::StatusOr<SafetensorsFile> delta =
@@ -365,6 +371,9 @@ TEST(ExportTest, ABaseAndItsDeltaAreTheModelExactly) {
   ASSERT_NE(delta_ids, nullptr);
   EXPECT_GT(delta_ids->NumElements(), 0);
   EXPECT_LT(delta_ids->NumElements(), full_ids->NumElements());
+  const SafetensorsTensor* evicted = delta->Find("field0/deleted_ids");
+  ASSERT_NE(evicted, nullptr);
+  EXPECT_GT(evicted->NumElements(), 0);
 
   const std::string merged = absl::StrCat(dir, "/merged");
   run = RunProgram(
@@ -373,6 +382,44 @@ TEST(ExportTest, ABaseAndItsDeltaAreTheModelExactly) {
       dir, "apply");
   ASSERT_EQ(run.code, 0) << run.err;
   EXPECT_EQ(ReadBytes(merged), ReadBytes(absl::StrCat(dir, "/full")));
+
+  // Without the marks the delta comes from comparing whole models, and
+  // gives the same model.
+  run = export_to("compared", {"--since=" + base + "_without_marks"});
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_THAT(run.out, HasSubstr("by comparing the whole models"));
+  run = RunProgram({exporter, "--base=" + base + "_without_marks",
+                    absl::StrCat("--apply=", dir, "/compared"),
+                    absl::StrCat("--output=", dir, "/merged_compared")},
+                   dir, "apply_compared");
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_EQ(ReadBytes(absl::StrCat(dir, "/merged_compared")),
+            ReadBytes(absl::StrCat(dir, "/full")));
+
+  // A chain: the next delta is taken since the last one, from its marks.
+  train_to(21);
+  run = export_to("full21", {});
+  ASSERT_EQ(run.code, 0) << run.err;
+  run = export_to("delta2", {absl::StrCat("--since=", dir, "/delta")});
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_THAT(run.out, HasSubstr("(step 18) at step 21, by the servers' "
+                                 "change marks"));
+  run = RunProgram({exporter, "--base=" + base,
+                    absl::StrCat("--apply=", dir, "/delta,", dir, "/delta2"),
+                    "--output=" + merged},
+                   dir, "apply_chain");
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_EQ(ReadBytes(merged), ReadBytes(absl::StrCat(dir, "/full21")));
+  EXPECT_FALSE(std::filesystem::exists(merged + ".changes"));
+
+  // A delta is a base only for the servers that gave its marks: without
+  // them, refused with why, nothing written.
+  std::filesystem::remove(absl::StrCat(dir, "/delta.changes"));
+  run = export_to("delta3", {absl::StrCat("--since=", dir, "/delta")});
+  EXPECT_EQ(run.code, 2) << run.err;
+  EXPECT_THAT(run.err, HasSubstr("not a pstrain file"));
+  EXPECT_THAT(run.err, HasSubstr("no change marks beside it"));
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(dir, "/delta3")));
 
   // Applied to the full model instead of its base: refused, one line.
   run = RunProgram({exporter, absl::StrCat("--base=", dir, "/full"),

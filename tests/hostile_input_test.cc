@@ -781,6 +781,9 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
       {"checkpoint: random garbage",
        raw("/pstrain.ParameterServer/Checkpoint", garbage), kInvalid,
        "malformed CheckpointRequest"},
+      {"sparse changes: random garbage",
+       raw("/pstrain.ParameterServer/SparseChanges", garbage), kInvalid,
+       "malformed SparseChangesRequest"},
       {"leave: truncated varint",
        raw("/pstrain.ParameterServer/Leave", Tag(1, 0) + "\xff"), kInvalid,
        "malformed LeaveRequest"},
@@ -843,6 +846,34 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
          return stubs_[0]->SparsePush(Context().get(), request, &response);
        },
        kInvalid, "unknown sparse table 'nnnnnnnn"},
+      {"sparse changes: a 70,000-character table name",
+       [this, long_name] {
+         SparseChangesRequest request;
+         request.set_protocol_version(kProtocolVersion);
+         TableChangeMark* since = request.add_since();
+         since->set_table(long_name);
+         since->set_mark(1);
+         SparseChangesResponse response;
+         return stubs_[0]->SparseChanges(Context().get(), request, &response);
+       },
+       kInvalid, "unknown sparse table 'nnnnnnnn"},
+      {"sparse changes: a cursor past its tables",
+       [this] {
+         SparseChangesRequest request;
+         request.set_protocol_version(kProtocolVersion);
+         request.set_table_index(5);
+         SparseChangesResponse response;
+         return stubs_[0]->SparseChanges(Context().get(), request, &response);
+       },
+       kInvalid, "changes cursor at table 5 of 0"},
+      {"sparse changes: protocol version 2",
+       [this] {
+         SparseChangesRequest request;
+         request.set_protocol_version(2);
+         SparseChangesResponse response;
+         return stubs_[0]->SparseChanges(Context().get(), request, &response);
+       },
+       kPrecondition, "protocol version 2 is not supported"},
       // Not a method of the service.
       {"unknown method", raw("/pstrain.ParameterServer/Nope", valid_push),
        grpc::StatusCode::UNIMPLEMENTED, "", 0},

@@ -11,6 +11,11 @@
 // --since writes a delta file (worker/model_file.h): only the dense tensors
 // and rows that changed since the base model file, and the rows evicted
 // since; --apply applies deltas in order to a base, no servers needed.
+// An export from servers of a model with tables ends every table's change
+// epoch first (SparseChangesRequest.mark) and leaves the marks beside its
+// output (<output>.changes, ExportChangeMarks as JSON); --since a file with
+// its marks, from the same server processes, reads only the rows changed
+// since (SparseChanges pages), else it compares whole models.
 //
 // From running servers: the schema comes from the servers' Stats, the dense
 // tensors from a read-only pull as an observer (worker id -1) at the
@@ -26,11 +31,16 @@
 // reassembled from their blocks.
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -45,6 +55,7 @@
 #include "common/transport/grpc_tuning.h"
 #include "common/transport/tls.h"
 #include "glog/logging.h"
+#include "google/protobuf/util/json_util.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpoint.h"
 #include "worker/client/client_config.h"
@@ -132,29 +143,48 @@ absl::StatusOr<ModelSnapshot> SnapshotFromCheckpoint(
   return snapshot;
 }
 
+// A context with the client's deadline and token, for the calls the
+// exporter makes outside PsClient.
+void PrepareContext(const PsClientOptions& options,
+                    grpc::ClientContext* context) {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
+  if (!options.auth_token.empty()) {
+    context->AddMetadata("authorization",
+                         absl::StrCat("Bearer ", options.auth_token));
+  }
+}
+
+// One stub per shard, made once: a channel costs a connection. A replicated
+// shard's first replica (its primary until a failover) answers.
+std::vector<std::unique_ptr<ParameterServer::Stub>> ShardStubs(
+    const PsClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  ApplyGrpcTuning(options.grpc_tuning, &args);
+  std::vector<std::unique_ptr<ParameterServer::Stub>> stubs;
+  for (const std::string& shard : options.hosts) {
+    const std::string host = shard.substr(0, shard.find('|'));
+    stubs.push_back(ParameterServer::NewStub(grpc::CreateCustomChannel(
+        host,
+        options.credentials != nullptr ? options.credentials
+                                       : grpc::InsecureChannelCredentials(),
+        args)));
+  }
+  return stubs;
+}
+
 // Asks every shard to write a checkpoint now; returns the files' paths in
 // shard order.
 absl::StatusOr<std::vector<std::string>> CheckpointNow(
     const PsClientOptions& options) {
   std::vector<std::string> paths;
+  const auto stubs = ShardStubs(options);
   for (size_t shard = 0; shard < options.hosts.size(); ++shard) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(options.max_message_bytes);
-    ApplyGrpcTuning(options.grpc_tuning, &args);
-    auto stub = ParameterServer::NewStub(grpc::CreateCustomChannel(
-        options.hosts[shard],
-        options.credentials != nullptr ? options.credentials
-                                       : grpc::InsecureChannelCredentials(),
-        args));
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
-    if (!options.auth_token.empty()) {
-      context.AddMetadata("authorization",
-                          absl::StrCat("Bearer ", options.auth_token));
-    }
+    PrepareContext(options, &context);
     CheckpointResponse response;
     const grpc::Status status =
-        stub->Checkpoint(&context, CheckpointRequest(), &response);
+        stubs[shard]->Checkpoint(&context, CheckpointRequest(), &response);
     if (!status.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the model has sparse tables, which are exported from a checkpoint "
@@ -169,8 +199,157 @@ absl::StatusOr<std::vector<std::string>> CheckpointNow(
   return paths;
 }
 
-absl::StatusOr<ModelSnapshot> SnapshotFromServers(
-    const PsClientOptions& options) {
+// Ends every shard's change epoch (SparseChangesRequest.mark): the marks a
+// later --since asks the servers' changes from.
+absl::StatusOr<ExportChangeMarks> MarkChanges(
+    const PsClientOptions& options,
+    const std::vector<std::unique_ptr<ParameterServer::Stub>>& stubs) {
+  ExportChangeMarks marks;
+  for (size_t shard = 0; shard < options.hosts.size(); ++shard) {
+    grpc::ClientContext context;
+    PrepareContext(options, &context);
+    SparseChangesRequest request;
+    request.set_protocol_version(kProtocolVersion);
+    request.set_mark(true);
+    SparseChangesResponse response;
+    const grpc::Status status =
+        stubs[shard]->SparseChanges(&context, request, &response);
+    if (!status.ok()) {
+      return absl::Status(
+          static_cast<absl::StatusCode>(status.error_code()),
+          absl::StrCat("shard ", shard, " (", options.hosts[shard],
+                       "): marking its changes: ", status.error_message()));
+    }
+    ShardChangeMarks* marked = marks.add_shards();
+    marked->set_server_life(response.server_life());
+    *marked->mutable_marks() = response.marks();
+  }
+  return marks;
+}
+
+std::string ChangesPath(const std::string& model_file) {
+  return absl::StrCat(model_file, ".changes");
+}
+
+// The marks beside `model_file`, when they are its own (same step and size)
+// and every shard's process is the one that gave them: what --since can ask
+// the servers for. Otherwise why not.
+absl::StatusOr<ExportChangeMarks> UsableMarks(const std::string& model_file,
+                                              const ExportChangeMarks& now) {
+  std::ifstream in(ChangesPath(model_file));
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("no change marks beside it (",
+                                            ChangesPath(model_file), ")"));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  ExportChangeMarks marks;
+  std::error_code size_error;
+  const auto file_bytes = std::filesystem::file_size(model_file, size_error);
+  if (!google::protobuf::util::JsonStringToMessage(text.str(), &marks).ok() ||
+      size_error || marks.file_bytes() != static_cast<int64_t>(file_bytes)) {
+    return absl::NotFoundError(
+        absl::StrCat(ChangesPath(model_file), " does not describe this file"));
+  }
+  if (marks.shards_size() != now.shards_size()) {
+    return absl::NotFoundError(
+        absl::StrCat("it was exported from ", marks.shards_size(),
+                     " shards, the servers now have ", now.shards_size()));
+  }
+  for (int s = 0; s < now.shards_size(); ++s) {
+    if (marks.shards(s).server_life() != now.shards(s).server_life()) {
+      return absl::NotFoundError(
+          absl::StrCat("shard ", s,
+                       " is another server process than the one it was "
+                       "exported from (restarted or failed over)"));
+    }
+  }
+  return marks;
+}
+
+absl::Status WriteMarks(const std::string& model_file, ExportChangeMarks marks,
+                        int64_t step) {
+  std::error_code size_error;
+  const auto file_bytes = std::filesystem::file_size(model_file, size_error);
+  if (size_error) {
+    return absl::InternalError(
+        absl::StrCat(model_file, ": ", size_error.message()));
+  }
+  marks.set_step(step);
+  marks.set_file_bytes(static_cast<int64_t>(file_bytes));
+  std::string json;
+  if (!google::protobuf::util::MessageToJsonString(marks, &json).ok()) {
+    return absl::InternalError("cannot print the change marks as JSON");
+  }
+  return WriteFileAtomically(ChangesPath(model_file), json);
+}
+
+// The rows of every table changed on the servers since `since` (marks the
+// same processes gave), and the ids evicted since.
+absl::Status ChangedRows(
+    const PsClientOptions& options,
+    const std::vector<std::unique_ptr<ParameterServer::Stub>>& stubs,
+    const ModelSchema& schema, const ExportChangeMarks& since,
+    ModelChanges* out) {
+  out->sparse.assign(schema.sparse_size(), {});
+  out->deleted.assign(schema.sparse_size(), {});
+  absl::flat_hash_map<std::string, int> table_index;
+  for (int t = 0; t < schema.sparse_size(); ++t) {
+    table_index[schema.sparse(t).name()] = t;
+  }
+  for (size_t shard = 0; shard < options.hosts.size(); ++shard) {
+    SparseChangesRequest request;
+    request.set_protocol_version(kProtocolVersion);
+    *request.mutable_since() = since.shards(shard).marks();
+    for (bool done = false; !done;) {
+      grpc::ClientContext context;
+      PrepareContext(options, &context);
+      SparseChangesResponse page;
+      const grpc::Status status =
+          stubs[shard]->SparseChanges(&context, request, &page);
+      if (!status.ok()) {
+        return absl::Status(
+            static_cast<absl::StatusCode>(status.error_code()),
+            absl::StrCat("shard ", shard, " (", options.hosts[shard],
+                         "): its changes: ", status.error_message()));
+      }
+      for (const TableChanges& changes : page.tables()) {
+        auto it = table_index.find(changes.table());
+        const int64_t dim =
+            it == table_index.end() ? 0 : schema.sparse(it->second).dim();
+        if (dim == 0 ||
+            changes.values().size() != changes.ids_size() * dim * 4) {
+          return absl::InternalError(
+              absl::StrCat("shard ", shard, " answered ", changes.ids_size(),
+                           " rows of '", changes.table(), "' with ",
+                           changes.values().size(), " bytes of values"));
+        }
+        SparseTableRows& rows = out->sparse[it->second];
+        rows.ids.insert(rows.ids.end(), changes.ids().begin(),
+                        changes.ids().end());
+        const size_t at = rows.rows.size();
+        rows.rows.resize(at + changes.ids_size() * dim);
+        std::memcpy(rows.rows.data() + at, changes.values().data(),
+                    changes.values().size());
+        std::vector<uint64_t>& deleted = out->deleted[it->second];
+        deleted.insert(deleted.end(), changes.evicted_ids().begin(),
+                       changes.evicted_ids().end());
+      }
+      request.set_table_index(page.next_table_index());
+      request.set_stripe(page.next_stripe());
+      request.set_slot(page.next_slot());
+      done = page.done();
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The servers' schema and dense tensors (no rows yet). For a model with
+// tables, every shard's change epoch is ended first: `marks`.
+absl::StatusOr<ModelSnapshot> DenseFromServers(
+    const PsClientOptions& options,
+    const std::vector<std::unique_ptr<ParameterServer::Stub>>& stubs,
+    ExportChangeMarks* marks) {
   absl::StatusOr<std::unique_ptr<PsClient>> client = PsClient::Create(options);
   if (!client.ok()) return client.status();
   absl::StatusOr<std::vector<StatsResponse>> stats = (*client)->Stats();
@@ -212,6 +391,11 @@ absl::StatusOr<ModelSnapshot> SnapshotFromServers(
   }
   ModelSnapshot snapshot;
   snapshot.schema = first.schema();
+  if (snapshot.schema.sparse_size() > 0) {
+    absl::StatusOr<ExportChangeMarks> marked = MarkChanges(options, stubs);
+    if (!marked.ok()) return marked.status();
+    *marks = *std::move(marked);
+  }
   absl::StatusOr<Registration> registration = (*client)->Register(
       snapshot.schema, first.num_workers(), /*worker_id=*/-1);
   if (!registration.ok()) return registration.status();
@@ -226,8 +410,12 @@ absl::StatusOr<ModelSnapshot> SnapshotFromServers(
   if (!pulled.ok()) return pulled.status();
   snapshot.step = *pulled;
   snapshot.sparse.resize(snapshot.schema.sparse_size());
-  if (snapshot.schema.sparse_size() == 0) return snapshot;
+  return snapshot;
+}
 
+// Every table's rows, from a checkpoint the servers write now.
+absl::Status RowsFromCheckpoint(const PsClientOptions& options,
+                                ModelSnapshot& snapshot) {
   absl::StatusOr<std::vector<std::string>> paths = CheckpointNow(options);
   if (!paths.ok()) return paths.status();
   const std::string dir = ParentDir(ParentDir(paths->front()));
@@ -253,7 +441,7 @@ absl::StatusOr<ModelSnapshot> SnapshotFromServers(
                      " holds a different model: ", difference));
   }
   snapshot.sparse = std::move(saved->sparse);
-  return snapshot;
+  return absl::OkStatus();
 }
 
 // Writes `file` to `output`: false (logged) when there is no file (a bug);
@@ -296,6 +484,8 @@ int ApplyDeltas(const std::string& base_path, const std::string& deltas,
   }
   absl::StatusOr<SafetensorsFile> file = ModelFileFromSnapshot(*model);
   if (!WrittenOrExit(file, output)) return 1;
+  std::error_code ignored;  // marks of an earlier file at this path
+  std::filesystem::remove(ChangesPath(output), ignored);
   std::printf("applied %zu delta(s) to %s: the model at step %lld in %s\n",
               paths.size(), base_path.c_str(),
               static_cast<long long>(model->step), output.c_str());
@@ -358,6 +548,11 @@ int Main() {
 
   absl::StatusOr<ModelSnapshot> snapshot;
   std::string source;
+  ExportChangeMarks marks;  // from servers, with tables: what we ended
+  // --since from servers whose marks it has: only the changes are read.
+  absl::StatusOr<ExportChangeMarks> since_marks =
+      absl::NotFoundError("not exported from these servers");
+  ModelChanges changes;
   if (!checkpoint_dir.empty()) {
     std::vector<std::string> files_used;
     snapshot = SnapshotFromCheckpoint(checkpoint_dir, &files_used);
@@ -369,8 +564,17 @@ int Main() {
     options->retry_window = options->connect_timeout;
     options->heartbeat_interval = absl::ZeroDuration();
     options->connections_per_shard = 1;
-    snapshot = SnapshotFromServers(*options);
+    const auto stubs = ShardStubs(*options);
+    snapshot = DenseFromServers(*options, stubs, &marks);
     source = ps_hosts;
+    if (snapshot.ok() && snapshot->schema.sparse_size() > 0) {
+      if (!since.empty()) since_marks = UsableMarks(since, marks);
+      absl::Status rows = since_marks.ok()
+                              ? ChangedRows(*options, stubs, snapshot->schema,
+                                            *since_marks, &changes)
+                              : RowsFromCheckpoint(*options, *snapshot);
+      if (!rows.ok()) snapshot = rows;
+    }
   }
   // What the user pointed at is wrong (missing, corrupt, another model):
   // exit 2 with one line, like a bad flag.
@@ -387,17 +591,42 @@ int Main() {
   absl::StatusOr<SafetensorsFile> file;
   if (since.empty()) {
     file = ModelFileFromSnapshot(*snapshot);
+  } else if (since_marks.ok()) {
+    changes.schema = snapshot->schema;
+    changes.step = snapshot->step;
+    changes.base_step = since_marks->step();
+    changes.dense = snapshot->dense;
+    file = ModelDeltaFile(changes);
   } else {
     absl::StatusOr<ModelSnapshot> base_model = ReadModelSnapshot(since);
     if (base_model.ok()) file = ModelDelta(*base_model, *snapshot);
-    const absl::Status refused =
+    absl::Status refused =
         base_model.ok() ? file.status() : base_model.status();
     if (!refused.ok()) {
+      // A delta file is a base only for the servers that gave its marks.
+      if (!since_marks.ok() && snapshot->schema.sparse_size() > 0 &&
+          checkpoint_dir.empty()) {
+        refused = absl::InvalidArgumentError(
+            absl::StrCat(refused.message(),
+                         "; and the servers cannot give the changes "
+                         "since it: ",
+                         since_marks.status().message()));
+      }
       ExitOnFlagErrors({absl::InvalidArgumentError(
           absl::StrCat("--since=", since, ": ", refused.message()))});
     }
   }
   if (!WrittenOrExit(file, output)) return 1;
+  // Marks beside the file when they are its own; stale ones removed.
+  if (marks.shards_size() > 0) {
+    if (absl::Status s = WriteMarks(output, marks, snapshot->step); !s.ok()) {
+      LOG(WARNING) << "the next --since=" << output
+                   << " will compare whole models: " << s;
+    }
+  } else {
+    std::error_code ignored;
+    std::filesystem::remove(ChangesPath(output), ignored);
+  }
   int64_t sparse_rows = 0;
   for (const SparseTableRows& table : snapshot->sparse) {
     sparse_rows += table.ids.size();
@@ -413,13 +642,15 @@ int Main() {
         ++dense;
       }
     }
+    const std::string how = since_marks.ok() ? "the servers' change marks"
+                                             : "comparing the whole models";
     std::printf(
-        "exported the changes since %s (step %s) at step %lld: %lld dense "
-        "tensors, %lld of %lld rows changed or added, %lld evicted, from %s "
-        "to %s\n",
+        "exported the changes since %s (step %s) at step %lld, by %s: %lld "
+        "dense tensors, %lld rows changed or added, %lld evicted, from %s to "
+        "%s\n",
         since.c_str(), file->metadata["base_step"].c_str(),
-        static_cast<long long>(snapshot->step), static_cast<long long>(dense),
-        static_cast<long long>(rows), static_cast<long long>(sparse_rows),
+        static_cast<long long>(snapshot->step), how.c_str(),
+        static_cast<long long>(dense), static_cast<long long>(rows),
         static_cast<long long>(deleted), source.c_str(), output.c_str());
     return 0;
   }

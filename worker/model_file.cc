@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <numeric>
 #include <utility>
 
@@ -278,20 +279,22 @@ absl::StatusOr<SafetensorsFile> ModelDelta(const ModelSnapshot& base,
         absl::StrCat("the base is at step ", base.step,
                      ", after the model's step ", current.step));
   }
+  ModelChanges changes;
+  changes.schema = current.schema;
+  changes.step = current.step;
+  changes.base_step = base.step;
   const ModelSchema& schema = current.schema;
-  SafetensorsFile file;
   for (int i = 0; i < schema.dense_size(); ++i) {
-    if (SameBits(base.dense[i], current.dense[i])) continue;
-    file.tensors.push_back(SafetensorsTensor::F32(
-        schema.dense(i).name(), ShapeOf(schema.dense(i)), current.dense[i]));
+    changes.dense.push_back(SameBits(base.dense[i], current.dense[i])
+                                ? std::vector<float>()
+                                : current.dense[i]);
   }
   for (int t = 0; t < schema.sparse_size(); ++t) {
-    const SparseTableSpec& spec = schema.sparse(t);
-    const int64_t dim = spec.dim();
+    const int64_t dim = schema.sparse(t).dim();
     const SparseTableRows old_rows = Sorted(base.sparse[t], dim);
     const SparseTableRows new_rows = Sorted(current.sparse[t], dim);
-    std::vector<uint64_t> changed_ids, deleted;
-    std::vector<float> changed;
+    SparseTableRows& changed = changes.sparse.emplace_back();
+    std::vector<uint64_t>& deleted = changes.deleted.emplace_back();
     size_t a = 0, b = 0;
     auto row = [dim](const SparseTableRows& r, size_t i) {
       return absl::MakeConstSpan(r.rows).subspan(i * dim, dim);
@@ -305,25 +308,75 @@ absl::StatusOr<SafetensorsFile> ModelDelta(const ModelSnapshot& base,
       const bool same_id =
           a < old_rows.ids.size() && old_rows.ids[a] == new_rows.ids[b];
       if (!same_id || !SameBits(row(old_rows, a), row(new_rows, b))) {
-        changed_ids.push_back(new_rows.ids[b]);
+        changed.ids.push_back(new_rows.ids[b]);
         const absl::Span<const float> values = row(new_rows, b);
-        changed.insert(changed.end(), values.begin(), values.end());
+        changed.rows.insert(changed.rows.end(), values.begin(), values.end());
       }
       if (same_id) ++a;
       ++b;
     }
-    const int64_t n = static_cast<int64_t>(changed_ids.size());
+  }
+  return ModelDeltaFile(changes);
+}
+
+absl::StatusOr<SafetensorsFile> ModelDeltaFile(const ModelChanges& changes) {
+  const ModelSchema& schema = changes.schema;
+  if (static_cast<int>(changes.dense.size()) != schema.dense_size() ||
+      static_cast<int>(changes.sparse.size()) != schema.sparse_size() ||
+      static_cast<int>(changes.deleted.size()) != schema.sparse_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model changes of ", changes.dense.size(), " dense tensors and ",
+        changes.sparse.size(), " sparse tables; the schema has ",
+        schema.dense_size(), " and ", schema.sparse_size()));
+  }
+  SafetensorsFile file;
+  for (int i = 0; i < schema.dense_size(); ++i) {
+    const std::vector<float>& values = changes.dense[i];
+    if (values.empty()) continue;
+    const DenseTensorSpec& spec = schema.dense(i);
+    if (static_cast<int64_t>(values.size()) != NumElements(spec)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model changes: tensor '", spec.name(), "' has ", values.size(),
+          " values, its shape needs ", NumElements(spec)));
+    }
+    file.tensors.push_back(
+        SafetensorsTensor::F32(spec.name(), ShapeOf(spec), values));
+  }
+  for (int t = 0; t < schema.sparse_size(); ++t) {
+    const SparseTableSpec& spec = schema.sparse(t);
+    const int64_t dim = spec.dim();
+    const SparseTableRows& rows = changes.sparse[t];
+    if (rows.rows.size() != rows.ids.size() * dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model changes: table '", spec.name(), "' has ", rows.ids.size(),
+          " ids and ", rows.rows.size(), " values, not ids x dim ", dim));
+    }
+    const SparseTableRows changed = Sorted(rows, dim);
+    for (size_t i = 1; i < changed.ids.size(); ++i) {
+      if (changed.ids[i] == changed.ids[i - 1]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("model changes: table '", spec.name(), "' holds id ",
+                         changed.ids[i], " twice"));
+      }
+    }
+    std::vector<uint64_t> deleted = changes.deleted[t];
+    std::sort(deleted.begin(), deleted.end());
+    deleted.erase(std::unique(deleted.begin(), deleted.end()), deleted.end());
+    std::vector<uint64_t> gone;
+    std::set_difference(deleted.begin(), deleted.end(), changed.ids.begin(),
+                        changed.ids.end(), std::back_inserter(gone));
+    const int64_t n = static_cast<int64_t>(changed.ids.size());
     file.tensors.push_back(SafetensorsTensor::U64(
-        absl::StrCat(spec.name(), "/ids"), {n}, changed_ids));
+        absl::StrCat(spec.name(), "/ids"), {n}, changed.ids));
     file.tensors.push_back(SafetensorsTensor::F32(
-        absl::StrCat(spec.name(), "/rows"), {n, dim}, changed));
-    file.tensors.push_back(SafetensorsTensor::U64(
-        absl::StrCat(spec.name(), "/deleted_ids"),
-        {static_cast<int64_t>(deleted.size())}, deleted));
+        absl::StrCat(spec.name(), "/rows"), {n, dim}, changed.rows));
+    file.tensors.push_back(
+        SafetensorsTensor::U64(absl::StrCat(spec.name(), "/deleted_ids"),
+                               {static_cast<int64_t>(gone.size())}, gone));
   }
   file.metadata["format"] = "pstrain-delta";
-  file.metadata["step"] = absl::StrCat(current.step);
-  file.metadata["base_step"] = absl::StrCat(base.step);
+  file.metadata["step"] = absl::StrCat(changes.step);
+  file.metadata["base_step"] = absl::StrCat(changes.base_step);
   file.metadata["schema"] = SchemaJson(schema);
   return file;
 }

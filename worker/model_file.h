@@ -17,12 +17,16 @@
 // bytes.
 //
 // Delta files (pstrain_export --since): what changed from a base model file
-// to the current model, for a serving copy that holds the base.
-//   <dense tensor name>   F32, only the tensors whose values changed
+// (a whole model, or the delta before) to the current model, for a serving
+// copy that holds the base.
+//   <dense tensor name>   F32, the tensors whose values changed (every one
+//                         in a delta from the servers' change marks)
 //   <table>/ids, /rows    the rows added or changed since the base
-//                         (ascending ids), as in a model file
-//   <table>/deleted_ids   U64: rows the base holds and the model no longer
-//                         does (evicted)
+//                         (ascending ids), as in a model file; one from the
+//                         servers' change marks may hold a few rows that
+//                         were written but kept their values
+//   <table>/deleted_ids   U64, ascending: rows the base may hold and the
+//                         model no longer does (evicted)
 // Metadata: format "pstrain-delta", step, base_step, schema. Applying a
 // base's deltas in order (ApplyModelDelta) gives exactly the model file of
 // the last one's step.
@@ -60,6 +64,22 @@ absl::StatusOr<SafetensorsFile> ModelFileFromSnapshot(
 // ascending). InvalidArgument naming the file for one that is not a whole
 // pstrain model file.
 absl::StatusOr<ModelSnapshot> ReadModelSnapshot(const std::string& path);
+
+// What changed from a base at `base_step` to the model at `step`.
+struct ModelChanges {
+  ModelSchema schema;
+  int64_t step = 0;
+  int64_t base_step = 0;
+  std::vector<std::vector<float>> dense;  // per schema.dense(i); empty: same
+  std::vector<SparseTableRows> sparse;    // rows changed or added
+  // Per table, in any order and perhaps repeated; ids also in `sparse` are
+  // not written as deleted (their row is the change).
+  std::vector<std::vector<uint64_t>> deleted;
+};
+
+// The delta file of `changes`; InvalidArgument when its sizes do not match
+// its schema.
+absl::StatusOr<SafetensorsFile> ModelDeltaFile(const ModelChanges& changes);
 
 // The delta file from `base` to `current`, which must be snapshots of the
 // same model (schema); InvalidArgument otherwise, or when `current` is older.
