@@ -40,6 +40,21 @@ void CheckJob(const ServerConfig& c, Problems& checks) {
     checks.push_back(absl::InvalidArgumentError(
         "--sparse_max_rows and --sparse_admit_after must be >= 0"));
   }
+  if (c.sparse_row_ttl != absl::InfiniteDuration()) {
+    if (c.sparse_row_ttl < absl::Seconds(1)) {
+      checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+          "--sparse_row_ttl must be at least 1s (inf: rows never expire), "
+          "got ",
+          absl::FormatDuration(c.sparse_row_ttl))));
+    } else if (c.replicas > 1) {
+      // Each replica would expire rows on its own clock: a failover could
+      // bring back a row at its initial value that the primary still had.
+      checks.push_back(absl::InvalidArgumentError(
+          "--sparse_row_ttl cannot be used with --replicas > 1 (replicas "
+          "would expire rows at different moments); bound the tables by "
+          "their byte budgets (max_bytes) instead"));
+    }
+  }
   checks.push_back(OneOf("inject_crash_at", c.inject_crash_at,
                          {"", "register", "final_state"}));
   const double drop = c.inject_drop_push_response_probability;
@@ -154,6 +169,7 @@ ShardOptions ShardOptionsOf(const ServerConfig& c) {
   o.max_pull_wait = absl::Seconds(c.max_pull_wait_s);
   o.sparse_max_rows = c.sparse_max_rows;
   o.sparse_admit_after = c.sparse_admit_after;
+  o.sparse_row_ttl = c.sparse_row_ttl;
   o.max_shard_bytes =
       static_cast<int64_t>(c.max_shard_memory_gb * (int64_t{1} << 30));
   return o;

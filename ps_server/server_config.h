@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "common/protocol.h"
 #include "common/transport/grpc_tuning.h"
 #include "ps_server/checkpointer.h"
@@ -66,6 +67,7 @@ struct ServerConfig {
   double max_pull_wait_s = 120;
   int64_t sparse_max_rows = 0;
   int sparse_admit_after = 0;
+  absl::Duration sparse_row_ttl = absl::InfiniteDuration();
   double max_shard_memory_gb = 16;
   // The shard's replica set (ps_server/replication.h): how many server
   // processes hold it, this one's index, the gRPC address of each (by

@@ -142,6 +142,9 @@ ABSL_FLAG(int, sparse_admit_after, Default().sparse_admit_after,
           "A sparse row is created on the N-th sighting of its id (0 or 1: "
           "the first); until then pulls see its initial value, pushes are "
           "dropped and counted.");
+ABSL_FLAG(absl::Duration, sparse_row_ttl, Default().sparse_row_ttl,
+          "Sparse rows nobody pulled or pushed for this long (e.g. 30m, "
+          "at least 1s) are removed and counted (rows_expired); inf: never.");
 ABSL_FLAG(double, max_shard_memory_gb, Default().max_shard_memory_gb,
           "Refuse (RESOURCE_EXHAUSTED) a model whose parameters and "
           "optimizer state would take more memory than this on one shard.");
@@ -208,6 +211,7 @@ ServerConfig ServerConfigFromFlags(std::vector<absl::Status>* problems) {
   c.max_pull_wait_s = absl::GetFlag(FLAGS_max_pull_wait_s);
   c.sparse_max_rows = absl::GetFlag(FLAGS_sparse_max_rows);
   c.sparse_admit_after = absl::GetFlag(FLAGS_sparse_admit_after);
+  c.sparse_row_ttl = absl::GetFlag(FLAGS_sparse_row_ttl);
   c.max_shard_memory_gb = absl::GetFlag(FLAGS_max_shard_memory_gb);
   c.replicas = absl::GetFlag(FLAGS_replicas);
   c.replica_index = absl::GetFlag(FLAGS_replica_index);

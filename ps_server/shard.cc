@@ -203,6 +203,7 @@ SparseTableOptions Shard::TableOptions(const SparseTableSpec& spec,
   o.max_rows = options_.sparse_max_rows;
   o.max_bytes = spec.max_bytes();
   o.admit_after = options_.sparse_admit_after;
+  o.ttl = options_.sparse_row_ttl;
   return o;
 }
 
@@ -260,10 +261,9 @@ absl::Status Shard::CheckModelFits(
   bool unbounded = false;
   std::vector<std::string> tables;
   for (const SparseTableSpec& table : schema.sparse()) {
-    const int64_t row_bytes =
-        SparseTable::BytesPerRow(table.dim(), table.optimizer().name());
-    const int64_t most =
-        SparseTable::RowBound(TableOptions(table, schema.seed())) * row_bytes;
+    const SparseTableOptions options = TableOptions(table, schema.seed());
+    const int64_t row_bytes = SparseTable::RowBytes(options);
+    const int64_t most = SparseTable::RowBound(options) * row_bytes;
     bytes += most;
     unbounded = unbounded || most == 0;
     tables.push_back(absl::StrCat(
@@ -700,6 +700,7 @@ StatsResponse Shard::Stats() const {
       out->set_rows(table.rows);
       out->set_rows_created(table.rows_created);
       out->set_rows_evicted(table.rows_evicted);
+      out->set_rows_expired(table.rows_expired);
       out->set_pulls_unadmitted(table.pulls_unadmitted);
       out->set_pushes_dropped_unadmitted(table.pushes_dropped_unadmitted);
       out->set_ids_pending_admission(table.ids_pending_admission);

@@ -115,6 +115,7 @@ struct ShardOptions {
   // id it takes before a row is created for it (0 or 1: the first).
   int64_t sparse_max_rows = 0;
   int sparse_admit_after = 0;
+  absl::Duration sparse_row_ttl = absl::InfiniteDuration();
   // The most memory one shard's dense parameters, optimizer state and block
   // bookkeeping may take; a larger model is refused at registration
   // (RESOURCE_EXHAUSTED) before anything is allocated.

@@ -158,7 +158,14 @@ struct alignas(64) SparseTable::Stripe {
   // `evictions_forgotten_through` may be missing.
   std::vector<std::pair<uint64_t, uint32_t>> evictions ABSL_GUARDED_BY(mu);
   uint32_t evictions_forgotten_through ABSL_GUARDED_BY(mu) = 0;
-  // LRU list over slots, maintained only when capacity > 0.
+  // With a TTL: when each slot's row was last touched (TtlSeconds), the
+  // time of the call holding the lock, and slots freed by expiry.
+  std::vector<uint32_t> touched_at ABSL_GUARDED_BY(mu);
+  uint32_t now ABSL_GUARDED_BY(mu) = 0;
+  std::vector<uint32_t> free_slots ABSL_GUARDED_BY(mu);
+  // The LRU list is kept when rows can leave (capacity > 0 or a TTL).
+  bool lru = false;  // fixed at construction
+  // LRU list over slots, maintained only when `lru`.
   uint32_t lru_head ABSL_GUARDED_BY(mu) = kNil;  // most recently used
   uint32_t lru_tail ABSL_GUARDED_BY(mu) = kNil;  // least recently used
 
@@ -169,6 +176,7 @@ struct alignas(64) SparseTable::Stripe {
 
   int64_t rows_created ABSL_GUARDED_BY(mu) = 0;
   int64_t rows_evicted ABSL_GUARDED_BY(mu) = 0;
+  int64_t rows_expired ABSL_GUARDED_BY(mu) = 0;
   int64_t rows_loaded ABSL_GUARDED_BY(mu) = 0;
   int64_t pulls_unadmitted ABSL_GUARDED_BY(mu) = 0;
   int64_t pushes_dropped ABSL_GUARDED_BY(mu) = 0;
@@ -231,8 +239,14 @@ int64_t SparseTable::BytesPerRow(int64_t dim, absl::string_view optimizer) {
              kEvictionLogRowsPerEntry;
 }
 
+int64_t SparseTable::RowBytes(const SparseTableOptions& options) {
+  const int64_t bytes = BytesPerRow(options.dim, options.optimizer.name);
+  if (bytes == 0 || options.ttl == absl::InfiniteDuration()) return bytes;
+  return bytes + 2 * int64_t{sizeof(uint32_t)};  // touched_at, by slot
+}
+
 int64_t SparseTable::RowBound(const SparseTableOptions& options) {
-  const int64_t row_bytes = BytesPerRow(options.dim, options.optimizer.name);
+  const int64_t row_bytes = RowBytes(options);
   if (options.max_bytes <= 0 || row_bytes <= 0) return options.max_rows;
   const int64_t rows = options.max_bytes / row_bytes;
   return options.max_rows > 0 ? std::min(options.max_rows, rows) : rows;
@@ -281,10 +295,17 @@ absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
         where, "max_bytes must be >= 0 (0: no budget), got ", o.max_bytes));
   }
   if (o.max_bytes > 0 && RowBound(o) < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, "max_bytes ", o.max_bytes, " holds no row: one row of dim ",
-        o.dim, " with ", o.optimizer.name, " takes up to ",
-        BytesPerRow(o.dim, o.optimizer.name), " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "max_bytes ", o.max_bytes,
+                     " holds no row: one row of dim ", o.dim, " with ",
+                     o.optimizer.name, " takes up to ", RowBytes(o), " bytes"));
+  }
+  if (o.ttl != absl::InfiniteDuration() && o.ttl < absl::Seconds(1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where,
+                     "a row TTL must be at least 1s (inf: rows never "
+                     "expire), got ",
+                     absl::FormatDuration(o.ttl)));
   }
   o.max_rows = RowBound(o);
   int stripes = o.num_stripes;
@@ -301,7 +322,14 @@ SparseTable::SparseTable(const SparseTableOptions& options, Kind kind,
       state_per_element_(StatePerElement(static_cast<int>(kind))),
       row_floats_(options.dim * (1 + state_per_element_)),
       sightings_capacity_(std::max<int64_t>(
-          1, (options.max_pending_ids + num_stripes - 1) / num_stripes)) {
+          1, (options.max_pending_ids + num_stripes - 1) / num_stripes)),
+      ttl_s_(options.ttl == absl::InfiniteDuration()
+                 ? 0
+                 : static_cast<uint32_t>(std::min<int64_t>(
+                       absl::ToInt64Seconds(
+                           absl::Ceil(options.ttl, absl::Seconds(1))),
+                       std::numeric_limits<uint32_t>::max() / 2))),
+      start_(options.clock()) {
   stripes_.reserve(num_stripes);
   for (int i = 0; i < num_stripes; ++i) {
     auto s = std::make_unique<Stripe>();
@@ -309,6 +337,7 @@ SparseTable::SparseTable(const SparseTableOptions& options, Kind kind,
       s->capacity = options_.max_rows / num_stripes +
                     (i < options_.max_rows % num_stripes ? 1 : 0);
     }
+    s->lru = s->capacity > 0 || ttl_s_ > 0;
     stripes_.push_back(std::move(s));
   }
 }
@@ -370,10 +399,11 @@ uint32_t SparseTable::FindAndTouch(Stripe& s, uint64_t id) const
   auto it = s.index.find(id);
   if (it == s.index.end()) return kNil;
   const uint32_t slot = it->second;
-  if (s.capacity > 0 && s.lru_head != slot) {
+  if (s.lru && s.lru_head != slot) {
     s.Unlink(slot);
     s.PushFront(slot);
   }
+  if (ttl_s_ > 0) s.touched_at[slot] = s.now;
   return slot;
 }
 
@@ -391,6 +421,9 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
     ++s.rows_evicted;
     if (options_.admit_after > 1) RememberEvicted(s, victim);
     LogEviction(s, victim);
+  } else if (!s.free_slots.empty()) {
+    slot = s.free_slots.back();
+    s.free_slots.pop_back();
   } else {
     if (s.chunk_rows_left == 0) {
       int64_t rows = std::clamp<int64_t>(static_cast<int64_t>(s.rows.size()),
@@ -404,6 +437,7 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
     slot = static_cast<uint32_t>(s.rows.size());
     s.rows.push_back(RowMeta{id, 0, s.chunk_cursor, kNil, kNil});
     s.changed_at.push_back(0);
+    if (ttl_s_ > 0) s.touched_at.push_back(0);
     s.chunk_cursor += row_floats_;
     --s.chunk_rows_left;
   }
@@ -414,8 +448,9 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
   InitialValue(id, absl::MakeSpan(r.data, options_.dim));
   InitRowState(
       absl::MakeSpan(r.data + options_.dim, row_floats_ - options_.dim));
+  if (ttl_s_ > 0) s.touched_at[slot] = s.now;
   s.index.emplace(id, slot);
-  if (s.capacity > 0) s.PushFront(slot);
+  if (s.lru) s.PushFront(slot);
   return slot;
 }
 
@@ -487,6 +522,33 @@ void SparseTable::LogEviction(Stripe& s, uint64_t id) const
   s.evictions.emplace_back(id, epoch);
 }
 
+uint32_t SparseTable::TtlSeconds() const {
+  if (ttl_s_ == 0) return 0;
+  return static_cast<uint32_t>(
+      std::max<int64_t>(0, absl::ToInt64Seconds(options_.clock() - start_)));
+}
+
+void SparseTable::ExpireRows(Stripe& s, uint32_t now) const
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+  if (ttl_s_ == 0) return;
+  s.now = now;
+  // The tail is the least recently touched: expire from it until a row is
+  // young enough (a touch stamped by a slower call may be a second older
+  // than one before it in the list; it then waits for that one).
+  while (s.lru_tail != kNil &&
+         int64_t{s.touched_at[s.lru_tail]} + ttl_s_ < int64_t{now}) {
+    const uint32_t slot = s.lru_tail;
+    s.Unlink(slot);
+    const uint64_t id = s.rows[slot].id;
+    s.index.erase(id);
+    ++s.rows_expired;
+    if (options_.admit_after > 1) RememberEvicted(s, id);
+    LogEviction(s, id);
+    s.changed_at[slot] = 0;  // free: no change since any mark
+    s.free_slots.push_back(slot);
+  }
+}
+
 uint32_t SparseTable::MarkChanges() { return epoch_.fetch_add(1); }
 
 absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
@@ -515,10 +577,8 @@ absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
     if (s.evictions_forgotten_through > mark) {
       return absl::FailedPreconditionError(absl::StrCat(
           where, "rows evicted since change mark ", mark,
-          " are no longer all known (the eviction log keeps the last ",
-          std::max(kMinEvictionLogEntries,
-                   s.capacity / kEvictionLogRowsPerEntry),
-          " of a stripe's evictions): take a whole export"));
+          " are no longer all known (a stripe's eviction log keeps one per ",
+          kEvictionLogRowsPerEntry, " rows): take a whole export"));
     }
     const uint32_t slots = static_cast<uint32_t>(s.rows.size());
     if (page.next.slot > slots) {
@@ -652,10 +712,12 @@ absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
   std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);
   const uint32_t admit_after = static_cast<uint32_t>(options_.admit_after);
+  const uint32_t now = TtlSeconds();
   for (size_t si = 0; si < stripes_.size(); ++si) {
     if (begin[si] == begin[si + 1]) continue;
     Stripe& s = *stripes_[si];
     absl::MutexLock lock(&s.mu);
+    ExpireRows(s, now);
     for (uint32_t k = begin[si]; k < begin[si + 1]; ++k) {
       const uint32_t i = order[k];
       const uint64_t id = ids[i];
@@ -713,10 +775,12 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
   std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);
   const uint32_t admit_after = static_cast<uint32_t>(options_.admit_after);
+  const uint32_t now = TtlSeconds();
   for (size_t si = 0; si < stripes_.size(); ++si) {
     if (begin[si] == begin[si + 1]) continue;
     Stripe& s = *stripes_[si];
     absl::MutexLock lock(&s.mu);
+    ExpireRows(s, now);
     // Read under the stripe's lock: a mark taken before a reader locked
     // this stripe is seen by every change applied after that reader.
     const uint32_t epoch = epoch_.load();
@@ -758,6 +822,7 @@ SparseTableStats SparseTable::Stats() const {
     st.rows += static_cast<int64_t>(s.index.size());
     st.rows_created += s.rows_created;
     st.rows_evicted += s.rows_evicted;
+    st.rows_expired += s.rows_expired;
     st.rows_loaded += s.rows_loaded;
     st.pulls_unadmitted += s.pulls_unadmitted;
     st.pushes_dropped_unadmitted += s.pushes_dropped;
@@ -773,6 +838,8 @@ SparseTableStats SparseTable::Stats() const {
         static_cast<int64_t>(s.chunks.capacity() * sizeof(s.chunks[0])) +
         static_cast<int64_t>(s.rows.capacity() * sizeof(RowMeta)) +
         static_cast<int64_t>(s.changed_at.capacity() * sizeof(uint32_t)) +
+        static_cast<int64_t>(s.touched_at.capacity() * sizeof(uint32_t)) +
+        static_cast<int64_t>(s.free_slots.capacity() * sizeof(uint32_t)) +
         static_cast<int64_t>(s.evictions.capacity() * sizeof(s.evictions[0])) +
         static_cast<int64_t>(s.index.capacity() * (sizeof(IndexEntry) + 1)) +
         static_cast<int64_t>(s.sightings.capacity() * (sizeof(IndexEntry) + 1));
@@ -789,13 +856,13 @@ void SparseTable::ForEachRow(const RowVisitor& visit) const {
       visit(r.id, absl::MakeConstSpan(r.data, d),
             absl::MakeConstSpan(r.data + d, row_floats_ - d), r.update_count);
     };
-    if (s.capacity > 0) {
+    if (s.lru) {
       for (uint32_t slot = s.lru_tail; slot != kNil; slot = s.rows[slot].prev) {
         emit(s.rows[slot]);
       }
     } else {
-      // Unbounded: no evictions, so every slot is resident, in creation
-      // order (the order of first touch; there is no LRU to keep).
+      // No row ever leaves, so every slot is resident, in creation order
+      // (the order of first touch; there is no LRU to keep).
       for (const RowMeta& r : s.rows) emit(r);
     }
   }
@@ -857,8 +924,10 @@ absl::Status SparseTable::LoadRow(uint64_t id, absl::Span<const float> value,
       value = ftrl_w;
       break;
   }
+  const uint32_t now = TtlSeconds();
   Stripe& s = *stripes_[StripeOf(id)];
   absl::MutexLock lock(&s.mu);
+  ExpireRows(s, now);
   uint32_t slot = FindAndTouch(s, id);
   if (slot == kNil) {
     if (options_.admit_after > 1) {

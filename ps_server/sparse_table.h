@@ -61,6 +61,13 @@
 //                value and applies; aging may eventually forget it.
 //   N <= 1: every id is admitted; a push to an absent (never pulled or
 //           evicted) row creates it from its initial value, then applies.
+//   ttl          Rows not touched (pulled, pushed, loaded) for longer than
+//                this, to the second, are expired: removed when their
+//                stripe is next pulled from or pushed to, counted apart
+//                from evictions (rows_expired), their slots reused and,
+//                like evicted rows, reported by ChangesSince and
+//                remembered by admission. A stripe nobody touches keeps its
+//                expired rows until somebody does.
 #ifndef PSTRAIN_PS_SERVER_SPARSE_TABLE_H_
 #define PSTRAIN_PS_SERVER_SPARSE_TABLE_H_
 
@@ -74,6 +81,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "proto/ps.pb.h"
 
@@ -115,12 +124,17 @@ struct SparseTableOptions {
   int64_t max_pending_ids = int64_t{1} << 20;
   // Lock stripes; lowered to max_rows when that is smaller.
   int num_stripes = 64;
+  // Infinite: rows never expire. Otherwise at least a second.
+  absl::Duration ttl = absl::InfiniteDuration();
+  // The time TTLs are counted in (tests move it by hand).
+  std::function<absl::Time()> clock = [] { return absl::Now(); };
 };
 
 struct SparseTableStats {
   int64_t rows = 0;                       // resident now
   int64_t rows_created = 0;               // by Pull/Push, re-creations too
   int64_t rows_evicted = 0;               // LRU evictions
+  int64_t rows_expired = 0;               // removed by the TTL
   int64_t rows_loaded = 0;                // LoadRow calls that stored a row
   int64_t pulls_unadmitted = 0;           // pulled ids answered, not stored
   int64_t pushes_dropped_unadmitted = 0;  // gradients dropped, id unadmitted
@@ -172,8 +186,11 @@ class SparseTable {
   // largest for that row count. The unit of a table's byte budget; 0 for an
   // optimizer name the tables do not run.
   static int64_t BytesPerRow(int64_t dim, absl::string_view optimizer);
+  // BytesPerRow of a table of these options: with a TTL, each row also
+  // keeps the time it was last touched.
+  static int64_t RowBytes(const SparseTableOptions& options);
   // The most rows a table of these options holds: max_rows, or as many as
-  // max_bytes holds at BytesPerRow each when that is fewer; 0: unbounded.
+  // max_bytes holds at RowBytes each when that is fewer; 0: unbounded.
   static int64_t RowBound(const SparseTableOptions& options);
 
   int64_t dim() const { return options_.dim; }
@@ -291,6 +308,11 @@ class SparseTable {
   // caller after them.
   uint32_t FindAndTouch(Stripe& s, uint64_t id) const;
   void LogEviction(Stripe& s, uint64_t id) const;
+  // With a TTL: records `now` (TtlSeconds) as the stripe's time for the
+  // touches under this lock, and expires its rows past the TTL.
+  void ExpireRows(Stripe& s, uint32_t now) const;
+  // Seconds since the table was made, on options_.clock.
+  uint32_t TtlSeconds() const;
   uint32_t CreateRow(Stripe& s, uint64_t id) const;
   void InitRowState(absl::Span<float> state) const;
   uint32_t CountSighting(Stripe& s, uint64_t id) const;
@@ -304,6 +326,9 @@ class SparseTable {
   const int state_per_element_;
   const int64_t row_floats_;          // dim * (1 + state_per_element)
   const int64_t sightings_capacity_;  // per stripe
+  // The TTL in whole seconds, rounded up; 0: none.
+  const uint32_t ttl_s_;
+  const absl::Time start_;
   // The change epoch (MarkChanges): 1 until the first mark.
   std::atomic<uint32_t> epoch_{1};
   std::vector<std::unique_ptr<Stripe>> stripes_;

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <iostream>
 #include <list>
 #include <map>
@@ -685,6 +686,85 @@ TEST(SparseTableChangesTest, AForgottenEvictionOrABadMarkIsRefused) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(t->ChangesSince(later, {}, 0).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------------------
+// Rows expired by their TTL.
+
+// A clock the test moves.
+struct FakeClock {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  std::function<absl::Time()> Get() {
+    return [this] { return now; };
+  }
+};
+
+TEST(SparseTableTtlTest, RowsNotTouchedForTheTtlExpire) {
+  FakeClock clock;
+  SparseTableOptions o = Options("sgd", 2);
+  o.num_stripes = 1;
+  o.ttl = absl::Seconds(10);
+  o.clock = clock.Get();
+  auto t = Make(o);
+  PullRows(*t, {1, 2, 3});
+  const uint32_t mark = t->MarkChanges();
+  clock.now += absl::Seconds(5);
+  ASSERT_TRUE(t->Push({2}, {1.0f, 1.0f}).ok());
+  const std::vector<float> pushed = PullRow(*t, 2);
+  clock.now += absl::Seconds(10);  // 1 and 3: 15 s untouched; 2: 10 s
+  EXPECT_EQ(Resident(*t), (std::set<uint64_t>{1, 2, 3}));  // not yet swept
+  PullRow(*t, 4);
+  EXPECT_EQ(Resident(*t), (std::set<uint64_t>{2, 4}));
+  EXPECT_EQ(t->Stats().rows_expired, 2);
+  EXPECT_EQ(t->Stats().rows_evicted, 0);
+  EXPECT_EQ(PullRow(*t, 2), pushed);
+  const Changes changes = ChangesSince(*t, mark);
+  EXPECT_EQ(changes.evicted, (std::multiset<uint64_t>{1, 3}));
+  EXPECT_EQ(Ids(changes), (std::set<uint64_t>{2, 4}));
+  // An expired row comes back from its initial value.
+  EXPECT_EQ(PullRow(*t, 1), Initial(*t, 1));
+}
+
+TEST(SparseTableTtlTest, ExpiredSlotsAreReusedSoMemoryStaysFlat) {
+  FakeClock clock;
+  SparseTableOptions o = Options("adagrad", 8);
+  o.num_stripes = 4;
+  o.ttl = absl::Seconds(1);
+  o.clock = clock.Get();
+  auto t = Make(o);
+  int64_t memory_after_first_round = 0, memory_after_round_10 = 0;
+  for (uint64_t round = 0; round < 20; ++round) {
+    std::vector<uint64_t> ids(1000);
+    for (uint64_t k = 0; k < ids.size(); ++k) ids[k] = round * 1000 + k;
+    PullRows(*t, ids);
+    clock.now += absl::Seconds(5);
+    if (round == 0) memory_after_first_round = t->Stats().memory_bytes;
+    if (round == 10) memory_after_round_10 = t->Stats().memory_bytes;
+  }
+  const SparseTableStats st = t->Stats();
+  EXPECT_EQ(st.rows, 1000);
+  EXPECT_EQ(st.rows_expired, 19000);
+  // The hash indexes settle at a larger capacity under churn (tombstones);
+  // the rows' storage does not grow at all.
+  EXPECT_EQ(st.memory_bytes, memory_after_round_10);
+  EXPECT_LE(st.memory_bytes, memory_after_first_round * 2);
+}
+
+TEST(SparseTableTtlTest, ATtlBelowASecondIsRefused) {
+  SparseTableOptions o = Options("sgd", 2);
+  for (absl::Duration ttl :
+       {absl::ZeroDuration(), absl::Milliseconds(500), absl::Seconds(-3)}) {
+    o.ttl = ttl;
+    absl::StatusOr<std::unique_ptr<SparseTable>> refused =
+        SparseTable::Create(o);
+    ASSERT_FALSE(refused.ok()) << absl::FormatDuration(ttl);
+    EXPECT_NE(refused.status().message().find("a row TTL must be at least 1s"),
+              absl::string_view::npos)
+        << refused.status();
+  }
+  o.ttl = absl::Seconds(1);
+  EXPECT_TRUE(SparseTable::Create(o).ok());
+  EXPECT_EQ(SparseTable::RowBytes(o), SparseTable::BytesPerRow(2, "sgd") + 8);
 }
 
 // ---------------------------------------------------------------------------

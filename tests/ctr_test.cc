@@ -82,6 +82,35 @@ TEST(CtrTest, ReachesTheGroundTruthAucWithinAMargin) {
   }
 }
 
+// --sparse_row_ttl: rows of ids nobody pulled or pushed for a second go
+// while the job runs (it lasts at least 3 s: 60 steps, 50 ms each), and the
+// job still ends and evaluates.
+TEST(CtrTest, RowsUntouchedForTheirTtlExpireWhileTheJobRuns) {
+  ClusterOptions options = CtrCluster("async", 1);
+  options.server_flags.push_back("--sparse_row_ttl=1s");
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "ctr_ttl");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  std::vector<std::string> flags = CtrFlags(60);
+  flags.push_back("--inject_step_delay_ms=50");
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({flags}, absl::Seconds(120));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  EXPECT_GT(Number(outputs->front(), "auc"), 0.5) << outputs->front();
+  absl::StatusOr<std::vector<StatsResponse>> stats = (*cluster)->Stats();
+  ASSERT_TRUE(stats.ok());
+  int64_t expired = 0, evicted = 0;
+  for (const StatsResponse& shard : *stats) {
+    for (const SparseStats& table : shard.sparse()) {
+      expired += table.rows_expired();
+      evicted += table.rows_evicted();
+    }
+  }
+  std::cout << "[ ctr ] rows expired by the 1 s TTL: " << expired << "\n";
+  EXPECT_GT(expired, 0);
+  EXPECT_EQ(evicted, 0);  // no bound: only the TTL removed rows
+}
+
 // Async: every worker evaluates the same final model, the servers' once all
 // have finished, even when one finishes well before the other (worker 1
 // starts 1.5 s late, so worker 0 would otherwise evaluate a model that is

@@ -464,6 +464,9 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     if (options.learning_rate_at) {
       client.SetGroupRates({options.learning_rate_at(step)});
     }
+    if (options.step_delay > absl::ZeroDuration()) {
+      absl::SleepFor(options.step_delay);
+    }
     if (absl::Status s = (*net)->Push(client, step); !s.ok()) return s;
     ++result.steps_run;
     ++step;

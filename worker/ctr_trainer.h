@@ -64,6 +64,9 @@ struct CtrTrainerOptions {
   // carried by the step's pushes; null: their own. The tables keep their
   // optimizer's rate.
   std::function<double(int64_t)> learning_rate_at;
+  // Fault injection (--inject_step_delay_ms): each step this much slower,
+  // before its push, as a straggler's.
+  absl::Duration step_delay = absl::ZeroDuration();
 };
 
 struct CtrResult {
