@@ -130,54 +130,62 @@ absl::StatusOr<SparseChangesResponse> Shard::SparseChanges(
   if (model == nullptr) {
     return absl::FailedPreconditionError("no model is registered yet");
   }
+  // Everything checked before anything (the marks) changes.
+  if (request.since_size() > static_cast<int>(model->sparse.size()) ||
+      request.table_index() < 0 ||
+      request.table_index() > request.since_size() || request.max_bytes() < 0) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+        "changes request of ", request.since_size(), " tables (this model has ",
+        model->sparse.size(), "), cursor at table ", request.table_index(),
+        ", page of ", request.max_bytes(), " bytes")));
+  }
+  std::vector<const SparseTable*> tables;
+  absl::flat_hash_set<std::string> asked;
+  for (const TableChangeMark& since : request.since()) {
+    auto it = model->sparse_index.find(since.table());
+    if (it == model->sparse_index.end() ||
+        !asked.insert(since.table()).second) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat(
+          it == model->sparse_index.end() ? "unknown sparse table "
+                                          : "sparse table asked twice: ",
+          QuoteForStatus(since.table()))));
+    }
+    tables.push_back(model->sparse[it->second]->table.get());
+  }
   SparseChangesResponse answer;
   if (request.mark()) {
     for (const std::unique_ptr<SparseState>& state : model->sparse) {
+      absl::StatusOr<uint32_t> marked = state->table->MarkChanges();
+      if (!marked.ok()) return marked.status();
       TableChangeMark* mark = answer.add_marks();
       mark->set_table(state->spec->name());
-      mark->set_mark(state->table->MarkChanges());
+      mark->set_mark(*marked);
     }
   }
-  if (request.table_index() < 0 ||
-      request.table_index() > request.since_size()) {
-    return Reject(absl::InvalidArgumentError(
-        absl::StrCat("changes cursor at table ", request.table_index(), " of ",
-                     request.since_size())));
-  }
-  // Pages of at most 32 MiB of values, whatever was asked.
+  // Pages of about 32 MiB at most, whatever was asked.
   constexpr int64_t kMaxPageBytes = int64_t{32} << 20;
-  int64_t bytes_left = kMaxPageBytes;
-  int64_t rows_left = request.max_rows() > 0
-                          ? request.max_rows()
-                          : std::numeric_limits<int64_t>::max();
+  int64_t bytes_left = request.max_bytes() > 0
+                           ? std::min(request.max_bytes(), kMaxPageBytes)
+                           : kMaxPageBytes;
   SparseTable::ChangesCursor cursor{request.stripe(), request.slot()};
   int t = request.table_index();
-  for (; t < request.since_size(); ++t, cursor = {}) {
-    const TableChangeMark& since = request.since(t);
-    auto it = model->sparse_index.find(since.table());
-    if (it == model->sparse_index.end()) {
-      return Reject(absl::InvalidArgumentError(absl::StrCat(
-          "unknown sparse table ", QuoteForStatus(since.table()))));
-    }
-    const SparseTable& table = *model->sparse[it->second]->table;
-    const int64_t row_bytes = table.dim() * int64_t{sizeof(float)};
-    const int64_t max_rows = std::min(rows_left, bytes_left / row_bytes);
-    if (max_rows < 1) break;
+  for (; t < request.since_size() && bytes_left > 0; ++t, cursor = {}) {
     absl::StatusOr<SparseTable::ChangesPage> page =
-        table.ChangesSince(since.mark(), cursor, max_rows);
+        tables[t]->ChangesSince(request.since(t).mark(), cursor, bytes_left);
     if (!page.ok()) {
       return absl::IsInvalidArgument(page.status()) ? Reject(page.status())
                                                     : page.status();
     }
     TableChanges* changes = answer.add_tables();
-    changes->set_table(since.table());
+    changes->set_table(request.since(t).table());
     changes->mutable_ids()->Assign(page->ids.begin(), page->ids.end());
     changes->set_values(page->values.data(),
                         page->values.size() * sizeof(float));
     changes->mutable_evicted_ids()->Assign(page->evicted_ids.begin(),
                                            page->evicted_ids.end());
-    rows_left -= static_cast<int64_t>(page->ids.size());
-    bytes_left -= static_cast<int64_t>(page->ids.size()) * row_bytes;
+    bytes_left -=
+        static_cast<int64_t>(changes->values().size() +
+                             8 * (page->ids.size() + page->evicted_ids.size()));
     if (!page->done) {
       cursor = page->next;
       break;

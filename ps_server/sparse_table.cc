@@ -29,6 +29,8 @@ constexpr int64_t kMaxDim = int64_t{1} << 20;
 // while fewer rows than that were evicted since it.
 constexpr int64_t kEvictionLogRowsPerEntry = 8;
 constexpr int64_t kMinEvictionLogEntries = 64;
+// Row stamps are 32 bits; marks stop short of wrapping them.
+constexpr uint32_t kMaxChangeEpoch = std::numeric_limits<uint32_t>::max() - 1;
 
 absl::Status CheckRange(const char* flag, float value, float lo, float hi,
                         bool lo_inclusive, bool hi_inclusive) {
@@ -152,17 +154,19 @@ struct alignas(64) SparseTable::Stripe {
   // The table's change epoch when each slot's row last changed (created,
   // pushed to or loaded), by slot: what ChangesSince reads.
   std::vector<uint32_t> changed_at ABSL_GUARDED_BY(mu);
-  // Ids evicted since the table's first change mark, with the epoch of
-  // their eviction, oldest first; at most EvictionLogCapacity entries, the
-  // oldest half dropped when full. Evictions of epochs up to
+  // Ids evicted or expired since the table's first change mark, with the
+  // epoch they left in: a ring (LogEviction) whose next entry to overwrite
+  // is `eviction_next`. Evictions of epochs up to
   // `evictions_forgotten_through` may be missing.
   std::vector<std::pair<uint64_t, uint32_t>> evictions ABSL_GUARDED_BY(mu);
+  size_t eviction_next ABSL_GUARDED_BY(mu) = 0;
   uint32_t evictions_forgotten_through ABSL_GUARDED_BY(mu) = 0;
   // With a TTL: when each slot's row was last touched (TtlSeconds), the
-  // time of the call holding the lock, and slots freed by expiry.
+  // stripe's time (never going back), and the slots freed by expiry, linked
+  // through RowMeta::next.
   std::vector<uint32_t> touched_at ABSL_GUARDED_BY(mu);
   uint32_t now ABSL_GUARDED_BY(mu) = 0;
-  std::vector<uint32_t> free_slots ABSL_GUARDED_BY(mu);
+  uint32_t free_head ABSL_GUARDED_BY(mu) = kNil;
   // The LRU list is kept when rows can leave (capacity > 0 or a TTL).
   bool lru = false;  // fixed at construction
   // LRU list over slots, maintained only when `lru`.
@@ -421,9 +425,9 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
     ++s.rows_evicted;
     if (options_.admit_after > 1) RememberEvicted(s, victim);
     LogEviction(s, victim);
-  } else if (!s.free_slots.empty()) {
-    slot = s.free_slots.back();
-    s.free_slots.pop_back();
+  } else if (s.free_head != kNil) {
+    slot = s.free_head;
+    s.free_head = s.rows[slot].next;
   } else {
     if (s.chunk_rows_left == 0) {
       int64_t rows = std::clamp<int64_t>(static_cast<int64_t>(s.rows.size()),
@@ -511,15 +515,24 @@ void SparseTable::LogEviction(Stripe& s, uint64_t id) const
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   const uint32_t epoch = epoch_.load();
   if (epoch <= 1) return;  // no mark yet: no delta can ask for it
+  // An entry per kEvictionLogRowsPerEntry rows the stripe may hold (its
+  // share, or what it holds now when unbounded).
   const size_t capacity = static_cast<size_t>(
-      std::max(kMinEvictionLogEntries, s.capacity / kEvictionLogRowsPerEntry));
-  if (s.evictions.size() >= capacity) {
-    // Drop the older half: amortised O(1) per eviction.
-    const size_t drop = s.evictions.size() / 2;
-    s.evictions_forgotten_through = s.evictions[drop - 1].second;
-    s.evictions.erase(s.evictions.begin(), s.evictions.begin() + drop);
+      std::max(kMinEvictionLogEntries,
+               std::max(s.capacity, static_cast<int64_t>(s.rows.size())) /
+                   kEvictionLogRowsPerEntry));
+  if (s.evictions.size() < capacity) {
+    s.evictions.emplace_back(id, epoch);
+    return;
   }
-  s.evictions.emplace_back(id, epoch);
+  // Full: a ring, overwriting its oldest entry. Entries are filtered by
+  // epoch, never read in order, and the newest epoch overwritten is what
+  // the log can no longer answer for.
+  std::pair<uint64_t, uint32_t>& oldest = s.evictions[s.eviction_next];
+  s.evictions_forgotten_through =
+      std::max(s.evictions_forgotten_through, oldest.second);
+  oldest = {id, epoch};
+  s.eviction_next = (s.eviction_next + 1) % s.evictions.size();
 }
 
 uint32_t SparseTable::TtlSeconds() const {
@@ -531,7 +544,9 @@ uint32_t SparseTable::TtlSeconds() const {
 void SparseTable::ExpireRows(Stripe& s, uint32_t now) const
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   if (ttl_s_ == 0) return;
-  s.now = now;
+  // A call that waited for the lock may bring an older time.
+  s.now = std::max(s.now, now);
+  now = s.now;
   // The tail is the least recently touched: expire from it until a row is
   // young enough (a touch stamped by a slower call may be a second older
   // than one before it in the list; it then waits for that one).
@@ -545,14 +560,27 @@ void SparseTable::ExpireRows(Stripe& s, uint32_t now) const
     if (options_.admit_after > 1) RememberEvicted(s, id);
     LogEviction(s, id);
     s.changed_at[slot] = 0;  // free: no change since any mark
-    s.free_slots.push_back(slot);
+    s.rows[slot].next = s.free_head;
+    s.free_head = slot;
   }
 }
 
-uint32_t SparseTable::MarkChanges() { return epoch_.fetch_add(1); }
+absl::StatusOr<uint32_t> SparseTable::MarkChanges() {
+  uint32_t epoch = epoch_.load();
+  do {
+    if (epoch >= kMaxChangeEpoch) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("sparse table ", QuoteForStatus(options_.name), ": all ",
+                       kMaxChangeEpoch - 1,
+                       " change marks of this server process are "
+                       "taken; restart it to mark again"));
+    }
+  } while (!epoch_.compare_exchange_weak(epoch, epoch + 1));
+  return epoch;
+}
 
 absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
-    uint32_t mark, ChangesCursor cursor, int64_t max_rows) const {
+    uint32_t mark, ChangesCursor cursor, int64_t max_bytes) const {
   const std::string where =
       absl::StrCat("sparse table ", QuoteForStatus(options_.name), ": ");
   const uint32_t epoch = epoch_.load();
@@ -563,12 +591,14 @@ absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
                      "far are 1 to ",
                      epoch - 1, ")"));
   }
-  if (cursor.stripe < 0 || cursor.stripe > num_stripes() || max_rows < 1) {
+  if (cursor.stripe < 0 || cursor.stripe > num_stripes() || max_bytes < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "changes cursor at stripe ", cursor.stripe, " of ",
-                     num_stripes(), ", page of ", max_rows, " rows"));
+                     num_stripes(), ", page of ", max_bytes, " bytes"));
   }
   const int64_t d = options_.dim;
+  const int64_t row_bytes = d * int64_t{sizeof(float)} + sizeof(uint64_t);
+  int64_t bytes = 0;
   ChangesPage page;
   page.next = cursor;
   while (page.next.stripe < num_stripes()) {
@@ -578,7 +608,8 @@ absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
       return absl::FailedPreconditionError(absl::StrCat(
           where, "rows evicted since change mark ", mark,
           " are no longer all known (a stripe's eviction log keeps one per ",
-          kEvictionLogRowsPerEntry, " rows): take a whole export"));
+          kEvictionLogRowsPerEntry, " rows it may hold, at least ",
+          kMinEvictionLogEntries, "): take a whole export"));
     }
     const uint32_t slots = static_cast<uint32_t>(s.rows.size());
     if (page.next.slot > slots) {
@@ -589,17 +620,28 @@ absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
     uint32_t slot = page.next.slot;
     for (; slot < slots; ++slot) {
       if (s.changed_at[slot] <= mark) continue;
-      if (static_cast<int64_t>(page.ids.size()) == max_rows) break;
+      // At least one row a page, so every page makes progress.
+      if (bytes + row_bytes > max_bytes && !page.ids.empty()) break;
       const RowMeta& r = s.rows[slot];
       page.ids.push_back(r.id);
       page.values.insert(page.values.end(), r.data, r.data + d);
+      bytes += row_bytes;
     }
     if (slot < slots) {
       page.next.slot = slot;
       return page;
     }
+    // A finished stripe's evictions come whole (its log is bounded).
     for (const auto& [id, evicted_in] : s.evictions) {
-      if (evicted_in > mark) page.evicted_ids.push_back(id);
+      if (evicted_in > mark) {
+        page.evicted_ids.push_back(id);
+        bytes += sizeof(uint64_t);
+      }
+    }
+    if (bytes >= max_bytes && page.next.stripe + 1 < num_stripes()) {
+      ++page.next.stripe;
+      page.next.slot = 0;
+      return page;
     }
     ++page.next.stripe;
     page.next.slot = 0;
@@ -839,7 +881,6 @@ SparseTableStats SparseTable::Stats() const {
         static_cast<int64_t>(s.rows.capacity() * sizeof(RowMeta)) +
         static_cast<int64_t>(s.changed_at.capacity() * sizeof(uint32_t)) +
         static_cast<int64_t>(s.touched_at.capacity() * sizeof(uint32_t)) +
-        static_cast<int64_t>(s.free_slots.capacity() * sizeof(uint32_t)) +
         static_cast<int64_t>(s.evictions.capacity() * sizeof(s.evictions[0])) +
         static_cast<int64_t>(s.index.capacity() * (sizeof(IndexEntry) + 1)) +
         static_cast<int64_t>(s.sightings.capacity() * (sizeof(IndexEntry) + 1));

@@ -29,13 +29,14 @@
 //
 // Concurrency. Rows live in `num_stripes` stripes chosen by a hash of the id,
 // each with its own mutex, row index, LRU list and admission counters. Pull,
-// Push, LoadRow, ForEachRow and Stats may be called from any thread. A row's
+// Push, LoadRow, ForEachRow, MarkChanges, ChangesSince and Stats may be
+// called from any thread. A row's
 // update is atomic with respect to every other access to that row; concurrent
 // pushes to one row serialize, pushes to rows in different stripes run in
 // parallel. A Push (or Pull) spanning several stripes is applied stripe by
 // stripe, not atomically as a whole.
 //
-// Memory control (both optional, both counted in Stats):
+// Memory control (all optional, all counted in Stats):
 //   max_rows     Each stripe holds at most its share of max_rows (the shares
 //                sum to exactly max_rows; num_stripes is lowered to max_rows
 //                if larger, so every share is >= 1). Creating a row in a full
@@ -62,16 +63,21 @@
 //   N <= 1: every id is admitted; a push to an absent (never pulled or
 //           evicted) row creates it from its initial value, then applies.
 //   ttl          Rows not touched (pulled, pushed, loaded) for longer than
-//                this, to the second, are expired: removed when their
-//                stripe is next pulled from or pushed to, counted apart
-//                from evictions (rows_expired), their slots reused and,
-//                like evicted rows, reported by ChangesSince and
-//                remembered by admission. A stripe nobody touches keeps its
-//                expired rows until somebody does.
+//                this, to the second on a monotonic clock, are expired:
+//                removed when their stripe is next pulled from, pushed to
+//                or loaded into, counted apart from evictions
+//                (rows_expired), their slots reused and, like evicted rows,
+//                reported by ChangesSince and remembered by admission. A
+//                stripe nobody touches keeps its expired rows until somebody
+//                does.
+// Change tracking (MarkChanges, ChangesSince) costs every row a 4-byte
+// stamp, and each stripe a log of recent evictions (one 16-byte entry per 8
+// rows it may hold); RowBytes counts both.
 #ifndef PSTRAIN_PS_SERVER_SPARSE_TABLE_H_
 #define PSTRAIN_PS_SERVER_SPARSE_TABLE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -115,7 +121,7 @@ struct SparseTableOptions {
   // used rows per stripe (see the file comment).
   int64_t max_rows = 0;
   // 0: no budget. Otherwise the rows the table holds are bounded to
-  // max_bytes / BytesPerRow (max_rows, when smaller, bounds them instead);
+  // max_bytes / RowBytes (max_rows, when smaller, bounds them instead);
   // a budget below one row is refused.
   int64_t max_bytes = 0;
   // 0 or 1: rows are created on first sight. N > 1: on the N-th pull.
@@ -126,8 +132,13 @@ struct SparseTableOptions {
   int num_stripes = 64;
   // Infinite: rows never expire. Otherwise at least a second.
   absl::Duration ttl = absl::InfiniteDuration();
-  // The time TTLs are counted in (tests move it by hand).
-  std::function<absl::Time()> clock = [] { return absl::Now(); };
+  // The time TTLs are counted in: monotonic, so that a step of the wall
+  // clock cannot expire every row at once (tests move it by hand).
+  std::function<absl::Time()> clock = [] {
+    return absl::UnixEpoch() +
+           absl::FromChrono(
+               std::chrono::steady_clock::now().time_since_epoch());
+  };
 };
 
 struct SparseTableStats {
@@ -187,7 +198,7 @@ class SparseTable {
   // optimizer name the tables do not run.
   static int64_t BytesPerRow(int64_t dim, absl::string_view optimizer);
   // BytesPerRow of a table of these options: with a TTL, each row also
-  // keeps the time it was last touched.
+  // keeps the time it was last touched. The unit of its byte budget.
   static int64_t RowBytes(const SparseTableOptions& options);
   // The most rows a table of these options holds: max_rows, or as many as
   // max_bytes holds at RowBytes each when that is fewer; 0: unbounded.
@@ -229,13 +240,14 @@ class SparseTable {
 
   // Change marks, so an export can carry only what changed since an earlier
   // one. Every change to a row (its creation, a push, LoadRow) is stamped
-  // with the table's current epoch, and every eviction after the first mark
-  // is logged with it. MarkChanges ends the current epoch and returns it:
-  // the mark. A row whose value a reader that started after MarkChanges
-  // returned m has not seen carries a stamp > m (stamps are read under the
-  // row's stripe lock), so ChangesSince(m) covers every change after that
-  // read, and perhaps a few rows that did not change.
-  uint32_t MarkChanges();
+  // with the table's current epoch, and every eviction or expiry after the
+  // first mark is logged with it. MarkChanges ends the current epoch and
+  // returns it: the mark (ResourceExhausted once 2^32 - 2 marks are taken).
+  // A row whose value a reader that started after MarkChanges returned m has
+  // not seen carries a stamp > m (stamps are read under the row's stripe
+  // lock), so ChangesSince(m) covers every change after that read, and
+  // perhaps a few rows that did not change.
+  absl::StatusOr<uint32_t> MarkChanges();
 
   struct ChangesCursor {
     int stripe = 0;     // stripes before this one are done
@@ -248,17 +260,19 @@ class SparseTable {
     bool done = false;                  // no page follows
     ChangesCursor next;                 // where the next page starts
   };
-  // A page of the changes since `mark`: from `cursor` on, up to `max_rows`
-  // resident rows stamped after it (their current values), and the ids
-  // evicted after it from every stripe the page finishes (an id may also be
-  // resident again, then its row is in the page or a later one). Ask again
-  // with `next` until `done`. The eviction log is bounded (an entry per
-  // kEvictionLogRowsPerEntry rows of a stripe's share): FailedPrecondition
-  // when a finished stripe forgot evictions after `mark`, InvalidArgument
-  // for a mark this table never gave (0, or not below its epoch) or a cursor
-  // out of range.
+  // A page of the changes since `mark`: from `cursor` on, the resident rows
+  // stamped after it (their current values) and the ids evicted or expired
+  // after it from every stripe the page finishes, up to about `max_bytes`
+  // (8 bytes an id, 4 a value; at least one row, and a finished stripe's
+  // evictions whole). Ask again with `next` until `done`. Pages are read
+  // at different moments: a row evicted and created again between two
+  // pages may come in both (the later is newer), and an id may be both
+  // evicted and resident again (its row is then in a page). The eviction
+  // log is bounded: FailedPrecondition when a stripe forgot evictions after
+  // `mark`, InvalidArgument for a mark this table never gave (0, or not
+  // below its epoch) or a cursor out of range.
   absl::StatusOr<ChangesPage> ChangesSince(uint32_t mark, ChangesCursor cursor,
-                                           int64_t max_rows) const;
+                                           int64_t max_bytes) const;
 
   using RowVisitor =
       std::function<void(uint64_t id, absl::Span<const float> value,
@@ -307,6 +321,7 @@ class SparseTable {
   // (ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu)), which clang checks at every
   // caller after them.
   uint32_t FindAndTouch(Stripe& s, uint64_t id) const;
+  // Logs `id`'s eviction or expiry for ChangesSince, once a mark was taken.
   void LogEviction(Stripe& s, uint64_t id) const;
   // With a TTL: records `now` (TtlSeconds) as the stripe's time for the
   // touches under this lock, and expires its rows past the TTL.

@@ -517,7 +517,7 @@ TEST(SparseTableBudgetTest, TheEvictionLogStaysWithinTheBudget) {
   o.max_bytes = 4000 * row_bytes;
   o.num_stripes = 4;
   auto t = Make(o);
-  t->MarkChanges();  // evictions are logged from the first mark on
+  ASSERT_TRUE(t->MarkChanges().ok());  // evictions logged from here on
   for (uint64_t first = 0; first < 40000; first += 500) {
     std::vector<uint64_t> ids(500);
     for (uint64_t k = 0; k < 500; ++k) ids[k] = first + k;
@@ -531,22 +531,38 @@ TEST(SparseTableBudgetTest, TheEvictionLogStaysWithinTheBudget) {
 // ---------------------------------------------------------------------------
 // Change marks.
 
+// A clock the test moves.
+struct FakeClock {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  std::function<absl::Time()> Get() {
+    return [this] { return now; };
+  }
+};
+
 struct Changes {
   std::map<uint64_t, std::vector<float>> rows;
   std::multiset<uint64_t> evicted;
 };
 
-// Every page of the changes since `mark`, `max_rows` at a time.
+uint32_t Mark(SparseTable& t) {
+  absl::StatusOr<uint32_t> mark = t.MarkChanges();
+  EXPECT_TRUE(mark.ok()) << mark.status();
+  return mark.value_or(0);
+}
+
+// Every page of the changes since `mark`, about `max_bytes` at a time.
 Changes ChangesSince(const SparseTable& t, uint32_t mark,
-                     int64_t max_rows = 1 << 20) {
+                     int64_t max_bytes = 1 << 30) {
   Changes out;
   SparseTable::ChangesCursor cursor;
   for (bool done = false; !done;) {
     absl::StatusOr<SparseTable::ChangesPage> page =
-        t.ChangesSince(mark, cursor, max_rows);
+        t.ChangesSince(mark, cursor, max_bytes);
     EXPECT_TRUE(page.ok()) << page.status();
     if (!page.ok()) break;
-    EXPECT_LE(static_cast<int64_t>(page->ids.size()), max_rows);
+    const int64_t row_bytes = t.dim() * 4 + 8;
+    EXPECT_LE(static_cast<int64_t>(page->ids.size()) * row_bytes,
+              std::max(max_bytes, row_bytes));
     for (size_t i = 0; i < page->ids.size(); ++i) {
       EXPECT_EQ(out.rows.count(page->ids[i]), 0u)
           << "row " << page->ids[i] << " in two pages";
@@ -569,7 +585,7 @@ std::set<uint64_t> Ids(const Changes& c) {
 TEST(SparseTableChangesTest, ChangesSinceAMarkAreTheRowsWrittenAfterIt) {
   auto t = Make(Options("sgd", 4));
   PullRows(*t, {1, 2, 3, 4, 5});
-  const uint32_t first = t->MarkChanges();
+  const uint32_t first = Mark(*t);
   EXPECT_TRUE(ChangesSince(*t, first).rows.empty());
   ASSERT_TRUE(t->Push({2, 5}, std::vector<float>(8, 0.5f)).ok());
   PullRows(*t, {3, 9});  // a read changes nothing; a new row is a change
@@ -578,7 +594,7 @@ TEST(SparseTableChangesTest, ChangesSinceAMarkAreTheRowsWrittenAfterIt) {
   EXPECT_EQ(changes.rows[5], PullRow(*t, 5));
   EXPECT_TRUE(changes.evicted.empty());
 
-  const uint32_t second = t->MarkChanges();
+  const uint32_t second = Mark(*t);
   EXPECT_GT(second, first);
   EXPECT_TRUE(ChangesSince(*t, second).rows.empty());
   const std::map<uint64_t, Row> rows = Dump(*t);
@@ -594,7 +610,7 @@ TEST(SparseTableChangesTest, RowsEvictedSinceAMarkAreReported) {
   o.num_stripes = 1;
   auto t = Make(o);
   PullRows(*t, {1, 2, 3, 4});
-  const uint32_t mark = t->MarkChanges();
+  const uint32_t mark = Mark(*t);
   PullRows(*t, {5, 6});  // evicts 1 and 2
   Changes changes = ChangesSince(*t, mark);
   EXPECT_EQ(Ids(changes), (std::set<uint64_t>{5, 6}));
@@ -612,16 +628,63 @@ TEST(SparseTableChangesTest, PagesCoverEveryChangedRowExactlyOnce) {
   std::vector<uint64_t> all(1000);
   for (uint64_t i = 0; i < all.size(); ++i) all[i] = i * 7919;
   PullRows(*t, all);
-  const uint32_t mark = t->MarkChanges();
+  const uint32_t mark = Mark(*t);
   std::vector<uint64_t> pushed;
   for (uint64_t i = 0; i < all.size(); i += 3) pushed.push_back(all[i]);
   ASSERT_TRUE(
       t->Push(pushed, std::vector<float>(pushed.size() * 3, 1.0f)).ok());
-  for (int64_t page_rows : {1, 7, 64, 1 << 20}) {
-    const Changes changes = ChangesSince(*t, mark, page_rows);
+  for (int64_t page_bytes : {1, 7 * 20, 64 * 20, 1 << 30}) {
+    const Changes changes = ChangesSince(*t, mark, page_bytes);
     EXPECT_EQ(Ids(changes), std::set<uint64_t>(pushed.begin(), pushed.end()))
-        << page_rows << " rows a page";
+        << page_bytes << " bytes a page";
   }
+}
+
+TEST(SparseTableChangesTest, ARowMovedBetweenPagesComesAgainNewer) {
+  SparseTableOptions o = Options("sgd", 2);
+  o.max_rows = 4;
+  o.num_stripes = 1;
+  auto t = Make(o);
+  const uint32_t mark = Mark(*t);
+  PullRows(*t, {1, 2, 3, 4});
+  absl::StatusOr<SparseTable::ChangesPage> first =
+      t->ChangesSince(mark, {}, 1);  // one row: id 1 in slot 0
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->ids, std::vector<uint64_t>{1});
+  PullRow(*t, 5);  // evicts 1 (least recently used), 5 takes its slot
+  PullRow(*t, 1);  // 1 comes back in the slot of 2, after the cursor
+  ASSERT_TRUE(t->Push({1}, {3.0f, 3.0f}).ok());
+  absl::StatusOr<SparseTable::ChangesPage> rest =
+      t->ChangesSince(mark, first->next, 1 << 20);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  const auto again = std::find(rest->ids.begin(), rest->ids.end(), 1u);
+  ASSERT_NE(again, rest->ids.end());
+  const size_t at = again - rest->ids.begin();
+  EXPECT_EQ(std::vector<float>(rest->values.begin() + 2 * at,
+                               rest->values.begin() + 2 * at + 2),
+            PullRow(*t, 1));
+}
+
+TEST(SparseTableChangesTest, ExpiriesOfAnUnboundedTableAreReported) {
+  FakeClock clock;
+  SparseTableOptions o = Options("sgd", 2);
+  o.num_stripes = 4;
+  o.ttl = absl::Seconds(1);
+  o.clock = clock.Get();
+  auto t = Make(o);
+  const uint32_t mark = Mark(*t);
+  std::vector<uint64_t> old_ids(100);
+  for (uint64_t i = 0; i < old_ids.size(); ++i) old_ids[i] = i;
+  PullRows(*t, old_ids);
+  clock.now += absl::Seconds(5);
+  std::vector<uint64_t> new_ids(4000);
+  for (uint64_t i = 0; i < new_ids.size(); ++i) new_ids[i] = 10000 + i;
+  PullRows(*t, new_ids);  // every stripe touched: the old rows expire
+  ASSERT_EQ(t->Stats().rows_expired, 100);
+  const Changes changes = ChangesSince(*t, mark);
+  EXPECT_EQ(changes.evicted,
+            std::multiset<uint64_t>(old_ids.begin(), old_ids.end()));
+  EXPECT_EQ(Ids(changes), std::set<uint64_t>(new_ids.begin(), new_ids.end()));
 }
 
 TEST(SparseTableChangesTest, ChangesCoverWritesRacingTheMark) {
@@ -633,9 +696,11 @@ TEST(SparseTableChangesTest, ChangesCoverWritesRacingTheMark) {
   for (uint64_t i = 0; i < ids.size(); ++i) ids[i] = i;
   PullRows(*t, ids);
   std::atomic<bool> stop{false};
+  std::atomic<int64_t> pushes{0};
   std::thread writer([&] {
     std::mt19937_64 rng(1);
     while (!stop.load()) {
+      pushes.fetch_add(1);
       std::set<uint64_t> some;
       for (int k = 0; k < 16; ++k) some.insert(rng() % ids.size());
       std::vector<uint64_t> push(some.begin(), some.end());
@@ -643,9 +708,13 @@ TEST(SparseTableChangesTest, ChangesCoverWritesRacingTheMark) {
           t->Push(push, std::vector<float>(push.size() * kDim, 0.25f)).ok());
     }
   });
-  // An export: a mark, then a read of every row while pushes go on.
-  const uint32_t mark = t->MarkChanges();
+  // An export: a mark, then a read of every row while pushes go on (until
+  // some pushes surely overlapped the read).
+  while (pushes.load() < 10) std::this_thread::yield();
+  const uint32_t mark = Mark(*t);
+  const int64_t pushes_at_mark = pushes.load();
   const std::map<uint64_t, Row> base = Dump(*t);
+  while (pushes.load() < pushes_at_mark + 10) std::this_thread::yield();
   stop.store(true);
   writer.join();
   const Changes changes = ChangesSince(*t, mark);
@@ -662,7 +731,7 @@ TEST(SparseTableChangesTest, AForgottenEvictionOrABadMarkIsRefused) {
   o.max_rows = 8;
   o.num_stripes = 1;
   auto t = Make(o);
-  const uint32_t mark = t->MarkChanges();
+  const uint32_t mark = Mark(*t);
   for (uint64_t id = 0; id < 200; ++id) PullRow(*t, id);  // 192 evictions
   absl::StatusOr<SparseTable::ChangesPage> page =
       t->ChangesSince(mark, {}, 100);
@@ -671,7 +740,7 @@ TEST(SparseTableChangesTest, AForgottenEvictionOrABadMarkIsRefused) {
   EXPECT_NE(page.status().message().find("take a whole export"),
             absl::string_view::npos)
       << page.status();
-  const uint32_t later = t->MarkChanges();
+  const uint32_t later = Mark(*t);
   PullRow(*t, 500);
   EXPECT_EQ(ChangesSince(*t, later).evicted.size(), 1u);
 
@@ -691,14 +760,6 @@ TEST(SparseTableChangesTest, AForgottenEvictionOrABadMarkIsRefused) {
 // ---------------------------------------------------------------------------
 // Rows expired by their TTL.
 
-// A clock the test moves.
-struct FakeClock {
-  absl::Time now = absl::FromUnixSeconds(1000);
-  std::function<absl::Time()> Get() {
-    return [this] { return now; };
-  }
-};
-
 TEST(SparseTableTtlTest, RowsNotTouchedForTheTtlExpire) {
   FakeClock clock;
   SparseTableOptions o = Options("sgd", 2);
@@ -707,7 +768,7 @@ TEST(SparseTableTtlTest, RowsNotTouchedForTheTtlExpire) {
   o.clock = clock.Get();
   auto t = Make(o);
   PullRows(*t, {1, 2, 3});
-  const uint32_t mark = t->MarkChanges();
+  const uint32_t mark = Mark(*t);
   clock.now += absl::Seconds(5);
   ASSERT_TRUE(t->Push({2}, {1.0f, 1.0f}).ok());
   const std::vector<float> pushed = PullRow(*t, 2);

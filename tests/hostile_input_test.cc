@@ -846,7 +846,7 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
          return stubs_[0]->SparsePush(Context().get(), request, &response);
        },
        kInvalid, "unknown sparse table 'nnnnnnnn"},
-      {"sparse changes: a 70,000-character table name",
+      {"sparse changes: a table this model lacks",
        [this, long_name] {
          SparseChangesRequest request;
          request.set_protocol_version(kProtocolVersion);
@@ -856,7 +856,7 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
          SparseChangesResponse response;
          return stubs_[0]->SparseChanges(Context().get(), request, &response);
        },
-       kInvalid, "unknown sparse table 'nnnnnnnn"},
+       kInvalid, "changes request of 1 tables (this model has 0)"},
       {"sparse changes: a cursor past its tables",
        [this] {
          SparseChangesRequest request;
@@ -865,7 +865,29 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
          SparseChangesResponse response;
          return stubs_[0]->SparseChanges(Context().get(), request, &response);
        },
-       kInvalid, "changes cursor at table 5 of 0"},
+       kInvalid, "cursor at table 5"},
+      {"sparse changes: a table asked twice",
+       [this] {
+         SparseChangesRequest request;
+         request.set_protocol_version(kProtocolVersion);
+         for (int i = 0; i < 2; ++i) {
+           TableChangeMark* since = request.add_since();
+           since->set_table("nope");
+           since->set_mark(1);
+         }
+         SparseChangesResponse response;
+         return stubs_[0]->SparseChanges(Context().get(), request, &response);
+       },
+       kInvalid, "changes request of 2 tables"},
+      {"sparse changes: a negative page size",
+       [this] {
+         SparseChangesRequest request;
+         request.set_protocol_version(kProtocolVersion);
+         request.set_max_bytes(-1);
+         SparseChangesResponse response;
+         return stubs_[0]->SparseChanges(Context().get(), request, &response);
+       },
+       kInvalid, "page of -1 bytes"},
       {"sparse changes: protocol version 2",
        [this] {
          SparseChangesRequest request;

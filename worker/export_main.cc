@@ -29,6 +29,8 @@
 // checkpoint of every shard of one layout (ps_server/checkpoint.h's restore,
 // as a single shard that owns every block and row), dense tensors
 // reassembled from their blocks.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -38,6 +40,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -231,11 +234,29 @@ std::string ChangesPath(const std::string& model_file) {
   return absl::StrCat(model_file, ".changes");
 }
 
-// The marks beside `model_file`, when they are its own (same step and size)
-// and every shard's process is the one that gave them: what --since can ask
-// the servers for. Otherwise why not.
-absl::StatusOr<ExportChangeMarks> UsableMarks(const std::string& model_file,
-                                              const ExportChangeMarks& now) {
+// A file's size and modification time: what the marks beside it must name.
+absl::StatusOr<std::pair<int64_t, int64_t>> FileIdentity(
+    const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(errno)));
+  }
+  return std::make_pair(
+      static_cast<int64_t>(st.st_size),
+      int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec);
+}
+
+// The marks beside `model_file`, when they are its own (its size and
+// modification time), cover every table of `schema` and come from the
+// server processes that gave `now`: what --since can ask the servers for.
+// Otherwise why not.
+absl::StatusOr<ExportChangeMarks> UsableMarks(
+    const std::string& model_file, const absl::StatusOr<ExportChangeMarks>& now,
+    const ModelSchema& schema) {
+  if (!now.ok()) {
+    return absl::NotFoundError(absl::StrCat(
+        "the servers gave no change marks: ", now.status().message()));
+  }
   std::ifstream in(ChangesPath(model_file));
   if (!in) {
     return absl::NotFoundError(absl::StrCat("no change marks beside it (",
@@ -244,24 +265,37 @@ absl::StatusOr<ExportChangeMarks> UsableMarks(const std::string& model_file,
   std::stringstream text;
   text << in.rdbuf();
   ExportChangeMarks marks;
-  std::error_code size_error;
-  const auto file_bytes = std::filesystem::file_size(model_file, size_error);
+  absl::StatusOr<std::pair<int64_t, int64_t>> identity =
+      FileIdentity(model_file);
   if (!google::protobuf::util::JsonStringToMessage(text.str(), &marks).ok() ||
-      size_error || marks.file_bytes() != static_cast<int64_t>(file_bytes)) {
+      !identity.ok() || marks.file_bytes() != identity->first ||
+      marks.file_mtime_ns() != identity->second) {
     return absl::NotFoundError(
-        absl::StrCat(ChangesPath(model_file), " does not describe this file"));
+        absl::StrCat(ChangesPath(model_file),
+                     " does not describe this file (rewritten "
+                     "since?)"));
   }
-  if (marks.shards_size() != now.shards_size()) {
+  if (marks.shards_size() != now->shards_size()) {
     return absl::NotFoundError(
         absl::StrCat("it was exported from ", marks.shards_size(),
-                     " shards, the servers now have ", now.shards_size()));
+                     " shards, the servers now have ", now->shards_size()));
   }
-  for (int s = 0; s < now.shards_size(); ++s) {
-    if (marks.shards(s).server_life() != now.shards(s).server_life()) {
+  for (int s = 0; s < now->shards_size(); ++s) {
+    if (marks.shards(s).server_life() != now->shards(s).server_life()) {
       return absl::NotFoundError(
           absl::StrCat("shard ", s,
                        " is another server process than the one it was "
                        "exported from (restarted or failed over)"));
+    }
+    for (const SparseTableSpec& table : schema.sparse()) {
+      const auto& given = marks.shards(s).marks();
+      if (std::none_of(given.begin(), given.end(),
+                       [&](const TableChangeMark& m) {
+                         return m.table() == table.name();
+                       })) {
+        return absl::NotFoundError(
+            absl::StrCat("its marks have no table '", table.name(), "'"));
+      }
     }
   }
   return marks;
@@ -269,14 +303,12 @@ absl::StatusOr<ExportChangeMarks> UsableMarks(const std::string& model_file,
 
 absl::Status WriteMarks(const std::string& model_file, ExportChangeMarks marks,
                         int64_t step) {
-  std::error_code size_error;
-  const auto file_bytes = std::filesystem::file_size(model_file, size_error);
-  if (size_error) {
-    return absl::InternalError(
-        absl::StrCat(model_file, ": ", size_error.message()));
-  }
+  absl::StatusOr<std::pair<int64_t, int64_t>> identity =
+      FileIdentity(model_file);
+  if (!identity.ok()) return identity.status();
   marks.set_step(step);
-  marks.set_file_bytes(static_cast<int64_t>(file_bytes));
+  marks.set_file_bytes(identity->first);
+  marks.set_file_mtime_ns(identity->second);
   std::string json;
   if (!google::protobuf::util::MessageToJsonString(marks, &json).ok()) {
     return absl::InternalError("cannot print the change marks as JSON");
@@ -285,7 +317,10 @@ absl::Status WriteMarks(const std::string& model_file, ExportChangeMarks marks,
 }
 
 // The rows of every table changed on the servers since `since` (marks the
-// same processes gave), and the ids evicted since.
+// same processes gave), and the ids evicted since. A row that comes in two
+// pages keeps the later one's values (read later). FailedPrecondition when
+// the servers cannot answer for the marks (evictions forgotten, a server
+// restarted meanwhile).
 absl::Status ChangedRows(
     const PsClientOptions& options,
     const std::vector<std::unique_ptr<ParameterServer::Stub>>& stubs,
@@ -297,6 +332,9 @@ absl::Status ChangedRows(
   for (int t = 0; t < schema.sparse_size(); ++t) {
     table_index[schema.sparse(t).name()] = t;
   }
+  // Per table: where each id's row is in out->sparse.
+  std::vector<absl::flat_hash_map<uint64_t, size_t>> row_of(
+      schema.sparse_size());
   for (size_t shard = 0; shard < options.hosts.size(); ++shard) {
     SparseChangesRequest request;
     request.set_protocol_version(kProtocolVersion);
@@ -313,6 +351,11 @@ absl::Status ChangedRows(
             absl::StrCat("shard ", shard, " (", options.hosts[shard],
                          "): its changes: ", status.error_message()));
       }
+      if (page.server_life() != since.shards(shard).server_life()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("shard ", shard, " (", options.hosts[shard],
+                         ") restarted during the export"));
+      }
       for (const TableChanges& changes : page.tables()) {
         auto it = table_index.find(changes.table());
         const int64_t dim =
@@ -325,12 +368,18 @@ absl::Status ChangedRows(
                            changes.values().size(), " bytes of values"));
         }
         SparseTableRows& rows = out->sparse[it->second];
-        rows.ids.insert(rows.ids.end(), changes.ids().begin(),
-                        changes.ids().end());
-        const size_t at = rows.rows.size();
-        rows.rows.resize(at + changes.ids_size() * dim);
-        std::memcpy(rows.rows.data() + at, changes.values().data(),
-                    changes.values().size());
+        absl::flat_hash_map<uint64_t, size_t>& where = row_of[it->second];
+        for (int i = 0; i < changes.ids_size(); ++i) {
+          const auto [known, added] =
+              where.try_emplace(changes.ids(i), rows.ids.size());
+          if (added) {
+            rows.ids.push_back(changes.ids(i));
+            rows.rows.resize(rows.rows.size() + dim);
+          }
+          std::memcpy(rows.rows.data() + known->second * dim,
+                      changes.values().data() + i * dim * sizeof(float),
+                      dim * sizeof(float));
+        }
         std::vector<uint64_t>& deleted = out->deleted[it->second];
         deleted.insert(deleted.end(), changes.evicted_ids().begin(),
                        changes.evicted_ids().end());
@@ -349,7 +398,7 @@ absl::Status ChangedRows(
 absl::StatusOr<ModelSnapshot> DenseFromServers(
     const PsClientOptions& options,
     const std::vector<std::unique_ptr<ParameterServer::Stub>>& stubs,
-    ExportChangeMarks* marks) {
+    absl::StatusOr<ExportChangeMarks>* marks) {
   absl::StatusOr<std::unique_ptr<PsClient>> client = PsClient::Create(options);
   if (!client.ok()) return client.status();
   absl::StatusOr<std::vector<StatsResponse>> stats = (*client)->Stats();
@@ -392,9 +441,13 @@ absl::StatusOr<ModelSnapshot> DenseFromServers(
   ModelSnapshot snapshot;
   snapshot.schema = first.schema();
   if (snapshot.schema.sparse_size() > 0) {
-    absl::StatusOr<ExportChangeMarks> marked = MarkChanges(options, stubs);
-    if (!marked.ok()) return marked.status();
-    *marks = *std::move(marked);
+    // Without marks the export still is the model; only the next --since
+    // will have to compare whole models.
+    *marks = MarkChanges(options, stubs);
+    if (!marks->ok()) {
+      LOG(WARNING) << "no change marks for a later --since: "
+                   << marks->status();
+    }
   }
   absl::StatusOr<Registration> registration = (*client)->Register(
       snapshot.schema, first.num_workers(), /*worker_id=*/-1);
@@ -483,9 +536,9 @@ int ApplyDeltas(const std::string& base_path, const std::string& deltas,
         absl::StrCat("--apply: ", delta.status().message()))});
   }
   absl::StatusOr<SafetensorsFile> file = ModelFileFromSnapshot(*model);
-  if (!WrittenOrExit(file, output)) return 1;
   std::error_code ignored;  // marks of an earlier file at this path
   std::filesystem::remove(ChangesPath(output), ignored);
+  if (!WrittenOrExit(file, output)) return 1;
   std::printf("applied %zu delta(s) to %s: the model at step %lld in %s\n",
               paths.size(), base_path.c_str(),
               static_cast<long long>(model->step), output.c_str());
@@ -548,7 +601,9 @@ int Main() {
 
   absl::StatusOr<ModelSnapshot> snapshot;
   std::string source;
-  ExportChangeMarks marks;  // from servers, with tables: what we ended
+  // From servers, with tables: the epochs this export ended, or why none.
+  absl::StatusOr<ExportChangeMarks> marks =
+      absl::NotFoundError("not exported from servers");
   // --since from servers whose marks it has: only the changes are read.
   absl::StatusOr<ExportChangeMarks> since_marks =
       absl::NotFoundError("not exported from these servers");
@@ -568,11 +623,23 @@ int Main() {
     snapshot = DenseFromServers(*options, stubs, &marks);
     source = ps_hosts;
     if (snapshot.ok() && snapshot->schema.sparse_size() > 0) {
-      if (!since.empty()) since_marks = UsableMarks(since, marks);
-      absl::Status rows = since_marks.ok()
-                              ? ChangedRows(*options, stubs, snapshot->schema,
-                                            *since_marks, &changes)
-                              : RowsFromCheckpoint(*options, *snapshot);
+      if (!since.empty()) {
+        since_marks = UsableMarks(since, marks, snapshot->schema);
+      }
+      absl::Status rows = absl::OkStatus();
+      if (since_marks.ok()) {
+        rows = ChangedRows(*options, stubs, snapshot->schema, *since_marks,
+                           &changes);
+        if (absl::IsFailedPrecondition(rows)) {  // compare instead
+          LOG(WARNING) << "comparing whole models: " << rows;
+          since_marks = rows;
+          changes = ModelChanges();
+          rows = absl::OkStatus();
+        }
+      }
+      if (rows.ok() && !since_marks.ok()) {
+        rows = RowsFromCheckpoint(*options, *snapshot);
+      }
       if (!rows.ok()) snapshot = rows;
     }
   }
@@ -616,16 +683,16 @@ int Main() {
           absl::StrCat("--since=", since, ": ", refused.message()))});
     }
   }
+  // Marks of an earlier file at this path go first: they must not outlive
+  // it, whatever happens next.
+  std::error_code ignored;
+  std::filesystem::remove(ChangesPath(output), ignored);
   if (!WrittenOrExit(file, output)) return 1;
-  // Marks beside the file when they are its own; stale ones removed.
-  if (marks.shards_size() > 0) {
-    if (absl::Status s = WriteMarks(output, marks, snapshot->step); !s.ok()) {
+  if (marks.ok()) {
+    if (absl::Status s = WriteMarks(output, *marks, snapshot->step); !s.ok()) {
       LOG(WARNING) << "the next --since=" << output
                    << " will compare whole models: " << s;
     }
-  } else {
-    std::error_code ignored;
-    std::filesystem::remove(ChangesPath(output), ignored);
   }
   int64_t sparse_rows = 0;
   for (const SparseTableRows& table : snapshot->sparse) {
