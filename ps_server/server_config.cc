@@ -36,6 +36,11 @@ void CheckJob(const ServerConfig& c, Problems& checks) {
   checks.push_back(CheckPositive("max_pull_wait_s", c.max_pull_wait_s));
   checks.push_back(CheckPositive("worker_lease_s", c.worker_lease_s));
   checks.push_back(CheckPositive("startup_timeout_s", c.startup_timeout_s));
+  if (!(c.sparse_memory_gb >= 0 && c.sparse_memory_gb < 1e6)) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--sparse_memory_gb must be in [0, 1e6) (0: no limit), got ",
+        c.sparse_memory_gb)));
+  }
   if (c.sparse_max_rows < 0 || c.sparse_admit_after < 0) {
     checks.push_back(absl::InvalidArgumentError(
         "--sparse_max_rows and --sparse_admit_after must be >= 0"));
@@ -172,6 +177,8 @@ ShardOptions ShardOptionsOf(const ServerConfig& c) {
   o.sparse_row_ttl = c.sparse_row_ttl;
   o.max_shard_bytes =
       static_cast<int64_t>(c.max_shard_memory_gb * (int64_t{1} << 30));
+  o.sparse_memory_bytes =
+      static_cast<int64_t>(c.sparse_memory_gb * (int64_t{1} << 30));
   return o;
 }
 

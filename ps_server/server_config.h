@@ -68,6 +68,7 @@ struct ServerConfig {
   int64_t sparse_max_rows = 0;
   int sparse_admit_after = 0;
   absl::Duration sparse_row_ttl = absl::InfiniteDuration();
+  double sparse_memory_gb = 0;
   double max_shard_memory_gb = 16;
   // The shard's replica set (ps_server/replication.h): how many server
   // processes hold it, this one's index, the gRPC address of each (by

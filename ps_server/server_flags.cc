@@ -145,6 +145,10 @@ ABSL_FLAG(int, sparse_admit_after, Default().sparse_admit_after,
 ABSL_FLAG(absl::Duration, sparse_row_ttl, Default().sparse_row_ttl,
           "Sparse rows nobody pulled or pushed for this long (e.g. 30m, "
           "at least 1s) are removed and counted (rows_expired); inf: never.");
+ABSL_FLAG(double, sparse_memory_gb, Default().sparse_memory_gb,
+          "The embedding tables' memory on this server: tables without a "
+          "budget of their own (max_bytes) share what the others' budgets "
+          "leave of it, evicting least recently used rows (0: no limit).");
 ABSL_FLAG(double, max_shard_memory_gb, Default().max_shard_memory_gb,
           "Refuse (RESOURCE_EXHAUSTED) a model whose parameters and "
           "optimizer state would take more memory than this on one shard.");
@@ -212,6 +216,7 @@ ServerConfig ServerConfigFromFlags(std::vector<absl::Status>* problems) {
   c.sparse_max_rows = absl::GetFlag(FLAGS_sparse_max_rows);
   c.sparse_admit_after = absl::GetFlag(FLAGS_sparse_admit_after);
   c.sparse_row_ttl = absl::GetFlag(FLAGS_sparse_row_ttl);
+  c.sparse_memory_gb = absl::GetFlag(FLAGS_sparse_memory_gb);
   c.max_shard_memory_gb = absl::GetFlag(FLAGS_max_shard_memory_gb);
   c.replicas = absl::GetFlag(FLAGS_replicas);
   c.replica_index = absl::GetFlag(FLAGS_replica_index);

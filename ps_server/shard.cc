@@ -182,13 +182,25 @@ Shard::MakeTensorOptimizers(const ModelSchema& schema) const {
   return optimizers;
 }
 
-SparseTableOptions Shard::TableOptions(const SparseTableSpec& spec,
-                                       uint64_t seed) const {
+int64_t Shard::SharedTableBudget(const ModelSchema& schema) const {
+  if (options_.sparse_memory_bytes <= 0) return 0;
+  int64_t own = 0, sharing = 0;
+  for (const SparseTableSpec& table : schema.sparse()) {
+    own += table.max_bytes();
+    if (table.max_bytes() == 0) ++sharing;
+  }
+  if (sharing == 0) return 0;
+  const int64_t left = options_.sparse_memory_bytes - own;
+  return left > 0 ? left / sharing : -1;
+}
+
+SparseTableOptions Shard::TableOptions(const ModelSchema& schema,
+                                       const SparseTableSpec& spec) const {
   SparseTableOptions o;
   o.name = spec.name();
   o.dim = spec.dim();
   o.init = spec.init();
-  o.seed = seed;
+  o.seed = schema.seed();
   const SparseOptimizer& opt = spec.optimizer();
   o.optimizer.name = opt.name();
   o.optimizer.learning_rate = opt.learning_rate();
@@ -201,7 +213,8 @@ SparseTableOptions Shard::TableOptions(const SparseTableSpec& spec,
   o.optimizer.ftrl_l1 = opt.ftrl_l1();
   o.optimizer.ftrl_l2 = opt.ftrl_l2();
   o.max_rows = options_.sparse_max_rows;
-  o.max_bytes = spec.max_bytes();
+  o.max_bytes =
+      spec.max_bytes() > 0 ? spec.max_bytes() : SharedTableBudget(schema);
   o.admit_after = options_.sparse_admit_after;
   o.ttl = options_.sparse_row_ttl;
   return o;
@@ -257,11 +270,27 @@ absl::Status Shard::CheckModelFits(
   auto mib = [](int64_t b) {
     return absl::StrFormat("%.1f MiB", b / 1048576.0);
   };
+  const int64_t shared = SharedTableBudget(schema);
+  for (const SparseTableSpec& table : schema.sparse()) {
+    if (table.max_bytes() > 0 || shared == 0) continue;
+    const int64_t row_bytes =
+        SparseTable::RowBytes(TableOptions(schema, table));
+    if (shared < row_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "--sparse_memory_gb allows ", mib(options_.sparse_memory_bytes),
+          " for the embedding tables; after the tables' own budgets "
+          "(max_bytes)",
+          " each table without one gets ", std::max<int64_t>(shared, 0),
+          " bytes", ", and table ", QuoteForStatus(table.name()), " needs ",
+          row_bytes,
+          " bytes a row: raise --sparse_memory_gb or lower the budgets"));
+    }
+  }
   int64_t bytes = dense_bytes;
   bool unbounded = false;
   std::vector<std::string> tables;
   for (const SparseTableSpec& table : schema.sparse()) {
-    const SparseTableOptions options = TableOptions(table, schema.seed());
+    const SparseTableOptions options = TableOptions(schema, table);
     const int64_t row_bytes = SparseTable::RowBytes(options);
     const int64_t most = SparseTable::RowBound(options) * row_bytes;
     bytes += most;
@@ -376,8 +405,7 @@ absl::Status Shard::InstallModel(const ModelSchema& schema,
     model->blocks.push_back(std::move(block));
   }
   for (const SparseTableSpec& spec : model->schema.sparse()) {
-    const SparseTableOptions table_options =
-        TableOptions(spec, model->schema.seed());
+    const SparseTableOptions table_options = TableOptions(model->schema, spec);
     absl::StatusOr<std::unique_ptr<SparseTable>> table =
         SparseTable::Create(table_options);
     if (!table.ok()) {

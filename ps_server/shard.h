@@ -120,6 +120,9 @@ struct ShardOptions {
   // bookkeeping may take; a larger model is refused at registration
   // (RESOURCE_EXHAUSTED) before anything is allocated.
   int64_t max_shard_bytes = int64_t{16} << 30;
+  // --sparse_memory_gb in bytes: what the tables without their own budget
+  // share (0: no limit).
+  int64_t sparse_memory_bytes = 0;
 };
 
 // One block's values as of `version`, ready to send: a reference, not a
@@ -447,9 +450,14 @@ class Shard {
   // Refuses, before anything is allocated, a schema with too many blocks
   // or one whose values, optimizer state and per-block bookkeeping on this
   // shard exceed max_shard_bytes.
-  // A sparse table's options: the spec's, with this server's bounds.
-  SparseTableOptions TableOptions(const SparseTableSpec& spec,
-                                  uint64_t seed) const;
+  // A sparse table's options: the spec's, with this server's bounds (its
+  // own max_bytes, or its share of --sparse_memory_gb, SharedTableBudget).
+  SparseTableOptions TableOptions(const ModelSchema& schema,
+                                  const SparseTableSpec& spec) const;
+  // What each table of `schema` without its own max_bytes may take of
+  // sparse_memory_bytes once the others' budgets are taken out; 0 when there
+  // is no limit, negative when the others' budgets leave nothing.
+  int64_t SharedTableBudget(const ModelSchema& schema) const;
   // Also describes, in `estimate` when given, what the shard may hold: the
   // dense blocks and each sparse table's bound (or that it has none).
   absl::Status CheckModelFits(

@@ -1415,6 +1415,126 @@ RegisterModelRequest OneTableRequest(int64_t dim) {
 // A table's byte budget counts toward --max_shard_memory_gb at
 // registration: over it, the registration is refused naming the table and
 // the numbers, and nothing is installed; a budget below one row is refused.
+// SparseChanges pages through several tables: each page at most about
+// max_bytes, resumed at table boundaries and inside a table, every changed
+// row once, nothing before the mark.
+TEST(ShardSparseTest, ChangesPageThroughEveryTableSinceTheMarks) {
+  Fixture f;
+  f.options.mode = ConsistencyMode::kAsync;
+  f.options.num_workers = 1;
+  f.shard = std::move(*Shard::Create(f.options));
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  *request.mutable_schema() = TestSchema();
+  const std::vector<std::string> names = {"ta", "tb", "tc"};
+  for (const std::string& name : names) {
+    SparseTableSpec* table = request.mutable_schema()->add_sparse();
+    table->set_name(name);
+    table->set_dim(2);
+    table->mutable_optimizer()->set_name("sgd");
+    table->mutable_optimizer()->set_learning_rate(1.0f);
+  }
+  request.set_num_shards(1);
+  request.set_num_workers(1);
+  absl::StatusOr<RegisterModelResponse> registered = f.shard->Register(request);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  auto push = [&](const std::string& table, int64_t step,
+                  std::vector<uint64_t> ids) {
+    SparsePushRequest p =
+        SparsePushOf(0, step, ids, std::vector<float>(ids.size() * 2, 1));
+    p.set_table(table);
+    absl::StatusOr<SparsePushResponse> pushed = f.shard->SparsePush(p);
+    ASSERT_TRUE(pushed.ok()) << pushed.status();
+  };
+  push("ta", 0, {1, 2, 3});  // before the mark: not a change since
+  SparseChangesRequest mark;
+  mark.set_protocol_version(kProtocolVersion);
+  mark.set_mark(true);
+  absl::StatusOr<SparseChangesResponse> marked = f.shard->SparseChanges(mark);
+  ASSERT_TRUE(marked.ok()) << marked.status();
+  ASSERT_EQ(marked->marks_size(), 3);
+  std::map<std::string, std::set<uint64_t>> expected;
+  for (uint64_t i = 0; i < 40; ++i) {
+    expected["ta"].insert(100 + i);
+    expected["tc"].insert(300 + i);
+  }
+  push("ta", 1, {expected["ta"].begin(), expected["ta"].end()});
+  push("tc", 2, {expected["tc"].begin(), expected["tc"].end()});  // tb: none
+
+  for (int64_t page_bytes : {16, 100, 1000, 0}) {
+    SparseChangesRequest request;
+    request.set_protocol_version(kProtocolVersion);
+    *request.mutable_since() = marked->marks();
+    request.set_max_bytes(page_bytes);
+    std::map<std::string, std::multiset<uint64_t>> got;
+    int pages = 0;
+    for (bool done = false; !done && pages < 1000; ++pages) {
+      absl::StatusOr<SparseChangesResponse> page =
+          f.shard->SparseChanges(request);
+      ASSERT_TRUE(page.ok()) << page.status();
+      int64_t bytes = 0;
+      for (const TableChanges& table : page->tables()) {
+        got[table.table()].insert(table.ids().begin(), table.ids().end());
+        bytes += table.values().size() + 8 * table.ids_size();
+      }
+      if (page_bytes > 0) {
+        EXPECT_LE(bytes, std::max<int64_t>(page_bytes, 16));
+      }
+      request.set_table_index(page->next_table_index());
+      request.set_stripe(page->next_stripe());
+      request.set_slot(page->next_slot());
+      done = page->done();
+    }
+    for (const std::string& name : names) {
+      EXPECT_EQ(std::set<uint64_t>(got[name].begin(), got[name].end()),
+                expected[name])
+          << name << ", pages of " << page_bytes << " bytes";
+      EXPECT_EQ(got[name].size(), expected[name].size()) << "a row twice";
+    }
+    if (page_bytes == 16) {
+      EXPECT_GE(pages, 80);  // a row a page
+    } else if (page_bytes == 0) {
+      EXPECT_EQ(pages, 1);
+    }
+  }
+}
+
+// --sparse_memory_gb: tables without their own max_bytes share what the
+// others leave of it, and are bounded by that share.
+TEST(ShardSparseTest, TablesWithoutABudgetShareTheServersSparseMemory) {
+  ShardOptions options;
+  options.sparse_memory_bytes = int64_t{1} << 20;
+  auto shard = std::move(*Shard::Create(options));
+  RegisterModelRequest request = OneTableRequest(/*dim=*/16);
+  SparseTableSpec* own = request.mutable_schema()->add_sparse();
+  *own = request.schema().sparse(0);
+  own->set_name("own");
+  own->set_max_bytes(int64_t{2} << 20);  // more than the whole
+  absl::StatusOr<RegisterModelResponse> over = shard->Register(request);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find(
+                "--sparse_memory_gb allows 1.0 MiB for the embedding tables"),
+            absl::string_view::npos)
+      << over.status();
+
+  own->set_max_bytes(int64_t{1} << 19);  // emb gets the other half
+  absl::StatusOr<RegisterModelResponse> fits = shard->Register(request);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  std::vector<uint64_t> ids(20000);
+  for (uint64_t i = 0; i < ids.size(); ++i) ids[i] = i;
+  EXPECT_EQ(SparseRows(*shard, 0, ids).size(), ids.size() * 16);
+  const StatsResponse stats = shard->Stats();
+  ASSERT_EQ(stats.sparse(0).name(), "emb");
+  SparseTableOptions emb;
+  emb.dim = 16;
+  emb.optimizer.name = "sgd";
+  EXPECT_EQ(stats.sparse(0).rows(),
+            (int64_t{1} << 19) / SparseTable::RowBytes(emb));
+  EXPECT_GT(stats.sparse(0).rows_evicted(), 0);
+  EXPECT_LE(stats.sparse(0).memory_bytes(), (int64_t{1} << 19) + (64 << 10));
+}
+
 TEST(ShardSparseTest, TableBudgetsAreCheckedAtRegistration) {
   ShardOptions options;
   options.max_shard_bytes = int64_t{4} << 20;

@@ -79,6 +79,9 @@ INSTANTIATE_TEST_SUITE_P(
                  {"--sync_sum_order=random"},
                  "--sync_sum_order must be worker_id or arrival"},
         FlagCase{"ps_server/ps_server",
+                 {"--sparse_memory_gb=-1"},
+                 "--sparse_memory_gb must be in [0, 1e6) (0: no limit)"},
+        FlagCase{"ps_server/ps_server",
                  {"--sparse_row_ttl=0s"},
                  "--sparse_row_ttl must be at least 1s (inf: rows never "
                  "expire), got 0"},
