@@ -418,13 +418,8 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   uint32_t slot;
   if (s.capacity > 0 && static_cast<int64_t>(s.index.size()) >= s.capacity) {
-    slot = s.lru_tail;
-    s.Unlink(slot);
-    const uint64_t victim = s.rows[slot].id;
-    s.index.erase(victim);
+    slot = RemoveLeastRecentlyUsed(s);
     ++s.rows_evicted;
-    if (options_.admit_after > 1) RememberEvicted(s, victim);
-    LogEviction(s, victim);
   } else if (s.free_head != kNil) {
     slot = s.free_head;
     s.free_head = s.rows[slot].next;
@@ -511,6 +506,17 @@ void SparseTable::RememberEvicted(Stripe& s, uint64_t id) const
   }
 }
 
+uint32_t SparseTable::RemoveLeastRecentlyUsed(Stripe& s) const
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+  const uint32_t slot = s.lru_tail;
+  s.Unlink(slot);
+  const uint64_t id = s.rows[slot].id;
+  s.index.erase(id);
+  if (options_.admit_after > 1) RememberEvicted(s, id);
+  LogEviction(s, id);
+  return slot;
+}
+
 void SparseTable::LogEviction(Stripe& s, uint64_t id) const
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   const uint32_t epoch = epoch_.load();
@@ -552,13 +558,8 @@ void SparseTable::ExpireRows(Stripe& s, uint32_t now) const
   // than one before it in the list; it then waits for that one).
   while (s.lru_tail != kNil &&
          int64_t{s.touched_at[s.lru_tail]} + ttl_s_ < int64_t{now}) {
-    const uint32_t slot = s.lru_tail;
-    s.Unlink(slot);
-    const uint64_t id = s.rows[slot].id;
-    s.index.erase(id);
+    const uint32_t slot = RemoveLeastRecentlyUsed(s);
     ++s.rows_expired;
-    if (options_.admit_after > 1) RememberEvicted(s, id);
-    LogEviction(s, id);
     s.changed_at[slot] = 0;  // free: no change since any mark
     s.rows[slot].next = s.free_head;
     s.free_head = slot;

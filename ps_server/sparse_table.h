@@ -323,6 +323,10 @@ class SparseTable {
   uint32_t FindAndTouch(Stripe& s, uint64_t id) const;
   // Logs `id`'s eviction or expiry for ChangesSince, once a mark was taken.
   void LogEviction(Stripe& s, uint64_t id) const;
+  // Takes the stripe's least recently used row out (index, LRU list,
+  // admission memory, eviction log) and returns its slot; the caller counts
+  // it and reuses or frees the slot.
+  uint32_t RemoveLeastRecentlyUsed(Stripe& s) const;
   // With a TTL: records `now` (TtlSeconds) as the stripe's time for the
   // touches under this lock, and expires its rows past the TTL.
   void ExpireRows(Stripe& s, uint32_t now) const;
