@@ -599,7 +599,10 @@ absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
   }
   const int64_t d = options_.dim;
   const int64_t row_bytes = d * int64_t{sizeof(float)} + sizeof(uint64_t);
+  // A page's work: its rows' bytes, and a byte for each unchanged slot it
+  // looks at, so that one call never scans a huge table whole.
   int64_t bytes = 0;
+  bool progressed = false;  // a page takes at least one slot or stripe
   ChangesPage page;
   page.next = cursor;
   while (page.next.stripe < num_stripes()) {
@@ -620,13 +623,15 @@ absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
     }
     uint32_t slot = page.next.slot;
     for (; slot < slots; ++slot) {
-      if (s.changed_at[slot] <= mark) continue;
-      // At least one row a page, so every page makes progress.
-      if (bytes + row_bytes > max_bytes && !page.ids.empty()) break;
+      const bool changed = s.changed_at[slot] > mark;
+      const int64_t cost = changed ? row_bytes : 1;
+      if (bytes + cost > max_bytes && progressed) break;
+      bytes += cost;
+      progressed = true;
+      if (!changed) continue;
       const RowMeta& r = s.rows[slot];
       page.ids.push_back(r.id);
       page.values.insert(page.values.end(), r.data, r.data + d);
-      bytes += row_bytes;
     }
     if (slot < slots) {
       page.next.slot = slot;
@@ -646,6 +651,7 @@ absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
     }
     ++page.next.stripe;
     page.next.slot = 0;
+    progressed = true;
   }
   page.done = true;
   return page;

@@ -263,14 +263,14 @@ class SparseTable {
   // A page of the changes since `mark`: from `cursor` on, the resident rows
   // stamped after it (their current values) and the ids evicted or expired
   // after it from every stripe the page finishes, up to about `max_bytes`
-  // (8 bytes an id, 4 a value; at least one row, and a finished stripe's
-  // evictions whole). Ask again with `next` until `done`. Pages are read
-  // at different moments: a row evicted and created again between two
-  // pages may come in both (the later is newer), and an id may be both
-  // evicted and resident again (its row is then in a page). The eviction
-  // log is bounded: FailedPrecondition when a stripe forgot evictions after
-  // `mark`, InvalidArgument for a mark this table never gave (0, or not
-  // below its epoch) or a cursor out of range.
+  // of work (8 bytes an id, 4 a value, 1 for each unchanged row looked at;
+  // at least one row, and a finished stripe's evictions whole). Ask again with
+  // `next` until `done`. Pages are read at different moments: a row evicted and
+  // created again between two pages may come in both (the later is newer), and
+  // an id may be both evicted and resident again (its row is then in a page).
+  // The eviction log is bounded: FailedPrecondition when a stripe forgot
+  // evictions after `mark`, InvalidArgument for a mark this table never gave
+  // (0, or not below its epoch) or a cursor out of range.
   absl::StatusOr<ChangesPage> ChangesSince(uint32_t mark, ChangesCursor cursor,
                                            int64_t max_bytes) const;
 

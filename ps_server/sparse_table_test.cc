@@ -640,6 +640,24 @@ TEST(SparseTableChangesTest, PagesCoverEveryChangedRowExactlyOnce) {
   }
 }
 
+TEST(SparseTableChangesTest, APageScansAboutItsBudgetOfUnchangedRows) {
+  SparseTableOptions o = Options("sgd", 2);
+  o.num_stripes = 1;
+  auto t = Make(o);
+  std::vector<uint64_t> ids(10000);
+  for (uint64_t i = 0; i < ids.size(); ++i) ids[i] = i;
+  PullRows(*t, ids);
+  const uint32_t mark = Mark(*t);
+  ASSERT_TRUE(t->Push({9999}, {1.0f, 1.0f}).ok());  // the last slot
+  absl::StatusOr<SparseTable::ChangesPage> first =
+      t->ChangesSince(mark, {}, 100);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->done);
+  EXPECT_TRUE(first->ids.empty());
+  EXPECT_EQ(first->next.slot, 100u);  // a byte a slot looked at
+  EXPECT_EQ(Ids(ChangesSince(*t, mark, 100)), (std::set<uint64_t>{9999}));
+}
+
 TEST(SparseTableChangesTest, ARowMovedBetweenPagesComesAgainNewer) {
   SparseTableOptions o = Options("sgd", 2);
   o.max_rows = 4;
