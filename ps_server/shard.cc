@@ -271,11 +271,13 @@ absl::Status Shard::CheckModelFits(
     return absl::StrFormat("%.1f MiB", b / 1048576.0);
   };
   const int64_t shared = SharedTableBudget(schema);
+  int64_t bytes = dense_bytes;
+  bool unbounded = false;
+  std::vector<std::string> tables;
   for (const SparseTableSpec& table : schema.sparse()) {
-    if (table.max_bytes() > 0 || shared == 0) continue;
-    const int64_t row_bytes =
-        SparseTable::RowBytes(TableOptions(schema, table));
-    if (shared < row_bytes) {
+    const SparseTableOptions options = TableOptions(schema, table);
+    const int64_t row_bytes = SparseTable::RowBytes(options);
+    if (table.max_bytes() == 0 && shared != 0 && shared < row_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "--sparse_memory_gb allows ", mib(options_.sparse_memory_bytes),
           " for the embedding tables; after the tables' own budgets "
@@ -285,13 +287,6 @@ absl::Status Shard::CheckModelFits(
           row_bytes,
           " bytes a row: raise --sparse_memory_gb or lower the budgets"));
     }
-  }
-  int64_t bytes = dense_bytes;
-  bool unbounded = false;
-  std::vector<std::string> tables;
-  for (const SparseTableSpec& table : schema.sparse()) {
-    const SparseTableOptions options = TableOptions(schema, table);
-    const int64_t row_bytes = SparseTable::RowBytes(options);
     const int64_t most = SparseTable::RowBound(options) * row_bytes;
     bytes += most;
     unbounded = unbounded || most == 0;

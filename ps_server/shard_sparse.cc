@@ -3,7 +3,6 @@
 // and sparse pulls. Split from shard.cc so that "where is a push applied"
 // has one answer per kind; the dense counterpart is shard_dense.cc.
 #include <algorithm>
-#include <limits>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -183,9 +182,7 @@ absl::StatusOr<SparseChangesResponse> Shard::SparseChanges(
                         page->values.size() * sizeof(float));
     changes->mutable_evicted_ids()->Assign(page->evicted_ids.begin(),
                                            page->evicted_ids.end());
-    bytes_left -=
-        static_cast<int64_t>(changes->values().size() +
-                             8 * (page->ids.size() + page->evicted_ids.size()));
+    bytes_left -= page->bytes;
     if (!page->done) {
       cursor = page->next;
       break;

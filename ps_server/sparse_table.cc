@@ -24,9 +24,9 @@ constexpr int64_t kMinChunkRows = 16;
 constexpr int64_t kMaxChunkRows = 4096;
 constexpr int kMaxStripes = 4096;
 constexpr int64_t kMaxDim = int64_t{1} << 20;
-// A stripe's eviction log holds one entry per this many rows of its share
-// (and at least kMinEvictionLogEntries): deltas since a mark stay exact
-// while fewer rows than that were evicted since it.
+// A stripe's eviction log holds one entry per this many rows it may hold
+// (its share, or its slots when unbounded; at least kMinEvictionLogEntries):
+// deltas since a mark stay exact while fewer rows than that left since it.
 constexpr int64_t kEvictionLogRowsPerEntry = 8;
 constexpr int64_t kMinEvictionLogEntries = 64;
 // Row stamps are 32 bits; marks stop short of wrapping them.
@@ -599,11 +599,12 @@ absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
   }
   const int64_t d = options_.dim;
   const int64_t row_bytes = d * int64_t{sizeof(float)} + sizeof(uint64_t);
-  // A page's work: its rows' bytes, and a byte for each unchanged slot it
-  // looks at, so that one call never scans a huge table whole.
-  int64_t bytes = 0;
-  bool progressed = false;  // a page takes at least one slot or stripe
+  // A page's work (page.bytes): its rows' bytes, and a byte for each
+  // unchanged slot it looks at, so that one call never scans a huge table
+  // whole.
   ChangesPage page;
+  int64_t& bytes = page.bytes;
+  bool progressed = false;  // a page takes at least one slot or stripe
   page.next = cursor;
   while (page.next.stripe < num_stripes()) {
     const Stripe& s = *stripes_[page.next.stripe];
@@ -644,14 +645,10 @@ absl::StatusOr<SparseTable::ChangesPage> SparseTable::ChangesSince(
         bytes += sizeof(uint64_t);
       }
     }
-    if (bytes >= max_bytes && page.next.stripe + 1 < num_stripes()) {
-      ++page.next.stripe;
-      page.next.slot = 0;
-      return page;
-    }
     ++page.next.stripe;
     page.next.slot = 0;
     progressed = true;
+    if (bytes >= max_bytes && page.next.stripe < num_stripes()) return page;
   }
   page.done = true;
   return page;

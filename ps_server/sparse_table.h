@@ -259,6 +259,7 @@ class SparseTable {
     std::vector<uint64_t> evicted_ids;  // in the stripes this page finished
     bool done = false;                  // no page follows
     ChangesCursor next;                 // where the next page starts
+    int64_t bytes = 0;                  // the work it took, as max_bytes
   };
   // A page of the changes since `mark`: from `cursor` on, the resident rows
   // stamped after it (their current values) and the ids evicted or expired

@@ -179,9 +179,9 @@ std::vector<std::unique_ptr<ParameterServer::Stub>> ShardStubs(
 // Asks every shard to write a checkpoint now; returns the files' paths in
 // shard order.
 absl::StatusOr<std::vector<std::string>> CheckpointNow(
-    const PsClientOptions& options) {
+    const PsClientOptions& options,
+    const std::vector<std::unique_ptr<ParameterServer::Stub>>& stubs) {
   std::vector<std::string> paths;
-  const auto stubs = ShardStubs(options);
   for (size_t shard = 0; shard < options.hosts.size(); ++shard) {
     grpc::ClientContext context;
     PrepareContext(options, &context);
@@ -467,9 +467,12 @@ absl::StatusOr<ModelSnapshot> DenseFromServers(
 }
 
 // Every table's rows, from a checkpoint the servers write now.
-absl::Status RowsFromCheckpoint(const PsClientOptions& options,
-                                ModelSnapshot& snapshot) {
-  absl::StatusOr<std::vector<std::string>> paths = CheckpointNow(options);
+absl::Status RowsFromCheckpoint(
+    const PsClientOptions& options,
+    const std::vector<std::unique_ptr<ParameterServer::Stub>>& stubs,
+    ModelSnapshot& snapshot) {
+  absl::StatusOr<std::vector<std::string>> paths =
+      CheckpointNow(options, stubs);
   if (!paths.ok()) return paths.status();
   const std::string dir = ParentDir(ParentDir(paths->front()));
   std::vector<std::string> files_used;
@@ -497,17 +500,28 @@ absl::Status RowsFromCheckpoint(const PsClientOptions& options,
   return absl::OkStatus();
 }
 
-// Writes `file` to `output`: false (logged) when there is no file (a bug);
-// an unwritable output exits 2 with one line, as a bad flag.
+// Writes `file` to `output`, and beside it `marks` when given (the file's
+// own, at `step`). Marks of an earlier file at that path go first: they must
+// not outlive it, whatever happens next. False (logged) when there is no
+// file (a bug); an unwritable output exits 2 with one line, as a bad flag.
 bool WrittenOrExit(const absl::StatusOr<SafetensorsFile>& file,
-                   const std::string& output) {
+                   const std::string& output,
+                   const ExportChangeMarks* marks = nullptr, int64_t step = 0) {
   if (!file.ok()) {
     LOG(ERROR) << file.status();
     return false;
   }
+  std::error_code ignored;
+  std::filesystem::remove(ChangesPath(output), ignored);
   if (absl::Status s = WriteSafetensorsFile(output, *file); !s.ok()) {
     ExitOnFlagErrors({absl::InvalidArgumentError(
         absl::StrCat("--output=", output, ": ", s.message()))});
+  }
+  if (marks != nullptr) {
+    if (absl::Status s = WriteMarks(output, *marks, step); !s.ok()) {
+      LOG(WARNING) << "the next --since=" << output
+                   << " will compare whole models: " << s;
+    }
   }
   return true;
 }
@@ -536,8 +550,6 @@ int ApplyDeltas(const std::string& base_path, const std::string& deltas,
         absl::StrCat("--apply: ", delta.status().message()))});
   }
   absl::StatusOr<SafetensorsFile> file = ModelFileFromSnapshot(*model);
-  std::error_code ignored;  // marks of an earlier file at this path
-  std::filesystem::remove(ChangesPath(output), ignored);
   if (!WrittenOrExit(file, output)) return 1;
   std::printf("applied %zu delta(s) to %s: the model at step %lld in %s\n",
               paths.size(), base_path.c_str(),
@@ -565,7 +577,7 @@ int Main() {
   }
   if (!apply.empty()) {
     if (!since.empty() || !ps_hosts.empty() || !spec_path.empty() ||
-        !absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
+        !checkpoint_dir.empty()) {
       checks.push_back(absl::InvalidArgumentError(
           "--apply reads only --base and the deltas: drop --since and the "
           "model source"));
@@ -638,7 +650,7 @@ int Main() {
         }
       }
       if (rows.ok() && !since_marks.ok()) {
-        rows = RowsFromCheckpoint(*options, *snapshot);
+        rows = RowsFromCheckpoint(*options, stubs, *snapshot);
       }
       if (!rows.ok()) snapshot = rows;
     }
@@ -683,16 +695,9 @@ int Main() {
           absl::StrCat("--since=", since, ": ", refused.message()))});
     }
   }
-  // Marks of an earlier file at this path go first: they must not outlive
-  // it, whatever happens next.
-  std::error_code ignored;
-  std::filesystem::remove(ChangesPath(output), ignored);
-  if (!WrittenOrExit(file, output)) return 1;
-  if (marks.ok()) {
-    if (absl::Status s = WriteMarks(output, *marks, snapshot->step); !s.ok()) {
-      LOG(WARNING) << "the next --since=" << output
-                   << " will compare whole models: " << s;
-    }
+  if (!WrittenOrExit(file, output, marks.ok() ? &*marks : nullptr,
+                     snapshot->step)) {
+    return 1;
   }
   int64_t sparse_rows = 0;
   for (const SparseTableRows& table : snapshot->sparse) {
