@@ -40,6 +40,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -384,10 +385,20 @@ absl::Status ChangedRows(
         deleted.insert(deleted.end(), changes.evicted_ids().begin(),
                        changes.evicted_ids().end());
       }
+      // Every page moves the cursor on, or the loop would never end.
+      const auto at = std::make_tuple(request.table_index(), request.stripe(),
+                                      request.slot());
+      const auto next = std::make_tuple(page.next_table_index(),
+                                        page.next_stripe(), page.next_slot());
+      done = page.done();
+      if (!done && next <= at) {
+        return absl::InternalError(absl::StrCat(
+            "shard ", shard, " (", options.hosts[shard],
+            ") answered a changes page that does not move its cursor on"));
+      }
       request.set_table_index(page.next_table_index());
       request.set_stripe(page.next_stripe());
       request.set_slot(page.next_slot());
-      done = page.done();
     }
   }
   return absl::OkStatus();
