@@ -18,6 +18,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/transport/data_plane.h"
 #include "glog/logging.h"
+#include "ps_server/outbox.h"
 
 namespace pstrain {
 namespace {
@@ -25,10 +26,46 @@ namespace {
 using data_plane::Method;
 
 // One connection's byte stream: the socket, through TLS when `tls` is set.
+// A plaintext stream's answers go through `outbox`, whose hand-overs the
+// reads wait for too; a TLS stream's are sent by the connection's thread
+// (one TLS session is not to be written and read by two threads at once).
 struct Stream {
   int fd = -1;
   TlsSession* tls = nullptr;
+  std::shared_ptr<Outbox> outbox;
 };
+
+// Plaintext: waits until the socket has bytes to read, sending the
+// outbox's stalled answers meanwhile; DEADLINE_EXCEEDED when nothing at all
+// happened for kFrameTimeoutSeconds (as SO_RCVTIMEO on a TLS stream).
+absl::Status AwaitReadable(const Stream& stream) {
+  constexpr absl::Duration kQuiet =
+      absl::Seconds(data_plane::kFrameTimeoutSeconds);
+  while (true) {
+    const bool sending = stream.outbox->wants_write();
+    pollfd waits[2] = {
+        {stream.fd, static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0},
+        {stream.outbox->wake_fd(), POLLIN, 0}};
+    const int ready =
+        poll(waits, 2, static_cast<int>(absl::ToInt64Milliseconds(kQuiet)));
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      return SocketError("poll", errno);
+    }
+    if (ready == 0 && !sending) {
+      return absl::DeadlineExceededError("no request within the frame timeout");
+    }
+    if (ready == 0 || (waits[0].revents & POLLOUT) != 0 ||
+        waits[1].revents != 0) {
+      if (absl::Status s = stream.outbox->OwnerFlush(kQuiet); !s.ok()) {
+        return s;
+      }
+    }
+    if ((waits[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+      return absl::OkStatus();
+    }
+  }
+}
 
 // Reads once into `buffer`, with room for at least `frame_bytes` from its
 // front but at most 4 MiB beyond what has arrived, so a header claiming a
@@ -50,34 +87,47 @@ absl::Status ReadMore(const Stream& stream, size_t frame_bytes,
     return absl::OkStatus();
   }
   while (true) {
+    if (stream.outbox != nullptr) {
+      if (absl::Status s = AwaitReadable(stream); !s.ok()) return s;
+    }
     const ssize_t got =
-        recv(stream.fd, buffer->free_begin(), buffer->free_bytes(), 0);
+        recv(stream.fd, buffer->free_begin(), buffer->free_bytes(),
+             stream.outbox != nullptr ? MSG_DONTWAIT : 0);
     if (got > 0) {
       buffer->Produced(static_cast<size_t>(got));
       return absl::OkStatus();
     }
     if (got == 0) return absl::OutOfRangeError("connection closed");
+    if (errno == EAGAIN && stream.outbox != nullptr) continue;
     if (errno != EINTR) return SocketError("recv", errno);
   }
 }
 
+// Sends `answer` in its turn: behind the answers still due on a plaintext
+// connection, at once on a TLS one (whose thread waits for each answer).
+absl::Status Send(const Stream& stream,
+                  std::unique_ptr<Outbox::Answer> answer) {
+  if (stream.outbox != nullptr) {
+    stream.outbox->Complete(stream.outbox->Reserve(), std::move(answer));
+    return absl::OkStatus();
+  }
+  absl::Status sent = stream.tls != nullptr
+                          ? stream.tls->WriteAll(answer->pieces)
+                          : SendAll(stream.fd, answer->pieces);
+  if (sent.ok() && answer->after_sent) answer->after_sent();
+  return sent;
+}
+
 absl::Status Answer(const Stream& stream, absl::StatusCode code,
-                    absl::Span<const absl::string_view> body) {
-  size_t body_bytes = 0;
-  for (absl::string_view piece : body) body_bytes += piece.size();
-  char header[data_plane::kResponseHeaderBytes];
-  data_plane::EncodeResponseHeader({code, body_bytes}, header);
-  std::vector<absl::string_view> pieces;
-  pieces.reserve(body.size() + 1);
-  pieces.emplace_back(header, sizeof(header));
-  pieces.insert(pieces.end(), body.begin(), body.end());
-  return stream.tls != nullptr ? stream.tls->WriteAll(pieces)
-                               : SendAll(stream.fd, pieces);
+                    absl::string_view body) {
+  auto answer = std::make_unique<Outbox::Answer>();
+  answer->owned = std::string(body);
+  answer->Frame(code, {answer->owned});
+  return Send(stream, std::move(answer));
 }
 
 absl::Status AnswerStatus(const Stream& stream, const absl::Status& status) {
-  const absl::string_view message = status.message();
-  return Answer(stream, status.code(), absl::MakeConstSpan(&message, 1));
+  return Answer(stream, status.code(), status.message());
 }
 
 // "a.b.c.d:port" or "[v6]:port" of an accepted connection's peer.
@@ -170,12 +220,58 @@ std::vector<absl::string_view> PrefixPushResponse(
   return answer;
 }
 
-// The shared state of one pull: the shard may answer after the connection
-// thread gave up waiting, so the answer lands here, not on its stack.
+// The shared state of one pull on a TLS connection: the shard may answer
+// after the connection thread gave up waiting, so the answer lands here,
+// not on its stack.
 struct PullWait {
   absl::Notification done;
-  absl::StatusOr<OutgoingBytes> result;
+  std::unique_ptr<Outbox::Answer> answer;
 };
+
+// What a pull's answer is made from; copied into the shard's callback.
+struct PullAnswerParts {
+  Method method = Method::kPull;
+  bool payloads_apart = false;
+  std::string push_response;  // a PushPull's
+  absl::Time arrived;         // the pull's
+  uint64_t request_bytes = 0;
+  // options.on_call, or null; it outlives every answer the server sends.
+  const DataPlaneServerOptions::CallObserver* on_call = nullptr;
+};
+
+// The framed answer to a pull (the pull half of a PushPull behind its push
+// response), on whichever thread the shard answers it.
+std::unique_ptr<Outbox::Answer> MakePullAnswer(
+    const PullAnswerParts& parts, absl::StatusOr<OutgoingBytes> result) {
+  auto answer = std::make_unique<Outbox::Answer>();
+  const absl::StatusCode code = result.status().code();
+  uint64_t pull_bytes = 0;
+  if (result.ok()) {
+    for (absl::string_view piece : result->pieces) pull_bytes += piece.size();
+    answer->keep_alive = std::move(result->keep_alive);
+    if (parts.method == Method::kPushPull) {
+      answer->owned = parts.push_response;
+      answer->Frame(code,
+                    PrefixPushResponse(answer->owned, parts.payloads_apart,
+                                       result->pieces, answer->push_length,
+                                       answer->meta_length));
+    } else {
+      answer->Frame(code, result->pieces);
+    }
+  } else {
+    answer->owned = std::string(result.status().message());
+    pull_bytes = answer->owned.size();
+    answer->Frame(code, {answer->owned});
+  }
+  if (parts.on_call != nullptr) {
+    answer->after_sent = [on_call = parts.on_call, code,
+                          arrived = parts.arrived, in = parts.request_bytes,
+                          pull_bytes] {
+      (*on_call)(Method::kPull, code, absl::Now() - arrived, in, pull_bytes);
+    };
+  }
+  return answer;
+}
 
 // One framed request, its body still in the connection's buffer.
 struct Request {
@@ -242,24 +338,22 @@ absl::Status Greet(const Stream& stream, DataPlaneHandler& handler,
         .IgnoreError();
     return absl::UnauthenticatedError("bad token");
   }
-  return Answer(stream, absl::StatusCode::kOk, {});
+  return Answer(stream, absl::StatusCode::kOk, "");
 }
 
-// One Push, Pull or PushPull of a greeted connection, served and answered;
-// options.on_call told of it. Not OK only when the connection must end: the
-// answer could not be sent, or the shard broke its promise to answer a pull
-// by its deadline.
+// One Push, Pull, PushPull or Forward of a greeted connection, served, and
+// its answer sent or left to be sent by the thread that completes it
+// (ps_server/outbox.h); options.on_call told of it. Not OK only when the
+// connection must end: the answer could not be sent, or the shard broke its
+// promise to answer a pull by its deadline.
 absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
                        const DataPlaneServerOptions& options,
                        const Request& request) {
   const data_plane::RequestHeader& header = request.header;
+  const bool pulls =
+      header.method == Method::kPull || header.method == Method::kPushPull;
   absl::Status status;
-  std::vector<absl::string_view> answer;
-  // Keep the answer's memory alive until it is sent.
   absl::StatusOr<std::string> pushed;
-  std::shared_ptr<PullWait> pulled;
-  char push_length[data_plane::kLengthPrefixBytes];
-  char meta_length[data_plane::kLengthPrefixBytes];
   absl::string_view pull_request = request.body;
   // A PushPull counts as the Push and the Pull it carries.
   absl::Time pull_arrived = request.arrived;
@@ -291,62 +385,61 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
     pushed = handler.ServeDataPlanePush(absl::MakeConstSpan(&request.body, 1),
                                         deadline);
     status = pushed.status();
-    if (pushed.ok()) answer.push_back(*pushed);
   } else if (header.method == Method::kForward) {
     pushed = handler.ServeDataPlaneForward(request.body, deadline);
     status = pushed.status();
-    if (pushed.ok()) answer.push_back(*pushed);
   }
-  if (status.ok() && header.method != Method::kPush &&
-      header.method != Method::kForward) {
-    pulled = std::make_shared<PullWait>();
+  if (!status.ok() || !pulls) {
+    auto answer = std::make_unique<Outbox::Answer>();
+    answer->owned =
+        status.ok() ? std::move(*pushed) : std::string(status.message());
+    answer->Frame(status.code(), {answer->owned});
+    // A PushPull whose push failed was reported above; a Forward is not.
+    if (options.on_call && header.method == Method::kPush) {
+      answer->after_sent = [on_call = &options.on_call, code = status.code(),
+                            arrived = request.arrived, in = header.body_bytes,
+                            out = answer->owned.size()] {
+        (*on_call)(Method::kPush, code, absl::Now() - arrived, in, out);
+      };
+    }
+    return Send(stream, std::move(answer));
+  }
+  PullAnswerParts parts;
+  parts.method = header.method;
+  parts.payloads_apart = header.payloads_apart;
+  if (header.method == Method::kPushPull) parts.push_response = *pushed;
+  parts.arrived = pull_arrived;
+  parts.request_bytes = pull_request.size();
+  if (options.on_call) parts.on_call = &options.on_call;
+  const bool follows_own_push = header.method == Method::kPushPull;
+  if (stream.outbox != nullptr) {
     handler.ServeDataPlanePull(
         absl::MakeConstSpan(&pull_request, 1), deadline, header.payloads_apart,
-        /*follows_own_push=*/header.method == Method::kPushPull,
-        [wait = pulled](absl::StatusOr<OutgoingBytes> result) {
-          wait->result = std::move(result);
-          wait->done.Notify();
+        follows_own_push,
+        [outbox = stream.outbox, seq = stream.outbox->Reserve(),
+         parts = std::move(parts)](absl::StatusOr<OutgoingBytes> result) {
+          outbox->Complete(seq, MakePullAnswer(parts, std::move(result)));
         });
-    // The shard answers by the deadline; the margin only guards against
-    // a handler that breaks that promise.
-    if (!pulled->done.WaitForNotificationWithDeadline(deadline +
-                                                      absl::Seconds(5))) {
-      absl::Status broken =
-          absl::InternalError("pull not answered by its deadline");
-      LOG(ERROR) << "data plane: " << broken;
-      return broken;
-    }
-    status = pulled->result.status();
-    if (status.ok() && header.method == Method::kPushPull) {
-      answer =
-          PrefixPushResponse(*pushed, header.payloads_apart,
-                             pulled->result->pieces, push_length, meta_length);
-    } else if (status.ok()) {
-      answer = pulled->result->pieces;
-    }
+    return absl::OkStatus();
   }
-  const absl::string_view message = status.message();
-  if (!status.ok()) answer = {message};
-  uint64_t answer_bytes = 0;
-  for (absl::string_view piece : answer) answer_bytes += piece.size();
-  if (absl::Status s = Answer(stream, status.code(), answer); !s.ok()) return s;
-  if (options.on_call && header.method != Method::kPushPull &&
-      header.method != Method::kForward) {
-    options.on_call(header.method, status.code(), absl::Now() - request.arrived,
-                    header.body_bytes, answer_bytes);
-  } else if (options.on_call && pulled != nullptr) {
-    // The pull's own answer: its pieces, or its error's message.
-    uint64_t pull_bytes = message.size();
-    if (status.ok()) {
-      pull_bytes = 0;
-      for (absl::string_view piece : pulled->result->pieces) {
-        pull_bytes += piece.size();
-      }
-    }
-    options.on_call(Method::kPull, status.code(), absl::Now() - pull_arrived,
-                    pull_request.size(), pull_bytes);
+  auto wait = std::make_shared<PullWait>();
+  handler.ServeDataPlanePull(
+      absl::MakeConstSpan(&pull_request, 1), deadline, header.payloads_apart,
+      follows_own_push,
+      [wait, parts = std::move(parts)](absl::StatusOr<OutgoingBytes> result) {
+        wait->answer = MakePullAnswer(parts, std::move(result));
+        wait->done.Notify();
+      });
+  // The shard answers by the deadline; the margin only guards against a
+  // handler that breaks that promise.
+  if (!wait->done.WaitForNotificationWithDeadline(deadline +
+                                                  absl::Seconds(5))) {
+    absl::Status broken =
+        absl::InternalError("pull not answered by its deadline");
+    LOG(ERROR) << "data plane: " << broken;
+    return broken;
   }
-  return absl::OkStatus();
+  return Send(stream, std::move(wait->answer));
 }
 
 }  // namespace
@@ -503,7 +596,8 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd, std::string peer) {
     tls = Handshake(fd.get(), peer);
     if (tls == nullptr) ended = absl::OutOfRangeError("handshake refused");
   }
-  const Stream stream{fd.get(), tls.get()};
+  Stream stream{fd.get(), tls.get(), nullptr};
+  if (tls == nullptr) stream.outbox = std::make_shared<Outbox>(fd.get());
   while (ended.ok()) {
     absl::StatusOr<Request> request =
         ReadRequest(stream, /*may_idle=*/greeted, options_.max_body_bytes,
@@ -531,6 +625,8 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd, std::string peer) {
       ended = ServeCall(stream, *handler_, options_, *request);
     }
   }
+  // Answers still due are dropped: the peer is gone or broke the framing.
+  if (stream.outbox != nullptr) stream.outbox->Close();
   if (!ended.ok() && !stopping_.load() && !absl::IsOutOfRange(ended)) {
     LogRefusal(absl::StrCat("data plane: closed the connection from ", peer,
                             ": ", ended.ToString()));

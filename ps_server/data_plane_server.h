@@ -92,9 +92,10 @@ struct DataPlaneServerOptions {
   // the time from its header's arrival to its answer sent, and the body
   // bytes each way. A PushPull is reported as its Push (applied or refused) and
   // its Pull (if it ran). May be empty.
-  std::function<void(data_plane::Method, absl::StatusCode, absl::Duration,
-                     uint64_t request_bytes, uint64_t response_bytes)>
-      on_call;
+  using CallObserver =
+      std::function<void(data_plane::Method, absl::StatusCode, absl::Duration,
+                         uint64_t request_bytes, uint64_t response_bytes)>;
+  CallObserver on_call;
 };
 
 class DataPlaneServer {
