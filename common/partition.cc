@@ -122,6 +122,19 @@ absl::Status ValidateSchema(const ModelSchema& schema) {
   return absl::OkStatus();
 }
 
+int64_t BlockElementsForModel(const ModelSchema& schema) {
+  constexpr int64_t kSmallest = int64_t{1} << 13;
+  constexpr int64_t kLargest = int64_t{1} << 17;
+  constexpr int64_t kBlocksWanted = 16;
+  int64_t elements = 0;
+  for (const DenseTensorSpec& tensor : schema.dense()) {
+    elements += NumElements(tensor);
+  }
+  int64_t block = kSmallest;
+  while (block < kLargest && block * 2 * kBlocksWanted <= elements) block *= 2;
+  return block;
+}
+
 std::string FirstSchemaDifference(const ModelSchema& expected,
                                   const ModelSchema& actual) {
   if (expected.seed() != actual.seed()) {

@@ -20,10 +20,26 @@
 
 namespace pstrain {
 
-// The worker's --block_elements default (512 KiB of float32): what a model
-// registered without choosing gets, and what bench/transport/ps_bench
-// measures unless told otherwise.
-constexpr int64_t kDefaultBlockElements = int64_t{1} << 17;
+// A schema's block_elements when its client leaves the choice to
+// BlockElementsForModel (PsClient::Register resolves it before anything
+// else sees the schema): the worker's --block_elements default, and what
+// bench/transport/ps_bench measures unless told otherwise.
+inline constexpr int64_t kBlockElementsByModel = 0;
+
+// A power of two in [8192, 131072] (32 to 512 KiB of float32) that cuts the
+// model's dense elements into about 16 blocks, so every worker of a job
+// picks the same from the schema alone.
+//
+// Why about 16: a sync step answers each block group once every worker has
+// pushed it, so on a link that binds, a step nears the link-bound ideal
+// only when one group's answer can travel while the next groups are pushed.
+// A 235k-float MLP in 512 KiB blocks has 7 groups and takes 1.9x the ideal
+// on 1 Gbit/s links; in 8192-element blocks it has 30 and takes 1.2-1.4x
+// (bench/results/block_size_tradeoff.txt). Why not smaller for every
+// model: on one host each group costs a few microseconds of calls, which a
+// large model in small blocks pays per block (a 22 MiB PushPull: -25% in
+// 8192-element blocks), and a large model has enough 512 KiB blocks anyway.
+int64_t BlockElementsForModel(const ModelSchema& schema);
 
 struct BlockLocation {
   int tensor = 0;      // index into schema.dense()

@@ -1,7 +1,9 @@
 #include "common/partition.h"
 
 #include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace pstrain {
@@ -103,6 +105,30 @@ TEST(PartitionTest, FirstSchemaDifferenceNamesIt) {
   ModelSchema d = a;
   d.mutable_dense()->RemoveLast();
   EXPECT_EQ(FirstSchemaDifference(a, d), "tensor count 2 vs 1");
+}
+
+ModelSchema SchemaOfElements(std::vector<int64_t> sizes) {
+  ModelSchema schema;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    DenseTensorSpec* tensor = schema.add_dense();
+    tensor->set_name(absl::StrCat("t", i));
+    tensor->add_shape(sizes[i]);
+  }
+  return schema;
+}
+
+TEST(BlockElementsForModelTest, SmallModelsGetSmallBlocksAndLargeOnesLarge) {
+  // The Fashion-MNIST MLP (784-256-128-10): 8192, so about 30 block groups.
+  EXPECT_EQ(BlockElementsForModel(SchemaOfElements(
+                {784 * 256, 256, 256 * 128, 128, 128 * 10, 10})),
+            8192);
+  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({1})), 8192);
+  // About 16 blocks between the bounds, whatever the tensors.
+  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({1 << 20})), 65536);
+  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({1 << 19, 1 << 19})), 65536);
+  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({(1 << 20) - 1})), 32768);
+  // The 23 MB GPU MLP keeps 512 KiB blocks.
+  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({5800000})), 131072);
 }
 
 }  // namespace

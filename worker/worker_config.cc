@@ -49,7 +49,7 @@ void CheckModel(const ModelConfig& model, Problems& checks) {
         "--layers is read only with --model=layers, got --model=", name)));
   }
   checks.push_back(ParseHidden(model.hidden).status());
-  checks.push_back(CheckAtLeast("block_elements", model.block_elements, 1));
+  checks.push_back(CheckAtLeast("block_elements", model.block_elements, 0));
 }
 
 // A data flag that the chosen --data would not read: an error rather than

@@ -56,7 +56,7 @@ struct ModelConfig {
   // --device, --precision, --cpu_threads.
   kernels::BackendOptions backend;
   // Dense tensors are cut into blocks of this many floats.
-  int64_t block_elements = kDefaultBlockElements;
+  int64_t block_elements = kBlockElementsByModel;
 };
 
 // The training loop.

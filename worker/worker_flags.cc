@@ -112,7 +112,9 @@ ABSL_FLAG(int, cpu_threads, Default().model.backend.cpu_threads,
           "share.");
 ABSL_FLAG(int64_t, block_elements, Default().model.block_elements,
           "Dense tensors are cut into blocks of this many floats: the unit of "
-          "transfer (one RPC carries about one block) and of consistency.");
+          "transfer (one RPC carries about one block) and of consistency. "
+          "0: picked from the model's size, 8192 to 131072, about 16 "
+          "blocks (common/partition.h).");
 
 // The training loop (TrainingConfig).
 ABSL_FLAG(int64_t, steps, Default().training.steps,

@@ -41,7 +41,8 @@
 ABSL_FLAG(std::string, ps_hosts, "", "host:port of every shard, in order.");
 ABSL_FLAG(int, num_workers, 1, "The job's --num_workers.");
 ABSL_FLAG(int64_t, probe_elements, 1000, "The workers' --probe_elements.");
-ABSL_FLAG(int64_t, block_elements, 1 << 17, "The workers' --block_elements.");
+ABSL_FLAG(int64_t, block_elements, pstrain::kBlockElementsByModel,
+          "The workers' --block_elements (0: by model size, as theirs).");
 ABSL_FLAG(uint64_t, seed, 1, "The workers' --seed.");
 ABSL_FLAG(int64_t, expect_updates, -1,
           "Check that every element is minus this (the number of unit "
@@ -108,8 +109,11 @@ int Main() {
   ExitOnFlagErrors({probe.status()});
   ModelSchema schema;
   schema.set_seed(absl::GetFlag(FLAGS_seed));
-  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements));
   *schema.add_dense() = (*probe)->Params()[0];
+  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements) !=
+                                    kBlockElementsByModel
+                                ? absl::GetFlag(FLAGS_block_elements)
+                                : BlockElementsForModel(schema));
   absl::StatusOr<Registration> registered = (*client)->Register(
       schema, absl::GetFlag(FLAGS_num_workers), /*worker_id=*/-1);
   if (!registered.ok()) {
@@ -124,7 +128,7 @@ int Main() {
                  pulled.status().ToString().c_str());
     return 3;
   }
-  const int64_t block_elements = absl::GetFlag(FLAGS_block_elements);
+  const int64_t block_elements = schema.block_elements();
   const int num_shards = static_cast<int>(stats->size());
   auto expected_at = [&](int64_t i) {
     if (!per_shard) return -static_cast<float>(expected_updates);

@@ -93,9 +93,9 @@ ABSL_FLAG(int, clients, 1,
           "Client threads, each with its own PsClient and worker_id (and its "
           "own TCP connection and gRPC channel for the baselines); goodput is "
           "aggregated over them.");
-ABSL_FLAG(int64_t, block_elements, pstrain::kDefaultBlockElements,
-          "Schema block size in elements (the worker's --block_elements "
-          "default).");
+ABSL_FLAG(int64_t, block_elements, pstrain::kBlockElementsByModel,
+          "Schema block size in elements; 0 (the worker's --block_elements "
+          "default): picked from each size as for a model of that size.");
 ABSL_FLAG(std::string, tls_dir, "",
           "A directory from deploy/tls/make_certs.sh (ca.pem, server.pem/key, "
           "client.pem/key): also measure the PS with mutual TLS, on the TLS "
@@ -162,8 +162,8 @@ absl::StatusOr<Config> ParseConfig() {
   if (!(absl::GetFlag(FLAGS_phase_seconds) > 0)) {
     problems.push_back("--phase_seconds must be > 0");
   }
-  if (absl::GetFlag(FLAGS_block_elements) < 1) {
-    problems.push_back("--block_elements must be >= 1");
+  if (absl::GetFlag(FLAGS_block_elements) < 0) {
+    problems.push_back("--block_elements must be >= 0 (0: by model size)");
   }
   if (absl::GetFlag(FLAGS_tcp_buffer_bytes) < 0) {
     problems.push_back("--tcp_buffer_bytes must be >= 0");
@@ -279,7 +279,7 @@ int BenchMain(const char* argv0) {
                          " s per phase, min ", kMinIterations, ")");
   std::printf("%s",
               absl::StrFormat("# ps_bench: servers %d, clients %d, "
-                              "block_elements %d, iterations %s, "
+                              "block_elements %d (0: by size), iterations %s, "
                               "warmup %d, repeats %d\n",
                               config->servers, config->clients,
                               absl::GetFlag(FLAGS_block_elements), iterations,

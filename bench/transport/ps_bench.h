@@ -29,6 +29,7 @@
 #include "bench/child_process.h"
 #include "bench/transport/grpc_floor.h"
 #include "common/transport/socket.h"
+#include "proto/ps.pb.h"
 
 // Defined in ps_bench.cc, with every other flag of the binary; these are
 // read by the other parts too.
@@ -173,6 +174,10 @@ struct Row {
 
 // Field by field median of the repeats of one size.
 Row MedianRow(const std::vector<Row>& repeats);
+
+// The one-tensor model of `size` bytes the PS phases register, in blocks of
+// --block_elements (0: as a model of that size gets them).
+ModelSchema BenchSchema(int64_t size);
 // The rates, percentiles and ratios of one measured size and repeat.
 Row MakeRow(const SizeResult& r);
 std::string TableHeader();

@@ -17,6 +17,7 @@
 #include "bench/child_process.h"
 #include "bench/transport/ps_bench.h"
 #include "common/consistency_mode.h"
+#include "common/partition.h"
 #include "common/transport/grpc_tuning.h"
 #include "common/transport/tensor_codec.h"
 #include "common/transport/tls.h"
@@ -25,6 +26,20 @@
 #include "worker/client/ps_client.h"
 
 namespace pstrain::bench::ps_bench {
+
+ModelSchema BenchSchema(int64_t size) {
+  ModelSchema schema;
+  schema.set_seed(1);
+  DenseTensorSpec* tensor = schema.add_dense();
+  tensor->set_name("bench");
+  tensor->add_shape(size / 4);
+  tensor->mutable_init()->set_kind(InitSpec::ZEROS);
+  const int64_t chosen = absl::GetFlag(FLAGS_block_elements);
+  schema.set_block_elements(
+      chosen != kBlockElementsByModel ? chosen : BlockElementsForModel(schema));
+  return schema;
+}
+
 namespace {
 
 // One client thread's PS state: its own client, buffers and step counter.
@@ -79,13 +94,7 @@ absl::StatusOr<PsClientOptions> ClientOptions(
 absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
                          Security security, int64_t size, PsPhases* out) {
   const int64_t elements = size / 4;
-  ModelSchema schema;
-  schema.set_seed(1);
-  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements));
-  DenseTensorSpec* tensor = schema.add_dense();
-  tensor->set_name("bench");
-  tensor->add_shape(elements);
-  tensor->mutable_init()->set_kind(InitSpec::ZEROS);
+  const ModelSchema schema = BenchSchema(size);
 
   const absl::StatusOr<PsClientOptions> options =
       ClientOptions(hosts, security);

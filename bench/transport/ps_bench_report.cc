@@ -165,11 +165,11 @@ std::string JsonLine(const Row& r, int servers, int clients) {
       "\"ratio_push_p50_vs_tcp_rtt\":%.4f,\"ps_pushpull_ops\":%d,"
       "\"ps_one_call_gbps\":%.4f,\"ratio_one_call_vs_tcp\":%.4f,"
       "\"repeats\":%d%s}",
-      r.size, servers, clients, absl::GetFlag(FLAGS_block_elements), r.tcp_gbps,
-      r.tcp_oneway_gbps, r.tcp_rtt_p50_us, r.tcp_rtt_p99_us, r.grpc_floor_gbps,
-      r.grpc_floor_p50_us, r.grpc_floor_p99_us, r.ps_push_gbps, r.ps_pull_gbps,
-      r.ps_pushpull_gbps, r.ps_push_p50_us, r.ps_push_p99_us,
-      r.ratio_pushpull_vs_tcp, r.ratio_pushpull_vs_tcp_oneway,
+      r.size, servers, clients, BenchSchema(r.size).block_elements(),
+      r.tcp_gbps, r.tcp_oneway_gbps, r.tcp_rtt_p50_us, r.tcp_rtt_p99_us,
+      r.grpc_floor_gbps, r.grpc_floor_p50_us, r.grpc_floor_p99_us,
+      r.ps_push_gbps, r.ps_pull_gbps, r.ps_pushpull_gbps, r.ps_push_p50_us,
+      r.ps_push_p99_us, r.ratio_pushpull_vs_tcp, r.ratio_pushpull_vs_tcp_oneway,
       r.ratio_pushpull_vs_grpc, r.ratio_push_p50_vs_tcp_rtt, r.ps_pushpull_ops,
       r.ps_one_call_gbps, r.ratio_one_call_vs_tcp, r.repeats,
       r.tls_one_call_gbps > 0

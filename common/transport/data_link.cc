@@ -484,7 +484,9 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
       continue;
     }
     io.set_timeout(deadline - absl::Now());
-    io.set_window(requests_in_flight);
+    io.set_window(requests_in_flight != kWindowByHost ? requests_in_flight
+                  : io.link()->same_host()            ? SIZE_MAX
+                                                      : 1);
     io.Prepare();
     live.push_back(&io);
     if (io.link()->tls() != nullptr && io.heavy()) ++tls_links;
@@ -552,6 +554,7 @@ absl::StatusOr<std::unique_ptr<DataLink>> DataLink::Open(
   std::unique_ptr<DataLink> link(
       new DataLink(std::move(*fd), peer, max_body_bytes));
   link->tls_ = std::move(session);
+  link->same_host_ = ConnectsToThisHost(link->fd_.get());
   DataExchange hello;
   hello.link = link.get();
   hello.method = data_plane::Method::kHello;

@@ -45,6 +45,8 @@ class DataLink {
   // afterwards.
   void Abort() const;
   const std::string& peer() const { return peer_; }
+  // The server runs on this host (ConnectsToThisHost).
+  bool same_host() const { return same_host_; }
   // The TLS session, or null for a plaintext link.
   const TlsSession* tls() const { return tls_.get(); }
 
@@ -60,6 +62,7 @@ class DataLink {
   std::unique_ptr<TlsSession> tls_;
   const std::string peer_;
   const uint64_t max_body_bytes_;
+  bool same_host_ = false;
   bool usable_ = true;
   // Answers as they arrive; kept from one call to the next.
   ReceiveBuffer received_;
@@ -91,8 +94,10 @@ struct DataExchange {
 
 // Sends every exchange and reads every answer; a link's exchanges go in
 // order, links proceed at once, and a link sends a request only while fewer
-// than `requests_in_flight` of its earlier ones are unanswered. Returns when
-// all are answered or failed; nothing is left in flight past `deadline`.
+// than `requests_in_flight` of its earlier ones are unanswered
+// (kWindowByHost: all of them to a server on this host, one to a server
+// elsewhere). Returns when all are answered or failed; nothing is left in
+// flight past `deadline`.
 //
 // Why a window: in a sync step every worker's group k must be in before the
 // shard answers any of them. A connection that runs ahead fills the shard's
@@ -102,6 +107,14 @@ struct DataExchange {
 // workers' pushes in step with each other: on 1 Gbit/s namespace links a
 // sync step went from 1.34x to 1.04x the link-bound ideal (probe model,
 // 2 shards x 4 workers, bench/results/netns_link_speed.txt).
+//
+// On one host the opposite holds: nothing binds but the CPU, and each
+// answer awaited before the next request is sent costs wakeups on both
+// ends. With small block groups a window of one cost a loopback job 27%;
+// everything in flight costs nothing (the server answers from the thread
+// that completes a step, ps_server/outbox.h;
+// bench/results/block_size_tradeoff.txt).
+inline constexpr size_t kWindowByHost = 0;
 void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
                   size_t requests_in_flight = SIZE_MAX);
 

@@ -6,6 +6,7 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <string>
 #include <thread>
@@ -99,6 +100,28 @@ TEST(DataLinkTest, OneRequestInFlightWaitsForEachAnswer) {
 TEST(DataLinkTest, AWiderWindowSendsAheadOfTheAnswers) {
   EXPECT_EQ(NextRequestSeenBeforeEachAnswer(2),
             (std::vector<bool>{true, true}));
+}
+
+TEST(DataLinkTest, TheWindowByHostSendsEverythingToAServerOnThisHost) {
+  // 127.0.0.1: this host. (A server elsewhere gets a window of one: the
+  // netns lab shows it, bench/netns/link_speed.sh.)
+  EXPECT_EQ(NextRequestSeenBeforeEachAnswer(kWindowByHost),
+            (std::vector<bool>{true, true}));
+}
+
+TEST(ConnectsToThisHostTest, LoopbackIsThisHostAndAUnixSocketIsNot) {
+  int port = 0;
+  absl::StatusOr<ScopedFd> listener = ListenTcp("127.0.0.1", 0, 0, &port);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  absl::StatusOr<ScopedFd> connected =
+      ConnectTcp("127.0.0.1", port, 0, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(connected.ok()) << connected.status();
+  EXPECT_TRUE(ConnectsToThisHost(connected->get()));
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+  EXPECT_FALSE(ConnectsToThisHost(pair[0]));
+  close(pair[0]);
+  close(pair[1]);
 }
 
 }  // namespace

@@ -141,6 +141,27 @@ absl::Status RecvAll(int fd, char* data, size_t size) {
   return absl::OkStatus();
 }
 
+bool ConnectsToThisHost(int fd) {
+  sockaddr_storage local = {}, peer = {};
+  socklen_t local_bytes = sizeof(local), peer_bytes = sizeof(peer);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_bytes) != 0 ||
+      getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_bytes) != 0 ||
+      local.ss_family != peer.ss_family) {
+    return false;
+  }
+  if (local.ss_family == AF_INET) {
+    return reinterpret_cast<const sockaddr_in*>(&local)->sin_addr.s_addr ==
+           reinterpret_cast<const sockaddr_in*>(&peer)->sin_addr.s_addr;
+  }
+  if (local.ss_family == AF_INET6) {
+    return std::memcmp(
+               &reinterpret_cast<const sockaddr_in6*>(&local)->sin6_addr,
+               &reinterpret_cast<const sockaddr_in6*>(&peer)->sin6_addr,
+               sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
 namespace {
 
 struct Address {

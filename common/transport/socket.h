@@ -90,6 +90,11 @@ absl::Status SendAll(int fd, const char* data, size_t size);
 // before the first byte; DATA_LOSS when it closed part way.
 absl::Status RecvAll(int fd, char* data, size_t size);
 
+// Whether a connected socket's two ends have the same IP address: a
+// connection to this host, through loopback or one of its own addresses.
+// False when either end cannot be read.
+bool ConnectsToThisHost(int fd);
+
 // A connected, tuned TCP socket to host:port (a name or an address;
 // IPv4 or IPv6), given up at `deadline`.
 absl::StatusOr<ScopedFd> ConnectTcp(const std::string& host, int port,

@@ -36,7 +36,7 @@ struct ClientConfig {
   // Dense tensors over the servers' data plane where they announce one.
   bool data_plane = true;
   // Requests a data-plane connection sends ahead of their answers.
-  int data_requests_in_flight = 1;
+  int data_requests_in_flight = 0;
   // With TLS: the kernel encrypts the data plane's records where it can.
   bool data_plane_ktls = false;
   // How often to renew this worker's lease on the servers.

@@ -45,9 +45,9 @@
     "always unary.") \
   X(int, data_requests_in_flight, data_requests_in_flight, \
     "Requests each data-plane connection sends ahead of their answers. " \
-    "1 keeps the workers' pushes in step, which a sync step on a link " \
-    "that binds needs; raise it where a round trip is long next to " \
-    "sending one block group.") \
+    "0: by host, all of them to a server on this host (only the CPU " \
+    "binds there) and 1 to a server elsewhere, which keeps the workers' " \
+    "pushes in step as a sync step on a link that binds needs.") \
   X(bool, data_plane, data_plane, \
     "Push and pull dense tensors over the servers' data plane (framed " \
     "TCP beside gRPC; inside TLS with the --tls_* files when the " \

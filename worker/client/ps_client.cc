@@ -95,11 +95,12 @@ std::vector<absl::Status> PsClientOptionsProblems(
         absl::StrCat("--connections_per_shard must be in [1, 64], got ",
                      options.connections_per_shard)));
   }
-  if (options.data_requests_in_flight < 1 ||
+  if (options.data_requests_in_flight < 0 ||
       options.data_requests_in_flight > 1024) {
-    problems.push_back(absl::InvalidArgumentError(
-        absl::StrCat("--data_requests_in_flight must be in [1, 1024], got ",
-                     options.data_requests_in_flight)));
+    problems.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--data_requests_in_flight must be in [0, 1024] (0: by host), "
+        "got ",
+        options.data_requests_in_flight)));
   }
   if (options.gradient_wire_type != TOPK_FLOAT32 &&
       WireElementBytes(options.gradient_wire_type) == 0) {
@@ -356,9 +357,13 @@ absl::Status PsClient::CheckTransports() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Registration> PsClient::Register(const ModelSchema& schema,
+absl::StatusOr<Registration> PsClient::Register(const ModelSchema& chosen,
                                                 int num_workers,
                                                 int worker_id) {
+  ModelSchema schema = chosen;
+  if (schema.block_elements() == kBlockElementsByModel) {
+    schema.set_block_elements(BlockElementsForModel(schema));
+  }
   absl::StatusOr<Partition> partition = Partition::Create(schema, num_shards());
   if (!partition.ok()) return partition.status();
   StopHeartbeats();

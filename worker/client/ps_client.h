@@ -113,11 +113,11 @@ struct PsClientOptions {
   // until the server announces another one or 30 s pass; gRPC carries its calls
   // meanwhile.
   bool data_plane = true;
-  // Requests a data-plane connection sends ahead of their answers (>= 1).
-  // One keeps every worker's pushes in step, which a sync step on a link
-  // that binds needs (see RunExchanges); raise it where a round trip is
-  // long next to sending one block group (or add connections).
-  int data_requests_in_flight = 1;
+  // Requests a data-plane connection sends ahead of their answers. 0 (by
+  // host): all of them to a server on this host, where only the CPU binds,
+  // and one to a server elsewhere, which keeps every worker's pushes in
+  // step as a sync step on a link that binds needs (see RunExchanges).
+  int data_requests_in_flight = 0;
   // Channel security (TLS / mutual TLS); null means plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   // The data plane's TLS (TlsContext::ForClient from the same files as

@@ -56,8 +56,10 @@ import pstrain
 __all__ = ["Embedding", "EmbeddingBag", "EmbeddingBagCollection",
            "ParameterServer"]
 
-# One block of a dense tensor, the unit of transfer, locking and sharding.
-DEFAULT_BLOCK_ELEMENTS = 1 << 17
+# One block of a dense tensor, the unit of transfer, locking and sharding;
+# 0: picked from the model's size as the C++ worker's default does (8192 to
+# 131072 elements, about 16 blocks: common/partition.h).
+DEFAULT_BLOCK_ELEMENTS = 0
 
 
 class _Tensor:
