@@ -647,6 +647,47 @@ TEST(CheckpointRecoveryTest, TheFinalModelIsCheckpointedBeforeTheJobEnds) {
   EXPECT_EQ(NewestCheckpointVersion(dir, 1), kSteps);
 }
 
+// Servers restored from a checkpoint written in other blocks (before
+// --block_elements=0 was the default, say) resume it as it was when the
+// workers leave the block size to the default, instead of refusing the
+// model as a different one.
+TEST(CheckpointRecoveryTest, ACheckpointInOtherBlocksResumesWithTheDefault) {
+  const std::string dir =
+      absl::StrCat(testing::TestDir(), "/ckpt_blocks_", getpid());
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
+                          "--checkpoint_every_steps=10"};
+  auto cluster = StartCluster(options, "other_blocks");
+  ASSERT_NE(cluster, nullptr);
+  absl::StatusOr<std::vector<std::string>> first = cluster->RunWorkers(
+      {WorkerFlags(20), WorkerFlags(20)}, absl::Seconds(120));
+  ASSERT_TRUE(first.ok()) << first.status();
+  for (int s = 0; s < 2; ++s) {
+    ASSERT_TRUE(cluster->StopServer(s).ok());
+    ASSERT_TRUE(cluster->RestartServer(s).ok());
+  }
+  std::vector<std::string> by_model = WorkerFlags(30);
+  for (std::string& flag : by_model) {
+    if (absl::StartsWith(flag, "--block_elements=")) {
+      flag = "--block_elements=0";
+    }
+  }
+  absl::StatusOr<std::vector<std::string>> resumed =
+      cluster->RunWorkers({by_model, by_model}, absl::Seconds(120));
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  for (const std::string& out : *resumed) {
+    EXPECT_EQ(FinalJsonNumber(out, "start_step").value_or(-1), 20) << out;
+    EXPECT_EQ(FinalJsonNumber(out, "steps").value_or(-1), 30) << out;
+  }
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  for (const StatsResponse& shard : *stats) {
+    EXPECT_EQ(shard.schema().block_elements(), kBlockElements);
+  }
+}
+
 // A shard killed after the job's last step and before its final checkpoint
 // comes back behind the model the workers hold: from its step-20 checkpoint,
 // or empty (no --checkpoint_dir; the workers' heartbeats then move it to

@@ -360,10 +360,41 @@ absl::Status PsClient::CheckTransports() {
 absl::StatusOr<Registration> PsClient::Register(const ModelSchema& chosen,
                                                 int num_workers,
                                                 int worker_id) {
-  ModelSchema schema = chosen;
-  if (schema.block_elements() == kBlockElementsByModel) {
-    schema.set_block_elements(BlockElementsForModel(schema));
+  if (chosen.block_elements() != kBlockElementsByModel) {
+    return RegisterResolved(chosen, num_workers, worker_id);
   }
+  ModelSchema schema = chosen;
+  schema.set_block_elements(BlockElementsForModel(schema));
+  absl::StatusOr<Registration> registered =
+      RegisterResolved(schema, num_workers, worker_id);
+  if (!absl::IsFailedPrecondition(registered.status())) return registered;
+  // Servers restored from a checkpoint of this model in other blocks (one
+  // written before the rule, or with --block_elements set) resume it as it
+  // was: a block size the client did not choose is no reason to refuse.
+  absl::StatusOr<int64_t> held = HeldBlockElements(schema);
+  if (!held.ok()) return registered;
+  LOG(INFO) << "the servers hold this model in blocks of " << *held
+            << " elements (restored); registering with those instead of "
+            << schema.block_elements();
+  schema.set_block_elements(*held);
+  return RegisterResolved(schema, num_workers, worker_id);
+}
+
+absl::StatusOr<int64_t> PsClient::HeldBlockElements(const ModelSchema& schema) {
+  absl::StatusOr<std::vector<StatsResponse>> stats = Stats();
+  if (!stats.ok()) return stats.status();
+  for (const StatsResponse& shard : *stats) {
+    if (!shard.model_registered() || !shard.has_schema()) continue;
+    ModelSchema held = shard.schema();
+    const int64_t block_elements = held.block_elements();
+    held.set_block_elements(schema.block_elements());
+    if (FirstSchemaDifference(held, schema).empty()) return block_elements;
+  }
+  return absl::NotFoundError("no shard holds this model in other blocks");
+}
+
+absl::StatusOr<Registration> PsClient::RegisterResolved(
+    const ModelSchema& schema, int num_workers, int worker_id) {
   absl::StatusOr<Partition> partition = Partition::Create(schema, num_shards());
   if (!partition.ok()) return partition.status();
   StopHeartbeats();

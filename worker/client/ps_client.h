@@ -203,7 +203,9 @@ class PsClient {
   // Registers the schema on every shard (idempotent) and fixes the block
   // layout used by Pull and Push. With worker_id >= 0 this process joins
   // the job as that worker (heartbeats start); -1 is an observer that may
-  // only pull.
+  // only pull. A schema's block_elements kBlockElementsByModel becomes
+  // BlockElementsForModel's, or, where the servers already hold this model
+  // in other blocks (restored from a checkpoint), theirs.
   absl::StatusOr<Registration> Register(const ModelSchema& schema,
                                         int num_workers, int worker_id);
 
@@ -479,6 +481,12 @@ class PsClient {
   absl::Status RegisterOnShards();
   // Whether the shards that hold a restarted worker's place (sync) all do,
   // at one step; or none does.
+  // Register with the block size settled.
+  absl::StatusOr<Registration> RegisterResolved(const ModelSchema& schema,
+                                                int num_workers, int worker_id);
+  // The block_elements of the model a shard holds when it is `schema` in
+  // other blocks; NOT_FOUND otherwise.
+  absl::StatusOr<int64_t> HeldBlockElements(const ModelSchema& schema);
   static bool ResumesInPlaceEverywhere(
       const std::vector<RegisterModelResponse>& responses);
   // Before the first registration: fails fast, naming TLS and the likely
