@@ -129,6 +129,9 @@ TEST(BlockElementsForModelTest, SmallModelsGetSmallBlocksAndLargeOnesLarge) {
   EXPECT_EQ(BlockElementsForModel(SchemaOfElements({(1 << 20) - 1})), 32768);
   // The 23 MB GPU MLP keeps 512 KiB blocks.
   EXPECT_EQ(BlockElementsForModel(SchemaOfElements({5800000})), 131072);
+  // So does any model on replicated shards.
+  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({1000}), /*replicas=*/2),
+            131072);
 }
 
 }  // namespace

@@ -364,7 +364,7 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& chosen,
     return RegisterResolved(chosen, num_workers, worker_id);
   }
   ModelSchema schema = chosen;
-  schema.set_block_elements(BlockElementsForModel(schema));
+  schema.set_block_elements(BlockElementsForModel(schema, replicas_));
   absl::StatusOr<Registration> registered =
       RegisterResolved(schema, num_workers, worker_id);
   if (!absl::IsFailedPrecondition(registered.status())) return registered;
