@@ -38,31 +38,35 @@ struct Stream {
 // Plaintext: waits until the socket has bytes to read, sending the
 // outbox's stalled answers meanwhile; DEADLINE_EXCEEDED when nothing at all
 // happened for kFrameTimeoutSeconds (as SO_RCVTIMEO on a TLS stream).
+// While the connection has Outbox::kMaxOutstanding answers unsent it reads
+// nothing, and looks again every 10 ms.
 absl::Status AwaitReadable(const Stream& stream) {
   constexpr absl::Duration kQuiet =
       absl::Seconds(data_plane::kFrameTimeoutSeconds);
+  const absl::Time quiet_until = absl::Now() + kQuiet;
   while (true) {
     const bool sending = stream.outbox->wants_write();
+    const bool full = stream.outbox->outstanding() >= Outbox::kMaxOutstanding;
+    absl::Time wake = std::min(quiet_until, stream.outbox->next_check(kQuiet));
+    if (full) wake = std::min(wake, absl::Now() + absl::Milliseconds(10));
     pollfd waits[2] = {
-        {stream.fd, static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0},
+        {stream.fd,
+         static_cast<short>((full ? 0 : POLLIN) | (sending ? POLLOUT : 0)), 0},
         {stream.outbox->wake_fd(), POLLIN, 0}};
     const int ready =
-        poll(waits, 2, static_cast<int>(absl::ToInt64Milliseconds(kQuiet)));
+        poll(waits, 2,
+             static_cast<int>(std::max<int64_t>(
+                 0, absl::ToInt64Milliseconds(wake - absl::Now()) + 1)));
     if (ready < 0) {
       if (errno == EINTR) continue;
       return SocketError("poll", errno);
     }
-    if (ready == 0 && !sending) {
-      return absl::DeadlineExceededError("no request within the frame timeout");
-    }
-    if (ready == 0 || (waits[0].revents & POLLOUT) != 0 ||
-        waits[1].revents != 0) {
-      if (absl::Status s = stream.outbox->OwnerFlush(kQuiet); !s.ok()) {
-        return s;
-      }
-    }
+    if (absl::Status s = stream.outbox->OwnerFlush(kQuiet); !s.ok()) return s;
     if ((waits[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
       return absl::OkStatus();
+    }
+    if (ready == 0 && !sending && !full && absl::Now() >= quiet_until) {
+      return absl::DeadlineExceededError("no request within the frame timeout");
     }
   }
 }
@@ -416,7 +420,7 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
     handler.ServeDataPlanePull(
         absl::MakeConstSpan(&pull_request, 1), deadline, header.payloads_apart,
         follows_own_push,
-        [outbox = stream.outbox, seq = stream.outbox->Reserve(),
+        [outbox = stream.outbox, seq = stream.outbox->Reserve(deadline),
          parts = std::move(parts)](absl::StatusOr<OutgoingBytes> result) {
           outbox->Complete(seq, MakePullAnswer(parts, std::move(result)));
         });
@@ -597,7 +601,9 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd, std::string peer) {
     if (tls == nullptr) ended = absl::OutOfRangeError("handshake refused");
   }
   Stream stream{fd.get(), tls.get(), nullptr};
-  if (tls == nullptr) stream.outbox = std::make_shared<Outbox>(fd.get());
+  if (options_.tls == nullptr) {
+    stream.outbox = std::make_shared<Outbox>(fd.get());
+  }
   while (ended.ok()) {
     absl::StatusOr<Request> request =
         ReadRequest(stream, /*may_idle=*/greeted, options_.max_body_bytes,
@@ -624,9 +630,31 @@ void DataPlaneServer::Serve(int64_t id, ScopedFd fd, std::string peer) {
     } else {
       ended = ServeCall(stream, *handler_, options_, *request);
     }
+    // Answers handed over while this thread served are sent now, not at
+    // its next wait for a request.
+    if (ended.ok() && stream.outbox != nullptr &&
+        stream.outbox->wants_write()) {
+      ended = stream.outbox->OwnerFlush(
+          absl::Seconds(data_plane::kFrameTimeoutSeconds));
+    }
   }
-  // Answers still due are dropped: the peer is gone or broke the framing.
-  if (stream.outbox != nullptr) stream.outbox->Close();
+  if (stream.outbox != nullptr) {
+    // Every request read is answered, as when this thread answered each
+    // before reading the next (a peer that closed only its sending side
+    // still reads them); not when the server stops, the peer stalled, or
+    // the outbox itself gave up.
+    if (!stopping_.load() && !absl::IsAborted(ended) &&
+        !absl::IsInternal(ended) && !absl::IsDeadlineExceeded(ended)) {
+      stream.outbox->FlushBeforeClose(
+          absl::Now() + absl::Seconds(data_plane::kFrameTimeoutSeconds));
+    }
+    stream.outbox->Close();
+    if (absl::Status sent = stream.outbox->error();
+        !sent.ok() && !stopping_.load()) {
+      LogRefusal(absl::StrCat("data plane: an answer to ", peer,
+                              " could not be sent: ", sent.ToString()));
+    }
+  }
   if (!ended.ok() && !stopping_.load() && !absl::IsOutOfRange(ended)) {
     LogRefusal(absl::StrCat("data plane: closed the connection from ", peer,
                             ": ", ended.ToString()));

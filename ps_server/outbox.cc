@@ -1,5 +1,6 @@
 #include "ps_server/outbox.h"
 
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -34,8 +35,15 @@ Outbox::Outbox(int fd)
 
 Outbox::~Outbox() = default;
 
-uint64_t Outbox::Reserve() {
+// How long past its promised deadline an answer may be missing before the
+// connection is given up (the shard's deadline sweeper runs now and then).
+constexpr absl::Duration kOverdueMargin = absl::Seconds(5);
+
+uint64_t Outbox::Reserve(absl::Time answer_by) {
   absl::MutexLock lock(&mu_);
+  if (answer_by != absl::InfiniteFuture()) {
+    answer_by_[next_reserved_] = answer_by;
+  }
   return next_reserved_++;
 }
 
@@ -44,9 +52,30 @@ bool Outbox::wants_write() const {
   return owner_sends_ && !broken_;
 }
 
+uint64_t Outbox::outstanding() const {
+  absl::MutexLock lock(&mu_);
+  return next_reserved_ - next_to_send_;
+}
+
+absl::Time Outbox::next_check(absl::Duration stall_limit) const {
+  absl::MutexLock lock(&mu_);
+  absl::Time next = absl::InfiniteFuture();
+  for (const auto& [seq, answer_by] : answer_by_) {
+    next = std::min(next, answer_by + kOverdueMargin);
+  }
+  if (owner_sends_) next = std::min(next, last_progress_ + stall_limit);
+  return next;
+}
+
+absl::Status Outbox::error() const {
+  absl::MutexLock lock(&mu_);
+  return error_;
+}
+
 void Outbox::Complete(uint64_t seq, std::unique_ptr<Answer> answer) {
   {
     absl::MutexLock lock(&mu_);
+    answer_by_.erase(seq);
     if (closed_ || broken_) return;  // `answer` is dropped on return
     due_.emplace(seq, std::move(answer));
     if (sending_ || owner_sends_ || seq != next_to_send_) return;
@@ -59,21 +88,60 @@ absl::Status Outbox::OwnerFlush(absl::Duration stall_limit) {
   uint64_t wakes;
   while (read(wake_.get(), &wakes, sizeof(wakes)) > 0) {
   }
+  bool send;
   {
     absl::MutexLock lock(&mu_);
     if (broken_) return error_;
-    if (!owner_sends_) return absl::OkStatus();
-    sending_ = true;
+    send = owner_sends_;
+    if (send) sending_ = true;
   }
-  SendDue();
+  if (send) SendDue();
+  return CheckHealthy(stall_limit);
+}
+
+absl::Status Outbox::CheckHealthy(absl::Duration stall_limit) {
   absl::MutexLock lock(&mu_);
   if (broken_) return error_;
-  if (owner_sends_ && absl::Now() - last_progress_ > stall_limit) {
-    return absl::DeadlineExceededError(
+  const absl::Time now = absl::Now();
+  if (owner_sends_ && now - last_progress_ > stall_limit) {
+    return absl::AbortedError(
         absl::StrCat("the peer read none of its answers for ",
                      absl::FormatDuration(stall_limit)));
   }
+  for (const auto& [seq, answer_by] : answer_by_) {
+    if (now > answer_by + kOverdueMargin) {
+      return absl::InternalError("pull not answered by its deadline");
+    }
+  }
   return absl::OkStatus();
+}
+
+void Outbox::FlushBeforeClose(absl::Time until) {
+  while (absl::Now() < until) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithDeadline(absl::Condition(
+                                +[](Outbox* o) {
+                                  o->mu_.AssertHeld();
+                                  return o->broken_ || o->owner_sends_ ||
+                                         o->next_to_send_ == o->next_reserved_;
+                                },
+                                this),
+                            until);
+      if (broken_ || next_to_send_ == next_reserved_) return;
+      if (!owner_sends_) continue;
+    }
+    pollfd writable = {fd_, POLLOUT, 0};
+    const absl::Duration left = until - absl::Now();
+    if (left <= absl::ZeroDuration()) return;
+    if (poll(&writable, 1,
+             static_cast<int>(
+                 std::max<int64_t>(1, absl::ToInt64Milliseconds(left)))) < 0 &&
+        errno != EINTR) {
+      return;
+    }
+    if (!OwnerFlush(until - absl::Now()).ok()) return;
+  }
 }
 
 void Outbox::Close() {
@@ -82,7 +150,11 @@ void Outbox::Close() {
   mu_.Await(absl::Condition(
       +[](bool* sending) { return !*sending; }, &sending_));
   due_.clear();
+  answer_by_.clear();
   partial_.reset();
+  // Pending pulls keep this object alive until they are answered: the
+  // descriptor is not theirs to hold (nothing wakes the owner any more).
+  wake_.Reset();
 }
 
 std::unique_ptr<Outbox::Answer> Outbox::TakeHeadLocked() {

@@ -66,8 +66,11 @@ class Outbox {
   Outbox& operator=(const Outbox&) = delete;
 
   // The place of the next request's answer; every reserved place must be
-  // completed, or the answers behind it are never sent.
-  uint64_t Reserve();
+  // completed, or the answers behind it are never sent. An answer promised
+  // by `answer_by` (a pull's deadline) that is still missing 5 s after it
+  // makes OwnerFlush fail: the handler broke its promise, and the answers
+  // behind it would wait forever.
+  uint64_t Reserve(absl::Time answer_by = absl::InfiniteFuture());
   // From any thread: the answer for place `seq`. Sends it and the answers
   // due behind it, unless another thread is sending or the connection's
   // thread has taken over (either sends it too).
@@ -77,13 +80,29 @@ class Outbox {
   // socket for writing while wants_write().
   int wake_fd() const { return wake_.get(); }
   bool wants_write() const;
-  // Sends what is due as far as the socket takes it now. Not OK: the
-  // connection is broken (the peer vanished, or it read nothing of an
-  // answer for `stall_limit`).
+  // Answers reserved and not yet sent. The connection's thread reads no
+  // more requests while this is at kMaxOutstanding, so a client that sends
+  // pulls without reading their answers holds a bounded amount.
+  static constexpr uint64_t kMaxOutstanding = 4096;
+  uint64_t outstanding() const;
+  // When OwnerFlush must run next at the latest (a promised answer's
+  // deadline, or the stall limit), or InfiniteFuture.
+  absl::Time next_check(absl::Duration stall_limit) const;
+  // Sends what is due as far as the socket takes it now. Not OK (ABORTED
+  // or INTERNAL; never DEADLINE_EXCEEDED, which a reader takes for an idle
+  // peer): the connection is broken, its peer read nothing for
+  // `stall_limit`, or an answer is overdue (Reserve).
   absl::Status OwnerFlush(absl::Duration stall_limit);
+  // At the end of the connection (the peer closed its side, or broke the
+  // framing): sends what is still due, as the connection's own thread
+  // would have, until every reserved answer is out, the connection breaks
+  // or `until` passes.
+  void FlushBeforeClose(absl::Time until);
   // Nothing more is sent; waits for a send in progress on another thread.
   // Later Completes drop their answers.
   void Close();
+  // Why a send failed, or OK.
+  absl::Status error() const;
 
  private:
   // Sends due answers while the socket takes them, starting with the
@@ -91,6 +110,9 @@ class Outbox {
   // socket full (the connection's thread takes over), or the connection
   // broken. Called with sending_ set by this thread and mu_ released.
   void SendDue() ABSL_LOCKS_EXCLUDED(mu_);
+  // OwnerFlush's verdict after sending.
+  absl::Status CheckHealthy(absl::Duration stall_limit)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The answer due next, or null; takes it out of `due_`.
   std::unique_ptr<Answer> TakeHeadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WakeOwner();
@@ -99,6 +121,8 @@ class Outbox {
   ScopedFd wake_;  // eventfd
   mutable absl::Mutex mu_;
   uint64_t next_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  // The promised deadlines of reserved answers not completed yet.
+  absl::flat_hash_map<uint64_t, absl::Time> answer_by_ ABSL_GUARDED_BY(mu_);
   uint64_t next_to_send_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Answer>> due_
       ABSL_GUARDED_BY(mu_);

@@ -139,8 +139,45 @@ TEST_F(OutboxTest, APeerThatReadsNothingIsCutOffByTheStallLimit) {
   outbox.Complete(outbox.Reserve(), Text(std::string(4 << 20, 'x')));
   ASSERT_TRUE(outbox.wants_write());
   EXPECT_TRUE(outbox.OwnerFlush(absl::Seconds(30)).ok());
+  // Not DEADLINE_EXCEEDED: a reader takes that for an idle peer.
   const absl::Status stalled = outbox.OwnerFlush(absl::ZeroDuration());
-  EXPECT_TRUE(absl::IsDeadlineExceeded(stalled)) << stalled;
+  EXPECT_TRUE(absl::IsAborted(stalled)) << stalled;
+  outbox.Close();
+}
+
+TEST_F(OutboxTest, AnAnswerMissingLongPastItsDeadlineEndsTheConnection) {
+  Outbox outbox(server_);
+  const uint64_t overdue = outbox.Reserve(absl::Now() - absl::Seconds(10));
+  EXPECT_EQ(outbox.outstanding(), 1);
+  EXPECT_LE(outbox.next_check(absl::Seconds(30)), absl::Now());
+  const absl::Status broken = outbox.OwnerFlush(absl::Seconds(30));
+  EXPECT_TRUE(absl::IsInternal(broken)) << broken;
+  // Answered after all: nothing is overdue any more.
+  outbox.Complete(overdue, Text("late"));
+  EXPECT_TRUE(outbox.OwnerFlush(absl::Seconds(30)).ok());
+  EXPECT_EQ(outbox.outstanding(), 0);
+  EXPECT_EQ(ReadAnswer(), "late");
+  outbox.Close();
+}
+
+TEST_F(OutboxTest, FlushBeforeCloseSendsWhatIsStillDue) {
+  ASSERT_TRUE(ShrinkSendBuffer());
+  Outbox outbox(server_);
+  const std::string big(4 << 20, 'x');
+  outbox.Complete(outbox.Reserve(), Text(big));
+  const uint64_t pending = outbox.Reserve(absl::Now() + absl::Seconds(60));
+  ASSERT_TRUE(outbox.wants_write());
+  // The peer has closed its sending side but reads; the pending answer
+  // comes from another thread meanwhile.
+  std::thread reader([&] {
+    EXPECT_EQ(ReadAnswer(), big);
+    EXPECT_EQ(ReadAnswer(), "pending");
+  });
+  std::thread completing([&] { outbox.Complete(pending, Text("pending")); });
+  outbox.FlushBeforeClose(absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(outbox.outstanding(), 0);
+  completing.join();
+  reader.join();
   outbox.Close();
 }
 

@@ -365,19 +365,28 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& chosen,
   }
   ModelSchema schema = chosen;
   schema.set_block_elements(BlockElementsForModel(schema, replicas_));
-  absl::StatusOr<Registration> registered =
-      RegisterResolved(schema, num_workers, worker_id);
-  if (!absl::IsFailedPrecondition(registered.status())) return registered;
   // Servers restored from a checkpoint of this model in other blocks (one
   // written before the rule, or with --block_elements set) resume it as it
   // was: a block size the client did not choose is no reason to refuse.
-  absl::StatusOr<int64_t> held = HeldBlockElements(schema);
-  if (!held.ok()) return registered;
-  LOG(INFO) << "the servers hold this model in blocks of " << *held
-            << " elements (restored); registering with those instead of "
-            << schema.block_elements();
-  schema.set_block_elements(*held);
-  return RegisterResolved(schema, num_workers, worker_id);
+  // Asked first, so that no shard without a model installs a size the
+  // others refuse; asked again after a refusal, for servers that were not
+  // answering yet. Either way the question is best effort.
+  const auto adopt_held = [&]() {
+    absl::StatusOr<int64_t> held = HeldBlockElements(schema);
+    if (!held.ok() || *held == schema.block_elements()) return false;
+    LOG(INFO) << "the servers hold this model in blocks of " << *held
+              << " elements (restored); registering with those instead of "
+              << schema.block_elements();
+    schema.set_block_elements(*held);
+    return true;
+  };
+  adopt_held();
+  absl::StatusOr<Registration> registered =
+      RegisterResolved(schema, num_workers, worker_id);
+  if (absl::IsFailedPrecondition(registered.status()) && adopt_held()) {
+    return RegisterResolved(schema, num_workers, worker_id);
+  }
+  return registered;
 }
 
 absl::StatusOr<int64_t> PsClient::HeldBlockElements(const ModelSchema& schema) {

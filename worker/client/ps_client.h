@@ -479,14 +479,14 @@ class PsClient {
   absl::StatusOr<std::vector<RegisterModelResponse>> RegisterCalls(
       bool wait_out_dying_servers);
   absl::Status RegisterOnShards();
-  // Whether the shards that hold a restarted worker's place (sync) all do,
-  // at one step; or none does.
   // Register with the block size settled.
   absl::StatusOr<Registration> RegisterResolved(const ModelSchema& schema,
                                                 int num_workers, int worker_id);
   // The block_elements of the model a shard holds when it is `schema` in
   // other blocks; NOT_FOUND otherwise.
   absl::StatusOr<int64_t> HeldBlockElements(const ModelSchema& schema);
+  // Whether the shards that hold a restarted worker's place (sync) all do,
+  // at one step; or none does.
   static bool ResumesInPlaceEverywhere(
       const std::vector<RegisterModelResponse>& responses);
   // Before the first registration: fails fast, naming TLS and the likely
