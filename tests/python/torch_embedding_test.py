@@ -15,13 +15,20 @@ VOCAB, DIM, BAG, BATCH, STEPS, LR = 50, 4, 3, 16, 20, 0.1
 
 
 class Net(torch.nn.Module):
-    def __init__(self, table):
+    """`twice`: the table is called on two overlapping slices of each bag,
+    so a step's rows come from two forwards and share ids."""
+
+    def __init__(self, table, twice=False):
         super().__init__()
         self.table = table
+        self.twice = twice
         torch.manual_seed(4)
         self.out = torch.nn.Linear(DIM, 1)
 
     def forward(self, ids):
+        if self.twice:
+            return self.out(self.table(ids[:, :2]) +
+                            self.table(ids[:, 1:])).squeeze(1)
         return self.out(self.table(ids)).squeeze(1)
 
 
@@ -35,13 +42,13 @@ def batches():
 
 class TorchEmbeddingTest(unittest.TestCase):
 
-    def check(self, sparse_optimizer, consistency=None):
+    def check(self, sparse_optimizer, consistency=None, twice=False):
         with cluster.Cluster(num_shards=2, num_workers=1,
                              flags=["--optimizer=sgd",
                                     f"--learning_rate={LR}"]) as c:
             model = Net(pstrain.torch.EmbeddingBag(
                 VOCAB, DIM, mode="mean", optimizer=sparse_optimizer, lr=LR,
-                initial_accumulator=0.1, consistency=consistency))
+                initial_accumulator=0.1, consistency=consistency), twice)
             ps = pstrain.torch.ParameterServer(model, hosts=c.hosts,
                                                worker_id=0, num_workers=1)
             every_id = np.arange(VOCAB, dtype=np.uint64)
@@ -49,7 +56,7 @@ class TorchEmbeddingTest(unittest.TestCase):
             ps.client.pull_sparse(0, 0, every_id, initial)
 
             # The same model held locally, from the same initial values.
-            local = Net(torch.nn.EmbeddingBag(VOCAB, DIM, mode="mean"))
+            local = Net(torch.nn.EmbeddingBag(VOCAB, DIM, mode="mean"), twice)
             local.table.weight.data.copy_(torch.from_numpy(initial))
             if sparse_optimizer == "sgd":
                 sparse = torch.optim.SGD(local.table.parameters(), lr=LR)
@@ -87,6 +94,9 @@ class TorchEmbeddingTest(unittest.TestCase):
 
     def test_adagrad(self):
         self.check("adagrad")
+
+    def test_a_table_called_twice_in_a_step_pushes_the_summed_gradient(self):
+        self.check("adagrad", twice=True)
 
     def test_an_async_table_under_sync_servers(self):
         # One worker: async rows are the sync ones, so the same equivalence

@@ -626,14 +626,25 @@ class _ServerTable(torch.nn.Module):
         if not self._pending:
             keys = np.zeros(0, dtype=np.uint64)
             grads = np.zeros((0, self.embedding_dim), dtype=np.float32)
+        elif len(self._pending) == 1:
+            # One forward this step (the usual case): its keys are unique
+            # already (_rows pulls each id once), so its rows' gradient is
+            # the push as it is.
+            keys, rows = self._pending[0]
+            grads = (rows.grad if rows.grad is not None
+                     else torch.zeros_like(rows)).contiguous().numpy()
         else:
             all_keys = np.concatenate([k for k, _ in self._pending])
             all_grads = torch.cat([
                 r.grad if r.grad is not None else torch.zeros_like(r)
-                for _, r in self._pending]).numpy()
+                for _, r in self._pending])
             keys, where = np.unique(all_keys, return_inverse=True)
-            grads = np.zeros((len(keys), self.embedding_dim), dtype=np.float32)
-            np.add.at(grads, where, all_grads)
+            # index_add_, not np.add.at: the latter took 14% of a CTR step.
+            grads = torch.zeros((len(keys), self.embedding_dim),
+                                dtype=torch.float32)
+            grads.index_add_(0, torch.from_numpy(where.astype(np.int64)),
+                             all_grads)
+            grads = grads.numpy()
         self._pending = []
         return self._index, keys, grads
 
