@@ -62,9 +62,11 @@ class DataLinkIo {
         std::clamp<int64_t>(absl::ToInt64Milliseconds(timeout), 1, UINT32_MAX));
   }
 
-  // At most this many requests of the link unanswered (see SendLimit).
-  void set_window(size_t requests) {
+  // At most this many requests of the link unanswered, and at most
+  // `bytes` of them past the oldest one (see SendLimit).
+  void set_window(size_t requests, uint64_t bytes = UINT64_MAX) {
     window_ = std::clamp<size_t>(requests, 1, SIZE_MAX / 2);
+    window_bytes_ = bytes;
   }
 
   // Whether a request or its answer is large enough (a body of
@@ -376,11 +378,22 @@ class DataLinkIo {
   }
 
   // The bytes that may be sent now: every request up to `window_` past
-  // the oldest unanswered one.
+  // the oldest unanswered one, and of those only as many as end within
+  // `window_bytes_` of it (the oldest always).
   uint64_t SendLimit() const {
     if (request_ends_.empty()) return 0;
-    return request_ends_[std::min(answered_ + window_, request_ends_.size()) -
-                         1];
+    size_t allowed = std::min(answered_ + window_, request_ends_.size());
+    if (window_bytes_ != UINT64_MAX) {
+      const uint64_t answered_bytes =
+          answered_ == 0 ? 0 : request_ends_[answered_ - 1];
+      size_t within = answered_ + 1;
+      while (within < allowed &&
+             request_ends_[within] - answered_bytes <= window_bytes_) {
+        ++within;
+      }
+      allowed = std::min(allowed, within);
+    }
+    return request_ends_[allowed - 1];
   }
 
   DataLink* link_;
@@ -388,6 +401,7 @@ class DataLinkIo {
   std::vector<uint64_t> request_ends_;  // bytes up to each request's end
   uint64_t sent_bytes_ = 0;
   size_t window_ = SIZE_MAX / 2;
+  uint64_t window_bytes_ = UINT64_MAX;
   uint32_t timeout_ms_ = 1;
   std::vector<char> headers_;
   std::vector<iovec> iov_;
@@ -484,9 +498,13 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
       continue;
     }
     io.set_timeout(deadline - absl::Now());
-    io.set_window(requests_in_flight != kWindowByHost ? requests_in_flight
-                  : io.link()->same_host()            ? SIZE_MAX
-                                                      : 1);
+    if (requests_in_flight != kWindowByHost) {
+      io.set_window(requests_in_flight);
+    } else if (io.link()->same_host()) {
+      io.set_window(SIZE_MAX, kSameHostBytesInFlight);
+    } else {
+      io.set_window(1);
+    }
     io.Prepare();
     live.push_back(&io);
     if (io.link()->tls() != nullptr && io.heavy()) ++tls_links;

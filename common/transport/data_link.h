@@ -95,9 +95,10 @@ struct DataExchange {
 // Sends every exchange and reads every answer; a link's exchanges go in
 // order, links proceed at once, and a link sends a request only while fewer
 // than `requests_in_flight` of its earlier ones are unanswered
-// (kWindowByHost: all of them to a server on this host, one to a server
-// elsewhere). Returns when all are answered or failed; nothing is left in
-// flight past `deadline`.
+// (kWindowByHost: to a server on this host as many as fit in
+// kSameHostBytesInFlight past the oldest unanswered one, to a server
+// elsewhere one). Returns when all are answered or failed; nothing is left
+// in flight past `deadline`.
 //
 // Why a window: in a sync step every worker's group k must be in before the
 // shard answers any of them. A connection that runs ahead fills the shard's
@@ -108,13 +109,17 @@ struct DataExchange {
 // sync step went from 1.34x to 1.04x the link-bound ideal (probe model,
 // 2 shards x 4 workers, bench/results/netns_link_speed.txt).
 //
-// On one host the opposite holds: nothing binds but the CPU, and each
-// answer awaited before the next request is sent costs wakeups on both
-// ends. With small block groups a window of one cost a loopback job 27%;
-// everything in flight costs nothing (the server answers from the thread
+// On one host the opposite holds for small groups: nothing binds but the
+// CPU, and each answer awaited before the next request is sent costs
+// wakeups on both ends. With 32 KiB groups a window of one cost a loopback
+// job 27%; all in flight costs nothing (the server answers from the thread
 // that completes a step, ps_server/outbox.h;
-// bench/results/block_size_tradeoff.txt).
+// bench/results/block_size_tradeoff.txt). Large groups gain nothing from
+// it, and a 5.8M-float model's exchange (512 KiB groups) looked slower
+// with all in flight (noisy runs), so the bytes in flight are capped: one
+// 512 KiB group at a time, as before; eight 32 KiB ones.
 inline constexpr size_t kWindowByHost = 0;
+inline constexpr uint64_t kSameHostBytesInFlight = 256 << 10;
 void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
                   size_t requests_in_flight = SIZE_MAX);
 

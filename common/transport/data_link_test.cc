@@ -54,7 +54,8 @@ bool BytesArrive(int fd, absl::Duration wait) {
 // Three pushes on one link with the given window; returns, for each
 // request the server answers in turn, whether the next request's bytes had
 // already arrived before that answer.
-std::vector<bool> NextRequestSeenBeforeEachAnswer(size_t requests_in_flight) {
+std::vector<bool> NextRequestSeenBeforeEachAnswer(size_t requests_in_flight,
+                                                  size_t body_bytes = 1000) {
   int port = 0;
   absl::StatusOr<ScopedFd> listener = ListenTcp("127.0.0.1", 0, 0, &port);
   EXPECT_TRUE(listener.ok()) << listener.status();
@@ -78,7 +79,7 @@ std::vector<bool> NextRequestSeenBeforeEachAnswer(size_t requests_in_flight) {
       DataLink::Open("127.0.0.1", port, "", 1 << 20, deadline);
   EXPECT_TRUE(link.ok()) << link.status();
   if (link.ok()) {
-    const std::string body(1000, 'g');
+    const std::string body(body_bytes, 'g');
     std::vector<DataExchange> exchanges(3);
     for (DataExchange& e : exchanges) {
       e.link = link->get();
@@ -107,6 +108,13 @@ TEST(DataLinkTest, TheWindowByHostSendsEverythingToAServerOnThisHost) {
   // netns lab shows it, bench/netns/link_speed.sh.)
   EXPECT_EQ(NextRequestSeenBeforeEachAnswer(kWindowByHost),
             (std::vector<bool>{true, true}));
+}
+
+TEST(DataLinkTest, TheWindowByHostSendsLargeRequestsOneAtATime) {
+  // Two of them do not fit in kSameHostBytesInFlight.
+  EXPECT_EQ(NextRequestSeenBeforeEachAnswer(kWindowByHost,
+                                            kSameHostBytesInFlight * 3 / 4),
+            (std::vector<bool>{false, false}));
 }
 
 TEST(ConnectsToThisHostTest, LoopbackIsThisHostAndAUnixSocketIsNot) {
