@@ -21,12 +21,13 @@
 namespace pstrain {
 
 // A schema's block_elements when its client leaves the choice to
-// BlockElementsForModel (PsClient::Register resolves it before anything
+// ResolvedBlockElements (PsClient::Register resolves it before anything
 // else sees the schema): the worker's --block_elements default, and what
 // bench/transport/ps_bench measures unless told otherwise.
 inline constexpr int64_t kBlockElementsByModel = 0;
 
-// A power of two in [8192, 131072] (32 to 512 KiB of float32) that cuts the
+// The schema's block_elements, or, when it is kBlockElementsByModel, a
+// power of two in [8192, 131072] (32 to 512 KiB of float32) that cuts the
 // model's dense elements into about 16 blocks, so every worker of a job
 // picks the same from the schema alone.
 //
@@ -44,7 +45,7 @@ inline constexpr int64_t kBlockElementsByModel = 0;
 // block group (ps_server/replication.h), so small groups multiply those (a
 // sync MLP step with --replicas=2 took 1.72x one without in 8192-element
 // blocks, 1.10x in 131072; bench/results/replication_overhead.txt).
-int64_t BlockElementsForModel(const ModelSchema& schema, int replicas = 1);
+int64_t ResolvedBlockElements(const ModelSchema& schema, int replicas = 1);
 
 struct BlockLocation {
   int tensor = 0;      // index into schema.dense()

@@ -117,20 +117,20 @@ ModelSchema SchemaOfElements(std::vector<int64_t> sizes) {
   return schema;
 }
 
-TEST(BlockElementsForModelTest, SmallModelsGetSmallBlocksAndLargeOnesLarge) {
+TEST(ResolvedBlockElementsTest, SmallModelsGetSmallBlocksAndLargeOnesLarge) {
   // The Fashion-MNIST MLP (784-256-128-10): 8192, so about 30 block groups.
-  EXPECT_EQ(BlockElementsForModel(SchemaOfElements(
+  EXPECT_EQ(ResolvedBlockElements(SchemaOfElements(
                 {784 * 256, 256, 256 * 128, 128, 128 * 10, 10})),
             8192);
-  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({1})), 8192);
+  EXPECT_EQ(ResolvedBlockElements(SchemaOfElements({1})), 8192);
   // About 16 blocks between the bounds, whatever the tensors.
-  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({1 << 20})), 65536);
-  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({1 << 19, 1 << 19})), 65536);
-  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({(1 << 20) - 1})), 32768);
+  EXPECT_EQ(ResolvedBlockElements(SchemaOfElements({1 << 20})), 65536);
+  EXPECT_EQ(ResolvedBlockElements(SchemaOfElements({1 << 19, 1 << 19})), 65536);
+  EXPECT_EQ(ResolvedBlockElements(SchemaOfElements({(1 << 20) - 1})), 32768);
   // The 23 MB GPU MLP keeps 512 KiB blocks.
-  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({5800000})), 131072);
+  EXPECT_EQ(ResolvedBlockElements(SchemaOfElements({5800000})), 131072);
   // So does any model on replicated shards.
-  EXPECT_EQ(BlockElementsForModel(SchemaOfElements({1000}), /*replicas=*/2),
+  EXPECT_EQ(ResolvedBlockElements(SchemaOfElements({1000}), /*replicas=*/2),
             131072);
 }
 

@@ -47,7 +47,8 @@ absl::Status AwaitReadable(const Stream& stream) {
   while (true) {
     const bool sending = stream.outbox->wants_write();
     const bool full = stream.outbox->outstanding() >= Outbox::kMaxOutstanding;
-    absl::Time wake = std::min(quiet_until, stream.outbox->next_check(kQuiet));
+    const absl::Time check = stream.outbox->next_check(kQuiet);
+    absl::Time wake = std::min(quiet_until, check);
     if (full) wake = std::min(wake, absl::Now() + absl::Milliseconds(10));
     pollfd waits[2] = {
         {stream.fd,
@@ -61,7 +62,14 @@ absl::Status AwaitReadable(const Stream& stream) {
       if (errno == EINTR) continue;
       return SocketError("poll", errno);
     }
-    if (absl::Status s = stream.outbox->OwnerFlush(kQuiet); !s.ok()) return s;
+    // Only when there is something to send or to check: not a system call
+    // and a lock for every request read.
+    if ((waits[0].revents & POLLOUT) != 0 || waits[1].revents != 0 ||
+        absl::Now() >= check) {
+      if (absl::Status s = stream.outbox->OwnerFlush(kQuiet); !s.ok()) {
+        return s;
+      }
+    }
     if ((waits[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
       return absl::OkStatus();
     }
@@ -246,7 +254,7 @@ struct PullAnswerParts {
 // The framed answer to a pull (the pull half of a PushPull behind its push
 // response), on whichever thread the shard answers it.
 std::unique_ptr<Outbox::Answer> MakePullAnswer(
-    const PullAnswerParts& parts, absl::StatusOr<OutgoingBytes> result) {
+    PullAnswerParts parts, absl::StatusOr<OutgoingBytes> result) {
   auto answer = std::make_unique<Outbox::Answer>();
   const absl::StatusCode code = result.status().code();
   uint64_t pull_bytes = 0;
@@ -254,7 +262,7 @@ std::unique_ptr<Outbox::Answer> MakePullAnswer(
     for (absl::string_view piece : result->pieces) pull_bytes += piece.size();
     answer->keep_alive = std::move(result->keep_alive);
     if (parts.method == Method::kPushPull) {
-      answer->owned = parts.push_response;
+      answer->owned = std::move(parts.push_response);
       answer->Frame(code,
                     PrefixPushResponse(answer->owned, parts.payloads_apart,
                                        result->pieces, answer->push_length,
@@ -411,7 +419,9 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
   PullAnswerParts parts;
   parts.method = header.method;
   parts.payloads_apart = header.payloads_apart;
-  if (header.method == Method::kPushPull) parts.push_response = *pushed;
+  if (header.method == Method::kPushPull) {
+    parts.push_response = std::move(*pushed);
+  }
   parts.arrived = pull_arrived;
   parts.request_bytes = pull_request.size();
   if (options.on_call) parts.on_call = &options.on_call;
@@ -421,8 +431,11 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
         absl::MakeConstSpan(&pull_request, 1), deadline, header.payloads_apart,
         follows_own_push,
         [outbox = stream.outbox, seq = stream.outbox->Reserve(deadline),
-         parts = std::move(parts)](absl::StatusOr<OutgoingBytes> result) {
-          outbox->Complete(seq, MakePullAnswer(parts, std::move(result)));
+         parts =
+             std::move(parts)](absl::StatusOr<OutgoingBytes> result) mutable {
+          // Called once: the parts are not needed again.
+          outbox->Complete(seq,
+                           MakePullAnswer(std::move(parts), std::move(result)));
         });
     return absl::OkStatus();
   }
@@ -430,8 +443,9 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
   handler.ServeDataPlanePull(
       absl::MakeConstSpan(&pull_request, 1), deadline, header.payloads_apart,
       follows_own_push,
-      [wait, parts = std::move(parts)](absl::StatusOr<OutgoingBytes> result) {
-        wait->answer = MakePullAnswer(parts, std::move(result));
+      [wait,
+       parts = std::move(parts)](absl::StatusOr<OutgoingBytes> result) mutable {
+        wait->answer = MakePullAnswer(std::move(parts), std::move(result));
         wait->done.Notify();
       });
   // The shard answers by the deadline; the margin only guards against a

@@ -109,11 +109,9 @@ int Main() {
   ExitOnFlagErrors({probe.status()});
   ModelSchema schema;
   schema.set_seed(absl::GetFlag(FLAGS_seed));
+  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements));
   *schema.add_dense() = (*probe)->Params()[0];
-  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements) !=
-                                    kBlockElementsByModel
-                                ? absl::GetFlag(FLAGS_block_elements)
-                                : BlockElementsForModel(schema));
+  schema.set_block_elements(ResolvedBlockElements(schema));
   absl::StatusOr<Registration> registered = (*client)->Register(
       schema, absl::GetFlag(FLAGS_num_workers), /*worker_id=*/-1);
   if (!registered.ok()) {

@@ -34,9 +34,8 @@ ModelSchema BenchSchema(int64_t size) {
   tensor->set_name("bench");
   tensor->add_shape(size / 4);
   tensor->mutable_init()->set_kind(InitSpec::ZEROS);
-  const int64_t chosen = absl::GetFlag(FLAGS_block_elements);
-  schema.set_block_elements(
-      chosen != kBlockElementsByModel ? chosen : BlockElementsForModel(schema));
+  schema.set_block_elements(absl::GetFlag(FLAGS_block_elements));
+  schema.set_block_elements(ResolvedBlockElements(schema));
   return schema;
 }
 

@@ -204,7 +204,7 @@ class PsClient {
   // layout used by Pull and Push. With worker_id >= 0 this process joins
   // the job as that worker (heartbeats start); -1 is an observer that may
   // only pull. A schema's block_elements kBlockElementsByModel becomes
-  // BlockElementsForModel's, or, where the servers already hold this model
+  // ResolvedBlockElements's, or, where the servers already hold this model
   // in other blocks (restored from a checkpoint), theirs.
   absl::StatusOr<Registration> Register(const ModelSchema& schema,
                                         int num_workers, int worker_id);
