@@ -95,12 +95,15 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
         options.cpu_threads));
   }
   const int cpu_threads = SetCpuGemmThreads(options.cpu_threads);
-  if (device == "cpu" || device == "cpu_reference") {
+  if (device == "cpu" || device == "cpu_reference" || device == "cpu_staged") {
     if (precision == Precision::kBf16) {
       return bf16_needs_gpu(absl::StrCat("--device=", device));
     }
     if (device == "cpu_reference") {
       return std::make_unique<CpuBackend>(CpuGemm::kReference);
+    }
+    if (device == "cpu_staged") {
+      return std::make_unique<CpuBackend>(CpuGemm::kBlas, /*staged=*/true);
     }
     LOG_FIRST_N(INFO, 1) << "CPU GEMMs through OpenBLAS on " << cpu_threads
                          << " thread(s)";
@@ -162,7 +165,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--device must be auto, cpu or cuda:N (or cpu_reference, "
-                   "the exact CPU kernels), got '",
+                   "the exact CPU kernels, or cpu_staged, the GPU worker's "
+                   "staging on the CPU), got '",
                    device, "'"));
 }
 

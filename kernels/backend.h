@@ -167,6 +167,18 @@ class Backend {
   // x[i] = value.
   virtual absl::Status Fill(int64_t n, float value, float* x) = 0;
 
+  // y[i] = the 16 bits of x[i] rounded to bfloat16 (to nearest, ties to
+  // even; what overflows becomes infinity; NaN stays NaN). For finite
+  // values and infinities, bit for bit what the host's wire codec makes of
+  // a gradient under --gradient_wire_type=bf16
+  // (common/transport/tensor_codec.h), so a worker may cast on its device
+  // before the copy to the host instead.
+  virtual absl::Status FloatToBf16(int64_t n, const float* x, uint16_t* y) = 0;
+
+  // y[i] = the float whose top 16 bits are x[i] (exact): pulled bfloat16
+  // parameters widened on the device after the copy from the host.
+  virtual absl::Status Bf16ToFloat(int64_t n, const uint16_t* x, float* y) = 0;
+
   // Embedding lookup: out[i, :] = table[indices[i], :] for i in
   // [0, num_indices), with table of shape [table_rows, dim] and out of shape
   // [num_indices, dim] (write-only). indices live in backend memory.
@@ -192,7 +204,9 @@ class Backend {
 // What to build a backend for; the fields mirror the worker's flags.
 struct BackendOptions {
   // "cpu" (GEMMs through OpenBLAS), "cpu_reference" (the exact hand-written
-  // CPU kernels: the oracle of the tests), "auto" (a GPU when one is
+  // CPU kernels: the oracle of the tests), "cpu_staged" ("cpu" whose
+  // memory a worker treats as a device's: the GPU staging path, for
+  // tests), "auto" (a GPU when one is
   // visible and this build has the CUDA backend, otherwise "cpu", said once
   // in the log) or "cuda:N" (Unavailable when that device cannot be had).
   std::string device = "auto";

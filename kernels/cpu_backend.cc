@@ -123,7 +123,7 @@ int SetCpuGemmThreads(int threads) {
 std::string CpuBackend::Name() const {
   switch (gemm_) {
     case CpuGemm::kBlas:
-      return "cpu";
+      return staged_ ? "cpu_staged" : "cpu";
     case CpuGemm::kReference:
       return "cpu_reference";
     case CpuGemm::kBf16Inputs:
@@ -394,6 +394,34 @@ absl::Status CpuBackend::Fill(int64_t n, float value, float* x) {
     return s;
   }
   std::fill(x, x + n, value);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::FloatToBf16(int64_t n, const float* x, uint16_t* y) {
+  if (absl::Status s = Validate("FloatToBf16", {{"n", n}},
+                                {{"x", x, n > 0}, {"y", y, n > 0}});
+      !s.ok()) {
+    return s;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float rounded = RoundToBf16(x[i]);
+    uint32_t bits;
+    std::memcpy(&bits, &rounded, sizeof(bits));
+    y[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Bf16ToFloat(int64_t n, const uint16_t* x, float* y) {
+  if (absl::Status s = Validate("Bf16ToFloat", {{"n", n}},
+                                {{"x", x, n > 0}, {"y", y, n > 0}});
+      !s.ok()) {
+    return s;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(&y[i], &bits, sizeof(bits));
+  }
   return absl::OkStatus();
 }
 

@@ -52,12 +52,17 @@ class CpuBackend final : public Backend {
   // any SIMD load).
   static constexpr size_t kAlignment = 64;
 
-  explicit CpuBackend(CpuGemm gemm = CpuGemm::kBlas) : gemm_(gemm) {}
+  // `staged`: MemoryIsHost() says false, so a worker stages its tensors
+  // through host copies (and casts for the wire on the "device") as it does
+  // on a GPU: --device=cpu_staged, which runs that path where there is no
+  // GPU (tests). Everything else is kBlas's.
+  explicit CpuBackend(CpuGemm gemm = CpuGemm::kBlas, bool staged = false)
+      : gemm_(gemm), staged_(staged) {}
   CpuBackend(const CpuBackend&) = delete;
   CpuBackend& operator=(const CpuBackend&) = delete;
 
   std::string Name() const override;
-  bool MemoryIsHost() const override { return true; }
+  bool MemoryIsHost() const override { return !staged_; }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override;
   void Free(void* ptr) override;
@@ -85,6 +90,8 @@ class CpuBackend final : public Backend {
   absl::Status Axpy(int64_t n, float alpha, const float* x, float* y) override;
   absl::Status Scale(int64_t n, float alpha, float* x) override;
   absl::Status Fill(int64_t n, float value, float* x) override;
+  absl::Status FloatToBf16(int64_t n, const float* x, uint16_t* y) override;
+  absl::Status Bf16ToFloat(int64_t n, const uint16_t* x, float* y) override;
   absl::Status Gather(int64_t num_indices, int64_t dim, int64_t table_rows,
                       const float* table, const int64_t* indices,
                       float* out) override;
@@ -100,6 +107,7 @@ class CpuBackend final : public Backend {
 
  private:
   const CpuGemm gemm_;
+  const bool staged_;
 };
 
 }  // namespace pstrain::kernels

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "common/transport/tensor_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
@@ -69,6 +70,46 @@ TEST(CpuBackendTest, Name) {
   EXPECT_EQ(CpuBackend().Name(), "cpu");
   EXPECT_EQ(CpuBackend(CpuGemm::kReference).Name(), "cpu_reference");
   EXPECT_EQ(CpuBackend(CpuGemm::kBf16Inputs).Name(), "cpu bf16 inputs");
+  EXPECT_EQ(CpuBackend(CpuGemm::kBlas, /*staged=*/true).Name(), "cpu_staged");
+  EXPECT_TRUE(CpuBackend().MemoryIsHost());
+  EXPECT_FALSE(CpuBackend(CpuGemm::kBlas, /*staged=*/true).MemoryIsHost());
+}
+
+// The backend's casts are the wire codec's conversions (a worker may cast
+// on its device instead of in the client): the same bits for every finite
+// value and infinity, NaN kept NaN, and the widening exact.
+TEST(CpuBackendTest, Bf16CastsAreTheWireCodecs) {
+  CpuBackend cpu;
+  std::vector<float> x;
+  uint32_t state = 12345;
+  for (int i = 0; i < 100000; ++i) {
+    state = state * 1664525u + 1013904223u;  // every bit pattern's region
+    float v;
+    std::memcpy(&v, &state, sizeof(v));
+    x.push_back(v);
+  }
+  for (float v : {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -0.0f,
+                  std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::infinity(), 1e-40f}) {
+    x.push_back(v);
+  }
+  std::vector<uint16_t> bits(x.size());
+  ASSERT_TRUE(cpu.FloatToBf16(x.size(), x.data(), bits.data()).ok());
+  std::vector<float> widened(x.size());
+  ASSERT_TRUE(cpu.Bf16ToFloat(x.size(), bits.data(), widened.data()).ok());
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i])) {
+      ASSERT_TRUE(std::isnan(widened[i])) << i;
+      continue;
+    }
+    ASSERT_EQ(bits[i], ::pstrain::FloatToBfloat16Bits(x[i])) << "element " << i;
+    ASSERT_EQ(widened[i], ::pstrain::Bfloat16BitsToFloat(bits[i]))
+        << "element " << i;
+  }
+  EXPECT_EQ(cpu.FloatToBf16(-1, x.data(), bits.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cpu.Bf16ToFloat(2, nullptr, widened.data()).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // bfloat16 keeps 8 significant bits: the step between 1 and 2 is 2^-7.

@@ -177,6 +177,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+__global__ void __launch_bounds__(kThreads)
+    Bf16ToFloatKernel(int64_t n, const uint16_t* in, float* out) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    out[i] = __uint_as_float(static_cast<uint32_t>(in[i]) << 16);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // BiasGrad: block (32, 8) sums a 32-column tile over one chunk of rows; with
 // several chunks a second kernel adds the chunks' partial sums per column.
@@ -483,6 +490,14 @@ cudaError_t LaunchFloatToBf16(cudaStream_t stream, int64_t n, const float* in,
   if (n <= 0) return cudaSuccess;
   FloatToBf16Kernel<<<BlocksFor(n), kThreads, 0, stream>>>(
       n, in, static_cast<__nv_bfloat16*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchBf16ToFloat(cudaStream_t stream, int64_t n, const void* in,
+                              float* out) {
+  if (n <= 0) return cudaSuccess;
+  Bf16ToFloatKernel<<<BlocksFor(n), kThreads, 0, stream>>>(
+      n, static_cast<const uint16_t*>(in), out);
   return cudaGetLastError();
 }
 

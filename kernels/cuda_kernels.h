@@ -74,6 +74,11 @@ cudaError_t LaunchBiasGrad(cudaStream_t stream, int64_t rows, int64_t cols,
 cudaError_t LaunchFloatToBf16(cudaStream_t stream, int64_t n, const float* in,
                               void* out);
 
+// out[i] = the float whose top 16 bits are in[i] (a __nv_bfloat16 array's
+// bits): exact.
+cudaError_t LaunchBf16ToFloat(cudaStream_t stream, int64_t n, const void* in,
+                              float* out);
+
 // Fused softmax cross-entropy, as Backend::SoftmaxCrossEntropy, leaving its
 // results in *result (device memory): labels are checked first (a bad one
 // makes the other kernels write nothing), then one block per row computes

@@ -14,6 +14,7 @@
 #include "common/transport/grpc_bytes.h"
 #include "common/transport/grpc_status.h"
 #include "common/transport/grpc_tls_refusals.h"
+#include "common/transport/tensor_codec.h"
 #include "common/transport/wire.h"
 #include "glog/logging.h"
 
@@ -89,6 +90,8 @@ grpc::ServerUnaryReactor* ServeSmall(Shard* shard,
 // keeps updates off the blocks' memory until then.
 struct PullReply {
   std::vector<PulledBlock> blocks;
+  // The blocks' values in the pull's dtype, where it is not FLOAT32.
+  std::vector<std::string> encoded;
   WireMessage message;
   // A data-plane answer with payloads apart opens with this.
   char meta_length[data_plane::kLengthPrefixBytes] = {};
@@ -176,19 +179,34 @@ void ParameterServerService::PullFromBytes(
     shard_->CountRejected();
     return done(std::move(s));
   }
-  Shard::PullDone answer = [done = std::move(done), payloads_apart](
+  const DataType dtype = pull.dtype();
+  if (dtype != FLOAT32 && dtype != BFLOAT16 && dtype != FLOAT16) {
+    shard_->CountRejected();
+    return done(absl::InvalidArgumentError(
+        absl::StrCat("PullRequest dtype ", dtype,
+                     ": the servers answer FLOAT32, BFLOAT16 or FLOAT16")));
+  }
+  Shard::PullDone answer = [done = std::move(done), payloads_apart, dtype](
                                absl::Status status,
                                std::vector<PulledBlock> blocks) {
     if (!status.ok()) return done(std::move(status));
     auto reply = std::make_shared<PullReply>();
     reply->blocks = std::move(blocks);
+    if (dtype != FLOAT32) reply->encoded.resize(reply->blocks.size());
     std::vector<OutgoingBlock> outgoing;
     outgoing.reserve(reply->blocks.size());
-    for (const PulledBlock& b : reply->blocks) {
-      outgoing.push_back(OutgoingBlock{
-          {*b.tensor, b.block, FLOAT32, b.version},
-          absl::string_view(reinterpret_cast<const char*>(b.values->data()),
-                            b.values->size() * sizeof(float))});
+    for (size_t i = 0; i < reply->blocks.size(); ++i) {
+      const PulledBlock& b = reply->blocks[i];
+      if (dtype == FLOAT32 || b.state_values) {
+        outgoing.push_back(OutgoingBlock{
+            {*b.tensor, b.block, FLOAT32, b.version},
+            absl::string_view(reinterpret_cast<const char*>(b.values->data()),
+                              b.values->size() * sizeof(float))});
+      } else {
+        EncodeFromFloat32(dtype, *b.values, &reply->encoded[i]);
+        outgoing.push_back(OutgoingBlock{{*b.tensor, b.block, dtype, b.version},
+                                         reply->encoded[i]});
+      }
     }
     OutgoingBytes bytes;
     if (!payloads_apart) {

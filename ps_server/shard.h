@@ -132,6 +132,8 @@ struct PulledBlock {
   int64_t block = 0;
   int64_t version = 0;
   BlockValues::Ref values;
+  // A STATE tensor's block: sent exactly, whatever the pull's dtype.
+  bool state_values = false;
 };
 
 // The saved state of one block (see ps_server/checkpoint.h).

@@ -68,6 +68,7 @@ std::vector<PulledBlock> Shard::ShareBlocks(
     const Block& block = *model.blocks[locals[i]];
     out[i].tensor = block.tensor_name;
     out[i].block = block.location->block;
+    out[i].state_values = block.state_values;
     absl::MutexLock lock(&block.mu);
     out[i].version = block.version.load();
     out[i].values = block.value.Share();

@@ -606,6 +606,20 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
        "step must be in [0, 2^53), got -7"},
       {"pull: step 3 while the shard is at 1", pull(Pull(0, 3)),
        grpc::StatusCode::OUT_OF_RANGE, "a worker can be at most one step ahead"},
+      {"pull: parameters asked as TOPK_FLOAT32",
+       pull([] {
+         PullRequest p = Pull(0, 1);
+         p.set_dtype(TOPK_FLOAT32);
+         return p;
+       }()),
+       kInvalid, "PullRequest dtype 3: the servers answer FLOAT32"},
+      {"pull: parameters asked as dtype 77",
+       pull([] {
+         PullRequest p = Pull(0, 1);
+         p.set_dtype(static_cast<DataType>(77));
+         return p;
+       }()),
+       kInvalid, "PullRequest dtype 77"},
       {"pull: step INT64_MAX",
        pull(Pull(0, std::numeric_limits<int64_t>::max())), kInvalid,
        "step must be in [0, 2^53), got 9223372036854775807"},

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -30,38 +31,52 @@ namespace {
 // The model's parameters and gradients, in host memory (for the wire) and
 // in backend memory (for compute). The host side is the backend's host
 // memory (page-locked on CUDA): each copy between the two is then one DMA
-// straight into or out of what the client sends and receives.
+// straight into or out of what the client sends and receives. A tensor
+// whose wire type is bfloat16 (--gradient_wire_type / --parameter_wire_type
+// bf16) is cast on the device and staged in 16 bits, so the host moves half
+// the bytes and converts nothing; fp16 and top-k are converted by the
+// client on the host, from float32 staging.
 struct ParameterBuffers {
   std::vector<kernels::HostArray<float>> host_params, host_grads;
   std::vector<kernels::DeviceArray<float>> device_params, device_grads;
+  // Per tensor, empty unless it travels as bfloat16 (staged only): the
+  // host copies and the device casts of that type.
+  std::vector<kernels::HostArray<uint16_t>> host_params16, host_grads16;
+  std::vector<kernels::DeviceArray<uint16_t>> device_params16, device_grads16;
   // What the client pulls into and pushes from: the backend's arrays when
-  // the backend computes in host memory (no staging copies), else
-  // host_params and host_grads.
+  // the backend computes in host memory (no staging copies), else the host
+  // arrays above, 16-bit where a tensor travels so.
   bool staged = true;
-  std::vector<float*> pull_into;
-  std::vector<const float*> push_from;
+  std::vector<PsClient::TensorRef> pull_into;
+  std::vector<PsClient::ConstTensorRef> push_from;
 
-  absl::Status Allocate(const Model& model, kernels::Backend& backend) {
-    for (const DenseTensorSpec& spec : model.Params()) {
-      const int64_t n = NumElements(spec);
-      for (auto* host : {&host_params, &host_grads}) {
-        absl::StatusOr<kernels::HostArray<float>> array =
-            kernels::HostArray<float>::Create(&backend, n);
-        if (!array.ok()) return array.status();
-        host->push_back(std::move(*array));
-      }
-      for (auto* device : {&device_params, &device_grads}) {
-        absl::StatusOr<kernels::DeviceArray<float>> array =
-            kernels::DeviceArray<float>::Create(&backend, n);
-        if (!array.ok()) return array.status();
-        device->push_back(std::move(*array));
-      }
-    }
+  absl::Status Allocate(const Model& model, const PsClient& client,
+                        kernels::Backend& backend) {
     staged = !backend.MemoryIsHost();
-    pull_into =
-        staged ? Pointers<float>(host_params) : Pointers<float>(device_params);
-    push_from = staged ? Pointers<const float>(host_grads)
-                       : Pointers<const float>(device_grads);
+    const std::vector<DenseTensorSpec>& specs = model.Params();
+    for (size_t t = 0; t < specs.size(); ++t) {
+      const int64_t n = NumElements(specs[t]);
+      const bool push16 = staged && client.PushWireType(t) == BFLOAT16;
+      const bool pull16 = staged && client.PullWireType(t) == BFLOAT16;
+      absl::Status s =
+          Add(backend, n, host_params, host_grads, device_params, device_grads);
+      if (s.ok())
+        s = Add(backend, pull16 ? n : 0, host_params16, device_params16);
+      if (s.ok())
+        s = Add(backend, push16 ? n : 0, host_grads16, device_grads16);
+      if (!s.ok()) return s;
+      if (!staged) {
+        pull_into.push_back({FLOAT32, device_params[t].data()});
+        push_from.push_back({FLOAT32, device_grads[t].data()});
+        continue;
+      }
+      pull_into.push_back(
+          pull16 ? PsClient::TensorRef{BFLOAT16, host_params16[t].data()}
+                 : PsClient::TensorRef{FLOAT32, host_params[t].data()});
+      push_from.push_back(
+          push16 ? PsClient::ConstTensorRef{BFLOAT16, host_grads16[t].data()}
+                 : PsClient::ConstTensorRef{FLOAT32, host_grads[t].data()});
+    }
     return absl::OkStatus();
   }
 
@@ -79,7 +94,7 @@ struct ParameterBuffers {
     if (!staged) {
       if (absl::Status s = backend.Synchronize(); !s.ok()) return s;
     }
-    absl::StatusOr<int64_t> at = client.Pull(step, pull_into);
+    absl::StatusOr<int64_t> at = client.PullTensors(step, pull_into);
     if (!at.ok()) return at.status();
     if (absl::Status s = ParamsToDevice(backend); !s.ok()) return s;
     return at;
@@ -90,7 +105,7 @@ struct ParameterBuffers {
   absl::StatusOr<PsClient::PushPullResult> PushPullToDevice(
       PsClient& client, int64_t step, kernels::Backend& backend) {
     absl::StatusOr<PsClient::PushPullResult> done =
-        client.PushPull(step, push_from, step + 1, pull_into);
+        client.PushPullTensors(step, push_from, step + 1, pull_into);
     if (!done.ok()) return done.status();
     if (absl::Status s = ParamsToDevice(backend); !s.ok()) return s;
     return done;
@@ -100,10 +115,20 @@ struct ParameterBuffers {
   absl::Status GradsToHost(kernels::Backend& backend) {
     if (!staged) return backend.Synchronize();
     for (size_t i = 0; i < host_grads.size(); ++i) {
-      absl::Status copied =
-          backend.CopyToHost(device_grads[i].data(), host_grads[i].data(),
-                             device_grads[i].bytes());
-      if (!copied.ok()) return copied;
+      absl::Status s;
+      if (host_grads16[i].size() > 0) {
+        s = backend.FloatToBf16(device_grads[i].size(), device_grads[i].data(),
+                                device_grads16[i].data());
+        if (s.ok()) {
+          s = backend.CopyToHost(device_grads16[i].data(),
+                                 host_grads16[i].data(),
+                                 device_grads16[i].bytes());
+        }
+      } else {
+        s = backend.CopyToHost(device_grads[i].data(), host_grads[i].data(),
+                               device_grads[i].bytes());
+      }
+      if (!s.ok()) return s;
     }
     return absl::OkStatus();
   }
@@ -111,12 +136,48 @@ struct ParameterBuffers {
   absl::Status ParamsToDevice(kernels::Backend& backend) {
     if (!staged) return absl::OkStatus();
     for (size_t i = 0; i < host_params.size(); ++i) {
-      absl::Status copied =
-          backend.CopyToDevice(host_params[i].data(), device_params[i].data(),
-                               device_params[i].bytes());
-      if (!copied.ok()) return copied;
+      absl::Status s;
+      if (host_params16[i].size() > 0) {
+        s = backend.CopyToDevice(host_params16[i].data(),
+                                 device_params16[i].data(),
+                                 device_params16[i].bytes());
+        if (s.ok()) {
+          s = backend.Bf16ToFloat(device_params[i].size(),
+                                  device_params16[i].data(),
+                                  device_params[i].data());
+        }
+      } else {
+        s = backend.CopyToDevice(host_params[i].data(), device_params[i].data(),
+                                 device_params[i].bytes());
+      }
+      if (!s.ok()) return s;
     }
     return absl::OkStatus();
+  }
+
+ private:
+  // Appends an array of n elements (0: an empty one) to each of `arrays`,
+  // host or device as its type says.
+  template <typename... Arrays>
+  static absl::Status Add(kernels::Backend& backend, int64_t n,
+                          Arrays&... arrays) {
+    absl::Status status;
+    auto add = [&](auto& to) {
+      if (!status.ok()) return;
+      using Array = typename std::decay_t<decltype(to)>::value_type;
+      if (n == 0) {
+        to.emplace_back();
+        return;
+      }
+      absl::StatusOr<Array> array = Array::Create(&backend, n);
+      if (!array.ok()) {
+        status = array.status();
+        return;
+      }
+      to.push_back(std::move(*array));
+    };
+    (add(arrays), ...);
+    return status;
   }
 };
 
@@ -283,7 +344,7 @@ class StepRunner {
       out.pulled_ahead = done->pulled_step;
     } else {
       absl::StatusOr<PsClient::PushResult> pushed =
-          client_.Push(step, buffers_.push_from);
+          client_.PushTensors(step, buffers_.push_from);
       if (!pushed.ok()) return pushed.status();
       out.pushed = *pushed;
     }
@@ -569,7 +630,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   if (!plan.ok()) return plan.status();
   const int64_t steps_per_epoch = plan->steps_per_epoch();
   ParameterBuffers buffers;
-  if (absl::Status s = buffers.Allocate(model, backend); !s.ok()) return s;
+  if (absl::Status s = buffers.Allocate(model, client, backend); !s.ok()) {
+    return s;
+  }
   BatchBuffers batch;
   if (absl::Status s =
           batch.Allocate(options.batch_size, train.num_features(), backend);

@@ -102,7 +102,9 @@ ABSL_FLAG(int64_t, probe_elements, Default().model.probe_elements,
           "Size of the probe model's tensor.");
 ABSL_FLAG(std::string, device, Default().model.backend.device,
           "Compute device: auto, cpu (GEMMs through OpenBLAS), cpu_reference "
-          "(the exact CPU kernels the tests compare against) or cuda:N.");
+          "(the exact CPU kernels the tests compare against), cpu_staged "
+          "(cpu, staged through host copies as on a GPU: for tests) or "
+          "cuda:N.");
 ABSL_FLAG(std::string, precision, Default().model.backend.precision,
           "GEMM precision: fp32, or bf16 (bf16 inputs, fp32 accumulation; "
           "needs a CUDA device).");

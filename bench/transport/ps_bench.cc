@@ -86,7 +86,13 @@ ABSL_FLAG(std::string, gradient_wire_type, "fp32",
           "PsClient option: pushed gradients as fp32, fp16, bf16 or topk "
           "(the worker's --gradient_wire_type); goodput still counts the "
           "dense float32 bytes, so a compressed push shows its effective "
-          "rate.");
+          "rate. bf16 is handed to the client as bf16 bits, as a GPU "
+          "worker that casts on its device does; fp16 and topk are "
+          "converted by the client.");
+ABSL_FLAG(std::string, parameter_wire_type, "fp32",
+          "PsClient option: pulled parameters as fp32, fp16 or bf16 (the "
+          "worker's --parameter_wire_type; bf16 taken as bf16 bits, as a "
+          "GPU worker does); goodput counts float32 bytes.");
 ABSL_FLAG(double, gradient_topk_fraction, 0.01,
           "With --gradient_wire_type=topk: the fraction of each block sent.");
 ABSL_FLAG(int, clients, 1,

@@ -41,6 +41,7 @@ ABSL_DECLARE_FLAG(bool, call_streams);
 ABSL_DECLARE_FLAG(bool, data_plane);
 ABSL_DECLARE_FLAG(int, connections_per_shard);
 ABSL_DECLARE_FLAG(std::string, gradient_wire_type);
+ABSL_DECLARE_FLAG(std::string, parameter_wire_type);
 ABSL_DECLARE_FLAG(double, gradient_topk_fraction);
 ABSL_DECLARE_FLAG(int64_t, block_elements);
 ABSL_DECLARE_FLAG(std::string, tls_dir);

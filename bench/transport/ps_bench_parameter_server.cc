@@ -46,6 +46,12 @@ struct PsWorker {
   std::unique_ptr<PsClient> client;
   std::vector<float> params;
   std::vector<float> grads;
+  // The tensors as the calls take them: the float32 vectors above, or, for
+  // a bfloat16 wire type, 16-bit copies handed over as they travel (what a
+  // GPU worker that casts on its device gives the client).
+  std::vector<uint16_t> params16, grads16;
+  std::vector<PsClient::TensorRef> pull_into;
+  std::vector<PsClient::ConstTensorRef> push_from;
   // Async servers reject a push whose step is not above the worker's last.
   int64_t next_step = 0;
 };
@@ -83,6 +89,10 @@ absl::StatusOr<PsClientOptions> ClientOptions(
       ParseWireType(absl::GetFlag(FLAGS_gradient_wire_type));
   if (!wire_type.ok()) return wire_type.status();
   options.gradient_wire_type = *wire_type;
+  const absl::StatusOr<DataType> parameter_type =
+      ParseParameterWireType(absl::GetFlag(FLAGS_parameter_wire_type));
+  if (!parameter_type.ok()) return parameter_type.status();
+  options.parameter_wire_type = *parameter_type;
   options.gradient_topk_fraction = absl::GetFlag(FLAGS_gradient_topk_fraction);
   options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_io_timeout_s));
   options.connect_timeout = kStartTimeout;
@@ -111,15 +121,28 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
           "servers run mode '", ConsistencyModeName(registration->mode),
           "', expected async"));
     }
-    workers[c].client = std::move(*client);
-    workers[c].params.assign(elements, 0.0f);
+    PsWorker& w = workers[c];
+    w.client = std::move(*client);
+    w.params.assign(elements, 0.0f);
     // Small and finite: servers may reject non-finite gradients.
-    workers[c].grads.assign(elements, 1e-3f);
+    w.grads.assign(elements, 1e-3f);
+    if (w.client->PullWireType(0) == BFLOAT16) {
+      w.params16.assign(elements, 0);
+      w.pull_into = {{BFLOAT16, w.params16.data()}};
+    } else {
+      w.pull_into = {{FLOAT32, w.params.data()}};
+    }
+    if (w.client->PushWireType(0) == BFLOAT16) {
+      w.grads16.assign(elements, FloatToBfloat16Bits(1e-3f));
+      w.push_from = {{BFLOAT16, w.grads16.data()}};
+    } else {
+      w.push_from = {{FLOAT32, w.grads.data()}};
+    }
   }
   auto push = [&](int c) -> absl::Status {
     PsWorker& w = workers[c];
     absl::StatusOr<PsClient::PushResult> pushed =
-        w.client->Push(w.next_step++, {w.grads.data()});
+        w.client->PushTensors(w.next_step++, w.push_from);
     if (!pushed.ok()) return pushed.status();
     if (pushed->blocks_duplicate != 0) {
       return absl::InternalError(absl::StrCat(
@@ -129,7 +152,7 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   };
   auto pull = [&](int c) -> absl::Status {
     PsWorker& w = workers[c];
-    return w.client->Pull(w.next_step, {w.params.data()}).status();
+    return w.client->PullTensors(w.next_step, w.pull_into).status();
   };
   const std::string prefix = security == Security::kPlain ? "ps"
                              : security == Security::kTlsDataPlane
@@ -151,8 +174,8 @@ absl::Status RunPsPhases(const std::vector<std::string>& hosts, int clients,
   result = MeasurePhase(prefix + " pushpull", size, clients, [&](int c) {
     PsWorker& w = workers[c];
     const int64_t step = w.next_step++;
-    absl::StatusOr<PsClient::PushPullResult> done = w.client->PushPull(
-        step, {w.grads.data()}, w.next_step, {w.params.data()});
+    absl::StatusOr<PsClient::PushPullResult> done =
+        w.client->PushPullTensors(step, w.push_from, w.next_step, w.pull_into);
     if (!done.ok()) return done.status();
     if (done->pushed.blocks_duplicate != 0) {
       return absl::InternalError(

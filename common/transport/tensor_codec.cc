@@ -431,6 +431,14 @@ absl::StatusOr<DataType> ParseWireType(absl::string_view name) {
       "'"));
 }
 
+absl::StatusOr<DataType> ParseParameterWireType(absl::string_view name) {
+  if (name == "fp32") return FLOAT32;
+  if (name == "fp16") return FLOAT16;
+  if (name == "bf16") return BFLOAT16;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--parameter_wire_type must be fp32, fp16 or bf16, got '", name, "'"));
+}
+
 int64_t WireElementBytes(DataType dtype) {
   switch (dtype) {
     case FLOAT32:

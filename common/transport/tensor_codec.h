@@ -30,6 +30,10 @@ using ByteSegments = absl::InlinedVector<absl::string_view, 4>;
 // naming the choices otherwise.
 absl::StatusOr<DataType> ParseWireType(absl::string_view name);
 
+// The parameters' wire type a flag names (--parameter_wire_type): fp32,
+// fp16 or bf16; InvalidArgument naming the choices otherwise.
+absl::StatusOr<DataType> ParseParameterWireType(absl::string_view name);
+
 // Bytes per element of a wire type: FLOAT32 4, FLOAT16 2, BFLOAT16 2, or 0
 // for a value this build cannot decode (proto3 enums are open, so a newer
 // peer may send one).

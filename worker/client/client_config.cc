@@ -77,6 +77,10 @@ PsClientOptions BuildOptions(const ClientConfig& config,
       ParseWireType(config.gradient_wire_type);
   checks.push_back(wire_type.status());
   if (wire_type.ok()) options.gradient_wire_type = *wire_type;
+  const absl::StatusOr<DataType> parameter_type =
+      ParseParameterWireType(config.parameter_wire_type);
+  checks.push_back(parameter_type.status());
+  if (parameter_type.ok()) options.parameter_wire_type = *parameter_type;
   // What PsClient::Create would refuse: the hosts' form, the connections,
   // the top-k fraction.
   for (absl::Status& problem : PsClientOptionsProblems(options)) {

@@ -45,6 +45,8 @@ struct ClientConfig {
   double retry_window_s = 120;
   // Gradients on the wire: fp32, fp16, bf16 or topk.
   std::string gradient_wire_type = "fp32";
+  // Parameters pulled on the wire: fp32, fp16 or bf16.
+  std::string parameter_wire_type = "fp32";
   // With topk: the fraction of each block's elements a push sends.
   double gradient_topk_fraction = 0.01;
   // Steps a pulled embedding row is reused for (0: no cache), and the

@@ -68,6 +68,11 @@
     "--gradient_topk_fraction largest-magnitude elements, the rest " \
     "carried into the next push (error feedback). Sparse-table rows " \
     "always go as fp32 under topk.") \
+  X(std::string, parameter_wire_type, parameter_wire_type, \
+    "Parameters pulled on the wire: fp32 (exact), or bf16/fp16 to " \
+    "halve the bytes. The servers keep fp32 master weights and " \
+    "optimizer state; only this worker's copy is rounded (state " \
+    "tensors such as BatchNorm's running statistics stay fp32).") \
   X(double, gradient_topk_fraction, gradient_topk_fraction, \
     "With --gradient_wire_type=topk: the fraction of each block's " \
     "elements a push sends, in (0, 1].") \

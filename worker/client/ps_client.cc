@@ -107,6 +107,12 @@ std::vector<absl::Status> PsClientOptionsProblems(
     problems.push_back(
         absl::InvalidArgumentError("unsupported gradient wire type"));
   }
+  if (options.parameter_wire_type != FLOAT32 &&
+      options.parameter_wire_type != BFLOAT16 &&
+      options.parameter_wire_type != FLOAT16) {
+    problems.push_back(
+        absl::InvalidArgumentError("unsupported parameter wire type"));
+  }
   if (!(options.gradient_topk_fraction > 0 &&
         options.gradient_topk_fraction <= 1)) {
     problems.push_back(absl::InvalidArgumentError(

@@ -94,6 +94,11 @@ struct PsClientOptions {
   bool call_streams = true;
   // Element type of pushed gradients on the wire (servers decode to fp32).
   DataType gradient_wire_type = FLOAT32;
+  // Element type of pulled parameters on the wire: FLOAT32, or BFLOAT16 /
+  // FLOAT16 (the servers round their fp32 values per pull; STATE tensors
+  // still come exact). Pulls then decode into the tensors after the read
+  // instead of landing in them.
+  DataType parameter_wire_type = FLOAT32;
   // TOPK_FLOAT32: the fraction of each block's elements sent per push (the
   // largest magnitudes; the rest is kept and added to the next push).
   double gradient_topk_fraction = 0.01;
@@ -232,6 +237,32 @@ class PsClient {
   absl::StatusOr<int64_t> Pull(int64_t step,
                                const std::vector<float*>& tensors);
 
+  // A dense tensor's host memory as Pull, Push and PushPull read or write
+  // it: float32 elements, or elements already in the tensor's wire type
+  // (FLOAT16 / BFLOAT16 bits, two bytes each), for a caller that converts
+  // on its own device: a GPU worker casts its gradients before the
+  // device-to-host copy and widens the pulled parameters after the copy
+  // back, so the host moves half the bytes and converts nothing. The wire
+  // type of tensor i is PushWireType(i) for a push and PullWireType(i) for
+  // a pull; a TensorRef of any other dtype is InvalidArgument.
+  struct TensorRef {
+    DataType dtype = FLOAT32;
+    void* data = nullptr;
+  };
+  struct ConstTensorRef {
+    DataType dtype = FLOAT32;
+    const void* data = nullptr;
+  };
+  // gradient_wire_type for a PARAMETER tensor, FLOAT32 for a STATE one
+  // (its pushes are values). After Register.
+  DataType PushWireType(int tensor) const;
+  // parameter_wire_type for a PARAMETER tensor, FLOAT32 for a STATE one
+  // (the servers send those exactly). After Register.
+  DataType PullWireType(int tensor) const;
+  // Pull, Push and PushPull with tensors given by element type.
+  absl::StatusOr<int64_t> PullTensors(int64_t step,
+                                      const std::vector<TensorRef>& tensors);
+
   // Sends the gradient of every tensor, or with `only` non-empty of just
   // those tensors (indices into the schema's dense tensors; the others'
   // entries in `gradients` are not read): a worker may push a step's
@@ -245,6 +276,9 @@ class PsClient {
   absl::StatusOr<PushResult> Push(int64_t step,
                                   const std::vector<const float*>& gradients,
                                   absl::Span<const int> only = {});
+  absl::StatusOr<PushResult> PushTensors(
+      int64_t step, const std::vector<ConstTensorRef>& gradients,
+      absl::Span<const int> only = {});
 
   // Sets the values of the tensors whose init is PROVIDED (all, or with
   // `only` the listed ones), once: the servers keep the first values they
@@ -272,6 +306,9 @@ class PsClient {
   absl::StatusOr<PushPullResult> PushPull(
       int64_t push_step, const std::vector<const float*>& gradients,
       int64_t pull_step, const std::vector<float*>& tensors);
+  absl::StatusOr<PushPullResult> PushPullTensors(
+      int64_t push_step, const std::vector<ConstTensorRef>& gradients,
+      int64_t pull_step, const std::vector<TensorRef>& tensors);
 
   // Sparse table `table` (index into the schema's sparse tables): fills
   // out[i * dim ..] with the rows of `ids` (unique), asking each shard for
@@ -417,10 +454,11 @@ class PsClient {
   // The calls of a Pull and of a Push (nothing sent yet); `responses` gets
   // each group's PushResponse. Push calls skip groups with no selected
   // tensor.
-  absl::Status CheckPullArguments(const std::vector<float*>& tensors) const;
-  std::vector<Call> PullCalls(int64_t step, const std::vector<float*>& tensors);
+  absl::Status CheckPullArguments(const std::vector<TensorRef>& tensors) const;
+  std::vector<Call> PullCalls(int64_t step,
+                              const std::vector<TensorRef>& tensors);
   absl::StatusOr<std::vector<Call>> PushCalls(
-      int64_t step, const std::vector<const float*>& gradients,
+      int64_t step, const std::vector<ConstTensorRef>& gradients,
       absl::Span<const int> only, std::vector<PushResponse>& responses,
       bool exact_values = false);
   static PushResult SumPushResponses(
@@ -517,14 +555,14 @@ class PsClient {
     return *stubs_[SlotOf(shard, connection)];
   }
   absl::Status StoreBlocks(const Group& group, const WirePullResponse& response,
-                           const std::vector<float*>& tensors);
+                           const std::vector<TensorRef>& tensors);
   // DataLoss unless `wire` is global block g.
   absl::Status CheckReturnedBlock(const WireBlock& wire, int g) const;
   // Where a data-plane pull's payloads go (its blocks in the tensors), from
   // the answer's metadata; records the blocks' versions.
   absl::StatusOr<std::vector<absl::Span<char>>> PlacePayloads(
       const Group& group, absl::string_view meta,
-      const std::vector<float*>& tensors);
+      const std::vector<TensorRef>& tensors);
 
   PsClientOptions options_;
   const uint64_t incarnation_;

@@ -24,7 +24,45 @@ namespace {
 // payloads apart, to read them straight into the tensors.
 constexpr size_t kPayloadsApartFromBytes = 64 << 10;
 
+// The float32 form of tensor pointers (the calls' own form is by dtype).
+template <typename Ref, typename Pointer>
+std::vector<Ref> Float32Refs(const std::vector<Pointer>& pointers) {
+  std::vector<Ref> refs;
+  refs.reserve(pointers.size());
+  for (Pointer p : pointers) refs.push_back(Ref{FLOAT32, p});
+  return refs;
+}
+
+// Copies a payload of exactly out.size() bytes into out.
+absl::Status CopySegments(const ByteSegments& data, absl::Span<char> out) {
+  size_t total = 0;
+  for (absl::string_view piece : data) total += piece.size();
+  if (total != out.size()) {
+    return absl::DataLossError(absl::StrCat(
+        "payload of ", total, " bytes where ", out.size(), " were expected"));
+  }
+  char* at = out.data();
+  for (absl::string_view piece : data) {
+    if (piece.empty()) continue;
+    std::memcpy(at, piece.data(), piece.size());
+    at += piece.size();
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+DataType PsClient::PushWireType(int tensor) const {
+  return schema_.dense(tensor).role() == DenseTensorSpec::STATE
+             ? FLOAT32
+             : options_.gradient_wire_type;
+}
+
+DataType PsClient::PullWireType(int tensor) const {
+  return schema_.dense(tensor).role() == DenseTensorSpec::STATE
+             ? FLOAT32
+             : options_.parameter_wire_type;
+}
 
 absl::Status PsClient::CheckReturnedBlock(const WireBlock& wire, int g) const {
   const BlockLocation& loc = partition_->blocks()[g];
@@ -40,7 +78,7 @@ absl::Status PsClient::CheckReturnedBlock(const WireBlock& wire, int g) const {
 
 absl::StatusOr<std::vector<absl::Span<char>>> PsClient::PlacePayloads(
     const Group& group, absl::string_view meta,
-    const std::vector<float*>& tensors) {
+    const std::vector<TensorRef>& tensors) {
   absl::StatusOr<WirePullResponse> response =
       ParsePullResponse(absl::MakeConstSpan(&meta, 1));
   if (!response.ok()) return response.status();
@@ -55,15 +93,18 @@ absl::StatusOr<std::vector<absl::Span<char>>> PsClient::PlacePayloads(
     const WireBlock& wire = response->blocks[i];
     const int g = group.blocks[i];
     if (absl::Status s = CheckReturnedBlock(wire, g); !s.ok()) return s;
-    if (wire.dtype != FLOAT32 || wire.data_size != 0) {
+    const BlockLocation& loc = partition_->blocks()[g];
+    const TensorRef& into = tensors[loc.tensor];
+    if (wire.dtype != into.dtype || wire.data_size != 0) {
       return absl::DataLossError(absl::StrCat(
           "block ", wire.block, " of '", wire.tensor,
-          "' came with its payload inline where it was asked apart"));
+          "' came with its payload inline or as dtype ", wire.dtype,
+          " where it was asked apart as ", DataType_Name(into.dtype)));
     }
-    const BlockLocation& loc = partition_->blocks()[g];
+    const int64_t element_bytes = WireElementBytes(into.dtype);
     places.emplace_back(
-        reinterpret_cast<char*>(tensors[loc.tensor] + loc.offset),
-        loc.length * sizeof(float));
+        static_cast<char*>(into.data) + loc.offset * element_bytes,
+        loc.length * element_bytes);
     block_versions_[g] = wire.version;
   }
   return places;
@@ -71,7 +112,7 @@ absl::StatusOr<std::vector<absl::Span<char>>> PsClient::PlacePayloads(
 
 absl::Status PsClient::StoreBlocks(const Group& group,
                                    const WirePullResponse& response,
-                                   const std::vector<float*>& tensors) {
+                                   const std::vector<TensorRef>& tensors) {
   if (response.blocks.size() != group.blocks.size()) {
     return absl::DataLossError(absl::StrCat("returned ", response.blocks.size(),
                                             " blocks, expected ",
@@ -82,20 +123,33 @@ absl::Status PsClient::StoreBlocks(const Group& group,
     const int g = group.blocks[i];
     const BlockLocation& loc = partition_->blocks()[g];
     if (absl::Status s = CheckReturnedBlock(wire, g); !s.ok()) return s;
-    if (absl::Status s = DecodeSegments(
-            wire.dtype, wire.data,
-            absl::MakeSpan(tensors[loc.tensor] + loc.offset, loc.length),
-            /*accumulate=*/false);
-        !s.ok()) {
-      return s;
+    const TensorRef& into = tensors[loc.tensor];
+    absl::Status stored;
+    if (into.dtype == FLOAT32) {
+      stored = DecodeSegments(
+          wire.dtype, wire.data,
+          absl::MakeSpan(static_cast<float*>(into.data) + loc.offset,
+                         loc.length),
+          /*accumulate=*/false);
+    } else if (wire.dtype != into.dtype) {
+      stored = absl::DataLossError(absl::StrCat(
+          "block ", wire.block, " of '", wire.tensor, "' came as dtype ",
+          wire.dtype, ", not ", DataType_Name(into.dtype)));
+    } else {
+      const int64_t element_bytes = WireElementBytes(into.dtype);
+      stored =
+          CopySegments(wire.data, absl::MakeSpan(static_cast<char*>(into.data) +
+                                                     loc.offset * element_bytes,
+                                                 loc.length * element_bytes));
     }
+    if (!stored.ok()) return stored;
     block_versions_[g] = wire.version;
   }
   return absl::OkStatus();
 }
 
 absl::Status PsClient::CheckPullArguments(
-    const std::vector<float*>& tensors) const {
+    const std::vector<TensorRef>& tensors) const {
   if (partition_ == nullptr) {
     return absl::FailedPreconditionError("Pull before Register");
   }
@@ -104,16 +158,25 @@ absl::Status PsClient::CheckPullArguments(
                                                    " tensors, the model has ",
                                                    partition_->NumTensors()));
   }
+  for (int t = 0; t < partition_->NumTensors(); ++t) {
+    if (tensors[t].dtype != FLOAT32 && tensors[t].dtype != PullWireType(t)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Pull into '", schema_.dense(t).name(), "' as ",
+                       DataType_Name(tensors[t].dtype), ": it comes as ",
+                       DataType_Name(PullWireType(t)), " (FLOAT32 takes any)"));
+    }
+  }
   return absl::OkStatus();
 }
 
 std::vector<PsClient::Call> PsClient::PullCalls(
-    int64_t step, const std::vector<float*>& tensors) {
+    int64_t step, const std::vector<TensorRef>& tensors) {
   // The block list of each group is serialized once; the step and worker
   // are appended per call, as protobuf allows.
   PullRequest header;
   header.set_worker_id(worker_id_);
   header.set_step(step);
+  header.set_dtype(options_.parameter_wire_type);
   const std::string per_call = header.SerializeAsString();
   std::vector<Call> calls(groups_.size());
   for (size_t i = 0; i < groups_.size(); ++i) {
@@ -131,8 +194,15 @@ std::vector<PsClient::Call> PsClient::PullCalls(
       return StoreBlocks(*group, *response, tensors);
     };
     // Large blocks on the data plane land straight in the tensors; small
-    // ones are cheaper to copy out of one read than to read apart.
-    if (groups_[i].elements * sizeof(float) >= kPayloadsApartFromBytes) {
+    // ones are cheaper to copy out of one read than to read apart, and
+    // ones that need converting must be decoded.
+    bool as_they_come = true;
+    for (int g : groups_[i].blocks) {
+      const int t = partition_->blocks()[g].tensor;
+      as_they_come = as_they_come && tensors[t].dtype == PullWireType(t);
+    }
+    if (as_they_come &&
+        groups_[i].elements * sizeof(float) >= kPayloadsApartFromBytes) {
       call.place_payloads = [this, &tensors,
                              group = call.group](absl::string_view meta) {
         return PlacePayloads(*group, meta, tensors);
@@ -164,6 +234,11 @@ void PsClient::NoteFurthestPulled(int64_t step) {
 
 absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
                                        const std::vector<float*>& tensors) {
+  return PullTensors(step, Float32Refs<TensorRef>(tensors));
+}
+
+absl::StatusOr<int64_t> PsClient::PullTensors(
+    int64_t step, const std::vector<TensorRef>& tensors) {
   if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
   std::vector<Call> calls = PullCalls(step, tensors);
   if (absl::Status s =
@@ -175,7 +250,7 @@ absl::StatusOr<int64_t> PsClient::Pull(int64_t step,
 }
 
 absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
-    int64_t step, const std::vector<const float*>& gradients,
+    int64_t step, const std::vector<ConstTensorRef>& gradients,
     absl::Span<const int> only, std::vector<PushResponse>& responses,
     bool exact_values) {
   if (partition_ == nullptr) {
@@ -198,11 +273,18 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
   // Values (Assign, STATE tensors) are never compressed: only a
   // gradient's rounding is harmless.
   auto wire_type_of = [&](int tensor) {
-    return exact_values ||
-                   schema_.dense(tensor).role() == DenseTensorSpec::STATE
-               ? FLOAT32
-               : options_.gradient_wire_type;
+    return exact_values ? FLOAT32 : PushWireType(tensor);
   };
+  for (int t = 0; t < partition_->NumTensors(); ++t) {
+    const DataType given = gradients[t].dtype;
+    if (selected[t] && given != FLOAT32 &&
+        (given != wire_type_of(t) || WireElementBytes(given) == 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Push of '", schema_.dense(t).name(), "' given as ",
+                       DataType_Name(given), ": it goes as ",
+                       DataType_Name(wire_type_of(t)), " (FLOAT32 takes any)"));
+    }
+  }
   std::vector<Call> calls;
   calls.reserve(groups_.size());
   responses.assign(groups_.size(), PushResponse());
@@ -213,23 +295,30 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
     for (int g : group.blocks) {
       const BlockLocation& loc = partition_->blocks()[g];
       if (!selected[loc.tensor]) continue;
-      const float* values = gradients[loc.tensor] + loc.offset;
-      absl::string_view data(reinterpret_cast<const char*>(values),
-                             loc.length * sizeof(float));
+      const ConstTensorRef& from = gradients[loc.tensor];
       const DataType wire_type = wire_type_of(loc.tensor);
-      if (wire_type == TOPK_FLOAT32) {
-        // Error feedback: what earlier pushes left out rides along.
-        std::vector<float>& residual = topk_residual_[g];
-        residual.resize(loc.length);
-        for (int64_t k = 0; k < loc.length; ++k) residual[k] += values[k];
-        EncodeTopK(absl::MakeSpan(residual),
-                   static_cast<int64_t>(
-                       std::ceil(options_.gradient_topk_fraction * loc.length)),
-                   &encoded_[g]);
-        data = encoded_[g];
-      } else if (wire_type != FLOAT32) {
-        EncodeFromFloat32(wire_type, absl::MakeConstSpan(values, loc.length),
-                          &encoded_[g]);
+      const int64_t element_bytes = WireElementBytes(from.dtype);
+      absl::string_view data(
+          static_cast<const char*>(from.data) + loc.offset * element_bytes,
+          loc.length * element_bytes);
+      // Sent as given when it is in its wire type already (float32 on a
+      // float32 wire, or 16-bit elements a device cast); float32 is
+      // converted here.
+      if (from.dtype == FLOAT32 && wire_type != FLOAT32) {
+        const float* values = static_cast<const float*>(from.data) + loc.offset;
+        if (wire_type == TOPK_FLOAT32) {
+          // Error feedback: what earlier pushes left out rides along.
+          std::vector<float>& residual = topk_residual_[g];
+          residual.resize(loc.length);
+          for (int64_t k = 0; k < loc.length; ++k) residual[k] += values[k];
+          EncodeTopK(absl::MakeSpan(residual),
+                     static_cast<int64_t>(std::ceil(
+                         options_.gradient_topk_fraction * loc.length)),
+                     &encoded_[g]);
+        } else {
+          EncodeFromFloat32(wire_type, absl::MakeConstSpan(values, loc.length),
+                            &encoded_[g]);
+        }
         data = encoded_[g];
       }
       blocks.push_back(OutgoingBlock{{schema_.dense(loc.tensor).name(),
@@ -293,6 +382,12 @@ void PsClient::InjectPushJitter() {
 
 absl::StatusOr<PsClient::PushResult> PsClient::Push(
     int64_t step, const std::vector<const float*>& gradients,
+    absl::Span<const int> only) {
+  return PushTensors(step, Float32Refs<ConstTensorRef>(gradients), only);
+}
+
+absl::StatusOr<PsClient::PushResult> PsClient::PushTensors(
+    int64_t step, const std::vector<ConstTensorRef>& gradients,
     absl::Span<const int> only) {
   InjectPushJitter();
   std::vector<PushResponse> responses;
@@ -359,7 +454,8 @@ absl::StatusOr<PsClient::PushResult> PsClient::Assign(
     const std::vector<const float*>& values, absl::Span<const int> only) {
   std::vector<PushResponse> responses;
   absl::StatusOr<std::vector<Call>> calls =
-      PushCalls(/*step=*/0, values, only, responses, /*exact_values=*/true);
+      PushCalls(/*step=*/0, Float32Refs<ConstTensorRef>(values), only,
+                responses, /*exact_values=*/true);
   if (!calls.ok()) return calls.status();
   if (absl::Status s =
           RunAll("Assign", *calls, options_.rpc_timeout, /*retry=*/true);
@@ -372,14 +468,21 @@ absl::StatusOr<PsClient::PushResult> PsClient::Assign(
 absl::StatusOr<PsClient::PushPullResult> PsClient::PushPull(
     int64_t push_step, const std::vector<const float*>& gradients,
     int64_t pull_step, const std::vector<float*>& tensors) {
+  return PushPullTensors(push_step, Float32Refs<ConstTensorRef>(gradients),
+                         pull_step, Float32Refs<TensorRef>(tensors));
+}
+
+absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
+    int64_t push_step, const std::vector<ConstTensorRef>& gradients,
+    int64_t pull_step, const std::vector<TensorRef>& tensors) {
   if (absl::Status s = CheckPullArguments(tensors); !s.ok()) return s;
   if (clip_max_norm_ > 0) {
     // The pull of a clipped step waits for its coefficient, which needs
     // the norm of every shard's share first: a push, then the clip, then
     // the pull, instead of one round trip.
-    absl::StatusOr<PushResult> pushed = Push(push_step, gradients);
+    absl::StatusOr<PushResult> pushed = PushTensors(push_step, gradients);
     if (!pushed.ok()) return pushed.status();
-    absl::StatusOr<int64_t> pulled = Pull(pull_step, tensors);
+    absl::StatusOr<int64_t> pulled = PullTensors(pull_step, tensors);
     if (!pulled.ok()) return pulled.status();
     return PushPullResult{*pushed, *pulled};
   }
