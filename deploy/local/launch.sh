@@ -316,6 +316,7 @@ TLS_DIR=""
 AUTH_TOKEN_FILE=""
 PYTHON_SCRIPT=""
 PYTHON=${PSTRAIN_PYTHON:-/usr/bin/python3}
+CLIENT_OPTIONS=""  # --python: the names of the client flags (is_client_flag)
 METRICS=0
 CSV=0
 SERVER_FLAGS=()
@@ -477,6 +478,10 @@ parse_args() {
     [[ -x "$PYTHON" ]] || usage_error "--python: no interpreter at $PYTHON (set PSTRAIN_PYTHON)"
     (cd / && "$PYTHON" -c 'import pstrain.torch' 2>/dev/null) ||
       usage_error "--python: $PYTHON cannot import pstrain.torch (install it: worker/python/install.sh)"
+    # The worker flags a Python worker's client takes (the rest go to its
+    # script): pstrain's own list, so a new client flag needs no change here.
+    CLIENT_OPTIONS=" $(cd / && "$PYTHON" -c 'import pstrain; print(" ".join(pstrain.client_option_names()))') " ||
+      usage_error "--python: $PYTHON's pstrain cannot list its client options (reinstall it: worker/python/install.sh)"
   fi
   check_count servers "$SERVERS"
   check_count replicas "$REPLICAS"
@@ -655,20 +660,26 @@ wait_for_ports() {
   fi
 }
 
+# Whether a worker flag (--name=value) is one of the client's
+# (CLIENT_OPTIONS), which a Python worker takes from its cluster description.
+is_client_flag() {
+  local name=${1%%=*}
+  [[ $1 == --*=* && $CLIENT_OPTIONS == *" ${name#--} "* ]]
+}
+
 # The cluster description a Python worker reads from PSTRAIN_CLUSTER: the
-# job, its own task, and the client flags (TLS, token) the C++ workers get
-# on their command line.
+# job, its own task, and the client flags (TLS, token, wire types...) the
+# C++ workers get on their command line.
 python_cluster() {
   local k=$1 flags="" flag name value
   for flag in ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"}; do
-    case "$flag" in
-      --tls_ca=* | --tls_cert=* | --tls_key=* | --auth_token_file=*)
-        name=${flag%%=*}
-        name=${name#--}
-        value=${flag#*=}
-        flags+="${flags:+, }\"$name\": \"$value\""
-        ;;
-    esac
+    is_client_flag "$flag" || continue
+    name=${flag%%=*}
+    name=${name#--}
+    value=${flag#*=}
+    value=${value//\\/\\\\}
+    value=${value//\"/\\\"}
+    flags+="${flags:+, }\"$name\": \"$value\""
   done
   printf '{"ps": [%s], "workers": %d, "mode": "%s", "task": {"type": "worker", "index": %d}, "worker_flags": {%s}}' \
     "$PS_JSON" "$WORKERS" "$MODE" "$k" "$flags"
@@ -680,10 +691,7 @@ python_args() {
   PYTHON_ARGS=()
   local flag
   for flag in ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"}; do
-    case "$flag" in
-      --tls_ca=* | --tls_cert=* | --tls_key=* | --auth_token_file=*) ;;
-      *) PYTHON_ARGS+=("$flag") ;;
-    esac
+    is_client_flag "$flag" || PYTHON_ARGS+=("$flag")
   done
 }
 

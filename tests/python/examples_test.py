@@ -116,6 +116,27 @@ class UserScriptTest(unittest.TestCase):
         self.assertEqual(jobs[0]["shards"], 2)
         self.assertIn("the servers ended the sync job at step 20", done.stderr)
 
+    def test_client_flags_go_to_the_client_and_the_rest_to_the_script(self):
+        # As the C++ worker takes them: a wire type after the "--" reaches
+        # every Python worker's client; --steps stays the script's.
+        done = launch("sync", self.SCRIPT,
+                      ["--steps=20", "--parameter_wire_type=bf16",
+                       "--gradient_wire_type=bf16", "--rpc_timeout_s=30",
+                       "--print_client_options"], check=False)
+        self.assertEqual(done.returncode, 0, done.stderr[-4000:])
+        # The launcher shows a script's output as "[worker K] line".
+        reports = [json.loads(line[line.index("{"):])
+                   for line in done.stdout.splitlines()
+                   if line.startswith('[worker 0] {"client_options"')]
+        self.assertEqual(len(reports), 1, done.stdout)
+        self.assertEqual(reports[0]["client_options"],
+                         {"parameter_wire_type": "bf16",
+                          "gradient_wire_type": "bf16",
+                          "rpc_timeout_s": 30.0})
+        jobs = [json.loads(line) for line in done.stdout.splitlines()
+                if line.startswith('{"event":"job"')]
+        self.assertEqual(jobs[0]["step"], 20, done.stdout)
+
     def test_a_script_that_fails_fails_the_job(self):
         done = launch("sync", self.SCRIPT, ["--steps=20", "--fail_at=5"],
                       check=False)

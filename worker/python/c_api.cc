@@ -599,6 +599,17 @@ int pstrain_client_secure_final_state(pstrain_client* c, int64_t final_version,
   });
 }
 
+int pstrain_client_option_names(char** names_json, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    nlohmann::json names = nlohmann::json::array();
+    for (const auto& [name, unused] : pstrain::ClientOptionParsers()) {
+      names.push_back(name);
+    }
+    *names_json = pstrain::CopyString(names.dump());
+    return absl::OkStatus();
+  });
+}
+
 int pstrain_load_cluster_spec(const char* path, char** spec_json,
                               char** error) {
   return Guard(error, [&]() -> absl::Status {

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature here changes; pstrain/_native.py checks it. */
-#define PSTRAIN_C_API_VERSION 2
+#define PSTRAIN_C_API_VERSION 3
 int pstrain_api_version(void);
 
 void pstrain_free(void* p);
@@ -137,6 +137,10 @@ int pstrain_client_secure_final_state(pstrain_client* client,
 /* The cluster description of this process (common/cluster_spec.h) as JSON,
  * or "null" when there is none. */
 int pstrain_load_cluster_spec(const char* path, char** spec_json, char** error);
+
+/* The client options' names (worker/client/client_options.h: the worker
+ * flags a client takes) as a JSON list of strings, sorted. */
+int pstrain_client_option_names(char** names_json, char** error);
 
 /* Interrupts every live client's call in progress (as
  * pstrain_client_interrupt) whenever SIGINT's or SIGTERM's number can be

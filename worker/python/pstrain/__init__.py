@@ -26,7 +26,8 @@ from pstrain import _core
 
 Error = _core.Error
 
-__all__ = ["Client", "ClusterSpec", "Error", "cluster_spec"]
+__all__ = ["Client", "ClusterSpec", "Error", "client_option_names",
+           "cluster_spec"]
 
 
 def _version():
@@ -84,6 +85,14 @@ def cluster_spec(path=""):
     # client_options.h), typed by the C++ side; model flags are left out.
     return ClusterSpec(spec["ps"], workers, worker_id, spec["mode"],
                        spec["client_options"])
+
+
+def client_option_names():
+    """The names Client and ParameterServer take as options: the worker
+    binary's client flags (worker/client/client_options.h), sorted.
+    ``deploy/local/launch.sh --python`` routes these flags to a Python
+    worker's client and the others to its script."""
+    return _core.client_option_names()
 
 
 class Client:

@@ -21,7 +21,7 @@ import threading
 
 _LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib",
                          "libpstrain.so")
-_API_VERSION = 2
+_API_VERSION = 3
 
 # absl::StatusCode names, by value.
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
@@ -116,6 +116,7 @@ _declare("pstrain_client_secure_final_state", _p, _i64,
          ctypes.POINTER(ctypes.c_void_p), _err)
 _declare("pstrain_load_cluster_spec", ctypes.c_char_p,
          ctypes.POINTER(ctypes.c_void_p), _err)
+_declare("pstrain_client_option_names", ctypes.POINTER(ctypes.c_void_p), _err)
 _declare("pstrain_open_idx", ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_p),
          _err)
 _declare("pstrain_synthetic", _i64, _i64, _i64, _i64, ctypes.c_double,
@@ -503,6 +504,15 @@ def load_cluster_spec(path=""):
     error = ctypes.c_void_p()
     _check(_lib.pstrain_load_cluster_spec(path.encode(), ctypes.byref(out),
                                           ctypes.byref(error)), error)
+    return json.loads(_take_string(out))
+
+
+def client_option_names():
+    """The client options' names (the worker flags a client takes), sorted."""
+    out = ctypes.c_void_p()
+    error = ctypes.c_void_p()
+    _check(_lib.pstrain_client_option_names(ctypes.byref(out),
+                                            ctypes.byref(error)), error)
     return json.loads(_take_string(out))
 
 
