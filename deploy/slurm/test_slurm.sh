@@ -342,6 +342,10 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(),
                             torch.nn.Linear(16, 4))
 ps = pstrain.torch.ParameterServer(model)
+# The client's flags went to the client (the cluster description), the
+# script's to the script.
+assert sys.argv[1:] == ["--steps=300"], sys.argv
+assert pstrain.cluster_spec().client_options == {"parameter_wire_type": "bf16"}
 steps = int(sys.argv[1].removeprefix("--steps="))
 data = pstrain.data.synthetic(4096)
 batches = pstrain.data.Batches(data, 32, ps.worker_id, ps.num_workers)
@@ -364,7 +368,8 @@ if [[ -n "$PYTHON_WHEEL" ]]; then
 fi
 submit F PS_BASE_PORT=0 PYTHON_SCRIPT="$T/torch_worker.py" PYTHON="$PYTHON_FOR_F" -- \
   -p cpu -w n1 -N1 -n2 -c1 : -p gpu -w n2 -N1 -n2 -c1 --gres=none \
-  "$SBATCH_SCRIPT" -- --steps=300 --server.optimizer=adam --server.learning_rate=0.01
+  "$SBATCH_SCRIPT" -- --steps=300 --parameter_wire_type=bf16 --server.optimizer=adam \
+  --server.learning_rate=0.01
 
 # G: one shard, two replicas, 2 workers; slowed so that its primary can be
 # killed mid-job.
