@@ -145,6 +145,7 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
           response->set_data_port(port);
           response->set_data_push_pull(port > 0);
           response->set_data_port_tls(port > 0 && data_port_tls_.load());
+          response->set_rounded_pulls(true);
         }
         return response;
       });

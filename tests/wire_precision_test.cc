@@ -31,14 +31,17 @@ constexpr int64_t kWeights = 1000;
 constexpr int64_t kStates = 8;
 
 // "w": a PARAMETER of random values, 2 blocks per shard; "running": a
-// STATE tensor (BatchNorm's statistics) of random values too.
-ModelSchema Schema() {
+// STATE tensor (BatchNorm's statistics) of random values too. With large
+// blocks (`weights` elements in blocks of 65536) a pull's payloads travel
+// apart from its metadata on the data plane and land straight in the
+// destination.
+ModelSchema Schema(int64_t weights = kWeights, int64_t block_elements = 256) {
   ModelSchema schema;
   schema.set_seed(11);
-  schema.set_block_elements(256);
+  schema.set_block_elements(block_elements);
   DenseTensorSpec* w = schema.add_dense();
   w->set_name("w");
-  w->add_shape(kWeights);
+  w->add_shape(weights);
   w->mutable_init()->set_kind(InitSpec::NORMAL);
   w->mutable_init()->set_scale(3.0f);
   DenseTensorSpec* running = schema.add_dense();
@@ -68,7 +71,8 @@ class WirePrecisionTest : public ::testing::Test {
   }
 
   std::unique_ptr<PsClient> Client(DataType gradients, DataType parameters,
-                                   int worker_id) {
+                                   int worker_id,
+                                   const ModelSchema& schema = Schema()) {
     PsClientOptions options;
     options.hosts = cluster_->HostList();
     options.rpc_timeout = absl::Seconds(10);
@@ -79,16 +83,17 @@ class WirePrecisionTest : public ::testing::Test {
     EXPECT_TRUE(client.ok()) << client.status();
     if (!client.ok()) return nullptr;
     absl::StatusOr<Registration> registered =
-        (*client)->Register(Schema(), 1, worker_id);
+        (*client)->Register(schema, 1, worker_id);
     EXPECT_TRUE(registered.ok()) << registered.status();
     return std::move(*client);
   }
 
   // The servers' values, exactly (a float32 observer).
-  std::vector<std::vector<float>> Exact() {
-    std::unique_ptr<PsClient> observer = Client(FLOAT32, FLOAT32, -1);
-    std::vector<std::vector<float>> values = {std::vector<float>(kWeights),
-                                              std::vector<float>(kStates)};
+  std::vector<std::vector<float>> Exact(const ModelSchema& schema = Schema()) {
+    std::unique_ptr<PsClient> observer = Client(FLOAT32, FLOAT32, -1, schema);
+    std::vector<std::vector<float>> values = {
+        std::vector<float>(schema.dense(0).shape(0)),
+        std::vector<float>(kStates)};
     absl::StatusOr<int64_t> pulled =
         observer->Pull(0, {values[0].data(), values[1].data()});
     EXPECT_TRUE(pulled.ok()) << pulled.status();
@@ -139,6 +144,33 @@ TEST_F(WirePrecisionTest, SixteenBitDestinationsGetTheWireBits) {
     ASSERT_EQ(w[i], FloatToBfloat16Bits(exact[0][i])) << "element " << i;
   }
   EXPECT_EQ(running, exact[1]);
+}
+
+// Large blocks: the 16-bit payloads land straight in 16-bit destinations,
+// and a PushPull of 16-bit gradients brings the updated model back as bf16.
+TEST_F(WirePrecisionTest, LargeBlocksLandInSixteenBitsAsTheyCome) {
+  constexpr int64_t kBig = 300000;
+  const ModelSchema schema = Schema(kBig, 65536);
+  const std::vector<std::vector<float>> before = Exact(schema);
+  std::unique_ptr<PsClient> client = Client(BFLOAT16, BFLOAT16, 0, schema);
+  ASSERT_NE(client, nullptr);
+  std::vector<uint16_t> w(kBig);
+  std::vector<float> running(kStates);
+  const std::vector<PsClient::TensorRef> into = {{BFLOAT16, w.data()},
+                                                 {FLOAT32, running.data()}};
+  ASSERT_TRUE(client->PullTensors(0, into).ok());
+  for (int64_t i = 0; i < kBig; ++i) {
+    ASSERT_EQ(w[i], FloatToBfloat16Bits(before[0][i])) << "element " << i;
+  }
+  std::vector<uint16_t> gradient(kBig, FloatToBfloat16Bits(0.25f));
+  absl::StatusOr<PsClient::PushPullResult> done = client->PushPullTensors(
+      1, {{BFLOAT16, gradient.data()}, {FLOAT32, running.data()}}, 2, into);
+  ASSERT_TRUE(done.ok()) << done.status();
+  const std::vector<std::vector<float>> after = Exact(schema);
+  for (int64_t i = 0; i < kBig; ++i) {
+    ASSERT_EQ(after[0][i], before[0][i] - 0.25f) << "element " << i;
+    ASSERT_EQ(w[i], FloatToBfloat16Bits(after[0][i])) << "element " << i;
+  }
 }
 
 TEST_F(WirePrecisionTest, SixteenBitGradientsApplyAsTheHostWouldRoundThem) {
@@ -223,13 +255,17 @@ TEST_F(WirePrecisionTest, MismatchedElementTypesAreRefusedBeforeSending) {
 // backend; on --device=cpu the client converts on the host. The codec and
 // the casts round alike, so the two train the same model to the bit, and
 // one that pulls float32 trains another.
+// Each worker's held-out loss and whether it cast on its device, from its
+// final line.
 std::string FinalLoss(const std::vector<std::string>& stdouts) {
   std::string losses;
   for (const std::string& out : stdouts) {
-    const size_t at = out.find("\"test_loss\":");
-    EXPECT_NE(at, std::string::npos) << out;
-    if (at == std::string::npos) return "";
-    absl::StrAppend(&losses, out.substr(at, out.find(',', at) - at), " ");
+    for (const char* field : {"\"test_loss\":", "\"cast_on_device\":"}) {
+      const size_t at = out.find(field);
+      EXPECT_NE(at, std::string::npos) << out;
+      if (at == std::string::npos) return "";
+      absl::StrAppend(&losses, out.substr(at, out.find(',', at) - at), " ");
+    }
   }
   return losses;
 }
@@ -270,8 +306,17 @@ TEST(WirePrecisionJobTest, CastingOnTheDeviceTrainsTheHostCodecsModel) {
   const std::string fp32_loss =
       RunJob("wire_fp32", {"--device=cpu_staged", "--gradient_wire_type=bf16"});
   ASSERT_FALSE(host_loss.empty());
-  EXPECT_EQ(device_loss, host_loss);
-  EXPECT_NE(fp32_loss, host_loss);
+  EXPECT_NE(host_loss.find("\"cast_on_device\":false"), std::string::npos);
+  // The same losses; only where the cast happened differs.
+  std::string expected = host_loss;
+  for (size_t at;
+       (at = expected.find("\"cast_on_device\":false")) != std::string::npos;) {
+    expected.replace(at, std::strlen("\"cast_on_device\":false"),
+                     "\"cast_on_device\":true");
+  }
+  EXPECT_EQ(device_loss, expected);
+  EXPECT_NE(fp32_loss.substr(0, fp32_loss.find(' ')),
+            host_loss.substr(0, host_loss.find(' ')));
 }
 
 }  // namespace

@@ -35,7 +35,8 @@ namespace {
 // whose wire type is bfloat16 (--gradient_wire_type / --parameter_wire_type
 // bf16) is cast on the device and staged in 16 bits, so the host moves half
 // the bytes and converts nothing; fp16 and top-k are converted by the
-// client on the host, from float32 staging.
+// client on the host, from float32 staging, as are the gradients
+// --overlap_push sends (OverlappedPush stages float32).
 struct ParameterBuffers {
   std::vector<kernels::HostArray<float>> host_params, host_grads;
   std::vector<kernels::DeviceArray<float>> device_params, device_grads;
@@ -78,6 +79,16 @@ struct ParameterBuffers {
                  : PsClient::ConstTensorRef{FLOAT32, host_grads[t].data()});
     }
     return absl::OkStatus();
+  }
+
+  // Whether any tensor is cast for the wire by the backend.
+  bool CastsOnDevice() const {
+    for (size_t i = 0; i < host_params16.size(); ++i) {
+      if (host_params16[i].size() > 0 || host_grads16[i].size() > 0) {
+        return true;
+      }
+    }
+    return false;
   }
 
   template <typename T, typename Array>
@@ -736,6 +747,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     return s;
   }
   result.peak_rss_bytes = PeakRssBytes();
+  result.cast_on_device = buffers.CastsOnDevice();
   return result;
 }
 
@@ -756,7 +768,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"time_to_target_s\":%s,\"step_to_target\":%s,\"evaluations\":%d,"
       "\"evaluation_s\":%.3f,\"samples_per_sec\":%.1f,"
       "\"wall_time_s\":%.3f,\"compute_s\":%.3f,\"network_wait_s\":%.3f,"
-      "\"network_wait_share\":%.3f,\"peak_rss_mb\":%.1f,\"start_step\":%d,"
+      "\"network_wait_share\":%.3f,\"peak_rss_mb\":%.1f,"
+      "\"cast_on_device\":%s,\"start_step\":%d,"
       "\"steps_run\":%d,"
       "\"steps_skipped\":%d,\"steps_short\":%d,"
       "\"duplicate_blocks\":%d,\"late_blocks\":%d,"
@@ -769,11 +782,11 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       r.wall_time_s, r.compute_seconds, r.network_wait_seconds,
       r.network_wait_seconds /
           std::max(r.wall_time_s - r.evaluation_seconds, 1e-9),
-      r.peak_rss_bytes / 1048576.0, r.start_step, r.steps_run, r.steps_skipped,
-      r.steps_short, r.duplicate_blocks, r.late_blocks,
-      r.injected_duplicate_pushes, r.stopped_early ? "true" : "false",
-      r.not_learning ? "true" : "false", r.final_state.summary,
-      absl::StrJoin(r.final_state.shards_behind, ","));
+      r.peak_rss_bytes / 1048576.0, r.cast_on_device ? "true" : "false",
+      r.start_step, r.steps_run, r.steps_skipped, r.steps_short,
+      r.duplicate_blocks, r.late_blocks, r.injected_duplicate_pushes,
+      r.stopped_early ? "true" : "false", r.not_learning ? "true" : "false",
+      r.final_state.summary, absl::StrJoin(r.final_state.shards_behind, ","));
 }
 
 }  // namespace pstrain

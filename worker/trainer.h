@@ -132,6 +132,9 @@ struct TrainResult {
   int64_t steps_per_epoch = 0;
   double epochs = 0;  // of the training set, by the job's global batches
   int64_t peak_rss_bytes = 0;
+  // Whether the backend casts tensors for the wire (bf16 staging, not the
+  // client on the host): see ParameterBuffers in trainer.cc.
+  bool cast_on_device = false;
   double samples_per_sec = 0;
   double wall_time_s = 0;
   // Summed over the steps: see StepReport. Their share of the training

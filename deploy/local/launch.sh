@@ -70,8 +70,11 @@ Options:
                    model on pstrain.torch, see README.md), run by
                    $PSTRAIN_PYTHON (default /usr/bin/python3, which has
                    python3-torch) with the arguments after "--" that are not
-                   --server.FLAG; each worker gets the job in PSTRAIN_CLUSTER
-                   (with its task index) and RANK, WORLD_SIZE, LOCAL_RANK and
+                   --server.FLAG nor a client flag (--NAME=V for a NAME that
+                   pstrain.client_option_names() lists: those reach the
+                   workers' clients); each worker gets the job in
+                   PSTRAIN_CLUSTER (with its task index, and the client
+                   flags) and RANK, WORLD_SIZE, LOCAL_RANK and
                    LOCAL_WORLD_SIZE as torchrun sets them. Needs the pstrain
                    package: worker/python/install.sh
   -h, --help       print this help and exit
@@ -80,7 +83,8 @@ Extra flags after "--":
   --server.FLAG=V  passed to every ps_server as --FLAG=V
   --worker.FLAG=V  passed to every worker as --FLAG=V
   --FLAG=V         passed to every worker (model/data flags); with --python,
-                   any argument (not only --FLAG) goes to the script
+                   any argument (not only --FLAG) goes to the script, but
+                   client flags (see --python) go to its client
 
 Flags the launcher sets itself (host, port, port_file, shard_id, num_shards,
 num_workers, mode; cluster_spec, ps_hosts, worker_id, num_workers) cannot be
@@ -679,6 +683,8 @@ python_cluster() {
     value=${flag#*=}
     value=${value//\\/\\\\}
     value=${value//\"/\\\"}
+    value=${value//$'\t'/\\t}
+    value=${value//$'\n'/\\n}
     flags+="${flags:+, }\"$name\": \"$value\""
   done
   printf '{"ps": [%s], "workers": %d, "mode": "%s", "task": {"type": "worker", "index": %d}, "worker_flags": {%s}}' \

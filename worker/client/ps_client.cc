@@ -469,6 +469,16 @@ absl::StatusOr<Registration> PsClient::RegisterResolved(
   registration.optimizer = (*responses)[0].optimizer();
   registration.learning_rate = (*responses)[0].learning_rate();
   mode_ = registration.mode;
+  pull_wire_type_ = options_.parameter_wire_type;
+  for (int s = 0; s < num_shards() && pull_wire_type_ != FLOAT32; ++s) {
+    if (!(*responses)[s].rounded_pulls()) {
+      LOG(WARNING) << "shard " << s << " (" << HostOf(s)
+                   << ") does not round pulled parameters (a ps_server older "
+                      "than this client): pulling them as float32, not "
+                   << DataType_Name(options_.parameter_wire_type);
+      pull_wire_type_ = FLOAT32;
+    }
+  }
   std::optional<int64_t> pending_clip;
   for (const RegisterModelResponse& response : *responses) {
     if (response.clip_pending()) pending_clip = response.clip_pending_step();

@@ -96,8 +96,9 @@ struct PsClientOptions {
   DataType gradient_wire_type = FLOAT32;
   // Element type of pulled parameters on the wire: FLOAT32, or BFLOAT16 /
   // FLOAT16 (the servers round their fp32 values per pull; STATE tensors
-  // still come exact). Pulls then decode into the tensors after the read
-  // instead of landing in them.
+  // still come exact; servers too old to round answer FLOAT32, said once
+  // in the log). Float32 destinations are decoded after the read; 16-bit
+  // ones (PullTensors) take the bytes as they land.
   DataType parameter_wire_type = FLOAT32;
   // TOPK_FLOAT32: the fraction of each block's elements sent per push (the
   // largest magnitudes; the rest is kept and added to the next push).
@@ -565,6 +566,9 @@ class PsClient {
       const std::vector<TensorRef>& tensors);
 
   PsClientOptions options_;
+  // What pulled parameters travel as: options_.parameter_wire_type, or
+  // FLOAT32 where a shard cannot round them (set by Register).
+  DataType pull_wire_type_ = FLOAT32;
   const uint64_t incarnation_;
   int worker_id_ = -1;
   int num_workers_ = 0;

@@ -20,8 +20,9 @@ namespace pstrain {
 using ps_client_internal::Deserialize;
 namespace {
 
-// A pulled group of at least this many bytes asks the data plane for its
-// payloads apart, to read them straight into the tensors.
+// A pulled group of at least this many float32 bytes (half as many when it
+// travels in 16 bits) asks the data plane for its payloads apart, to read
+// them straight into the tensors.
 constexpr size_t kPayloadsApartFromBytes = 64 << 10;
 
 // The float32 form of tensor pointers (the calls' own form is by dtype).
@@ -53,15 +54,21 @@ absl::Status CopySegments(const ByteSegments& data, absl::Span<char> out) {
 }  // namespace
 
 DataType PsClient::PushWireType(int tensor) const {
+  CHECK(tensor >= 0 && tensor < schema_.dense_size())
+      << "PushWireType(" << tensor << "): the model has "
+      << schema_.dense_size() << " dense tensors (registered?)";
   return schema_.dense(tensor).role() == DenseTensorSpec::STATE
              ? FLOAT32
              : options_.gradient_wire_type;
 }
 
 DataType PsClient::PullWireType(int tensor) const {
+  CHECK(tensor >= 0 && tensor < schema_.dense_size())
+      << "PullWireType(" << tensor << "): the model has "
+      << schema_.dense_size() << " dense tensors (registered?)";
   return schema_.dense(tensor).role() == DenseTensorSpec::STATE
              ? FLOAT32
-             : options_.parameter_wire_type;
+             : pull_wire_type_;
 }
 
 absl::Status PsClient::CheckReturnedBlock(const WireBlock& wire, int g) const {
@@ -125,7 +132,12 @@ absl::Status PsClient::StoreBlocks(const Group& group,
     if (absl::Status s = CheckReturnedBlock(wire, g); !s.ok()) return s;
     const TensorRef& into = tensors[loc.tensor];
     absl::Status stored;
-    if (into.dtype == FLOAT32) {
+    if (wire.dtype != FLOAT32 && wire.dtype != PullWireType(loc.tensor)) {
+      stored = absl::DataLossError(
+          absl::StrCat("block ", wire.block, " of '", wire.tensor,
+                       "' came as dtype ", wire.dtype, ", not FLOAT32 or ",
+                       DataType_Name(PullWireType(loc.tensor))));
+    } else if (into.dtype == FLOAT32) {
       stored = DecodeSegments(
           wire.dtype, wire.data,
           absl::MakeSpan(static_cast<float*>(into.data) + loc.offset,
@@ -176,7 +188,7 @@ std::vector<PsClient::Call> PsClient::PullCalls(
   PullRequest header;
   header.set_worker_id(worker_id_);
   header.set_step(step);
-  header.set_dtype(options_.parameter_wire_type);
+  header.set_dtype(pull_wire_type_);
   const std::string per_call = header.SerializeAsString();
   std::vector<Call> calls(groups_.size());
   for (size_t i = 0; i < groups_.size(); ++i) {
