@@ -91,7 +91,7 @@ grpc::ServerUnaryReactor* ServeSmall(Shard* shard,
 struct PullReply {
   std::vector<PulledBlock> blocks;
   // The blocks' values in the pull's dtype, where it is not FLOAT32.
-  std::vector<std::string> encoded;
+  std::vector<std::shared_ptr<const std::string>> rounded;
   WireMessage message;
   // A data-plane answer with payloads apart opens with this.
   char meta_length[data_plane::kLengthPrefixBytes] = {};
@@ -187,13 +187,13 @@ void ParameterServerService::PullFromBytes(
         absl::StrCat("PullRequest dtype ", dtype,
                      ": the servers answer FLOAT32, BFLOAT16 or FLOAT16")));
   }
-  Shard::PullDone answer = [done = std::move(done), payloads_apart, dtype](
-                               absl::Status status,
-                               std::vector<PulledBlock> blocks) {
+  Shard::PullDone answer = [this, done = std::move(done), payloads_apart,
+                            dtype](absl::Status status,
+                                   std::vector<PulledBlock> blocks) {
     if (!status.ok()) return done(std::move(status));
     auto reply = std::make_shared<PullReply>();
     reply->blocks = std::move(blocks);
-    if (dtype != FLOAT32) reply->encoded.resize(reply->blocks.size());
+    if (dtype != FLOAT32) reply->rounded.resize(reply->blocks.size());
     std::vector<OutgoingBlock> outgoing;
     outgoing.reserve(reply->blocks.size());
     for (size_t i = 0; i < reply->blocks.size(); ++i) {
@@ -204,9 +204,10 @@ void ParameterServerService::PullFromBytes(
             absl::string_view(reinterpret_cast<const char*>(b.values->data()),
                               b.values->size() * sizeof(float))});
       } else {
-        EncodeFromFloat32(dtype, *b.values, &reply->encoded[i]);
+        reply->rounded[i] =
+            rounded_blocks_.Get(b.tensor, b.block, b.version, b.values, dtype);
         outgoing.push_back(OutgoingBlock{{*b.tensor, b.block, dtype, b.version},
-                                         reply->encoded[i]});
+                                         *reply->rounded[i]});
       }
     }
     OutgoingBytes bytes;

@@ -18,6 +18,7 @@
 #include "ps_server/checkpointer.h"
 #include "ps_server/data_plane_server.h"
 #include "ps_server/replication.h"
+#include "ps_server/rounded_blocks.h"
 #include "ps_server/shard.h"
 
 namespace pstrain {
@@ -269,6 +270,8 @@ class ParameterServerService final : public ParameterServerRawService,
   std::atomic<int64_t> data_plane_user_tls_{0};
   absl::Mutex streams_mu_;
   absl::flat_hash_set<CallStream*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  // Pulled parameters rounded to 16 bits, once per block version.
+  RoundedBlocks rounded_blocks_;
   ChangeGate gate_;
   absl::Mutex catch_up_mu_;
   std::thread catch_up_thread_ ABSL_GUARDED_BY(catch_up_mu_);
