@@ -245,4 +245,33 @@ else
   echo "wait-for-ps waits for each replica of each shard"
 fi
 
+echo "== 7. a Python worker pod's command line (base/worker-job.yaml)"
+# Run here with the ConfigMap's PYTHON_SCRIPT set and a stand-in python3
+# that prints what it gets: the job in PSTRAIN_CLUSTER, with every
+# --name=value of WORKER_EXTRA_FLAGS for the script's client, and the
+# script's own arguments.
+# shellcheck disable=SC2016  # JavaScript, not shell
+JOB_YAML=$dir/base/worker-job.yaml OUT=$tmp JS_YAML=$src_k8s/validate/node_modules/js-yaml node -e '
+  const fs = require("fs"), yaml = require(process.env.JS_YAML);
+  const job = yaml.loadAll(fs.readFileSync(process.env.JOB_YAML, "utf8")).find((d) => d && d.kind === "Job");
+  fs.writeFileSync(`${process.env.OUT}/worker.sh`, job.spec.template.spec.containers[0].args[0]);
+' || fail "cannot read base/worker-job.yaml"
+mkdir -p "$tmp/pybin"
+printf '#!/bin/sh\nprintf "%%s\\n" "$PSTRAIN_CLUSTER" "$@"\n' >"$tmp/pybin/python3"
+chmod +x "$tmp/pybin/python3"
+env -i PATH="$tmp/pybin:$PATH" PYTHON_SCRIPT=/opt/train.py PYTHON_ARGS="--epochs=2" \
+  PS_HOSTS="ps-0.ps:5000,ps-1.ps:5000" NUM_WORKERS=4 JOB_COMPLETION_INDEX=1 \
+  WORKER_EXTRA_FLAGS="--hidden=128,64 --tls_ca=/etc/pstrain/tls/ca.pem --parameter_wire_type=bf16 --verbose" \
+  sh "$tmp/worker.sh" >"$tmp/worker.out" 2>&1 || { cat "$tmp/worker.out"; fail "the Python worker's command line failed"; }
+# shellcheck disable=SC2016  # JavaScript, not shell
+OUT=$tmp node -e '
+  const lines = require("fs").readFileSync(`${process.env.OUT}/worker.out`, "utf8").trim().split("\n");
+  const spec = JSON.parse(lines[0]);
+  const want = {ps: ["ps-0.ps:5000", "ps-1.ps:5000"], workers: 4,
+    worker_flags: {hidden: "128,64", tls_ca: "/etc/pstrain/tls/ca.pem", parameter_wire_type: "bf16"}};
+  if (JSON.stringify(spec) !== JSON.stringify(want)) throw new Error(`PSTRAIN_CLUSTER ${lines[0]}, want ${JSON.stringify(want)}`);
+  if (lines.slice(1).join(" ") !== "-u /opt/train.py --epochs=2") throw new Error(`python3 got ${lines.slice(1)}`);
+' || { cat "$tmp/worker.out"; fail "a Python worker pod does not get the job and its client flags"; }
+echo "a Python worker pod gets the job and WORKER_EXTRA_FLAGS' --name=value flags in PSTRAIN_CLUSTER"
+
 echo "manifests_test: PASS"
