@@ -52,6 +52,7 @@
 #include "common/cli.h"
 #include "common/partition.h"
 #include "common/transport/socket.h"
+#include "common/transport/tensor_codec.h"
 #include "glog/logging.h"
 
 ABSL_FLAG(std::vector<std::string>, sizes,
@@ -389,6 +390,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "ps_bench: --role must be bench, tcp_peer or grpc_floor\n");
     return 2;
+  }
+  // Before anything starts: a bad wire type is the user's, said in one line.
+  for (const absl::Status& status :
+       {pstrain::ParseWireType(absl::GetFlag(FLAGS_gradient_wire_type))
+            .status(),
+        pstrain::ParseParameterWireType(
+            absl::GetFlag(FLAGS_parameter_wire_type))
+            .status()}) {
+    if (!status.ok()) {
+      std::fprintf(stderr, "ps_bench: %s\n",
+                   std::string(status.message()).c_str());
+      return 2;
+    }
   }
   return pstrain::bench::ps_bench::BenchMain(argv[0]);
 }
