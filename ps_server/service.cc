@@ -146,6 +146,7 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
           response->set_data_push_pull(port > 0);
           response->set_data_port_tls(port > 0 && data_port_tls_.load());
           response->set_rounded_pulls(true);
+          response->set_sparse_pull_tables(true);
         }
         return response;
       });
@@ -596,13 +597,53 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
     return Finish(context, serves);
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  shard_->SparsePull(
-      pull, absl::FromChrono(context->deadline()),
-      AfterForwards(Shard::SparsePullDone(
-          [reactor, response](absl::Status status, SparsePullResponse result) {
-            if (status.ok()) status = SerializeSmall(result, response);
-            reactor->Finish(ToGrpcStatus(status));
-          })));
+  // Each table pulled on its own; the call is answered once every one is
+  // in, or with the first failure.
+  struct Gather {
+    absl::Mutex mu;
+    int left ABSL_GUARDED_BY(mu) = 0;
+    absl::Status status ABSL_GUARDED_BY(mu);
+    std::vector<SparsePullResponse> parts ABSL_GUARDED_BY(mu);
+  };
+  auto gather = std::make_shared<Gather>();
+  const int tables = 1 + pull.more_size();
+  {
+    absl::MutexLock lock(&gather->mu);
+    gather->left = tables;
+    gather->parts.resize(tables);
+  }
+  std::vector<SparsePullRequest> parts(tables, pull);
+  for (int t = 0; t < tables; ++t) {
+    parts[t].clear_more();
+    if (t > 0) {
+      parts[t].set_table(pull.more(t - 1).table());
+      *parts[t].mutable_ids() = pull.more(t - 1).ids();
+    }
+  }
+  for (int t = 0; t < tables; ++t) {
+    shard_->SparsePull(
+        parts[t], absl::FromChrono(context->deadline()),
+        AfterForwards(Shard::SparsePullDone([reactor, response, gather, t](
+                                                absl::Status status,
+                                                SparsePullResponse result) {
+          absl::MutexLock lock(&gather->mu);
+          if (status.ok()) {
+            gather->parts[t] = std::move(result);
+          } else if (gather->status.ok()) {
+            gather->status = std::move(status);
+          }
+          if (--gather->left > 0) return;
+          absl::Status done = gather->status;
+          if (done.ok()) {
+            SparsePullResponse all = std::move(gather->parts[0]);
+            for (int i = 1; i < static_cast<int>(gather->parts.size()); ++i) {
+              *all.add_more() = std::move(gather->parts[i]);
+            }
+            done = SerializeSmall(all, response);
+          }
+          reactor->Finish(ToGrpcStatus(done));
+        })));
+  }
   return reactor;
 }
 

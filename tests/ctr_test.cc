@@ -7,7 +7,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/protocol.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "proto/ps.grpc.pb.h"
 #include "tests/test_cluster.h"
 #include "worker/client/ps_client.h"
 #include "worker/ctr_data.h"
@@ -324,6 +327,71 @@ TEST(CtrTest, SameModelOnOneAndThreeShards) {
   }
   EXPECT_LE(max_difference, 1e-6);
   EXPECT_GT(moved, 0);
+}
+
+// Every table a model pulls at a step goes to each shard in one call
+// (SparsePullRequest.more): the rows are those each table's own pull
+// brings, and a call naming a table the model lacks fails, naming it,
+// with the good tables of the same call not answered.
+TEST(CtrTest, TablesPulledInOneCallAreTheRowsOfEachPulledAlone) {
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(CtrCluster("async", 1), "ctr_tables_in_one_call");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  CtrModelOptions model;
+  model.num_fields = 4;
+  model.num_dense = 2;
+  model.dim = 8;
+  model.hidden = 16;
+  model.seed = 3;
+  model.block_elements = 256;
+  model.embedding_init.set_kind(InitSpec::UNIFORM);
+  model.embedding_init.set_scale(0.05f);
+  SparseOptimizer& o = model.sparse_optimizer;
+  o.set_name("sgd");
+  o.set_learning_rate(0.1f);
+  const ModelSchema schema = CtrSchema(model);
+  PsClientOptions client_options;
+  client_options.hosts = (*cluster)->HostList();
+  auto client = std::move(*PsClient::Create(client_options));
+  ASSERT_TRUE(client->Register(schema, 1, /*worker_id=*/-1).ok());
+
+  // Rows are made on first use: pull every table alone first, then all
+  // together, and compare.
+  std::vector<std::vector<uint64_t>> ids(4);
+  std::vector<std::vector<float>> alone(4), together(4);
+  std::vector<PsClient::SparsePullPart> parts;
+  for (int f = 0; f < 4; ++f) {
+    for (uint64_t id = f; id < 600; id += 3 + f) ids[f].push_back(id);
+    alone[f].resize(ids[f].size() * 8);
+    together[f].resize(ids[f].size() * 8, -1.0f);
+    ASSERT_TRUE(client->PullSparse(f, 0, ids[f], alone[f].data()).ok());
+    parts.push_back({f, ids[f], together[f].data()});
+  }
+  ASSERT_TRUE(client->PullSparse(0, parts).ok());
+  for (int f = 0; f < 4; ++f) EXPECT_EQ(together[f], alone[f]) << "table " << f;
+
+  // The same call by hand, its second table unknown.
+  auto stub = ParameterServer::NewStub(grpc::CreateChannel(
+      (*cluster)->HostList()[0], grpc::InsecureChannelCredentials()));
+  SparsePullRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  request.set_worker_id(-1);
+  request.set_step(0);
+  request.set_table(schema.sparse(0).name());
+  request.add_ids(3);
+  SparseTableIds* more = request.add_more();
+  more->set_table("no_such_table");
+  more->add_ids(5);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  SparsePullResponse response;
+  const grpc::Status status = stub->SparsePull(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("no_such_table"), std::string::npos)
+      << status.error_message();
+  // And the shard still answers.
+  ASSERT_TRUE(client->PullSparse(0, parts).ok());
 }
 
 }  // namespace

@@ -569,6 +569,8 @@ class PsClient {
   // What pulled parameters travel as: options_.parameter_wire_type, or
   // FLOAT32 where a shard cannot round them (set by Register).
   DataType pull_wire_type_ = FLOAT32;
+  // Every shard takes several tables in one SparsePull (set by Register).
+  bool sparse_pull_tables_ = false;
   const uint64_t incarnation_;
   int worker_id_ = -1;
   int num_workers_ = 0;

@@ -555,7 +555,10 @@ absl::Status PsClient::PullSparse(int64_t step,
   // missing[p]: the rows of part p the cache did not have (all without one).
   std::vector<std::vector<std::vector<size_t>>> positions(parts.size());
   std::vector<std::vector<size_t>> missing(parts.size());
-  std::vector<Call> calls;
+  // ids[p][s]: the ids of part p that shard s is asked for.
+  std::vector<std::vector<std::vector<uint64_t>>> ids(parts.size());
+  // asked[s]: the parts shard s gets, in order.
+  std::vector<std::vector<size_t>> asked(num_shards());
   for (size_t p = 0; p < parts.size(); ++p) {
     const SparseTableSpec& spec = schema_.sparse(parts[p].table);
     const int64_t dim = spec.dim();
@@ -567,11 +570,11 @@ absl::Status PsClient::PullSparse(int64_t step,
       std::iota(missing[p].begin(), missing[p].end(), size_t{0});
     }
     positions[p].resize(num_shards());
-    std::vector<SparsePullRequest> requests(num_shards());
+    ids[p].resize(num_shards());
     for (size_t i : missing[p]) {
       const int s = SparseShardOf(spec.name(), parts[p].ids[i], num_shards());
       positions[p][s].push_back(i);
-      requests[s].add_ids(parts[p].ids[i]);
+      ids[p][s].push_back(parts[p].ids[i]);
     }
     // A sync table's pull is also its step's barrier (it returns once the
     // table has every member's rows of the step before): every shard gets
@@ -579,34 +582,74 @@ absl::Status PsClient::PullSparse(int64_t step,
     // this worker's next push could reach a shard still a step behind.
     const bool sync_table = IsSyncTable(spec);
     for (int s = 0; s < num_shards(); ++s) {
-      if (positions[p][s].empty() && !sync_table) continue;
-      requests[s].set_protocol_version(kProtocolVersion);
-      requests[s].set_worker_id(worker_id_);
-      requests[s].set_step(step);
-      requests[s].set_table(spec.name());
+      if (!positions[p][s].empty() || sync_table) asked[s].push_back(p);
+    }
+  }
+  // Rows of part p from shard s, in the order they were asked for.
+  auto store = [&](size_t p, int s, const SparsePullResponse& response) {
+    const int64_t dim = schema_.sparse(parts[p].table).dim();
+    const std::vector<size_t>& where = positions[p][s];
+    if (response.values().size() != where.size() * dim * sizeof(float)) {
+      return absl::DataLossError(absl::StrCat(
+          "sparse pull of '", schema_.sparse(parts[p].table).name(),
+          "' returned ", response.values().size(), " bytes for ", where.size(),
+          " rows of dim ", dim));
+    }
+    const char* values = response.values().data();
+    for (size_t r = 0; r < where.size(); ++r) {
+      std::memcpy(parts[p].out + where[r] * dim,
+                  values + r * dim * sizeof(float), dim * sizeof(float));
+    }
+    return absl::OkStatus();
+  };
+  // One call per shard carrying every table it is asked for, where every
+  // shard takes that; else one per table and shard.
+  std::vector<Call> calls;
+  for (int s = 0; s < num_shards(); ++s) {
+    for (size_t first = 0; first < asked[s].size();) {
+      const size_t last = sparse_pull_tables_ ? asked[s].size() : first + 1;
+      SparsePullRequest request;
+      request.set_protocol_version(kProtocolVersion);
+      request.set_worker_id(worker_id_);
+      request.set_step(step);
+      for (size_t k = first; k < last; ++k) {
+        const size_t p = asked[s][k];
+        const std::string& table = schema_.sparse(parts[p].table).name();
+        if (k == first) {
+          request.set_table(table);
+          request.mutable_ids()->Assign(ids[p][s].begin(), ids[p][s].end());
+        } else {
+          SparseTableIds* more = request.add_more();
+          more->set_table(table);
+          more->mutable_ids()->Assign(ids[p][s].begin(), ids[p][s].end());
+        }
+      }
       Call& call = calls.emplace_back();
       call.shard = s;
       call.connection =
           static_cast<int>(calls.size() - 1) % options_.connections_per_shard;
-      call.flat = requests[s].SerializeAsString();
-      call.on_response = [where = &positions[p][s], dim, out = parts[p].out](
-                             absl::Span<const absl::string_view> bytes) {
+      call.flat = request.SerializeAsString();
+      call.on_response = [&store, &asked, s, first,
+                          last](absl::Span<const absl::string_view> bytes) {
         SparsePullResponse response;
         if (absl::Status st = Deserialize(bytes, &response); !st.ok()) {
           return st;
         }
-        if (response.values().size() != where->size() * dim * sizeof(float)) {
+        if (response.more_size() != static_cast<int>(last - first - 1)) {
           return absl::DataLossError(
-              absl::StrCat("sparse pull returned ", response.values().size(),
-                           " bytes for ", where->size(), " rows of dim ", dim));
+              absl::StrCat("sparse pull of ", last - first, " tables answered ",
+                           response.more_size() + 1));
         }
-        const char* values = response.values().data();
-        for (size_t r = 0; r < where->size(); ++r) {
-          std::memcpy(out + (*where)[r] * dim, values + r * dim * sizeof(float),
-                      dim * sizeof(float));
+        for (size_t k = first; k < last; ++k) {
+          const SparsePullResponse& part =
+              k == first ? response : response.more(k - first - 1);
+          if (absl::Status st = store(asked[s][k], s, part); !st.ok()) {
+            return st;
+          }
         }
         return absl::OkStatus();
       };
+      first = last;
     }
   }
   if (absl::Status s =
