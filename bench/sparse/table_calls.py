@@ -1,7 +1,8 @@
 """What a model with many embedding tables pays per table: the same rows
-pulled from 2 real ps_server processes as T tables of N ids each (one call
-per table and shard: 2T calls, what PsClient::PullSparse sends today) and as
-one table of the T*N ids (2 calls), in the same run, rounds interleaved.
+pulled from 2 real ps_server processes as T tables of N ids each (2T calls
+with one call per table and shard; 2 where the servers take every table in
+one call, SparsePullRequest.more) and as one table of the T*N ids (2 calls),
+in the same run, rounds interleaved.
 
     bazel build //ps_server && worker/python/install.sh
     /usr/bin/python3 bench/sparse/table_calls.py --ps_server=bazel-bin/ps_server/ps_server \
