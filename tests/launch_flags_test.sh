@@ -3,7 +3,8 @@
 # exits 2 before anything starts, with one line that says where the flag
 # belongs (issue 30: `--server.sparse_optimizer=ftrl` failed inside a
 # server log as "Unknown command line flag"). A flag ps_server defines
-# still reaches it and the job runs.
+# still reaches it and the job runs. A launch whose output reader leaves
+# still stops what it started.
 set -euo pipefail
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
@@ -63,4 +64,14 @@ grep -q '^{"event":"job","mode":"sync","shards":1,.*"step":5,' "$T/out" ||
   fail "the job line does not count the replicated shard once: $(cat "$T/out")"
 grep -q '"ps": \["127.0.0.1:[0-9]*|127.0.0.1:[0-9]*"\]' "$T/replicated/cluster.json" ||
   fail "cluster.json lacks the replica set: $(cat "$T/replicated/cluster.json")"
+# A reader that leaves early (`launch.sh ... | grep -m1 step`): the launcher
+# still stops the servers and workers it started (a closed pipe used to kill
+# it before its cleanup, leaving the servers running).
+launch --run_dir="$T/pipe" -- --steps=40 --log_every=1 2>&1 | head -n 1 >/dev/null || true
+left() { pgrep -f -- "--port_file=$T/pipe/" >/dev/null; }
+for _ in $(seq 300); do left || break; sleep 0.1; done
+if left; then
+  pkill -f -- "--port_file=$T/pipe/" || true
+  fail "processes of a launch whose reader left were still running 30 s later"
+fi
 echo PASS

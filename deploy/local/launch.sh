@@ -299,6 +299,9 @@ cleanup() {
 on_signal() {
   local name=$1 number=$2
   trap 'FORCE_KILL=1' INT TERM HUP
+  # A reader that went away (`launch.sh ... | grep -m1 ...`): what is left
+  # to say goes nowhere, and must not stop the cleanup.
+  trap '' PIPE
   printf '\n' >&2
   info "caught SIG$name: stopping the job"
   exit $((128 + number))
@@ -870,6 +873,9 @@ main() {
   trap 'on_signal INT 2' INT
   trap 'on_signal TERM 15' TERM
   trap 'on_signal HUP 1' HUP
+  # Without this a closed output pipe killed the launcher outright, and the
+  # EXIT trap never stopped the servers and workers it had started.
+  trap 'on_signal PIPE 13' PIPE
 
   now_ms
   JOB_DEADLINE_MS=$((NOW_MS + TIMEOUT_S * 1000))
