@@ -597,8 +597,21 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
     return Finish(context, serves);
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  // Each table pulled on its own; the call is answered once every one is
-  // in, or with the first failure.
+  const absl::Time deadline = absl::FromChrono(context->deadline());
+  if (pull.more_size() == 0) {
+    shard_->SparsePull(pull, deadline,
+                       AfterForwards(Shard::SparsePullDone(
+                           [reactor, response](absl::Status status,
+                                               SparsePullResponse result) {
+                             if (status.ok()) {
+                               status = SerializeSmall(result, response);
+                             }
+                             reactor->Finish(ToGrpcStatus(status));
+                           })));
+    return reactor;
+  }
+  // Several tables: each pulled on its own; the call is answered once every
+  // one is in, or with the first failure.
   struct Gather {
     absl::Mutex mu;
     int left ABSL_GUARDED_BY(mu) = 0;
@@ -612,17 +625,21 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
     gather->left = tables;
     gather->parts.resize(tables);
   }
-  std::vector<SparsePullRequest> parts(tables, pull);
+  // Each table's request: the call's worker and step, its own ids (moved,
+  // not copied).
+  std::vector<SparsePullRequest> parts(tables);
   for (int t = 0; t < tables; ++t) {
-    parts[t].clear_more();
-    if (t > 0) {
-      parts[t].set_table(pull.more(t - 1).table());
-      *parts[t].mutable_ids() = pull.more(t - 1).ids();
-    }
+    parts[t].set_protocol_version(pull.protocol_version());
+    parts[t].set_worker_id(pull.worker_id());
+    parts[t].set_step(pull.step());
+    SparseTableIds* more = t > 0 ? pull.mutable_more(t - 1) : nullptr;
+    parts[t].set_table(more != nullptr ? more->table() : pull.table());
+    parts[t].mutable_ids()->Swap(more != nullptr ? more->mutable_ids()
+                                                 : pull.mutable_ids());
   }
   for (int t = 0; t < tables; ++t) {
     shard_->SparsePull(
-        parts[t], absl::FromChrono(context->deadline()),
+        parts[t], deadline,
         AfterForwards(Shard::SparsePullDone([reactor, response, gather, t](
                                                 absl::Status status,
                                                 SparsePullResponse result) {

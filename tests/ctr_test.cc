@@ -228,6 +228,29 @@ TEST(CtrTest, CachedRowsStillWaitForTheirTablesSyncStep) {
   EXPECT_EQ(Number((*outputs)[0], "auc"), Number((*outputs)[1], "auc"));
 }
 
+// The schema the workers of CtrFlags build, for an observer to read with.
+ModelSchema CtrFlagsSchema() {
+  CtrModelOptions model;
+  model.num_fields = 4;
+  model.num_dense = 2;
+  model.dim = 8;
+  model.hidden = 16;
+  model.seed = 3;
+  model.block_elements = 256;
+  model.embedding_init.set_kind(InitSpec::UNIFORM);
+  model.embedding_init.set_scale(0.05f);
+  SparseOptimizer& o = model.sparse_optimizer;
+  o.set_name("adagrad");
+  o.set_learning_rate(0.1f);
+  o.set_initial_accumulator(0.1f);
+  o.set_beta1(0.9f);
+  o.set_beta2(0.999f);
+  o.set_epsilon(1e-8f);
+  o.set_ftrl_alpha(0.05f);
+  o.set_ftrl_beta(1.0f);
+  return CtrSchema(model);
+}
+
 // The model (dense tensors and every row the job touched) after a sync job.
 struct FinalModel {
   std::vector<std::vector<float>> dense;
@@ -251,25 +274,7 @@ FinalModel TrainAndRead(int shards, const std::string& name) {
   if (!outputs.ok()) return {};
 
   // Read back as an observer with the same schema the workers built.
-  CtrModelOptions model;
-  model.num_fields = 4;
-  model.num_dense = 2;
-  model.dim = 8;
-  model.hidden = 16;
-  model.seed = 3;
-  model.block_elements = 256;
-  model.embedding_init.set_kind(InitSpec::UNIFORM);
-  model.embedding_init.set_scale(0.05f);
-  SparseOptimizer& o = model.sparse_optimizer;
-  o.set_name("adagrad");
-  o.set_learning_rate(0.1f);
-  o.set_initial_accumulator(0.1f);
-  o.set_beta1(0.9f);
-  o.set_beta2(0.999f);
-  o.set_epsilon(1e-8f);
-  o.set_ftrl_alpha(0.05f);
-  o.set_ftrl_beta(1.0f);
-  const ModelSchema schema = CtrSchema(model);
+  const ModelSchema schema = CtrFlagsSchema();
   PsClientOptions client_options;
   client_options.hosts = (*cluster)->HostList();
   auto client = std::move(*PsClient::Create(client_options));
@@ -337,19 +342,7 @@ TEST(CtrTest, TablesPulledInOneCallAreTheRowsOfEachPulledAlone) {
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
       TestCluster::Start(CtrCluster("async", 1), "ctr_tables_in_one_call");
   ASSERT_TRUE(cluster.ok()) << cluster.status();
-  CtrModelOptions model;
-  model.num_fields = 4;
-  model.num_dense = 2;
-  model.dim = 8;
-  model.hidden = 16;
-  model.seed = 3;
-  model.block_elements = 256;
-  model.embedding_init.set_kind(InitSpec::UNIFORM);
-  model.embedding_init.set_scale(0.05f);
-  SparseOptimizer& o = model.sparse_optimizer;
-  o.set_name("sgd");
-  o.set_learning_rate(0.1f);
-  const ModelSchema schema = CtrSchema(model);
+  const ModelSchema schema = CtrFlagsSchema();
   PsClientOptions client_options;
   client_options.hosts = (*cluster)->HostList();
   auto client = std::move(*PsClient::Create(client_options));

@@ -38,6 +38,8 @@ namespace {
 // client on the host, from float32 staging, as are the gradients
 // --overlap_push sends (OverlappedPush stages float32).
 struct ParameterBuffers {
+  // host_params: empty for a tensor pulled in 16 bits or unstaged.
+  // host_grads: also what --overlap_push stages into, staged or not.
   std::vector<kernels::HostArray<float>> host_params, host_grads;
   std::vector<kernels::DeviceArray<float>> device_params, device_grads;
   // Per tensor, empty unless it travels as bfloat16 (staged only): the
@@ -59,8 +61,8 @@ struct ParameterBuffers {
       const int64_t n = NumElements(specs[t]);
       const bool push16 = staged && client.PushWireType(t) == BFLOAT16;
       const bool pull16 = staged && client.PullWireType(t) == BFLOAT16;
-      absl::Status s =
-          Add(backend, n, host_params, host_grads, device_params, device_grads);
+      absl::Status s = Add(backend, n, host_grads, device_params, device_grads);
+      if (s.ok()) s = Add(backend, staged && !pull16 ? n : 0, host_params);
       if (s.ok())
         s = Add(backend, pull16 ? n : 0, host_params16, device_params16);
       if (s.ok())
@@ -146,7 +148,7 @@ struct ParameterBuffers {
 
   absl::Status ParamsToDevice(kernels::Backend& backend) {
     if (!staged) return absl::OkStatus();
-    for (size_t i = 0; i < host_params.size(); ++i) {
+    for (size_t i = 0; i < device_params.size(); ++i) {
       absl::Status s;
       if (host_params16[i].size() > 0) {
         s = backend.CopyToDevice(host_params16[i].data(),

@@ -555,8 +555,10 @@ absl::Status PsClient::PullSparse(int64_t step,
   // missing[p]: the rows of part p the cache did not have (all without one).
   std::vector<std::vector<std::vector<size_t>>> positions(parts.size());
   std::vector<std::vector<size_t>> missing(parts.size());
-  // ids[p][s]: the ids of part p that shard s is asked for.
-  std::vector<std::vector<std::vector<uint64_t>>> ids(parts.size());
+  // ids[p][s]: the ids of part p that shard s is asked for (swapped into
+  // its request).
+  std::vector<std::vector<google::protobuf::RepeatedField<uint64_t>>> ids(
+      parts.size());
   // asked[s]: the parts shard s gets, in order.
   std::vector<std::vector<size_t>> asked(num_shards());
   for (size_t p = 0; p < parts.size(); ++p) {
@@ -574,7 +576,7 @@ absl::Status PsClient::PullSparse(int64_t step,
     for (size_t i : missing[p]) {
       const int s = SparseShardOf(spec.name(), parts[p].ids[i], num_shards());
       positions[p][s].push_back(i);
-      ids[p][s].push_back(parts[p].ids[i]);
+      ids[p][s].Add(parts[p].ids[i]);
     }
     // A sync table's pull is also its step's barrier (it returns once the
     // table has every member's rows of the step before): every shard gets
@@ -617,11 +619,11 @@ absl::Status PsClient::PullSparse(int64_t step,
         const std::string& table = schema_.sparse(parts[p].table).name();
         if (k == first) {
           request.set_table(table);
-          request.mutable_ids()->Assign(ids[p][s].begin(), ids[p][s].end());
+          request.mutable_ids()->Swap(&ids[p][s]);
         } else {
           SparseTableIds* more = request.add_more();
           more->set_table(table);
-          more->mutable_ids()->Assign(ids[p][s].begin(), ids[p][s].end());
+          more->mutable_ids()->Swap(&ids[p][s]);
         }
       }
       Call& call = calls.emplace_back();
