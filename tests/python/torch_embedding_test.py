@@ -7,9 +7,10 @@ import unittest
 import numpy as np
 import torch
 
+# First: the installed package (cluster re-runs this test in its venv).
+from tests.python import cluster
 import pstrain
 import pstrain.torch
-from tests.python import cluster
 
 VOCAB, DIM, BAG, BATCH, STEPS, LR = 50, 4, 3, 16, 20, 0.1
 

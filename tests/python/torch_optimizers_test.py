@@ -12,8 +12,9 @@ import unittest
 
 import torch
 
-import pstrain.data
+# First: the installed package (cluster re-runs this test in its venv).
 from tests.python import cluster
+import pstrain.data
 from tests.python import optim_recipes
 from tests.python import train_worker
 
