@@ -27,6 +27,9 @@ namespace {
 constexpr absl::string_view kFenced = "fenced: ";
 constexpr absl::string_view kStale = "stale: ";
 constexpr absl::string_view kJoining = "joining: ";
+// A new process at a replica's address, without the state: the one the
+// sender had in its set is gone.
+constexpr absl::string_view kNewProcess = "new process: ";
 
 // Whether every address of host:port refuses a TCP connection within
 // `timeout`: nothing listens there, so the process that did is gone (a
@@ -509,7 +512,11 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
           " was replaced as primary: ", result.message()));
       continue;
     }
-    if (absl::StrContains(result.message(), kStale)) {
+    if (absl::StrContains(result.message(), kStale) ||
+        absl::StrContains(result.message(), kNewProcess)) {
+      // A replica restarted before its old process was dropped: in the set
+      // it holds no state (waiting for it would also hold up its own
+      // catch-up), and the catch-up adds it back.
       Drop(peer.index, std::string(result.message()));
       continue;
     }
@@ -555,8 +562,8 @@ absl::Status ReplicaSet::AdmitForward(const ReplicateRequest& request) {
         absl::StrCat(kStale, self, " does not hold the shard's state"));
   }
   if (role == Role::kCatchingUp) {
-    return absl::UnavailableError(absl::StrCat(
-        self, " is ", kJoining, "it is catching up from the primary"));
+    return absl::UnavailableError(
+        absl::StrCat(kNewProcess, self, " is catching up from the primary"));
   }
   if (request.epoch() < epoch_.load() ||
       (request.epoch() == epoch_.load() && role == Role::kPrimary)) {
@@ -608,18 +615,38 @@ bool ReplicaSet::CatchUp() {
     if (primary != nullptr) {
       absl::StatusOr<ReplicateResponse> accepted =
           Call(*primary, join, absl::Seconds(5), /*wait_for_ready=*/false);
-      problem = accepted.status().ToString();
+      problem = accepted.ok() ? "" : accepted.status().ToString();
       if (accepted.ok()) {
         // The primary sends the state once it finds a quiet moment (it
         // gives up after kCatchUpQuietWait); chunks then keep coming.
         absl::Time give_up =
             absl::Now() + kCatchUpQuietWait + absl::Seconds(15);
+        absl::Time ask_again = absl::Now() + absl::Seconds(1);
         int64_t chunks = 0;
         while (role_.load() == Role::kCatchingUp && absl::Now() < give_up &&
                !stop_.WaitForNotificationWithTimeout(absl::Milliseconds(20))) {
           if (chunks_installed_.load() != chunks) {
             chunks = chunks_installed_.load();
             give_up = absl::Now() + options_.forward_timeout + absl::Seconds(5);
+          }
+          // Before the first chunk, the primary's attempt may have ended
+          // without reaching this replica (its channel here was still
+          // reconnecting to the process before this one, say): asking
+          // again says so at once, rather than after give_up. While its
+          // attempt runs, the primary refuses a second one.
+          if (chunks_installed_.load() == 0 && absl::Now() >= ask_again) {
+            ask_again = absl::Now() + absl::Seconds(1);
+            absl::StatusOr<ReplicateResponse> again =
+                Call(*primary, join, absl::Seconds(5), false);
+            if (again.ok()) {
+              LOG(WARNING) << self << ": the primary's attempt to send the "
+                           << "state ended without it; it tries again";
+              give_up = absl::Now() + kCatchUpQuietWait + absl::Seconds(15);
+            } else if (!absl::StrContains(again.status().message(),
+                                          kAnotherReplicaCatchingUp)) {
+              problem = again.status().ToString();
+              break;  // find the primary again
+            }
           }
         }
         if (role_.load() == Role::kBackup) return true;
@@ -629,10 +656,12 @@ bool ReplicaSet::CatchUp() {
                                      primary->index, " broke off"));
           return false;
         }
-        problem = "the primary found no quiet moment to send the state";
+        if (absl::Now() >= give_up) {
+          problem = "the primary found no quiet moment to send the state";
+        }
       }
     }
-    if (problem != last_problem) {
+    if (!problem.empty() && problem != last_problem) {
       LOG(WARNING) << self
                    << " could not catch up yet (tries again): " << problem;
       last_problem = problem;
@@ -662,8 +691,14 @@ absl::Status ReplicaSet::SendState(int joiner,
       absl::MutexLock lock(&peer->links_mu);
       peer->idle_links.clear();
     }
+    // The joiner has just asked, so it is up; this process's channel to
+    // it may still be reconnecting (it refused while the process before it
+    // was gone), which a probe that does not wait for it would take for an
+    // answer: no data port, and every chunk refused.
     ReplicateRequest probe = Message("probe");
-    Call(*peer, probe, absl::Seconds(1), false).status().IgnoreError();
+    Call(*peer, probe, absl::Seconds(2), /*wait_for_ready=*/true)
+        .status()
+        .IgnoreError();
   }
   ReplicateRequest message = Message("state");
   message.set_epoch(epoch_.load());
@@ -695,7 +730,8 @@ absl::Status ReplicaSet::SendState(int joiner,
     } else {
       ReplicateRequest inline_message = message;
       inline_message.set_request(absl::StrJoin(pieces, ""));
-      answer = Call(*peer, inline_message, options_.forward_timeout, false);
+      answer = Call(*peer, inline_message, options_.forward_timeout,
+                    /*wait_for_ready=*/true);
     }
     if (!answer.ok()) return answer.status();
   }

@@ -170,6 +170,10 @@ class ChangeGate {
 // How long a primary waits for a quiet moment to send a joiner its state
 // (a sync step that waits for a worker's lease holds it up).
 inline constexpr absl::Duration kCatchUpQuietWait = absl::Seconds(30);
+// Opens a primary's refusal of a join while it sends another replica (or
+// this one, in an attempt still running) its state.
+inline constexpr absl::string_view kAnotherReplicaCatchingUp =
+    "another replica is catching up";
 
 class ReplicaSet {
  public:

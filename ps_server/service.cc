@@ -487,7 +487,7 @@ absl::Status ParameterServerService::StartCatchUp(int joiner) {
   absl::MutexLock lock(&catch_up_mu_);
   if (catching_up_) {
     return absl::UnavailableError(
-        "another replica is catching up; ask again once it has");
+        absl::StrCat(kAnotherReplicaCatchingUp, "; ask again once it has"));
   }
   if (catch_up_thread_.joinable()) catch_up_thread_.join();
   catching_up_ = true;

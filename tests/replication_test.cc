@@ -47,17 +47,26 @@ struct ReplicationCase {
   bool survivor_killed = false;
 };
 
-// Every process's log, for whoever reads a failure.
-void DumpLogsOnFailure(const TestCluster& cluster) {
-  if (!::testing::Test::HasFailure()) return;
-  for (const auto& entry : std::filesystem::directory_iterator(cluster.dir())) {
-    if (entry.path().extension() != ".log") continue;
-    std::ifstream in(entry.path());
-    std::stringstream text;
-    text << in.rdbuf();
-    ADD_FAILURE() << "=== " << entry.path() << "\n" << text.str();
+// Every process's log, for whoever reads a failure: when the scope ends, so
+// that an ASSERT that returns early still shows them.
+class LogsOnFailure {
+ public:
+  explicit LogsOnFailure(const TestCluster& cluster) : cluster_(cluster) {}
+  ~LogsOnFailure() {
+    if (!::testing::Test::HasFailure()) return;
+    for (const auto& entry :
+         std::filesystem::directory_iterator(cluster_.dir())) {
+      if (entry.path().extension() != ".log") continue;
+      std::ifstream in(entry.path());
+      std::stringstream text;
+      text << in.rdbuf();
+      ADD_FAILURE() << "=== " << entry.path() << "\n" << text.str();
+    }
   }
-}
+
+ private:
+  const TestCluster& cluster_;
+};
 
 // A cluster of `shards` x `replicas` for the probe model (SGD at rate 1).
 std::unique_ptr<TestCluster> StartProbeCluster(
@@ -158,6 +167,7 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
                    c.survivor_killed ? "_then_survivor" : ""),
       c.mode, kShards, /*replicas=*/2);
   ASSERT_NE(cluster, nullptr);
+  LogsOnFailure logs(*cluster);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(*cluster);
   ASSERT_EQ(workers.size(), kWorkers);
   // A third of the way in, every shard's primary has applied updates and
@@ -211,7 +221,6 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
     EXPECT_EQ(last->replica_takeovers(), 1);
     EXPECT_EQ(last->updates_lost(), 0);
     EXPECT_EQ(last->steps_lost(), 0);
-    DumpLogsOnFailure(*cluster);
     return;
   }
 
@@ -242,7 +251,6 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
   EXPECT_EQ(backup0->replica_role(), "backup");
   EXPECT_EQ(backup0->version(), primary0->version());
   EXPECT_GT(primary0->replica_forwards(), 0);
-  DumpLogsOnFailure(*cluster);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -269,6 +277,7 @@ TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
       StartProbeCluster("three_replicas", "sync", 1, /*replicas=*/3);
   ASSERT_NE(started, nullptr);
   TestCluster& cluster = *started;
+  LogsOnFailure logs(cluster);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(cluster);
   ASSERT_EQ(workers.size(), kWorkers);
   auto wait_for_version = [&cluster](int replica, int64_t version) {
@@ -296,7 +305,6 @@ TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
   EXPECT_EQ(last->updates_lost(), 0);
   // Every step's update is there once: the probe's elements are exact.
   EXPECT_EQ(ProbeElementsOff(cluster, -kSteps), 0);
-  DumpLogsOnFailure(cluster);
 }
 
 // A sync job on 2 shards x 2 replicas whose shard 1 loses its primary
@@ -316,6 +324,7 @@ std::string RunSyncJob(const std::string& name,
   EXPECT_TRUE(started.ok()) << started.status();
   if (!started.ok()) return "";
   TestCluster& cluster = **started;
+  LogsOnFailure logs(cluster);
   std::vector<std::unique_ptr<Process>> workers;
   for (int k = 0; k < kWorkers; ++k) {
     absl::StatusOr<std::unique_ptr<Process>> worker =
@@ -360,7 +369,6 @@ std::string RunSyncJob(const std::string& name,
       EXPECT_EQ(survivor->replica_epoch(), 2);
     }
   }
-  DumpLogsOnFailure(cluster);
   return out;
 }
 
@@ -413,6 +421,7 @@ TEST(ReplicationFencingTest, AFrozenPrimaryIsReplacedAndFencedWhenItWakes) {
                         {"--worker_lease_s=20", "--replica_takeover_s=1"});
   ASSERT_NE(started, nullptr);
   TestCluster& cluster = *started;
+  LogsOnFailure logs(cluster);
   std::vector<std::unique_ptr<Process>> workers =
       StartProbeWorkers(cluster, /*rpc_timeout_s=*/3);
   ASSERT_EQ(workers.size(), kWorkers);
@@ -460,7 +469,6 @@ TEST(ReplicationFencingTest, AFrozenPrimaryIsReplacedAndFencedWhenItWakes) {
   absl::StatusOr<StatsResponse> old = cluster.ReplicaStats(0, 0);
   ASSERT_TRUE(old.ok()) << old.status();
   EXPECT_EQ(old->replica_role(), "stale");
-  DumpLogsOnFailure(cluster);
 }
 
 // Flags a replica set cannot start with: one line, exit 2.
