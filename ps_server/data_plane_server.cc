@@ -379,7 +379,7 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
         data_plane::SplitLengthPrefixed(request.body, "PushPull request");
     if (parts.ok()) {
       pushed = handler.ServeDataPlanePush(absl::MakeConstSpan(&parts->head, 1),
-                                          deadline);
+                                          deadline, parts->rest);
       status = pushed.status();
       pull_request = parts->rest;
     } else {
@@ -395,7 +395,7 @@ absl::Status ServeCall(const Stream& stream, DataPlaneHandler& handler,
     }
   } else if (header.method == Method::kPush) {
     pushed = handler.ServeDataPlanePush(absl::MakeConstSpan(&request.body, 1),
-                                        deadline);
+                                        deadline, /*pull_after=*/{});
     status = pushed.status();
   } else if (header.method == Method::kForward) {
     pushed = handler.ServeDataPlaneForward(request.body, deadline);

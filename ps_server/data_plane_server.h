@@ -46,8 +46,11 @@ class DataPlaneHandler {
   virtual ~DataPlaneHandler() = default;
   // The encoded PushResponse, or the status to answer. A push the shard
   // would refuse as early (Shard::Push) may be held until `hold_until`.
+  // `pull_after`: the PullRequest of a PushPull, answered with the push
+  // once it is (empty for a plain Push).
   virtual absl::StatusOr<std::string> ServeDataPlanePush(
-      absl::Span<const absl::string_view> request, absl::Time hold_until) = 0;
+      absl::Span<const absl::string_view> request, absl::Time hold_until,
+      absl::string_view pull_after) = 0;
   // Runs `done` exactly once, inline or later on another thread, by
   // `deadline` (capped by the shard), with the PullResponse's encoding, or
   // with `payloads_apart` its data-plane split form

@@ -370,6 +370,7 @@ void ReplicaSet::TakeOver(const std::string& why) {
   // The backups learn the new order (and epoch) now, not at the next
   // change: one of them may be next soon.
   Forward("view", {}).IgnoreError();
+  if (on_takeover_) on_takeover_();
 }
 
 bool ReplicaSet::Ahead(int index) const {
@@ -453,7 +454,7 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
   forward.set_epoch(epoch_.load());
   // A push goes on a replica's data plane, its bytes as they came; the
   // rest (small) in the gRPC message.
-  const bool tensors = method == "Push";
+  const bool tensors = method == "Push" || method == "steps";
   const std::string meta = tensors ? forward.SerializeAsString() : "";
   if (!tensors) forward.set_request(absl::StrJoin(request, ""));
   const absl::Time give_up =

@@ -12,6 +12,28 @@
 // refused UNAVAILABLE, naming the primary; the client then tries the next
 // replica of the shard.
 //
+// Sync steps travel as what the primary applied, not as every worker's
+// push (ShardOptions::record_steps). A push that comes with the pull of
+// the next step (the data plane's PushPull, what workers send every step)
+// is applied by the primary alone and answered with that pull, which waits
+// for the step anyway. When a dense block's step completes on the primary
+// (the last push, a lease that ran out, a clip's coefficient), the shard
+// records it: the summed gradients, the workers counted, the rate and the
+// coefficient (Shard::TakeStepRecords). The service sends the records to
+// every backup in the order they were made ("steps") before any pull that
+// shows the step is answered, and a backup applies each one as the primary
+// did (Shard::ApplyStepRecords); it completes no dense step by itself.
+// A backup so receives one sum a step instead of W pushes, and does no
+// summing: on 2 cores a sync step with --replicas=2 went from 1.21-1.44x
+// one without to 1.03-1.05x (bench/results/replication_overhead.txt).
+// A push answered before its step is done (a plain Push, a clipped step's)
+// is still forwarded as it came; the step's record then replaces what the
+// backup summed. A primary that dies before a step's record is out never
+// answered a pull of the next step, so the workers resend that step's
+// pushes to the new primary, which sums them in worker order, as the old
+// one would have. Sparse tables, async and ssp forward every change as it
+// came.
+//
 // Why primary-backup and not a chain: a sync step is one round of pushes
 // from every worker, and its latency is what a job feels. A forward from
 // the primary reaches every backup in one hop (in parallel for R = 3); a
@@ -232,6 +254,11 @@ class ReplicaSet {
 
   // This process's data port, told to the primary in every answer.
   void set_data_port(int port) { data_port_ = port; }
+  // Runs on the watcher's thread once this replica has taken over as
+  // primary (set before Start).
+  void set_on_takeover(std::function<void()> on_takeover) {
+    on_takeover_ = std::move(on_takeover);
+  }
 
   // The replica fields of StatsResponse.
   void AddStats(StatsResponse* stats) const;
@@ -287,6 +314,7 @@ class ReplicaSet {
 
   const ReplicaOptions options_;
   const std::function<bool()> has_model_;
+  std::function<void()> on_takeover_;
   std::vector<std::unique_ptr<Peer>> peers_;  // every replica but this one
 
   std::atomic<Role> role_{Role::kJoining};

@@ -179,6 +179,7 @@ ShardOptions ShardOptionsOf(const ServerConfig& c) {
       static_cast<int64_t>(c.max_shard_memory_gb * (int64_t{1} << 30));
   o.sparse_memory_bytes =
       static_cast<int64_t>(c.sparse_memory_gb * (int64_t{1} << 30));
+  o.record_steps = c.replicas > 1 && o.mode == ConsistencyMode::kSync;
   return o;
 }
 

@@ -246,17 +246,20 @@ ParameterServerService::AfterForwards(
   if (replicas_ == nullptr || shard_->mode() != ConsistencyMode::kSync) {
     return answer;
   }
-  // What the pull shows goes out once the backups have it too.
+  // What the pull shows goes out once the backups have it too: the
+  // changes forwarded as they came, and the records of the steps completed
+  // so far.
   return [this, answer = std::move(answer)](absl::Status status,
                                             Result... result) {
     if (!status.ok()) return answer(std::move(status), std::move(result)...);
     auto held = std::make_shared<std::tuple<Result...>>(std::move(result)...);
-    gate_.AfterChangesInFlight([answer, held] {
-      std::apply(
-          [&answer](Result&... r) {
-            answer(absl::OkStatus(), std::move(r)...);
-          },
-          *held);
+    const int64_t records = shard_->StepRecordsMade();
+    gate_.AfterChangesInFlight([this, answer, held, records] {
+      AfterStepRecords(records, [answer, held](absl::Status sent) {
+        std::apply(
+            [&](Result&... r) { answer(std::move(sent), std::move(r)...); },
+            *held);
+      });
     });
   };
 }
@@ -281,9 +284,10 @@ void ParameterServerService::HandlePull(const grpc::ByteBuffer& request,
 }
 
 absl::StatusOr<std::string> ParameterServerService::ServeDataPlanePush(
-    absl::Span<const absl::string_view> request, absl::Time hold_until) {
+    absl::Span<const absl::string_view> request, absl::Time hold_until,
+    absl::string_view pull_after) {
   data_plane_requests_.fetch_add(1, std::memory_order_relaxed);
-  return PushFromBytes(request, hold_until);
+  return PushFromBytes(request, hold_until, pull_after);
 }
 
 void ParameterServerService::ServeDataPlanePull(
@@ -294,8 +298,35 @@ void ParameterServerService::ServeDataPlanePull(
                 std::move(done));
 }
 
+bool ParameterServerService::StepRecordCovers(const WirePushRequest& push,
+                                              absl::string_view pull_after) {
+  if (!shard_->records_steps() || pull_after.empty() ||
+      push.clip_max_norm > 0) {
+    return false;
+  }
+  PullRequest pull;
+  if (!pull.ParseFromArray(pull_after.data(),
+                           static_cast<int>(pull_after.size())) ||
+      pull.worker_id() != push.worker_id || pull.step() <= push.step) {
+    return false;
+  }
+  if (pull.blocks().empty()) return true;  // every block of the shard
+  for (const WireBlock& pushed : push.blocks) {
+    bool pulled = false;
+    for (const BlockRef& ref : pull.blocks()) {
+      if (ref.block() == pushed.block && ref.tensor() == pushed.tensor) {
+        pulled = true;
+        break;
+      }
+    }
+    if (!pulled) return false;
+  }
+  return true;
+}
+
 absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
-    absl::Span<const absl::string_view> request, absl::Time hold_until) {
+    absl::Span<const absl::string_view> request, absl::Time hold_until,
+    absl::string_view pull_after) {
   absl::StatusOr<WirePushRequest> push = ParsePushRequest(request);
   if (!push.ok()) {
     shard_->CountRejected();
@@ -308,7 +339,12 @@ absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
   absl::StatusOr<PushResponse> result = shard_->Push(*push, hold_until);
   if (!result.ok()) return result.status();
   if (replicas_ != nullptr) {
-    if (absl::Status forwarded = Forward("Push", request); !forwarded.ok()) {
+    if (StepRecordCovers(*push, pull_after)) {
+      // Answered with the pull of a later step, which waits for this
+      // step's record on the backups: the push itself need not go there.
+      NudgeStepRecords();
+    } else if (absl::Status forwarded = Forward("Push", request);
+               !forwarded.ok()) {
       return forwarded;
     }
   }
@@ -329,7 +365,7 @@ absl::Status ParameterServerService::HandlePush(const grpc::ByteBuffer& request,
     return absl::InvalidArgumentError("unreadable request buffer");
   }
   absl::StatusOr<std::string> encoded =
-      PushFromBytes(bytes.views(), absl::InfinitePast());
+      PushFromBytes(bytes.views(), absl::InfinitePast(), /*pull_after=*/{});
   if (!encoded.ok()) return encoded.status();
   grpc::Slice slice(encoded->data(), encoded->size());
   *response = grpc::ByteBuffer(&slice, 1);
@@ -473,8 +509,157 @@ class ParameterServerService::CallStream final
 
 ParameterServerService::~ParameterServerService() {
   stopping_ = true;
+  std::vector<RecordWait> unsent;
+  {
+    absl::MutexLock lock(&step_records_mu_);
+    stop_step_records_ = true;
+  }
+  if (step_records_thread_.joinable()) step_records_thread_.join();
+  {
+    absl::MutexLock lock(&step_records_mu_);
+    unsent.swap(record_waits_);
+  }
+  for (RecordWait& wait : unsent) {
+    wait.then(absl::UnavailableError("the server is shutting down"));
+  }
   absl::MutexLock lock(&catch_up_mu_);
   if (catch_up_thread_.joinable()) catch_up_thread_.join();
+}
+
+void ParameterServerService::set_replicas(ReplicaSet* replicas) {
+  replicas_ = replicas;
+  if (replicas_ == nullptr || !shard_->records_steps()) return;
+  shard_->set_leads_steps([replicas] { return replicas->is_primary(); });
+  replicas_->set_on_takeover([this] {
+    shard_->CompleteStepsNowLeading();
+    NudgeStepRecords();
+  });
+  step_records_thread_ = std::thread([this] { RunStepRecordsSender(); });
+}
+
+void ParameterServerService::NudgeStepRecords() {
+  if (replicas_ == nullptr || !shard_->records_steps()) return;
+  absl::MutexLock lock(&step_records_mu_);
+  step_records_nudged_ = true;
+}
+
+absl::Status ParameterServerService::SendStepRecords() {
+  Shard::TakenStepRecords taken = shard_->TakeStepRecords();
+  if (taken.records.records_size() > 0) {
+    const std::string header = taken.records.SerializeAsString();
+    char length[data_plane::kLengthPrefixBytes];
+    data_plane::EncodeLengthPrefix(static_cast<uint32_t>(header.size()),
+                                   length);
+    std::vector<absl::string_view> pieces = {
+        absl::string_view(length, sizeof(length)), header};
+    for (const std::vector<float>& sum : taken.sums) {
+      if (sum.empty()) continue;
+      pieces.emplace_back(reinterpret_cast<const char*>(sum.data()),
+                          sum.size() * sizeof(float));
+    }
+    if (absl::Status sent = replicas_->Forward("steps", pieces); !sent.ok()) {
+      shard_->ReturnStepRecords(std::move(taken));
+      return sent;
+    }
+  }
+  absl::MutexLock lock(&step_records_mu_);
+  step_records_sent_ = std::max(step_records_sent_, taken.made);
+  shard_->RecycleStepRecords(std::move(taken));
+  return absl::OkStatus();
+}
+
+void ParameterServerService::RunStepRecordWaits() {
+  std::vector<std::function<void(absl::Status)>> ready;
+  {
+    absl::MutexLock lock(&step_records_mu_);
+    auto waiting = std::stable_partition(
+        record_waits_.begin(), record_waits_.end(),
+        [this](const RecordWait& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
+            step_records_mu_) { return w.made > step_records_sent_; });
+    for (auto it = waiting; it != record_waits_.end(); ++it) {
+      ready.push_back(std::move(it->then));
+    }
+    record_waits_.erase(waiting, record_waits_.end());
+  }
+  for (auto& then : ready) then(absl::OkStatus());
+}
+
+absl::Status ParameterServerService::AwaitStepRecords() {
+  if (replicas_ == nullptr || !shard_->records_steps()) {
+    return absl::OkStatus();
+  }
+  struct Wait {
+    absl::Notification done;
+    absl::Status status;
+  };
+  auto wait = std::make_shared<Wait>();
+  const int64_t made = shard_->StepRecordsMade();
+  NudgeStepRecords();
+  AfterStepRecords(made, [wait](absl::Status sent) {
+    wait->status = std::move(sent);
+    wait->done.Notify();
+  });
+  // The flusher thread ends the wait by kStepRecordsWait; the margin only
+  // guards against that thread not running.
+  if (!wait->done.WaitForNotificationWithTimeout(kStepRecordsWait +
+                                                 absl::Seconds(5))) {
+    return absl::UnavailableError(
+        "the step's record is not on every replica yet; retry");
+  }
+  return wait->status;
+}
+
+void ParameterServerService::AfterStepRecords(
+    int64_t made, std::function<void(absl::Status)> then) {
+  {
+    absl::MutexLock lock(&step_records_mu_);
+    if (made > step_records_sent_) {
+      record_waits_.push_back(RecordWait{made, absl::Now(), std::move(then)});
+      return;
+    }
+  }
+  then(absl::OkStatus());
+}
+
+void ParameterServerService::RunStepRecordsSender() {
+  while (true) {
+    {
+      absl::MutexLock lock(&step_records_mu_);
+      auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_records_mu_) {
+        return step_records_nudged_ || stop_step_records_;
+      };
+      step_records_mu_.AwaitWithTimeout(absl::Condition(&woken),
+                                        kStepRecordsRetry);
+      if (stop_step_records_) return;
+      step_records_nudged_ = false;
+    }
+    // Everything made until the send starts goes in one message: the
+    // records a step's block groups make while one message is on its way
+    // go together in the next. A send that fails leaves them for the next
+    // round (kStepRecordsRetry), with the waits they hold.
+    while (shard_->HasStepRecords()) {
+      if (!SendStepRecords().ok()) break;
+      RunStepRecordWaits();
+    }
+    RunStepRecordWaits();
+    std::vector<std::function<void(absl::Status)>> overdue;
+    {
+      absl::MutexLock lock(&step_records_mu_);
+      const absl::Time give_up = absl::Now() - kStepRecordsWait;
+      auto kept = std::stable_partition(
+          record_waits_.begin(), record_waits_.end(),
+          [give_up](const RecordWait& w) { return w.since > give_up; });
+      for (auto it = kept; it != record_waits_.end(); ++it) {
+        overdue.push_back(std::move(it->then));
+      }
+      record_waits_.erase(kept, record_waits_.end());
+    }
+    for (auto& then : overdue) {
+      then(absl::UnavailableError(
+          "the step this pull shows is not on every replica of the shard "
+          "yet (a backup did not confirm it); retry"));
+    }
+  }
 }
 
 absl::Status ParameterServerService::StartCatchUp(int joiner) {
@@ -780,7 +965,13 @@ grpc::ServerUnaryReactor* ParameterServerService::ApplyClip(
         if (!pass.ok()) return pass.status();
         absl::StatusOr<ApplyClipResponse> applied = shard_->ApplyClip(r);
         if (!applied.ok()) return applied;
-        if (absl::Status forwarded = Forward("ApplyClip", r); !forwarded.ok()) {
+        // With step records the step the coefficient completes travels as
+        // its record, which must be on the backups before the answer (a
+        // backup would not complete it from the forwarded request).
+        if (absl::Status forwarded = shard_->records_steps()
+                                         ? AwaitStepRecords()
+                                         : Forward("ApplyClip", r);
+            !forwarded.ok()) {
           return forwarded;
         }
         return applied;
@@ -1010,6 +1201,20 @@ absl::Status ParameterServerService::ApplyForwarded(
       return shard_->ApplyClip(r).status();
     }
     if (method == "view") return absl::OkStatus();  // AdmitForward took it
+    if (method == "steps") {
+      if (bytes.size() != 1) {
+        return absl::InvalidArgumentError("step records come in one piece");
+      }
+      absl::StatusOr<data_plane::LengthPrefixed> parts =
+          data_plane::SplitLengthPrefixed(bytes[0], "step records");
+      if (!parts.ok()) return parts.status();
+      StepRecords records;
+      if (!records.ParseFromArray(parts->head.data(),
+                                  static_cast<int>(parts->head.size()))) {
+        return absl::InvalidArgumentError("unreadable step records");
+      }
+      return shard_->ApplyStepRecords(records, parts->rest);
+    }
     if (method == "FinalState") {
       CheckpointRequest r;
       if (absl::Status s = ParseSmall(bytes, &r); !s.ok()) return s;

@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/random/random.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/data_plane_server.h"
@@ -130,7 +131,7 @@ class ParameterServerService final : public ParameterServerRawService,
   // --replicas > 1: this shard's replica set. Workers are then served only
   // by the primary, which forwards what changes the shard before answering.
   // Set before the server starts; null (the default) for one replica.
-  void set_replicas(ReplicaSet* replicas) { replicas_ = replicas; }
+  void set_replicas(ReplicaSet* replicas);
 
   // Ends every open PushStream/PullStream (each waits for its next request
   // with no deadline of its own), so that Server::Shutdown need not wait for
@@ -155,8 +156,8 @@ class ParameterServerService final : public ParameterServerRawService,
 
   // DataPlaneHandler.
   absl::StatusOr<std::string> ServeDataPlanePush(
-      absl::Span<const absl::string_view> request,
-      absl::Time hold_until) override;
+      absl::Span<const absl::string_view> request, absl::Time hold_until,
+      absl::string_view pull_after) override;
   void ServeDataPlanePull(absl::Span<const absl::string_view> request,
                           absl::Time deadline, bool payloads_apart,
                           bool follows_own_push, PullDone done) override;
@@ -183,11 +184,17 @@ class ParameterServerService final : public ParameterServerRawService,
   }
   // The primary: `request` of `method` to the other replicas, after it
   // was applied here and before the worker's answer (OK with one replica).
+  // Step records the change made go too (a heartbeat or a leave may
+  // complete a step); a pull that shows them waits for them, so their
+  // fate is not the change's answer.
   absl::Status Forward(absl::string_view method,
                        absl::Span<const absl::string_view> request,
                        bool wait_for_replicas = false) {
     if (replicas_ == nullptr) return absl::OkStatus();
-    return replicas_->Forward(method, request, wait_for_replicas);
+    absl::Status forwarded =
+        replicas_->Forward(method, request, wait_for_replicas);
+    NudgeStepRecords();
+    return forwarded;
   }
   // A small request, serialized only when there are replicas to send it to
   // (heartbeats and sparse pushes come every step).
@@ -217,6 +224,34 @@ class ParameterServerService final : public ParameterServerRawService,
   template <typename... Result>
   std::function<void(absl::Status, Result...)> AfterForwards(
       std::function<void(absl::Status, Result...)> answer);
+  // Step records (Shard::TakeStepRecords), on a replicated sync primary.
+  // One thread sends them (RunStepRecordsSender), in the order they were
+  // made; a request that may have made some wakes it and goes on (a
+  // connection's thread that waited for the backup would hold the pushes
+  // behind it, which complete the next block groups).
+  void NudgeStepRecords();
+  // Takes the records made so far and sends them to every backup.
+  absl::Status SendStepRecords();
+  // Runs what waited for records that are now on the backups.
+  void RunStepRecordWaits();
+  // Returns once every record made so far is on the backups (UNAVAILABLE
+  // when they do not confirm them within kStepRecordsWait).
+  absl::Status AwaitStepRecords();
+  // Runs `then` once the records made up to the `made`-th are on every
+  // backup (now, or on the sender's thread), or with UNAVAILABLE once it
+  // has waited kStepRecordsWait.
+  void AfterStepRecords(int64_t made, std::function<void(absl::Status)> then);
+  // Whether the push need not be forwarded: the pull answered with it waits
+  // for a later step of every block it pushed, so for that step's record.
+  bool StepRecordCovers(const WirePushRequest& push,
+                        absl::string_view pull_after);
+  // step_records_thread_: sends the records when woken, and every
+  // kStepRecordsRetry (a step the reaper completed; a send that failed),
+  // and ends overdue waits.
+  void RunStepRecordsSender();
+  static constexpr absl::Duration kStepRecordsRetry = absl::Milliseconds(20);
+  static constexpr absl::Duration kStepRecordsWait = absl::Seconds(15);
+
   // The primary, asked by replica `joiner` to join: starts sending it the
   // shard's state (CatchUp, on catch_up_thread_), or says why it cannot.
   absl::Status StartCatchUp(int joiner);
@@ -235,7 +270,8 @@ class ParameterServerService final : public ParameterServerRawService,
   // them: the encoded PushResponse / the PullResponse's pieces.
   // `hold_until`: see Shard::Push (gRPC's callback threads are not held).
   absl::StatusOr<std::string> PushFromBytes(
-      absl::Span<const absl::string_view> request, absl::Time hold_until);
+      absl::Span<const absl::string_view> request, absl::Time hold_until,
+      absl::string_view pull_after);
   void PullFromBytes(absl::Span<const absl::string_view> request,
                      absl::Time deadline, bool payloads_apart,
                      bool follows_own_push, PullDone done);
@@ -278,6 +314,19 @@ class ParameterServerService final : public ParameterServerRawService,
   bool catching_up_ ABSL_GUARDED_BY(catch_up_mu_) = false;
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> received_state_bytes_{0};
+  // Step records: how many are on the backups, what waits for more, and
+  // the sender's wake-up.
+  struct RecordWait {
+    int64_t made;
+    absl::Time since;
+    std::function<void(absl::Status)> then;
+  };
+  absl::Mutex step_records_mu_;
+  int64_t step_records_sent_ ABSL_GUARDED_BY(step_records_mu_) = 0;
+  std::vector<RecordWait> record_waits_ ABSL_GUARDED_BY(step_records_mu_);
+  bool step_records_nudged_ ABSL_GUARDED_BY(step_records_mu_) = false;
+  bool stop_step_records_ ABSL_GUARDED_BY(step_records_mu_) = false;
+  std::thread step_records_thread_;
   absl::Mutex random_mu_;
   absl::BitGen random_ ABSL_GUARDED_BY(random_mu_);
 };

@@ -354,6 +354,7 @@ absl::Status Shard::InstallModel(const ModelSchema& schema,
     const DenseTensorSpec& tensor = model->schema.dense(loc.tensor);
     auto block = std::make_unique<Block>();
     block->location = &loc;
+    block->local = static_cast<int>(model->blocks.size());
     block->tensor_name = &tensor.name();
     block->state_values = tensor.role() == DenseTensorSpec::STATE;
     if (model->tensor_optimizers[loc.tensor] != nullptr) {

@@ -48,12 +48,14 @@
 //   shard_clip.cc        sync steps with clip_grad_norm_ (ClipNorm, ApplyClip)
 //   shard_restore.cc     checkpoint snapshot and restore
 //   shard_replica_state.cc  the whole state, for a replica that catches up
+//   shard_step_records.cc   each sync step as applied, for the backups
 //   shard_internal.h     the nested types and helpers those files share
 #ifndef PSTRAIN_PS_SERVER_SHARD_H_
 #define PSTRAIN_PS_SERVER_SHARD_H_
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -123,6 +125,12 @@ struct ShardOptions {
   // --sparse_memory_gb in bytes: what the tables without their own budget
   // share (0: no limit).
   int64_t sparse_memory_bytes = 0;
+  // sync, --replicas > 1: dense blocks complete their steps only on the
+  // replica that leads (set_leads_steps), which records each step it
+  // applies (TakeStepRecords) for the others to apply as it did
+  // (ApplyStepRecords). A backup then needs no push that the primary's
+  // step record covers.
+  bool record_steps = false;
 };
 
 // One block's values as of `version`, ready to send: a reference, not a
@@ -305,6 +313,43 @@ class Shard {
   // Counts a request refused before it reached the shard (unparseable).
   void CountRejected() { requests_rejected_.fetch_add(1); }
 
+  bool records_steps() const { return options_.record_steps; }
+  // Step records (ShardOptions::record_steps). `leads` says whether this
+  // replica completes dense steps now (the primary); set it once, before
+  // any request. Unset, it does.
+  void set_leads_steps(std::function<bool()> leads) {
+    leads_steps_ = std::move(leads);
+  }
+  // The steps completed since the last take, in the order they completed,
+  // each record's sum beside it (empty when it has none), and how many
+  // records were ever made up to the last of them.
+  struct TakenStepRecords {
+    StepRecords records;
+    std::vector<std::vector<float>> sums;
+    int64_t made = 0;
+  };
+  TakenStepRecords TakeStepRecords();
+  // Records that could not be sent: they go first in the next take.
+  void ReturnStepRecords(TakenStepRecords taken);
+  // Records that were sent: their sums' memory serves later steps.
+  void RecycleStepRecords(TakenStepRecords taken);
+  // Records made so far (a pull answered now may show all of them).
+  int64_t StepRecordsMade() const {
+    return step_records_made_.load(std::memory_order_acquire);
+  }
+  bool HasStepRecords() const;
+  // A replica that does not lead: applies the leader's records, each
+  // exactly as the leader applied it (`sums`: the records' sums, float32,
+  // one after the other). A record of a step this shard is past is a
+  // repeat and changes nothing; one of a step ahead of it (a record
+  // missed), or one that does not fit the model, is refused before
+  // anything is applied.
+  absl::Status ApplyStepRecords(const StepRecords& records,
+                                absl::string_view sums);
+  // This replica has begun to lead: the steps whose gradients are all in
+  // complete now (and are recorded).
+  void CompleteStepsNowLeading() { CompleteReadyBlocks(); }
+
   // Answers every waiting pull UNAVAILABLE, so the server can stop without
   // waiting for workers that will never push.
   void BeginShutdown();
@@ -326,6 +371,7 @@ class Shard {
   // of the functions below can name their mutexes.
   struct Block {
     const BlockLocation* location = nullptr;
+    int local = 0;  // its index in Model::blocks
     const std::string* tensor_name = nullptr;
     // A STATE tensor's block: pushes carry values, no optimizer.
     bool state_values = false;
@@ -527,6 +573,16 @@ class Shard {
   // `coefficient`, and moves the block to the next step.
   void ApplyStepLocked(Block& block, float coefficient)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // record_steps: whether this replica completes dense steps now.
+  bool LeadsSteps() const {
+    return !options_.record_steps || leads_steps_ == nullptr || leads_steps_();
+  }
+  // Records the step ApplyStepLocked is applying (its sum moves into the
+  // record).
+  void RecordStepLocked(Block& block, float coefficient)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // A step sum's memory: one a sent record gave back, or new.
+  std::vector<float> SpareStepSum();
   void CompleteReadyBlocks();
   // Sparse counterparts of the block step protocol.
   bool CompleteSparseIfReadyLocked(SparseState& state,
@@ -716,6 +772,16 @@ class Shard {
   std::atomic<int64_t> blocks_awaiting_values_{0};
   std::atomic<int64_t> steps_short_{0};
   std::atomic<int64_t> last_short_step_{-1};
+
+  // Step records (record_steps). step_records_mu_ is a leaf: taken under
+  // a block's mu, never the reverse.
+  std::function<bool()> leads_steps_;
+  mutable absl::Mutex step_records_mu_;
+  std::deque<std::pair<StepRecord, std::vector<float>>> step_records_
+      ABSL_GUARDED_BY(step_records_mu_);
+  std::vector<std::vector<float>> spare_step_sums_
+      ABSL_GUARDED_BY(step_records_mu_);
+  std::atomic<int64_t> step_records_made_{0};
 };
 
 }  // namespace pstrain

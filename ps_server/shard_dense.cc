@@ -527,6 +527,8 @@ void Shard::AddInWorkerOrderLocked(Block& block, int worker,
 void Shard::AddToStepSumLocked(Block& block, DataType dtype,
                                const ByteSegments& data) {
   if (block.gradient_sum.empty()) {
+    // The last step's sum went with its record.
+    if (options_.record_steps) block.gradient_sum = SpareStepSum();
     block.gradient_sum.resize(block.location->length);
   }
   // Validated on arrival: dtype supported and length exact, so this cannot
@@ -621,6 +623,9 @@ Shard::BlockResult Shard::PushAsyncBlock(Block& block,
 bool Shard::CompleteIfReadyLocked(Block& block, const Membership& membership) {
   // A clipped step already in waits for its coefficient (ApplyClip).
   if (block.awaiting_clip.load()) return false;
+  // A replica that follows applies the leader's record of the step
+  // instead: it may not hold every gradient (ApplyStepRecords).
+  if (!LeadsSteps()) return false;
   const int64_t version = block.version.load();
   if (!QuorumMet(version, block.contributors, block.last_contributed,
                  membership, options_.replicas_to_aggregate)) {
@@ -679,6 +684,9 @@ void Shard::ApplyStepLocked(Block& block, float coefficient) {
     ++block.updates_lost;
     updates_lost_.fetch_add(1);
     AtomicMax(steps_lost_, block.updates_lost);
+  }
+  if (options_.record_steps && LeadsSteps()) {
+    RecordStepLocked(block, coefficient);
   }
   block.step_hyper_worker = std::numeric_limits<int>::max();
   block.clip_worker = std::numeric_limits<int>::max();

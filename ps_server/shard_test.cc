@@ -1593,6 +1593,142 @@ TEST(ShardReplicaStateTest, AdmissionCountsTravel) {
   EXPECT_EQ(rows[2], initial[4]);  // id 9's dropped: 2 sightings of 3
 }
 
+// Step records (ShardOptions::record_steps): a leader and a follower of one
+// replicated sync shard, Adam (state that must follow too).
+struct LeaderAndFollower {
+  std::unique_ptr<Shard> leader, follower;
+};
+
+LeaderAndFollower MakeLeaderAndFollower() {
+  ShardOptions options;
+  options.mode = ConsistencyMode::kSync;
+  options.num_workers = 2;
+  options.optimizer.name = "adam";
+  options.optimizer.learning_rate = 0.1f;
+  options.max_pull_wait = absl::Seconds(5);
+  options.record_steps = true;
+  LeaderAndFollower f;
+  f.leader = std::move(*Shard::Create(options));
+  f.follower = std::move(*Shard::Create(options));
+  f.leader->set_leads_steps([] { return true; });
+  f.follower->set_leads_steps([] { return false; });
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  *request.mutable_schema() = TestSchema();
+  request.set_num_shards(1);
+  request.set_num_workers(2);
+  for (Shard* shard : {f.leader.get(), f.follower.get()}) {
+    EXPECT_TRUE(shard->Register(request).ok());
+  }
+  return f;
+}
+
+// What the service sends: the records, and their sums one after another.
+struct SentRecords {
+  StepRecords records;
+  std::string sums;
+};
+
+SentRecords Take(Shard& shard) {
+  Shard::TakenStepRecords taken = shard.TakeStepRecords();
+  SentRecords sent{taken.records, ""};
+  for (const std::vector<float>& sum : taken.sums) {
+    sent.sums.append(reinterpret_cast<const char*>(sum.data()),
+                     sum.size() * sizeof(float));
+  }
+  shard.RecycleStepRecords(std::move(taken));
+  return sent;
+}
+
+void ExpectSameModel(Shard& a, Shard& b, int64_t step) {
+  auto x = DoPull(a, PullAt(-1, step), Soon());
+  auto y = DoPull(b, PullAt(-1, step), Soon());
+  ASSERT_TRUE(x->status.ok() && y->status.ok()) << x->status << y->status;
+  ASSERT_EQ(x->blocks.size(), y->blocks.size());
+  for (size_t i = 0; i < x->blocks.size(); ++i) {
+    EXPECT_EQ(x->blocks[i].version, step);
+    EXPECT_EQ(y->blocks[i].version, step);
+    EXPECT_EQ(*x->blocks[i].values, *y->blocks[i].values) << "block " << i;
+  }
+}
+
+TEST(ShardStepRecordsTest, AFollowerAppliesEachStepAsTheLeaderDid) {
+  LeaderAndFollower f = MakeLeaderAndFollower();
+  // Steps 0-2 reach only the leader, as PushPulls do; step 1 of worker 1
+  // also reaches the follower, as a plain push's forward does: the record
+  // replaces what it summed. Step 2 carries a rate, as a scheduler's push.
+  SentRecords sent;
+  for (int64_t step = 0; step < 3; ++step) {
+    for (int worker : {1, 0}) {
+      PushRequest push = UniformPush(worker, step, 0.5f * (worker + 1) + step);
+      if (step == 2) push.add_group_lr(0.01);
+      ASSERT_TRUE(DoPush(*f.leader, push).ok());
+      if (step == 1 && worker == 1) {
+        ASSERT_TRUE(DoPush(*f.follower, push).ok());
+        // It completes nothing itself, whatever it holds.
+        ASSERT_TRUE(DoPush(*f.follower, UniformPush(0, step, 9)).ok());
+        EXPECT_EQ(f.follower->Stats().version(), 1);
+      }
+    }
+    EXPECT_EQ(f.leader->StepRecordsMade(), 3 * (step + 1));  // 3 blocks
+    sent = Take(*f.leader);
+    EXPECT_FALSE(f.leader->HasStepRecords());
+    ASSERT_TRUE(f.follower->ApplyStepRecords(sent.records, sent.sums).ok());
+    ExpectSameModel(*f.leader, *f.follower, step + 1);
+  }
+  // Sent again (an answer lost): a repeat, nothing changes.
+  ASSERT_TRUE(f.follower->ApplyStepRecords(sent.records, sent.sums).ok());
+  ExpectSameModel(*f.leader, *f.follower, 3);
+  // A worker counted in a recorded step resends it: a duplicate there too.
+  absl::StatusOr<PushResponse> resent =
+      DoPush(*f.follower, UniformPush(0, 2, 7));
+  ASSERT_TRUE(resent.ok()) << resent.status();
+  EXPECT_EQ(resent->blocks_duplicate(), 3);
+  // Taking over, the follower completes a step whose gradients it holds.
+  for (int worker : {0, 1}) {
+    ASSERT_TRUE(DoPush(*f.follower, UniformPush(worker, 3, 1)).ok());
+    ASSERT_TRUE(DoPush(*f.leader, UniformPush(worker, 3, 1)).ok());
+  }
+  EXPECT_EQ(f.follower->Stats().version(), 3);
+  f.follower->set_leads_steps([] { return true; });
+  f.follower->CompleteStepsNowLeading();
+  ExpectSameModel(*f.leader, *f.follower, 4);
+}
+
+TEST(ShardStepRecordsTest, RecordsThatDoNotFitAreRefusedWhole) {
+  LeaderAndFollower f = MakeLeaderAndFollower();
+  for (int64_t step = 0; step < 2; ++step) {
+    for (int worker : {0, 1}) {
+      ASSERT_TRUE(DoPush(*f.leader, UniformPush(worker, step, 1)).ok());
+    }
+  }
+  const SentRecords sent = Take(*f.leader);
+  ASSERT_EQ(sent.records.records_size(), 6);
+  // Step 1 without step 0 (a record missed): refused, nothing applied.
+  StepRecords ahead;
+  std::string ahead_sums;
+  for (int i = 3; i < 6; ++i) *ahead.add_records() = sent.records.records(i);
+  ahead_sums = sent.sums.substr(sent.sums.size() / 2);
+  absl::Status refused = f.follower->ApplyStepRecords(ahead, ahead_sums);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_EQ(f.follower->Stats().version(), 0);
+  // Sums short by a byte, a block the shard lacks, a worker out of range.
+  EXPECT_EQ(
+      f.follower->ApplyStepRecords(sent.records, sent.sums.substr(1)).code(),
+      absl::StatusCode::kInvalidArgument);
+  StepRecords bad = sent.records;
+  bad.mutable_records(0)->set_local_block(3);
+  EXPECT_EQ(f.follower->ApplyStepRecords(bad, sent.sums).code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = sent.records;
+  bad.mutable_records(0)->add_workers(2);
+  EXPECT_EQ(f.follower->ApplyStepRecords(bad, sent.sums).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(f.follower->Stats().version(), 0);
+  ASSERT_TRUE(f.follower->ApplyStepRecords(sent.records, sent.sums).ok());
+  ExpectSameModel(*f.leader, *f.follower, 2);
+}
+
 // Half a sync step is not a state to send: the step must finish first.
 TEST(ShardReplicaStateTest, APartStepIsNotQuiet) {
   Fixture f = MakeSparseShard(ConsistencyMode::kSync, 2);

@@ -251,6 +251,14 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
   EXPECT_EQ(backup0->replica_role(), "backup");
   EXPECT_EQ(backup0->version(), primary0->version());
   EXPECT_GT(primary0->replica_forwards(), 0);
+  if (c.mode == "sync") {
+    // It followed the primary's step records: the pushes that came with
+    // the next step's pull never reached it, only the plain pushes of the
+    // first and last steps.
+    const int64_t pushed_a_step = kWorkers * kElements / kShards / kBlock;
+    EXPECT_EQ(primary0->blocks_applied(), kSteps * pushed_a_step);
+    EXPECT_LE(backup0->blocks_applied(), 2 * pushed_a_step);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -1,0 +1,182 @@
+// Step records (ShardOptions::record_steps): a replicated sync shard's
+// primary records each dense step it applies, and its backups apply the
+// record instead of summing every worker's push themselves
+// (ps_server/replication.h, "Sync steps").
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "ps_server/shard.h"
+#include "ps_server/shard_internal.h"
+
+namespace pstrain {
+
+void Shard::RecordStepLocked(Block& block, float coefficient) {
+  const int64_t version = block.version.load();
+  StepRecord record;
+  record.set_local_block(block.local);
+  record.set_step(version);
+  record.set_contributors(block.contributors);
+  record.set_finite_contributors(block.finite_contributors);
+  record.set_lost_contributors(block.lost_contributors);
+  for (size_t w = 0; w < block.last_contributed.size(); ++w) {
+    if (block.last_contributed[w] == version) {
+      record.add_workers(static_cast<int>(w));
+    }
+  }
+  if (block.step_hyper_worker != std::numeric_limits<int>::max()) {
+    record.set_has_hyper(true);
+    record.set_lr(block.step_hyper.lr);
+    if (block.step_hyper.momentum.has_value()) {
+      record.set_has_momentum(true);
+      record.set_momentum(*block.step_hyper.momentum);
+    }
+  }
+  record.set_coefficient(coefficient);
+  std::vector<float> sum;
+  if (block.finite_contributors > 0) {
+    record.set_has_sum(true);
+    // The update is applied: the sum is not read again this step, and the
+    // next step's first gradient takes new memory (SpareStepSum).
+    sum = std::move(block.gradient_sum);
+    block.gradient_sum.clear();
+  }
+  absl::MutexLock lock(&step_records_mu_);
+  step_records_.emplace_back(std::move(record), std::move(sum));
+  step_records_made_.fetch_add(1, std::memory_order_acq_rel);
+}
+
+std::vector<float> Shard::SpareStepSum() {
+  absl::MutexLock lock(&step_records_mu_);
+  if (spare_step_sums_.empty()) return {};
+  std::vector<float> sum = std::move(spare_step_sums_.back());
+  spare_step_sums_.pop_back();
+  return sum;
+}
+
+Shard::TakenStepRecords Shard::TakeStepRecords() {
+  TakenStepRecords taken;
+  absl::MutexLock lock(&step_records_mu_);
+  taken.made = step_records_made_.load(std::memory_order_acquire);
+  taken.sums.reserve(step_records_.size());
+  for (auto& [record, sum] : step_records_) {
+    *taken.records.add_records() = std::move(record);
+    taken.sums.push_back(std::move(sum));
+  }
+  step_records_.clear();
+  return taken;
+}
+
+void Shard::ReturnStepRecords(TakenStepRecords taken) {
+  absl::MutexLock lock(&step_records_mu_);
+  for (int i = taken.records.records_size() - 1; i >= 0; --i) {
+    step_records_.emplace_front(std::move(*taken.records.mutable_records(i)),
+                                std::move(taken.sums[i]));
+  }
+}
+
+void Shard::RecycleStepRecords(TakenStepRecords taken) {
+  absl::MutexLock lock(&step_records_mu_);
+  for (std::vector<float>& sum : taken.sums) {
+    if (sum.capacity() > 0) spare_step_sums_.push_back(std::move(sum));
+  }
+}
+
+bool Shard::HasStepRecords() const {
+  absl::MutexLock lock(&step_records_mu_);
+  return !step_records_.empty();
+}
+
+absl::Status Shard::ApplyStepRecords(const StepRecords& records,
+                                     absl::string_view sums) {
+  const Model* model = model_.load(std::memory_order_acquire);
+  if (model == nullptr) {
+    return absl::FailedPreconditionError(
+        "step records for a shard that holds no model");
+  }
+  // Everything is checked before anything is applied: each record must
+  // fit the model, and follow the block's step or the record before it.
+  absl::flat_hash_map<int, int64_t> next_step;
+  int64_t sum_bytes = 0;
+  for (const StepRecord& r : records.records()) {
+    if (r.local_block() < 0 ||
+        r.local_block() >= static_cast<int>(model->blocks.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step record of block ", r.local_block(),
+                       ": this shard has ", model->blocks.size()));
+    }
+    const Block& block = *model->blocks[r.local_block()];
+    const std::string where = absl::StrCat("step record of block ",
+                                           r.local_block(), " step ", r.step());
+    if (r.contributors() < 0 || r.finite_contributors() < 0 ||
+        r.lost_contributors() < 0 ||
+        r.finite_contributors() > r.contributors() ||
+        r.has_sum() != (r.finite_contributors() > 0) ||
+        !(r.coefficient() >= 0 && r.coefficient() <= 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": inconsistent counts or coefficient"));
+    }
+    for (int w : r.workers()) {
+      if (w < 0 || w >= options_.max_workers) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": worker ", w, " out of range"));
+      }
+    }
+    auto [it, first] = next_step.try_emplace(r.local_block(), 0);
+    if (first) it->second = block.version.load();
+    if (r.step() > it->second) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, ": this replica's block is at step ", it->second,
+                       "; a record before it is missing"));
+    }
+    if (r.step() == it->second) ++it->second;
+    if (r.has_sum()) {
+      sum_bytes += block.location->length * static_cast<int64_t>(sizeof(float));
+    }
+  }
+  if (sum_bytes != static_cast<int64_t>(sums.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step records: ", sums.size(),
+                     " bytes of sums, the records need ", sum_bytes));
+  }
+
+  bool applied = false;
+  const char* next_sum = sums.data();
+  for (const StepRecord& r : records.records()) {
+    Block& block = *model->blocks[r.local_block()];
+    const int64_t length = block.location->length;
+    const char* sum = next_sum;
+    if (r.has_sum()) next_sum += length * sizeof(float);
+    absl::MutexLock lock(&block.mu);
+    // A repeat: the state a catch-up brought, or a record sent again after
+    // its answer was lost.
+    if (r.step() != block.version.load()) continue;
+    // What this replica summed of the step (pushes forwarded one by one)
+    // gives way to what the leader applied.
+    SettleEarlyGradientsLocked(block, /*add=*/false);
+    if (r.has_sum()) {
+      block.gradient_sum.resize(length);
+      std::memcpy(block.gradient_sum.data(), sum, length * sizeof(float));
+    }
+    block.contributors = r.contributors();
+    block.finite_contributors = r.finite_contributors();
+    block.lost_contributors = r.lost_contributors();
+    for (int w : r.workers()) block.last_contributed[w] = r.step();
+    if (r.has_hyper()) {
+      block.step_hyper.lr = r.lr();
+      block.step_hyper.momentum =
+          r.has_momentum() ? std::optional<float>(r.momentum()) : std::nullopt;
+      block.step_hyper_worker = 0;
+    } else {
+      block.step_hyper_worker = std::numeric_limits<int>::max();
+    }
+    ApplyStepLocked(block, r.coefficient());
+    applied = true;
+  }
+  if (applied) ReleaseReadyWaiters();
+  return absl::OkStatus();
+}
+
+}  // namespace pstrain
