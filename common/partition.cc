@@ -122,13 +122,12 @@ absl::Status ValidateSchema(const ModelSchema& schema) {
   return absl::OkStatus();
 }
 
-int64_t ResolvedBlockElements(const ModelSchema& schema, int replicas) {
+int64_t ResolvedBlockElements(const ModelSchema& schema) {
   constexpr int64_t kSmallest = int64_t{1} << 13;
   constexpr int64_t kLargest = int64_t{1} << 17;
   if (schema.block_elements() != kBlockElementsByModel) {
     return schema.block_elements();
   }
-  if (replicas > 1) return kLargest;
   constexpr int64_t kBlocksWanted = 16;
   int64_t elements = 0;
   for (const DenseTensorSpec& tensor : schema.dense()) {

@@ -40,12 +40,10 @@ inline constexpr int64_t kBlockElementsByModel = 0;
 // model: on one host each group costs a few microseconds of calls, which a
 // large model in small blocks pays per block (a 22 MiB PushPull: -25% in
 // 8192-element blocks), and a large model has enough 512 KiB blocks anyway.
-// With `replicas` > 1, 131072 whatever the model: a replicated shard
-// forwards each push to its backups before answering it, one round trip per
-// block group (ps_server/replication.h), so small groups multiply those (a
-// sync MLP step with --replicas=2 took 1.72x one without in 8192-element
-// blocks, 1.10x in 131072; bench/results/replication_overhead.txt).
-int64_t ResolvedBlockElements(const ModelSchema& schema, int replicas = 1);
+// Replicated shards take the same rule: a backup gets each block group's
+// step as one record once it completes (ps_server/replication.h), not a
+// forward per push before its answer, so small groups cost it no more.
+int64_t ResolvedBlockElements(const ModelSchema& schema);
 
 struct BlockLocation {
   int tensor = 0;      // index into schema.dense()

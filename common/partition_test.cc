@@ -129,9 +129,6 @@ TEST(ResolvedBlockElementsTest, SmallModelsGetSmallBlocksAndLargeOnesLarge) {
   EXPECT_EQ(ResolvedBlockElements(SchemaOfElements({(1 << 20) - 1})), 32768);
   // The 23 MB GPU MLP keeps 512 KiB blocks.
   EXPECT_EQ(ResolvedBlockElements(SchemaOfElements({5800000})), 131072);
-  // So does any model on replicated shards.
-  EXPECT_EQ(ResolvedBlockElements(SchemaOfElements({1000}), /*replicas=*/2),
-            131072);
 }
 
 }  // namespace

@@ -116,7 +116,7 @@ ABSL_FLAG(int64_t, block_elements, Default().model.block_elements,
           "Dense tensors are cut into blocks of this many floats: the unit of "
           "transfer (one RPC carries about one block) and of consistency. "
           "0: picked from the model's size, 8192 to 131072, about 16 "
-          "blocks; 131072 with replicated servers (common/partition.h).");
+          "blocks (common/partition.h).");
 
 // The training loop (TrainingConfig).
 ABSL_FLAG(int64_t, steps, Default().training.steps,

@@ -370,7 +370,7 @@ absl::StatusOr<Registration> PsClient::Register(const ModelSchema& chosen,
     return RegisterResolved(chosen, num_workers, worker_id);
   }
   ModelSchema schema = chosen;
-  schema.set_block_elements(ResolvedBlockElements(schema, replicas_));
+  schema.set_block_elements(ResolvedBlockElements(schema));
   // Servers restored from a checkpoint of this model in other blocks (one
   // written before the rule, or with --block_elements set) resume it as it
   // was: a block size the client did not choose is no reason to refuse.
