@@ -6,17 +6,22 @@
 #   bazel build //ps_server //worker //bench/soak:observer
 #   bench/netns/link_speed.sh [--rate=1gbit] [--repeats=3] [--steps=150]
 #       [--models=mlp,cnn,probe] [--workers=2,4] [--shards=1,2,4]
-#       [--report=FILE] [--any_rate] [-- extra worker flags]
+#       [--replicas=1] [--report=FILE] [--any_rate] [-- extra worker flags]
 #
 # probe: the MLP's size (235,146 floats) with no compute, the network part
 # alone. --any_rate measures even where the shaping misses its rate (e.g.
 # --rate=10gbit, above what veth pairs carry on this machine: the CPU floor
 # of the exchange; the ratio to the ideal is then meaningless).
 #
+# --replicas=R: each shard held by R servers (ps_server --replicas), each on
+# a host of its own; the primary is replica 0.
+#
 # The ideal: links are full duplex, so for each host the bytes it must send
 # and those it must receive in a step, each divided by the link rate; the
 # largest over hosts and directions. A worker sends and receives the model
-# (P bytes); a shard receives W*P/S and sends as much. The rate is what a raw
+# (P bytes); a shard receives W*P/S and sends as much. With replicas the
+# primary also sends each backup its step's record (the step's summed
+# gradient, P/S: ps_server/replication.h), so it sends (W + R - 1)*P/S. The rate is what a raw
 # TCP stream (iperf3) measured between two lab hosts in this run, so TCP/IP
 # headers are not counted against the PS; the run stops when that stream is
 # more than 10% off the set rate (the shaping is not to be trusted then).
@@ -33,6 +38,7 @@ source bench/lib.sh
 
 command_line="$*"
 rate=1gbit repeats=3 steps=150 models=mlp,cnn workers_list=2,4 shards_list=1,2,4
+replicas=1
 report=""
 any_rate=0
 extra=()
@@ -44,6 +50,7 @@ while (($#)); do
     --models=*) models=${1#*=} ;;
     --workers=*) workers_list=${1#*=} ;;
     --shards=*) shards_list=${1#*=} ;;
+    --replicas=*) replicas=${1#*=} ;;
     --report=*) report=${1#*=} ;;
     --any_rate) any_rate=1 ;;
     --) shift; extra=("$@"); break ;;
@@ -52,6 +59,7 @@ while (($#)); do
   shift
 done
 
+[[ $replicas =~ ^[1-9]$ ]] || { echo "link_speed.sh: --replicas must be 1-9, got '$replicas'" >&2; exit 2; }
 lab_require || exit 0
 command -v iperf3 >/dev/null || { echo "link_speed.sh: needs iperf3 (deploy/setup.sh installs it)" >&2; exit 2; }
 bin=$repo/bazel-bin
@@ -101,17 +109,33 @@ run_job() {
   local dir="$run/$model-w$W-s$S-r$rep"
   mkdir -p "$dir"
   LAB_PREFIX="pstlab$$-$model$W$S$rep"
-  lab_create $((S + W)) "$rate"
-  local s w hosts="" pids=()
-  for ((s = 0; s < S; ++s)); do hosts+="${hosts:+,}$(lab_addr $s):7000"; done
+  local R=$replicas servers=$((S * replicas))
+  lab_create $((servers + W)) "$rate"
+  local s r w h hosts="" set pids=()
+  # Replica r of shard s on host s*R + r; a shard's entry lists its replicas
+  # joined by '|'.
   for ((s = 0; s < S; ++s)); do
-    lab_exec $s "$run/bin/ps_server" --host="$(lab_addr $s)" --port=7000 \
-      --data_port=7001 --shard_id=$s --num_shards=$S --num_workers=$W \
-      --mode=sync --optimizer=adam >"$dir/ps$s.out" 2>"$dir/ps$s.log" &
+    set=""
+    for ((r = 0; r < R; ++r)); do set+="${set:+|}$(lab_addr $((s * R + r))):7000"; done
+    hosts+="${hosts:+,}$set"
+  done
+  for ((s = 0; s < S; ++s)); do
+    for ((r = 0; r < R; ++r)); do
+      h=$((s * R + r))
+      local replica_flags=()
+      if ((R > 1)); then
+        replica_flags=(--replicas=$R --replica_index=$r
+          --replica_hosts="$(cut -d, -f$((s + 1)) <<<"$hosts" | tr '|' ,)")
+      fi
+      lab_exec $h "$run/bin/ps_server" --host="$(lab_addr $h)" --port=7000 \
+        --data_port=7001 --shard_id=$s --num_shards=$S --num_workers=$W \
+        --mode=sync --optimizer=adam "${replica_flags[@]}" \
+        >"$dir/ps$h.out" 2>"$dir/ps$h.log" &
+    done
   done
   for ((w = 0; w < W; ++w)); do
     # shellcheck disable=SC2046
-    lab_exec $((S + w)) timeout 300 "$run/bin/worker" --ps_hosts="$hosts" \
+    lab_exec $((servers + w)) timeout 300 "$run/bin/worker" --ps_hosts="$hosts" \
       --worker_id=$w --num_workers=$W $(model_flags "$model") \
       --data=fashion_mnist --global_batch_size=128 --steps="$steps" \
       --eval_every_epochs=0 --log_every=0 --device=cpu "${extra[@]}" \
@@ -158,8 +182,8 @@ for model in ${models//,/ }; do
       share=$(printf '%s\n' "${results[@]}" | awk '{print $2}' | median)
       samples=$(printf '%s\n' "${results[@]}" | awk '{print $3}' | median)
       elements=$(printf '%s\n' "${results[@]}" | awk '{print $4}' | sort -n | tail -n 1)
-      ideal=$(awk -v p=$((elements * 4)) -v w=$W -v s=$S -v bps=$link_bps \
-        'BEGIN {b = p; if (w * p / s > b) b = w * p / s; printf "%.2f", b * 8 / bps * 1000}')
+      ideal=$(awk -v p=$((elements * 4)) -v w=$W -v s=$S -v r=$replicas -v bps=$link_bps \
+        'BEGIN {b = p; if ((w + r - 1) * p / s > b) b = (w + r - 1) * p / s; printf "%.2f", b * 8 / bps * 1000}')
       [[ $S == 1 ]] && base_samples=$samples
       growth=$(awk -v a="$samples" -v b="${base_samples:-nan}" 'BEGIN {printf "%.2fx", a / b}')
       row=$(printf '%-5s %3s %3s %9s %9s %7s %10s %10s %9s' "$model" "$W" "$S" "$step" "$ideal" \
@@ -174,7 +198,7 @@ if [[ -n $report ]]; then
     echo "# bench/netns/link_speed.sh $command_line"
     echo "# commit $BENCH_COMMIT, $BENCH_MACHINE, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%F)"
     echo "# $rate_line"
-    echo "# sync, Adam, global batch 128, $steps steps, median of $repeats runs; MLP 784-256-128-10,"
+    echo "# sync, Adam, --replicas=$replicas, global batch 128, $steps steps, median of $repeats runs; MLP 784-256-128-10,"
     echo "# CNN $CNN; step_ms from worker 0 (wall less evaluation, per step)."
     echo "$header"
     printf '%s' "$rows"
