@@ -109,7 +109,10 @@ ReplicaSet::ReplicaSet(const ReplicaOptions& options,
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     peer->stub = ParameterServer::NewStub(grpc::CreateCustomChannel(
-        peer->address, grpc::InsecureChannelCredentials(), args));
+        peer->address,
+        options_.credentials != nullptr ? options_.credentials
+                                        : grpc::InsecureChannelCredentials(),
+        args));
     peers_.push_back(std::move(peer));
   }
   absl::MutexLock lock(&mu_);
@@ -183,7 +186,7 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::CallOnDataPlane(
     }
     absl::StatusOr<std::unique_ptr<DataLink>> opened = DataLink::Open(
         host, peer.data_port.load(), options_.auth_token, uint64_t{1} << 20,
-        std::min(deadline, absl::Now() + absl::Seconds(5)));
+        std::min(deadline, absl::Now() + absl::Seconds(5)), options_.data_tls);
     if (!opened.ok()) {
       return absl::Status(opened.status().code(),
                           absl::StrCat(who(), ": ", opened.status().message()));

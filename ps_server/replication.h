@@ -93,6 +93,8 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/transport/data_link.h"
+#include "common/transport/tls_stream.h"
+#include "grpcpp/security/credentials.h"
 #include "proto/ps.grpc.pb.h"
 #include "proto/ps.pb.h"
 #include "ps_server/shard.h"
@@ -107,6 +109,11 @@ struct ReplicaOptions {
   std::vector<std::string> addresses;
   // Sent on every forward when the servers require a token.
   std::string auth_token;
+  // TLS (both null: plaintext): the credentials this replica calls the
+  // others' gRPC ports with, and the client context of its links to their
+  // data ports.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::shared_ptr<const TlsContext> data_tls;
   absl::Duration probe_interval = absl::Milliseconds(100);
   // Probes in a row that must find a replica's port refusing connections.
   int refused_probes = 3;

@@ -113,10 +113,17 @@ void CheckReplicas(const ServerConfig& c, Problems& checks) {
     }
   }
   checks.push_back(CheckPositive("replica_takeover_s", c.replica_takeover_s));
-  if (!c.tls.cert.empty()) {
+  if (!c.tls.cert.empty() && c.tls.replica_ca.empty() &&
+      c.tls.client_ca.empty()) {
     checks.push_back(absl::InvalidArgumentError(
-        "--replicas > 1 with --tls_cert is not supported yet: the replicas "
-        "forward to each other in plaintext"));
+        "--replicas > 1 with --tls_cert needs --replica_tls_ca (or "
+        "--tls_client_ca): the CA the other replicas' certificates chain "
+        "to, since the replicas call each other over TLS"));
+  }
+  if (c.tls.cert.empty() && !c.tls.replica_ca.empty()) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--replica_tls_ca needs --tls_cert/--tls_key: replicas speak TLS to "
+        "each other only when they serve TLS"));
   }
 }
 

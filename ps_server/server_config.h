@@ -40,6 +40,9 @@ struct ServerNetworkConfig {
 struct ServerTlsConfig {
   std::string cert, key, client_ca;  // none: plaintext
   std::string auth_token_file;       // empty: no token
+  // --replicas > 1 with TLS: what the other replicas' certificates must
+  // chain to (empty: client_ca).
+  std::string replica_ca;
 };
 
 struct ServerConfig {

@@ -174,6 +174,12 @@ ABSL_FLAG(std::string, tls_key, Default().tls.key,
 ABSL_FLAG(std::string, tls_client_ca, Default().tls.client_ca,
           "PEM CA bundle: require client certificates signed by it (mutual "
           "TLS).");
+ABSL_FLAG(std::string, replica_tls_ca, Default().tls.replica_ca,
+          "With TLS and --replicas > 1: PEM CA bundle the other replicas' "
+          "server certificates must chain to (default: --tls_client_ca). "
+          "A replica calls the others as a client presenting --tls_cert, "
+          "which --tls_client_ca must then accept (deploy/tls/make_certs.sh "
+          "makes server certificates good for both).");
 ABSL_FLAG(bool, data_plane_ktls, Default().network.data_plane_ktls,
           "With TLS: let the kernel encrypt the data plane's records (kTLS, "
           "OpenSSL's SSL_OP_ENABLE_KTLS) where it can; records stay in "
@@ -251,6 +257,7 @@ ServerConfig ServerConfigFromFlags(std::vector<absl::Status>* problems) {
   c.tls.cert = absl::GetFlag(FLAGS_tls_cert);
   c.tls.key = absl::GetFlag(FLAGS_tls_key);
   c.tls.client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  c.tls.replica_ca = absl::GetFlag(FLAGS_replica_tls_ca);
   c.tls.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   return c;
 }

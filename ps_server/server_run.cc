@@ -202,6 +202,22 @@ class ServerRun {
     if (config_.replicas > 1) {
       ReplicaOptions replica_options = ReplicaOptionsOf(config_);
       replica_options.auth_token = auth_token_;
+      if (tls()) {
+        // A replica calls the others as a client presenting its own
+        // server certificate.
+        const ClientTlsFiles files{config_.tls.replica_ca.empty()
+                                       ? config_.tls.client_ca
+                                       : config_.tls.replica_ca,
+                                   config_.tls.cert, config_.tls.key, ""};
+        absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+            MakeChannelCredentials(files);
+        absl::StatusOr<std::shared_ptr<const TlsContext>> data_tls =
+            TlsContext::ForClient(files, config_.network.data_plane_ktls);
+        ExitOnFlagErrors({CheckClientAuthUsage("tls_cert", config_.tls.cert),
+                          credentials.status(), data_tls.status()});
+        replica_options.credentials = *credentials;
+        replica_options.data_tls = *data_tls;
+      }
       Shard* shard = shard_.get();
       replicas_ = std::make_unique<ReplicaSet>(
           replica_options, [shard] { return shard->HasModel(); });

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/ps.grpc.pb.h"
@@ -334,6 +335,144 @@ TEST_F(TlsTest, MutualTlsJobTrainsEndToEnd) {
   ASSERT_TRUE(accuracy.ok()) << accuracy.status();
   EXPECT_GE(*accuracy, 0.6);  // chance is 0.25
   EXPECT_TRUE(CallStats(Good(), kToken).ok());
+}
+
+// A replicated shard under TLS: the replicas call each other over TLS with
+// their server certificates (gRPC and the data plane, where the step
+// records go), a worker without TLS gets nowhere, and when the primary dies
+// the backup carries the job to its end with every update there once.
+TEST(ReplicatedTlsTest, ReplicasForwardOverTlsAndFailOverUnderIt) {
+  const std::string certs = testing::TestDir() + "/replica_certs";
+  MakeCerts(certs);
+  const std::string token_file =
+      WriteFile("replica_token", absl::StrCat(kToken, "\n"));
+  constexpr int kSteps = 300;
+  constexpr int64_t kElements = 1 << 14;
+  testing::ClusterOptions options;
+  options.num_shards = 1;
+  options.num_workers = 2;
+  options.replicas = 2;
+  options.server_flags = {"--tls_cert=" + certs + "/server.pem",
+                          "--tls_key=" + certs + "/server.key",
+                          "--tls_client_ca=" + certs + "/ca.pem",
+                          "--auth_token_file=" + token_file,
+                          "--optimizer=sgd",
+                          "--learning_rate=1",
+                          "--worker_lease_s=5"};
+  absl::StatusOr<std::unique_ptr<testing::TestCluster>> started =
+      testing::TestCluster::Start(options, "replicated_tls");
+  ASSERT_TRUE(started.ok()) << started.status();
+  testing::TestCluster& cluster = **started;
+  const std::vector<std::string> replicas =
+      absl::StrSplit(cluster.HostList()[0], '|');
+  ASSERT_EQ(replicas.size(), 2u);
+  auto stats_of = [&](int replica) -> absl::StatusOr<StatsResponse> {
+    auto stub = ParameterServer::NewStub(grpc::CreateChannel(
+        replicas[replica],
+        *MakeChannelCredentials({certs + "/ca.pem", certs + "/client.pem",
+                                 certs + "/client.key", ""})));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(5));
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    StatsResponse response;
+    const grpc::Status status =
+        stub->Stats(&context, StatsRequest(), &response);
+    if (!status.ok()) return absl::UnavailableError(status.error_message());
+    return response;
+  };
+  std::vector<std::unique_ptr<testing::Process>> workers;
+  for (int k = 0; k < 2; ++k) {
+    absl::StatusOr<std::unique_ptr<testing::Process>> worker =
+        cluster.StartWorker(
+            k, 2,
+            {"--tls_ca=" + certs + "/ca.pem",
+             "--tls_cert=" + certs + "/client.pem",
+             "--tls_key=" + certs + "/client.key",
+             "--auth_token_file=" + token_file, "--model=probe",
+             absl::StrCat("--probe_elements=", kElements),
+             "--block_elements=4096", absl::StrCat("--steps=", kSteps),
+             "--log_every=0", "--device=cpu", "--heartbeat_interval_s=0.2",
+             "--retry_window_s=60", "--rpc_timeout_s=30",
+             "--inject_step_delay_ms=5"});
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    workers.push_back(std::move(*worker));
+  }
+  // A third of the way in, the backup follows over TLS.
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  absl::StatusOr<StatsResponse> primary;
+  do {
+    primary = stats_of(0);
+  } while ((!primary.ok() || primary->version() < kSteps / 3) &&
+           absl::Now() < give_up);
+  ASSERT_TRUE(primary.ok()) << primary.status();
+  ASSERT_GE(primary->version(), kSteps / 3);
+  absl::StatusOr<StatsResponse> backup = stats_of(1);
+  ASSERT_TRUE(backup.ok()) << backup.status();
+  EXPECT_EQ(backup->replica_role(), "backup");
+  EXPECT_GE(backup->version(), kSteps / 3 - 1);
+  // The primary's data-plane links to it (its step records) are TLS.
+  EXPECT_GT(backup->data_plane_ktls_connections() +
+                backup->data_plane_user_tls_connections(),
+            0);
+  cluster.KillReplica(0, 0);
+  for (auto& worker : workers) {
+    absl::StatusOr<int> code = worker->Wait(absl::Seconds(120));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << worker->Stderr();
+  }
+  absl::StatusOr<StatsResponse> last = stats_of(1);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->replica_role(), "primary");
+  EXPECT_EQ(last->version(), kSteps);
+  EXPECT_EQ(last->updates_lost(), 0);
+  EXPECT_EQ(last->steps_lost(), 0);
+}
+
+// --replica_tls_ca without TLS, replicated TLS with no CA to check the other
+// replicas by, or a certificate they cannot present to each other: one
+// line, exit 2.
+TEST(ReplicatedTlsTest, ReplicasUnderTlsNeedACaForEachOther) {
+  const std::string certs = testing::TestDir() + "/replica_flag_certs";
+  MakeCerts(certs);
+  // A server certificate for servers only (as make_certs.sh made them
+  // before replicas spoke TLS): a replica cannot present it to the others.
+  absl::StatusOr<std::unique_ptr<testing::Process>> openssl =
+      testing::Process::Start(
+          {"/usr/bin/openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+           "ec_paramgen_curve:P-256", "-nodes", "-keyout",
+           certs + "/server_only.key", "-out", certs + "/server_only.pem",
+           "-subj", "/CN=localhost", "-days", "1", "-addext",
+           "extendedKeyUsage=serverAuth"},
+          testing::TestDir(), "openssl_server_only");
+  ASSERT_TRUE(openssl.ok()) << openssl.status();
+  ASSERT_EQ((*openssl)->Wait(absl::Seconds(30)).value_or(-1), 0)
+      << (*openssl)->Stderr();
+  for (const auto& [flags, expected] :
+       std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--tls_cert=" + certs + "/server_only.pem",
+             "--tls_key=" + certs + "/server_only.key",
+             "--tls_client_ca=" + certs + "/ca.pem"},
+            "is not good for client authentication"},
+           {{"--tls_cert=" + certs + "/server.pem",
+             "--tls_key=" + certs + "/server.key"},
+            "--replicas > 1 with --tls_cert needs --replica_tls_ca"},
+           {{"--replica_tls_ca=" + certs + "/ca.pem"},
+            "--replica_tls_ca needs --tls_cert"}}) {
+    std::vector<std::string> argv = {
+        testing::BinaryPath("ps_server/ps_server"), "--port=0", "--replicas=2",
+        "--replica_index=0", "--replica_hosts=127.0.0.1:1,127.0.0.1:2"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    absl::StatusOr<std::unique_ptr<testing::Process>> process =
+        testing::Process::Start(argv, testing::TestDir(), "replica_tls_flag");
+    ASSERT_TRUE(process.ok()) << process.status();
+    absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(20));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 2) << expected;
+    const std::string err = (*process)->Stderr();
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+    EXPECT_THAT(err, HasSubstr(expected));
+  }
 }
 
 TEST(TlsFlagsTest, BadTlsFlagIsOneLineAndExit2) {

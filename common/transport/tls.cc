@@ -7,6 +7,7 @@
 #include <openssl/err.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
 
 #include <fstream>
 #include <sstream>
@@ -240,6 +241,25 @@ MakeChannelCredentials(const ClientTlsFiles& files) {
       grpc::experimental::ExternalCertificateVerifier::Create<
           ServerNameVerifier>(files.server_name));
   return grpc::experimental::TlsCredentials(options);
+}
+
+absl::Status CheckClientAuthUsage(const std::string& flag,
+                                  const std::string& cert_path) {
+  absl::StatusOr<std::string> text = ReadFile(flag, cert_path);
+  if (!text.ok()) return text.status();
+  absl::StatusOr<X509Ptr> cert = FirstCertificate(flag, cert_path, *text);
+  if (!cert.ok()) return cert.status();
+  // Sets the extension flags X509_get_extended_key_usage reads.
+  X509_check_purpose(cert->get(), -1, 0);
+  if ((X509_get_extension_flags(cert->get()) & EXFLAG_XKUSAGE) != 0 &&
+      (X509_get_extended_key_usage(cert->get()) & XKU_SSL_CLIENT) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, "=", cert_path,
+        " is not good for client authentication (its extendedKeyUsage lacks "
+        "clientAuth), and replicas present it to each other: make it again "
+        "with deploy/tls/make_certs.sh, or add clientAuth"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {

@@ -48,6 +48,13 @@ struct ClientTlsFiles {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>>
 MakeChannelCredentials(const ClientTlsFiles& files);
 
+// Whether the certificate in `cert_path` (--`flag`) may be presented as a
+// client's: no extended key usage, or one that includes clientAuth (a
+// replica calls the other replicas of its shard with its server
+// certificate). InvalidArgument saying what to do otherwise.
+absl::Status CheckClientAuthUsage(const std::string& flag,
+                                  const std::string& cert_path);
+
 // The token in `path` with surrounding whitespace removed (so a trailing
 // newline from `echo` does not matter); "" when `path` is empty. An empty
 // file or one with inner whitespace or control characters is an error: the

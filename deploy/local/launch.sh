@@ -495,8 +495,6 @@ parse_args() {
   ((REPLICAS <= 5)) || usage_error "--replicas must be at most 5, got $REPLICAS"
   [[ "$REPLICA_RESTARTS" =~ ^[0-9]{1,4}$ ]] ||
     usage_error "--replica_restarts must be an integer >= 0, got '$REPLICA_RESTARTS'"
-  [[ -z "$TLS_DIR" || "$REPLICAS" == 1 ]] ||
-    usage_error "--replicas > 1 with --tls_dir is not supported yet (replicas forward to each other in plaintext)"
   check_count workers "$WORKERS"
   check_count timeout_s "$TIMEOUT_S"
   [[ "$MODE" == sync || "$MODE" == async || "$MODE" == ssp ]] ||

@@ -11,7 +11,8 @@
 #
 # Writes into DIR (created if needed; existing files are replaced):
 #   ca.pem ca.key             the CA (keep ca.key private, or delete it)
-#   server.pem server.key     ps_server: --tls_cert, --tls_key
+#   server.pem server.key     ps_server: --tls_cert, --tls_key (good for client
+#                             auth too: replicas of a shard call each other)
 #   client.pem client.key     worker (mutual TLS): --tls_cert, --tls_key
 # and both sides trust ca.pem (ps_server --tls_client_ca, worker --tls_ca).
 # Keys are ECDSA P-256, certificates valid for DAYS days (default 365).
@@ -63,7 +64,7 @@ sign() {
 }
 sign server "${names[0]}" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
-extendedKeyUsage=serverAuth
+extendedKeyUsage=serverAuth,clientAuth
 subjectAltName=$san"
 sign client "pstrain worker" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment

@@ -441,8 +441,9 @@ function crossErrors(docs) {
         const n = Number(shardSetName.exec(get(d.obj, 'metadata', 'name'))[1]);
         if (!(n < shards)) add(d, '/metadata/name', `StatefulSet ps-${n}: shard ${n} >= NUM_SHARDS ${data.NUM_SHARDS}`);
       }
-      if (/--tls_cert\b/.test(String(data.SERVER_EXTRA_FLAGS || ''))) {
-        add(cm, '/data/SERVER_EXTRA_FLAGS', `--tls_cert with REPLICAS ${R}: ps_server refuses TLS with --replicas > 1 (the replicas forward in plaintext)`);
+      const serverFlags = String(data.SERVER_EXTRA_FLAGS || '');
+      if (/--tls_cert\b/.test(serverFlags) && !/--(tls_client_ca|replica_tls_ca)\b/.test(serverFlags)) {
+        add(cm, '/data/SERVER_EXTRA_FLAGS', `--tls_cert with REPLICAS ${R} needs --replica_tls_ca or --tls_client_ca: the replicas call each other over TLS and check each other's certificates by it (ps_server exits 2 without)`);
       }
       const serviceErrors = new Set();
       for (const [sh, d] of psSets) {
