@@ -642,10 +642,14 @@ void ParameterServerService::RunStepRecordsSender() {
       RunStepRecordWaits();
     }
     RunStepRecordWaits();
+    // Replaced (fenced, stale): what waits here will never be confirmed,
+    // and its workers should move to the new primary now.
+    const absl::Status serves = ServesWorkers();
     std::vector<std::function<void(absl::Status)>> overdue;
     {
       absl::MutexLock lock(&step_records_mu_);
-      const absl::Time give_up = absl::Now() - kStepRecordsWait;
+      const absl::Time give_up =
+          serves.ok() ? absl::Now() - kStepRecordsWait : absl::InfiniteFuture();
       auto kept = std::stable_partition(
           record_waits_.begin(), record_waits_.end(),
           [give_up](const RecordWait& w) { return w.since > give_up; });
@@ -655,9 +659,11 @@ void ParameterServerService::RunStepRecordsSender() {
       record_waits_.erase(kept, record_waits_.end());
     }
     for (auto& then : overdue) {
-      then(absl::UnavailableError(
-          "the step this pull shows is not on every replica of the shard "
-          "yet (a backup did not confirm it); retry"));
+      then(serves.ok() ? absl::UnavailableError(
+                             "the step this pull shows is not on every "
+                             "replica of the shard yet (a backup did not "
+                             "confirm it); retry")
+                       : serves);
     }
   }
 }
@@ -1241,7 +1247,12 @@ grpc::ServerUnaryReactor* ParameterServerService::Stats(
   }
   return ServeSmall<StatsRequest>(
       shard_, context, request, response,
-      [this](const StatsRequest&) -> absl::StatusOr<StatsResponse> {
+      [this](const StatsRequest& r) -> absl::StatusOr<StatsResponse> {
+        if (r.from_primary()) {
+          if (absl::Status serves = ServesWorkers(); !serves.ok()) {
+            return serves;
+          }
+        }
         return CurrentStats();
       });
 }

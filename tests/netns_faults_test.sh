@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Network faults on real hosts-in-namespaces (bench/netns/fault_trials.sh,
 # a few of its trials): a partition longer than the lease, a short one, loss,
-# reordering, and a shard cut off while it checkpoints. Each must finish with
+# reordering, a shard cut off while it checkpoints, and partitions between a
+# replicated shard's replicas. Each must finish with
 # nothing applied twice and every lost gradient counted. Skips (passes with
 # "SKIP:") where the machine does not allow network namespaces.
 set -euo pipefail
@@ -29,3 +30,7 @@ if ((${wall:-999} > 30)); then
   exit 1
 fi
 trials --faults=partition_short,reorder --modes=async --planes=grpc
+# Replicated shards: a primary cut from its backup (the backup takes over,
+# the old primary is fenced at the heal) and an isolated backup; the model
+# is exact and every shard at the last step.
+trials --replicas=2 --faults=primary_cut_backup,backup_isolated --modes=sync --planes=data

@@ -15,7 +15,8 @@
 #
 #   bazel build //ps_server //worker //bench/soak:observer //tests/netns:delay_proxy
 #   bench/netns/fault_trials.sh [--faults=a,b,...] [--modes=sync,async]
-#       [--planes=data,grpc] [--steps=200] [--report=FILE] [--bin_dir=DIR]
+#       [--planes=data,grpc] [--steps=200] [--replicas=1|2] [--report=FILE]
+#       [--bin_dir=DIR]
 # --bin_dir: where ps_server/ps_server, worker/worker, ... are (default
 # bazel-bin; //tests:netns_faults_test passes its runfiles).
 #
@@ -33,6 +34,25 @@
 #   data_port_dropped  every shard drops packets to its data port (gRPC
 #                    passes) for the whole job: the workers must fall back
 #                    to gRPC within the data plane's 5 s connect bound
+# With --replicas=2 every shard is held by two servers on hosts of their own
+# (ps_server --replicas; takeover after 2 s of silence), and these faults
+# hit shard 1's replicas for 4 s:
+#   primary_cut_backup   its primary cut from its backup (the workers reach
+#                        both): the backup takes over; the old primary can
+#                        get nothing confirmed and is fenced at the heal
+#   primary_isolated     its primary cut from every other host: the backup
+#                        takes over and the workers follow it
+#   primary_cut_workers  its primary cut from the workers only: the backup
+#                        still hears it and must not take over; the job
+#                        waits for the heal
+#   backup_isolated      its backup cut from every other host: the primary
+#                        holds its answers (a silent backup is not dropped)
+#                        until the heal
+# The accounting check (applied + late + lost = pushed) counts pushes on the
+# shards' primaries, and a replica that took over applied the steps before
+# as records: with replicas the trial checks instead that every element of
+# the model is minus its shard's version and, in sync mode, that every
+# shard ended at the job's last step.
 # Exit status: 0 when every trial passed, 1 otherwise, 2 on bad usage; the lab
 # skips (exit 0, "SKIP: ...") where namespaces are not allowed.
 set -euo pipefail
@@ -41,9 +61,11 @@ repo=$(pwd)
 source tests/netns/lab.sh
 source bench/lib.sh
 
-faults=none,loss1,loss5,delay20,reorder,partition_long,partition_short,oneway,shard_cut_ckpt,data_port_dropped
+default_faults=none,loss1,loss5,delay20,reorder,partition_long,partition_short,oneway,shard_cut_ckpt,data_port_dropped
+faults=$default_faults
 modes=sync,async
 planes=data,grpc
+replicas=1
 report=""
 steps=200
 bin=$repo/bazel-bin
@@ -54,11 +76,22 @@ for arg in "$@"; do
     --planes=*) planes=${arg#*=} ;;
     --report=*) report=${arg#*=} ;;
     --steps=*) steps=${arg#*=} ;;
+    --replicas=*) replicas=${arg#*=} ;;
     --bin_dir=*) bin=${arg#*=} ;;
     *) echo "fault_trials.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
 
+[[ $replicas == 1 || $replicas == 2 ]] || { echo "fault_trials.sh: --replicas must be 1 or 2, got '$replicas'" >&2; exit 2; }
+if ((replicas == 2)) && [[ $faults == "$default_faults" ]]; then
+  faults=none,primary_cut_backup,primary_isolated,primary_cut_workers,backup_isolated
+fi
+for fault in ${faults//,/ }; do
+  if [[ $fault == primary_* || $fault == backup_* ]] && ((replicas == 1)); then
+    echo "fault_trials.sh: fault $fault needs --replicas=2" >&2
+    exit 2
+  fi
+done
 lab_require || exit 0
 for b in ps_server/ps_server worker/worker bench/soak/observer tests/netns/delay_proxy; do
   if [[ ! -x $bin/$b ]]; then
@@ -75,20 +108,30 @@ cp $bin/ps_server/ps_server $bin/worker/worker $bin/bench/soak/observer \
 
 readonly kShards=2 kWorkers=2 kElements=65536 kBlockElements=8192 kBlocks=8
 readonly kPort=7000 kDataPort=7001 kDeadline=120
-# Hosts 0..1 are the shards, 2..3 the workers.
-shard_host() { echo "$1"; }
-worker_host() { echo $((kShards + $1)); }
+# Hosts 0..S*R-1 are the servers (replica r of shard s on host s*R + r;
+# replica 0 starts as the primary), then the workers.
+replica_host() { echo $(($1 * replicas + $2)); }
+shard_host() { replica_host "$1" 0; }
+worker_host() { echo $((kShards * replicas + $1)); }
 
+replica_set() {  # the addresses of shard $1's replicas, joined by $2
+  local r out=""
+  for ((r = 0; r < replicas; ++r)); do out+="${out:+$2}$(lab_addr "$(replica_host "$1" $r)"):$kPort"; done
+  echo "$out"
+}
 hosts_csv() {
   local s out=""
-  for ((s = 0; s < kShards; ++s)); do out+="${out:+,}$(lab_addr "$(shard_host $s)"):$kPort"; done
+  for ((s = 0; s < kShards; ++s)); do out+="${out:+,}$(replica_set $s '|')"; done
   echo "$out"
 }
 
 observe() {  # observer output, read from the router
+  # A replicated shard's calls move to its next replica when one refuses
+  # (a backup, a stale primary).
   lab_exec r timeout 60 "$run/bin/observer" --ps_hosts="$(hosts_csv)" \
     --num_workers=$kWorkers --probe_elements=$kElements \
-    --block_elements=$kBlockElements "$@" 2>&1
+    --block_elements=$kBlockElements \
+    --retry_window_s=$((replicas > 1 ? 10 : 0)) "$@" 2>&1
 }
 version_of() { sed -n "s/^shard=$1 version=\([0-9]*\).*/\1/p" <<<"$2"; }
 sum_field() {  # sum_field NAME OBSERVER_OUTPUT: over shards
@@ -117,6 +160,18 @@ apply_fault() {  # apply_fault NAME: starts the fault; sets hold (s)
       local w
       for ((w = 0; w < kWorkers; ++w)); do lab_partition "$(shard_host 1)" "$(worker_host $w)"; done
       hold=3 ;;
+    primary_cut_backup) lab_partition "$(replica_host 1 0)" "$(replica_host 1 1)"; hold=4 ;;
+    primary_isolated | backup_isolated)
+      local cut other
+      cut=$(replica_host 1 $([[ $1 == primary_isolated ]] && echo 0 || echo 1))
+      for ((other = 0; other < LAB_HOSTS; ++other)); do
+        ((other == cut)) || lab_partition "$cut" "$other"
+      done
+      hold=4 ;;
+    primary_cut_workers)
+      local w
+      for ((w = 0; w < kWorkers; ++w)); do lab_partition "$(replica_host 1 0)" "$(worker_host $w)"; done
+      hold=4 ;;
   esac
 }
 
@@ -127,23 +182,25 @@ trial() {
   local dir="$run/$fault-$mode-$plane"
   mkdir -p "$dir"
   LAB_PREFIX="pstlab$$-t$trial_count"
-  lab_create $((kShards + kWorkers)) 1gbit
-  local s w server_pids=() worker_pids=()
+  lab_create $((kShards * replicas + kWorkers)) 1gbit
+  local s r w server_pids=() worker_pids=()
   local proxy_delay="" proxy_jitter=""
   case $fault in
     delay20) proxy_delay=20 proxy_jitter=10 ;;
     reorder) proxy_delay=2 proxy_jitter=2 ;;
   esac
-  for ((s = 0; s < kShards; ++s)); do
-    local host bind extra=()
-    host=$(shard_host $s)
+  for ((s = 0; s < kShards * replicas; ++s)); do
+    local host bind extra=() shard=$((s / replicas)) replica=$((s % replicas))
+    host=$(replica_host $shard $replica)
     bind=$(lab_addr "$host")
     # Behind a proxy the shard listens on its own loopback and the proxy on
     # the host's address, same ports: the workers cannot tell.
     [[ -n $proxy_delay ]] && bind=127.0.0.1
     [[ $fault == shard_cut_ckpt ]] && extra=(--checkpoint_dir="$dir/ckpt$s" --checkpoint_every_steps=10)
+    ((replicas > 1)) && extra+=(--replicas=$replicas --replica_index=$replica
+      --replica_hosts="$(replica_set $shard ,)")
     lab_exec "$host" "$run/bin/ps_server" --host="$bind" --port=$kPort \
-      --data_port=$kDataPort --shard_id=$s --num_shards=$kShards \
+      --data_port=$kDataPort --shard_id=$shard --num_shards=$kShards \
       --num_workers=$kWorkers --mode="$mode" --optimizer=sgd --learning_rate=1 \
       --worker_lease_s=2 "${extra[@]}" >"$dir/ps$s.out" 2>"$dir/ps$s.log" &
     server_pids+=($!)
@@ -215,7 +272,8 @@ trial() {
   # The exact checks, read from the router.
   local stats check mismatches pushed=0 late=0 applied lost short dup steps_run
   stats=$(observe)
-  check=$(observe --expect_shard_versions | grep '^check' || echo "check mismatches=?")
+  observe --expect_shard_versions >"$dir/check.txt" || true
+  check=$(grep '^check' "$dir/check.txt" || echo "check mismatches=?")
   mismatches=$(sed -n 's/.*mismatches=\([0-9?]*\).*/\1/p' <<<"$check")
   for ((w = 0; w < kWorkers; ++w)); do
     local final
@@ -230,7 +288,16 @@ trial() {
   dup=$(sum_field blocks_duplicate "$stats")
   local uncounted=$((pushed - applied - late - lost))
   [[ $mismatches != 0 && $result == ok ]] && result="double-applied"
-  [[ $uncounted != 0 && $result == ok ]] && result="uncounted"
+  if ((replicas == 1)); then
+    [[ $uncounted != 0 && $result == ok ]] && result="uncounted"
+  else
+    uncounted="-"
+    local s0 s1
+    s0=$(version_of 0 "$stats") s1=$(version_of 1 "$stats")
+    if [[ $mode == sync && $result == ok && ($s0 != "$steps" || $s1 != "$steps") ]]; then
+      result="lost"
+    fi
+  fi
   printf '%-16s %-5s %-4s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s\n' \
     "$fault" "$mode" "$plane" "$result" "$codes" "$wall" "$recover_s" \
     "$(version_of 0 "$stats")" "$late" "$lost" "$short" "$dup" \
@@ -267,7 +334,7 @@ if [[ -n $report ]]; then
   {
     echo "# bench/netns/fault_trials.sh $*"
     echo "# commit $BENCH_COMMIT, $BENCH_MACHINE, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%F)"
-    echo "# 2 shards x 2 workers, one host each, 1 Gbit/s links; probe model"
+    echo "# 2 shards x 2 workers, one host each ($replicas replica(s) a shard), 1 Gbit/s links; probe model"
     echo "# ($kElements floats, $kBlocks blocks), SGD lr 1, $steps steps, lease 2 s."
     echo "$header"
     printf '%s' "$rows"

@@ -835,7 +835,12 @@ absl::StatusOr<int64_t> PsClient::StepsShort() {
 
 absl::StatusOr<std::vector<StatsResponse>> PsClient::Stats() {
   std::vector<StatsResponse> responses;
-  std::vector<Call> calls = CallsToEveryShard(std::string(), &responses);
+  // A replicated shard's figures are its primary's: a backup, or a stale
+  // primary a failover left behind, holds other ones.
+  StatsRequest request;
+  request.set_from_primary(replicas_ > 1);
+  std::vector<Call> calls =
+      CallsToEveryShard(request.SerializeAsString(), &responses);
   if (absl::Status s = RunAll("Stats", calls, options_.rpc_timeout); !s.ok()) {
     return s;
   }

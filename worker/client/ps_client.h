@@ -372,6 +372,8 @@ class PsClient {
   // model: the rows must be the servers').
   void DropSparseRowCache();
 
+  // Every shard's Stats; a replicated shard's from its primary (a call
+  // that reaches another replica moves on, within the retry window).
   absl::StatusOr<std::vector<StatsResponse>> Stats();
   // async/ssp, on a client that does not train (an observer, or a worker
   // that left): waits until the servers' model is final, that is no worker
