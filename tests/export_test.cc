@@ -313,6 +313,86 @@ TEST(ExportTest, SparseTablesFromServersComeFromACheckpointTheyWriteNow) {
   EXPECT_EQ(ReadBytes(from_servers), ReadBytes(from_checkpoint));
 }
 
+// A replicated job's export comes from each shard's primary, whichever
+// replica that is: after shard 0's first replica died and its backup took
+// over, the export is the same model. The dense tensors are the same to the
+// bit, and so is every row the backup holds; the backup lacks only rows no
+// push reached (the held-out evaluation pulled them, and a pull is not
+// forwarded), which it makes with the same initial values when they are
+// first asked for.
+TEST(ExportTest, AReplicatedJobExportsFromEachShardsPrimary) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.replicas = 2;
+  const std::string dir = absl::StrCat(TestDir(), "/replicated_ctr");
+  std::filesystem::create_directories(dir);
+  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir, "/ckpt")};
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "export_replicated");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  absl::StatusOr<std::vector<std::string>> outputs = (*cluster)->RunWorkers(
+      {{"--model=ctr", "--ctr_data=synthetic", "--ctr_fields=3",
+        "--ctr_dense=2", "--ctr_vocab=500", "--ctr_train_examples=4096",
+        "--ctr_test_examples=512", "--embedding_dim=4", "--ctr_hidden=8",
+        "--batch_size=64", "--block_elements=32", "--steps=15", "--log_every=0",
+        "--device=cpu"}},
+      absl::Seconds(120));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  const std::string exporter = BinaryPath("worker/pstrain_export");
+  auto export_to = [&](const std::string& name) -> SafetensorsFile {
+    const std::string path = absl::StrCat(dir, "/", name, ".safetensors");
+    ProgramRun exported = RunProgram(
+        {exporter, "--ps_hosts=" + (*cluster)->PsHosts(), "--output=" + path},
+        dir, name);
+    EXPECT_EQ(exported.code, 0) << exported.err;
+    absl::StatusOr<SafetensorsFile> file = ReadSafetensorsFile(path);
+    EXPECT_TRUE(file.ok()) << file.status();
+    return file.ok() ? *file : SafetensorsFile();
+  };
+  const SafetensorsFile before = export_to("before");
+  ASSERT_FALSE(before.tensors.empty());
+  (*cluster)->KillReplica(0, 0);
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  absl::StatusOr<StatsResponse> backup;
+  do {
+    backup = (*cluster)->ReplicaStats(0, 1);
+  } while ((!backup.ok() || backup->replica_role() != "primary") &&
+           absl::Now() < give_up);
+  ASSERT_TRUE(backup.ok()) << backup.status();
+  ASSERT_EQ(backup->replica_role(), "primary");
+  const SafetensorsFile after = export_to("after_failover");
+  ASSERT_EQ(after.tensors.size(), before.tensors.size());
+  for (const SafetensorsTensor& tensor : before.tensors) {
+    if (absl::EndsWith(tensor.name, "/ids") ||
+        absl::EndsWith(tensor.name, "/rows")) {
+      continue;
+    }
+    const SafetensorsTensor* same = after.Find(tensor.name);
+    ASSERT_NE(same, nullptr) << tensor.name;
+    EXPECT_EQ(same->data, tensor.data) << tensor.name;
+  }
+  for (const std::string table : {"field0", "field1", "field2"}) {
+    const std::vector<uint64_t> ids_before =
+        before.Find(table + "/ids")->AsU64();
+    const std::vector<float> rows_before =
+        before.Find(table + "/rows")->AsF32();
+    const std::vector<uint64_t> ids_after = after.Find(table + "/ids")->AsU64();
+    const std::vector<float> rows_after = after.Find(table + "/rows")->AsF32();
+    EXPECT_GT(ids_after.size(), ids_before.size() / 2) << table;
+    for (size_t i = 0; i < ids_after.size(); ++i) {
+      auto it =
+          std::lower_bound(ids_before.begin(), ids_before.end(), ids_after[i]);
+      ASSERT_TRUE(it != ids_before.end() && *it == ids_after[i])
+          << table << " row " << ids_after[i] << " is only on the backup";
+      const size_t j = it - ids_before.begin();
+      for (int d = 0; d < 4; ++d) {
+        EXPECT_EQ(rows_after[i * 4 + d], rows_before[j * 4 + d])
+            << table << " row " << ids_after[i];
+      }
+    }
+  }
+}
+
 // Delta export (--since) from running servers and --apply: the base model
 // file plus the delta of what a second run of the job changed is the
 // model's full export byte for byte, and the delta holds fewer rows; a

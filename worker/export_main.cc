@@ -29,9 +29,11 @@
 // checkpoint of every shard of one layout (ps_server/checkpoint.h's restore,
 // as a single shard that owns every block and row), dense tensors
 // reassembled from their blocks.
+#include <stdlib.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -159,20 +161,40 @@ void PrepareContext(const PsClientOptions& options,
 }
 
 // One stub per shard, made once: a channel costs a connection. A replicated
-// shard's first replica (its primary until a failover) answers.
+// shard's ("a|b") is its primary's, the replica that answers Stats as the
+// primary (StatsRequest.from_primary): a backup's checkpoint or change marks,
+// or a stale primary's after a failover, are not the job's. The first
+// replica when none says so (the calls then fail, naming it).
 std::vector<std::unique_ptr<ParameterServer::Stub>> ShardStubs(
     const PsClientOptions& options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   ApplyGrpcTuning(options.grpc_tuning, &args);
-  std::vector<std::unique_ptr<ParameterServer::Stub>> stubs;
-  for (const std::string& shard : options.hosts) {
-    const std::string host = shard.substr(0, shard.find('|'));
-    stubs.push_back(ParameterServer::NewStub(grpc::CreateCustomChannel(
+  auto stub_of = [&](const std::string& host) {
+    return ParameterServer::NewStub(grpc::CreateCustomChannel(
         host,
         options.credentials != nullptr ? options.credentials
                                        : grpc::InsecureChannelCredentials(),
-        args)));
+        args));
+  };
+  std::vector<std::unique_ptr<ParameterServer::Stub>> stubs;
+  for (const std::string& shard : options.hosts) {
+    const std::vector<std::string> replicas = absl::StrSplit(shard, '|');
+    std::unique_ptr<ParameterServer::Stub> chosen;
+    for (size_t r = 0; r < replicas.size() && replicas.size() > 1; ++r) {
+      std::unique_ptr<ParameterServer::Stub> stub = stub_of(replicas[r]);
+      grpc::ClientContext context;
+      PrepareContext(options, &context);
+      StatsRequest request;
+      request.set_from_primary(true);
+      StatsResponse response;
+      if (stub->Stats(&context, request, &response).ok()) {
+        chosen = std::move(stub);
+        break;
+      }
+    }
+    stubs.push_back(chosen != nullptr ? std::move(chosen)
+                                      : stub_of(replicas.front()));
   }
   return stubs;
 }
@@ -485,7 +507,50 @@ absl::Status RowsFromCheckpoint(
   absl::StatusOr<std::vector<std::string>> paths =
       CheckpointNow(options, stubs);
   if (!paths.ok()) return paths.status();
-  const std::string dir = ParentDir(ParentDir(paths->front()));
+  // Each file is <dir>/shard-<i>-of-<n>/ckpt-<sequence>.pstrain. A
+  // replicated job's shards write under their primary's own replica-<r>/
+  // directory, which after a failover differs from shard to shard: the
+  // files are then gathered, as links, in one layout of their own.
+  std::string dir = ParentDir(ParentDir(paths->front()));
+  std::vector<std::string> expected = *paths;
+  struct RemoveOnExit {
+    std::string dir;
+    ~RemoveOnExit() {
+      std::error_code ignored;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ignored);
+    }
+  } gathered;
+  if (std::any_of(paths->begin(), paths->end(), [&](const std::string& path) {
+        return ParentDir(ParentDir(path)) != dir;
+      })) {
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "pstrain_export.XXXXXX")
+            .string();
+    if (mkdtemp(pattern.data()) == nullptr) {
+      return absl::InternalError(absl::StrCat(
+          "cannot make a directory to gather the checkpoints the servers "
+          "wrote (",
+          absl::StrJoin(*paths, ", "), "): ", std::strerror(errno)));
+    }
+    gathered.dir = dir = pattern;
+    expected.clear();
+    for (const std::string& path : *paths) {
+      const std::filesystem::path shard_dir =
+          std::filesystem::path(dir) /
+          std::filesystem::path(ParentDir(path)).filename();
+      const std::filesystem::path link =
+          shard_dir / std::filesystem::path(path).filename();
+      std::error_code error;
+      std::filesystem::create_directories(shard_dir, error);
+      if (!error) std::filesystem::create_symlink(path, link, error);
+      if (error) {
+        return absl::InternalError(absl::StrCat("cannot link ", path, " as ",
+                                                link.string(), ": ",
+                                                error.message()));
+      }
+      expected.push_back(link.string());
+    }
+  }
   std::vector<std::string> files_used;
   absl::StatusOr<ModelSnapshot> saved =
       SnapshotFromCheckpoint(dir, &files_used);
@@ -493,7 +558,7 @@ absl::Status RowsFromCheckpoint(
   // Restore picks the newest complete layout; another job's files in the
   // same directory must not pass for these servers' rows.
   if (std::set<std::string>(files_used.begin(), files_used.end()) !=
-      std::set<std::string>(paths->begin(), paths->end())) {
+      std::set<std::string>(expected.begin(), expected.end())) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the servers wrote ", absl::StrJoin(*paths, ", "), " but reading ", dir,
         " chose ", absl::StrJoin(files_used, ", "),
