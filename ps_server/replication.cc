@@ -370,10 +370,13 @@ void ReplicaSet::TakeOver(const std::string& why) {
                  << epoch_.load() << ": " << why << "; forwarding to "
                  << in_set_.size() << " replica(s)";
   }
+  // The steps this replica holds every gradient of complete now: a request
+  // retried here meanwhile would find them applied by no one (a clip's
+  // coefficient is sent once).
+  if (on_takeover_) on_takeover_();
   // The backups learn the new order (and epoch) now, not at the next
   // change: one of them may be next soon.
   Forward("view", {}).IgnoreError();
-  if (on_takeover_) on_takeover_();
 }
 
 bool ReplicaSet::Ahead(int index) const {

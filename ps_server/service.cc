@@ -235,27 +235,27 @@ void ParameterServerService::PullFromBytes(
     bytes.keep_alive = std::move(reply);
     done(std::move(bytes));
   };
-  shard_->Pull(pull, deadline, AfterForwards(std::move(answer)),
+  shard_->Pull(pull, deadline, AfterForwards(std::move(answer), deadline),
                follows_own_push);
 }
 
 template <typename... Result>
 std::function<void(absl::Status, Result...)>
 ParameterServerService::AfterForwards(
-    std::function<void(absl::Status, Result...)> answer) {
+    std::function<void(absl::Status, Result...)> answer, absl::Time deadline) {
   if (replicas_ == nullptr || shard_->mode() != ConsistencyMode::kSync) {
     return answer;
   }
   // What the pull shows goes out once the backups have it too: the
   // changes forwarded as they came, and the records of the steps completed
   // so far.
-  return [this, answer = std::move(answer)](absl::Status status,
-                                            Result... result) {
+  return [this, answer = std::move(answer), deadline](absl::Status status,
+                                                      Result... result) {
     if (!status.ok()) return answer(std::move(status), std::move(result)...);
     auto held = std::make_shared<std::tuple<Result...>>(std::move(result)...);
     const int64_t records = shard_->StepRecordsMade();
-    gate_.AfterChangesInFlight([this, answer, held, records] {
-      AfterStepRecords(records, [answer, held](absl::Status sent) {
+    gate_.AfterChangesInFlight([this, answer, held, records, deadline] {
+      AfterStepRecords(records, deadline, [answer, held](absl::Status sent) {
         std::apply(
             [&](Result&... r) { answer(std::move(sent), std::move(r)...); },
             *held);
@@ -544,7 +544,7 @@ void ParameterServerService::NudgeStepRecords() {
 }
 
 absl::Status ParameterServerService::SendStepRecords() {
-  Shard::TakenStepRecords taken = shard_->TakeStepRecords();
+  Shard::TakenStepRecords taken = shard_->TakeStepRecords(kStepRecordsBytes);
   if (taken.records.records_size() > 0) {
     const std::string header = taken.records.SerializeAsString();
     char length[data_plane::kLengthPrefixBytes];
@@ -569,6 +569,9 @@ absl::Status ParameterServerService::SendStepRecords() {
 }
 
 void ParameterServerService::RunStepRecordWaits() {
+  // A replica no longer primary (fenced, stale) answers no pull: what it
+  // shows may be on no other replica.
+  const absl::Status serves = ServesWorkers();
   std::vector<std::function<void(absl::Status)>> ready;
   {
     absl::MutexLock lock(&step_records_mu_);
@@ -581,7 +584,7 @@ void ParameterServerService::RunStepRecordWaits() {
     }
     record_waits_.erase(waiting, record_waits_.end());
   }
-  for (auto& then : ready) then(absl::OkStatus());
+  for (auto& then : ready) then(serves);
 }
 
 absl::Status ParameterServerService::AwaitStepRecords() {
@@ -595,10 +598,11 @@ absl::Status ParameterServerService::AwaitStepRecords() {
   auto wait = std::make_shared<Wait>();
   const int64_t made = shard_->StepRecordsMade();
   NudgeStepRecords();
-  AfterStepRecords(made, [wait](absl::Status sent) {
-    wait->status = std::move(sent);
-    wait->done.Notify();
-  });
+  AfterStepRecords(made, absl::Now() + kStepRecordsWait,
+                   [wait](absl::Status sent) {
+                     wait->status = std::move(sent);
+                     wait->done.Notify();
+                   });
   // The flusher thread ends the wait by kStepRecordsWait; the margin only
   // guards against that thread not running.
   if (!wait->done.WaitForNotificationWithTimeout(kStepRecordsWait +
@@ -610,15 +614,17 @@ absl::Status ParameterServerService::AwaitStepRecords() {
 }
 
 void ParameterServerService::AfterStepRecords(
-    int64_t made, std::function<void(absl::Status)> then) {
+    int64_t made, absl::Time deadline, std::function<void(absl::Status)> then) {
   {
     absl::MutexLock lock(&step_records_mu_);
     if (made > step_records_sent_) {
-      record_waits_.push_back(RecordWait{made, absl::Now(), std::move(then)});
+      record_waits_.push_back(
+          RecordWait{made, std::min(deadline, absl::Now() + kStepRecordsWait),
+                     std::move(then)});
       return;
     }
   }
-  then(absl::OkStatus());
+  then(ServesWorkers());
 }
 
 void ParameterServerService::RunStepRecordsSender() {
@@ -648,11 +654,10 @@ void ParameterServerService::RunStepRecordsSender() {
     std::vector<std::function<void(absl::Status)>> overdue;
     {
       absl::MutexLock lock(&step_records_mu_);
-      const absl::Time give_up =
-          serves.ok() ? absl::Now() - kStepRecordsWait : absl::InfiniteFuture();
+      const absl::Time now = absl::Now();
       auto kept = std::stable_partition(
           record_waits_.begin(), record_waits_.end(),
-          [give_up](const RecordWait& w) { return w.since > give_up; });
+          [&](const RecordWait& w) { return serves.ok() && w.give_up > now; });
       for (auto it = kept; it != record_waits_.end(); ++it) {
         overdue.push_back(std::move(it->then));
       }
@@ -790,15 +795,17 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time deadline = absl::FromChrono(context->deadline());
   if (pull.more_size() == 0) {
-    shard_->SparsePull(pull, deadline,
-                       AfterForwards(Shard::SparsePullDone(
-                           [reactor, response](absl::Status status,
-                                               SparsePullResponse result) {
-                             if (status.ok()) {
-                               status = SerializeSmall(result, response);
-                             }
-                             reactor->Finish(ToGrpcStatus(status));
-                           })));
+    shard_->SparsePull(
+        pull, deadline,
+        AfterForwards(Shard::SparsePullDone(
+                          [reactor, response](absl::Status status,
+                                              SparsePullResponse result) {
+                            if (status.ok()) {
+                              status = SerializeSmall(result, response);
+                            }
+                            reactor->Finish(ToGrpcStatus(status));
+                          }),
+                      deadline));
     return reactor;
   }
   // Several tables: each pulled on its own; the call is answered once every
@@ -834,23 +841,26 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePull(
         AfterForwards(Shard::SparsePullDone([reactor, response, gather, t](
                                                 absl::Status status,
                                                 SparsePullResponse result) {
-          absl::MutexLock lock(&gather->mu);
-          if (status.ok()) {
-            gather->parts[t] = std::move(result);
-          } else if (gather->status.ok()) {
-            gather->status = std::move(status);
-          }
-          if (--gather->left > 0) return;
-          absl::Status done = gather->status;
-          if (done.ok()) {
-            SparsePullResponse all = std::move(gather->parts[0]);
-            for (int i = 1; i < static_cast<int>(gather->parts.size()); ++i) {
-              *all.add_more() = std::move(gather->parts[i]);
-            }
-            done = SerializeSmall(all, response);
-          }
-          reactor->Finish(ToGrpcStatus(done));
-        })));
+                        absl::MutexLock lock(&gather->mu);
+                        if (status.ok()) {
+                          gather->parts[t] = std::move(result);
+                        } else if (gather->status.ok()) {
+                          gather->status = std::move(status);
+                        }
+                        if (--gather->left > 0) return;
+                        absl::Status done = gather->status;
+                        if (done.ok()) {
+                          SparsePullResponse all = std::move(gather->parts[0]);
+                          for (int i = 1;
+                               i < static_cast<int>(gather->parts.size());
+                               ++i) {
+                            *all.add_more() = std::move(gather->parts[i]);
+                          }
+                          done = SerializeSmall(all, response);
+                        }
+                        reactor->Finish(ToGrpcStatus(done));
+                      }),
+                      deadline));
   }
   return reactor;
 }

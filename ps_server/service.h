@@ -223,7 +223,7 @@ class ParameterServerService final : public ParameterServerRawService,
   // every change before it is on the backups (ChangeGate); otherwise as is.
   template <typename... Result>
   std::function<void(absl::Status, Result...)> AfterForwards(
-      std::function<void(absl::Status, Result...)> answer);
+      std::function<void(absl::Status, Result...)> answer, absl::Time deadline);
   // Step records (Shard::TakeStepRecords), on a replicated sync primary.
   // One thread sends them (RunStepRecordsSender), in the order they were
   // made; a request that may have made some wakes it and goes on (a
@@ -238,9 +238,11 @@ class ParameterServerService final : public ParameterServerRawService,
   // when they do not confirm them within kStepRecordsWait).
   absl::Status AwaitStepRecords();
   // Runs `then` once the records made up to the `made`-th are on every
-  // backup (now, or on the sender's thread), or with UNAVAILABLE once it
-  // has waited kStepRecordsWait.
-  void AfterStepRecords(int64_t made, std::function<void(absl::Status)> then);
+  // backup (now, or on the sender's thread), or with UNAVAILABLE at
+  // `deadline` or once it has waited kStepRecordsWait, or at once when this
+  // replica no longer serves workers.
+  void AfterStepRecords(int64_t made, absl::Time deadline,
+                        std::function<void(absl::Status)> then);
   // Whether the push need not be forwarded: the pull answered with it waits
   // for a later step of every block it pushed, so for that step's record.
   bool StepRecordCovers(const WirePushRequest& push,
@@ -251,6 +253,9 @@ class ParameterServerService final : public ParameterServerRawService,
   void RunStepRecordsSender();
   static constexpr absl::Duration kStepRecordsRetry = absl::Milliseconds(20);
   static constexpr absl::Duration kStepRecordsWait = absl::Seconds(15);
+  // The most sums one "steps" message carries (a backup's data plane takes
+  // up to 512 MiB a request).
+  static constexpr int64_t kStepRecordsBytes = int64_t{64} << 20;
 
   // The primary, asked by replica `joiner` to join: starts sending it the
   // shard's state (CatchUp, on catch_up_thread_), or says why it cannot.
@@ -318,7 +323,7 @@ class ParameterServerService final : public ParameterServerRawService,
   // the sender's wake-up.
   struct RecordWait {
     int64_t made;
-    absl::Time since;
+    absl::Time give_up;
     std::function<void(absl::Status)> then;
   };
   absl::Mutex step_records_mu_;

@@ -322,13 +322,15 @@ class Shard {
   }
   // The steps completed since the last take, in the order they completed,
   // each record's sum beside it (empty when it has none), and how many
-  // records were ever made up to the last of them.
+  // records were ever made up to the last of them. At least one record
+  // when there is one, and no more than fit in `max_sum_bytes` of sums
+  // past the first (a message to a backup has a size bound).
   struct TakenStepRecords {
     StepRecords records;
     std::vector<std::vector<float>> sums;
     int64_t made = 0;
   };
-  TakenStepRecords TakeStepRecords();
+  TakenStepRecords TakeStepRecords(int64_t max_sum_bytes);
   // Records that could not be sent: they go first in the next take.
   void ReturnStepRecords(TakenStepRecords taken);
   // Records that were sent: their sums' memory serves later steps.

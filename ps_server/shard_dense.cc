@@ -197,7 +197,10 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   }
   int64_t lost = 0;
   bool moved = false;
+  // A replica that follows takes its dense steps from the leader's records
+  // only: a step skipped here would be a record it then takes for a repeat.
   for (const auto& block : model.blocks) {
+    if (!LeadsSteps()) break;
     absl::MutexLock block_lock(&block->mu);
     const int64_t version = block->version.load();
     if (version >= step) continue;
@@ -297,6 +300,16 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request,
         const Block& block = *(*model)->blocks[push.local];
         const int64_t version = block.version.load();
         if (request.step <= version) continue;
+        if (!LeadsSteps()) {
+          // A forwarded push ahead of the leader's records here: they move
+          // this block, nothing else may.
+          lock.Release();
+          return Reject(absl::UnavailableError(
+              absl::StrCat("push for step ", request.step,
+                           ": this replica follows the "
+                           "primary's step records and has step ",
+                           version, " yet; retry")));
+        }
         if (recovering_ ||
             ConfirmLostStateLocked(request.worker_id, request.step)) {
           completed_a_step = FastForwardLocked(**model, request.step);

@@ -2,11 +2,13 @@
 // primary records each dense step it applies, and its backups apply the
 // record instead of summing every worker's push themselves
 // (ps_server/replication.h, "Sync steps").
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "ps_server/shard.h"
 #include "ps_server/shard_internal.h"
@@ -56,16 +58,24 @@ std::vector<float> Shard::SpareStepSum() {
   return sum;
 }
 
-Shard::TakenStepRecords Shard::TakeStepRecords() {
+Shard::TakenStepRecords Shard::TakeStepRecords(int64_t max_sum_bytes) {
   TakenStepRecords taken;
   absl::MutexLock lock(&step_records_mu_);
-  taken.made = step_records_made_.load(std::memory_order_acquire);
-  taken.sums.reserve(step_records_.size());
-  for (auto& [record, sum] : step_records_) {
+  int64_t bytes = 0;
+  while (!step_records_.empty()) {
+    auto& [record, sum] = step_records_.front();
+    const int64_t size = static_cast<int64_t>(sum.size() * sizeof(float));
+    if (taken.records.records_size() > 0 && bytes + size > max_sum_bytes) {
+      break;
+    }
+    bytes += size;
     *taken.records.add_records() = std::move(record);
     taken.sums.push_back(std::move(sum));
+    step_records_.pop_front();
   }
-  step_records_.clear();
+  // What was made up to the last record taken: the rest are still here.
+  taken.made = step_records_made_.load(std::memory_order_acquire) -
+               static_cast<int64_t>(step_records_.size());
   return taken;
 }
 
@@ -91,6 +101,11 @@ bool Shard::HasStepRecords() const {
 
 absl::Status Shard::ApplyStepRecords(const StepRecords& records,
                                      absl::string_view sums) {
+  if (!options_.record_steps) {
+    return absl::FailedPreconditionError(
+        "step records for a shard that takes none (only a replicated sync "
+        "shard does)");
+  }
   const Model* model = model_.load(std::memory_order_acquire);
   if (model == nullptr) {
     return absl::FailedPreconditionError(
@@ -124,6 +139,12 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
             absl::StrCat(where, ": worker ", w, " out of range"));
       }
     }
+    if ((r.has_hyper() && !(std::isfinite(r.lr()) && r.lr() >= 0)) ||
+        (r.has_momentum() && !(r.momentum() >= 0 && r.momentum() < 1))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": rate ", r.lr(), " or momentum ", r.momentum(),
+                       " out of range"));
+    }
     auto [it, first] = next_step.try_emplace(r.local_block(), 0);
     if (first) it->second = block.version.load();
     if (r.step() > it->second) {
@@ -143,6 +164,7 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
   }
 
   bool applied = false;
+  absl::flat_hash_set<int> workers;
   const char* next_sum = sums.data();
   for (const StepRecord& r : records.records()) {
     Block& block = *model->blocks[r.local_block()];
@@ -163,7 +185,10 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
     block.contributors = r.contributors();
     block.finite_contributors = r.finite_contributors();
     block.lost_contributors = r.lost_contributors();
-    for (int w : r.workers()) block.last_contributed[w] = r.step();
+    for (int w : r.workers()) {
+      block.last_contributed[w] = r.step();
+      workers.insert(w);
+    }
     if (r.has_hyper()) {
       block.step_hyper.lr = r.lr();
       block.step_hyper.momentum =
@@ -175,6 +200,17 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
     ApplyStepLocked(block, r.coefficient());
     applied = true;
   }
+  bool started = false;
+  {
+    absl::MutexLock lock(&mu_);
+    // The leader's state is this shard's now: nothing of it is lost (a
+    // fresh shard would take a step that workers' heartbeats show).
+    fresh_ = false;
+    // A worker the leader counted in a step was heard from: its lease here
+    // is as fresh (its pushes that came with pulls reached the leader only).
+    for (int w : workers) started |= TouchLocked(w);
+  }
+  if (started) AnswerStartWaiters();
   if (applied) ReleaseReadyWaiters();
   return absl::OkStatus();
 }

@@ -1630,7 +1630,7 @@ struct SentRecords {
 };
 
 SentRecords Take(Shard& shard) {
-  Shard::TakenStepRecords taken = shard.TakeStepRecords();
+  Shard::TakenStepRecords taken = shard.TakeStepRecords(int64_t{1} << 30);
   SentRecords sent{taken.records, ""};
   for (const std::vector<float>& sum : taken.sums) {
     sent.sums.append(reinterpret_cast<const char*>(sum.data()),
@@ -1679,6 +1679,11 @@ TEST(ShardStepRecordsTest, AFollowerAppliesEachStepAsTheLeaderDid) {
   // Sent again (an answer lost): a repeat, nothing changes.
   ASSERT_TRUE(f.follower->ApplyStepRecords(sent.records, sent.sums).ok());
   ExpectSameModel(*f.leader, *f.follower, 3);
+  // A forwarded push ahead of the records is refused as retryable: only a
+  // record moves the follower's blocks.
+  EXPECT_EQ(DoPush(*f.follower, UniformPush(0, 4, 1)).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(f.follower->Stats().version(), 3);
   // A worker counted in a recorded step resends it: a duplicate there too.
   absl::StatusOr<PushResponse> resent =
       DoPush(*f.follower, UniformPush(0, 2, 7));
@@ -1693,6 +1698,39 @@ TEST(ShardStepRecordsTest, AFollowerAppliesEachStepAsTheLeaderDid) {
   f.follower->set_leads_steps([] { return true; });
   f.follower->CompleteStepsNowLeading();
   ExpectSameModel(*f.leader, *f.follower, 4);
+}
+
+// A take holds no more sums than asked (past its first record), and says
+// how many records were made up to its last.
+TEST(ShardStepRecordsTest, ATakeIsBoundedAndCountsWhatItTook) {
+  LeaderAndFollower f = MakeLeaderAndFollower();
+  for (int worker : {0, 1}) {
+    ASSERT_TRUE(DoPush(*f.leader, UniformPush(worker, 0, 1)).ok());
+  }
+  ASSERT_EQ(f.leader->StepRecordsMade(), 3);  // blocks of 4, 2 and 2 floats
+  Shard::TakenStepRecords first = f.leader->TakeStepRecords(/*max=*/1);
+  EXPECT_EQ(first.records.records_size(), 1);
+  EXPECT_EQ(first.made, 1);
+  Shard::TakenStepRecords rest = f.leader->TakeStepRecords(/*max=*/16);
+  EXPECT_EQ(rest.records.records_size(), 2);
+  EXPECT_EQ(rest.made, 3);
+  // Not sent: back in front, in order.
+  f.leader->ReturnStepRecords(std::move(rest));
+  f.leader->ReturnStepRecords(std::move(first));
+  Shard::TakenStepRecords all = f.leader->TakeStepRecords(int64_t{1} << 20);
+  ASSERT_EQ(all.records.records_size(), 3);
+  EXPECT_EQ(all.made, 3);
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(all.records.records(i).local_block(), i);
+}
+
+// Records reach only a replicated sync shard; others refuse them.
+TEST(ShardStepRecordsTest, AShardThatTakesNoRecordsRefusesThem) {
+  Fixture f = MakeShard(ConsistencyMode::kAsync, 2);
+  StepRecords records;
+  records.add_records()->set_local_block(0);
+  EXPECT_EQ(f.shard->ApplyStepRecords(records, "").code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(ShardStepRecordsTest, RecordsThatDoNotFitAreRefusedWhole) {

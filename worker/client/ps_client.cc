@@ -841,7 +841,10 @@ absl::StatusOr<std::vector<StatsResponse>> PsClient::Stats() {
   request.set_from_primary(replicas_ > 1);
   std::vector<Call> calls =
       CallsToEveryShard(request.SerializeAsString(), &responses);
-  if (absl::Status s = RunAll("Stats", calls, options_.rpc_timeout); !s.ok()) {
+  // Retried there: a backup refuses, and a failover may be under way.
+  if (absl::Status s = RunAll("Stats", calls, options_.rpc_timeout,
+                              /*retry=*/replicas_ > 1);
+      !s.ok()) {
     return s;
   }
   return responses;
