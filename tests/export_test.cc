@@ -249,15 +249,18 @@ TEST(ExportTest, ALayerModelEvaluatesFromItsFileAsTrained) {
   EXPECT_EQ(LinesWith(evaluated.err, "cnn.safetensors"), 1) << evaluated.err;
 }
 
-TEST(ExportTest, SparseTablesFromServersComeFromACheckpointTheyWriteNow) {
+// 2 shards (of `replicas` each) with checkpoints under `dir`/ckpt, after a
+// small CTR job (3 tables) has run on them.
+absl::StatusOr<std::unique_ptr<TestCluster>> ClusterAfterACtrJob(
+    const std::string& dir, const std::string& name, int replicas = 1) {
   ClusterOptions options;
   options.num_shards = 2;
-  const std::string dir = absl::StrCat(TestDir(), "/ctr");
+  options.replicas = replicas;
   std::filesystem::create_directories(dir);
   options.server_flags = {absl::StrCat("--checkpoint_dir=", dir, "/ckpt")};
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
-      TestCluster::Start(options, "export_ctr");
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
+      TestCluster::Start(options, name);
+  if (!cluster.ok()) return cluster.status();
   absl::StatusOr<std::vector<std::string>> outputs = (*cluster)->RunWorkers(
       {{"--model=ctr", "--ctr_data=synthetic", "--ctr_fields=3",
         "--ctr_dense=2", "--ctr_vocab=500", "--ctr_train_examples=4096",
@@ -265,7 +268,15 @@ TEST(ExportTest, SparseTablesFromServersComeFromACheckpointTheyWriteNow) {
         "--batch_size=64", "--block_elements=32", "--steps=15", "--log_every=0",
         "--device=cpu"}},
       absl::Seconds(120));
-  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  if (!outputs.ok()) return outputs.status();
+  return cluster;
+}
+
+TEST(ExportTest, SparseTablesFromServersComeFromACheckpointTheyWriteNow) {
+  const std::string dir = absl::StrCat(TestDir(), "/ctr");
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      ClusterAfterACtrJob(dir, "export_ctr");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
 
   const std::string exporter = BinaryPath("worker/pstrain_export");
   const std::string from_servers = absl::StrCat(dir, "/servers.safetensors");
@@ -321,23 +332,10 @@ TEST(ExportTest, SparseTablesFromServersComeFromACheckpointTheyWriteNow) {
 // forwarded), which it makes with the same initial values when they are
 // first asked for.
 TEST(ExportTest, AReplicatedJobExportsFromEachShardsPrimary) {
-  ClusterOptions options;
-  options.num_shards = 2;
-  options.replicas = 2;
   const std::string dir = absl::StrCat(TestDir(), "/replicated_ctr");
-  std::filesystem::create_directories(dir);
-  options.server_flags = {absl::StrCat("--checkpoint_dir=", dir, "/ckpt")};
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
-      TestCluster::Start(options, "export_replicated");
+      ClusterAfterACtrJob(dir, "export_replicated", /*replicas=*/2);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
-  absl::StatusOr<std::vector<std::string>> outputs = (*cluster)->RunWorkers(
-      {{"--model=ctr", "--ctr_data=synthetic", "--ctr_fields=3",
-        "--ctr_dense=2", "--ctr_vocab=500", "--ctr_train_examples=4096",
-        "--ctr_test_examples=512", "--embedding_dim=4", "--ctr_hidden=8",
-        "--batch_size=64", "--block_elements=32", "--steps=15", "--log_every=0",
-        "--device=cpu"}},
-      absl::Seconds(120));
-  ASSERT_TRUE(outputs.ok()) << outputs.status();
   const std::string exporter = BinaryPath("worker/pstrain_export");
   auto export_to = [&](const std::string& name) -> SafetensorsFile {
     const std::string path = absl::StrCat(dir, "/", name, ".safetensors");

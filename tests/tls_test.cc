@@ -43,6 +43,21 @@ std::string WriteFile(const std::string& name, const std::string& text) {
   return path;
 }
 
+// Runs `argv` (a binary given a bad flag): it must exit 2 with one line
+// saying `expected`.
+void ExpectOneLineAndExit2(const std::vector<std::string>& argv,
+                           const std::string& expected) {
+  absl::StatusOr<std::unique_ptr<testing::Process>> process =
+      testing::Process::Start(argv, testing::TestDir(), "bad_flag");
+  ASSERT_TRUE(process.ok()) << process.status();
+  absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 2) << expected;
+  const std::string err = (*process)->Stderr();
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+  EXPECT_THAT(err, HasSubstr(expected));
+}
+
 class TlsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -463,15 +478,7 @@ TEST(ReplicatedTlsTest, ReplicasUnderTlsNeedACaForEachOther) {
         testing::BinaryPath("ps_server/ps_server"), "--port=0", "--replicas=2",
         "--replica_index=0", "--replica_hosts=127.0.0.1:1,127.0.0.1:2"};
     argv.insert(argv.end(), flags.begin(), flags.end());
-    absl::StatusOr<std::unique_ptr<testing::Process>> process =
-        testing::Process::Start(argv, testing::TestDir(), "replica_tls_flag");
-    ASSERT_TRUE(process.ok()) << process.status();
-    absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(20));
-    ASSERT_TRUE(code.ok()) << code.status();
-    EXPECT_EQ(*code, 2) << expected;
-    const std::string err = (*process)->Stderr();
-    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
-    EXPECT_THAT(err, HasSubstr(expected));
+    ExpectOneLineAndExit2(argv, expected);
   }
 }
 
@@ -492,15 +499,7 @@ TEST(TlsFlagsTest, BadTlsFlagIsOneLineAndExit2) {
             "--auth_token_file=/nonexistent: cannot read"}}) {
     std::vector<std::string> argv = {testing::BinaryPath(binary)};
     argv.insert(argv.end(), flags.begin(), flags.end());
-    absl::StatusOr<std::unique_ptr<testing::Process>> process =
-        testing::Process::Start(argv, testing::TestDir(), "bad_tls_flag");
-    ASSERT_TRUE(process.ok()) << process.status();
-    absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(20));
-    ASSERT_TRUE(code.ok()) << code.status();
-    EXPECT_EQ(*code, 2) << expected;
-    const std::string err = (*process)->Stderr();
-    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
-    EXPECT_THAT(err, HasSubstr(expected));
+    ExpectOneLineAndExit2(argv, expected);
   }
 }
 
