@@ -56,8 +56,7 @@ void CheckJob(const ServerConfig& c, Problems& checks) {
       // bring back a row at its initial value that the primary still had.
       checks.push_back(absl::InvalidArgumentError(
           "--sparse_row_ttl cannot be used with --replicas > 1 (replicas "
-          "would expire rows at different moments); bound the tables by "
-          "their byte budgets (max_bytes) instead"));
+          "would expire rows at different moments)"));
     }
   }
   checks.push_back(OneOf("inject_crash_at", c.inject_crash_at,
@@ -113,6 +112,15 @@ void CheckReplicas(const ServerConfig& c, Problems& checks) {
     }
   }
   checks.push_back(CheckPositive("replica_takeover_s", c.replica_takeover_s));
+  if (c.sparse_max_rows > 0 || c.sparse_memory_gb > 0) {
+    // A backup sees the pushes, not the pulls that also keep a row recent:
+    // it would evict other rows than its primary, and a failover could
+    // bring a row the primary kept back at its initial value.
+    checks.push_back(absl::InvalidArgumentError(
+        "--sparse_max_rows and --sparse_memory_gb cannot be used with "
+        "--replicas > 1 yet: a backup does not see the pulls that keep rows "
+        "in its primary's tables, so it would evict other rows"));
+  }
   if (!c.tls.cert.empty() && c.tls.replica_ca.empty() &&
       c.tls.client_ca.empty()) {
     checks.push_back(absl::InvalidArgumentError(

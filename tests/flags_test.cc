@@ -89,6 +89,16 @@ INSTANTIATE_TEST_SUITE_P(
                  {"--sparse_row_ttl=30m", "--replicas=2",
                   "--replica_hosts=127.0.0.1:1,127.0.0.1:2"},
                  "--sparse_row_ttl cannot be used with --replicas > 1"},
+        FlagCase{"ps_server/ps_server",
+                 {"--sparse_max_rows=1000", "--replicas=2",
+                  "--replica_hosts=127.0.0.1:1,127.0.0.1:2"},
+                 "--sparse_max_rows and --sparse_memory_gb cannot be used "
+                 "with --replicas > 1"},
+        FlagCase{"ps_server/ps_server",
+                 {"--sparse_memory_gb=1", "--replicas=2",
+                  "--replica_hosts=127.0.0.1:1,127.0.0.1:2"},
+                 "--sparse_max_rows and --sparse_memory_gb cannot be used "
+                 "with --replicas > 1"},
         FlagCase{"worker/worker",
                  {"--ps_hosts=localhost:1", "--inject_push_jitter_ms=-1"},
                  "--inject_push_jitter_ms must be"},
