@@ -538,7 +538,12 @@ void ParameterServerService::set_replicas(ReplicaSet* replicas) {
 }
 
 void ParameterServerService::NudgeStepRecords() {
-  if (replicas_ == nullptr || !shard_->records_steps()) return;
+  // Most pushes complete no step: waking the sender for them would cost a
+  // context switch each.
+  if (replicas_ == nullptr || !shard_->records_steps() ||
+      !shard_->HasStepRecords()) {
+    return;
+  }
   absl::MutexLock lock(&step_records_mu_);
   step_records_nudged_ = true;
 }
@@ -568,23 +573,34 @@ absl::Status ParameterServerService::SendStepRecords() {
   return absl::OkStatus();
 }
 
-void ParameterServerService::RunStepRecordWaits() {
+void ParameterServerService::EndStepRecordWaits() {
   // A replica no longer primary (fenced, stale) answers no pull: what it
-  // shows may be on no other replica.
+  // shows may be on no other replica, and its workers should move to the
+  // new primary now.
   const absl::Status serves = ServesWorkers();
-  std::vector<std::function<void(absl::Status)>> ready;
+  std::vector<std::pair<std::function<void(absl::Status)>, absl::Status>> done;
   {
     absl::MutexLock lock(&step_records_mu_);
-    auto waiting = std::stable_partition(
+    const absl::Time now = absl::Now();
+    auto kept = std::stable_partition(
         record_waits_.begin(), record_waits_.end(),
-        [this](const RecordWait& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
-            step_records_mu_) { return w.made > step_records_sent_; });
-    for (auto it = waiting; it != record_waits_.end(); ++it) {
-      ready.push_back(std::move(it->then));
+        [&](const RecordWait& w)
+            ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_records_mu_) {
+              return serves.ok() && w.made > step_records_sent_ &&
+                     w.give_up > now;
+            });
+    for (auto it = kept; it != record_waits_.end(); ++it) {
+      absl::Status why = serves;
+      if (serves.ok() && it->made > step_records_sent_) {
+        why = absl::UnavailableError(
+            "the step this pull shows is not on every replica of the shard "
+            "yet (a backup did not confirm it); retry");
+      }
+      done.emplace_back(std::move(it->then), std::move(why));
     }
-    record_waits_.erase(waiting, record_waits_.end());
+    record_waits_.erase(kept, record_waits_.end());
   }
-  for (auto& then : ready) then(serves);
+  for (auto& [then, why] : done) then(std::move(why));
 }
 
 absl::Status ParameterServerService::AwaitStepRecords() {
@@ -603,7 +619,7 @@ absl::Status ParameterServerService::AwaitStepRecords() {
                      wait->status = std::move(sent);
                      wait->done.Notify();
                    });
-  // The flusher thread ends the wait by kStepRecordsWait; the margin only
+  // The sender thread ends the wait by kStepRecordsWait; the margin only
   // guards against that thread not running.
   if (!wait->done.WaitForNotificationWithTimeout(kStepRecordsWait +
                                                  absl::Seconds(5))) {
@@ -645,31 +661,9 @@ void ParameterServerService::RunStepRecordsSender() {
     // round (kStepRecordsRetry), with the waits they hold.
     while (shard_->HasStepRecords()) {
       if (!SendStepRecords().ok()) break;
-      RunStepRecordWaits();
+      EndStepRecordWaits();
     }
-    RunStepRecordWaits();
-    // Replaced (fenced, stale): what waits here will never be confirmed,
-    // and its workers should move to the new primary now.
-    const absl::Status serves = ServesWorkers();
-    std::vector<std::function<void(absl::Status)>> overdue;
-    {
-      absl::MutexLock lock(&step_records_mu_);
-      const absl::Time now = absl::Now();
-      auto kept = std::stable_partition(
-          record_waits_.begin(), record_waits_.end(),
-          [&](const RecordWait& w) { return serves.ok() && w.give_up > now; });
-      for (auto it = kept; it != record_waits_.end(); ++it) {
-        overdue.push_back(std::move(it->then));
-      }
-      record_waits_.erase(kept, record_waits_.end());
-    }
-    for (auto& then : overdue) {
-      then(serves.ok() ? absl::UnavailableError(
-                             "the step this pull shows is not on every "
-                             "replica of the shard yet (a backup did not "
-                             "confirm it); retry")
-                       : serves);
-    }
+    EndStepRecordWaits();
   }
 }
 

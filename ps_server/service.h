@@ -232,8 +232,10 @@ class ParameterServerService final : public ParameterServerRawService,
   void NudgeStepRecords();
   // Takes the records made so far and sends them to every backup.
   absl::Status SendStepRecords();
-  // Runs what waited for records that are now on the backups.
-  void RunStepRecordWaits();
+  // Ends the waits for records: OK those now on the backups, UNAVAILABLE
+  // those past their deadline, and every one once this replica no longer
+  // serves workers.
+  void EndStepRecordWaits();
   // Returns once every record made so far is on the backups (UNAVAILABLE
   // when they do not confirm them within kStepRecordsWait).
   absl::Status AwaitStepRecords();

@@ -199,8 +199,9 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   bool moved = false;
   // A replica that follows takes its dense steps from the leader's records
   // only: a step skipped here would be a record it then takes for a repeat.
+  const bool leads = LeadsSteps();
   for (const auto& block : model.blocks) {
-    if (!LeadsSteps()) break;
+    if (!leads) break;
     absl::MutexLock block_lock(&block->mu);
     const int64_t version = block->version.load();
     if (version >= step) continue;
