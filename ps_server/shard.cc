@@ -663,6 +663,9 @@ int64_t Shard::MinVersion() const {
 int64_t Shard::StateVersion() const {
   const Model* model = model_.load(std::memory_order_acquire);
   if (model == nullptr) return 0;
+  // A model smaller than one block per shard leaves some shards nothing:
+  // they have no step (not step 0, which would read as behind the job).
+  if (model->blocks.empty() && model->sparse.empty()) return -1;
   if (!model->blocks.empty() || model->sparse.empty()) return MinVersion();
   if (options_.mode != ConsistencyMode::kSync) return -1;
   int64_t min_version = kNever;

@@ -286,7 +286,8 @@ class Shard {
   int64_t MinVersion() const;
   // The version a job's final model is compared with (CheckpointResponse):
   // MinVersion; with sparse tables only, their smallest step in sync and -1
-  // in async/ssp (tables count no versions there).
+  // in async/ssp (tables count no versions there); -1 for a shard that holds
+  // no part of the model.
   int64_t StateVersion() const;
   // Worker `worker_id` (-1: an observer) holds the job's final model at
   // `version` and says so at the end of the job. The largest is kept

@@ -43,6 +43,16 @@ launch --servers=1 --workers=1 --run_dir="$T/budget" -- --model=ctr --steps=20 \
   fail "a CTR job with --embedding_max_bytes failed: $(tail -n 20 "$T/err")"
 grep -q "memory: .*table 'field0' up to 0.0 MiB ([0-9]* rows of up to [0-9]* bytes)" "$T/budget/ps0.log" ||
   fail "no table bound in the server's log: $(grep memory: "$T/budget/ps0.log")"
+# More servers than the model has blocks (the probe's 1000 floats are one
+# block): the empty shard has no step, and the report is the job's step,
+# with no shard "behind" it (it used to say step 0 and warn of one).
+launch --servers=2 --workers=1 --run_dir="$T/empty_shard" -- --model=probe \
+  --steps=5 --log_every=0 >"$T/out" 2>"$T/err" ||
+  fail "a probe job on 2 servers failed: $(tail -n 20 "$T/err")"
+grep -q '^{"event":"job","mode":"sync","shards":2,.*"step":5,"step_max":5,.*"shards_behind":0' "$T/out" ||
+  fail "the job line of a job with an empty shard: $(grep '"event":"job"' "$T/out")"
+grep -q "ended the sync job at step 5" "$T/err" && ! grep -q "behind" "$T/err" ||
+  fail "launch.sh's report of a job with an empty shard: $(tail -n 5 "$T/err")"
 # --replicas: a bad count is one line, exit 2; two replicas per shard run
 # the job, replica 0 as the primary and replica 1 as its backup.
 rc=0

@@ -57,9 +57,12 @@ job=$(awk -v workers="$workers" -v shards="$shards" '
     return ""
   }
   {
+    # version -1: a shard with no step (it holds no part of the model, or
+    # async tables only).
     mode = field("mode"); v = field("version") + 0
-    if (NR == 1 || v < step) step = v
-    if (NR == 1 || v > top) top = v
+    if (v >= 0 && (!stepped || v < step)) step = v
+    if (v >= 0 && (!stepped || v > top)) top = v
+    if (v >= 0) stepped = 1
     if (field("steps_short") + 0 > short) short = field("steps_short") + 0
     if (field("steps_lost") + 0 > lost) lost = field("steps_lost") + 0
     updates_lost += field("updates_lost")
@@ -70,6 +73,7 @@ job=$(awk -v workers="$workers" -v shards="$shards" '
     if (field("behind") == "true") behind++
   }
   END {
+    if (!stepped) step = top = -1
     printf "{\"event\":\"job\",\"mode\":\"%s\",\"shards\":%d,\"workers\":%d,\"step\":%d,\"step_max\":%d,", mode, shards, workers, step, top
     printf "\"steps_short\":%d,\"steps_lost\":%d,\"updates_lost\":%d,\"late_gradients_dropped\":%d,", short, lost, updates_lost, late
     printf "\"shards_without_model\":%d,\"shards_behind\":%d,\"final_checkpoint\":\"%s\"}\n", unregistered, behind, checkpoint
