@@ -502,10 +502,39 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
       absl::SleepFor(absl::Milliseconds(50));
     }
   };
-  std::vector<std::thread> others;
-  for (size_t i = 1; i < targets.size(); ++i) others.emplace_back(send, i);
-  send(0);
-  for (std::thread& t : others) t.join();
+  if (method == "steps") {
+    // Step records go to the last in the succession first, and to each
+    // replica before it only once the ones after it have them: whichever
+    // takes over then holds no record the others lack (a record sent to all
+    // at once, and the primary dying between two of them, left the next
+    // primary ahead of a backup, which then took its next record for one
+    // after a gap). A replica that holds a record the new primary lacks
+    // takes the primary's own record of that step, summed from the same
+    // pushes, for a repeat.
+    for (size_t i = targets.size(); i-- > 0;) {
+      send(i);
+      const absl::Status& result = results[i];
+      const bool unconfirmed =
+          !result.ok() &&
+          (result.code() == absl::StatusCode::kUnavailable ||
+           result.code() == absl::StatusCode::kDeadlineExceeded ||
+           result.code() == absl::StatusCode::kCancelled) &&
+          !absl::StrContains(result.message(), kNewProcess);
+      if (unconfirmed && !Gone(*targets[i])) {
+        for (size_t j = 0; j < i; ++j) {
+          results[j] = absl::UnavailableError(absl::StrCat(
+              "not sent: replica ", targets[i]->index,
+              ", after it in the succession, did not confirm it first"));
+        }
+        break;
+      }
+    }
+  } else {
+    std::vector<std::thread> others;
+    for (size_t i = 1; i < targets.size(); ++i) others.emplace_back(send, i);
+    send(0);
+    for (std::thread& t : others) t.join();
+  }
 
   absl::Status failure;
   for (size_t i = 0; i < targets.size(); ++i) {

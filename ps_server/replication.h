@@ -23,6 +23,9 @@
 // every backup in the order they were made ("steps") before any pull that
 // shows the step is answered, and a backup applies each one as the primary
 // did (Shard::ApplyStepRecords); it completes no dense step by itself.
+// With R = 3 the records go to the backups one after the other, the last
+// in the succession first, so no next primary holds a record that a
+// replica after it lacks.
 // A backup so receives one sum a step instead of W pushes, and does no
 // summing: on 2 cores a sync step with --replicas=2 went from 1.21-1.44x
 // one without to 1.03-1.05x (bench/results/replication_overhead.txt).
