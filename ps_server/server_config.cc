@@ -195,6 +195,7 @@ ShardOptions ShardOptionsOf(const ServerConfig& c) {
   o.sparse_memory_bytes =
       static_cast<int64_t>(c.sparse_memory_gb * (int64_t{1} << 30));
   o.record_steps = c.replicas > 1 && o.mode == ConsistencyMode::kSync;
+  o.replicated = c.replicas > 1;
   return o;
 }
 

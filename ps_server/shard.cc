@@ -225,6 +225,18 @@ absl::Status Shard::CheckModelFits(
     const std::vector<std::unique_ptr<Optimizer>>& tensor_optimizers,
     std::string* estimate) const {
   if (absl::Status s = ValidateSchema(schema); !s.ok()) return s;
+  if (options_.replicated) {
+    for (const SparseTableSpec& table : schema.sparse()) {
+      if (table.max_bytes() > 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "table ", QuoteForStatus(table.name()), " has a budget (max_bytes ",
+            table.max_bytes(),
+            "), which replicated servers (--replicas > 1) cannot keep yet: a "
+            "backup does not see the pulls that keep rows in its primary's "
+            "table, so it would evict other rows; leave max_bytes at 0"));
+      }
+    }
+  }
   // Counted from the schema, as Partition::Create will lay it out (blocks
   // round-robin over the shards), so that nothing is allocated for a model
   // that is refused.

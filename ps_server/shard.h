@@ -131,6 +131,12 @@ struct ShardOptions {
   // (ApplyStepRecords). A backup then needs no push that the primary's
   // step record covers.
   bool record_steps = false;
+  // --replicas > 1: a table with its own budget (max_bytes) is refused at
+  // registration. A backup sees the pushes, not the pulls that also keep a
+  // row recent, so it would evict other rows than its primary (the servers'
+  // --sparse_max_rows and --sparse_memory_gb are refused at start for the
+  // same reason).
+  bool replicated = false;
 };
 
 // One block's values as of `version`, ready to send: a reference, not a

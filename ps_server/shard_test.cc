@@ -1564,6 +1564,28 @@ TEST(ShardSparseTest, TableBudgetsAreCheckedAtRegistration) {
   EXPECT_TRUE(fits.ok()) << fits.status();
 }
 
+// Replicated servers refuse a table's own budget: a backup, seeing no
+// pulls, would evict other rows than its primary.
+TEST(ShardSparseTest, ReplicatedServersRefuseATableBudget) {
+  ShardOptions options;
+  options.replicated = true;
+  auto shard = std::move(*Shard::Create(options));
+  RegisterModelRequest request = OneTableRequest(/*dim=*/16);
+  request.mutable_schema()->mutable_sparse(0)->set_max_bytes(int64_t{2} << 20);
+  absl::StatusOr<RegisterModelResponse> refused = shard->Register(request);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find(
+                "table 'emb' has a budget (max_bytes 2097152)"),
+            absl::string_view::npos)
+      << refused.status();
+  EXPECT_EQ(shard->Stats().sparse_size(), 0);  // nothing registered
+
+  request.mutable_schema()->mutable_sparse(0)->set_max_bytes(0);
+  absl::StatusOr<RegisterModelResponse> unbounded = shard->Register(request);
+  EXPECT_TRUE(unbounded.ok()) << unbounded.status();
+}
+
 // Ids counted toward admission travel too: a caught-up replica admits an id
 // at the same pull as the primary, so a push to it is applied on both (a
 // joiner that started counting afresh would drop it).
