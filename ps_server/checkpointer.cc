@@ -82,13 +82,42 @@ Checkpointer::~Checkpointer() {
 }
 
 absl::StatusOr<std::string> Checkpointer::Restore() {
+  absl::StatusOr<bool> loaded = LoadRestore();
+  if (!loaded.ok()) return loaded.status();
+  if (!*loaded) return std::string();
+  return InstallRestore();
+}
+
+absl::StatusOr<bool> Checkpointer::LoadRestore() {
   absl::StatusOr<RestoredShard> restored =
       store_.LoadForShard(shard_id_, num_shards_);
   if (absl::IsNotFound(restored.status())) {
     LOG(INFO) << restored.status().message();
-    return std::string();
+    return false;
   }
   if (!restored.ok()) return restored.status();
+  absl::MutexLock lock(&mu_);
+  next_sequence_ = restored->next_sequence;
+  loaded_ = std::move(*restored);
+  return true;
+}
+
+void Checkpointer::DiscardRestore() {
+  absl::MutexLock lock(&mu_);
+  if (!loaded_.has_value()) return;
+  LOG(INFO) << "the checkpoint read from "
+            << absl::StrJoin(loaded_->files_used, ", ")
+            << " is not installed: a running replica holds newer state";
+  loaded_.reset();
+}
+
+absl::StatusOr<std::string> Checkpointer::InstallRestore() {
+  std::optional<RestoredShard> restored;
+  {
+    absl::MutexLock lock(&mu_);
+    restored.swap(loaded_);
+  }
+  if (!restored.has_value()) return std::string();
   if (absl::Status s = shard_->Restore(*restored); !s.ok()) return s;
   int64_t min_version = INT64_MAX, max_version = 0;
   for (const BlockSnapshot& block : restored->blocks) {
@@ -115,7 +144,6 @@ absl::StatusOr<std::string> Checkpointer::Restore() {
     stats_.set_last_success_unix_s(newest_mtime_s);
   }
   absl::MutexLock lock(&mu_);
-  next_sequence_ = restored->next_sequence;
   last_version_ = min_version;
   return absl::StrCat(
       "restored ", restored->blocks.size(), " blocks at step ", min_version,

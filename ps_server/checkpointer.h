@@ -61,6 +61,16 @@ class Checkpointer {
   // if there is one (reporting files skipped as corrupt). Returns a line
   // saying what was restored, or "" when the directory has none.
   absl::StatusOr<std::string> Restore();
+  // Restore in two parts, for a replica that learns only from its peers
+  // whether its own checkpoint is the state to hold (ps_server/replication.h,
+  // "Catch-up"): LoadRestore reads the newest valid checkpoint (false: the
+  // directory has none) and installs nothing; then InstallRestore installs
+  // it (Restore's line; "" when none was read), or DiscardRestore drops it. The
+  // files' numbering goes on from the one read either way, so that the newest
+  // file is always the newest state this process held.
+  absl::StatusOr<bool> LoadRestore();
+  absl::StatusOr<std::string> InstallRestore();
+  void DiscardRestore();
 
   // Starts the periodic checkpoints.
   void Start();
@@ -110,6 +120,8 @@ class Checkpointer {
 
   absl::Mutex mu_;  // one write at a time
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  // Read by LoadRestore, not installed yet.
+  std::optional<RestoredShard> loaded_ ABSL_GUARDED_BY(mu_);
   int64_t last_version_ ABSL_GUARDED_BY(mu_) = -1;
   Clock::time_point last_time_ ABSL_GUARDED_BY(mu_);
   // The newest file written by this process, and when its write began.

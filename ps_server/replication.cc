@@ -228,17 +228,38 @@ void ReplicaSet::Start() {
   ReplicateRequest probe = Message("probe");
   std::vector<std::string> holders;
   int64_t epoch = 0;
-  for (auto& peer : peers_) {
-    absl::StatusOr<ReplicateResponse> answer =
-        Call(*peer, probe, absl::Seconds(1), /*wait_for_ready=*/false);
-    if (!answer.ok()) continue;  // not up yet, or gone
-    epoch = std::max(epoch, answer->epoch());
-    if (answer->model_registered() || answer->epoch() > 0) {
-      holders.push_back(absl::StrCat("replica ", peer->index, " (",
-                                     answer->role(), ", epoch ",
-                                     answer->epoch(), ")"));
+  // When the whole set starts again from checkpoints, the first replica
+  // installs its own and the others catch up from it, rather than each
+  // installing its own (they may hold different steps, and a primary's
+  // fast-forward to the workers' step would find them elsewhere): a replica
+  // waits while one before it is still starting, for a while.
+  const absl::Time settle_by = absl::Now() + options_.takeover_after_silence;
+  while (true) {
+    holders.clear();
+    bool ahead_starting = false;
+    for (auto& peer : peers_) {
+      absl::StatusOr<ReplicateResponse> answer =
+          Call(*peer, probe, absl::Seconds(1), /*wait_for_ready=*/false);
+      if (!answer.ok()) continue;  // not up yet, or gone
+      epoch = std::max(epoch, answer->epoch());
+      ahead_starting |= peer->index < options_.replica_index &&
+                        answer->role() == RoleName(Role::kJoining);
+      // Only a replica that serves or follows holds the running state: one
+      // still starting may hold a checkpoint at most, and one catching up
+      // or stale holds nothing to catch up from.
+      const bool running = answer->role() == RoleName(Role::kPrimary) ||
+                           answer->role() == RoleName(Role::kBackup);
+      if (running && (answer->model_registered() || answer->epoch() > 0)) {
+        holders.push_back(absl::StrCat("replica ", peer->index, " (",
+                                       answer->role(), ", epoch ",
+                                       answer->epoch(), ")"));
+      }
+      if (answer->role() == RoleName(Role::kPrimary)) primary_ = peer->index;
     }
-    if (answer->role() == RoleName(Role::kPrimary)) primary_ = peer->index;
+    if (!ahead_starting || !holders.empty() || absl::Now() >= settle_by ||
+        stop_.WaitForNotificationWithTimeout(options_.probe_interval)) {
+      break;
+    }
   }
   epoch_ = epoch;
   {
@@ -251,6 +272,7 @@ void ReplicaSet::Start() {
   const std::string self = absl::StrCat("replica ", options_.replica_index,
                                         " of shard ", options_.shard_id);
   if (!holders.empty()) {
+    if (settle_restored_) settle_restored_(/*keep=*/false);
     role_ = Role::kCatchingUp;
     catch_up_started_ = absl::Now();
     LOG(WARNING) << self << " started without the shard's state, which "
@@ -259,6 +281,11 @@ void ReplicaSet::Start() {
     watcher_ = std::thread([this] {
       if (CatchUp()) Watch();
     });
+    return;
+  }
+  if (settle_restored_ && !settle_restored_(/*keep=*/true)) {
+    role_ = Role::kStale;
+    LOG(ERROR) << self << " is stale: its checkpoint could not be installed";
     return;
   }
   if (options_.replica_index == 0) {

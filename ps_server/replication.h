@@ -269,6 +269,16 @@ class ReplicaSet {
   void set_on_takeover(std::function<void()> on_takeover) {
     on_takeover_ = std::move(on_takeover);
   }
+  // A checkpoint this process read but did not install (set before Start):
+  // Start calls `settle(true)` to install it when this replica holds its
+  // own state (the first of the set to come up), or `settle(false)` to drop
+  // it when a running replica holds the shard's state and this one catches
+  // up from it (a catch-up starts empty, and the running state is newer).
+  // settle(true) returns whether the install worked; a replica whose
+  // install failed is stale.
+  void set_settle_restored(std::function<bool(bool keep)> settle) {
+    settle_restored_ = std::move(settle);
+  }
 
   // The replica fields of StatsResponse.
   void AddStats(StatsResponse* stats) const;
@@ -325,6 +335,7 @@ class ReplicaSet {
   const ReplicaOptions options_;
   const std::function<bool()> has_model_;
   std::function<void()> on_takeover_;
+  std::function<bool(bool keep)> settle_restored_;
   std::vector<std::unique_ptr<Peer>> peers_;  // every replica but this one
 
   std::atomic<Role> role_{Role::kJoining};

@@ -180,15 +180,33 @@ class ServerRun {
       checkpointer_ = std::make_unique<Checkpointer>(
           shard_.get(), options.shard_id, options.num_shards,
           CheckpointerOptionsOf(config_));
-      absl::StatusOr<std::string> restored = checkpointer_->Restore();
-      if (!restored.ok()) {
-        LOG(ERROR) << "cannot restore from " << dir << ": "
-                   << restored.status();
-        return false;
+      if (config_.replicas > 1) {
+        // Installed once the replica set answers whether a running replica
+        // holds newer state than this file (StartReplicas).
+        absl::StatusOr<bool> loaded = checkpointer_->LoadRestore();
+        if (!loaded.ok()) {
+          LOG(ERROR) << "cannot restore from " << dir << ": "
+                     << loaded.status();
+          return false;
+        }
+        if (*loaded) {
+          LOG(INFO) << "read a checkpoint from " << dir
+                    << ": installed if no other replica of the shard is "
+                       "running, else dropped for a catch-up";
+        } else {
+          LOG(INFO) << "no checkpoint in " << dir << ": starting fresh";
+        }
+      } else {
+        absl::StatusOr<std::string> restored = checkpointer_->Restore();
+        if (!restored.ok()) {
+          LOG(ERROR) << "cannot restore from " << dir << ": "
+                     << restored.status();
+          return false;
+        }
+        LOG(INFO) << (restored->empty() ? absl::StrCat("no checkpoint in ", dir,
+                                                       ": starting fresh")
+                                        : *restored);
       }
-      LOG(INFO) << (restored->empty() ? absl::StrCat("no checkpoint in ", dir,
-                                                     ": starting fresh")
-                                      : *restored);
     }
     ServiceOptions service_options;
     service_options.drop_push_response_probability =
@@ -221,6 +239,23 @@ class ServerRun {
       replicas_ = std::make_unique<ReplicaSet>(
           replica_options, [shard] { return shard->HasModel(); });
       service_->set_replicas(replicas_.get());
+      if (checkpointer_ != nullptr) {
+        Checkpointer* checkpointer = checkpointer_.get();
+        replicas_->set_settle_restored([checkpointer](bool keep) {
+          if (!keep) {
+            checkpointer->DiscardRestore();
+            return true;
+          }
+          absl::StatusOr<std::string> restored = checkpointer->InstallRestore();
+          if (!restored.ok()) {
+            LOG(ERROR) << "cannot install the checkpoint read: "
+                       << restored.status();
+            return false;
+          }
+          if (!restored->empty()) LOG(INFO) << *restored;
+          return true;
+        });
+      }
     }
     return true;
   }

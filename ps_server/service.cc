@@ -637,6 +637,9 @@ void ParameterServerService::AfterStepRecords(
       record_waits_.push_back(
           RecordWait{made, std::min(deadline, absl::Now() + kStepRecordsWait),
                      std::move(then)});
+      // Records no push nudged for (a restored primary's skip, made by a
+      // pull or a heartbeat) go now, not at the sender's next round.
+      step_records_nudged_ = true;
       return;
     }
   }

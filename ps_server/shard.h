@@ -590,6 +590,12 @@ class Shard {
   // record).
   void RecordStepLocked(Block& block, float coefficient)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // Moves the block from its step to `step`, values untouched: the steps
+  // between are lost (counted in updates_lost) and what was summed of its
+  // step is dropped. On a restored primary (FastForwardLocked) and, from
+  // its record, on the backups (ApplyStepRecords).
+  void SkipBlockLocked(Block& block, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
   // A step sum's memory: one a sent record gave back, or new.
   std::vector<float> SpareStepSum();
   void CompleteReadyBlocks();

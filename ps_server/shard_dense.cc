@@ -207,15 +207,17 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
     if (version >= step) continue;
     lost = std::max(lost, step - version);
     moved = true;
-    updates_lost_.fetch_add(step - version);
-    SettleEarlyGradientsLocked(*block, /*add=*/false);
-    block->step_hyper_worker = std::numeric_limits<int>::max();
-    block->clip_worker = std::numeric_limits<int>::max();
-    block->awaiting_clip.store(false);
-    block->contributors = 0;
-    block->finite_contributors = 0;
-    block->lost_contributors = 0;
-    block->version.store(step);
+    SkipBlockLocked(*block, step);
+    // The backups skip with it: the next step's record is of `step`.
+    if (options_.record_steps) {
+      StepRecord record;
+      record.set_local_block(block->local);
+      record.set_step(version);
+      record.set_skip_to(step);
+      absl::MutexLock records_lock(&step_records_mu_);
+      step_records_.emplace_back(std::move(record), std::vector<float>());
+      step_records_made_.fetch_add(1, std::memory_order_acq_rel);
+    }
   }
   // Tables behind the workers' step skip to it like blocks; their rows
   // keep what the checkpoint restored.
@@ -248,6 +250,18 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   nearest_ahead_of_fresh_ = std::numeric_limits<int64_t>::max();
   recovery_horizon_ = std::max(recovery_horizon_, step);
   return moved;
+}
+
+void Shard::SkipBlockLocked(Block& block, int64_t step) {
+  updates_lost_.fetch_add(step - block.version.load());
+  SettleEarlyGradientsLocked(block, /*add=*/false);
+  block.step_hyper_worker = std::numeric_limits<int>::max();
+  block.clip_worker = std::numeric_limits<int>::max();
+  block.awaiting_clip.store(false);
+  block.contributors = 0;
+  block.finite_contributors = 0;
+  block.lost_contributors = 0;
+  block.version.store(step);
 }
 
 bool Shard::ConfirmLostStateLocked(int worker, int64_t step) {

@@ -89,6 +89,9 @@ absl::StatusOr<ReplicaStateExport> Shard::ExportReplicaState(
   *meta.mutable_schema() = model->schema;
   meta.set_job_final_version(job_final_version_.load());
   meta.set_skipped_to_step(skipped_to_step_.load());
+  meta.set_steps_lost(steps_lost_.load());
+  meta.set_gradients_lost(gradients_lost_.load());
+  meta.set_updates_lost(updates_lost_.load());
   {
     absl::MutexLock lock(&mu_);
     for (const WorkerState& w : workers_) {
@@ -217,6 +220,9 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
     }
     job_final_version_.store(meta.job_final_version());
     skipped_to_step_.store(meta.skipped_to_step());
+    steps_lost_.store(meta.steps_lost());
+    gradients_lost_.store(meta.gradients_lost());
+    updates_lost_.store(meta.updates_lost());
     absl::MutexLock state_lock(&mu_);
     if (meta.workers_size() != static_cast<int>(workers_.size())) {
       return absl::InvalidArgumentError(

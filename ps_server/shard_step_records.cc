@@ -129,7 +129,8 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
         r.lost_contributors() < 0 ||
         r.finite_contributors() > r.contributors() ||
         r.has_sum() != (r.finite_contributors() > 0) ||
-        !(r.coefficient() >= 0 && r.coefficient() <= 1)) {
+        !(r.coefficient() >= 0 && r.coefficient() <= 1) ||
+        (r.skip_to() != 0 && (r.skip_to() <= r.step() || r.has_sum()))) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": inconsistent counts or coefficient"));
     }
@@ -152,7 +153,9 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
           absl::StrCat(where, ": this replica's block is at step ", it->second,
                        "; a record before it is missing"));
     }
-    if (r.step() == it->second) ++it->second;
+    if (r.step() == it->second) {
+      it->second = r.skip_to() != 0 ? r.skip_to() : it->second + 1;
+    }
     if (r.has_sum()) {
       sum_bytes += block.location->length * static_cast<int64_t>(sizeof(float));
     }
@@ -164,6 +167,7 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
   }
 
   bool applied = false;
+  int64_t skipped_to = 0, steps_skipped = 0;
   absl::flat_hash_set<int> workers;
   const char* next_sum = sums.data();
   for (const StepRecord& r : records.records()) {
@@ -175,6 +179,13 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
     // A repeat: the state a catch-up brought, or a record sent again after
     // its answer was lost.
     if (r.step() != block.version.load()) continue;
+    if (r.skip_to() != 0) {
+      SkipBlockLocked(block, r.skip_to());
+      skipped_to = std::max(skipped_to, r.skip_to());
+      steps_skipped = std::max(steps_skipped, r.skip_to() - r.step());
+      applied = true;
+      continue;
+    }
     // What this replica summed of the step (pushes forwarded one by one)
     // gives way to what the leader applied.
     SettleEarlyGradientsLocked(block, /*add=*/false);
@@ -200,12 +211,21 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
     ApplyStepLocked(block, r.coefficient());
     applied = true;
   }
+  if (skipped_to > 0) {
+    steps_lost_.fetch_add(steps_skipped);
+    shard_internal::AtomicMax(skipped_to_step_, skipped_to);
+  }
   bool started = false;
   {
     absl::MutexLock lock(&mu_);
     // The leader's state is this shard's now: nothing of it is lost (a
     // fresh shard would take a step that workers' heartbeats show).
     fresh_ = false;
+    if (skipped_to > 0) {
+      // The leader has met the workers and taken their step.
+      recovering_ = false;
+      recovery_horizon_ = std::max(recovery_horizon_, skipped_to);
+    }
     // A worker the leader counted in a step was heard from: its lease here
     // is as fresh (its pushes that came with pulls reached the leader only).
     for (int w : workers) started |= TouchLocked(w);

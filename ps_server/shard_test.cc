@@ -1621,7 +1621,7 @@ struct LeaderAndFollower {
   std::unique_ptr<Shard> leader, follower;
 };
 
-LeaderAndFollower MakeLeaderAndFollower() {
+ShardOptions RecordingOptions() {
   ShardOptions options;
   options.mode = ConsistencyMode::kSync;
   options.num_workers = 2;
@@ -1629,6 +1629,11 @@ LeaderAndFollower MakeLeaderAndFollower() {
   options.optimizer.learning_rate = 0.1f;
   options.max_pull_wait = absl::Seconds(5);
   options.record_steps = true;
+  return options;
+}
+
+LeaderAndFollower MakeLeaderAndFollower() {
+  const ShardOptions options = RecordingOptions();
   LeaderAndFollower f;
   f.leader = std::move(*Shard::Create(options));
   f.follower = std::move(*Shard::Create(options));
@@ -1787,6 +1792,55 @@ TEST(ShardStepRecordsTest, RecordsThatDoNotFitAreRefusedWhole) {
   EXPECT_EQ(f.follower->Stats().version(), 0);
   ASSERT_TRUE(f.follower->ApplyStepRecords(sent.records, sent.sums).ok());
   ExpectSameModel(*f.leader, *f.follower, 2);
+}
+
+// A restored leader that takes the workers' step (a fast-forward) records
+// the skip: its follower, restored from the same step, skips with it, and
+// the next step's records then follow on (before, they were refused as
+// "a record before it is missing", and the follower dropped).
+TEST(ShardStepRecordsTest, ARestoredLeadersSkipIsRecordedAndFollowed) {
+  LeaderAndFollower before = MakeLeaderAndFollower();
+  for (int worker : {0, 1}) {
+    ASSERT_TRUE(DoPush(*before.leader, UniformPush(worker, 0, 1)).ok());
+  }
+  const RestoredShard checkpoint = RestoredFrom(*before.leader);
+  LeaderAndFollower f;
+  f.leader = std::move(*Shard::Create(RecordingOptions()));
+  f.follower = std::move(*Shard::Create(RecordingOptions()));
+  f.leader->set_leads_steps([] { return true; });
+  f.follower->set_leads_steps([] { return false; });
+  for (Shard* shard : {f.leader.get(), f.follower.get()}) {
+    ASSERT_TRUE(shard->Restore(checkpoint).ok());
+  }
+  // The workers were at step 4 when the set went down: steps 1-3 are lost.
+  auto pulled = DoPull(*f.leader, PullAt(0, 4), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_EQ(f.leader->Stats().steps_lost(), 3);
+  SentRecords skips = Take(*f.leader);
+  ASSERT_EQ(skips.records.records_size(), 3);  // one a block
+  EXPECT_EQ(skips.records.records(0).step(), 1);
+  EXPECT_EQ(skips.records.records(0).skip_to(), 4);
+  EXPECT_TRUE(skips.sums.empty());
+  ASSERT_TRUE(f.follower->ApplyStepRecords(skips.records, skips.sums).ok());
+  EXPECT_EQ(f.follower->Stats().version(), 4);
+  EXPECT_EQ(f.follower->Stats().steps_lost(), 3);
+  EXPECT_EQ(f.follower->Stats().updates_lost(),
+            f.leader->Stats().updates_lost());
+  // Again (an answer lost): a repeat.
+  ASSERT_TRUE(f.follower->ApplyStepRecords(skips.records, skips.sums).ok());
+  EXPECT_EQ(f.follower->Stats().steps_lost(), 3);
+  for (int worker : {0, 1}) {
+    ASSERT_TRUE(DoPush(*f.leader, UniformPush(worker, 4, 2)).ok());
+  }
+  SentRecords step = Take(*f.leader);
+  ASSERT_TRUE(f.follower->ApplyStepRecords(step.records, step.sums).ok());
+  ExpectSameModel(*f.leader, *f.follower, 5);
+
+  // A skip that goes backwards, or carries a sum, is refused.
+  StepRecords bad = skips.records;
+  bad.mutable_records(0)->set_skip_to(1);
+  EXPECT_EQ(f.follower->ApplyStepRecords(bad, "").code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // Half a sync step is not a state to send: the step must finish first.

@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -45,6 +46,9 @@ struct ReplicationCase {
   int killed_replica;
   bool restarted;
   bool survivor_killed = false;
+  // Every replica checkpoints (--checkpoint_dir): the restarted one reads
+  // its own older checkpoint, and must catch up rather than keep it.
+  bool checkpoints = false;
 };
 
 // Every process's log, for whoever reads a failure: when the scope ends, so
@@ -133,25 +137,32 @@ void ExpectAllExitZero(std::vector<std::unique_ptr<Process>>& workers) {
   }
 }
 
-// How many elements of the servers' probe model (read through the replica
-// sets, as an observer) are not `expected`: every update pushes each
-// element by exactly 1, so one lost or applied twice shows. -1 when the
-// model cannot be read.
-int64_t ProbeElementsOff(const TestCluster& cluster, float expected) {
+// The servers' probe model, read through the replica sets as an observer
+// (empty when it cannot be read).
+std::vector<float> ReadProbeModel(const TestCluster& cluster) {
   PsClientOptions client_options;
   client_options.hosts = cluster.HostList();
   absl::StatusOr<std::unique_ptr<PsClient>> observer =
       PsClient::Create(client_options);
-  if (!observer.ok()) return -1;
+  if (!observer.ok()) return {};
   auto backend = std::move(*kernels::CreateBackend("cpu"));
   ModelSchema schema;
   schema.set_seed(1);
   schema.set_block_elements(kBlock);
   *schema.add_dense() =
       (*CreateProbeModel(backend.get(), kElements))->Params()[0];
-  if (!(*observer)->Register(schema, kWorkers, -1).ok()) return -1;
+  if (!(*observer)->Register(schema, kWorkers, -1).ok()) return {};
   std::vector<float> w(kElements, NAN);
-  if (!(*observer)->Pull(0, {w.data()}).ok()) return -1;
+  if (!(*observer)->Pull(0, {w.data()}).ok()) return {};
+  return w;
+}
+
+// How many elements of the probe model are not `expected`: every update
+// pushes each element by exactly 1, so one lost or applied twice shows. -1
+// when the model cannot be read.
+int64_t ProbeElementsOff(const TestCluster& cluster, float expected) {
+  const std::vector<float> w = ReadProbeModel(cluster);
+  if (w.empty()) return -1;
   int64_t off = 0;
   for (float v : w) off += v != expected;
   return off;
@@ -161,11 +172,21 @@ class ReplicationTest : public ::testing::TestWithParam<ReplicationCase> {};
 
 TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
   const ReplicationCase& c = GetParam();
-  std::unique_ptr<TestCluster> cluster = StartProbeCluster(
+  const std::string name =
       absl::StrCat("replicated_", c.mode, "_", c.killed_replica,
                    c.restarted ? "_restarted" : "",
-                   c.survivor_killed ? "_then_survivor" : ""),
-      c.mode, kShards, /*replicas=*/2);
+                   c.survivor_killed ? "_then_survivor" : "",
+                   c.checkpoints ? "_checkpoints" : "");
+  std::vector<std::string> server_flags;
+  if (c.checkpoints) {
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    server_flags = {
+        absl::StrCat("--checkpoint_dir=", tmp != nullptr ? tmp : "/tmp", "/",
+                     name, "_checkpoints"),
+        "--checkpoint_every_steps=10"};
+  }
+  std::unique_ptr<TestCluster> cluster =
+      StartProbeCluster(name, c.mode, kShards, /*replicas=*/2, server_flags);
   ASSERT_NE(cluster, nullptr);
   LogsOnFailure logs(*cluster);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(*cluster);
@@ -180,6 +201,14 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
                       },
                       absl::Seconds(60))
                   .ok());
+  if (c.checkpoints) {
+    // The replica to kill has a checkpoint of its own to read when it
+    // comes back.
+    absl::StatusOr<StatsResponse> killed =
+        cluster->ReplicaStats(1, c.killed_replica);
+    ASSERT_TRUE(killed.ok()) << killed.status();
+    ASSERT_GT(killed->checkpoint().written(), 0);
+  }
   cluster->KillReplica(1, c.killed_replica);
   const int survivor = 1 - c.killed_replica;
   if (c.restarted) {
@@ -267,15 +296,18 @@ INSTANTIATE_TEST_SUITE_P(
                       ReplicationCase{"sync", 1, false},
                       ReplicationCase{"sync", 0, true},
                       ReplicationCase{"sync", 0, true, true},
+                      ReplicationCase{"sync", 1, true, false, true},
                       ReplicationCase{"async", 0, false},
                       ReplicationCase{"async", 1, true},
-                      ReplicationCase{"async", 0, true, true}),
+                      ReplicationCase{"async", 0, true, true},
+                      ReplicationCase{"async", 0, true, false, true}),
     [](const ::testing::TestParamInfo<ReplicationCase>& info) {
       return absl::StrCat(
           info.param.mode,
           info.param.killed_replica == 0 ? "_primary" : "_backup",
           info.param.restarted ? "_restarted" : "",
-          info.param.survivor_killed ? "_then_survivor" : "");
+          info.param.survivor_killed ? "_then_survivor" : "",
+          info.param.checkpoints ? "_checkpoints" : "");
     });
 
 // Three replicas, the primary and then the one that replaced it killed in
@@ -313,6 +345,57 @@ TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
   EXPECT_EQ(last->updates_lost(), 0);
   // Every step's update is there once: the probe's elements are exact.
   EXPECT_EQ(ProbeElementsOff(cluster, -kSteps), 0);
+}
+
+// Both replicas of a sync shard killed, and started again from their
+// checkpoints while the workers wait at a later step: the first installs its
+// checkpoint, the other catches up from it rather than keeping its own, and
+// the primary's skip to the workers' step reaches the backup as a record.
+// The backup stays in the set and holds the primary's model exactly (read
+// through it after the primary is killed at the end); the steps since the
+// checkpoint are lost and counted alike on both (the skip's record, or the
+// catch-up's state, carries the count).
+TEST(ReplicationTest, AWholeSetRestartedFromCheckpointsKeepsItsBackup) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::unique_ptr<TestCluster> started = StartProbeCluster(
+      "whole_set_restarted", "sync", kShards, /*replicas=*/2,
+      {absl::StrCat("--checkpoint_dir=", tmp != nullptr ? tmp : "/tmp",
+                    "/whole_set_restarted_checkpoints"),
+       "--checkpoint_every_steps=50"});
+  ASSERT_NE(started, nullptr);
+  TestCluster& cluster = *started;
+  LogsOnFailure logs(cluster);
+  std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(cluster);
+  ASSERT_EQ(workers.size(), kWorkers);
+  // Past the checkpoint of step 50, before the one of step 100.
+  ASSERT_TRUE(cluster
+                  .WaitForStats(
+                      [](const StatsResponse& s) { return s.version() >= 75; },
+                      absl::Seconds(60))
+                  .ok());
+  cluster.KillReplica(1, 0);
+  cluster.KillReplica(1, 1);
+  ASSERT_TRUE(cluster.RestartReplica(1, 0).ok());
+  ASSERT_TRUE(cluster.RestartReplica(1, 1).ok());
+  ASSERT_TRUE(WaitForRole(cluster, 1, 1, "backup"));
+  ExpectAllExitZero(workers);
+
+  absl::StatusOr<StatsResponse> primary = cluster.ReplicaStats(1, 0);
+  absl::StatusOr<StatsResponse> backup = cluster.ReplicaStats(1, 1);
+  ASSERT_TRUE(primary.ok() && backup.ok());
+  EXPECT_EQ(primary->replica_role(), "primary");
+  // It came in by a catch-up, not by keeping its own checkpoint.
+  EXPECT_EQ(primary->replica_catchups(), 1);
+  EXPECT_EQ(backup->replica_role(), "backup");
+  EXPECT_EQ(backup->version(), primary->version());
+  EXPECT_GT(primary->steps_lost(), 0);
+  EXPECT_EQ(backup->steps_lost(), primary->steps_lost());
+  EXPECT_EQ(backup->updates_lost(), primary->updates_lost());
+  const std::vector<float> before = ReadProbeModel(cluster);
+  ASSERT_FALSE(before.empty());
+  cluster.KillReplica(1, 0);
+  ASSERT_TRUE(WaitForRole(cluster, 1, 1, "primary"));
+  EXPECT_EQ(ReadProbeModel(cluster), before);
 }
 
 // A sync job on 2 shards x 2 replicas whose shard 1 loses its primary
