@@ -33,8 +33,14 @@
 # pause: worker 0's longest gap between two completed steps (its
 # --metrics_csv), which holds the time from the kill to the next step.
 #
+# --checkpoint_every_steps=N (default 0: none) gives every server a
+# checkpoint directory of its own written every N steps, so that kills land
+# while a checkpoint is written, and a replica started again reads its own
+# older checkpoint (it must catch up from the running replica, not keep it).
+#
 #   bench/replication_trials.sh [--trials=40] [--models=probe,ctr]
-#       [--replicas=2|3] [--trial_timeout_s=60] [--seed=N] [--record] [--keep]
+#       [--replicas=2|3] [--checkpoint_every_steps=N] [--trial_timeout_s=60]
+#       [--seed=N] [--record] [--keep]
 #
 # Prints a line per trial and a summary; --record appends them (command,
 # machine, date) to bench/results/replication_trials.txt. Exit status: 0
@@ -43,13 +49,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-trials=40 models=probe replicas=2 trial_timeout_s=60 seed=$$ record=0 keep=0
+trials=40 models=probe replicas=2 checkpoint_every_steps=0 trial_timeout_s=60 seed=$$ record=0 keep=0
 args="$*"
 for arg in "$@"; do
   case "$arg" in
     --trials=*) trials=${arg#*=} ;;
     --models=*) models=${arg#*=} ;;
     --replicas=*) replicas=${arg#*=} ;;
+    --checkpoint_every_steps=*) checkpoint_every_steps=${arg#*=} ;;
     --trial_timeout_s=*) trial_timeout_s=${arg#*=} ;;
     --seed=*) seed=${arg#*=} ;;
     --record) record=1 ;;
@@ -58,7 +65,7 @@ for arg in "$@"; do
     *) echo "replication_trials.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
-for v in trials trial_timeout_s seed; do
+for v in trials trial_timeout_s seed checkpoint_every_steps; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "replication_trials.sh: --$v must be a non-negative integer, got '${!v}'" >&2; exit 2; }
 done
 [[ $replicas == 2 || $replicas == 3 ]] ||
@@ -110,8 +117,12 @@ trial() {
   done
   # start_server I [NAME]: server I (replica I % R of shard I / R).
   start_server() {
-    local i=$1 name=${2:-ps$1} shard=$(($1 / R))
-    "$server_bin" --host=127.0.0.1 --port="${ports[i]}" --shard_id=$shard --num_shards=2 \
+    local i=$1 name=${2:-ps$1} shard=$(($1 / R)) checkpoints=()
+    if ((checkpoint_every_steps > 0)); then
+      # One directory per server process, kept across its restart.
+      checkpoints=(--checkpoint_dir="$dir/checkpoints-$i" --checkpoint_every_steps="$checkpoint_every_steps")
+    fi
+    "$server_bin" "${checkpoints[@]}" --host=127.0.0.1 --port="${ports[i]}" --shard_id=$shard --num_shards=2 \
       --num_workers=2 --mode="$mode" --optimizer=sgd --learning_rate=1 --worker_lease_s=5 \
       --replicas=$R --replica_index=$((i % R)) --replica_hosts="${sets[shard]}" \
       >"$dir/$name.out" 2>"$dir/$name.log" &
