@@ -34,8 +34,9 @@ is checkpointed) and exits 0.
 Options:
   --servers=S      number of ps_server shards (default 2)
   --replicas=R     server processes per shard (default 1): each shard's
-                   primary forwards every change to its R-1 backups before
-                   answering, and a backup takes over when it dies (see
+                   primary has every change (in sync mode, each step's
+                   record) on its R-1 backups before answering, and a
+                   backup takes over when it dies (see
                    README.md, "Replicated shards"). All of them run on this
                    machine, so the replicas share its fate: this is for
                    trying failover, not for surviving a host.
@@ -798,12 +799,20 @@ wait_for_workers() {
         # Its shard goes on on its other replicas (a backup takes over);
         # started again, it catches up from the primary.
         local restarts=${RESTARTS[$i]:-0} what="ps_server $i (shard $((i / REPLICAS)), replica $((i % REPLICAS)))"
+        local j others=0 fate="its shard goes on on its other replicas" back="it catches up from the primary"
+        for ((j = i / REPLICAS * REPLICAS; j < (i / REPLICAS + 1) * REPLICAS; j++)); do
+          ((j != i)) && alive "${SERVER_PIDS[j]}" && others=$((others + 1))
+        done
+        if ((others == 0)); then
+          fate="no other replica of its shard is up: the job waits for one to come back"
+          back="it restores its checkpoint (--server.checkpoint_dir), if it has one, or catches up from a replica that came back first"
+        fi
         if ((restarts < REPLICA_RESTARTS)); then
           RESTARTS[$i]=$((restarts + 1))
-          info "$what died during training: exited with $(describe_rc "$REAPED_RC"); its shard goes on on its other replicas; starting it again (restart $((restarts + 1)) of $REPLICA_RESTARTS): it catches up from the primary"
+          info "$what died during training: exited with $(describe_rc "$REAPED_RC"); $fate; starting it again (restart $((restarts + 1)) of $REPLICA_RESTARTS): $back"
           start_server "$i"
         else
-          info "$what died during training: exited with $(describe_rc "$REAPED_RC"); its shard goes on on its other replicas (not restarted: --replica_restarts=$REPLICA_RESTARTS used)"
+          info "$what died during training: exited with $(describe_rc "$REAPED_RC"); $fate (not restarted: --replica_restarts=$REPLICA_RESTARTS used)"
         fi
         continue
       fi
