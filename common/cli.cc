@@ -182,6 +182,12 @@ void CatchTerminationSignals() {
   PCHECK(sigaction(SIGTERM, &action, nullptr) == 0);
 }
 
+void EndTerminationWait(int reason) {
+  CHECK(reason > 64 && reason <= 255) << reason;
+  CHECK_GE(termination_pipe[1], 0) << "CatchTerminationSignals first";
+  OnTerminationSignal(reason);
+}
+
 int WaitForTerminationSignal() {
   CHECK_GE(termination_pipe[0], 0) << "CatchTerminationSignals first";
   unsigned char byte = 0;

@@ -58,6 +58,11 @@ absl::Status WriteFileAtomically(const std::string& path,
 // cannot cover them, so a signal landing there would kill the process.
 void CatchTerminationSignals();
 int WaitForTerminationSignal();
+// Makes WaitForTerminationSignal return `reason` as if a signal of that
+// number had been caught, from any thread: a process that must end for a
+// reason of its own ends the way a SIGTERM ends it. Use a `reason` no
+// signal has (above 64, at most 255).
+void EndTerminationWait(int reason);
 
 }  // namespace pstrain
 

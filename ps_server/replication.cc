@@ -284,8 +284,7 @@ void ReplicaSet::Start() {
     return;
   }
   if (settle_restored_ && !settle_restored_(/*keep=*/true)) {
-    role_ = Role::kStale;
-    LOG(ERROR) << self << " is stale: its checkpoint could not be installed";
+    StepDown("its checkpoint could not be installed");
     return;
   }
   if (options_.replica_index == 0) {
@@ -436,6 +435,7 @@ void ReplicaSet::StepDown(const std::string& why) {
   role_ = Role::kStale;
   LOG(ERROR) << "replica " << options_.replica_index << " of shard "
              << options_.shard_id << " steps down (stale): " << why;
+  if (on_stale_) on_stale_();
 }
 
 absl::Status ReplicaSet::ServesWorkers() const {
@@ -639,10 +639,8 @@ absl::Status ReplicaSet::AdmitForward(const ReplicateRequest& request) {
     // Replaced while it served: what it applied since may not be anywhere
     // else.
     epoch_ = request.epoch();
-    role_ = Role::kStale;
-    LOG(ERROR) << self << " steps down (stale): replica "
-               << request.from_replica() << " is primary at epoch "
-               << request.epoch();
+    StepDown(absl::StrCat("replica ", request.from_replica(),
+                          " is primary at epoch ", request.epoch()));
     return absl::FailedPreconditionError(
         absl::StrCat(kStale, self, " was primary at a lower epoch"));
   }

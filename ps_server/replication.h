@@ -54,11 +54,12 @@
 // forward carries the sender's epoch, and a replica refuses one from a lower
 // epoch: a primary that was cut off and replaced can no longer get a forward
 // acknowledged, so it acknowledges nothing to workers, and steps down
-// (stale) when it hears of the higher epoch. A primary drops a backup from
-// its set only when the backup's port refuses connections (its process is
-// gone, so it cannot have taken over) or the backup says it is stale; a
-// backup that is merely silent holds the primary's answers (the job waits,
-// nothing diverges) until it answers or its process is gone.
+// (stale) when it hears of the higher epoch. A stale replica's server
+// exits (status 75, set_on_stale) so that a restart catches it up. A primary
+// drops a backup from its set only when the backup's port refuses connections
+// (its process is gone, so it cannot have taken over) or the backup says it is
+// stale; a backup that is merely silent holds the primary's answers (the job
+// waits, nothing diverges) until it answers or its process is gone.
 //
 // Catch-up. A replica process that starts while another replica of its
 // shard holds the model (a restarted one, or a replacement) asks the
@@ -279,6 +280,13 @@ class ReplicaSet {
   void set_settle_restored(std::function<bool(bool keep)> settle) {
     settle_restored_ = std::move(settle);
   }
+  // Runs once this replica is stale (set before Start): deposed, dropped
+  // for disagreeing, or its catch-up or checkpoint failed. Its state is of
+  // no use any more; a new process catches up (the server exits so that
+  // its supervisor starts one).
+  void set_on_stale(std::function<void()> on_stale) {
+    on_stale_ = std::move(on_stale);
+  }
 
   // The replica fields of StatsResponse.
   void AddStats(StatsResponse* stats) const;
@@ -336,6 +344,7 @@ class ReplicaSet {
   const std::function<bool()> has_model_;
   std::function<void()> on_takeover_;
   std::function<bool(bool keep)> settle_restored_;
+  std::function<void()> on_stale_;
   std::vector<std::unique_ptr<Peer>> peers_;  // every replica but this one
 
   std::atomic<Role> role_{Role::kJoining};

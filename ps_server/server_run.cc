@@ -158,11 +158,27 @@ class ServerRun {
       StopDataPlane();
       return 1;
     }
-    const int signal_number = WaitForTerminationSignal();
-    LOG(INFO) << "signal " << signal_number << ": shutting down";
-    Stop();
+    const int reason = WaitForTerminationSignal();
+    if (reason == kReplicaStale) {
+      // Its state may hold what no other replica has, or lack what they
+      // have: no final checkpoint of it.
+      LOG(ERROR) << "this replica is stale: it exits with status "
+                 << kStaleExitStatus
+                 << " so that a restart (launch.sh --replica_restarts, a "
+                    "Kubernetes pod restart, by hand) catches it up from "
+                    "the primary";
+      Stop(/*final_checkpoint=*/false);
+      return kStaleExitStatus;
+    }
+    LOG(INFO) << "signal " << reason << ": shutting down";
+    Stop(/*final_checkpoint=*/true);
     return 0;
   }
+
+  // WaitForTerminationSignal's reason when this replica became stale.
+  static constexpr int kReplicaStale = 200;
+  // EX_TEMPFAIL: started again, the process will do.
+  static constexpr int kStaleExitStatus = 75;
 
  private:
   bool tls() const { return !config_.tls.cert.empty(); }
@@ -238,6 +254,7 @@ class ServerRun {
       Shard* shard = shard_.get();
       replicas_ = std::make_unique<ReplicaSet>(
           replica_options, [shard] { return shard->HasModel(); });
+      replicas_->set_on_stale([] { EndTerminationWait(kReplicaStale); });
       service_->set_replicas(replicas_.get());
       if (checkpointer_ != nullptr) {
         Checkpointer* checkpointer = checkpointer_.get();
@@ -464,7 +481,7 @@ class ServerRun {
     if (data_plane_ != nullptr) data_plane_->Shutdown();
   }
 
-  void Stop() {
+  void Stop(bool final_checkpoint) {
     SetServing(false);  // probes and balancers stop sending work first
     if (replicas_ != nullptr) replicas_->Stop();
     shard_->BeginShutdown();
@@ -475,12 +492,12 @@ class ServerRun {
                           config_.network.shutdown_grace_s * 1000)));
     if (health_server_ != nullptr) health_server_->Shutdown();
     // Whether the state this shard ends with is on disk.
-    const char* final_checkpoint = "none";
-    if (checkpointer_ != nullptr) {
-      final_checkpoint = "written";
+    const char* checkpointed = "none";
+    if (checkpointer_ != nullptr && final_checkpoint) {
+      checkpointed = "written";
       if (absl::Status s = checkpointer_->Stop(); !s.ok()) {
         LOG(ERROR) << "final checkpoint failed: " << s;
-        final_checkpoint = "failed";
+        checkpointed = "failed";
       }
     }
     const StatsResponse stats = service_->CurrentStats();
@@ -489,7 +506,7 @@ class ServerRun {
     // the shard ends with, on stdout, one line.
     std::cout << ShardFinalJson(stats, shard_->StateVersion(),
                                 shard_->SkippedToStep(),
-                                shard_->FinalModelRebuilt(), final_checkpoint)
+                                shard_->FinalModelRebuilt(), checkpointed)
               << std::endl;
   }
 

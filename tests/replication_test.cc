@@ -544,7 +544,8 @@ TEST(ReplicationFencingTest, AFrozenPrimaryIsReplacedAndFencedWhenItWakes) {
   EXPECT_EQ(ProbeElementsOff(cluster, -kSteps), 0);
 
   // A request that changes the shard, sent to the old primary, is not
-  // acknowledged: its forward is fenced, and it steps down.
+  // acknowledged (its forward is fenced, or it is gone already), and it
+  // steps down: stale, it exits 75 so that a restart catches it up.
   auto stub = ParameterServer::NewStub(grpc::CreateChannel(
       cluster.HostList()[0].substr(0, cluster.HostList()[0].find('|')),
       grpc::InsecureChannelCredentials()));
@@ -557,9 +558,17 @@ TEST(ReplicationFencingTest, AFrozenPrimaryIsReplacedAndFencedWhenItWakes) {
   const grpc::Status status = stub->Heartbeat(&context, heartbeat, &answer);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << status.error_message();
-  absl::StatusOr<StatsResponse> old = cluster.ReplicaStats(0, 0);
-  ASSERT_TRUE(old.ok()) << old.status();
-  EXPECT_EQ(old->replica_role(), "stale");
+  absl::StatusOr<int> code = cluster.replica(0, 0).Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 75);
+  EXPECT_NE(cluster.replica(0, 0).Stderr().find("steps down (stale)"),
+            std::string::npos);
+  // Started again, it catches up from the new primary and is its backup.
+  ASSERT_TRUE(cluster.RestartReplica(0, 0).ok());
+  ASSERT_TRUE(WaitForRole(cluster, 0, 0, "backup"));
+  absl::StatusOr<StatsResponse> back = cluster.ReplicaStats(0, 0);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->version(), kSteps);
 }
 
 // Flags a replica set cannot start with: one line, exit 2.

@@ -194,6 +194,8 @@ describe_rc() {
     local name
     name=$(kill -l "$((rc - 128))" 2>/dev/null || echo '?')
     printf 'signal %d (SIG%s)' "$((rc - 128))" "$name"
+  elif ((rc == 75)); then
+    printf 'status 75 (a stale replica: it ended so that a restart catches it up)'
   else
     printf 'status %d' "$rc"
   fi
