@@ -184,6 +184,11 @@ absl::StatusOr<std::string> Checkpointer::Attempt(
         last_state_version_ == state_version))) {
     return last_path_;
   }
+  if (holds_state_ && !holds_state_()) {
+    *no_model = true;
+    return absl::FailedPreconditionError(
+        "this replica holds no state to save now (catching up, or stale)");
+  }
   const Clock::time_point start = Clock::now();
   const int64_t version = shard_->MinVersion();
   absl::StatusOr<ShardSnapshot> snapshot = shard_->Snapshot(next_sequence_);

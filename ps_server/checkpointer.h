@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <thread>
@@ -72,6 +73,13 @@ class Checkpointer {
   absl::StatusOr<std::string> InstallRestore();
   void DiscardRestore();
 
+  // Whether the shard's state is one to save now (set before Start; unset:
+  // always). A replica's is not while it catches up (half its state is in)
+  // or once it is stale: a checkpoint then skips, as before a model.
+  void set_holds_state(std::function<bool()> holds_state) {
+    holds_state_ = std::move(holds_state);
+  }
+
   // Starts the periodic checkpoints.
   void Start();
   // Stops them and writes a last checkpoint (if a model is registered).
@@ -114,6 +122,7 @@ class Checkpointer {
   absl::Duration BackoffCap() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(stats_mu_);
 
   Shard* shard_;
+  std::function<bool()> holds_state_;
   const int shard_id_, num_shards_;
   const CheckpointerOptions options_;
   CheckpointStore store_;

@@ -232,31 +232,43 @@ void ReplicaSet::Start() {
   // installs its own and the others catch up from it, rather than each
   // installing its own (they may hold different steps, and a primary's
   // fast-forward to the workers' step would find them elsewhere): a replica
-  // waits while one before it is still starting, for a while.
-  const absl::Time settle_by = absl::Now() + options_.takeover_after_silence;
+  // waits while one before it is still starting (it answers "joining",
+  // reading or installing its checkpoint: up to startup_wait) or not up yet
+  // (up to takeover_after_silence, as the watcher would wait for it).
+  const absl::Time started = absl::Now();
   while (true) {
     holders.clear();
-    bool ahead_starting = false;
+    bool wait = false;
+    const absl::Duration waited = absl::Now() - started;
     for (auto& peer : peers_) {
+      const bool before = peer->index < options_.replica_index;
       absl::StatusOr<ReplicateResponse> answer =
           Call(*peer, probe, absl::Seconds(1), /*wait_for_ready=*/false);
-      if (!answer.ok()) continue;  // not up yet, or gone
+      if (!answer.ok()) {  // not up yet, or gone
+        wait |= before && waited < options_.takeover_after_silence;
+        continue;
+      }
       epoch = std::max(epoch, answer->epoch());
-      ahead_starting |= peer->index < options_.replica_index &&
-                        answer->role() == RoleName(Role::kJoining);
+      wait |= before && answer->role() == RoleName(Role::kJoining) &&
+              waited < options_.startup_wait;
       // Only a replica that serves or follows holds the running state: one
       // still starting may hold a checkpoint at most, and one catching up
-      // or stale holds nothing to catch up from.
+      // or stale holds nothing to catch up from. A primary without a model
+      // holds the job's state too when this replica read a checkpoint: the
+      // job goes on from the primary (its workers register there), and a
+      // backup with other values would diverge from it.
       const bool running = answer->role() == RoleName(Role::kPrimary) ||
                            answer->role() == RoleName(Role::kBackup);
-      if (running && (answer->model_registered() || answer->epoch() > 0)) {
+      if (running &&
+          (answer->model_registered() || answer->epoch() > 0 ||
+           (read_checkpoint_ && answer->role() == RoleName(Role::kPrimary)))) {
         holders.push_back(absl::StrCat("replica ", peer->index, " (",
                                        answer->role(), ", epoch ",
                                        answer->epoch(), ")"));
       }
       if (answer->role() == RoleName(Role::kPrimary)) primary_ = peer->index;
     }
-    if (!ahead_starting || !holders.empty() || absl::Now() >= settle_by ||
+    if (!wait || !holders.empty() ||
         stop_.WaitForNotificationWithTimeout(options_.probe_interval)) {
       break;
     }
@@ -284,7 +296,10 @@ void ReplicaSet::Start() {
     return;
   }
   if (settle_restored_ && !settle_restored_(/*keep=*/true)) {
-    StepDown("its checkpoint could not be installed");
+    // Not stale in the sense of set_on_stale: a restart would fail alike.
+    role_ = Role::kStale;
+    LOG(ERROR) << self << " serves no one: its checkpoint could not be "
+               << "installed";
     return;
   }
   if (options_.replica_index == 0) {

@@ -276,8 +276,9 @@ class ReplicaSet {
   // it when a running replica holds the shard's state and this one catches
   // up from it (a catch-up starts empty, and the running state is newer).
   // settle(true) returns whether the install worked; a replica whose
-  // install failed is stale.
+  // install failed is stale (and the server exits 1: settle says so).
   void set_settle_restored(std::function<bool(bool keep)> settle) {
+    read_checkpoint_ = true;
     settle_restored_ = std::move(settle);
   }
   // Runs once this replica is stale (set before Start): deposed, dropped
@@ -291,6 +292,12 @@ class ReplicaSet {
   // The replica fields of StatsResponse.
   void AddStats(StatsResponse* stats) const;
   bool is_primary() const { return role_.load() == Role::kPrimary; }
+  // Whether this replica holds the shard's running state: it serves or
+  // follows (not starting, catching up or stale).
+  bool holds_state() const {
+    const Role role = role_.load();
+    return role == Role::kPrimary || role == Role::kBackup;
+  }
 
  private:
   struct Peer {
@@ -344,6 +351,8 @@ class ReplicaSet {
   const std::function<bool()> has_model_;
   std::function<void()> on_takeover_;
   std::function<bool(bool keep)> settle_restored_;
+  // This process read a checkpoint to settle (set_settle_restored).
+  bool read_checkpoint_ = false;
   std::function<void()> on_stale_;
   std::vector<std::unique_ptr<Peer>> peers_;  // every replica but this one
 

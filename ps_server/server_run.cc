@@ -159,6 +159,10 @@ class ServerRun {
       return 1;
     }
     const int reason = WaitForTerminationSignal();
+    if (reason == kRestoreFailed) {
+      Stop(/*final_checkpoint=*/false);
+      return 1;
+    }
     if (reason == kReplicaStale) {
       // Its state may hold what no other replica has, or lack what they
       // have: no final checkpoint of it.
@@ -177,6 +181,8 @@ class ServerRun {
 
   // WaitForTerminationSignal's reason when this replica became stale.
   static constexpr int kReplicaStale = 200;
+  // ... when its checkpoint, read at start, could not be installed.
+  static constexpr int kRestoreFailed = 201;
   // EX_TEMPFAIL: started again, the process will do.
   static constexpr int kStaleExitStatus = 75;
 
@@ -189,6 +195,7 @@ class ServerRun {
     ExitOnFlagErrors({shard.status()});
     shard_ = std::move(*shard);
     const std::string dir = CheckpointerOptionsOf(config_).dir;
+    bool checkpoint_read = false;
     if (!dir.empty()) {
       // A directory that cannot take a checkpoint ends the server now (exit
       // 2), not after a job's worth of failed checkpoints.
@@ -205,6 +212,7 @@ class ServerRun {
                      << loaded.status();
           return false;
         }
+        checkpoint_read = *loaded;
         if (*loaded) {
           LOG(INFO) << "read a checkpoint from " << dir
                     << ": installed if no other replica of the shard is "
@@ -257,6 +265,11 @@ class ServerRun {
       replicas_->set_on_stale([] { EndTerminationWait(kReplicaStale); });
       service_->set_replicas(replicas_.get());
       if (checkpointer_ != nullptr) {
+        ReplicaSet* replicas = replicas_.get();
+        checkpointer_->set_holds_state(
+            [replicas] { return replicas->holds_state(); });
+      }
+      if (checkpoint_read) {
         Checkpointer* checkpointer = checkpointer_.get();
         replicas_->set_settle_restored([checkpointer](bool keep) {
           if (!keep) {
@@ -265,11 +278,13 @@ class ServerRun {
           }
           absl::StatusOr<std::string> restored = checkpointer->InstallRestore();
           if (!restored.ok()) {
+            // As a server with one replica: a restart would fail alike.
             LOG(ERROR) << "cannot install the checkpoint read: "
                        << restored.status();
+            EndTerminationWait(kRestoreFailed);
             return false;
           }
-          if (!restored->empty()) LOG(INFO) << *restored;
+          LOG(INFO) << *restored;
           return true;
         });
       }

@@ -596,6 +596,13 @@ class Shard {
   // its record, on the backups (ApplyStepRecords).
   void SkipBlockLocked(Block& block, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // Counts a skip to `step` that lost `lost` steps (the most any block or
+  // table skipped) in steps_lost. One skip may come in parts on a backup
+  // (its tables by its own fast-forward, its blocks by the primary's
+  // records, in one message or several): each part counts only what the
+  // parts before it of the same skip did not.
+  void CountSkipLocked(int64_t step, int64_t lost)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A step sum's memory: one a sent record gave back, or new.
   std::vector<float> SpareStepSum();
   void CompleteReadyBlocks();
@@ -775,6 +782,9 @@ class Shard {
   // The furthest step FastForwardLocked moved this shard to: its state
   // lacks the updates up to it.
   std::atomic<int64_t> skipped_to_step_{0};
+  // CountSkipLocked: the skip counted last, and what it counted.
+  int64_t skip_counted_to_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t skip_counted_lost_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<bool> final_model_rebuilt_{false};
   // Set by BeginShutdown: Push holds nothing any more (MayHold).
   std::atomic<bool> holds_released_{false};

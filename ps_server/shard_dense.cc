@@ -234,8 +234,7 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
     state->contributors = 0;
     state->version.store(step);
   }
-  steps_lost_.fetch_add(lost);
-  if (moved) AtomicMax(skipped_to_step_, step);
+  if (moved) CountSkipLocked(step, lost);
   if (lost > 0) {
     LOG(WARNING) << "the workers are at step " << step
                  << ": this shard takes it, " << lost
@@ -250,6 +249,18 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
   nearest_ahead_of_fresh_ = std::numeric_limits<int64_t>::max();
   recovery_horizon_ = std::max(recovery_horizon_, step);
   return moved;
+}
+
+void Shard::CountSkipLocked(int64_t step, int64_t lost) {
+  if (step != skip_counted_to_) {
+    skip_counted_to_ = step;
+    skip_counted_lost_ = 0;
+  }
+  if (lost > skip_counted_lost_) {
+    steps_lost_.fetch_add(lost - skip_counted_lost_);
+    skip_counted_lost_ = lost;
+  }
+  AtomicMax(skipped_to_step_, step);
 }
 
 void Shard::SkipBlockLocked(Block& block, int64_t step) {

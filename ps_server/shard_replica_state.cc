@@ -30,6 +30,14 @@ absl::string_view FloatBytes(absl::Span<const float> values) {
 bool Shard::QuietForTransfer() const {
   const Model* model = model_.load(std::memory_order_acquire);
   if (model == nullptr) return true;
+  {
+    // A sync shard not yet met by its workers (restored, or started with
+    // nothing) may skip to their step at any request, a pull too, which
+    // the change gate does not hold: a skip while the state is on its way
+    // would miss the joiner. The workers' first request ends it.
+    absl::MutexLock lock(&mu_);
+    if (recovering_ || fresh_) return false;
+  }
   for (const auto& block : model->blocks) {
     if (block->awaiting_clip.load()) return false;
     absl::MutexLock lock(&block->mu);

@@ -211,21 +211,13 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
     ApplyStepLocked(block, r.coefficient());
     applied = true;
   }
-  if (skipped_to > 0) {
-    steps_lost_.fetch_add(steps_skipped);
-    shard_internal::AtomicMax(skipped_to_step_, skipped_to);
-  }
   bool started = false;
   {
     absl::MutexLock lock(&mu_);
+    if (skipped_to > 0) CountSkipLocked(skipped_to, steps_skipped);
     // The leader's state is this shard's now: nothing of it is lost (a
     // fresh shard would take a step that workers' heartbeats show).
     fresh_ = false;
-    if (skipped_to > 0) {
-      // The leader has met the workers and taken their step.
-      recovering_ = false;
-      recovery_horizon_ = std::max(recovery_horizon_, skipped_to);
-    }
     // A worker the leader counted in a step was heard from: its lease here
     // is as fresh (its pushes that came with pulls reached the leader only).
     for (int w : workers) started |= TouchLocked(w);

@@ -1843,10 +1843,12 @@ TEST(ShardStepRecordsTest, ARestoredLeadersSkipIsRecordedAndFollowed) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// Half a sync step is not a state to send: the step must finish first.
+// Half a sync step is not a state to send: the step must finish first. Nor
+// is the state of a shard its workers have not met yet: it may skip to
+// their step at any request, a pull too.
 TEST(ShardReplicaStateTest, APartStepIsNotQuiet) {
   Fixture f = MakeSparseShard(ConsistencyMode::kSync, 2);
-  EXPECT_TRUE(f.shard->QuietForTransfer());
+  EXPECT_FALSE(f.shard->QuietForTransfer());  // not met yet
   ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());  // held early
   EXPECT_FALSE(f.shard->QuietForTransfer());
   ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());
@@ -1855,6 +1857,14 @@ TEST(ShardReplicaStateTest, APartStepIsNotQuiet) {
   EXPECT_FALSE(f.shard->QuietForTransfer());
   ASSERT_TRUE(f.shard->SparsePush(SparsePushOf(1, 0, {7}, {1, 1})).ok());
   EXPECT_TRUE(f.shard->QuietForTransfer());
+
+  // Restored: quiet once a worker's pull has taken it to the job's step.
+  auto restored = std::move(*Shard::Create(f.options));
+  ASSERT_TRUE(restored->Restore(RestoredFrom(*f.shard)).ok());
+  EXPECT_FALSE(restored->QuietForTransfer());
+  auto pulled = DoPull(*restored, PullAt(0, 4), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_TRUE(restored->QuietForTransfer());
 }
 
 // A table restored behind the workers (here from a checkpoint without sparse

@@ -347,36 +347,39 @@ TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
   EXPECT_EQ(ProbeElementsOff(cluster, -kSteps), 0);
 }
 
-// Both replicas of a sync shard killed, and started again from their
-// checkpoints while the workers wait at a later step: the first installs its
-// checkpoint, the other catches up from it rather than keeping its own, and
-// the primary's skip to the workers' step reaches the backup as a record.
-// The backup stays in the set and holds the primary's model exactly (read
-// through it after the primary is killed at the end); the steps since the
-// checkpoint are lost and counted alike on both (the skip's record, or the
-// catch-up's state, carries the count).
+// Both replicas of a sync shard killed while the workers are stopped at a
+// step past the last checkpoint, and started again together from their
+// checkpoints, replica 1 first: it waits for replica 0, which installs its
+// checkpoint, and catches up from it rather than keeping its own (once the
+// workers come back and the primary has taken their step: a state that may
+// still skip is not sent). The backup stays in the set and holds the
+// primary's model exactly (read through it after the primary is killed at
+// the end); the steps since the checkpoint are lost and counted alike on
+// both.
 TEST(ReplicationTest, AWholeSetRestartedFromCheckpointsKeepsItsBackup) {
   const char* tmp = std::getenv("TEST_TMPDIR");
   std::unique_ptr<TestCluster> started = StartProbeCluster(
       "whole_set_restarted", "sync", kShards, /*replicas=*/2,
       {absl::StrCat("--checkpoint_dir=", tmp != nullptr ? tmp : "/tmp",
                     "/whole_set_restarted_checkpoints"),
-       "--checkpoint_every_steps=50"});
+       "--checkpoint_every_steps=100"});
   ASSERT_NE(started, nullptr);
   TestCluster& cluster = *started;
   LogsOnFailure logs(cluster);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(cluster);
   ASSERT_EQ(workers.size(), kWorkers);
-  // Past the checkpoint of step 50, before the one of step 100.
+  // Past the checkpoint of step 100, well before the one of step 200 (the
+  // workers take 5 ms a step).
   ASSERT_TRUE(cluster
                   .WaitForStats(
-                      [](const StatsResponse& s) { return s.version() >= 75; },
+                      [](const StatsResponse& s) { return s.version() >= 110; },
                       absl::Seconds(60))
                   .ok());
+  for (auto& worker : workers) worker->Signal(SIGSTOP);
   cluster.KillReplica(1, 0);
   cluster.KillReplica(1, 1);
-  ASSERT_TRUE(cluster.RestartReplica(1, 0).ok());
-  ASSERT_TRUE(cluster.RestartReplica(1, 1).ok());
+  ASSERT_TRUE(cluster.RestartReplicas(1, {1, 0}).ok());
+  for (auto& worker : workers) worker->Signal(SIGCONT);
   ASSERT_TRUE(WaitForRole(cluster, 1, 1, "backup"));
   ExpectAllExitZero(workers);
 
@@ -386,6 +389,8 @@ TEST(ReplicationTest, AWholeSetRestartedFromCheckpointsKeepsItsBackup) {
   EXPECT_EQ(primary->replica_role(), "primary");
   // It came in by a catch-up, not by keeping its own checkpoint.
   EXPECT_EQ(primary->replica_catchups(), 1);
+  EXPECT_NE(cluster.replica(1, 1).Stderr().find("is not installed"),
+            std::string::npos);
   EXPECT_EQ(backup->replica_role(), "backup");
   EXPECT_EQ(backup->version(), primary->version());
   EXPECT_GT(primary->steps_lost(), 0);

@@ -315,19 +315,34 @@ absl::Status TestCluster::RestartServer(
 
 absl::Status TestCluster::RestartReplica(
     int shard, int replica, const std::vector<std::string>& extra_flags) {
-  const int index = shard * options_.replicas + replica;
-  const std::string port_file = absl::StrCat(dir_, "/ps", index, ".port");
-  std::remove(port_file.c_str());
-  std::vector<std::string> argv = ServerArgv(index, ports_[index]);
-  argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
-  absl::StatusOr<std::unique_ptr<Process>> server = Process::Start(
-      argv, dir_, absl::StrCat("ps", index, "_restart", ++restarts_));
-  if (!server.ok()) return server.status();
-  servers_[index] = std::move(*server);
+  return RestartReplicas(shard, {replica}, extra_flags);
+}
+
+absl::Status TestCluster::RestartReplicas(
+    int shard, const std::vector<int>& replicas,
+    const std::vector<std::string>& extra_flags) {
+  std::vector<int> started;
+  for (int replica : replicas) {
+    const int index = shard * options_.replicas + replica;
+    const std::string port_file = absl::StrCat(dir_, "/ps", index, ".port");
+    std::remove(port_file.c_str());
+    std::vector<std::string> argv = ServerArgv(index, ports_[index]);
+    argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+    absl::StatusOr<std::unique_ptr<Process>> server = Process::Start(
+        argv, dir_, absl::StrCat("ps", index, "_restart", ++restarts_));
+    if (!server.ok()) return server.status();
+    servers_[index] = std::move(*server);
+    started.push_back(index);
+  }
   // The observer's connection to the old process may not have noticed it
   // closed: its next Stats would fail with "Socket closed".
   observer_.reset();
-  return WaitForPortFile(index, absl::Seconds(30));
+  for (int index : started) {
+    if (absl::Status s = WaitForPortFile(index, absl::Seconds(30)); !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Process>> TestCluster::StartWorker(

@@ -107,6 +107,11 @@ class TestCluster {
                              const std::vector<std::string>& extra_flags = {});
   absl::Status RestartReplica(int shard, int replica,
                               const std::vector<std::string>& extra_flags = {});
+  // Starts the given replicas of `shard` one right after the other, then
+  // waits until each serves (a whole replica set coming back at once).
+  absl::Status RestartReplicas(
+      int shard, const std::vector<int>& replicas,
+      const std::vector<std::string>& extra_flags = {});
 
   // Every shard's stats, read by an observer (not a worker).
   absl::StatusOr<std::vector<StatsResponse>> Stats();
