@@ -31,6 +31,13 @@ constexpr absl::string_view kJoining = "joining: ";
 // sender had in its set is gone.
 constexpr absl::string_view kNewProcess = "new process: ";
 
+// A forward the receiver did not answer (it may yet have applied it).
+bool Unanswered(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable ||
+         status.code() == absl::StatusCode::kDeadlineExceeded ||
+         status.code() == absl::StatusCode::kCancelled;
+}
+
 // Whether every address of host:port refuses a TCP connection within
 // `timeout`: nothing listens there, so the process that did is gone (a
 // silent host is not gone: it may be cut off, and alive).
@@ -259,9 +266,9 @@ void ReplicaSet::Start() {
       // backup with other values would diverge from it.
       const bool running = answer->role() == RoleName(Role::kPrimary) ||
                            answer->role() == RoleName(Role::kBackup);
-      if (running &&
-          (answer->model_registered() || answer->epoch() > 0 ||
-           (read_checkpoint_ && answer->role() == RoleName(Role::kPrimary)))) {
+      if (running && (answer->model_registered() || answer->epoch() > 0 ||
+                      (settle_restored_ != nullptr &&
+                       answer->role() == RoleName(Role::kPrimary)))) {
         holders.push_back(absl::StrCat("replica ", peer->index, " (",
                                        answer->role(), ", epoch ",
                                        answer->epoch(), ")"));
@@ -557,10 +564,7 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
       send(i);
       const absl::Status& result = results[i];
       const bool unconfirmed =
-          !result.ok() &&
-          (result.code() == absl::StatusCode::kUnavailable ||
-           result.code() == absl::StatusCode::kDeadlineExceeded ||
-           result.code() == absl::StatusCode::kCancelled) &&
+          Unanswered(result) &&
           !absl::StrContains(result.message(), kNewProcess);
       if (unconfirmed && !Gone(*targets[i])) {
         for (size_t j = 0; j < i; ++j) {
@@ -598,9 +602,7 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
       Drop(peer.index, std::string(result.message()));
       continue;
     }
-    if (result.code() == absl::StatusCode::kUnavailable ||
-        result.code() == absl::StatusCode::kDeadlineExceeded ||
-        result.code() == absl::StatusCode::kCancelled) {
+    if (Unanswered(result)) {
       if (Gone(peer)) {
         Drop(peer.index, absl::StrCat("its port refuses connections (",
                                       result.message(), ")"));

@@ -278,7 +278,6 @@ class ReplicaSet {
   // settle(true) returns whether the install worked; a replica whose
   // install failed is stale (and the server exits 1: settle says so).
   void set_settle_restored(std::function<bool(bool keep)> settle) {
-    read_checkpoint_ = true;
     settle_restored_ = std::move(settle);
   }
   // Runs once this replica is stale (set before Start): deposed, dropped
@@ -350,9 +349,8 @@ class ReplicaSet {
   const ReplicaOptions options_;
   const std::function<bool()> has_model_;
   std::function<void()> on_takeover_;
+  // Set only when this process read a checkpoint.
   std::function<bool(bool keep)> settle_restored_;
-  // This process read a checkpoint to settle (set_settle_restored).
-  bool read_checkpoint_ = false;
   std::function<void()> on_stale_;
   std::vector<std::unique_ptr<Peer>> peers_;  // every replica but this one
 

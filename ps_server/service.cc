@@ -638,8 +638,10 @@ void ParameterServerService::AfterStepRecords(
           RecordWait{made, std::min(deadline, absl::Now() + kStepRecordsWait),
                      std::move(then)});
       // Records no push nudged for (a restored primary's skip, made by a
-      // pull or a heartbeat) go now, not at the sender's next round.
-      step_records_nudged_ = true;
+      // pull or a heartbeat) go now, not at the sender's next round. Only
+      // records still queued: a pull of every step waits here, and most
+      // find theirs already on the way.
+      if (shard_->HasStepRecords()) step_records_nudged_ = true;
       return;
     }
   }

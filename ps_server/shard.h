@@ -590,6 +590,8 @@ class Shard {
   // record).
   void RecordStepLocked(Block& block, float coefficient)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(block.mu);
+  // Queues a record for TakeStepRecords (its sum: none, or the block's).
+  void AddStepRecord(StepRecord record, std::vector<float> sum);
   // Moves the block from its step to `step`, values untouched: the steps
   // between are lost (counted in updates_lost) and what was summed of its
   // step is dropped. On a restored primary (FastForwardLocked) and, from

@@ -214,9 +214,7 @@ bool Shard::FastForwardLocked(const Model& model, int64_t step) {
       record.set_local_block(block->local);
       record.set_step(version);
       record.set_skip_to(step);
-      absl::MutexLock records_lock(&step_records_mu_);
-      step_records_.emplace_back(std::move(record), std::vector<float>());
-      step_records_made_.fetch_add(1, std::memory_order_acq_rel);
+      AddStepRecord(std::move(record), {});
     }
   }
   // Tables behind the workers' step skip to it like blocks; their rows

@@ -45,6 +45,10 @@ void Shard::RecordStepLocked(Block& block, float coefficient) {
     sum = std::move(block.gradient_sum);
     block.gradient_sum.clear();
   }
+  AddStepRecord(std::move(record), std::move(sum));
+}
+
+void Shard::AddStepRecord(StepRecord record, std::vector<float> sum) {
   absl::MutexLock lock(&step_records_mu_);
   step_records_.emplace_back(std::move(record), std::move(sum));
   step_records_made_.fetch_add(1, std::memory_order_acq_rel);

@@ -1621,7 +1621,9 @@ struct LeaderAndFollower {
   std::unique_ptr<Shard> leader, follower;
 };
 
-ShardOptions RecordingOptions() {
+// Both registered afresh, or both restored from `checkpoint`.
+LeaderAndFollower MakeLeaderAndFollower(
+    const RestoredShard* checkpoint = nullptr) {
   ShardOptions options;
   options.mode = ConsistencyMode::kSync;
   options.num_workers = 2;
@@ -1629,16 +1631,17 @@ ShardOptions RecordingOptions() {
   options.optimizer.learning_rate = 0.1f;
   options.max_pull_wait = absl::Seconds(5);
   options.record_steps = true;
-  return options;
-}
-
-LeaderAndFollower MakeLeaderAndFollower() {
-  const ShardOptions options = RecordingOptions();
   LeaderAndFollower f;
   f.leader = std::move(*Shard::Create(options));
   f.follower = std::move(*Shard::Create(options));
   f.leader->set_leads_steps([] { return true; });
   f.follower->set_leads_steps([] { return false; });
+  if (checkpoint != nullptr) {
+    for (Shard* shard : {f.leader.get(), f.follower.get()}) {
+      EXPECT_TRUE(shard->Restore(*checkpoint).ok());
+    }
+    return f;
+  }
   RegisterModelRequest request;
   request.set_protocol_version(kProtocolVersion);
   *request.mutable_schema() = TestSchema();
@@ -1804,14 +1807,7 @@ TEST(ShardStepRecordsTest, ARestoredLeadersSkipIsRecordedAndFollowed) {
     ASSERT_TRUE(DoPush(*before.leader, UniformPush(worker, 0, 1)).ok());
   }
   const RestoredShard checkpoint = RestoredFrom(*before.leader);
-  LeaderAndFollower f;
-  f.leader = std::move(*Shard::Create(RecordingOptions()));
-  f.follower = std::move(*Shard::Create(RecordingOptions()));
-  f.leader->set_leads_steps([] { return true; });
-  f.follower->set_leads_steps([] { return false; });
-  for (Shard* shard : {f.leader.get(), f.follower.get()}) {
-    ASSERT_TRUE(shard->Restore(checkpoint).ok());
-  }
+  LeaderAndFollower f = MakeLeaderAndFollower(&checkpoint);
   // The workers were at step 4 when the set went down: steps 1-3 are lost.
   auto pulled = DoPull(*f.leader, PullAt(0, 4), Soon());
   ASSERT_TRUE(pulled->status.ok()) << pulled->status;
@@ -1848,7 +1844,7 @@ TEST(ShardStepRecordsTest, ARestoredLeadersSkipIsRecordedAndFollowed) {
 // their step at any request, a pull too.
 TEST(ShardReplicaStateTest, APartStepIsNotQuiet) {
   Fixture f = MakeSparseShard(ConsistencyMode::kSync, 2);
-  EXPECT_FALSE(f.shard->QuietForTransfer());  // not met yet
+  EXPECT_FALSE(f.shard->QuietForTransfer());                 // not met yet
   ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 1)).ok());  // held early
   EXPECT_FALSE(f.shard->QuietForTransfer());
   ASSERT_TRUE(DoPush(*f.shard, UniformPush(0, 0, 1)).ok());

@@ -8,7 +8,6 @@
 #include <signal.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -90,6 +89,15 @@ std::unique_ptr<TestCluster> StartProbeCluster(
       TestCluster::Start(options, name);
   EXPECT_TRUE(started.ok()) << started.status();
   return started.ok() ? std::move(*started) : nullptr;
+}
+
+// Servers' flags for a checkpoint every `every_steps`, in a directory of
+// the test's named after `name` (each replica writes under replica-<r>/).
+std::vector<std::string> CheckpointFlags(const std::string& name,
+                                         int every_steps) {
+  return {absl::StrCat("--checkpoint_dir=", testing::TestDir(), "/", name,
+                       "_checkpoints"),
+          absl::StrCat("--checkpoint_every_steps=", every_steps)};
 }
 
 // The probe model's kWorkers workers, started on `cluster`.
@@ -177,16 +185,9 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
                    c.restarted ? "_restarted" : "",
                    c.survivor_killed ? "_then_survivor" : "",
                    c.checkpoints ? "_checkpoints" : "");
-  std::vector<std::string> server_flags;
-  if (c.checkpoints) {
-    const char* tmp = std::getenv("TEST_TMPDIR");
-    server_flags = {
-        absl::StrCat("--checkpoint_dir=", tmp != nullptr ? tmp : "/tmp", "/",
-                     name, "_checkpoints"),
-        "--checkpoint_every_steps=10"};
-  }
-  std::unique_ptr<TestCluster> cluster =
-      StartProbeCluster(name, c.mode, kShards, /*replicas=*/2, server_flags);
+  std::unique_ptr<TestCluster> cluster = StartProbeCluster(
+      name, c.mode, kShards, /*replicas=*/2,
+      c.checkpoints ? CheckpointFlags(name, 10) : std::vector<std::string>{});
   ASSERT_NE(cluster, nullptr);
   LogsOnFailure logs(*cluster);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(*cluster);
@@ -357,12 +358,9 @@ TEST(ReplicationTest, ThreeReplicasSurviveTwoPrimariesKilledInTurn) {
 // the end); the steps since the checkpoint are lost and counted alike on
 // both.
 TEST(ReplicationTest, AWholeSetRestartedFromCheckpointsKeepsItsBackup) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  std::unique_ptr<TestCluster> started = StartProbeCluster(
-      "whole_set_restarted", "sync", kShards, /*replicas=*/2,
-      {absl::StrCat("--checkpoint_dir=", tmp != nullptr ? tmp : "/tmp",
-                    "/whole_set_restarted_checkpoints"),
-       "--checkpoint_every_steps=100"});
+  std::unique_ptr<TestCluster> started =
+      StartProbeCluster("whole_set_restarted", "sync", kShards,
+                        /*replicas=*/2, CheckpointFlags("whole_set", 100));
   ASSERT_NE(started, nullptr);
   TestCluster& cluster = *started;
   LogsOnFailure logs(cluster);
