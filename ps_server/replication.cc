@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -30,6 +32,10 @@ constexpr absl::string_view kJoining = "joining: ";
 // A new process at a replica's address, without the state: the one the
 // sender had in its set is gone.
 constexpr absl::string_view kNewProcess = "new process: ";
+
+// A catch-up's chunks in flight at once: enough that the joiner copies one
+// in while the next is on the wire (bench/replica_catchup.sh).
+constexpr int kStateChunksInFlight = 3;
 
 // A forward the receiver did not answer (it may yet have applied it).
 bool Unanswered(const absl::Status& status) {
@@ -780,19 +786,11 @@ absl::Status ReplicaSet::SendState(int joiner,
   }
   ReplicateRequest message = Message("state");
   message.set_epoch(epoch_.load());
-  int64_t bytes = 0;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    const ReplicaStateChunk& chunk = chunks[c];
+  std::atomic<int64_t> bytes{0};
+  auto send_chunk = [&](size_t c,
+                        const ReplicateRequest& chunk_message) -> absl::Status {
     if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
-    if (chunk.last()) {
-      absl::MutexLock lock(&mu_);
-      message.add_succession(options_.replica_index);
-      for (int index : in_set_) {
-        if (index != joiner) message.add_succession(index);
-      }
-      message.add_succession(joiner);
-    }
-    const std::string header = chunk.SerializeAsString();
+    const std::string header = chunks[c].SerializeAsString();
     char length[data_plane::kLengthPrefixBytes];
     data_plane::EncodeLengthPrefix(static_cast<uint32_t>(header.size()),
                                    length);
@@ -800,18 +798,73 @@ absl::Status ReplicaSet::SendState(int joiner,
     std::vector<absl::string_view> pieces = {
         absl::string_view(length, sizeof(length)), header};
     pieces.insert(pieces.end(), state.floats[c].begin(), state.floats[c].end());
-    for (absl::string_view piece : pieces) bytes += piece.size();
+    int64_t chunk_bytes = 0;
+    for (absl::string_view piece : pieces) chunk_bytes += piece.size();
+    bytes.fetch_add(chunk_bytes);
     absl::StatusOr<ReplicateResponse> answer;
     if (peer->data_port.load() > 0) {
-      answer = CallOnDataPlane(*peer, message.SerializeAsString(), pieces,
+      answer = CallOnDataPlane(*peer, chunk_message.SerializeAsString(), pieces,
                                absl::Now() + options_.forward_timeout);
     } else {
-      ReplicateRequest inline_message = message;
+      ReplicateRequest inline_message = chunk_message;
       inline_message.set_request(absl::StrJoin(pieces, ""));
       answer = Call(*peer, inline_message, options_.forward_timeout,
                     /*wait_for_ready=*/true);
     }
-    if (!answer.ok()) return answer.status();
+    return answer.status();
+  };
+  // The last chunk makes the joiner a backup, in the set's new order.
+  auto last_message = [&] {
+    ReplicateRequest last = message;
+    absl::MutexLock lock(&mu_);
+    last.add_succession(options_.replica_index);
+    for (int index : in_set_) {
+      if (index != joiner) last.add_succession(index);
+    }
+    last.add_succession(joiner);
+    return last;
+  };
+  // The first chunk installs the model (it carries no floats, so that
+  // install is not behind a copy). The dense blocks' chunks after it fit
+  // in any order, so several are in flight at once: one is sent while the
+  // joiner copies another in. Sparse rows go in order (the order they are
+  // loaded in is the joiner's eviction order), and the last chunk once
+  // every other is in.
+  const size_t last = chunks.size() - 1;
+  if (absl::Status s = send_chunk(0, last == 0 ? last_message() : message);
+      !s.ok()) {
+    return s;
+  }
+  size_t first_in_order = 1;
+  while (first_in_order < last && chunks[first_in_order].sparse_size() == 0) {
+    ++first_in_order;
+  }
+  if (first_in_order > 1) {
+    std::atomic<size_t> next{1};
+    std::vector<absl::Status> failed(kStateChunksInFlight);
+    std::vector<std::thread> senders;
+    for (int t = 0; t < kStateChunksInFlight; ++t) {
+      senders.emplace_back([&, t] {
+        for (size_t c = next.fetch_add(1); c < first_in_order;
+             c = next.fetch_add(1)) {
+          failed[t] = send_chunk(c, message);
+          if (!failed[t].ok()) {
+            next.store(first_in_order);  // the others stop after theirs
+            return;
+          }
+        }
+      });
+    }
+    for (std::thread& sender : senders) sender.join();
+    for (const absl::Status& s : failed) {
+      if (!s.ok()) return s;
+    }
+  }
+  for (size_t c = first_in_order; c < last; ++c) {
+    if (absl::Status s = send_chunk(c, message); !s.ok()) return s;
+  }
+  if (last > 0) {
+    if (absl::Status s = send_chunk(last, last_message()); !s.ok()) return s;
   }
   {
     absl::MutexLock lock(&mu_);
@@ -823,11 +876,11 @@ absl::Status ReplicaSet::SendState(int joiner,
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   catchups_.fetch_add(1);
-  catchup_bytes_ = bytes;
+  catchup_bytes_ = bytes.load();
   catchup_seconds_ = seconds;
   LOG(INFO) << "replica " << options_.replica_index << " of shard "
             << options_.shard_id << " brought replica " << joiner
-            << " into its set: " << chunks.size() << " chunks, " << bytes
+            << " into its set: " << chunks.size() << " chunks, " << bytes.load()
             << " bytes in " << seconds << " s";
   // Every backup learns the new order (the joiner already has it).
   return Forward("view", {});

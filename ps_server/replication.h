@@ -251,8 +251,10 @@ class ReplicaSet {
 
   // Catch-up, on the primary: sends `state` (Shard::ExportReplicaState)
   // to replica `joiner` as "state" messages (a u32 length, the chunk, its
-  // floats), then adds it at the end of the
-  // set and tells every backup the new order. Call with changes held.
+  // floats): the first alone, the dense chunks after it several at once,
+  // the sparse ones in order, the last once every other is in. Then adds
+  // the joiner at the end of the set and tells every backup the new
+  // order. Call with changes held.
   absl::Status SendState(int joiner, const ReplicaStateExport& state);
   // Catch-up, on the joiner: OK when a "state" message may be installed
   // (this replica is catching up, and it comes from the primary it asked).

@@ -385,14 +385,14 @@ absl::Status Shard::InstallModel(const ModelSchema& schema,
     }
     {
       absl::MutexLock block_lock(&block->mu);
-      std::vector<float> initial(loc.length);
       if (values == InitialValues::kFromSchema) {
+        std::vector<float> initial(loc.length);
         FillInitialValues(tensor.init(), model->schema.seed(), tensor.name(),
                           loc.offset, absl::MakeSpan(initial));
+        block->value.Assign(std::move(initial));
+        block->state.assign(block->state_values ? 0 : slots * loc.length, 0.0f);
+        block->optimizer->InitState(absl::MakeSpan(block->state));
       }
-      block->value.Assign(std::move(initial));
-      block->state.assign(block->state_values ? 0 : slots * loc.length, 0.0f);
-      block->optimizer->InitState(absl::MakeSpan(block->state));
       if (options_.mode == ConsistencyMode::kSync) {
         // gradient_sum is allocated by the first gradient (AddToStepSumLocked):
         // a replica catching up pays for its model's memory once, not twice,

@@ -274,15 +274,19 @@ class Shard {
   int64_t StepUnderWay() const;
   // The whole state a backup needs (model, rows, optimizer state, versions,
   // de-duplication steps, workers), in chunks of about `chunk_bytes`, with
-  // the dense blocks' floats apart, in place (ReplicaStateExport). Call
+  // the dense blocks' floats apart, in place (ReplicaStateExport). The
+  // first chunk only installs the model; then come the dense blocks, the
+  // sparse rows, and a last chunk that only ends the transfer. Call
   // while QuietForTransfer and no change can reach the shard, and send it
   // before any can: the floats are the blocks' own memory.
   absl::StatusOr<ReplicaStateExport> ExportReplicaState(
       int64_t chunk_bytes) const;
-  // A joining replica installs the chunks in order, each with its floats
-  // (`floats`: what followed it); the first installs the model, so this
-  // shard must have none. InvalidArgument (naming what) for a chunk that
-  // does not fit the model it installed.
+  // A joining replica installs the chunks, each with its floats (`floats`:
+  // what followed it): the first before any other (it installs the model,
+  // so this shard must have none), the dense blocks' chunks in any order,
+  // possibly at once, the sparse ones in order, the last after every
+  // other. InvalidArgument (naming what) for a chunk that does not fit the
+  // model it installed, or a last chunk with a block still missing.
   absl::Status ImportReplicaChunk(const ReplicaStateChunk& chunk,
                                   absl::string_view floats = {});
   // Whether a model is registered (or restored) here.
@@ -527,9 +531,12 @@ class Shard {
   absl::StatusOr<std::vector<std::unique_ptr<Optimizer>>> MakeTensorOptimizers(
       const ModelSchema& schema) const;
   // What InstallModel puts in the blocks: the schema's initial values, or
-  // zeros for a caller that writes every value itself (a catch-up's import:
-  // computing 16M random initial values it then overwrites took 75 ms).
-  enum class InitialValues { kFromSchema, kZerosToOverwrite };
+  // nothing yet, for a catch-up's import, which brings each block's values
+  // and optimizer state with its chunk. Computing 16M random initial values
+  // it then overwrote took 75 ms; zeros it then overwrote, 40 ms of page
+  // faults that the chunks' copies now take in parallel, while the rest of
+  // the state is still on the wire.
+  enum class InitialValues { kFromSchema, kArriveWithState };
   absl::Status InstallModel(const ModelSchema& schema,
                             InitialValues values = InitialValues::kFromSchema);
 

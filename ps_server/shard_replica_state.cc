@@ -82,9 +82,12 @@ absl::StatusOr<ReplicaStateExport> Shard::ExportReplicaState(
   ReplicaStateExport out_state;
   out_state.floats.resize(1);
   int64_t bytes_in_chunk = 0;
-  // A new chunk once the current one holds `chunk_bytes`.
+  // A new chunk once the current one holds `chunk_bytes`. The first holds
+  // only what installs the model, so that the joiner installs it while the
+  // rest are on their way (ReplicaSet::SendState).
   auto room_for = [&](int64_t bytes) -> ReplicaStateChunk& {
-    if (bytes_in_chunk > 0 && bytes_in_chunk + bytes > chunk_bytes) {
+    if (chunks.size() == 1 ||
+        (bytes_in_chunk > 0 && bytes_in_chunk + bytes > chunk_bytes)) {
       chunks.emplace_back();
       out_state.floats.emplace_back();
       bytes_in_chunk = 0;
@@ -199,6 +202,12 @@ absl::StatusOr<ReplicaStateExport> Shard::ExportReplicaState(
       rows->add_sighting_counts(count);
     });
   }
+  // The last chunk makes the joiner a backup, so it goes once every other
+  // is in: one that carries nothing is not a copy nobody overlaps.
+  if (chunks.size() > 1) {
+    chunks.emplace_back();
+    out_state.floats.emplace_back();
+  }
   for (size_t c = 0; c < chunks.size(); ++c) {
     chunks[c].set_index(static_cast<int64_t>(c));
     chunks[c].set_total_chunks(static_cast<int64_t>(chunks.size()));
@@ -219,10 +228,9 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
           "this replica already holds a model; a catch-up starts empty");
     }
     if (absl::Status s = ValidateSchema(meta.schema()); !s.ok()) return s;
-    // Every block's value comes in the chunks, except those still awaiting
-    // worker 0's (PROVIDED: zeros, as on the primary).
+    // Every block's values and optimizer state come in the chunks.
     if (absl::Status s =
-            InstallModel(meta.schema(), InitialValues::kZerosToOverwrite);
+            InstallModel(meta.schema(), InitialValues::kArriveWithState);
         !s.ok()) {
       return s;
     }
@@ -266,15 +274,24 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
     return absl::FailedPreconditionError(
         "a state chunk came before the one that installs the model");
   }
-  // Copies the next out.size() floats that followed the chunk into `out`;
-  // false when fewer are left.
+  // The next `count` floats that followed the chunk, copied into new
+  // memory; an error when fewer are left.
   size_t floats_used = 0;
-  auto next_floats = [&](absl::Span<float> out) {
-    const size_t bytes = out.size() * sizeof(float);
-    if (floats.size() - floats_used < bytes) return false;
-    if (bytes > 0) std::memcpy(out.data(), floats.data() + floats_used, bytes);
+  auto next_floats =
+      [&](size_t count, int64_t global_block,
+          absl::string_view what) -> absl::StatusOr<std::vector<float>> {
+    const size_t bytes = count * sizeof(float);
+    if (floats.size() - floats_used < bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", global_block, ": too few ", what,
+                       " bytes, expected ", bytes));
+    }
+    const char* begin = floats.data() + floats_used;
     floats_used += bytes;
-    return true;
+    // As bytes: the floats are not aligned for float in the chunk.
+    std::vector<float> out(count);
+    if (bytes > 0) std::memcpy(out.data(), begin, bytes);
+    return out;
   };
   for (const ReplicaBlockState& in : chunk.blocks()) {
     const int local =
@@ -298,23 +315,25 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
       return absl::InvalidArgumentError(absl::StrCat(
           "block ", in.global_block(), ": its per-worker steps do not fit"));
     }
-    // In place: the model was installed with the block's lengths.
-    if (!in.awaiting_values()) {
-      if (!next_floats(block.value.Mutable())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "block ", in.global_block(), ": too few value bytes, expected ",
-            block.value.size() * sizeof(float)));
-      }
+    const int64_t length = block.location->length;
+    if (in.awaiting_values()) {
+      // Still awaiting worker 0's (PROVIDED): zeros, as on the primary.
+      block.value.Assign(std::vector<float>(length));
+    } else {
+      absl::StatusOr<std::vector<float>> values =
+          next_floats(length, in.global_block(), "value");
+      if (!values.ok()) return values.status();
+      block.value.Assign(*std::move(values));
       if (block.awaiting_values.exchange(false)) {
         blocks_awaiting_values_.fetch_sub(1);
       }
     }
-    if (!next_floats(absl::MakeSpan(block.state))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("block ", in.global_block(),
-                       ": too few optimizer state bytes, expected ",
-                       block.state.size() * sizeof(float)));
-    }
+    const int64_t state_length =
+        block.state_values ? 0 : block.optimizer->state_per_element() * length;
+    absl::StatusOr<std::vector<float>> state =
+        next_floats(state_length, in.global_block(), "optimizer state");
+    if (!state.ok()) return state.status();
+    block.state = *std::move(state);
     block.version.store(in.version());
     block.last_step.assign(in.last_step().begin(), in.last_step().end());
     block.last_contributed.assign(in.last_contributed().begin(),
@@ -388,6 +407,18 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
     return absl::InvalidArgumentError(
         absl::StrCat("the chunk's floats are ", floats.size(),
                      " bytes, its blocks take ", floats_used));
+  }
+  if (chunk.last()) {
+    // The chunks before it may have come in any order; none may be missing.
+    for (const auto& block : model->blocks) {
+      absl::MutexLock lock(&block->mu);
+      if (static_cast<int64_t>(block->value.size()) !=
+          block->location->length) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the state ended without block ", block->location->block,
+            " of tensor ", QuoteForStatus(*block->tensor_name)));
+      }
+    }
   }
   return absl::OkStatus();
 }

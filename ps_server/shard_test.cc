@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -1358,8 +1359,32 @@ TEST(ShardReplicaStateTest, AnImportedStateGoesOnAsTheOriginalDoes) {
     const std::vector<ReplicaStateChunk>& chunks = state->chunks;
     EXPECT_GT(chunks.size(), 2u);  // the chunk size is honoured
     ASSERT_EQ(state->floats.size(), chunks.size());
+    // The first chunk only installs the model, and the last only ends the
+    // transfer.
+    EXPECT_EQ(chunks.front().blocks_size(), 0);
+    EXPECT_EQ(chunks.back().blocks_size() + chunks.back().sparse_size(), 0);
+    // A transfer that ends with blocks missing is refused.
+    {
+      auto joiner = std::move(*Shard::Create(primary.options));
+      ASSERT_TRUE(joiner->ImportReplicaChunk(chunks.front()).ok());
+      absl::Status ended = joiner->ImportReplicaChunk(chunks.back());
+      EXPECT_EQ(ended.code(), absl::StatusCode::kInvalidArgument) << ended;
+      EXPECT_TRUE(absl::StrContains(ended.message(), "ended without block"))
+          << ended;
+    }
+    // The dense blocks' chunks may come in any order (ReplicaSet::SendState
+    // has several in flight): here in reverse.
+    size_t first_in_order = 1;
+    while (first_in_order + 1 < chunks.size() &&
+           chunks[first_in_order].sparse_size() == 0) {
+      ++first_in_order;
+    }
+    ASSERT_GT(first_in_order, 2u);
+    std::vector<size_t> order = {0};
+    for (size_t c = first_in_order - 1; c >= 1; --c) order.push_back(c);
+    for (size_t c = first_in_order; c < chunks.size(); ++c) order.push_back(c);
     auto joiner = std::move(*Shard::Create(primary.options));
-    for (size_t c = 0; c < chunks.size(); ++c) {
+    for (size_t c : order) {
       const std::string floats = absl::StrJoin(state->floats[c], "");
       if (c == 1) {  // floats that do not fit the blocks are refused
         EXPECT_FALSE(joiner->ImportReplicaChunk(chunks[c], floats + "x").ok());
