@@ -20,7 +20,8 @@
 #   G  REPLICAS=2 (REPLICAS_SHARE_NODES=1: a hetjob's components cannot
 #      share a node, and n2 runs the workers): one shard's two replicas on
 #      n1; its primary is killed with SIGKILL mid-job and the job must
-#      COMPLETE as A does
+#      COMPLETE as A does, with the killed replica started again on n1
+#      and caught up from the new primary
 #   H  REPLICAS=2 on one server node without REPLICAS_SHARE_NODES: FAILED 2
 # Every wait has a deadline. Whatever happens, it cancels its jobs, stops the
 # daemons it started (by PID; SIGKILL after a grace period) and removes its
@@ -493,7 +494,11 @@ grep -q "servers serving: 127.0.0.1:$PS_BASE_G|127.0.0.1:$((PS_BASE_G + 1))\$" "
   fail "job G: ps_hosts is not the replica set 127.0.0.1:$PS_BASE_G|127.0.0.1:$((PS_BASE_G + 1))"
 grep -q "takes over as primary" "$T/run-G/servers.log" ||
   fail "job G: replica 1 did not take over from the killed primary"
-log "job G: the shard's backup took over and the job completed"
+grep -q "pstrain-ps-restart shard=0 node=n1 status=137 replica=0: starting it again (restart 1 of 3)" "$T/run-G/servers.log" ||
+  fail "job G: the killed replica 0 was not started again"
+grep -q "replica 0 of shard 0 caught up from replica 1 " "$T/run-G/servers.log" ||
+  fail "job G: the restarted replica 0 did not catch up from replica 1"
+log "job G: the shard's backup took over, the killed replica came back as its backup, and the job completed"
 state=$(job_state "$JOB_H")
 [[ "$state" == "FAILED 2:0" ]] ||
   fail "job H (REPLICAS=2 on one server node): state '$state', want 'FAILED 2:0'"
