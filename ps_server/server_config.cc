@@ -59,6 +59,23 @@ void CheckJob(const ServerConfig& c, Problems& checks) {
           "would expire rows at different moments)"));
     }
   }
+  if (c.sparse_row_ttl_steps != 0) {
+    if (c.sparse_row_ttl_steps < 0) {
+      checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+          "--sparse_row_ttl_steps must be >= 1 (0: rows never expire), got ",
+          c.sparse_row_ttl_steps)));
+    } else if (c.sparse_row_ttl != absl::InfiniteDuration()) {
+      checks.push_back(absl::InvalidArgumentError(
+          "--sparse_row_ttl_steps and --sparse_row_ttl: give one row TTL, "
+          "in steps or in time"));
+    } else if (c.replicas > 1) {
+      // Rows expire when their stripe is next touched, and only the
+      // primary serves pulls.
+      checks.push_back(absl::InvalidArgumentError(
+          "--sparse_row_ttl_steps cannot be used with --replicas > 1 "
+          "(replicas would expire rows at different moments)"));
+    }
+  }
   checks.push_back(OneOf("inject_crash_at", c.inject_crash_at,
                          {"", "register", "final_state"}));
   const double drop = c.inject_drop_push_response_probability;
@@ -98,6 +115,12 @@ void CheckReplicas(const ServerConfig& c, Problems& checks) {
     checks.push_back(absl::InvalidArgumentError(
         absl::StrCat("--replica_index must be in [0, --replicas=", c.replicas,
                      "), got ", c.replica_index)));
+  }
+  if (c.replica_catchup_chunk_kib < 1 ||
+      c.replica_catchup_chunk_kib > (1 << 20)) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--replica_catchup_chunk_kib must be in [1, 1048576], got ",
+        c.replica_catchup_chunk_kib)));
   }
   if (c.replicas == 1) return;
   if (static_cast<int>(c.replica_hosts.size()) != c.replicas) {
@@ -190,6 +213,7 @@ ShardOptions ShardOptionsOf(const ServerConfig& c) {
   o.sparse_max_rows = c.sparse_max_rows;
   o.sparse_admit_after = c.sparse_admit_after;
   o.sparse_row_ttl = c.sparse_row_ttl;
+  o.sparse_row_ttl_steps = c.sparse_row_ttl_steps;
   o.max_shard_bytes =
       static_cast<int64_t>(c.max_shard_memory_gb * (int64_t{1} << 30));
   o.sparse_memory_bytes =
@@ -217,6 +241,7 @@ ReplicaOptions ReplicaOptionsOf(const ServerConfig& c) {
   o.replica_index = c.replica_index;
   o.addresses = c.replica_hosts;
   o.takeover_after_silence = absl::Seconds(c.replica_takeover_s);
+  o.catchup_chunk_bytes = int64_t{c.replica_catchup_chunk_kib} << 10;
   return o;
 }
 

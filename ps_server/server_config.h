@@ -71,6 +71,7 @@ struct ServerConfig {
   int64_t sparse_max_rows = 0;
   int sparse_admit_after = 0;
   absl::Duration sparse_row_ttl = absl::InfiniteDuration();
+  int64_t sparse_row_ttl_steps = 0;
   double sparse_memory_gb = 0;
   double max_shard_memory_gb = 16;
   // The shard's replica set (ps_server/replication.h): how many server
@@ -81,6 +82,7 @@ struct ServerConfig {
   int replica_index = 0;
   std::vector<std::string> replica_hosts;
   double replica_takeover_s = 2;
+  int replica_catchup_chunk_kib = 2048;
   // Checkpoints (none without a directory; with replicas, each writes its
   // own, under replica-<index>/ of it).
   std::string checkpoint_dir;

@@ -122,6 +122,9 @@ ABSL_FLAG(double, replica_takeover_s, Default().replica_takeover_s,
           "How long the primary may be silent (no answer, port not refusing "
           "either: a dead or cut-off host) before a backup takes over; a "
           "primary whose port refuses connections is replaced at once.");
+ABSL_FLAG(int, replica_catchup_chunk_kib, Default().replica_catchup_chunk_kib,
+          "A replica catching up is sent the state in chunks of this many "
+          "KiB, three at a time.");
 ABSL_FLAG(double, max_pull_wait_s, Default().max_pull_wait_s,
           "Longest a sync pull waits for its step before DEADLINE_EXCEEDED.");
 ABSL_FLAG(int, max_message_mb, Default().network.max_message_mb,
@@ -145,6 +148,10 @@ ABSL_FLAG(int, sparse_admit_after, Default().sparse_admit_after,
 ABSL_FLAG(absl::Duration, sparse_row_ttl, Default().sparse_row_ttl,
           "Sparse rows nobody pulled or pushed for this long (e.g. 30m, "
           "at least 1s) are removed and counted (rows_expired); inf: never.");
+ABSL_FLAG(int64_t, sparse_row_ttl_steps, Default().sparse_row_ttl_steps,
+          "Sparse rows nobody pulled or pushed in this many of the job's "
+          "steps are removed and counted (rows_expired); 0: never. Not with "
+          "--sparse_row_ttl.");
 ABSL_FLAG(double, sparse_memory_gb, Default().sparse_memory_gb,
           "The embedding tables' memory on this server: tables without a "
           "budget of their own (max_bytes) share what the others' budgets "
@@ -222,12 +229,14 @@ ServerConfig ServerConfigFromFlags(std::vector<absl::Status>* problems) {
   c.sparse_max_rows = absl::GetFlag(FLAGS_sparse_max_rows);
   c.sparse_admit_after = absl::GetFlag(FLAGS_sparse_admit_after);
   c.sparse_row_ttl = absl::GetFlag(FLAGS_sparse_row_ttl);
+  c.sparse_row_ttl_steps = absl::GetFlag(FLAGS_sparse_row_ttl_steps);
   c.sparse_memory_gb = absl::GetFlag(FLAGS_sparse_memory_gb);
   c.max_shard_memory_gb = absl::GetFlag(FLAGS_max_shard_memory_gb);
   c.replicas = absl::GetFlag(FLAGS_replicas);
   c.replica_index = absl::GetFlag(FLAGS_replica_index);
   c.replica_hosts = absl::GetFlag(FLAGS_replica_hosts);
   c.replica_takeover_s = absl::GetFlag(FLAGS_replica_takeover_s);
+  c.replica_catchup_chunk_kib = absl::GetFlag(FLAGS_replica_catchup_chunk_kib);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   c.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
   c.checkpoint_every_s = absl::GetFlag(FLAGS_checkpoint_every_s);

@@ -714,11 +714,8 @@ void ParameterServerService::CatchUp(int joiner) {
     const absl::Time quiet_at = absl::Now();
     // Heartbeats wait with every other change until the state is sent.
     shard_->HoldLeaseClock(true);
-    // 2 MiB chunks: each link in flight grows its receive buffer to one,
-    // faulted in once (8 MiB chunks took 1.9-2.5x the copy's time, 2 MiB
-    // 1.3-1.9x: bench/replica_catchup.sh).
     absl::StatusOr<ReplicaStateExport> state =
-        shard_->ExportReplicaState(int64_t{2} << 20);
+        shard_->ExportReplicaState(replicas_->catchup_chunk_bytes());
     sent = state.ok() ? replicas_->SendState(joiner, *state) : state.status();
     shard_->HoldLeaseClock(false);
     LOG(INFO) << "catch-up of replica " << joiner << ": changes held "

@@ -217,6 +217,7 @@ SparseTableOptions Shard::TableOptions(const ModelSchema& schema,
       spec.max_bytes() > 0 ? spec.max_bytes() : SharedTableBudget(schema);
   o.admit_after = options_.sparse_admit_after;
   o.ttl = options_.sparse_row_ttl;
+  o.ttl_steps = options_.sparse_row_ttl_steps;
   return o;
 }
 

@@ -118,6 +118,7 @@ struct ShardOptions {
   int64_t sparse_max_rows = 0;
   int sparse_admit_after = 0;
   absl::Duration sparse_row_ttl = absl::InfiniteDuration();
+  int64_t sparse_row_ttl_steps = 0;  // the same in steps (0: none)
   // The most memory one shard's dense parameters, optimizer state and block
   // bookkeeping may take; a larger model is refused at registration
   // (RESOURCE_EXHAUSTED) before anything is allocated.

@@ -104,6 +104,7 @@ bool Shard::CompleteSparseIfReadyLocked(SparseState& state,
       grads.push_back(g * inverse);
     }
   }
+  state.table->AdvanceStep(version);
   // Ids are unique (map keys) and lengths consistent; only a sum that
   // overflowed to infinity could be refused.
   if (absl::Status s = state.table->Push(ids, grads); !s.ok()) {
@@ -220,8 +221,11 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
   }
   const int64_t step = request.step();
   const int worker = request.worker_id();
-  auto answer = [table, ids, done = std::move(done)](absl::Status status) {
+  auto answer = [table, ids, step, worker,
+                 done = std::move(done)](absl::Status status) {
     if (!status.ok()) return done(std::move(status), {});
+    // An observer's pull (an export, an evaluation) is no step of the job.
+    if (worker >= 0) table->table->AdvanceStep(step);
     SparsePullResponse response;
     std::string* values = response.mutable_values();
     values->resize(ids.size() * table->spec->dim() * sizeof(float));
@@ -381,6 +385,7 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
       last = request.step();
     }
     SparsePushResult pushed;
+    table.table->AdvanceStep(request.step());
     // Validated above (unique ids, sizes, finite): this cannot fail.
     if (absl::Status s = table.table->Push(ids, grads, &pushed); !s.ok()) {
       ReportInternalError(

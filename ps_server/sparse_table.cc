@@ -161,7 +161,7 @@ struct alignas(64) SparseTable::Stripe {
   std::vector<std::pair<uint64_t, uint32_t>> evictions ABSL_GUARDED_BY(mu);
   size_t eviction_next ABSL_GUARDED_BY(mu) = 0;
   uint32_t evictions_forgotten_through ABSL_GUARDED_BY(mu) = 0;
-  // With a TTL: when each slot's row was last touched (TtlSeconds), the
+  // With a TTL: when each slot's row was last touched (TtlNow), the
   // stripe's time (never going back), and the slots freed by expiry, linked
   // through RowMeta::next.
   std::vector<uint32_t> touched_at ABSL_GUARDED_BY(mu);
@@ -245,7 +245,10 @@ int64_t SparseTable::BytesPerRow(int64_t dim, absl::string_view optimizer) {
 
 int64_t SparseTable::RowBytes(const SparseTableOptions& options) {
   const int64_t bytes = BytesPerRow(options.dim, options.optimizer.name);
-  if (bytes == 0 || options.ttl == absl::InfiniteDuration()) return bytes;
+  if (bytes == 0 ||
+      (options.ttl == absl::InfiniteDuration() && options.ttl_steps == 0)) {
+    return bytes;
+  }
   return bytes + 2 * int64_t{sizeof(uint32_t)};  // touched_at, by slot
 }
 
@@ -311,6 +314,14 @@ absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
                      "expire), got ",
                      absl::FormatDuration(o.ttl)));
   }
+  if (o.ttl_steps < 0 ||
+      (o.ttl_steps > 0 && o.ttl != absl::InfiniteDuration())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where,
+                     "a row TTL in steps must be >= 1 (0: none) and "
+                     "not beside one in seconds, got ",
+                     o.ttl_steps, " steps and ", absl::FormatDuration(o.ttl)));
+  }
   o.max_rows = RowBound(o);
   int stripes = o.num_stripes;
   if (o.max_rows > 0 && o.max_rows < stripes) {
@@ -327,12 +338,12 @@ SparseTable::SparseTable(const SparseTableOptions& options, Kind kind,
       row_floats_(options.dim * (1 + state_per_element_)),
       sightings_capacity_(std::max<int64_t>(
           1, (options.max_pending_ids + num_stripes - 1) / num_stripes)),
-      ttl_s_(options.ttl == absl::InfiniteDuration()
-                 ? 0
-                 : static_cast<uint32_t>(std::min<int64_t>(
-                       absl::ToInt64Seconds(
-                           absl::Ceil(options.ttl, absl::Seconds(1))),
-                       std::numeric_limits<uint32_t>::max() / 2))),
+      ttl_ticks_(static_cast<uint32_t>(std::min<int64_t>(
+          options.ttl_steps > 0 ? options.ttl_steps
+          : options.ttl == absl::InfiniteDuration()
+              ? 0
+              : absl::ToInt64Seconds(absl::Ceil(options.ttl, absl::Seconds(1))),
+          std::numeric_limits<uint32_t>::max() / 2))),
       start_(options.clock()) {
   stripes_.reserve(num_stripes);
   for (int i = 0; i < num_stripes; ++i) {
@@ -341,7 +352,7 @@ SparseTable::SparseTable(const SparseTableOptions& options, Kind kind,
       s->capacity = options_.max_rows / num_stripes +
                     (i < options_.max_rows % num_stripes ? 1 : 0);
     }
-    s->lru = s->capacity > 0 || ttl_s_ > 0;
+    s->lru = s->capacity > 0 || ttl_ticks_ > 0;
     stripes_.push_back(std::move(s));
   }
 }
@@ -407,7 +418,7 @@ uint32_t SparseTable::FindAndTouch(Stripe& s, uint64_t id) const
     s.Unlink(slot);
     s.PushFront(slot);
   }
-  if (ttl_s_ > 0) s.touched_at[slot] = s.now;
+  if (ttl_ticks_ > 0) s.touched_at[slot] = s.now;
   return slot;
 }
 
@@ -436,7 +447,7 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
     slot = static_cast<uint32_t>(s.rows.size());
     s.rows.push_back(RowMeta{id, 0, s.chunk_cursor, kNil, kNil});
     s.changed_at.push_back(0);
-    if (ttl_s_ > 0) s.touched_at.push_back(0);
+    if (ttl_ticks_ > 0) s.touched_at.push_back(0);
     s.chunk_cursor += row_floats_;
     --s.chunk_rows_left;
   }
@@ -447,7 +458,7 @@ uint32_t SparseTable::CreateRow(Stripe& s, uint64_t id) const
   InitialValue(id, absl::MakeSpan(r.data, options_.dim));
   InitRowState(
       absl::MakeSpan(r.data + options_.dim, row_floats_ - options_.dim));
-  if (ttl_s_ > 0) s.touched_at[slot] = s.now;
+  if (ttl_ticks_ > 0) s.touched_at[slot] = s.now;
   s.index.emplace(id, slot);
   if (s.lru) s.PushFront(slot);
   return slot;
@@ -541,15 +552,30 @@ void SparseTable::LogEviction(Stripe& s, uint64_t id) const
   s.eviction_next = (s.eviction_next + 1) % s.evictions.size();
 }
 
-uint32_t SparseTable::TtlSeconds() const {
-  if (ttl_s_ == 0) return 0;
+void SparseTable::AdvanceStep(int64_t step) {
+  if (options_.ttl_steps == 0) return;
+  int64_t first = -1;
+  first_step_.compare_exchange_strong(first, step);
+  int64_t latest = step_.load();
+  while (step > latest && !step_.compare_exchange_weak(latest, step)) {
+  }
+}
+
+uint32_t SparseTable::TtlNow() const {
+  if (ttl_ticks_ == 0) return 0;
+  if (options_.ttl_steps > 0) {
+    const int64_t first = first_step_.load();
+    if (first < 0) return 0;
+    return static_cast<uint32_t>(std::clamp<int64_t>(
+        step_.load() - first, 0, std::numeric_limits<uint32_t>::max()));
+  }
   return static_cast<uint32_t>(
       std::max<int64_t>(0, absl::ToInt64Seconds(options_.clock() - start_)));
 }
 
 void SparseTable::ExpireRows(Stripe& s, uint32_t now) const
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
-  if (ttl_s_ == 0) return;
+  if (ttl_ticks_ == 0) return;
   // A call that waited for the lock may bring an older time.
   s.now = std::max(s.now, now);
   now = s.now;
@@ -557,7 +583,7 @@ void SparseTable::ExpireRows(Stripe& s, uint32_t now) const
   // young enough (a touch stamped by a slower call may be a second older
   // than one before it in the list; it then waits for that one).
   while (s.lru_tail != kNil &&
-         int64_t{s.touched_at[s.lru_tail]} + ttl_s_ < int64_t{now}) {
+         int64_t{s.touched_at[s.lru_tail]} + ttl_ticks_ < int64_t{now}) {
     const uint32_t slot = RemoveLeastRecentlyUsed(s);
     ++s.rows_expired;
     s.changed_at[slot] = 0;  // free: no change since any mark
@@ -758,7 +784,7 @@ absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
   std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);
   const uint32_t admit_after = static_cast<uint32_t>(options_.admit_after);
-  const uint32_t now = TtlSeconds();
+  const uint32_t now = TtlNow();
   for (size_t si = 0; si < stripes_.size(); ++si) {
     if (begin[si] == begin[si + 1]) continue;
     Stripe& s = *stripes_[si];
@@ -821,7 +847,7 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
   std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);
   const uint32_t admit_after = static_cast<uint32_t>(options_.admit_after);
-  const uint32_t now = TtlSeconds();
+  const uint32_t now = TtlNow();
   for (size_t si = 0; si < stripes_.size(); ++si) {
     if (begin[si] == begin[si + 1]) continue;
     Stripe& s = *stripes_[si];
@@ -969,7 +995,7 @@ absl::Status SparseTable::LoadRow(uint64_t id, absl::Span<const float> value,
       value = ftrl_w;
       break;
   }
-  const uint32_t now = TtlSeconds();
+  const uint32_t now = TtlNow();
   Stripe& s = *stripes_[StripeOf(id)];
   absl::MutexLock lock(&s.mu);
   ExpireRows(s, now);

@@ -70,6 +70,10 @@
 //                reported by ChangesSince and remembered by admission. A
 //                stripe nobody touches keeps its expired rows until somebody
 //                does.
+//   ttl_steps    The same, counted in the table's steps instead of seconds:
+//                the steps workers pushed and pulled (AdvanceStep) since the
+//                first the table saw, so that rows a restore loaded start
+//                their count at the job's step, not at step 0.
 // Change tracking (MarkChanges, ChangesSince) costs every row a 4-byte
 // stamp, and each stripe a log of recent evictions (one 16-byte entry per 8
 // rows it may hold); RowBytes counts both.
@@ -132,6 +136,9 @@ struct SparseTableOptions {
   int num_stripes = 64;
   // Infinite: rows never expire. Otherwise at least a second.
   absl::Duration ttl = absl::InfiniteDuration();
+  // 0: none. Otherwise rows not touched in this many of the table's steps
+  // (AdvanceStep) expire, as `ttl` does in seconds; not with `ttl`.
+  int64_t ttl_steps = 0;
   // The time TTLs are counted in: monotonic, so that a step of the wall
   // clock cannot expire every row at once (tests move it by hand).
   std::function<absl::Time()> clock = [] {
@@ -197,6 +204,10 @@ class SparseTable {
   // largest for that row count. The unit of a table's byte budget; 0 for an
   // optimizer name the tables do not run.
   static int64_t BytesPerRow(int64_t dim, absl::string_view optimizer);
+  // The step the job is at, as a push or pull of `step` tells: the clock
+  // of ttl_steps (a step lower than one seen before changes nothing).
+  void AdvanceStep(int64_t step);
+
   // BytesPerRow of a table of these options: with a TTL, each row also
   // keeps the time it was last touched. The unit of its byte budget.
   static int64_t RowBytes(const SparseTableOptions& options);
@@ -328,11 +339,12 @@ class SparseTable {
   // admission memory, eviction log) and returns its slot; the caller counts
   // it and reuses or frees the slot.
   uint32_t RemoveLeastRecentlyUsed(Stripe& s) const;
-  // With a TTL: records `now` (TtlSeconds) as the stripe's time for the
+  // With a TTL: records `now` (TtlNow) as the stripe's time for the
   // touches under this lock, and expires its rows past the TTL.
   void ExpireRows(Stripe& s, uint32_t now) const;
-  // Seconds since the table was made, on options_.clock.
-  uint32_t TtlSeconds() const;
+  // The TTL's clock: seconds since the table was made (on options_.clock),
+  // or with ttl_steps the steps since the first AdvanceStep.
+  uint32_t TtlNow() const;
   uint32_t CreateRow(Stripe& s, uint64_t id) const;
   void InitRowState(absl::Span<float> state) const;
   uint32_t CountSighting(Stripe& s, uint64_t id) const;
@@ -346,9 +358,13 @@ class SparseTable {
   const int state_per_element_;
   const int64_t row_floats_;          // dim * (1 + state_per_element)
   const int64_t sightings_capacity_;  // per stripe
-  // The TTL in whole seconds, rounded up; 0: none.
-  const uint32_t ttl_s_;
+  // The TTL in whole seconds (rounded up) or in steps; 0: none.
+  const uint32_t ttl_ticks_;
   const absl::Time start_;
+  // ttl_steps' clock (AdvanceStep): the first step seen (-1: none yet) and
+  // the latest.
+  std::atomic<int64_t> first_step_{-1};
+  std::atomic<int64_t> step_{0};
   // The change epoch (MarkChanges): 1 until the first mark.
   std::atomic<uint32_t> epoch_{1};
   std::vector<std::unique_ptr<Stripe>> stripes_;

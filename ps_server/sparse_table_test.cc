@@ -829,6 +829,51 @@ TEST(SparseTableTtlTest, ExpiredSlotsAreReusedSoMemoryStaysFlat) {
   EXPECT_LE(st.memory_bytes, memory_after_first_round * 2);
 }
 
+// ttl_steps counts the job's steps (AdvanceStep) from the first the table
+// sees, not from step 0: rows a restore at step 1000 loaded are as young as
+// that step, and time alone expires nothing.
+TEST(SparseTableTtlTest, RowsNotTouchedForTheTtlInStepsExpire) {
+  FakeClock clock;
+  SparseTableOptions o = Options("sgd", 2);
+  o.num_stripes = 1;
+  o.ttl_steps = 10;
+  o.clock = clock.Get();
+  auto t = Make(o);
+  EXPECT_GT(SparseTable::RowBytes(o),
+            SparseTable::BytesPerRow(o.dim, o.optimizer.name));
+  ASSERT_TRUE(t->LoadRow(7, {1.0f, 2.0f}, {}, 1).ok());  // a restore's
+  t->AdvanceStep(1000);
+  PullRows(*t, {1, 2, 3});
+  t->AdvanceStep(1005);
+  ASSERT_TRUE(t->Push({2}, {1.0f, 1.0f}).ok());
+  clock.now += absl::Hours(10);
+  t->AdvanceStep(1003);  // a slower worker's step moves nothing back
+  t->AdvanceStep(1010);
+  PullRow(*t, 4);
+  EXPECT_EQ(Resident(*t), (std::set<uint64_t>{1, 2, 3, 4, 7}));
+  t->AdvanceStep(1011);  // 7, 1 and 3: untouched since step 1000
+  PullRow(*t, 4);
+  EXPECT_EQ(Resident(*t), (std::set<uint64_t>{2, 4}));
+  EXPECT_EQ(t->Stats().rows_expired, 3);
+  t->AdvanceStep(1016);  // 2: pushed at step 1005
+  PullRow(*t, 4);
+  EXPECT_EQ(Resident(*t), (std::set<uint64_t>{4}));
+  EXPECT_EQ(t->Stats().rows_expired, 4);
+}
+
+TEST(SparseTableTtlTest, ATtlInStepsIsRefusedNegativeOrBesideOneInTime) {
+  SparseTableOptions o = Options("sgd", 2);
+  o.ttl_steps = -1;
+  EXPECT_FALSE(SparseTable::Create(o).ok());
+  o.ttl_steps = 5;
+  o.ttl = absl::Seconds(30);
+  absl::StatusOr<std::unique_ptr<SparseTable>> refused = SparseTable::Create(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("not beside one in seconds"),
+            std::string::npos)
+      << refused.status();
+}
+
 TEST(SparseTableTtlTest, ATtlBelowASecondIsRefused) {
   SparseTableOptions o = Options("sgd", 2);
   for (absl::Duration ttl :

@@ -114,6 +114,31 @@ TEST(CtrTest, RowsUntouchedForTheirTtlExpireWhileTheJobRuns) {
   EXPECT_EQ(evicted, 0);  // no bound: only the TTL removed rows
 }
 
+// --sparse_row_ttl_steps: the same in the job's steps, in a sync job run as
+// fast as it goes: rows of ids no batch had in the last 5 steps go, however
+// little time passed.
+TEST(CtrTest, RowsUntouchedForTheirTtlInStepsExpireWhileTheJobRuns) {
+  ClusterOptions options = CtrCluster("sync", 1);
+  options.server_flags.push_back("--sparse_row_ttl_steps=5");
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "ctr_ttl_steps");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  absl::StatusOr<std::vector<std::string>> outputs =
+      (*cluster)->RunWorkers({CtrFlags(60)}, absl::Seconds(120));
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  EXPECT_GT(Number(outputs->front(), "auc"), 0.5) << outputs->front();
+  absl::StatusOr<std::vector<StatsResponse>> stats = (*cluster)->Stats();
+  ASSERT_TRUE(stats.ok());
+  int64_t expired = 0;
+  for (const StatsResponse& shard : *stats) {
+    for (const SparseStats& table : shard.sparse()) {
+      expired += table.rows_expired();
+    }
+  }
+  std::cout << "[ ctr ] rows expired by the 5-step TTL: " << expired << "\n";
+  EXPECT_GT(expired, 0);
+}
+
 // Async: every worker evaluates the same final model, the servers' once all
 // have finished, even when one finishes well before the other (worker 1
 // starts 1.5 s late, so worker 0 would otherwise evaluate a model that is

@@ -90,6 +90,21 @@ INSTANTIATE_TEST_SUITE_P(
                   "--replica_hosts=127.0.0.1:1,127.0.0.1:2"},
                  "--sparse_row_ttl cannot be used with --replicas > 1"},
         FlagCase{"ps_server/ps_server",
+                 {"--sparse_row_ttl_steps=-3"},
+                 "--sparse_row_ttl_steps must be >= 1 (0: rows never "
+                 "expire), got -3"},
+        FlagCase{"ps_server/ps_server",
+                 {"--sparse_row_ttl_steps=100", "--sparse_row_ttl=30m"},
+                 "--sparse_row_ttl_steps and --sparse_row_ttl: give one row "
+                 "TTL"},
+        FlagCase{"ps_server/ps_server",
+                 {"--sparse_row_ttl_steps=100", "--replicas=2",
+                  "--replica_hosts=127.0.0.1:1,127.0.0.1:2"},
+                 "--sparse_row_ttl_steps cannot be used with --replicas > 1"},
+        FlagCase{"ps_server/ps_server",
+                 {"--replica_catchup_chunk_kib=0"},
+                 "--replica_catchup_chunk_kib must be in [1, 1048576], got 0"},
+        FlagCase{"ps_server/ps_server",
                  {"--sparse_max_rows=1000", "--replicas=2",
                   "--replica_hosts=127.0.0.1:1,127.0.0.1:2"},
                  "--sparse_max_rows and --sparse_memory_gb cannot be used "

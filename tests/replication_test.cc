@@ -185,9 +185,15 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
                    c.restarted ? "_restarted" : "",
                    c.survivor_killed ? "_then_survivor" : "",
                    c.checkpoints ? "_checkpoints" : "");
-  std::unique_ptr<TestCluster> cluster = StartProbeCluster(
-      name, c.mode, kShards, /*replicas=*/2,
-      c.checkpoints ? CheckpointFlags(name, 10) : std::vector<std::string>{});
+  std::vector<std::string> server_flags =
+      c.checkpoints ? CheckpointFlags(name, 10) : std::vector<std::string>{};
+  if (c.survivor_killed) {
+    // A block (16 KiB) a chunk: the catch-up sends several chunks at once,
+    // in any order, and the caught-up replica then carries the job alone.
+    server_flags.push_back("--replica_catchup_chunk_kib=16");
+  }
+  std::unique_ptr<TestCluster> cluster =
+      StartProbeCluster(name, c.mode, kShards, /*replicas=*/2, server_flags);
   ASSERT_NE(cluster, nullptr);
   LogsOnFailure logs(*cluster);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(*cluster);
