@@ -841,9 +841,11 @@ absl::Status ReplicaSet::SendState(int joiner,
   }
   if (first_in_order > 1) {
     std::atomic<size_t> next{1};
-    std::vector<absl::Status> failed(kStateChunksInFlight);
+    const int threads = static_cast<int>(
+        std::min<size_t>(kStateChunksInFlight, first_in_order - 1));
+    std::vector<absl::Status> failed(threads);
     std::vector<std::thread> senders;
-    for (int t = 0; t < kStateChunksInFlight; ++t) {
+    for (int t = 0; t < threads; ++t) {
       senders.emplace_back([&, t] {
         for (size_t c = next.fetch_add(1); c < first_in_order;
              c = next.fetch_add(1)) {

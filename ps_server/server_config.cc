@@ -68,6 +68,10 @@ void CheckJob(const ServerConfig& c, Problems& checks) {
       checks.push_back(absl::InvalidArgumentError(
           "--sparse_row_ttl_steps and --sparse_row_ttl: give one row TTL, "
           "in steps or in time"));
+    } else if (c.mode != "sync") {
+      checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+          "--sparse_row_ttl_steps counts the steps of sync tables; --mode=",
+          c.mode, " has none the servers complete: use --sparse_row_ttl")));
     } else if (c.replicas > 1) {
       // Rows expire when their stripe is next touched, and only the
       // primary serves pulls.
@@ -116,11 +120,14 @@ void CheckReplicas(const ServerConfig& c, Problems& checks) {
         absl::StrCat("--replica_index must be in [0, --replicas=", c.replicas,
                      "), got ", c.replica_index)));
   }
+  // A chunk is one message: the joiner refuses one over --max_message_mb
+  // (a replica of a set only: alone, the flag has no use to refuse).
+  const int max_chunk_kib = c.network.max_message_mb * 1024 / 2;
   if (c.replica_catchup_chunk_kib < 1 ||
-      c.replica_catchup_chunk_kib > (1 << 20)) {
+      (c.replicas > 1 && c.replica_catchup_chunk_kib > max_chunk_kib)) {
     checks.push_back(absl::InvalidArgumentError(absl::StrCat(
-        "--replica_catchup_chunk_kib must be in [1, 1048576], got ",
-        c.replica_catchup_chunk_kib)));
+        "--replica_catchup_chunk_kib must be in [1, ", max_chunk_kib,
+        "] (half of --max_message_mb), got ", c.replica_catchup_chunk_kib)));
   }
   if (c.replicas == 1) return;
   if (static_cast<int>(c.replica_hosts.size()) != c.replicas) {

@@ -82,7 +82,8 @@ struct ServerConfig {
   int replica_index = 0;
   std::vector<std::string> replica_hosts;
   double replica_takeover_s = 2;
-  int replica_catchup_chunk_kib = 2048;
+  int replica_catchup_chunk_kib =
+      static_cast<int>(ReplicaOptions().catchup_chunk_bytes >> 10);
   // Checkpoints (none without a directory; with replicas, each writes its
   // own, under replica-<index>/ of it).
   std::string checkpoint_dir;

@@ -238,6 +238,22 @@ absl::Status Shard::CheckModelFits(
       }
     }
   }
+  if (options_.sparse_row_ttl_steps > 0) {
+    for (const SparseTableSpec& table : schema.sparse()) {
+      absl::StatusOr<ConsistencyMode> mode =
+          TableConsistencyMode(options_.mode, table.name(), table.mode());
+      if (mode.ok() && *mode != ConsistencyMode::kSync) {
+        // Its steps are each worker's own count, which any client could
+        // move as far as it likes.
+        return absl::InvalidArgumentError(absl::StrCat(
+            "table ", QuoteForStatus(table.name()), " is ",
+            ConsistencyModeName(*mode),
+            ": --sparse_row_ttl_steps counts the steps of sync tables, "
+            "which the servers complete; give the servers a TTL in time "
+            "(--sparse_row_ttl) instead"));
+      }
+    }
+  }
   // Counted from the schema, as Partition::Create will lay it out (blocks
   // round-robin over the shards), so that nothing is allocated for a model
   // that is refused.

@@ -202,8 +202,8 @@ absl::StatusOr<ReplicaStateExport> Shard::ExportReplicaState(
       rows->add_sighting_counts(count);
     });
   }
-  // The last chunk makes the joiner a backup, so it goes once every other
-  // is in: one that carries nothing is not a copy nobody overlaps.
+  // The last chunk makes the joiner a backup, so it goes alone once every
+  // other is in: it carries nothing, so no copy waits for that turn.
   if (chunks.size() > 1) {
     chunks.emplace_back();
     out_state.floats.emplace_back();

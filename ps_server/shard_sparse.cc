@@ -221,11 +221,8 @@ void Shard::SparsePull(const SparsePullRequest& request, absl::Time deadline,
   }
   const int64_t step = request.step();
   const int worker = request.worker_id();
-  auto answer = [table, ids, step, worker,
-                 done = std::move(done)](absl::Status status) {
+  auto answer = [table, ids, done = std::move(done)](absl::Status status) {
     if (!status.ok()) return done(std::move(status), {});
-    // An observer's pull (an export, an evaluation) is no step of the job.
-    if (worker >= 0) table->table->AdvanceStep(step);
     SparsePullResponse response;
     std::string* values = response.mutable_values();
     values->resize(ids.size() * table->spec->dim() * sizeof(float));
@@ -385,7 +382,6 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
       last = request.step();
     }
     SparsePushResult pushed;
-    table.table->AdvanceStep(request.step());
     // Validated above (unique ids, sizes, finite): this cannot fail.
     if (absl::Status s = table.table->Push(ids, grads, &pushed); !s.ok()) {
       ReportInternalError(

@@ -1611,6 +1611,25 @@ TEST(ShardSparseTest, ReplicatedServersRefuseATableBudget) {
   EXPECT_TRUE(unbounded.ok()) << unbounded.status();
 }
 
+// A row TTL in steps counts the steps the servers complete: an async table
+// has none (its steps are each worker's own count), and is refused.
+TEST(ShardSparseTest, ATtlInStepsRefusesAnAsyncTable) {
+  ShardOptions options;
+  options.sparse_row_ttl_steps = 100;
+  auto shard = std::move(*Shard::Create(options));
+  RegisterModelRequest request = OneTableRequest(/*dim=*/16);
+  request.mutable_schema()->mutable_sparse(0)->set_mode("async");
+  absl::StatusOr<RegisterModelResponse> refused = shard->Register(request);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find(
+                "table 'emb' is async: --sparse_row_ttl_steps counts"),
+            absl::string_view::npos)
+      << refused.status();
+  EXPECT_EQ(shard->Stats().sparse_size(), 0);  // nothing registered
+  request.mutable_schema()->mutable_sparse(0)->set_mode("sync");
+  EXPECT_TRUE(shard->Register(request).ok());
+}
+
 // Ids counted toward admission travel too: a caught-up replica admits an id
 // at the same pull as the primary, so a push to it is applied on both (a
 // joiner that started counting afresh would drop it).

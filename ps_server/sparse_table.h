@@ -70,10 +70,10 @@
 //                reported by ChangesSince and remembered by admission. A
 //                stripe nobody touches keeps its expired rows until somebody
 //                does.
-//   ttl_steps    The same, counted in the table's steps instead of seconds:
-//                the steps workers pushed and pulled (AdvanceStep) since the
-//                first the table saw, so that rows a restore loaded start
-//                their count at the job's step, not at step 0.
+//   ttl_steps    The same, counted in the table's completed sync steps
+//                (AdvanceStep) instead of seconds, from the first the table
+//                completed, so that rows a restore loaded start their count
+//                at the job's step, not at step 0.
 // Change tracking (MarkChanges, ChangesSince) costs every row a 4-byte
 // stamp, and each stripe a log of recent evictions (one 16-byte entry per 8
 // rows it may hold); RowBytes counts both.
@@ -204,10 +204,6 @@ class SparseTable {
   // largest for that row count. The unit of a table's byte budget; 0 for an
   // optimizer name the tables do not run.
   static int64_t BytesPerRow(int64_t dim, absl::string_view optimizer);
-  // The step the job is at, as a push or pull of `step` tells: the clock
-  // of ttl_steps (a step lower than one seen before changes nothing).
-  void AdvanceStep(int64_t step);
-
   // BytesPerRow of a table of these options: with a TTL, each row also
   // keeps the time it was last touched. The unit of its byte budget.
   static int64_t RowBytes(const SparseTableOptions& options);
@@ -246,6 +242,9 @@ class SparseTable {
   absl::Status Push(absl::Span<const uint64_t> ids,
                     absl::Span<const float> grads,
                     SparsePushResult* result = nullptr);
+  // The table completed sync step `step`: the clock of ttl_steps (a step
+  // at or below one seen before changes nothing).
+  void AdvanceStep(int64_t step);
 
   SparseTableStats Stats() const;
 

@@ -829,9 +829,9 @@ TEST(SparseTableTtlTest, ExpiredSlotsAreReusedSoMemoryStaysFlat) {
   EXPECT_LE(st.memory_bytes, memory_after_first_round * 2);
 }
 
-// ttl_steps counts the job's steps (AdvanceStep) from the first the table
-// sees, not from step 0: rows a restore at step 1000 loaded are as young as
-// that step, and time alone expires nothing.
+// ttl_steps counts the table's completed steps (AdvanceStep) from the first
+// it completes, not from step 0: rows a restore at step 1000 loaded are as
+// young as that step, and time alone expires nothing.
 TEST(SparseTableTtlTest, RowsNotTouchedForTheTtlInStepsExpire) {
   FakeClock clock;
   SparseTableOptions o = Options("sgd", 2);
@@ -847,7 +847,7 @@ TEST(SparseTableTtlTest, RowsNotTouchedForTheTtlInStepsExpire) {
   t->AdvanceStep(1005);
   ASSERT_TRUE(t->Push({2}, {1.0f, 1.0f}).ok());
   clock.now += absl::Hours(10);
-  t->AdvanceStep(1003);  // a slower worker's step moves nothing back
+  t->AdvanceStep(1003);  // an older step moves nothing back
   t->AdvanceStep(1010);
   PullRow(*t, 4);
   EXPECT_EQ(Resident(*t), (std::set<uint64_t>{1, 2, 3, 4, 7}));

@@ -98,12 +98,17 @@ INSTANTIATE_TEST_SUITE_P(
                  "--sparse_row_ttl_steps and --sparse_row_ttl: give one row "
                  "TTL"},
         FlagCase{"ps_server/ps_server",
+                 {"--sparse_row_ttl_steps=100", "--mode=async"},
+                 "--sparse_row_ttl_steps counts the steps of sync tables; "
+                 "--mode=async has none"},
+        FlagCase{"ps_server/ps_server",
                  {"--sparse_row_ttl_steps=100", "--replicas=2",
                   "--replica_hosts=127.0.0.1:1,127.0.0.1:2"},
                  "--sparse_row_ttl_steps cannot be used with --replicas > 1"},
         FlagCase{"ps_server/ps_server",
                  {"--replica_catchup_chunk_kib=0"},
-                 "--replica_catchup_chunk_kib must be in [1, 1048576], got 0"},
+                 "--replica_catchup_chunk_kib must be in [1, 262144] (half of "
+                 "--max_message_mb), got 0"},
         FlagCase{"ps_server/ps_server",
                  {"--sparse_max_rows=1000", "--replicas=2",
                   "--replica_hosts=127.0.0.1:1,127.0.0.1:2"},

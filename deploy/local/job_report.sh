@@ -43,7 +43,7 @@ done
   { echo "job_report.sh: --shards and --workers must be positive integers" >&2; exit 2; }
 warn() { printf '%s: warning: %s\n' "$prog" "$*" >&2; }
 
-finals=$(grep -o '{"event":"shard_final".*}' | grep -v '"replica_role":"\(backup\|stale\|joining\)"' || true)
+finals=$(grep -o '{"event":"shard_final".*}' | grep -v '"replica_role":"\(backup\|stale\|joining\|catching_up\)"' || true)
 reported=$(grep -c . <<<"$finals" || true)
 if ((reported != shards)); then
   warn "$reported of $shards server(s) said how they ended (a server killed, or older than this script?); see $logs"

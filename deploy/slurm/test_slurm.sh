@@ -458,9 +458,11 @@ check_training_job() {  # name mode workers shards [server processes]
       fail "job $name: worker $k test_accuracy $acc < $MIN_ACCURACY"
     echo "  job $name worker $k: mode $mode test_accuracy $acc" >&2
   done
-  # Placement: every shard reported from n1, every worker ran on n2.
+  # Placement: every shard reported from n1, every worker ran on n2 (a
+  # replica started again reports again: counted once).
   local ready
-  ready=$(grep -c 'pstrain-ps-ready shard=[0-9]* node=n1 ' "$T/run-$name/servers.log" || true)
+  ready=$(grep -o 'pstrain-ps-ready shard=[0-9]* node=n1 port=[0-9]*\( replica=[0-9]*\)\?' "$T/run-$name/servers.log" |
+    sort -u | grep -c . || true)
   ((ready == processes)) || fail "job $name: $ready of $processes server processes reported ready on n1"
   local on_n2
   on_n2=$(grep -c 'pstrain: worker [0-9]* on n2 .* device cpu' "$T/run-$name/workers.log" || true)
@@ -498,6 +500,10 @@ grep -q "pstrain-ps-restart shard=0 node=n1 status=137 replica=0: starting it ag
   fail "job G: the killed replica 0 was not started again"
 grep -q "replica 0 of shard 0 caught up from replica 1 " "$T/run-G/servers.log" ||
   fail "job G: the restarted replica 0 did not catch up from replica 1"
+(($(grep -c "pstrain-ps-ready shard=0 node=n1 port=$PS_BASE_G replica=0" "$T/run-G/servers.log") == 2)) ||
+  fail "job G: the restarted replica 0 did not report ready again"
+! grep -q "pstrain-ps-restart shard=0 node=n1 status=[0-9]* replica=1" "$T/run-G/servers.log" ||
+  fail "job G: replica 1 was started again (the job's stop must not restart it)"
 log "job G: the shard's backup took over, the killed replica came back as its backup, and the job completed"
 state=$(job_state "$JOB_H")
 [[ "$state" == "FAILED 2:0" ]] ||
