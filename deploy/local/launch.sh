@@ -709,6 +709,10 @@ start_workers() {
   local k pid
   python_args
   for ((k = 0; k < WORKERS; k++)); do
+    # Made here, not by the worker's redirection in the background: the
+    # stream's tail must find worker 0's file (under load it opened it
+    # first and showed nothing; examples_test saw that once).
+    : >"$RUN/worker$k.out"
     if [[ -n "$PYTHON_SCRIPT" ]]; then
       PSTRAIN_CLUSTER=$(python_cluster "$k") RANK=$k WORLD_SIZE=$WORKERS \
         LOCAL_RANK=$k LOCAL_WORLD_SIZE=$WORKERS \
