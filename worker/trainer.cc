@@ -761,11 +761,17 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
                            : absl::StrFormat("%.3f", r.time_to_target_s);
   const std::string step_to_target =
       r.step_to_target < 0 ? "null" : absl::StrCat(r.step_to_target);
+  // A worker that trained no step here (it joined a job already at its
+  // end: a rerun on a finished job's checkpoints) has no training figures.
+  const std::string final_loss =
+      r.steps_run > 0 ? absl::StrFormat("%.6f", r.final_loss) : "null";
+  const std::string train_accuracy =
+      r.steps_run > 0 ? absl::StrFormat("%.4f", r.train_accuracy) : "null";
   return absl::StrFormat(
       "{\"event\":\"final\",\"mode\":\"%s\",\"worker_id\":%d,"
       "\"num_workers\":%d,\"device\":\"%s\",\"steps\":%d,"
       "\"epochs\":%.3f,\"steps_per_epoch\":%d,"
-      "\"final_loss\":%.6f,\"train_accuracy\":%.4f,\"test_loss\":%.6f,"
+      "\"final_loss\":%s,\"train_accuracy\":%s,\"test_loss\":%.6f,"
       "\"test_accuracy\":%.4f,\"test_examples\":%d,\"final_model\":\"%s\","
       "\"time_to_target_s\":%s,\"step_to_target\":%s,\"evaluations\":%d,"
       "\"evaluation_s\":%.3f,\"samples_per_sec\":%.1f,"
@@ -778,7 +784,7 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s,"
       "\"not_learning\":%s,\"final_state\":\"%s\",\"shards_behind\":[%s]}",
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
-      r.epochs, r.steps_per_epoch, r.final_loss, r.train_accuracy, r.test_loss,
+      r.epochs, r.steps_per_epoch, final_loss, train_accuracy, r.test_loss,
       r.test_accuracy, r.test_examples, r.final_model, time_to_target,
       step_to_target, r.evaluations, r.evaluation_seconds, r.samples_per_sec,
       r.wall_time_s, r.compute_seconds, r.network_wait_seconds,
