@@ -38,9 +38,12 @@
 # while a checkpoint is written, and a replica started again reads its own
 # older checkpoint (it must catch up from the running replica, not keep it).
 #
+# --backup_reads: the workers read half the shards from their backups
+# (--pulls_from_backups; --replicas=2, the probe model's PushPull steps).
+#
 #   bench/replication_trials.sh [--trials=40] [--models=probe,ctr]
 #       [--replicas=2|3] [--checkpoint_every_steps=N] [--trial_timeout_s=60]
-#       [--seed=N] [--record] [--keep]
+#       [--backup_reads] [--seed=N] [--record] [--keep]
 #
 # Prints a line per trial and a summary; --record appends them (command,
 # machine, date) to bench/results/replication_trials.txt. Exit status: 0
@@ -50,6 +53,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 trials=40 models=probe replicas=2 checkpoint_every_steps=0 trial_timeout_s=60 seed=$$ record=0 keep=0
+backup_reads=0
 args="$*"
 for arg in "$@"; do
   case "$arg" in
@@ -61,6 +65,7 @@ for arg in "$@"; do
     --seed=*) seed=${arg#*=} ;;
     --record) record=1 ;;
     --keep) keep=1 ;;
+    --backup_reads) backup_reads=1 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "replication_trials.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
@@ -135,6 +140,7 @@ trial() {
     "$worker_bin" --ps_hosts="$hosts" --worker_id=$k --num_workers=2 $(model_flags "$model") \
       --inject_step_delay_ms=5 --log_every=0 --device=cpu --heartbeat_interval_s=0.2 \
       --retry_window_s=30 --rpc_timeout_s=20 --metrics_csv="$dir/w$k.csv" \
+      --pulls_from_backups=$( ((backup_reads)) && echo true || echo false) \
       >"$dir/w$k.out" 2>"$dir/w$k.log" &
     worker_pids+=("$!")
     pids+=("$!")

@@ -928,6 +928,13 @@ void ReplicaSet::CatchUpFailed(const std::string& why) {
   StepDown(absl::StrCat("its catch-up failed: ", why));
 }
 
+std::vector<int> ReplicaSet::DataPorts() const {
+  std::vector<int> ports(options_.addresses.size(), 0);
+  ports[options_.replica_index] = data_port_.load();
+  for (const auto& peer : peers_) ports[peer->index] = peer->data_port.load();
+  return ports;
+}
+
 bool ReplicaSet::InSet(int index) const {
   absl::MutexLock lock(&mu_);
   return std::find(in_set_.begin(), in_set_.end(), index) != in_set_.end();

@@ -299,6 +299,10 @@ class ReplicaSet {
   // The replica fields of StatsResponse.
   void AddStats(StatsResponse* stats) const;
   bool is_primary() const { return role_.load() == Role::kPrimary; }
+  bool is_backup() const { return role_.load() == Role::kBackup; }
+  // Each replica's data port by index, as far as this one knows (its
+  // own, and the others' from their answers; 0: unknown).
+  std::vector<int> DataPorts() const;
   // Whether this replica holds the shard's running state: it serves or
   // follows (not starting, catching up or stale).
   bool holds_state() const {

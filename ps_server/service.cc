@@ -147,6 +147,11 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
           response->set_data_port_tls(port > 0 && data_port_tls_.load());
           response->set_rounded_pulls(true);
           response->set_sparse_pull_tables(true);
+          if (replicas_ != nullptr && port > 0) {
+            for (int p : replicas_->DataPorts()) {
+              response->add_replica_data_ports(p);
+            }
+          }
         }
         return response;
       });
@@ -173,13 +178,22 @@ bool ParameterServerService::TokenAccepted(absl::string_view token) const {
 void ParameterServerService::PullFromBytes(
     absl::Span<const absl::string_view> request, absl::Time deadline,
     bool payloads_apart, bool follows_own_push, PullDone done) {
-  if (absl::Status serves = ServesWorkers(); !serves.ok()) {
-    return done(std::move(serves));
-  }
   PullRequest pull;
   if (absl::Status s = ParseSmall(request, &pull); !s.ok()) {
     shard_->CountRejected();
     return done(std::move(s));
+  }
+  // A read addressed to a backup: answered by a backup only.
+  const bool backup_read =
+      pull.replica_read() && replicas_ != nullptr && replicas_->is_backup();
+  if (pull.replica_read() && !backup_read) {
+    return done(absl::UnavailableError(
+        absl::StrCat("a read from a backup, but this server is ",
+                     replicas_ == nullptr ? "not replicated" : "no backup",
+                     ": read from the primary")));
+  }
+  if (absl::Status serves = ServesWorkers(); !serves.ok() && !backup_read) {
+    return done(std::move(serves));
   }
   const DataType dtype = pull.dtype();
   if (dtype != FLOAT32 && dtype != BFLOAT16 && dtype != FLOAT16) {
@@ -188,12 +202,13 @@ void ParameterServerService::PullFromBytes(
         absl::StrCat("PullRequest dtype ", dtype,
                      ": the servers answer FLOAT32, BFLOAT16 or FLOAT16")));
   }
-  Shard::PullDone answer = [this, done = std::move(done), payloads_apart,
-                            dtype](absl::Status status,
-                                   std::vector<PulledBlock> blocks) {
+  const bool values_elsewhere = pull.values_elsewhere();
+  Shard::PullDone answer = [this, done = std::move(done), payloads_apart, dtype,
+                            values_elsewhere](absl::Status status,
+                                              std::vector<PulledBlock> blocks) {
     if (!status.ok()) return done(std::move(status));
     auto reply = std::make_shared<PullReply>();
-    reply->blocks = std::move(blocks);
+    if (!values_elsewhere) reply->blocks = std::move(blocks);
     if (dtype != FLOAT32) reply->rounded.resize(reply->blocks.size());
     std::vector<OutgoingBlock> outgoing;
     outgoing.reserve(reply->blocks.size());
@@ -235,6 +250,7 @@ void ParameterServerService::PullFromBytes(
     bytes.keep_alive = std::move(reply);
     done(std::move(bytes));
   };
+  if (backup_read) return shard_->PullOnBackup(pull, deadline, answer);
   shard_->Pull(pull, deadline, AfterForwards(std::move(answer), deadline),
                follows_own_push);
 }
@@ -531,6 +547,10 @@ void ParameterServerService::set_replicas(ReplicaSet* replicas) {
   if (replicas_ == nullptr || !shard_->records_steps()) return;
   shard_->set_leads_steps([replicas] { return replicas->is_primary(); });
   replicas_->set_on_takeover([this] {
+    // A worker waiting here for its step's values cannot send that step
+    // here until its read ends.
+    shard_->FailReplicaReads(absl::UnavailableError(
+        "this backup took over as primary: send the step here"));
     shard_->CompleteStepsNowLeading();
     NudgeStepRecords();
   });

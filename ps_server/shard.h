@@ -188,6 +188,14 @@ class Shard {
   // other blocks may still be on their way, so nothing counts as lost.
   void Pull(const PullRequest& request, absl::Time deadline, PullDone done,
             bool follows_own_push = false);
+  // A sync backup's answer to a worker that reads from it (PsClient's
+  // pulls_from_backups): the blocks once this replica holds step s - 1
+  // (its record applied), changing nothing else here. Waiting reads end
+  // with `status` at FailReplicaReads (a takeover: the worker's step goes
+  // again to the new primary, which it could not while it waited here).
+  void PullOnBackup(const PullRequest& request, absl::Time deadline,
+                    PullDone done);
+  void FailReplicaReads(const absl::Status& status);
   // Sync: a push one step past a restored block that still waits for
   // another member's gradient (that worker pulled the step from this
   // shard's previous life), or a push to a shard restarted with nothing
@@ -730,6 +738,8 @@ class Shard {
   std::shared_ptr<const Membership> membership_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  // FailReplicaReads ran: this replica took over, and reads no more.
+  bool replica_reads_ended_ ABSL_GUARDED_BY(mu_) = false;
   // Restored and not yet met by a worker (sync fast-forward allowed).
   bool recovering_ ABSL_GUARDED_BY(mu_) = false;
   // Sync, started with nothing restored, and no worker has met it at the

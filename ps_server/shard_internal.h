@@ -101,6 +101,8 @@ struct Shard::Waiter {
   int sparse = -1;
   // A ClipNorm: waits until the clipped step `step` of every block is in.
   bool clip = false;
+  // A backup's read (Shard::PullOnBackup).
+  bool replica_read = false;
   int64_t step = 0;
   absl::Time deadline;
   std::function<void(absl::Status)> answer;

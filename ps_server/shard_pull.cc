@@ -200,6 +200,65 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
   done(absl::OkStatus(), ShareBlocks(**model, waiter->locals));
 }
 
+void Shard::PullOnBackup(const PullRequest& request, absl::Time deadline,
+                         PullDone done) {
+  absl::StatusOr<const Model*> model =
+      ValidateCommon(request.protocol_version(), request.worker_id(),
+                     request.step(), /*allow_observer=*/false);
+  if (!model.ok()) return done(Reject(model.status()), {});
+  if (options_.mode != ConsistencyMode::kSync) {
+    return done(absl::FailedPreconditionError(
+                    "a backup answers pulls in sync mode only"),
+                {});
+  }
+  absl::StatusOr<std::vector<int>> locals = ResolvePullBlocks(**model, request);
+  if (!locals.ok()) return done(Reject(locals.status()), {});
+  auto waiter = std::make_unique<Waiter>();
+  waiter->locals = std::move(*locals);
+  waiter->step = request.step();
+  waiter->replica_read = true;
+  {
+    absl::MutexLock lock(&mu_);
+    if (replica_reads_ended_) {
+      return done(absl::UnavailableError(
+                      "this replica is no backup any more: read from the "
+                      "primary"),
+                  {});
+    }
+    if (!WaiterReadyLocked(*waiter)) {
+      if (shutting_down_) {
+        return done(absl::UnavailableError("the server is shutting down"), {});
+      }
+      waiter->deadline =
+          std::min(deadline, absl::Now() + options_.max_pull_wait);
+      const Model* m = *model;
+      std::vector<int> blocks = waiter->locals;
+      waiter->answer = [this, m, blocks = std::move(blocks),
+                        done = std::move(done)](absl::Status status) {
+        if (!status.ok()) return done(std::move(status), {});
+        done(absl::OkStatus(), ShareBlocks(*m, blocks));
+      };
+      waiters_.push_back(std::move(waiter));
+      return;
+    }
+  }
+  done(absl::OkStatus(), ShareBlocks(**model, waiter->locals));
+}
+
+void Shard::FailReplicaReads(const absl::Status& status) {
+  std::vector<std::unique_ptr<Waiter>> reads;
+  {
+    absl::MutexLock lock(&mu_);
+    replica_reads_ended_ = true;
+    auto split = std::stable_partition(
+        waiters_.begin(), waiters_.end(),
+        [](const std::unique_ptr<Waiter>& w) { return !w->replica_read; });
+    std::move(split, waiters_.end(), std::back_inserter(reads));
+    waiters_.erase(split, waiters_.end());
+  }
+  for (std::unique_ptr<Waiter>& w : reads) w->answer(status);
+}
+
 void Shard::ReleaseReadyWaiters() {
   std::vector<std::unique_ptr<Waiter>> ready;
   {

@@ -1774,6 +1774,44 @@ TEST(ShardStepRecordsTest, AFollowerAppliesEachStepAsTheLeaderDid) {
   ExpectSameModel(*f.leader, *f.follower, 4);
 }
 
+// A backup answers a worker's read of step 1 once it applied that step's
+// record, with the leader's values, and changes nothing else; once it took
+// over, a waiting read ends UNAVAILABLE (the worker sends its step to it
+// again) and so does every later one.
+TEST(ShardStepRecordsTest, ABackupAnswersAReadOnceItHoldsTheStep) {
+  LeaderAndFollower f = MakeLeaderAndFollower();
+  PullResult read;
+  f.follower->PullOnBackup(PullAt(0, 1), Soon(), read.Callback());
+  EXPECT_FALSE(read.done.HasBeenNotified());
+  for (int worker : {0, 1}) {
+    ASSERT_TRUE(DoPush(*f.leader, UniformPush(worker, 0, 1.0f + worker)).ok());
+  }
+  EXPECT_FALSE(read.done.HasBeenNotified());  // the leader has it, not yet here
+  const SentRecords sent = Take(*f.leader);
+  ASSERT_TRUE(f.follower->ApplyStepRecords(sent.records, sent.sums).ok());
+  ASSERT_TRUE(read.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(read.status.ok()) << read.status;
+  auto led = DoPull(*f.leader, PullAt(-1, 1), Soon());
+  ASSERT_TRUE(led->status.ok());
+  ASSERT_EQ(read.blocks.size(), led->blocks.size());
+  for (size_t i = 0; i < read.blocks.size(); ++i) {
+    EXPECT_EQ(read.blocks[i].version, 1);
+    EXPECT_EQ(*read.blocks[i].values, *led->blocks[i].values) << "block " << i;
+  }
+  // A read of the next step waits; the takeover ends it, and later reads.
+  PullResult waiting;
+  f.follower->PullOnBackup(PullAt(1, 2), Soon(), waiting.Callback());
+  EXPECT_FALSE(waiting.done.HasBeenNotified());
+  f.follower->FailReplicaReads(absl::UnavailableError("took over"));
+  ASSERT_TRUE(waiting.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(waiting.status.code(), absl::StatusCode::kUnavailable);
+  PullResult late;
+  f.follower->PullOnBackup(PullAt(0, 1), Soon(), late.Callback());
+  ASSERT_TRUE(late.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(late.status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(f.follower->Stats().version(), 1);
+}
+
 // A take holds no more sums than asked (past its first record), and says
 // how many records were made up to its last.
 TEST(ShardStepRecordsTest, ATakeIsBoundedAndCountsWhatItTook) {

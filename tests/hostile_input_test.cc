@@ -623,6 +623,17 @@ TEST_F(HostileInputTest, SyncServerRefusesEachBadRequestAndKeepsItsState) {
       {"pull: step INT64_MAX",
        pull(Pull(0, std::numeric_limits<int64_t>::max())), kInvalid,
        "step must be in [0, 2^53), got 9223372036854775807"},
+      // A read meant for a backup never reaches a lone shard as a plain
+      // pull (which would count the worker's push of the step as given).
+      {"pull: a backup's read, to a shard without replicas",
+       pull([] {
+         PullRequest p = Pull(0, 1);
+         p.set_replica_read(true);
+         return p;
+       }()),
+       grpc::StatusCode::UNAVAILABLE,
+       "a read from a backup, but this server is not replicated",
+       /*rejected=*/0},  // a misdirected read, as a backup's refusal is
       // Worker ids out of range.
       {"push: worker -5", push(Push(-5, 1, 1.0f)), kInvalid,
        "worker_id must be in [0, 2), got -5"},

@@ -48,6 +48,9 @@ struct ReplicationCase {
   // Every replica checkpoints (--checkpoint_dir): the restarted one reads
   // its own older checkpoint, and must catch up rather than keep it.
   bool checkpoints = false;
+  // The workers read half the shards from their backups
+  // (--pulls_from_backups).
+  bool backup_reads = false;
 };
 
 // Every process's log, for whoever reads a failure: when the scope ends, so
@@ -102,8 +105,9 @@ std::vector<std::string> CheckpointFlags(const std::string& name,
 
 // The probe model's kWorkers workers, started on `cluster`.
 std::vector<std::unique_ptr<Process>> StartProbeWorkers(
-    TestCluster& cluster, int rpc_timeout_s = 30) {
-  const std::vector<std::string> flags = {
+    TestCluster& cluster, int rpc_timeout_s = 30,
+    std::vector<std::string> extra_flags = {}) {
+  std::vector<std::string> flags = {
       "--model=probe",
       absl::StrCat("--probe_elements=", kElements),
       absl::StrCat("--block_elements=", kBlock),
@@ -114,6 +118,7 @@ std::vector<std::unique_ptr<Process>> StartProbeWorkers(
       "--retry_window_s=60",
       absl::StrCat("--rpc_timeout_s=", rpc_timeout_s),
       "--inject_step_delay_ms=5"};
+  flags.insert(flags.end(), extra_flags.begin(), extra_flags.end());
   std::vector<std::unique_ptr<Process>> workers;
   for (int k = 0; k < kWorkers; ++k) {
     absl::StatusOr<std::unique_ptr<Process>> worker =
@@ -184,7 +189,8 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
       absl::StrCat("replicated_", c.mode, "_", c.killed_replica,
                    c.restarted ? "_restarted" : "",
                    c.survivor_killed ? "_then_survivor" : "",
-                   c.checkpoints ? "_checkpoints" : "");
+                   c.checkpoints ? "_checkpoints" : "",
+                   c.backup_reads ? "_backup_reads" : "");
   std::vector<std::string> server_flags =
       c.checkpoints ? CheckpointFlags(name, 10) : std::vector<std::string>{};
   if (c.survivor_killed) {
@@ -196,7 +202,10 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
       StartProbeCluster(name, c.mode, kShards, /*replicas=*/2, server_flags);
   ASSERT_NE(cluster, nullptr);
   LogsOnFailure logs(*cluster);
-  std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(*cluster);
+  std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(
+      *cluster, 30,
+      c.backup_reads ? std::vector<std::string>{"--pulls_from_backups"}
+                     : std::vector<std::string>{});
   ASSERT_EQ(workers.size(), kWorkers);
   // A third of the way in, every shard's primary has applied updates and
   // forwarded them.
@@ -208,6 +217,14 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
                       },
                       absl::Seconds(60))
                   .ok());
+  if (c.backup_reads) {
+    // Worker 0 reads shard 1 from its backup (replica 1), which answers
+    // pulls of nobody else.
+    absl::StatusOr<StatsResponse> backup = cluster->ReplicaStats(1, 1);
+    ASSERT_TRUE(backup.ok()) << backup.status();
+    EXPECT_EQ(backup->replica_role(), "backup");
+    EXPECT_GE(backup->pulls_served(), kill_at / 2);
+  }
   if (c.checkpoints) {
     // The replica to kill has a checkpoint of its own to read when it
     // comes back.
@@ -307,14 +324,18 @@ INSTANTIATE_TEST_SUITE_P(
                       ReplicationCase{"async", 0, false},
                       ReplicationCase{"async", 1, true},
                       ReplicationCase{"async", 0, true, true},
-                      ReplicationCase{"async", 0, true, false, true}),
+                      ReplicationCase{"async", 0, true, false, true},
+                      ReplicationCase{"sync", 0, false, false, false, true},
+                      ReplicationCase{"sync", 1, false, false, false, true},
+                      ReplicationCase{"sync", 0, true, true, false, true}),
     [](const ::testing::TestParamInfo<ReplicationCase>& info) {
       return absl::StrCat(
           info.param.mode,
           info.param.killed_replica == 0 ? "_primary" : "_backup",
           info.param.restarted ? "_restarted" : "",
           info.param.survivor_killed ? "_then_survivor" : "",
-          info.param.checkpoints ? "_checkpoints" : "");
+          info.param.checkpoints ? "_checkpoints" : "",
+          info.param.backup_reads ? "_backup_reads" : "");
     });
 
 // Three replicas, the primary and then the one that replaced it killed in

@@ -65,6 +65,7 @@ PsClientOptions BuildOptions(const ClientConfig& config,
   options.call_streams = config.call_streams;
   options.data_plane = config.data_plane;
   options.data_requests_in_flight = config.data_requests_in_flight;
+  options.pulls_from_backups = config.pulls_from_backups;
   options.gradient_topk_fraction = config.gradient_topk_fraction;
   options.sparse_row_cache_steps = config.sparse_cache_steps;
   options.sparse_row_cache_bytes = int64_t{config.sparse_cache_mb} << 20;

@@ -187,6 +187,8 @@ PsClient::PsClient(const PsClientOptions& options)
   data_ports_.assign(options.hosts.size(), 0);
   data_push_pull_.assign(options.hosts.size(), false);
   data_port_tls_.assign(options.hosts.size(), false);
+  replica_data_ports_.assign(options.hosts.size(), {});
+  backup_reads_off_until_.assign(options.hosts.size(), absl::InfinitePast());
   data_failed_ports_.assign(options.hosts.size(), 0);
   data_failed_at_.assign(options.hosts.size(), absl::InfinitePast());
   server_lives_ = std::vector<std::atomic<uint64_t>>(options.hosts.size());
@@ -279,6 +281,8 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls(
     data_ports_[s] = responses[s].data_port();
     data_push_pull_[s] = responses[s].data_push_pull();
     data_port_tls_[s] = responses[s].data_port_tls();
+    replica_data_ports_[s].assign(responses[s].replica_data_ports().begin(),
+                                  responses[s].replica_data_ports().end());
   }
   return responses;
 }

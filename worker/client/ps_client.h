@@ -124,6 +124,15 @@ struct PsClientOptions {
   // and one to a server elsewhere, which keeps every worker's pushes in
   // step as a sync step on a link that binds needs (see RunExchanges).
   int data_requests_in_flight = 0;
+  // Sync, with shards of two replicas, on the data plane: a PushPull reads
+  // the values of every other shard (by worker id) from the shard's backup,
+  // which answers once it applied the step's record, while the primary
+  // answers the push without them; the primary's link then carries the
+  // records to its backup and half the pulls instead of all of them
+  // (bench/results/replication_link_speed.txt). A step whose reads fail
+  // goes again as a plain PushPull (its pushes are duplicates there), and
+  // that shard's reads stay on its primary for 30 s.
+  bool pulls_from_backups = false;
   // Channel security (TLS / mutual TLS); null means plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   // The data plane's TLS (TlsContext::ForClient from the same files as
@@ -449,6 +458,21 @@ class PsClient {
                  absl::Time deadline);
   // Whether `shard` announced PushPull on its data plane.
   bool DataPushPullOffered(int shard);
+  // pulls_from_backups: the replica (a backup) whose values this worker
+  // reads for `shard` this step, or -1 (the primary's, with the push).
+  int BackupToReadFrom(int shard);
+  // A backup's data-plane link in `slot` (the slot of that replica), or
+  // null when it cannot be reached (its reads then stop for a while).
+  DataLink* BackupLinkFor(int shard, int replica, DataSlot& slot,
+                          absl::Time deadline);
+  void StopBackupReads(int shard, const absl::Status& why);
+  // PushPullTensors with pulls_from_backups, in one attempt, reading shard
+  // s from replica read_from[s] where that is not -1: an error means the
+  // step goes again as a plain PushPull.
+  absl::StatusOr<PushPullResult> PushPullReadingBackups(
+      int64_t push_step, const std::vector<ConstTensorRef>& gradients,
+      int64_t pull_step, const std::vector<TensorRef>& tensors,
+      const std::vector<int>& read_from);
   // Whether this client may use any data port (see data_plane_tls).
   bool DataPlaneAllowed() const;
   // After a data port failed: registers again (once) to learn whether the
@@ -541,8 +565,10 @@ class PsClient {
   // Where shard `shard`'s connection `connection` to its current replica
   // sits in channels_, stubs_, the streams and data_slots_.
   size_t SlotOf(int shard, int connection) const {
-    return (static_cast<size_t>(shard) * replicas_ +
-            current_replica_[shard].load()) *
+    return SlotOfReplica(shard, current_replica_[shard].load(), connection);
+  }
+  size_t SlotOfReplica(int shard, int replica, int connection) const {
+    return (static_cast<size_t>(shard) * replicas_ + replica) *
                options_.connections_per_shard +
            connection;
   }
@@ -601,6 +627,12 @@ class PsClient {
   std::vector<bool> data_push_pull_ ABSL_GUARDED_BY(data_ports_mu_);
   // Whether each shard's data port speaks TLS (RegisterModelResponse).
   std::vector<bool> data_port_tls_ ABSL_GUARDED_BY(data_ports_mu_);
+  // Per shard: each replica's data port (RegisterModelResponse), and until
+  // when its backup is not read from (pulls_from_backups).
+  std::vector<std::vector<int>> replica_data_ports_
+      ABSL_GUARDED_BY(data_ports_mu_);
+  std::vector<absl::Time> backup_reads_off_until_
+      ABSL_GUARDED_BY(data_ports_mu_);
   // Interrupt: how many there were, and what calls in progress use that it
   // must cut. A call compares the count with its own (Call::epoch).
   uint64_t interrupts() const;

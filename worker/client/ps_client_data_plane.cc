@@ -81,6 +81,71 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   return slot.link.get();
 }
 
+int PsClient::BackupToReadFrom(int shard) {
+  if (!options_.pulls_from_backups || replicas_ != 2 ||
+      mode_ != ConsistencyMode::kSync || !DataPlaneAllowed() ||
+      clip_max_norm_ > 0 || (worker_id_ + shard) % 2 == 0) {
+    return -1;
+  }
+  const int backup = 1 - current_replica_[shard].load();
+  absl::MutexLock lock(&data_ports_mu_);
+  const absl::Time now = absl::Now();
+  if (now < backup_reads_off_until_[shard] ||
+      data_port_tls_[shard] != (options_.credentials != nullptr)) {
+    return -1;
+  }
+  const std::vector<int>& ports = replica_data_ports_[shard];
+  if (static_cast<int>(ports.size()) != replicas_ || ports[backup] == 0) {
+    // No backup when this worker last registered (one catching up after a
+    // failover, say): it asks again now and then.
+    backup_reads_off_until_[shard] = now + kDataPortRetry;
+    refresh_data_ports_ = true;
+    return -1;
+  }
+  return backup;
+}
+
+DataLink* PsClient::BackupLinkFor(int shard, int replica, DataSlot& slot,
+                                  absl::Time deadline) {
+  int port = 0;
+  {
+    absl::MutexLock lock(&data_ports_mu_);
+    port = replica_data_ports_[shard][replica];
+  }
+  if (slot.link != nullptr && slot.port == port && slot.link->usable()) {
+    return slot.link.get();
+  }
+  slot.link.reset();
+  std::string host;
+  int grpc_port;
+  absl::Status split =
+      SplitHostPort(replica_hosts_[shard][replica], &host, &grpc_port);
+  absl::StatusOr<std::unique_ptr<DataLink>> link =
+      split.ok()
+          ? DataLink::Open(
+                host, port, options_.auth_token, options_.max_message_bytes,
+                std::min(deadline, absl::Now() + absl::Seconds(5)),
+                options_.credentials != nullptr ? options_.data_plane_tls
+                                                : nullptr)
+          : split;
+  if (!link.ok()) {
+    StopBackupReads(shard, link.status());
+    return nullptr;
+  }
+  slot.link = std::move(*link);
+  slot.port = port;
+  return slot.link.get();
+}
+
+void PsClient::StopBackupReads(int shard, const absl::Status& why) {
+  LOG(WARNING) << "shard " << shard << ": reading from its backup failed ("
+               << why << "); its values come from the primary for 30 s";
+  absl::MutexLock lock(&data_ports_mu_);
+  backup_reads_off_until_[shard] = absl::Now() + kDataPortRetry;
+  // A backup started again listens on another data port.
+  refresh_data_ports_ = true;
+}
+
 void PsClient::OpenMissingLinks(const std::vector<Call>& calls,
                                 const std::vector<size_t>& which,
                                 absl::Time deadline) {
@@ -162,12 +227,18 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
   exchanges.reserve(which.size());
   for (size_t i : which) {
     Call& call = calls[i];
-    if (method == data_plane::Method::kPushPull &&
+    const bool backup_read = call.read_replica >= 0;
+    const data_plane::Method call_method =
+        backup_read ? data_plane::Method::kPull : method;
+    if (call_method == data_plane::Method::kPushPull &&
         !DataPushPullOffered(call.shard)) {
       over_grpc.push_back(i);  // the two calls, on the data plane or not
       continue;
     }
-    DataSlot& slot = *data_slots_[SlotOf(call.shard, call.connection)];
+    DataSlot& slot =
+        *data_slots_[backup_read ? SlotOfReplica(call.shard, call.read_replica,
+                                                 call.connection)
+                                 : SlotOf(call.shard, call.connection)];
     auto it = std::find_if(held.begin(), held.end(),
                            [&slot](const auto& h) { return h.first == &slot; });
     if (it == held.end()) {
@@ -176,7 +247,10 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
         over_grpc.push_back(i);
         continue;
       }
-      held.emplace_back(&slot, LinkFor(call.shard, slot, deadline));
+      held.emplace_back(
+          &slot, backup_read ? BackupLinkFor(call.shard, call.read_replica,
+                                             slot, deadline)
+                             : LinkFor(call.shard, slot, deadline));
       it = held.end() - 1;
     }
     DataLink* link = it->second;
@@ -186,13 +260,13 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
     }
     DataExchange& exchange = exchanges.emplace_back();
     exchange.link = link;
-    exchange.method = method;
+    exchange.method = call_method;
     exchange.on_response = [&call](absl::string_view body) {
       return call.on_response ? call.on_response(absl::MakeConstSpan(&body, 1))
                               : absl::OkStatus();
     };
     exchange.place_payloads = call.place_payloads;
-    if (method == data_plane::Method::kPushPull) {
+    if (call_method == data_plane::Method::kPushPull) {
       PreparePushPull(call, exchange);
     } else if (call.message.num_pieces() > 0) {
       exchange.body = call.message.Pieces();

@@ -72,6 +72,9 @@ struct PsClient::Call {
   std::function<absl::Status(absl::Span<const absl::string_view>)>
       on_push_response;
   char push_length[data_plane::kLengthPrefixBytes] = {};  // sent before it
+  // A pull from this replica of the shard, a backup (pulls_from_backups);
+  // -1: from the shard's current replica.
+  int read_replica = -1;
 
   std::unique_ptr<grpc::ClientContext> context;
   grpc::ByteBuffer request, response;

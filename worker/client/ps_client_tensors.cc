@@ -499,6 +499,20 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
     return PushPullResult{*pushed, *pulled};
   }
   InjectPushJitter();
+  std::vector<int> read_from(num_shards(), -1);
+  bool backup_reads = false;
+  for (int s = 0; s < num_shards(); ++s) {
+    read_from[s] = BackupToReadFrom(s);
+    backup_reads |= read_from[s] >= 0;
+  }
+  if (backup_reads) {
+    absl::StatusOr<PushPullResult> read = PushPullReadingBackups(
+        push_step, gradients, pull_step, tensors, read_from);
+    if (read.ok()) return read;
+    // Sent again as a plain PushPull: whatever push arrived is a duplicate.
+    LOG(WARNING) << "step " << push_step
+                 << " goes again without backup reads: " << read.status();
+  }
   // One PushPull per group, all sent at once. A sync server answers a
   // connection's requests in order, each once its group's step completes;
   // every worker sends the groups in the same order, so the steps complete
@@ -528,6 +542,72 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
   PushPullResult result;
   result.pushed = SumPushResponses(responses);
   if (absl::Status s = InjectDuplicatePushes(calls); !s.ok()) return s;
+  result.pulled_step = RecordPulledStep(pull_step);
+  return result;
+}
+
+absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
+    int64_t push_step, const std::vector<ConstTensorRef>& gradients,
+    int64_t pull_step, const std::vector<TensorRef>& tensors,
+    const std::vector<int>& read_from) {
+  std::vector<PushResponse> responses;
+  absl::StatusOr<std::vector<Call>> pushes =
+      PushCalls(push_step, gradients, /*only=*/{}, responses);
+  if (!pushes.ok()) return pushes.status();
+  std::vector<Call> pulls = PullCalls(pull_step, tensors);
+  CHECK_EQ(pushes->size(), pulls.size());
+  // Protobuf merges fields appended to a message: the flags go after the
+  // request as it was built.
+  PullRequest flag;
+  flag.set_values_elsewhere(true);
+  const std::string values_elsewhere = flag.SerializeAsString();
+  flag.Clear();
+  flag.set_replica_read(true);
+  const std::string replica_read = flag.SerializeAsString();
+  std::vector<Call> calls;
+  calls.reserve(2 * pulls.size());
+  for (size_t i = 0; i < pulls.size(); ++i) {
+    const int backup = read_from[pulls[i].shard];
+    Call& push_pull = calls.emplace_back();
+    push_pull.shard = pulls[i].shard;
+    push_pull.connection = pulls[i].connection;
+    push_pull.group = pulls[i].group;
+    push_pull.message = std::move((*pushes)[i].message);
+    push_pull.on_push_response = std::move((*pushes)[i].on_response);
+    if (backup < 0) {
+      push_pull.flat = std::move(pulls[i].flat);
+      push_pull.on_response = std::move(pulls[i].on_response);
+      push_pull.place_payloads = std::move(pulls[i].place_payloads);
+      continue;
+    }
+    // The primary answers once the step is in and on every replica, without
+    // the values; the backup, once it applied the step, with them.
+    push_pull.flat = pulls[i].flat + values_elsewhere;
+    push_pull.on_response = [](absl::Span<const absl::string_view>) {
+      return absl::OkStatus();
+    };
+    Call& read = calls.emplace_back(std::move(pulls[i]));
+    read.flat += replica_read;
+    read.read_replica = backup;
+  }
+  std::vector<size_t> all(calls.size());
+  const uint64_t epoch = interrupts();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    all[i] = i;
+    calls[i].epoch = epoch;
+  }
+  const std::vector<size_t> not_sent =
+      RunOnDataPlane("PushPull", calls, all, options_.rpc_timeout);
+  if (!not_sent.empty()) {
+    return absl::UnavailableError("a shard's data plane is not open");
+  }
+  for (const Call& call : calls) {
+    if (call.status.ok()) continue;
+    if (call.read_replica >= 0) StopBackupReads(call.shard, call.status);
+    return call.status;
+  }
+  PushPullResult result;
+  result.pushed = SumPushResponses(responses);
   result.pulled_step = RecordPulledStep(pull_step);
   return result;
 }
