@@ -931,7 +931,15 @@ void ReplicaSet::CatchUpFailed(const std::string& why) {
 std::vector<int> ReplicaSet::DataPorts() const {
   std::vector<int> ports(options_.addresses.size(), 0);
   ports[options_.replica_index] = data_port_.load();
-  for (const auto& peer : peers_) ports[peer->index] = peer->data_port.load();
+  absl::MutexLock lock(&mu_);
+  // Only the replicas in the set get the records: one dropped, catching up
+  // or gone would never reach a step a worker waits to read.
+  for (const auto& peer : peers_) {
+    if (std::find(in_set_.begin(), in_set_.end(), peer->index) !=
+        in_set_.end()) {
+      ports[peer->index] = peer->data_port.load();
+    }
+  }
   return ports;
 }
 

@@ -300,8 +300,9 @@ class ReplicaSet {
   void AddStats(StatsResponse* stats) const;
   bool is_primary() const { return role_.load() == Role::kPrimary; }
   bool is_backup() const { return role_.load() == Role::kBackup; }
-  // Each replica's data port by index, as far as this one knows (its
-  // own, and the others' from their answers; 0: unknown).
+  int size() const { return static_cast<int>(options_.addresses.size()); }
+  // Each replica's data port by index: its own, and those of the replicas
+  // in its set from their answers (0: unknown, or not in the set).
   std::vector<int> DataPorts() const;
   // Whether this replica holds the shard's running state: it serves or
   // follows (not starting, catching up or stale).

@@ -183,13 +183,16 @@ void ParameterServerService::PullFromBytes(
     shard_->CountRejected();
     return done(std::move(s));
   }
-  // A read addressed to a backup: answered by a backup only.
-  const bool backup_read =
-      pull.replica_read() && replicas_ != nullptr && replicas_->is_backup();
+  // A read addressed to a backup: answered by a backup only, of a set of
+  // two (of three, the backup that has a step may be the only one).
+  const bool backup_read = pull.replica_read() && replicas_ != nullptr &&
+                           replicas_->is_backup() && replicas_->size() == 2;
   if (pull.replica_read() && !backup_read) {
     return done(absl::UnavailableError(
         absl::StrCat("a read from a backup, but this server is ",
-                     replicas_ == nullptr ? "not replicated" : "no backup",
+                     replicas_ == nullptr     ? "not replicated"
+                     : replicas_->size() != 2 ? "one of more than two replicas"
+                                              : "no backup",
                      ": read from the primary")));
   }
   if (absl::Status serves = ServesWorkers(); !serves.ok() && !backup_read) {

@@ -16,7 +16,9 @@
 #   bazel build //ps_server //worker //bench/soak:observer //tests/netns:delay_proxy
 #   bench/netns/fault_trials.sh [--faults=a,b,...] [--modes=sync,async]
 #       [--planes=data,grpc] [--steps=200] [--replicas=1|2] [--report=FILE]
-#       [--bin_dir=DIR]
+#       [--backup_reads] [--bin_dir=DIR]
+# --backup_reads: the workers read half the shards from their backups
+# (worker --pulls_from_backups; --replicas=2, sync, data plane).
 # --bin_dir: where ps_server/ps_server, worker/worker, ... are (default
 # bazel-bin; //tests:netns_faults_test passes its runfiles).
 #
@@ -66,6 +68,7 @@ faults=$default_faults
 modes=sync,async
 planes=data,grpc
 replicas=1
+backup_reads=false
 report=""
 steps=200
 bin=$repo/bazel-bin
@@ -77,6 +80,7 @@ for arg in "$@"; do
     --report=*) report=${arg#*=} ;;
     --steps=*) steps=${arg#*=} ;;
     --replicas=*) replicas=${arg#*=} ;;
+    --backup_reads) backup_reads=true ;;
     --bin_dir=*) bin=${arg#*=} ;;
     *) echo "fault_trials.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
@@ -222,6 +226,7 @@ trial() {
       --steps="$steps" --inject_step_delay_ms=10 --device=cpu --log_every=0 \
       --heartbeat_interval_s=0.5 --connect_timeout_s=30 --rpc_timeout_s=30 \
       --data_plane=$([[ $plane == data ]] && echo true || echo false) \
+      --pulls_from_backups=$backup_reads \
       >"$dir/worker$w.out" 2>"$dir/worker$w.log" &
     worker_pids+=($!)
   done

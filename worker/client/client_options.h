@@ -57,7 +57,8 @@
     "Sync, with replicated shards (--replicas=2): read half the shards' " \
     "values from their backup (each worker its own half), so that the " \
     "primary's link carries its step records and fewer pulls. Falls " \
-    "back to the primary for 30 s when a backup cannot answer.") \
+    "back to the primary for 30 s (doubling, up to 16 min) when a " \
+    "backup cannot answer.") \
   X(bool, data_plane_ktls, data_plane_ktls, \
     "With TLS: let the kernel encrypt the data plane's records (kTLS) " \
     "where it can; OpenSSL does otherwise. Logged once.") \

@@ -131,7 +131,8 @@ struct PsClientOptions {
   // records to its backup and half the pulls instead of all of them
   // (bench/results/replication_link_speed.txt). A step whose reads fail
   // goes again as a plain PushPull (its pushes are duplicates there), and
-  // that shard's reads stay on its primary for 30 s.
+  // that shard's reads stay on its primary for 30 s, doubled after each
+  // failure in a row (up to 16 min).
   bool pulls_from_backups = false;
   // Channel security (TLS / mutual TLS); null means plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
@@ -633,6 +634,9 @@ class PsClient {
       ABSL_GUARDED_BY(data_ports_mu_);
   std::vector<absl::Time> backup_reads_off_until_
       ABSL_GUARDED_BY(data_ports_mu_);
+  // Per shard: backup reads that failed since the last that did not; each
+  // doubles the pause (a backup out of reach may cost a read its deadline).
+  std::vector<int> backup_read_failures_ ABSL_GUARDED_BY(data_ports_mu_);
   // Interrupt: how many there were, and what calls in progress use that it
   // must cut. A call compares the count with its own (Call::epoch).
   uint64_t interrupts() const;

@@ -84,8 +84,9 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
 int PsClient::BackupToReadFrom(int shard) {
   if (!options_.pulls_from_backups || replicas_ != 2 ||
       mode_ != ConsistencyMode::kSync || !DataPlaneAllowed() ||
-      clip_max_norm_ > 0 || (worker_id_ + shard) % 2 == 0) {
-    return -1;
+      clip_max_norm_ > 0 || (worker_id_ + shard) % 2 == 0 ||
+      DataPortToUse(shard) == 0 || !DataPushPullOffered(shard)) {
+    return -1;  // the read's push goes to the primary's data plane
   }
   const int backup = 1 - current_replica_[shard].load();
   absl::MutexLock lock(&data_ports_mu_);
@@ -110,7 +111,12 @@ DataLink* PsClient::BackupLinkFor(int shard, int replica, DataSlot& slot,
   int port = 0;
   {
     absl::MutexLock lock(&data_ports_mu_);
-    port = replica_data_ports_[shard][replica];
+    const std::vector<int>& ports = replica_data_ports_[shard];
+    if (replica < static_cast<int>(ports.size())) port = ports[replica];
+  }
+  if (port == 0) {  // a registration since forgot it
+    StopBackupReads(shard, absl::UnavailableError("no data port known"));
+    return nullptr;
   }
   if (slot.link != nullptr && slot.port == port && slot.link->usable()) {
     return slot.link.get();
@@ -138,10 +144,13 @@ DataLink* PsClient::BackupLinkFor(int shard, int replica, DataSlot& slot,
 }
 
 void PsClient::StopBackupReads(int shard, const absl::Status& why) {
-  LOG(WARNING) << "shard " << shard << ": reading from its backup failed ("
-               << why << "); its values come from the primary for 30 s";
   absl::MutexLock lock(&data_ports_mu_);
-  backup_reads_off_until_[shard] = absl::Now() + kDataPortRetry;
+  const int failures = std::min(backup_read_failures_[shard]++, 5);
+  const absl::Duration pause = kDataPortRetry * (1 << failures);
+  LOG(WARNING) << "shard " << shard << ": reading from its backup failed ("
+               << why << "); its values come from the primary for "
+               << absl::FormatDuration(pause);
+  backup_reads_off_until_[shard] = absl::Now() + pause;
   // A backup started again listens on another data port.
   refresh_data_ports_ = true;
 }
@@ -228,6 +237,12 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
   for (size_t i : which) {
     Call& call = calls[i];
     const bool backup_read = call.read_replica >= 0;
+    // A backup read follows the PushPull carrying its push: without that
+    // push on its way, the read would wait for a step that cannot come.
+    if (backup_read && !over_grpc.empty() && over_grpc.back() + 1 == i) {
+      over_grpc.push_back(i);
+      continue;
+    }
     const data_plane::Method call_method =
         backup_read ? data_plane::Method::kPull : method;
     if (call_method == data_plane::Method::kPushPull &&

@@ -506,9 +506,14 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
     backup_reads |= read_from[s] >= 0;
   }
   if (backup_reads) {
+    const uint64_t epoch = interrupts();
     absl::StatusOr<PushPullResult> read = PushPullReadingBackups(
         push_step, gradients, pull_step, tensors, read_from);
     if (read.ok()) return read;
+    if (interrupts() != epoch) {
+      return absl::CancelledError(
+          "PushPull interrupted (Interrupt: a signal, or Ctrl-C in Python)");
+    }
     // Sent again as a plain PushPull: whatever push arrived is a duplicate.
     LOG(WARNING) << "step " << push_step
                  << " goes again without backup reads: " << read.status();
@@ -598,13 +603,27 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
   }
   const std::vector<size_t> not_sent =
       RunOnDataPlane("PushPull", calls, all, options_.rpc_timeout);
+  for (size_t i : not_sent) {
+    if (calls[i].read_replica >= 0) {
+      StopBackupReads(calls[i].shard,
+                      absl::UnavailableError("its push was not sent"));
+    }
+  }
   if (!not_sent.empty()) {
     return absl::UnavailableError("a shard's data plane is not open");
   }
   for (const Call& call : calls) {
     if (call.status.ok()) continue;
-    if (call.read_replica >= 0) StopBackupReads(call.shard, call.status);
+    if (call.read_replica >= 0 && interrupts() == epoch) {
+      StopBackupReads(call.shard, call.status);
+    }
     return call.status;
+  }
+  {
+    absl::MutexLock lock(&data_ports_mu_);
+    for (int s = 0; s < num_shards(); ++s) {
+      if (read_from[s] >= 0) backup_read_failures_[s] = 0;
+    }
   }
   PushPullResult result;
   result.pushed = SumPushResponses(responses);
