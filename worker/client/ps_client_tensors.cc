@@ -501,7 +501,13 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
   InjectPushJitter();
   std::vector<int> read_from(num_shards(), -1);
   bool backup_reads = false;
-  for (int s = 0; s < num_shards(); ++s) {
+  for (int s = 0; s < num_shards() && options_.pulls_from_backups; ++s) {
+    // The attempt runs on the data plane alone: a shard whose PushPull
+    // would go over gRPC makes it the plain PushPull for this step.
+    if (DataPortToUse(s) == 0 || !DataPushPullOffered(s)) {
+      backup_reads = false;
+      break;
+    }
     read_from[s] = BackupToReadFrom(s);
     backup_reads |= read_from[s] >= 0;
   }
