@@ -204,7 +204,8 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
   LogsOnFailure logs(*cluster);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(
       *cluster, 30,
-      c.backup_reads ? std::vector<std::string>{"--pulls_from_backups"}
+      c.backup_reads ? std::vector<std::string>{"--pulls_from_backups",
+                                                "--probe_check_pulls"}
                      : std::vector<std::string>{});
   ASSERT_EQ(workers.size(), kWorkers);
   // A third of the way in, every shard's primary has applied updates and

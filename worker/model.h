@@ -96,8 +96,11 @@ absl::StatusOr<std::unique_ptr<Model>> CreateMlp(
 // step. With SGD at learning rate 1 every element ends at minus the number of
 // updates applied (exact in float32 up to 2^24), so a lost or doubly applied
 // push shows in every element. Its loss is 0 and it classifies nothing.
+// `check_pulls` (a sync job, host memory): each step fails, naming the
+// element, unless every element it was given is the same, as a sync step's
+// are (a block read at another step than the others shows).
 absl::StatusOr<std::unique_ptr<Model>> CreateProbeModel(
-    kernels::Backend* backend, int64_t num_elements);
+    kernels::Backend* backend, int64_t num_elements, bool check_pulls = false);
 
 }  // namespace pstrain
 

@@ -51,8 +51,10 @@ struct ModelConfig {
       "conv:16:3,relu,maxpool:2,conv:32:3,relu,maxpool:2,flatten,dense:64,"
       "relu,dense:10";
   std::string input_shape;
-  // probe: its tensor's size.
+  // probe: its tensor's size, and whether each step checks the values it
+  // was given are all the same (a sync job's are).
   int64_t probe_elements = 1000;
+  bool probe_check_pulls = false;
   // --device, --precision, --cpu_threads.
   kernels::BackendOptions backend;
   // Dense tensors are cut into blocks of this many floats.

@@ -100,6 +100,10 @@ ABSL_FLAG(std::string, input_shape, Default().model.input_shape,
           "perfect square (784 -> 28x28x1), else flat.");
 ABSL_FLAG(int64_t, probe_elements, Default().model.probe_elements,
           "Size of the probe model's tensor.");
+ABSL_FLAG(bool, probe_check_pulls, Default().model.probe_check_pulls,
+          "Probe model, sync, --device=cpu: every step fails unless the "
+          "values it pulled are all the same (for replication tests: a "
+          "block read at the wrong step shows).");
 ABSL_FLAG(std::string, device, Default().model.backend.device,
           "Compute device: auto, cpu (GEMMs through OpenBLAS), cpu_reference "
           "(the exact CPU kernels the tests compare against), cpu_staged "
@@ -330,6 +334,7 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   model.layers = absl::GetFlag(FLAGS_layers);
   model.input_shape = absl::GetFlag(FLAGS_input_shape);
   model.probe_elements = absl::GetFlag(FLAGS_probe_elements);
+  model.probe_check_pulls = absl::GetFlag(FLAGS_probe_check_pulls);
   model.backend = {absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_precision),
                    absl::GetFlag(FLAGS_cpu_threads)};
   model.block_elements = absl::GetFlag(FLAGS_block_elements);

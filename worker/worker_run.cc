@@ -201,7 +201,8 @@ absl::StatusOr<std::unique_ptr<Model>> BuildModel(const WorkerConfig& config,
     return layers;
   }
   if (model.name == "probe") {
-    return CreateProbeModel(&backend, model.probe_elements);
+    return CreateProbeModel(&backend, model.probe_elements,
+                            model.probe_check_pulls);
   }
   absl::StatusOr<std::vector<int64_t>> hidden = ParseHidden(model.hidden);
   if (!hidden.ok()) return hidden.status();  // validated: not here
