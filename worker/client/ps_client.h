@@ -459,6 +459,10 @@ class PsClient {
                  absl::Time deadline);
   // Whether `shard` announced PushPull on its data plane.
   bool DataPushPullOffered(int shard);
+  // A data-plane link to `port` on the host of `grpc_address` (a
+  // replica's gRPC host:port), with this client's token and TLS.
+  absl::StatusOr<std::unique_ptr<DataLink>> OpenDataLink(
+      const std::string& grpc_address, int port, absl::Time deadline) const;
   // pulls_from_backups: the replica (a backup) whose values this worker
   // reads for `shard` this step, or -1 (the primary's, with the push).
   int BackupToReadFrom(int shard);

@@ -46,6 +46,20 @@ int PsClient::DataPortToUse(int shard) {
   return port;
 }
 
+absl::StatusOr<std::unique_ptr<DataLink>> PsClient::OpenDataLink(
+    const std::string& grpc_address, int port, absl::Time deadline) const {
+  std::string host;
+  int grpc_port;
+  if (absl::Status s = SplitHostPort(grpc_address, &host, &grpc_port);
+      !s.ok()) {
+    return s;
+  }
+  return DataLink::Open(
+      host, port, options_.auth_token, options_.max_message_bytes,
+      std::min(deadline, absl::Now() + absl::Seconds(5)),
+      options_.credentials != nullptr ? options_.data_plane_tls : nullptr);
+}
+
 DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   const int port = DataPortToUse(shard);
   if (port == 0) return nullptr;
@@ -53,17 +67,8 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
     return slot.link.get();
   }
   slot.link.reset();
-  std::string host;
-  int grpc_port;
-  absl::Status split = SplitHostPort(HostOf(shard), &host, &grpc_port);
   absl::StatusOr<std::unique_ptr<DataLink>> link =
-      split.ok()
-          ? DataLink::Open(
-                host, port, options_.auth_token, options_.max_message_bytes,
-                std::min(deadline, absl::Now() + absl::Seconds(5)),
-                options_.credentials != nullptr ? options_.data_plane_tls
-                                                : nullptr)
-          : split;
+      OpenDataLink(HostOf(shard), port, deadline);
   if (!link.ok()) {
     LOG(WARNING) << "data plane of shard " << shard << " (port " << port
                  << " of " << HostOf(shard)
@@ -122,18 +127,8 @@ DataLink* PsClient::BackupLinkFor(int shard, int replica, DataSlot& slot,
     return slot.link.get();
   }
   slot.link.reset();
-  std::string host;
-  int grpc_port;
-  absl::Status split =
-      SplitHostPort(replica_hosts_[shard][replica], &host, &grpc_port);
   absl::StatusOr<std::unique_ptr<DataLink>> link =
-      split.ok()
-          ? DataLink::Open(
-                host, port, options_.auth_token, options_.max_message_bytes,
-                std::min(deadline, absl::Now() + absl::Seconds(5)),
-                options_.credentials != nullptr ? options_.data_plane_tls
-                                                : nullptr)
-          : split;
+      OpenDataLink(replica_hosts_[shard][replica], port, deadline);
   if (!link.ok()) {
     StopBackupReads(shard, link.status());
     return nullptr;
