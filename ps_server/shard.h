@@ -694,6 +694,13 @@ class Shard {
                                        const std::vector<int>& locals) const;
   bool WaiterReadyLocked(const Waiter& waiter) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues a pull of `model`'s blocks that is not ready: answered with
+  // them once it is (ReleaseReadyWaiters), or with an error by its
+  // deadline (`deadline`, capped by max_pull_wait).
+  void QueueBlocksWaiterLocked(std::unique_ptr<Waiter> waiter,
+                               const Model* model, absl::Time deadline,
+                               PullDone done)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the waiting pulls that may now proceed.
   void ReleaseReadyWaiters() ABSL_LOCKS_EXCLUDED(mu_);
   // Expires waiters and leases; runs on reaper_ until shutdown.

@@ -177,16 +177,8 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
         lock.Release();
         return done(absl::UnavailableError("the server is shutting down"), {});
       }
-      waiter->deadline =
-          std::min(deadline, absl::Now() + options_.max_pull_wait);
-      const Model* m = *model;
-      std::vector<int> locals = waiter->locals;
-      waiter->answer = [this, m, locals = std::move(locals),
-                        done = std::move(done)](absl::Status status) {
-        if (!status.ok()) return done(std::move(status), {});
-        done(absl::OkStatus(), ShareBlocks(*m, locals));
-      };
-      waiters_.push_back(std::move(waiter));
+      QueueBlocksWaiterLocked(std::move(waiter), *model, deadline,
+                              std::move(done));
       lock.Release();
       if (completed) ReleaseReadyWaiters();
       return;
@@ -217,32 +209,36 @@ void Shard::PullOnBackup(const PullRequest& request, absl::Time deadline,
   waiter->locals = std::move(*locals);
   waiter->step = request.step();
   waiter->replica_read = true;
+  absl::Status refused;
   {
     absl::MutexLock lock(&mu_);
     if (replica_reads_ended_) {
-      return done(absl::UnavailableError(
-                      "this replica is no backup any more: read from the "
-                      "primary"),
-                  {});
-    }
-    if (!WaiterReadyLocked(*waiter)) {
-      if (shutting_down_) {
-        return done(absl::UnavailableError("the server is shutting down"), {});
+      refused = absl::UnavailableError(
+          "this replica is no backup any more: read from the primary");
+    } else if (!WaiterReadyLocked(*waiter)) {
+      if (!shutting_down_) {
+        QueueBlocksWaiterLocked(std::move(waiter), *model, deadline,
+                                std::move(done));
+        return;
       }
-      waiter->deadline =
-          std::min(deadline, absl::Now() + options_.max_pull_wait);
-      const Model* m = *model;
-      std::vector<int> blocks = waiter->locals;
-      waiter->answer = [this, m, blocks = std::move(blocks),
-                        done = std::move(done)](absl::Status status) {
-        if (!status.ok()) return done(std::move(status), {});
-        done(absl::OkStatus(), ShareBlocks(*m, blocks));
-      };
-      waiters_.push_back(std::move(waiter));
-      return;
+      refused = absl::UnavailableError("the server is shutting down");
     }
   }
+  // Answered outside the lock, as every pull is.
+  if (!refused.ok()) return done(std::move(refused), {});
   done(absl::OkStatus(), ShareBlocks(**model, waiter->locals));
+}
+
+void Shard::QueueBlocksWaiterLocked(std::unique_ptr<Waiter> waiter,
+                                    const Model* model, absl::Time deadline,
+                                    PullDone done) {
+  waiter->deadline = std::min(deadline, absl::Now() + options_.max_pull_wait);
+  waiter->answer = [this, model, locals = waiter->locals,
+                    done = std::move(done)](absl::Status status) {
+    if (!status.ok()) return done(std::move(status), {});
+    done(absl::OkStatus(), ShareBlocks(*model, locals));
+  };
+  waiters_.push_back(std::move(waiter));
 }
 
 void Shard::FailReplicaReads(const absl::Status& status) {

@@ -471,6 +471,12 @@ class PsClient {
   DataLink* BackupLinkFor(int shard, int replica, DataSlot& slot,
                           absl::Time deadline);
   void StopBackupReads(int shard, const absl::Status& why);
+  // One PushPull call per group: its push (answered into `responses`) and
+  // its pull.
+  absl::StatusOr<std::vector<Call>> PushPullCalls(
+      int64_t push_step, const std::vector<ConstTensorRef>& gradients,
+      int64_t pull_step, const std::vector<TensorRef>& tensors,
+      std::vector<PushResponse>& responses);
   // PushPullTensors with pulls_from_backups, in one attempt, reading shard
   // s from replica read_from[s] where that is not -1: an error means the
   // step goes again as a plain PushPull.

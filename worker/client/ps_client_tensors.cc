@@ -534,6 +534,25 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
   // instead of twice it (bench/results/netns_link_speed.txt). Pushing
   // everything first and then pulling cannot overlap the two.
   std::vector<PushResponse> responses;
+  absl::StatusOr<std::vector<Call>> calls =
+      PushPullCalls(push_step, gradients, pull_step, tensors, responses);
+  if (!calls.ok()) return calls.status();
+  if (absl::Status s =
+          RunAll("PushPull", *calls, options_.rpc_timeout, /*retry=*/true);
+      !s.ok()) {
+    return s;
+  }
+  PushPullResult result;
+  result.pushed = SumPushResponses(responses);
+  if (absl::Status s = InjectDuplicatePushes(*calls); !s.ok()) return s;
+  result.pulled_step = RecordPulledStep(pull_step);
+  return result;
+}
+
+absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushPullCalls(
+    int64_t push_step, const std::vector<ConstTensorRef>& gradients,
+    int64_t pull_step, const std::vector<TensorRef>& tensors,
+    std::vector<PushResponse>& responses) {
   absl::StatusOr<std::vector<Call>> pushes =
       PushCalls(push_step, gradients, /*only=*/{}, responses);
   if (!pushes.ok()) return pushes.status();
@@ -545,16 +564,7 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
     calls[i].message = std::move((*pushes)[i].message);
     calls[i].on_push_response = std::move((*pushes)[i].on_response);
   }
-  if (absl::Status s =
-          RunAll("PushPull", calls, options_.rpc_timeout, /*retry=*/true);
-      !s.ok()) {
-    return s;
-  }
-  PushPullResult result;
-  result.pushed = SumPushResponses(responses);
-  if (absl::Status s = InjectDuplicatePushes(calls); !s.ok()) return s;
-  result.pulled_step = RecordPulledStep(pull_step);
-  return result;
+  return calls;
 }
 
 absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
@@ -562,44 +572,42 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
     int64_t pull_step, const std::vector<TensorRef>& tensors,
     const std::vector<int>& read_from) {
   std::vector<PushResponse> responses;
-  absl::StatusOr<std::vector<Call>> pushes =
-      PushCalls(push_step, gradients, /*only=*/{}, responses);
-  if (!pushes.ok()) return pushes.status();
-  std::vector<Call> pulls = PullCalls(pull_step, tensors);
-  CHECK_EQ(pushes->size(), pulls.size());
+  absl::StatusOr<std::vector<Call>> push_pulls =
+      PushPullCalls(push_step, gradients, pull_step, tensors, responses);
+  if (!push_pulls.ok()) return push_pulls.status();
   // Protobuf merges fields appended to a message: the flags go after the
-  // request as it was built.
-  PullRequest flag;
-  flag.set_values_elsewhere(true);
-  const std::string values_elsewhere = flag.SerializeAsString();
-  flag.Clear();
-  flag.set_replica_read(true);
-  const std::string replica_read = flag.SerializeAsString();
+  // pull as it was built.
+  static const std::string* const values_elsewhere = [] {
+    PullRequest flag;
+    flag.set_values_elsewhere(true);
+    return new std::string(flag.SerializeAsString());
+  }();
+  static const std::string* const replica_read = [] {
+    PullRequest flag;
+    flag.set_replica_read(true);
+    return new std::string(flag.SerializeAsString());
+  }();
   std::vector<Call> calls;
-  calls.reserve(2 * pulls.size());
-  for (size_t i = 0; i < pulls.size(); ++i) {
-    const int backup = read_from[pulls[i].shard];
-    Call& push_pull = calls.emplace_back();
-    push_pull.shard = pulls[i].shard;
-    push_pull.connection = pulls[i].connection;
-    push_pull.group = pulls[i].group;
-    push_pull.message = std::move((*pushes)[i].message);
-    push_pull.on_push_response = std::move((*pushes)[i].on_response);
-    if (backup < 0) {
-      push_pull.flat = std::move(pulls[i].flat);
-      push_pull.on_response = std::move(pulls[i].on_response);
-      push_pull.place_payloads = std::move(pulls[i].place_payloads);
-      continue;
-    }
+  calls.reserve(2 * push_pulls->size());  // `sent` below stays put
+  for (Call& push_pull : *push_pulls) {
+    const int backup = read_from[push_pull.shard];
+    Call& sent = calls.emplace_back(std::move(push_pull));
+    if (backup < 0) continue;
     // The primary answers once the step is in and on every replica, without
     // the values; the backup, once it applied the step, with them.
-    push_pull.flat = pulls[i].flat + values_elsewhere;
-    push_pull.on_response = [](absl::Span<const absl::string_view>) {
+    Call& read = calls.emplace_back();
+    read.shard = sent.shard;
+    read.connection = sent.connection;
+    read.group = sent.group;
+    read.flat = sent.flat + *replica_read;
+    read.on_response = std::move(sent.on_response);
+    read.place_payloads = std::move(sent.place_payloads);
+    read.read_replica = backup;
+    sent.flat += *values_elsewhere;
+    sent.on_response = [](absl::Span<const absl::string_view>) {
       return absl::OkStatus();
     };
-    Call& read = calls.emplace_back(std::move(pulls[i]));
-    read.flat += replica_read;
-    read.read_replica = backup;
+    sent.place_payloads = nullptr;
   }
   std::vector<size_t> all(calls.size());
   const uint64_t epoch = interrupts();
