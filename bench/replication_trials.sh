@@ -39,7 +39,7 @@
 # older checkpoint (it must catch up from the running replica, not keep it).
 #
 # --backup_reads: the workers read half the shards from their backups
-# (--pulls_from_backups; --replicas=2, the probe model's PushPull steps),
+# (--pulls_from_backups=always; --replicas=2, the probe model's PushPull steps),
 # and a sync probe worker fails a step whose pulled values are not all the
 # same (--probe_check_pulls: a block read at the wrong step shows).
 #
@@ -142,7 +142,7 @@ trial() {
     "$worker_bin" --ps_hosts="$hosts" --worker_id=$k --num_workers=2 $(model_flags "$model") \
       --inject_step_delay_ms=5 --log_every=0 --device=cpu --heartbeat_interval_s=0.2 \
       --retry_window_s=30 --rpc_timeout_s=20 --metrics_csv="$dir/w$k.csv" \
-      --pulls_from_backups=$( ((backup_reads)) && echo true || echo false) \
+      --pulls_from_backups=$( ((backup_reads)) && echo always || echo never) \
       --probe_check_pulls=$( ((backup_reads)) && [[ $model == probe && $mode == sync ]] && echo true || echo false) \
       >"$dir/w$k.out" 2>"$dir/w$k.log" &
     worker_pids+=("$!")

@@ -125,6 +125,10 @@ INSTANTIATE_TEST_SUITE_P(
         FlagCase{"worker/worker",
                  {"--ps_hosts=localhost:1", "--inject_crash_after_step=-2"},
                  "--inject_crash_after_step must be"},
+        FlagCase{"worker/worker",
+                 {"--ps_hosts=localhost:1", "--pulls_from_backups=true"},
+                 "--pulls_from_backups must be by_host, always or never, got "
+                 "'true'"},
         FlagCase{"ps_server/ps_server",
                  {"--num_workers=2", "--min_workers=3"},
                  "--min_workers must be in [1, --num_workers=2]"},

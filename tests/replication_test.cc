@@ -204,7 +204,7 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
   LogsOnFailure logs(*cluster);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(
       *cluster, 30,
-      c.backup_reads ? std::vector<std::string>{"--pulls_from_backups",
+      c.backup_reads ? std::vector<std::string>{"--pulls_from_backups=always",
                                                 "--probe_check_pulls"}
                      : std::vector<std::string>{});
   ASSERT_EQ(workers.size(), kWorkers);
@@ -225,6 +225,12 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
     ASSERT_TRUE(backup.ok()) << backup.status();
     EXPECT_EQ(backup->replica_role(), "backup");
     EXPECT_GE(backup->pulls_served(), kill_at / 2);
+  } else {
+    // Unasked, the workers read from a backup only where its primary is on
+    // another host (--pulls_from_backups=by_host): never here.
+    absl::StatusOr<StatsResponse> backup = cluster->ReplicaStats(1, 1);
+    ASSERT_TRUE(backup.ok()) << backup.status();
+    EXPECT_EQ(backup->pulls_served(), 0);
   }
   if (c.checkpoints) {
     // The replica to kill has a checkpoint of its own to read when it

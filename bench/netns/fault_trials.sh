@@ -11,14 +11,17 @@
 #     workers pushed (steps_run x blocks) equal those the shards applied plus
 #     those reported late or lost;
 #   - the job moves again soon after the fault is healed (recover_s: from the
-#     heal to the next completed step).
+#     heal to the next completed step); steps_during: the steps every shard
+#     completed while the fault held (read just after the heal).
 #
 #   bazel build //ps_server //worker //bench/soak:observer //tests/netns:delay_proxy
 #   bench/netns/fault_trials.sh [--faults=a,b,...] [--modes=sync,async]
 #       [--planes=data,grpc] [--steps=200] [--replicas=1|2] [--report=FILE]
-#       [--backup_reads] [--bin_dir=DIR]
-# --backup_reads: the workers read half the shards from their backups
-# (worker --pulls_from_backups; --replicas=2, sync, data plane).
+#       [--backup_reads=by_host|always|never] [--bin_dir=DIR]
+# --backup_reads: whether the workers read half the shards from their
+# backups (worker --pulls_from_backups; --replicas=2, sync, data plane).
+# The default, by_host, reads them here (every host of the lab is its own);
+# a bare --backup_reads is always.
 # --bin_dir: where ps_server/ps_server, worker/worker, ... are (default
 # bazel-bin; //tests:netns_faults_test passes its runfiles).
 #
@@ -50,6 +53,12 @@
 #   backup_isolated      its backup cut from every other host: the primary
 #                        holds its answers (a silent backup is not dropped)
 #                        until the heal
+#   backup_cut_workers   its backup cut from the workers only, for 12 s:
+#                        the primary still hears it, so the job goes on; a
+#                        worker reading from it (--backup_reads) gives up
+#                        on the read 5 s after the primary's answer and
+#                        reads from the primary (steps_during > 0), where
+#                        the call's deadline (30 s) would have held the job
 # The accounting check (applied + late + lost = pushed) counts pushes on the
 # shards' primaries, and a replica that took over applied the steps before
 # as records: with replicas the trial checks instead that every element of
@@ -68,7 +77,7 @@ faults=$default_faults
 modes=sync,async
 planes=data,grpc
 replicas=1
-backup_reads=false
+backup_reads=by_host
 report=""
 steps=200
 bin=$repo/bazel-bin
@@ -80,7 +89,8 @@ for arg in "$@"; do
     --report=*) report=${arg#*=} ;;
     --steps=*) steps=${arg#*=} ;;
     --replicas=*) replicas=${arg#*=} ;;
-    --backup_reads) backup_reads=true ;;
+    --backup_reads) backup_reads=always ;;
+    --backup_reads=*) backup_reads=${arg#*=} ;;
     --bin_dir=*) bin=${arg#*=} ;;
     *) echo "fault_trials.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
@@ -88,7 +98,7 @@ done
 
 [[ $replicas == 1 || $replicas == 2 ]] || { echo "fault_trials.sh: --replicas must be 1 or 2, got '$replicas'" >&2; exit 2; }
 if ((replicas == 2)) && [[ $faults == "$default_faults" ]]; then
-  faults=none,primary_cut_backup,primary_isolated,primary_cut_workers,backup_isolated
+  faults=none,primary_cut_backup,primary_isolated,primary_cut_workers,backup_isolated,backup_cut_workers
 fi
 for fault in ${faults//,/ }; do
   if [[ $fault == primary_* || $fault == backup_* ]] && ((replicas == 1)); then
@@ -172,10 +182,12 @@ apply_fault() {  # apply_fault NAME: starts the fault; sets hold (s)
         ((other == cut)) || lab_partition "$cut" "$other"
       done
       hold=4 ;;
-    primary_cut_workers)
-      local w
-      for ((w = 0; w < kWorkers; ++w)); do lab_partition "$(replica_host 1 0)" "$(worker_host $w)"; done
-      hold=4 ;;
+    primary_cut_workers | backup_cut_workers)
+      local w cut
+      cut=$(replica_host 1 $([[ $1 == primary_cut_workers ]] && echo 0 || echo 1))
+      for ((w = 0; w < kWorkers; ++w)); do lab_partition "$cut" "$(worker_host $w)"; done
+      hold=4
+      [[ $1 == backup_cut_workers ]] && hold=12 ;;
   esac
 }
 
@@ -239,11 +251,15 @@ trial() {
     if (($(date +%s) - ${t0%.*} > 60)); then break; fi
     sleep 0.1
   done
+  local fault_version steps_during="-"
+  fault_version=$(min_version)
   apply_fault "$fault"
   if ((hold > 0)); then
     sleep "$hold"
     lab_heal
+    # Read after the heal: the observer may not reach every shard before.
     heal_version=$(min_version)
+    steps_during=$((heal_version - fault_version))
     local healed_at
     healed_at=$(date +%s.%N)
     # Recovery: the first step completed after the heal (bounded by the
@@ -303,19 +319,19 @@ trial() {
       result="lost"
     fi
   fi
-  printf '%-16s %-5s %-4s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s\n' \
+  printf '%-16s %-5s %-4s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s %12s\n' \
     "$fault" "$mode" "$plane" "$result" "$codes" "$wall" "$recover_s" \
     "$(version_of 0 "$stats")" "$late" "$lost" "$short" "$dup" \
-    "$mismatches" "$uncounted"
+    "$mismatches" "$uncounted" "$steps_during"
   for pid in "${server_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   lab_destroy
   trap - EXIT INT TERM
   [[ $result == ok ]]
 }
 
-header=$(printf '%-16s %-5s %-4s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s' \
+header=$(printf '%-16s %-5s %-4s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s %12s' \
   fault mode plane result exits wall_s recover_s steps late lost short dup \
-  doubled uncounted)
+  doubled uncounted steps_during)
 trial_count=0
 failed=0
 rows=""

@@ -7,6 +7,7 @@
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -24,10 +25,38 @@ using data_plane::kResponseHeaderBytes;
 // where the answer being read stands.
 class DataLinkIo {
  public:
-  explicit DataLinkIo(DataLink* link) : link_(link) {}
+  // `ended`: per exchange of the RunExchanges call, when it was answered or
+  // failed (ns since the epoch; 0 while it is not), shared by every link.
+  DataLinkIo(DataLink* link, std::vector<std::atomic<int64_t>>* ended)
+      : link_(link), ended_(ended) {}
 
   DataLink* link() const { return link_; }
-  void Add(DataExchange* exchange) { queue_.push_back(exchange); }
+  // `index`: the exchange's in the RunExchanges span.
+  void Add(DataExchange* exchange, size_t index) {
+    queue_.push_back(exchange);
+    indices_.push_back(index);
+    timed_after_other_ |= exchange->after >= 0;
+  }
+
+  // The soonest an unanswered exchange's grace ends (DataExchange::after),
+  // or InfiniteFuture when no such clock runs. `*waits_to_start`: some
+  // clock has not started (the exchange it follows may end on another
+  // thread, whose end this one's poll does not see).
+  absl::Time GraceEnd(bool* waits_to_start) const {
+    absl::Time soonest = absl::InfiniteFuture();
+    if (!timed_after_other_) return soonest;
+    for (size_t i = answered_; i < queue_.size(); ++i) {
+      const DataExchange& e = *queue_[i];
+      if (e.after < 0) continue;
+      const int64_t other_ended = (*ended_)[e.after].load();
+      if (other_ended == 0) {
+        *waits_to_start = true;
+        continue;
+      }
+      soonest = std::min(soonest, absl::FromUnixNanos(other_ended) + e.grace);
+    }
+    return soonest;
+  }
 
   // Lays out every request as header + body pieces, in queue order.
   void Prepare() {
@@ -186,6 +215,7 @@ class DataLinkIo {
   void Fail(const absl::Status& status) {
     for (; answered_ < queue_.size(); ++answered_) {
       queue_[answered_]->status = status;
+      MarkEnded(answered_);
     }
     link_->usable_ = false;
   }
@@ -363,12 +393,18 @@ class DataLinkIo {
   }
 
   void FinishPayloads() {
-    queue_[answered_++]->status = absl::OkStatus();
+    queue_[answered_]->status = absl::OkStatus();
+    MarkEnded(answered_++);
     places_.clear();
+  }
+
+  void MarkEnded(size_t position) {
+    (*ended_)[indices_[position]].store(absl::ToUnixNanos(absl::Now()));
   }
 
   void Complete(const data_plane::ResponseHeader& header,
                 absl::string_view body) {
+    MarkEnded(answered_);
     DataExchange& e = *queue_[answered_++];
     if (header.code == absl::StatusCode::kOk) {
       e.status = e.on_response ? e.on_response(body) : absl::OkStatus();
@@ -397,7 +433,10 @@ class DataLinkIo {
   }
 
   DataLink* link_;
+  std::vector<std::atomic<int64_t>>* ended_;
   std::vector<DataExchange*> queue_;
+  std::vector<size_t> indices_;  // queue_'s, in the RunExchanges span
+  bool timed_after_other_ = false;
   std::vector<uint64_t> request_ends_;  // bytes up to each request's end
   uint64_t sent_bytes_ = 0;
   size_t window_ = SIZE_MAX / 2;
@@ -440,7 +479,8 @@ void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline) {
       waiting.push_back(io);
     }
     if (waits.empty()) return;
-    const absl::Duration left = deadline - absl::Now();
+    const absl::Time now = absl::Now();
+    const absl::Duration left = deadline - now;
     if (left <= absl::ZeroDuration()) {
       for (DataLinkIo* io : waiting) {
         io->Fail(absl::DeadlineExceededError(
@@ -449,9 +489,27 @@ void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline) {
       }
       return;
     }
-    const int timeout_ms = static_cast<int>(std::min<int64_t>(
-        absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
-        INT_MAX));
+    absl::Time wake = deadline;
+    bool failed = false;
+    bool waits_to_start = false;
+    for (DataLinkIo* io : waiting) {
+      const absl::Time grace_end = io->GraceEnd(&waits_to_start);
+      if (grace_end <= now) {
+        io->Fail(absl::DeadlineExceededError(absl::StrCat(
+            "no answer from the data plane of ", io->link()->peer(),
+            " within its grace after the answer it follows")));
+        failed = true;
+      }
+      wake = std::min(wake, grace_end);
+    }
+    if (failed) continue;
+    // A clock that has not started is looked at again every few ms (its
+    // start is seen at once when the exchange it follows is on this thread).
+    if (waits_to_start) wake = std::min(wake, now + absl::Milliseconds(20));
+    const int timeout_ms = static_cast<int>(
+        std::min<int64_t>(absl::ToInt64Milliseconds(
+                              absl::Ceil(wake - now, absl::Milliseconds(1))),
+                          INT_MAX));
     const int ready = poll(waits.data(), waits.size(), timeout_ms);
     if (ready < 0) {
       if (errno == EINTR) continue;
@@ -478,16 +536,19 @@ size_t TlsThreads(size_t links) {
 
 void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
                   size_t requests_in_flight) {
+  std::vector<std::atomic<int64_t>> ended(exchanges.size());
+  for (std::atomic<int64_t>& e : ended) e.store(0);
   std::vector<DataLinkIo> links;
-  for (DataExchange& e : exchanges) {
+  for (size_t i = 0; i < exchanges.size(); ++i) {
+    DataExchange& e = exchanges[i];
     auto it =
         std::find_if(links.begin(), links.end(),
                      [&](const DataLinkIo& l) { return l.link() == e.link; });
     if (it == links.end()) {
-      links.emplace_back(e.link);
+      links.emplace_back(e.link, &ended);
       it = links.end() - 1;
     }
-    it->Add(&e);
+    it->Add(&e, i);
   }
   std::vector<DataLinkIo*> live;
   size_t tls_links = 0;

@@ -87,8 +87,18 @@ struct DataExchange {
   std::function<absl::StatusOr<std::vector<absl::Span<char>>>(
       absl::string_view meta)>
       place_payloads;
+  // Optional: the index, in RunExchanges' span, of an exchange on another
+  // link whose end starts a shorter clock for this one: answered within
+  // `grace` of it, or failed DEADLINE_EXCEEDED (its link with it) long
+  // before the call's deadline. For a request that one server can answer
+  // only after another answered (a backup's read, once its primary's
+  // PushPull is answered, PsClient::PushPullReadingBackups): until then
+  // the wait may be as long as a sync step's, after it only as long as the
+  // transfer, and a server that went silent costs seconds, not the call.
+  int after = -1;
+  absl::Duration grace = absl::InfiniteDuration();
   // Out: OK, the server's error, or the transport's (UNAVAILABLE for a lost
-  // connection, DEADLINE_EXCEEDED past `deadline`).
+  // connection, DEADLINE_EXCEEDED past `deadline` or the grace).
   absl::Status status;
 };
 

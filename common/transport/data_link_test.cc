@@ -1,7 +1,8 @@
-// RunExchanges' window: a link sends a request only while fewer than
-// `requests_in_flight` earlier ones are unanswered. The peer is a minimal
-// data-plane server on loopback that answers by hand, so the test sees
-// exactly which request bytes had arrived before it answered.
+// RunExchanges: its window (a link sends a request only while fewer than
+// `requests_in_flight` earlier ones are unanswered) and the grace of an
+// exchange that follows another. The peers are minimal data-plane servers
+// on loopback that answer by hand, so the test sees exactly which request
+// bytes had arrived before they answered.
 #include "common/transport/data_link.h"
 
 #include <poll.h>
@@ -10,8 +11,10 @@
 
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/transport/data_plane.h"
 #include "common/transport/socket.h"
@@ -115,6 +118,104 @@ TEST(DataLinkTest, TheWindowByHostSendsLargeRequestsOneAtATime) {
   EXPECT_EQ(NextRequestSeenBeforeEachAnswer(kWindowByHost,
                                             kSameHostBytesInFlight * 3 / 4),
             (std::vector<bool>{false, false}));
+}
+
+// A data-plane server on loopback that takes one connection, reads one
+// request and answers it once `answer` is notified (never, if it is not by
+// the time the test ends it).
+class HeldServer {
+ public:
+  HeldServer() {
+    absl::StatusOr<ScopedFd> listener = ListenTcp("127.0.0.1", 0, 0, &port_);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (!listener.ok()) return;
+    listener_ = std::move(*listener);
+    thread_ = std::thread([this] {
+      const int fd = accept(listener_.get(), nullptr, nullptr);
+      ASSERT_GE(fd, 0);
+      ReadRequest(fd);  // the Hello
+      Answer(fd, "");
+      ReadRequest(fd);
+      request_read_.Notify();
+      if (answer_.WaitForNotificationWithTimeout(absl::Seconds(30)) &&
+          answers_) {
+        Answer(fd, "ok");
+      }
+      done_.WaitForNotificationWithTimeout(absl::Seconds(30));
+      close(fd);
+    });
+  }
+  ~HeldServer() {
+    if (!answer_.HasBeenNotified()) answer_.Notify();
+    done_.Notify();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  int port() const { return port_; }
+  void WaitForRequest() {
+    ASSERT_TRUE(
+        request_read_.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  }
+  void AnswerNow() { answer_.Notify(); }
+  // The request is never answered (the server went silent).
+  void NeverAnswer() { answers_ = false; }
+
+ private:
+  int port_ = 0;
+  ScopedFd listener_;
+  bool answers_ = true;  // set before the thread may read it: by AnswerNow
+  absl::Notification request_read_, answer_, done_;
+  std::thread thread_;
+};
+
+// Exchange 0 goes to `first`, exchange 1 (after = 0, `grace`) to `second`;
+// `first` answers as soon as both requests are in. Returns exchange 1's
+// status and how long RunExchanges took.
+std::pair<absl::Status, absl::Duration> ExchangeAfterAnother(
+    HeldServer& first, HeldServer& second, absl::Duration grace) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  absl::StatusOr<std::unique_ptr<DataLink>> a =
+      DataLink::Open("127.0.0.1", first.port(), "", 1 << 20, deadline);
+  absl::StatusOr<std::unique_ptr<DataLink>> b =
+      DataLink::Open("127.0.0.1", second.port(), "", 1 << 20, deadline);
+  EXPECT_TRUE(a.ok() && b.ok());
+  if (!a.ok() || !b.ok()) return {absl::InternalError("no links"), {}};
+  std::vector<DataExchange> exchanges(2);
+  exchanges[0].link = a->get();
+  exchanges[1].link = b->get();
+  exchanges[1].after = 0;
+  exchanges[1].grace = grace;
+  for (DataExchange& e : exchanges) e.body = {"req"};
+  std::thread answer_first([&] {
+    first.WaitForRequest();
+    second.WaitForRequest();
+    first.AnswerNow();
+  });
+  const absl::Time start = absl::Now();
+  RunExchanges(absl::MakeSpan(exchanges), deadline);
+  const absl::Duration took = absl::Now() - start;
+  answer_first.join();
+  EXPECT_TRUE(exchanges[0].status.ok()) << exchanges[0].status;
+  return {exchanges[1].status, took};
+}
+
+TEST(DataLinkTest, AnExchangeAfterAnotherFailsOnceItsGraceIsOut) {
+  HeldServer first, second;
+  second.NeverAnswer();
+  const auto [status, took] =
+      ExchangeAfterAnother(first, second, absl::Milliseconds(300));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(status)) << status;
+  EXPECT_NE(status.message().find("grace"), absl::string_view::npos) << status;
+  // Far sooner than the 20 s deadline: the grace bounded the wait.
+  EXPECT_LT(took, absl::Seconds(10));
+}
+
+TEST(DataLinkTest, AnExchangeAfterAnotherAnsweredWithinItsGraceSucceeds) {
+  HeldServer first, second;
+  second.AnswerNow();  // answers as soon as its request is in
+  const auto [status, took] =
+      ExchangeAfterAnother(first, second, absl::Seconds(10));
+  EXPECT_TRUE(status.ok()) << status;
 }
 
 TEST(ConnectsToThisHostTest, LoopbackIsThisHostAndAUnixSocketIsNot) {

@@ -65,7 +65,18 @@ PsClientOptions BuildOptions(const ClientConfig& config,
   options.call_streams = config.call_streams;
   options.data_plane = config.data_plane;
   options.data_requests_in_flight = config.data_requests_in_flight;
-  options.pulls_from_backups = config.pulls_from_backups;
+  if (config.pulls_from_backups == "by_host") {
+    options.pulls_from_backups = PsClientOptions::BackupReads::kByHost;
+  } else if (config.pulls_from_backups == "always") {
+    options.pulls_from_backups = PsClientOptions::BackupReads::kAlways;
+  } else if (config.pulls_from_backups == "never") {
+    options.pulls_from_backups = PsClientOptions::BackupReads::kNever;
+  } else {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--pulls_from_backups must be by_host, always or never, "
+                     "got '",
+                     config.pulls_from_backups, "'")));
+  }
   options.gradient_topk_fraction = config.gradient_topk_fraction;
   options.sparse_row_cache_steps = config.sparse_cache_steps;
   options.sparse_row_cache_bytes = int64_t{config.sparse_cache_mb} << 20;

@@ -37,8 +37,9 @@ struct ClientConfig {
   bool data_plane = true;
   // Requests a data-plane connection sends ahead of their answers.
   int data_requests_in_flight = 0;
-  // Sync with --replicas=2: half the shards' values come from backups.
-  bool pulls_from_backups = false;
+  // Sync with --replicas=2: half the shards' values come from backups:
+  // by_host (where the primary is on another host), always or never.
+  std::string pulls_from_backups = "by_host";
   // With TLS: the kernel encrypts the data plane's records where it can.
   bool data_plane_ktls = false;
   // How often to renew this worker's lease on the servers.

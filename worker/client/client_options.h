@@ -53,10 +53,12 @@
     "TCP beside gRPC; inside TLS with the --tls_* files when the " \
     "servers have TLS) where they announce one: about 1.5-2x the " \
     "throughput of gRPC for large tensors. false: gRPC only.") \
-  X(bool, pulls_from_backups, pulls_from_backups, \
+  X(std::string, pulls_from_backups, pulls_from_backups, \
     "Sync, with replicated shards (--replicas=2): read half the shards' " \
     "values from their backup (each worker its own half), so that the " \
-    "primary's link carries its step records and fewer pulls. Falls " \
+    "primary's link carries its step records and fewer pulls. by_host: " \
+    "for shards whose primary is on another host (on one host only the " \
+    "CPU binds, and the extra request costs it); always; never. Falls " \
     "back to the primary for 30 s (doubling, up to 16 min) when a " \
     "backup cannot answer.") \
   X(bool, data_plane_ktls, data_plane_ktls, \

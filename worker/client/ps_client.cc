@@ -189,6 +189,7 @@ PsClient::PsClient(const PsClientOptions& options)
   data_port_tls_.assign(options.hosts.size(), false);
   replica_data_ports_.assign(options.hosts.size(), {});
   backup_reads_off_until_.assign(options.hosts.size(), absl::InfinitePast());
+  primary_on_this_host_.assign(options.hosts.size(), -1);
   backup_read_failures_.assign(options.hosts.size(), 0);
   data_failed_ports_.assign(options.hosts.size(), 0);
   data_failed_at_.assign(options.hosts.size(), absl::InfinitePast());

@@ -133,7 +133,13 @@ struct PsClientOptions {
   // goes again as a plain PushPull (its pushes are duplicates there), and
   // that shard's reads stay on its primary for 30 s, doubled after each
   // failure in a row (up to 16 min).
-  bool pulls_from_backups = false;
+  //   kByHost: only for a shard whose primary is on another host (known
+  //     once a data-plane link to it is open), where its link may bind; on
+  //     one host nothing but the CPU binds, and a third request a step per
+  //     shard cost a loopback job 12%;
+  //   kAlways / kNever: for every shard / none.
+  enum class BackupReads { kByHost, kAlways, kNever };
+  BackupReads pulls_from_backups = BackupReads::kByHost;
   // Channel security (TLS / mutual TLS); null means plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   // The data plane's TLS (TlsContext::ForClient from the same files as
@@ -644,6 +650,9 @@ class PsClient {
       ABSL_GUARDED_BY(data_ports_mu_);
   std::vector<absl::Time> backup_reads_off_until_
       ABSL_GUARDED_BY(data_ports_mu_);
+  // Per shard: whether the last data-plane link opened to its primary
+  // connects to this host (1), another host (0), or none was opened (-1).
+  std::vector<int> primary_on_this_host_ ABSL_GUARDED_BY(data_ports_mu_);
   // Per shard: backup reads that failed since the last that did not; each
   // doubles the pause (a backup out of reach may cost a read its deadline).
   std::vector<int> backup_read_failures_ ABSL_GUARDED_BY(data_ports_mu_);

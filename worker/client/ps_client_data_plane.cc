@@ -81,16 +81,21 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
     refresh_data_ports_ = true;
     return nullptr;
   }
+  {
+    absl::MutexLock lock(&data_ports_mu_);
+    primary_on_this_host_[shard] = (*link)->same_host() ? 1 : 0;
+  }
   slot.link = std::move(*link);
   slot.port = port;
   return slot.link.get();
 }
 
 int PsClient::BackupToReadFrom(int shard) {
-  if (!options_.pulls_from_backups || replicas_ != 2 ||
-      mode_ != ConsistencyMode::kSync || !DataPlaneAllowed() ||
-      clip_max_norm_ > 0 || (worker_id_ + shard) % 2 == 0 ||
-      DataPortToUse(shard) == 0 || !DataPushPullOffered(shard)) {
+  if (options_.pulls_from_backups == PsClientOptions::BackupReads::kNever ||
+      replicas_ != 2 || mode_ != ConsistencyMode::kSync ||
+      !DataPlaneAllowed() || clip_max_norm_ > 0 ||
+      (worker_id_ + shard) % 2 == 0 || DataPortToUse(shard) == 0 ||
+      !DataPushPullOffered(shard)) {
     return -1;  // the read's push goes to the primary's data plane
   }
   const int backup = 1 - current_replica_[shard].load();
@@ -98,6 +103,10 @@ int PsClient::BackupToReadFrom(int shard) {
   const absl::Time now = absl::Now();
   if (now < backup_reads_off_until_[shard] ||
       data_port_tls_[shard] != (options_.credentials != nullptr)) {
+    return -1;
+  }
+  if (options_.pulls_from_backups == PsClientOptions::BackupReads::kByHost &&
+      primary_on_this_host_[shard] != 0) {
     return -1;
   }
   const std::vector<int>& ports = replica_data_ports_[shard];
@@ -286,7 +295,17 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
     call_of_exchange.push_back(i);
   }
   for (size_t k = 0; k < exchanges.size(); ++k) {
-    Track(exchanges[k].link, calls[call_of_exchange[k]].epoch);
+    const Call& call = calls[call_of_exchange[k]];
+    if (call.after >= 0) {
+      auto followed = std::find(call_of_exchange.begin(),
+                                call_of_exchange.end(), call.after);
+      if (followed != call_of_exchange.end()) {
+        exchanges[k].after =
+            static_cast<int>(followed - call_of_exchange.begin());
+        exchanges[k].grace = call.grace;
+      }
+    }
+    Track(exchanges[k].link, call.epoch);
   }
   RunExchanges(absl::MakeSpan(exchanges), deadline,
                options_.data_requests_in_flight);

@@ -75,6 +75,11 @@ struct PsClient::Call {
   // A pull from this replica of the shard, a backup (pulls_from_backups);
   // -1: from the shard's current replica.
   int read_replica = -1;
+  // On the data plane: the index (in the same RunOnDataPlane) of a call
+  // whose end starts this one's shorter deadline, `grace` later
+  // (DataExchange::after); -1: none.
+  int after = -1;
+  absl::Duration grace = absl::InfiniteDuration();
 
   std::unique_ptr<grpc::ClientContext> context;
   grpc::ByteBuffer request, response;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <utility>
 
@@ -24,6 +25,12 @@ namespace {
 // travels in 16 bits) asks the data plane for its payloads apart, to read
 // them straight into the tensors.
 constexpr size_t kPayloadsApartFromBytes = 64 << 10;
+
+// A read from a backup, once its primary answered (PushPullReadingBackups):
+// this long, plus its values' transfer at this rate (100 Mbit/s), queued
+// behind the earlier reads on its link.
+constexpr absl::Duration kBackupReadGrace = absl::Seconds(5);
+constexpr double kBackupReadSlowestBytesPerSecond = 12.5e6;
 
 // The float32 form of tensor pointers (the calls' own form is by dtype).
 template <typename Ref, typename Pointer>
@@ -501,7 +508,9 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
   InjectPushJitter();
   std::vector<int> read_from(num_shards(), -1);
   bool backup_reads = false;
-  for (int s = 0; s < num_shards() && options_.pulls_from_backups; ++s) {
+  for (int s = 0; s < num_shards() && options_.pulls_from_backups !=
+                                          PsClientOptions::BackupReads::kNever;
+       ++s) {
     // The attempt runs on the data plane alone: a shard whose PushPull
     // would go over gRPC makes it the plain PushPull for this step.
     if (DataPortToUse(s) == 0 || !DataPushPullOffered(s)) {
@@ -589,16 +598,31 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
   }();
   std::vector<Call> calls;
   calls.reserve(2 * push_pulls->size());  // `sent` below stays put
+  // Per shard and connection: the values read from the backup so far, in
+  // bytes; each read queues behind the earlier ones on its link.
+  std::map<std::pair<int, int>, int64_t> bytes_read;
   for (Call& push_pull : *push_pulls) {
     const int backup = read_from[push_pull.shard];
     Call& sent = calls.emplace_back(std::move(push_pull));
     if (backup < 0) continue;
+    const int sent_index = static_cast<int>(calls.size()) - 1;
     // The primary answers once the step is in and on every replica, without
     // the values; the backup, once it applied the step, with them.
     Call& read = calls.emplace_back();
     read.shard = sent.shard;
     read.connection = sent.connection;
     read.group = sent.group;
+    // The primary answers only once the backup applied the step, so from
+    // then on the backup's answer is its transfer alone: a backup that went
+    // silent, or that the worker cannot reach, then costs the step
+    // kBackupReadGrace and the values' time at kBackupReadSlowestRate, not
+    // the call's deadline, before it goes again without backup reads.
+    int64_t& queued = bytes_read[{read.shard, read.connection}];
+    queued += sent.group->elements * int64_t{sizeof(float)};  // at most
+    read.after = sent_index;
+    read.grace =
+        kBackupReadGrace + absl::Seconds(static_cast<double>(queued) /
+                                         kBackupReadSlowestBytesPerSecond);
     read.flat = sent.flat + *replica_read;
     read.on_response = std::move(sent.on_response);
     read.place_payloads = std::move(sent.place_payloads);
