@@ -509,6 +509,12 @@ TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
        {"--model=mlp", "--hidden=16", "--num_features=12", "--num_classes=3",
         "--train_examples=4096", "--test_examples=512", "--batch_size=16",
         "--block_elements=64", "--steps=240"}},
+      // The pipelined step: a PushPull that fails at the kill goes again
+      // as a plain one, and the next forward starts over on its values.
+      {"mlp_pipelined",
+       {"--model=mlp", "--hidden=16", "--num_features=12", "--num_classes=3",
+        "--train_examples=4096", "--test_examples=512", "--batch_size=16",
+        "--block_elements=64", "--steps=240", "--pipeline_step"}},
       {"ctr",
        {"--model=ctr", "--ctr_fields=4", "--ctr_dense=2", "--ctr_vocab=2000",
         "--batch_size=128", "--steps=240"}}};
@@ -523,7 +529,7 @@ TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
     const std::string killed =
         RunSyncJob(absl::StrCat("killed_", model), flags, /*kill_after=*/80);
     for (const char* key :
-         model == "mlp"
+         model != "ctr"
              ? std::vector<const char*>{"final_loss", "test_loss",
                                         "test_accuracy"}
              : std::vector<const char*>{"final_loss", "auc", "logloss"}) {

@@ -311,6 +311,29 @@ TEST(ReproducibleSyncTest, TransportsAndBlockSizesGiveTheSameModel) {
   }
 }
 
+// The pipelined step (--pipeline_step, a prototype): the next forward reads
+// the first layer's weight block by block as its values come back, so it
+// sums the layer in chunks (16 x 32 weights in blocks of 64: 8 chunks of 2
+// rows) and rounds differently from one GEMM; but it is one model, run
+// after run, whatever order the pushes arrive in, and it learns as the plain
+// step does.
+TEST(ReproducibleSyncTest, ThePipelinedStepGivesOneModel) {
+  const Outcome plain = RunJob({3, 2}, "pipeline_plain");
+  const Outcome pipelined = ExpectThreeRunsAgree(
+      {3, 2, false, false, 64, {"--pipeline_step"}}, "pipelined");
+  ASSERT_EQ(plain.quality.size(), pipelined.quality.size());
+  for (size_t w = 0; w < plain.quality.size(); ++w) {
+    ASSERT_EQ(plain.quality[w].size(), 4u);
+    ASSERT_EQ(pipelined.quality[w].size(), 4u);
+    // The test accuracy of the same steps, rounding aside.
+    EXPECT_NEAR(plain.quality[w][3], pipelined.quality[w][3], 0.02)
+        << "worker " << w;
+  }
+  // Not the plain step's bits: the chunks were summed apart (had the flag
+  // done nothing, the two would agree to the bit).
+  EXPECT_FALSE(plain.model == pipelined.model);
+}
+
 // Waits for `worker` and returns its stdout; an error unless it exited 0.
 absl::StatusOr<std::string> Finish(Process& worker) {
   absl::StatusOr<int> code = worker.Wait(absl::Seconds(240));

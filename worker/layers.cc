@@ -65,6 +65,9 @@ class DenseLayer : public Layer {
     return {WeightSpec({in_, out_}, in_, out_), BiasSpec(out_)};
   }
 
+  int64_t in() const { return in_; }
+  int64_t out() const { return out_; }
+
   absl::Status Forward(const float* const* params, int64_t rows, const float* x,
                        float* y) override {
     // y[rows, out] = x[rows, in] * W[in, out] + b.
@@ -352,7 +355,15 @@ class LayerModel : public Model {
       const std::vector<float*>& grads,
       const GradientReadyCallback& gradient_ready) override;
 
+ public:
+  absl::StatusOr<BatchResult> ComputeGradientsStreamed(
+      const std::vector<const float*>& params, const DeviceBatch& batch,
+      const std::vector<float*>& grads, const ParameterStream& stream) override;
+
  private:
+  // The batch transposed ([features, rows]), so that a chunk of the first
+  // layer's input rows is a contiguous GEMM operand both ways.
+  std::vector<float> xt_;
   struct Entry {
     std::unique_ptr<Layer> layer;
     int first_param = 0;
@@ -517,6 +528,123 @@ absl::Status LayerModel::Forward(const std::vector<const float*>& params,
     activations_[i + 1] = y;
   }
   return absl::OkStatus();
+}
+
+int64_t ElementsOf(const DenseTensorSpec& spec) {
+  int64_t n = 1;
+  for (int64_t d : spec.shape()) n *= d;
+  return n;
+}
+
+// The step of ComputeGradientsImpl, reading each parameter once
+// it is pulled and reporting each gradient as it is made; the first dense
+// layer's weight a chunk (of its input rows) at a time, both ways, so that
+// its forward starts on the first blocks to arrive and its gradient leaves
+// a block at a time. Its forward sums the chunks one after another
+// (different rounding from one GEMM, the same on every run).
+absl::StatusOr<BatchResult> LayerModel::ComputeGradientsStreamed(
+    const std::vector<const float*>& params, const DeviceBatch& batch,
+    const std::vector<float*>& grads, const ParameterStream& stream) {
+  if (absl::Status s = CheckArgs(params, batch, &grads); !s.ok()) return s;
+  auto* first = dynamic_cast<DenseLayer*>(layers_[0].layer.get());
+  if (!backend_->MemoryIsHost() || first == nullptr ||
+      layers_[0].first_param != 0) {
+    return absl::UnimplementedError(
+        "the pipelined step needs host memory and a dense first layer");
+  }
+  const int64_t rows = batch.rows;
+  const int64_t in = first->in();
+  const int64_t out = first->out();
+  xt_.resize(in * rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = batch.features + r * in;
+    for (int64_t c = 0; c < in; ++c) xt_[c * rows + r] = x[c];
+  }
+  const int64_t chunk_rows = std::max<int64_t>(1, stream.chunk_elements / out);
+  float* y0 = outputs_[0].data();
+  for (int64_t r0 = 0; r0 < in; r0 += chunk_rows) {
+    const int64_t r1 = std::min(in, r0 + chunk_rows);
+    if (absl::Status s = stream.wait_pulled(0, r1 * out); !s.ok()) return s;
+    if (absl::Status s = backend_->Gemm(
+            true, false, rows, out, r1 - r0, 1.0f, xt_.data() + r0 * rows,
+            params[0] + r0 * out, r0 == 0 ? 0.0f : 1.0f, y0);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = stream.wait_pulled(1, out); !s.ok()) return s;
+  if (absl::Status s = backend_->AddBias(rows, out, params[1], y0); !s.ok()) {
+    return s;
+  }
+  activations_[0] = batch.features;
+  activations_[1] = y0;
+  size_t next_output = 1;
+  for (size_t i = 1; i < layers_.size(); ++i) {
+    Entry& entry = layers_[i];
+    if (entry.layer->IsView()) {
+      activations_[i + 1] = activations_[i];
+      continue;
+    }
+    for (int p = 0; p < entry.num_params; ++p) {
+      const int index = entry.first_param + p;
+      if (absl::Status s =
+              stream.wait_pulled(index, ElementsOf(params_[index]));
+          !s.ok()) {
+        return s;
+      }
+    }
+    float* y = outputs_[next_output++].data();
+    if (absl::Status s = entry.layer->Forward(params.data() + entry.first_param,
+                                              rows, activations_[i], y);
+        !s.ok()) {
+      return s;
+    }
+    activations_[i + 1] = y;
+  }
+  BatchResult result;
+  result.rows = rows;
+  float* dy = delta_[0].data();
+  if (absl::Status s = backend_->SoftmaxCrossEntropy(
+          rows, num_classes_, logits(), batch.labels,
+          1.0f / static_cast<float>(rows), dy, &result.loss_sum,
+          &result.num_correct);
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<bool> go_on = stream.before_backward();
+  if (!go_on.ok()) return go_on.status();
+  if (!*go_on) return result;
+  for (int i = static_cast<int>(layers_.size()) - 1; i >= 1; --i) {
+    Entry& entry = layers_[i];
+    if (entry.layer->IsView()) continue;
+    float* dx = dy == delta_[0].data() ? delta_[1].data() : delta_[0].data();
+    if (absl::Status s = entry.layer->Backward(
+            params.data() + entry.first_param, rows, activations_[i],
+            activations_[i + 1], dy, dx, grads.data() + entry.first_param);
+        !s.ok()) {
+      return s;
+    }
+    for (int p = 0; p < entry.num_params; ++p) {
+      const int index = entry.first_param + p;
+      stream.gradient_ready(index, ElementsOf(params_[index]));
+    }
+    dy = dx;
+  }
+  for (int64_t r0 = 0; r0 < in; r0 += chunk_rows) {
+    const int64_t r1 = std::min(in, r0 + chunk_rows);
+    if (absl::Status s = backend_->Gemm(false, false, r1 - r0, out, rows, 1.0f,
+                                        xt_.data() + r0 * rows, dy, 0.0f,
+                                        grads[0] + r0 * out);
+        !s.ok()) {
+      return s;
+    }
+    stream.gradient_ready(0, r1 * out);
+  }
+  if (absl::Status s = backend_->BiasGrad(rows, out, dy, grads[1]); !s.ok()) {
+    return s;
+  }
+  stream.gradient_ready(1, out);
+  return result;
 }
 
 absl::StatusOr<BatchResult> LayerModel::ComputeGradientsImpl(

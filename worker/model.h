@@ -37,10 +37,35 @@ struct BatchResult {
 // caller can send a layer's gradient while backward goes on.
 using GradientReadyCallback = std::function<void(int param_index)>;
 
+// How a pipelined step (--pipeline_step) reads its parameters as they
+// arrive and hands out its gradients as they are made.
+struct ParameterStream {
+  // Waits until elements [0, end) of parameter `param` hold this step's
+  // values.
+  std::function<absl::Status(int param, int64_t end)> wait_pulled;
+  // Elements [0, end) of parameter `param`'s gradient are final.
+  std::function<void(int param, int64_t end)> gradient_ready;
+  // Called once forward and the loss are done, before any gradient is
+  // written. False: the step ends there, with its loss and no gradient.
+  std::function<absl::StatusOr<bool>()> before_backward;
+  // The first dense layer's weight is read and written this many elements
+  // at a time (its block size).
+  int64_t chunk_elements = 8192;
+};
+
 // A model owns its workspace: one instance serves one thread at a time.
 class Model {
  public:
   virtual ~Model() = default;
+
+  // ComputeGradients through a ParameterStream (the pipelined step). A
+  // layer model whose first layer is dense, in host memory; others are
+  // UNIMPLEMENTED.
+  virtual absl::StatusOr<BatchResult> ComputeGradientsStreamed(
+      const std::vector<const float*>& params, const DeviceBatch& batch,
+      const std::vector<float*>& grads, const ParameterStream& stream) {
+    return absl::UnimplementedError("this model cannot stream its step");
+  }
 
   // The parameters, in a fixed order: the schema registered on the servers.
   // Element counts are the products of the shapes.

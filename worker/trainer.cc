@@ -305,12 +305,117 @@ class StepRunner {
   // (not on the last step, nor before the job-start wait).
   absl::StatusOr<StepExchange> Run(int64_t step, const DeviceBatch& batch,
                                    absl::Time staged_at, bool may_pull_ahead) {
+    if (options_.pipeline_step && !pipeline_unsupported_) {
+      absl::StatusOr<StepExchange> out =
+          RunPipelined(step, batch, staged_at, may_pull_ahead);
+      if (!absl::IsUnimplemented(out.status())) return out;
+      LOG(WARNING) << "--pipeline_step: " << out.status().message()
+                   << "; this job's steps run one after another";
+      pipeline_unsupported_ = true;
+    }
     return overlapped_push_.has_value()
                ? RunOverlapped(step, batch, staged_at)
                : RunThenPush(step, batch, staged_at, may_pull_ahead);
   }
 
+  // --pipeline_step: waits for the PushPull in flight, if any. The model
+  // in backend memory is then at model_at_; its push's figures wait in
+  // TakeSettled.
+  absl::Status Settle() {
+    if (!in_flight_) return absl::OkStatus();
+    stream_->StopReading();
+    network_->Drain();
+    in_flight_ = false;
+    if (!in_flight_result_.ok()) return in_flight_result_.status();
+    settled_ = in_flight_result_->pushed;
+    model_at_ = in_flight_result_->pulled_step;
+    return absl::OkStatus();
+  }
+  PsClient::PushResult TakeSettled() {
+    PsClient::PushResult pushed = settled_.value_or(PsClient::PushResult{});
+    settled_.reset();
+    return pushed;
+  }
+
  private:
+  // --pipeline_step (README, "The pipelined step"). Forward reads the first
+  // layer's weight block by block as the last step's PushPull brings it
+  // back; once forward is done that PushPull has ended, and this step's
+  // starts on the network thread, each group leaving as backward finishes
+  // its gradient (the last layers' first, then the first layer's block by
+  // block). The step's figures report the last step's push.
+  absl::StatusOr<StepExchange> RunPipelined(int64_t step,
+                                            const DeviceBatch& batch,
+                                            absl::Time staged_at,
+                                            bool may_pull_ahead) {
+    if (stream_ == nullptr) {
+      stream_ = client_.MakeStepStream();
+      network_.emplace();
+    }
+    if (!in_flight_) stream_->MarkAllPulled(absl::OkStatus());
+    // Each wait ends with the PushPull it waits on, whose calls have their
+    // deadlines; this only backs them up.
+    const absl::Time deadline = absl::Now() + absl::Minutes(10);
+    StepExchange out;
+    bool fell_behind = false;
+    ParameterStream hooks;
+    hooks.chunk_elements = stream_->FirstBlockElements(0);
+    hooks.wait_pulled = [&](int param, int64_t end) {
+      return stream_->WaitPulled(param, end, deadline);
+    };
+    hooks.gradient_ready = [&](int param, int64_t end) {
+      stream_->SetReady(param, end);
+    };
+    hooks.before_backward = [&]() -> absl::StatusOr<bool> {
+      if (absl::Status s = Settle(); !s.ok()) return s;
+      out.pushed = TakeSettled();
+      if (model_at_ > step) {
+        // The job went on without this worker (sync: its last push came
+        // late): no gradient of this step, and the trainer catches up from
+        // the model it has.
+        fell_behind = true;
+        return false;
+      }
+      if (!may_pull_ahead) return true;
+      stream_->BeginStep();
+      in_flight_ = true;
+      network_->Schedule([this, step] {
+        in_flight_result_ = client_.PushPullStreamed(
+            step, buffers_.push_from, step + 1, buffers_.pull_into, *stream_);
+      });
+      return true;
+    };
+    absl::StatusOr<BatchResult> computed =
+        model_.ComputeGradientsStreamed(params_, batch, grads_, hooks);
+    if (absl::IsAborted(computed.status())) {
+      // The last step's PushPull failed once and pulls every value again:
+      // this forward starts over on them.
+      if (absl::Status s = Settle(); !s.ok()) return s;
+      stream_->MarkAllPulled(absl::OkStatus());
+      computed = model_.ComputeGradientsStreamed(params_, batch, grads_, hooks);
+    }
+    if (!computed.ok()) {
+      // The PushPull in flight waits for gradients that will not come.
+      if (in_flight_) client_.Interrupt();
+      return computed.status();
+    }
+    const absl::Time push_start = absl::Now();
+    out.compute_time = push_start - staged_at;
+    out.batch = *computed;
+    if (fell_behind) {
+      out.pulled_ahead = model_at_;
+    } else if (may_pull_ahead) {
+      out.pulled_ahead = step + 1;
+    } else {
+      absl::StatusOr<PsClient::PushResult> pushed =
+          client_.PushTensors(step, buffers_.push_from);
+      if (!pushed.ok()) return pushed.status();
+      out.pushed = *pushed;
+    }
+    out.push_time = out.push_wait = absl::Now() - push_start;
+    return out;
+  }
+
   absl::StatusOr<StepExchange> RunOverlapped(int64_t step,
                                              const DeviceBatch& batch,
                                              absl::Time staged_at) {
@@ -379,6 +484,16 @@ class StepRunner {
   const std::vector<const float*> params_;
   const std::vector<float*> grads_;
   std::optional<OverlappedPush> overlapped_push_;
+  // --pipeline_step: the stream its PushPulls share with the model, whether
+  // one is in flight on network_, its result, and the step the model in
+  // backend memory is at once it settled.
+  std::unique_ptr<PsClient::StepStream> stream_;
+  bool in_flight_ = false;
+  absl::StatusOr<PsClient::PushPullResult> in_flight_result_;
+  int64_t model_at_ = 0;
+  std::optional<PsClient::PushResult> settled_;
+  bool pipeline_unsupported_ = false;
+  std::optional<SerialWorker> network_;  // last: drained first
 };
 
 // Held-out evaluations of the parameters in backend memory: when one is
@@ -693,6 +808,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       CrashNow("before its push", step);
     }
     if (options.learning_rate_at) {
+      // The client is not thread-safe: the pipelined step's PushPull in
+      // flight must end first (the prototype loses its overlap here).
+      if (absl::Status s = runner.Settle(); !s.ok()) return s;
       client.SetGroupRates({options.learning_rate_at(step)});
     }
     // The step fixes the examples, so a worker that joins late or catches
@@ -727,6 +845,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     const absl::Duration step_time = absl::Now() - step_start;
     StepReport report = ReportOf(step, options, steps_per_epoch, *exchange,
                                  pull_time, step_time);
+    if (evaluator.Due(step)) {
+      if (absl::Status s = runner.Settle(); !s.ok()) return s;
+    }
     if (absl::Status s =
             evaluator.AfterStep(step, pulled_ahead.has_value(), buffers, client,
                                 start, result, report);
@@ -735,6 +856,11 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     }
     if (options.on_step) options.on_step(report);
   }
+  // The pipelined step's last PushPull, whose push no step has counted.
+  if (absl::Status s = runner.Settle(); !s.ok()) return s;
+  const PsClient::PushResult settled = runner.TakeSettled();
+  result.duplicate_blocks += settled.blocks_duplicate;
+  result.late_blocks += settled.blocks_late;
   if (options.on_steps_done) options.on_steps_done();
   Summarize(options, step, steps_per_epoch, window, absl::Now() - start,
             evaluator.time(), result);

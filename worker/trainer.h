@@ -82,6 +82,9 @@ struct TrainerOptions {
   // step's push and the next step's pull, one round trip per connection
   // on the data plane) instead of a Push, leaving the next step no pull.
   bool push_pull = true;
+  // A sync step as a pipeline (--pipeline_step; trainer.cc,
+  // StepRunner::RunPipelined).
+  bool pipeline_step = false;
   // Called after every step (on the training thread).
   std::function<void(const StepReport&)> on_step;
   // The servers' rate at each step (--lr_schedule), carried by the step's

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -108,6 +109,18 @@ class DataLinkIo {
   bool sending() const {
     return (iov_first_ < iov_.size() && sent_bytes_ < SendLimit()) ||
            tls_flush_pending_;
+  }
+  // Moves the count of leading exchanges that may be sent (can_send) past
+  // those whose can_send() turned true.
+  void RefreshSendable() {
+    while (sendable_ < queue_.size() &&
+           (!queue_[sendable_]->can_send || queue_[sendable_]->can_send())) {
+      ++sendable_;
+    }
+  }
+  // The eventfd to watch while an exchange waits for can_send, or -1.
+  int send_wake_fd() const {
+    return sendable_ < queue_.size() ? queue_[sendable_]->send_wake_fd : -1;
   }
   int fd() const { return link_->fd_.get(); }
 
@@ -393,9 +406,11 @@ class DataLinkIo {
   }
 
   void FinishPayloads() {
-    queue_[answered_]->status = absl::OkStatus();
+    DataExchange& e = *queue_[answered_];
+    e.status = absl::OkStatus();
     MarkEnded(answered_++);
     places_.clear();
+    if (e.on_ok) e.on_ok();
   }
 
   void MarkEnded(size_t position) {
@@ -408,6 +423,7 @@ class DataLinkIo {
     DataExchange& e = *queue_[answered_++];
     if (header.code == absl::StatusCode::kOk) {
       e.status = e.on_response ? e.on_response(body) : absl::OkStatus();
+      if (e.status.ok() && e.on_ok) e.on_ok();
     } else {
       e.status = absl::Status(header.code, body);
     }
@@ -419,6 +435,8 @@ class DataLinkIo {
   uint64_t SendLimit() const {
     if (request_ends_.empty()) return 0;
     size_t allowed = std::min(answered_ + window_, request_ends_.size());
+    allowed = std::min(allowed, sendable_);
+    if (allowed == 0) return 0;
     if (window_bytes_ != UINT64_MAX) {
       const uint64_t answered_bytes =
           answered_ == 0 ? 0 : request_ends_[answered_ - 1];
@@ -437,6 +455,7 @@ class DataLinkIo {
   std::vector<DataExchange*> queue_;
   std::vector<size_t> indices_;  // queue_'s, in the RunExchanges span
   bool timed_after_other_ = false;
+  size_t sendable_ = 0;                 // RefreshSendable
   std::vector<uint64_t> request_ends_;  // bytes up to each request's end
   uint64_t sent_bytes_ = 0;
   size_t window_ = SIZE_MAX / 2;
@@ -471,14 +490,19 @@ void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline) {
   while (true) {
     waits.clear();
     waiting.clear();
+    int wake_fd = -1;
     for (DataLinkIo* io : links) {
       if (io->done()) continue;
+      io->RefreshSendable();
+      if (io->send_wake_fd() >= 0) wake_fd = io->send_wake_fd();
       waits.push_back(
           {io->fd(), static_cast<short>(POLLIN | (io->sending() ? POLLOUT : 0)),
            0});
       waiting.push_back(io);
     }
     if (waits.empty()) return;
+    const size_t link_waits = waits.size();
+    if (wake_fd >= 0) waits.push_back({wake_fd, POLLIN, 0});
     const absl::Time now = absl::Now();
     const absl::Duration left = deadline - now;
     if (left <= absl::ZeroDuration()) {
@@ -517,7 +541,15 @@ void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline) {
       for (DataLinkIo* io : waiting) io->Fail(error);
       return;
     }
-    for (size_t i = 0; i < waits.size(); ++i) {
+    if (waits.size() > link_waits && (waits.back().revents & POLLIN)) {
+      uint64_t count;
+      (void)!read(wake_fd, &count, sizeof(count));
+      for (DataLinkIo* io : waiting) {
+        io->RefreshSendable();
+        io->Send();
+      }
+    }
+    for (size_t i = 0; i < link_waits; ++i) {
       if (waits[i].revents & POLLOUT) waiting[i]->Send();
       if (waits[i].revents & (POLLIN | POLLERR | POLLHUP)) {
         waiting[i]->Receive();
@@ -580,7 +612,10 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
   // thread.
   const size_t threads = tls_links >= 2 ? TlsThreads(live.size()) : 1;
   if (threads <= 1) {
-    for (DataLinkIo* io : live) io->Send();  // most requests fit: no wait
+    for (DataLinkIo* io : live) {
+      io->RefreshSendable();
+      io->Send();  // most requests fit: no wait
+    }
     DriveLinks(absl::MakeConstSpan(live), deadline);
     return;
   }
@@ -589,7 +624,10 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
     shares[i % threads].push_back(live[i]);
   }
   auto drive = [deadline](const std::vector<DataLinkIo*>& share) {
-    for (DataLinkIo* io : share) io->Send();
+    for (DataLinkIo* io : share) {
+      io->RefreshSendable();
+      io->Send();
+    }
     DriveLinks(absl::MakeConstSpan(share), deadline);
   };
   std::vector<std::thread> helpers;

@@ -97,6 +97,15 @@ struct DataExchange {
   // transfer, and a server that went silent costs seconds, not the call.
   int after = -1;
   absl::Duration grace = absl::InfiniteDuration();
+  // Optional: the request is sent only once can_send() is true, checked
+  // again whenever `send_wake_fd` (an eventfd) becomes readable; a link's
+  // requests go in order, so those behind it wait too. For a request whose
+  // body is still being made (the pipelined step's gradients).
+  std::function<bool()> can_send;
+  int send_wake_fd = -1;
+  // Optional: runs once an OK answer is in (after on_response, or once the
+  // payloads are in place), on the thread running the exchanges.
+  std::function<void()> on_ok;
   // Out: OK, the server's error, or the transport's (UNAVAILABLE for a lost
   // connection, DEADLINE_EXCEEDED past `deadline` or the grace).
   absl::Status status;

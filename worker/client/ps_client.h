@@ -60,6 +60,7 @@
 #include "absl/types/span.h"
 #include "common/consistency_mode.h"
 #include "common/partition.h"
+#include "common/protocol.h"
 #include "common/transport/data_link.h"
 #include "common/transport/grpc_tuning.h"
 #include "common/transport/tls_stream.h"
@@ -327,6 +328,74 @@ class PsClient {
       int64_t push_step, const std::vector<ConstTensorRef>& gradients,
       int64_t pull_step, const std::vector<TensorRef>& tensors);
 
+  // The pipelined step (--pipeline_step): what a PushPull running on a
+  // network thread shares with the compute thread. The compute thread says
+  // which gradient elements are final (SetReady: a group is sent once all
+  // its blocks are) and waits for the pulled values it needs (WaitPulled:
+  // a group's values are in once its answer is). PsClient is otherwise not
+  // thread-safe: the compute thread makes no call while one runs.
+  class StepStream {
+   public:
+    // After Register: the partition's blocks.
+    StepStream(const Partition& partition, int num_tensors);
+    ~StepStream();
+    // Between steps (no PushPull running): nothing ready, nothing pulled.
+    void BeginStep();
+    // The compute thread: elements [0, end) of tensor t's gradient are
+    // final.
+    void SetReady(int tensor, int64_t end);
+    // The compute thread: waits until elements [0, end) of tensor t hold
+    // the pulled values, the PushPull failed, or the deadline. ABORTED:
+    // the PushPull's first attempt failed and every value is pulled again;
+    // stop reading them (Settle, then start the forward again).
+    absl::Status WaitPulled(int tensor, int64_t end, absl::Time deadline);
+    // The compute thread: it reads no pulled value until the PushPull in
+    // flight ends (it is about to wait for that).
+    void StopReading();
+    // The network thread, after a failed first attempt: once every
+    // gradient is final and the compute thread reads no pulled value, the
+    // values may be pulled again (the plain PushPull). False by the
+    // deadline.
+    bool AwaitRefetch(absl::Time deadline);
+    // Every value is in (a plain Pull left them), or the PushPull ended
+    // with `status`.
+    void MarkAllPulled(const absl::Status& status);
+
+    bool BlocksReady(const std::vector<int>& blocks) const;
+    void MarkPulled(const std::vector<int>& blocks);
+    int wake_fd() const { return wake_fd_; }
+    // Elements in the first block of `tensor` (the chunk to read and write
+    // it by).
+    int64_t FirstBlockElements(int tensor) const;
+
+   private:
+    const Partition& partition_;
+    std::vector<std::vector<int>> blocks_of_tensor_;
+    std::unique_ptr<std::atomic<int64_t>[]> ready_end_;
+    int num_tensors_;
+    int wake_fd_ = -1;
+    bool AllReady() const;
+
+    absl::Mutex mu_;
+    std::vector<char> pulled_ ABSL_GUARDED_BY(mu_);
+    absl::Status failed_ ABSL_GUARDED_BY(mu_);
+    // A failed first attempt: the values are pulled again once the compute
+    // thread stopped reading them.
+    bool refetch_ ABSL_GUARDED_BY(mu_) = false;
+    bool not_reading_ ABSL_GUARDED_BY(mu_) = false;
+  };
+  std::unique_ptr<StepStream> MakeStepStream() const;
+  // PushPullTensors whose groups each leave once `stream` says their
+  // gradients are final and report their answers to it: the first
+  // layer's groups last (see the .cc). On the data plane, float32, no
+  // clip; otherwise, and after any failure, the plain PushPull once every
+  // gradient is final and the compute thread stopped reading (its pushes
+  // are duplicates, the values pulled again). Ends with MarkAllPulled.
+  absl::StatusOr<PushPullResult> PushPullStreamed(
+      int64_t push_step, const std::vector<ConstTensorRef>& gradients,
+      int64_t pull_step, const std::vector<TensorRef>& tensors,
+      StepStream& stream);
+
   // Sparse table `table` (index into the schema's sparse tables): fills
   // out[i * dim ..] with the rows of `ids` (unique), asking each shard for
   // the rows it holds, all at once. Sync: the rows after `step` updates.
@@ -482,7 +551,8 @@ class PsClient {
   absl::StatusOr<std::vector<Call>> PushPullCalls(
       int64_t push_step, const std::vector<ConstTensorRef>& gradients,
       int64_t pull_step, const std::vector<TensorRef>& tensors,
-      std::vector<PushResponse>& responses);
+      std::vector<PushResponse>& responses,
+      size_t inline_below_bytes = kInlineBelowBytes);
   // PushPullTensors with pulls_from_backups, in one attempt, reading shard
   // s from replica read_from[s] where that is not -1: an error means the
   // step goes again as a plain PushPull.
@@ -504,7 +574,7 @@ class PsClient {
   absl::StatusOr<std::vector<Call>> PushCalls(
       int64_t step, const std::vector<ConstTensorRef>& gradients,
       absl::Span<const int> only, std::vector<PushResponse>& responses,
-      bool exact_values = false);
+      bool exact_values = false, size_t inline_below_bytes = kInlineBelowBytes);
   static PushResult SumPushResponses(
       const std::vector<PushResponse>& responses);
   // What Pull returns once the pull of `step` is in (see Pull); also kept

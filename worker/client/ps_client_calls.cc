@@ -146,8 +146,18 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
                             absl::Duration timeout) {
   if (all.empty()) return;
   const std::string short_name = method.substr(method.rfind('/') + 1);
-  const std::vector<size_t> which =
-      RunOnDataPlane(short_name, calls, all, timeout);
+  std::vector<size_t> which = RunOnDataPlane(short_name, calls, all, timeout);
+  // A call whose request may not be made yet (can_send: the pipelined
+  // step's) goes on the data plane, which waits for it, or fails here.
+  which.erase(std::remove_if(which.begin(), which.end(),
+                             [&calls](size_t i) {
+                               if (!calls[i].can_send) return false;
+                               calls[i].status = absl::UnavailableError(
+                                   "a pipelined step's call found no "
+                                   "data-plane connection");
+                               return true;
+                             }),
+              which.end());
   if (which.empty()) return;
   if (short_name == "PushPull") return PushPullOverGrpc(calls, which, timeout);
   const auto deadline =

@@ -285,6 +285,9 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
                               : absl::OkStatus();
     };
     exchange.place_payloads = call.place_payloads;
+    exchange.can_send = call.can_send;
+    exchange.send_wake_fd = call.send_wake_fd;
+    exchange.on_ok = call.on_ok;
     if (call_method == data_plane::Method::kPushPull) {
       PreparePushPull(call, exchange);
     } else if (call.message.num_pieces() > 0) {

@@ -80,6 +80,11 @@ struct PsClient::Call {
   // (DataExchange::after); -1: none.
   int after = -1;
   absl::Duration grace = absl::InfiniteDuration();
+  // PushPullStreamed: DataExchange's can_send, send_wake_fd and on_ok. A
+  // call with can_send goes on the data plane or fails (StartAndWait).
+  std::function<bool()> can_send;
+  int send_wake_fd = -1;
+  std::function<void()> on_ok;
 
   std::unique_ptr<grpc::ClientContext> context;
   grpc::ByteBuffer request, response;

@@ -1,6 +1,9 @@
 // PsClient's tensor calls: dense Pull, Push, Assign and PushPull by blocks,
 // and the sparse tables' rows.
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -271,7 +274,7 @@ absl::StatusOr<int64_t> PsClient::PullTensors(
 absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
     int64_t step, const std::vector<ConstTensorRef>& gradients,
     absl::Span<const int> only, std::vector<PushResponse>& responses,
-    bool exact_values) {
+    bool exact_values, size_t inline_below_bytes) {
   if (partition_ == nullptr) {
     return absl::FailedPreconditionError("Push before Register");
   }
@@ -350,7 +353,7 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
     call.shard = group.shard;
     call.connection = group.connection;
     call.message = EncodePushRequest(
-        kProtocolVersion, worker_id_, step, blocks, kInlineBelowBytes,
+        kProtocolVersion, worker_id_, step, blocks, inline_below_bytes,
         PushExtras{group_rates_, group_momentums_, clip_max_norm_});
     call.on_response = [&responses, i, &life = server_lives_[group.shard]](
                            absl::Span<const absl::string_view> bytes) {
@@ -561,9 +564,10 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
 absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushPullCalls(
     int64_t push_step, const std::vector<ConstTensorRef>& gradients,
     int64_t pull_step, const std::vector<TensorRef>& tensors,
-    std::vector<PushResponse>& responses) {
+    std::vector<PushResponse>& responses, size_t inline_below_bytes) {
   absl::StatusOr<std::vector<Call>> pushes =
-      PushCalls(push_step, gradients, /*only=*/{}, responses);
+      PushCalls(push_step, gradients, /*only=*/{}, responses,
+                /*exact_values=*/false, inline_below_bytes);
   if (!pushes.ok()) return pushes.status();
   std::vector<Call> calls = PullCalls(pull_step, tensors);
   // Every group has blocks of some tensor, so with all tensors pushed the
@@ -874,6 +878,216 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
     result.blocks_late += response.late();
   }
   return result;
+}
+
+// The pipelined step's stream (--pipeline_step).
+PsClient::StepStream::StepStream(const Partition& partition, int num_tensors)
+    : partition_(partition),
+      blocks_of_tensor_(num_tensors),
+      ready_end_(new std::atomic<int64_t>[num_tensors]),
+      num_tensors_(num_tensors) {
+  const std::vector<BlockLocation>& blocks = partition.blocks();
+  for (size_t g = 0; g < blocks.size(); ++g) {
+    blocks_of_tensor_[blocks[g].tensor].push_back(static_cast<int>(g));
+  }
+  for (int t = 0; t < num_tensors; ++t) ready_end_[t].store(0);
+  pulled_.assign(blocks.size(), 1);
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+}
+
+int64_t PsClient::StepStream::FirstBlockElements(int tensor) const {
+  const std::vector<int>& blocks = blocks_of_tensor_[tensor];
+  return blocks.empty() ? 1 : partition_.blocks()[blocks.front()].length;
+}
+
+PsClient::StepStream::~StepStream() {
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+void PsClient::StepStream::BeginStep() {
+  for (int t = 0; t < num_tensors_; ++t) ready_end_[t].store(0);
+  absl::MutexLock lock(&mu_);
+  std::fill(pulled_.begin(), pulled_.end(), 0);
+  failed_ = absl::OkStatus();
+  refetch_ = false;
+  not_reading_ = false;
+}
+
+bool PsClient::StepStream::AllReady() const {
+  for (int t = 0; t < num_tensors_; ++t) {
+    const std::vector<int>& blocks = blocks_of_tensor_[t];
+    if (blocks.empty()) continue;
+    const BlockLocation& last = partition_.blocks()[blocks.back()];
+    if (ready_end_[t].load(std::memory_order_acquire) <
+        last.offset + last.length) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void PsClient::StepStream::StopReading() {
+  absl::MutexLock lock(&mu_);
+  not_reading_ = true;
+}
+
+bool PsClient::StepStream::AwaitRefetch(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  refetch_ = true;
+  std::fill(pulled_.begin(), pulled_.end(), 0);
+  // The gradients are made on the compute thread, which takes no lock: it
+  // is looked at again every millisecond.
+  while (!(not_reading_ && AllReady())) {
+    if (absl::Now() >= deadline) return false;
+    mu_.AwaitWithTimeout(absl::Condition(&not_reading_), absl::Milliseconds(1));
+  }
+  return true;
+}
+
+void PsClient::StepStream::SetReady(int tensor, int64_t end) {
+  ready_end_[tensor].store(end, std::memory_order_release);
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof(one));
+}
+
+bool PsClient::StepStream::BlocksReady(const std::vector<int>& blocks) const {
+  for (int g : blocks) {
+    const BlockLocation& b = partition_.blocks()[g];
+    if (ready_end_[b.tensor].load(std::memory_order_acquire) <
+        b.offset + b.length) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void PsClient::StepStream::MarkPulled(const std::vector<int>& blocks) {
+  absl::MutexLock lock(&mu_);
+  for (int g : blocks) pulled_[g] = 1;
+}
+
+void PsClient::StepStream::MarkAllPulled(const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  std::fill(pulled_.begin(), pulled_.end(), 1);
+  refetch_ = false;
+  if (!status.ok()) failed_ = status;
+}
+
+absl::Status PsClient::StepStream::WaitPulled(int tensor, int64_t end,
+                                              absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (refetch_) {
+    not_reading_ = true;
+    return absl::AbortedError("pipelined step: the values are pulled again");
+  }
+  auto in = [&]() {
+    mu_.AssertHeld();
+    if (!failed_.ok() || refetch_) return true;
+    for (int g : blocks_of_tensor_[tensor]) {
+      if (partition_.blocks()[g].offset >= end) break;
+      if (!pulled_[g]) return false;
+    }
+    return true;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&in), deadline)) {
+    return absl::DeadlineExceededError("pipelined step: values not pulled");
+  }
+  if (refetch_ && failed_.ok()) {
+    not_reading_ = true;
+    return absl::AbortedError("pipelined step: the values are pulled again");
+  }
+  return failed_;
+}
+
+std::unique_ptr<PsClient::StepStream> PsClient::MakeStepStream() const {
+  return std::make_unique<StepStream>(*partition_, schema_.dense_size());
+}
+
+absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
+    int64_t push_step, const std::vector<ConstTensorRef>& gradients,
+    int64_t pull_step, const std::vector<TensorRef>& tensors,
+    StepStream& stream) {
+  auto finish = [&stream](absl::Status status) {
+    stream.MarkAllPulled(status);
+    return status;
+  };
+  // The plain PushPull, once every gradient is final and the compute thread
+  // reads no pulled value: for what cannot stream, and after a failure.
+  auto plain = [&]() -> absl::StatusOr<PushPullResult> {
+    if (!stream.AwaitRefetch(absl::Now() + options_.rpc_timeout)) {
+      return finish(absl::DeadlineExceededError(
+          "pipelined step: the gradients were not all made by the deadline"));
+    }
+    absl::StatusOr<PushPullResult> done =
+        PushPullTensors(push_step, gradients, pull_step, tensors);
+    finish(done.status());
+    return done;
+  };
+  // Streaming sends float32 gradients from where they lie, on every
+  // shard's data plane (gRPC would not wait for them), in one round trip
+  // (a clipped step pushes, clips, then pulls).
+  bool streams = clip_max_norm_ == 0;
+  for (int s = 0; s < num_shards() && streams; ++s) {
+    streams = DataPortToUse(s) != 0 && DataPushPullOffered(s);
+  }
+  for (size_t t = 0; t < gradients.size() && streams; ++t) {
+    streams = gradients[t].dtype == FLOAT32 &&
+              PushWireType(static_cast<int>(t)) == FLOAT32 &&
+              tensors[t].dtype == FLOAT32;
+  }
+  if (!streams) return plain();
+  InjectPushJitter();
+  // Every block referenced where it lies, none copied into the request
+  // now: the gradients are made after the calls are.
+  std::vector<PushResponse> responses;
+  absl::StatusOr<std::vector<Call>> calls =
+      PushPullCalls(push_step, gradients, pull_step, tensors, responses,
+                    /*inline_below_bytes=*/0);
+  if (!calls.ok()) return finish(calls.status());
+  // Backward makes the last layers' gradients first and the first layer's
+  // last, which the next forward needs first: the groups without the first
+  // two tensors (the first layer's weight and bias) go ahead, while the
+  // first layer's gradient is made, and its values come back last, in
+  // order, as forward reads them. A connection's requests are answered in
+  // order and every worker sends the same order, so no answer waits on a
+  // request behind it.
+  std::stable_partition(calls->begin(), calls->end(), [this](const Call& c) {
+    for (int g : c.group->blocks) {
+      if (partition_->blocks()[g].tensor <= 1) return false;
+    }
+    return true;
+  });
+  for (Call& call : *calls) {
+    const Group* group = call.group;
+    call.can_send = [&stream, group] {
+      return stream.BlocksReady(group->blocks);
+    };
+    call.send_wake_fd = stream.wake_fd();
+    call.on_ok = [&stream, group] { stream.MarkPulled(group->blocks); };
+  }
+  // One attempt as the groups become ready. Any failure (a retry would
+  // send again calls that were answered, and over gRPC without waiting
+  // for their gradients) makes it the plain PushPull, once every gradient
+  // is final and the compute thread has stopped reading pulled values:
+  // the pushes that arrived are duplicates there, and the values are
+  // pulled again.
+  const uint64_t epoch = interrupts();
+  absl::Status s =
+      RunAll("PushPull", *calls, options_.rpc_timeout, /*retry=*/false);
+  if (s.ok()) {
+    if (absl::Status d = InjectDuplicatePushes(*calls); !d.ok()) {
+      return finish(d);
+    }
+    finish(absl::OkStatus());
+    PushPullResult result;
+    result.pushed = SumPushResponses(responses);
+    result.pulled_step = RecordPulledStep(pull_step);
+    return result;
+  }
+  if (interrupts() != epoch) return finish(s);
+  LOG(WARNING) << "pipelined step " << push_step
+               << " goes again as a plain PushPull: " << s;
+  return plain();
 }
 
 }  // namespace pstrain
