@@ -273,6 +273,9 @@ struct StepExchange {
   absl::Duration push_wait;     // how long the step waited for the push
   // A PushPull's: the step of the model it left in backend memory.
   std::optional<int64_t> pulled_ahead;
+  // The pipelined step found the job past this step: nothing was pushed,
+  // and the model in backend memory is at pulled_ahead.
+  bool skipped = false;
 };
 
 // One step's forward, backward and push by one of the three push
@@ -306,9 +309,10 @@ class StepRunner {
   absl::StatusOr<StepExchange> Run(int64_t step, const DeviceBatch& batch,
                                    absl::Time staged_at, bool may_pull_ahead) {
     if (options_.pipeline_step && !pipeline_unsupported_) {
+      bool model_refused = false;
       absl::StatusOr<StepExchange> out =
-          RunPipelined(step, batch, staged_at, may_pull_ahead);
-      if (!absl::IsUnimplemented(out.status())) return out;
+          RunPipelined(step, batch, staged_at, may_pull_ahead, model_refused);
+      if (!model_refused) return out;
       LOG(WARNING) << "--pipeline_step: " << out.status().message()
                    << "; this job's steps run one after another";
       pipeline_unsupported_ = true;
@@ -344,10 +348,13 @@ class StepRunner {
   // starts on the network thread, each group leaving as backward finishes
   // its gradient (the last layers' first, then the first layer's block by
   // block). The step's figures report the last step's push.
+  // `model_refused`: the model cannot stream its step (nothing ran; the
+  // caller runs the plain step instead).
   absl::StatusOr<StepExchange> RunPipelined(int64_t step,
                                             const DeviceBatch& batch,
                                             absl::Time staged_at,
-                                            bool may_pull_ahead) {
+                                            bool may_pull_ahead,
+                                            bool& model_refused) {
     if (stream_ == nullptr) {
       stream_ = client_.MakeStepStream();
       network_.emplace();
@@ -358,16 +365,28 @@ class StepRunner {
     const absl::Time deadline = absl::Now() + absl::Minutes(10);
     StepExchange out;
     bool fell_behind = false;
+    bool hooks_ran = false;
+    // The values this forward read were pulled again (the last step's
+    // PushPull failed once): it starts over on them.
+    bool start_over = false;
     ParameterStream hooks;
     hooks.chunk_elements = stream_->FirstBlockElements(0);
     hooks.wait_pulled = [&](int param, int64_t end) {
-      return stream_->WaitPulled(param, end, deadline);
+      hooks_ran = true;
+      absl::Status s = stream_->WaitPulled(param, end, deadline);
+      if (absl::IsAborted(s) && !stream_->failed()) start_over = true;
+      return s;
     };
     hooks.gradient_ready = [&](int param, int64_t end) {
       stream_->SetReady(param, end);
     };
     hooks.before_backward = [&]() -> absl::StatusOr<bool> {
+      hooks_ran = true;
       if (absl::Status s = Settle(); !s.ok()) return s;
+      if (stream_->TakeRefetched()) {
+        start_over = true;
+        return absl::AbortedError("the values were pulled again");
+      }
       out.pushed = TakeSettled();
       if (model_at_ > step) {
         // The job went on without this worker (sync: its last push came
@@ -387,16 +406,24 @@ class StepRunner {
     };
     absl::StatusOr<BatchResult> computed =
         model_.ComputeGradientsStreamed(params_, batch, grads_, hooks);
-    if (absl::IsAborted(computed.status())) {
-      // The last step's PushPull failed once and pulls every value again:
-      // this forward starts over on them.
+    if (!computed.ok() && !hooks_ran) {
+      model_refused = true;
+      return computed.status();
+    }
+    if (start_over) {
+      // The last step's PushPull failed once and pulled every value again.
       if (absl::Status s = Settle(); !s.ok()) return s;
+      stream_->TakeRefetched();
       stream_->MarkAllPulled(absl::OkStatus());
+      start_over = false;
       computed = model_.ComputeGradientsStreamed(params_, batch, grads_, hooks);
     }
     if (!computed.ok()) {
       // The PushPull in flight waits for gradients that will not come.
-      if (in_flight_) client_.Interrupt();
+      if (in_flight_) {
+        stream_->Cancel();
+        client_.Interrupt();
+      }
       return computed.status();
     }
     const absl::Time push_start = absl::Now();
@@ -404,13 +431,15 @@ class StepRunner {
     out.batch = *computed;
     if (fell_behind) {
       out.pulled_ahead = model_at_;
+      out.skipped = true;
     } else if (may_pull_ahead) {
       out.pulled_ahead = step + 1;
     } else {
       absl::StatusOr<PsClient::PushResult> pushed =
           client_.PushTensors(step, buffers_.push_from);
       if (!pushed.ok()) return pushed.status();
-      out.pushed = *pushed;
+      out.pushed.blocks_duplicate += pushed->blocks_duplicate;
+      out.pushed.blocks_late += pushed->blocks_late;
     }
     out.push_time = out.push_wait = absl::Now() - push_start;
     return out;
@@ -830,6 +859,12 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
         /*may_pull_ahead=*/step + 1 < options.steps && !await_start_after_push);
     if (!exchange.ok()) return exchange.status();
     pulled_ahead = exchange->pulled_ahead;
+    if (exchange->skipped) {
+      // Caught up at the top of the loop, as a plain step's pull would.
+      result.duplicate_blocks += exchange->pushed.blocks_duplicate;
+      result.late_blocks += exchange->pushed.blocks_late;
+      continue;
+    }
     if (await_start_after_push) {
       const absl::Time wait_start = absl::Now();
       if (absl::Status s = options.await_job_start(); !s.ok()) return s;
@@ -838,6 +873,8 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       step_start += waited;
     }
     if (step == options.crash_after_step) {
+      // The pipelined step's exchange ends first, as the plain one's has.
+      if (absl::Status s = runner.Settle(); !s.ok()) return s;
       CrashNow("after its exchange", step);
     }
     ++step;

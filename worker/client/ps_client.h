@@ -357,6 +357,14 @@ class PsClient {
     // values may be pulled again (the plain PushPull). False by the
     // deadline.
     bool AwaitRefetch(absl::Time deadline);
+    // The compute thread, after AwaitRefetch released the network thread:
+    // whether the values were pulled again since BeginStep (a forward
+    // that read the first ones must start over). Clears it.
+    bool TakeRefetched();
+    // The compute thread gave up on the step: AwaitRefetch returns false.
+    void Cancel();
+    // Whether the PushPull ended with an error (MarkAllPulled).
+    bool failed();
     // Every value is in (a plain Pull left them), or the PushPull ended
     // with `status`.
     void MarkAllPulled(const absl::Status& status);
@@ -382,7 +390,9 @@ class PsClient {
     // A failed first attempt: the values are pulled again once the compute
     // thread stopped reading them.
     bool refetch_ ABSL_GUARDED_BY(mu_) = false;
+    bool refetched_ ABSL_GUARDED_BY(mu_) = false;
     bool not_reading_ ABSL_GUARDED_BY(mu_) = false;
+    bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   };
   std::unique_ptr<StepStream> MakeStepStream() const;
   // PushPullTensors whose groups each leave once `stream` says their

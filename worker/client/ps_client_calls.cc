@@ -152,7 +152,7 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
   which.erase(std::remove_if(which.begin(), which.end(),
                              [&calls](size_t i) {
                                if (!calls[i].can_send) return false;
-                               calls[i].status = absl::UnavailableError(
+                               calls[i].status = absl::FailedPreconditionError(
                                    "a pipelined step's call found no "
                                    "data-plane connection");
                                return true;

@@ -910,7 +910,16 @@ void PsClient::StepStream::BeginStep() {
   std::fill(pulled_.begin(), pulled_.end(), 0);
   failed_ = absl::OkStatus();
   refetch_ = false;
+  refetched_ = false;
   not_reading_ = false;
+  cancelled_ = false;
+}
+
+bool PsClient::StepStream::TakeRefetched() {
+  absl::MutexLock lock(&mu_);
+  const bool refetched = refetched_;
+  refetched_ = false;
+  return refetched;
 }
 
 bool PsClient::StepStream::AllReady() const {
@@ -926,6 +935,16 @@ bool PsClient::StepStream::AllReady() const {
   return true;
 }
 
+bool PsClient::StepStream::failed() {
+  absl::MutexLock lock(&mu_);
+  return !failed_.ok();
+}
+
+void PsClient::StepStream::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+}
+
 void PsClient::StepStream::StopReading() {
   absl::MutexLock lock(&mu_);
   not_reading_ = true;
@@ -934,11 +953,12 @@ void PsClient::StepStream::StopReading() {
 bool PsClient::StepStream::AwaitRefetch(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   refetch_ = true;
+  refetched_ = true;
   std::fill(pulled_.begin(), pulled_.end(), 0);
   // The gradients are made on the compute thread, which takes no lock: it
   // is looked at again every millisecond.
   while (!(not_reading_ && AllReady())) {
-    if (absl::Now() >= deadline) return false;
+    if (absl::Now() >= deadline || cancelled_) return false;
     mu_.AwaitWithTimeout(absl::Condition(&not_reading_), absl::Milliseconds(1));
   }
   return true;
@@ -1007,6 +1027,7 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
     int64_t push_step, const std::vector<ConstTensorRef>& gradients,
     int64_t pull_step, const std::vector<TensorRef>& tensors,
     StepStream& stream) {
+  const uint64_t epoch = interrupts();
   auto finish = [&stream](absl::Status status) {
     stream.MarkAllPulled(status);
     return status;
@@ -1024,9 +1045,11 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
     return done;
   };
   // Streaming sends float32 gradients from where they lie, on every
-  // shard's data plane (gRPC would not wait for them), in one round trip
-  // (a clipped step pushes, clips, then pulls).
-  bool streams = clip_max_norm_ == 0;
+  // shard's plaintext data plane (gRPC would not wait for them, and TLS
+  // gathers small pieces into one record when the exchange starts), in one
+  // round trip (a clipped step pushes, clips, then pulls).
+  bool streams = clip_max_norm_ == 0 && options_.credentials == nullptr &&
+                 stream.wake_fd() >= 0;
   for (int s = 0; s < num_shards() && streams; ++s) {
     streams = DataPortToUse(s) != 0 && DataPushPullOffered(s);
   }
@@ -1051,12 +1074,18 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
   // order, as forward reads them. A connection's requests are answered in
   // order and every worker sends the same order, so no answer waits on a
   // request behind it.
-  std::stable_partition(calls->begin(), calls->end(), [this](const Call& c) {
+  // The later groups go in backward's order, the last layer's first.
+  auto backward_rank = [this](const Call& c) {
+    int lowest = std::numeric_limits<int>::max();
     for (int g : c.group->blocks) {
-      if (partition_->blocks()[g].tensor <= 1) return false;
+      lowest = std::min(lowest, partition_->blocks()[g].tensor);
     }
-    return true;
-  });
+    return lowest <= 1 ? std::numeric_limits<int>::max() : -lowest;
+  };
+  std::stable_sort(calls->begin(), calls->end(),
+                   [&](const Call& a, const Call& b) {
+                     return backward_rank(a) < backward_rank(b);
+                   });
   for (Call& call : *calls) {
     const Group* group = call.group;
     call.can_send = [&stream, group] {
@@ -1065,15 +1094,45 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
     call.send_wake_fd = stream.wake_fd();
     call.on_ok = [&stream, group] { stream.MarkPulled(group->blocks); };
   }
-  // One attempt as the groups become ready. Any failure (a retry would
-  // send again calls that were answered, and over gRPC without waiting
-  // for their gradients) makes it the plain PushPull, once every gradient
-  // is final and the compute thread has stopped reading pulled values:
-  // the pushes that arrived are duplicates there, and the values are
-  // pulled again.
-  const uint64_t epoch = interrupts();
-  absl::Status s =
-      RunAll("PushPull", *calls, options_.rpc_timeout, /*retry=*/false);
+  // One attempt as the groups become ready, not RunAll: its retries send
+  // calls again (answered ones too, where a shard restarted), over gRPC
+  // without waiting for their gradients, and rewrite values the next
+  // forward may be reading. Any failure, or a shard that answered from a
+  // new life, makes it the plain PushPull (with RunAll's retries) once
+  // every gradient is final and the compute thread stopped reading pulled
+  // values: the pushes that arrived are duplicates there, the values are
+  // pulled again, and the next forward starts over on them.
+  std::vector<uint64_t> lives(num_shards());
+  for (int shard = 0; shard < num_shards(); ++shard) {
+    lives[shard] = server_lives_[shard].load();
+  }
+  std::vector<size_t> all(calls->size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    all[i] = i;
+    (*calls)[i].epoch = epoch;
+  }
+  StartAndWait("/pstrain.ParameterServer/PushPull", *calls, all,
+               options_.rpc_timeout);
+  absl::Status s;
+  for (const Call& call : *calls) {
+    if (!call.status.ok()) {
+      s = absl::Status(
+          call.status.code(),
+          absl::StrCat("shard ", call.shard, ": ", call.status.message()));
+      break;
+    }
+  }
+  for (int shard = 0; shard < num_shards() && s.ok(); ++shard) {
+    if (lives[shard] != 0 && server_lives_[shard].load() != lives[shard]) {
+      s = absl::UnavailableError(
+          absl::StrCat("shard ", shard,
+                       " answered from a new life (restarted or failed "
+                       "over)"));
+    }
+  }
+  if (s.ok() && interrupts() != epoch) {
+    s = absl::CancelledError("PushPull interrupted");
+  }
   if (s.ok()) {
     if (absl::Status d = InjectDuplicatePushes(*calls); !d.ok()) {
       return finish(d);
