@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -331,6 +332,12 @@ absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(Backend* backend,
 // The model: layers in a chain, softmax cross-entropy on the last output.
 
 // Not thread-safe: the workspace is shared by every call on one instance.
+int64_t ElementsOf(const DenseTensorSpec& spec) {
+  int64_t n = 1;
+  for (int64_t d : spec.shape()) n *= d;
+  return n;
+}
+
 class LayerModel : public Model {
  public:
   static absl::StatusOr<std::unique_ptr<LayerModel>> Create(
@@ -383,6 +390,23 @@ class LayerModel : public Model {
   // Runs every layer; activations_[i + 1] is then layer i's output.
   absl::Status Forward(const std::vector<const float*>& params,
                        const DeviceBatch& batch);
+  // Runs layers `first`.. on activations_[first], `output` being the first
+  // one's output buffer (outputs_ index); with `stream`, each layer once its
+  // parameters are pulled.
+  absl::Status ForwardFrom(size_t first, size_t output,
+                           const std::vector<const float*>& params,
+                           int64_t rows, const ParameterStream* stream);
+  // The loss of the logits of the last forward, its gradient (of the mean
+  // loss) in delta_[0].
+  absl::StatusOr<BatchResult> Loss(int64_t rows, const int32_t* labels);
+  // Backward from the last layer down to layer `last`, from the loss's
+  // gradient; `ready` hears of each parameter as its gradient is made.
+  // Returns the gradient of layer `last`'s input (null where no layer
+  // before it has parameters).
+  absl::StatusOr<float*> BackwardDownTo(
+      size_t last, const std::vector<const float*>& params, int64_t rows,
+      const std::vector<float*>& grads,
+      const std::function<void(int param)>& ready);
 
   const float* logits() const { return activations_.back(); }
 
@@ -512,16 +536,30 @@ absl::Status LayerModel::CheckArgs(const std::vector<const float*>& params,
 absl::Status LayerModel::Forward(const std::vector<const float*>& params,
                                  const DeviceBatch& batch) {
   activations_[0] = batch.features;
-  size_t next_output = 0;
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  return ForwardFrom(0, 0, params, batch.rows, nullptr);
+}
+
+absl::Status LayerModel::ForwardFrom(size_t first, size_t output,
+                                     const std::vector<const float*>& params,
+                                     int64_t rows,
+                                     const ParameterStream* stream) {
+  for (size_t i = first; i < layers_.size(); ++i) {
     Entry& entry = layers_[i];
     if (entry.layer->IsView()) {
       activations_[i + 1] = activations_[i];
       continue;
     }
-    float* y = outputs_[next_output++].data();
+    for (int p = 0; p < entry.num_params && stream != nullptr; ++p) {
+      const int index = entry.first_param + p;
+      if (absl::Status s =
+              stream->wait_pulled(index, ElementsOf(params_[index]));
+          !s.ok()) {
+        return s;
+      }
+    }
+    float* y = outputs_[output++].data();
     if (absl::Status s = entry.layer->Forward(params.data() + entry.first_param,
-                                              batch.rows, activations_[i], y);
+                                              rows, activations_[i], y);
         !s.ok()) {
       return s;
     }
@@ -530,10 +568,44 @@ absl::Status LayerModel::Forward(const std::vector<const float*>& params,
   return absl::OkStatus();
 }
 
-int64_t ElementsOf(const DenseTensorSpec& spec) {
-  int64_t n = 1;
-  for (int64_t d : spec.shape()) n *= d;
-  return n;
+absl::StatusOr<BatchResult> LayerModel::Loss(int64_t rows,
+                                             const int32_t* labels) {
+  BatchResult result;
+  result.rows = rows;
+  // Scaling by 1/rows here makes every gradient below that of the mean loss.
+  if (absl::Status s = backend_->SoftmaxCrossEntropy(
+          rows, num_classes_, logits(), labels, 1.0f / static_cast<float>(rows),
+          delta_[0].data(), &result.loss_sum, &result.num_correct);
+      !s.ok()) {
+    return s;
+  }
+  return result;
+}
+
+absl::StatusOr<float*> LayerModel::BackwardDownTo(
+    size_t last, const std::vector<const float*>& params, int64_t rows,
+    const std::vector<float*>& grads,
+    const std::function<void(int param)>& ready) {
+  float* dy = delta_[0].data();
+  for (int i = static_cast<int>(layers_.size()) - 1;
+       i >= static_cast<int>(last); --i) {
+    Entry& entry = layers_[i];
+    if (entry.layer->IsView()) continue;  // dx is dy, in the same buffer
+    float* dx = nullptr;
+    if (entry.needs_input_grad) {
+      dx = dy == delta_[0].data() ? delta_[1].data() : delta_[0].data();
+    }
+    if (absl::Status s = entry.layer->Backward(
+            params.data() + entry.first_param, rows, activations_[i],
+            activations_[i + 1], dy, dx, grads.data() + entry.first_param);
+        !s.ok()) {
+      return s;
+    }
+    for (int p = 0; p < entry.num_params; ++p) ready(entry.first_param + p);
+    if (dx == nullptr) return nullptr;  // nothing before has parameters
+    dy = dx;
+  }
+  return dy;
 }
 
 // The step of ComputeGradientsImpl, reading each parameter once
@@ -578,69 +650,30 @@ absl::StatusOr<BatchResult> LayerModel::ComputeGradientsStreamed(
   }
   activations_[0] = batch.features;
   activations_[1] = y0;
-  size_t next_output = 1;
-  for (size_t i = 1; i < layers_.size(); ++i) {
-    Entry& entry = layers_[i];
-    if (entry.layer->IsView()) {
-      activations_[i + 1] = activations_[i];
-      continue;
-    }
-    for (int p = 0; p < entry.num_params; ++p) {
-      const int index = entry.first_param + p;
-      if (absl::Status s =
-              stream.wait_pulled(index, ElementsOf(params_[index]));
-          !s.ok()) {
-        return s;
-      }
-    }
-    float* y = outputs_[next_output++].data();
-    if (absl::Status s = entry.layer->Forward(params.data() + entry.first_param,
-                                              rows, activations_[i], y);
-        !s.ok()) {
-      return s;
-    }
-    activations_[i + 1] = y;
-  }
-  BatchResult result;
-  result.rows = rows;
-  float* dy = delta_[0].data();
-  if (absl::Status s = backend_->SoftmaxCrossEntropy(
-          rows, num_classes_, logits(), batch.labels,
-          1.0f / static_cast<float>(rows), dy, &result.loss_sum,
-          &result.num_correct);
-      !s.ok()) {
+  if (absl::Status s = ForwardFrom(1, 1, params, rows, &stream); !s.ok()) {
     return s;
   }
+  absl::StatusOr<BatchResult> result = Loss(rows, batch.labels);
+  if (!result.ok()) return result.status();
   absl::StatusOr<bool> go_on = stream.before_backward();
   if (!go_on.ok()) return go_on.status();
   if (!*go_on) return result;
-  for (int i = static_cast<int>(layers_.size()) - 1; i >= 1; --i) {
-    Entry& entry = layers_[i];
-    if (entry.layer->IsView()) continue;
-    float* dx = dy == delta_[0].data() ? delta_[1].data() : delta_[0].data();
-    if (absl::Status s = entry.layer->Backward(
-            params.data() + entry.first_param, rows, activations_[i],
-            activations_[i + 1], dy, dx, grads.data() + entry.first_param);
-        !s.ok()) {
-      return s;
-    }
-    for (int p = 0; p < entry.num_params; ++p) {
-      const int index = entry.first_param + p;
-      stream.gradient_ready(index, ElementsOf(params_[index]));
-    }
-    dy = dx;
-  }
+  absl::StatusOr<float*> dy =
+      BackwardDownTo(1, params, rows, grads, [&](int param) {
+        stream.gradient_ready(param, ElementsOf(params_[param]));
+      });
+  if (!dy.ok()) return dy.status();
   for (int64_t r0 = 0; r0 < in; r0 += chunk_rows) {
     const int64_t r1 = std::min(in, r0 + chunk_rows);
     if (absl::Status s = backend_->Gemm(false, false, r1 - r0, out, rows, 1.0f,
-                                        xt_.data() + r0 * rows, dy, 0.0f,
+                                        xt_.data() + r0 * rows, *dy, 0.0f,
                                         grads[0] + r0 * out);
         !s.ok()) {
       return s;
     }
     stream.gradient_ready(0, r1 * out);
   }
-  if (absl::Status s = backend_->BiasGrad(rows, out, dy, grads[1]); !s.ok()) {
+  if (absl::Status s = backend_->BiasGrad(rows, out, *dy, grads[1]); !s.ok()) {
     return s;
   }
   stream.gradient_ready(1, out);
@@ -657,38 +690,11 @@ absl::StatusOr<BatchResult> LayerModel::ComputeGradientsImpl(
         absl::StrCat(name_, ": batch labels are null"));
   }
   if (absl::Status s = Forward(params, batch); !s.ok()) return s;
-
-  const int64_t rows = batch.rows;
-  BatchResult result;
-  result.rows = rows;
-  // Scaling by 1/rows here makes every gradient below that of the mean loss.
-  float* dy = delta_[0].data();
-  if (absl::Status s = backend_->SoftmaxCrossEntropy(
-          rows, num_classes_, logits(), batch.labels,
-          1.0f / static_cast<float>(rows), dy, &result.loss_sum,
-          &result.num_correct);
-      !s.ok()) {
-    return s;
-  }
-  for (int i = static_cast<int>(layers_.size()) - 1; i >= 0; --i) {
-    Entry& entry = layers_[i];
-    if (entry.layer->IsView()) continue;  // dx is dy, in the same buffer
-    float* dx = nullptr;
-    if (entry.needs_input_grad) {
-      dx = dy == delta_[0].data() ? delta_[1].data() : delta_[0].data();
-    }
-    if (absl::Status s = entry.layer->Backward(
-            params.data() + entry.first_param, rows, activations_[i],
-            activations_[i + 1], dy, dx, grads.data() + entry.first_param);
-        !s.ok()) {
-      return s;
-    }
-    for (int p = 0; p < entry.num_params; ++p) {
-      gradient_ready(entry.first_param + p);
-    }
-    if (dx == nullptr) break;  // nothing before this layer has parameters
-    dy = dx;
-  }
+  absl::StatusOr<BatchResult> result = Loss(batch.rows, batch.labels);
+  if (!result.ok()) return result.status();
+  absl::StatusOr<float*> dx =
+      BackwardDownTo(0, params, batch.rows, grads, gradient_ready);
+  if (!dx.ok()) return dx.status();
   return result;
 }
 
