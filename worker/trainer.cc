@@ -426,6 +426,7 @@ class StepRunner {
       }
       return computed.status();
     }
+    DelayIfAsked();
     const absl::Time push_start = absl::Now();
     out.compute_time = push_start - staged_at;
     out.batch = *computed;
