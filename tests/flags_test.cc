@@ -129,6 +129,14 @@ INSTANTIATE_TEST_SUITE_P(
                  {"--ps_hosts=localhost:1", "--pulls_from_backups=true"},
                  "--pulls_from_backups must be by_host, always or never, got "
                  "'true'"},
+        FlagCase{"worker/worker",
+                 {"--ps_hosts=localhost:1", "--pipeline_step=true"},
+                 "--pipeline_step must be by_host, always or never, got "
+                 "'true'"},
+        FlagCase{"worker/worker",
+                 {"--ps_hosts=localhost:1", "--connections_per_shard=-1"},
+                 "--connections_per_shard must be in [0, 64] (0: by host), "
+                 "got -1"},
         FlagCase{"ps_server/ps_server",
                  {"--num_workers=2", "--min_workers=3"},
                  "--min_workers must be in [1, --num_workers=2]"},

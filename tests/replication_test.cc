@@ -514,7 +514,7 @@ TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
       {"mlp_pipelined",
        {"--model=mlp", "--hidden=16", "--num_features=12", "--num_classes=3",
         "--train_examples=4096", "--test_examples=512", "--batch_size=16",
-        "--block_elements=64", "--steps=240", "--pipeline_step"}},
+        "--block_elements=64", "--steps=240", "--pipeline_step=always"}},
       {"ctr",
        {"--model=ctr", "--ctr_fields=4", "--ctr_dense=2", "--ctr_vocab=2000",
         "--batch_size=128", "--steps=240"}}};

@@ -320,7 +320,7 @@ TEST(ReproducibleSyncTest, TransportsAndBlockSizesGiveTheSameModel) {
 TEST(ReproducibleSyncTest, ThePipelinedStepGivesOneModel) {
   const Outcome plain = RunJob({3, 2}, "pipeline_plain");
   const Outcome pipelined = ExpectThreeRunsAgree(
-      {3, 2, false, false, 64, {"--pipeline_step"}}, "pipelined");
+      {3, 2, false, false, 64, {"--pipeline_step=always"}}, "pipelined");
   ASSERT_EQ(plain.quality.size(), pipelined.quality.size());
   for (size_t w = 0; w < plain.quality.size(); ++w) {
     ASSERT_EQ(plain.quality[w].size(), 4u);

@@ -286,9 +286,11 @@ struct StepExchange {
 //   otherwise     one Push after backward.
 class StepRunner {
  public:
-  StepRunner(const TrainerOptions& options, PsClient& client, Model& model,
-             kernels::Backend& backend, ParameterBuffers& buffers)
+  StepRunner(const TrainerOptions& options, ConsistencyMode mode,
+             PsClient& client, Model& model, kernels::Backend& backend,
+             ParameterBuffers& buffers)
       : options_(options),
+        mode_(mode),
         client_(client),
         model_(model),
         backend_(backend),
@@ -308,14 +310,36 @@ class StepRunner {
   // (not on the last step, nor before the job-start wait).
   absl::StatusOr<StepExchange> Run(int64_t step, const DeviceBatch& batch,
                                    absl::Time staged_at, bool may_pull_ahead) {
-    if (options_.pipeline_step && !pipeline_unsupported_) {
+    if (!pipelined_.has_value()) {
+      // Decided once: the first step's pull has opened the data plane's
+      // links, which tell where the shards are. By host, only a sync step
+      // that would otherwise end with one PushPull (not one whose user
+      // chose --overlap_push or --push_pull=false).
+      using Pipeline = TrainerOptions::Pipeline;
+      pipelined_ = options_.pipeline_step == Pipeline::kAlways ||
+                   (options_.pipeline_step == Pipeline::kByHost &&
+                    mode_ == ConsistencyMode::kSync && options_.push_pull &&
+                    !options_.overlap_push && client_.SomeShardOnAnotherHost());
+      if (*pipelined_ && options_.pipeline_step == Pipeline::kByHost) {
+        LOG(INFO) << "--pipeline_step=by_host: a shard is on another host, "
+                     "so steps run as a pipeline";
+      }
+    }
+    if (*pipelined_) {
       bool model_refused = false;
       absl::StatusOr<StepExchange> out =
           RunPipelined(step, batch, staged_at, may_pull_ahead, model_refused);
       if (!model_refused) return out;
-      LOG(WARNING) << "--pipeline_step: " << out.status().message()
-                   << "; this job's steps run one after another";
-      pipeline_unsupported_ = true;
+      const std::string why =
+          absl::StrCat("--pipeline_step: ", out.status().message(),
+                       "; this job's steps run one after another");
+      // A warning only to whoever asked for the pipeline by name.
+      if (options_.pipeline_step == TrainerOptions::Pipeline::kAlways) {
+        LOG(WARNING) << why;
+      } else {
+        LOG(INFO) << why;
+      }
+      pipelined_ = false;
     }
     return overlapped_push_.has_value()
                ? RunOverlapped(step, batch, staged_at)
@@ -507,6 +531,7 @@ class StepRunner {
   }
 
   const TrainerOptions& options_;
+  const ConsistencyMode mode_;
   PsClient& client_;
   Model& model_;
   kernels::Backend& backend_;
@@ -522,7 +547,8 @@ class StepRunner {
   absl::StatusOr<PsClient::PushPullResult> in_flight_result_;
   int64_t model_at_ = 0;
   std::optional<PsClient::PushResult> settled_;
-  bool pipeline_unsupported_ = false;
+  // Whether steps run as a pipeline (unset until the first step).
+  std::optional<bool> pipelined_;
   std::optional<SerialWorker> network_;  // last: drained first
 };
 
@@ -797,7 +823,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       !s.ok()) {
     return s;
   }
-  StepRunner runner(options, client, model, backend, buffers);
+  StepRunner runner(options, mode, client, model, backend, buffers);
   Evaluator evaluator(options, model, backend, runner.params(), test, batch,
                       steps_per_epoch);
   BatchPrefetcher prefetcher(*plan, train, options.batch_size);

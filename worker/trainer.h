@@ -83,8 +83,10 @@ struct TrainerOptions {
   // on the data plane) instead of a Push, leaving the next step no pull.
   bool push_pull = true;
   // A sync step as a pipeline (--pipeline_step; trainer.cc,
-  // StepRunner::RunPipelined).
-  bool pipeline_step = false;
+  // StepRunner::RunPipelined): never; always; or by host, where a shard's
+  // data plane goes to another host when the first step starts.
+  enum class Pipeline { kNever, kByHost, kAlways };
+  Pipeline pipeline_step = Pipeline::kByHost;
   // Called after every step (on the training thread).
   std::function<void(const StepReport&)> on_step;
   // The servers' rate at each step (--lr_schedule), carried by the step's

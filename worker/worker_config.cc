@@ -127,6 +127,12 @@ void CheckTraining(const WorkerConfig& config, Problems& checks) {
   }
   checks.push_back(
       CheckAtLeast("inject_step_delay_ms", training.inject_step_delay_ms, 0));
+  if (training.pipeline_step != "by_host" &&
+      training.pipeline_step != "always" && training.pipeline_step != "never") {
+    checks.push_back(absl::InvalidArgumentError(
+        absl::StrCat("--pipeline_step must be by_host, always or never, got '",
+                     training.pipeline_step, "'")));
+  }
   // The total steps are known once the data is (--epochs): cosine's check
   // against the warmup waits for them (worker_run.cc).
   LrSchedule schedule = training.lr_schedule;

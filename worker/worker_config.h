@@ -81,8 +81,8 @@ struct TrainingConfig {
   bool overlap_push = false;
   // End each step with one PushPull call.
   bool push_pull = true;
-  // A sync step as a pipeline (--pipeline_step).
-  bool pipeline_step = false;
+  // A sync step as a pipeline (--pipeline_step): by_host, always or never.
+  std::string pipeline_step = "by_host";
   // Steps after which a loss that has not fallen is warned about once.
   int64_t loss_check_steps = 100;
   // The servers' rate over the steps (--lr_schedule, --warmup_steps,

@@ -161,7 +161,7 @@ TEST(ClientConfigTest, DefaultsAreThePsClientDefaults) {
 TEST(ClientConfigTest, EveryProblemAtOnce) {
   ClientConfig config;
   config.hosts = {"nohostport"};
-  config.connections_per_shard = 0;
+  config.connections_per_shard = -1;
   config.retry_window_s = -1;
   config.auth_token_file = "/nonexistent/token";
   absl::StatusOr<PsClientOptions> made = MakePsClientOptions(config);
@@ -171,7 +171,8 @@ TEST(ClientConfigTest, EveryProblemAtOnce) {
                   "--retry_window_s must be >= 0, got -1",
                   "--auth_token_file=/nonexistent/token: cannot read the file",
                   "--ps_hosts entries must be host:port, got 'nohostport'",
-                  "--connections_per_shard must be in [1, 64], got 0"));
+                  "--connections_per_shard must be in [0, 64] (0: by host), "
+                  "got -1"));
   EXPECT_EQ(ClientConfigProblems(config).size(), 4u);
 }
 

@@ -149,15 +149,17 @@ ABSL_FLAG(bool, overlap_push, Default().training.overlap_push,
           "worker); where compute and the network share a few cores it "
           "costs (bench/results/distribution_cost.txt: 5-8% on 2 cores). "
           "false: one push after backward.");
-ABSL_FLAG(bool, pipeline_step, Default().training.pipeline_step,
+ABSL_FLAG(std::string, pipeline_step, Default().training.pipeline_step,
           "A sync step as a pipeline: each block group's gradient leaves as "
           "backward makes it (the last layers' first, then the first "
           "layer's block by block) and the next forward reads the first "
           "layer's weight block by block as its values come back. For CPU "
           "workers of models whose first layer is dense (others run the "
-          "plain step, with a warning); on 1 Gbit/s links a 2 x 2 MLP step "
-          "went from 1.28x to 1.11-1.18x the link-bound ideal. false: "
-          "compute, then one PushPull.");
+          "plain step); on 1 Gbit/s links a 2 x 2 MLP step went from 1.28x "
+          "to 1.11-1.18x the link-bound ideal. by_host: when a shard's data "
+          "plane is on another host as the first step starts (on one host "
+          "only the CPU binds, and the pipeline's hand-offs cost it); "
+          "always; never: compute, then one PushPull.");
 ABSL_FLAG(bool, push_pull, Default().training.push_pull,
           "End each step with one PushPull call: this step's gradients go "
           "out and the next step's model comes back in one round trip per "

@@ -228,7 +228,11 @@ TrainerOptions TrainerOptionsFor(const WorkerConfig& config,
   options.shuffle = config.training.shuffle;
   options.overlap_push = config.training.overlap_push;
   options.push_pull = config.training.push_pull;
-  options.pipeline_step = config.training.pipeline_step;
+  options.pipeline_step = config.training.pipeline_step == "always"
+                              ? TrainerOptions::Pipeline::kAlways
+                          : config.training.pipeline_step == "never"
+                              ? TrainerOptions::Pipeline::kNever
+                              : TrainerOptions::Pipeline::kByHost;
   options.seed = config.seed;
   options.periodic_evaluation = config.worker_id == 0;
   options.eval_every_steps = config.eval.eval_every_steps;

@@ -29,8 +29,8 @@ struct ClientConfig {
   double connect_timeout_s = 60;
   // Largest message sent or received, in MiB.
   int max_message_mb = kDefaultMaxMessageBytes >> 20;
-  // TCP connections to each ps_server.
-  int connections_per_shard = 4;
+  // TCP connections to each ps_server (0: by host).
+  int connections_per_shard = 0;
   // A push or pull that is one RPC goes on a long-lived stream.
   bool call_streams = true;
   // Dense tensors over the servers' data plane where they announce one.

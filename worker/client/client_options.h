@@ -37,7 +37,10 @@
 #define PSTRAIN_CLIENT_TRAINING_OPTIONS(X) \
   X(int, connections_per_shard, connections_per_shard, \
     "TCP connections to each ps_server; a shard's RPCs are spread over " \
-    "them.") \
+    "them. 0: by host, 4 to a server on this host (only the CPU binds " \
+    "there) and one data-plane connection to a server elsewhere (more " \
+    "let one worker's requests run ahead of the others' on a link that " \
+    "binds, and a sync step waits for the slowest).") \
   X(bool, call_streams, call_streams, \
     "Send a push or pull that is one RPC (one shard, one block group) " \
     "as a message on a long-lived stream of its connection instead of " \

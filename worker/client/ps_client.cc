@@ -90,9 +90,10 @@ std::vector<absl::Status> PsClientOptionsProblems(
     }
     replicas = set.size();
   }
-  if (options.connections_per_shard < 1 || options.connections_per_shard > 64) {
+  if (options.connections_per_shard < 0 || options.connections_per_shard > 64) {
     problems.push_back(absl::InvalidArgumentError(
-        absl::StrCat("--connections_per_shard must be in [1, 64], got ",
+        absl::StrCat("--connections_per_shard must be in [0, 64] (0: by "
+                     "host), got ",
                      options.connections_per_shard)));
   }
   if (options.data_requests_in_flight < 0 ||
@@ -149,7 +150,10 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Create(
 PsClient::PsClient(const PsClientOptions& options)
     : options_(options),
       incarnation_(absl::Uniform<uint64_t>(
-          absl::BitGen(), 1, std::numeric_limits<uint64_t>::max())) {
+          absl::BitGen(), 1, std::numeric_limits<uint64_t>::max())),
+      connections_(options.connections_per_shard > 0
+                       ? options.connections_per_shard
+                       : kConnectionsOnThisHost) {
   for (const std::string& shard : options.hosts) {
     replica_hosts_.push_back(absl::StrSplit(shard, '|'));
   }
@@ -162,7 +166,7 @@ PsClient::PsClient(const PsClientOptions& options)
   for (size_t s = 0; s < options.hosts.size(); ++s) current_replica_[s] = 0;
   for (const std::vector<std::string>& set : replica_hosts_) {
     for (const std::string& host : set) {
-      for (int c = 0; c < options.connections_per_shard; ++c) {
+      for (int c = 0; c < connections_; ++c) {
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(options.max_message_bytes);
         args.SetMaxSendMessageSize(options.max_message_bytes);
@@ -509,7 +513,7 @@ absl::StatusOr<Registration> PsClient::RegisterResolved(
         groups_.emplace_back();
         open = &groups_.back();
         open->shard = s;
-        open->connection = next_connection++ % options_.connections_per_shard;
+        open->connection = next_connection++ % connections_;
         open_elements = 0;
       }
       open->blocks.push_back(g);
@@ -638,7 +642,10 @@ void PsClient::OpenDataLinks() {
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   std::map<int, std::vector<DataSlot*>> used;  // by shard
   for (const Group& group : groups_) {
-    DataSlot* slot = data_slots_[SlotOf(group.shard, group.connection)].get();
+    DataSlot* slot =
+        data_slots_[SlotOf(group.shard,
+                           DataConnectionOf(group.shard, group.connection))]
+            .get();
     std::vector<DataSlot*>& slots = used[group.shard];
     if (std::find(slots.begin(), slots.end(), slot) == slots.end()) {
       slots.push_back(slot);

@@ -70,6 +70,14 @@
 
 namespace pstrain {
 
+// With connections by host (connections_per_shard = 0, the default): the
+// connections to a shard on this host. A shard on another host gets one
+// data-plane connection, since several let one worker's requests run ahead
+// of the other workers' on a link that binds (a sync step then waits for the
+// slowest; bench/results/netns_link_speed.txt, section 7). gRPC calls keep
+// all of them.
+inline constexpr int kConnectionsOnThisHost = 4;
+
 struct PsClientOptions {
   // host:port of every shard, in shard order. A replicated shard
   // (ps_server --replicas) is its replicas' addresses joined by '|', in
@@ -84,7 +92,9 @@ struct PsClientOptions {
   absl::Duration connect_timeout = absl::Seconds(60);
   int max_message_bytes = 512 << 20;
   // TCP connections to each shard; a shard's RPCs are spread over them.
-  int connections_per_shard = 4;
+  // 0: by host, kConnectionsOnThisHost to a shard on this host and one
+  // data-plane connection to a shard elsewhere (ps_client.cc says why).
+  int connections_per_shard = 0;
   // HTTP/2 and socket settings of every connection
   // (common/transport/grpc_tuning.h).
   GrpcTuning grpc_tuning;
@@ -327,6 +337,11 @@ class PsClient {
   absl::StatusOr<PushPullResult> PushPullTensors(
       int64_t push_step, const std::vector<ConstTensorRef>& gradients,
       int64_t pull_step, const std::vector<TensorRef>& tensors);
+
+  // Whether some shard's data-plane link (to its primary) goes to another
+  // host, as far as the links opened so far tell: where a link may bind
+  // rather than the CPU (--pipeline_step=by_host).
+  bool SomeShardOnAnotherHost();
 
   // The pipelined step (--pipeline_step): what a PushPull running on a
   // network thread shares with the compute thread. The compute thread says
@@ -665,10 +680,13 @@ class PsClient {
     return SlotOfReplica(shard, current_replica_[shard].load(), connection);
   }
   size_t SlotOfReplica(int shard, int replica, int connection) const {
-    return (static_cast<size_t>(shard) * replicas_ + replica) *
-               options_.connections_per_shard +
+    return (static_cast<size_t>(shard) * replicas_ + replica) * connections_ +
            connection;
   }
+  // The data-plane connection that carries a call made on `connection` to
+  // `shard`: with connections by host, connection 0 where the shard's
+  // primary is on another host (or not known yet).
+  int DataConnectionOf(int shard, int connection);
   // The address of shard `shard`'s current replica.
   const std::string& HostOf(int shard) const {
     return replica_hosts_[shard][current_replica_[shard].load()];
@@ -697,6 +715,9 @@ class PsClient {
   // Every shard takes several tables in one SparsePull (set by Register).
   bool sparse_pull_tables_ = false;
   const uint64_t incarnation_;
+  // Connections to each replica (options_.connections_per_shard, or
+  // kConnectionsOnThisHost when that is 0: by host).
+  const int connections_;
   int worker_id_ = -1;
   int num_workers_ = 0;
   ConsistencyMode mode_ = ConsistencyMode::kSync;

@@ -60,6 +60,19 @@ absl::StatusOr<std::unique_ptr<DataLink>> PsClient::OpenDataLink(
       options_.credentials != nullptr ? options_.data_plane_tls : nullptr);
 }
 
+bool PsClient::SomeShardOnAnotherHost() {
+  absl::MutexLock lock(&data_ports_mu_);
+  return std::find(primary_on_this_host_.begin(), primary_on_this_host_.end(),
+                   0) != primary_on_this_host_.end();
+}
+
+int PsClient::DataConnectionOf(int shard, int connection) {
+  if (options_.connections_per_shard > 0 || connection == 0) return connection;
+  absl::MutexLock lock(&data_ports_mu_);
+  // Not known yet: the first link opened tells.
+  return primary_on_this_host_[shard] == 1 ? connection : 0;
+}
+
 DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   const int port = DataPortToUse(shard);
   if (port == 0) return nullptr;
@@ -83,7 +96,16 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   }
   {
     absl::MutexLock lock(&data_ports_mu_);
-    primary_on_this_host_[shard] = (*link)->same_host() ? 1 : 0;
+    const int on_this_host = (*link)->same_host() ? 1 : 0;
+    if (primary_on_this_host_[shard] != on_this_host &&
+        options_.connections_per_shard == 0) {
+      LOG(INFO) << "shard " << shard << "'s data plane (" << (*link)->peer()
+                << ") is on "
+                << (on_this_host ? "this host: " : "another host: ")
+                << (on_this_host ? connections_ : 1) << " connection"
+                << (on_this_host && connections_ > 1 ? "s" : "");
+    }
+    primary_on_this_host_[shard] = on_this_host;
   }
   slot.link = std::move(*link);
   slot.port = port;
@@ -164,8 +186,10 @@ void PsClient::OpenMissingLinks(const std::vector<Call>& calls,
                                 absl::Time deadline) {
   std::map<int, std::vector<DataSlot*>> missing;  // by shard
   for (size_t i : which) {
+    const int shard = calls[i].shard;
     DataSlot* slot =
-        data_slots_[SlotOf(calls[i].shard, calls[i].connection)].get();
+        data_slots_[SlotOf(shard, DataConnectionOf(shard, calls[i].connection))]
+            .get();
     if (!slot->mu.TryLock()) continue;  // in use: not missing
     const bool usable = slot->link != nullptr && slot->link->usable();
     slot->mu.Unlock();
@@ -254,10 +278,11 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
       over_grpc.push_back(i);  // the two calls, on the data plane or not
       continue;
     }
+    const int connection = DataConnectionOf(call.shard, call.connection);
     DataSlot& slot =
         *data_slots_[backup_read ? SlotOfReplica(call.shard, call.read_replica,
-                                                 call.connection)
-                                 : SlotOf(call.shard, call.connection)];
+                                                 connection)
+                                 : SlotOf(call.shard, connection)];
     auto it = std::find_if(held.begin(), held.end(),
                            [&slot](const auto& h) { return h.first == &slot; });
     if (it == held.end()) {

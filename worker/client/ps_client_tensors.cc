@@ -577,6 +577,27 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushPullCalls(
     calls[i].message = std::move((*pushes)[i].message);
     calls[i].on_push_response = std::move((*pushes)[i].on_response);
   }
+  // Every worker's PushPull, pipelined or not, sends the groups in the
+  // pipelined step's order (PushPullStreamed): backward makes the last
+  // layers' gradients first and the first layer's last, which the next
+  // forward needs first, so the groups without the first two tensors (the
+  // first layer's weight and bias) go ahead, the last layer's first, and
+  // the first layer's follow in order. One order for all matters on a link
+  // with one request in flight (--data_requests_in_flight, by host): were a
+  // plain worker sending the first layer's first, each worker's first
+  // request would wait for a group the other sends only later, and the
+  // step would wait for a lease to run out.
+  auto backward_rank = [this](const Call& c) {
+    int lowest = std::numeric_limits<int>::max();
+    for (int g : c.group->blocks) {
+      lowest = std::min(lowest, partition_->blocks()[g].tensor);
+    }
+    return lowest <= 1 ? std::numeric_limits<int>::max() : -lowest;
+  };
+  std::stable_sort(calls.begin(), calls.end(),
+                   [&](const Call& a, const Call& b) {
+                     return backward_rank(a) < backward_rank(b);
+                   });
   return calls;
 }
 
@@ -769,8 +790,7 @@ absl::Status PsClient::PullSparse(int64_t step,
       }
       Call& call = calls.emplace_back();
       call.shard = s;
-      call.connection =
-          static_cast<int>(calls.size() - 1) % options_.connections_per_shard;
+      call.connection = static_cast<int>(calls.size() - 1) % connections_;
       call.flat = request.SerializeAsString();
       call.on_response = [&store, &asked, s, first,
                           last](absl::Span<const absl::string_view> bytes) {
@@ -855,8 +875,7 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
       EncodeFromFloat32(wire_type, rows[s], requests[s].mutable_gradients());
       Call& call = calls.emplace_back();
       call.shard = s;
-      call.connection =
-          static_cast<int>(calls.size() - 1) % options_.connections_per_shard;
+      call.connection = static_cast<int>(calls.size() - 1) % connections_;
       call.flat = requests[s].SerializeAsString();
     }
   }
@@ -1067,25 +1086,9 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
       PushPullCalls(push_step, gradients, pull_step, tensors, responses,
                     /*inline_below_bytes=*/0);
   if (!calls.ok()) return finish(calls.status());
-  // Backward makes the last layers' gradients first and the first layer's
-  // last, which the next forward needs first: the groups without the first
-  // two tensors (the first layer's weight and bias) go ahead, while the
-  // first layer's gradient is made, and its values come back last, in
-  // order, as forward reads them. A connection's requests are answered in
-  // order and every worker sends the same order, so no answer waits on a
-  // request behind it.
-  // The later groups go in backward's order, the last layer's first.
-  auto backward_rank = [this](const Call& c) {
-    int lowest = std::numeric_limits<int>::max();
-    for (int g : c.group->blocks) {
-      lowest = std::min(lowest, partition_->blocks()[g].tensor);
-    }
-    return lowest <= 1 ? std::numeric_limits<int>::max() : -lowest;
-  };
-  std::stable_sort(calls->begin(), calls->end(),
-                   [&](const Call& a, const Call& b) {
-                     return backward_rank(a) < backward_rank(b);
-                   });
+  // The calls come in backward's order (PushPullCalls): the later layers'
+  // groups leave while the first layer's gradient is made, and its values
+  // come back last, in order, as forward reads them.
   for (Call& call : *calls) {
     const Group* group = call.group;
     call.can_send = [&stream, group] {
