@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/http_util.h"
@@ -74,6 +75,37 @@ TEST(ConnectionErrorTest, TlsWorkerAgainstPlaintextServers) {
       (*cluster)->PsHosts(), {"--tls_ca=" + certs + "/ca.pem"}, "tls_worker");
   EXPECT_THAT(err, HasSubstr("the server speaks plaintext gRPC but this "
                              "client dials TLS"));
+}
+
+// A server that goes away mid-job costs its workers --retry_window_s, not
+// --connect_timeout_s: a worker's retries used to register again to learn
+// the server's data port, and that registration waited for the server to
+// come back for the whole connect timeout (60 s here), saying nothing.
+TEST(ConnectionErrorTest, AServerGoneMidJobCostsTheRetryWindow) {
+  testing::ClusterOptions options;
+  absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
+      testing::TestCluster::Start(options, "server_gone");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  absl::StatusOr<std::unique_ptr<testing::Process>> worker =
+      (*cluster)->StartWorker(
+          0, 1,
+          {"--model=mlp", "--hidden=32", "--steps=100000000", "--log_every=0",
+           "--retry_window_s=3", "--connect_timeout_s=60",
+           "--rpc_timeout_s=60"});
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  const absl::Status training = (*cluster)->WaitForStats(
+      [](const StatsResponse& s) { return s.version() >= 5; },
+      absl::Seconds(60));
+  ASSERT_TRUE(training.ok()) << training;
+  ASSERT_TRUE((*cluster)->StopServer(0).ok());
+  const absl::Time stopped = absl::Now();
+  absl::StatusOr<int> code = (*worker)->Wait(absl::Seconds(90));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_NE(*code, 0);
+  // 3 s of retries and their last backoff, well under the 60 s a wait for
+  // the connect timeout takes.
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(20)) << (*worker)->Stderr();
+  EXPECT_THAT((*worker)->Stderr(), HasSubstr("retry window"));
 }
 
 }  // namespace

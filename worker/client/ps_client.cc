@@ -250,7 +250,7 @@ bool PsClient::SleepUnlessInterrupted(absl::Duration duration,
 constexpr absl::Duration kReregisterPause = absl::Milliseconds(200);
 
 absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls(
-    bool wait_out_dying_servers) {
+    bool wait_out_dying_servers, absl::Time give_up) {
   RegisterModelRequest request;
   request.set_protocol_version(kProtocolVersion);
   *request.mutable_schema() = schema_;
@@ -269,7 +269,7 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls(
   // A server that dies in the middle of the call (UNAVAILABLE at once, not
   // a deadline) is waited for like one not up yet: registering again is
   // harmless, and the connect timeout still bounds the whole wait.
-  const absl::Time give_up = absl::Now() + options_.connect_timeout;
+  give_up = std::min(give_up, absl::Now() + options_.connect_timeout);
   const uint64_t epoch = interrupts();
   while (true) {
     const absl::Status s =
@@ -293,8 +293,8 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls(
   return responses;
 }
 
-absl::Status PsClient::RegisterOnShards() {
-  return RegisterCalls(/*wait_out_dying_servers=*/false).status();
+absl::Status PsClient::RegisterOnShards(absl::Time give_up) {
+  return RegisterCalls(/*wait_out_dying_servers=*/false, give_up).status();
 }
 
 namespace {

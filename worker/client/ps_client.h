@@ -587,9 +587,10 @@ class PsClient {
       const std::vector<int>& read_from);
   // Whether this client may use any data port (see data_plane_tls).
   bool DataPlaneAllowed() const;
-  // After a data port failed: registers again (once) to learn whether the
-  // server announces another one.
-  void MaybeRefreshDataPorts();
+  // After a data port failed: registers again to learn whether the server
+  // announces another one, by `deadline` and within a few seconds; asks
+  // again on a later call where that failed.
+  void MaybeRefreshDataPorts(absl::Time deadline);
   // The calls of a Pull and of a Push (nothing sent yet); `responses` gets
   // each group's PushResponse. Push calls skip groups with no selected
   // tensor.
@@ -648,14 +649,15 @@ class PsClient {
   template <typename Response>
   std::vector<Call> CallsToEveryShard(const std::string& request,
                                       std::vector<Response>* responses) const;
-  // Registers schema_ as worker_id_ on every shard (again after a restart).
-  // With `wait_out_dying_servers` (a worker's first registration), a call
-  // cut by a server going away is made again within the connect timeout;
-  // without (inside RunAll's retries, which have their own window), the
-  // first failure is returned.
+  // Registers schema_ as worker_id_ on every shard (again after a restart),
+  // waiting for servers not up yet until the connect timeout or `give_up`,
+  // whichever comes first. With `wait_out_dying_servers` (a worker's first
+  // registration), a call cut by a server going away is made again within
+  // that time; without (inside RunAll's retries, which have their own
+  // window), the first failure is returned.
   absl::StatusOr<std::vector<RegisterModelResponse>> RegisterCalls(
-      bool wait_out_dying_servers);
-  absl::Status RegisterOnShards();
+      bool wait_out_dying_servers, absl::Time give_up = absl::InfiniteFuture());
+  absl::Status RegisterOnShards(absl::Time give_up);
   // Register with the block size settled.
   absl::StatusOr<Registration> RegisterResolved(const ModelSchema& schema,
                                                 int num_workers, int worker_id);

@@ -350,7 +350,9 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
     backoff = moved_replica ? absl::Milliseconds(50)
                             : std::min(backoff * 2, absl::Seconds(5));
     if (reregister) {
-      if (absl::Status s = RegisterOnShards(); !s.ok()) {
+      // Within the retry window: a server that is not back yet must not
+      // hold the worker for the whole connect timeout.
+      if (absl::Status s = RegisterOnShards(give_up); !s.ok()) {
         LOG(WARNING) << "registering again failed: " << s;
       }
     }

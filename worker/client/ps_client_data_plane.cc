@@ -19,6 +19,8 @@ namespace {
 // How long a data port that could not be reached is left alone (a server
 // with a fixed --data_port may come back on it).
 constexpr absl::Duration kDataPortRetry = absl::Seconds(30);
+// The longest a call waits to learn the shards' data ports again.
+constexpr absl::Duration kDataPortRefreshTimeout = absl::Seconds(3);
 
 }  // namespace
 
@@ -223,16 +225,23 @@ void PsClient::OpenLinks(const std::map<int, std::vector<DataSlot*>>& by_shard,
   for (std::thread& opener : openers) opener.join();
 }
 
-void PsClient::MaybeRefreshDataPorts() {
+void PsClient::MaybeRefreshDataPorts(absl::Time deadline) {
   {
     absl::MutexLock lock(&data_ports_mu_);
     if (!refresh_data_ports_) return;
     refresh_data_ports_ = false;
   }
   // A server restarted from its checkpoint keeps its model, so nothing else
-  // would make this worker register again and hear its new port.
-  if (absl::Status s = RegisterOnShards(); !s.ok()) {
+  // would make this worker register again and hear its new port. Bounded
+  // well inside the call's deadline: a server that is gone (its calls then
+  // fail and RunAll retries them within --retry_window_s) must not hold
+  // the step for the connect timeout. A later call asks again.
+  const absl::Time give_up =
+      std::min(deadline, absl::Now() + kDataPortRefreshTimeout);
+  if (absl::Status s = RegisterOnShards(give_up); !s.ok()) {
     LOG(WARNING) << "registering again to learn data ports failed: " << s;
+    absl::MutexLock lock(&data_ports_mu_);
+    refresh_data_ports_ = true;
   }
 }
 
@@ -251,8 +260,8 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
   } else {
     return which;
   }
-  MaybeRefreshDataPorts();
   const absl::Time deadline = absl::Now() + timeout;
+  MaybeRefreshDataPorts(deadline);
   OpenMissingLinks(calls, which, deadline);
   std::vector<size_t> over_grpc;
   // Each slot this call holds, with its link resolved once: a second call
