@@ -171,6 +171,12 @@ absl::Status Shard::Leave(const LeaveRequest& request) {
     state.member = false;
     state.pending = false;
     state.joined_at = kNever;
+    // One that leaves before the job starts is waited for again, as if it
+    // had never come: the job is for every expected worker.
+    if (!started_ && state.seen && request.worker_id() < options_.num_workers) {
+      state.seen = false;
+      --expected_seen_;
+    }
     PublishMembershipLocked();
   }
   CompleteReadyBlocks();

@@ -616,6 +616,25 @@ TEST(ShardStartTest, AWaitEndsWhenTheLastWorkerRegisters) {
   EXPECT_TRUE(late->start.ok() && late->start->started());
 }
 
+TEST(ShardStartTest, AWorkerThatLeftBeforeTheStartIsWaitedForAgain) {
+  // Worker 0 registers and leaves (Ctrl-C while it waits for worker 1):
+  // the job used to start when worker 1 came, and worker 1 trained alone.
+  Fixture f = MakeStartingShard(ConsistencyMode::kSync, 2, absl::Seconds(60),
+                                absl::Seconds(60));
+  ASSERT_TRUE(RegisterWorker(*f.shard, 2, 0).ok());
+  LeaveRequest leave;
+  leave.set_worker_id(0);
+  ASSERT_TRUE(f.shard->Leave(leave).ok());
+  ASSERT_TRUE(RegisterWorker(*f.shard, 2, 1).ok());
+  JobStart start = f.shard->Stats().job_start();
+  EXPECT_FALSE(start.started());
+  ASSERT_EQ(start.missing_workers_size(), 1);
+  EXPECT_EQ(start.missing_workers(0), 0);
+  // It comes back: the job starts.
+  ASSERT_TRUE(RegisterWorker(*f.shard, 2, 0).ok());
+  EXPECT_TRUE(f.shard->Stats().job_start().started());
+}
+
 TEST(ShardStartTest, TooFewWorkersByTheStartupTimeoutFailsTheJob) {
   Fixture f = MakeStartingShard(ConsistencyMode::kSync, 3, absl::Seconds(60),
                                 absl::Milliseconds(200));
