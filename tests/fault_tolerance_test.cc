@@ -268,6 +268,10 @@ TEST(ElasticTest, WorkersJoinAndLeaveARunningSyncJob) {
   w2->Signal(SIGTERM);
   const std::string out1 = Finish(*w1), out2 = Finish(*w2);
   EXPECT_NE(out1.find("\"stopped_early\":true"), std::string::npos) << out1;
+  // Its final loss and accuracy average the last tenth of the steps it ran
+  // (the job's last tenth, which it never reached, used to report zeros).
+  EXPECT_GT(Number(out1, "final_loss"), 0) << out1;
+  EXPECT_GT(Number(out1, "train_accuracy"), 0) << out1;
   EXPECT_GT(Number(out2, "start_step"), 0) << out2;
   ASSERT_TRUE(at_least(0, 1).ok());
 

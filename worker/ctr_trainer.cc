@@ -14,6 +14,7 @@
 #include "common/partition.h"
 #include "worker/ctr_metrics.h"
 #include "worker/embedding_bag.h"
+#include "worker/last_tenth.h"
 
 namespace pstrain {
 namespace {
@@ -428,8 +429,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
   result.steps = options.steps;
   CtrBatchCursor cursor(&train);
   CtrDataset batch;
-  double window_loss = 0;
-  int64_t window_rows = 0;
+  LastTenth window(options.steps);  // the last tenth of the job's batches
   const absl::Time start = absl::Now();
   std::vector<float> step_scores;
   int64_t step = options.start_step;
@@ -470,10 +470,8 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     if (absl::Status s = (*net)->Push(client, step); !s.ok()) return s;
     ++result.steps_run;
     ++step;
-    if (step > options.steps - std::max<int64_t>(1, options.steps / 10)) {
-      window_loss += *loss_sum;
-      window_rows += batch.size();
-    }
+    window.Add(step,
+               BatchResult{*loss_sum, 0, static_cast<int64_t>(batch.size())});
     if (options.on_step) {
       StepReport report =
           CtrStepReport(step, options.steps, *loss_sum, batch, step_scores,
@@ -497,7 +495,9 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
   result.wall_time_s = absl::ToDoubleSeconds(absl::Now() - start);
   result.samples_per_sec = result.steps_run * options.batch_size /
                            std::max(result.wall_time_s, 1e-9);
-  if (window_rows > 0) result.final_loss = window_loss / window_rows;
+  if (const BatchResult tail = window.Sums(result.steps_run); tail.rows > 0) {
+    result.final_loss = tail.loss_sum / tail.rows;
+  }
 
   // Every worker evaluates the job's final model. sync: the model after the
   // last step (the pulls wait for it). async/ssp: this worker leaves first

@@ -23,6 +23,7 @@
 #include "common/consistency_mode.h"
 #include "common/partition.h"
 #include "glog/logging.h"
+#include "worker/last_tenth.h"
 #include "worker/step_overlap.h"
 
 namespace pstrain {
@@ -717,32 +718,26 @@ absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
 // figures. The final loss and accuracy average the last tenth of the job's
 // batches, gathered in `window`.
 void Tally(const StepExchange& exchange, absl::Duration pull_time,
-           int64_t step_done, const TrainerOptions& options,
-           BatchResult& window, TrainResult& result) {
+           int64_t step_done, LastTenth& window, TrainResult& result) {
   result.compute_seconds += absl::ToDoubleSeconds(exchange.compute_time);
   result.network_wait_seconds +=
       absl::ToDoubleSeconds(pull_time + exchange.push_wait);
   result.duplicate_blocks += exchange.pushed.blocks_duplicate;
   result.late_blocks += exchange.pushed.blocks_late;
   ++result.steps_run;
-  if (step_done > options.steps - std::max<int64_t>(1, options.steps / 10)) {
-    window.loss_sum += exchange.batch.loss_sum;
-    window.num_correct += exchange.batch.num_correct;
-    window.rows += exchange.batch.rows;
-  }
+  window.Add(step_done, exchange.batch);
 }
 
 // This worker's figures once its steps are done: `steps_done` of them in
 // `wall_time`, of which `evaluation_time` on evaluations; `window` the
-// batches of the job's last tenth.
+// batches of the job's last tenth (of the steps run, if it stopped early).
 void Summarize(const TrainerOptions& options, int64_t steps_done,
-               int64_t steps_per_epoch, const BatchResult& window,
+               int64_t steps_per_epoch, const LastTenth& window,
                absl::Duration wall_time, absl::Duration evaluation_time,
                TrainResult& result) {
-  if (window.rows > 0) {
-    result.final_loss = window.loss_sum / window.rows;
-    result.train_accuracy =
-        static_cast<double>(window.num_correct) / window.rows;
+  if (const BatchResult tail = window.Sums(result.steps_run); tail.rows > 0) {
+    result.final_loss = tail.loss_sum / tail.rows;
+    result.train_accuracy = static_cast<double>(tail.num_correct) / tail.rows;
   }
   result.steps = options.steps;
   result.epochs = static_cast<double>(steps_done) / steps_per_epoch;
@@ -832,7 +827,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   result.mode = mode;
   result.start_step = options.start_step;
   result.steps_per_epoch = steps_per_epoch;
-  BatchResult window;  // the last tenth of the job's batches
+  LastTenth window(options.steps);  // the last tenth of the job's batches
   // Moved on by the start wait (TrainerOptions::await_job_start).
   absl::Time start = absl::Now();
   int64_t step = options.start_step;
@@ -905,7 +900,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       CrashNow("after its exchange", step);
     }
     ++step;
-    Tally(*exchange, pull_time, step, options, window, result);
+    Tally(*exchange, pull_time, step, window, result);
     const absl::Duration step_time = absl::Now() - step_start;
     StepReport report = ReportOf(step, options, steps_per_epoch, *exchange,
                                  pull_time, step_time);

@@ -587,9 +587,8 @@ class PsClient {
       const std::vector<int>& read_from);
   // Whether this client may use any data port (see data_plane_tls).
   bool DataPlaneAllowed() const;
-  // After a data port failed: registers again to learn whether the server
-  // announces another one, by `deadline` and within a few seconds; asks
-  // again on a later call where that failed.
+  // After a data port failed: registers again (once) to learn whether the
+  // server announces another one, by `deadline` and within a few seconds.
   void MaybeRefreshDataPorts(absl::Time deadline);
   // The calls of a Pull and of a Push (nothing sent yet); `responses` gets
   // each group's PushResponse. Push calls skip groups with no selected

@@ -235,13 +235,12 @@ void PsClient::MaybeRefreshDataPorts(absl::Time deadline) {
   // would make this worker register again and hear its new port. Bounded
   // well inside the call's deadline: a server that is gone (its calls then
   // fail and RunAll retries them within --retry_window_s) must not hold
-  // the step for the connect timeout. A later call asks again.
+  // the step for the connect timeout. The next data port that cannot be
+  // reached asks again.
   const absl::Time give_up =
       std::min(deadline, absl::Now() + kDataPortRefreshTimeout);
   if (absl::Status s = RegisterOnShards(give_up); !s.ok()) {
     LOG(WARNING) << "registering again to learn data ports failed: " << s;
-    absl::MutexLock lock(&data_ports_mu_);
-    refresh_data_ports_ = true;
   }
 }
 
