@@ -740,8 +740,9 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
     // Files that are there but invalid are still a DataLoss below.
     return absl::NotFoundError(absl::StrCat(
         "no checkpoint of shard ", shard_id, " of ", num_shards, " in ", dir_,
-        " yet (the other shards have theirs: this one died before its first "
-        "was complete)"));
+        " yet (the other shards have theirs: this one stopped before its "
+        "first was complete, or every one it tried failed, a full disk "
+        "say: its log says which)"));
   }
   if (chosen == nullptr) {
     return absl::DataLossError(absl::StrCat(

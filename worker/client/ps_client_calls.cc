@@ -247,8 +247,12 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
       std::vector<std::string> pending;
       for (size_t i : which) {
         if (calls[i].status.ok()) continue;
-        pending.push_back(absl::StrCat("shard ", calls[i].shard, " (",
-                                       HostOf(calls[i].shard), ")"));
+        std::string shard = absl::StrCat("shard ", calls[i].shard, " (",
+                                         HostOf(calls[i].shard), ")");
+        // A shard's several calls (block groups) are one thing waited for.
+        if (std::find(pending.begin(), pending.end(), shard) == pending.end()) {
+          pending.push_back(std::move(shard));
+        }
       }
       waiting_for = absl::StrCat(
           "waiting for ", pending.empty() ? std::string("the servers")
