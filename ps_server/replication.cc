@@ -248,20 +248,37 @@ void ReplicaSet::Start() {
   // waits while one before it is still starting (it answers "joining",
   // reading or installing its checkpoint: up to startup_wait) or not up yet
   // (up to takeover_after_silence, as the watcher would wait for it).
+  // A peer whose process is up but did not answer (busy, its port just
+  // opened) may hold the job's state: it is waited for like one before this
+  // replica, whatever its index. Taking it for absent made a replica 0
+  // restarted mid-job the primary of an empty shard while its backup held
+  // every step, and the workers went on from nothing.
+  std::vector<std::string> silent;
+  std::vector<std::string> found;  // what each peer said, for the log
   const absl::Time started = absl::Now();
   while (true) {
     holders.clear();
+    silent.clear();
+    found.clear();
     bool wait = false;
     const absl::Duration waited = absl::Now() - started;
     for (auto& peer : peers_) {
       const bool before = peer->index < options_.replica_index;
       absl::StatusOr<ReplicateResponse> answer =
           Call(*peer, probe, absl::Seconds(1), /*wait_for_ready=*/false);
-      if (!answer.ok()) {  // not up yet, or gone
-        wait |= before && waited < options_.takeover_after_silence;
+      if (!answer.ok()) {  // not up yet, gone, or slow to answer
+        const bool up = !Gone(*peer);
+        if (up) silent.push_back(answer.status().ToString());
+        found.push_back(
+            absl::StrCat("replica ", peer->index, up ? " silent" : " not up"));
+        wait |= (before || up) && waited < options_.takeover_after_silence;
         continue;
       }
       epoch = std::max(epoch, answer->epoch());
+      found.push_back(
+          absl::StrCat("replica ", peer->index, " ", answer->role(),
+                       " at epoch ", answer->epoch(),
+                       answer->model_registered() ? "" : " without a model"));
       wait |= before && answer->role() == RoleName(Role::kJoining) &&
               waited < options_.startup_wait;
       // Only a replica that serves or follows holds the running state: one
@@ -296,6 +313,12 @@ void ReplicaSet::Start() {
   }
   const std::string self = absl::StrCat("replica ", options_.replica_index,
                                         " of shard ", options_.shard_id);
+  if (holders.empty() && !silent.empty()) {
+    LOG(WARNING) << self << ": replicas that are up did not answer for "
+                 << absl::FormatDuration(options_.takeover_after_silence)
+                 << " (" << absl::StrJoin(silent, "; ")
+                 << "); going on without them";
+  }
   if (!holders.empty()) {
     if (settle_restored_) settle_restored_(/*keep=*/false);
     role_ = Role::kCatchingUp;
@@ -319,7 +342,9 @@ void ReplicaSet::Start() {
     primary_ = 0;
     role_ = Role::kPrimary;
     LOG(INFO) << self << " is the primary (epoch " << epoch_.load() << ") of "
-              << options_.addresses.size() << " replicas";
+              << options_.addresses.size()
+              << " replicas; none holds the shard's state ("
+              << absl::StrJoin(found, ", ") << ")";
     return;
   }
   role_ = Role::kBackup;
