@@ -315,12 +315,16 @@ class StepRunner {
       // Decided once: the first step's pull has opened the data plane's
       // links, which tell where the shards are. By host, only a sync step
       // that would otherwise end with one PushPull (not one whose user
-      // chose --overlap_push or --push_pull=false).
+      // chose --overlap_push or --push_pull=false) nor read from backups,
+      // which on links that bind gains more (with two replicas on 1 Gbit/s
+      // links, 2 x 2: 13.0-13.2 ms a step reading from backups, 14.1-14.4
+      // ms pipelined; bench/results/replication_link_speed.txt).
       using Pipeline = TrainerOptions::Pipeline;
       pipelined_ = options_.pipeline_step == Pipeline::kAlways ||
                    (options_.pipeline_step == Pipeline::kByHost &&
                     mode_ == ConsistencyMode::kSync && options_.push_pull &&
-                    !options_.overlap_push && client_.SomeShardOnAnotherHost());
+                    !options_.overlap_push && !client_.MayReadFromBackups() &&
+                    client_.SomeShardOnAnotherHost());
       if (*pipelined_ && options_.pipeline_step == Pipeline::kByHost) {
         LOG(INFO) << "--pipeline_step=by_host: a shard is on another host, "
                      "so steps run as a pipeline";

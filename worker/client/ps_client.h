@@ -342,6 +342,13 @@ class PsClient {
   // host, as far as the links opened so far tell: where a link may bind
   // rather than the CPU (--pipeline_step=by_host).
   bool SomeShardOnAnotherHost();
+  // Whether a sync PushPull of this client may read values from backups
+  // (pulls_from_backups with two replicas a shard), which the pipelined
+  // step does not do.
+  bool MayReadFromBackups() const {
+    return replicas_ == 2 &&
+           options_.pulls_from_backups != PsClientOptions::BackupReads::kNever;
+  }
 
   // The pipelined step (--pipeline_step): what a PushPull running on a
   // network thread shares with the compute thread. The compute thread says
