@@ -44,13 +44,16 @@ bool Unanswered(const absl::Status& status) {
          status.code() == absl::StatusCode::kCancelled;
 }
 
-// Whether every address of host:port refuses a TCP connection within
-// `timeout`: nothing listens there, so the process that did is gone (a
-// silent host is not gone: it may be cut off, and alive).
-bool RefusesConnections(const std::string& address, absl::Duration timeout) {
+// What a TCP connection to host:port meets within `timeout`: refused at
+// every address (nothing listens there, so the process that did is gone),
+// accepted at one (a process listens), or neither (a silent host, which may
+// be cut off and alive; a name that does not resolve).
+enum class Listening { kRefused, kAccepted, kUnknown };
+
+Listening ProbeListening(const std::string& address, absl::Duration timeout) {
   std::string host;
   int port = 0;
-  if (!SplitHostPort(address, &host, &port).ok()) return false;
+  if (!SplitHostPort(address, &host, &port).ok()) return Listening::kUnknown;
   addrinfo hints = {};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -58,32 +61,37 @@ bool RefusesConnections(const std::string& address, absl::Duration timeout) {
   addrinfo* found = nullptr;
   if (getaddrinfo(host.c_str(), absl::StrCat(port).c_str(), &hints, &found) !=
       0) {
-    return false;
+    return Listening::kUnknown;
   }
   bool all_refused = found != nullptr;
+  bool accepted = false;
   for (addrinfo* a = found; a != nullptr && all_refused; a = a->ai_next) {
     const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_NONBLOCK, 0);
     if (fd < 0) {
       all_refused = false;
       break;
     }
-    int error = 0;
-    if (connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+    int error = ETIMEDOUT;
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      error = 0;
+    } else if (errno != EINPROGRESS) {
       error = errno;
-      if (error == EINPROGRESS) {
-        pollfd p = {fd, POLLOUT, 0};
-        if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout))) >
-            0) {
-          socklen_t length = sizeof(error);
-          getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
-        }
+    } else {
+      pollfd p = {fd, POLLOUT, 0};
+      if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout))) >
+          0) {
+        socklen_t length = sizeof(error);
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
       }
     }
     close(fd);
+    accepted |= error == 0;
     all_refused = error == ECONNREFUSED;
   }
   freeaddrinfo(found);
-  return all_refused;
+  return all_refused ? Listening::kRefused
+         : accepted  ? Listening::kAccepted
+                     : Listening::kUnknown;
 }
 
 }  // namespace
@@ -234,7 +242,8 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::CallOnDataPlane(
 }
 
 bool ReplicaSet::Gone(const Peer& peer) const {
-  return RefusesConnections(peer.address, absl::Milliseconds(200));
+  return ProbeListening(peer.address, absl::Milliseconds(200)) ==
+         Listening::kRefused;
 }
 
 void ReplicaSet::Start() {
@@ -248,11 +257,11 @@ void ReplicaSet::Start() {
   // waits while one before it is still starting (it answers "joining",
   // reading or installing its checkpoint: up to startup_wait) or not up yet
   // (up to takeover_after_silence, as the watcher would wait for it).
-  // A peer whose process is up but did not answer (busy, its port just
-  // opened) may hold the job's state: it is waited for like one before this
-  // replica, whatever its index. Taking it for absent made a replica 0
-  // restarted mid-job the primary of an empty shard while its backup held
-  // every step, and the workers went on from nothing.
+  // A peer whose process is up (its port accepts connections) but did not
+  // answer (busy, its port just opened) may hold the job's state: it is
+  // waited for like one before this replica, whatever its index. Taking it for
+  // absent made a replica 0 restarted mid-job the primary of an empty shard
+  // while its backup held every step, and the workers went on from nothing.
   std::vector<std::string> silent;
   std::vector<std::string> found;  // what each peer said, for the log
   const absl::Time started = absl::Now();
@@ -267,7 +276,9 @@ void ReplicaSet::Start() {
       absl::StatusOr<ReplicateResponse> answer =
           Call(*peer, probe, absl::Seconds(1), /*wait_for_ready=*/false);
       if (!answer.ok()) {  // not up yet, gone, or slow to answer
-        const bool up = !Gone(*peer);
+        const bool up =
+            ProbeListening(peer->address, absl::Milliseconds(200)) ==
+            Listening::kAccepted;
         if (up) silent.push_back(answer.status().ToString());
         found.push_back(
             absl::StrCat("replica ", peer->index, up ? " silent" : " not up"));
@@ -314,7 +325,7 @@ void ReplicaSet::Start() {
   const std::string self = absl::StrCat("replica ", options_.replica_index,
                                         " of shard ", options_.shard_id);
   if (holders.empty() && !silent.empty()) {
-    LOG(WARNING) << self << ": replicas that are up did not answer for "
+    LOG(WARNING) << self << ": replicas whose port accepts did not answer for "
                  << absl::FormatDuration(options_.takeover_after_silence)
                  << " (" << absl::StrJoin(silent, "; ")
                  << "); going on without them";

@@ -287,7 +287,7 @@ bool Shard::CheckJobStart() {
     if (present < options_.min_workers) {
       failure = absl::FailedPreconditionError(absl::StrCat(
           "the job did not start: workers ", FormatIdList(missing),
-          " never registered within ", timeout_flag, " (", present, " of ",
+          " did not register (or left before the start) within ", timeout_flag, " (", present, " of ",
           options_.num_workers, " did; --min_workers=", options_.min_workers,
           "); restart the servers to try again"));
     } else {

@@ -647,7 +647,7 @@ TEST(ShardStartTest, TooFewWorkersByTheStartupTimeoutFailsTheJob) {
   EXPECT_EQ(waiting->start.status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(
-      waiting->start.status().message().find("workers 1, 2 never registered"),
+      waiting->start.status().message().find("workers 1, 2 did not register"),
       std::string::npos)
       << waiting->start.status();
   // The waiting pull, and every later request, hear the same.

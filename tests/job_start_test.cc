@@ -55,7 +55,7 @@ TEST(JobStartTest, AWorkerThatNeverComesFailsTheJobNamingIt) {
     ASSERT_TRUE(code.ok()) << "worker " << k << " still running "
                            << kStartupTimeoutS + 5 << " s after the servers";
     EXPECT_NE(*code, 0);
-    EXPECT_NE(workers[k]->Stderr().find("workers 2 never registered"),
+    EXPECT_NE(workers[k]->Stderr().find("workers 2 did not register"),
               std::string::npos)
         << workers[k]->Stderr();
     EXPECT_EQ(workers[k]->Stdout().find("\"event\":\"final\""),

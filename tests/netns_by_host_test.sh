@@ -63,6 +63,8 @@ expect() {  # expect WORKER yes|no PATTERN
     exit 1
   fi
 }
+grep -q '"pipelined":false' "$tmp/worker0.out" || { echo "FAIL: worker 0's final JSON should say \"pipelined\":false" >&2; exit 1; }
+grep -q '"pipelined":true' "$tmp/worker1.out" || { echo "FAIL: worker 1's final JSON should say \"pipelined\":true" >&2; exit 1; }
 expect 0 yes "shard 0's data plane (.*) is on this host: 4 connections"
 expect 0 no "steps run as a pipeline"
 expect 1 yes "shard 0's data plane (.*) is on another host: 1 connection"

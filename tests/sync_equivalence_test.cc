@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/init.h"
 #include "common/partition.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "tests/test_cluster.h"
@@ -61,6 +62,8 @@ struct Staggering {
   std::vector<absl::Duration> start_delays;  // one per worker
   std::vector<std::string> server_flags;
   std::vector<std::string>* worker_outputs = nullptr;
+  // Flags for worker k only (after the shared ones), where given.
+  std::vector<std::vector<std::string>> worker_flags;
 };
 
 // Trains with `workers` workers sharing the global batch on `shards` shards
@@ -84,6 +87,10 @@ std::vector<std::vector<float>> TrainAndPull(
   std::vector<std::string> worker_flags = ModelFlags(shuffle, global_batch);
   worker_flags.insert(worker_flags.end(), extra.begin(), extra.end());
   std::vector<std::vector<std::string>> flags(workers, worker_flags);
+  for (size_t k = 0; k < staggering.worker_flags.size(); ++k) {
+    flags[k].insert(flags[k].end(), staggering.worker_flags[k].begin(),
+                    staggering.worker_flags[k].end());
+  }
   absl::StatusOr<std::vector<std::string>> outputs = (*cluster)->RunWorkers(
       flags, absl::Seconds(120), staggering.start_delays);
   EXPECT_TRUE(outputs.ok()) << outputs.status();
@@ -177,6 +184,29 @@ TEST(SyncEquivalenceTest, PipelinedGroupsOnOneConnectionChangeNothing) {
                    {"--connections_per_shard=1", "--block_elements=50"});
   ASSERT_EQ(three.size(), 4u);
   EXPECT_LE(MaxAbsDifference(three, single), 1e-5);
+}
+
+// A plain and a pipelined worker in one job, each with one request in
+// flight on one connection a shard (as on links to other hosts): they send
+// a PushPull's groups in one order. With two orders each worker's first
+// request waited for a group the other sent last, and every step for a
+// lease to run out (60 steps: far past the workers' 120 s).
+TEST(SyncEquivalenceTest, APlainAndAPipelinedWorkerShareOneOrder) {
+  const auto single = TrainAndPull(1, 1, "sync", "one_worker_mixed_ref");
+  ASSERT_EQ(single.size(), 4u);
+  Staggering mixed;
+  mixed.worker_flags = {{"--pipeline_step=never"}, {"--pipeline_step=always"}};
+  std::vector<std::string> outputs;
+  mixed.worker_outputs = &outputs;
+  const auto two = TrainAndPull(
+      2, 2, "sync", "two_workers_mixed", true, kGlobalBatch,
+      {"--connections_per_shard=1", "--data_requests_in_flight=1"}, mixed);
+  ASSERT_EQ(two.size(), 4u);
+  ASSERT_EQ(outputs.size(), 2u);
+  EXPECT_THAT(outputs[0], ::testing::HasSubstr("\"pipelined\":false"));
+  EXPECT_THAT(outputs[1], ::testing::HasSubstr("\"pipelined\":true"));
+  // The pipelined worker's forward sums its first layer block by block.
+  EXPECT_LE(MaxAbsDifference(two, single), 1e-4);
 }
 
 TEST(SyncEquivalenceTest, PushingLayerByLayerDuringBackwardChangesNothing) {

@@ -305,6 +305,8 @@ class StepRunner {
   }
 
   const std::vector<const float*>& params() const { return params_; }
+  // Whether its steps ran as a pipeline.
+  bool pipelined() const { return pipelined_.value_or(false); }
 
   // `staged_at`: when the step began staging its batch (counted as
   // compute). `may_pull_ahead`: a PushPull may bring the next step's model
@@ -318,13 +320,17 @@ class StepRunner {
       // chose --overlap_push or --push_pull=false) nor read from backups,
       // which on links that bind gains more (with two replicas on 1 Gbit/s
       // links, 2 x 2: 13.0-13.2 ms a step reading from backups, 14.1-14.4
-      // ms pipelined; bench/results/replication_link_speed.txt).
+      // ms pipelined; bench/results/replication_link_speed.txt); and only
+      // where the exchange can stream and no schedule makes each step wait
+      // for the last one's exchange (else the hand-offs gain nothing).
       using Pipeline = TrainerOptions::Pipeline;
-      pipelined_ = options_.pipeline_step == Pipeline::kAlways ||
-                   (options_.pipeline_step == Pipeline::kByHost &&
-                    mode_ == ConsistencyMode::kSync && options_.push_pull &&
-                    !options_.overlap_push && !client_.MayReadFromBackups() &&
-                    client_.SomeShardOnAnotherHost());
+      pipelined_ =
+          options_.pipeline_step == Pipeline::kAlways ||
+          (options_.pipeline_step == Pipeline::kByHost &&
+           mode_ == ConsistencyMode::kSync && options_.push_pull &&
+           !options_.overlap_push && !client_.MayReadFromBackups() &&
+           client_.StepsCanStream() && options_.learning_rate_at == nullptr &&
+           client_.SomeShardOnAnotherHost());
       if (*pipelined_ && options_.pipeline_step == Pipeline::kByHost) {
         LOG(INFO) << "--pipeline_step=by_host: a shard is on another host, "
                      "so steps run as a pipeline";
@@ -921,6 +927,7 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   }
   // The pipelined step's last PushPull, whose push no step has counted.
   if (absl::Status s = runner.Settle(); !s.ok()) return s;
+  result.pipelined = runner.pipelined();
   const PsClient::PushResult settled = runner.TakeSettled();
   result.duplicate_blocks += settled.blocks_duplicate;
   result.late_blocks += settled.blocks_late;
@@ -971,7 +978,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"steps_skipped\":%d,\"steps_short\":%d,"
       "\"duplicate_blocks\":%d,\"late_blocks\":%d,"
       "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s,"
-      "\"not_learning\":%s,\"final_state\":\"%s\",\"shards_behind\":[%s]}",
+      "\"pipelined\":%s,\"not_learning\":%s,\"final_state\":\"%s\",\"shards_"
+      "behind\":[%s]}",
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
       r.epochs, r.steps_per_epoch, final_loss, train_accuracy, r.test_loss,
       r.test_accuracy, r.test_examples, r.final_model, time_to_target,
@@ -982,8 +990,9 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       r.peak_rss_bytes / 1048576.0, r.cast_on_device ? "true" : "false",
       r.start_step, r.steps_run, r.steps_skipped, r.steps_short,
       r.duplicate_blocks, r.late_blocks, r.injected_duplicate_pushes,
-      r.stopped_early ? "true" : "false", r.not_learning ? "true" : "false",
-      r.final_state.summary, absl::StrJoin(r.final_state.shards_behind, ","));
+      r.stopped_early ? "true" : "false", r.pipelined ? "true" : "false",
+      r.not_learning ? "true" : "false", r.final_state.summary,
+      absl::StrJoin(r.final_state.shards_behind, ","));
 }
 
 }  // namespace pstrain

@@ -156,6 +156,9 @@ struct TrainResult {
   int64_t late_blocks = 0;       // sync: gradients for a finished step
   int64_t injected_duplicate_pushes = 0;
   bool stopped_early = false;
+  // Its steps ran as a pipeline (--pipeline_step), which sums the first
+  // layer block by block: a model of its own, not the plain step's bits.
+  bool pipelined = false;
   // The worker's LearningWatch warned: the loss did not fall in time or
   // became NaN/Inf (set by the caller, which feeds the watch).
   bool not_learning = false;

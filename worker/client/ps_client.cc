@@ -268,7 +268,8 @@ absl::StatusOr<std::vector<RegisterModelResponse>> PsClient::RegisterCalls(
   for (Call& call : calls) call.wait_for_ready = replicas_ == 1;
   // A server that dies in the middle of the call (UNAVAILABLE at once, not
   // a deadline) is waited for like one not up yet: registering again is
-  // harmless, and the connect timeout still bounds the whole wait.
+  // harmless, and the connect timeout (or the caller's `give_up`, sooner)
+  // still bounds the whole wait.
   give_up = std::min(give_up, absl::Now() + options_.connect_timeout);
   const uint64_t epoch = interrupts();
   while (true) {
@@ -640,18 +641,23 @@ absl::Status PsClient::AwaitJobStart(const StartWaitReport& on_waiting,
 void PsClient::OpenDataLinks() {
   if (!DataPlaneAllowed()) return;
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
-  std::map<int, std::vector<DataSlot*>> used;  // by shard
-  for (const Group& group : groups_) {
-    DataSlot* slot =
-        data_slots_[SlotOf(group.shard,
-                           DataConnectionOf(group.shard, group.connection))]
-            .get();
-    std::vector<DataSlot*>& slots = used[group.shard];
-    if (std::find(slots.begin(), slots.end(), slot) == slots.end()) {
-      slots.push_back(slot);
+  // Twice with connections by host: the first link to a shard tells where
+  // it is, and so how many more it gets.
+  for (int pass = 0; pass < (options_.connections_per_shard == 0 ? 2 : 1);
+       ++pass) {
+    std::map<int, std::vector<DataSlot*>> used;  // by shard
+    for (const Group& group : groups_) {
+      DataSlot* slot =
+          data_slots_[SlotOf(group.shard,
+                             DataConnectionOf(group.shard, group.connection))]
+              .get();
+      std::vector<DataSlot*>& slots = used[group.shard];
+      if (std::find(slots.begin(), slots.end(), slot) == slots.end()) {
+        slots.push_back(slot);
+      }
     }
+    OpenLinks(used, deadline);
   }
-  OpenLinks(used, deadline);
 }
 
 void PsClient::HeartbeatLoop() {

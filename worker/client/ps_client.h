@@ -93,7 +93,7 @@ struct PsClientOptions {
   int max_message_bytes = 512 << 20;
   // TCP connections to each shard; a shard's RPCs are spread over them.
   // 0: by host, kConnectionsOnThisHost to a shard on this host and one
-  // data-plane connection to a shard elsewhere (ps_client.cc says why).
+  // data-plane connection to a shard elsewhere (see kConnectionsOnThisHost).
   int connections_per_shard = 0;
   // HTTP/2 and socket settings of every connection
   // (common/transport/grpc_tuning.h).
@@ -182,7 +182,7 @@ struct PsClientOptions {
 
 // Every problem PsClient::Create refuses `options` for, in its words (it
 // returns the first): a host that is not host:port, connections_per_shard
-// out of [1, 64], an unsupported wire type, a top-k fraction out of (0, 1].
+// out of [0, 64], an unsupported wire type, a top-k fraction out of (0, 1].
 // (No hosts at all is Create's own refusal.)
 std::vector<absl::Status> PsClientOptionsProblems(
     const PsClientOptions& options);
@@ -342,12 +342,16 @@ class PsClient {
   // host, as far as the links opened so far tell: where a link may bind
   // rather than the CPU (--pipeline_step=by_host).
   bool SomeShardOnAnotherHost();
-  // Whether a sync PushPull of this client may read values from backups
-  // (pulls_from_backups with two replicas a shard), which the pipelined
-  // step does not do.
-  bool MayReadFromBackups() const {
-    return replicas_ == 2 &&
-           options_.pulls_from_backups != PsClientOptions::BackupReads::kNever;
+  // Whether a sync PushPull of this client may read some shard's values
+  // from its backup (BackupToReadFrom's fixed conditions), which the
+  // pipelined step does not do.
+  bool MayReadFromBackups() const;
+  // Whether the pipelined step can stream this client's exchange (else it
+  // runs the plain PushPull once backward is done): plaintext, float32 both
+  // ways, no clipping (PushPullStreamed says why).
+  bool StepsCanStream() const {
+    return clip_max_norm_ == 0 && options_.credentials == nullptr &&
+           options_.gradient_wire_type == FLOAT32 && pull_wire_type_ == FLOAT32;
   }
 
   // The pipelined step (--pipeline_step): what a PushPull running on a

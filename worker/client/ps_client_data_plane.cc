@@ -19,7 +19,9 @@ namespace {
 // How long a data port that could not be reached is left alone (a server
 // with a fixed --data_port may come back on it).
 constexpr absl::Duration kDataPortRetry = absl::Seconds(30);
-// The longest a call waits to learn the shards' data ports again.
+// The longest a call waits to learn the shards' data ports again: a
+// registration answers in milliseconds where the server is up, and one that
+// is not must leave the call most of its retry window.
 constexpr absl::Duration kDataPortRefreshTimeout = absl::Seconds(3);
 
 }  // namespace
@@ -114,12 +116,19 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
   return slot.link.get();
 }
 
-int PsClient::BackupToReadFrom(int shard) {
+bool PsClient::MayReadFromBackups() const {
   if (options_.pulls_from_backups == PsClientOptions::BackupReads::kNever ||
       replicas_ != 2 || mode_ != ConsistencyMode::kSync ||
-      !DataPlaneAllowed() || clip_max_norm_ > 0 ||
-      (worker_id_ + shard) % 2 == 0 || DataPortToUse(shard) == 0 ||
-      !DataPushPullOffered(shard)) {
+      !DataPlaneAllowed() || clip_max_norm_ > 0) {
+    return false;
+  }
+  // Each worker reads the shards of the other parity from their backups.
+  return num_shards() > 1 || worker_id_ % 2 == 1;
+}
+
+int PsClient::BackupToReadFrom(int shard) {
+  if (!MayReadFromBackups() || (worker_id_ + shard) % 2 == 0 ||
+      DataPortToUse(shard) == 0 || !DataPushPullOffered(shard)) {
     return -1;  // the read's push goes to the primary's data plane
   }
   const int backup = 1 - current_replica_[shard].load();

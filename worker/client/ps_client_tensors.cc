@@ -642,7 +642,8 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
     // silent, or that the worker cannot reach, then costs the step
     // kBackupReadGrace and the values' time at kBackupReadSlowestRate, not
     // the call's deadline, before it goes again without backup reads.
-    int64_t& queued = bytes_read[{read.shard, read.connection}];
+    int64_t& queued =
+        bytes_read[{read.shard, DataConnectionOf(read.shard, read.connection)}];
     queued += sent.group->elements * int64_t{sizeof(float)};  // at most
     read.after = sent_index;
     read.grace =
