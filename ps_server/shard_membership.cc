@@ -287,9 +287,9 @@ bool Shard::CheckJobStart() {
     if (present < options_.min_workers) {
       failure = absl::FailedPreconditionError(absl::StrCat(
           "the job did not start: workers ", FormatIdList(missing),
-          " did not register (or left before the start) within ", timeout_flag, " (", present, " of ",
-          options_.num_workers, " did; --min_workers=", options_.min_workers,
-          "); restart the servers to try again"));
+          " did not register (or left before the start) within ", timeout_flag,
+          " (", present, " of ", options_.num_workers, " did; --min_workers=",
+          options_.min_workers, "); restart the servers to try again"));
     } else {
       // The job goes on without them; one that comes later joins at the
       // job's step like a restarted worker.
