@@ -277,6 +277,12 @@ struct StepExchange {
   // The pipelined step found the job past this step: nothing was pushed,
   // and the model in backend memory is at pulled_ahead.
   bool skipped = false;
+  // The pipelined step: how long forward waited for values still on their
+  // way (network wait, inside compute_time), and the gap from the last
+  // value in to the first gradient ready, when no request can leave: the
+  // rest of forward and the later layers' backward.
+  absl::Duration values_wait;
+  absl::Duration fill_gap;
 };
 
 // One step's forward, backward and push by one of the three push
@@ -406,13 +412,22 @@ class StepRunner {
     bool start_over = false;
     ParameterStream hooks;
     hooks.chunk_elements = stream_->FirstBlockElements(0);
+    absl::Time last_value_in = absl::InfinitePast();
+    bool first_ready_seen = false;
     hooks.wait_pulled = [&](int param, int64_t end) {
       hooks_ran = true;
+      const absl::Time asked = absl::Now();
       absl::Status s = stream_->WaitPulled(param, end, deadline);
+      last_value_in = absl::Now();
+      out.values_wait += last_value_in - asked;
       if (absl::IsAborted(s) && !stream_->failed()) start_over = true;
       return s;
     };
     hooks.gradient_ready = [&](int param, int64_t end) {
+      if (!first_ready_seen && last_value_in != absl::InfinitePast()) {
+        first_ready_seen = true;
+        out.fill_gap = absl::Now() - last_value_in;
+      }
       stream_->SetReady(param, end);
     };
     hooks.before_backward = [&]() -> absl::StatusOr<bool> {
@@ -729,9 +744,11 @@ absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
 // batches, gathered in `window`.
 void Tally(const StepExchange& exchange, absl::Duration pull_time,
            int64_t step_done, LastTenth& window, TrainResult& result) {
-  result.compute_seconds += absl::ToDoubleSeconds(exchange.compute_time);
-  result.network_wait_seconds +=
-      absl::ToDoubleSeconds(pull_time + exchange.push_wait);
+  result.compute_seconds +=
+      absl::ToDoubleSeconds(exchange.compute_time - exchange.values_wait);
+  result.network_wait_seconds += absl::ToDoubleSeconds(
+      pull_time + exchange.push_wait + exchange.values_wait);
+  result.fill_gap_seconds += absl::ToDoubleSeconds(exchange.fill_gap);
   result.duplicate_blocks += exchange.pushed.blocks_duplicate;
   result.late_blocks += exchange.pushed.blocks_late;
   ++result.steps_run;
@@ -978,7 +995,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"steps_skipped\":%d,\"steps_short\":%d,"
       "\"duplicate_blocks\":%d,\"late_blocks\":%d,"
       "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s,"
-      "\"pipelined\":%s,\"not_learning\":%s,\"final_state\":\"%s\",\"shards_"
+      "\"pipelined\":%s,\"fill_gap_ms\":%.3f,\"not_learning\":%s,\"final_"
+      "state\":\"%s\",\"shards_"
       "behind\":[%s]}",
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
       r.epochs, r.steps_per_epoch, final_loss, train_accuracy, r.test_loss,
@@ -991,6 +1009,7 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       r.start_step, r.steps_run, r.steps_skipped, r.steps_short,
       r.duplicate_blocks, r.late_blocks, r.injected_duplicate_pushes,
       r.stopped_early ? "true" : "false", r.pipelined ? "true" : "false",
+      r.steps_run > 0 ? 1000 * r.fill_gap_seconds / r.steps_run : 0.0,
       r.not_learning ? "true" : "false", r.final_state.summary,
       absl::StrJoin(r.final_state.shards_behind, ","));
 }

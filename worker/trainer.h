@@ -159,6 +159,9 @@ struct TrainResult {
   // Its steps ran as a pipeline (--pipeline_step), which sums the first
   // layer block by block: a model of its own, not the plain step's bits.
   bool pipelined = false;
+  // Pipelined: the time from each step's last value in to its first
+  // gradient ready, when the links idle (the pipeline's fill and drain).
+  double fill_gap_seconds = 0;
   // The worker's LearningWatch warned: the loss did not fall in time or
   // became NaN/Inf (set by the caller, which feeds the watch).
   bool not_learning = false;
