@@ -337,16 +337,25 @@ class StepRunner {
            !options_.overlap_push && !client_.MayReadFromBackups() &&
            client_.StepsCanStream() && options_.learning_rate_at == nullptr &&
            client_.SomeShardOnAnotherHost());
-      if (*pipelined_ && options_.pipeline_step == Pipeline::kByHost) {
-        LOG(INFO) << "--pipeline_step=by_host: a shard is on another host, "
-                     "so steps run as a pipeline";
-      }
+      announce_pipeline_ = *pipelined_;
     }
     if (*pipelined_) {
       bool model_refused = false;
       absl::StatusOr<StepExchange> out =
           RunPipelined(step, batch, staged_at, may_pull_ahead, model_refused);
-      if (!model_refused) return out;
+      if (!model_refused) {
+        if (announce_pipeline_) {
+          // Said once the model has taken the first pipelined step.
+          announce_pipeline_ = false;
+          LOG(INFO) << (options_.pipeline_step ==
+                                TrainerOptions::Pipeline::kAlways
+                            ? "--pipeline_step=always: "
+                            : "--pipeline_step=by_host: a shard is on "
+                              "another host, so ")
+                    << "steps run as a pipeline";
+        }
+        return out;
+      }
       const std::string why =
           absl::StrCat("--pipeline_step: ", out.status().message(),
                        "; this job's steps run one after another");
@@ -573,8 +582,10 @@ class StepRunner {
   absl::StatusOr<PsClient::PushPullResult> in_flight_result_;
   int64_t model_at_ = 0;
   std::optional<PsClient::PushResult> settled_;
-  // Whether steps run as a pipeline (unset until the first step).
+  // Whether steps run as a pipeline (unset until the first step), and
+  // whether to say so after the first one.
   std::optional<bool> pipelined_;
+  bool announce_pipeline_ = false;
   std::optional<SerialWorker> network_;  // last: drained first
 };
 
