@@ -1006,9 +1006,8 @@ std::string FinalJson(const TrainResult& r, int worker_id, int num_workers,
       "\"steps_skipped\":%d,\"steps_short\":%d,"
       "\"duplicate_blocks\":%d,\"late_blocks\":%d,"
       "\"injected_duplicate_pushes\":%d,\"stopped_early\":%s,"
-      "\"pipelined\":%s,\"fill_gap_ms\":%.3f,\"not_learning\":%s,\"final_"
-      "state\":\"%s\",\"shards_"
-      "behind\":[%s]}",
+      "\"pipelined\":%s,\"fill_gap_ms\":%.3f,\"not_learning\":%s,"
+      "\"final_state\":\"%s\",\"shards_behind\":[%s]}",
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
       r.epochs, r.steps_per_epoch, final_loss, train_accuracy, r.test_loss,
       r.test_accuracy, r.test_examples, r.final_model, time_to_target,

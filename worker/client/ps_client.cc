@@ -193,7 +193,11 @@ PsClient::PsClient(const PsClientOptions& options)
   data_port_tls_.assign(options.hosts.size(), false);
   replica_data_ports_.assign(options.hosts.size(), {});
   backup_reads_off_until_.assign(options.hosts.size(), absl::InfinitePast());
-  primary_on_this_host_.assign(options.hosts.size(), -1);
+  primary_on_this_host_ =
+      std::make_unique<std::atomic<int>[]>(options.hosts.size());
+  for (size_t s = 0; s < options.hosts.size(); ++s) {
+    primary_on_this_host_[s] = -1;
+  }
   backup_read_failures_.assign(options.hosts.size(), 0);
   data_failed_ports_.assign(options.hosts.size(), 0);
   data_failed_at_.assign(options.hosts.size(), absl::InfinitePast());
@@ -522,6 +526,27 @@ absl::StatusOr<Registration> PsClient::RegisterResolved(
       open_elements += length;
     }
   }
+  // Every call of every worker takes the groups in one order, backward's,
+  // which the pipelined step needs (PushPullStreamed): backward makes the
+  // last layers' gradients first and the first layer's last, which the next
+  // forward needs first, so the groups without the first two tensors (the
+  // first layer's weight and bias) go ahead, the last layer's first, and
+  // the first layer's follow in order. One order for all matters on a link
+  // with one request in flight (--data_requests_in_flight, by host): were a
+  // plain worker sending the first layer's first, each worker's first
+  // request would wait for a group the other sends only later, and the step
+  // would wait for a lease to run out.
+  auto backward_rank = [this](const Group& group) {
+    int lowest = std::numeric_limits<int>::max();
+    for (int g : group.blocks) {
+      lowest = std::min(lowest, partition_->blocks()[g].tensor);
+    }
+    return lowest <= 1 ? std::numeric_limits<int>::max() : -lowest;
+  };
+  std::stable_sort(groups_.begin(), groups_.end(),
+                   [&](const Group& a, const Group& b) {
+                     return backward_rank(a) < backward_rank(b);
+                   });
   for (Group& group : groups_) {
     PullRequest pull;
     pull.set_protocol_version(kProtocolVersion);

@@ -341,17 +341,18 @@ class PsClient {
   // Whether some shard's data-plane link (to its primary) goes to another
   // host, as far as the links opened so far tell: where a link may bind
   // rather than the CPU (--pipeline_step=by_host).
-  bool SomeShardOnAnotherHost();
+  bool SomeShardOnAnotherHost() const;
   // Whether a sync PushPull of this client may read some shard's values
   // from its backup (BackupToReadFrom's fixed conditions), which the
   // pipelined step does not do.
   bool MayReadFromBackups() const;
   // Whether the pipelined step can stream this client's exchange (else it
-  // runs the plain PushPull once backward is done): plaintext, float32 both
-  // ways, no clipping (PushPullStreamed says why).
+  // runs the plain PushPull once backward is done): plaintext, float32
+  // gradients, no clipping (PushPullStreamed says why, and checks each
+  // tensor and shard besides).
   bool StepsCanStream() const {
     return clip_max_norm_ == 0 && options_.credentials == nullptr &&
-           options_.gradient_wire_type == FLOAT32 && pull_wire_type_ == FLOAT32;
+           options_.gradient_wire_type == FLOAT32;
   }
 
   // The pipelined step (--pipeline_step): what a PushPull running on a
@@ -698,7 +699,7 @@ class PsClient {
   // The data-plane connection that carries a call made on `connection` to
   // `shard`: with connections by host, connection 0 where the shard's
   // primary is on another host (or not known yet).
-  int DataConnectionOf(int shard, int connection);
+  int DataConnectionOf(int shard, int connection) const;
   // The address of shard `shard`'s current replica.
   const std::string& HostOf(int shard) const {
     return replica_hosts_[shard][current_replica_[shard].load()];
@@ -765,7 +766,8 @@ class PsClient {
       ABSL_GUARDED_BY(data_ports_mu_);
   // Per shard: whether the last data-plane link opened to its primary
   // connects to this host (1), another host (0), or none was opened (-1).
-  std::vector<int> primary_on_this_host_ ABSL_GUARDED_BY(data_ports_mu_);
+  // Atomic: every data-plane call reads it (DataConnectionOf).
+  std::unique_ptr<std::atomic<int>[]> primary_on_this_host_;
   // Per shard: backup reads that failed since the last that did not; each
   // doubles the pause (a backup out of reach may cost a read its deadline).
   std::vector<int> backup_read_failures_ ABSL_GUARDED_BY(data_ports_mu_);

@@ -64,17 +64,17 @@ absl::StatusOr<std::unique_ptr<DataLink>> PsClient::OpenDataLink(
       options_.credentials != nullptr ? options_.data_plane_tls : nullptr);
 }
 
-bool PsClient::SomeShardOnAnotherHost() {
-  absl::MutexLock lock(&data_ports_mu_);
-  return std::find(primary_on_this_host_.begin(), primary_on_this_host_.end(),
-                   0) != primary_on_this_host_.end();
+bool PsClient::SomeShardOnAnotherHost() const {
+  for (int s = 0; s < num_shards(); ++s) {
+    if (primary_on_this_host_[s].load() == 0) return true;
+  }
+  return false;
 }
 
-int PsClient::DataConnectionOf(int shard, int connection) {
+int PsClient::DataConnectionOf(int shard, int connection) const {
   if (options_.connections_per_shard > 0 || connection == 0) return connection;
-  absl::MutexLock lock(&data_ports_mu_);
   // Not known yet: the first link opened tells.
-  return primary_on_this_host_[shard] == 1 ? connection : 0;
+  return primary_on_this_host_[shard].load() == 1 ? connection : 0;
 }
 
 DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
@@ -99,9 +99,8 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
     return nullptr;
   }
   {
-    absl::MutexLock lock(&data_ports_mu_);
     const int on_this_host = (*link)->same_host() ? 1 : 0;
-    if (primary_on_this_host_[shard] != on_this_host &&
+    if (primary_on_this_host_[shard].exchange(on_this_host) != on_this_host &&
         options_.connections_per_shard == 0) {
       LOG(INFO) << "shard " << shard << "'s data plane (" << (*link)->peer()
                 << ") is on "
@@ -109,7 +108,6 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
                 << (on_this_host ? connections_ : 1) << " connection"
                 << (on_this_host && connections_ > 1 ? "s" : "");
     }
-    primary_on_this_host_[shard] = on_this_host;
   }
   slot.link = std::move(*link);
   slot.port = port;
@@ -139,7 +137,7 @@ int PsClient::BackupToReadFrom(int shard) {
     return -1;
   }
   if (options_.pulls_from_backups == PsClientOptions::BackupReads::kByHost &&
-      primary_on_this_host_[shard] != 0) {
+      primary_on_this_host_[shard].load() != 0) {
     return -1;
   }
   const std::vector<int>& ports = replica_data_ports_[shard];

@@ -577,27 +577,6 @@ absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushPullCalls(
     calls[i].message = std::move((*pushes)[i].message);
     calls[i].on_push_response = std::move((*pushes)[i].on_response);
   }
-  // Every worker's PushPull, pipelined or not, sends the groups in the
-  // pipelined step's order (PushPullStreamed): backward makes the last
-  // layers' gradients first and the first layer's last, which the next
-  // forward needs first, so the groups without the first two tensors (the
-  // first layer's weight and bias) go ahead, the last layer's first, and
-  // the first layer's follow in order. One order for all matters on a link
-  // with one request in flight (--data_requests_in_flight, by host): were a
-  // plain worker sending the first layer's first, each worker's first
-  // request would wait for a group the other sends only later, and the
-  // step would wait for a lease to run out.
-  auto backward_rank = [this](const Call& c) {
-    int lowest = std::numeric_limits<int>::max();
-    for (int g : c.group->blocks) {
-      lowest = std::min(lowest, partition_->blocks()[g].tensor);
-    }
-    return lowest <= 1 ? std::numeric_limits<int>::max() : -lowest;
-  };
-  std::stable_sort(calls.begin(), calls.end(),
-                   [&](const Call& a, const Call& b) {
-                     return backward_rank(a) < backward_rank(b);
-                   });
   return calls;
 }
 
@@ -1068,8 +1047,7 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
   // shard's plaintext data plane (gRPC would not wait for them, and TLS
   // gathers small pieces into one record when the exchange starts), in one
   // round trip (a clipped step pushes, clips, then pulls).
-  bool streams = clip_max_norm_ == 0 && options_.credentials == nullptr &&
-                 stream.wake_fd() >= 0;
+  bool streams = StepsCanStream() && stream.wake_fd() >= 0;
   for (int s = 0; s < num_shards() && streams; ++s) {
     streams = DataPortToUse(s) != 0 && DataPushPullOffered(s);
   }
@@ -1087,9 +1065,9 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
       PushPullCalls(push_step, gradients, pull_step, tensors, responses,
                     /*inline_below_bytes=*/0);
   if (!calls.ok()) return finish(calls.status());
-  // The calls come in backward's order (PushPullCalls): the later layers'
-  // groups leave while the first layer's gradient is made, and its values
-  // come back last, in order, as forward reads them.
+  // The calls come in backward's order (the groups', RegisterResolved): the
+  // later layers' groups leave while the first layer's gradient is made, and
+  // its values come back last, in order, as forward reads them.
   for (Call& call : *calls) {
     const Group* group = call.group;
     call.can_send = [&stream, group] {
