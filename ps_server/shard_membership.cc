@@ -172,10 +172,14 @@ absl::Status Shard::Leave(const LeaveRequest& request) {
     state.pending = false;
     state.joined_at = kNever;
     // One that leaves before the job starts is waited for again, as if it
-    // had never come: the job is for every expected worker.
+    // had never come (a member from the first step, as Shard's constructor
+    // makes it): the job is for every expected worker, and one that comes
+    // back runs every step.
     if (!started_ && state.seen && request.worker_id() < options_.num_workers) {
       state.seen = false;
       --expected_seen_;
+      state.member = true;
+      state.joined_at = 0;
     }
     PublishMembershipLocked();
   }
