@@ -799,7 +799,8 @@ TEST(CheckpointRecoveryTest, AServerKilledDuringRegistrationIsWaitedFor) {
 // its third (it restores the second), in sync and async jobs.
 struct LostUpdatesCase {
   std::string mode;
-  int checkpoint;  // killed while writing this one (1: the first)
+  int checkpoint;          // killed while writing this one (1: the first)
+  bool pipelined = false;  // the workers run --pipeline_step=always
 };
 
 class LostUpdatesTest : public ::testing::TestWithParam<LostUpdatesCase> {};
@@ -837,8 +838,12 @@ TEST_P(LostUpdatesTest, AKillDuringACheckpointWriteLosesOnlyWhatIsCounted) {
   constexpr int kSteps = 120;
   constexpr int64_t kElements = 1 << 22;  // 16 MiB: a write takes a while
   constexpr int64_t kBlock = 1 << 16;
-  const std::string dir = absl::StrCat(testing::TestDir(), "/lost_", c.mode,
-                                       c.checkpoint, "_", getpid());
+  // A directory of its own: the cases run in one process, and a checkpoint
+  // left by the last would be restored as this job's.
+  const std::string name =
+      absl::StrCat("lost_", c.mode, c.checkpoint, c.pipelined ? "_p" : "");
+  const std::string dir =
+      absl::StrCat(testing::TestDir(), "/", name, "_", getpid());
   ClusterOptions options;
   options.num_shards = 2;
   options.num_workers = kWorkers;
@@ -846,7 +851,7 @@ TEST_P(LostUpdatesTest, AKillDuringACheckpointWriteLosesOnlyWhatIsCounted) {
   options.server_flags = {absl::StrCat("--checkpoint_dir=", dir),
                           "--checkpoint_every_steps=10", "--optimizer=sgd",
                           "--learning_rate=1", "--worker_lease_s=5"};
-  auto cluster = StartCluster(options, absl::StrCat("lost_", c.mode));
+  auto cluster = StartCluster(options, name);
   ASSERT_NE(cluster, nullptr);
   const std::vector<std::string> flags = {
       "--model=probe",
@@ -857,7 +862,8 @@ TEST_P(LostUpdatesTest, AKillDuringACheckpointWriteLosesOnlyWhatIsCounted) {
       "--device=cpu",
       "--heartbeat_interval_s=0.2",
       "--retry_window_s=60",
-      "--rpc_timeout_s=30"};
+      "--rpc_timeout_s=30",
+      c.pipelined ? "--pipeline_step=always" : "--pipeline_step=never"};
   std::vector<std::unique_ptr<Process>> workers;
   for (int k = 0; k < kWorkers; ++k) {
     workers.push_back(std::move(*cluster->StartWorker(k, kWorkers, flags)));
@@ -911,10 +917,11 @@ TEST_P(LostUpdatesTest, AKillDuringACheckpointWriteLosesOnlyWhatIsCounted) {
 INSTANTIATE_TEST_SUITE_P(
     FirstOrLaterCheckpoint, LostUpdatesTest,
     ::testing::Values(LostUpdatesCase{"sync", 1}, LostUpdatesCase{"sync", 3},
-                      LostUpdatesCase{"async", 1}, LostUpdatesCase{"async", 3}),
+                      LostUpdatesCase{"async", 1}, LostUpdatesCase{"async", 3},
+                      LostUpdatesCase{"sync", 3, /*pipelined=*/true}),
     [](const ::testing::TestParamInfo<LostUpdatesCase>& info) {
-      return absl::StrCat(info.param.mode, "_checkpoint",
-                          info.param.checkpoint);
+      return absl::StrCat(info.param.mode, "_checkpoint", info.param.checkpoint,
+                          info.param.pipelined ? "_pipelined" : "");
     });
 
 TEST(CheckpointRecoveryTest, DenseShardRestartedWithoutCheckpointRejoins) {

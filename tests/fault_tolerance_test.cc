@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/test_cluster.h"
@@ -148,7 +149,11 @@ TEST(FaultToleranceTest, BackupWorkersDoNotWaitForAStraggler) {
 class InjectedRetriesTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(InjectedRetriesTest, NeverApplyTwice) {
-  const std::string mode = GetParam();
+  // sync_pipelined: the pipelined step's streamed PushPull, whose resends
+  // and dropped responses take another path; its forward checks that every
+  // block it reads holds the same step's value.
+  const bool pipelined = GetParam() == "sync_pipelined";
+  const std::string mode = pipelined ? "sync" : GetParam();
   ClusterOptions options;
   options.num_shards = 2;
   options.num_workers = 2;
@@ -159,7 +164,7 @@ TEST_P(InjectedRetriesTest, NeverApplyTwice) {
   ASSERT_NE(cluster, nullptr);
   constexpr int kSteps = 40;
   constexpr int kElements = 1000;
-  const std::vector<std::string> flags = {
+  std::vector<std::string> flags = {
       "--model=probe",
       absl::StrCat("--probe_elements=", kElements),
       "--block_elements=100",  // 10 blocks, one RPC each
@@ -168,12 +173,19 @@ TEST_P(InjectedRetriesTest, NeverApplyTwice) {
       "--log_every=0",
       "--device=cpu",
       absl::StrCat("--steps=", kSteps)};
+  if (pipelined) {
+    flags.insert(flags.end(),
+                 {"--pipeline_step=always", "--probe_check_pulls"});
+  }
   absl::StatusOr<std::vector<std::string>> outputs =
       cluster->RunWorkers({flags, flags}, absl::Seconds(120));
   ASSERT_TRUE(outputs.ok()) << outputs.status();
   double injected = 0;
   for (const std::string& out : *outputs) {
     injected += Number(out, "injected_duplicate_pushes");
+    if (pipelined) {
+      EXPECT_TRUE(absl::StrContains(out, "\"pipelined\":true")) << out;
+    }
   }
 
   PsClientOptions client_options;
@@ -204,13 +216,13 @@ TEST_P(InjectedRetriesTest, NeverApplyTwice) {
   // Both kinds of retry happened and were all recognised.
   EXPECT_GT(injected, 0);
   EXPECT_GT(duplicates, injected);  // resends plus dropped responses
-  std::cout << "[ retries ] mode " << mode << ": " << injected
+  std::cout << "[ retries ] mode " << GetParam() << ": " << injected
             << " pushes resent by clients, " << duplicates
             << " duplicate block pushes recognised, 0 applied twice\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, InjectedRetriesTest,
-                         ::testing::Values("sync", "async"));
+                         ::testing::Values("sync", "async", "sync_pipelined"));
 
 TEST(FaultToleranceTest, SspKeepsWorkersWithinTheBound) {
   ClusterOptions options;

@@ -2,7 +2,8 @@
 # Network faults on real hosts-in-namespaces (bench/netns/fault_trials.sh,
 # a few of its trials): a partition longer than the lease, a short one, loss,
 # reordering, a shard cut off while it checkpoints, and partitions between a
-# replicated shard's replicas. Each must finish with
+# replicated shard's replicas. The sync trials run the pipelined step (the
+# default where the shards are on other hosts). Each must finish with
 # nothing applied twice and every lost gradient counted. Skips (passes with
 # "SKIP:") where the machine does not allow network namespaces.
 set -euo pipefail
@@ -15,16 +16,21 @@ out=$(trials --faults=partition_long,loss5,shard_cut_ckpt,data_port_dropped --mo
   { echo "$out"; exit 1; }
 echo "$out"
 grep -q '^SKIP: ' <<<"$out" && exit 0
+# The sync trials ran pipelined, as a job across hosts does by default.
+if awk 'NR > 1 && $2 == "sync" && $1 != "data_port_dropped" && $4 != "y" {bad = 1} END {exit !bad}' <<<"$out"; then
+  echo "FAIL: a sync trial did not run the pipelined step" >&2
+  exit 1
+fi
 # The partition really cut the worker off for longer than its lease: the
 # shard completed steps without it and counted its late gradients.
-read -r late short < <(awk '$1 == "partition_long" {print $9, $11}' <<<"$out")
+read -r late short < <(awk '$1 == "partition_long" {print $10, $12}' <<<"$out")
 if ((${late:-0} == 0 || ${short:-0} == 0)); then
   echo "FAIL: partition_long should have made steps short and gradients late (late=$late short=$short)" >&2
   exit 1
 fi
 # A data port that drops packets while gRPC works: the workers fall back to
 # gRPC after one connect bound (5 s), not the 120 s call deadline.
-wall=$(awk '$1 == "data_port_dropped" {print $6}' <<<"$out")
+wall=$(awk '$1 == "data_port_dropped" {print $7}' <<<"$out")
 if ((${wall:-999} > 30)); then
   echo "FAIL: with the data port dropping packets the job took ${wall}s" >&2
   exit 1

@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "worker/model.h"
 
@@ -27,19 +29,51 @@ class ProbeModel : public Model {
       return absl::InvalidArgumentError("the probe model has one tensor");
     }
     if (check_pulls_) {
-      const float* w = params[0];
-      for (int64_t i = 1; i < params_[0].shape(0); ++i) {
-        if (w[i] != w[0]) {
-          return absl::DataLossError(
-              absl::StrCat("probe: the values pulled differ: element ", i,
-                           " is ", w[i], ", element 0 is ", w[0],
-                           " (a block read at another step than the others)"));
-        }
+      if (absl::Status s = CheckPulled(params[0], 1, params_[0].shape(0));
+          !s.ok()) {
+        return s;
       }
     }
     if (absl::Status s = backend_->Fill(params_[0].shape(0), 1.0f, grads[0]);
         !s.ok()) {
       return s;
+    }
+    return BatchResult{0.0, 0, batch.rows};
+  }
+
+  // The step a block at a time, as the layer models' first layer: each
+  // block's values are checked as they arrive and its gradient leaves as soon
+  // as it is written, so the fault trials exercise the pipelined step with
+  // the probe's exactly-once check.
+  absl::StatusOr<BatchResult> ComputeGradientsStreamed(
+      const std::vector<const float*>& params, const DeviceBatch& batch,
+      const std::vector<float*>& grads,
+      const ParameterStream& stream) override {
+    if (params.size() != 1 || grads.size() != 1) {
+      return absl::InvalidArgumentError("the probe model has one tensor");
+    }
+    if (!backend_->MemoryIsHost()) {
+      return absl::UnimplementedError("the pipelined step needs host memory");
+    }
+    const int64_t n = params_[0].shape(0);
+    const int64_t chunk = std::max<int64_t>(1, stream.chunk_elements);
+    for (int64_t begin = 0; begin < n; begin += chunk) {
+      const int64_t end = std::min(n, begin + chunk);
+      if (absl::Status s = stream.wait_pulled(0, end); !s.ok()) return s;
+      if (check_pulls_) {
+        if (absl::Status s = CheckPulled(params[0], begin, end); !s.ok()) {
+          return s;
+        }
+      }
+    }
+    absl::StatusOr<bool> go_on = stream.before_backward();
+    if (!go_on.ok()) return go_on.status();
+    if (*go_on) {
+      for (int64_t begin = 0; begin < n; begin += chunk) {
+        const int64_t end = std::min(n, begin + chunk);
+        std::fill(grads[0] + begin, grads[0] + end, 1.0f);
+        stream.gradient_ready(0, end);
+      }
     }
     return BatchResult{0.0, 0, batch.rows};
   }
@@ -50,6 +84,19 @@ class ProbeModel : public Model {
   }
 
  private:
+  // Elements [begin, end) of the pulled values all equal element 0.
+  static absl::Status CheckPulled(const float* w, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (w[i] != w[0]) {
+        return absl::DataLossError(
+            absl::StrCat("probe: the values pulled differ: element ", i, " is ",
+                         w[i], ", element 0 is ", w[0],
+                         " (a block read at another step than the others)"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   kernels::Backend* backend_;
   const bool check_pulls_;
   std::vector<DenseTensorSpec> params_;

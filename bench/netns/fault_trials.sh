@@ -17,11 +17,20 @@
 #   bazel build //ps_server //worker //bench/soak:observer //tests/netns:delay_proxy
 #   bench/netns/fault_trials.sh [--faults=a,b,...] [--modes=sync,async]
 #       [--planes=data,grpc] [--steps=200] [--replicas=1|2] [--report=FILE]
-#       [--backup_reads=by_host|always|never] [--bin_dir=DIR]
+#       [--backup_reads=by_host|always|never]
+#       [--pipeline_step=by_host|always|never] [--bin_dir=DIR]
+#       [-- more worker flags]
 # --backup_reads: whether the workers read half the shards from their
 # backups (worker --pulls_from_backups; --replicas=2, sync, data plane).
 # The default, by_host, reads them here (every host of the lab is its own);
 # a bare --backup_reads is always.
+# --pipeline_step: the workers' flag. The default, by_host, pipelines the
+# sync steps here (the shards are on other hosts; not with backup reads);
+# column "piped" says whether worker 0 did. Every sync worker checks that
+# each step's values were all read at one step (--probe_check_pulls), except in
+# partition_long, oneway and shard_cut_ckpt: a worker that outlived its
+# lease on some shards and not others reads those one step ahead once
+# (README, "Faults, checkpoints and resharding").
 # --bin_dir: where ps_server/ps_server, worker/worker, ... are (default
 # bazel-bin; //tests:netns_faults_test passes its runfiles).
 #
@@ -78,11 +87,17 @@ modes=sync,async
 planes=data,grpc
 replicas=1
 backup_reads=by_host
+pipeline_step=by_host
 report=""
 steps=200
 bin=$repo/bazel-bin
-for arg in "$@"; do
+readonly command_line="$*"
+worker_flags=()
+while (($#)); do
+  arg=$1
+  shift
   case $arg in
+    --) worker_flags=("$@"); break ;;
     --faults=*) faults=${arg#*=} ;;
     --modes=*) modes=${arg#*=} ;;
     --planes=*) planes=${arg#*=} ;;
@@ -91,11 +106,13 @@ for arg in "$@"; do
     --replicas=*) replicas=${arg#*=} ;;
     --backup_reads) backup_reads=always ;;
     --backup_reads=*) backup_reads=${arg#*=} ;;
+    --pipeline_step=*) pipeline_step=${arg#*=} ;;
     --bin_dir=*) bin=${arg#*=} ;;
     *) echo "fault_trials.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
 
+[[ $pipeline_step =~ ^(by_host|always|never)$ ]] || { echo "fault_trials.sh: --pipeline_step must be by_host, always or never, got '$pipeline_step'" >&2; exit 2; }
 [[ $replicas == 1 || $replicas == 2 ]] || { echo "fault_trials.sh: --replicas must be 1 or 2, got '$replicas'" >&2; exit 2; }
 if ((replicas == 2)) && [[ $faults == "$default_faults" ]]; then
   faults=none,primary_cut_backup,primary_isolated,primary_cut_workers,backup_isolated,backup_cut_workers
@@ -230,7 +247,9 @@ trial() {
   if [[ $fault == data_port_dropped ]]; then
     for ((s = 0; s < kShards; ++s)); do lab_drop_port "$(shard_host $s)" $kDataPort; done
   fi
-  local started=$SECONDS
+  local started=$SECONDS check_pulls=
+  [[ $mode == sync ]] && check_pulls=--probe_check_pulls
+  case $fault in partition_long | oneway | shard_cut_ckpt) check_pulls= ;; esac
   for ((w = 0; w < kWorkers; ++w)); do
     lab_exec "$(worker_host $w)" "$run/bin/worker" --ps_hosts="$(hosts_csv)" \
       --worker_id=$w --num_workers=$kWorkers --model=probe \
@@ -238,7 +257,8 @@ trial() {
       --steps="$steps" --inject_step_delay_ms=10 --device=cpu --log_every=0 \
       --heartbeat_interval_s=0.5 --connect_timeout_s=30 --rpc_timeout_s=30 \
       --data_plane=$([[ $plane == data ]] && echo true || echo false) \
-      --pulls_from_backups=$backup_reads \
+      --pulls_from_backups=$backup_reads --pipeline_step=$pipeline_step \
+      $check_pulls "${worker_flags[@]}" \
       >"$dir/worker$w.out" 2>"$dir/worker$w.log" &
     worker_pids+=($!)
   done
@@ -291,7 +311,7 @@ trial() {
   local wall=$((SECONDS - started))
 
   # The exact checks, read from the router.
-  local stats check mismatches pushed=0 late=0 applied lost short dup steps_run
+  local stats check mismatches pushed=0 late=0 applied lost short dup steps_run piped
   stats=$(observe)
   observe --expect_shard_versions >"$dir/check.txt" || true
   check=$(grep '^check' "$dir/check.txt" || echo "check mismatches=?")
@@ -301,7 +321,10 @@ trial() {
     final=$(grep '"event":"final"' "$dir/worker$w.out" || true)
     steps_run=$(json_field steps_run "$final")
     pushed=$((pushed + ${steps_run:-0} * kBlocks))
-    late=$((late + $(json_field late_blocks "$final" | sed 's/^$/0/')))
+    local late_blocks
+    late_blocks=$(json_field late_blocks "$final")
+    late=$((late + ${late_blocks:-0}))
+    ((w == 0)) && piped=$(json_field pipelined "$final" | sed -e 's/^true$/y/' -e 's/^false$/n/' -e 's/^$/-/')
   done
   applied=$(sum_field blocks_applied "$stats")
   lost=$(sum_field gradients_lost "$stats")
@@ -319,8 +342,8 @@ trial() {
       result="lost"
     fi
   fi
-  printf '%-16s %-5s %-4s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s %12s\n' \
-    "$fault" "$mode" "$plane" "$result" "$codes" "$wall" "$recover_s" \
+  printf '%-16s %-5s %-4s %-5s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s %12s\n' \
+    "$fault" "$mode" "$plane" "$piped" "$result" "$codes" "$wall" "$recover_s" \
     "$(version_of 0 "$stats")" "$late" "$lost" "$short" "$dup" \
     "$mismatches" "$uncounted" "$steps_during"
   for pid in "${server_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
@@ -329,8 +352,8 @@ trial() {
   [[ $result == ok ]]
 }
 
-header=$(printf '%-16s %-5s %-4s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s %12s' \
-  fault mode plane result exits wall_s recover_s steps late lost short dup \
+header=$(printf '%-16s %-5s %-4s %-5s %-14s %5s %6s %8s %6s %6s %5s %5s %6s %9s %10s %12s' \
+  fault mode plane piped result exits wall_s recover_s steps late lost short dup \
   doubled uncounted steps_during)
 trial_count=0
 failed=0
@@ -353,7 +376,7 @@ summary="trials $total, failed $failed, hung $hung (logs: $run)"
 echo "$summary"
 if [[ -n $report ]]; then
   {
-    echo "# bench/netns/fault_trials.sh $*"
+    echo "# bench/netns/fault_trials.sh $command_line"
     echo "# commit $BENCH_COMMIT, $BENCH_MACHINE, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%F)"
     echo "# 2 shards x 2 workers, one host each ($replicas replica(s) a shard), 1 Gbit/s links; probe model"
     echo "# ($kElements floats, $kBlocks blocks), SGD lr 1, $steps steps, lease 2 s."
