@@ -24,6 +24,9 @@ namespace pstrain {
 
 class DataLinkIo;
 
+// Hellos a new link sends, one after another, to time its round trip.
+inline constexpr int kHellosTimed = 5;
+
 class DataLink {
  public:
   // Connects to host:port, runs the TLS handshake when `tls` is set (a
@@ -47,6 +50,10 @@ class DataLink {
   const std::string& peer() const { return peer_; }
   // The server runs on this host (ConnectsToThisHost).
   bool same_host() const { return same_host_; }
+  // The least time one of its kHellosTimed Hellos took to be answered: the
+  // link's round trip as the application sees it (a proxy's or a WAN's
+  // delay included).
+  absl::Duration hello_round_trip() const { return hello_round_trip_; }
   // The TLS session, or null for a plaintext link.
   const TlsSession* tls() const { return tls_.get(); }
 
@@ -63,6 +70,7 @@ class DataLink {
   const std::string peer_;
   const uint64_t max_body_bytes_;
   bool same_host_ = false;
+  absl::Duration hello_round_trip_;
   bool usable_ = true;
   // Answers as they arrive; kept from one call to the next.
   ReceiveBuffer received_;
@@ -116,8 +124,9 @@ struct DataExchange {
 // than `requests_in_flight` of its earlier ones are unanswered
 // (kWindowByHost: to a server on this host as many as fit in
 // kSameHostBytesInFlight past the oldest unanswered one, to a server
-// elsewhere one). Returns when all are answered or failed; nothing is left
-// in flight past `deadline`.
+// elsewhere as many as fit in WindowBytesForRoundTrip(the link's Hello
+// round trip), the oldest always). Returns when all are
+// answered or failed; nothing is left in flight past `deadline`.
 //
 // Why a window: in a sync step every worker's group k must be in before the
 // shard answers any of them. A connection that runs ahead fills the shard's
@@ -127,6 +136,16 @@ struct DataExchange {
 // workers' pushes in step with each other: on 1 Gbit/s namespace links a
 // sync step went from 1.34x to 1.04x the link-bound ideal (probe model,
 // 2 shards x 4 workers, bench/results/netns_link_speed.txt).
+//
+// Where the round trip is long, one request at a time leaves the link idle
+// for most of it: with 20 ms each way (the netns fault trials' delay20) a
+// sync step took 3.4x as long as with the round trip's bytes in flight.
+// A connection to another host therefore keeps in flight what its round
+// trip beyond kShortRoundTrip carries at kAssumedLinkBytesPerSecond: none
+// past the oldest request in a data centre or this lab (10-22 us), where a
+// second 32 KiB request in flight made the 4-worker step 1.22x the ideal
+// against 1.10x; megabytes across a WAN (bench/results/netns_link_speed.txt,
+// section 11).
 //
 // On one host the opposite holds for small groups: nothing binds but the
 // CPU, and each answer awaited before the next request is sent costs
@@ -139,6 +158,11 @@ struct DataExchange {
 // 512 KiB group at a time, as before; eight 32 KiB ones.
 inline constexpr size_t kWindowByHost = 0;
 inline constexpr uint64_t kSameHostBytesInFlight = 256 << 10;
+// 1 Gbit/s: the slowest link a cluster is likely to have (on a faster one
+// the window still fills the link better than one request would).
+inline constexpr double kAssumedLinkBytesPerSecond = 125e6;
+inline constexpr absl::Duration kShortRoundTrip = absl::Milliseconds(1);
+uint64_t WindowBytesForRoundTrip(absl::Duration round_trip);
 void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
                   size_t requests_in_flight = SIZE_MAX);
 

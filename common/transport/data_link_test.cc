@@ -47,6 +47,14 @@ void Answer(int fd, const std::string& body) {
   ASSERT_TRUE(SendAll(fd, body.data(), body.size()).ok());
 }
 
+// Reads and answers the Hellos a new link sends.
+void AnswerHellos(int fd) {
+  for (int i = 0; i < kHellosTimed; ++i) {
+    ReadRequest(fd);
+    Answer(fd, "");
+  }
+}
+
 // Whether any byte arrives on `fd` within `wait` (a bounded look for
 // something that must not come, or must).
 bool BytesArrive(int fd, absl::Duration wait) {
@@ -67,8 +75,7 @@ std::vector<bool> NextRequestSeenBeforeEachAnswer(size_t requests_in_flight,
   std::thread server([&] {
     const int fd = accept(listener->get(), nullptr, nullptr);
     ASSERT_GE(fd, 0);
-    ReadRequest(fd);  // the Hello
-    Answer(fd, "");
+    AnswerHellos(fd);
     ReadRequest(fd);
     for (int k = 0; k < 3; ++k) {
       if (k < 2) seen.push_back(BytesArrive(fd, absl::Milliseconds(300)));
@@ -107,8 +114,9 @@ TEST(DataLinkTest, AWiderWindowSendsAheadOfTheAnswers) {
 }
 
 TEST(DataLinkTest, TheWindowByHostSendsEverythingToAServerOnThisHost) {
-  // 127.0.0.1: this host. (A server elsewhere gets a window of one: the
-  // netns lab shows it, bench/netns/link_speed.sh.)
+  // 127.0.0.1: this host. (A server elsewhere gets what its round trip
+  // carries, WindowBytesForRoundTrip: the netns lab shows it,
+  // bench/netns/link_speed.sh and fault_trials.sh's delay20.)
   EXPECT_EQ(NextRequestSeenBeforeEachAnswer(kWindowByHost),
             (std::vector<bool>{true, true}));
 }
@@ -118,6 +126,40 @@ TEST(DataLinkTest, TheWindowByHostSendsLargeRequestsOneAtATime) {
   EXPECT_EQ(NextRequestSeenBeforeEachAnswer(kWindowByHost,
                                             kSameHostBytesInFlight * 3 / 4),
             (std::vector<bool>{false, false}));
+}
+
+// The Hello's round trip is what the application waits for, however slow
+// the server is to answer (a proxy's or a WAN's delay): the window of a link
+// to another host is sized by it.
+TEST(DataLinkTest, TheHelloRoundTripIncludesTheServersDelay) {
+  int port = 0;
+  absl::StatusOr<ScopedFd> listener = ListenTcp("127.0.0.1", 0, 0, &port);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  constexpr absl::Duration kDelay = absl::Milliseconds(30);
+  std::thread server([&] {
+    const int fd = accept(listener->get(), nullptr, nullptr);
+    ASSERT_GE(fd, 0);
+    for (int i = 0; i < kHellosTimed; ++i) {
+      ReadRequest(fd);
+      absl::SleepFor(kDelay);  // the delay under test, not a synchronisation
+      Answer(fd, "");
+    }
+    close(fd);
+  });
+  absl::StatusOr<std::unique_ptr<DataLink>> link = DataLink::Open(
+      "127.0.0.1", port, "", 1 << 20, absl::Now() + absl::Seconds(20));
+  server.join();
+  ASSERT_TRUE(link.ok()) << link.status();
+  EXPECT_GE((*link)->hello_round_trip(), kDelay);
+}
+
+TEST(WindowBytesForRoundTripTest, OneRequestInADataCentreMegabytesAcrossAWan) {
+  EXPECT_EQ(WindowBytesForRoundTrip(absl::Microseconds(100)), 0);
+  EXPECT_EQ(WindowBytesForRoundTrip(kShortRoundTrip), 0);
+  // 40 ms (20 each way): 39 ms at 1 Gbit/s.
+  EXPECT_NEAR(
+      static_cast<double>(WindowBytesForRoundTrip(absl::Milliseconds(40))),
+      0.039 * kAssumedLinkBytesPerSecond, 1);
 }
 
 // A data-plane server on loopback that takes one connection, reads one
@@ -133,8 +175,7 @@ class HeldServer {
     thread_ = std::thread([this] {
       const int fd = accept(listener_.get(), nullptr, nullptr);
       ASSERT_GE(fd, 0);
-      ReadRequest(fd);  // the Hello
-      Answer(fd, "");
+      AnswerHellos(fd);
       ReadRequest(fd);
       request_read_.Notify();
       if (answer_.WaitForNotificationWithTimeout(absl::Seconds(30)) &&

@@ -50,7 +50,9 @@
     "Requests each data-plane connection sends ahead of their answers. " \
     "0: by host, all of them to a server on this host (only the CPU " \
     "binds there) and 1 to a server elsewhere, which keeps the workers' " \
-    "pushes in step as a sync step on a link that binds needs.") \
+    "pushes in step as a sync step on a link that binds needs, or, " \
+    "where its round trip is over 1 ms, what the rest of the round trip " \
+    "carries at 1 Gbit/s.") \
   X(bool, data_plane, data_plane, \
     "Push and pull dense tensors over the servers' data plane (framed " \
     "TCP beside gRPC; inside TLS with the --tls_* files when the " \

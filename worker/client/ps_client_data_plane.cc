@@ -102,11 +102,19 @@ DataLink* PsClient::LinkFor(int shard, DataSlot& slot, absl::Time deadline) {
     const int on_this_host = (*link)->same_host() ? 1 : 0;
     if (primary_on_this_host_[shard].exchange(on_this_host) != on_this_host &&
         options_.connections_per_shard == 0) {
-      LOG(INFO) << "shard " << shard << "'s data plane (" << (*link)->peer()
-                << ") is on "
-                << (on_this_host ? "this host: " : "another host: ")
-                << (on_this_host ? connections_ : 1) << " connection"
-                << (on_this_host && connections_ > 1 ? "s" : "");
+      LOG(INFO)
+          << "shard " << shard << "'s data plane (" << (*link)->peer()
+          << ") is on " << (on_this_host ? "this host: " : "another host: ")
+          << (on_this_host ? connections_ : 1) << " connection"
+          << (on_this_host && connections_ > 1 ? "s" : "")
+          << (on_this_host
+                  ? ""
+                  : absl::StrCat(
+                        ", round trip ",
+                        absl::FormatDuration((*link)->hello_round_trip()), ", ",
+                        WindowBytesForRoundTrip((*link)->hello_round_trip()) /
+                            1024,
+                        " KiB in flight past the oldest request"));
     }
   }
   slot.link = std::move(*link);
