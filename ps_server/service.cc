@@ -147,6 +147,7 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
           response->set_data_port_tls(port > 0 && data_port_tls_.load());
           response->set_rounded_pulls(true);
           response->set_sparse_pull_tables(true);
+          response->set_sparse_push_tables(true);
           if (replicas_ != nullptr && port > 0) {
             for (int p : replicas_->DataPorts()) {
               response->add_replica_data_ports(p);

@@ -212,7 +212,7 @@ class Shard {
   // concurrent calls, so a worker's push of step s can arrive before the
   // last gradient of step s - 1 that the primary applied first.
   void WaitForPushStep(const WirePushRequest& request, absl::Time until);
-  // The same for a forwarded sync push to a sparse table.
+  // The same for a forwarded sync push to sparse tables (each it names).
   void WaitForSparsePushStep(const SparsePushRequest& request,
                              absl::Time until);
   // Sets the values of blocks whose init is PROVIDED and that have none
@@ -228,6 +228,9 @@ class Shard {
       std::function<void(absl::Status, SparsePullResponse response)>;
   void SparsePull(const SparsePullRequest& request, absl::Time deadline,
                   SparsePullDone done);
+  // With SparsePushRequest.more: every part is validated before any is
+  // applied (a bad one refuses the whole push), then each is applied as if
+  // it came alone.
   absl::StatusOr<SparsePushResponse> SparsePush(
       const SparsePushRequest& request);
   // SparseChangesRequest: ends every table's change epoch (mark) and/or
@@ -718,6 +721,18 @@ class Shard {
   // Unavailable (retryable) while that step still waits for other members.
   absl::Status CatchUpSparseForPush(const Model& model, SparseState& table,
                                     const SparsePushRequest& request);
+  // One table's part of a SparsePush: validated and decoded
+  // (PrepareSparsePush, which changes nothing), then applied.
+  struct PreparedSparsePush {
+    SparseState* table = nullptr;
+    std::vector<uint64_t> ids;
+    std::vector<float> grads;
+  };
+  absl::StatusOr<PreparedSparsePush> PrepareSparsePush(
+      const Model& model, const SparsePushRequest& part);
+  absl::StatusOr<SparsePushResponse> ApplySparsePush(
+      const Model& model, const SparsePushRequest& part,
+      PreparedSparsePush prepared);
   // A sync worker finishes every push of step s - 1 (dense and sparse)
   // before it asks for anything of step s. So `worker` asking for `step`
   // (a pull, or a push after a pull from this shard's previous life) has

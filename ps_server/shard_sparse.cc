@@ -25,6 +25,12 @@ using shard_internal::QuorumMet;
 
 void Shard::WaitForSparsePushStep(const SparsePushRequest& request,
                                   absl::Time until) {
+  for (const SparsePushRequest& more : request.more()) {
+    SparsePushRequest part;
+    part.set_table(more.table());
+    part.set_step(request.step());
+    WaitForSparsePushStep(part, until);
+  }
   const Model* model = model_.load();
   if (model == nullptr) return;
   auto it = model->sparse_index.find(request.table());
@@ -294,9 +300,50 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
       ValidateCommon(request.protocol_version(), request.worker_id(),
                      request.step(), /*allow_observer=*/false);
   if (!model.ok()) return Reject(model.status());
+  // The parts after the first, with the request's worker and step.
+  std::vector<SparsePushRequest> parts;
+  parts.reserve(request.more_size());
+  for (const SparsePushRequest& more : request.more()) {
+    SparsePushRequest& part = parts.emplace_back();
+    part.set_protocol_version(request.protocol_version());
+    part.set_worker_id(request.worker_id());
+    part.set_step(request.step());
+    part.set_table(more.table());
+    *part.mutable_ids() = more.ids();
+    part.set_dtype(more.dtype());
+    part.set_gradients(more.gradients());
+  }
+  std::vector<PreparedSparsePush> prepared;
+  prepared.reserve(1 + parts.size());
+  absl::flat_hash_set<std::string> tables;
+  for (size_t i = 0; i <= parts.size(); ++i) {
+    const SparsePushRequest& part = i == 0 ? request : parts[i - 1];
+    if (!tables.insert(part.table()).second) {
+      return Reject(absl::InvalidArgumentError(
+          absl::StrCat("sparse push: table ", QuoteForStatus(part.table()),
+                       " appears twice in one push")));
+    }
+    absl::StatusOr<PreparedSparsePush> ready = PrepareSparsePush(**model, part);
+    if (!ready.ok()) return ready.status();
+    prepared.push_back(*std::move(ready));
+  }
+  absl::StatusOr<SparsePushResponse> response =
+      ApplySparsePush(**model, request, std::move(prepared[0]));
+  if (!response.ok()) return response;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    absl::StatusOr<SparsePushResponse> more =
+        ApplySparsePush(**model, parts[i], std::move(prepared[i + 1]));
+    if (!more.ok()) return more;
+    *response->add_more() = *std::move(more);
+  }
+  return response;
+}
+
+absl::StatusOr<Shard::PreparedSparsePush> Shard::PrepareSparsePush(
+    const Model& model, const SparsePushRequest& request) {
   std::vector<uint64_t> ids(request.ids().begin(), request.ids().end());
   absl::StatusOr<SparseState*> state =
-      ValidateSparse(**model, request.table(), ids, /*unique=*/true);
+      ValidateSparse(model, request.table(), ids, /*unique=*/true);
   if (!state.ok()) return Reject(state.status());
   SparseState& table = **state;
   const int64_t dim = table.spec->dim();
@@ -333,6 +380,15 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     return absl::InternalError(
         absl::StrCat("sparse push not applied: ", s.message()));
   }
+  return PreparedSparsePush{&table, std::move(ids), std::move(grads)};
+}
+
+absl::StatusOr<SparsePushResponse> Shard::ApplySparsePush(
+    const Model& model, const SparsePushRequest& request,
+    PreparedSparsePush prepared) {
+  SparseState& table = *prepared.table;
+  std::vector<uint64_t>& ids = prepared.ids;
+  std::vector<float>& grads = prepared.grads;
   SparsePushResponse response;
   bool completed = false;
   {
@@ -340,7 +396,7 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
     TouchLocked(request.worker_id());
   }
   if (table.mode == ConsistencyMode::kSync) {
-    if (absl::Status ahead = CatchUpSparseForPush(**model, table, request);
+    if (absl::Status ahead = CatchUpSparseForPush(model, table, request);
         !ahead.ok()) {
       return Reject(std::move(ahead));
     }

@@ -1462,6 +1462,78 @@ RegisterModelRequest OneTableRequest(int64_t dim) {
 // SparseChanges pages through several tables: each page at most about
 // max_bytes, resumed at table boundaries and inside a table, every changed
 // row once, nothing before the mark.
+// One SparsePush may carry several tables (SparsePushRequest.more): all are
+// checked before any is applied, and each is then applied, and a resend
+// recognised, as if it had come alone.
+TEST(ShardSparseTest, APushOfSeveralTablesIsAllOrNothingThenEachOnce) {
+  Fixture f;
+  f.options.mode = ConsistencyMode::kAsync;
+  f.options.num_workers = 1;
+  f.shard = std::move(*Shard::Create(f.options));
+  RegisterModelRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  *request.mutable_schema() = TestSchema();
+  for (const char* name : {"ta", "tb"}) {
+    SparseTableSpec* table = request.mutable_schema()->add_sparse();
+    table->set_name(name);
+    table->set_dim(2);
+    table->mutable_optimizer()->set_name("sgd");
+    table->mutable_optimizer()->set_learning_rate(1.0f);
+  }
+  request.set_num_shards(1);
+  request.set_num_workers(1);
+  ASSERT_TRUE(f.shard->Register(request).ok());
+  auto part = [](const std::string& table, std::vector<uint64_t> ids,
+                 std::vector<float> grads) {
+    SparsePushRequest p = SparsePushOf(0, 0, std::move(ids), std::move(grads));
+    p.set_table(table);
+    return p;
+  };
+  auto rows = [&](const std::string& table, std::vector<uint64_t> ids) {
+    SparsePullRequest pull;
+    pull.set_protocol_version(kProtocolVersion);
+    pull.set_worker_id(-1);
+    pull.set_table(table);
+    for (uint64_t id : ids) pull.add_ids(id);
+    absl::Notification done;
+    std::vector<float> values;
+    f.shard->SparsePull(pull, Soon(),
+                        [&](absl::Status status, SparsePullResponse answer) {
+                          EXPECT_TRUE(status.ok()) << status;
+                          values.resize(answer.values().size() / sizeof(float));
+                          std::memcpy(values.data(), answer.values().data(),
+                                      answer.values().size());
+                          done.Notify();
+                        });
+    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    return values;
+  };
+
+  // A bad second part refuses the whole push: the first is not applied.
+  SparsePushRequest bad = part("ta", {1}, {1, 1});
+  *bad.add_more() = part("tb", {2}, {NAN, 1});
+  absl::StatusOr<SparsePushResponse> refused = f.shard->SparsePush(bad);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_EQ(rows("ta", {1}), (std::vector<float>{0, 0}));
+  SparsePushRequest twice = part("ta", {1}, {1, 1});
+  *twice.add_more() = part("ta", {3}, {1, 1});
+  EXPECT_TRUE(absl::IsInvalidArgument(f.shard->SparsePush(twice).status()));
+  EXPECT_EQ(rows("ta", {1, 3}), (std::vector<float>{0, 0, 0, 0}));
+
+  SparsePushRequest both = part("ta", {1}, {1, 1});
+  *both.add_more() = part("tb", {2}, {2, 2});
+  absl::StatusOr<SparsePushResponse> pushed = f.shard->SparsePush(both);
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  ASSERT_EQ(pushed->more_size(), 1);
+  EXPECT_FALSE(pushed->duplicate() || pushed->more(0).duplicate());
+  absl::StatusOr<SparsePushResponse> resent = f.shard->SparsePush(both);
+  ASSERT_TRUE(resent.ok()) << resent.status();
+  ASSERT_EQ(resent->more_size(), 1);
+  EXPECT_TRUE(resent->duplicate() && resent->more(0).duplicate());
+  EXPECT_EQ(rows("ta", {1}), (std::vector<float>{-1, -1}));
+  EXPECT_EQ(rows("tb", {2}), (std::vector<float>{-2, -2}));
+}
+
 TEST(ShardSparseTest, ChangesPageThroughEveryTableSinceTheMarks) {
   Fixture f;
   f.options.mode = ConsistencyMode::kAsync;

@@ -1,15 +1,16 @@
 """What a model with many embedding tables pays per table: the same rows
-pulled from 2 real ps_server processes as T tables of N ids each (2T calls
-with one call per table and shard; 2 where the servers take every table in
-one call, SparsePullRequest.more) and as one table of the T*N ids (2 calls),
-in the same run, rounds interleaved.
+pulled from, and pushed to, 2 real ps_server processes as T tables of N ids
+each (2T calls with one call per table and shard; 2 where the servers take
+every table in one call, SparsePullRequest.more and SparsePushRequest.more)
+and as one table of the T*N ids (2 calls), in the same run, rounds
+interleaved.
 
     bazel build //ps_server && worker/python/install.sh
     /usr/bin/python3 bench/sparse/table_calls.py --ps_server=bazel-bin/ps_server/ps_server \
         [--tables=8] [--ids=400] [--repeats=200] [--rounds=3]
 
-Prints the median over rounds of the ms per pull of each form, and their
-ratio (issue 40: the CTR/DLRM step's table traffic).
+Prints the median over rounds of the ms per pull and per push of each form,
+and their ratio (issue 40: the CTR/DLRM step's table traffic).
 """
 
 import argparse
@@ -69,11 +70,23 @@ def main():
         # The same ids, kept apart per table, in one table.
         all_ids = np.concatenate([k + np.uint64(t << 32) for t, k in enumerate(ids)])
         all_rows = np.empty((len(all_ids), 16), np.float32)
+        # Zero gradients: the pushes cost what any push does and change nothing.
+        grads = [np.zeros_like(r) for r in rows]
+        all_grads = np.zeros_like(all_rows)
+        step = [0]
+
+        def push(parts):
+            step[0] += 1  # async: each push is a step of its own
+            client.push_sparse_tables(step[0], parts)
+
         forms = {
-            f"{args.tables} tables": lambda: client.pull_sparse_tables(
+            f"{args.tables} tables pull": lambda: client.pull_sparse_tables(
                 0, [(t, ids[t], rows[t]) for t in range(args.tables)]),
-            "1 table": lambda: client.pull_sparse_tables(
+            "1 table pull": lambda: client.pull_sparse_tables(
                 0, [(args.tables, all_ids, all_rows)]),
+            f"{args.tables} tables push": lambda: push(
+                [(t, ids[t], grads[t]) for t in range(args.tables)]),
+            "1 table push": lambda: push([(args.tables, all_ids, all_grads)]),
         }
         for pull in forms.values():  # rows created, connections warm
             for _ in range(30):
@@ -85,16 +98,19 @@ def main():
                 for _ in range(args.repeats):
                     pull()
                 times[name].append((time.perf_counter() - start) / args.repeats * 1e3)
-        print(f"table_calls: 2 servers, {len(all_ids)} rows of dim 16 a pull, "
-              f"{args.repeats} pulls x {args.rounds} rounds")
+        print(f"table_calls: 2 servers, {len(all_ids)} rows of dim 16 a call, "
+              f"{args.repeats} calls x {args.rounds} rounds")
         medians = {}
         for name, values in times.items():
             medians[name] = sorted(values)[len(values) // 2]
-            print(f"  {name:10s} {medians[name]:.3f} ms a pull "
+            print(f"  {name:16s} {medians[name]:.3f} ms a call "
                   f"(rounds: {', '.join(f'{v:.3f}' for v in values)})")
-        many, one = medians[f"{args.tables} tables"], medians["1 table"]
-        print(f"  ratio {many / one:.2f}x: {(many - one) / (2 * args.tables - 2) * 1e3:.0f} us "
-              "for each call beyond the 2 of one table")
+        for op in ("pull", "push"):
+            many = medians[f"{args.tables} tables {op}"]
+            one = medians[f"1 table {op}"]
+            print(f"  {op}: ratio {many / one:.2f}x, "
+                  f"{(many - one) / (2 * args.tables - 2) * 1e3:.0f} us "
+                  "for each call beyond the 2 of one table (were they separate)")
     finally:
         for proc in procs:
             proc.terminate()

@@ -484,9 +484,10 @@ absl::StatusOr<Registration> PsClient::RegisterResolved(
   registration.optimizer = (*responses)[0].optimizer();
   registration.learning_rate = (*responses)[0].learning_rate();
   mode_ = registration.mode;
-  sparse_pull_tables_ = true;
+  sparse_pull_tables_ = sparse_push_tables_ = true;
   for (int s = 0; s < num_shards(); ++s) {
     sparse_pull_tables_ &= (*responses)[s].sparse_pull_tables();
+    sparse_push_tables_ &= (*responses)[s].sparse_push_tables();
   }
   pull_wire_type_ = options_.parameter_wire_type;
   for (int s = 0; s < num_shards() && pull_wire_type_ != FLOAT32; ++s) {

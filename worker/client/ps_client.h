@@ -727,6 +727,8 @@ class PsClient {
   DataType pull_wire_type_ = FLOAT32;
   // Every shard takes several tables in one SparsePull (set by Register).
   bool sparse_pull_tables_ = false;
+  // ... and in one SparsePush.
+  bool sparse_push_tables_ = false;
   const uint64_t incarnation_;
   // Connections to each replica (options_.connections_per_shard, or
   // kConnectionsOnThisHost when that is 0: by host).

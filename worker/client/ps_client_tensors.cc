@@ -831,7 +831,10 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
   const DataType wire_type = options_.gradient_wire_type == TOPK_FLOAT32
                                  ? FLOAT32
                                  : options_.gradient_wire_type;
-  std::vector<Call> calls;
+  // Each table's rows for each shard; where every shard takes several
+  // tables in one call, a shard's go in one SparsePush (the first table in
+  // the request itself, the others in `more`), else one call each.
+  std::vector<std::vector<SparsePushRequest>> by_shard(num_shards());
   for (const SparsePushPart& part : parts) {
     const SparseTableSpec& spec = schema_.sparse(part.table);
     const int64_t dim = spec.dim();
@@ -847,16 +850,29 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
     for (int s = 0; s < num_shards(); ++s) {
       // Sync steps complete only when every member has pushed, even nothing.
       if (requests[s].ids_size() == 0 && !sync_table) continue;
-      requests[s].set_protocol_version(kProtocolVersion);
-      requests[s].set_worker_id(worker_id_);
-      requests[s].set_step(step);
       requests[s].set_table(spec.name());
       requests[s].set_dtype(wire_type);
       EncodeFromFloat32(wire_type, rows[s], requests[s].mutable_gradients());
+      by_shard[s].push_back(std::move(requests[s]));
+    }
+  }
+  std::vector<Call> calls;
+  for (int s = 0; s < num_shards(); ++s) {
+    std::vector<SparsePushRequest>& tables = by_shard[s];
+    for (size_t first = 0; first < tables.size();) {
+      const size_t end = sparse_push_tables_ ? tables.size() : first + 1;
+      SparsePushRequest& request = tables[first];
+      for (size_t t = first + 1; t < end; ++t) {
+        *request.add_more() = std::move(tables[t]);
+      }
+      request.set_protocol_version(kProtocolVersion);
+      request.set_worker_id(worker_id_);
+      request.set_step(step);
       Call& call = calls.emplace_back();
       call.shard = s;
       call.connection = static_cast<int>(calls.size() - 1) % connections_;
-      call.flat = requests[s].SerializeAsString();
+      call.flat = request.SerializeAsString();
+      first = end;
     }
   }
   std::vector<SparsePushResponse> responses(calls.size());
@@ -872,9 +888,13 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
     return st;
   }
   PushResult result;
+  auto count = [&result](const SparsePushResponse& answer) {
+    result.blocks_duplicate += answer.duplicate();
+    result.blocks_late += answer.late();
+  };
   for (const SparsePushResponse& response : responses) {
-    result.blocks_duplicate += response.duplicate();
-    result.blocks_late += response.late();
+    count(response);
+    for (const SparsePushResponse& more : response.more()) count(more);
   }
   return result;
 }
