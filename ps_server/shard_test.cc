@@ -1313,12 +1313,13 @@ SparsePushRequest SparsePushOf(int worker, int64_t step,
 }
 
 std::vector<float> SparseRows(Shard& shard, int64_t step,
-                              std::vector<uint64_t> ids) {
+                              std::vector<uint64_t> ids,
+                              const std::string& table = "emb") {
   SparsePullRequest pull;
   pull.set_protocol_version(kProtocolVersion);
   pull.set_worker_id(-1);
   pull.set_step(step);
-  pull.set_table("emb");
+  pull.set_table(table);
   for (uint64_t id : ids) pull.add_ids(id);
   absl::Notification done;
   std::vector<float> rows;
@@ -1462,10 +1463,9 @@ RegisterModelRequest OneTableRequest(int64_t dim) {
 // SparseChanges pages through several tables: each page at most about
 // max_bytes, resumed at table boundaries and inside a table, every changed
 // row once, nothing before the mark.
-// One SparsePush may carry several tables (SparsePushRequest.more): all are
-// checked before any is applied, and each is then applied, and a resend
-// recognised, as if it had come alone.
-TEST(ShardSparseTest, APushOfSeveralTablesIsAllOrNothingThenEachOnce) {
+// An async shard of one worker whose model has the tables `names`, each of
+// dim 2, zeros, SGD at rate 1.
+Fixture MakeAsyncTablesShard(const std::vector<std::string>& names) {
   Fixture f;
   f.options.mode = ConsistencyMode::kAsync;
   f.options.num_workers = 1;
@@ -1473,7 +1473,7 @@ TEST(ShardSparseTest, APushOfSeveralTablesIsAllOrNothingThenEachOnce) {
   RegisterModelRequest request;
   request.set_protocol_version(kProtocolVersion);
   *request.mutable_schema() = TestSchema();
-  for (const char* name : {"ta", "tb"}) {
+  for (const std::string& name : names) {
     SparseTableSpec* table = request.mutable_schema()->add_sparse();
     table->set_name(name);
     table->set_dim(2);
@@ -1482,7 +1482,16 @@ TEST(ShardSparseTest, APushOfSeveralTablesIsAllOrNothingThenEachOnce) {
   }
   request.set_num_shards(1);
   request.set_num_workers(1);
-  ASSERT_TRUE(f.shard->Register(request).ok());
+  absl::StatusOr<RegisterModelResponse> registered = f.shard->Register(request);
+  EXPECT_TRUE(registered.ok()) << registered.status();
+  return f;
+}
+
+// One SparsePush may carry several tables (SparsePushRequest.more): all are
+// checked before any is applied, and each is then applied, and a resend
+// recognised, as if it had come alone.
+TEST(ShardSparseTest, APushOfSeveralTablesIsAllOrNothingThenEachOnce) {
+  Fixture f = MakeAsyncTablesShard({"ta", "tb"});
   auto part = [](const std::string& table, std::vector<uint64_t> ids,
                  std::vector<float> grads) {
     SparsePushRequest p = SparsePushOf(0, 0, std::move(ids), std::move(grads));
@@ -1490,23 +1499,7 @@ TEST(ShardSparseTest, APushOfSeveralTablesIsAllOrNothingThenEachOnce) {
     return p;
   };
   auto rows = [&](const std::string& table, std::vector<uint64_t> ids) {
-    SparsePullRequest pull;
-    pull.set_protocol_version(kProtocolVersion);
-    pull.set_worker_id(-1);
-    pull.set_table(table);
-    for (uint64_t id : ids) pull.add_ids(id);
-    absl::Notification done;
-    std::vector<float> values;
-    f.shard->SparsePull(pull, Soon(),
-                        [&](absl::Status status, SparsePullResponse answer) {
-                          EXPECT_TRUE(status.ok()) << status;
-                          values.resize(answer.values().size() / sizeof(float));
-                          std::memcpy(values.data(), answer.values().data(),
-                                      answer.values().size());
-                          done.Notify();
-                        });
-    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
-    return values;
+    return SparseRows(*f.shard, 0, std::move(ids), table);
   };
 
   // A bad second part refuses the whole push: the first is not applied.
@@ -1535,25 +1528,8 @@ TEST(ShardSparseTest, APushOfSeveralTablesIsAllOrNothingThenEachOnce) {
 }
 
 TEST(ShardSparseTest, ChangesPageThroughEveryTableSinceTheMarks) {
-  Fixture f;
-  f.options.mode = ConsistencyMode::kAsync;
-  f.options.num_workers = 1;
-  f.shard = std::move(*Shard::Create(f.options));
-  RegisterModelRequest request;
-  request.set_protocol_version(kProtocolVersion);
-  *request.mutable_schema() = TestSchema();
   const std::vector<std::string> names = {"ta", "tb", "tc"};
-  for (const std::string& name : names) {
-    SparseTableSpec* table = request.mutable_schema()->add_sparse();
-    table->set_name(name);
-    table->set_dim(2);
-    table->mutable_optimizer()->set_name("sgd");
-    table->mutable_optimizer()->set_learning_rate(1.0f);
-  }
-  request.set_num_shards(1);
-  request.set_num_workers(1);
-  absl::StatusOr<RegisterModelResponse> registered = f.shard->Register(request);
-  ASSERT_TRUE(registered.ok()) << registered.status();
+  Fixture f = MakeAsyncTablesShard(names);
   auto push = [&](const std::string& table, int64_t step,
                   std::vector<uint64_t> ids) {
     SparsePushRequest p =
