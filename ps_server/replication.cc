@@ -309,6 +309,21 @@ void ReplicaSet::Start() {
       }
       if (answer->role() == RoleName(Role::kPrimary)) primary_ = peer->index;
     }
+    if (holders.empty()) {
+      // A replica that forwards changes to this one serves the job and holds
+      // its state, even if it did not answer the probe: its handlers may all
+      // be waiting for this replica to stop joining (the first
+      // registrations wait for every replica), which would leave both
+      // waiting until takeover_after_silence.
+      absl::MutexLock lock(&mu_);
+      if (forwarded_while_joining_ >= 0) {
+        holders.push_back(absl::StrCat("replica ", forwarded_while_joining_,
+                                       " (forwarding to this one, epoch ",
+                                       forwarded_while_joining_epoch_, ")"));
+        primary_ = forwarded_while_joining_;
+        epoch = std::max(epoch, forwarded_while_joining_epoch_);
+      }
+    }
     if (!wait || !holders.empty() ||
         stop_.WaitForNotificationWithTimeout(options_.probe_interval)) {
       break;
@@ -676,6 +691,8 @@ absl::Status ReplicaSet::AdmitForward(const ReplicateRequest& request) {
                                         " of shard ", options_.shard_id);
   const Role role = role_.load();
   if (role == Role::kJoining) {
+    forwarded_while_joining_ = request.from_replica();
+    forwarded_while_joining_epoch_ = request.epoch();
     return absl::UnavailableError(
         absl::StrCat(self, " is ", kJoining, "it is still learning its role"));
   }

@@ -377,6 +377,10 @@ class ReplicaSet {
   // The set's order as last heard from the primary (the primary: itself,
   // then in_set_).
   std::vector<int> succession_ ABSL_GUARDED_BY(mu_);
+  // While joining: the replica that forwarded a change to this one (-1:
+  // none), and its epoch. Start takes it for the primary holding the state.
+  int forwarded_while_joining_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t forwarded_while_joining_epoch_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::atomic<int> data_port_{0};
   std::atomic<int64_t> forwards_{0};
