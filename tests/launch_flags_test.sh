@@ -31,6 +31,14 @@ expect_refusal() {
 expect_refusal sparse_optimizer "ps_server has no --sparse_optimizer; it is a worker flag (pass it as --sparse_optimizer)"
 expect_refusal no_such_flag "ps_server has no --no_such_flag (ps_server --helpfull lists its flags)"
 
+# A CSV path for every worker would be one file written by all of them.
+rc=0
+launch --run_dir="$T/run_csv" -- --metrics_csv="$T/one.csv" --steps=5 >"$T/out" 2>"$T/err" || rc=$?
+[[ $rc == 2 ]] || fail "--metrics_csv for 2 workers: exit $rc, want 2: $(cat "$T/err")"
+[[ $(wc -l <"$T/err") == 1 ]] || fail "--metrics_csv: want one line, got: $(cat "$T/err")"
+grep -qF -- "use --csv" "$T/err" || fail "--metrics_csv: want 'use --csv' in: $(cat "$T/err")"
+[[ ! -e "$T/run_csv/ps0.log" ]] || fail "--metrics_csv: a server was started"
+
 # A server flag passes the check and takes effect.
 launch --servers=1 --workers=1 --run_dir="$T/ok" -- --server.optimizer=adam \
   --server.learning_rate=0.001 --steps=5 --log_every=0 >"$T/out" 2>"$T/err" ||

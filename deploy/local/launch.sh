@@ -66,7 +66,8 @@ Options:
                    server and worker (ports in psI.metrics_port and
                    workerK.metrics_port; the servers' URLs are printed)
   --csv            each worker writes workerK.csv (--metrics_csv), for
-                   bench/plot/plot_runs.sh
+                   bench/plot/plot_runs.sh (-- --metrics_csv=F with more
+                   than one worker is refused: they would all write F)
   --python=SCRIPT  the workers are this Python training script (a PyTorch
                    model on pstrain.torch, see README.md), run by
                    $PSTRAIN_PYTHON (default /usr/bin/python3, which has
@@ -500,6 +501,12 @@ parse_args() {
     usage_error "--replica_restarts must be an integer >= 0, got '$REPLICA_RESTARTS'"
   check_count workers "$WORKERS"
   check_count timeout_s "$TIMEOUT_S"
+  local flag
+  for flag in ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"}; do
+    if [[ $flag == --metrics_csv=* ]] && ((WORKERS > 1)) && [[ -z "$PYTHON_SCRIPT" ]]; then
+      usage_error "extra flag '$flag' would have all $WORKERS workers write one file; use --csv (each worker writes workerK.csv in the run dir)"
+    fi
+  done
   [[ "$MODE" == sync || "$MODE" == async || "$MODE" == ssp ]] ||
     usage_error "--mode must be sync, async or ssp, got '$MODE'"
 
