@@ -50,5 +50,29 @@ TEST(ReplicaSetStartTest, AReplicaThatForwardedToAJoiningOneIsItsPrimary) {
   set.Stop();
 }
 
+// A replica 0 whose replica 1 accepts connections and never answers (frozen,
+// or a primary too busy to answer) may be starting without the job's
+// state: it does not become the primary of an empty shard, but stale, and
+// says so (the server then exits for a restart).
+TEST(ReplicaSetStartTest, ASilentPeerIsNotTakenForAbsent) {
+  int silent_port = 0;
+  absl::StatusOr<ScopedFd> silent = ListenTcp("127.0.0.1", 0, 0, &silent_port);
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  ReplicaOptions options;
+  options.replica_index = 0;
+  options.addresses = {"127.0.0.1:1", absl::StrCat("127.0.0.1:", silent_port)};
+  options.takeover_after_silence = absl::Milliseconds(300);
+  options.startup_wait = absl::Seconds(2);
+  ReplicaSet set(options, [] { return false; });
+  bool stale = false;
+  set.set_on_stale([&stale] { stale = true; });
+  set.Start();
+  StatsResponse stats;
+  set.AddStats(&stats);
+  EXPECT_EQ(stats.replica_role(), "stale");
+  EXPECT_TRUE(stale);
+  set.Stop();
+}
+
 }  // namespace
 }  // namespace pstrain

@@ -258,10 +258,13 @@ void ReplicaSet::Start() {
   // reading or installing its checkpoint: up to startup_wait) or not up yet
   // (up to takeover_after_silence, as the watcher would wait for it).
   // A peer whose process is up (its port accepts connections) but did not
-  // answer (busy, its port just opened) may hold the job's state: it is
-  // waited for like one before this replica, whatever its index. Taking it for
-  // absent made a replica 0 restarted mid-job the primary of an empty shard
-  // while its backup held every step, and the workers went on from nothing.
+  // answer (busy, frozen, its port just opened) may hold the job's state: it
+  // is waited for up to startup_wait, whatever its index, and this replica
+  // does not start (it exits for a restart) if it stays silent. Taking it
+  // for absent made a replica 0 restarted mid-job the primary of an empty
+  // shard while its backup held every step, and the workers went on from
+  // nothing. A peer that forwards to this one meanwhile serves the job: see
+  // forwarded_while_joining_.
   std::vector<std::string> silent;
   std::vector<std::string> found;  // what each peer said, for the log
   const absl::Time started = absl::Now();
@@ -282,7 +285,11 @@ void ReplicaSet::Start() {
         if (up) silent.push_back(answer.status().ToString());
         found.push_back(
             absl::StrCat("replica ", peer->index, up ? " silent" : " not up"));
-        wait |= (before || up) && waited < options_.takeover_after_silence;
+        // One not up yet is waited for as the watcher would wait out its
+        // silence; one that is up may hold the state, and is waited for
+        // longer (below: this replica does not start without it).
+        wait |= (before && !up && waited < options_.takeover_after_silence) ||
+                (up && waited < options_.startup_wait);
         continue;
       }
       epoch = std::max(epoch, answer->epoch());
@@ -340,10 +347,17 @@ void ReplicaSet::Start() {
   const std::string self = absl::StrCat("replica ", options_.replica_index,
                                         " of shard ", options_.shard_id);
   if (holders.empty() && !silent.empty()) {
-    LOG(WARNING) << self << ": replicas whose port accepts did not answer for "
-                 << absl::FormatDuration(options_.takeover_after_silence)
-                 << " (" << absl::StrJoin(silent, "; ")
-                 << "); going on without them";
+    // One of them may hold the job's state (a primary frozen, or too busy to
+    // answer): starting without it would serve an empty shard, and the
+    // workers would go on from nothing.
+    role_ = Role::kStale;
+    LOG(ERROR) << self << ": replicas whose port accepts did not answer for "
+               << absl::FormatDuration(options_.startup_wait) << " ("
+               << absl::StrJoin(silent, "; ")
+               << "); one may hold the shard's state, so this replica does "
+                  "not start without them";
+    if (on_stale_) on_stale_();
+    return;
   }
   if (!holders.empty()) {
     if (settle_restored_) settle_restored_(/*keep=*/false);
