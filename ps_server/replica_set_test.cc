@@ -17,7 +17,7 @@ namespace {
 // A replica 1 whose replica 0 accepts connections and never answers (its
 // gRPC handlers all busy) but has forwarded it a change: replica 0 serves
 // the job and holds its state, so replica 1 catches up from it at once
-// instead of waiting out takeover_after_silence. (At the job's start the
+// instead of waiting out its silence. (At the job's start the
 // first registrations wait in replica 0's handlers for every replica to stop
 // joining, while a joining replica waited for replica 0's answer: both
 // waited until the silence ran out, 3.3 s on a 2-core machine.)
@@ -30,7 +30,8 @@ TEST(ReplicaSetStartTest, AReplicaThatForwardedToAJoiningOneIsItsPrimary) {
   options.replica_index = 1;
   // Replica 1's own address is never called.
   options.addresses = {absl::StrCat("127.0.0.1:", silent_port), "127.0.0.1:1"};
-  options.takeover_after_silence = absl::Seconds(30);
+  // A silent peer is waited for up to startup_wait.
+  options.startup_wait = absl::Seconds(30);
   ReplicaSet set(options, [] { return false; });
 
   ReplicateRequest forward;
@@ -42,7 +43,7 @@ TEST(ReplicaSetStartTest, AReplicaThatForwardedToAJoiningOneIsItsPrimary) {
 
   const absl::Time start = absl::Now();
   set.Start();
-  // Well inside the 30 s of silence the other rule would wait.
+  // Well inside the 30 s a silent peer alone would be waited for.
   EXPECT_LT(absl::Now() - start, absl::Seconds(15));
   StatsResponse stats;
   set.AddStats(&stats);
