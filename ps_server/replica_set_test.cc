@@ -1,6 +1,7 @@
 // ReplicaSet::Start on its own: how a starting replica decides its role when
 // a peer is up but does not answer.
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,25 @@
 namespace pstrain {
 namespace {
 
+// A listening socket nothing reads from: a peer whose port accepts
+// connections and which never answers.
+struct SilentPeer {
+  SilentPeer() {
+    absl::StatusOr<ScopedFd> listening = ListenTcp("127.0.0.1", 0, 0, &port);
+    EXPECT_TRUE(listening.ok()) << listening.status();
+    if (listening.ok()) fd = std::move(*listening);
+  }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port); }
+  int port = 0;
+  ScopedFd fd;
+};
+
+std::string Role(const ReplicaSet& set) {
+  StatsResponse stats;
+  set.AddStats(&stats);
+  return stats.replica_role();
+}
+
 // A replica 1 whose replica 0 accepts connections and never answers (its
 // gRPC handlers all busy) but has forwarded it a change: replica 0 serves
 // the job and holds its state, so replica 1 catches up from it at once
@@ -22,14 +42,11 @@ namespace {
 // joining, while a joining replica waited for replica 0's answer: both
 // waited until the silence ran out, 3.3 s on a 2-core machine.)
 TEST(ReplicaSetStartTest, AReplicaThatForwardedToAJoiningOneIsItsPrimary) {
-  int silent_port = 0;
-  absl::StatusOr<ScopedFd> silent = ListenTcp("127.0.0.1", 0, 0, &silent_port);
-  ASSERT_TRUE(silent.ok()) << silent.status();
+  SilentPeer silent;
   ReplicaOptions options;
-  options.shard_id = 0;
   options.replica_index = 1;
   // Replica 1's own address is never called.
-  options.addresses = {absl::StrCat("127.0.0.1:", silent_port), "127.0.0.1:1"};
+  options.addresses = {silent.address(), "127.0.0.1:1"};
   // A silent peer is waited for up to startup_wait.
   options.startup_wait = absl::Seconds(30);
   ReplicaSet set(options, [] { return false; });
@@ -45,9 +62,7 @@ TEST(ReplicaSetStartTest, AReplicaThatForwardedToAJoiningOneIsItsPrimary) {
   set.Start();
   // Well inside the 30 s a silent peer alone would be waited for.
   EXPECT_LT(absl::Now() - start, absl::Seconds(15));
-  StatsResponse stats;
-  set.AddStats(&stats);
-  EXPECT_EQ(stats.replica_role(), "catching_up");
+  EXPECT_EQ(Role(set), "catching_up");
   set.Stop();
 }
 
@@ -56,21 +71,17 @@ TEST(ReplicaSetStartTest, AReplicaThatForwardedToAJoiningOneIsItsPrimary) {
 // state: it does not become the primary of an empty shard, but stale, and
 // says so (the server then exits for a restart).
 TEST(ReplicaSetStartTest, ASilentPeerIsNotTakenForAbsent) {
-  int silent_port = 0;
-  absl::StatusOr<ScopedFd> silent = ListenTcp("127.0.0.1", 0, 0, &silent_port);
-  ASSERT_TRUE(silent.ok()) << silent.status();
+  SilentPeer silent;
   ReplicaOptions options;
   options.replica_index = 0;
-  options.addresses = {"127.0.0.1:1", absl::StrCat("127.0.0.1:", silent_port)};
+  options.addresses = {"127.0.0.1:1", silent.address()};
   options.takeover_after_silence = absl::Milliseconds(300);
   options.startup_wait = absl::Seconds(2);
   ReplicaSet set(options, [] { return false; });
   bool stale = false;
   set.set_on_stale([&stale] { stale = true; });
   set.Start();
-  StatsResponse stats;
-  set.AddStats(&stats);
-  EXPECT_EQ(stats.replica_role(), "stale");
+  EXPECT_EQ(Role(set), "stale");
   EXPECT_TRUE(stale);
   set.Stop();
 }

@@ -321,7 +321,7 @@ void ReplicaSet::Start() {
       // its state, even if it did not answer the probe: its handlers may all
       // be waiting for this replica to stop joining (the first
       // registrations wait for every replica), which would leave both
-      // waiting until takeover_after_silence.
+      // waiting until this replica gave up on the silent peer.
       absl::MutexLock lock(&mu_);
       if (forwarded_while_joining_ >= 0) {
         holders.push_back(absl::StrCat("replica ", forwarded_while_joining_,

@@ -728,11 +728,16 @@ class Shard {
     std::vector<uint64_t> ids;
     std::vector<float> grads;
   };
+  // `part`: the request itself or one of its `more` (table, ids, dtype
+  // and gradients read); `request`: the worker and step it is applied with.
   absl::StatusOr<PreparedSparsePush> PrepareSparsePush(
       const Model& model, const SparsePushRequest& part);
   absl::StatusOr<SparsePushResponse> ApplySparsePush(
-      const Model& model, const SparsePushRequest& part,
+      const Model& model, const SparsePushRequest& request,
       PreparedSparsePush prepared);
+  // WaitForSparsePushStep for one of the push's tables.
+  void WaitForSparseTableStep(absl::string_view name, int64_t step,
+                              absl::Time until);
   // A sync worker finishes every push of step s - 1 (dense and sparse)
   // before it asks for anything of step s. So `worker` asking for `step`
   // (a pull, or a push after a pull from this shard's previous life) has

@@ -25,15 +25,17 @@ using shard_internal::QuorumMet;
 
 void Shard::WaitForSparsePushStep(const SparsePushRequest& request,
                                   absl::Time until) {
+  WaitForSparseTableStep(request.table(), request.step(), until);
   for (const SparsePushRequest& more : request.more()) {
-    SparsePushRequest part;
-    part.set_table(more.table());
-    part.set_step(request.step());
-    WaitForSparsePushStep(part, until);
+    WaitForSparseTableStep(more.table(), request.step(), until);
   }
+}
+
+void Shard::WaitForSparseTableStep(absl::string_view name, int64_t step,
+                                   absl::Time until) {
   const Model* model = model_.load();
   if (model == nullptr) return;
-  auto it = model->sparse_index.find(request.table());
+  auto it = model->sparse_index.find(name);
   if (it == model->sparse_index.end()) return;  // SparsePush refuses it
   const SparseState& table = *model->sparse[it->second];
   if (table.mode != ConsistencyMode::kSync) return;
@@ -44,7 +46,7 @@ void Shard::WaitForSparsePushStep(const SparsePushRequest& request,
     static bool Check(Reached* r) {
       return r->table->version.load() >= r->step || r->released->load();
     }
-  } reached{&table, request.step(), &holds_released_};
+  } reached{&table, step, &holds_released_};
   static_cast<void>(table.mu.LockWhenWithDeadline(
       absl::Condition(&Reached::Check, &reached), until));
   table.mu.Unlock();
@@ -300,24 +302,14 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
       ValidateCommon(request.protocol_version(), request.worker_id(),
                      request.step(), /*allow_observer=*/false);
   if (!model.ok()) return Reject(model.status());
-  // The parts after the first, with the request's worker and step.
-  std::vector<SparsePushRequest> parts;
-  parts.reserve(request.more_size());
-  for (const SparsePushRequest& more : request.more()) {
-    SparsePushRequest& part = parts.emplace_back();
-    part.set_protocol_version(request.protocol_version());
-    part.set_worker_id(request.worker_id());
-    part.set_step(request.step());
-    part.set_table(more.table());
-    *part.mutable_ids() = more.ids();
-    part.set_dtype(more.dtype());
-    part.set_gradients(more.gradients());
-  }
+  // Every part (the request's own table, then `more`) is checked before any
+  // is applied; each then has the request's worker and step.
+  const int num_parts = 1 + request.more_size();
   std::vector<PreparedSparsePush> prepared;
-  prepared.reserve(1 + parts.size());
-  absl::flat_hash_set<std::string> tables;
-  for (size_t i = 0; i <= parts.size(); ++i) {
-    const SparsePushRequest& part = i == 0 ? request : parts[i - 1];
+  prepared.reserve(num_parts);
+  absl::flat_hash_set<absl::string_view> tables;
+  for (int i = 0; i < num_parts; ++i) {
+    const SparsePushRequest& part = i == 0 ? request : request.more(i - 1);
     if (!tables.insert(part.table()).second) {
       return Reject(absl::InvalidArgumentError(
           absl::StrCat("sparse push: table ", QuoteForStatus(part.table()),
@@ -330,9 +322,9 @@ absl::StatusOr<SparsePushResponse> Shard::SparsePush(
   absl::StatusOr<SparsePushResponse> response =
       ApplySparsePush(**model, request, std::move(prepared[0]));
   if (!response.ok()) return response;
-  for (size_t i = 0; i < parts.size(); ++i) {
+  for (int i = 1; i < num_parts; ++i) {
     absl::StatusOr<SparsePushResponse> more =
-        ApplySparsePush(**model, parts[i], std::move(prepared[i + 1]));
+        ApplySparsePush(**model, request, std::move(prepared[i]));
     if (!more.ok()) return more;
     *response->add_more() = *std::move(more);
   }
@@ -389,6 +381,7 @@ absl::StatusOr<SparsePushResponse> Shard::ApplySparsePush(
   SparseState& table = *prepared.table;
   std::vector<uint64_t>& ids = prepared.ids;
   std::vector<float>& grads = prepared.grads;
+  const int64_t rows = static_cast<int64_t>(ids.size());
   SparsePushResponse response;
   bool completed = false;
   {
@@ -406,7 +399,7 @@ absl::StatusOr<SparsePushResponse> Shard::ApplySparsePush(
     if (request.step() > version) {
       return Reject(absl::FailedPreconditionError(absl::StrCat(
           "sparse push for step ", request.step(), " but table ",
-          QuoteForStatus(request.table()), " is at step ", version)));
+          QuoteForStatus(table.spec->name()), " is at step ", version)));
     }
     if (request.step() < version) {
       const bool duplicate =
@@ -451,7 +444,7 @@ absl::StatusOr<SparsePushResponse> Shard::ApplySparsePush(
     WorkerState& w = workers_[request.worker_id()];
     w.next_step = std::max(w.next_step, request.step() + 1);
   }
-  table.rows_pushed.fetch_add(request.ids_size());
+  table.rows_pushed.fetch_add(rows);
   blocks_applied_.fetch_add(1);
   if (completed || options_.mode == ConsistencyMode::kSsp) {
     ReleaseReadyWaiters();
