@@ -39,6 +39,16 @@ launch --run_dir="$T/run_csv" -- --metrics_csv="$T/one.csv" --steps=5 >"$T/out" 
 grep -qF -- "use --csv" "$T/err" || fail "--metrics_csv: want 'use --csv' in: $(cat "$T/err")"
 [[ ! -e "$T/run_csv/ps0.log" ]] || fail "--metrics_csv: a server was started"
 
+# An interpreter that cannot import pstrain.torch: one line, with its error.
+printf '#!/bin/sh\necho "ModuleNotFoundError: No module named numpy" >&2\nexit 1\n' >"$T/python"
+chmod +x "$T/python"
+echo "print(1)" >"$T/script.py"
+rc=0
+PSTRAIN_PYTHON="$T/python" launch --python="$T/script.py" >"$T/out" 2>"$T/err" || rc=$?
+[[ $rc == 2 ]] || fail "--python without pstrain: exit $rc, want 2: $(cat "$T/err")"
+[[ $(wc -l <"$T/err") == 1 ]] || fail "--python without pstrain: want one line, got: $(cat "$T/err")"
+grep -qF "No module named numpy" "$T/err" || fail "--python without pstrain: want its import error in: $(cat "$T/err")"
+
 # A server flag passes the check and takes effect.
 launch --servers=1 --workers=1 --run_dir="$T/ok" -- --server.optimizer=adam \
   --server.learning_rate=0.001 --steps=5 --log_every=0 >"$T/out" 2>"$T/err" ||

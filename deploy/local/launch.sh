@@ -487,8 +487,11 @@ parse_args() {
       usage_error "--python: '$PYTHON_SCRIPT' is not a readable file"
     PYTHON_SCRIPT=$(cd -- "$(dirname -- "$PYTHON_SCRIPT")" && pwd)/$(basename -- "$PYTHON_SCRIPT")
     [[ -x "$PYTHON" ]] || usage_error "--python: no interpreter at $PYTHON (set PSTRAIN_PYTHON)"
-    (cd / && "$PYTHON" -c 'import pstrain.torch' 2>/dev/null) ||
-      usage_error "--python: $PYTHON cannot import pstrain.torch (install it: worker/python/install.sh)"
+    local import_error
+    if ! import_error=$(cd / && "$PYTHON" -c 'import pstrain.torch' 2>&1); then
+      import_error=$(tail -n 1 <<<"$import_error")
+      usage_error "--python: $PYTHON cannot import pstrain.torch (${import_error:-no error text}; an interpreter without torch and numpy, or pstrain not installed in it: worker/python/install.sh)"
+    fi
     # The worker flags a Python worker's client takes (the rest go to its
     # script): pstrain's own list, so a new client flag needs no change here.
     CLIENT_OPTIONS=" $(cd / && "$PYTHON" -c 'import pstrain; print(" ".join(pstrain.client_option_names()))') " ||
