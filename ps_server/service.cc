@@ -68,21 +68,33 @@ absl::Status SerializeSmall(const Message& message, grpc::ByteBuffer* out) {
 
 // A unary call of small messages: parses the request (refusing and counting
 // bytes that do not parse), runs `handler` (Request -> StatusOr<Response>)
-// and sends its response.
+// and sends its response. With `waiting` the handler runs on those threads
+// (it may wait), off gRPC's.
 template <typename Request, typename Handler>
 grpc::ServerUnaryReactor* ServeSmall(Shard* shard,
                                      grpc::CallbackServerContext* context,
                                      const grpc::ByteBuffer* request,
                                      grpc::ByteBuffer* response,
-                                     Handler handler) {
+                                     Handler handler,
+                                     HandlerThreads* waiting = nullptr) {
   Request parsed;
   if (absl::Status s = ParseSmall(*request, &parsed); !s.ok()) {
     shard->CountRejected();
     return Finish(context, s);
   }
-  auto result = handler(parsed);
-  if (!result.ok()) return Finish(context, result.status());
-  return Finish(context, SerializeSmall(*result, response));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto serve = [reactor, response, handler = std::move(handler),
+                parsed = std::move(parsed)]() {
+    auto result = handler(parsed);
+    reactor->Finish(ToGrpcStatus(result.ok() ? SerializeSmall(*result, response)
+                                             : result.status()));
+  };
+  if (waiting != nullptr) {
+    waiting->Run(std::move(serve));
+  } else {
+    serve();
+  }
+  return reactor;
 }
 
 // The blocks of a pull response and the encoded message that references
@@ -155,7 +167,8 @@ grpc::ServerUnaryReactor* ParameterServerService::RegisterModel(
           }
         }
         return response;
-      });
+      },
+      Waiting());
 }
 
 StatsResponse ParameterServerService::CurrentStats() const {
@@ -414,7 +427,16 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  return Finish(context, HandlePush(*request, response));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto serve = [this, reactor, request, response] {
+    reactor->Finish(ToGrpcStatus(HandlePush(*request, response)));
+  };
+  if (HandlerThreads* waiting = Waiting(); waiting != nullptr) {
+    waiting->Run(std::move(serve));
+  } else {
+    serve();
+  }
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Assign(
@@ -423,31 +445,41 @@ grpc::ServerUnaryReactor* ParameterServerService::Assign(
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto serve = [this, reactor, request, response] {
+    reactor->Finish(ToGrpcStatus(HandleAssign(*request, response)));
+  };
+  if (HandlerThreads* waiting = Waiting(); waiting != nullptr) {
+    waiting->Run(std::move(serve));
+  } else {
+    serve();
+  }
+  return reactor;
+}
+
+absl::Status ParameterServerService::HandleAssign(
+    const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
   ReceivedBytes bytes;
-  if (!bytes.Load(*request)) {
+  if (!bytes.Load(request)) {
     shard_->CountRejected();
-    return Finish(context,
-                  absl::InvalidArgumentError("unreadable request buffer"));
+    return absl::InvalidArgumentError("unreadable request buffer");
   }
   absl::StatusOr<WirePushRequest> values = ParsePushRequest(bytes.views());
   if (!values.ok()) {
     shard_->CountRejected();
-    return Finish(context,
-                  absl::InvalidArgumentError(absl::StrCat(
-                      "malformed PushRequest: ", values.status().message())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed PushRequest: ", values.status().message()));
   }
-  if (absl::Status serves = ServesWorkers(); !serves.ok()) {
-    return Finish(context, serves);
-  }
+  if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
   absl::StatusOr<ChangeGate::Pass> pass = EnterChange(-1);
-  if (!pass.ok()) return Finish(context, pass.status());
+  if (!pass.ok()) return pass.status();
   absl::StatusOr<PushResponse> result = shard_->Assign(*values);
-  if (!result.ok()) return Finish(context, result.status());
+  if (!result.ok()) return result.status();
   if (absl::Status forwarded = Forward("Assign", bytes.views());
       !forwarded.ok()) {
-    return Finish(context, forwarded);
+    return forwarded;
   }
-  return Finish(context, SerializeSmall(*result, response));
+  return SerializeSmall(*result, response);
 }
 
 // One PushStream or PullStream: reads a request, answers it, reads the
@@ -907,7 +939,8 @@ grpc::ServerUnaryReactor* ParameterServerService::SparsePush(
           return forwarded;
         }
         return pushed;
-      });
+      },
+      Waiting());
 }
 
 bool ParameterServerService::DropThisResponse() {
@@ -937,7 +970,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Heartbeat(
           return forwarded;
         }
         return HeartbeatResponse();
-      });
+      },
+      Waiting());
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::AwaitJobStart(
@@ -1014,7 +1048,8 @@ grpc::ServerUnaryReactor* ParameterServerService::ApplyClip(
           return forwarded;
         }
         return applied;
-      });
+      },
+      Waiting());
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Leave(
@@ -1034,7 +1069,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Leave(
           return forwarded;
         }
         return LeaveResponse();
-      });
+      },
+      Waiting());
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
@@ -1063,7 +1099,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Checkpoint(
         answer.set_version(shard_->StateVersion());
         answer.set_checkpointed(true);
         return answer;
-      });
+      },
+      &waiting_handlers_);
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::SparseChanges(
@@ -1152,12 +1189,17 @@ grpc::ServerUnaryReactor* ParameterServerService::Replicate(
     return Finish(context, SerializeSmall(replicas_->Answer(ReplicateRequest()),
                                           response));
   }
-  const absl::string_view request_bytes = forward.request();
-  absl::StatusOr<ReplicateResponse> answer =
-      ServeForward(forward, absl::MakeConstSpan(&request_bytes, 1),
-                   absl::FromChrono(context->deadline()));
-  if (!answer.ok()) return Finish(context, answer.status());
-  return Finish(context, SerializeSmall(*answer, response));
+  // Applying a forward may wait for its step (up to the call's deadline).
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  waiting_handlers_.Run([this, reactor, response, forward = std::move(forward),
+                         deadline = absl::FromChrono(context->deadline())] {
+    const absl::string_view request_bytes = forward.request();
+    absl::StatusOr<ReplicateResponse> answer =
+        ServeForward(forward, absl::MakeConstSpan(&request_bytes, 1), deadline);
+    reactor->Finish(ToGrpcStatus(answer.ok() ? SerializeSmall(*answer, response)
+                                             : answer.status()));
+  });
+  return reactor;
 }
 
 absl::StatusOr<std::string> ParameterServerService::ServeDataPlaneForward(

@@ -18,6 +18,7 @@
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/data_plane_server.h"
+#include "ps_server/handler_threads.h"
 #include "ps_server/replication.h"
 #include "ps_server/rounded_blocks.h"
 #include "ps_server/shard.h"
@@ -289,6 +290,14 @@ class ParameterServerService final : public ParameterServerRawService,
   // the status is OK.
   absl::Status HandlePush(const grpc::ByteBuffer& request,
                           grpc::ByteBuffer* response);
+  absl::Status HandleAssign(const grpc::ByteBuffer& request,
+                            grpc::ByteBuffer* response);
+  // Where a handler that forwards runs: off gRPC's threads when this
+  // server has replicas (a forward waits for the backups); null (inline)
+  // otherwise.
+  HandlerThreads* Waiting() {
+    return replicas_ != nullptr ? &waiting_handlers_ : nullptr;
+  }
   // The work of one Pull call: `answer` runs exactly once, inline or when
   // the step completes (or `deadline`, capped by the shard, passes).
   void HandlePull(const grpc::ByteBuffer& request, absl::Time deadline,
@@ -336,6 +345,8 @@ class ParameterServerService final : public ParameterServerRawService,
   std::thread step_records_thread_;
   absl::Mutex random_mu_;
   absl::BitGen random_ ABSL_GUARDED_BY(random_mu_);
+  // Last: destroyed first, its handlers finished while the rest is here.
+  HandlerThreads waiting_handlers_;
 };
 
 }  // namespace pstrain

@@ -614,6 +614,52 @@ TEST(ReplicationFencingTest, AFrozenPrimaryIsReplacedAndFencedWhenItWakes) {
   EXPECT_EQ(back->version(), kSteps);
 }
 
+// A backup that stops answering without dying holds the primary's answers
+// (README: with two replicas the job waits rather than diverge), but not
+// the primary itself: its forwards wait off the threads that serve the
+// workers' heartbeats and Stats, so no worker's lease lapses while the
+// backup is frozen for longer than a lease, and the job ends exact, with
+// no step short.
+TEST(ReplicationTest, AFrozenBackupHoldsTheJobButDropsNoWorker) {
+  std::unique_ptr<TestCluster> started = StartProbeCluster(
+      "frozen_backup", "sync", 1, /*replicas=*/2, {"--worker_lease_s=2"});
+  ASSERT_NE(started, nullptr);
+  TestCluster& cluster = *started;
+  LogsOnFailure logs(cluster);
+  std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(cluster);
+  ASSERT_EQ(workers.size(), kWorkers);
+  ASSERT_TRUE(
+      cluster
+          .WaitForStats(
+              [](const StatsResponse& s) { return s.version() >= kSteps / 3; },
+              absl::Seconds(60))
+          .ok());
+  cluster.replica(0, 1).Signal(SIGSTOP);
+  // Twice the lease, the primary's heartbeats and forwards piling up.
+  const absl::Time wake_at = absl::Now() + absl::Seconds(4);
+  absl::Duration slowest_stats;
+  int stats_calls = 0;
+  while (absl::Now() < wake_at) {
+    const absl::Time asked = absl::Now();
+    absl::StatusOr<StatsResponse> primary = cluster.ReplicaStats(0, 0);
+    ASSERT_TRUE(primary.ok()) << primary.status();
+    slowest_stats = std::max(slowest_stats, absl::Now() - asked);
+    ++stats_calls;
+    EXPECT_EQ(primary->members(), kWorkers) << "a worker's lease lapsed";
+  }
+  cluster.replica(0, 1).Signal(SIGCONT);
+  EXPECT_LT(slowest_stats, absl::Seconds(1))
+      << "the primary's Stats waited behind its forwards (" << stats_calls
+      << " calls)";
+  ExpectAllExitZero(workers);
+  absl::StatusOr<StatsResponse> final_stats = cluster.ReplicaStats(0, 0);
+  ASSERT_TRUE(final_stats.ok()) << final_stats.status();
+  EXPECT_EQ(final_stats->replica_role(), "primary");
+  EXPECT_EQ(final_stats->version(), kSteps);
+  EXPECT_EQ(final_stats->steps_short(), 0);
+  EXPECT_EQ(ProbeElementsOff(cluster, -kSteps), 0);
+}
+
 // Flags a replica set cannot start with: one line, exit 2.
 TEST(ReplicationFlagsTest, AReplicaSetWithoutItsAddressesIsRefused) {
   const std::string dir = testing::TestDir();
