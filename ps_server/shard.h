@@ -371,9 +371,11 @@ class Shard {
   // anything is applied.
   absl::Status ApplyStepRecords(const StepRecords& records,
                                 absl::string_view sums);
-  // This replica has begun to lead: the steps whose gradients are all in
-  // complete now (and are recorded).
-  void CompleteStepsNowLeading() { CompleteReadyBlocks(); }
+  // This replica has begun to lead: the workers' leases start again when
+  // the first of them reaches it (a backup judges no lease, see
+  // ExpireLeases), and the steps whose gradients are all in complete now
+  // (and are recorded).
+  void CompleteStepsNowLeading();
 
   // Answers every waiting pull UNAVAILABLE, so the server can stop without
   // waiting for workers that will never push.
@@ -802,6 +804,9 @@ class Shard {
   // The job's start (sync and ssp; async starts at once).
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   int expected_seen_ ABSL_GUARDED_BY(mu_) = 0;  // of [0, num_workers)
+  // Set when this replica takes over (CompleteStepsNowLeading): no lease
+  // runs until a worker reaches it, and then every lease starts again.
+  bool leases_wait_for_a_worker_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time waiting_since_ ABSL_GUARDED_BY(mu_);
   absl::Time started_at_ ABSL_GUARDED_BY(mu_);
   // When some block or table first completed step 0 (0: not yet).

@@ -67,6 +67,10 @@ std::shared_ptr<const Shard::Membership> Shard::membership() const {
 }
 
 bool Shard::TouchLocked(int worker) {
+  if (leases_wait_for_a_worker_) {
+    leases_wait_for_a_worker_ = false;
+    for (WorkerState& other : workers_) other.last_seen = LeaseNow();
+  }
   WorkerState& state = workers_[worker];
   state.last_seen = LeaseNow();
   // Back after its lease expired (or a new id): it rejoins at its next pull.
@@ -103,7 +107,17 @@ int64_t Shard::MinMemberClockLocked() const {
 }
 
 bool Shard::ExpireLeases() {
+  // A backup does not drop workers: what it hears of them is what its
+  // primary forwards, so a backup cut off from its primary saw every lease
+  // run out, took over with no member, and ran steps ahead without workers
+  // that were only a moment late in coming over (a mixed read in the netns
+  // lab's backup_isolated trial). Once it took over, they start again when
+  // the first worker reaches it: the workers reach it only once they
+  // found their old primary gone, and a backup that took over while it was
+  // itself cut off would otherwise count that time against them too.
+  if (!LeadsSteps()) return false;
   absl::MutexLock lock(&mu_);
+  if (leases_wait_for_a_worker_) return false;
   const absl::Time expired_before = LeaseNow() - options_.worker_lease;
   bool dropped = false;
   for (WorkerState& state : workers_) {
@@ -119,6 +133,14 @@ bool Shard::ExpireLeases() {
   }
   if (dropped) PublishMembershipLocked();
   return dropped;
+}
+
+void Shard::CompleteStepsNowLeading() {
+  {
+    absl::MutexLock lock(&mu_);
+    leases_wait_for_a_worker_ = true;
+  }
+  CompleteReadyBlocks();
 }
 
 absl::Status Shard::Heartbeat(const HeartbeatRequest& request) {
