@@ -44,6 +44,13 @@ bool Unanswered(const absl::Status& status) {
          status.code() == absl::StatusCode::kCancelled;
 }
 
+// A call not made, or cut short, by ReplicaSet::EndCalls.
+absl::Status CallsEnded(int index, absl::string_view address) {
+  return absl::CancelledError(
+      absl::StrCat("replica ", index, " (", address,
+                   "): not sent: this replica stopped or stepped down"));
+}
+
 // What a TCP connection to host:port meets within `timeout`: refused at
 // every address (nothing listens there, so the process that did is gone),
 // accepted at one (a process listens), or neither (a silent host, which may
@@ -153,7 +160,35 @@ ReplicateRequest ReplicaSet::Message(absl::string_view method) const {
 
 void ReplicaSet::Stop() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
+  EndCalls();
   if (watcher_.joinable()) watcher_.join();
+}
+
+void ReplicaSet::EndCalls() {
+  absl::MutexLock lock(&calls_mu_);
+  calls_ended_ = true;
+  for (grpc::ClientContext* context : calls_) context->TryCancel();
+  for (const DataLink* link : links_) link->Abort();
+}
+
+bool ReplicaSet::BeginCall(grpc::ClientContext* context,
+                           const DataLink* link) const {
+  absl::MutexLock lock(&calls_mu_);
+  if (calls_ended_) return false;
+  if (context != nullptr) calls_.push_back(context);
+  if (link != nullptr) links_.push_back(link);
+  return true;
+}
+
+void ReplicaSet::EndCall(grpc::ClientContext* context,
+                         const DataLink* link) const {
+  absl::MutexLock lock(&calls_mu_);
+  if (context != nullptr) {
+    calls_.erase(std::find(calls_.begin(), calls_.end(), context));
+  }
+  if (link != nullptr) {
+    links_.erase(std::find(links_.begin(), links_.end(), link));
+  }
 }
 
 absl::StatusOr<ReplicateResponse> ReplicaSet::Call(
@@ -167,8 +202,11 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::Call(
                         absl::StrCat("Bearer ", options_.auth_token));
   }
   ReplicateResponse response;
+  if (!BeginCall(&context, nullptr))
+    return CallsEnded(peer.index, peer.address);
   const grpc::Status status =
       peer.stub->Replicate(&context, request, &response);
+  EndCall(&context, nullptr);
   if (!status.ok()) {
     return FromGrpcStatus(
         status, absl::StrCat("replica ", peer.index, " (", peer.address, ")"));
@@ -228,7 +266,10 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::CallOnDataPlane(
     }
     return absl::OkStatus();
   };
+  if (!BeginCall(nullptr, link.get()))
+    return CallsEnded(peer.index, peer.address);
   RunExchanges(absl::MakeSpan(&exchange, 1), deadline);
+  EndCall(nullptr, link.get());
   if (link->usable()) {
     absl::MutexLock lock(&peer.links_mu);
     peer.idle_links.push_back(std::move(link));
@@ -526,6 +567,7 @@ void ReplicaSet::StepDown(const std::string& why) {
   Role role = role_.load();
   if (role == Role::kStale) return;
   role_ = Role::kStale;
+  EndCalls();
   LOG(ERROR) << "replica " << options_.replica_index << " of shard "
              << options_.shard_id << " steps down (stale): " << why;
   if (on_stale_) on_stale_();

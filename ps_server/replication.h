@@ -358,6 +358,16 @@ class ReplicaSet {
   bool InSet(int index) const;
   void StepDown(const std::string& why);
   void NoteEpoch(int64_t epoch);
+  // Ends every call to a replica in flight, and fails every later one at
+  // once: this replica stopped or stepped down, so no answer matters, and a
+  // call on a connection that a partition left in TCP's retransmission
+  // backoff would hold a worker's call here for seconds after the heal
+  // (the handlers that forward run on threads of their own, and the
+  // server's shutdown waits for them).
+  void EndCalls();
+  // A call's registration for EndCalls; false when calls have ended.
+  bool BeginCall(grpc::ClientContext* context, const DataLink* link) const;
+  void EndCall(grpc::ClientContext* context, const DataLink* link) const;
 
   const ReplicaOptions options_;
   const std::function<bool()> has_model_;
@@ -394,6 +404,11 @@ class ReplicaSet {
   std::atomic<int64_t> chunks_installed_{0};
   absl::Notification stop_;
   std::thread watcher_;
+  // Calls in flight (Call's contexts, CallOnDataPlane's links).
+  mutable absl::Mutex calls_mu_;
+  mutable std::vector<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(calls_mu_);
+  mutable std::vector<const DataLink*> links_ ABSL_GUARDED_BY(calls_mu_);
+  bool calls_ended_ ABSL_GUARDED_BY(calls_mu_) = false;
 };
 
 }  // namespace pstrain
