@@ -452,6 +452,8 @@ void ReplicaSet::Watch() {
     }
     bool all_down = true;
     std::vector<std::string> why;
+    // Ahead and alive, as far as this one knows: only silent.
+    std::vector<Peer*> silent;
     for (auto& peer : peers_) {
       if (!Ahead(peer->index)) continue;
       probe.set_epoch(epoch_.load());
@@ -493,13 +495,60 @@ void ReplicaSet::Watch() {
         why.push_back(absl::StrCat("replica ", peer->index, " (", peer->address,
                                    ") ", heard ? "silent" : "never heard from",
                                    " for ", absl::FormatDuration(now - since)));
+        if (heard) silent.push_back(peer.get());
       } else {
         all_down = false;
       }
     }
     if (all_down) {
       TakeOver(absl::StrJoin(why, "; "));
+      TellDeposed(silent);
       return;
+    }
+  }
+}
+
+void ReplicaSet::TellDeposed(std::vector<Peer*> deposed) {
+  constexpr absl::Duration kTellFor = absl::Seconds(60);
+  const absl::Time give_up = absl::Now() + kTellFor;
+  ReplicateRequest drop = Message("drop");
+  while (!deposed.empty() && role_.load() == Role::kPrimary &&
+         absl::Now() < give_up &&
+         !stop_.WaitForNotificationWithTimeout(options_.probe_interval)) {
+    drop.set_epoch(epoch_.load());
+    for (auto it = deposed.begin(); it != deposed.end();) {
+      Peer& peer = **it;
+      // A channel of its own each time: the peer's may sit on a connection
+      // that a partition left in TCP's retransmission backoff.
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+      std::unique_ptr<ParameterServer::Stub> stub = ParameterServer::NewStub(
+          grpc::CreateCustomChannel(peer.address,
+                                    options_.credentials != nullptr
+                                        ? options_.credentials
+                                        : grpc::InsecureChannelCredentials(),
+                                    args));
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(
+          absl::Now() +
+          std::max(absl::Seconds(1), 2 * options_.probe_interval)));
+      if (!options_.auth_token.empty()) {
+        context.AddMetadata("authorization",
+                            absl::StrCat("Bearer ", options_.auth_token));
+      }
+      ReplicateResponse answer;
+      const grpc::Status status = stub->Replicate(&context, drop, &answer);
+      if (status.ok()) {
+        LOG(INFO) << "replica " << options_.replica_index << " of shard "
+                  << options_.shard_id << " told replica " << peer.index
+                  << ", which it replaced, of epoch " << drop.epoch()
+                  << " (it is " << answer.role() << ")";
+      }
+      if (status.ok() || Gone(peer)) {
+        it = deposed.erase(it);
+      } else {
+        ++it;
+      }
     }
   }
 }
@@ -1063,7 +1112,11 @@ ReplicateResponse ReplicaSet::Answer(const ReplicateRequest& request) {
   for (auto& peer : peers_) {
     if (peer->index == request.from_replica()) peer->answered = true;
   }
-  if (request.method() == "drop" && request.epoch() >= epoch_.load()) {
+  // A replica still joining or catching up holds nothing to fence: the
+  // drop of a new process at a deposed primary's address is not for it.
+  const Role role = role_.load();
+  if (request.method() == "drop" && request.epoch() >= epoch_.load() &&
+      (role == Role::kPrimary || role == Role::kBackup)) {
     StepDown(absl::StrCat("replica ", request.from_replica(),
                           " dropped it from its set"));
   }

@@ -354,6 +354,13 @@ class ReplicaSet {
   bool Ahead(int index) const;
   // Takes over as primary, at an epoch past every one seen.
   void TakeOver(const std::string& why);
+  // After a takeover: tells the replicas it replaced for their silence
+  // (they may be alive, cut off) that they are dropped, so that one that
+  // comes back steps down at once rather than at its next forward's
+  // answer, which the partition may hold in TCP's retransmission backoff
+  // for seconds after the heal. Until each answered, refuses connections
+  // or a minute passed.
+  void TellDeposed(std::vector<Peer*> deposed);
   void Drop(int index, const std::string& why);
   bool InSet(int index) const;
   void StepDown(const std::string& why);
