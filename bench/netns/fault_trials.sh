@@ -28,9 +28,9 @@
 # sync steps here (the shards are on other hosts; not with backup reads);
 # column "piped" says whether worker 0 did. Every sync worker checks that
 # each step's values were all read at one step (--probe_check_pulls), except in
-# partition_long, oneway and shard_cut_ckpt: a worker that outlived its
-# lease on some shards and not others reads those one step ahead once
-# (README, "Faults, checkpoints and resharding").
+# partition_long, oneway, shard_cut_ckpt and primary_cut_workers: a worker
+# that outlived its lease on some shards and not others reads those one
+# step ahead once (README, "Faults, checkpoints and resharding").
 # --bin_dir: where ps_server/ps_server, worker/worker, ... are (default
 # bazel-bin; //tests:netns_faults_test passes its runfiles).
 #
@@ -249,7 +249,7 @@ trial() {
   fi
   local started=$SECONDS check_pulls=
   [[ $mode == sync ]] && check_pulls=--probe_check_pulls
-  case $fault in partition_long | oneway | shard_cut_ckpt) check_pulls= ;; esac
+  case $fault in partition_long | oneway | shard_cut_ckpt | primary_cut_workers) check_pulls= ;; esac
   for ((w = 0; w < kWorkers; ++w)); do
     lab_exec "$(worker_host $w)" "$run/bin/worker" --ps_hosts="$(hosts_csv)" \
       --worker_id=$w --num_workers=$kWorkers --model=probe \
