@@ -146,5 +146,63 @@ TEST(JobStartTest, ServersSayWhoTheyWaitFor) {
       << (*worker)->Stderr();
 }
 
+// Runs workers 0 and 1 of a 2-worker job on `cluster` to the end; their
+// final losses, or empty when one failed.
+std::vector<double> RunBothWorkers(testing::TestCluster& cluster) {
+  std::vector<std::unique_ptr<testing::Process>> workers;
+  for (int k = 0; k < 2; ++k) {
+    auto worker = cluster.StartWorker(k, 2, WorkerFlags());
+    EXPECT_TRUE(worker.ok()) << worker.status();
+    if (!worker.ok()) return {};
+    workers.push_back(std::move(*worker));
+  }
+  std::vector<double> losses;
+  for (auto& worker : workers) {
+    absl::StatusOr<int> code = worker->Wait(absl::Seconds(60));
+    EXPECT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(code.value_or(-1), 0) << worker->Stderr();
+    absl::StatusOr<double> loss =
+        testing::FinalJsonNumber(worker->Stdout(), "final_loss");
+    EXPECT_TRUE(loss.ok()) << worker->Stdout();
+    if (!code.ok() || *code != 0 || !loss.ok()) return {};
+    losses.push_back(*loss);
+  }
+  return losses;
+}
+
+// A worker Ctrl-C'd while it waits for the job's start (its first step may
+// already be pushed: sync computes it meanwhile) and started again with
+// the others: the job is the one an undisturbed run gives, to the bit.
+TEST(JobStartTest, AWorkerInterruptedBeforeTheStartChangesNothing) {
+  auto undisturbed = StartServers(2, {}, "undisturbed");
+  ASSERT_TRUE(undisturbed.ok()) << undisturbed.status();
+  const std::vector<double> expected = RunBothWorkers(**undisturbed);
+  ASSERT_EQ(expected.size(), 2);
+
+  auto cluster = StartServers(2, {}, "interrupted");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto first = (*cluster)->StartWorker(0, 2, WorkerFlags());
+  ASSERT_TRUE(first.ok()) << first.status();
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while ((*first)->Stderr().find("waiting for workers 1") ==
+             std::string::npos &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_NE((*first)->Stderr().find("waiting for workers 1"), std::string::npos)
+      << (*first)->Stderr();
+  (*first)->Signal(SIGINT);
+  absl::StatusOr<int> code = (*first)->Wait(absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 130) << (*first)->Stderr();
+  EXPECT_EQ(RunBothWorkers(**cluster), expected);
+  absl::StatusOr<std::vector<StatsResponse>> stats = (*cluster)->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  for (const StatsResponse& shard : *stats) {
+    EXPECT_EQ(shard.version(), kSteps);
+    EXPECT_EQ(shard.steps_short(), 0);
+  }
+}
+
 }  // namespace
 }  // namespace pstrain

@@ -311,7 +311,13 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
     return job_did_not_start();
   }
   if (registration->start_step > 0) {
-    LOG(INFO) << "joining a running job at step " << registration->start_step;
+    if (registration->resumes_in_place) {
+      LOG(INFO) << "starting at step " << registration->start_step
+                << " in the place of an earlier process of worker " << worker_id
+                << ", whose pushes of every step before are in";
+    } else {
+      LOG(INFO) << "joining a running job at step " << registration->start_step;
+    }
   }
   absl::StatusOr<std::unique_ptr<PsClient>> observer =
       PsClient::CreateFinalModelReader(registration->mode, servers.options,

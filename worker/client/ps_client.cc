@@ -480,6 +480,7 @@ absl::StatusOr<Registration> PsClient::RegisterResolved(
     registration.start_step = std::max(
         registration.start_step,
         response.resumes_in_place() ? response.resume_step() : response.step());
+    registration.resumes_in_place |= response.resumes_in_place();
   }
   registration.optimizer = (*responses)[0].optimizer();
   registration.learning_rate = (*responses)[0].learning_rate();

@@ -190,6 +190,9 @@ std::vector<absl::Status> PsClientOptionsProblems(
 struct Registration {
   ConsistencyMode mode = ConsistencyMode::kSync;  // the servers'
   int64_t start_step = 0;  // where a (re)joining worker starts
+  // sync: it starts there in the place of an earlier process of its id,
+  // whose pushes of every step before are in (RegisterModelResponse).
+  bool resumes_in_place = false;
   // The dense optimizer shard 0 applies and its learning rate in effect
   // (empty / 0: a server from before they were told).
   std::string optimizer;
