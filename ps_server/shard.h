@@ -745,8 +745,12 @@ class Shard {
   // (a pull, or a push after a pull from this shard's previous life) has
   // given its step - 1 gradient to every block and table; on a restored
   // shard, within the steps it may have lost, one it does not hold counts
-  // as given. Returns whether some block or table completed its step.
-  bool CreditLostGradientsLocked(const Model& model, int worker, int64_t step)
+  // as given. `skipped`: the worker said it skips step - 1 here
+  // (HeartbeatRequest.skip_to_step), on any shard: the step completes
+  // without it (short, as for a lapsed lease; nothing counted lost). Returns
+  // whether some block or table completed its step.
+  bool CreditLostGradientsLocked(const Model& model, int worker, int64_t step,
+                                 bool skipped = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ShardOptions options_;

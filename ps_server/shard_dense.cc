@@ -773,8 +773,8 @@ void Shard::CountUpdatesLostLocked(Block& block, int worker, int64_t step) {
 }
 
 bool Shard::CreditLostGradientsLocked(const Model& model, int worker,
-                                      int64_t step) {
-  if (worker < 0 || step < 1 || step - 1 > recovery_horizon_ ||
+                                      int64_t step, bool skipped) {
+  if (worker < 0 || step < 1 || (!skipped && step - 1 > recovery_horizon_) ||
       (*membership_)[worker] > step - 1) {
     return false;
   }
@@ -786,9 +786,13 @@ bool Shard::CreditLostGradientsLocked(const Model& model, int worker,
       continue;
     }
     block->last_contributed[worker] = step - 1;
-    ++block->contributors;
-    ++block->lost_contributors;
-    gradients_lost_.fetch_add(1);
+    // A skipped step is one this worker gave nothing to, as if its lease
+    // had run out for that step: the step is short, nothing is lost.
+    if (!skipped) {
+      ++block->contributors;
+      ++block->lost_contributors;
+      gradients_lost_.fetch_add(1);
+    }
     completed |= CompleteIfReadyLocked(*block, *membership_);
   }
   for (const auto& table : model.sparse) {
@@ -799,8 +803,10 @@ bool Shard::CreditLostGradientsLocked(const Model& model, int worker,
       continue;
     }
     table->last_contributed[worker] = step - 1;
-    ++table->contributors;
-    gradients_lost_.fetch_add(1);
+    if (!skipped) {
+      ++table->contributors;
+      gradients_lost_.fetch_add(1);
+    }
     completed |= CompleteSparseIfReadyLocked(*table, *membership_);
   }
   return completed;

@@ -154,15 +154,22 @@ absl::Status Shard::Heartbeat(const HeartbeatRequest& request) {
   {
     absl::MutexLock lock(&mu_);
     started = TouchLocked(request.worker_id());
+    const Model* model = model_.load();
+    // A backup takes the step's record from its primary instead.
+    if (options_.mode == ConsistencyMode::kSync && request.skip_to_step() > 0 &&
+        model != nullptr && !fresh_ && !recovering_ && LeadsSteps()) {
+      moved |= CreditLostGradientsLocked(*model, request.worker_id(),
+                                         request.skip_to_step(),
+                                         /*skipped=*/true);
+    }
     // With nothing restored, every block is at step 0: a worker that has
     // pulled past it is ahead, and may be held where its next request to
     // this shard waits on the worker this shard refuses.
-    const Model* model = model_.load();
     if (options_.mode == ConsistencyMode::kSync && request.step() > 0 &&
         model != nullptr) {
       if (fresh_) {
         if (ConfirmLostStateLocked(request.worker_id(), request.step())) {
-          moved = FastForwardLocked(*model, request.step());
+          moved |= FastForwardLocked(*model, request.step());
         }
       } else if (!recovering_) {
         // A restored shard that took the job's step (from a checkpoint, or
@@ -171,8 +178,8 @@ absl::Status Shard::Heartbeat(const HeartbeatRequest& request) {
         // its gradient: lost, as a push of that step would say. The
         // worker may never send that push: it can be held in a live
         // shard's next step, which waits on a worker held here.
-        moved = CreditLostGradientsLocked(*model, request.worker_id(),
-                                          request.step());
+        moved |= CreditLostGradientsLocked(*model, request.worker_id(),
+                                           request.step(), /*skipped=*/false);
       }
     }
   }

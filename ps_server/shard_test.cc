@@ -361,6 +361,34 @@ HeartbeatRequest HeartbeatAt(int worker, int64_t pulled_step) {
   return request;
 }
 
+// A worker that found another shard a step ahead of this one (its lease ran
+// out there) skips that step everywhere: here the step completes with the
+// other worker's gradient alone, short, and nothing counted as lost. Only a
+// skip of the step this shard waits in, and only this worker's part.
+TEST(ShardSyncTest, ASkippedStepCompletesShortWithTheOthersGradients) {
+  Fixture f = MakeShard(ConsistencyMode::kSync, 2);
+  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 0, 2)).ok());
+  HeartbeatRequest skip = HeartbeatAt(0, 1);
+  ASSERT_TRUE(f.shard->Heartbeat(skip).ok());  // a heartbeat alone: waits
+  EXPECT_EQ(f.shard->Stats().version(), 0);
+  skip.set_skip_to_step(5);  // not the step it waits in: nothing
+  ASSERT_TRUE(f.shard->Heartbeat(skip).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 0);
+  skip.set_skip_to_step(1);
+  ASSERT_TRUE(f.shard->Heartbeat(skip).ok());
+  auto pulled = DoPull(*f.shard, PullAt(1, 1), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_EQ(pulled->blocks[0].version, 1);
+  EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 * 2 (worker 1's)
+  const StatsResponse stats = f.shard->Stats();
+  EXPECT_EQ(stats.steps_short(), 1);
+  EXPECT_EQ(stats.gradients_lost(), 0);
+  // Its push of the skipped step, should one come, is not applied.
+  absl::StatusOr<PushResponse> late = DoPush(*f.shard, UniformPush(0, 0, 9));
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(late->blocks_applied(), 0);
+}
+
 // A CI hang: the restored shard took step 0 and worker 0 pushed it; worker
 // 1 had pushed step 0 to the previous life and pulled step 1, and now waits
 // in another shard's step 1 for worker 0, who waits here. Worker 1 sends

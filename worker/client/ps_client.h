@@ -620,6 +620,15 @@ class PsClient {
   // What Pull returns once the pull of `step` is in (see Pull); also kept
   // as the furthest step pulled (NoteFurthestPulled).
   int64_t RecordPulledStep(int64_t step);
+  // RecordPulledStep of a plain read into `tensors` (not the pipelined
+  // step's). sync: blocks of two steps in one read mean that a shard went
+  // on without this worker (its lease ran out there, not on the others).
+  // Rather than compute a gradient from both, the worker skips to the
+  // later step on every shard: the shards still waiting for its gradient
+  // of the earlier one count it as lost (HeartbeatRequest.skip_to_step),
+  // and the read is made again at the later step.
+  absl::StatusOr<int64_t> FinishPlainRead(
+      int64_t step, const std::vector<TensorRef>& tensors);
   // Whether the servers run this table in the sync step.
   bool IsSyncTable(const SparseTableSpec& spec) const;
   // Raises the furthest step pulled, which the heartbeats carry, to `step`.

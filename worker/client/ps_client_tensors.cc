@@ -247,6 +247,49 @@ int64_t PsClient::RecordPulledStep(int64_t step) {
   return pulled;
 }
 
+absl::StatusOr<int64_t> PsClient::FinishPlainRead(
+    int64_t step, const std::vector<TensorRef>& tensors) {
+  // A skip completes the step on the shards behind, so one more read finds
+  // every block at one step unless another lease ran out meanwhile.
+  constexpr int kSkipsAtMost = 3;
+  for (int skips = 0; mode_ == ConsistencyMode::kSync &&
+                      !block_versions_.empty() && skips < kSkipsAtMost;
+       ++skips) {
+    const auto [lowest, highest] =
+        std::minmax_element(block_versions_.begin(), block_versions_.end());
+    if (*lowest == *highest) break;
+    const int64_t skip_to = *highest;
+    LOG(WARNING) << "the read of step " << step << " found blocks at steps "
+                 << *lowest << " and " << skip_to
+                 << ": a shard went on without this worker (its lease ran out "
+                    "there); it skips to step "
+                 << skip_to << " on every shard";
+    HeartbeatRequest skip;
+    skip.set_worker_id(worker_id_);
+    skip.set_incarnation(incarnation_);
+    skip.set_step(skip_to);
+    skip.set_skip_to_step(skip_to);
+    std::vector<Call> heartbeats(num_shards());
+    for (int s = 0; s < num_shards(); ++s) {
+      heartbeats[s].shard = s;
+      heartbeats[s].flat = skip.SerializeAsString();
+    }
+    if (absl::Status s = RunAll("Heartbeat", heartbeats, options_.rpc_timeout);
+        !s.ok()) {
+      return s;
+    }
+    NoteFurthestPulled(skip_to);
+    std::vector<Call> pulls = PullCalls(skip_to, tensors);
+    if (absl::Status s =
+            RunAll("Pull", pulls, options_.rpc_timeout, /*retry=*/true);
+        !s.ok()) {
+      return s;
+    }
+    step = skip_to;
+  }
+  return RecordPulledStep(step);
+}
+
 void PsClient::NoteFurthestPulled(int64_t step) {
   int64_t furthest = furthest_pulled_step_.load();
   while (step > furthest &&
@@ -268,7 +311,7 @@ absl::StatusOr<int64_t> PsClient::PullTensors(
       !s.ok()) {
     return s;
   }
-  return RecordPulledStep(step);
+  return FinishPlainRead(step, tensors);
 }
 
 absl::StatusOr<std::vector<PsClient::Call>> PsClient::PushCalls(
@@ -557,7 +600,9 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
   PushPullResult result;
   result.pushed = SumPushResponses(responses);
   if (absl::Status s = InjectDuplicatePushes(*calls); !s.ok()) return s;
-  result.pulled_step = RecordPulledStep(pull_step);
+  absl::StatusOr<int64_t> pulled = FinishPlainRead(pull_step, tensors);
+  if (!pulled.ok()) return pulled.status();
+  result.pulled_step = *pulled;
   return result;
 }
 
@@ -670,7 +715,9 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
   }
   PushPullResult result;
   result.pushed = SumPushResponses(responses);
-  result.pulled_step = RecordPulledStep(pull_step);
+  absl::StatusOr<int64_t> pulled = FinishPlainRead(pull_step, tensors);
+  if (!pulled.ok()) return pulled.status();
+  result.pulled_step = *pulled;
   return result;
 }
 
