@@ -42,9 +42,12 @@ class ProbeModel : public Model {
   }
 
   // The step a block at a time, as the layer models' first layer: each
-  // block's values are checked as they arrive and its gradient leaves as soon
+  // block's values are read as they arrive and its gradient leaves as soon
   // as it is written, so the fault trials exercise the pipelined step with
-  // the probe's exactly-once check.
+  // the probe's exactly-once check. The values are checked once the step
+  // goes on to its gradient (before_backward): a read found mixed is read
+  // again and this forward starts over, so only the values a gradient is
+  // made from must be of one step.
   absl::StatusOr<BatchResult> ComputeGradientsStreamed(
       const std::vector<const float*>& params, const DeviceBatch& batch,
       const std::vector<float*>& grads,
@@ -60,14 +63,12 @@ class ProbeModel : public Model {
     for (int64_t begin = 0; begin < n; begin += chunk) {
       const int64_t end = std::min(n, begin + chunk);
       if (absl::Status s = stream.wait_pulled(0, end); !s.ok()) return s;
-      if (check_pulls_) {
-        if (absl::Status s = CheckPulled(params[0], begin, end); !s.ok()) {
-          return s;
-        }
-      }
     }
     absl::StatusOr<bool> go_on = stream.before_backward();
     if (!go_on.ok()) return go_on.status();
+    if (*go_on && check_pulls_) {
+      if (absl::Status s = CheckPulled(params[0], 1, n); !s.ok()) return s;
+    }
     if (*go_on) {
       for (int64_t begin = 0; begin < n; begin += chunk) {
         const int64_t end = std::min(n, begin + chunk);

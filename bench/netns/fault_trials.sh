@@ -27,11 +27,10 @@
 # --pipeline_step: the workers' flag. The default, by_host, pipelines the
 # sync steps here (the shards are on other hosts; not with backup reads);
 # column "piped" says whether worker 0 did. Every sync worker checks that
-# each step's values were all read at one step (--probe_check_pulls), except in
-# partition_long, oneway, shard_cut_ckpt and primary_cut_workers when the
-# step is pipelined: a pipelined worker that outlived its lease on some
-# shards and not others reads those one step ahead once (a plain step skips
-# to the later step instead; README, "Faults, checkpoints and resharding").
+# each step's values were all read at one step (--probe_check_pulls): one
+# that outlived its lease on some shards and not others (partition_long,
+# oneway, shard_cut_ckpt, primary_cut_workers) skips the step the others
+# went on without it (README, "Faults, checkpoints and resharding").
 # --bin_dir: where ps_server/ps_server, worker/worker, ... are (default
 # bazel-bin; //tests:netns_faults_test passes its runfiles).
 #
@@ -248,14 +247,8 @@ trial() {
   if [[ $fault == data_port_dropped ]]; then
     for ((s = 0; s < kShards; ++s)); do lab_drop_port "$(shard_host $s)" $kDataPort; done
   fi
-  local started=$SECONDS check_pulls= pipelined=0
+  local started=$SECONDS check_pulls=
   [[ $mode == sync ]] && check_pulls=--probe_check_pulls
-  # What by_host / always do here: every shard is on another host.
-  [[ $mode == sync && $plane == data && $pipeline_step != never ]] && pipelined=1
-  ((replicas > 1)) && [[ $backup_reads != never ]] && pipelined=0
-  if ((pipelined)); then
-    case $fault in partition_long | oneway | shard_cut_ckpt | primary_cut_workers) check_pulls= ;; esac
-  fi
   for ((w = 0; w < kWorkers; ++w)); do
     lab_exec "$(worker_host $w)" "$run/bin/worker" --ps_hosts="$(hosts_csv)" \
       --worker_id=$w --num_workers=$kWorkers --model=probe \

@@ -629,6 +629,9 @@ class PsClient {
   // and the read is made again at the later step.
   absl::StatusOr<int64_t> FinishPlainRead(
       int64_t step, const std::vector<TensorRef>& tensors);
+  // sync: the blocks of the last read are not all at one step. The
+  // pipelined step then goes again as a plain PushPull, which skips.
+  bool PulledBlocksDisagree() const;
   // Whether the servers run this table in the sync step.
   bool IsSyncTable(const SparseTableSpec& spec) const;
   // Raises the furthest step pulled, which the heartbeats carry, to `step`.

@@ -247,17 +247,21 @@ int64_t PsClient::RecordPulledStep(int64_t step) {
   return pulled;
 }
 
+bool PsClient::PulledBlocksDisagree() const {
+  if (mode_ != ConsistencyMode::kSync || block_versions_.empty()) return false;
+  const auto [lowest, highest] =
+      std::minmax_element(block_versions_.begin(), block_versions_.end());
+  return *lowest != *highest;
+}
+
 absl::StatusOr<int64_t> PsClient::FinishPlainRead(
     int64_t step, const std::vector<TensorRef>& tensors) {
   // A skip completes the step on the shards behind, so one more read finds
   // every block at one step unless another lease ran out meanwhile.
   constexpr int kSkipsAtMost = 3;
-  for (int skips = 0; mode_ == ConsistencyMode::kSync &&
-                      !block_versions_.empty() && skips < kSkipsAtMost;
-       ++skips) {
+  for (int skips = 0; skips < kSkipsAtMost && PulledBlocksDisagree(); ++skips) {
     const auto [lowest, highest] =
         std::minmax_element(block_versions_.begin(), block_versions_.end());
-    if (*lowest == *highest) break;
     const int64_t skip_to = *highest;
     LOG(WARNING) << "the read of step " << step << " found blocks at steps "
                  << *lowest << " and " << skip_to
@@ -1181,6 +1185,13 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
   }
   if (s.ok() && interrupts() != epoch) {
     s = absl::CancelledError("PushPull interrupted");
+  }
+  if (s.ok() && PulledBlocksDisagree()) {
+    // The plain PushPull reads again and skips to the later step
+    // (FinishPlainRead); the next forward starts over on those values.
+    s = absl::AbortedError(
+        "its blocks were read at two steps (a shard went on without this "
+        "worker)");
   }
   if (s.ok()) {
     if (absl::Status d = InjectDuplicatePushes(*calls); !d.ok()) {
