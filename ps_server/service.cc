@@ -1,6 +1,7 @@
 #include "ps_server/service.h"
 
 #include <csignal>
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -66,10 +67,26 @@ absl::Status SerializeSmall(const Message& message, grpc::ByteBuffer* out) {
                       serialized.error_message());
 }
 
+// Finishes the call with what `handle` returns: on `waiting` when given
+// (the handler may wait, off gRPC's threads), here otherwise.
+grpc::ServerUnaryReactor* FinishWith(grpc::CallbackServerContext* context,
+                                     HandlerThreads* waiting,
+                                     std::function<absl::Status()> handle) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto serve = [reactor, handle = std::move(handle)] {
+    reactor->Finish(ToGrpcStatus(handle()));
+  };
+  if (waiting != nullptr) {
+    waiting->Run(std::move(serve));
+  } else {
+    serve();
+  }
+  return reactor;
+}
+
 // A unary call of small messages: parses the request (refusing and counting
 // bytes that do not parse), runs `handler` (Request -> StatusOr<Response>)
-// and sends its response. With `waiting` the handler runs on those threads
-// (it may wait), off gRPC's.
+// and sends its response. With `waiting` the handler runs on those threads.
 template <typename Request, typename Handler>
 grpc::ServerUnaryReactor* ServeSmall(Shard* shard,
                                      grpc::CallbackServerContext* context,
@@ -82,19 +99,13 @@ grpc::ServerUnaryReactor* ServeSmall(Shard* shard,
     shard->CountRejected();
     return Finish(context, s);
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto serve = [reactor, response, handler = std::move(handler),
-                parsed = std::move(parsed)]() {
-    auto result = handler(parsed);
-    reactor->Finish(ToGrpcStatus(result.ok() ? SerializeSmall(*result, response)
-                                             : result.status()));
-  };
-  if (waiting != nullptr) {
-    waiting->Run(std::move(serve));
-  } else {
-    serve();
-  }
-  return reactor;
+  return FinishWith(context, waiting,
+                    [response, handler = std::move(handler),
+                     parsed = std::move(parsed)]() -> absl::Status {
+                      auto result = handler(parsed);
+                      if (!result.ok()) return result.status();
+                      return SerializeSmall(*result, response);
+                    });
 }
 
 // The blocks of a pull response and the encoded message that references
@@ -427,16 +438,9 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto serve = [this, reactor, request, response] {
-    reactor->Finish(ToGrpcStatus(HandlePush(*request, response)));
-  };
-  if (HandlerThreads* waiting = Waiting(); waiting != nullptr) {
-    waiting->Run(std::move(serve));
-  } else {
-    serve();
-  }
-  return reactor;
+  return FinishWith(context, Waiting(), [this, request, response] {
+    return HandlePush(*request, response);
+  });
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Assign(
@@ -445,16 +449,9 @@ grpc::ServerUnaryReactor* ParameterServerService::Assign(
   if (grpc::ServerUnaryReactor * refused; !Authorized(context, &refused)) {
     return refused;
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto serve = [this, reactor, request, response] {
-    reactor->Finish(ToGrpcStatus(HandleAssign(*request, response)));
-  };
-  if (HandlerThreads* waiting = Waiting(); waiting != nullptr) {
-    waiting->Run(std::move(serve));
-  } else {
-    serve();
-  }
-  return reactor;
+  return FinishWith(context, Waiting(), [this, request, response] {
+    return HandleAssign(*request, response);
+  });
 }
 
 absl::Status ParameterServerService::HandleAssign(
@@ -1190,16 +1187,16 @@ grpc::ServerUnaryReactor* ParameterServerService::Replicate(
                                           response));
   }
   // Applying a forward may wait for its step (up to the call's deadline).
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  waiting_handlers_.Run([this, reactor, response, forward = std::move(forward),
-                         deadline = absl::FromChrono(context->deadline())] {
-    const absl::string_view request_bytes = forward.request();
-    absl::StatusOr<ReplicateResponse> answer =
-        ServeForward(forward, absl::MakeConstSpan(&request_bytes, 1), deadline);
-    reactor->Finish(ToGrpcStatus(answer.ok() ? SerializeSmall(*answer, response)
-                                             : answer.status()));
-  });
-  return reactor;
+  return FinishWith(
+      context, &waiting_handlers_,
+      [this, response, forward = std::move(forward),
+       deadline = absl::FromChrono(context->deadline())]() -> absl::Status {
+        const absl::string_view request_bytes = forward.request();
+        absl::StatusOr<ReplicateResponse> answer = ServeForward(
+            forward, absl::MakeConstSpan(&request_bytes, 1), deadline);
+        if (!answer.ok()) return answer.status();
+        return SerializeSmall(*answer, response);
+      });
 }
 
 absl::StatusOr<std::string> ParameterServerService::ServeDataPlaneForward(

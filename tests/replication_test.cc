@@ -181,6 +181,15 @@ int64_t ProbeElementsOff(const TestCluster& cluster, float expected) {
   return off;
 }
 
+// Waits until the (sync) job has made a third of its steps.
+bool WaitForAThirdOfTheSteps(TestCluster& cluster) {
+  return cluster
+      .WaitForStats(
+          [](const StatsResponse& s) { return s.version() >= kSteps / 3; },
+          absl::Seconds(60))
+      .ok();
+}
+
 class ReplicationTest : public ::testing::TestWithParam<ReplicationCase> {};
 
 TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
@@ -559,12 +568,7 @@ TEST(ReplicationFencingTest, AFrozenPrimaryIsReplacedAndFencedWhenItWakes) {
   std::vector<std::unique_ptr<Process>> workers =
       StartProbeWorkers(cluster, /*rpc_timeout_s=*/3);
   ASSERT_EQ(workers.size(), kWorkers);
-  ASSERT_TRUE(
-      cluster
-          .WaitForStats(
-              [](const StatsResponse& s) { return s.version() >= kSteps / 3; },
-              absl::Seconds(60))
-          .ok());
+  ASSERT_TRUE(WaitForAThirdOfTheSteps(cluster));
   cluster.replica(0, 0).Signal(SIGSTOP);
   // The backup takes over once the primary has been silent for 1 s.
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
@@ -628,12 +632,7 @@ TEST(ReplicationTest, AFrozenBackupHoldsTheJobButDropsNoWorker) {
   LogsOnFailure logs(cluster);
   std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(cluster);
   ASSERT_EQ(workers.size(), kWorkers);
-  ASSERT_TRUE(
-      cluster
-          .WaitForStats(
-              [](const StatsResponse& s) { return s.version() >= kSteps / 3; },
-              absl::Seconds(60))
-          .ok());
+  ASSERT_TRUE(WaitForAThirdOfTheSteps(cluster));
   cluster.replica(0, 1).Signal(SIGSTOP);
   // Twice the lease, the primary's heartbeats and forwards piling up.
   const absl::Time wake_at = absl::Now() + absl::Seconds(4);
