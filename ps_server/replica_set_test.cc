@@ -86,5 +86,33 @@ TEST(ReplicaSetStartTest, ASilentPeerIsNotTakenForAbsent) {
   set.Stop();
 }
 
+// The replica that took over from a silent primary tells it "deposed" at
+// the new epoch: a primary of an older epoch steps down; one of the same
+// epoch (a new process at that address that the new primary already
+// counts as its own) does not.
+TEST(ReplicaSetDeposedTest, OnlyAPrimaryOfAnOlderEpochStepsDown) {
+  ReplicaOptions options;
+  options.replica_index = 0;
+  // Replica 1 is not up: replica 0 starts as the primary.
+  options.addresses = {"127.0.0.1:1", "127.0.0.1:1"};
+  options.takeover_after_silence = absl::Milliseconds(300);
+  ReplicaSet set(options, [] { return false; });
+  bool stale = false;
+  set.set_on_stale([&stale] { stale = true; });
+  set.Start();
+  ASSERT_EQ(Role(set), "primary");
+  ReplicateRequest deposed;
+  deposed.set_method("deposed");
+  deposed.set_from_replica(1);
+  deposed.set_epoch(0);
+  set.Answer(deposed);
+  EXPECT_EQ(Role(set), "primary");
+  deposed.set_epoch(1);
+  set.Answer(deposed);
+  EXPECT_EQ(Role(set), "stale");
+  EXPECT_TRUE(stale);
+  set.Stop();
+}
+
 }  // namespace
 }  // namespace pstrain

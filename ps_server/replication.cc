@@ -202,8 +202,9 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::Call(
                         absl::StrCat("Bearer ", options_.auth_token));
   }
   ReplicateResponse response;
-  if (!BeginCall(&context, nullptr))
+  if (!BeginCall(&context, nullptr)) {
     return CallsEnded(peer.index, peer.address);
+  }
   const grpc::Status status =
       peer.stub->Replicate(&context, request, &response);
   EndCall(&context, nullptr);
@@ -266,8 +267,9 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::CallOnDataPlane(
     }
     return absl::OkStatus();
   };
-  if (!BeginCall(nullptr, link.get()))
+  if (!BeginCall(nullptr, link.get())) {
     return CallsEnded(peer.index, peer.address);
+  }
   RunExchanges(absl::MakeSpan(&exchange, 1), deadline);
   EndCall(nullptr, link.get());
   if (link->usable()) {
@@ -511,11 +513,11 @@ void ReplicaSet::Watch() {
 void ReplicaSet::TellDeposed(std::vector<Peer*> deposed) {
   constexpr absl::Duration kTellFor = absl::Seconds(60);
   const absl::Time give_up = absl::Now() + kTellFor;
-  ReplicateRequest drop = Message("drop");
+  ReplicateRequest deposed_at = Message("deposed");
   while (!deposed.empty() && role_.load() == Role::kPrimary &&
          absl::Now() < give_up &&
          !stop_.WaitForNotificationWithTimeout(options_.probe_interval)) {
-    drop.set_epoch(epoch_.load());
+    deposed_at.set_epoch(epoch_.load());
     for (auto it = deposed.begin(); it != deposed.end();) {
       Peer& peer = **it;
       // A channel of its own each time: the peer's may sit on a connection
@@ -537,11 +539,12 @@ void ReplicaSet::TellDeposed(std::vector<Peer*> deposed) {
                             absl::StrCat("Bearer ", options_.auth_token));
       }
       ReplicateResponse answer;
-      const grpc::Status status = stub->Replicate(&context, drop, &answer);
+      const grpc::Status status =
+          stub->Replicate(&context, deposed_at, &answer);
       if (status.ok()) {
         LOG(INFO) << "replica " << options_.replica_index << " of shard "
                   << options_.shard_id << " told replica " << peer.index
-                  << ", which it replaced, of epoch " << drop.epoch()
+                  << ", which it replaced, of epoch " << deposed_at.epoch()
                   << " (it is " << answer.role() << ")";
       }
       if (status.ok() || Gone(peer)) {
@@ -1112,13 +1115,16 @@ ReplicateResponse ReplicaSet::Answer(const ReplicateRequest& request) {
   for (auto& peer : peers_) {
     if (peer->index == request.from_replica()) peer->answered = true;
   }
-  // A replica still joining or catching up holds nothing to fence: the
-  // drop of a new process at a deposed primary's address is not for it.
-  const Role role = role_.load();
-  if (request.method() == "drop" && request.epoch() >= epoch_.load() &&
-      (role == Role::kPrimary || role == Role::kBackup)) {
+  if (request.method() == "drop" && request.epoch() >= epoch_.load()) {
     StepDown(absl::StrCat("replica ", request.from_replica(),
                           " dropped it from its set"));
+  }
+  // Only a primary of an older epoch: a new process at its address (joining,
+  // or already the new primary's backup) is not the one deposed.
+  if (request.method() == "deposed" && role_.load() == Role::kPrimary &&
+      request.epoch() > epoch_.load()) {
+    StepDown(absl::StrCat("replica ", request.from_replica(),
+                          " took over at epoch ", request.epoch()));
   }
   ReplicateResponse response;
   response.set_epoch(epoch_.load());

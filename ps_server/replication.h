@@ -251,7 +251,9 @@ class ReplicaSet {
   // lower epoch (FAILED_PRECONDITION "fenced"), and any forward to a stale
   // replica; a primary hearing of a higher epoch steps down (stale).
   absl::Status AdmitForward(const ReplicateRequest& request);
-  // Answers "probe" and "drop" (the latter: this replica left the set).
+  // Answers "probe", "drop" (this replica left the set) and "deposed" (a
+  // replica took over from this one while it was silent: a primary of an
+  // older epoch steps down).
   ReplicateResponse Answer(const ReplicateRequest& request);
 
   // Catch-up, on the primary: sends `state` (Shard::ExportReplicaState)
@@ -355,7 +357,7 @@ class ReplicaSet {
   // Takes over as primary, at an epoch past every one seen.
   void TakeOver(const std::string& why);
   // After a takeover: tells the replicas it replaced for their silence
-  // (they may be alive, cut off) that they are dropped, so that one that
+  // (they may be alive, cut off) that they are deposed, so that one that
   // comes back steps down at once rather than at its next forward's
   // answer, which the partition may hold in TCP's retransmission backoff
   // for seconds after the heal. Until each answered, refuses connections

@@ -1175,7 +1175,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Replicate(
                                "this server is its shard's only replica "
                                "(--replicas=1): it takes no forwards"));
   }
-  if (forward.method() == "probe" || forward.method() == "drop") {
+  if (forward.method() == "probe" || forward.method() == "drop" ||
+      forward.method() == "deposed") {
     return Finish(context,
                   SerializeSmall(replicas_->Answer(forward), response));
   }
