@@ -28,6 +28,15 @@ struct SilentPeer {
   ScopedFd fd;
 };
 
+// Replica 0 of a set of two whose replica 1 is at `peer`.
+ReplicaOptions FirstOfTwo(const std::string& peer) {
+  ReplicaOptions options;
+  options.replica_index = 0;
+  options.addresses = {"127.0.0.1:1", peer};
+  options.takeover_after_silence = absl::Milliseconds(300);
+  return options;
+}
+
 std::string Role(const ReplicaSet& set) {
   StatsResponse stats;
   set.AddStats(&stats);
@@ -72,10 +81,7 @@ TEST(ReplicaSetStartTest, AReplicaThatForwardedToAJoiningOneIsItsPrimary) {
 // says so (the server then exits for a restart).
 TEST(ReplicaSetStartTest, ASilentPeerIsNotTakenForAbsent) {
   SilentPeer silent;
-  ReplicaOptions options;
-  options.replica_index = 0;
-  options.addresses = {"127.0.0.1:1", silent.address()};
-  options.takeover_after_silence = absl::Milliseconds(300);
+  ReplicaOptions options = FirstOfTwo(silent.address());
   options.startup_wait = absl::Seconds(2);
   ReplicaSet set(options, [] { return false; });
   bool stale = false;
@@ -91,12 +97,8 @@ TEST(ReplicaSetStartTest, ASilentPeerIsNotTakenForAbsent) {
 // epoch (a new process at that address that the new primary already
 // counts as its own) does not.
 TEST(ReplicaSetDeposedTest, OnlyAPrimaryOfAnOlderEpochStepsDown) {
-  ReplicaOptions options;
-  options.replica_index = 0;
   // Replica 1 is not up: replica 0 starts as the primary.
-  options.addresses = {"127.0.0.1:1", "127.0.0.1:1"};
-  options.takeover_after_silence = absl::Milliseconds(300);
-  ReplicaSet set(options, [] { return false; });
+  ReplicaSet set(FirstOfTwo("127.0.0.1:1"), [] { return false; });
   bool stale = false;
   set.set_on_stale([&stale] { stale = true; });
   set.Start();

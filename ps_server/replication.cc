@@ -136,11 +136,7 @@ ReplicaSet::ReplicaSet(const ReplicaOptions& options,
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    peer->stub = ParameterServer::NewStub(grpc::CreateCustomChannel(
-        peer->address,
-        options_.credentials != nullptr ? options_.credentials
-                                        : grpc::InsecureChannelCredentials(),
-        args));
+    peer->stub = ParameterServer::NewStub(ChannelTo(peer->address, args));
     peers_.push_back(std::move(peer));
   }
   absl::MutexLock lock(&mu_);
@@ -191,9 +187,18 @@ void ReplicaSet::EndCall(grpc::ClientContext* context,
   }
 }
 
+std::shared_ptr<grpc::Channel> ReplicaSet::ChannelTo(
+    const std::string& address, const grpc::ChannelArguments& args) const {
+  return grpc::CreateCustomChannel(address,
+                                   options_.credentials != nullptr
+                                       ? options_.credentials
+                                       : grpc::InsecureChannelCredentials(),
+                                   args);
+}
+
 absl::StatusOr<ReplicateResponse> ReplicaSet::Call(
     Peer& peer, const ReplicateRequest& request, absl::Duration timeout,
-    bool wait_for_ready) const {
+    bool wait_for_ready, ParameterServer::Stub* stub) const {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   context.set_wait_for_ready(wait_for_ready);
@@ -205,8 +210,8 @@ absl::StatusOr<ReplicateResponse> ReplicaSet::Call(
   if (!BeginCall(&context, nullptr)) {
     return CallsEnded(peer.index, peer.address);
   }
-  const grpc::Status status =
-      peer.stub->Replicate(&context, request, &response);
+  const grpc::Status status = (stub != nullptr ? stub : peer.stub.get())
+                                  ->Replicate(&context, request, &response);
   EndCall(&context, nullptr);
   if (!status.ok()) {
     return FromGrpcStatus(
@@ -524,30 +529,19 @@ void ReplicaSet::TellDeposed(std::vector<Peer*> deposed) {
       // that a partition left in TCP's retransmission backoff.
       grpc::ChannelArguments args;
       args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-      std::unique_ptr<ParameterServer::Stub> stub = ParameterServer::NewStub(
-          grpc::CreateCustomChannel(peer.address,
-                                    options_.credentials != nullptr
-                                        ? options_.credentials
-                                        : grpc::InsecureChannelCredentials(),
-                                    args));
-      grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(
-          absl::Now() +
-          std::max(absl::Seconds(1), 2 * options_.probe_interval)));
-      if (!options_.auth_token.empty()) {
-        context.AddMetadata("authorization",
-                            absl::StrCat("Bearer ", options_.auth_token));
-      }
-      ReplicateResponse answer;
-      const grpc::Status status =
-          stub->Replicate(&context, deposed_at, &answer);
-      if (status.ok()) {
+      std::unique_ptr<ParameterServer::Stub> stub =
+          ParameterServer::NewStub(ChannelTo(peer.address, args));
+      const absl::StatusOr<ReplicateResponse> answer =
+          Call(peer, deposed_at,
+               std::max(absl::Seconds(1), 2 * options_.probe_interval),
+               /*wait_for_ready=*/false, stub.get());
+      if (answer.ok()) {
         LOG(INFO) << "replica " << options_.replica_index << " of shard "
                   << options_.shard_id << " told replica " << peer.index
                   << ", which it replaced, of epoch " << deposed_at.epoch()
-                  << " (it is " << answer.role() << ")";
+                  << " (it is " << answer->role() << ")";
       }
-      if (status.ok() || Gone(peer)) {
+      if (answer.ok() || Gone(peer)) {
         it = deposed.erase(it);
       } else {
         ++it;

@@ -334,10 +334,13 @@ class ReplicaSet {
     std::vector<std::unique_ptr<DataLink>> idle_links ABSL_GUARDED_BY(links_mu);
   };
 
-  absl::StatusOr<ReplicateResponse> Call(Peer& peer,
-                                         const ReplicateRequest& request,
-                                         absl::Duration timeout,
-                                         bool wait_for_ready) const;
+  // `stub`: one of the caller's for `peer` (default: the peer's own).
+  absl::StatusOr<ReplicateResponse> Call(
+      Peer& peer, const ReplicateRequest& request, absl::Duration timeout,
+      bool wait_for_ready, ParameterServer::Stub* stub = nullptr) const;
+  // A channel to a replica's gRPC port with this set's credentials.
+  std::shared_ptr<grpc::Channel> ChannelTo(
+      const std::string& address, const grpc::ChannelArguments& args) const;
   // `meta` (a ReplicateRequest with no request) and `request`'s pieces as
   // one Forward on `peer`'s data plane.
   absl::StatusOr<ReplicateResponse> CallOnDataPlane(

@@ -1,7 +1,6 @@
 #include "ps_server/service.h"
 
 #include <csignal>
-#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -67,19 +66,20 @@ absl::Status SerializeSmall(const Message& message, grpc::ByteBuffer* out) {
                       serialized.error_message());
 }
 
-// Finishes the call with what `handle` returns: on `waiting` when given
-// (the handler may wait, off gRPC's threads), here otherwise.
+// Finishes the call with what `handle` (() -> Status) returns: on `waiting`
+// when given (the handler may wait, off gRPC's threads), here otherwise
+// (then nothing is allocated for it: the path of every call with one
+// replica).
+template <typename Handle>
 grpc::ServerUnaryReactor* FinishWith(grpc::CallbackServerContext* context,
-                                     HandlerThreads* waiting,
-                                     std::function<absl::Status()> handle) {
+                                     HandlerThreads* waiting, Handle handle) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto serve = [reactor, handle = std::move(handle)] {
+  if (waiting == nullptr) {
     reactor->Finish(ToGrpcStatus(handle()));
-  };
-  if (waiting != nullptr) {
-    waiting->Run(std::move(serve));
   } else {
-    serve();
+    waiting->Run([reactor, handle = std::move(handle)]() mutable {
+      reactor->Finish(ToGrpcStatus(handle()));
+    });
   }
   return reactor;
 }

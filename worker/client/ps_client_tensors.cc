@@ -263,6 +263,8 @@ absl::StatusOr<int64_t> PsClient::FinishPlainRead(
     const auto [lowest, highest] =
         std::minmax_element(block_versions_.begin(), block_versions_.end());
     const int64_t skip_to = *highest;
+    // One request, the same to every shard: those already at skip_to
+    // have nothing of this worker to mark.
     LOG(WARNING) << "the read of step " << step << " found blocks at steps "
                  << *lowest << " and " << skip_to
                  << ": a shard went on without this worker (its lease ran out "
@@ -273,10 +275,11 @@ absl::StatusOr<int64_t> PsClient::FinishPlainRead(
     skip.set_incarnation(incarnation_);
     skip.set_step(skip_to);
     skip.set_skip_to_step(skip_to);
+    const std::string flat = skip.SerializeAsString();
     std::vector<Call> heartbeats(num_shards());
     for (int s = 0; s < num_shards(); ++s) {
       heartbeats[s].shard = s;
-      heartbeats[s].flat = skip.SerializeAsString();
+      heartbeats[s].flat = flat;
     }
     if (absl::Status s = RunAll("Heartbeat", heartbeats, options_.rpc_timeout);
         !s.ok()) {
