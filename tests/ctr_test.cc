@@ -163,16 +163,21 @@ TEST(CtrTest, AsyncWorkersEvaluateOneFinalModel) {
 // Sync servers, async tables (--embedding_mode=async): the dense layers step
 // together while each table applies every push on arrival. The tables take
 // no part in the step (their version is not the step count), the job still
-// learns, and both workers evaluate one final model.
+// learns, and both workers evaluate one final model, with the table lane
+// (--embedding_prefetch) or without.
 TEST(CtrTest, SyncDenseLayersWithAsyncTablesLearnAndEndOnOneModel) {
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
       TestCluster::Start(CtrCluster("sync", 2), "ctr_async_tables");
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   std::vector<std::string> flags = CtrFlags(300);
   flags.push_back("--embedding_mode=async");
+  // Worker 1 moves its rows in line with the step (the lane is a worker's
+  // own choice), worker 0 beside the dense exchange (the default).
+  std::vector<std::string> in_line = flags;
+  in_line.push_back("--embedding_prefetch=false");
   // Worker 1 starts late: the tables' pulls of worker 0 do not wait for it.
   absl::StatusOr<std::vector<std::string>> outputs =
-      (*cluster)->RunWorkers({flags, flags}, absl::Seconds(240),
+      (*cluster)->RunWorkers({flags, in_line}, absl::Seconds(240),
                              {absl::ZeroDuration(), absl::Milliseconds(500)});
   ASSERT_TRUE(outputs.ok()) << outputs.status();
   ASSERT_EQ(outputs->size(), 2u);
@@ -183,6 +188,13 @@ TEST(CtrTest, SyncDenseLayersWithAsyncTablesLearnAndEndOnOneModel) {
   }
   EXPECT_EQ(Number((*outputs)[0], "auc"), Number((*outputs)[1], "auc"));
   EXPECT_EQ(Number((*outputs)[0], "logloss"), Number((*outputs)[1], "logloss"));
+  // Worker 0's table lane pushed and pulled the rows beside the dense
+  // exchange: it waited for the lane less than the lane worked.
+  const std::string& lane = (*outputs)[0];
+  EXPECT_GT(Number(lane, "table_lane_s"), 0) << lane;
+  EXPECT_LT(Number(lane, "table_lane_wait_s"), Number(lane, "table_lane_s"))
+      << lane;
+  EXPECT_EQ(Number((*outputs)[1], "table_lane_s"), 0) << (*outputs)[1];
   absl::StatusOr<std::vector<StatsResponse>> stats = (*cluster)->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   for (const StatsResponse& shard : *stats) {

@@ -175,5 +175,42 @@ TEST(WorkerSignalTest, InASyncPullHeldForASlowPeer) {
                   .ok());
 }
 
+// A CTR worker with async tables waits at the dense step's barrier while
+// its table lane (--embedding_prefetch) has the next batch's rows: SIGTERM
+// still ends it within the bound, the lane's work drained or cut.
+TEST(WorkerSignalTest, CtrWorkerWithItsTableLaneInASyncPullHeldForASlowPeer) {
+  testing::ClusterOptions options;
+  options.num_workers = 2;
+  absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
+      testing::TestCluster::Start(options, "ctr_lane_pull_wait");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::vector<std::string> flags = {"--model=ctr",
+                                          "--ctr_train_examples=4096",
+                                          "--ctr_test_examples=256",
+                                          "--batch_size=64",
+                                          "--steps=50",
+                                          "--embedding_mode=async",
+                                          "--log_every=0"};
+  std::vector<std::string> slow = flags;
+  slow.push_back("--inject_step_delay_ms=60000");
+  auto w1 = (*cluster)->StartWorker(1, 2, slow);
+  auto w0 = (*cluster)->StartWorker(0, 2, flags);
+  ASSERT_TRUE(w0.ok() && w1.ok());
+  ASSERT_TRUE((*cluster)
+                  ->WaitForStats(
+                      [](const StatsResponse& s) {
+                        return s.job_start().started() &&
+                               s.waiting_pulls() >= 1;
+                      },
+                      absl::Seconds(30))
+                  .ok());
+  SignalAndCheck(**w0, SIGTERM, "on the servers after step");
+  EXPECT_TRUE((*cluster)
+                  ->WaitForStats(
+                      [](const StatsResponse& s) { return s.members() == 1; },
+                      absl::Seconds(10))
+                  .ok());
+}
+
 }  // namespace
 }  // namespace pstrain

@@ -176,6 +176,7 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   options.batch_size = config.training.batch_size;
   options.stop = context.stop;
   options.on_steps_done = context.on_steps_done;
+  options.table_lane = ctr.embedding_prefetch;
   options.step_delay = absl::Milliseconds(config.training.inject_step_delay_ms);
   std::vector<absl::Status> problems;
   options.learning_rate_at =

@@ -1,7 +1,10 @@
 #include "worker/ctr_trainer.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -9,12 +12,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/consistency_mode.h"
 #include "common/partition.h"
 #include "worker/ctr_metrics.h"
 #include "worker/embedding_bag.h"
 #include "worker/last_tenth.h"
+#include "worker/step_overlap.h"
 
 namespace pstrain {
 namespace {
@@ -50,14 +56,30 @@ int64_t MaxBag(const CtrDataset& data, int field) {
   return largest;
 }
 
-// One sparse table's per-batch state: the batch's bags, their unique ids,
-// the pulled rows and their gradients.
-struct Field {
+// One table's share of a batch on the host: its bags, their unique ids, the
+// rows pulled for them and the rows' gradients. A TableBatch holds every
+// table's; with the table lane (async tables) there are two, one being
+// trained on while the other's rows move.
+struct FieldRows {
   std::vector<int64_t> offsets;
   std::vector<uint64_t> ids;
   IdDeduplicator dedup;
   UniqueIds unique;
   std::vector<float> host_rows, host_grad_rows;
+};
+
+struct TableBatch {
+  std::vector<FieldRows> fields;
+  // Of its PullRows: the unique ids asked for, and what the row cache
+  // served of them (read on the thread that pulled, the cache's only user
+  // meanwhile).
+  int64_t rows_asked = 0;
+  int64_t cache_hits = 0;
+  int64_t cache_bytes_saved = 0;
+};
+
+// One table's memory on the backend, for the batch being trained on.
+struct Field {
   DeviceArray<float> rows, grad_rows, bags, bag_grads;  // bags: E_f [B, dim]
   std::unique_ptr<EmbeddingBag> bag;
 };
@@ -81,8 +103,7 @@ class CtrNet {
     for (int f = 0; f < options.num_fields; ++f) {
       Field& field = net->fields_.emplace_back();
       const int64_t occurrences = std::max<int64_t>(1, max_batch * max_bag[f]);
-      field.host_rows.resize(occurrences * dim);
-      field.host_grad_rows.resize(occurrences * dim);
+      net->occurrences_.push_back(occurrences);
       for (auto* array : {&field.rows, &field.grad_rows}) {
         absl::StatusOr<DeviceArray<float>> a =
             DeviceArray<float>::Create(backend, occurrences * dim);
@@ -119,46 +140,94 @@ class CtrNet {
     return net;
   }
 
+  // Host memory for one batch's table rows (see TableBatch).
+  TableBatch MakeTableBatch() const {
+    TableBatch t;
+    for (int64_t occurrences : occurrences_) {
+      FieldRows& field = t.fields.emplace_back();
+      field.host_rows.resize(occurrences * options_.dim);
+      field.host_grad_rows.resize(occurrences * options_.dim);
+    }
+    return t;
+  }
+
   std::vector<float*> HostParams() { return Pointers(host_params_); }
   std::vector<const float*> HostGrads() {
     std::vector<const float*> out;
     for (auto& g : host_grads_) out.push_back(g.data());
     return out;
   }
-  Field& field(int f) { return fields_[f]; }
 
-  // Pulls the dense tensors (the model at `step`) and then the batch's rows
-  // of every table, and uploads them with the batch. Returns the step the
-  // model is at (see PsClient::Pull; past `step`, nothing else is loaded).
-  // Dense first: its pull is the step's barrier, and an async table's rows
-  // read after it hold every worker's rows of the steps before (each pushes
-  // its rows before its dense gradient), so the final evaluation of every
-  // worker reads one model.
+  // The whole step's load, one part after the other: the dense tensors
+  // (the model at `step`), then the batch's rows of every table, then the
+  // upload. Returns the step the model is at (see PsClient::Pull; past
+  // `step`, nothing else is loaded). Dense first: its pull is the step's
+  // barrier, and an async table's rows read after it hold every worker's
+  // rows of the steps before (each pushes its rows before its dense
+  // gradient), so the final evaluation of every worker reads one model.
   absl::StatusOr<int64_t> Load(PsClient& client, int64_t step,
-                               const CtrDataset& batch) {
+                               const CtrDataset& batch, TableBatch& tables) {
+    absl::StatusOr<int64_t> at = PullDense(client, step);
+    if (!at.ok() || *at > step) return at;
+    GatherIds(batch, tables);
+    PSTRAIN_RETURN_IF_ERROR(PullRows(client, step, tables));
+    PSTRAIN_RETURN_IF_ERROR(Upload(batch, tables));
+    return at;
+  }
+
+  // The dense tensors at `step`, on the backend; as Load.
+  absl::StatusOr<int64_t> PullDense(PsClient& client, int64_t step) {
     absl::StatusOr<int64_t> at = client.Pull(step, HostParams());
     if (!at.ok() || *at > step) return at;
     for (size_t t = 0; t < params_.size(); ++t) {
       PSTRAIN_RETURN_IF_ERROR(backend_->CopyToDevice(
           host_params_[t].data(), params_[t].data(), params_[t].bytes()));
     }
-    const int64_t dim = options_.dim;
-    std::vector<PsClient::SparsePullPart> parts;
+    return at;
+  }
+
+  // The ids of `batch`'s bags in every table, and their unique ids: what
+  // PullRows asks for. Host work only (any thread).
+  void GatherIds(const CtrDataset& batch, TableBatch& tables) const {
     for (int f = 0; f < options_.num_fields; ++f) {
-      Field& field = fields_[f];
+      FieldRows& field = tables.fields[f];
       ExtractFieldBags(batch, f, &field.offsets, &field.ids);
       field.dedup.Run(field.ids, &field.unique);
-      parts.push_back({f, field.unique.unique, field.host_rows.data()});
     }
+  }
+
+  // The gathered rows of every table, from the servers (or the row cache),
+  // in one round trip. The network and host memory only (any thread).
+  absl::Status PullRows(PsClient& client, int64_t step, TableBatch& tables) {
+    std::vector<PsClient::SparsePullPart> parts;
+    int64_t rows = 0;
+    for (int f = 0; f < options_.num_fields; ++f) {
+      FieldRows& field = tables.fields[f];
+      parts.push_back({f, field.unique.unique, field.host_rows.data()});
+      rows += static_cast<int64_t>(field.unique.unique.size());
+    }
+    const SparseRowCacheStats before = client.sparse_row_cache_stats();
     PSTRAIN_RETURN_IF_ERROR(client.PullSparse(step, parts));
+    const SparseRowCacheStats after = client.sparse_row_cache_stats();
+    tables.rows_asked = rows;
+    tables.cache_hits = after.hits - before.hits;
+    tables.cache_bytes_saved = after.bytes_saved - before.bytes_saved;
+    rows_pulled_.fetch_add(rows);
+    return absl::OkStatus();
+  }
+
+  // The batch and its pulled rows to the backend; Forward and Backward then
+  // train on them, and Backward leaves the rows' gradients in `tables`.
+  absl::Status Upload(const CtrDataset& batch, TableBatch& tables) {
+    const int64_t dim = options_.dim;
     for (int f = 0; f < options_.num_fields; ++f) {
       Field& field = fields_[f];
-      const int64_t n = field.unique.unique.size();
+      const FieldRows& rows = tables.fields[f];
+      const int64_t n = rows.unique.unique.size();
       PSTRAIN_RETURN_IF_ERROR(backend_->CopyToDevice(
-          field.host_rows.data(), field.rows.data(), n * dim * sizeof(float)));
+          rows.host_rows.data(), field.rows.data(), n * dim * sizeof(float)));
       PSTRAIN_RETURN_IF_ERROR(
-          field.bag->SetBags(field.offsets, field.unique.index, n));
-      rows_pulled_ += n;
+          field.bag->SetBags(rows.offsets, rows.unique.index, n));
     }
     const int64_t rows = batch.size();
     for (int64_t i = 0; i < rows; ++i) {
@@ -171,7 +240,8 @@ class CtrNet {
           backend_->CopyToDevice(batch.dense.data(), dense_.data(),
                                  rows * options_.num_dense * sizeof(float)));
     }
-    return at;
+    uploaded_ = &tables;
+    return absl::OkStatus();
   }
 
   // Forward over `rows` examples; logits stay on the device.
@@ -232,9 +302,10 @@ class CtrNet {
           params_[f].data(), 0.0f, field.bag_grads.data()));
       PSTRAIN_RETURN_IF_ERROR(
           field.bag->Backward(field.bag_grads.data(), field.grad_rows.data()));
+      FieldRows& rows_of_field = uploaded_->fields[f];
       PSTRAIN_RETURN_IF_ERROR(backend_->CopyToHost(
-          field.grad_rows.data(), field.host_grad_rows.data(),
-          field.unique.unique.size() * dim * sizeof(float)));
+          field.grad_rows.data(), rows_of_field.host_grad_rows.data(),
+          rows_of_field.unique.unique.size() * dim * sizeof(float)));
     }
     if (options_.num_dense > 0) {
       PSTRAIN_RETURN_IF_ERROR(backend_->Gemm(
@@ -252,27 +323,31 @@ class CtrNet {
   // tables (--embedding_mode=async) go first: their rows have no step of
   // their own, so once the dense step completes every worker's rows of it
   // are in, and the model each worker evaluates at the end is the same one.
-  absl::Status Push(PsClient& client, int64_t step) {
+  absl::Status Push(PsClient& client, int64_t step, const TableBatch& tables) {
     const bool tables_first = options_.table_mode == "async";
-    if (tables_first) PSTRAIN_RETURN_IF_ERROR(PushTables(client, step));
-    absl::StatusOr<PsClient::PushResult> pushed =
-        client.Push(step, HostGrads());
-    if (!pushed.ok()) return pushed.status();
-    if (!tables_first) PSTRAIN_RETURN_IF_ERROR(PushTables(client, step));
+    if (tables_first) PSTRAIN_RETURN_IF_ERROR(PushRows(client, step, tables));
+    PSTRAIN_RETURN_IF_ERROR(PushDense(client, step));
+    if (!tables_first) PSTRAIN_RETURN_IF_ERROR(PushRows(client, step, tables));
     return absl::OkStatus();
   }
 
-  absl::Status PushTables(PsClient& client, int64_t step) {
+  absl::Status PushDense(PsClient& client, int64_t step) {
+    return client.Push(step, HostGrads()).status();
+  }
+
+  // The rows' gradients Backward left in `tables`. The network and host
+  // memory only (any thread).
+  absl::Status PushRows(PsClient& client, int64_t step,
+                        const TableBatch& tables) {
     std::vector<PsClient::SparsePushPart> parts;
+    int64_t rows = 0;
     for (int f = 0; f < options_.num_fields; ++f) {
-      const Field& field = fields_[f];
+      const FieldRows& field = tables.fields[f];
       parts.push_back({f, field.unique.unique, field.host_grad_rows.data()});
+      rows += static_cast<int64_t>(field.unique.unique.size());
     }
-    absl::StatusOr<PsClient::PushResult> rows = client.PushSparse(step, parts);
-    if (!rows.ok()) return rows.status();
-    for (const Field& field : fields_) {
-      rows_pushed_ += field.unique.unique.size();
-    }
+    PSTRAIN_RETURN_IF_ERROR(client.PushSparse(step, parts).status());
+    rows_pushed_.fetch_add(rows);
     return absl::OkStatus();
   }
 
@@ -286,8 +361,9 @@ class CtrNet {
     return absl::OkStatus();
   }
 
-  int64_t rows_pulled() const { return rows_pulled_; }
-  int64_t rows_pushed() const { return rows_pushed_; }
+  // Read on the training thread while the table lane adds to them.
+  int64_t rows_pulled() const { return rows_pulled_.load(); }
+  int64_t rows_pushed() const { return rows_pushed_.load(); }
 
  private:
   CtrNet(const CtrModelOptions& options, int64_t max_batch, Backend* backend)
@@ -318,11 +394,87 @@ class CtrNet {
   std::vector<std::vector<float>> host_params_, host_grads_;
   std::vector<DeviceArray<float>> params_, grads_;
   std::vector<Field> fields_;
+  std::vector<int64_t> occurrences_;  // per field: the most in one batch
+  TableBatch* uploaded_ = nullptr;    // what the last Upload put on fields_
   DeviceArray<float> dense_, hidden_, hidden_grad_, logits_;
   DeviceArray<int32_t> labels_;
   std::vector<int32_t> host_labels_;
   std::vector<float> host_logits_;
-  int64_t rows_pulled_ = 0, rows_pushed_ = 0;
+  std::atomic<int64_t> rows_pulled_{0}, rows_pushed_{0};
+};
+
+// The table lane: a thread that moves async tables' rows while the training
+// thread computes and exchanges the dense tensors. Its work runs in the
+// order given (PsClient takes one sparse call at a time beside the dense
+// ones); a pull hands back a ticket to wait for, a push only its error,
+// which the next wait returns.
+class TableLane {
+ public:
+  struct Ticket {
+    absl::Notification done;
+    absl::Status status;
+  };
+
+  std::shared_ptr<Ticket> Pull(std::function<absl::Status()> pull) {
+    auto ticket = std::make_shared<Ticket>();
+    worker_.Schedule([this, ticket, pull = std::move(pull)] {
+      ticket->status = Timed(pull);
+      ticket->done.Notify();
+    });
+    return ticket;
+  }
+
+  void Push(std::function<absl::Status()> push) {
+    worker_.Schedule([this, push = std::move(push)] {
+      absl::Status status = Timed(push);
+      absl::MutexLock lock(&mu_);
+      if (push_status_.ok()) push_status_ = std::move(status);
+    });
+  }
+
+  // The ticket's pull, or an earlier push's failure.
+  absl::Status Await(Ticket& ticket) {
+    const absl::Time start = absl::Now();
+    ticket.done.WaitForNotification();
+    waited_ += absl::Now() - start;
+    if (absl::Status pushed = PushStatus(); !pushed.ok()) return pushed;
+    return ticket.status;
+  }
+
+  // Until everything given has run; the first push failure.
+  absl::Status Drain() {
+    const absl::Time start = absl::Now();
+    worker_.Drain();
+    waited_ += absl::Now() - start;
+    return PushStatus();
+  }
+
+  // Time at work (all of it, once drained), and time the training thread
+  // waited for it.
+  absl::Duration busy() {
+    absl::MutexLock lock(&mu_);
+    return busy_;
+  }
+  absl::Duration waited() const { return waited_; }
+
+ private:
+  absl::Status Timed(const std::function<absl::Status()>& work) {
+    const absl::Time start = absl::Now();
+    absl::Status status = work();
+    absl::MutexLock lock(&mu_);
+    busy_ += absl::Now() - start;
+    return status;
+  }
+  absl::Status PushStatus() {
+    absl::MutexLock lock(&mu_);
+    return push_status_;
+  }
+
+  absl::Mutex mu_;
+  absl::Status push_status_ ABSL_GUARDED_BY(mu_);
+  absl::Duration busy_ ABSL_GUARDED_BY(mu_);
+  absl::Duration waited_;  // the training thread's
+  SerialWorker worker_;    // last: its thread stops before the rest goes
 };
 
 // What on_step is told about the step just trained on `batch`, whose
@@ -358,12 +510,13 @@ absl::Status EvaluateHeldOut(CtrNet& net, PsClient& reader, int64_t step,
                              CtrResult* result) {
   std::vector<float> scores, labels;
   CtrDataset batch;
+  TableBatch tables = net.MakeTableBatch();
   for (int64_t first = 0; first < test.size(); first += batch_size) {
     const int64_t rows = std::min(batch_size, test.size() - first);
     CtrBatchCursor slice(&test);
     slice.Next(first, &batch);  // skip to `first`
     slice.Next(rows, &batch);
-    absl::StatusOr<int64_t> at = net.Load(reader, step, batch);
+    absl::StatusOr<int64_t> at = net.Load(reader, step, batch, tables);
     if (!at.ok()) return at.status();
     PSTRAIN_RETURN_IF_ERROR(net.Forward(rows));
     PSTRAIN_RETURN_IF_ERROR(net.Scores(rows, &scores));
@@ -428,37 +581,76 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
   result.mode = mode;
   result.steps = options.steps;
   CtrBatchCursor cursor(&train);
-  CtrDataset batch;
+  // Two batches and their rows: with the table lane, the next one's rows
+  // are pulled while this one trains.
+  std::array<CtrDataset, 2> batches;
+  std::array<TableBatch, 2> tables = {(*net)->MakeTableBatch(),
+                                      (*net)->MakeTableBatch()};
+  int current = 0;
+  const bool table_lane =
+      options.table_lane &&
+      (model.table_mode == "async" || mode == ConsistencyMode::kAsync);
   LastTenth window(options.steps);  // the last tenth of the job's batches
   const absl::Time start = absl::Now();
   std::vector<float> step_scores;
   int64_t step = options.start_step;
+  CtrNet& n = **net;
+  // Last: destroyed first, so no closure outlives what it uses.
+  TableLane lane;
+  // The lane's pull of batches[current]'s rows into tables[current]; null
+  // when the training thread pulls them itself.
+  std::shared_ptr<TableLane::Ticket> rows_pull;
   while (step < options.steps) {
     if (options.stop != nullptr && options.stop->load()) {
       result.stopped_early = true;
       break;
     }
     const absl::Time step_start = absl::Now();
-    const SparseRowCacheStats cache_before = client.sparse_row_cache_stats();
-    const int64_t rows_before = (*net)->rows_pulled();
-    cursor.Next(options.batch_size, &batch);
-    absl::StatusOr<int64_t> at = (*net)->Load(client, step, batch);
+    const bool rows_from_lane = rows_pull != nullptr;
+    if (!rows_from_lane) cursor.Next(options.batch_size, &batches[current]);
+    const CtrDataset& batch = batches[current];
+    TableBatch& rows = tables[current];
+    absl::StatusOr<int64_t> at = n.PullDense(client, step);
+    if (rows_from_lane) {
+      absl::Status pulled = lane.Await(*rows_pull);
+      rows_pull = nullptr;
+      if (!pulled.ok()) return pulled;
+    }
     if (!at.ok()) return at.status();
     if (*at > step) {  // the job went on without this worker: catch up
       step = *at;
-      if (step >= options.steps) break;
       continue;
     }
+    if (!rows_from_lane) {
+      // One sparse call at a time: the lane's pushes land first.
+      if (table_lane) {
+        if (absl::Status s = lane.Drain(); !s.ok()) return s;
+      }
+      n.GatherIds(batch, rows);
+      if (absl::Status s = n.PullRows(client, step, rows); !s.ok()) return s;
+    }
+    if (absl::Status s = n.Upload(batch, rows); !s.ok()) return s;
     const absl::Time pulled = absl::Now();
-    if (absl::Status s = (*net)->Forward(batch.size()); !s.ok()) return s;
+    // The job's last step moves its rows in line (below), so the lane has
+    // nothing to pull for after it.
+    const bool lane_step = table_lane && step + 1 < options.steps;
+    const int next = 1 - current;
+    if (lane_step) {
+      // The next batch's rows come while this one trains.
+      cursor.Next(options.batch_size, &batches[next]);
+      rows_pull = lane.Pull([&n, &client, &batches, &tables, next, step] {
+        n.GatherIds(batches[next], tables[next]);
+        return n.PullRows(client, step + 1, tables[next]);
+      });
+    }
+    if (absl::Status s = n.Forward(batch.size()); !s.ok()) return s;
     step_scores.clear();
     if (options.on_step) {  // before Backward overwrites the logits
-      if (absl::Status s = (*net)->Scores(batch.size(), &step_scores);
-          !s.ok()) {
+      if (absl::Status s = n.Scores(batch.size(), &step_scores); !s.ok()) {
         return s;
       }
     }
-    absl::StatusOr<double> loss_sum = (*net)->Backward(batch.size());
+    absl::StatusOr<double> loss_sum = n.Backward(batch.size());
     if (!loss_sum.ok()) return loss_sum.status();
     const absl::Time computed = absl::Now();
     if (options.learning_rate_at) {
@@ -467,7 +659,21 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     if (options.step_delay > absl::ZeroDuration()) {
       absl::SleepFor(options.step_delay);
     }
-    if (absl::Status s = (*net)->Push(client, step); !s.ok()) return s;
+    if (lane_step) {
+      const int pushed = current;
+      lane.Push([&n, &client, &tables, pushed, step] {
+        return n.PushRows(client, step, tables[pushed]);
+      });
+      if (absl::Status s = n.PushDense(client, step); !s.ok()) return s;
+    } else {
+      // In line, rows before the dense gradient (async tables): once the
+      // job's last step completes, every worker's rows are in, and every
+      // worker evaluates one model.
+      if (table_lane) {
+        if (absl::Status s = lane.Drain(); !s.ok()) return s;
+      }
+      if (absl::Status s = n.Push(client, step, rows); !s.ok()) return s;
+    }
     ++result.steps_run;
     ++step;
     window.Add(step,
@@ -476,15 +682,17 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       StepReport report =
           CtrStepReport(step, options.steps, *loss_sum, batch, step_scores,
                         step_start, pulled, computed);
-      const SparseRowCacheStats cache = client.sparse_row_cache_stats();
-      report.sparse_cache_hits = cache.hits - cache_before.hits;
-      report.sparse_rows_pulled =
-          (*net)->rows_pulled() - rows_before - report.sparse_cache_hits;
-      report.sparse_cache_bytes_saved =
-          cache.bytes_saved - cache_before.bytes_saved;
+      report.sparse_cache_hits = rows.cache_hits;
+      report.sparse_rows_pulled = rows.rows_asked - rows.cache_hits;
+      report.sparse_cache_bytes_saved = rows.cache_bytes_saved;
       options.on_step(report);
     }
+    if (lane_step) current = next;
   }
+  // A stop between steps: the rows the lane pushed are the job's.
+  if (absl::Status s = lane.Drain(); !s.ok()) return s;
+  result.table_lane_seconds = absl::ToDoubleSeconds(lane.busy());
+  result.table_lane_wait_seconds = absl::ToDoubleSeconds(lane.waited());
   if (options.on_steps_done) options.on_steps_done();
   const SparseRowCacheStats cache = client.sparse_row_cache_stats();
   result.cache_hits = cache.hits;
@@ -555,12 +763,14 @@ std::string CtrFinalJson(const CtrResult& r, int worker_id, int num_workers,
       "\"sparse_rows_pulled\":%d,\"sparse_rows_pushed\":%d,"
       "\"sparse_rows_from_servers\":%d,\"sparse_cache_hits\":%d,"
       "\"sparse_cache_bytes_saved\":%d,"
+      "\"table_lane_s\":%.3f,\"table_lane_wait_s\":%.3f,"
       "\"steps_short\":%d,\"final_model\":\"%s\",\"final_state\":\"%s\","
       "\"shards_behind\":[%s],\"stopped_early\":%s}",
       ConsistencyModeName(r.mode), worker_id, num_workers, device, r.steps,
       r.steps_run, r.final_loss, r.auc, r.logloss, truth, r.test_examples,
       r.samples_per_sec, r.wall_time_s, r.rows_pulled, r.rows_pushed,
-      r.rows_from_servers, r.cache_hits, r.cache_bytes_saved, r.steps_short,
+      r.rows_from_servers, r.cache_hits, r.cache_bytes_saved,
+      r.table_lane_seconds, r.table_lane_wait_seconds, r.steps_short,
       r.final_model, r.final_state.summary,
       absl::StrJoin(r.final_state.shards_behind, ","),
       r.stopped_early ? "true" : "false");

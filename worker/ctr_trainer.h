@@ -64,6 +64,15 @@ struct CtrTrainerOptions {
   // carried by the step's pushes; null: their own. The tables keep their
   // optimizer's rate.
   std::function<double(int64_t)> learning_rate_at;
+  // Async tables (--embedding_mode=async, or --mode=async): the table lane
+  // (--embedding_prefetch), a thread that pulls the next batch's rows while
+  // this one trains and pushes a step's rows while the dense exchange runs.
+  // A step's rows then hold this worker's own pushes through two steps
+  // before and every worker's through four (without the lane: every
+  // worker's through the step before). The job's last step moves its rows
+  // in line, before its dense gradient, so every worker evaluates one model.
+  // False, or tables in the sync step: pull, train, push, one after another.
+  bool table_lane = true;
   // Fault injection (--inject_step_delay_ms): each step this much slower,
   // before its push, as a straggler's.
   absl::Duration step_delay = absl::ZeroDuration();
@@ -86,6 +95,10 @@ struct CtrResult {
   int64_t rows_from_servers = 0;
   int64_t cache_hits = 0;
   int64_t cache_bytes_saved = 0;
+  // The table lane's (CtrTrainerOptions::table_lane) time at work, and how
+  // much of it the training thread waited for; 0 without the lane.
+  double table_lane_seconds = 0;
+  double table_lane_wait_seconds = 0;
   // sync: steps completed with fewer than num_workers gradients.
   int64_t steps_short = 0;
   bool stopped_early = false;

@@ -157,6 +157,9 @@ struct CtrConfig {
   int64_t embedding_max_bytes = 0;
   // Each table's mode (SparseTableSpec.mode): "" the servers', or "async".
   std::string embedding_mode;
+  // Async tables: their traffic beside the dense exchange (CtrTrainerOptions
+  // ::table_lane).
+  bool embedding_prefetch = true;
 };
 
 struct WorkerConfig {

@@ -272,6 +272,12 @@ ABSL_FLAG(std::string, embedding_mode, Default().ctr.embedding_mode,
           "How the servers apply the CTR tables' pushes: empty (the "
           "servers' --mode) or async (each push on arrival, pulls never "
           "wait: with sync servers, sync dense layers and async tables).");
+ABSL_FLAG(bool, embedding_prefetch, Default().ctr.embedding_prefetch,
+          "Async CTR tables (--embedding_mode=async or --mode=async): pull "
+          "the next batch's rows while this one trains and push a step's "
+          "rows beside the dense exchange, on a second thread. A step's "
+          "rows then hold this worker's pushes up to 2 steps old and the "
+          "others' up to 4 (false: every worker's up to the step before).");
 ABSL_FLAG(int64_t, ctr_hidden, Default().ctr.hidden,
           "Hidden units of the CTR model's MLP.");
 ABSL_FLAG(std::string, sparse_optimizer, Default().ctr.sparse_optimizer,
@@ -400,6 +406,7 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   ctr.embedding_dim = absl::GetFlag(FLAGS_embedding_dim);
   ctr.embedding_max_bytes = absl::GetFlag(FLAGS_embedding_max_bytes);
   ctr.embedding_mode = absl::GetFlag(FLAGS_embedding_mode);
+  ctr.embedding_prefetch = absl::GetFlag(FLAGS_embedding_prefetch);
   ctr.hidden = absl::GetFlag(FLAGS_ctr_hidden);
   ctr.sparse_optimizer = absl::GetFlag(FLAGS_sparse_optimizer);
   ctr.sparse_learning_rate = absl::GetFlag(FLAGS_sparse_learning_rate);

@@ -26,7 +26,13 @@
 // into the destination tensors (ps_client_tensors.cc). Every RPC carries a
 // deadline, so no call blocks forever.
 //
-// Not thread-safe: one PsClient per worker thread (Interrupt excepted).
+// Not thread-safe: one PsClient per worker thread (Interrupt excepted), with
+// one exception: after Register, sparse calls (PullSparse, PushSparse) may
+// run on one other thread while the dense calls run on theirs (the CTR
+// worker's table lane), never two sparse calls at once. They share only
+// what registration fixed and state kept atomic or under a lock (replica,
+// server lives, data ports, interrupts); the row cache is the sparse
+// calls' alone.
 //
 // The class over its files:
 //   ps_client.cc             its life and the job's: connect, register, the
@@ -491,7 +497,8 @@ class PsClient {
   // Stops the heartbeats, and drops the sparse row cache: what a worker
   // reads after training (its final evaluation) is the servers' model.
   absl::Status Leave();
-  // The sparse row cache's counts (all 0 when it is off).
+  // The sparse row cache's counts (all 0 when it is off), read on the
+  // thread that makes the sparse calls.
   SparseRowCacheStats sparse_row_cache_stats() const;
   // Forgets every cached row (a sync worker about to evaluate the final
   // model: the rows must be the servers').
