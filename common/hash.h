@@ -19,9 +19,11 @@ inline uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// FNV-1a of a string: stable across builds, platforms and runs.
-inline uint64_t Fnv1a64(absl::string_view s) {
-  uint64_t h = 0xcbf29ce484222325ULL;
+// FNV-1a of a string: stable across builds, platforms and runs. FNV-1a
+// goes byte by byte, so the hash of a + b is Fnv1a64(b, Fnv1a64(a)): a name
+// built from parts is hashed without building it.
+inline constexpr uint64_t kFnv1a64Basis = 0xcbf29ce484222325ULL;
+inline uint64_t Fnv1a64(absl::string_view s, uint64_t h = kFnv1a64Basis) {
   for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ULL;
   return h;
 }

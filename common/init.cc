@@ -17,7 +17,13 @@ double UnitUniform(uint64_t bits) {
 void FillInitialValues(const InitSpec& init, uint64_t seed,
                        absl::string_view tensor_name, int64_t offset,
                        absl::Span<float> out) {
-  const uint64_t stream = SplitMix64(seed ^ SplitMix64(Fnv1a64(tensor_name)));
+  FillInitialValuesOfHashedName(init, seed, Fnv1a64(tensor_name), offset, out);
+}
+
+void FillInitialValuesOfHashedName(const InitSpec& init, uint64_t seed,
+                                   uint64_t name_hash, int64_t offset,
+                                   absl::Span<float> out) {
+  const uint64_t stream = SplitMix64(seed ^ SplitMix64(name_hash));
   for (size_t j = 0; j < out.size(); ++j) {
     const uint64_t index = static_cast<uint64_t>(offset) + j;
     switch (init.kind()) {

@@ -16,6 +16,11 @@ namespace pstrain {
 void FillInitialValues(const InitSpec& init, uint64_t seed,
                        absl::string_view tensor_name, int64_t offset,
                        absl::Span<float> out);
+// The same, for the tensor whose name hashes to `name_hash` (Fnv1a64): for
+// names made per call (a sparse row's), hashed without being built.
+void FillInitialValuesOfHashedName(const InitSpec& init, uint64_t seed,
+                                   uint64_t name_hash, int64_t offset,
+                                   absl::Span<float> out);
 
 }  // namespace pstrain
 

@@ -3,6 +3,7 @@
 // and sparse pulls. Split from shard.cc so that "where is a push applied"
 // has one answer per kind; the dense counterpart is shard_dense.cc.
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -74,14 +75,10 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
     }
   }
   if (unique) {
-    absl::flat_hash_set<uint64_t> seen;
-    seen.reserve(ids.size());
-    for (uint64_t id : ids) {
-      if (!seen.insert(id).second) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "row ", id, " of sparse table ", QuoteForStatus(table),
-            " appears twice in one push: sum its gradients first"));
-      }
+    if (std::optional<uint64_t> id = FindDuplicateId(ids)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("row ", *id, " of sparse table ", QuoteForStatus(table),
+                       " appears twice in one push: sum its gradients first"));
     }
   }
   return model.sparse[it->second].get();

@@ -124,7 +124,12 @@ void FillSparseRowInitialValues(const InitSpec& init, uint64_t seed,
     FillInitialValues(init, seed, table, static_cast<int64_t>(id) * dim, out);
   } else if (init.kind() == InitSpec::UNIFORM ||
              init.kind() == InitSpec::NORMAL) {
-    FillInitialValues(init, seed, absl::StrCat(table, "#", id), 0, out);
+    // The row is tensor "<table>#<id>", hashed without building the name
+    // (a string a created row).
+    const absl::AlphaNum id_text(id);
+    FillInitialValuesOfHashedName(
+        init, seed, Fnv1a64(id_text.Piece(), Fnv1a64("#", Fnv1a64(table))), 0,
+        out);
   } else {
     // Constant kinds do not look at the name; skip building it.
     FillInitialValues(init, seed, table, 0, out);
@@ -358,6 +363,36 @@ SparseTable::SparseTable(const SparseTableOptions& options, Kind kind,
 }
 
 SparseTable::~SparseTable() = default;
+
+std::optional<uint64_t> FindDuplicateId(absl::Span<const uint64_t> ids) {
+  const size_t n = ids.size();
+  if (n < 2) return std::nullopt;
+  // About 16 ids a bucket: a sort that small is a few compares an id.
+  int bits = 0;
+  while (bits < 16 && (size_t{16} << bits) < n) ++bits;
+  const size_t buckets = size_t{1} << bits;
+  auto bucket_of = [bits](uint64_t id) {
+    return bits == 0 ? size_t{0}
+                     : static_cast<size_t>((id * 0x9e3779b97f4a7c15ULL) >>
+                                           (64 - bits));
+  };
+  thread_local std::vector<uint32_t> begin;
+  thread_local std::vector<uint64_t> grouped;
+  begin.assign(buckets + 1, 0);
+  grouped.resize(n);
+  for (uint64_t id : ids) ++begin[bucket_of(id) + 1];
+  for (size_t b = 0; b < buckets; ++b) begin[b + 1] += begin[b];
+  for (uint64_t id : ids) grouped[begin[bucket_of(id)]++] = id;
+  // begin[b] is now bucket b's end, bucket b - 1's is its start.
+  for (size_t b = 0; b < buckets; ++b) {
+    auto first = grouped.begin() + (b == 0 ? 0 : begin[b - 1]);
+    auto last = grouped.begin() + begin[b];
+    std::sort(first, last);
+    auto dup = std::adjacent_find(first, last);
+    if (dup != last) return *dup;
+  }
+  return std::nullopt;
+}
 
 int SparseTable::StripeOf(uint64_t id) const {
   // Top bits of a salted mix: independent of the bits absl's hash tables use
@@ -833,16 +868,11 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
         absl::StrCat("sparse table ", QuoteForStatus(options_.name),
                      ": push with a non-finite gradient; nothing applied"));
   }
-  if (ids.size() > 1) {
-    std::vector<uint64_t> sorted(ids.begin(), ids.end());
-    std::sort(sorted.begin(), sorted.end());
-    auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-    if (dup != sorted.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sparse table ", QuoteForStatus(options_.name), ": id ", *dup,
-          " appears more than once in one push; sum its gradients first. "
-          "Nothing applied"));
-    }
+  if (std::optional<uint64_t> dup = FindDuplicateId(ids)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sparse table ", QuoteForStatus(options_.name), ": id ", *dup,
+        " appears more than once in one push; sum its gradients first. "
+        "Nothing applied"));
   }
   std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);

@@ -85,6 +85,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -177,6 +178,13 @@ struct SparsePushResult {
 
 // Ids below this bound initialise like rows of a dense [vocab, dim] tensor.
 uint64_t DenseCompatibleIdLimit(int64_t dim);
+
+// An id that appears more than once in `ids`, if any (which one, when
+// several do, is unspecified). Every push is checked with it, so it is made
+// cheap: ids spread over buckets by a hash, each bucket sorted alone, in
+// scratch memory kept per thread (a sort of the whole push, or a hash set
+// built per call, cost a third of a row's update).
+std::optional<uint64_t> FindDuplicateId(absl::Span<const uint64_t> ids);
 
 // The initial value of row `id` (out.size() == dim) of table `table`:
 //   id < DenseCompatibleIdLimit(dim):

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <list>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -180,6 +181,31 @@ TEST(SparseTableInitTest, MatchesADenseTensorOfTheSameName) {
 
 // ---------------------------------------------------------------------------
 // Pull, push and the optimizers.
+
+// FindDuplicateId against the plainest check (a sorted copy), on pushes of
+// every size a bucket boundary could hide a duplicate at: unique ids give
+// none, and one id repeated anywhere is found.
+TEST(FindDuplicateIdTest, FindsTheRepeatedIdAtAnySizeAndPlace) {
+  std::mt19937_64 random(7);
+  for (size_t n : {0, 1, 2, 3, 15, 16, 17, 31, 64, 1000, 4096, 100000}) {
+    std::set<uint64_t> distinct;
+    while (distinct.size() < n) distinct.insert(random());
+    std::vector<uint64_t> ids(distinct.begin(), distinct.end());
+    std::shuffle(ids.begin(), ids.end(), random);
+    EXPECT_FALSE(FindDuplicateId(ids).has_value()) << n << " unique ids";
+    if (n < 2) continue;
+    for (int trial = 0; trial < 5; ++trial) {
+      std::vector<uint64_t> with_dup = ids;
+      const size_t from = random() % n;
+      size_t to = random() % n;
+      if (to == from) to = (to + 1) % n;
+      with_dup[to] = with_dup[from];
+      std::optional<uint64_t> found = FindDuplicateId(with_dup);
+      ASSERT_TRUE(found.has_value()) << n << " ids, trial " << trial;
+      EXPECT_EQ(*found, with_dup[from]);
+    }
+  }
+}
 
 TEST(SparseTableTest, PullCreatesRowsOnce) {
   auto t = Make(Options("sgd", 4));
