@@ -5,6 +5,8 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <memory>
+#include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -350,6 +352,30 @@ SparseTable::SparseTable(const SparseTableOptions& options, Kind kind,
               : absl::ToInt64Seconds(absl::Ceil(options.ttl, absl::Seconds(1))),
           std::numeric_limits<uint32_t>::max() / 2))),
       start_(options.clock()) {
+  if (kind_ == Kind::kAdam) {
+    const SparseOptimizerConfig& c = options_.optimizer;
+    static absl::Mutex shared_mu(absl::kConstInit);
+    static auto* shared =
+        new absl::flat_hash_map<std::tuple<float, float, float>,
+                                std::shared_ptr<const AdamCorrections>>();
+    absl::MutexLock lock(&shared_mu);
+    std::shared_ptr<const AdamCorrections>& corrections =
+        (*shared)[{c.learning_rate, c.beta1, c.beta2}];
+    if (corrections == nullptr) {
+      // 1 - beta^t only grows towards 1, so once both corrections are their
+      // limits in float, every later count's are too.
+      auto made = std::make_shared<AdamCorrections>();
+      constexpr int64_t kMaxCounts = int64_t{1} << 16;
+      for (int64_t t = 1; t <= kMaxCounts && !made->final; ++t) {
+        const AdamCorrection at = ComputeAdamCorrection(t);
+        made->by_count.push_back(at);
+        made->final = at.step == c.learning_rate && at.inv_sqrt_c2 == 1.0f;
+      }
+      made->by_count.shrink_to_fit();
+      corrections = std::move(made);
+    }
+    adam_corrections_ = corrections;
+  }
   stripes_.reserve(num_stripes);
   for (int i = 0; i < num_stripes; ++i) {
     auto s = std::make_unique<Stripe>();
@@ -760,6 +786,27 @@ float SparseTable::FtrlWeight(float z, float n) const {
          ((c.ftrl_beta + std::sqrt(n)) / c.ftrl_alpha + c.ftrl_l2);
 }
 
+SparseTable::AdamCorrection SparseTable::ComputeAdamCorrection(
+    int64_t t) const {
+  const SparseOptimizerConfig& c = options_.optimizer;
+  const double td = static_cast<double>(t);
+  AdamCorrection correction;
+  correction.step =
+      c.learning_rate / static_cast<float>(1 - std::pow(c.beta1, td));
+  correction.inv_sqrt_c2 =
+      1.0f / std::sqrt(static_cast<float>(1 - std::pow(c.beta2, td)));
+  return correction;
+}
+
+SparseTable::AdamCorrection SparseTable::AdamCorrectionAt(int64_t t) const {
+  const std::vector<AdamCorrection>& by_count = adam_corrections_->by_count;
+  if (t >= 1 && t <= static_cast<int64_t>(by_count.size())) {
+    return by_count[t - 1];
+  }
+  if (adam_corrections_->final && t >= 1) return by_count.back();
+  return ComputeAdamCorrection(t);
+}
+
 void SparseTable::ApplyGradient(int64_t t, float* w, const float* g) const {
   const int64_t d = options_.dim;
   const SparseOptimizerConfig& c = options_.optimizer;
@@ -781,11 +828,7 @@ void SparseTable::ApplyGradient(int64_t t, float* w, const float* g) const {
     case Kind::kAdam: {
       float* m = w + d;
       float* v = w + 2 * d;
-      const double td = static_cast<double>(t);
-      const float step =
-          c.learning_rate / static_cast<float>(1 - std::pow(c.beta1, td));
-      const float inv_sqrt_c2 =
-          1.0f / std::sqrt(static_cast<float>(1 - std::pow(c.beta2, td)));
+      const auto [step, inv_sqrt_c2] = AdamCorrectionAt(t);
       for (int64_t i = 0; i < d; ++i) {
         m[i] = c.beta1 * m[i] + (1 - c.beta1) * g[i];
         v[i] = c.beta2 * v[i] + (1 - c.beta2) * g[i] * g[i];

@@ -358,6 +358,14 @@ class SparseTable {
   void RememberEvicted(Stripe& s, uint64_t id) const;
   void AgeSightings(Stripe& s) const;
   void ApplyGradient(int64_t t, float* row, const float* g) const;
+  // Adam's bias corrections at a row's update count t: its step size
+  // lr / (1 - beta1^t) and 1 / sqrt(1 - beta2^t).
+  struct AdamCorrection {
+    float step = 0;
+    float inv_sqrt_c2 = 0;
+  };
+  AdamCorrection ComputeAdamCorrection(int64_t t) const;
+  AdamCorrection AdamCorrectionAt(int64_t t) const;
   float FtrlWeight(float z, float n) const;
 
   const SparseTableOptions options_;
@@ -375,6 +383,16 @@ class SparseTable {
   // The change epoch (MarkChanges): 1 until the first mark.
   std::atomic<uint32_t> epoch_{1};
   std::vector<std::unique_ptr<Stripe>> stripes_;
+  // Adam: ComputeAdamCorrection(t) for t = 1, 2, ... (its two pow calls were
+  // most of a row's update), until both reach their limits in float, which
+  // later counts keep (`final`), or 2^16 counts. Shared by the process's
+  // adam tables of one (lr, beta1, beta2), not counted in a table's
+  // memory_bytes: ~140 KB for torch's default betas, once.
+  struct AdamCorrections {
+    std::vector<AdamCorrection> by_count;  // [t - 1]
+    bool final = false;
+  };
+  std::shared_ptr<const AdamCorrections> adam_corrections_;
 };
 
 }  // namespace pstrain

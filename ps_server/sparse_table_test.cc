@@ -364,6 +364,35 @@ TEST(SparseTableTest, LazyAdamMovesOnlyPushedRowsWithPerRowStepCount) {
   EXPECT_EQ(rows.at(2).value, Initial(*t, 2));
 }
 
+// Adam's bias corrections come from a table made once per table, up to
+// where they stop changing: a row pushed many times gets, at every count,
+// exactly the update the two pow calls per push gave (the reference below,
+// bit for bit), also past the table's end. Betas 0.5 and 0.9 reach their
+// limits in float within a few hundred counts.
+TEST(SparseTableTest, AdamBiasCorrectionsAreThoseOfEveryCount) {
+  SparseTableOptions o = Options("adam", 1);
+  o.optimizer.learning_rate = 0.01f;
+  o.optimizer.beta1 = 0.5f;
+  o.optimizer.beta2 = 0.9f;
+  auto t = Make(o);
+  const float init = PullRows(*t, {7})[0];
+  float w = init, m = 0, v = 0;
+  const SparseOptimizerConfig& c = o.optimizer;
+  for (int step = 1; step <= 400; ++step) {
+    const float g = (step % 3 == 0 ? -0.25f : 0.5f) / step;
+    ASSERT_TRUE(t->Push({7}, {g}).ok());
+    const double td = static_cast<double>(step);
+    const float step_size =
+        c.learning_rate / static_cast<float>(1 - std::pow(c.beta1, td));
+    const float inv_sqrt_c2 =
+        1.0f / std::sqrt(static_cast<float>(1 - std::pow(c.beta2, td)));
+    m = c.beta1 * m + (1 - c.beta1) * g;
+    v = c.beta2 * v + (1 - c.beta2) * g * g;
+    w -= step_size * m / (std::sqrt(v) * inv_sqrt_c2 + c.epsilon);
+    ASSERT_EQ(Dump(*t).at(7).value[0], w) << "count " << step;
+  }
+}
+
 TEST(SparseTableTest, BadPushesAreRejectedBeforeAnythingChanges) {
   auto t = Make(Options("adagrad", 2));
   PullRows(*t, {1, 2, 3});
