@@ -427,15 +427,8 @@ absl::StatusOr<SparsePushResponse> Shard::ApplySparsePush(
       }
       last = request.step();
     }
-    SparsePushResult pushed;
-    // Validated above (unique ids, sizes, finite): this cannot fail.
-    if (absl::Status s = table.table->Push(ids, grads, &pushed); !s.ok()) {
-      ReportInternalError(
-          absl::StrCat("async push of worker ", request.worker_id(), " step ",
-                       request.step(), " to sparse table ",
-                       QuoteForStatus(table.spec->name())),
-          s);
-    }
+    // PrepareSparsePush checked the ids (unique), sizes and values.
+    const SparsePushResult pushed = table.table->PushChecked(ids, grads);
     response.set_rows_dropped(static_cast<int32_t>(pushed.dropped_unadmitted));
     absl::MutexLock lock(&mu_);
     WorkerState& w = workers_[request.worker_id()];

@@ -127,7 +127,7 @@ void FillSparseRowInitialValues(const InitSpec& init, uint64_t seed,
   } else if (init.kind() == InitSpec::UNIFORM ||
              init.kind() == InitSpec::NORMAL) {
     // The row is tensor "<table>#<id>", hashed without building the name
-    // (a string a created row).
+    // (a string for every created row).
     const absl::AlphaNum id_text(id);
     FillInitialValuesOfHashedName(
         init, seed, Fnv1a64(id_text.Piece(), Fnv1a64("#", Fnv1a64(table))), 0,
@@ -896,9 +896,7 @@ absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
 absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
                                absl::Span<const float> grads,
                                SparsePushResult* result) {
-  SparsePushResult local;
-  if (result == nullptr) result = &local;
-  *result = SparsePushResult();
+  if (result != nullptr) *result = SparsePushResult();
   const int64_t d = options_.dim;
   if (grads.size() != ids.size() * static_cast<size_t>(d)) {
     return absl::InvalidArgumentError(
@@ -917,6 +915,15 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
         " appears more than once in one push; sum its gradients first. "
         "Nothing applied"));
   }
+  const SparsePushResult pushed = PushChecked(ids, grads);
+  if (result != nullptr) *result = pushed;
+  return absl::OkStatus();
+}
+
+SparsePushResult SparseTable::PushChecked(absl::Span<const uint64_t> ids,
+                                          absl::Span<const float> grads) {
+  SparsePushResult pushed;
+  const int64_t d = options_.dim;
   std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);
   const uint32_t admit_after = static_cast<uint32_t>(options_.admit_after);
@@ -938,7 +945,7 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
           auto it = s.sightings.find(id);
           if (it == s.sightings.end() || it->second < admit_after) {
             ++s.pushes_dropped;
-            ++result->dropped_unadmitted;
+            ++pushed.dropped_unadmitted;
             continue;
           }
           s.sightings.erase(it);
@@ -946,16 +953,16 @@ absl::Status SparseTable::Push(absl::Span<const uint64_t> ids,
         }
         slot = CreateRow(s, id);
         ++s.rows_created;
-        ++result->rows_created;
+        ++pushed.rows_created;
       }
-      ++result->rows_applied;
+      ++pushed.rows_applied;
       s.changed_at[slot] = epoch;
       RowMeta& r = s.rows[slot];
       ApplyGradient(++r.update_count, r.data,
                     grads.data() + static_cast<size_t>(i) * d);
     }
   }
-  return absl::OkStatus();
+  return pushed;
 }
 
 SparseTableStats SparseTable::Stats() const {

@@ -250,6 +250,11 @@ class SparseTable {
   absl::Status Push(absl::Span<const uint64_t> ids,
                     absl::Span<const float> grads,
                     SparsePushResult* result = nullptr);
+  // Push without its checks, for a caller that made them already (the
+  // shard checks a whole request, every table of it, before applying any):
+  // ids unique, grads.size() == ids.size() * dim, every gradient finite.
+  SparsePushResult PushChecked(absl::Span<const uint64_t> ids,
+                               absl::Span<const float> grads);
   // The table completed sync step `step`: the clock of ttl_steps (a step
   // at or below one seen before changes nothing).
   void AdvanceStep(int64_t step);

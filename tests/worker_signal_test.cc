@@ -141,22 +141,25 @@ TEST(WorkerSignalTest, RetryingAfterAServerDied) {
   EXPECT_THAT(log, HasSubstr("interrupted while retrying after"));
 }
 
-TEST(WorkerSignalTest, InASyncPullHeldForASlowPeer) {
+// Worker 0 of a 2-worker sync job (`flags`) is sent SIGTERM while its pull
+// of step 1 waits for worker 1, which takes a minute over its first step;
+// checks it stops as SignalAndCheck says and leaves (the step then waits for
+// worker 1 alone). Returns worker 0's log.
+std::string SignalInASyncPullHeldForASlowPeer(
+    const std::vector<std::string>& flags, const std::string& name) {
   testing::ClusterOptions options;
   options.num_workers = 2;
   absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
-      testing::TestCluster::Start(options, "pull_wait");
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  const std::vector<std::string> flags = {"--model=probe", "--steps=50",
-                                          "--log_every=0"};
-  // Worker 1 takes a minute over its first step: worker 0's pull of step 1
-  // waits for its gradient.
+      testing::TestCluster::Start(options, name);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  if (!cluster.ok()) return "";
   std::vector<std::string> slow = flags;
   slow.push_back("--inject_step_delay_ms=60000");
   auto w1 = (*cluster)->StartWorker(1, 2, slow);
   auto w0 = (*cluster)->StartWorker(0, 2, flags);
-  ASSERT_TRUE(w0.ok() && w1.ok());
-  ASSERT_TRUE((*cluster)
+  EXPECT_TRUE(w0.ok() && w1.ok());
+  if (!w0.ok() || !w1.ok()) return "";
+  EXPECT_TRUE((*cluster)
                   ->WaitForStats(
                       [](const StatsResponse& s) {
                         return s.job_start().started() &&
@@ -166,50 +169,29 @@ TEST(WorkerSignalTest, InASyncPullHeldForASlowPeer) {
                   .ok());
   const std::string log =
       SignalAndCheck(**w0, SIGTERM, "on the servers after step");
-  EXPECT_THAT(log, HasSubstr("interrupted while waiting for shard 0"));
-  // It left: the step waits for worker 1 alone now.
   EXPECT_TRUE((*cluster)
                   ->WaitForStats(
                       [](const StatsResponse& s) { return s.members() == 1; },
                       absl::Seconds(10))
                   .ok());
+  return log;
+}
+
+TEST(WorkerSignalTest, InASyncPullHeldForASlowPeer) {
+  const std::string log = SignalInASyncPullHeldForASlowPeer(
+      {"--model=probe", "--steps=50", "--log_every=0"}, "pull_wait");
+  EXPECT_THAT(log, HasSubstr("interrupted while waiting for shard 0"));
 }
 
 // A CTR worker with async tables waits at the dense step's barrier while
 // its table lane (--embedding_prefetch) has the next batch's rows: SIGTERM
 // still ends it within the bound, the lane's work drained or cut.
 TEST(WorkerSignalTest, CtrWorkerWithItsTableLaneInASyncPullHeldForASlowPeer) {
-  testing::ClusterOptions options;
-  options.num_workers = 2;
-  absl::StatusOr<std::unique_ptr<testing::TestCluster>> cluster =
-      testing::TestCluster::Start(options, "ctr_lane_pull_wait");
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  const std::vector<std::string> flags = {"--model=ctr",
-                                          "--ctr_train_examples=4096",
-                                          "--ctr_test_examples=256",
-                                          "--batch_size=64",
-                                          "--steps=50",
-                                          "--embedding_mode=async",
-                                          "--log_every=0"};
-  std::vector<std::string> slow = flags;
-  slow.push_back("--inject_step_delay_ms=60000");
-  auto w1 = (*cluster)->StartWorker(1, 2, slow);
-  auto w0 = (*cluster)->StartWorker(0, 2, flags);
-  ASSERT_TRUE(w0.ok() && w1.ok());
-  ASSERT_TRUE((*cluster)
-                  ->WaitForStats(
-                      [](const StatsResponse& s) {
-                        return s.job_start().started() &&
-                               s.waiting_pulls() >= 1;
-                      },
-                      absl::Seconds(30))
-                  .ok());
-  SignalAndCheck(**w0, SIGTERM, "on the servers after step");
-  EXPECT_TRUE((*cluster)
-                  ->WaitForStats(
-                      [](const StatsResponse& s) { return s.members() == 1; },
-                      absl::Seconds(10))
-                  .ok());
+  SignalInASyncPullHeldForASlowPeer(
+      {"--model=ctr", "--ctr_train_examples=4096", "--ctr_test_examples=256",
+       "--batch_size=64", "--steps=50", "--embedding_mode=async",
+       "--log_every=0"},
+      "ctr_lane_pull_wait");
 }
 
 }  // namespace

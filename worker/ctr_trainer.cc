@@ -217,8 +217,8 @@ class CtrNet {
   }
 
   // The batch and its pulled rows to the backend; Forward and Backward then
-  // train on them, and Backward leaves the rows' gradients in `tables`.
-  absl::Status Upload(const CtrDataset& batch, TableBatch& tables) {
+  // train on them.
+  absl::Status Upload(const CtrDataset& batch, const TableBatch& tables) {
     const int64_t dim = options_.dim;
     for (int f = 0; f < options_.num_fields; ++f) {
       Field& field = fields_[f];
@@ -240,7 +240,6 @@ class CtrNet {
           backend_->CopyToDevice(batch.dense.data(), dense_.data(),
                                  rows * options_.num_dense * sizeof(float)));
     }
-    uploaded_ = &tables;
     return absl::OkStatus();
   }
 
@@ -270,8 +269,9 @@ class CtrNet {
     return backend_->AddBias(rows, 2, params_[B2()].data(), logits_.data());
   }
 
-  // Loss of the batch and every gradient, downloaded for the pushes.
-  absl::StatusOr<double> Backward(int64_t rows) {
+  // Loss of the batch and every gradient, downloaded for the pushes: the
+  // dense ones here, the rows' into `tables` (those Upload was given).
+  absl::StatusOr<double> Backward(int64_t rows, TableBatch& tables) {
     const int64_t dim = options_.dim, hidden = options_.hidden;
     double loss_sum = 0;
     int64_t correct = 0;
@@ -302,7 +302,7 @@ class CtrNet {
           params_[f].data(), 0.0f, field.bag_grads.data()));
       PSTRAIN_RETURN_IF_ERROR(
           field.bag->Backward(field.bag_grads.data(), field.grad_rows.data()));
-      FieldRows& rows_of_field = uploaded_->fields[f];
+      FieldRows& rows_of_field = tables.fields[f];
       PSTRAIN_RETURN_IF_ERROR(backend_->CopyToHost(
           field.grad_rows.data(), rows_of_field.host_grad_rows.data(),
           rows_of_field.unique.unique.size() * dim * sizeof(float)));
@@ -361,7 +361,7 @@ class CtrNet {
     return absl::OkStatus();
   }
 
-  // Read on the training thread while the table lane adds to them.
+  // Added to on whichever thread pulls or pushes (the table lane's too).
   int64_t rows_pulled() const { return rows_pulled_.load(); }
   int64_t rows_pushed() const { return rows_pushed_.load(); }
 
@@ -395,7 +395,6 @@ class CtrNet {
   std::vector<DeviceArray<float>> params_, grads_;
   std::vector<Field> fields_;
   std::vector<int64_t> occurrences_;  // per field: the most in one batch
-  TableBatch* uploaded_ = nullptr;    // what the last Upload put on fields_
   DeviceArray<float> dense_, hidden_, hidden_grad_, logits_;
   DeviceArray<int32_t> labels_;
   std::vector<int32_t> host_labels_;
@@ -650,7 +649,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
         return s;
       }
     }
-    absl::StatusOr<double> loss_sum = n.Backward(batch.size());
+    absl::StatusOr<double> loss_sum = n.Backward(batch.size(), rows);
     if (!loss_sum.ok()) return loss_sum.status();
     const absl::Time computed = absl::Now();
     if (options.learning_rate_at) {
