@@ -345,6 +345,11 @@ class SparseTable {
   // (ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu)), which clang checks at every
   // caller after them.
   uint32_t FindAndTouch(Stripe& s, uint64_t id) const;
+  // Lookups run this many ids behind the index prefetches.
+  static constexpr uint32_t kLookAhead = 8;
+  void PrefetchIndex(const Stripe& s, absl::Span<const uint64_t> ids,
+                     const std::vector<uint32_t>& order, uint32_t ahead,
+                     uint32_t end) const;
   // Logs `id`'s eviction or expiry for ChangesSince, once a mark was taken.
   void LogEviction(Stripe& s, uint64_t id) const;
   // Takes the stripe's least recently used row out (index, LRU list,

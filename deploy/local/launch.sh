@@ -716,8 +716,16 @@ python_args() {
 }
 
 start_workers() {
-  local k pid
+  local k pid omp_threads=${OMP_NUM_THREADS:-}
   python_args
+  if [[ -n "$PYTHON_SCRIPT" && -z "$omp_threads" ]] && ((WORKERS > 1)); then
+    # As torchrun does for several processes a host: Debian's torch runs its
+    # BLAS on a pthread pool that OMP_NUM_THREADS sizes, and workers that
+    # share the cores each spin a second thread in sched_yield (a fifth of
+    # a CTR worker's CPU; bench/results/table_consistency.txt).
+    omp_threads=1
+    echo "launch.sh: OMP_NUM_THREADS=1 for the $WORKERS Python workers on this host (as torchrun sets it; set OMP_NUM_THREADS to choose)" >&2
+  fi
   for ((k = 0; k < WORKERS; k++)); do
     # Made here, not by the worker's redirection in the background: the
     # stream's tail must find worker 0's file (under load it opened it
@@ -726,7 +734,7 @@ start_workers() {
     if [[ -n "$PYTHON_SCRIPT" ]]; then
       PSTRAIN_CLUSTER=$(python_cluster "$k") RANK=$k WORLD_SIZE=$WORKERS \
         LOCAL_RANK=$k LOCAL_WORLD_SIZE=$WORKERS \
-        "$PYTHON" -u "$PYTHON_SCRIPT" ${PYTHON_ARGS[@]+"${PYTHON_ARGS[@]}"} \
+        env ${omp_threads:+OMP_NUM_THREADS=$omp_threads} "$PYTHON" -u "$PYTHON_SCRIPT" ${PYTHON_ARGS[@]+"${PYTHON_ARGS[@]}"} \
         >"$RUN/worker$k.out" 2>"$RUN/worker$k.log" &
       pid=$!
       LIVE[$pid]="worker $k (pid $pid)"

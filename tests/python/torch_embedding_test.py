@@ -3,6 +3,7 @@ live on the servers and are updated there, trains exactly like a local
 nn.EmbeddingBag with the same optimizer on one worker (to 1e-5)."""
 
 import unittest
+import warnings
 
 import numpy as np
 import torch
@@ -158,6 +159,117 @@ class TorchEmbeddingTest(unittest.TestCase):
                     .abs().max().item(), 1e-5)
         with self.assertRaisesRegex(TypeError, "holds pstrain.torch"):
             pstrain.torch.EmbeddingBagCollection([torch.nn.Linear(2, 2)])
+
+    def test_prefetched_rows_are_one_step_older_and_pulled_once(self):
+        # An async table whose next batch's rows are pulled while this one
+        # trains (EmbeddingBagCollection.prefetch): batch n trains on the
+        # rows after n - 1 updates (the lane pulls them before step n - 1's
+        # rows go out), batch 0 on the initial ones. A local model run with
+        # exactly that lag ends on the same rows and layer (to 1e-5); each
+        # batch's ids are pulled once (the forward takes the prefetch).
+        class Bags(torch.nn.Module):
+            def __init__(self, fields):
+                super().__init__()
+                self.fields = fields
+                torch.manual_seed(4)
+                self.out = torch.nn.Linear(DIM, 1)
+
+            def forward(self, ids):
+                return self.out(self.fields([(ids, None)])[0]).squeeze(1)
+
+        data = list(batches())
+        with cluster.Cluster(num_shards=2, num_workers=1,
+                             flags=["--optimizer=sgd",
+                                    f"--learning_rate={LR}"]) as c:
+            model = Bags(pstrain.torch.EmbeddingBagCollection([
+                pstrain.torch.EmbeddingBag(VOCAB, DIM, optimizer="sgd", lr=LR,
+                                           consistency="async")]))
+            ps = pstrain.torch.ParameterServer(model, hosts=c.hosts,
+                                               worker_id=0, num_workers=1)
+            every_id = np.arange(VOCAB, dtype=np.uint64)
+            initial = np.zeros((VOCAB, DIM), np.float32)
+            ps.client.pull_sparse(0, 0, every_id, initial)
+            pulled_before = int(c.stats()[0]["sparse"][0]["rows_pulled"]) + \
+                int(c.stats()[1]["sparse"][0]["rows_pulled"])
+            loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
+            for n, (ids, labels) in enumerate(data):
+                if n + 1 < len(data):
+                    model.fields.prefetch([(data[n + 1][0], None)])
+                loss_fn(model(ids), labels).backward()
+                ps.step()
+            self.assertEqual(ps.finish(), "sync_step")
+            busy_s, _ = ps.table_lane_seconds()
+            self.assertGreater(busy_s, 0)
+            pulled = sum(int(s["sparse"][0]["rows_pulled"])
+                         for s in c.stats()) - pulled_before
+            observer = pstrain.Client(c.hosts)
+            observer.register(ps.schema, 1, -1)
+            rows = np.zeros((VOCAB, DIM), np.float32)
+            observer.pull_sparse(0, STEPS, every_id, rows)
+        self.assertEqual(pulled, sum(len(np.unique(ids.numpy()))
+                                     for ids, _ in data))
+
+        weights = [torch.from_numpy(initial.copy())]  # after 0, 1, ... updates
+        out = Bags(None).out
+        dense = torch.optim.SGD(out.parameters(), lr=LR)
+        for n, (ids, labels) in enumerate(data):
+            rows_used = weights[max(n - 1, 0)].clone().requires_grad_(True)
+            pooled = torch.nn.functional.embedding_bag(ids, rows_used,
+                                                       mode="mean")
+            loss_fn(out(pooled).squeeze(1), labels).backward()
+            weights.append(weights[-1] - LR * rows_used.grad)
+            dense.step()
+            dense.zero_grad()
+        self.assertLessEqual(
+            (torch.from_numpy(rows) - weights[-1]).abs().max().item(), 1e-5)
+        self.assertGreater(
+            (weights[-1] - weights[0]).abs().max().item(), 1e-3)
+        for name in ("weight", "bias"):
+            self.assertLessEqual((getattr(model.out, name) - getattr(out, name))
+                                 .abs().max().item(), 1e-5)
+
+    def test_prefetch_refuses_what_it_cannot_pull_ahead(self):
+        with cluster.Cluster(num_shards=2, num_workers=1) as c:
+            sync_fields = pstrain.torch.EmbeddingBagCollection(
+                [pstrain.torch.EmbeddingBag(VOCAB, DIM)])
+            async_fields = pstrain.torch.EmbeddingBagCollection(
+                [pstrain.torch.EmbeddingBag(VOCAB, DIM, consistency="async")])
+            model = torch.nn.ModuleDict({"s": sync_fields, "a": async_fields,
+                                         "out": torch.nn.Linear(DIM, 1)})
+            ps = pstrain.torch.ParameterServer(model, hosts=c.hosts,
+                                               worker_id=0, num_workers=1)
+            ids = [torch.tensor([[1, 2], [3, 4 + i]]) for i in range(4)]
+            with self.assertRaisesRegex(ValueError, "is sync, and its pulls "
+                                        "wait for the step"):
+                sync_fields.prefetch([(ids[0], None)])
+            with self.assertRaisesRegex(ValueError,
+                                        "2 .ids, offsets. pairs for 1 tables"):
+                async_fields.prefetch([(ids[0], None)] * 2)
+            before = sum(int(s["sparse"][1]["rows_pulled"]) for s in c.stats())
+            async_fields.prefetch([(ids[0], None)])
+            async_fields.prefetch([(ids[1], None)])
+            with self.assertRaisesRegex(RuntimeError, "two batches are pulled "
+                                        "ahead already"):
+                async_fields.prefetch([(ids[2], None)])
+            # Bags not pulled ahead: pulled by the forward (after the lane's
+            # pulls), the others kept.
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                async_fields([(ids[3], None)])
+            after = sum(int(s["sparse"][1]["rows_pulled"]) for s in c.stats())
+            self.assertEqual(after - before, 4 + 4 + 4)  # ids 0, 1, 3
+            # The second batch pulled ahead: the first, skipped, is dropped.
+            with self.assertWarnsRegex(RuntimeWarning, "1 batch"):
+                pooled = async_fields([(ids[1], None)])
+            self.assertEqual(list(pooled[0].shape), [2, DIM])
+            # Ids written to after their prefetch: pulled again.
+            async_fields.prefetch([(ids[2], None)])
+            ids[2][0, 0] = 7
+            with self.assertWarnsRegex(RuntimeWarning, "written to since"):
+                async_fields([(ids[2], None)])
+            ps.finish()
+            with self.assertRaisesRegex(RuntimeError, "after finish"):
+                async_fields.prefetch([(ids[0], None)])
 
     def test_a_byte_budget_bounds_the_rows_each_server_holds(self):
         # 2000 bytes a server holds a dozen rows of dim 4 with Adagrad (the

@@ -139,6 +139,10 @@ def main():
                         default=None,
                         help="pstrain: the tables' mode (default: the "
                         "servers' --mode)")
+    parser.add_argument("--no_prefetch", action="store_true",
+                        help="pstrain, async tables: each forward pulls its "
+                        "own rows (by default the next batch's are pulled "
+                        "while this one trains)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(1)
@@ -195,10 +199,23 @@ def main():
 
     # Worker k takes the k-th slice of each global batch of the stream.
     batch_size = args.global_batch_size // num_workers
-    start = time.time()
-    for step in range(start_step, args.steps):
+
+    def load(step):
         first = step * args.global_batch_size + worker_id * batch_size
-        dense, labels, bags = train.batch(np.arange(first, first + batch_size))
+        return train.batch(np.arange(first, first + batch_size))
+
+    # pstrain: async tables' rows for the next batch come while this one
+    # trains (a table whose pulls wait for the step cannot be pulled ahead)
+    prefetch = not plain_torch and not args.no_prefetch and (
+        (args.table_consistency or mode) == "async")
+    start = time.time()
+    batch = load(start_step) if start_step < args.steps else None
+    for step in range(start_step, args.steps):
+        dense, labels, bags = batch
+        if step + 1 < args.steps:
+            batch = load(step + 1)
+            if prefetch:
+                tables.prefetch(batch[2])  # pstrain: the next batch's rows
         loss = nn.functional.binary_cross_entropy_with_logits(
             net(dense, rows(bags)), labels)
         loss.backward()
@@ -211,6 +228,8 @@ def main():
             ps.step()  # pstrain: push the gradients, pull the new model
     wall = time.time() - start
     final_model = mode if plain_torch else ps.finish()  # pstrain: done
+    lane_s, lane_wait_s = (0.0, 0.0) if plain_torch else \
+        ps.table_lane_seconds()
 
     model.eval()
     with torch.no_grad():
@@ -228,6 +247,7 @@ def main():
         final_loss=round(loss.item(), 6), test_examples=test.size,
         samples_per_sec=round((args.steps - start_step) * batch_size
                               / max(wall, 1e-9), 1),
+        table_lane_s=round(lane_s, 3), table_lane_wait_s=round(lane_wait_s, 3),
         wall_time_s=round(wall, 3))
     if args.ddp:
         torch.distributed.destroy_process_group()

@@ -48,6 +48,10 @@ of their own). Per step, float32 CPU parameters, gradients and buffers are
 read and written in place: no copy in Python, none in the binding.
 """
 
+import concurrent.futures
+import time
+import warnings
+
 import numpy as np
 import torch
 
@@ -270,6 +274,65 @@ def _group_rules(optimizer, tensors):
     return rules
 
 
+class _TableLane:
+    """A thread beside training for the tables' calls to the servers, so
+    that the next batch's rows (``EmbeddingBagCollection.prefetch``) are
+    pulled while this one trains. Once it exists every table call of the
+    training client runs on it, in the order given: the client takes its
+    table calls from one thread beside its dense calls."""
+
+    def __init__(self, client):
+        self._client = client
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pstrain-tables")
+        self._last = None  # the future of the latest call submitted
+        # Rows pulled ahead: [collection, bags, keys, rows, future] each,
+        # oldest first.
+        self.prefetched = []
+        self.busy_s = 0.0    # time the lane spent in calls
+        self.waited_s = 0.0  # time training waited for the lane
+
+    def submit(self, fn, *args):
+        def timed():
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.busy_s += time.perf_counter() - start
+        self._last = self._executor.submit(timed)
+        return self._last
+
+    def wait(self, future):
+        """future's result (its error raised here); Ctrl-C while waiting
+        interrupts the call and waits for it to end."""
+        start = time.perf_counter()
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            self._client.interrupt()
+            concurrent.futures.wait([future])
+            raise
+        finally:
+            self.waited_s += time.perf_counter() - start
+
+    def run(self, fn, *args):
+        return self.wait(self.submit(fn, *args))
+
+    def drain(self):
+        """Waits for every call submitted; their errors are not raised here
+        (whoever submitted a call waits for it and sees them)."""
+        if self._last is not None:
+            try:
+                self.wait(self._last)
+            except pstrain.Error:
+                pass
+
+    def close(self):
+        self.prefetched = []
+        self.drain()
+        self._executor.shutdown(wait=True)
+
+
 class ParameterServer:
     """Binds ``model`` to the parameter servers as this process's worker.
 
@@ -366,6 +429,9 @@ class ParameterServer:
         self._step = self.start_step
         self._observer = None
         self._finished = False
+        self._lane = None  # a _TableLane, made by the first prefetch
+        self._lane_times = (0.0, 0.0)  # a closed lane's (busy_s, waited_s)
+        self._lane_push = None  # the future of the rows pushed on the lane
         # After finish(): the servers' copy of the final model
         # (Client.secure_final_state); None until then, or when unknown.
         self.final_state = None
@@ -387,9 +453,16 @@ class ParameterServer:
         step = self._step
         for t in self._tensors:
             t.check_unchanged()
+        self._await_lane_push()
         if self._tables:  # every table's rows in one round trip
-            self.client.push_sparse_tables(
-                step, [table._take_pending() for table in self._tables])
+            parts = [table._take_pending() for table in self._tables]
+            if self._lane is not None:
+                # After prefetch(): the rows go on the lane while the dense
+                # exchange runs (finish() waits for every worker's).
+                self._lane_push = self._lane.submit(
+                    self.client.push_sparse_tables, step, parts)
+            else:
+                self.client.push_sparse_tables(step, parts)
         if self._stream is not None:
             torch.cuda.current_stream().synchronize()  # gradient copies
         grads = [t.push_source() for t in self._tensors]
@@ -454,13 +527,18 @@ class ParameterServer:
         if self._finished:
             return self._how
         self._finished = True
+        # This worker's last rows in (rows pulled ahead for a step never
+        # run are dropped).
+        pushed_on_lane = self._lane is not None
+        self._await_lane_push()
+        self._close_lane()
         if self.scheduler is not None:
             def refuse(*args, **kwargs):
                 raise RuntimeError(
                     "scheduler.step() after ParameterServer.finish(): the job "
                     "is over, and its rates go nowhere")
             self.scheduler.step = refuse
-        if self.mode == "sync":
+        if self.mode == "sync" and not pushed_on_lane:
             if self._step > 0:
                 self._secure_final_state(self.client, self._step)
             self.client.leave()
@@ -470,6 +548,16 @@ class ParameterServer:
         # A pull as this worker would rejoin the job: an observer reads.
         self._observer = pstrain.Client(self._hosts, **self._client_options)
         self._observer.register(self.schema, self.num_workers, -1)
+        if self.mode == "sync":
+            # The dense model is the last step's, but another worker's last
+            # rows went beside its dense gradient and may still be on their
+            # way: every worker leaves once its rows are in, so the tables
+            # are final when no worker is left.
+            how = self._observer.await_final_model(self._step, timeout_s)
+            self._how = "sync_step" if how == "all_done" else how
+            if self._step > 0 and how == "all_done":
+                self._secure_final_state(self._observer, self._step)
+            return self._how
         self._how = self._observer.await_final_model(
             self.num_workers * self._step, timeout_s)
         self._pull(self._step, self._observer)
@@ -525,6 +613,40 @@ class ParameterServer:
 
     def _reader(self):
         return self._observer if self._observer is not None else self.client
+
+    def _table_call(self, fn, *args):
+        """fn(*args), a table call of the training client: on the lane once
+        there is one (after the prefetches before it), else here."""
+        if self._lane is None:
+            return fn(*args)
+        return self._lane.run(fn, *args)
+
+    def _await_lane_push(self):
+        """The last step's rows pushed on the lane are in (its error, if it
+        failed, raised here)."""
+        if self._lane_push is not None:
+            push, self._lane_push = self._lane_push, None
+            self._lane.wait(push)
+
+    def _table_lane(self):
+        if self._lane is None:
+            self._lane = _TableLane(self.client)
+        return self._lane
+
+    def _close_lane(self):
+        """The lane's calls done (a prefetch nobody used included) and its
+        thread ended."""
+        if self._lane is not None:
+            self._lane.close()
+            self._lane_times = (self._lane.busy_s, self._lane.waited_s)
+            self._lane = None
+
+    def table_lane_seconds(self):
+        """(time the table lane spent in calls, time training waited for
+        it); zeros without prefetches."""
+        if self._lane is None:
+            return self._lane_times
+        return self._lane.busy_s, self._lane.waited_s
 
 
 class _ServerTable(torch.nn.Module):
@@ -590,11 +712,17 @@ class _ServerTable(torch.nn.Module):
                 raise ValueError(
                     f"'{self.table_name}': ids must be in [0, "
                     f"{self.num_embeddings}), got {low}..{high}")
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        return unique.numpy().astype(np.uint64), inverse.reshape(ids.shape)
+        # numpy's unique: a quarter of torch.unique's time on a batch's ids.
+        unique, inverse = np.unique(flat.numpy(), return_inverse=True)
+        return (unique.astype(np.uint64),
+                torch.from_numpy(inverse.astype(np.int64)).reshape(ids.shape))
 
     def _training(self):
         return self.training and torch.is_grad_enabled()
+
+    def _pulls_never_wait(self):
+        """Whether the servers answer this table's pulls at once (async)."""
+        return (self.consistency or self._ps.mode) == "async"
 
     def _client(self, training):
         return self._ps.client if training else self._ps._reader()
@@ -614,8 +742,8 @@ class _ServerTable(torch.nn.Module):
         keys, index = self._keys(ids)
         rows = self._empty_rows(keys)
         training = self._training()
-        self._client(training).pull_sparse(self._index, self._ps._step, keys,
-                                           rows.numpy())
+        self._ps._table_call(self._client(training).pull_sparse, self._index,
+                             self._ps._step, keys, rows.numpy())
         return self._leaf(keys, rows, training), index
 
     def _take_pending(self):
@@ -732,22 +860,118 @@ class EmbeddingBagCollection(torch.nn.Module):
                                 f"{type(table).__name__}")
         self.tables = torch.nn.ModuleList(tables)
 
-    def forward(self, bags):
+    def _check_bags(self, bags):
         bags = list(bags)
         if len(bags) != len(self.tables):
             raise ValueError(f"{len(bags)} (ids, offsets) pairs for "
                              f"{len(self.tables)} tables")
-        if not bags:
-            return []
+        return bags
+
+    def _pull_parts(self, bags):
+        """(keys with each id's index, rows to fill) of every table, and the
+        parts of the one pull that fills them."""
         keys = [t._keys(ids) for t, (ids, _) in zip(self.tables, bags)]
         rows = [t._empty_rows(k) for t, (k, _) in zip(self.tables, keys)]
+        parts = [(t._index, k, r.numpy())
+                 for t, (k, _), r in zip(self.tables, keys, rows)]
+        return keys, rows, parts
+
+    def prefetch(self, bags):
+        """Starts pulling the rows of ``bags`` (the next batch's, in
+        ``forward``'s form) on a thread beside training; the ``forward``
+        given these same bags (the same tensors, unchanged) then takes them
+        instead of waiting for its pull. Call it for the next batch before
+        this batch's forward: the pull overlaps this step's compute and
+        exchange.
+
+        For tables whose pulls never wait for the step (consistency
+        "async", or servers in async mode), whose rows may be a step old:
+        rows pulled ahead hold this worker's updates through the step
+        before the one that pulled them, one step fewer than a forward's
+        own pull. At most two batches ahead; rows never used are dropped by
+        a forward given other bags (with a warning) or by ``finish()``."""
+        bags = self._check_bags(bags)
+        if not bags:
+            return
+        first = self.tables[0]
+        if first._ps is None:
+            first._keys(bags[0][0])  # raises: not bound
+        ps = first._ps
+        if ps._finished:
+            raise RuntimeError("prefetch() after finish()")
+        for t in self.tables:
+            if not t._pulls_never_wait():
+                raise ValueError(
+                    f"prefetch(): table '{t.table_name}' is "
+                    f"{t.consistency or ps.mode}, and its pulls wait for the "
+                    "step; rows pulled ahead are for async tables "
+                    "(consistency='async')")
+        lane = ps._table_lane()
+        if len(lane.prefetched) >= 2:
+            raise RuntimeError(
+                "prefetch(): two batches are pulled ahead already and no "
+                "forward took them (at most two ahead)")
+        keys, rows, parts = self._pull_parts(bags)
+        future = lane.submit(ps.client.pull_sparse_tables, ps._step + 1,
+                             parts)
+        lane.prefetched.append(
+            [self, bags, _versions(bags), keys, rows, future])
+
+    def _take_prefetched(self, bags):
+        """(keys, rows) a prefetch pulled for exactly these bags, or None;
+        rows pulled ahead for other bags before them are dropped."""
+        ps = self.tables[0]._ps
+        lane = None if ps is None else ps._lane
+        if lane is None:
+            return None
+        mine = [p for p in lane.prefetched if p[0] is self]
+        for i, entry in enumerate(mine):
+            _, ahead, versions, keys, rows, future = entry
+            if not _same_tensors(ahead, bags):
+                continue
+            # Those before it were skipped; it, if its ids changed since.
+            fresh = _versions(bags) == versions
+            dropped = mine[:i] if fresh else mine[:i + 1]
+            for old in mine[:i + 1]:
+                lane.prefetched.remove(old)
+            if dropped:
+                warnings.warn(
+                    f"{len(dropped)} batch(es) of rows pulled ahead were not "
+                    "used: forward was given other bags than prefetch(), or "
+                    "bags written to since", RuntimeWarning)
+            if not fresh:
+                return None
+            lane.wait(future)
+            return keys, rows
+        return None
+
+    def forward(self, bags):
+        bags = self._check_bags(bags)
+        if not bags:
+            return []
         first = self.tables[0]
         training = first._training()
-        first._client(training).pull_sparse_tables(
-            first._ps._step,
-            [(t._index, k, r.numpy())
-             for t, (k, _), r in zip(self.tables, keys, rows)])
+        taken = self._take_prefetched(bags) if training else None
+        if taken is not None:
+            keys, rows = taken
+        else:
+            keys, rows, parts = self._pull_parts(bags)
+            first._ps._table_call(first._client(training).pull_sparse_tables,
+                                  first._ps._step, parts)
         return [torch.nn.functional.embedding_bag(
                     index, t._leaf(k, r, training), offsets, mode=t.mode)
                 for t, (k, index), r, (_, offsets)
                 in zip(self.tables, keys, rows, bags)]
+
+
+def _versions(bags):
+    """torch's counts of in-place writes to the bags' tensors."""
+    return [(ids._version, None if offsets is None else offsets._version)
+            for ids, offsets in bags]
+
+
+def _same_tensors(a, b):
+    """b holds the very tensors of a."""
+    return len(a) == len(b) and all(
+        ids_a is ids_b and offsets_a is offsets_b
+        for (ids_a, offsets_a), (ids_b, offsets_b) in zip(a, b))
