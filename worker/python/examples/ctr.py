@@ -17,14 +17,17 @@ and optimizers), the baseline the job is compared with:
 
 With sync dense layers and async tables (each worker's rows applied on
 arrival, the tables' pulls never waiting for the step), add
---table_consistency=async to the pstrain job. As one rank of
+--table_consistency=async to the pstrain job: then the next batch's rows
+are pulled while this one trains (EmbeddingBagCollection.prefetch; one step
+older than a forward's own pull; --no_prefetch turns it off). As one rank of
 DistributedDataParallel over gloo (the tables replicated on every rank, their
-sparse gradients all-reduced), what a PyTorch user scales out with instead:
+sparse gradients all-reduced), what a PyTorch user scales out with instead
+(OMP_NUM_THREADS=1 as torchrun sets it for several ranks a host):
 
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=0 WORLD_SIZE=2 \
-        /usr/bin/python3 worker/python/examples/ctr.py --ddp --steps=400 &
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=1 WORLD_SIZE=2 \
-        /usr/bin/python3 worker/python/examples/ctr.py --ddp --steps=400
+    OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=0 \
+        WORLD_SIZE=2 /usr/bin/python3 worker/python/examples/ctr.py --ddp &
+    OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=1 \
+        WORLD_SIZE=2 /usr/bin/python3 worker/python/examples/ctr.py --ddp
 
 DLRM (the model recommendation benchmarks run) on Criteo-shaped data, dense
 layers sync and tables async, as pstrain workers:

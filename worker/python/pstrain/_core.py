@@ -63,6 +63,11 @@ def _load():
 
 
 _lib = _load()
+# The same library through a handle whose calls keep the GIL: for calls that
+# return at once. Through _lib a call lets the GIL go, and with another
+# thread of the process running Python (the table lane) getting it back
+# took up to a switch interval (5 ms), for a call of a microsecond.
+_quick_lib = ctypes.PyDLL(_LIB_PATH)
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -70,11 +75,16 @@ _err = ctypes.POINTER(ctypes.c_void_p)
 _WAITING_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p)
 
 
-def _declare(name, *argtypes, restype=ctypes.c_int):
-    fn = getattr(_lib, name)
+def _declare(name, *argtypes, restype=ctypes.c_int, lib=_lib):
+    fn = getattr(lib, name)
     fn.argtypes = list(argtypes)
     fn.restype = restype
     return fn
+
+
+def _declare_quick(name, *argtypes, restype=ctypes.c_int):
+    """A call that returns at once (no I/O, no wait): it keeps the GIL."""
+    return _declare(name, *argtypes, restype=restype, lib=_quick_lib)
 
 
 _lib.pstrain_free.argtypes = [ctypes.c_void_p]
@@ -83,7 +93,7 @@ _declare("pstrain_client_parse_options", ctypes.c_char_p, _err)
 _declare("pstrain_client_create", ctypes.c_char_p, ctypes.POINTER(_p), _err)
 _declare("pstrain_client_destroy", _p, restype=None)
 _declare("pstrain_client_interrupt", _p, restype=None)
-_declare("pstrain_client_num_shards", _p)
+_declare_quick("pstrain_client_num_shards", _p)
 _declare("pstrain_client_register", _p, ctypes.c_char_p, ctypes.c_int,
          ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), _err)
 _declare("pstrain_client_await_job_start", _p, _WAITING_FN, _p, _err)
@@ -104,10 +114,11 @@ _declare("pstrain_client_pull_sparse_tables", _p, _i64, ctypes.c_int, _p, _p,
 _declare("pstrain_client_push_sparse_tables", _p, _i64, ctypes.c_int, _p, _p,
          _p, _p, _p, _err)
 _declare("pstrain_client_leave", _p, _err)
-_declare("pstrain_client_set_gradient_clip", _p, ctypes.c_double, restype=None)
-_declare("pstrain_client_last_clip_norm", _p, restype=ctypes.c_double)
-_declare("pstrain_client_set_group_rates", _p, _p, _p, ctypes.c_int,
-         restype=None)
+_declare_quick("pstrain_client_set_gradient_clip", _p, ctypes.c_double,
+               restype=None)
+_declare_quick("pstrain_client_last_clip_norm", _p, restype=ctypes.c_double)
+_declare_quick("pstrain_client_set_group_rates", _p, _p, _p, ctypes.c_int,
+               restype=None)
 _declare("pstrain_client_stats", _p, ctypes.POINTER(ctypes.c_void_p), _err)
 _declare("pstrain_client_steps_short", _p, ctypes.POINTER(_i64), _err)
 _declare("pstrain_client_await_final_model", _p, _i64, ctypes.c_double,
@@ -128,7 +139,7 @@ _declare("pstrain_synthetic_ctr", _i64, _i64, ctypes.c_int, ctypes.c_int, _i64,
          _p, ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
 _declare("pstrain_ctr_data_sizes", _p, _p, restype=None)
 _declare("pstrain_criteo_kaggle_cardinalities", _p, restype=ctypes.c_int)
-_declare("pstrain_ctr_data_copy", _p, _p, _p, _p, _p, _p, restype=None)
+_declare_quick("pstrain_ctr_data_copy", _p, _p, _p, _p, _p, _p, restype=None)
 _declare("pstrain_ctr_data_destroy", _p, restype=None)
 _declare("pstrain_epoch_plan_create", _i64, _i64, ctypes.c_int, ctypes.c_int,
          ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
@@ -318,7 +329,7 @@ class Client:
 
     @property
     def num_shards(self):
-        return _lib.pstrain_client_num_shards(self._handle)
+        return _quick_lib.pstrain_client_num_shards(self._handle)
 
     def register(self, schema_json, num_workers, worker_id):
         schema = json.loads(schema_json)
@@ -449,17 +460,18 @@ class Client:
                 raise ValueError(f"{len(rates)} rates and {len(momentums)} "
                                  "momentums: one of each per group")
             momentum_array = (ctypes.c_double * len(momentums))(*momentums)
-        _lib.pstrain_client_set_group_rates(self._handle, array,
+        _quick_lib.pstrain_client_set_group_rates(self._handle, array,
                                             momentum_array, len(rates))
 
     def set_gradient_clip(self, max_norm):
         """sync: clip each later step's mean gradient to this 2-norm (0:
         none)."""
-        _lib.pstrain_client_set_gradient_clip(self._handle, float(max_norm))
+        _quick_lib.pstrain_client_set_gradient_clip(self._handle,
+                                                    float(max_norm))
 
     def last_clip_norm(self):
         """The job's gradient norm of the last clipped step."""
-        return _lib.pstrain_client_last_clip_norm(self._handle)
+        return _quick_lib.pstrain_client_last_clip_norm(self._handle)
 
     def leave(self):
         self._call(_lib.pstrain_client_leave)
@@ -592,7 +604,7 @@ def synthetic_ctr(count, first_index, num_dense, num_fields, vocab_per_field,
                "offsets": np.empty(n * num_fields + 1, np.int64),
                "ids": np.empty(num_ids, np.uint64),
                "true_probabilities": np.empty(n, np.float64)}
-        _lib.pstrain_ctr_data_copy(
+        _quick_lib.pstrain_ctr_data_copy(
             handle, *(out[k].ctypes.data for k in
                       ("labels", "dense", "offsets", "ids",
                        "true_probabilities")))

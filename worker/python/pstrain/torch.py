@@ -41,6 +41,15 @@ What the servers hold, by the names ``model.named_parameters()`` and
   step, as with DDP's broadcast of buffers, averaged instead of rank 0's.
 - ``pstrain.torch.Embedding`` / ``EmbeddingBag`` tables: rows live on the
   servers (sharded, created on first use), and only a batch's rows travel.
+  For async tables, ``EmbeddingBagCollection.prefetch(next_bags)`` pulls
+  the next batch's rows while this one trains, and ``step()`` then pushes
+  the rows while the dense exchange runs (both on one thread of their own)::
+
+      for i, (dense, bags, labels) in enumerate(batches):
+          if i + 1 < len(batches):
+              tables.prefetch(batches[i + 1][1])  # before this forward
+          loss_fn(model(dense, bags), labels).backward()
+          ps.step()
 
 Tensors must be float32 (buffers of other types are converted), contiguous,
 on the CPU or on a CUDA device (copied through pinned host memory on a stream
@@ -286,8 +295,8 @@ class _TableLane:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pstrain-tables")
         self._last = None  # the future of the latest call submitted
-        # Rows pulled ahead: [collection, bags, keys, rows, future] each,
-        # oldest first.
+        # Rows pulled ahead, oldest first: [collection, bags, the bags'
+        # _versions, keys, rows, the pull's future] each.
         self.prefetched = []
         self.busy_s = 0.0    # time the lane spent in calls
         self.waited_s = 0.0  # time training waited for the lane
@@ -888,8 +897,10 @@ class EmbeddingBagCollection(torch.nn.Module):
         "async", or servers in async mode), whose rows may be a step old:
         rows pulled ahead hold this worker's updates through the step
         before the one that pulled them, one step fewer than a forward's
-        own pull. At most two batches ahead; rows never used are dropped by
-        a forward given other bags (with a warning) or by ``finish()``."""
+        own pull. Training forwards take them (an eval forward pulls its
+        own). At most two batches ahead a collection; rows never used are
+        dropped, with a warning, when a later batch's are taken or the bags
+        were written to since, and by ``finish()``."""
         bags = self._check_bags(bags)
         if not bags:
             return
@@ -907,7 +918,7 @@ class EmbeddingBagCollection(torch.nn.Module):
                     "step; rows pulled ahead are for async tables "
                     "(consistency='async')")
         lane = ps._table_lane()
-        if len(lane.prefetched) >= 2:
+        if sum(p[0] is self for p in lane.prefetched) >= 2:
             raise RuntimeError(
                 "prefetch(): two batches are pulled ahead already and no "
                 "forward took them (at most two ahead)")
