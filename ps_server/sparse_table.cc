@@ -480,6 +480,15 @@ void SparseTable::PrefetchIndex(const Stripe& s, absl::Span<const uint64_t> ids,
   if (ahead < end) s.index.prefetch(ids[order[ahead]]);
 }
 
+void SparseTable::PrefetchRow(const float* data) const {
+  // A row's values and optimizer state: up to a few cache lines.
+  const char* bytes = reinterpret_cast<const char*>(data);
+  const size_t row_bytes = static_cast<size_t>(row_floats_) * sizeof(float);
+  for (size_t offset = 0; offset < row_bytes && offset < 256; offset += 64) {
+    __builtin_prefetch(bytes + offset, /*rw=*/1);
+  }
+}
+
 uint32_t SparseTable::FindAndTouch(Stripe& s, uint64_t id) const
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   auto it = s.index.find(id);
@@ -878,27 +887,51 @@ absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
     Stripe& s = *stripes_[si];
     absl::MutexLock lock(&s.mu);
     ExpireRows(s, now);
-    for (uint32_t k = begin[si]; k < begin[si + 1]; ++k) {
-      PrefetchIndex(s, ids, order, k + kLookAhead, begin[si + 1]);
-      const uint32_t i = order[k];
-      const uint64_t id = ids[i];
-      float* dst = out.data() + static_cast<size_t>(i) * d;
+    const uint32_t first = begin[si], end = begin[si + 1];
+    // The row of position k (kNil: not admitted, its initial values given).
+    const auto slot_of = [&](uint32_t k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+      PrefetchIndex(s, ids, order, k + kLookAhead, end);
+      const uint64_t id = ids[order[k]];
       uint32_t slot = FindAndTouch(s, id);
-      if (slot == kNil) {
-        if (admit_after > 1) {
-          const uint32_t count = CountSighting(s, id);
-          if (count < admit_after) {
-            ++s.pulls_unadmitted;
-            InitialValue(id, absl::MakeSpan(dst, d));
-            continue;
-          }
-          s.sightings.erase(id);
-          if (count > admit_after) --s.remembered;  // it was remembered
+      if (slot != kNil) return slot;
+      if (admit_after > 1) {
+        const uint32_t count = CountSighting(s, id);
+        if (count < admit_after) {
+          ++s.pulls_unadmitted;
+          InitialValue(id, out.subspan(static_cast<size_t>(order[k]) * d, d));
+          return kNil;
         }
-        slot = CreateRow(s, id);
-        ++s.rows_created;
+        s.sightings.erase(id);
+        if (count > admit_after) --s.remembered;  // it was remembered
       }
-      std::memcpy(dst, s.rows[slot].data, d * sizeof(float));
+      slot = CreateRow(s, id);
+      ++s.rows_created;
+      return slot;
+    };
+    const auto copy = [&](uint32_t k,
+                          uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+      std::memcpy(out.data() + static_cast<size_t>(order[k]) * d,
+                  s.rows[slot].data, d * sizeof(float));
+    };
+    if (s.capacity > 0 &&
+        static_cast<int64_t>(s.index.size()) + (end - first) > s.capacity) {
+      // A row made here may evict one found just before (as in Push).
+      for (uint32_t k = first; k < end; ++k) {
+        const uint32_t slot = slot_of(k);
+        if (slot != kNil) copy(k, slot);
+      }
+      continue;
+    }
+    // Slots first, then the copies (as in PushChecked).
+    thread_local std::vector<uint32_t> slots;
+    slots.resize(end - first);
+    for (uint32_t k = first; k < end; ++k) {
+      const uint32_t slot = slot_of(k);
+      slots[k - first] = slot;
+      if (slot != kNil) __builtin_prefetch(s.rows[slot].data);
+    }
+    for (uint32_t k = first; k < end; ++k) {
+      if (slots[k - first] != kNil) copy(k, slots[k - first]);
     }
   }
   return absl::OkStatus();
@@ -947,31 +980,57 @@ SparsePushResult SparseTable::PushChecked(absl::Span<const uint64_t> ids,
     // Read under the stripe's lock: a mark taken before a reader locked
     // this stripe is seen by every change applied after that reader.
     const uint32_t epoch = epoch_.load();
-    for (uint32_t k = begin[si]; k < begin[si + 1]; ++k) {
-      PrefetchIndex(s, ids, order, k + kLookAhead, begin[si + 1]);
-      const uint32_t i = order[k];
-      const uint64_t id = ids[i];
+    const uint32_t first = begin[si], end = begin[si + 1];
+    const auto slot_of = [&](uint32_t k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+      PrefetchIndex(s, ids, order, k + kLookAhead, end);
+      const uint64_t id = ids[order[k]];
       uint32_t slot = FindAndTouch(s, id);
-      if (slot == kNil) {
-        if (admit_after > 1) {
-          auto it = s.sightings.find(id);
-          if (it == s.sightings.end() || it->second < admit_after) {
-            ++s.pushes_dropped;
-            ++pushed.dropped_unadmitted;
-            continue;
-          }
-          s.sightings.erase(it);
-          --s.remembered;
+      if (slot != kNil) return slot;
+      if (admit_after > 1) {
+        auto it = s.sightings.find(id);
+        if (it == s.sightings.end() || it->second < admit_after) {
+          ++s.pushes_dropped;
+          ++pushed.dropped_unadmitted;
+          return kNil;
         }
-        slot = CreateRow(s, id);
-        ++s.rows_created;
-        ++pushed.rows_created;
+        s.sightings.erase(it);
+        --s.remembered;
       }
+      slot = CreateRow(s, id);
+      ++s.rows_created;
+      ++pushed.rows_created;
+      return slot;
+    };
+    const auto apply = [&](uint32_t k,
+                           uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
       ++pushed.rows_applied;
       s.changed_at[slot] = epoch;
       RowMeta& r = s.rows[slot];
       ApplyGradient(++r.update_count, r.data,
-                    grads.data() + static_cast<size_t>(i) * d);
+                    grads.data() + static_cast<size_t>(order[k]) * d);
+    };
+    if (s.capacity > 0 &&
+        static_cast<int64_t>(s.index.size()) + (end - first) > s.capacity) {
+      // A row made here may evict one found just before: each is updated
+      // before the next is looked up.
+      for (uint32_t k = first; k < end; ++k) {
+        const uint32_t slot = slot_of(k);
+        if (slot != kNil) apply(k, slot);
+      }
+      continue;
+    }
+    // Every slot first, each row's memory on its way as it is found, then
+    // the updates: on a table larger than the cache the rows' misses
+    // overlap instead of coming one an update (Pull does the same).
+    thread_local std::vector<uint32_t> slots;
+    slots.resize(end - first);
+    for (uint32_t k = first; k < end; ++k) {
+      const uint32_t slot = slot_of(k);
+      slots[k - first] = slot;
+      if (slot != kNil) PrefetchRow(s.rows[slot].data);
+    }
+    for (uint32_t k = first; k < end; ++k) {
+      if (slots[k - first] != kNil) apply(k, slots[k - first]);
     }
   }
   return pushed;

@@ -350,6 +350,8 @@ class SparseTable {
   void PrefetchIndex(const Stripe& s, absl::Span<const uint64_t> ids,
                      const std::vector<uint32_t>& order, uint32_t ahead,
                      uint32_t end) const;
+  // Starts the first cache lines of a row's data on their way.
+  void PrefetchRow(const float* data) const;
   // Logs `id`'s eviction or expiry for ChangesSince, once a mark was taken.
   void LogEviction(Stripe& s, uint64_t id) const;
   // Takes the stripe's least recently used row out (index, LRU list,

@@ -517,6 +517,26 @@ TEST(SparseTableLruTest, EvictedRowComesBackFromItsInitialValue) {
             (std::vector<float>{init2[0] - 0.05f * 1, init2[1] - 0.05f * -2}));
 }
 
+TEST(SparseTableLruTest, APushThatEvictsItsOwnRowsUpdatesEachFirst) {
+  // A push and a pull look every id up before they touch any row, unless a
+  // row they make could evict one found before it: then each row is
+  // updated (or read) before the next is looked up. 1 is made, updated,
+  // then evicted by 2; 2 by 3.
+  SparseTableOptions o = Options("sgd", 2);
+  o.max_rows = 1;
+  auto t = Make(o);
+  ASSERT_TRUE(t->Push({1, 2, 3}, {1, 1, 2, 2, 3, 3}).ok());
+  EXPECT_EQ(t->Stats().rows_evicted, 2);
+  const std::vector<float> init3 = Initial(*t, 3);
+  EXPECT_EQ(PullRow(*t, 3), (std::vector<float>{init3[0] - 0.05f * 3,
+                                                init3[1] - 0.05f * 3}));
+  std::vector<float> out(6);
+  ASSERT_TRUE(t->Pull({4, 5, 3}, absl::MakeSpan(out)).ok());
+  const std::vector<float> init4 = Initial(*t, 4), init5 = Initial(*t, 5);
+  EXPECT_EQ(out, (std::vector<float>{init4[0], init4[1], init5[0], init5[1],
+                                     init3[0], init3[1]}));
+}
+
 // ---------------------------------------------------------------------------
 // Byte budget.
 
