@@ -480,12 +480,36 @@ void SparseTable::PrefetchIndex(const Stripe& s, absl::Span<const uint64_t> ids,
   if (ahead < end) s.index.prefetch(ids[order[ahead]]);
 }
 
-void SparseTable::PrefetchRow(const float* data) const {
-  // A row's values and optimizer state: up to a few cache lines.
-  const char* bytes = reinterpret_cast<const char*>(data);
-  const size_t row_bytes = static_cast<size_t>(row_floats_) * sizeof(float);
-  for (size_t offset = 0; offset < row_bytes && offset < 256; offset += 64) {
-    __builtin_prefetch(bytes + offset, /*rw=*/1);
+template <typename SlotOf, typename Use>
+void SparseTable::VisitRows(Stripe& s, uint32_t first, uint32_t end,
+                            SlotOf slot_of, Use use) const
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+  if (s.capacity > 0 &&
+      static_cast<int64_t>(s.index.size()) + (end - first) > s.capacity) {
+    // A row made here may evict one found just before: each is used before
+    // the next is looked up.
+    for (uint32_t k = first; k < end; ++k) {
+      const uint32_t slot = slot_of(k);
+      if (slot != kNil) use(k, slot);
+    }
+    return;
+  }
+  // The first cache lines of a row: its values and optimizer state.
+  const size_t prefetch_bytes =
+      std::min<size_t>(static_cast<size_t>(row_floats_) * sizeof(float), 256);
+  thread_local std::vector<uint32_t> slots;
+  slots.resize(end - first);
+  for (uint32_t k = first; k < end; ++k) {
+    const uint32_t slot = slot_of(k);
+    slots[k - first] = slot;
+    if (slot == kNil) continue;
+    const char* row = reinterpret_cast<const char*>(s.rows[slot].data);
+    for (size_t offset = 0; offset < prefetch_bytes; offset += 64) {
+      __builtin_prefetch(row + offset, /*rw=*/1);
+    }
+  }
+  for (uint32_t k = first; k < end; ++k) {
+    if (slots[k - first] != kNil) use(k, slots[k - first]);
   }
 }
 
@@ -908,31 +932,12 @@ absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
       ++s.rows_created;
       return slot;
     };
-    const auto copy = [&](uint32_t k,
-                          uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
-      std::memcpy(out.data() + static_cast<size_t>(order[k]) * d,
-                  s.rows[slot].data, d * sizeof(float));
-    };
-    if (s.capacity > 0 &&
-        static_cast<int64_t>(s.index.size()) + (end - first) > s.capacity) {
-      // A row made here may evict one found just before (as in Push).
-      for (uint32_t k = first; k < end; ++k) {
-        const uint32_t slot = slot_of(k);
-        if (slot != kNil) copy(k, slot);
-      }
-      continue;
-    }
-    // Slots first, then the copies (as in PushChecked).
-    thread_local std::vector<uint32_t> slots;
-    slots.resize(end - first);
-    for (uint32_t k = first; k < end; ++k) {
-      const uint32_t slot = slot_of(k);
-      slots[k - first] = slot;
-      if (slot != kNil) __builtin_prefetch(s.rows[slot].data);
-    }
-    for (uint32_t k = first; k < end; ++k) {
-      if (slots[k - first] != kNil) copy(k, slots[k - first]);
-    }
+    VisitRows(s, first, end, slot_of,
+              [&](uint32_t k, uint32_t slot)
+                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+                    std::memcpy(out.data() + static_cast<size_t>(order[k]) * d,
+                                s.rows[slot].data, d * sizeof(float));
+                  });
   }
   return absl::OkStatus();
 }
@@ -1001,37 +1006,15 @@ SparsePushResult SparseTable::PushChecked(absl::Span<const uint64_t> ids,
       ++pushed.rows_created;
       return slot;
     };
-    const auto apply = [&](uint32_t k,
-                           uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
-      ++pushed.rows_applied;
-      s.changed_at[slot] = epoch;
-      RowMeta& r = s.rows[slot];
-      ApplyGradient(++r.update_count, r.data,
-                    grads.data() + static_cast<size_t>(order[k]) * d);
-    };
-    if (s.capacity > 0 &&
-        static_cast<int64_t>(s.index.size()) + (end - first) > s.capacity) {
-      // A row made here may evict one found just before: each is updated
-      // before the next is looked up.
-      for (uint32_t k = first; k < end; ++k) {
-        const uint32_t slot = slot_of(k);
-        if (slot != kNil) apply(k, slot);
-      }
-      continue;
-    }
-    // Every slot first, each row's memory on its way as it is found, then
-    // the updates: on a table larger than the cache the rows' misses
-    // overlap instead of coming one an update (Pull does the same).
-    thread_local std::vector<uint32_t> slots;
-    slots.resize(end - first);
-    for (uint32_t k = first; k < end; ++k) {
-      const uint32_t slot = slot_of(k);
-      slots[k - first] = slot;
-      if (slot != kNil) PrefetchRow(s.rows[slot].data);
-    }
-    for (uint32_t k = first; k < end; ++k) {
-      if (slots[k - first] != kNil) apply(k, slots[k - first]);
-    }
+    VisitRows(
+        s, first, end, slot_of,
+        [&](uint32_t k, uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+          ++pushed.rows_applied;
+          s.changed_at[slot] = epoch;
+          RowMeta& r = s.rows[slot];
+          ApplyGradient(++r.update_count, r.data,
+                        grads.data() + static_cast<size_t>(order[k]) * d);
+        });
   }
   return pushed;
 }

@@ -350,8 +350,16 @@ class SparseTable {
   void PrefetchIndex(const Stripe& s, absl::Span<const uint64_t> ids,
                      const std::vector<uint32_t>& order, uint32_t ahead,
                      uint32_t end) const;
-  // Starts the first cache lines of a row's data on their way.
-  void PrefetchRow(const float* data) const;
+  // For positions [first, end) of one stripe's group: slot_of(k) finds (or
+  // makes) the row of ids[order[k]] (kNil: none), use(k, slot) reads or
+  // updates it. Every slot first, each row's lines prefetched as it is
+  // found, then the uses: on a table larger than the cache the rows' misses
+  // overlap instead of coming one a row. Where a row slot_of makes may evict
+  // one found before it (a full stripe), each row is used before the next
+  // is looked up.
+  template <typename SlotOf, typename Use>
+  void VisitRows(Stripe& s, uint32_t first, uint32_t end, SlotOf slot_of,
+                 Use use) const;
   // Logs `id`'s eviction or expiry for ChangesSince, once a mark was taken.
   void LogEviction(Stripe& s, uint64_t id) const;
   // Takes the stripe's least recently used row out (index, LRU list,
