@@ -539,8 +539,10 @@ class ParameterServer:
         # This worker's last rows in (rows pulled ahead for a step never
         # run are dropped).
         pushed_on_lane = self._lane is not None
-        self._await_lane_push()
-        self._close_lane()
+        try:
+            self._await_lane_push()
+        finally:
+            self._close_lane()
         if self.scheduler is not None:
             def refuse(*args, **kwargs):
                 raise RuntimeError(
