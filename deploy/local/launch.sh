@@ -77,8 +77,9 @@ Options:
                    workers' clients); each worker gets the job in
                    PSTRAIN_CLUSTER (with its task index, and the client
                    flags) and RANK, WORLD_SIZE, LOCAL_RANK and
-                   LOCAL_WORLD_SIZE as torchrun sets them. Needs the pstrain
-                   package: worker/python/install.sh
+                   LOCAL_WORLD_SIZE as torchrun sets them, and with several
+                   workers OMP_NUM_THREADS=1 unless it is set (torchrun's
+                   rule). Needs the pstrain package: worker/python/install.sh
   -h, --help       print this help and exit
 
 Extra flags after "--":
