@@ -364,11 +364,11 @@ TEST(SparseTableTest, LazyAdamMovesOnlyPushedRowsWithPerRowStepCount) {
   EXPECT_EQ(rows.at(2).value, Initial(*t, 2));
 }
 
-// Adam's bias corrections come from a table made once per table, up to
-// where they stop changing: a row pushed many times gets, at every count,
-// exactly the update the two pow calls per push gave (the reference below,
-// bit for bit), also past the table's end. Betas 0.5 and 0.9 reach their
-// limits in float within a few hundred counts.
+// Adam's bias corrections come from a table made once per process and
+// (lr, beta1, beta2), up to where they stop changing: a row pushed many times
+// gets, at every count, exactly the update the two pow calls per push gave (the
+// reference below, bit for bit), also past the table's end. Betas 0.5 and 0.9
+// reach their limits in float within a few hundred counts.
 TEST(SparseTableTest, AdamBiasCorrectionsAreThoseOfEveryCount) {
   SparseTableOptions o = Options("adam", 1);
   o.optimizer.learning_rate = 0.01f;
@@ -528,8 +528,8 @@ TEST(SparseTableLruTest, APushThatEvictsItsOwnRowsUpdatesEachFirst) {
   ASSERT_TRUE(t->Push({1, 2, 3}, {1, 1, 2, 2, 3, 3}).ok());
   EXPECT_EQ(t->Stats().rows_evicted, 2);
   const std::vector<float> init3 = Initial(*t, 3);
-  EXPECT_EQ(PullRow(*t, 3), (std::vector<float>{init3[0] - 0.05f * 3,
-                                                init3[1] - 0.05f * 3}));
+  EXPECT_EQ(PullRow(*t, 3),
+            (std::vector<float>{init3[0] - 0.05f * 3, init3[1] - 0.05f * 3}));
   std::vector<float> out(6);
   ASSERT_TRUE(t->Pull({4, 5, 3}, absl::MakeSpan(out)).ok());
   const std::vector<float> init4 = Initial(*t, 4), init5 = Initial(*t, 5);

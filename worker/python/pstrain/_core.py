@@ -319,13 +319,18 @@ class Client:
                 max_workers=1, thread_name_prefix="pstrain-call")
         future = self._executor.submit(fn, self._handle, *args,
                                        ctypes.byref(error))
+        _check(self.await_future(future), error)
+
+    def await_future(self, future):
+        """The result of `future`, a call of this client running on another
+        thread; Ctrl-C while waiting interrupts the call and waits for it to
+        end."""
         try:
-            code = future.result()
+            return future.result()
         except KeyboardInterrupt:
             _lib.pstrain_client_interrupt(self._handle)
             concurrent.futures.wait([future])
             raise
-        _check(code, error)
 
     @property
     def num_shards(self):
@@ -461,7 +466,7 @@ class Client:
                                  "momentums: one of each per group")
             momentum_array = (ctypes.c_double * len(momentums))(*momentums)
         _quick_lib.pstrain_client_set_group_rates(self._handle, array,
-                                            momentum_array, len(rates))
+                                                  momentum_array, len(rates))
 
     def set_gradient_clip(self, max_norm):
         """sync: clip each later step's mean gradient to this 2-norm (0:

@@ -316,11 +316,7 @@ class _TableLane:
         interrupts the call and waits for it to end."""
         start = time.perf_counter()
         try:
-            return future.result()
-        except KeyboardInterrupt:
-            self._client.interrupt()
-            concurrent.futures.wait([future])
-            raise
+            return self._client._core.await_future(future)
         finally:
             self.waited_s += time.perf_counter() - start
 
