@@ -27,9 +27,15 @@ uint64_t Mix64(uint64_t x) {  // splitmix64's finalizer
 }  // namespace
 
 int SparseShardOf(absl::string_view table, uint64_t id, int num_shards) {
-  const uint64_t h = Fnv1a64(table);
-  return static_cast<int>(Mix64(h ^ Mix64(id)) %
-                          static_cast<uint64_t>(num_shards));
+  return SparseShards(table, num_shards).Of(id);
+}
+
+SparseShards::SparseShards(absl::string_view table, int num_shards)
+    : table_hash_(Fnv1a64(table)),
+      num_shards_(static_cast<uint64_t>(num_shards)) {}
+
+int SparseShards::Of(uint64_t id) const {
+  return static_cast<int>(Mix64(table_hash_ ^ Mix64(id)) % num_shards_);
 }
 
 int64_t NumElements(const DenseTensorSpec& tensor) {

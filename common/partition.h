@@ -69,6 +69,18 @@ int64_t NumElements(const DenseTensorSpec& tensor);
 // tables spread independently and any shard count works.
 int SparseShardOf(absl::string_view table, uint64_t id, int num_shards);
 
+// SparseShardOf for the many ids of one table: its name hashed once (per id,
+// hashing the name cost as much as the rest of a row's pull in the client).
+class SparseShards {
+ public:
+  SparseShards(absl::string_view table, int num_shards);
+  int Of(uint64_t id) const;
+
+ private:
+  uint64_t table_hash_;
+  uint64_t num_shards_;
+};
+
 // The placement rule, shared by every layer that needs it (the client and
 // the shards through Partition, checkpoints through these two): global
 // block g lives on shard g % num_shards.

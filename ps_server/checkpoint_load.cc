@@ -332,8 +332,9 @@ absl::Status ReadKeptRows(CrcFileReader& reader, const CheckpointHeader& header,
     kept.version = t.version();
     kept.dim = t.value_floats();
     kept.state_floats = t.state_floats();
+    const SparseShards shards(t.name(), new_num_shards);
     for (int64_t r = 0; r < rows; ++r) {
-      if (SparseShardOf(t.name(), all.ids[r], new_num_shards) != new_shard_id) {
+      if (shards.Of(all.ids[r]) != new_shard_id) {
         continue;
       }
       kept.ids.push_back(all.ids[r]);

@@ -66,8 +66,9 @@ absl::StatusOr<Shard::SparseState*> Shard::ValidateSparse(
     return absl::InvalidArgumentError(absl::StrCat(
         "sparse request for ", ids.size(), " ids; at most ", kMaxIds));
   }
+  const SparseShards shards(table, options_.num_shards);
   for (uint64_t id : ids) {
-    const int owner = SparseShardOf(table, id, options_.num_shards);
+    const int owner = shards.Of(id);
     if (owner != options_.shard_id) {
       return absl::InvalidArgumentError(absl::StrCat(
           "row ", id, " of sparse table ", QuoteForStatus(table),

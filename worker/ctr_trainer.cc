@@ -21,6 +21,7 @@
 #include "worker/embedding_bag.h"
 #include "worker/last_tenth.h"
 #include "worker/step_overlap.h"
+#include "worker/unique_ids.h"
 
 namespace pstrain {
 namespace {

@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <memory>
 #include <random>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -24,68 +23,6 @@ using ::testing::HasSubstr;
 using Mode = EmbeddingBag::Mode;
 using kernels::Backend;
 using kernels::DeviceArray;
-
-void ExpectDedupValid(const std::vector<uint64_t>& ids, const UniqueIds& u) {
-  ASSERT_EQ(u.index.size(), ids.size());
-  std::set<uint64_t> distinct(ids.begin(), ids.end());
-  EXPECT_EQ(u.unique.size(), distinct.size());
-  EXPECT_EQ(std::set<uint64_t>(u.unique.begin(), u.unique.end()).size(),
-            u.unique.size());
-  // First-occurrence order: the k-th new id seen is unique[k].
-  std::set<uint64_t> seen;
-  size_t next = 0;
-  for (size_t j = 0; j < ids.size(); ++j) {
-    ASSERT_GE(u.index[j], 0);
-    ASSERT_LT(u.index[j], static_cast<int64_t>(u.unique.size()));
-    EXPECT_EQ(u.unique[u.index[j]], ids[j]);
-    if (seen.insert(ids[j]).second) {
-      EXPECT_EQ(u.index[j], static_cast<int64_t>(next)) << j;
-      ++next;
-    }
-  }
-}
-
-TEST(DeduplicateTest, FirstOccurrenceOrder) {
-  const std::vector<uint64_t> ids = {7, 3, 7, 7, 0, 3, ~uint64_t{0}, 0};
-  const UniqueIds u = Deduplicate(ids);
-  EXPECT_EQ(u.unique, (std::vector<uint64_t>{7, 3, 0, ~uint64_t{0}}));
-  EXPECT_EQ(u.index, (std::vector<int64_t>{0, 1, 0, 0, 2, 1, 3, 2}));
-}
-
-TEST(DeduplicateTest, Empty) {
-  const UniqueIds u = Deduplicate({});
-  EXPECT_TRUE(u.unique.empty());
-  EXPECT_TRUE(u.index.empty());
-}
-
-TEST(DeduplicateTest, RandomAndAdversarialIdsWithReuse) {
-  std::mt19937_64 rng(1);
-  IdDeduplicator dedup;
-  UniqueIds u;
-  // Sizes go up and down so that the reused table is both grown and only
-  // partly cleared.
-  for (int size : {1000, 10, 5000, 0, 300, 20000, 50}) {
-    std::vector<uint64_t> ids(size);
-    for (int j = 0; j < size; ++j) {
-      switch (j % 3) {
-        case 0:  // hashed-looking ids, repeats likely
-          ids[j] = rng() % 97 * 0x9e3779b97f4a7c15ULL;
-          break;
-        case 1:  // small consecutive ids (LIBSVM)
-          ids[j] = rng() % 500;
-          break;
-        default:  // ids equal in the low bits, which an unmixed table hates
-          ids[j] = (rng() % 300) << 32;
-      }
-    }
-    dedup.Run(ids, &u);
-    ExpectDedupValid(ids, u);
-    // Deterministic: the same ids give the same answer.
-    const UniqueIds again = Deduplicate(ids);
-    EXPECT_EQ(again.unique, u.unique);
-    EXPECT_EQ(again.index, u.index);
-  }
-}
 
 // Bags of a random batch: CSR offsets and ids, with empty bags and repeats
 // within and across bags (ids from a small vocabulary).

@@ -64,7 +64,7 @@
 #include "proto/ps.pb.h"
 #include "tools/cpp/runfiles/runfiles.h"
 #include "worker/client/ps_client.h"
-#include "worker/embedding_bag.h"
+#include "worker/unique_ids.h"
 
 ABSL_FLAG(int, servers, 2, "ps_server shards to start (per dim).");
 ABSL_FLAG(std::vector<std::string>, dims,

@@ -281,6 +281,35 @@ class BadEmbeddingInputTest(unittest.TestCase):
                 model.emb(torch.tensor([[0.5, 1.0]]))
             self.assertEqual([s["sparse"] for s in c.stats()], before)
 
+    def test_a_collection_names_the_table_whose_ids_are_out_of_range(self):
+        with cluster.Cluster(num_shards=1, num_workers=1) as c:
+            model = torch.nn.Module()
+            model.add_module("bags", pstrain.torch.EmbeddingBagCollection(
+                [pstrain.torch.EmbeddingBag(None, 4),
+                 pstrain.torch.EmbeddingBag(10, 4),
+                 pstrain.torch.EmbeddingBag(100, 4)]))
+            model.add_module("out", torch.nn.Linear(12, 1))
+            pstrain.torch.ParameterServer(model, hosts=c.hosts, worker_id=0,
+                                          num_workers=1)
+            before = [s["sparse"] for s in c.stats()]
+            hashed = torch.tensor([-5, 2**62, -5])  # any id: no bound
+            with self.assertRaisesRegex(
+                    ValueError,
+                    r"'bags.tables.1.weight': ids must be in \[0, 10\), "
+                    "got 0..10"):
+                model.bags([(hashed, None), (torch.tensor([[0, 10]]), None),
+                            (torch.tensor([[1000]]), None)])
+            with self.assertRaisesRegex(ValueError,
+                                        r"'bags.tables.2.weight'.*\[0, 100\)"):
+                model.bags([(hashed, None), (torch.tensor([[9]]), None),
+                            (torch.tensor([[100]], dtype=torch.int32), None)])
+            self.assertEqual([s["sparse"] for s in c.stats()], before)
+            pooled = model.bags([(hashed.reshape(1, 3), None),
+                                 (torch.tensor([[9, 9]]), None),
+                                 (torch.tensor([[99]], dtype=torch.int32),
+                                  None)])
+            self.assertEqual([tuple(p.shape) for p in pooled], [(1, 4)] * 3)
+
     def test_table_modes_the_servers_do_not_run(self):
         with self.assertRaisesRegex(ValueError, "consistency must be None"):
             pstrain.torch.EmbeddingBag(100, 4, consistency="bsp")

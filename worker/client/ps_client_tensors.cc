@@ -769,8 +769,9 @@ absl::Status PsClient::PullSparse(int64_t step,
     }
     positions[p].resize(num_shards());
     ids[p].resize(num_shards());
+    const SparseShards shards(spec.name(), num_shards());
     for (size_t i : missing[p]) {
-      const int s = SparseShardOf(spec.name(), parts[p].ids[i], num_shards());
+      const int s = shards.Of(parts[p].ids[i]);
       positions[p][s].push_back(i);
       ids[p][s].Add(parts[p].ids[i]);
     }
@@ -894,8 +895,9 @@ absl::StatusOr<PsClient::PushResult> PsClient::PushSparse(
     const int64_t dim = spec.dim();
     std::vector<SparsePushRequest> requests(num_shards());
     std::vector<std::vector<float>> rows(num_shards());
+    const SparseShards shards(spec.name(), num_shards());
     for (size_t i = 0; i < part.ids.size(); ++i) {
-      const int s = SparseShardOf(spec.name(), part.ids[i], num_shards());
+      const int s = shards.Of(part.ids[i]);
       requests[s].add_ids(part.ids[i]);
       rows[s].insert(rows[s].end(), part.grads + i * dim,
                      part.grads + (i + 1) * dim);

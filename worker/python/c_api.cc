@@ -40,6 +40,7 @@
 #include "worker/ctr_data.h"
 #include "worker/data.h"
 #include "worker/idx_data.h"
+#include "worker/unique_ids.h"
 
 struct pstrain_client {
   std::unique_ptr<pstrain::PsClient> client;
@@ -762,6 +763,33 @@ void pstrain_ctr_data_copy(const pstrain_ctr_data* d, float* labels,
 }
 
 void pstrain_ctr_data_destroy(pstrain_ctr_data* data) { delete data; }
+
+int pstrain_unique_ids(int count, const int64_t* ids, const int64_t* lengths,
+                       const int64_t* bounds, uint64_t* keys, int64_t* index,
+                       int64_t* unique_counts) {
+  // Kept per thread: a steady step allocates nothing (the training thread
+  // and the table lane may both call).
+  thread_local pstrain::IdDeduplicator dedup;
+  thread_local pstrain::UniqueIds unique;
+  int64_t start = 0;
+  for (int a = 0; a < count; start += lengths[a], ++a) {
+    const absl::Span<const int64_t> of(ids + start, lengths[a]);
+    if (bounds[a] >= 0 &&
+        std::any_of(of.begin(), of.end(), [bound = bounds[a]](int64_t id) {
+          return id < 0 || id >= bound;
+        })) {
+      return a;
+    }
+    // Hashed ids are the same 64 bits as the table's uint64 keys.
+    dedup.Run(absl::MakeConstSpan(reinterpret_cast<const uint64_t*>(of.data()),
+                                  of.size()),
+              &unique);
+    std::copy(unique.unique.begin(), unique.unique.end(), keys + start);
+    std::copy(unique.index.begin(), unique.index.end(), index + start);
+    unique_counts[a] = static_cast<int64_t>(unique.unique.size());
+  }
+  return -1;
+}
 
 int pstrain_epoch_plan_create(int64_t num_examples, int64_t worker_batch,
                               int num_workers, int worker_index, int shuffle,

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature here changes; pstrain/_native.py checks it. */
-#define PSTRAIN_C_API_VERSION 3
+#define PSTRAIN_C_API_VERSION 4
 int pstrain_api_version(void);
 
 void pstrain_free(void* p);
@@ -186,6 +186,19 @@ void pstrain_ctr_data_copy(const pstrain_ctr_data* data, float* labels,
                            float* dense, int64_t* offsets, uint64_t* ids,
                            double* true_probabilities);
 void pstrain_ctr_data_destroy(pstrain_ctr_data* data);
+
+/* `count` arrays of ids, one after another in `ids` (lengths[a] each), each
+ * made unique (worker/unique_ids.h) as an embedding table's pull needs them:
+ * array a's distinct ids, in order of first occurrence, go to the start of
+ * its own stretch of `keys` (the same positions its ids have in `ids`),
+ * unique_counts[a] of them, and index[j] is the position of ids[j] among its
+ * array's distinct ids. bounds[a] >= 0: every id of array a must lie in
+ * [0, bounds[a]); < 0: any id. Returns -1 when every array was done, else
+ * the first array with an id out of its bounds (it and those after it are
+ * left unset). */
+int pstrain_unique_ids(int count, const int64_t* ids, const int64_t* lengths,
+                       const int64_t* bounds, uint64_t* keys, int64_t* index,
+                       int64_t* unique_counts);
 
 /* The epoch plan (worker/data.h). */
 typedef struct pstrain_epoch_plan pstrain_epoch_plan;

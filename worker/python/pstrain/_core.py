@@ -21,7 +21,7 @@ import threading
 
 _LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib",
                          "libpstrain.so")
-_API_VERSION = 3
+_API_VERSION = 4
 
 # absl::StatusCode names, by value.
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
@@ -138,6 +138,7 @@ _declare("pstrain_examples_gather", _p, _p, _i64, _p, _p, _err)
 _declare("pstrain_synthetic_ctr", _i64, _i64, ctypes.c_int, ctypes.c_int, _i64,
          _p, ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
 _declare("pstrain_ctr_data_sizes", _p, _p, restype=None)
+_declare_quick("pstrain_unique_ids", ctypes.c_int, _p, _p, _p, _p, _p, _p)
 _declare("pstrain_criteo_kaggle_cardinalities", _p, restype=ctypes.c_int)
 _declare_quick("pstrain_ctr_data_copy", _p, _p, _p, _p, _p, _p, restype=None)
 _declare("pstrain_ctr_data_destroy", _p, restype=None)
@@ -616,6 +617,25 @@ def synthetic_ctr(count, first_index, num_dense, num_fields, vocab_per_field,
         return out
     finally:
         _lib.pstrain_ctr_data_destroy(handle)
+
+
+def unique_ids(ids, lengths, bounds):
+    """Several arrays of int64 ids, one after another in ``ids`` (contiguous,
+    ``lengths`` numpy int64, one each), each made unique: (keys, index,
+    counts, bad). Array a's distinct ids, in order of first occurrence, are
+    ``keys[start:start + counts[a]]`` (uint64; ``start`` where its ids
+    start), and ``index[start:start + lengths[a]]`` is each id's position
+    among them. ``bounds`` (numpy int64, one each): ids of array a must lie in
+    [0, bounds[a]) unless it is negative; ``bad`` is the first array with an
+    id outside (the results then unset from it on), else -1."""
+    import numpy as np
+    keys = np.empty(len(ids), np.uint64)
+    index = np.empty(len(ids), np.int64)
+    counts = np.empty(len(lengths), np.int64)
+    bad = _quick_lib.pstrain_unique_ids(
+        len(lengths), ids.ctypes.data, lengths.ctypes.data, bounds.ctypes.data,
+        keys.ctypes.data, index.ctypes.data, counts.ctypes.data)
+    return keys, index, counts, bad
 
 
 class EpochPlan:

@@ -65,6 +65,7 @@ import numpy as np
 import torch
 
 import pstrain
+from pstrain import _core
 
 __all__ = ["Embedding", "EmbeddingBag", "EmbeddingBagCollection",
            "ParameterServer"]
@@ -705,24 +706,7 @@ class _ServerTable(torch.nn.Module):
     def _keys(self, ids):
         """(the batch's unique ids as the table's uint64 keys, the index of
         each id among them), checked."""
-        if self._ps is None:
-            raise RuntimeError(
-                f"{type(self).__name__} is not bound to a ParameterServer: "
-                "create pstrain.torch.ParameterServer(model) first")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"'{self.table_name}': ids must be int64 or int32, "
-                            f"got {ids.dtype}")
-        flat = ids.reshape(-1).to(torch.int64).cpu()
-        if flat.numel() > 0 and self.num_embeddings is not None:
-            low, high = int(flat.min()), int(flat.max())
-            if low < 0 or high >= self.num_embeddings:
-                raise ValueError(
-                    f"'{self.table_name}': ids must be in [0, "
-                    f"{self.num_embeddings}), got {low}..{high}")
-        # numpy's unique: a quarter of torch.unique's time on a batch's ids.
-        unique, inverse = np.unique(flat.numpy(), return_inverse=True)
-        return (unique.astype(np.uint64),
-                torch.from_numpy(inverse.astype(np.int64)).reshape(ids.shape))
+        return _unique_keys([self], [ids])[0]
 
     def _training(self):
         return self.training and torch.is_grad_enabled()
@@ -877,7 +861,7 @@ class EmbeddingBagCollection(torch.nn.Module):
     def _pull_parts(self, bags):
         """(keys with each id's index, rows to fill) of every table, and the
         parts of the one pull that fills them."""
-        keys = [t._keys(ids) for t, (ids, _) in zip(self.tables, bags)]
+        keys = _unique_keys(self.tables, [ids for ids, _ in bags])
         rows = [t._empty_rows(k) for t, (k, _) in zip(self.tables, keys)]
         parts = [(t._index, k, r.numpy())
                  for t, (k, _), r in zip(self.tables, keys, rows)]
@@ -971,6 +955,41 @@ class EmbeddingBagCollection(torch.nn.Module):
                     index, t._leaf(k, r, training), offsets, mode=t.mode)
                 for t, (k, index), r, (_, offsets)
                 in zip(self.tables, keys, rows, bags)]
+
+
+def _unique_keys(tables, id_tensors):
+    """For each table and its ids: (the unique ids as the table's uint64
+    keys, the index of each id among them, shaped as the ids), checked. One
+    C call for every table (numpy's unique took ~40 us a table)."""
+    flats = []
+    for table, ids in zip(tables, id_tensors):
+        if table._ps is None:
+            raise RuntimeError(
+                f"{type(table).__name__} is not bound to a ParameterServer: "
+                "create pstrain.torch.ParameterServer(model) first")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"'{table.table_name}': ids must be int64 or "
+                            f"int32, got {ids.dtype}")
+        flats.append(ids.reshape(-1).to(torch.int64).cpu())
+    lengths = np.array([len(f) for f in flats], np.int64)
+    bounds = np.array([-1 if t.num_embeddings is None else t.num_embeddings
+                       for t in tables], np.int64)
+    all_ids = flats[0] if len(flats) == 1 else torch.cat(flats)
+    keys, index, counts, bad = _core.unique_ids(
+        all_ids.numpy(), lengths, bounds)
+    if bad >= 0:
+        flat = flats[bad]
+        raise ValueError(
+            f"'{tables[bad].table_name}': ids must be in [0, "
+            f"{tables[bad].num_embeddings}), got {int(flat.min())}.."
+            f"{int(flat.max())}")
+    out, start = [], 0
+    for ids, n, unique in zip(id_tensors, lengths.tolist(), counts.tolist()):
+        out.append((keys[start:start + unique],
+                    torch.from_numpy(index[start:start + n]).reshape(
+                        ids.shape)))
+        start += n
+    return out
 
 
 def _versions(bags):
