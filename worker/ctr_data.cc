@@ -706,4 +706,47 @@ void ExtractFieldBags(const CtrDataset& data, int field,
   }
 }
 
+absl::Status GatherFieldBags(absl::Span<const int64_t> offsets,
+                             absl::Span<const uint64_t> ids, int num_fields,
+                             absl::Span<const int64_t> rows,
+                             absl::Span<uint64_t> ids_out,
+                             absl::Span<int64_t> bag_offsets,
+                             absl::Span<int64_t> field_ids) {
+  const int64_t num_examples =
+      (static_cast<int64_t>(offsets.size()) - 1) / num_fields;
+  if (field_ids.size() != static_cast<size_t>(num_fields) + 1 ||
+      bag_offsets.size() != rows.size() * num_fields) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GatherFieldBags: ", field_ids.size(), " field starts and ",
+        bag_offsets.size(), " bag offsets for ", num_fields, " fields of ",
+        rows.size(), " rows"));
+  }
+  for (int64_t row : rows) {
+    if (row < 0 || row >= num_examples) {
+      return absl::OutOfRangeError(
+          absl::StrCat("example ", row, " of a data set of ", num_examples));
+    }
+  }
+  size_t out = 0;
+  for (int f = 0; f < num_fields; ++f) {
+    field_ids[f] = static_cast<int64_t>(out);
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const int64_t bag = rows[k] * num_fields + f;
+      const size_t begin = static_cast<size_t>(offsets[bag]);
+      const size_t length = static_cast<size_t>(offsets[bag + 1]) - begin;
+      bag_offsets[f * rows.size() + k] =
+          static_cast<int64_t>(out) - field_ids[f];
+      if (out + length > ids_out.size()) {
+        return absl::OutOfRangeError(absl::StrCat("GatherFieldBags: room for ",
+                                                  ids_out.size(),
+                                                  " ids, the rows have more"));
+      }
+      std::copy_n(ids.begin() + begin, length, ids_out.begin() + out);
+      out += length;
+    }
+  }
+  field_ids[num_fields] = static_cast<int64_t>(out);
+  return absl::OkStatus();
+}
+
 }  // namespace pstrain

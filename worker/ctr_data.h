@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "worker/data.h"
 
 namespace pstrain {
@@ -184,6 +185,20 @@ class CtrBatchCursor {
 void ExtractFieldBags(const CtrDataset& data, int field,
                       std::vector<int64_t>* offsets,
                       std::vector<uint64_t>* ids);
+
+// The bags of examples `rows` of a data set in CSR form (`offsets` and `ids`
+// as CtrDataset's, `num_fields` bags an example), field by field, each
+// field's as ExtractFieldBags gives them: field f's ids are
+// ids_out[field_ids[f], field_ids[f + 1]) and its bags start at
+// bag_offsets[f * rows.size() + k], from 0 within the field. field_ids has
+// num_fields + 1 entries, bag_offsets num_fields * rows.size(). OutOfRange
+// for a row not in the set or ids_out too small for the rows' ids.
+absl::Status GatherFieldBags(absl::Span<const int64_t> offsets,
+                             absl::Span<const uint64_t> ids, int num_fields,
+                             absl::Span<const int64_t> rows,
+                             absl::Span<uint64_t> ids_out,
+                             absl::Span<int64_t> bag_offsets,
+                             absl::Span<int64_t> field_ids);
 
 }  // namespace pstrain
 

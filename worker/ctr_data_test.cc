@@ -619,5 +619,64 @@ TEST(CtrBatchCursorTest, WrapsAndRebasesOffsets) {
   }
 }
 
+TEST(GatherFieldBagsTest, EachFieldAsExtractFieldBagsGivesIt) {
+  SyntheticCtrOptions options;
+  options.num_fields = 3;
+  options.max_bag = 4;
+  const CtrDataset data = MustSynthetic(options, 0, 20);
+  // Any rows, repeats and order of the caller's choosing.
+  const std::vector<int64_t> rows = {7, 0, 19, 7, 3};
+  std::vector<uint64_t> ids(rows.size() * 4 * 3);
+  std::vector<int64_t> bag_offsets(rows.size() * 3);
+  std::vector<int64_t> field_ids(4);
+  ASSERT_TRUE(GatherFieldBags(data.offsets, data.ids, 3, rows,
+                              absl::MakeSpan(ids), absl::MakeSpan(bag_offsets),
+                              absl::MakeSpan(field_ids))
+                  .ok());
+  EXPECT_EQ(field_ids[0], 0);
+  for (int f = 0; f < 3; ++f) {
+    std::vector<uint64_t> expected_ids;
+    std::vector<int64_t> expected_offsets;
+    for (int64_t row : rows) {
+      expected_offsets.push_back(static_cast<int64_t>(expected_ids.size()));
+      const std::vector<uint64_t> bag = GetExample(data, row).bags[f];
+      expected_ids.insert(expected_ids.end(), bag.begin(), bag.end());
+    }
+    EXPECT_EQ(std::vector<uint64_t>(ids.begin() + field_ids[f],
+                                    ids.begin() + field_ids[f + 1]),
+              expected_ids)
+        << "field " << f;
+    EXPECT_EQ(std::vector<int64_t>(bag_offsets.begin() + f * rows.size(),
+                                   bag_offsets.begin() + (f + 1) * rows.size()),
+              expected_offsets)
+        << "field " << f;
+  }
+}
+
+TEST(GatherFieldBagsTest, RefusesRowsOutsideTheSetAndTooLittleRoom) {
+  SyntheticCtrOptions options;
+  options.num_fields = 2;
+  options.max_bag = 3;
+  const CtrDataset data = MustSynthetic(options, 0, 4);
+  std::vector<uint64_t> ids(4 * 3 * 2);
+  std::vector<int64_t> bag_offsets(2 * 2);
+  std::vector<int64_t> field_ids(3);
+  for (int64_t bad : {int64_t{-1}, int64_t{4}}) {
+    const std::vector<int64_t> rows = {0, bad};
+    absl::Status status =
+        GatherFieldBags(data.offsets, data.ids, 2, rows, absl::MakeSpan(ids),
+                        absl::MakeSpan(bag_offsets), absl::MakeSpan(field_ids));
+    EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+    EXPECT_THAT(status.message(), HasSubstr(absl::StrCat(
+                                      "example ", bad, " of a data set of 4")));
+  }
+  const std::vector<int64_t> rows = {0, 1};
+  absl::Status status = GatherFieldBags(
+      data.offsets, data.ids, 2, rows, absl::MakeSpan(ids.data(), 0),
+      absl::MakeSpan(bag_offsets), absl::MakeSpan(field_ids));
+  EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(status.message(), HasSubstr("room for 0 ids"));
+}
+
 }  // namespace
 }  // namespace pstrain

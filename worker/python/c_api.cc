@@ -764,6 +764,23 @@ void pstrain_ctr_data_copy(const pstrain_ctr_data* d, float* labels,
 
 void pstrain_ctr_data_destroy(pstrain_ctr_data* data) { delete data; }
 
+int pstrain_ctr_gather_bags(const int64_t* offsets, int64_t num_examples,
+                            const uint64_t* ids, int num_fields,
+                            const int64_t* rows, int64_t num_rows,
+                            uint64_t* ids_out, int64_t room,
+                            int64_t* bag_offsets, int64_t* field_ids,
+                            char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    const size_t num_offsets = num_examples * num_fields + 1;
+    return pstrain::GatherFieldBags(
+        absl::MakeConstSpan(offsets, num_offsets),
+        absl::MakeConstSpan(ids, offsets[num_offsets - 1]), num_fields,
+        absl::MakeConstSpan(rows, num_rows), absl::MakeSpan(ids_out, room),
+        absl::MakeSpan(bag_offsets, num_rows * num_fields),
+        absl::MakeSpan(field_ids, num_fields + 1));
+  });
+}
+
 int pstrain_unique_ids(int count, const int64_t* ids, const int64_t* lengths,
                        const int64_t* bounds, uint64_t* keys, int64_t* index,
                        int64_t* unique_counts) {

@@ -186,6 +186,16 @@ void pstrain_ctr_data_copy(const pstrain_ctr_data* data, float* labels,
                            float* dense, int64_t* offsets, uint64_t* ids,
                            double* true_probabilities);
 void pstrain_ctr_data_destroy(pstrain_ctr_data* data);
+/* The bags of examples rows[0..num_rows) of CSR data (offsets
+ * [num_examples * num_fields + 1] into ids) field by field, as
+ * GatherFieldBags (worker/ctr_data.h) writes them: ids_out (room for `room`
+ * ids), bag_offsets [num_fields * num_rows], field_ids [num_fields + 1]. */
+int pstrain_ctr_gather_bags(const int64_t* offsets, int64_t num_examples,
+                            const uint64_t* ids, int num_fields,
+                            const int64_t* rows, int64_t num_rows,
+                            uint64_t* ids_out, int64_t room,
+                            int64_t* bag_offsets, int64_t* field_ids,
+                            char** error);
 
 /* `count` arrays of ids, one after another in `ids` (lengths[a] each), each
  * made unique (worker/unique_ids.h) as an embedding table's pull needs them:

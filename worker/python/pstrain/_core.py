@@ -138,6 +138,8 @@ _declare("pstrain_examples_gather", _p, _p, _i64, _p, _p, _err)
 _declare("pstrain_synthetic_ctr", _i64, _i64, ctypes.c_int, ctypes.c_int, _i64,
          _p, ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
 _declare("pstrain_ctr_data_sizes", _p, _p, restype=None)
+_declare_quick("pstrain_ctr_gather_bags", _p, _i64, _p, ctypes.c_int, _p, _i64, _p,
+               _i64, _p, _p, _err)
 _declare_quick("pstrain_unique_ids", ctypes.c_int, _p, _p, _p, _p, _p, _p)
 _declare("pstrain_criteo_kaggle_cardinalities", _p, restype=ctypes.c_int)
 _declare_quick("pstrain_ctr_data_copy", _p, _p, _p, _p, _p, _p, restype=None)
@@ -636,6 +638,25 @@ def unique_ids(ids, lengths, bounds):
         len(lengths), ids.ctypes.data, lengths.ctypes.data, bounds.ctypes.data,
         keys.ctypes.data, index.ctypes.data, counts.ctypes.data)
     return keys, index, counts, bad
+
+
+def ctr_gather_bags(offsets, ids, num_fields, rows, room):
+    """The bags of examples ``rows`` (contiguous int64) of CSR data
+    (``offsets``, ``ids``: int64 numpy arrays) field by field: (ids,
+    bag_offsets [num_fields, len(rows)], field_ids [num_fields + 1]); field
+    f's ids are ``ids[field_ids[f]:field_ids[f + 1]]``. ``room``: at least
+    the rows' number of ids."""
+    import numpy as np
+    out = np.empty(room, np.int64)
+    bag_offsets = np.empty((num_fields, len(rows)), np.int64)
+    field_ids = np.empty(num_fields + 1, np.int64)
+    error = ctypes.c_void_p()
+    _check(_quick_lib.pstrain_ctr_gather_bags(
+        offsets.ctypes.data, (len(offsets) - 1) // num_fields, ids.ctypes.data,
+        num_fields, rows.ctypes.data, len(rows), out.ctypes.data, room,
+        bag_offsets.ctypes.data, field_ids.ctypes.data, ctypes.byref(error)),
+        error)
+    return out, bag_offsets, field_ids
 
 
 class EpochPlan:

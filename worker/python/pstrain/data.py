@@ -125,19 +125,19 @@ class CtrData:
         # Ids are 64-bit hashes; torch embeds int64: the same bits.
         self.ids = d["ids"].view(np.int64)
         self.true_probabilities = d["true_probabilities"]
+        # The most ids one example has: a batch's room for its bags.
+        self._most_ids = int(np.diff(self.offsets[::num_fields]).max(
+            initial=0))
 
     def batch(self, rows):
-        rows = np.asarray(rows, dtype=np.int64)
-        bags = []
-        for f in range(self.num_fields):
-            starts = self.offsets[rows * self.num_fields + f]
-            ends = self.offsets[rows * self.num_fields + f + 1]
-            lengths = ends - starts
-            # Every bag's ids, concatenated: start of its bag + position in it.
-            first = np.cumsum(lengths) - lengths
-            within = np.arange(lengths.sum()) - np.repeat(first, lengths)
-            ids = self.ids[np.repeat(starts, lengths) + within]
-            bags.append((torch.from_numpy(ids), torch.from_numpy(first)))
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        # One C++ call: numpy took ~25 us a field.
+        ids, offsets, field_ids = _core.ctr_gather_bags(
+            self.offsets, self.ids, self.num_fields, rows,
+            len(rows) * self._most_ids)
+        bags = [(torch.from_numpy(ids[field_ids[f]:field_ids[f + 1]]),
+                 torch.from_numpy(offsets[f]))
+                for f in range(self.num_fields)]
         return (torch.from_numpy(self.dense[rows]),
                 torch.from_numpy(self.labels[rows]), bags)
 
