@@ -111,6 +111,15 @@ class TorchEmbeddingTest(unittest.TestCase):
     def test_a_collection_pulls_every_table_as_each_would_alone(self):
         # Two tables in an EmbeddingBagCollection (one round trip) against
         # two local nn.EmbeddingBag tables: the same model after training.
+        # One mode: the collection pools both tables in one embedding_bag
+        # (2-D ids beside 1-D ids with offsets); two modes: one call each.
+        for modes in (("sum", "sum"), ("sum", "mean")):
+            with self.subTest(modes=modes):
+                self.check_collection(modes)
+
+    def check_collection(self, modes):
+        offsets = torch.arange(0, 2 * BATCH, 2)
+
         class Pair(torch.nn.Module):
             def __init__(self, fields, local):
                 super().__init__()
@@ -119,9 +128,10 @@ class TorchEmbeddingTest(unittest.TestCase):
                 self.out = torch.nn.Linear(2 * DIM, 1)
 
             def forward(self, ids):
-                bags = [(ids[:, :2], None), (ids[:, 1:], None)]
+                bags = [(ids[:, :2], None),
+                        (ids[:, 1:].reshape(-1), offsets)]
                 if self.local:
-                    pooled = [t(i) for t, (i, _) in zip(self.fields, bags)]
+                    pooled = [t(i, o) for t, (i, o) in zip(self.fields, bags)]
                 else:
                     pooled = self.fields(bags)
                 return self.out(torch.cat(pooled, dim=1)).squeeze(1)
@@ -130,15 +140,15 @@ class TorchEmbeddingTest(unittest.TestCase):
                              flags=["--optimizer=sgd",
                                     f"--learning_rate={LR}"]) as c:
             model = Pair(pstrain.torch.EmbeddingBagCollection(
-                pstrain.torch.EmbeddingBag(VOCAB, DIM, mode="sum",
+                pstrain.torch.EmbeddingBag(VOCAB, DIM, mode=mode,
                                            optimizer="sgd", lr=LR)
-                for _ in range(2)), local=False)
+                for mode in modes), local=False)
             ps = pstrain.torch.ParameterServer(model, hosts=c.hosts,
                                                worker_id=0, num_workers=1)
             every_id = np.arange(VOCAB, dtype=np.uint64)
             local = Pair(torch.nn.ModuleList(
-                torch.nn.EmbeddingBag(VOCAB, DIM, mode="sum")
-                for _ in range(2)), local=True)
+                torch.nn.EmbeddingBag(VOCAB, DIM, mode=mode)
+                for mode in modes), local=True)
             for t, table in enumerate(local.fields):
                 initial = np.zeros((VOCAB, DIM), np.float32)
                 ps.client.pull_sparse(t, 0, every_id, initial)
@@ -157,6 +167,8 @@ class TorchEmbeddingTest(unittest.TestCase):
                 self.assertLessEqual(
                     (torch.from_numpy(rows) - table.weight.data)
                     .abs().max().item(), 1e-5)
+
+    def test_a_collection_checks_what_it_is_given(self):
         with self.assertRaisesRegex(TypeError, "holds pstrain.torch"):
             pstrain.torch.EmbeddingBagCollection([torch.nn.Linear(2, 2)])
 

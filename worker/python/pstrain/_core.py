@@ -279,6 +279,21 @@ def _ids_pointer(ids, what):
     return _address(ids, len(ids), False, f"{what}: ids", "<u8", "uint64")
 
 
+def _address_arrays(tables, ids, counts, rows):
+    """The C arrays of pull_sparse_addresses' numpy arrays, their types and
+    lengths checked."""
+    for array, dtype in ((tables, "int32"), (ids, "uint64"), (counts, "int64"),
+                         (rows, "uint64")):
+        if (array.dtype != dtype or array.ndim != 1
+                or len(array) != len(tables)
+                or not array.flags["C_CONTIGUOUS"]):
+            raise ValueError(f"sparse parts by address: expected {len(tables)} "
+                             f"contiguous {dtype}, got {array.dtype} "
+                             f"{array.shape}")
+    return (tables.ctypes.data, ids.ctypes.data, counts.ctypes.data,
+            rows.ctypes.data)
+
+
 class Client:
     """One PsClient (worker/client/ps_client.h has every call's contract)."""
 
@@ -454,6 +469,24 @@ class Client:
         self._call(_lib.pstrain_client_push_sparse_tables, step, len(parts),
                    *self._sparse_parts(parts, False, "push_sparse_tables"),
                    result)
+        return result[0], result[1]
+
+    def pull_sparse_addresses(self, step, tables, ids, counts, rows):
+        """pull_sparse_tables with the parts given by address, as numpy
+        arrays of one entry a part: tables (int32), ids and rows (uint64
+        addresses of the part's uint64 ids and float32 rows) and counts
+        (int64). Nothing here can check that memory: for callers that made
+        it themselves (pstrain.torch lays a pull's tables out in one buffer
+        of ids and one of rows), and keep it until the call returns."""
+        self._call(_lib.pstrain_client_pull_sparse_tables, step, len(tables),
+                   *_address_arrays(tables, ids, counts, rows))
+
+    def push_sparse_addresses(self, step, tables, ids, counts, gradients):
+        """push_sparse_tables with the parts given by address, as
+        pull_sparse_addresses."""
+        result = (_i64 * 2)()
+        self._call(_lib.pstrain_client_push_sparse_tables, step, len(tables),
+                   *_address_arrays(tables, ids, counts, gradients), result)
         return result[0], result[1]
 
     def set_group_rates(self, rates, momentums=None):

@@ -297,7 +297,7 @@ class _TableLane:
             max_workers=1, thread_name_prefix="pstrain-tables")
         self._last = None  # the future of the latest call submitted
         # Rows pulled ahead, oldest first: [collection, bags, the bags'
-        # _versions, keys, rows, the pull's future] each.
+        # _versions, _PulledRows, the pull's future] each.
         self.prefetched = []
         self.busy_s = 0.0    # time the lane spent in calls
         self.waited_s = 0.0  # time training waited for the lane
@@ -466,9 +466,9 @@ class ParameterServer:
                 # After prefetch(): the rows go on the lane while the dense
                 # exchange runs (finish() waits for every worker's).
                 self._lane_push = self._lane.submit(
-                    self.client.push_sparse_tables, step, parts)
+                    _push_rows, self.client, step, parts)
             else:
-                self.client.push_sparse_tables(step, parts)
+                _push_rows(self.client, step, parts)
         if self._stream is not None:
             torch.cuda.current_stream().synchronize()  # gradient copies
         grads = [t.push_source() for t in self._tensors]
@@ -689,7 +689,8 @@ class _ServerTable(torch.nn.Module):
         }
         self._init_std = init_std
         self._ps = None
-        self._pending = []  # (unique ids, rows leaf) of this step's forwards
+        # (unique ids, leaf, the ids' first row in it) of this step's forwards
+        self._pending = []
 
     def _bind(self, ps, index, name):
         self._ps = ps
@@ -703,11 +704,6 @@ class _ServerTable(torch.nn.Module):
                 "max_bytes": str(self.max_bytes),
                 "mode": self.consistency or ""}
 
-    def _keys(self, ids):
-        """(the batch's unique ids as the table's uint64 keys, the index of
-        each id among them), checked."""
-        return _unique_keys([self], [ids])[0]
-
     def _training(self):
         return self.training and torch.is_grad_enabled()
 
@@ -718,52 +714,40 @@ class _ServerTable(torch.nn.Module):
     def _client(self, training):
         return self._ps.client if training else self._ps._reader()
 
-    def _empty_rows(self, keys):
-        return torch.empty((len(keys), self.embedding_dim), dtype=torch.float32)
-
-    def _leaf(self, keys, rows, training):
-        """The pulled rows as a leaf whose gradient step() pushes (training)."""
-        if training:
-            rows.requires_grad_(True)
-            self._pending.append((keys, rows))
-        return rows
-
     def _rows(self, ids):
         """(rows of the batch's unique ids, the index of each id among them)."""
-        keys, index = self._keys(ids)
-        rows = self._empty_rows(keys)
+        pulled = _PulledRows([self], [ids])
         training = self._training()
-        self._ps._table_call(self._client(training).pull_sparse, self._index,
-                             self._ps._step, keys, rows.numpy())
-        return self._leaf(keys, rows, training), index
+        self._ps._table_call(pulled.pull, self._client(training),
+                             self._ps._step)
+        leaf = pulled.leaves(training, fused=False)[0]
+        return leaf, pulled.index_of(0, ids)
 
     def _take_pending(self):
-        """(table index, unique ids, summed gradient rows) of this step's
-        forwards, for ParameterServer.step's push. Every shard hears from
-        every worker each sync step, even with no rows (PushSparse sends the
-        empty ones): the table's step completes."""
+        """(table index, unique ids, summed gradient rows as a contiguous
+        float32 tensor) of this step's forwards, for ParameterServer.step's
+        push. Every shard hears from every worker each sync step, even with
+        no rows (PushSparse sends the empty ones): the table's step
+        completes."""
         if not self._pending:
             keys = np.zeros(0, dtype=np.uint64)
-            grads = np.zeros((0, self.embedding_dim), dtype=np.float32)
+            grads = torch.zeros((0, self.embedding_dim), dtype=torch.float32)
         elif len(self._pending) == 1:
             # One forward this step (the usual case): its keys are unique
-            # already (_rows pulls each id once), so its rows' gradient is
-            # the push as it is.
-            keys, rows = self._pending[0]
-            grads = (rows.grad if rows.grad is not None
-                     else torch.zeros_like(rows)).contiguous().numpy()
+            # already (each pull asks for an id once), so its rows' gradient
+            # is the push as it is.
+            keys, leaf, first = self._pending[0]
+            grads = _grad_rows(leaf, first, len(keys))
         else:
-            all_keys = np.concatenate([k for k, _ in self._pending])
-            all_grads = torch.cat([
-                r.grad if r.grad is not None else torch.zeros_like(r)
-                for _, r in self._pending])
+            all_keys = np.concatenate([k for k, _, _ in self._pending])
+            all_grads = torch.cat([_grad_rows(leaf, first, len(k))
+                                   for k, leaf, first in self._pending])
             keys, where = np.unique(all_keys, return_inverse=True)
             # index_add_, not np.add.at: the latter took 14% of a CTR step.
             grads = torch.zeros((len(keys), self.embedding_dim),
                                 dtype=torch.float32)
             grads.index_add_(0, torch.from_numpy(where.astype(np.int64)),
                              all_grads)
-            grads = grads.numpy()
         self._pending = []
         return self._index, keys, grads
 
@@ -858,15 +842,6 @@ class EmbeddingBagCollection(torch.nn.Module):
                              f"{len(self.tables)} tables")
         return bags
 
-    def _pull_parts(self, bags):
-        """(keys with each id's index, rows to fill) of every table, and the
-        parts of the one pull that fills them."""
-        keys = _unique_keys(self.tables, [ids for ids, _ in bags])
-        rows = [t._empty_rows(k) for t, (k, _) in zip(self.tables, keys)]
-        parts = [(t._index, k, r.numpy())
-                 for t, (k, _), r in zip(self.tables, keys, rows)]
-        return keys, rows, parts
-
     def prefetch(self, bags):
         """Starts pulling the rows of ``bags`` (the next batch's, in
         ``forward``'s form) on a thread beside training; the ``forward``
@@ -888,7 +863,7 @@ class EmbeddingBagCollection(torch.nn.Module):
             return
         first = self.tables[0]
         if first._ps is None:
-            first._keys(bags[0][0])  # raises: not bound
+            _unique_ids([first], [bags[0][0]])  # raises: not bound
         ps = first._ps
         if ps._finished:
             raise RuntimeError("prefetch() after finish()")
@@ -904,14 +879,12 @@ class EmbeddingBagCollection(torch.nn.Module):
             raise RuntimeError(
                 "prefetch(): two batches are pulled ahead already and no "
                 "forward took them (at most two ahead)")
-        keys, rows, parts = self._pull_parts(bags)
-        future = lane.submit(ps.client.pull_sparse_tables, ps._step + 1,
-                             parts)
-        lane.prefetched.append(
-            [self, bags, _versions(bags), keys, rows, future])
+        pulled = _PulledRows(self.tables, [ids for ids, _ in bags])
+        future = lane.submit(pulled.pull, ps.client, ps._step + 1)
+        lane.prefetched.append([self, bags, _versions(bags), pulled, future])
 
     def _take_prefetched(self, bags):
-        """(keys, rows) a prefetch pulled for exactly these bags, or None;
+        """The _PulledRows a prefetch pulled for exactly these bags, or None;
         rows pulled ahead for other bags before them are dropped."""
         ps = self.tables[0]._ps
         lane = None if ps is None else ps._lane
@@ -919,7 +892,7 @@ class EmbeddingBagCollection(torch.nn.Module):
             return None
         mine = [p for p in lane.prefetched if p[0] is self]
         for i, entry in enumerate(mine):
-            _, ahead, versions, keys, rows, future = entry
+            _, ahead, versions, pulled, future = entry
             if not _same_tensors(ahead, bags):
                 continue
             # Those before it were skipped; it, if its ids changed since.
@@ -935,7 +908,7 @@ class EmbeddingBagCollection(torch.nn.Module):
             if not fresh:
                 return None
             lane.wait(future)
-            return keys, rows
+            return pulled
         return None
 
     def forward(self, bags):
@@ -944,23 +917,151 @@ class EmbeddingBagCollection(torch.nn.Module):
             return []
         first = self.tables[0]
         training = first._training()
-        taken = self._take_prefetched(bags) if training else None
-        if taken is not None:
-            keys, rows = taken
-        else:
-            keys, rows, parts = self._pull_parts(bags)
-            first._ps._table_call(first._client(training).pull_sparse_tables,
-                                  first._ps._step, parts)
-        return [torch.nn.functional.embedding_bag(
-                    index, t._leaf(k, r, training), offsets, mode=t.mode)
-                for t, (k, index), r, (_, offsets)
-                in zip(self.tables, keys, rows, bags)]
+        pulled = self._take_prefetched(bags) if training else None
+        if pulled is None:
+            pulled = _PulledRows(self.tables, [ids for ids, _ in bags])
+            first._ps._table_call(pulled.pull, first._client(training),
+                                  first._ps._step)
+        fused = self._fused_bags(bags)
+        if fused is None:
+            return [torch.nn.functional.embedding_bag(
+                        pulled.index_of(i, ids), leaf, offsets, mode=t.mode)
+                    for i, (t, leaf, (ids, offsets)) in enumerate(zip(
+                        self.tables, pulled.leaves(training, fused=False),
+                        bags))]
+        offsets, bag_counts = fused
+        # Every table's bags in one embedding_bag, and so one backward: for
+        # DLRM's 26 tables, ~0.5 ms a step less than a call each.
+        leaf = pulled.leaves(training, fused=True)[0]
+        pooled = torch.nn.functional.embedding_bag(
+            pulled.fused_index(), leaf, offsets, mode=self.tables[0].mode)
+        return list(pooled.split(bag_counts))
+
+    def _fused_bags(self, bags):
+        """(every table's bag offsets into the tables' ids one after another,
+        each table's number of bags) when one embedding_bag can pool every
+        table (one dim, one mode, offsets torch takes), else None."""
+        first = self.tables[0]
+        if any(t.embedding_dim != first.embedding_dim or t.mode != first.mode
+               for t in self.tables):
+            return None
+        parts, bag_counts, start = [], [], 0
+        for ids, offsets in bags:
+            n = ids.numel()
+            if offsets is None:
+                if ids.dim() != 2 or ids.shape[1] == 0:
+                    return None  # torch's own call says what is wrong
+                part = np.arange(0, n, ids.shape[1], dtype=np.int64)
+            else:
+                if (ids.dim() != 1 or offsets.dim() != 1 or len(offsets) == 0
+                        or offsets.device.type != "cpu"):
+                    return None
+                part = offsets.numpy().astype(np.int64, copy=False)
+                if part[0] != 0 or part[-1] > n:
+                    return None
+            parts.append(part + start)
+            bag_counts.append(len(part))
+            start += n
+        return torch.from_numpy(np.concatenate(parts)), bag_counts
 
 
-def _unique_keys(tables, id_tensors):
-    """For each table and its ids: (the unique ids as the table's uint64
-    keys, the index of each id among them, shaped as the ids), checked. One
-    C call for every table (numpy's unique took ~40 us a table)."""
+class _PulledRows:
+    """One pull's rows for some tables (a collection's, or one table's):
+    the tables' unique ids in one uint64 array and their rows in one float32
+    buffer, so that the pull, the forward and the push each take a few calls
+    whatever the number of tables (a part's checks and ctypes arrays cost
+    ~3 us a table each way, on the lane's thread, which then holds the GIL
+    training needs)."""
+
+    def __init__(self, tables, id_tensors):
+        self.tables = tables
+        self.keys, self._index, self.counts, self.lengths = _unique_ids(
+            tables, id_tensors)
+        self.id_starts = np.cumsum(self.lengths) - self.lengths
+        dims = np.array([t.embedding_dim for t in tables], np.int64)
+        floats = self.counts * dims
+        float_starts = np.cumsum(floats) - floats
+        self.buffer = torch.empty(int(floats.sum()), dtype=torch.float32)
+        self.rows = [self.buffer[s:s + f].view(n, d) for s, f, n, d in zip(
+            float_starts.tolist(), floats.tolist(), self.counts.tolist(),
+            dims.tolist())]
+        self.addresses = (
+            np.array([t._index for t in tables], np.int32),
+            (self.keys.ctypes.data + 8 * self.id_starts).astype(np.uint64),
+            self.counts,
+            (self.buffer.data_ptr() + 4 * float_starts).astype(np.uint64))
+
+    def pull(self, client, step):
+        """Fills the rows from the servers in one round trip (a bound method
+        of this object: whoever runs it holds the memory it writes)."""
+        client._core.pull_sparse_addresses(step, *self.addresses)
+
+    def keys_of(self, i):
+        start = int(self.id_starts[i])
+        return self.keys[start:start + int(self.counts[i])]
+
+    def index_of(self, i, ids):
+        """Table i's index of each id among its pulled rows, shaped as its
+        ids."""
+        start = int(self.id_starts[i])
+        return torch.from_numpy(
+            self._index[start:start + int(self.lengths[i])]).reshape(ids.shape)
+
+    def fused_index(self):
+        """Every id's row in the buffer as one [rows, dim] tensor (one dim)."""
+        row_starts = np.cumsum(self.counts) - self.counts
+        return torch.from_numpy(self._index +
+                                np.repeat(row_starts, self.lengths))
+
+    def leaves(self, training, fused):
+        """The rows as tensors the forward pools: one per table, or
+        (fused) one of every table's rows. Training: leaves whose gradients
+        step() pushes, each table's noted in its pending list."""
+        if fused:
+            dim = self.tables[0].embedding_dim
+            whole = self.buffer.view(-1, dim)
+            if not training:
+                return [whole]
+            leaf = whole.detach().requires_grad_(True)
+            first = 0
+            for i, t in enumerate(self.tables):
+                t._pending.append((self.keys_of(i), leaf, first))
+                first += int(self.counts[i])
+            return [leaf]
+        if not training:
+            return self.rows
+        leaves = []
+        for i, (t, rows) in enumerate(zip(self.tables, self.rows)):
+            leaf = rows.detach().requires_grad_(True)
+            t._pending.append((self.keys_of(i), leaf, 0))
+            leaves.append(leaf)
+        return leaves
+
+
+def _grad_rows(leaf, first, count):
+    """Rows [first, first + count) of leaf's gradient (zeros where the loss
+    did not reach it), contiguous."""
+    if leaf.grad is None:
+        return torch.zeros((count, leaf.shape[1]), dtype=torch.float32)
+    return leaf.grad[first:first + count].contiguous()
+
+
+def _push_rows(client, step, parts):
+    """Pushes _take_pending's parts in one round trip (the parts are held
+    until it returns: the call reads their memory)."""
+    client._core.push_sparse_addresses(
+        step, np.array([table for table, _, _ in parts], np.int32),
+        np.array([keys.ctypes.data for _, keys, _ in parts], np.uint64),
+        np.array([len(keys) for _, keys, _ in parts], np.int64),
+        np.array([grads.data_ptr() for _, _, grads in parts], np.uint64))
+
+
+def _unique_ids(tables, id_tensors):
+    """Each table's ids, checked and made unique in one C call (numpy's
+    unique took ~40 us a table): (keys, index, counts, lengths). Table i's
+    ids are the lengths[i] after those of the tables before it; its
+    counts[i] unique ids, as the table's uint64 keys, start at the same
+    place in keys, and index gives each id's position among them."""
     flats = []
     for table, ids in zip(tables, id_tensors):
         if table._ps is None:
@@ -983,13 +1084,7 @@ def _unique_keys(tables, id_tensors):
             f"'{tables[bad].table_name}': ids must be in [0, "
             f"{tables[bad].num_embeddings}), got {int(flat.min())}.."
             f"{int(flat.max())}")
-    out, start = [], 0
-    for ids, n, unique in zip(id_tensors, lengths.tolist(), counts.tolist()):
-        out.append((keys[start:start + unique],
-                    torch.from_numpy(index[start:start + n]).reshape(
-                        ids.shape)))
-        start += n
-    return out
+    return keys, index, counts, lengths
 
 
 def _versions(bags):
