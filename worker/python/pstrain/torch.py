@@ -982,9 +982,7 @@ class _PulledRows:
         floats = self.counts * dims
         float_starts = np.cumsum(floats) - floats
         self.buffer = torch.empty(int(floats.sum()), dtype=torch.float32)
-        self.rows = [self.buffer[s:s + f].view(n, d) for s, f, n, d in zip(
-            float_starts.tolist(), floats.tolist(), self.counts.tolist(),
-            dims.tolist())]
+        self._float_starts, self._dims = float_starts, dims
         self.addresses = (
             np.array([t._index for t in tables], np.int32),
             (self.keys.ctypes.data + 8 * self.id_starts).astype(np.uint64),
@@ -995,6 +993,12 @@ class _PulledRows:
         """Fills the rows from the servers in one round trip (a bound method
         of this object: whoever runs it holds the memory it writes)."""
         client._core.pull_sparse_addresses(step, *self.addresses)
+
+    def rows(self):
+        """Each table's rows, [unique ids, dim], in the buffer."""
+        return [self.buffer[s:s + n * d].view(n, d) for s, n, d in zip(
+            self._float_starts.tolist(), self.counts.tolist(),
+            self._dims.tolist())]
 
     def keys_of(self, i):
         start = int(self.id_starts[i])
@@ -1029,9 +1033,9 @@ class _PulledRows:
                 first += int(self.counts[i])
             return [leaf]
         if not training:
-            return self.rows
+            return self.rows()
         leaves = []
-        for i, (t, rows) in enumerate(zip(self.tables, self.rows)):
+        for i, (t, rows) in enumerate(zip(self.tables, self.rows())):
             leaf = rows.detach().requires_grad_(True)
             t._pending.append((self.keys_of(i), leaf, 0))
             leaves.append(leaf)
