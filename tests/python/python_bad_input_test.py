@@ -280,6 +280,13 @@ class BadEmbeddingInputTest(unittest.TestCase):
                                         "'emb.weight': ids must be int64"):
                 model.emb(torch.tensor([[0.5, 1.0]]))
             self.assertEqual([s["sparse"] for s in c.stats()], before)
+            # Ids in strided memory are read as the values they show.
+            strided = torch.tensor([5, 99, 7, 99, 5, 99])[::2]
+            self.assertFalse(strided.is_contiguous())
+            with torch.no_grad():
+                self.assertTrue(torch.equal(
+                    model.emb(strided, torch.tensor([0])),
+                    model.emb(torch.tensor([5, 7, 5]), torch.tensor([0]))))
 
     def test_a_collection_names_the_table_whose_ids_are_out_of_range(self):
         with cluster.Cluster(num_shards=1, num_workers=1) as c:

@@ -1075,7 +1075,8 @@ def _unique_ids(tables, id_tensors):
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"'{table.table_name}': ids must be int64 or "
                             f"int32, got {ids.dtype}")
-        flats.append(ids.reshape(-1).to(torch.int64).cpu())
+        # Contiguous: the C call reads the ids as one array.
+        flats.append(ids.reshape(-1).to(torch.int64).cpu().contiguous())
     lengths = np.array([len(f) for f in flats], np.int64)
     bounds = np.array([-1 if t.num_embeddings is None else t.num_embeddings
                        for t in tables], np.int64)
