@@ -38,6 +38,30 @@ void IdDeduplicator::Run(absl::Span<const uint64_t> ids, UniqueIds* out) {
   }
 }
 
+int IdDeduplicator::RunEach(absl::Span<const int64_t> ids,
+                            absl::Span<const int64_t> lengths,
+                            absl::Span<const int64_t> bounds, uint64_t* keys,
+                            int64_t* index, int64_t* unique_counts) {
+  size_t start = 0;
+  for (size_t a = 0; a < lengths.size(); start += lengths[a], ++a) {
+    const absl::Span<const int64_t> of = ids.subspan(start, lengths[a]);
+    if (bounds[a] >= 0 &&
+        std::any_of(of.begin(), of.end(), [bound = bounds[a]](int64_t id) {
+          return id < 0 || id >= bound;
+        })) {
+      return static_cast<int>(a);
+    }
+    // Hashed ids are the same 64 bits as the tables' uint64 keys.
+    Run(absl::MakeConstSpan(reinterpret_cast<const uint64_t*>(of.data()),
+                            of.size()),
+        &scratch_);
+    std::copy(scratch_.unique.begin(), scratch_.unique.end(), keys + start);
+    std::copy(scratch_.index.begin(), scratch_.index.end(), index + start);
+    unique_counts[a] = static_cast<int64_t>(scratch_.unique.size());
+  }
+  return -1;
+}
+
 UniqueIds Deduplicate(absl::Span<const uint64_t> ids) {
   IdDeduplicator dedup;
   UniqueIds out;

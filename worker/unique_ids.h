@@ -25,8 +25,21 @@ class IdDeduplicator {
  public:
   void Run(absl::Span<const uint64_t> ids, UniqueIds* out);
 
+  // Several arrays of ids, one after another in `ids` (lengths[a] each), each
+  // made unique as Run does (a batch's ids of several tables): array a's
+  // distinct ids go to the start of its own stretch of `keys` (the positions
+  // its ids have in `ids`), unique_counts[a] of them, and index[j] is the
+  // position of ids[j] among its array's distinct ids. bounds[a] >= 0: every
+  // id of array a must lie in [0, bounds[a]). Returns the first array with an
+  // id out of its bounds (it and those after it left unset), else -1. keys
+  // and index have ids.size() entries, unique_counts lengths.size().
+  int RunEach(absl::Span<const int64_t> ids, absl::Span<const int64_t> lengths,
+              absl::Span<const int64_t> bounds, uint64_t* keys, int64_t* index,
+              int64_t* unique_counts);
+
  private:
   std::vector<int64_t> slots_;  // index into out->unique, or -1 when empty
+  UniqueIds scratch_;           // RunEach's, kept for its capacity
 };
 
 // One-off form of IdDeduplicator::Run.

@@ -72,5 +72,40 @@ TEST(DeduplicateTest, RandomAndAdversarialIdsWithReuse) {
   }
 }
 
+TEST(DeduplicateTest, EachArrayAloneInItsOwnStretch) {
+  // Two arrays: the second's ids start at 4, its keys and index too.
+  const std::vector<int64_t> ids = {7, 3, 7, 0, -5, 9, -5};
+  const std::vector<int64_t> lengths = {4, 3};
+  std::vector<uint64_t> keys(ids.size(), 0);
+  std::vector<int64_t> index(ids.size(), -1);
+  std::vector<int64_t> counts(2, -1);
+  IdDeduplicator dedup;
+  EXPECT_EQ(dedup.RunEach(ids, lengths, {10, -1}, keys.data(), index.data(),
+                          counts.data()),
+            -1);
+  EXPECT_EQ(counts, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(std::vector<uint64_t>(keys.begin(), keys.begin() + 3),
+            (std::vector<uint64_t>{7, 3, 0}));
+  EXPECT_EQ(std::vector<uint64_t>(keys.begin() + 4, keys.begin() + 6),
+            (std::vector<uint64_t>{static_cast<uint64_t>(-5), 9}));
+  EXPECT_EQ(index, (std::vector<int64_t>{0, 1, 0, 2, 0, 1, 0}));
+}
+
+TEST(DeduplicateTest, EachStopsAtTheFirstArrayOutOfItsBounds) {
+  const std::vector<int64_t> ids = {1, 2, 3, 10, -1};
+  std::vector<uint64_t> keys(ids.size());
+  std::vector<int64_t> index(ids.size());
+  std::vector<int64_t> counts(3, -1);
+  IdDeduplicator dedup;
+  // Array 1 holds 10 with bound 10; array 2's -1 is out too, but later.
+  EXPECT_EQ(dedup.RunEach(ids, {2, 2, 1}, {5, 10, 3}, keys.data(), index.data(),
+                          counts.data()),
+            1);
+  EXPECT_EQ(counts, (std::vector<int64_t>{2, -1, -1}));
+  EXPECT_EQ(dedup.RunEach(ids, {2, 2, 1}, {5, 11, 3}, keys.data(), index.data(),
+                          counts.data()),
+            2);
+}
+
 }  // namespace
 }  // namespace pstrain

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <string>
@@ -787,25 +788,10 @@ int pstrain_unique_ids(int count, const int64_t* ids, const int64_t* lengths,
   // Kept per thread: a steady step allocates nothing (the training thread
   // and the table lane may both call).
   thread_local pstrain::IdDeduplicator dedup;
-  thread_local pstrain::UniqueIds unique;
-  int64_t start = 0;
-  for (int a = 0; a < count; start += lengths[a], ++a) {
-    const absl::Span<const int64_t> of(ids + start, lengths[a]);
-    if (bounds[a] >= 0 &&
-        std::any_of(of.begin(), of.end(), [bound = bounds[a]](int64_t id) {
-          return id < 0 || id >= bound;
-        })) {
-      return a;
-    }
-    // Hashed ids are the same 64 bits as the table's uint64 keys.
-    dedup.Run(absl::MakeConstSpan(reinterpret_cast<const uint64_t*>(of.data()),
-                                  of.size()),
-              &unique);
-    std::copy(unique.unique.begin(), unique.unique.end(), keys + start);
-    std::copy(unique.index.begin(), unique.index.end(), index + start);
-    unique_counts[a] = static_cast<int64_t>(unique.unique.size());
-  }
-  return -1;
+  const int64_t total = std::accumulate(lengths, lengths + count, int64_t{0});
+  return dedup.RunEach(
+      absl::MakeConstSpan(ids, total), absl::MakeConstSpan(lengths, count),
+      absl::MakeConstSpan(bounds, count), keys, index, unique_counts);
 }
 
 int pstrain_epoch_plan_create(int64_t num_examples, int64_t worker_batch,

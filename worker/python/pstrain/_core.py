@@ -138,8 +138,8 @@ _declare("pstrain_examples_gather", _p, _p, _i64, _p, _p, _err)
 _declare("pstrain_synthetic_ctr", _i64, _i64, ctypes.c_int, ctypes.c_int, _i64,
          _p, ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
 _declare("pstrain_ctr_data_sizes", _p, _p, restype=None)
-_declare_quick("pstrain_ctr_gather_bags", _p, _i64, _p, ctypes.c_int, _p, _i64, _p,
-               _i64, _p, _p, _err)
+_declare_quick("pstrain_ctr_gather_bags", _p, _i64, _p, ctypes.c_int, _p, _i64,
+               _p, _i64, _p, _p, _err)
 _declare_quick("pstrain_unique_ids", ctypes.c_int, _p, _p, _p, _p, _p, _p)
 _declare("pstrain_criteo_kaggle_cardinalities", _p, restype=ctypes.c_int)
 _declare_quick("pstrain_ctr_data_copy", _p, _p, _p, _p, _p, _p, restype=None)

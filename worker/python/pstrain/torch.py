@@ -977,10 +977,10 @@ class _PulledRows:
         self.tables = tables
         self.keys, self._index, self.counts, self.lengths = _unique_ids(
             tables, id_tensors)
-        self.id_starts = np.cumsum(self.lengths) - self.lengths
+        self.id_starts = _starts(self.lengths)
         dims = np.array([t.embedding_dim for t in tables], np.int64)
         floats = self.counts * dims
-        float_starts = np.cumsum(floats) - floats
+        float_starts = _starts(floats)
         self.buffer = torch.empty(int(floats.sum()), dtype=torch.float32)
         self._float_starts, self._dims = float_starts, dims
         self.addresses = (
@@ -1013,9 +1013,8 @@ class _PulledRows:
 
     def fused_index(self):
         """Every id's row in the buffer as one [rows, dim] tensor (one dim)."""
-        row_starts = np.cumsum(self.counts) - self.counts
         return torch.from_numpy(self._index +
-                                np.repeat(row_starts, self.lengths))
+                                np.repeat(_starts(self.counts), self.lengths))
 
     def leaves(self, training, fused):
         """The rows as tensors the forward pools: one per table, or
@@ -1040,6 +1039,11 @@ class _PulledRows:
             t._pending.append((self.keys_of(i), leaf, 0))
             leaves.append(leaf)
         return leaves
+
+
+def _starts(sizes):
+    """Where each of consecutive parts of these sizes starts."""
+    return np.cumsum(sizes) - sizes
 
 
 def _grad_rows(leaf, first, count):
