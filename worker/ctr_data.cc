@@ -7,6 +7,7 @@
 #include <fstream>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <mutex>  // NOLINT: absl::Mutex would do as well
 #include <utility>
 
@@ -248,6 +249,7 @@ class Truth {
                      Hash({o.seed, kDenseWeightStream, uint64_t(j), 1}));
     }
     means_.resize(static_cast<size_t>(o.num_fields) * dim);
+    cached_embeddings_.reset(new double[kEmbeddingSlots * dim]);
     // A trainer may generate data in many small calls; the calibration is
     // the expensive part and depends only on the options, so it is cached.
     static std::mutex mu;
@@ -289,13 +291,8 @@ class Truth {
       const int64_t begin = data.BagBegin(i, f);
       const int64_t end = data.BagEnd(i, f);
       for (int64_t k = begin; k < end; ++k) {
-        const uint64_t id = data.ids[k];
-        for (int d = 0; d < dim; ++d) {
-          m[d] += NormalFrom(Hash({o_.seed, kEmbeddingStream, uint64_t(f), id,
-                                   uint64_t(2 * d)}),
-                             Hash({o_.seed, kEmbeddingStream, uint64_t(f), id,
-                                   uint64_t(2 * d + 1)}));
-        }
+        const double* e = Embedding(f, data.ids[k]);
+        for (int d = 0; d < dim; ++d) m[d] += e[d];
       }
       if (end > begin) {
         for (int d = 0; d < dim; ++d) m[d] /= static_cast<double>(end - begin);
@@ -324,6 +321,28 @@ class Truth {
       raw += kDenseWeight * dense / std::sqrt(double(o_.num_dense));
     }
     return raw;
+  }
+
+  // The true embedding of (field f, id): dim_truth normals, each a log, a
+  // square root and a cosine. Zipf ids repeat, so recent ones are kept in a
+  // direct-mapped cache (the same values, computed once while they stay).
+  const double* Embedding(int f, uint64_t id) {
+    const int dim = o_.dim_truth;
+    // Ids are hashes already; the field is mixed in so that two fields'
+    // equal ids take different slots.
+    const size_t slot = static_cast<size_t>(
+        (id ^ (uint64_t(f) * 0x9e3779b97f4a7c15ULL)) & (kEmbeddingSlots - 1));
+    double* e = &cached_embeddings_[slot * dim];
+    if (cached_fields_[slot] == f && cached_ids_[slot] == id) return e;
+    for (int d = 0; d < dim; ++d) {
+      e[d] = NormalFrom(
+          Hash({o_.seed, kEmbeddingStream, uint64_t(f), id, uint64_t(2 * d)}),
+          Hash({o_.seed, kEmbeddingStream, uint64_t(f), id,
+                uint64_t(2 * d + 1)}));
+    }
+    cached_fields_[slot] = f;
+    cached_ids_[slot] = id;
+    return e;
   }
 
   void Calibrate() {
@@ -392,6 +411,13 @@ class Truth {
   std::vector<double> field_weights_;  // [num_fields, dim_truth]
   std::vector<double> dense_weights_;  // [num_dense]
   std::vector<double> means_;          // scratch: m_f, [num_fields, dim_truth]
+  // Embedding's cache: slot s holds field cached_fields_[s]'s id
+  // cached_ids_[s] (field -1: empty) and its values at s * dim_truth.
+  static constexpr size_t kEmbeddingSlots = size_t{1} << 18;
+  std::vector<int> cached_fields_ = std::vector<int>(kEmbeddingSlots, -1);
+  std::vector<uint64_t> cached_ids_ = std::vector<uint64_t>(kEmbeddingSlots);
+  // Not value-initialized: only the slots in use are ever touched.
+  std::unique_ptr<double[]> cached_embeddings_;
 };
 
 CtrDataset EmptyDataset(int num_dense, int num_fields) {
@@ -464,15 +490,16 @@ uint64_t CtrSyntheticId(int field, uint64_t raw_id) {
   return SplitMix64(raw_id ^ SplitMix64(kSyntheticIdSalt + uint64_t(field)));
 }
 
-absl::StatusOr<CtrDataset> MakeSyntheticCtr(const SyntheticCtrOptions& options,
-                                            int64_t first_index, int64_t count,
-                                            ShardSpec shard) {
+absl::StatusOr<CtrDataset> MakeSyntheticCtr(
+    const SyntheticCtrOptions& options, int64_t first_index, int64_t count,
+    ShardSpec shard, std::vector<double>* true_probabilities) {
   if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
   if (absl::Status s = ValidateShard(shard); !s.ok()) return s;
   if (absl::Status s = ValidateExampleRange(first_index, count); !s.ok()) {
     return s;
   }
   CtrDataset data = EmptyDataset(options.num_dense, options.num_fields);
+  if (true_probabilities != nullptr) true_probabilities->clear();
   // The first global index >= first_index that belongs to this shard.
   const int64_t offset =
       (shard.index - first_index % shard.count + shard.count) % shard.count;
@@ -485,6 +512,7 @@ absl::StatusOr<CtrDataset> MakeSyntheticCtr(const SyntheticCtrOptions& options,
   data.labels.reserve(rows);
   data.dense.reserve(rows * options.num_dense);
   data.offsets.reserve(rows * options.num_fields + 1);
+  if (true_probabilities != nullptr) true_probabilities->reserve(rows);
   for (int64_t r = 0; r < rows; ++r) {
     const uint64_t i = static_cast<uint64_t>(start + r * shard.count);
     AppendSyntheticFeatures(options, zipf, i, &data);
@@ -493,6 +521,7 @@ absl::StatusOr<CtrDataset> MakeSyntheticCtr(const SyntheticCtrOptions& options,
     // exactly right on the data a model sees.
     const double p = truth.Probability(data, r);
     data.labels[r] = Uniform(Hash({options.seed, kLabelStream, i})) < p;
+    if (true_probabilities != nullptr) true_probabilities->push_back(p);
   }
   return data;
 }

@@ -119,10 +119,12 @@ inline constexpr int64_t kCriteoKaggleCardinalities[26] = {
     2173,  4,    7046547,  18,      15,  286181, 105,     142572};
 
 // Examples [first_index, first_index + count) of the synthetic stream, of
-// which this shard keeps its own (by global index).
-absl::StatusOr<CtrDataset> MakeSyntheticCtr(const SyntheticCtrOptions& options,
-                                            int64_t first_index, int64_t count,
-                                            ShardSpec shard);
+// which this shard keeps its own (by global index). true_probabilities, when
+// given, receives what SyntheticCtrTrueProbabilities would return for the
+// result, without computing it a second time.
+absl::StatusOr<CtrDataset> MakeSyntheticCtr(
+    const SyntheticCtrOptions& options, int64_t first_index, int64_t count,
+    ShardSpec shard, std::vector<double>* true_probabilities = nullptr);
 
 // The ground-truth click probability p of every example of `data` (which
 // must have the options' num_dense and num_fields). For generated data these

@@ -340,6 +340,38 @@ TEST(SyntheticCtrTest, OtherShapesKeepTheRateAndSignal) {
   }
 }
 
+// The probabilities the generator returns are SyntheticCtrTrueProbabilities'
+// exactly, and neither depends on which ids the truth's embedding cache
+// still holds: examples generated one per call (every id computed afresh)
+// get the same bits as in a run long enough to evict most of the cache
+// (26 fields of up to 10M ids, ~2M draws).
+TEST(SyntheticCtrTest, ProbabilitiesFromTheGeneratorAreTheTruthsExactly) {
+  SyntheticCtrOptions options;
+  options.num_dense = 13;
+  options.num_fields = 26;
+  options.field_vocab.assign(std::begin(kCriteoKaggleCardinalities),
+                             std::end(kCriteoKaggleCardinalities));
+  options.interaction = 0.5;
+  constexpr int64_t kFirst = 1000;
+  constexpr int64_t kCount = 40000;
+  std::vector<double> generated;
+  absl::StatusOr<CtrDataset> data =
+      MakeSyntheticCtr(options, kFirst, kCount, {1, 2}, &generated);
+  ASSERT_TRUE(data.ok()) << data.status();
+  ASSERT_EQ(generated.size(), data->size());
+  EXPECT_EQ(*SyntheticCtrTrueProbabilities(options, *data), generated);
+  for (int64_t r = 0; r < data->size(); r += 397) {
+    std::vector<double> alone;
+    ASSERT_TRUE(
+        MakeSyntheticCtr(options, kFirst + 1 + 2 * r, 1, {0, 1}, &alone).ok());
+    ASSERT_EQ(alone.size(), 1u);
+    EXPECT_EQ(alone[0], generated[r]) << "example " << kFirst + 1 + 2 * r;
+  }
+  std::vector<double> none = {0.5};
+  ASSERT_TRUE(MakeSyntheticCtr(options, kFirst, 1, {1, 2}, &none).ok());
+  EXPECT_TRUE(none.empty());  // the shard has no example in that range
+}
+
 TEST(SyntheticCtrTest, RejectsBadOptions) {
   const auto error = [](SyntheticCtrOptions o, int64_t first = 0,
                         int64_t count = 10, ShardSpec shard = {}) {

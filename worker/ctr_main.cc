@@ -68,21 +68,18 @@ CtrData LoadCtrData(const WorkerConfig& config) {
     const int64_t train_examples = ctr.train_examples;
     absl::StatusOr<CtrDataset> t =
         MakeSyntheticCtr(synthetic, 0, train_examples, shard);
-    absl::StatusOr<CtrDataset> h =
-        MakeSyntheticCtr(synthetic, train_examples, ctr.test_examples, {0, 1});
+    std::vector<double> truth;
+    absl::StatusOr<CtrDataset> h = MakeSyntheticCtr(
+        synthetic, train_examples, ctr.test_examples, {0, 1}, &truth);
     ExitOnFlagErrors({t.status(), h.status()});
     data.train = std::move(*t);
     data.test = std::move(*h);
-    absl::StatusOr<std::vector<double>> truth =
-        SyntheticCtrTrueProbabilities(synthetic, data.test);
-    if (truth.ok()) {
-      std::vector<double> logits;
-      for (double p : *truth) logits.push_back(std::log(p / (1 - p)));
-      data.true_auc = Auc(data.test.labels, logits);
-      data.true_logloss = LogLoss(data.test.labels, *truth);
-      LOG(INFO) << "synthetic CTR task: ground-truth AUC " << data.true_auc
-                << ", logloss " << data.true_logloss;
-    }
+    std::vector<double> logits;
+    for (double p : truth) logits.push_back(std::log(p / (1 - p)));
+    data.true_auc = Auc(data.test.labels, logits);
+    data.true_logloss = LogLoss(data.test.labels, truth);
+    LOG(INFO) << "synthetic CTR task: ground-truth AUC " << data.true_auc
+              << ", logloss " << data.true_logloss;
   } else {
     auto read = [&](const std::string& path,
                     ShardSpec s) -> absl::StatusOr<CtrDataset> {

@@ -11,6 +11,7 @@ import torch
 # First: the installed package (cluster re-runs this test in its venv).
 from tests.python import cluster
 import pstrain
+import pstrain.data
 import pstrain.torch
 
 VOCAB, DIM, BAG, BATCH, STEPS, LR = 50, 4, 3, 16, 20, 0.1
@@ -307,6 +308,45 @@ class TorchEmbeddingTest(unittest.TestCase):
             self.assertLess(rows, 25)  # bounded: not every id it saw
             self.assertGreater(int(table["rows_evicted"]), 0)
             self.assertLessEqual(int(table["memory_bytes"]), 2000 + 8192)
+
+
+class CtrDataTest(unittest.TestCase):
+    """pstrain.data.CtrData's arrays are the generator's own memory, handed
+    over without a copy: they must stay valid as long as any of them is
+    referenced, and hold what the generator made."""
+
+    def test_the_arrays_outlive_the_call_and_everything_else(self):
+        shape = dict(num_dense=13, num_fields=26,
+                     field_vocab=pstrain.data.CRITEO_KAGGLE_CARDINALITIES)
+        data = pstrain.data.CtrData(3000, first_index=7, **shape)
+        ids = data.ids
+        expected = ids.copy()
+        offsets = data.offsets.copy()
+        self.assertEqual(len(ids), offsets[-1])
+        del data
+        # Memory freed too early would be reused by these.
+        filler = [np.full(len(expected), 7, np.int64) for _ in range(20)]
+        np.testing.assert_array_equal(ids, expected)
+        del filler
+        # Another call for the same examples makes the same bits; the
+        # probabilities are the truth's (in (0, 1)), one per example.
+        again = pstrain.data.CtrData(3000, first_index=7, **shape)
+        np.testing.assert_array_equal(again.ids, expected)
+        np.testing.assert_array_equal(again.offsets, offsets)
+        self.assertEqual(again.true_probabilities.shape, (3000,))
+        self.assertTrue(((again.true_probabilities > 0) &
+                         (again.true_probabilities < 1)).all())
+        self.assertEqual(again.dense.shape, (3000, 13))
+        # A batch's bags are the examples' own ids.
+        dense, labels, bags = again.batch(np.array([5, 0, 2999]))
+        for f, (field_ids, field_offsets) in enumerate(bags):
+            first = offsets[5 * 26 + f]
+            np.testing.assert_array_equal(
+                field_ids[:field_offsets[1]].numpy(),
+                expected[first:offsets[5 * 26 + f + 1]])
+        empty = pstrain.data.CtrData(0, **shape)
+        self.assertEqual(len(empty.ids), 0)
+        self.assertEqual(list(empty.offsets), [0])
 
 
 if __name__ == "__main__":

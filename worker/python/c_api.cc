@@ -728,13 +728,11 @@ int pstrain_synthetic_ctr(int64_t count, int64_t first_index, int num_dense,
     }
     o.max_bag = max_bag;
     o.seed = seed;
+    std::vector<double> truth;
     absl::StatusOr<pstrain::CtrDataset> data =
-        pstrain::MakeSyntheticCtr(o, first_index, count, {0, 1});
+        pstrain::MakeSyntheticCtr(o, first_index, count, {0, 1}, &truth);
     if (!data.ok()) return data.status();
-    absl::StatusOr<std::vector<double>> truth =
-        pstrain::SyntheticCtrTrueProbabilities(o, *data);
-    if (!truth.ok()) return truth.status();
-    *out = new pstrain_ctr_data{std::move(*data), std::move(*truth)};
+    *out = new pstrain_ctr_data{std::move(*data), std::move(truth)};
     return absl::OkStatus();
   });
 }
@@ -750,17 +748,13 @@ void pstrain_ctr_data_sizes(const pstrain_ctr_data* data, int64_t sizes[2]) {
   sizes[1] = static_cast<int64_t>(data->data.ids.size());
 }
 
-void pstrain_ctr_data_copy(const pstrain_ctr_data* d, float* labels,
-                           float* dense, int64_t* offsets, uint64_t* ids,
-                           double* true_probabilities) {
-  const pstrain::CtrDataset& data = d->data;
-  std::memcpy(labels, data.labels.data(), data.labels.size() * sizeof(float));
-  std::memcpy(dense, data.dense.data(), data.dense.size() * sizeof(float));
-  std::memcpy(offsets, data.offsets.data(),
-              data.offsets.size() * sizeof(int64_t));
-  std::memcpy(ids, data.ids.data(), data.ids.size() * sizeof(uint64_t));
-  std::memcpy(true_probabilities, d->truth.data(),
-              d->truth.size() * sizeof(double));
+void pstrain_ctr_data_arrays(pstrain_ctr_data* d, void* arrays[5]) {
+  pstrain::CtrDataset& data = d->data;
+  arrays[0] = data.labels.data();
+  arrays[1] = data.dense.data();
+  arrays[2] = data.offsets.data();
+  arrays[3] = data.ids.data();
+  arrays[4] = d->truth.data();
 }
 
 void pstrain_ctr_data_destroy(pstrain_ctr_data* data) { delete data; }

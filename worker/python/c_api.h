@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature here changes; pstrain/_native.py checks it. */
-#define PSTRAIN_C_API_VERSION 4
+#define PSTRAIN_C_API_VERSION 5
 int pstrain_api_version(void);
 
 void pstrain_free(void* p);
@@ -169,10 +169,11 @@ int pstrain_examples_gather(pstrain_examples* examples, const int64_t* rows,
 
 /* The synthetic CTR data (worker/ctr_data.h); field_vocab: num_fields
  * vocabularies, one per field, or NULL for vocab_per_field in every field.
- * sizes: {examples, ids}; then
- * pstrain_ctr_data_copy fills labels [n], dense [n, num_dense], offsets
- * [n * num_fields + 1], ids [ids] and the hidden true click probabilities
- * [n]. */
+ * sizes: {examples, ids}; pstrain_ctr_data_arrays gives where the data's
+ * own arrays are, valid until pstrain_ctr_data_destroy: labels (float, n),
+ * dense (float, n * num_dense), offsets (int64_t, n * num_fields + 1), ids
+ * (uint64_t, ids) and the hidden true click probabilities (double, n). A
+ * caller may write to them (nothing else reads them). */
 typedef struct pstrain_ctr_data pstrain_ctr_data;
 /* Writes the 26 Criteo Kaggle field cardinalities into out (room for 64)
  * and returns how many. */
@@ -182,9 +183,7 @@ int pstrain_synthetic_ctr(int64_t count, int64_t first_index, int num_dense,
                           const int64_t* field_vocab, int max_bag,
                           uint64_t seed, pstrain_ctr_data** out, char** error);
 void pstrain_ctr_data_sizes(const pstrain_ctr_data* data, int64_t sizes[2]);
-void pstrain_ctr_data_copy(const pstrain_ctr_data* data, float* labels,
-                           float* dense, int64_t* offsets, uint64_t* ids,
-                           double* true_probabilities);
+void pstrain_ctr_data_arrays(pstrain_ctr_data* data, void* arrays[5]);
 void pstrain_ctr_data_destroy(pstrain_ctr_data* data);
 /* The bags of examples rows[0..num_rows) of CSR data (offsets
  * [num_examples * num_fields + 1] into ids) field by field, as

@@ -21,7 +21,7 @@ import threading
 
 _LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib",
                          "libpstrain.so")
-_API_VERSION = 4
+_API_VERSION = 5
 
 # absl::StatusCode names, by value.
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
@@ -142,7 +142,7 @@ _declare_quick("pstrain_ctr_gather_bags", _p, _i64, _p, ctypes.c_int, _p, _i64,
                _p, _i64, _p, _p, _err)
 _declare_quick("pstrain_unique_ids", ctypes.c_int, _p, _p, _p, _p, _p, _p)
 _declare("pstrain_criteo_kaggle_cardinalities", _p, restype=ctypes.c_int)
-_declare_quick("pstrain_ctr_data_copy", _p, _p, _p, _p, _p, _p, restype=None)
+_declare_quick("pstrain_ctr_data_arrays", _p, _p, restype=None)
 _declare("pstrain_ctr_data_destroy", _p, restype=None)
 _declare("pstrain_epoch_plan_create", _i64, _i64, ctypes.c_int, ctypes.c_int,
          ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p), _err)
@@ -636,22 +636,39 @@ def synthetic_ctr(count, first_index, num_dense, num_fields, vocab_per_field,
         vocab = (_i64 * num_fields)(*field_vocab)
     handle = _made(_lib.pstrain_synthetic_ctr, count, first_index, num_dense,
                    num_fields, vocab_per_field, vocab, max_bag, seed)
-    try:
-        sizes = (_i64 * 2)()
-        _lib.pstrain_ctr_data_sizes(handle, sizes)
-        n, num_ids = sizes
-        out = {"labels": np.empty(n, np.float32),
-               "dense": np.empty((n, num_dense), np.float32),
-               "offsets": np.empty(n * num_fields + 1, np.int64),
-               "ids": np.empty(num_ids, np.uint64),
-               "true_probabilities": np.empty(n, np.float64)}
-        _quick_lib.pstrain_ctr_data_copy(
-            handle, *(out[k].ctypes.data for k in
-                      ("labels", "dense", "offsets", "ids",
-                       "true_probabilities")))
-        return out
-    finally:
-        _lib.pstrain_ctr_data_destroy(handle)
+    # The arrays are the C++ data's own (no copy of what may be gigabytes);
+    # it is freed when the last of them is.
+    owner = _CtrDataOwner(handle)
+    sizes = (_i64 * 2)()
+    _lib.pstrain_ctr_data_sizes(handle, sizes)
+    n, num_ids = sizes
+    pointers = (ctypes.c_void_p * 5)()
+    _quick_lib.pstrain_ctr_data_arrays(handle, pointers)
+
+    def array(pointer, ctype, length, dtype):
+        memory = (ctype * length).from_address(pointer or 0) if length else (
+            ctype * 0)()
+        memory.owner = owner
+        return np.frombuffer(memory, dtype)
+
+    return {"labels": array(pointers[0], ctypes.c_float, n, np.float32),
+            "dense": array(pointers[1], ctypes.c_float, n * num_dense,
+                           np.float32).reshape(n, num_dense),
+            "offsets": array(pointers[2], ctypes.c_int64,
+                             n * num_fields + 1, np.int64),
+            "ids": array(pointers[3], ctypes.c_uint64, num_ids, np.uint64),
+            "true_probabilities": array(pointers[4], ctypes.c_double, n,
+                                        np.float64)}
+
+
+class _CtrDataOwner:
+    """Frees a pstrain_ctr_data when no array of it is left."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __del__(self):
+        _lib.pstrain_ctr_data_destroy(self._handle)
 
 
 def unique_ids(ids, lengths, bounds):
