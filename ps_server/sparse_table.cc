@@ -458,13 +458,14 @@ void SparseTable::GroupByStripe(absl::Span<const uint64_t> ids,
     (*begin)[1] = static_cast<uint32_t>(n);
     return;
   }
-  std::vector<uint32_t> stripe(n);
+  thread_local std::vector<uint32_t> stripe, next;
+  stripe.resize(n);
   for (size_t i = 0; i < n; ++i) {
     stripe[i] = static_cast<uint32_t>(StripeOf(ids[i]));
     ++(*begin)[stripe[i] + 1];
   }
   for (size_t s = 0; s < num; ++s) (*begin)[s + 1] += (*begin)[s];
-  std::vector<uint32_t> next(begin->begin(), begin->end() - 1);
+  next.assign(begin->begin(), begin->end() - 1);
   for (size_t i = 0; i < n; ++i) {
     (*order)[next[stripe[i]]++] = static_cast<uint32_t>(i);
   }
@@ -478,6 +479,18 @@ void SparseTable::PrefetchIndex(const Stripe& s, absl::Span<const uint64_t> ids,
                                 uint32_t ahead, uint32_t end) const
     ABSL_SHARED_LOCKS_REQUIRED(s.mu) {
   if (ahead < end) s.index.prefetch(ids[order[ahead]]);
+}
+
+// A stripe's group is often shorter than the look-ahead (a table's ids of
+// one request spread over 64 stripes): its first entries are started here,
+// or no lookup of a short group would be prefetched at all.
+void SparseTable::PrefetchFirstIndexEntries(const Stripe& s,
+                                            absl::Span<const uint64_t> ids,
+                                            const std::vector<uint32_t>& order,
+                                            uint32_t first, uint32_t end) const
+    ABSL_SHARED_LOCKS_REQUIRED(s.mu) {
+  const uint32_t last = std::min(end, first + kLookAhead);
+  for (uint32_t k = first; k < last; ++k) s.index.prefetch(ids[order[k]]);
 }
 
 template <typename SlotOf, typename Use>
@@ -499,11 +512,17 @@ void SparseTable::VisitRows(Stripe& s, uint32_t first, uint32_t end,
       std::min<size_t>(static_cast<size_t>(row_floats_) * sizeof(float), 256);
   thread_local std::vector<uint32_t> slots;
   slots.resize(end - first);
+  // Three passes, so that the misses of each (index, row meta, row data)
+  // overlap instead of following each other id by id.
   for (uint32_t k = first; k < end; ++k) {
     const uint32_t slot = slot_of(k);
     slots[k - first] = slot;
-    if (slot == kNil) continue;
-    const char* row = reinterpret_cast<const char*>(s.rows[slot].data);
+    if (slot != kNil) __builtin_prefetch(&s.rows[slot]);
+  }
+  for (uint32_t k = first; k < end; ++k) {
+    if (slots[k - first] == kNil) continue;
+    const char* row =
+        reinterpret_cast<const char*>(s.rows[slots[k - first]].data);
     for (size_t offset = 0; offset < prefetch_bytes; offset += 64) {
       __builtin_prefetch(row + offset, /*rw=*/1);
     }
@@ -902,7 +921,8 @@ absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
         "sparse table ", QuoteForStatus(options_.name), ": pull of ",
         ids.size(), " ids of dim ", d, " into ", out.size(), " floats"));
   }
-  std::vector<uint32_t> order, begin;
+  // Kept per thread: a request allocates nothing here once warm.
+  thread_local std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);
   const uint32_t admit_after = static_cast<uint32_t>(options_.admit_after);
   const uint32_t now = TtlNow();
@@ -912,6 +932,7 @@ absl::Status SparseTable::Pull(absl::Span<const uint64_t> ids,
     absl::MutexLock lock(&s.mu);
     ExpireRows(s, now);
     const uint32_t first = begin[si], end = begin[si + 1];
+    PrefetchFirstIndexEntries(s, ids, order, first, end);
     // The row of position k (kNil: not admitted, its initial values given).
     const auto slot_of = [&](uint32_t k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
       PrefetchIndex(s, ids, order, k + kLookAhead, end);
@@ -973,7 +994,8 @@ SparsePushResult SparseTable::PushChecked(absl::Span<const uint64_t> ids,
                                           absl::Span<const float> grads) {
   SparsePushResult pushed;
   const int64_t d = options_.dim;
-  std::vector<uint32_t> order, begin;
+  // Kept per thread: a request allocates nothing here once warm.
+  thread_local std::vector<uint32_t> order, begin;
   GroupByStripe(ids, &order, &begin);
   const uint32_t admit_after = static_cast<uint32_t>(options_.admit_after);
   const uint32_t now = TtlNow();
@@ -986,6 +1008,7 @@ SparsePushResult SparseTable::PushChecked(absl::Span<const uint64_t> ids,
     // this stripe is seen by every change applied after that reader.
     const uint32_t epoch = epoch_.load();
     const uint32_t first = begin[si], end = begin[si + 1];
+    PrefetchFirstIndexEntries(s, ids, order, first, end);
     const auto slot_of = [&](uint32_t k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
       PrefetchIndex(s, ids, order, k + kLookAhead, end);
       const uint64_t id = ids[order[k]];

@@ -350,6 +350,10 @@ class SparseTable {
   void PrefetchIndex(const Stripe& s, absl::Span<const uint64_t> ids,
                      const std::vector<uint32_t>& order, uint32_t ahead,
                      uint32_t end) const;
+  void PrefetchFirstIndexEntries(const Stripe& s,
+                                 absl::Span<const uint64_t> ids,
+                                 const std::vector<uint32_t>& order,
+                                 uint32_t first, uint32_t end) const;
   // For positions [first, end) of one stripe's group: slot_of(k) finds (or
   // makes) the row of ids[order[k]] (kNil: none), use(k, slot) reads or
   // updates it. Every slot first, each row's lines prefetched as it is

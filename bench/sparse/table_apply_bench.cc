@@ -30,6 +30,7 @@ ABSL_FLAG(int64_t, vocab, 1'000'000, "Distinct ids (Zipf ranks).");
 ABSL_FLAG(double, zipf, 1.1, "Zipf exponent (> 1).");
 ABSL_FLAG(int, batches, 2000, "Batches timed (after as many to warm up).");
 ABSL_FLAG(std::string, optimizers, "sgd,adagrad", "Sparse optimizers to time.");
+ABSL_FLAG(int, stripes, 64, "The table's lock stripes (SparseTableOptions).");
 
 namespace pstrain {
 namespace {
@@ -104,6 +105,7 @@ int Main() {
     SparseTableOptions options;
     options.name = "t";
     options.dim = dim;
+    options.num_stripes = absl::GetFlag(FLAGS_stripes);
     options.optimizer.name = std::string(name);
     options.init.set_kind(InitSpec::UNIFORM);
     options.init.set_scale(0.01f);
