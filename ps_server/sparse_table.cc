@@ -6,6 +6,7 @@
 #include <iterator>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -290,10 +291,10 @@ absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         where, "max_pending_ids must be >= 1, got ", o.max_pending_ids));
   }
-  if (o.num_stripes < 1 || o.num_stripes > kMaxStripes) {
+  if (o.num_stripes < 0 || o.num_stripes > kMaxStripes) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "num_stripes must be in [1, ", kMaxStripes,
-                     "], got ", o.num_stripes));
+                     "] or 0 (by the machine), got ", o.num_stripes));
   }
   if (!std::isfinite(o.init.value()) || !std::isfinite(o.init.scale())) {
     return absl::InvalidArgumentError(
@@ -331,10 +332,28 @@ absl::StatusOr<std::unique_ptr<SparseTable>> SparseTable::Create(
   }
   o.max_rows = RowBound(o);
   int stripes = o.num_stripes;
+  if (stripes == 0) {
+    stripes = DefaultStripes(
+        o, static_cast<int>(std::thread::hardware_concurrency()));
+  }
   if (o.max_rows > 0 && o.max_rows < stripes) {
     stripes = static_cast<int>(o.max_rows);
   }
   return std::unique_ptr<SparseTable>(new SparseTable(o, kind, stripes));
+}
+
+int SparseTable::DefaultStripes(const SparseTableOptions& options,
+                                int hardware_threads) {
+  constexpr int kBoundedStripes = 64;
+  if (RowBound(options) > 0 || options.ttl != absl::InfiniteDuration() ||
+      options.ttl_steps > 0 || options.admit_after > 1) {
+    return kBoundedStripes;
+  }
+  int stripes = 8;
+  while (stripes < 4 * hardware_threads && stripes < kBoundedStripes) {
+    stripes *= 2;
+  }
+  return stripes;
 }
 
 SparseTable::SparseTable(const SparseTableOptions& options, Kind kind,

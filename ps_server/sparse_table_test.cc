@@ -502,6 +502,46 @@ TEST(SparseTableLruTest, FewerRowsThanStripesLowersTheStripeCount) {
   EXPECT_EQ(Resident(*t).count(99), 1u);
 }
 
+// Stripes by the machine only where they change nothing but speed: a table
+// whose rows can leave or wait for admission keeps 64 on every host, so
+// that two replicas or a restore elsewhere evict and admit alike.
+TEST(SparseTableLruTest, TheDefaultStripesFollowTheMachineOnlyWhenUnbounded) {
+  const SparseTableOptions unbounded = Options("adagrad", 4);
+  EXPECT_EQ(SparseTable::DefaultStripes(unbounded, 1), 8);
+  EXPECT_EQ(SparseTable::DefaultStripes(unbounded, 2), 8);
+  EXPECT_EQ(SparseTable::DefaultStripes(unbounded, 3), 16);
+  EXPECT_EQ(SparseTable::DefaultStripes(unbounded, 16), 64);
+  EXPECT_EQ(SparseTable::DefaultStripes(unbounded, 256), 64);
+  EXPECT_EQ(SparseTable::DefaultStripes(unbounded, 0), 8);  // unknown
+  SparseTableOptions o = unbounded;
+  o.max_rows = 1000;
+  EXPECT_EQ(SparseTable::DefaultStripes(o, 2), 64);
+  o = unbounded;
+  o.max_bytes = 1 << 20;
+  EXPECT_EQ(SparseTable::DefaultStripes(o, 2), 64);
+  o = unbounded;
+  o.ttl = absl::Seconds(5);
+  EXPECT_EQ(SparseTable::DefaultStripes(o, 2), 64);
+  o = unbounded;
+  o.ttl_steps = 3;
+  EXPECT_EQ(SparseTable::DefaultStripes(o, 2), 64);
+  o = unbounded;
+  o.admit_after = 2;
+  EXPECT_EQ(SparseTable::DefaultStripes(o, 2), 64);
+
+  ASSERT_EQ(unbounded.num_stripes, 0);  // the default is "by the machine"
+  EXPECT_EQ(
+      Make(unbounded)->num_stripes(),
+      SparseTable::DefaultStripes(
+          unbounded, static_cast<int>(std::thread::hardware_concurrency())));
+  o = unbounded;
+  o.num_stripes = -1;
+  const absl::Status refused = SparseTable::Create(o).status();
+  EXPECT_NE(refused.message().find("num_stripes must be in [1, 4096] or 0"),
+            absl::string_view::npos)
+      << refused;
+}
+
 TEST(SparseTableLruTest, EvictedRowComesBackFromItsInitialValue) {
   SparseTableOptions o = Options("sgd", 2);
   o.max_rows = 1;
@@ -1199,7 +1239,10 @@ TEST(SparseTableConfigTest, BadOptimizerConfigsNameTheFlag) {
   o.max_pending_ids = 0;
   EXPECT_FALSE(SparseTable::Create(o).ok());
   o = Options("sgd", 4);
-  o.num_stripes = 0;
+  o.num_stripes = -1;
+  EXPECT_FALSE(SparseTable::Create(o).ok());
+  o = Options("sgd", 4);
+  o.num_stripes = 4097;
   EXPECT_FALSE(SparseTable::Create(o).ok());
   o = Options("nope", 4);
   absl::StatusOr<std::unique_ptr<SparseTable>> bad = SparseTable::Create(o);

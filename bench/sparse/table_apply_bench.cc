@@ -30,7 +30,8 @@ ABSL_FLAG(int64_t, vocab, 1'000'000, "Distinct ids (Zipf ranks).");
 ABSL_FLAG(double, zipf, 1.1, "Zipf exponent (> 1).");
 ABSL_FLAG(int, batches, 2000, "Batches timed (after as many to warm up).");
 ABSL_FLAG(std::string, optimizers, "sgd,adagrad", "Sparse optimizers to time.");
-ABSL_FLAG(int, stripes, 64, "The table's lock stripes (SparseTableOptions).");
+ABSL_FLAG(int, stripes, 0,
+          "The table's lock stripes (SparseTableOptions; 0: by the machine).");
 
 namespace pstrain {
 namespace {
