@@ -33,15 +33,18 @@
 # >= 3x; medians of the rounds' ratios).
 #
 #   bench/sparse/table_consistency.sh [--repeats=3] [--steps=1500]
-#       [--torch_steps=300] [--torch_only] [--record]
+#       [--torch_steps=300] [--torch_only | --dlrm_only] [--record]
 #
-# --torch_only runs the PyTorch variants alone (the C++ rows then read "-").
+# --torch_only runs the PyTorch variants alone (the C++ rows then read "-"),
+# --dlrm_only the dlrm_* ones (with --torch_steps: how the ratio moves with
+# the run's length; rows are made on first use on the servers, within the
+# timed steps, where DDP builds its tables before them).
 # --record writes bench/results/table_consistency.txt. Exit status: 0, or 1
 # when a run failed; 2 bad usage.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-repeats=3 steps=1500 torch_steps=300 record=0 torch_only=0
+repeats=3 steps=1500 torch_steps=300 record=0 torch_only=0 dlrm_only=0
 for arg in "$@"; do
   case "$arg" in
     --repeats=*) repeats=${arg#*=} ;;
@@ -49,6 +52,7 @@ for arg in "$@"; do
     --torch_steps=*) torch_steps=${arg#*=} ;;
     --record) record=1 ;;
     --torch_only) torch_only=1 ;;
+    --dlrm_only) dlrm_only=1 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "table_consistency.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
@@ -56,6 +60,8 @@ done
 for v in repeats steps torch_steps; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "table_consistency.sh: --$v must be a positive integer, got '${!v}'" >&2; exit 2; }
 done
+((record && dlrm_only)) && { echo "table_consistency.sh: --record writes the whole comparison; a --dlrm_only run is not one" >&2; exit 2; }
+((torch_only && dlrm_only)) && { echo "table_consistency.sh: --torch_only and --dlrm_only choose different variants; give one" >&2; exit 2; }
 
 python=/usr/bin/python3
 bazel build //ps_server:ps_server //worker:worker >/dev/null
@@ -136,6 +142,7 @@ torch_variants=(torch_sync torch_mixed torch_mixed_inline ddp ddp_omp_unset loca
   dlrm_mixed dlrm_ddp dlrm_ddp_omp_unset dlrm_local)
 variants=(sync mixed mixed_inline async "${torch_variants[@]}")
 ((torch_only)) && variants=("${torch_variants[@]}")
+((dlrm_only)) && variants=(dlrm_mixed dlrm_ddp dlrm_ddp_omp_unset dlrm_local)
 declare -A rates aucs
 for ((r = 1; r <= repeats; r++)); do
   for v in "${variants[@]}"; do
@@ -166,7 +173,7 @@ done
 
 median() { tr ' ' '\n' | grep . | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 declare -A rate auc
-for v in sync mixed mixed_inline async; do rate[$v]=- auc[$v]=-; done
+for v in sync mixed mixed_inline async "${torch_variants[@]}"; do rate[$v]=- auc[$v]=-; done
 for v in "${variants[@]}"; do
   rate[$v]=$(median <<<"${rates[$v]}")
   auc[$v]=$(median <<<"${aucs[$v]}")
@@ -181,20 +188,21 @@ paired() {  # pstrain_variant ddp_variant ddp_unset_variant
     <(tr ' ' '\n' <<<"${rates[$2]}" | grep .) <(tr ' ' '\n' <<<"${rates[$3]}" | grep .) |
     awk '{ d = ($2 >= $3) ? $2 : $3; printf "%.2f ", $1 / d }'
 }
+# "-" where the variants did not run.
+paired_ratio() { [[ -z "$1" ]] && { echo -; return; }; awk -v x="$(median <<<"$1")" 'BEGIN { printf "%.2f", x }'; }
 paired=$(paired torch_mixed ddp ddp_omp_unset)
-paired_median=$(median <<<"$paired")
 dlrm_paired=$(paired dlrm_mixed dlrm_ddp dlrm_ddp_omp_unset)
-dlrm_vs_ddp=$(awk -v x="$(median <<<"$dlrm_paired")" 'BEGIN { printf "%.2f", x }')
+dlrm_vs_ddp=$(paired_ratio "$dlrm_paired")
 mixed_vs_sync=$(ratio "${rate[mixed]}" "${rate[sync]}")
 async_vs_sync=$(ratio "${rate[async]}" "${rate[sync]}")
 lane_gain=$(ratio "${rate[mixed]}" "${rate[mixed_inline]}")
 inline_vs_sync=$(ratio "${rate[mixed_inline]}" "${rate[sync]}")
-torch_mixed_vs_ddp=$(awk -v x="$paired_median" 'BEGIN { printf "%.2f", x }')
+torch_mixed_vs_ddp=$(paired_ratio "$paired")
 auc_cost=$(awk -v a="${auc[mixed]}" -v b="${auc[sync]}" 'BEGIN { if (a == "-") print "-"; else printf "%+.4f", a - b }')
 auc_ok=$(awk -v a="${auc[mixed]}" -v b="${auc[sync]}" 'BEGIN { print (a == "-") ? "not run" : (a >= b - 0.002) ? "MET" : "MISSED" }')
 {
   echo "# table_consistency: sync dense layers with async tables vs all-sync, DDP and one process (issue 40)"
-  echo "command: bench/sparse/table_consistency.sh --repeats=$repeats --steps=$steps --torch_steps=$torch_steps$( ((torch_only)) && echo " --torch_only")"
+  echo "command: bench/sparse/table_consistency.sh --repeats=$repeats --steps=$steps --torch_steps=$torch_steps$( ((torch_only)) && echo " --torch_only")$( ((dlrm_only)) && echo " --dlrm_only")"
   echo "commit: $BENCH_COMMIT; machine: $BENCH_MACHINE"
   echo "C++: 2 servers x 2 workers, ${CPP_FLAGS[*]} --steps=$steps"
   echo "torch: 2 servers x 2 workers (ddp: 2 ranks), $CTR_PY ${TORCH_FLAGS[*]} --steps=$torch_steps"
