@@ -333,15 +333,15 @@ class Truth {
     const size_t slot = static_cast<size_t>(
         (id ^ (uint64_t(f) * 0x9e3779b97f4a7c15ULL)) & (kEmbeddingSlots - 1));
     double* e = &cached_embeddings_[slot * dim];
-    if (cached_fields_[slot] == f && cached_ids_[slot] == id) return e;
+    CachedKey& key = cached_keys_[slot];
+    if (key.field == f && key.id == id) return e;
     for (int d = 0; d < dim; ++d) {
       e[d] = NormalFrom(
           Hash({o_.seed, kEmbeddingStream, uint64_t(f), id, uint64_t(2 * d)}),
           Hash({o_.seed, kEmbeddingStream, uint64_t(f), id,
                 uint64_t(2 * d + 1)}));
     }
-    cached_fields_[slot] = f;
-    cached_ids_[slot] = id;
+    key = {id, f};
     return e;
   }
 
@@ -411,11 +411,14 @@ class Truth {
   std::vector<double> field_weights_;  // [num_fields, dim_truth]
   std::vector<double> dense_weights_;  // [num_dense]
   std::vector<double> means_;          // scratch: m_f, [num_fields, dim_truth]
-  // Embedding's cache: slot s holds field cached_fields_[s]'s id
-  // cached_ids_[s] (field -1: empty) and its values at s * dim_truth.
+  // Embedding's cache: slot s holds the values of cached_keys_[s] (field
+  // -1: empty) at s * dim_truth.
   static constexpr size_t kEmbeddingSlots = size_t{1} << 18;
-  std::vector<int> cached_fields_ = std::vector<int>(kEmbeddingSlots, -1);
-  std::vector<uint64_t> cached_ids_ = std::vector<uint64_t>(kEmbeddingSlots);
+  struct CachedKey {
+    uint64_t id = 0;
+    int field = -1;
+  };
+  std::vector<CachedKey> cached_keys_ = std::vector<CachedKey>(kEmbeddingSlots);
   // Not value-initialized: only the slots in use are ever touched.
   std::unique_ptr<double[]> cached_embeddings_;
 };

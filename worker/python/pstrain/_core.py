@@ -646,8 +646,9 @@ def synthetic_ctr(count, first_index, num_dense, num_fields, vocab_per_field,
     _quick_lib.pstrain_ctr_data_arrays(handle, pointers)
 
     def array(pointer, ctype, length, dtype):
-        memory = (ctype * length).from_address(pointer or 0) if length else (
-            ctype * 0)()
+        # An empty vector's data() may be null: nothing to point at then.
+        memory = ((ctype * length).from_address(pointer) if length
+                  else (ctype * 0)())
         memory.owner = owner
         return np.frombuffer(memory, dtype)
 
