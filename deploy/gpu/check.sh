@@ -40,6 +40,10 @@
 #      torch_cuda_bench.py: pstrain.torch's MLP against the C++ GPU worker's
 #      job (goal >= 0.9x) and its CNN with BatchNorm against one torch process
 #      on the same GPU (goal >= 0.8x). Needs pstrain_torch before it.
+#  10. replication: a sync job with every shard held twice (--replicas=2)
+#      against once, on this host's loopback, rounds interleaved, with each
+#      job's CPU (goal: step <= 1.15x). No GPU needed: what it measures is
+#      the host's cores (REPLICATION_ROUNDS, default 3).
 #
 # Results: DIR (default ./gpu-check-<UTC time>) holds every step's output,
 # summary.txt (the table) and summary.tsv. Exit status: 0 when every check
@@ -47,7 +51,7 @@
 # 1 when a check failed; 2 bad usage. --require_gpu makes "no GPU found" a
 # failure (use it on a GPU host: a broken driver must not pass as a dry run).
 # --steps runs only the named steps (parity sanitizer kernel_bench step_bench
-# jobs pytorch pstrain_torch exchange torch_cuda); --deadline_s=N stops starting work so that the whole run,
+# jobs pytorch pstrain_torch exchange torch_cuda replication); --deadline_s=N stops starting work so that the whole run,
 # summary included, ends within N seconds (for a device call with a limit).
 #
 # Knobs (environment): MODEL_HIDDEN (2048,2048), BATCH (512), CPU_STEPS,
@@ -55,7 +59,8 @@
 # SANITIZE_TESTS (GPU test binaries run under compute-sanitizer),
 # SANITIZE_FILTER (their --gtest_filter),
 # STEP_TIMEOUT_S (300: the limit of any one step), PSTRAIN_CUDA_LIB_DIR,
-# TORCH_PYTHON, TORCH_CUDA_TESTS (empty: none), TORCH_TEST_DEVICE (cuda).
+# TORCH_PYTHON, TORCH_CUDA_TESTS (empty: none), TORCH_TEST_DEVICE (cuda),
+# REPLICATION_ROUNDS (3).
 set -uo pipefail
 
 readonly PROG=check.sh
@@ -69,7 +74,7 @@ usage() {
   exit 2
 }
 
-readonly ALL_STEPS="parity sanitizer kernel_bench step_bench jobs pytorch pstrain_torch exchange torch_cuda"
+readonly ALL_STEPS="parity sanitizer kernel_bench step_bench jobs pytorch pstrain_torch exchange torch_cuda replication"
 read -ra STEPS <<<"$ALL_STEPS"
 results=""
 DEADLINE_S=0
@@ -404,11 +409,14 @@ step_step_bench() {
   fi
 }
 
-# --- 5. The same job through the parameter servers, on 0, 1 and 2 GPUs ------
-step_jobs() {
-  # Which data: Fashion-MNIST when the worker knows it (and, for the bundle's
-  # copy of the files, a flag to point at them); else synthetic data of the
-  # same shape (784 features, 10 classes).
+# What the jobs of steps 5 and 10 share, set up once: their data (Fashion-MNIST
+# when the worker knows it, and, for the bundle's copy of the files, a flag
+# to point at them; else synthetic data of the same shape: 784 features, 10
+# classes) and the wrappers launch.sh runs as --bin_dir.
+jobs_ready=0
+job_setup() {
+  ((jobs_ready)) && return
+  jobs_ready=1
   worker_help=$("$BUNDLE/bin/worker" --helpfull 2>&1 || true)
   data_flags=(--num_features=784 --num_classes=10)
   data_name="synthetic 784 features, 10 classes"
@@ -441,8 +449,12 @@ fi
 exec $(printf %q "$BUNDLE/bin/worker") "\$@"
 WRAPPER
   chmod +x "$wrappers"/*
-
   mkdir -p "$results/jobs"
+}
+
+# --- 5. The same job through the parameter servers, on 0, 1 and 2 GPUs ------
+step_jobs() {
+  job_setup
   cpu_job_rate=""
   declare -A JOB_RATE=()
   # job NAME WORKERS DEVICE PRECISION GPUS STEPS [WORKER_FLAGS...] (later
@@ -797,6 +809,81 @@ step_torch_cuda() {
       row "torch $TORCH_TEST_DEVICE $t" FAIL "${summary%% in *}" "$(exit_text "$status"): ${summary#*, }; see torch_cuda/$t.txt"
     fi
   done
+}
+
+# --- 10. Replicated shards on this host --------------------------------------
+# Issue 38: the sync step with every shard held by two server processes
+# (--replicas=2) against one, on loopback: bench/replication_overhead.sh's
+# mlp_2x2 (MLP 784-256-128-10, Adam, 2 servers x 2 workers, global batch 128,
+# one BLAS thread a worker), rounds interleaved, the order alternating. Each
+# job's CPU (every process of it, from the shell's child times) comes with it:
+# where the cores are fewer than the processes, the step follows the CPU the
+# backups spend (a 2-vCPU VM: bench/results/replication_overhead.txt); a
+# host with cores to spare, as the GPU hosts are, measures the replication.
+: "${REPLICATION_ROUNDS:=3}"
+step_replication() {
+  job_setup
+  mkdir -p "$results/replication"
+  local steps=1000
+  ((quick)) && steps=100
+  # replica_job R ROUND: "step_ms cpu_ms_per_step" of one job, or "FAIL why"
+  # (it runs in a command substitution, where a row would be lost).
+  replica_job() {
+    local name=r$1_round$2 out=$results/replication/r$1_round$2.txt status
+    (
+      run_to "$out" "$BUNDLE/launch.sh" --servers=2 --workers=2 --mode=sync --replicas="$1" \
+        --bin_dir="$wrappers" --run_dir="$results/replication/$name.run" --timeout_s="$STEP_TIMEOUT_S" -- \
+        --server.optimizer=adam --server.learning_rate=0.001 --cpu_threads=1 --log_every=0 \
+        --device=cpu --model=mlp --hidden=256,128 --global_batch_size=128 --steps="$steps" \
+        "${data_flags[@]}"
+      status=$?
+      times >"$results/replication/$name.times"
+      exit "$status"
+    )
+    status=$?
+    if ((status != 0)); then
+      echo "FAIL launch.sh: $(exit_text "$status"); see replication/$name.txt"
+      return
+    fi
+    local final
+    final=$(grep '^{"event":"final"' "$out" | grep '"worker_id":0[,}]' | tail -n 1)
+    # The children's user and system time: the second line of `times`.
+    awk -v line="$final" '
+      function field(k,   m) { return match(line, "\"" k "\":[0-9.eE+-]+") ? substr(line, RSTART + length(k) + 3, RLENGTH - length(k) - 3) : "" }
+      function seconds(t) { split(t, p, "m"); return p[1] * 60 + p[2] }
+      NR == 2 { cpu = seconds($1) + seconds($2) }
+      END {
+        wall = field("wall_time_s"); eval = field("evaluation_s"); n = field("steps_run")
+        if (n > 0) printf "%.3f %.3f\n", 1e3 * (wall - eval) / n, 1e3 * cpu / n
+      }' "$results/replication/$name.times"
+  }
+  local round first second a b one=() two=() ratios=() cpu_one=() cpu_two=()
+  for ((round = 1; round <= REPLICATION_ROUNDS; round++)); do
+    if ((round % 2)); then first=1 second=2; else first=2 second=1; fi
+    a=$(replica_job "$first" "$round")
+    b=$(replica_job "$second" "$round")
+    local r=$first result
+    for result in "$a" "$b"; do
+      if [[ ! $result =~ ^[0-9.]+\ [0-9.]+$ ]]; then
+        result=${result#FAIL }
+        row "replication job R=$r round $round" FAIL "-" "${result:-no step time in its output}"
+        return
+      fi
+      r=$second
+    done
+    ((first == 1)) || { local swap=$a; a=$b; b=$swap; }
+    one+=("${a% *}") two+=("${b% *}") cpu_one+=("${a#* }") cpu_two+=("${b#* }")
+    ratios+=("$(ratio "${b% *}" "${a% *}")")
+  done
+  median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+  local cpu_ratio
+  cpu_ratio=$(ratio "$(median "${cpu_two[@]}")" "$(median "${cpu_one[@]}")")
+  row "replication R=1 / R=2 step" INFO "$(median "${one[@]}") / $(median "${two[@]}") ms" \
+    "medians of $REPLICATION_ROUNDS interleaved rounds, $steps steps each; per-round R=2/R=1: ${ratios[*]}"
+  row "replication CPU a step, R=1 / R=2" INFO "$(median "${cpu_one[@]}") / $(median "${cpu_two[@]}") ms" \
+    "every process of the job, $(nproc) cores here; R=2 spends ${cpu_ratio}x the CPU of R=1"
+  goal_row "sync step R=2 vs R=1 (loopback)" "$(median "${ratios[@]}")" at_most 1.15 \
+    "median of the per-round ratios; issue 38's goal <= 1.15x"
 }
 
 # --- Run them ------------------------------------------------------------------

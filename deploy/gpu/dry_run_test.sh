@@ -67,6 +67,9 @@ else
   expect '^pstrain.torch cpu step +PASS'
   expect '^exchange alone +INFO +[0-9.]+ ms'
   expect '^pstrain.torch tests on cuda +SKIP .*no GPU'
+  # Replicated shards need no GPU: the jobs run, with their CPU.
+  expect '^replication CPU a step, R=1 / R=2 +INFO +[0-9.]+ / [0-9.]+ ms'
+  expect '^goal: sync step R=2 vs R=1 \(loopback\) +(MET|MISSED) +[0-9.]+x'
   expect '^RESULT: PASSED .*dry run: no GPU, GPU steps skipped'
   # A "skip" must never be a test that ran into a GPU and broke.
   if grep -E '^(parity|job|step_bench).* FAIL' "$summary"; then
