@@ -647,10 +647,43 @@ absl::Status ReplicaSet::ServesWorkers() const {
                                              " is starting"));
 }
 
+absl::Status ReplicaSet::AwaitedJoiner() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  for (auto it = awaited_joiners_.begin(); it != awaited_joiners_.end();) {
+    if (it->second > now) {
+      ++it;
+      continue;
+    }
+    LOG(WARNING) << "replica " << options_.replica_index << " of shard "
+                 << options_.shard_id << " stops waiting for replica "
+                 << it->first << " to ask for the shard's state: updates are "
+                 << "acknowledged without it until it catches up";
+    it = awaited_joiners_.erase(it);
+  }
+  if (awaited_joiners_.empty()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "replica ", awaited_joiners_.front().first, " of shard ",
+      options_.shard_id,
+      " is catching up from the primary: no update is acknowledged until it "
+      "holds the shard's state; retry"));
+}
+
 absl::Status ReplicaSet::Forward(absl::string_view method,
                                  absl::Span<const absl::string_view> request,
                                  bool wait_for_replicas) {
   if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+  // An update the primary applied while a joiner has not asked for the
+  // state yet is not acknowledged (the worker's retry is a duplicate,
+  // answered once the joiner holds it). The rest (a registration, a
+  // heartbeat: nothing a step learns from) goes on: the joiner's catch-up
+  // waits for the workers' first step request (Shard::QuietForTransfer),
+  // which a refused registration would never let come.
+  const bool update =
+      method == "Push" || method == "SparsePush" || method == "steps";
+  if (update) {
+    if (absl::Status awaited = AwaitedJoiner(); !awaited.ok()) return awaited;
+  }
   std::vector<Peer*> targets;
   ReplicateRequest forward = Message(method);
   {
@@ -753,12 +786,34 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
           " was replaced as primary: ", result.message()));
       continue;
     }
-    if (absl::StrContains(result.message(), kStale) ||
-        absl::StrContains(result.message(), kNewProcess)) {
-      // A replica restarted before its old process was dropped: in the set
-      // it holds no state (waiting for it would also hold up its own
-      // catch-up), and the catch-up adds it back.
+    if (absl::StrContains(result.message(), kStale)) {
       Drop(peer.index, std::string(result.message()));
+      continue;
+    }
+    if (absl::StrContains(result.message(), kNewProcess)) {
+      // A replica restarted before its old process was dropped, or one that
+      // came up after the primary took the model (the job's start): in the
+      // set it holds no state (waiting for it here would also hold up its
+      // own catch-up, which waits for the changes in flight), and the
+      // catch-up adds it back. Until it asks for the state, no update is
+      // acknowledged: this one neither (a retry is a duplicate).
+      Drop(peer.index, std::string(result.message()));
+      {
+        absl::MutexLock lock(&mu_);
+        const bool awaited =
+            std::any_of(awaited_joiners_.begin(), awaited_joiners_.end(),
+                        [&](const auto& j) { return j.first == peer.index; });
+        if (!awaited) {
+          awaited_joiners_.emplace_back(peer.index,
+                                        absl::Now() + options_.forward_timeout);
+        }
+      }
+      if (update && failure.ok()) {
+        failure = absl::UnavailableError(absl::StrCat(
+            "replica ", peer.index, " of shard ", options_.shard_id,
+            " is catching up from the primary: not acknowledged until it "
+            "holds the shard's state; retry"));
+      }
       continue;
     }
     if (Unanswered(result)) {
@@ -840,7 +895,11 @@ bool ReplicaSet::CatchUp() {
   ReplicateRequest probe = Message("probe");
   ReplicateRequest join = Message("join");
   std::string last_problem;
-  while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+  // The first ask at once: a primary that found this process catching up
+  // acknowledges no update until it asks (AwaitedJoiner).
+  absl::Duration wait = absl::ZeroDuration();
+  while (!stop_.WaitForNotificationWithTimeout(wait)) {
+    wait = absl::Milliseconds(200);
     if (role_.load() != Role::kCatchingUp) break;
     Peer* primary = nullptr;
     for (auto& peer : peers_) {
@@ -921,6 +980,14 @@ absl::Status ReplicaSet::SendState(int joiner,
         absl::StrCat("no replica ", joiner, " in this set"));
   }
   const absl::Time start = absl::Now();
+  {
+    // Changes are held from here: the joiner gets every one acknowledged.
+    absl::MutexLock lock(&mu_);
+    awaited_joiners_.erase(
+        std::remove_if(awaited_joiners_.begin(), awaited_joiners_.end(),
+                       [&](const auto& j) { return j.first == joiner; }),
+        awaited_joiners_.end());
+  }
   {
     // Its answer names its data port (a restarted replica has a new one):
     // the state goes there, as pushes do. Links to a process before it are

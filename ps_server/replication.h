@@ -367,6 +367,10 @@ class ReplicaSet {
   // or a minute passed.
   void TellDeposed(std::vector<Peer*> deposed);
   void Drop(int index, const std::string& why);
+  // UNAVAILABLE (retry) for an update while a replica dropped as a new
+  // process has not asked for the state yet (awaited_joiners_); those past
+  // their deadline are given up, logged.
+  absl::Status AwaitedJoiner();
   bool InSet(int index) const;
   void StepDown(const std::string& why);
   void NoteEpoch(int64_t epoch);
@@ -399,6 +403,12 @@ class ReplicaSet {
   // The set's order as last heard from the primary (the primary: itself,
   // then in_set_).
   std::vector<int> succession_ ABSL_GUARDED_BY(mu_);
+  // The primary: replicas that answered a forward as a new process catching
+  // up (so were dropped from in_set_), each until it asks for the state or
+  // its deadline passes. Until then no update (a push, a step's record) is
+  // acknowledged: the worker would hold as done what only this process has
+  // (kill -9 it, and the joiner, which never got it, cannot give it back).
+  std::vector<std::pair<int, absl::Time>> awaited_joiners_ ABSL_GUARDED_BY(mu_);
   // While joining: the replica that forwarded a change to this one (-1:
   // none), and its epoch. Start takes it for the primary holding the state.
   int forwarded_while_joining_ ABSL_GUARDED_BY(mu_) = -1;
