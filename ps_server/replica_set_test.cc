@@ -162,66 +162,69 @@ class CatchingUpPeer : public ParameterServer::Service {
   std::atomic<int> refused_{0};
 };
 
+// Replica 0 of a set whose replica 1 is a CatchingUpPeer, started: the
+// primary, with replica 1 in its set.
+class ReplicaSetCatchUpTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<ReplicaSet> StartPrimary(absl::Duration forward_timeout) {
+    ReplicaOptions options = FirstOfTwo(peer_.address());
+    options.forward_timeout = forward_timeout;
+    auto set = std::make_unique<ReplicaSet>(options, [] { return true; });
+    set->Start();
+    EXPECT_EQ(Role(*set), "primary");
+    return set;
+  }
+
+  CatchingUpPeer peer_;
+  const absl::string_view push_ = "a push";
+};
+
 // An update forwarded while a replica of the set catches up is held by the
 // primary alone: acknowledging it would lose it to a kill -9 of the primary
 // before the joiner holds it (a job's start, where a backup came up after
 // the primary registered the model: 2 of 30 trials lost every update since
 // the primary's checkpoint that way). No update is acknowledged until the
-// joiner asks for the state (changes are then held until it has it); a
-// joiner that never asks is waited for up to forward_timeout.
-TEST(ReplicaSetCatchUpTest,
-     NoChangeIsAcknowledgedBeforeAJoinerAsksForTheState) {
-  CatchingUpPeer peer;
-  ReplicaOptions options = FirstOfTwo(peer.address());
-  options.forward_timeout = absl::Seconds(30);
-  ReplicaSet set(options, [] { return true; });
-  set.Start();
-  ASSERT_EQ(Role(set), "primary");
-
-  const absl::string_view push = "a push";
-  const absl::Status first = set.Forward("Push", {push});
+// joiner asks for the state (changes are then held until it has it).
+TEST_F(ReplicaSetCatchUpTest, NoUpdateIsAcknowledgedBeforeAJoinerAsks) {
+  std::unique_ptr<ReplicaSet> set = StartPrimary(absl::Seconds(30));
+  const absl::Status first = set->Forward("Push", {push_});
   EXPECT_TRUE(absl::IsUnavailable(first)) << first;
-  EXPECT_EQ(peer.forwards_refused(), 1);
+  EXPECT_EQ(peer_.forwards_refused(), 1);
   // Dropped from the set, but awaited: the next update is not acknowledged
   // either, and not sent to it. A heartbeat (no update) is: the joiner's
   // catch-up waits for the workers' steps to begin.
-  const absl::Status second = set.Forward("SparsePush", {push});
+  const absl::Status second = set->Forward("SparsePush", {push_});
   EXPECT_TRUE(absl::IsUnavailable(second)) << second;
   EXPECT_NE(second.message().find("catching up"), std::string::npos) << second;
-  EXPECT_TRUE(set.Forward("Heartbeat", {push}).ok());
-  EXPECT_EQ(peer.forwards_refused(), 1);
+  EXPECT_TRUE(set->Forward("Heartbeat", {push_}).ok());
+  EXPECT_EQ(peer_.forwards_refused(), 1);
 
   // The joiner asked: the state goes to it (with changes held), and the
-  // changes after it are acknowledged once it has them.
+  // updates after it are acknowledged once it has them.
   ReplicaStateExport state;
   state.chunks.resize(1);
   state.floats.resize(1);
-  ASSERT_TRUE(set.SendState(1, state).ok());
-  EXPECT_TRUE(set.Forward("Push", {push}).ok());
-  EXPECT_EQ(peer.forwards_refused(), 1);
-  set.Stop();
+  ASSERT_TRUE(set->SendState(1, state).ok());
+  EXPECT_TRUE(set->Forward("Push", {push_}).ok());
+  EXPECT_EQ(peer_.forwards_refused(), 1);
+  set->Stop();
 }
 
-TEST(ReplicaSetCatchUpTest, AJoinerThatNeverAsksIsWaitedForOnlyForAWhile) {
-  CatchingUpPeer peer;
-  ReplicaOptions options = FirstOfTwo(peer.address());
-  options.forward_timeout = absl::Milliseconds(300);
-  ReplicaSet set(options, [] { return true; });
-  set.Start();
-  ASSERT_EQ(Role(set), "primary");
-  const absl::string_view push = "a push";
+// A joiner that never asks is waited for up to forward_timeout; then the
+// job goes on without it (logged).
+TEST_F(ReplicaSetCatchUpTest, AJoinerThatNeverAsksIsWaitedForOnlyForAWhile) {
+  const absl::Duration forward_timeout = absl::Milliseconds(300);
+  std::unique_ptr<ReplicaSet> set = StartPrimary(forward_timeout);
   const absl::Time refused_at = absl::Now();
-  EXPECT_TRUE(absl::IsUnavailable(set.Forward("Push", {push})));
-  // Refused until forward_timeout has passed; then given up on (logged),
-  // and the job goes on without it.
+  EXPECT_TRUE(absl::IsUnavailable(set->Forward("Push", {push_})));
   absl::Status retried;
   do {
-    retried = set.Forward("Push", {push});
+    retried = set->Forward("Push", {push_});
   } while (!retried.ok() && absl::Now() - refused_at < absl::Seconds(10));
   EXPECT_TRUE(retried.ok()) << retried;
-  EXPECT_GE(absl::Now() - refused_at, options.forward_timeout);
-  EXPECT_EQ(peer.forwards_refused(), 1);
-  set.Stop();
+  EXPECT_GE(absl::Now() - refused_at, forward_timeout);
+  EXPECT_EQ(peer_.forwards_refused(), 1);
+  set->Stop();
 }
 
 }  // namespace
