@@ -964,6 +964,11 @@ bool ReplicaSet::CatchUp() {
                    << " could not catch up yet (tries again): " << problem;
       last_problem = problem;
     }
+    // Another replica's transfer takes tens of ms: until this one has the
+    // state the shard has one replica fewer, so ask again soon.
+    if (absl::StrContains(problem, kAnotherReplicaCatchingUp)) {
+      wait = absl::Milliseconds(20);
+    }
   }
   return role_.load() == Role::kBackup;
 }
