@@ -23,6 +23,12 @@
 #         about 1.5 s undisturbed): registration, the first steps, or later;
 #   end   as soon as the first worker has finished (just after the last step,
 #         while the other may still be pushing it).
+#   start (every trial, with --start_race) shard 1's backups start 0.3 s
+#         after the workers, so they come up after the primary took the
+#         model and must catch up; the kill comes the moment the first of
+#         them says it catches up (the job's start-up race: a primary
+#         killed then leaves no replica holding the shard, issue 38's open
+#         gap; bench/results/replication_trials.txt).
 #
 # ok: every worker exits 0 within --trial_timeout_s (else "hung"/"failed"),
 # and the model is what an undisturbed run gives (else "wrong"): probe, the
@@ -45,7 +51,7 @@
 #
 #   bench/replication_trials.sh [--trials=40] [--models=probe,ctr]
 #       [--replicas=2|3] [--checkpoint_every_steps=N] [--trial_timeout_s=60]
-#       [--backup_reads] [--seed=N] [--record] [--keep]
+#       [--backup_reads] [--start_race] [--seed=N] [--record] [--keep]
 #
 # Prints a line per trial and a summary; --record appends them (command,
 # machine, date) to bench/results/replication_trials.txt. Exit status: 0
@@ -55,7 +61,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 trials=40 models=probe replicas=2 checkpoint_every_steps=0 trial_timeout_s=60 seed=$$ record=0 keep=0
-backup_reads=0
+backup_reads=0 start_race=0
 args="$*"
 for arg in "$@"; do
   case "$arg" in
@@ -68,6 +74,7 @@ for arg in "$@"; do
     --record) record=1 ;;
     --keep) keep=1 ;;
     --backup_reads) backup_reads=1 ;;
+    --start_race) start_race=1 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "replication_trials.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
@@ -136,7 +143,10 @@ trial() {
     server_pid[i]=$!
     pids+=("$!")
   }
-  for ((i = 0; i < 2 * R; ++i)); do start_server "$i"; done
+  local late=() # shard 1's backups, with --start_race
+  for ((i = 0; i < 2 * R; ++i)); do
+    if [[ $moment == start ]] && ((i > R)); then late+=("$i"); else start_server "$i"; fi
+  done
   for ((k = 0; k < 2; ++k)); do
     # shellcheck disable=SC2046
     "$worker_bin" --ps_hosts="$hosts" --worker_id=$k --num_workers=2 $(model_flags "$model") \
@@ -151,8 +161,24 @@ trial() {
   deadline=$((SECONDS + trial_timeout_s))
   local target=$R # shard 1's primary; its last replica for "backup"
   ((victim == 1)) && target=$((2 * R - 1))
+  local late_logs=()
+  if [[ $moment == start ]]; then
+    sleep 0.3
+    for i in "${late[@]}"; do
+      start_server "$i"
+      late_logs+=("$dir/ps$i.log")
+    done
+    while ! grep -q "started without the shard's state" "${late_logs[@]}" 2>/dev/null &&
+      kill -0 "${worker_pids[0]}" 2>/dev/null && ((SECONDS < deadline)); do
+      read -r -t 0.002 <> <(:) || true
+    done
+  fi
   if ((victim < 0)); then
     detail="undisturbed"
+  elif [[ $moment == start ]]; then
+    detail="killed as a late backup began catching up"
+    grep -q "started without the shard's state" "${late_logs[@]}" 2>/dev/null ||
+      detail="killed with no late backup catching up"
   elif [[ $moment == mid ]]; then
     local at
     at=$(awk -v r=$RANDOM 'BEGIN {printf "%.2f", 0.1 + 1.1 * r / 32767}')
@@ -279,6 +305,7 @@ for t in $(seq 1 "$trials"); do
   victim=$(((t - 1) / 2 % 3)) # primary, primary, backup, backup, both, both, ...
   moment=mid
   ((t % 5)) || moment=end
+  ((start_race)) && moment=start
   model=${model_list[$(((t - 1) / 4 % ${#model_list[@]}))]}
   line=$(trial "$model" $mode $victim $moment "$run_dir/t$t")
   victim_name=(primary backup both)
