@@ -817,6 +817,21 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
       continue;
     }
     if (Unanswered(result)) {
+      if (Gone(peer) && !peer.answered.load() &&
+          absl::Now() < created_ + options_.startup_wait) {
+        // Never heard from since this process started: not up yet (the
+        // job's start, a host slow to schedule it), not gone. Dropping it
+        // would make this process the only one holding what it
+        // acknowledges; a kill -9 of it then lost those updates to its
+        // checkpoint. So no update is acknowledged until it is up (the
+        // workers retry as duplicates), for up to startup_wait.
+        if (update && failure.ok()) {
+          failure = absl::UnavailableError(absl::StrCat(
+              "replica ", peer.index, " of shard ", options_.shard_id, " (",
+              peer.address, ") is not up yet: not acknowledged, retry"));
+        }
+        continue;
+      }
       if (Gone(peer)) {
         Drop(peer.index, absl::StrCat("its port refuses connections (",
                                       result.message(), ")"));

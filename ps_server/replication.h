@@ -387,6 +387,9 @@ class ReplicaSet {
 
   const ReplicaOptions options_;
   const std::function<bool()> has_model_;
+  // A peer never heard from until startup_wait after this is not up yet
+  // rather than gone (Forward).
+  const absl::Time created_ = absl::Now();
   std::function<void()> on_takeover_;
   // Set only when this process read a checkpoint.
   std::function<bool(bool keep)> settle_restored_;
