@@ -647,8 +647,7 @@ absl::Status ReplicaSet::ServesWorkers() const {
                                              " is starting"));
 }
 
-absl::Status ReplicaSet::AwaitedJoiner() {
-  absl::MutexLock lock(&mu_);
+absl::Status ReplicaSet::AwaitedJoinerLocked() {
   const absl::Time now = absl::Now();
   for (auto it = awaited_joiners_.begin(); it != awaited_joiners_.end();) {
     if (it->second > now) {
@@ -681,13 +680,15 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
   // which a refused registration would never let come.
   const bool update =
       method == "Push" || method == "SparsePush" || method == "steps";
-  if (update) {
-    if (absl::Status awaited = AwaitedJoiner(); !awaited.ok()) return awaited;
-  }
   std::vector<Peer*> targets;
   ReplicateRequest forward = Message(method);
   {
     absl::MutexLock lock(&mu_);
+    if (update) {
+      if (absl::Status awaited = AwaitedJoinerLocked(); !awaited.ok()) {
+        return awaited;
+      }
+    }
     forward.add_succession(options_.replica_index);
     for (int index : in_set_) {
       for (auto& peer : peers_) {
@@ -817,7 +818,8 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
       continue;
     }
     if (Unanswered(result)) {
-      if (Gone(peer) && !peer.answered.load() &&
+      const bool gone = Gone(peer);
+      if (gone && !peer.answered.load() &&
           absl::Now() < created_ + options_.startup_wait) {
         // Never heard from since this process started: not up yet (the
         // job's start, a host slow to schedule it), not gone. Dropping it
@@ -832,7 +834,7 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
         }
         continue;
       }
-      if (Gone(peer)) {
+      if (gone) {
         Drop(peer.index, absl::StrCat("its port refuses connections (",
                                       result.message(), ")"));
         continue;
@@ -911,7 +913,7 @@ bool ReplicaSet::CatchUp() {
   ReplicateRequest join = Message("join");
   std::string last_problem;
   // The first ask at once: a primary that found this process catching up
-  // acknowledges no update until it asks (AwaitedJoiner).
+  // acknowledges no update until it asks (AwaitedJoinerLocked).
   absl::Duration wait = absl::ZeroDuration();
   while (!stop_.WaitForNotificationWithTimeout(wait)) {
     wait = absl::Milliseconds(200);

@@ -370,7 +370,7 @@ class ReplicaSet {
   // UNAVAILABLE (retry) for an update while a replica dropped as a new
   // process has not asked for the state yet (awaited_joiners_); those past
   // their deadline are given up, logged.
-  absl::Status AwaitedJoiner();
+  absl::Status AwaitedJoinerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool InSet(int index) const;
   void StepDown(const std::string& why);
   void NoteEpoch(int64_t epoch);

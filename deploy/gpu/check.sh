@@ -845,17 +845,16 @@ step_replication() {
       echo "FAIL launch.sh: $(exit_text "$status"); see replication/$name.txt"
       return
     fi
-    local final
-    final=$(grep '^{"event":"final"' "$out" | grep '"worker_id":0[,}]' | tail -n 1)
+    # Worker 0's final line (json_field filters string fields only).
+    local final=$results/replication/$name.final
+    grep '^{"event":"final"' "$out" | grep '"worker_id":0[,}]' | tail -n 1 >"$final"
     # The children's user and system time: the second line of `times`.
-    awk -v line="$final" '
-      function field(k,   m) { return match(line, "\"" k "\":[0-9.eE+-]+") ? substr(line, RSTART + length(k) + 3, RLENGTH - length(k) - 3) : "" }
+    awk -v wall="$(json_field "$final" wall_time_s)" -v eval="$(json_field "$final" evaluation_s)" \
+      -v n="$(json_field "$final" steps_run)" '
       function seconds(t) { split(t, p, "m"); return p[1] * 60 + p[2] }
       NR == 2 { cpu = seconds($1) + seconds($2) }
-      END {
-        wall = field("wall_time_s"); eval = field("evaluation_s"); n = field("steps_run")
-        if (n > 0) printf "%.3f %.3f\n", 1e3 * (wall - eval) / n, 1e3 * cpu / n
-      }' "$results/replication/$name.times"
+      END { if (n > 0) printf "%.3f %.3f\n", 1e3 * (wall - eval) / n, 1e3 * cpu / n }' \
+      "$results/replication/$name.times"
   }
   local round first second a b one=() two=() ratios=() cpu_one=() cpu_two=()
   for ((round = 1; round <= REPLICATION_ROUNDS; round++)); do
