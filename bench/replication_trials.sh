@@ -27,8 +27,9 @@
 #         after the workers, so they come up after the primary took the
 #         model and must catch up; the kill comes the moment the first of
 #         them says it catches up (the job's start-up race: a primary
-#         killed then leaves no replica holding the shard, issue 38's open
-#         gap; bench/results/replication_trials.txt).
+#         killed then leaves no replica holding the shard, and the backup
+#         starts the shard afresh on the primary's promise; README
+#         "A primary that dies before its first backup caught up").
 #
 # ok: every worker exits 0 within --trial_timeout_s (else "hung"/"failed"),
 # and the model is what an undisturbed run gives (else "wrong"): probe, the

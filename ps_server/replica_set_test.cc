@@ -227,5 +227,134 @@ TEST_F(ReplicaSetCatchUpTest, AJoinerThatNeverAsksIsWaitedForOnlyForAWhile) {
   set->Stop();
 }
 
+// The promise a primary makes a joiner (start_afresh_ms) while it has
+// acknowledged nothing a fresh shard lacks: a joiner in its set, or awaited,
+// is not left out of any update for that long. Registrations keep it; an
+// update acknowledged without the joiner (its wait ran out) ends it.
+TEST_F(ReplicaSetCatchUpTest, APrimaryPromisesAFreshStartUntilItAcknowledges) {
+  const absl::Duration forward_timeout = absl::Milliseconds(500);
+  std::unique_ptr<ReplicaSet> set = StartPrimary(forward_timeout);
+  ReplicateRequest probe;
+  probe.set_method("probe");
+  probe.set_from_replica(1);
+  EXPECT_EQ(set->Answer(probe).start_afresh_ms(), 500);  // in the set
+  // The registration's forward finds it catching up: awaited from now.
+  EXPECT_TRUE(set->Forward("RegisterModel", {push_}).ok());
+  EXPECT_EQ(peer_.forwards_refused(), 1);
+  const int64_t awaited = set->Answer(probe).start_afresh_ms();
+  EXPECT_GT(awaited, 0);
+  EXPECT_LE(awaited, 500);
+  EXPECT_TRUE(absl::IsUnavailable(set->Forward("Assign", {push_})));
+  EXPECT_GT(set->Answer(probe).start_afresh_ms(), 0);
+
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  absl::Status pushed;
+  do {
+    pushed = set->Forward("Push", {push_});
+  } while (!pushed.ok() && absl::Now() < give_up);
+  ASSERT_TRUE(pushed.ok()) << pushed;  // acknowledged alone
+  EXPECT_EQ(set->Answer(probe).start_afresh_ms(), 0);
+  set->Stop();
+}
+
+// A primary that answers as the fake's flags say, and holds the model.
+class FakePrimary : public ParameterServer::Service {
+ public:
+  explicit FakePrimary(int64_t start_afresh_ms)
+      : start_afresh_ms_(start_afresh_ms) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port_);
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+  }
+  ~FakePrimary() override { Die(); }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  int joins() const { return joins_.load(); }
+  // Its port refuses connections from here on.
+  void Die() {
+    if (server_ == nullptr) return;
+    server_->Shutdown();
+    server_.reset();
+  }
+
+  grpc::Status Replicate(grpc::ServerContext*, const ReplicateRequest* request,
+                         ReplicateResponse* response) override {
+    if (request->method() == "join") joins_.fetch_add(1);
+    response->set_epoch(0);
+    response->set_role("primary");
+    response->set_model_registered(true);
+    response->set_start_afresh_ms(start_afresh_ms_);
+    return grpc::Status::OK;
+  }
+
+ private:
+  const int64_t start_afresh_ms_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  std::atomic<int> joins_{0};
+};
+
+// Replica 1 of two, started while `primary` holds the model: it catches up.
+std::unique_ptr<ReplicaSet> StartJoiner(const FakePrimary& primary) {
+  ReplicaOptions options;
+  options.replica_index = 1;
+  options.addresses = {primary.address(), "127.0.0.1:1"};
+  auto set = std::make_unique<ReplicaSet>(options, [] { return false; });
+  set->Start();
+  EXPECT_EQ(Role(*set), "catching_up");
+  return set;
+}
+
+// Replica `set`'s role once it is not `role`, or after `timeout`.
+std::string RoleAfter(const ReplicaSet& set, const std::string& role,
+                      absl::Duration timeout) {
+  const absl::Time give_up = absl::Now() + timeout;
+  while (Role(set) == role && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return Role(set);
+}
+
+// A job's start: the primary took the model, a backup came up after it and
+// catches up, and the primary dies before the backup holds the state. The
+// primary had promised that it acknowledged nothing without the backup, so
+// the backup starts the shard afresh (the workers register again) rather
+// than wait for a primary that may never come back: the job goes on, and
+// loses nothing.
+TEST(ReplicaSetFreshStartTest, AJoinerStartsAfreshWhenItsPrimaryPromised) {
+  FakePrimary primary(/*start_afresh_ms=*/30000);
+  std::unique_ptr<ReplicaSet> joiner = StartJoiner(primary);
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (primary.joins() == 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_GT(primary.joins(), 0);
+  primary.Die();
+  EXPECT_EQ(RoleAfter(*joiner, "catching_up", absl::Seconds(10)), "primary");
+  StatsResponse stats;
+  joiner->AddStats(&stats);
+  EXPECT_EQ(stats.replica_epoch(), 1);
+  EXPECT_EQ(stats.replica_takeovers(), 1);
+  joiner->Stop();
+}
+
+// Without the promise (the primary may have acknowledged updates the joiner
+// lacks), a fresh start would lose them: the joiner waits for the primary
+// to come back from its checkpoint.
+TEST(ReplicaSetFreshStartTest, WithoutThePromiseAJoinerWaitsForItsPrimary) {
+  FakePrimary primary(/*start_afresh_ms=*/0);
+  std::unique_ptr<ReplicaSet> joiner = StartJoiner(primary);
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (primary.joins() == 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_GT(primary.joins(), 0);
+  primary.Die();
+  // With the promise it takes over within 2 s (the test above).
+  EXPECT_EQ(RoleAfter(*joiner, "catching_up", absl::Seconds(5)), "catching_up");
+  joiner->Stop();
+}
+
 }  // namespace
 }  // namespace pstrain

@@ -37,6 +37,14 @@ constexpr absl::string_view kNewProcess = "new process: ";
 // in while the next is on the wire (bench/replica_catchup.sh).
 constexpr int kStateChunksInFlight = 3;
 
+// Whether a forwarded `method` changes what the job holds, in a way a
+// shard started afresh would lack: everything but a registration (the
+// workers register again with the same schema, whose initial values are a
+// pure function of its seed), a heartbeat and the set's order.
+bool ChangesTheJobsState(absl::string_view method) {
+  return method != "RegisterModel" && method != "Heartbeat" && method != "view";
+}
+
 // A forward the receiver did not answer (it may yet have applied it).
 bool Unanswered(const absl::Status& status) {
   return status.code() == absl::StatusCode::kUnavailable ||
@@ -324,6 +332,7 @@ void ReplicaSet::Start() {
     const absl::Duration waited = absl::Now() - started;
     for (auto& peer : peers_) {
       const bool before = peer->index < options_.replica_index;
+      const absl::Time asked = absl::Now();
       absl::StatusOr<ReplicateResponse> answer =
           Call(*peer, probe, absl::Seconds(1), /*wait_for_ready=*/false);
       if (!answer.ok()) {  // not up yet, gone, or slow to answer
@@ -362,7 +371,14 @@ void ReplicaSet::Start() {
                                        answer->role(), ", epoch ",
                                        answer->epoch(), ")"));
       }
-      if (answer->role() == RoleName(Role::kPrimary)) primary_ = peer->index;
+      if (answer->role() == RoleName(Role::kPrimary)) {
+        primary_ = peer->index;
+        start_promiser_ = peer->index;
+        start_promise_until_ =
+            answer->start_afresh_ms() > 0
+                ? asked + absl::Milliseconds(answer->start_afresh_ms())
+                : absl::InfinitePast();
+      }
     }
     if (holders.empty()) {
       // A replica that forwards changes to this one serves the job and holds
@@ -419,6 +435,8 @@ void ReplicaSet::Start() {
     });
     return;
   }
+  // A checkpoint holds what workers were told is done.
+  if (settle_restored_) may_have_acknowledged_ = true;
   if (settle_restored_ && !settle_restored_(/*keep=*/true)) {
     // Not stale in the sense of set_on_stale: a restart would fail alike.
     role_ = Role::kStale;
@@ -678,8 +696,11 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
   // heartbeat: nothing a step learns from) goes on: the joiner's catch-up
   // waits for the workers' first step request (Shard::QuietForTransfer),
   // which a refused registration would never let come.
-  const bool update =
-      method == "Push" || method == "SparsePush" || method == "steps";
+  // Assign too: values a tensor gets once (pstrain.torch's), which a shard
+  // started afresh would lack.
+  const bool update = method == "Push" || method == "SparsePush" ||
+                      method == "steps" || method == "Assign";
+  const bool changes_state = ChangesTheJobsState(method);
   std::vector<Peer*> targets;
   ReplicateRequest forward = Message(method);
   {
@@ -695,6 +716,12 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
         if (peer->index == index) targets.push_back(peer.get());
       }
       forward.add_succession(index);
+    }
+    // Without every replica: it may be acknowledged alone. Under mu_, with
+    // the awaited check, so that an answer promising a joiner a fresh start
+    // (Answer) comes before it or sees it.
+    if (changes_state && targets.size() < peers_.size()) {
+      may_have_acknowledged_ = true;
     }
   }
   if (targets.empty()) return absl::OkStatus();
@@ -856,6 +883,7 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
     drop.set_epoch(epoch_.load());
     Call(peer, drop, absl::Seconds(1), false).status().IgnoreError();
   }
+  if (changes_state && failure.ok()) may_have_acknowledged_ = true;
   return failure;
 }
 
@@ -896,6 +924,7 @@ absl::Status ReplicaSet::AdmitForward(const ReplicateRequest& request) {
   }
   epoch_ = request.epoch();
   primary_ = request.from_replica();
+  if (ChangesTheJobsState(request.method())) may_have_acknowledged_ = true;
   if (request.succession_size() > 0) {
     succession_.assign(request.succession().begin(),
                        request.succession().end());
@@ -912,6 +941,27 @@ bool ReplicaSet::CatchUp() {
   ReplicateRequest probe = Message("probe");
   ReplicateRequest join = Message("join");
   std::string last_problem;
+  // The last primary heard from (Start's, at first: it may die before this
+  // asks it anything), and until when its promise holds: a call's start
+  // plus the answer's start_afresh_ms, no later than the primary's own
+  // deadline. Then its refused connections in a row since it was last
+  // heard, and when the first came.
+  Peer* promiser = nullptr;
+  absl::Time promise_until = start_promise_until_;
+  for (auto& peer : peers_) {
+    if (peer->index == start_promiser_) promiser = peer.get();
+  }
+  int promiser_refused = 0;
+  absl::Time promiser_refused_since;
+  auto note_promise = [&](Peer* from, absl::Time asked,
+                          const ReplicateResponse& answer) {
+    if (answer.role() != RoleName(Role::kPrimary)) return;
+    promiser = from;
+    promiser_refused = 0;
+    promise_until = answer.start_afresh_ms() > 0
+                        ? asked + absl::Milliseconds(answer.start_afresh_ms())
+                        : absl::InfinitePast();
+  };
   // The first ask at once: a primary that found this process catching up
   // acknowledges no update until it asks (AwaitedJoinerLocked).
   absl::Duration wait = absl::ZeroDuration();
@@ -919,19 +969,66 @@ bool ReplicaSet::CatchUp() {
     wait = absl::Milliseconds(200);
     if (role_.load() != Role::kCatchingUp) break;
     Peer* primary = nullptr;
+    // A replica that holds the shard, may take it over, or may start it
+    // afresh before this one: a backup, one starting (its checkpoint), one
+    // catching up that comes first, one up but silent.
+    std::vector<std::string> defer_to;
     for (auto& peer : peers_) {
+      const absl::Time asked = absl::Now();
       absl::StatusOr<ReplicateResponse> answer =
           Call(*peer, probe, absl::Seconds(1), /*wait_for_ready=*/false);
-      if (answer.ok() && answer->role() == RoleName(Role::kPrimary)) {
-        primary = peer.get();
+      if (answer.ok()) {
+        NoteEpoch(answer->epoch());
+        if (answer->role() == RoleName(Role::kPrimary)) primary = peer.get();
+        note_promise(peer.get(), asked, *answer);
+        const bool holds_nothing =
+            answer->role() == RoleName(Role::kStale) ||
+            (answer->role() == RoleName(Role::kCatchingUp) &&
+             peer->index > options_.replica_index);
+        if (!holds_nothing) {
+          defer_to.push_back(
+              absl::StrCat("replica ", peer->index, " is ", answer->role()));
+        }
+      } else if (peer.get() != promiser && !Gone(*peer)) {
+        defer_to.push_back(
+            absl::StrCat("replica ", peer->index, " did not answer"));
       }
     }
     std::string problem = "no replica of the shard is primary now";
+    if (primary == nullptr && promiser != nullptr) {
+      if (Gone(*promiser)) {
+        if (promiser_refused++ == 0) promiser_refused_since = absl::Now();
+      } else {
+        promiser_refused = 0;
+      }
+      if (promiser_refused >= options_.refused_probes && defer_to.empty() &&
+          promiser_refused_since <= promise_until &&
+          chunks_installed_.load() == 0) {
+        StartAfresh(promiser->index,
+                    absl::StrCat("its primary, replica ", promiser->index, " (",
+                                 promiser->address,
+                                 "), refuses connections, and had "
+                                 "acknowledged nothing a fresh shard lacks"));
+        return false;
+      }
+      if (promiser_refused >= options_.refused_probes) {
+        problem = absl::StrCat(
+            "the primary, replica ", promiser->index, ", refuses connections; ",
+            !defer_to.empty() ? absl::StrJoin(defer_to, ", ")
+            : promise_until == absl::InfinitePast()
+                ? "it may have acknowledged updates this replica lacks, so "
+                  "only it can go on (restarted, from its checkpoint)"
+                : "it died after its promise of a fresh start ran out, so "
+                  "only it can go on (restarted, from its checkpoint)");
+      }
+    }
     if (primary != nullptr) {
+      const absl::Time asked = absl::Now();
       absl::StatusOr<ReplicateResponse> accepted =
           Call(*primary, join, absl::Seconds(5), /*wait_for_ready=*/false);
       problem = accepted.ok() ? "" : accepted.status().ToString();
       if (accepted.ok()) {
+        note_promise(primary, asked, *accepted);
         // The primary sends the state once it finds a quiet moment (it
         // gives up after kCatchUpQuietWait); chunks then keep coming.
         absl::Time give_up =
@@ -951,9 +1048,11 @@ bool ReplicaSet::CatchUp() {
           // attempt runs, the primary refuses a second one.
           if (chunks_installed_.load() == 0 && absl::Now() >= ask_again) {
             ask_again = absl::Now() + absl::Seconds(1);
+            const absl::Time asked_again = absl::Now();
             absl::StatusOr<ReplicateResponse> again =
                 Call(*primary, join, absl::Seconds(5), false);
             if (again.ok()) {
+              note_promise(primary, asked_again, *again);
               LOG(WARNING) << self << ": the primary's attempt to send the "
                            << "state ended without it; it tries again";
               give_up = absl::Now() + kCatchUpQuietWait + absl::Seconds(15);
@@ -990,6 +1089,33 @@ bool ReplicaSet::CatchUp() {
   return role_.load() == Role::kBackup;
 }
 
+void ReplicaSet::StartAfresh(int dead_primary, const std::string& why) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (role_.load() != Role::kCatchingUp) return;
+    epoch_ = epoch_.load() + 1;
+    // The rest follow it (one catching up is dropped at its first forward,
+    // and catches up from this one once the workers registered again).
+    in_set_.clear();
+    for (auto& peer : peers_) {
+      if (peer->index != dead_primary) in_set_.push_back(peer->index);
+    }
+    succession_ = {options_.replica_index};
+    succession_.insert(succession_.end(), in_set_.begin(), in_set_.end());
+    primary_ = options_.replica_index;
+    role_ = Role::kPrimary;
+    takeovers_.fetch_add(1);
+    LOG(WARNING) << "replica " << options_.replica_index << " of shard "
+                 << options_.shard_id
+                 << " takes over as primary of an empty shard (a fresh start) "
+                    "at epoch "
+                 << epoch_.load() << ": " << why
+                 << "; the workers register again";
+  }
+  if (on_takeover_) on_takeover_();
+  Forward("view", {}).IgnoreError();
+}
+
 absl::Status ReplicaSet::SendState(int joiner,
                                    const ReplicaStateExport& state) {
   const std::vector<ReplicaStateChunk>& chunks = state.chunks;
@@ -1002,14 +1128,6 @@ absl::Status ReplicaSet::SendState(int joiner,
         absl::StrCat("no replica ", joiner, " in this set"));
   }
   const absl::Time start = absl::Now();
-  {
-    // Changes are held from here: the joiner gets every one acknowledged.
-    absl::MutexLock lock(&mu_);
-    awaited_joiners_.erase(
-        std::remove_if(awaited_joiners_.begin(), awaited_joiners_.end(),
-                       [&](const auto& j) { return j.first == joiner; }),
-        awaited_joiners_.end());
-  }
   {
     // Its answer names its data port (a restarted replica has a new one):
     // the state goes there, as pushes do. Links to a process before it are
@@ -1117,6 +1235,13 @@ absl::Status ReplicaSet::SendState(int joiner,
     if (std::find(in_set_.begin(), in_set_.end(), joiner) == in_set_.end()) {
       in_set_.push_back(joiner);
     }
+    // Awaited until here, not only until it asked: a transfer that fails
+    // leaves it awaited (it asks again), so that no update is acknowledged
+    // without it within a fresh start's promise (Answer).
+    awaited_joiners_.erase(
+        std::remove_if(awaited_joiners_.begin(), awaited_joiners_.end(),
+                       [&](const auto& j) { return j.first == joiner; }),
+        awaited_joiners_.end());
     succession_ = {options_.replica_index};
     succession_.insert(succession_.end(), in_set_.begin(), in_set_.end());
   }
@@ -1160,6 +1285,7 @@ void ReplicaSet::Joined(const ReplicateRequest& request, int64_t bytes) {
     }
     role_ = Role::kBackup;
   }
+  may_have_acknowledged_ = true;
   catchup_bytes_ = bytes;
   catchup_seconds_ = absl::ToDoubleSeconds(absl::Now() - catch_up_started_);
   LOG(INFO) << "replica " << options_.replica_index << " of shard "
@@ -1214,6 +1340,25 @@ ReplicateResponse ReplicaSet::Answer(const ReplicateRequest& request) {
   response.set_role(RoleName(role_.load()));
   response.set_model_registered(has_model_());
   response.set_data_port(data_port_.load());
+  if ((request.method() == "probe" || request.method() == "join") &&
+      role_.load() == Role::kPrimary) {
+    // The promise: no update is acknowledged without the asker while it is
+    // in the set (a forward to it fails while it catches up, and the first
+    // that does makes it awaited for forward_timeout) or awaited.
+    absl::MutexLock lock(&mu_);
+    absl::Duration promise = absl::ZeroDuration();
+    if (!may_have_acknowledged_.load()) {
+      const int asker = request.from_replica();
+      for (const auto& [index, until] : awaited_joiners_) {
+        if (index == asker) promise = until - absl::Now();
+      }
+      if (std::find(in_set_.begin(), in_set_.end(), asker) != in_set_.end()) {
+        promise = options_.forward_timeout;
+      }
+    }
+    response.set_start_afresh_ms(
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(promise)));
+  }
   return response;
 }
 

@@ -353,8 +353,15 @@ class ReplicaSet {
   // Whether `peer`'s port refuses TCP connections now: its process is gone.
   bool Gone(const Peer& peer) const;
   void Watch();
-  // The joiner: asks the primary to join until it has (true) or stops.
+  // The joiner: asks the primary to join until it has (true) or stops. If
+  // the primary dies while its promise (ReplicateResponse.start_afresh_ms)
+  // holds, and no other replica holds the shard or comes before this one,
+  // it starts the shard afresh (StartAfresh).
   bool CatchUp();
+  // A joiner becomes the primary of an empty shard, at an epoch past every
+  // one seen: `dead_primary` acknowledged nothing a fresh shard lacks
+  // before it died, so the workers register again and lose nothing.
+  void StartAfresh(int dead_primary, const std::string& why);
   // Whether replica `index` comes before this one in the succession.
   bool Ahead(int index) const;
   // Takes over as primary, at an epoch past every one seen.
@@ -412,9 +419,20 @@ class ReplicaSet {
   // acknowledged: the worker would hold as done what only this process has
   // (kill -9 it, and the joiner, which never got it, cannot give it back).
   std::vector<std::pair<int, absl::Time>> awaited_joiners_ ABSL_GUARDED_BY(mu_);
+  // Whether the state this replica holds may include a change a worker was
+  // told is done: it acknowledged one, applied one forwarded, caught up or
+  // installed a checkpoint. Until then its probe answers promise a joiner
+  // that it may start the shard afresh (start_afresh_ms). Set under mu_
+  // where a change passes Forward without every replica, so that no
+  // answer's promise and that change cross.
+  std::atomic<bool> may_have_acknowledged_{false};
   // While joining: the replica that forwarded a change to this one (-1:
   // none), and its epoch. Start takes it for the primary holding the state.
   int forwarded_while_joining_ ABSL_GUARDED_BY(mu_) = -1;
+  // The primary Start found, and until when its promise of a fresh start
+  // holds (CatchUp's first; set before the watcher starts).
+  int start_promiser_ = -1;
+  absl::Time start_promise_until_ = absl::InfinitePast();
   int64_t forwarded_while_joining_epoch_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::atomic<int> data_port_{0};

@@ -1184,8 +1184,10 @@ grpc::ServerUnaryReactor* ParameterServerService::Replicate(
     if (absl::Status s = StartCatchUp(forward.from_replica()); !s.ok()) {
       return Finish(context, s);
     }
-    return Finish(context, SerializeSmall(replicas_->Answer(ReplicateRequest()),
-                                          response));
+    // The answer carries the primary's promise to the asker
+    // (start_afresh_ms).
+    return Finish(context,
+                  SerializeSmall(replicas_->Answer(forward), response));
   }
   // Applying a forward may wait for its step (up to the call's deadline).
   return FinishWith(

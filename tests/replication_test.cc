@@ -444,6 +444,57 @@ TEST(ReplicationTest, AWholeSetRestartedFromCheckpointsKeepsItsBackup) {
   EXPECT_EQ(ReadProbeModel(cluster), before);
 }
 
+// The job's start-up race: shard 1's backup comes up after its primary took
+// the model, and the primary is killed while the backup catches up, before
+// the first step, so no replica holds the shard. The primary had
+// acknowledged nothing but the registrations, and promised the backup so
+// (start_afresh_ms): the backup starts the shard afresh, the workers
+// register again, and the job ends with every update applied once. (The
+// backup used to wait for a primary that never came back, and the workers
+// gave up after their retry window.)
+TEST(ReplicationTest, APrimaryKilledBeforeItsLateBackupCaughtUpLosesNothing) {
+  ClusterOptions options;
+  options.num_shards = kShards;
+  options.num_workers = kWorkers;
+  options.replicas = 2;
+  options.server_flags = {"--optimizer=sgd", "--learning_rate=1",
+                          "--worker_lease_s=5"};
+  options.started_later = {{1, 1}};
+  absl::StatusOr<std::unique_ptr<TestCluster>> started =
+      TestCluster::Start(options, "late_backup_primary_killed");
+  ASSERT_TRUE(started.ok()) << started.status();
+  TestCluster& cluster = **started;
+  LogsOnFailure logs(cluster);
+  std::vector<std::unique_ptr<Process>> workers = StartProbeWorkers(cluster);
+  ASSERT_EQ(workers.size(), kWorkers);
+  // Shard 1's primary holds the model and both workers; their
+  // registrations wait there for the backup, which is not up. Stopped, the
+  // workers begin no step: the backup's catch-up waits for their first
+  // request, so it cannot finish before the kill.
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  absl::StatusOr<StatsResponse> primary;
+  do {
+    primary = cluster.ReplicaStats(1, 0);
+  } while ((!primary.ok() || !primary->job_start().started()) &&
+           absl::Now() < give_up);
+  ASSERT_TRUE(primary.ok() && primary->job_start().started());
+  for (auto& worker : workers) worker->Signal(SIGSTOP);
+  ASSERT_TRUE(cluster.RestartReplica(1, 1).ok());
+  ASSERT_TRUE(WaitForRole(cluster, 1, 1, "catching_up"));
+  cluster.KillReplica(1, 0);
+  for (auto& worker : workers) worker->Signal(SIGCONT);
+
+  ASSERT_TRUE(WaitForRole(cluster, 1, 1, "primary"));
+  ExpectAllExitZero(workers);
+  absl::StatusOr<StatsResponse> survivor = cluster.ReplicaStats(1, 1);
+  ASSERT_TRUE(survivor.ok()) << survivor.status();
+  EXPECT_EQ(survivor->replica_epoch(), 1);
+  EXPECT_EQ(survivor->replica_takeovers(), 1);
+  EXPECT_NE(cluster.replica(1, 1).Stderr().find("a fresh start"),
+            std::string::npos);
+  EXPECT_EQ(ProbeElementsOff(cluster, -kSteps), 0);
+}
+
 // A sync job on 2 shards x 2 replicas whose shard 1 loses its primary
 // (after `kill_after_step` steps; 0: never), which is restarted, catches up,
 // and takes over when the other is killed after twice as many steps;

@@ -258,8 +258,18 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(
                           cluster->ports_[i]) > 0);
     }
   }
+  auto started_later = [&](int s) {
+    return std::find(
+               options.started_later.begin(), options.started_later.end(),
+               std::make_pair(s / options.replicas, s % options.replicas)) !=
+           options.started_later.end();
+  };
   for (int s = 0; s < servers; ++s) {
     std::remove(absl::StrCat(cluster->dir_, "/ps", s, ".port").c_str());
+    if (started_later(s)) {
+      cluster->servers_.push_back(nullptr);
+      continue;
+    }
     absl::StatusOr<std::unique_ptr<Process>> server =
         Process::Start(cluster->ServerArgv(s, cluster->ports_[s]),
                        cluster->dir_, absl::StrCat("ps", s));
@@ -267,6 +277,7 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(
     cluster->servers_.push_back(std::move(*server));
   }
   for (int s = 0; s < servers; ++s) {
+    if (started_later(s)) continue;
     if (absl::Status st = cluster->WaitForPortFile(s, absl::Seconds(30));
         !st.ok()) {
       return st;
@@ -278,6 +289,7 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(
 void TestCluster::KillServer(int shard) { KillReplica(shard, 0); }
 
 void TestCluster::KillReplica(int shard, int replica) {
+  if (servers_[shard * options_.replicas + replica] == nullptr) return;
   Process& server = *servers_[shard * options_.replicas + replica];
   server.Signal(SIGKILL);
   server.Wait(absl::Seconds(10)).IgnoreError();

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -66,6 +67,9 @@ struct ClusterOptions {
   // told the others'), and a shard's entry in PsHosts is its replicas'
   // addresses joined by '|'.
   int replicas = 1;
+  // Replicas {shard, replica} that Start leaves down: the test starts each
+  // with RestartReplica (a backup that comes up after the job began).
+  std::vector<std::pair<int, int>> started_later;
 };
 
 // A set of running ps_server shards.
