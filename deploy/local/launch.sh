@@ -727,6 +727,23 @@ start_workers() {
     omp_threads=1
     echo "launch.sh: OMP_NUM_THREADS=1 for the $WORKERS Python workers on this host (as torchrun sets it; set OMP_NUM_THREADS to choose)" >&2
   fi
+  # The C++ workers' BLAS threads (--cpu_threads, default every core): a
+  # share of the cores each, so that workers on one host do not spin each
+  # other's threads. 2 cores, the README's MLP job, 5 rounds: 2 workers
+  # 0.87x the job's CPU at 1.01x the samples/s (medians), 4 workers 0.77x at
+  # 1.11x (bench/worker_threads.sh, bench/results/worker_threads.txt).
+  local cpu_threads=()
+  if [[ -z "$PYTHON_SCRIPT" ]] && ((WORKERS > 1)); then
+    local flag chosen=0 cores
+    for flag in ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"}; do
+      [[ $flag == --cpu_threads=* || $flag == --cpu_threads ]] && chosen=1
+    done
+    if ((!chosen)); then
+      cores=$(nproc)
+      cpu_threads=(--cpu_threads=$((cores / WORKERS > 0 ? cores / WORKERS : 1)))
+      echo "launch.sh: ${cpu_threads[0]} for each of the $WORKERS workers on this host's $cores cores (pass --cpu_threads to choose)" >&2
+    fi
+  fi
   for ((k = 0; k < WORKERS; k++)); do
     # Made here, not by the worker's redirection in the background: the
     # stream's tail must find worker 0's file (under load it opened it
@@ -754,7 +771,8 @@ start_workers() {
     COLUMNS=$BAR_COLUMNS \
       "$WORKER_BIN" --cluster_spec="$RUN/cluster.json" --worker_id="$k" \
       ${METRICS_FLAGS[@]+"${METRICS_FLAGS[@]}"} ${csv[@]+"${csv[@]}"} \
-      ${bar[@]+"${bar[@]}"} ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"} \
+      ${bar[@]+"${bar[@]}"} ${cpu_threads[@]+"${cpu_threads[@]}"} \
+      ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"} \
       >"$RUN/worker$k.out" 2>"$RUN/worker$k.log" &
     pid=$!
     LIVE[$pid]="worker $k (pid $pid)"
