@@ -306,6 +306,16 @@ std::unique_ptr<ReplicaSet> StartJoiner(const FakePrimary& primary) {
   return set;
 }
 
+// Kills `primary` once the replica catching up has asked it to join.
+void DiesAfterTheFirstJoin(FakePrimary& primary) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (primary.joins() == 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_GT(primary.joins(), 0);
+  primary.Die();
+}
+
 // Replica `set`'s role once it is not `role`, or after `timeout`.
 std::string RoleAfter(const ReplicaSet& set, const std::string& role,
                       absl::Duration timeout) {
@@ -325,12 +335,7 @@ std::string RoleAfter(const ReplicaSet& set, const std::string& role,
 TEST(ReplicaSetFreshStartTest, AJoinerStartsAfreshWhenItsPrimaryPromised) {
   FakePrimary primary(/*start_afresh_ms=*/30000);
   std::unique_ptr<ReplicaSet> joiner = StartJoiner(primary);
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while (primary.joins() == 0 && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  ASSERT_GT(primary.joins(), 0);
-  primary.Die();
+  DiesAfterTheFirstJoin(primary);
   EXPECT_EQ(RoleAfter(*joiner, "catching_up", absl::Seconds(10)), "primary");
   StatsResponse stats;
   joiner->AddStats(&stats);
@@ -345,12 +350,7 @@ TEST(ReplicaSetFreshStartTest, AJoinerStartsAfreshWhenItsPrimaryPromised) {
 TEST(ReplicaSetFreshStartTest, WithoutThePromiseAJoinerWaitsForItsPrimary) {
   FakePrimary primary(/*start_afresh_ms=*/0);
   std::unique_ptr<ReplicaSet> joiner = StartJoiner(primary);
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while (primary.joins() == 0 && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  ASSERT_GT(primary.joins(), 0);
-  primary.Die();
+  DiesAfterTheFirstJoin(primary);
   // With the promise it takes over within 2 s (the test above).
   EXPECT_EQ(RoleAfter(*joiner, "catching_up", absl::Seconds(5)), "catching_up");
   joiner->Stop();

@@ -526,7 +526,7 @@ void ReplicaSet::Watch() {
       }
     }
     if (all_down) {
-      TakeOver(absl::StrJoin(why, "; "));
+      TakeOver(Role::kBackup, absl::StrJoin(why, "; "));
       TellDeposed(silent);
       return;
     }
@@ -574,10 +574,10 @@ void ReplicaSet::NoteEpoch(int64_t epoch) {
   }
 }
 
-void ReplicaSet::TakeOver(const std::string& why) {
+void ReplicaSet::TakeOver(Role from, const std::string& why) {
   {
     absl::MutexLock lock(&mu_);
-    if (role_.load() != Role::kBackup) return;
+    if (role_.load() != from) return;
     epoch_ = epoch_.load() + 1;
     // The replicas before this one are gone; those after it follow it.
     in_set_.clear();
@@ -1092,28 +1092,18 @@ bool ReplicaSet::CatchUp() {
 void ReplicaSet::StartAfresh(int dead_primary, const std::string& why) {
   {
     absl::MutexLock lock(&mu_);
-    if (role_.load() != Role::kCatchingUp) return;
-    epoch_ = epoch_.load() + 1;
-    // The rest follow it (one catching up is dropped at its first forward,
-    // and catches up from this one once the workers registered again).
-    in_set_.clear();
-    for (auto& peer : peers_) {
-      if (peer->index != dead_primary) in_set_.push_back(peer->index);
-    }
+    // The others follow it (one catching up is dropped at its first
+    // forward, and catches up from this one once the workers registered
+    // again).
     succession_ = {options_.replica_index};
-    succession_.insert(succession_.end(), in_set_.begin(), in_set_.end());
-    primary_ = options_.replica_index;
-    role_ = Role::kPrimary;
-    takeovers_.fetch_add(1);
-    LOG(WARNING) << "replica " << options_.replica_index << " of shard "
-                 << options_.shard_id
-                 << " takes over as primary of an empty shard (a fresh start) "
-                    "at epoch "
-                 << epoch_.load() << ": " << why
-                 << "; the workers register again";
+    for (auto& peer : peers_) {
+      if (peer->index != dead_primary) succession_.push_back(peer->index);
+    }
   }
-  if (on_takeover_) on_takeover_();
-  Forward("view", {}).IgnoreError();
+  TakeOver(Role::kCatchingUp,
+           absl::StrCat("a fresh start of an empty shard (the workers "
+                        "register again): ",
+                        why));
 }
 
 absl::Status ReplicaSet::SendState(int joiner,

@@ -364,8 +364,10 @@ class ReplicaSet {
   void StartAfresh(int dead_primary, const std::string& why);
   // Whether replica `index` comes before this one in the succession.
   bool Ahead(int index) const;
-  // Takes over as primary, at an epoch past every one seen.
-  void TakeOver(const std::string& why);
+  // Takes over as primary, at an epoch past every one seen, if this replica
+  // is still `from` (a backup; one catching up: StartAfresh); the replicas
+  // after it in the succession follow it.
+  void TakeOver(Role from, const std::string& why);
   // After a takeover: tells the replicas it replaced for their silence
   // (they may be alive, cut off) that they are deposed, so that one that
   // comes back steps down at once rather than at its next forward's
