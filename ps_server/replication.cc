@@ -45,6 +45,14 @@ bool ChangesTheJobsState(absl::string_view method) {
   return method != "RegisterModel" && method != "Heartbeat" && method != "view";
 }
 
+// Until when a primary's answer to a call made at `asked` promises a fresh
+// start (ReplicateResponse.start_afresh_ms); InfinitePast: no promise.
+absl::Time PromisedUntil(absl::Time asked, const ReplicateResponse& answer) {
+  return answer.start_afresh_ms() > 0
+             ? asked + absl::Milliseconds(answer.start_afresh_ms())
+             : absl::InfinitePast();
+}
+
 // A forward the receiver did not answer (it may yet have applied it).
 bool Unanswered(const absl::Status& status) {
   return status.code() == absl::StatusCode::kUnavailable ||
@@ -374,10 +382,7 @@ void ReplicaSet::Start() {
       if (answer->role() == RoleName(Role::kPrimary)) {
         primary_ = peer->index;
         start_promiser_ = peer->index;
-        start_promise_until_ =
-            answer->start_afresh_ms() > 0
-                ? asked + absl::Milliseconds(answer->start_afresh_ms())
-                : absl::InfinitePast();
+        start_promise_until_ = PromisedUntil(asked, *answer);
       }
     }
     if (holders.empty()) {
@@ -720,9 +725,7 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
     // Without every replica: it may be acknowledged alone. Under mu_, with
     // the awaited check, so that an answer promising a joiner a fresh start
     // (Answer) comes before it or sees it.
-    if (changes_state && targets.size() < peers_.size()) {
-      may_have_acknowledged_ = true;
-    }
+    if (changes_state && targets.size() < peers_.size()) NoteAcknowledged();
   }
   if (targets.empty()) return absl::OkStatus();
   forwards_.fetch_add(1, std::memory_order_relaxed);
@@ -883,7 +886,7 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
     drop.set_epoch(epoch_.load());
     Call(peer, drop, absl::Seconds(1), false).status().IgnoreError();
   }
-  if (changes_state && failure.ok()) may_have_acknowledged_ = true;
+  if (changes_state && failure.ok()) NoteAcknowledged();
   return failure;
 }
 
@@ -924,7 +927,7 @@ absl::Status ReplicaSet::AdmitForward(const ReplicateRequest& request) {
   }
   epoch_ = request.epoch();
   primary_ = request.from_replica();
-  if (ChangesTheJobsState(request.method())) may_have_acknowledged_ = true;
+  if (ChangesTheJobsState(request.method())) NoteAcknowledged();
   if (request.succession_size() > 0) {
     succession_.assign(request.succession().begin(),
                        request.succession().end());
@@ -958,9 +961,7 @@ bool ReplicaSet::CatchUp() {
     if (answer.role() != RoleName(Role::kPrimary)) return;
     promiser = from;
     promiser_refused = 0;
-    promise_until = answer.start_afresh_ms() > 0
-                        ? asked + absl::Milliseconds(answer.start_afresh_ms())
-                        : absl::InfinitePast();
+    promise_until = PromisedUntil(asked, answer);
   };
   // The first ask at once: a primary that found this process catching up
   // acknowledges no update until it asks (AwaitedJoinerLocked).

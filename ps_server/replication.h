@@ -428,6 +428,13 @@ class ReplicaSet {
   // where a change passes Forward without every replica, so that no
   // answer's promise and that change cross.
   std::atomic<bool> may_have_acknowledged_{false};
+  // Sets it; a load first, so that the forwards of every push do not each
+  // write the flag's cache line once it is set.
+  void NoteAcknowledged() {
+    if (!may_have_acknowledged_.load(std::memory_order_relaxed)) {
+      may_have_acknowledged_ = true;
+    }
+  }
   // While joining: the replica that forwarded a change to this one (-1:
   // none), and its epoch. Start takes it for the primary holding the state.
   int forwarded_while_joining_ ABSL_GUARDED_BY(mu_) = -1;
