@@ -151,8 +151,11 @@ class InjectedRetriesTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(InjectedRetriesTest, NeverApplyTwice) {
   // sync_pipelined: the pipelined step's streamed PushPull, whose resends
   // and dropped responses take another path; its forward checks that every
-  // block it reads holds the same step's value.
-  const bool pipelined = GetParam() == "sync_pipelined";
+  // block it reads holds the same step's value. sync_pipelined_staged: the
+  // same staged through host copies as on a GPU (--device=cpu_staged), each
+  // block copied in as it lands and its gradient out before it leaves.
+  const bool staged = GetParam() == "sync_pipelined_staged";
+  const bool pipelined = staged || GetParam() == "sync_pipelined";
   const std::string mode = pipelined ? "sync" : GetParam();
   ClusterOptions options;
   options.num_shards = 2;
@@ -171,7 +174,7 @@ TEST_P(InjectedRetriesTest, NeverApplyTwice) {
       "--inject_duplicate_push_probability=0.3",
       "--retry_window_s=60",
       "--log_every=0",
-      "--device=cpu",
+      staged ? "--device=cpu_staged" : "--device=cpu",
       absl::StrCat("--steps=", kSteps)};
   if (pipelined) {
     flags.insert(flags.end(),
@@ -222,7 +225,8 @@ TEST_P(InjectedRetriesTest, NeverApplyTwice) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, InjectedRetriesTest,
-                         ::testing::Values("sync", "async", "sync_pipelined"));
+                         ::testing::Values("sync", "async", "sync_pipelined",
+                                           "sync_pipelined_staged"));
 
 TEST(FaultToleranceTest, SspKeepsWorkersWithinTheBound) {
   ClusterOptions options;

@@ -88,6 +88,8 @@ struct Outcome {
   std::vector<std::pair<std::string, std::string>> tensors;
   // Per worker: its final JSON's quality fields, in a fixed order.
   std::vector<std::vector<double>> quality;
+  // Per worker: whether its steps ran as a pipeline (its final JSON).
+  std::vector<bool> pipelined;
   // Bytes of gradients the servers held because they came before a lower
   // worker id's (the most at once, over the shards): > 0 shows that the
   // arrival order was not the id order, so the test tested something.
@@ -169,6 +171,8 @@ Outcome RunJob(const Job& job, const std::string& name,
               : std::vector<std::string>{"final_loss", "train_accuracy",
                                          "test_loss", "test_accuracy"};
   for (const std::string& out : *outputs) {
+    outcome.pipelined.push_back(out.find("\"pipelined\":true") !=
+                                std::string::npos);
     std::vector<double>& quality = outcome.quality.emplace_back();
     for (const std::string& key : keys) {
       absl::StatusOr<double> value = FinalJsonNumber(out, key);
@@ -332,6 +336,33 @@ TEST(ReproducibleSyncTest, ThePipelinedStepGivesOneModel) {
   // Not the plain step's bits: the chunks were summed apart (had the flag
   // done nothing, the two would agree to the bit).
   EXPECT_FALSE(plain.model == pipelined.model);
+}
+
+// On a device (--device=cpu_staged stages as a GPU worker does) the
+// pipelined step copies each parameter in whole as its values land and
+// each gradient out as backward issues it, and computes each layer with one
+// GEMM as the plain step does: the plain step's model to the bit, in
+// float32 and with both ways in bf16 (cast on the device, the gradients
+// streamed as 16-bit elements).
+TEST(ReproducibleSyncTest, ADevicesPipelinedStepGivesThePlainStepsModel) {
+  for (const bool bf16 : {false, true}) {
+    std::vector<std::string> flags = {"--device=cpu_staged"};
+    if (bf16) {
+      flags.push_back("--gradient_wire_type=bf16");
+      flags.push_back("--parameter_wire_type=bf16");
+    }
+    const std::string name = bf16 ? "staged_bf16" : "staged_fp32";
+    std::vector<std::string> plain_flags = flags, pipelined_flags = flags;
+    plain_flags.push_back("--pipeline_step=never");
+    pipelined_flags.push_back("--pipeline_step=always");
+    const Outcome plain =
+        RunJob({3, 2, false, false, 64, plain_flags}, name + "_plain");
+    const Outcome pipelined =
+        RunJob({3, 2, false, false, 64, pipelined_flags}, name + "_pipelined");
+    EXPECT_EQ(plain.pipelined, std::vector<bool>(3, false)) << name;
+    EXPECT_EQ(pipelined.pipelined, std::vector<bool>(3, true)) << name;
+    ExpectSameOutcome(plain, pipelined, name);
+  }
 }
 
 // Waits for `worker` and returns its stdout; an error unless it exited 0.

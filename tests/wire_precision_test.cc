@@ -173,6 +173,46 @@ TEST_F(WirePrecisionTest, LargeBlocksLandInSixteenBitsAsTheyCome) {
   }
 }
 
+// The pipelined step's exchange streams the 16-bit gradients a device
+// cast: each group leaves once its gradient is marked ready. This caller
+// never says it stopped reading pulled values, which the plain PushPull the
+// exchange falls back to waits for (until the call's deadline, failing).
+TEST_F(WirePrecisionTest, SixteenBitGradientsStreamAsTheyAreMade) {
+  std::unique_ptr<PsClient> client = Client(BFLOAT16, BFLOAT16, 0);
+  ASSERT_NE(client, nullptr);
+  std::vector<uint16_t> w(kWeights);
+  std::vector<float> running(kStates);
+  const std::vector<PsClient::TensorRef> into = {{BFLOAT16, w.data()},
+                                                 {FLOAT32, running.data()}};
+  ASSERT_TRUE(client->PullTensors(0, into).ok());
+  const std::vector<std::vector<float>> before = Exact();
+  std::vector<uint16_t> bits(kWeights, FloatToBfloat16Bits(0.25f));
+  std::vector<float> floats(kWeights, 0.25f);
+  const std::vector<float> state = running;  // STATE: values, float32
+  const std::vector<PsClient::ConstTensorRef> as_cast = {
+      {BFLOAT16, bits.data()}, {FLOAT32, state.data()}};
+  EXPECT_TRUE(client->StepsCanStream(as_cast));
+  // float32 gradients would be converted when the calls are made, before
+  // the gradients are.
+  EXPECT_FALSE(client->StepsCanStream(
+      {{FLOAT32, floats.data()}, {FLOAT32, state.data()}}));
+
+  std::unique_ptr<PsClient::StepStream> stream = client->MakeStepStream();
+  stream->BeginStep();
+  stream->SetReady(0, kWeights);
+  stream->SetReady(1, kStates);
+  absl::StatusOr<PsClient::PushPullResult> done =
+      client->PushPullStreamed(1, as_cast, 2, into, *stream);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(
+      stream->WaitPulled(0, kWeights, absl::Now() + absl::Seconds(1)).ok());
+  const std::vector<std::vector<float>> after = Exact();
+  for (int64_t i = 0; i < kWeights; ++i) {
+    ASSERT_EQ(after[0][i], before[0][i] - 0.25f) << "element " << i;
+    ASSERT_EQ(w[i], FloatToBfloat16Bits(after[0][i])) << "element " << i;
+  }
+}
+
 TEST_F(WirePrecisionTest, SixteenBitGradientsApplyAsTheHostWouldRoundThem) {
   std::unique_ptr<PsClient> client = Client(BFLOAT16, FLOAT32, 0);
   ASSERT_NE(client, nullptr);

@@ -387,6 +387,11 @@ class LayerModel : public Model {
                          const DeviceBatch& batch,
                          const std::vector<float*>* grads) const;
 
+  // ComputeGradientsStreamed in device memory (see the .cc).
+  absl::StatusOr<BatchResult> ComputeGradientsStreamedByParam(
+      const std::vector<const float*>& params, const DeviceBatch& batch,
+      const std::vector<float*>& grads, const ParameterStream& stream);
+
   // Runs every layer; activations_[i + 1] is then layer i's output.
   absl::Status Forward(const std::vector<const float*>& params,
                        const DeviceBatch& batch);
@@ -618,11 +623,12 @@ absl::StatusOr<BatchResult> LayerModel::ComputeGradientsStreamed(
     const std::vector<const float*>& params, const DeviceBatch& batch,
     const std::vector<float*>& grads, const ParameterStream& stream) {
   if (absl::Status s = CheckArgs(params, batch, &grads); !s.ok()) return s;
+  if (!backend_->MemoryIsHost())
+    return ComputeGradientsStreamedByParam(params, batch, grads, stream);
   auto* first = dynamic_cast<DenseLayer*>(layers_[0].layer.get());
-  if (!backend_->MemoryIsHost() || first == nullptr ||
-      layers_[0].first_param != 0) {
+  if (first == nullptr || layers_[0].first_param != 0) {
     return absl::UnimplementedError(
-        "the pipelined step needs host memory and a dense first layer");
+        "the pipelined step needs a dense first layer in host memory");
   }
   const int64_t rows = batch.rows;
   const int64_t in = first->in();
@@ -677,6 +683,35 @@ absl::StatusOr<BatchResult> LayerModel::ComputeGradientsStreamed(
     return s;
   }
   stream.gradient_ready(1, out);
+  return result;
+}
+
+// On a device, whose copies in and out the trainer makes in the stream's
+// hooks, a whole parameter at a time: forward waits for each layer's
+// parameters before it, and each gradient leaves as backward issues it.
+// One GEMM a layer, as in the plain step, so the same rounding.
+absl::StatusOr<BatchResult> LayerModel::ComputeGradientsStreamedByParam(
+    const std::vector<const float*>& params, const DeviceBatch& batch,
+    const std::vector<float*>& grads, const ParameterStream& stream) {
+  if (batch.labels == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, ": batch labels are null"));
+  }
+  activations_[0] = batch.features;
+  if (absl::Status s = ForwardFrom(0, 0, params, batch.rows, &stream);
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<BatchResult> result = Loss(batch.rows, batch.labels);
+  if (!result.ok()) return result.status();
+  absl::StatusOr<bool> go_on = stream.before_backward();
+  if (!go_on.ok()) return go_on.status();
+  if (!*go_on) return result;
+  absl::StatusOr<float*> dx =
+      BackwardDownTo(0, params, batch.rows, grads, [&](int param) {
+        stream.gradient_ready(param, ElementsOf(params_[param]));
+      });
+  if (!dx.ok()) return dx.status();
   return result;
 }
 

@@ -41,15 +41,17 @@ using GradientReadyCallback = std::function<void(int param_index)>;
 // arrive and hands out its gradients as they are made.
 struct ParameterStream {
   // Waits until elements [0, end) of parameter `param` hold this step's
-  // values.
+  // values in backend memory, ahead of any work issued after it returns.
   std::function<absl::Status(int param, int64_t end)> wait_pulled;
-  // Elements [0, end) of parameter `param`'s gradient are final.
+  // Elements [0, end) of parameter `param`'s gradient are issued (the
+  // hook copies them out of device memory itself where it must).
   std::function<void(int param, int64_t end)> gradient_ready;
   // Called once forward and the loss are done, before any gradient is
   // written. False: the step ends there, with its loss and no gradient.
   std::function<absl::StatusOr<bool>()> before_backward;
-  // The first dense layer's weight is read and written this many elements
-  // at a time (its block size).
+  // In host memory, the first dense layer's weight is read and written
+  // this many elements at a time (its block size); on a device, every
+  // parameter is whole.
   int64_t chunk_elements = 8192;
 };
 
@@ -59,8 +61,8 @@ class Model {
   virtual ~Model() = default;
 
   // ComputeGradients through a ParameterStream (the pipelined step). A
-  // layer model whose first layer is dense, in host memory; others are
-  // UNIMPLEMENTED.
+  // layer model: on a device any, in host memory one whose first layer is
+  // dense; others are UNIMPLEMENTED.
   virtual absl::StatusOr<BatchResult> ComputeGradientsStreamed(
       const std::vector<const float*>& params, const DeviceBatch& batch,
       const std::vector<float*>& grads, const ParameterStream& stream) {
@@ -121,7 +123,7 @@ absl::StatusOr<std::unique_ptr<Model>> CreateMlp(
 // step. With SGD at learning rate 1 every element ends at minus the number of
 // updates applied (exact in float32 up to 2^24), so a lost or doubly applied
 // push shows in every element. Its loss is 0 and it classifies nothing.
-// `check_pulls` (a sync job, host memory): each step fails, naming the
+// `check_pulls` (a sync job): each step fails, naming the
 // element, unless every element it was given is the same, as a sync step's
 // are (a block read at another step than the others shows).
 absl::StatusOr<std::unique_ptr<Model>> CreateProbeModel(

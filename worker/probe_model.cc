@@ -29,10 +29,7 @@ class ProbeModel : public Model {
       return absl::InvalidArgumentError("the probe model has one tensor");
     }
     if (check_pulls_) {
-      if (absl::Status s = CheckPulled(params[0], 1, params_[0].shape(0));
-          !s.ok()) {
-        return s;
-      }
+      if (absl::Status s = CheckPulled(params[0]); !s.ok()) return s;
     }
     if (absl::Status s = backend_->Fill(params_[0].shape(0), 1.0f, grads[0]);
         !s.ok()) {
@@ -44,7 +41,8 @@ class ProbeModel : public Model {
   // The step a block at a time, as the layer models' first layer: each
   // block's values are read as they arrive and its gradient leaves as soon
   // as it is written, so the fault trials exercise the pipelined step with
-  // the probe's exactly-once check. The values are checked once the step
+  // the probe's exactly-once check (on a device too, whose hooks copy each
+  // range in and out). The values are checked once the step
   // goes on to its gradient (before_backward): a read found mixed is read
   // again and this forward starts over, so only the values a gradient is
   // made from must be of one step.
@@ -55,9 +53,6 @@ class ProbeModel : public Model {
     if (params.size() != 1 || grads.size() != 1) {
       return absl::InvalidArgumentError("the probe model has one tensor");
     }
-    if (!backend_->MemoryIsHost()) {
-      return absl::UnimplementedError("the pipelined step needs host memory");
-    }
     const int64_t n = params_[0].shape(0);
     const int64_t chunk = std::max<int64_t>(1, stream.chunk_elements);
     for (int64_t begin = 0; begin < n; begin += chunk) {
@@ -67,12 +62,16 @@ class ProbeModel : public Model {
     absl::StatusOr<bool> go_on = stream.before_backward();
     if (!go_on.ok()) return go_on.status();
     if (*go_on && check_pulls_) {
-      if (absl::Status s = CheckPulled(params[0], 1, n); !s.ok()) return s;
+      if (absl::Status s = CheckPulled(params[0]); !s.ok()) return s;
     }
     if (*go_on) {
       for (int64_t begin = 0; begin < n; begin += chunk) {
         const int64_t end = std::min(n, begin + chunk);
-        std::fill(grads[0] + begin, grads[0] + end, 1.0f);
+        if (absl::Status s =
+                backend_->Fill(end - begin, 1.0f, grads[0] + begin);
+            !s.ok()) {
+          return s;
+        }
         stream.gradient_ready(0, end);
       }
     }
@@ -85,9 +84,20 @@ class ProbeModel : public Model {
   }
 
  private:
-  // Elements [begin, end) of the pulled values all equal element 0.
-  static absl::Status CheckPulled(const float* w, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  // The pulled values, in backend memory, all equal element 0.
+  absl::Status CheckPulled(const float* pulled) {
+    const int64_t n = params_[0].shape(0);
+    const float* w = pulled;
+    if (!backend_->MemoryIsHost()) {
+      host_copy_.resize(n);
+      if (absl::Status s = backend_->CopyToHost(pulled, host_copy_.data(),
+                                                n * sizeof(float));
+          !s.ok()) {
+        return s;
+      }
+      w = host_copy_.data();
+    }
+    for (int64_t i = 1; i < n; ++i) {
       if (w[i] != w[0]) {
         return absl::DataLossError(
             absl::StrCat("probe: the values pulled differ: element ", i, " is ",
@@ -101,6 +111,7 @@ class ProbeModel : public Model {
   kernels::Backend* backend_;
   const bool check_pulls_;
   std::vector<DenseTensorSpec> params_;
+  std::vector<float> host_copy_;  // CheckPulled's, on a device
 };
 
 }  // namespace
@@ -110,10 +121,6 @@ absl::StatusOr<std::unique_ptr<Model>> CreateProbeModel(
   if (num_elements < 1 || num_elements > (int64_t{1} << 30)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "probe model size must be in [1, 2^30], got ", num_elements));
-  }
-  if (check_pulls && !backend->MemoryIsHost()) {
-    return absl::InvalidArgumentError(
-        "--probe_check_pulls reads the values on the host: use --device=cpu");
   }
   return std::unique_ptr<Model>(
       new ProbeModel(backend, num_elements, check_pulls));

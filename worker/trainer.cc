@@ -128,45 +128,62 @@ struct ParameterBuffers {
   // Makes push_from hold the gradients computed in device_grads.
   absl::Status GradsToHost(kernels::Backend& backend) {
     if (!staged) return backend.Synchronize();
-    for (size_t i = 0; i < host_grads.size(); ++i) {
-      absl::Status s;
-      if (host_grads16[i].size() > 0) {
-        s = backend.FloatToBf16(device_grads[i].size(), device_grads[i].data(),
-                                device_grads16[i].data());
-        if (s.ok()) {
-          s = backend.CopyToHost(device_grads16[i].data(),
-                                 host_grads16[i].data(),
-                                 device_grads16[i].bytes());
-        }
-      } else {
-        s = backend.CopyToHost(device_grads[i].data(), host_grads[i].data(),
-                               device_grads[i].bytes());
+    for (size_t i = 0; i < device_grads.size(); ++i) {
+      if (absl::Status s = GradToHost(backend, i, 0, device_grads[i].size());
+          !s.ok()) {
+        return s;
       }
-      if (!s.ok()) return s;
     }
     return absl::OkStatus();
+  }
+
+  // Makes elements [begin, end) of tensor i's push_from hold its gradient
+  // issued in device_grads (staged only). On return the host may send them.
+  absl::Status GradToHost(kernels::Backend& backend, size_t i, int64_t begin,
+                          int64_t end) {
+    if (begin >= end) return absl::OkStatus();
+    if (host_grads16[i].size() > 0) {
+      absl::Status s =
+          backend.FloatToBf16(end - begin, device_grads[i].data() + begin,
+                              device_grads16[i].data() + begin);
+      if (!s.ok()) return s;
+      return backend.CopyToHost(device_grads16[i].data() + begin,
+                                host_grads16[i].data() + begin,
+                                (end - begin) * sizeof(uint16_t));
+    }
+    return backend.CopyToHost(device_grads[i].data() + begin,
+                              host_grads[i].data() + begin,
+                              (end - begin) * sizeof(float));
   }
 
   absl::Status ParamsToDevice(kernels::Backend& backend) {
     if (!staged) return absl::OkStatus();
     for (size_t i = 0; i < device_params.size(); ++i) {
-      absl::Status s;
-      if (host_params16[i].size() > 0) {
-        s = backend.CopyToDevice(host_params16[i].data(),
-                                 device_params16[i].data(),
-                                 device_params16[i].bytes());
-        if (s.ok()) {
-          s = backend.Bf16ToFloat(device_params[i].size(),
-                                  device_params16[i].data(),
-                                  device_params[i].data());
-        }
-      } else {
-        s = backend.CopyToDevice(host_params[i].data(), device_params[i].data(),
-                                 device_params[i].bytes());
+      if (absl::Status s =
+              ParamToDevice(backend, i, 0, device_params[i].size());
+          !s.ok()) {
+        return s;
       }
-      if (!s.ok()) return s;
     }
     return absl::OkStatus();
+  }
+
+  // Makes elements [begin, end) of tensor i in device_params hold what was
+  // pulled into pull_into (staged only), ahead of any work issued later.
+  absl::Status ParamToDevice(kernels::Backend& backend, size_t i, int64_t begin,
+                             int64_t end) {
+    if (begin >= end) return absl::OkStatus();
+    if (host_params16[i].size() > 0) {
+      absl::Status s = backend.CopyToDevice(host_params16[i].data() + begin,
+                                            device_params16[i].data() + begin,
+                                            (end - begin) * sizeof(uint16_t));
+      if (!s.ok()) return s;
+      return backend.Bf16ToFloat(end - begin, device_params16[i].data() + begin,
+                                 device_params[i].data() + begin);
+    }
+    return backend.CopyToDevice(host_params[i].data() + begin,
+                                device_params[i].data() + begin,
+                                (end - begin) * sizeof(float));
   }
 
  private:
@@ -304,6 +321,10 @@ class StepRunner {
         buffers_(buffers),
         params_(ParameterBuffers::Pointers<const float>(buffers.device_params)),
         grads_(ParameterBuffers::Pointers<float>(buffers.device_grads)) {
+    for (const auto& params : buffers.device_params) {
+      on_device_end_.push_back(params.size());
+    }
+    grads_on_host_end_.assign(on_device_end_.size(), 0);
     // Its push thread only where it is used.
     if (options.overlap_push) {
       overlapped_push_.emplace(client, backend, grads_, buffers.host_grads);
@@ -330,13 +351,13 @@ class StepRunner {
       // where the exchange can stream and no schedule makes each step wait
       // for the last one's exchange (else the hand-offs gain nothing).
       using Pipeline = TrainerOptions::Pipeline;
-      pipelined_ =
-          options_.pipeline_step == Pipeline::kAlways ||
-          (options_.pipeline_step == Pipeline::kByHost &&
-           mode_ == ConsistencyMode::kSync && options_.push_pull &&
-           !options_.overlap_push && !client_.MayReadFromBackups() &&
-           client_.StepsCanStream() && options_.learning_rate_at == nullptr &&
-           client_.SomeShardOnAnotherHost());
+      pipelined_ = options_.pipeline_step == Pipeline::kAlways ||
+                   (options_.pipeline_step == Pipeline::kByHost &&
+                    mode_ == ConsistencyMode::kSync && options_.push_pull &&
+                    !options_.overlap_push && !client_.MayReadFromBackups() &&
+                    client_.StepsCanStream(buffers_.push_from) &&
+                    options_.learning_rate_at == nullptr &&
+                    client_.SomeShardOnAnotherHost());
       announce_pipeline_ = *pipelined_;
     }
     if (*pipelined_) {
@@ -373,16 +394,21 @@ class StepRunner {
   }
 
   // --pipeline_step: waits for the PushPull in flight, if any. The model
-  // in backend memory is then at model_at_; its push's figures wait in
-  // TakeSettled.
+  // in backend memory is then at model_at_ (staged: what forward had not
+  // copied in yet is copied now); its push's figures wait in TakeSettled.
   absl::Status Settle() {
-    if (!in_flight_) return absl::OkStatus();
-    stream_->StopReading();
-    network_->Drain();
-    in_flight_ = false;
-    if (!in_flight_result_.ok()) return in_flight_result_.status();
-    settled_ = in_flight_result_->pushed;
-    model_at_ = in_flight_result_->pulled_step;
+    if (in_flight_) {
+      stream_->StopReading();
+      network_->Drain();
+      in_flight_ = false;
+      if (!in_flight_result_.ok()) return in_flight_result_.status();
+      settled_ = in_flight_result_->pushed;
+      model_at_ = in_flight_result_->pulled_step;
+    }
+    for (size_t i = 0; i < on_device_end_.size(); ++i) {
+      const int64_t end = buffers_.device_params[i].size();
+      if (absl::Status s = StageIn(i, end); !s.ok()) return s;
+    }
     return absl::OkStatus();
   }
   PsClient::PushResult TakeSettled() {
@@ -410,6 +436,10 @@ class StepRunner {
       network_.emplace();
     }
     if (!in_flight_) stream_->MarkAllPulled(absl::OkStatus());
+    std::fill(grads_on_host_end_.begin(), grads_on_host_end_.end(), 0);
+    // A gradient's copy for the wire that failed (staged): the step fails
+    // once compute is done.
+    absl::Status staging_error;
     // Each wait ends with the PushPull it waits on, whose calls have their
     // deadlines; this only backs them up.
     const absl::Time deadline = absl::Now() + absl::Minutes(10);
@@ -427,6 +457,7 @@ class StepRunner {
       hooks_ran = true;
       const absl::Time asked = absl::Now();
       absl::Status s = stream_->WaitPulled(param, end, deadline);
+      if (s.ok()) s = StageIn(param, end);
       last_value_in = absl::Now();
       out.values_wait += last_value_in - asked;
       if (absl::IsAborted(s) && !stream_->failed()) start_over = true;
@@ -436,6 +467,14 @@ class StepRunner {
       if (!first_ready_seen && last_value_in != absl::InfinitePast()) {
         first_ready_seen = true;
         out.fill_gap = absl::Now() - last_value_in;
+      }
+      if (buffers_.staged) {
+        // Copied out (and cast for the wire) before the group may leave.
+        if (!staging_error.ok()) return;
+        staging_error = buffers_.GradToHost(backend_, param,
+                                            grads_on_host_end_[param], end);
+        if (!staging_error.ok()) return;
+        grads_on_host_end_[param] = end;
       }
       stream_->SetReady(param, end);
     };
@@ -457,6 +496,9 @@ class StepRunner {
       if (!may_pull_ahead) return true;
       stream_->BeginStep();
       in_flight_ = true;
+      // The device keeps this step's values for backward; the next forward
+      // copies in the new ones as they land.
+      std::fill(on_device_end_.begin(), on_device_end_.end(), 0);
       network_->Schedule([this, step] {
         in_flight_result_ = client_.PushPullStreamed(
             step, buffers_.push_from, step + 1, buffers_.pull_into, *stream_);
@@ -470,13 +512,16 @@ class StepRunner {
       return computed.status();
     }
     if (start_over) {
-      // The last step's PushPull failed once and pulled every value again.
+      // The last step's PushPull failed once and pulled every value again
+      // (staged: all copied in again).
+      std::fill(on_device_end_.begin(), on_device_end_.end(), 0);
       if (absl::Status s = Settle(); !s.ok()) return s;
       stream_->TakeRefetched();
       stream_->MarkAllPulled(absl::OkStatus());
       start_over = false;
       computed = model_.ComputeGradientsStreamed(params_, batch, grads_, hooks);
     }
+    if (computed.ok() && !staging_error.ok()) computed = staging_error;
     if (!computed.ok()) {
       // The PushPull in flight waits for gradients that will not come.
       if (in_flight_) {
@@ -559,6 +604,18 @@ class StepRunner {
     return out;
   }
 
+  // Staged (a device backend): makes elements [0, end) of parameter `param`
+  // in backend memory hold the values pulled into the host arrays.
+  absl::Status StageIn(size_t param, int64_t end) {
+    if (!buffers_.staged || on_device_end_[param] >= end) {
+      return absl::OkStatus();
+    }
+    absl::Status s =
+        buffers_.ParamToDevice(backend_, param, on_device_end_[param], end);
+    if (s.ok()) on_device_end_[param] = end;
+    return s;
+  }
+
   void DelayIfAsked() const {
     if (options_.step_delay > absl::ZeroDuration()) {
       absl::SleepFor(options_.step_delay);
@@ -578,6 +635,10 @@ class StepRunner {
   // one is in flight on network_, its result, and the step the model in
   // backend memory is at once it settled.
   std::unique_ptr<PsClient::StepStream> stream_;
+  // Staged, per parameter: the elements [0, end) of backend memory that
+  // hold the values the last PushPull pulled, and of the gradient that are
+  // in the host arrays for the wire.
+  std::vector<int64_t> on_device_end_, grads_on_host_end_;
   bool in_flight_ = false;
   absl::StatusOr<PsClient::PushPullResult> in_flight_result_;
   int64_t model_at_ = 0;

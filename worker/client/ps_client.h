@@ -355,14 +355,13 @@ class PsClient {
   // from its backup (BackupToReadFrom's fixed conditions), which the
   // pipelined step does not do.
   bool MayReadFromBackups() const;
-  // Whether the pipelined step can stream this client's exchange (else it
-  // runs the plain PushPull once backward is done): plaintext, float32
-  // gradients, no clipping (PushPullStreamed says why, and checks each
-  // tensor and shard besides).
-  bool StepsCanStream() const {
-    return clip_max_norm_ == 0 && options_.credentials == nullptr &&
-           options_.gradient_wire_type == FLOAT32;
-  }
+  // Whether the pipelined step can stream this client's exchange of
+  // `gradients` (else it runs the plain PushPull once backward is done):
+  // plaintext, no clipping, and each gradient handed over in its wire type
+  // (float32 on a float32 wire, or 16-bit elements a device cast), so that
+  // nothing is converted when the calls are made, before the gradients are
+  // (PushPullStreamed says why, and checks each shard besides).
+  bool StepsCanStream(const std::vector<ConstTensorRef>& gradients) const;
 
   // The pipelined step (--pipeline_step): what a PushPull running on a
   // network thread shares with the compute thread. The compute thread says

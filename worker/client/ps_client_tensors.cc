@@ -1094,6 +1094,18 @@ absl::Status PsClient::StepStream::WaitPulled(int tensor, int64_t end,
   return failed_;
 }
 
+bool PsClient::StepsCanStream(
+    const std::vector<ConstTensorRef>& gradients) const {
+  if (clip_max_norm_ != 0 || options_.credentials != nullptr ||
+      static_cast<int>(gradients.size()) != schema_.dense_size()) {
+    return false;
+  }
+  for (size_t t = 0; t < gradients.size(); ++t) {
+    if (gradients[t].dtype != PushWireType(static_cast<int>(t))) return false;
+  }
+  return true;
+}
+
 std::unique_ptr<PsClient::StepStream> PsClient::MakeStepStream() const {
   return std::make_unique<StepStream>(*partition_, schema_.dense_size());
 }
@@ -1123,14 +1135,10 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
   // shard's plaintext data plane (gRPC would not wait for them, and TLS
   // gathers small pieces into one record when the exchange starts), in one
   // round trip (a clipped step pushes, clips, then pulls).
-  bool streams = StepsCanStream() && stream.wake_fd() >= 0;
+  // Pulled values of any type are decoded as each answer lands.
+  bool streams = StepsCanStream(gradients) && stream.wake_fd() >= 0;
   for (int s = 0; s < num_shards() && streams; ++s) {
     streams = DataPortToUse(s) != 0 && DataPushPullOffered(s);
-  }
-  for (size_t t = 0; t < gradients.size() && streams; ++t) {
-    streams = gradients[t].dtype == FLOAT32 &&
-              PushWireType(static_cast<int>(t)) == FLOAT32 &&
-              tensors[t].dtype == FLOAT32;
   }
   if (!streams) return plain();
   InjectPushJitter();
