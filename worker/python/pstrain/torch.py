@@ -469,9 +469,12 @@ class ParameterServer:
                     _push_rows, self.client, step, parts)
             else:
                 _push_rows(self.client, step, parts)
-        if self._stream is not None:
-            torch.cuda.current_stream().synchronize()  # gradient copies
         grads = [t.push_source() for t in self._tensors]
+        if self._stream is not None:
+            # Backward, then the gradients' copies into pinned memory, which
+            # run on the stream after the host has queued them: the client
+            # reads that memory as soon as push_pull is called.
+            torch.cuda.current_stream().synchronize()
         values = [t.values_view for t in self._tensors]
         if self.optimizer is not None:
             # What the scheduler left in the groups: this step's rates (and
