@@ -387,10 +387,12 @@ class LayerModel : public Model {
                          const DeviceBatch& batch,
                          const std::vector<float*>* grads) const;
 
-  // ComputeGradientsStreamed in device memory (see the .cc).
-  absl::StatusOr<BatchResult> ComputeGradientsStreamedByParam(
+  // The step a whole parameter at a time: the plain step (`stream` null)
+  // and a device's streamed one (see the .cc).
+  absl::StatusOr<BatchResult> StepByParam(
       const std::vector<const float*>& params, const DeviceBatch& batch,
-      const std::vector<float*>& grads, const ParameterStream& stream);
+      const std::vector<float*>& grads, const ParameterStream* stream,
+      const GradientReadyCallback& gradient_ready);
 
   // Runs every layer; activations_[i + 1] is then layer i's output.
   absl::Status Forward(const std::vector<const float*>& params,
@@ -623,8 +625,11 @@ absl::StatusOr<BatchResult> LayerModel::ComputeGradientsStreamed(
     const std::vector<const float*>& params, const DeviceBatch& batch,
     const std::vector<float*>& grads, const ParameterStream& stream) {
   if (absl::Status s = CheckArgs(params, batch, &grads); !s.ok()) return s;
-  if (!backend_->MemoryIsHost())
-    return ComputeGradientsStreamedByParam(params, batch, grads, stream);
+  if (!backend_->MemoryIsHost()) {
+    return StepByParam(params, batch, grads, &stream, [&](int param) {
+      stream.gradient_ready(param, ElementsOf(params_[param]));
+    });
+  }
   auto* first = dynamic_cast<DenseLayer*>(layers_[0].layer.get());
   if (first == nullptr || layers_[0].first_param != 0) {
     return absl::UnimplementedError(
@@ -686,47 +691,37 @@ absl::StatusOr<BatchResult> LayerModel::ComputeGradientsStreamed(
   return result;
 }
 
-// On a device, whose copies in and out the trainer makes in the stream's
-// hooks, a whole parameter at a time: forward waits for each layer's
-// parameters before it, and each gradient leaves as backward issues it.
-// One GEMM a layer, as in the plain step, so the same rounding.
-absl::StatusOr<BatchResult> LayerModel::ComputeGradientsStreamedByParam(
-    const std::vector<const float*>& params, const DeviceBatch& batch,
-    const std::vector<float*>& grads, const ParameterStream& stream) {
-  if (batch.labels == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name_, ": batch labels are null"));
-  }
-  activations_[0] = batch.features;
-  if (absl::Status s = ForwardFrom(0, 0, params, batch.rows, &stream);
-      !s.ok()) {
-    return s;
-  }
-  absl::StatusOr<BatchResult> result = Loss(batch.rows, batch.labels);
-  if (!result.ok()) return result.status();
-  absl::StatusOr<bool> go_on = stream.before_backward();
-  if (!go_on.ok()) return go_on.status();
-  if (!*go_on) return result;
-  absl::StatusOr<float*> dx =
-      BackwardDownTo(0, params, batch.rows, grads, [&](int param) {
-        stream.gradient_ready(param, ElementsOf(params_[param]));
-      });
-  if (!dx.ok()) return dx.status();
-  return result;
-}
-
 absl::StatusOr<BatchResult> LayerModel::ComputeGradientsImpl(
     const std::vector<const float*>& params, const DeviceBatch& batch,
     const std::vector<float*>& grads,
     const GradientReadyCallback& gradient_ready) {
   if (absl::Status s = CheckArgs(params, batch, &grads); !s.ok()) return s;
+  return StepByParam(params, batch, grads, nullptr, gradient_ready);
+}
+
+// With `stream` (on a device, whose copies in and out the trainer makes in
+// the stream's hooks): forward waits for each layer's parameters before
+// it, and each gradient leaves as backward issues it. One GEMM a layer
+// either way, so the pipelined step rounds as the plain one.
+absl::StatusOr<BatchResult> LayerModel::StepByParam(
+    const std::vector<const float*>& params, const DeviceBatch& batch,
+    const std::vector<float*>& grads, const ParameterStream* stream,
+    const GradientReadyCallback& gradient_ready) {
   if (batch.labels == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat(name_, ": batch labels are null"));
   }
-  if (absl::Status s = Forward(params, batch); !s.ok()) return s;
+  activations_[0] = batch.features;
+  if (absl::Status s = ForwardFrom(0, 0, params, batch.rows, stream); !s.ok()) {
+    return s;
+  }
   absl::StatusOr<BatchResult> result = Loss(batch.rows, batch.labels);
   if (!result.ok()) return result.status();
+  if (stream != nullptr) {
+    absl::StatusOr<bool> go_on = stream->before_backward();
+    if (!go_on.ok()) return go_on.status();
+    if (!*go_on) return result;
+  }
   absl::StatusOr<float*> dx =
       BackwardDownTo(0, params, batch.rows, grads, gradient_ready);
   if (!dx.ok()) return dx.status();
