@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
@@ -282,6 +283,34 @@ absl::StatusOr<BatchResult> Evaluate(Model& model, kernels::Backend& backend,
   std::abort();  // not reached
 }
 
+// --trace_steps: the first step traced (past the first steps' warm-up),
+// and one step's timeline as a JSON line: [microseconds since the step
+// began staging its batch, what, tensor, end] (PsClient::StepStream's
+// events, and the trainer's: w forward asks for a parameter up to `end`,
+// i it is in backend memory, B backward is next (the last exchange is
+// waited for), b it ended, g a gradient is issued, e the step's compute
+// is done).
+constexpr int64_t kFirstTracedStep = 10;
+
+void PrintStepTrace(
+    int64_t step, absl::Time origin,
+    const std::vector<PsClient::StepStream::TraceEvent>& events) {
+  std::string line = absl::StrCat("{\"event\":\"step_trace\",\"step\":", step,
+                                  ",\"events\":[");
+  for (size_t i = 0; i < events.size(); ++i) {
+    const PsClient::StepStream::TraceEvent& e = events[i];
+    absl::StrAppend(
+        &line, i == 0 ? "" : ",", "[", absl::ToInt64Microseconds(e.at - origin),
+        ",\"", absl::string_view(&e.what, 1), "\",", e.tensor, ",", e.end, "]");
+  }
+  line += "]}\n";
+  std::fputs(line.c_str(), stdout);
+  std::fflush(stdout);
+}
+
+// A staged gradient is copied out this many blocks at a time.
+constexpr int64_t kCopyOutPieceBlocks = 4;
+
 // What one step's forward, backward and push produced.
 struct StepExchange {
   BatchResult batch;
@@ -433,6 +462,7 @@ class StepRunner {
                                             bool& model_refused) {
     if (stream_ == nullptr) {
       stream_ = client_.MakeStepStream();
+      if (options_.trace_steps > 0) stream_->EnableTrace();
       network_.emplace();
     }
     if (!in_flight_) stream_->MarkAllPulled(absl::OkStatus());
@@ -456,8 +486,11 @@ class StepRunner {
     hooks.wait_pulled = [&](int param, int64_t end) {
       hooks_ran = true;
       const absl::Time asked = absl::Now();
-      absl::Status s = stream_->WaitPulled(param, end, deadline);
+      stream_->Trace('w', param, end);
+      absl::Status s = StageWhileWaiting(param, end, deadline);
+      if (s.ok()) s = stream_->WaitPulled(param, end, deadline);
       if (s.ok()) s = StageIn(param, end);
+      stream_->Trace('i', param, end);
       last_value_in = absl::Now();
       out.values_wait += last_value_in - asked;
       if (absl::IsAborted(s) && !stream_->failed()) start_over = true;
@@ -468,19 +501,30 @@ class StepRunner {
         first_ready_seen = true;
         out.fill_gap = absl::Now() - last_value_in;
       }
-      if (buffers_.staged) {
-        // Copied out (and cast for the wire) before the group may leave.
-        if (!staging_error.ok()) return;
-        staging_error = buffers_.GradToHost(backend_, param,
-                                            grads_on_host_end_[param], end);
-        if (!staging_error.ok()) return;
-        grads_on_host_end_[param] = end;
+      stream_->Trace('g', param, end);
+      if (!buffers_.staged) {
+        stream_->SetReady(param, end);
+        return;
       }
-      stream_->SetReady(param, end);
+      // Copied out (and cast for the wire) before its groups may leave, a
+      // few blocks at a time, so that the first ones leave while the rest
+      // is copied.
+      const int64_t piece =
+          kCopyOutPieceBlocks * stream_->FirstBlockElements(param);
+      while (staging_error.ok() && grads_on_host_end_[param] < end) {
+        const int64_t from = grads_on_host_end_[param];
+        const int64_t to = std::min(end, from + piece);
+        staging_error = buffers_.GradToHost(backend_, param, from, to);
+        if (!staging_error.ok()) return;
+        grads_on_host_end_[param] = to;
+        stream_->SetReady(param, to);
+      }
     };
     hooks.before_backward = [&]() -> absl::StatusOr<bool> {
       hooks_ran = true;
+      stream_->Trace('B', -1, 0);
       if (absl::Status s = Settle(); !s.ok()) return s;
+      stream_->Trace('b', -1, 0);
       if (stream_->TakeRefetched()) {
         start_over = true;
         return absl::AbortedError("the values were pulled again");
@@ -529,6 +573,15 @@ class StepRunner {
         client_.Interrupt();
       }
       return computed.status();
+    }
+    stream_->Trace('e', -1, 0);
+    if (options_.trace_steps > 0) {
+      std::vector<PsClient::StepStream::TraceEvent> events =
+          stream_->TakeTrace();
+      if (step >= kFirstTracedStep &&
+          step < kFirstTracedStep + options_.trace_steps) {
+        PrintStepTrace(step, staged_at, events);
+      }
     }
     DelayIfAsked();
     const absl::Time push_start = absl::Now();
@@ -602,6 +655,25 @@ class StepRunner {
     }
     out.push_time = out.push_wait = absl::Now() - push_start;
     return out;
+  }
+
+  // Staged: while forward waits for parameter `param` up to `end`, copies
+  // in what else has landed (the later layers' values come back first), so
+  // that little is left to copy once it is in. A failed PushPull is for
+  // WaitPulled to report.
+  absl::Status StageWhileWaiting(int param, int64_t end, absl::Time deadline) {
+    if (!buffers_.staged) return absl::OkStatus();
+    for (;;) {
+      const int64_t seen = stream_->landings();
+      if (stream_->PulledEnd(param) >= end) return absl::OkStatus();
+      for (size_t p = 0; p < on_device_end_.size(); ++p) {
+        if (static_cast<int>(p) == param) continue;
+        if (absl::Status s = StageIn(p, stream_->PulledEnd(p)); !s.ok()) {
+          return s;
+        }
+      }
+      if (!stream_->AwaitLanding(seen, deadline)) return absl::OkStatus();
+    }
   }
 
   // Staged (a device backend): makes elements [0, end) of parameter `param`

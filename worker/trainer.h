@@ -92,6 +92,10 @@ struct TrainerOptions {
   // The servers' rate at each step (--lr_schedule), carried by the step's
   // pushes; null: the servers' own.
   std::function<double(int64_t step)> learning_rate_at;
+  // The pipelined step: steps [10, 10 + trace_steps) print their
+  // timeline, one JSON line each ("event":"step_trace"; README, "The
+  // pipelined step"). 0: none.
+  int64_t trace_steps = 0;
   // Fault injection: extra time per step, as a straggler would take.
   absl::Duration step_delay = absl::ZeroDuration();
   // Fault injection: SIGKILL this process once the model of this step is

@@ -127,6 +127,7 @@ void CheckTraining(const WorkerConfig& config, Problems& checks) {
   }
   checks.push_back(
       CheckAtLeast("inject_step_delay_ms", training.inject_step_delay_ms, 0));
+  checks.push_back(CheckAtLeast("trace_steps", training.trace_steps, 0));
   if (training.pipeline_step != "by_host" &&
       training.pipeline_step != "always" && training.pipeline_step != "never") {
     checks.push_back(absl::InvalidArgumentError(

@@ -83,6 +83,8 @@ struct TrainingConfig {
   bool push_pull = true;
   // A sync step as a pipeline (--pipeline_step): by_host, always or never.
   std::string pipeline_step = "by_host";
+  // The pipelined step's timeline of this many steps (--trace_steps).
+  int64_t trace_steps = 0;
   // Steps after which a loss that has not fallen is warned about once.
   int64_t loss_check_steps = 100;
   // The servers' rate over the steps (--lr_schedule, --warmup_steps,

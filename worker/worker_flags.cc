@@ -184,6 +184,12 @@ ABSL_FLAG(int64_t, lr_step_size, Default().training.lr_schedule.step_size,
           "--lr_schedule=step: steps between decays.");
 ABSL_FLAG(double, lr_step_gamma, Default().training.lr_schedule.gamma,
           "--lr_schedule=step: the factor of each decay.");
+ABSL_FLAG(int64_t, trace_steps, Default().training.trace_steps,
+          "The pipelined step: steps 10 to 10 + N - 1 each print their "
+          "timeline as a JSON line (\"event\":\"step_trace\": when forward "
+          "asked for each parameter and had it, when each gradient was made, "
+          "copied out and free to leave, and when its values came back; "
+          "microseconds from the step's start). 0: none.");
 ABSL_FLAG(int64_t, inject_step_delay_ms,
           Default().training.inject_step_delay_ms,
           "Fault injection: make every step this much slower (a straggler).");
@@ -368,6 +374,7 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
   training.push_pull = absl::GetFlag(FLAGS_push_pull);
   training.pipeline_step = absl::GetFlag(FLAGS_pipeline_step);
   training.loss_check_steps = absl::GetFlag(FLAGS_loss_check_steps);
+  training.trace_steps = absl::GetFlag(FLAGS_trace_steps);
   training.inject_step_delay_ms = absl::GetFlag(FLAGS_inject_step_delay_ms);
   training.lr_schedule.kind = absl::GetFlag(FLAGS_lr_schedule);
   training.lr_schedule.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);

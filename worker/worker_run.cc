@@ -241,6 +241,7 @@ TrainerOptions TrainerOptionsFor(const WorkerConfig& config,
   options.final_model_timeout = absl::Seconds(config.client.rpc_timeout_s);
   options.start_step = registration.start_step;
   options.stop = stopping.requested;
+  options.trace_steps = config.training.trace_steps;
   options.step_delay = absl::Milliseconds(config.training.inject_step_delay_ms);
   options.crash_before_push_step =
       config.training.inject_crash_before_push_step;

@@ -60,7 +60,8 @@
 # SANITIZE_FILTER (their --gtest_filter),
 # STEP_TIMEOUT_S (300: the limit of any one step), PSTRAIN_CUDA_LIB_DIR,
 # TORCH_PYTHON, TORCH_CUDA_TESTS (empty: none), TORCH_TEST_DEVICE (cuda),
-# REPLICATION_ROUNDS (3).
+# REPLICATION_ROUNDS (3), JOBS (the jobs step runs only these, by name),
+# EXCHANGES (the exchange step only these, as gradients:parameters).
 set -uo pipefail
 
 readonly PROG=check.sh
@@ -463,6 +464,8 @@ step_jobs() {
     local name=$1 workers=$2 device=$3 precision=$4 gpus=$5 steps=$6
     local -a extra=("${@:7}")
     local out=$results/jobs/$name.txt
+    # JOBS: only the jobs named there (a short device call).
+    [[ -z ${JOBS:-} || " $JOBS " == *" $name "* ]] || return 0
     PSTRAIN_WORKER_GPUS=$gpus run_to "$out" "$BUNDLE/launch.sh" \
       --servers="$JOB_SERVERS" --workers="$workers" --mode="$JOB_MODE" \
       --bin_dir="$wrappers" --run_dir="$results/jobs/$name.run" --timeout_s="$STEP_TIMEOUT_S" -- \
@@ -549,13 +552,21 @@ PY
     # every shard on this host): each gradient copied out and sent as
     # backward issues it, each parameter copied in as its values land, so
     # the exchange hides staging and compute.
-    job gpu1_1worker_fp32_pipelined 1 cuda:0 fp32 "" "$GPU_STEPS" --pipeline_step=always
-    job gpu1_1worker_fp32_bf16wire_pipelined 1 cuda:0 fp32 "" "$GPU_STEPS" "${bf16_wire[@]}" --pipeline_step=always
-    local plain piped
+    # --trace_steps: each prints the timeline of 3 steps (jobs/NAME.txt).
+    piped_flags=(--pipeline_step=always --trace_steps=3)
+    job gpu1_1worker_fp32_pipelined 1 cuda:0 fp32 "" "$GPU_STEPS" "${piped_flags[@]}"
+    job gpu1_1worker_fp32_bf16wire_pipelined 1 cuda:0 fp32 "" "$GPU_STEPS" "${bf16_wire[@]}" "${piped_flags[@]}"
+    # EXPERIMENT (PsClient::RegisterResolved): the first layer's groups
+    # after each connection's first one, so that they come back first.
+    PSTRAIN_FIRST_LAYER_AFTER=1 job gpu1_1worker_fp32_pipelined_lead1 1 cuda:0 fp32 "" "$GPU_STEPS" "${piped_flags[@]}"
+    PSTRAIN_FIRST_LAYER_AFTER=1 job gpu1_1worker_fp32_bf16wire_pipelined_lead1 1 cuda:0 fp32 "" "$GPU_STEPS" "${bf16_wire[@]}" "${piped_flags[@]}"
+    local plain piped variant
     for plain in gpu1_1worker_fp32 gpu1_1worker_fp32_bf16wire; do
-      piped=${JOB_RATE[${plain}_pipelined]:-}
-      [[ -n $piped && -n ${JOB_RATE[$plain]:-} ]] &&
-        row "pipelined step: $plain" INFO "$(ratio "$piped" "${JOB_RATE[$plain]}")x" "samples/s with --pipeline_step=always over without"
+      for variant in pipelined pipelined_lead1; do
+        piped=${JOB_RATE[${plain}_$variant]:-}
+        [[ -n $piped && -n ${JOB_RATE[$plain]:-} ]] &&
+          row "$variant step: $plain" INFO "$(ratio "$piped" "${JOB_RATE[$plain]}")x" "samples/s with --pipeline_step=always over without"
+      done
     done
     piped=${JOB_RATE[gpu1_1worker_fp32_bf16wire_pipelined]:-}
     if [[ -n $piped ]]; then
@@ -590,6 +601,7 @@ PY
   # and loss must match the CPU's closely.
   ctr_job() {
     local name=$1 device=$2 out=$results/jobs/$1.txt
+    [[ -z ${JOBS:-} || " $JOBS " == *" $name "* ]] || return 1
     run_to "$out" "$BUNDLE/launch.sh" --servers="$JOB_SERVERS" --workers=1 --mode=sync \
       --bin_dir="$wrappers" --run_dir="$results/jobs/$name.run" --timeout_s="$STEP_TIMEOUT_S" -- \
       --server.optimizer=adam --server.learning_rate=0.01 \
@@ -724,8 +736,12 @@ step_exchange() {
   # ps_bench hands the client bf16 as bits, as the GPU worker does after
   # casting on its device.
   local variant gradients parameters jobs job name out gbps status exchange_ms job_rate step_ms
-  for variant in fp32:fp32:gpu1_1worker_fp32+gpu1_1worker_fp32_pipelined bf16:fp32: fp32:bf16: \
-    bf16:bf16:gpu1_1worker_fp32_bf16wire+gpu1_1worker_fp32_bf16wire_pipelined; do
+  for variant in fp32:fp32:gpu1_1worker_fp32+gpu1_1worker_fp32_pipelined+gpu1_1worker_fp32_pipelined_lead1 \
+    bf16:fp32: fp32:bf16: \
+    bf16:bf16:gpu1_1worker_fp32_bf16wire+gpu1_1worker_fp32_bf16wire_pipelined+gpu1_1worker_fp32_bf16wire_pipelined_lead1; do
+    IFS=: read -r gradients parameters jobs <<<"$variant"
+    # EXCHANGES: only these (gradients:parameters, e.g. "fp32:fp32 bf16:bf16").
+    [[ -z ${EXCHANGES:-} || " $EXCHANGES " == *" $gradients:$parameters "* ]] || continue
     IFS=: read -r gradients parameters jobs <<<"$variant"
     name="exchange alone"
     out=$results/exchange.txt

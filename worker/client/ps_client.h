@@ -406,6 +406,32 @@ class PsClient {
 
     bool BlocksReady(const std::vector<int>& blocks) const;
     void MarkPulled(const std::vector<int>& blocks);
+    // Elements [0, end) of `tensor` whose values have landed in the host
+    // arrays, and how many groups have landed since the stream was made:
+    // the compute thread stages in what landed while it waits for the
+    // part it needs (AwaitLanding: until that count passes `seen`, the
+    // PushPull failed, or the deadline).
+    int64_t PulledEnd(int tensor);
+    int64_t landings();
+    // False: the PushPull failed, its values are pulled again, or the
+    // deadline passed.
+    bool AwaitLanding(int64_t seen, absl::Time deadline);
+
+    // --trace_steps: what happened when, kept until TakeTrace once
+    // EnableTrace. `what`: r a gradient final up to `end`, s a group's call
+    // free to leave (its blocks final, those ahead of it on its link too),
+    // p its values landed (tensor and end of its last block); the trainer
+    // adds its own (trainer.cc, StepTrace).
+    struct TraceEvent {
+      absl::Time at;
+      char what;
+      int tensor;
+      int64_t end;
+    };
+    void EnableTrace() { tracing_.store(true, std::memory_order_relaxed); }
+    void Trace(char what, int tensor, int64_t end);
+    void TraceGroup(char what, const std::vector<int>& blocks);
+    std::vector<TraceEvent> TakeTrace();
     int wake_fd() const { return wake_fd_; }
     // Elements in the first block of `tensor` (the chunk to read and write
     // it by).
@@ -428,6 +454,11 @@ class PsClient {
     bool refetched_ ABSL_GUARDED_BY(mu_) = false;
     bool not_reading_ ABSL_GUARDED_BY(mu_) = false;
     bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+    int64_t landings_ ABSL_GUARDED_BY(mu_) = 0;
+
+    std::atomic<bool> tracing_{false};
+    absl::Mutex trace_mu_;
+    std::vector<TraceEvent> trace_ ABSL_GUARDED_BY(trace_mu_);
   };
   std::unique_ptr<StepStream> MakeStepStream() const;
   // PushPullTensors whose groups each leave once `stream` says their

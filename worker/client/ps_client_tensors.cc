@@ -1041,6 +1041,7 @@ bool PsClient::StepStream::AwaitRefetch(absl::Time deadline) {
 
 void PsClient::StepStream::SetReady(int tensor, int64_t end) {
   ready_end_[tensor].store(end, std::memory_order_release);
+  Trace('r', tensor, end);
   const uint64_t one = 1;
   (void)!write(wake_fd_, &one, sizeof(one));
 }
@@ -1057,8 +1058,56 @@ bool PsClient::StepStream::BlocksReady(const std::vector<int>& blocks) const {
 }
 
 void PsClient::StepStream::MarkPulled(const std::vector<int>& blocks) {
+  TraceGroup('p', blocks);
   absl::MutexLock lock(&mu_);
   for (int g : blocks) pulled_[g] = 1;
+  ++landings_;
+}
+
+int64_t PsClient::StepStream::PulledEnd(int tensor) {
+  absl::MutexLock lock(&mu_);
+  int64_t end = 0;
+  for (int g : blocks_of_tensor_[tensor]) {
+    if (!pulled_[g]) break;
+    const BlockLocation& b = partition_.blocks()[g];
+    end = b.offset + b.length;
+  }
+  return end;
+}
+
+int64_t PsClient::StepStream::landings() {
+  absl::MutexLock lock(&mu_);
+  return landings_;
+}
+
+bool PsClient::StepStream::AwaitLanding(int64_t seen, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto changed = [&]() {
+    mu_.AssertHeld();
+    return landings_ != seen || !failed_.ok() || refetch_;
+  };
+  return mu_.AwaitWithDeadline(absl::Condition(&changed), deadline) &&
+         failed_.ok() && !refetch_;
+}
+
+void PsClient::StepStream::Trace(char what, int tensor, int64_t end) {
+  if (!tracing_.load(std::memory_order_relaxed)) return;
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&trace_mu_);
+  trace_.push_back({now, what, tensor, end});
+}
+
+void PsClient::StepStream::TraceGroup(char what,
+                                      const std::vector<int>& blocks) {
+  if (blocks.empty() || !tracing_.load(std::memory_order_relaxed)) return;
+  const BlockLocation& last = partition_.blocks()[blocks.back()];
+  Trace(what, last.tensor, last.offset + last.length);
+}
+
+std::vector<PsClient::StepStream::TraceEvent>
+PsClient::StepStream::TakeTrace() {
+  absl::MutexLock lock(&trace_mu_);
+  return std::exchange(trace_, {});
 }
 
 void PsClient::StepStream::MarkAllPulled(const absl::Status& status) {
@@ -1155,7 +1204,9 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
   for (Call& call : *calls) {
     const Group* group = call.group;
     call.can_send = [&stream, group] {
-      return stream.BlocksReady(group->blocks);
+      if (!stream.BlocksReady(group->blocks)) return false;
+      stream.TraceGroup('s', group->blocks);
+      return true;
     };
     call.send_wake_fd = stream.wake_fd();
     call.on_ok = [&stream, group] { stream.MarkPulled(group->blocks); };
