@@ -166,6 +166,11 @@ struct TrainResult {
   // Pipelined: the time from each step's last value in to its first
   // gradient ready, when the links idle (the pipeline's fill and drain).
   double fill_gap_seconds = 0;
+  // The steps past the first ten (the first pulls, a device's first
+  // kernels), and their time: what a step costs once the job runs, the
+  // figure to hold against an exchange alone.
+  int64_t steady_steps = 0;
+  double steady_step_seconds = 0;
   // The worker's LearningWatch warned: the loss did not fall in time or
   // became NaN/Inf (set by the caller, which feeds the watch).
   bool not_learning = false;

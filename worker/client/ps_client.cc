@@ -4,10 +4,8 @@
 #include "worker/client/ps_client.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <map>
 #include <optional>
 #include <set>
 #include <utility>
@@ -551,30 +549,6 @@ absl::StatusOr<Registration> PsClient::RegisterResolved(
                    [&](const Group& a, const Group& b) {
                      return backward_rank(a) < backward_rank(b);
                    });
-  // EXPERIMENT (issue 37, measured on a GPU before it is kept or removed):
-  // PSTRAIN_FIRST_LAYER_AFTER=k puts the first layer's groups right after
-  // the first k other groups of each connection, so that on a device, where
-  // backward makes the first layer's gradient soon after the others, its
-  // values come back first and the next forward overlaps the rest.
-  if (const char* after = std::getenv("PSTRAIN_FIRST_LAYER_AFTER");
-      after != nullptr) {
-    const double lead = std::atoi(after) - 0.5;
-    std::map<std::pair<int, int>, int> ordinal;
-    std::vector<std::pair<double, size_t>> keys;
-    for (size_t i = 0; i < groups_.size(); ++i) {
-      const Group& group = groups_[i];
-      keys.push_back({backward_rank(group) == std::numeric_limits<int>::max()
-                          ? lead
-                          : ordinal[{group.shard, group.connection}]++,
-                      i});
-    }
-    std::stable_sort(
-        keys.begin(), keys.end(),
-        [](const auto& a, const auto& b) { return a.first < b.first; });
-    std::vector<Group> ordered;
-    for (const auto& [key, i] : keys) ordered.push_back(std::move(groups_[i]));
-    groups_ = std::move(ordered);
-  }
   for (Group& group : groups_) {
     PullRequest pull;
     pull.set_protocol_version(kProtocolVersion);
