@@ -19,6 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "tests/test_cluster.h"
@@ -90,6 +91,8 @@ struct Outcome {
   std::vector<std::vector<double>> quality;
   // Per worker: whether its steps ran as a pipeline (its final JSON).
   std::vector<bool> pipelined;
+  // Per worker: its stdout.
+  std::vector<std::string> outputs;
   // Bytes of gradients the servers held because they came before a lower
   // worker id's (the most at once, over the shards): > 0 shows that the
   // arrival order was not the id order, so the test tested something.
@@ -170,6 +173,7 @@ Outcome RunJob(const Job& job, const std::string& name,
       job.ctr ? std::vector<std::string>{"logloss", "auc"}
               : std::vector<std::string>{"final_loss", "train_accuracy",
                                          "test_loss", "test_accuracy"};
+  outcome.outputs = *outputs;
   for (const std::string& out : *outputs) {
     outcome.pipelined.push_back(out.find("\"pipelined\":true") !=
                                 std::string::npos);
@@ -338,12 +342,24 @@ TEST(ReproducibleSyncTest, ThePipelinedStepGivesOneModel) {
   EXPECT_FALSE(plain.model == pipelined.model);
 }
 
+// The lines of `out` that are step timelines (--trace_steps).
+std::vector<std::string> StepTraces(const std::string& out) {
+  std::vector<std::string> traces;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    if (absl::StrContains(line, "\"event\":\"step_trace\"")) {
+      traces.emplace_back(line);
+    }
+  }
+  return traces;
+}
+
 // On a device (--device=cpu_staged stages as a GPU worker does) the
 // pipelined step copies each parameter in whole as its values land and
 // each gradient out as backward issues it, and computes each layer with one
 // GEMM as the plain step does: the plain step's model to the bit, in
 // float32 and with both ways in bf16 (cast on the device, the gradients
-// streamed as 16-bit elements).
+// streamed as 16-bit elements). It is a device worker's default
+// (--pipeline_step=by_host), and --trace_steps prints its timeline.
 TEST(ReproducibleSyncTest, ADevicesPipelinedStepGivesThePlainStepsModel) {
   for (const bool bf16 : {false, true}) {
     std::vector<std::string> flags = {"--device=cpu_staged"};
@@ -354,7 +370,7 @@ TEST(ReproducibleSyncTest, ADevicesPipelinedStepGivesThePlainStepsModel) {
     const std::string name = bf16 ? "staged_bf16" : "staged_fp32";
     std::vector<std::string> plain_flags = flags, pipelined_flags = flags;
     plain_flags.push_back("--pipeline_step=never");
-    pipelined_flags.push_back("--pipeline_step=always");
+    pipelined_flags.push_back("--trace_steps=2");
     const Outcome plain =
         RunJob({3, 2, false, false, 64, plain_flags}, name + "_plain");
     const Outcome pipelined =
@@ -362,6 +378,28 @@ TEST(ReproducibleSyncTest, ADevicesPipelinedStepGivesThePlainStepsModel) {
     EXPECT_EQ(plain.pipelined, std::vector<bool>(3, false)) << name;
     EXPECT_EQ(pipelined.pipelined, std::vector<bool>(3, true)) << name;
     ExpectSameOutcome(plain, pipelined, name);
+    for (const std::string& out : plain.outputs) {
+      EXPECT_TRUE(StepTraces(out).empty()) << "no flag, no timeline";
+      EXPECT_GT(FinalJsonNumber(out, "steady_step_ms").value_or(0), 0) << out;
+    }
+    for (const std::string& out : pipelined.outputs) {
+      const std::vector<std::string> traces = StepTraces(out);
+      ASSERT_EQ(traces.size(), 2u) << out;
+      for (int i = 0; i < 2; ++i) {
+        EXPECT_TRUE(
+            absl::StrContains(traces[i], absl::StrCat("\"step\":", 10 + i)))
+            << traces[i];
+        // Forward asked for the first layer's weight and had it in device
+        // memory; backward issued its gradient and had it copied out in
+        // full (16 x 32 elements); groups left and their values landed.
+        for (const char* event :
+             {"\"w\",0,512]", "\"i\",0,512]", "\"g\",0,512]", "\"r\",0,512]",
+              "\"B\"", "\"b\"", "\"e\"", "\"s\"", "\"p\""}) {
+          EXPECT_TRUE(absl::StrContains(traces[i], event))
+              << event << " in " << traces[i];
+        }
+      }
+    }
   }
 }
 
