@@ -313,6 +313,34 @@ step_sanitizer() {
         fi
       done
     done
+    # The pipelined step's copies in a real job (a parameter copied in by
+    # pieces as its values land, each gradient cast and copied out a few
+    # blocks at a time): one worker under the tool, bf16 both ways.
+    job_setup
+    local bin run
+    for tool in memcheck synccheck; do
+      bin=$results/sanitizer/bin-$tool
+      run=$results/sanitizer/$tool-pipelined_job.run
+      out=$results/sanitizer/$tool-pipelined_job.txt
+      mkdir -p "$bin"
+      cp "$wrappers/ps_server" "$bin/ps_server"
+      printf '#!/usr/bin/env bash\nexec %q --tool %q --error-exitcode 99 %q "$@"\n' \
+        "$sanitizer" "$tool" "$BUNDLE/bin/worker" >"$bin/worker"
+      chmod +x "$bin/worker"
+      run_to "$out" "$BUNDLE/launch.sh" --servers=2 --workers=1 --mode=sync \
+        --bin_dir="$bin" --run_dir="$run" --timeout_s="$STEP_TIMEOUT_S" -- \
+        --server.optimizer=sgd --server.learning_rate=0.1 --model=mlp --hidden=256,256 \
+        --batch_size=128 --steps=20 --log_every=20 --device=cuda:0 \
+        --gradient_wire_type=bf16 --parameter_wire_type=bf16 "${data_flags[@]}"
+      status=$?
+      errors=$(cat "$out" "$run/worker0.out" 2>/dev/null | grep -o 'ERROR SUMMARY: [0-9]*' | tail -1 | grep -o '[0-9]*$')
+      pipelined=$(json_field "$out" event=final pipelined)
+      if ((status == 0)) && [[ $pipelined == true ]]; then
+        row "sanitizer $tool pipelined job" PASS "${errors:-0} errors" "1 worker on cuda:0, bf16 both ways, 20 steps"
+      else
+        row "sanitizer $tool pipelined job" FAIL "${errors:-?} errors" "$(exit_text "$status"), pipelined ${pipelined:-?}; see sanitizer/$tool-pipelined_job.txt and its .run/"
+      fi
+    done
   fi
 }
 
