@@ -99,9 +99,25 @@ case "$*" in
   *) echo "Stand-in GPU" ;;
 esac
 EOF
+# Runs the bundle's worker (its cuda:0 stood in by cpu_staged, which stages
+# as a GPU worker does), so the sanitized pipelined job runs end to end;
+# other programs not at all.
 cat >"$fake/path/compute-sanitizer" <<'EOF'
 #!/usr/bin/env bash
+while [[ $1 == --* ]]; do shift 2; done
+program=$1
+shift
+status=0
+if [[ $program == */worker ]]; then
+  args=()
+  for arg in "$@"; do
+    [[ $arg == --device=cuda:0 ]] && arg=--device=cpu_staged
+    args+=("$arg")
+  done
+  "$program" "${args[@]}" || status=$?
+fi
 echo "========= ERROR SUMMARY: 0 errors"
+exit "$status"
 EOF
 cat >"$fake/bundle/bin/kernel_bench" <<'EOF'
 #!/usr/bin/env bash
@@ -136,6 +152,8 @@ cat "$summary"
 ((status == 0)) || fail "stand-in GPU run exited $status"
 expect '^gpu present +PASS +1 GPU'
 expect '^sanitizer memcheck cuda_backend_test +PASS +0 errors'
+expect '^sanitizer memcheck pipelined job +PASS +0 errors'
+expect '^sanitizer synccheck pipelined job +PASS +0 errors'
 expect '^goal: elementwise/memory-bound ops vs D2D \(worst\) +MISSED +0.50x +Gather'
 expect '^goal: Gemm fp32 vs cuBLAS \(best shape\) +MET +0.95x'
 expect '^step_bench cuda:0 fp32 +PASS +3.0 ms/step +300.00x the CPU step'
