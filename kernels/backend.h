@@ -179,6 +179,16 @@ class Backend {
   // parameters widened on the device after the copy from the host.
   virtual absl::Status Bf16ToFloat(int64_t n, const uint16_t* x, float* y) = 0;
 
+  // y[i] = x[i] rounded to IEEE binary16 (to nearest, ties to even; what
+  // rounds past 65504 becomes infinity, what is below half the smallest
+  // subnormal zero; NaN stays NaN). For finite values and infinities, bit
+  // for bit the host's wire codec under --gradient_wire_type=fp16.
+  virtual absl::Status FloatToFp16(int64_t n, const float* x, uint16_t* y) = 0;
+
+  // y[i] = the binary16 x[i] as a float (exact): pulled fp16 parameters
+  // widened on the device.
+  virtual absl::Status Fp16ToFloat(int64_t n, const uint16_t* x, float* y) = 0;
+
   // Embedding lookup: out[i, :] = table[indices[i], :] for i in
   // [0, num_indices), with table of shape [table_rows, dim] and out of shape
   // [num_indices, dim] (write-only). indices live in backend memory.

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/transport/tensor_codec.h"
 #include "kernels/op_checks.h"
 
 // From OpenBLAS's own cblas.h; declared here because the cblas.h found
@@ -422,6 +423,28 @@ absl::Status CpuBackend::Bf16ToFloat(int64_t n, const uint16_t* x, float* y) {
     const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
     std::memcpy(&y[i], &bits, sizeof(bits));
   }
+  return absl::OkStatus();
+}
+
+// The wire codec's own conversions: a device cast must round as the host
+// would have.
+absl::Status CpuBackend::FloatToFp16(int64_t n, const float* x, uint16_t* y) {
+  if (absl::Status s = Validate("FloatToFp16", {{"n", n}},
+                                {{"x", x, n > 0}, {"y", y, n > 0}});
+      !s.ok()) {
+    return s;
+  }
+  for (int64_t i = 0; i < n; ++i) y[i] = FloatToHalfBits(x[i]);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Fp16ToFloat(int64_t n, const uint16_t* x, float* y) {
+  if (absl::Status s = Validate("Fp16ToFloat", {{"n", n}},
+                                {{"x", x, n > 0}, {"y", y, n > 0}});
+      !s.ok()) {
+    return s;
+  }
+  for (int64_t i = 0; i < n; ++i) y[i] = HalfBitsToFloat(x[i]);
   return absl::OkStatus();
 }
 

@@ -92,6 +92,8 @@ class CpuBackend final : public Backend {
   absl::Status Fill(int64_t n, float value, float* x) override;
   absl::Status FloatToBf16(int64_t n, const float* x, uint16_t* y) override;
   absl::Status Bf16ToFloat(int64_t n, const uint16_t* x, float* y) override;
+  absl::Status FloatToFp16(int64_t n, const float* x, uint16_t* y) override;
+  absl::Status Fp16ToFloat(int64_t n, const uint16_t* x, float* y) override;
   absl::Status Gather(int64_t num_indices, int64_t dim, int64_t table_rows,
                       const float* table, const int64_t* indices,
                       float* out) override;

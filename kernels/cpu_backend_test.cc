@@ -112,6 +112,56 @@ TEST(CpuBackendTest, Bf16CastsAreTheWireCodecs) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// IEEE binary16 as the wire codec makes it: ties to even, 65520 and up to
+// infinity, subnormals down to 2^-24, and every half widened exactly (each
+// of the 65,536 patterns but NaN comes back to itself).
+TEST(CpuBackendTest, Fp16CastsRoundToNearestEvenAndWidenExactly) {
+  CpuBackend cpu;
+  const std::vector<std::pair<float, uint16_t>> cases = {
+      {1.0f, 0x3c00},
+      {1.0f + 0x1p-11f, 0x3c00},      // a tie: to the even one below
+      {1.0f + 3 * 0x1p-11f, 0x3c02},  // a tie: to the even one above
+      {-2.5f, 0xc100},
+      {65504.0f, 0x7bff},
+      {65519.0f, 0x7bff},
+      {65520.0f, 0x7c00},  // rounds past the largest: infinity
+      {std::numeric_limits<float>::infinity(), 0x7c00},
+      {-std::numeric_limits<float>::infinity(), 0xfc00},
+      {0x1p-24f, 0x0001},         // the smallest subnormal
+      {0x1p-25f, 0x0000},         // a tie with zero: to zero
+      {1.5f * 0x1p-25f, 0x0001},  // past the tie
+      {-0.0f, 0x8000},
+      {1e-40f, 0x0000},
+  };
+  std::vector<float> x;
+  for (const auto& [value, bits] : cases) x.push_back(value);
+  std::vector<uint16_t> bits(x.size());
+  ASSERT_TRUE(cpu.FloatToFp16(x.size(), x.data(), bits.data()).ok());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(bits[i], cases[i].second) << "element " << i << ": " << x[i];
+  }
+  std::vector<uint16_t> every(1 << 16);
+  for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<uint16_t>(i);
+  std::vector<float> widened(every.size());
+  ASSERT_TRUE(cpu.Fp16ToFloat(every.size(), every.data(), widened.data()).ok());
+  std::vector<uint16_t> back(every.size());
+  ASSERT_TRUE(cpu.FloatToFp16(every.size(), widened.data(), back.data()).ok());
+  for (size_t i = 0; i < every.size(); ++i) {
+    const bool nan = (i & 0x7c00) == 0x7c00 && (i & 0x3ff) != 0;
+    if (nan) {
+      ASSERT_TRUE(std::isnan(widened[i])) << i;
+    } else {
+      ASSERT_EQ(back[i], every[i]) << "pattern " << i << ": " << widened[i];
+    }
+  }
+  EXPECT_EQ(widened[0x3c00], 1.0f);
+  EXPECT_EQ(widened[0x0001], 0x1p-24f);
+  EXPECT_EQ(cpu.FloatToFp16(-1, x.data(), bits.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cpu.Fp16ToFloat(2, nullptr, widened.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // bfloat16 keeps 8 significant bits: the step between 1 and 2 is 2^-7.
 TEST(RoundToBf16Test, RoundsToNearestWithTiesToEven) {
   EXPECT_EQ(RoundToBf16(1.0f), 1.0f);

@@ -270,6 +270,28 @@ absl::Status CudaBackend::Bf16ToFloat(int64_t n, const uint16_t* x, float* y) {
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::FloatToFp16(int64_t n, const float* x, uint16_t* y) {
+  constexpr absl::string_view kOp = "FloatToFp16";
+  PSTRAIN_RETURN_IF_ERROR(
+      Validate(kOp, {{"n", n}}, {{"x", x, n > 0}, {"y", y, n > 0}}));
+  if (n == 0) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  PSTRAIN_RETURN_IF_ERROR(Enter(kOp));
+  PSTRAIN_CUDA_RETURN_IF_ERROR(kOp, cuda::LaunchFloatToFp16(stream_, n, x, y));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Fp16ToFloat(int64_t n, const uint16_t* x, float* y) {
+  constexpr absl::string_view kOp = "Fp16ToFloat";
+  PSTRAIN_RETURN_IF_ERROR(
+      Validate(kOp, {{"n", n}}, {{"x", x, n > 0}, {"y", y, n > 0}}));
+  if (n == 0) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  PSTRAIN_RETURN_IF_ERROR(Enter(kOp));
+  PSTRAIN_CUDA_RETURN_IF_ERROR(kOp, cuda::LaunchFp16ToFloat(stream_, n, x, y));
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::Gather(int64_t num_indices, int64_t dim,
                                  int64_t table_rows, const float* table,
                                  const int64_t* indices, float* out) {

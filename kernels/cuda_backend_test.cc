@@ -433,6 +433,66 @@ TEST_F(CudaBackendTest, Bf16CastsMatchCpuBitForBit) {
               HasSubstr("Bf16ToFloat"));
 }
 
+// The fp16 casts, bit for bit the CPU's (the wire codec's) for finite
+// values and infinities, subnormals and ties included; the widening exact.
+TEST_F(CudaBackendTest, Fp16CastsMatchCpuBitForBit) {
+  SCOPED_TRACE(SeedTrace());
+  for (int64_t n : Sizes()) {
+    SCOPED_TRACE(n);
+    std::vector<float> x = Random(n, 1e5f);
+    const float specials[] = {1.0f + 0x1p-11f,
+                              1.0f + 3 * 0x1p-11f,
+                              65519.0f,
+                              65520.0f,
+                              0x1p-25f,
+                              1.5f * 0x1p-25f,
+                              -0.0f,
+                              kInf,
+                              -kInf,
+                              1e-40f,
+                              kNaN};
+    for (size_t i = 0; i < std::size(specials) && i < x.size(); ++i) {
+      x[i] = specials[i];
+    }
+    std::vector<uint16_t> expected(n);
+    ASSERT_TRUE(cpu_.FloatToFp16(n, x.data(), expected.data()).ok());
+    DeviceArray<float> gx = Upload(x);
+    DeviceArray<uint16_t> gbits =
+        UploadExact(std::vector<uint16_t>(n + kGuard, 0xdead));
+    ASSERT_TRUE(gpu_->FloatToFp16(n, gx.data(), gbits.data()).ok());
+    std::vector<uint16_t> bits(n + kGuard);
+    ASSERT_TRUE(
+        gpu_->CopyToHost(gbits.data(), bits.data(), gbits.bytes()).ok());
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::isnan(x[i])) {
+        EXPECT_EQ(bits[i] & 0x7c00, 0x7c00) << i;
+        EXPECT_NE(bits[i] & 0x3ff, 0) << i;
+      } else {
+        ASSERT_EQ(bits[i], expected[i]) << "element " << i << ": " << x[i];
+      }
+    }
+    for (int64_t i = n; i < n + kGuard; ++i) ASSERT_EQ(bits[i], 0xdead);
+
+    std::vector<float> widened(n);
+    ASSERT_TRUE(cpu_.Fp16ToFloat(n, expected.data(), widened.data()).ok());
+    DeviceArray<float> gy = Poisoned(n);
+    gbits = UploadExact(expected);
+    ASSERT_TRUE(gpu_->Fp16ToFloat(n, gbits.data(), gy.data()).ok());
+    const std::vector<float> got = Download(gy);
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::isnan(widened[i])) {
+        EXPECT_TRUE(std::isnan(got[i])) << i;
+      } else {
+        ASSERT_EQ(got[i], widened[i]) << "element " << i;
+      }
+    }
+    ExpectGuardIntact(got, n);
+  }
+  EXPECT_TRUE(gpu_->FloatToFp16(0, nullptr, nullptr).ok());
+  EXPECT_THAT(gpu_->Fp16ToFloat(-1, nullptr, nullptr).message(),
+              HasSubstr("Fp16ToFloat"));
+}
+
 TEST_F(CudaBackendTest, ScaleAndAxpy) {
   SCOPED_TRACE(SeedTrace());
   for (int64_t n : Sizes()) {

@@ -10,6 +10,7 @@
 //  - ReLU lets NaN through, and the softmax argmax picks the first maximal
 //    logit, ignoring NaNs unless logit 0 is NaN, exactly like the CPU loop.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -181,6 +182,20 @@ __global__ void __launch_bounds__(kThreads)
     Bf16ToFloatKernel(int64_t n, const uint16_t* in, float* out) {
   for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
     out[i] = __uint_as_float(static_cast<uint32_t>(in[i]) << 16);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    FloatToFp16Kernel(int64_t n, const float* in, uint16_t* out) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    out[i] = __half_as_ushort(__float2half_rn(in[i]));
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    Fp16ToFloatKernel(int64_t n, const uint16_t* in, float* out) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    out[i] = __half2float(__ushort_as_half(in[i]));
   }
 }
 
@@ -498,6 +513,20 @@ cudaError_t LaunchBf16ToFloat(cudaStream_t stream, int64_t n, const void* in,
   if (n <= 0) return cudaSuccess;
   Bf16ToFloatKernel<<<BlocksFor(n), kThreads, 0, stream>>>(
       n, static_cast<const uint16_t*>(in), out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFloatToFp16(cudaStream_t stream, int64_t n, const float* in,
+                              uint16_t* out) {
+  if (n <= 0) return cudaSuccess;
+  FloatToFp16Kernel<<<BlocksFor(n), kThreads, 0, stream>>>(n, in, out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFp16ToFloat(cudaStream_t stream, int64_t n,
+                              const uint16_t* in, float* out) {
+  if (n <= 0) return cudaSuccess;
+  Fp16ToFloatKernel<<<BlocksFor(n), kThreads, 0, stream>>>(n, in, out);
   return cudaGetLastError();
 }
 

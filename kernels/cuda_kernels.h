@@ -79,6 +79,15 @@ cudaError_t LaunchFloatToBf16(cudaStream_t stream, int64_t n, const float* in,
 cudaError_t LaunchBf16ToFloat(cudaStream_t stream, int64_t n, const void* in,
                               float* out);
 
+// out[i] = in[i] rounded to IEEE binary16 (round to nearest even), as
+// __half bits.
+cudaError_t LaunchFloatToFp16(cudaStream_t stream, int64_t n, const float* in,
+                              uint16_t* out);
+
+// out[i] = the binary16 in[i] as a float: exact.
+cudaError_t LaunchFp16ToFloat(cudaStream_t stream, int64_t n,
+                              const uint16_t* in, float* out);
+
 // Fused softmax cross-entropy, as Backend::SoftmaxCrossEntropy, leaving its
 // results in *result (device memory): labels are checked first (a bad one
 // makes the other kernels write nothing), then one block per row computes

@@ -291,9 +291,9 @@ TEST_F(WirePrecisionTest, MismatchedElementTypesAreRefusedBeforeSending) {
 
 // Whole jobs (real worker processes, sync, 2 workers x 2 shards): the
 // worker on --device=cpu_staged stages its tensors as a GPU worker does,
-// casting gradients to bf16 and widening pulled bf16 parameters in the
-// backend; on --device=cpu the client converts on the host. The codec and
-// the casts round alike, so the two train the same model to the bit, and
+// casting gradients to bf16 or fp16 and widening pulled 16-bit parameters
+// in the backend; on --device=cpu the client converts on the host. The codec
+// and the casts round alike, so the two train the same model to the bit, and
 // one that pulls float32 trains another.
 // Each worker's held-out loss and whether it cast on its device, from its
 // final line.
@@ -336,27 +336,32 @@ std::string RunJob(const std::string& name,
 }
 
 TEST(WirePrecisionJobTest, CastingOnTheDeviceTrainsTheHostCodecsModel) {
-  const std::vector<std::string> bf16 = {"--gradient_wire_type=bf16",
-                                         "--parameter_wire_type=bf16"};
-  std::vector<std::string> on_host = bf16, on_device = bf16;
-  on_host.push_back("--device=cpu");
-  on_device.push_back("--device=cpu_staged");
-  const std::string host_loss = RunJob("wire_host_cast", on_host);
-  const std::string device_loss = RunJob("wire_device_cast", on_device);
-  const std::string fp32_loss =
-      RunJob("wire_fp32", {"--device=cpu_staged", "--gradient_wire_type=bf16"});
-  ASSERT_FALSE(host_loss.empty());
-  EXPECT_NE(host_loss.find("\"cast_on_device\":false"), std::string::npos);
-  // The same losses; only where the cast happened differs.
-  std::string expected = host_loss;
-  for (size_t at;
-       (at = expected.find("\"cast_on_device\":false")) != std::string::npos;) {
-    expected.replace(at, std::strlen("\"cast_on_device\":false"),
-                     "\"cast_on_device\":true");
+  for (const std::string type : {"bf16", "fp16"}) {
+    SCOPED_TRACE(type);
+    const std::vector<std::string> sixteen = {"--gradient_wire_type=" + type,
+                                              "--parameter_wire_type=" + type};
+    std::vector<std::string> on_host = sixteen, on_device = sixteen;
+    on_host.push_back("--device=cpu");
+    on_device.push_back("--device=cpu_staged");
+    const std::string host_loss = RunJob("wire_host_cast_" + type, on_host);
+    const std::string device_loss =
+        RunJob("wire_device_cast_" + type, on_device);
+    const std::string fp32_loss =
+        RunJob("wire_fp32_" + type,
+               {"--device=cpu_staged", "--gradient_wire_type=" + type});
+    ASSERT_FALSE(host_loss.empty());
+    EXPECT_NE(host_loss.find("\"cast_on_device\":false"), std::string::npos);
+    // The same losses; only where the cast happened differs.
+    std::string expected = host_loss;
+    for (size_t at; (at = expected.find("\"cast_on_device\":false")) !=
+                    std::string::npos;) {
+      expected.replace(at, std::strlen("\"cast_on_device\":false"),
+                       "\"cast_on_device\":true");
+    }
+    EXPECT_EQ(device_loss, expected);
+    EXPECT_NE(fp32_loss.substr(0, fp32_loss.find(' ')),
+              host_loss.substr(0, host_loss.find(' ')));
   }
-  EXPECT_EQ(device_loss, expected);
-  EXPECT_NE(fp32_loss.substr(0, fp32_loss.find(' ')),
-            host_loss.substr(0, host_loss.find(' ')));
 }
 
 }  // namespace

@@ -283,6 +283,12 @@ class CountingBackend : public Backend {
   absl::Status Bf16ToFloat(int64_t n, const uint16_t* x, float* y) override {
     return inner_->Bf16ToFloat(n, x, y);
   }
+  absl::Status FloatToFp16(int64_t n, const float* x, uint16_t* y) override {
+    return inner_->FloatToFp16(n, x, y);
+  }
+  absl::Status Fp16ToFloat(int64_t n, const uint16_t* x, float* y) override {
+    return inner_->Fp16ToFloat(n, x, y);
+  }
   absl::Status Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                     float alpha, const float* a, const float* b, float beta,
                     float* c) override {

@@ -34,9 +34,9 @@ namespace {
 // in backend memory (for compute). The host side is the backend's host
 // memory (page-locked on CUDA): each copy between the two is then one DMA
 // straight into or out of what the client sends and receives. A tensor
-// whose wire type is bfloat16 (--gradient_wire_type / --parameter_wire_type
-// bf16) is cast on the device and staged in 16 bits, so the host moves half
-// the bytes and converts nothing; fp16 and top-k are converted by the
+// whose wire type is 16-bit (--gradient_wire_type / --parameter_wire_type
+// bf16 or fp16) is cast on the device and staged in 16 bits, so the host
+// moves half the bytes and converts nothing; top-k is converted by the
 // client on the host, from float32 staging, as are the gradients
 // --overlap_push sends (OverlappedPush stages float32).
 struct ParameterBuffers {
@@ -44,8 +44,9 @@ struct ParameterBuffers {
   // host_grads: also what --overlap_push stages into, staged or not.
   std::vector<kernels::HostArray<float>> host_params, host_grads;
   std::vector<kernels::DeviceArray<float>> device_params, device_grads;
-  // Per tensor, empty unless it travels as bfloat16 (staged only): the
-  // host copies and the device casts of that type.
+  // Per tensor, empty unless it travels as 16 bits (staged only): the host
+  // copies and the device casts of that type, which push_from and
+  // pull_into name (BFLOAT16 or FLOAT16).
   std::vector<kernels::HostArray<uint16_t>> host_params16, host_grads16;
   std::vector<kernels::DeviceArray<uint16_t>> device_params16, device_grads16;
   // What the client pulls into and pushes from: the backend's arrays when
@@ -61,8 +62,12 @@ struct ParameterBuffers {
     const std::vector<DenseTensorSpec>& specs = model.Params();
     for (size_t t = 0; t < specs.size(); ++t) {
       const int64_t n = NumElements(specs[t]);
-      const bool push16 = staged && client.PushWireType(t) == BFLOAT16;
-      const bool pull16 = staged && client.PullWireType(t) == BFLOAT16;
+      const DataType push_type = client.PushWireType(t);
+      const DataType pull_type = client.PullWireType(t);
+      const bool push16 =
+          staged && (push_type == BFLOAT16 || push_type == FLOAT16);
+      const bool pull16 =
+          staged && (pull_type == BFLOAT16 || pull_type == FLOAT16);
       absl::Status s = Add(backend, n, host_grads, device_params, device_grads);
       if (s.ok()) s = Add(backend, staged && !pull16 ? n : 0, host_params);
       if (s.ok())
@@ -76,10 +81,10 @@ struct ParameterBuffers {
         continue;
       }
       pull_into.push_back(
-          pull16 ? PsClient::TensorRef{BFLOAT16, host_params16[t].data()}
+          pull16 ? PsClient::TensorRef{pull_type, host_params16[t].data()}
                  : PsClient::TensorRef{FLOAT32, host_params[t].data()});
       push_from.push_back(
-          push16 ? PsClient::ConstTensorRef{BFLOAT16, host_grads16[t].data()}
+          push16 ? PsClient::ConstTensorRef{push_type, host_grads16[t].data()}
                  : PsClient::ConstTensorRef{FLOAT32, host_grads[t].data()});
     }
     return absl::OkStatus();
@@ -144,9 +149,11 @@ struct ParameterBuffers {
                           int64_t end) {
     if (begin >= end) return absl::OkStatus();
     if (host_grads16[i].size() > 0) {
-      absl::Status s =
-          backend.FloatToBf16(end - begin, device_grads[i].data() + begin,
-                              device_grads16[i].data() + begin);
+      const float* from = device_grads[i].data() + begin;
+      uint16_t* to = device_grads16[i].data() + begin;
+      absl::Status s = push_from[i].dtype == FLOAT16
+                           ? backend.FloatToFp16(end - begin, from, to)
+                           : backend.FloatToBf16(end - begin, from, to);
       if (!s.ok()) return s;
       return backend.CopyToHost(device_grads16[i].data() + begin,
                                 host_grads16[i].data() + begin,
@@ -179,8 +186,11 @@ struct ParameterBuffers {
                                             device_params16[i].data() + begin,
                                             (end - begin) * sizeof(uint16_t));
       if (!s.ok()) return s;
-      return backend.Bf16ToFloat(end - begin, device_params16[i].data() + begin,
-                                 device_params[i].data() + begin);
+      const uint16_t* from = device_params16[i].data() + begin;
+      float* to = device_params[i].data() + begin;
+      return pull_into[i].dtype == FLOAT16
+                 ? backend.Fp16ToFloat(end - begin, from, to)
+                 : backend.Bf16ToFloat(end - begin, from, to);
     }
     return backend.CopyToDevice(host_params[i].data() + begin,
                                 device_params[i].data() + begin,
