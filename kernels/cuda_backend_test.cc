@@ -376,119 +376,81 @@ TEST_F(CudaBackendTest, Fill) {
   EXPECT_THAT(gpu_->Fill(-2, 1.0f, nullptr).message(), HasSubstr("Fill"));
 }
 
-// The wire casts: bit for bit the CPU's, ties to even, infinities kept,
-// NaN still NaN (its payload may differ), and the widening exact.
-TEST_F(CudaBackendTest, Bf16CastsMatchCpuBitForBit) {
-  SCOPED_TRACE(SeedTrace());
-  for (int64_t n : Sizes()) {
-    SCOPED_TRACE(n);
-    std::vector<float> x = Random(n, 1e3f);
-    const float specials[] = {1.0f + 1.0f / 256,
-                              1.0f + 3.0f / 256,
-                              -0.0f,
-                              3.4e38f,
-                              kInf,
-                              -kInf,
-                              1e-40f,
-                              kNaN};
-    for (size_t i = 0; i < std::size(specials) && i < x.size(); ++i) {
-      x[i] = specials[i];
-    }
-    std::vector<uint16_t> expected(n);
-    ASSERT_TRUE(cpu_.FloatToBf16(n, x.data(), expected.data()).ok());
-    DeviceArray<float> gx = Upload(x);
-    DeviceArray<uint16_t> gbits =
-        UploadExact(std::vector<uint16_t>(n + kGuard, 0xdead));
-    ASSERT_TRUE(gpu_->FloatToBf16(n, gx.data(), gbits.data()).ok());
-    std::vector<uint16_t> bits(n + kGuard);
-    ASSERT_TRUE(
-        gpu_->CopyToHost(gbits.data(), bits.data(), gbits.bytes()).ok());
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::isnan(x[i])) {
-        EXPECT_EQ(bits[i] & 0x7f80, 0x7f80) << i;
-        EXPECT_NE(bits[i] & 0x7f, 0) << i;
-      } else {
-        ASSERT_EQ(bits[i], expected[i]) << "element " << i << ": " << x[i];
-      }
-    }
-    for (int64_t i = n; i < n + kGuard; ++i) ASSERT_EQ(bits[i], 0xdead);
+// A 16-bit wire cast and its widening: the backend's two calls, and the
+// exponent bits that are all ones for infinity and NaN.
+struct WireCast {
+  absl::Status (Backend::*narrow)(int64_t, const float*, uint16_t*);
+  absl::Status (Backend::*widen)(int64_t, const uint16_t*, float*);
+  uint16_t exponent_bits;
+};
 
-    std::vector<float> widened(n);
-    ASSERT_TRUE(cpu_.Bf16ToFloat(n, expected.data(), widened.data()).ok());
-    DeviceArray<float> gy = Poisoned(n);
-    gbits = UploadExact(expected);
-    ASSERT_TRUE(gpu_->Bf16ToFloat(n, gbits.data(), gy.data()).ok());
-    const std::vector<float> got = Download(gy);
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::isnan(widened[i])) {
-        EXPECT_TRUE(std::isnan(got[i])) << i;
-      } else {
-        ASSERT_EQ(got[i], widened[i]) << "element " << i;
+class CudaWireCastTest : public CudaBackendTest {
+ protected:
+  // Bit for bit the CPU's (the wire codec's) for finite values and
+  // infinities, `specials` (ties, overflow, subnormals) among random ones
+  // in [-scale, scale]; NaN kept NaN (its payload may differ); the widening
+  // exact; nothing written past the end.
+  void ExpectMatchesCpu(const WireCast& cast, float scale,
+                        const std::vector<float>& specials) {
+    SCOPED_TRACE(SeedTrace());
+    for (int64_t n : Sizes()) {
+      SCOPED_TRACE(n);
+      std::vector<float> x = Random(n, scale);
+      for (size_t i = 0; i < specials.size() && i < x.size(); ++i) {
+        x[i] = specials[i];
       }
+      std::vector<uint16_t> expected(n);
+      ASSERT_TRUE((cpu_.*cast.narrow)(n, x.data(), expected.data()).ok());
+      DeviceArray<float> gx = Upload(x);
+      DeviceArray<uint16_t> gbits =
+          UploadExact(std::vector<uint16_t>(n + kGuard, 0xdead));
+      ASSERT_TRUE(((*gpu_).*cast.narrow)(n, gx.data(), gbits.data()).ok());
+      std::vector<uint16_t> bits(n + kGuard);
+      ASSERT_TRUE(
+          gpu_->CopyToHost(gbits.data(), bits.data(), gbits.bytes()).ok());
+      for (int64_t i = 0; i < n; ++i) {
+        if (std::isnan(x[i])) {
+          EXPECT_EQ(bits[i] & cast.exponent_bits, cast.exponent_bits) << i;
+          EXPECT_NE(bits[i] & ~cast.exponent_bits & 0x7fff, 0) << i;
+        } else {
+          ASSERT_EQ(bits[i], expected[i]) << "element " << i << ": " << x[i];
+        }
+      }
+      for (int64_t i = n; i < n + kGuard; ++i) ASSERT_EQ(bits[i], 0xdead);
+
+      std::vector<float> widened(n);
+      ASSERT_TRUE((cpu_.*cast.widen)(n, expected.data(), widened.data()).ok());
+      DeviceArray<float> gy = Poisoned(n);
+      gbits = UploadExact(expected);
+      ASSERT_TRUE(((*gpu_).*cast.widen)(n, gbits.data(), gy.data()).ok());
+      const std::vector<float> got = Download(gy);
+      for (int64_t i = 0; i < n; ++i) {
+        if (std::isnan(widened[i])) {
+          EXPECT_TRUE(std::isnan(got[i])) << i;
+        } else {
+          ASSERT_EQ(got[i], widened[i]) << "element " << i;
+        }
+      }
+      ExpectGuardIntact(got, n);
     }
-    ExpectGuardIntact(got, n);
+    EXPECT_TRUE(((*gpu_).*cast.narrow)(0, nullptr, nullptr).ok());
+    EXPECT_FALSE(((*gpu_).*cast.widen)(-1, nullptr, nullptr).ok());
   }
-  EXPECT_TRUE(gpu_->FloatToBf16(0, nullptr, nullptr).ok());
+};
+
+TEST_F(CudaWireCastTest, Bf16CastsMatchCpuBitForBit) {
+  ExpectMatchesCpu({&Backend::FloatToBf16, &Backend::Bf16ToFloat, 0x7f80}, 1e3f,
+                   {1.0f + 1.0f / 256, 1.0f + 3.0f / 256, -0.0f, 3.4e38f, kInf,
+                    -kInf, 1e-40f, kNaN});
   EXPECT_THAT(gpu_->Bf16ToFloat(-1, nullptr, nullptr).message(),
               HasSubstr("Bf16ToFloat"));
 }
 
-// The fp16 casts, bit for bit the CPU's (the wire codec's) for finite
-// values and infinities, subnormals and ties included; the widening exact.
-TEST_F(CudaBackendTest, Fp16CastsMatchCpuBitForBit) {
-  SCOPED_TRACE(SeedTrace());
-  for (int64_t n : Sizes()) {
-    SCOPED_TRACE(n);
-    std::vector<float> x = Random(n, 1e5f);
-    const float specials[] = {1.0f + 0x1p-11f,
-                              1.0f + 3 * 0x1p-11f,
-                              65519.0f,
-                              65520.0f,
-                              0x1p-25f,
-                              1.5f * 0x1p-25f,
-                              -0.0f,
-                              kInf,
-                              -kInf,
-                              1e-40f,
-                              kNaN};
-    for (size_t i = 0; i < std::size(specials) && i < x.size(); ++i) {
-      x[i] = specials[i];
-    }
-    std::vector<uint16_t> expected(n);
-    ASSERT_TRUE(cpu_.FloatToFp16(n, x.data(), expected.data()).ok());
-    DeviceArray<float> gx = Upload(x);
-    DeviceArray<uint16_t> gbits =
-        UploadExact(std::vector<uint16_t>(n + kGuard, 0xdead));
-    ASSERT_TRUE(gpu_->FloatToFp16(n, gx.data(), gbits.data()).ok());
-    std::vector<uint16_t> bits(n + kGuard);
-    ASSERT_TRUE(
-        gpu_->CopyToHost(gbits.data(), bits.data(), gbits.bytes()).ok());
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::isnan(x[i])) {
-        EXPECT_EQ(bits[i] & 0x7c00, 0x7c00) << i;
-        EXPECT_NE(bits[i] & 0x3ff, 0) << i;
-      } else {
-        ASSERT_EQ(bits[i], expected[i]) << "element " << i << ": " << x[i];
-      }
-    }
-    for (int64_t i = n; i < n + kGuard; ++i) ASSERT_EQ(bits[i], 0xdead);
-
-    std::vector<float> widened(n);
-    ASSERT_TRUE(cpu_.Fp16ToFloat(n, expected.data(), widened.data()).ok());
-    DeviceArray<float> gy = Poisoned(n);
-    gbits = UploadExact(expected);
-    ASSERT_TRUE(gpu_->Fp16ToFloat(n, gbits.data(), gy.data()).ok());
-    const std::vector<float> got = Download(gy);
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::isnan(widened[i])) {
-        EXPECT_TRUE(std::isnan(got[i])) << i;
-      } else {
-        ASSERT_EQ(got[i], widened[i]) << "element " << i;
-      }
-    }
-    ExpectGuardIntact(got, n);
-  }
-  EXPECT_TRUE(gpu_->FloatToFp16(0, nullptr, nullptr).ok());
+TEST_F(CudaWireCastTest, Fp16CastsMatchCpuBitForBit) {
+  ExpectMatchesCpu(
+      {&Backend::FloatToFp16, &Backend::Fp16ToFloat, 0x7c00}, 1e5f,
+      {1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 65519.0f, 65520.0f, 0x1p-25f,
+       1.5f * 0x1p-25f, -0.0f, kInf, -kInf, 1e-40f, kNaN});
   EXPECT_THAT(gpu_->Fp16ToFloat(-1, nullptr, nullptr).message(),
               HasSubstr("Fp16ToFloat"));
 }
