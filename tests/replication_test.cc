@@ -302,8 +302,13 @@ TEST_P(ReplicationTest, AKilledReplicaLosesAndDoublesNothing) {
   EXPECT_EQ(stats->replica_takeovers(), c.killed_replica == 0 ? 1 : 0);
   EXPECT_EQ(stats->updates_lost(), 0);
   EXPECT_EQ(stats->steps_lost(), 0);
-  if (c.killed_replica == 1) {
+  if (c.killed_replica == 1 && !c.restarted) {
     EXPECT_EQ(stats->replicas_dropped(), 1);
+  } else if (c.killed_replica == 1) {
+    // A backup back before its primary gave up on it (a forward it did not
+    // confirm fails that request, which the client retries) is taken back
+    // by the catch-up without being dropped first.
+    EXPECT_LE(stats->replicas_dropped(), 1);
   }
   if (c.restarted) {
     // Caught up, it followed every change since: the survivor's step.
