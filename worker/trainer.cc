@@ -481,7 +481,6 @@ class StepRunner {
                                             bool& model_refused) {
     if (stream_ == nullptr) {
       stream_ = client_.MakeStepStream();
-      if (options_.trace_steps > 0) stream_->EnableTrace();
       network_.emplace();
     }
     if (!in_flight_) stream_->MarkAllPulled(absl::OkStatus());
@@ -594,13 +593,11 @@ class StepRunner {
       return computed.status();
     }
     stream_->Trace('e', -1, 0);
-    if (options_.trace_steps > 0) {
-      std::vector<PsClient::StepStream::TraceEvent> events =
-          stream_->TakeTrace();
-      if (step >= kWarmUpSteps && step < kWarmUpSteps + options_.trace_steps) {
-        PrintStepTrace(step, staged_at, events);
-      }
-    }
+    if (Traced(step)) PrintStepTrace(step, staged_at, stream_->TakeTrace());
+    // From the end of the step before the first traced one (its exchange's
+    // groups leave in the gap) to the end of the last: no event is kept
+    // for the rest of the job.
+    stream_->SetTracing(Traced(step + 1));
     DelayIfAsked();
     const absl::Time push_start = absl::Now();
     out.compute_time = push_start - staged_at;
@@ -683,14 +680,21 @@ class StepRunner {
     if (!buffers_.staged) return absl::OkStatus();
     for (;;) {
       const int64_t seen = stream_->landings();
-      if (stream_->PulledEnd(param) >= end) return absl::OkStatus();
       for (size_t p = 0; p < on_device_end_.size(); ++p) {
         if (absl::Status s = StageIn(p, stream_->PulledEnd(p)); !s.ok()) {
           return s;
         }
       }
-      if (!stream_->AwaitLanding(seen, deadline)) return absl::OkStatus();
+      if (on_device_end_[param] >= end ||
+          !stream_->AwaitLanding(seen, deadline)) {
+        return absl::OkStatus();
+      }
     }
+  }
+
+  // --trace_steps: whether `step` prints its timeline.
+  bool Traced(int64_t step) const {
+    return step >= kWarmUpSteps && step < kWarmUpSteps + options_.trace_steps;
   }
 
   // Staged (a device backend): makes elements [0, end) of parameter `param`

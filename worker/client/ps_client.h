@@ -417,9 +417,9 @@ class PsClient {
     // deadline passed.
     bool AwaitLanding(int64_t seen, absl::Time deadline);
 
-    // --trace_steps: what happened when, kept until TakeTrace once
-    // EnableTrace. `what`: r a gradient final up to `end`, s a group's call
-    // free to leave (its blocks final, those ahead of it on its link too),
+    // --trace_steps: what happened when, kept until TakeTrace while
+    // SetTracing(true). `what`: r a gradient final up to `end`, s a group's
+    // call free to leave (its blocks final, those ahead of it on its link too),
     // p its values landed (tensor and end of its last block); the trainer
     // adds its own (trainer.cc, StepTrace).
     struct TraceEvent {
@@ -428,7 +428,7 @@ class PsClient {
       int tensor;
       int64_t end;
     };
-    void EnableTrace() { tracing_.store(true, std::memory_order_relaxed); }
+    void SetTracing(bool on) { tracing_.store(on, std::memory_order_relaxed); }
     void Trace(char what, int tensor, int64_t end);
     void TraceGroup(char what, const std::vector<int>& blocks);
     std::vector<TraceEvent> TakeTrace();
