@@ -5,7 +5,7 @@ and (b) as a plain torch process with its optimizer, no servers.
 
   torch_cuda_bench.py --ps_server=BUNDLE/bin/ps_server [--model=mlp|cnn]
       [--device=cuda] [--servers=2] [--batch=512] [--steps=300] [--warmup=20]
-      [--fashion_mnist=DIR]
+      [--fashion_mnist=DIR] [--pipeline=both|on|off]
 
 mlp: 784-2048-2048-10 with SGD (the C++ GPU worker's job in check.sh); cnn:
 the README's two-conv CNN with BatchNorm and Dropout (worker/python/examples/
@@ -13,7 +13,12 @@ fashion_mnist_cnn.py's Net) with Adam. Data: Fashion-MNIST from DIR, else
 the synthetic task with 784 features and 10 classes. Batches come from host
 memory each step, as a user's DataLoader gives them.
 
-Prints one JSON line: samples/s of both, their ratio, and each step split
+pstrain runs pipelined (ParameterServer(pipeline=True): the exchange starts
+during backward) and plain (pipeline=False), fresh servers for each: --pipeline
+picks one or both. pstrain_* fields are the pipelined run's where it ran,
+pstrain_plain_* the plain one's.
+
+Prints one JSON line: samples/s of each, their ratios, and each step split
 into forward+backward and the update (ps.step(): the copies out and in and
 the exchange; or optimizer.step()). On a GPU, forward+backward counts the
 host's time to queue its kernels: ps.step() waits for them, so their
@@ -84,7 +89,7 @@ def start_servers(binary, count, directory):
     return servers, ",".join(hosts)
 
 
-def train(args, examples, hosts):
+def train(args, examples, hosts, pipeline=False):
     """Samples/s of one run, and its mean forward+backward and update ms."""
     device = torch.device(args.device)
     model = make_model(args.model).to(device)
@@ -92,7 +97,8 @@ def train(args, examples, hosts):
     ps = None
     if hosts:
         ps = pstrain.torch.ParameterServer(model, hosts=hosts, worker_id=0,
-                                           num_workers=1, optimizer=optimizer)
+                                           num_workers=1, optimizer=optimizer,
+                                           pipeline=pipeline)
     shape = (1, 28, 28) if args.model == "cnn" else None
     batches = pstrain.data.Batches(examples, args.batch, 0, 1, seed=5,
                                    shape=shape)
@@ -118,6 +124,10 @@ def train(args, examples, hosts):
     synchronize(device)
     wall = time.perf_counter() - start
     if ps is not None:
+        # The first step is watched (plain), every later one pipelined.
+        if pipeline and ps.pipelined_steps != args.warmup + args.steps - 1:
+            raise RuntimeError(f"{ps.pipelined_steps} steps pipelined of "
+                               f"{args.warmup + args.steps}")
         ps.finish()
     return (args.steps * args.batch / wall, 1e3 * compute_s / args.steps,
             1e3 * update_s / args.steps)
@@ -133,6 +143,8 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--fashion_mnist", default="")
+    parser.add_argument("--pipeline", choices=["both", "on", "off"],
+                        default="both")
     args = parser.parse_args()
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         print("torch_cuda_bench.py: no CUDA device visible to torch "
@@ -142,29 +154,42 @@ def main():
                 if args.fashion_mnist else
                 pstrain.data.synthetic(60000, num_features=784,
                                        num_classes=10, seed=11))
-    directory = tempfile.mkdtemp(prefix="torch_cuda_bench.")
-    servers, hosts = start_servers(args.ps_server, args.servers, directory)
-    try:
-        ps_sps, ps_compute, ps_update = train(args, examples, hosts)
-    finally:
-        for server in servers:
-            server.terminate()
-        for server in servers:
-            server.wait(timeout=30)
+    runs = {"both": [True, False], "on": [True], "off": [False]}[args.pipeline]
+    measured = {}
+    for pipeline in runs:
+        directory = tempfile.mkdtemp(prefix="torch_cuda_bench.")
+        servers, hosts = start_servers(args.ps_server, args.servers, directory)
+        try:
+            measured[pipeline] = train(args, examples, hosts, pipeline)
+        finally:
+            for server in servers:
+                server.terminate()
+            for server in servers:
+                server.wait(timeout=30)
     local_sps, local_compute, local_update = train(args, examples, None)
-    print(json.dumps({
+    out = {
         "bench": "torch_cuda", "model": args.model, "device": args.device,
         "gpu": (torch.cuda.get_device_name(torch.device(args.device))
                 if torch.device(args.device).type == "cuda" else "none"),
         "torch": torch.__version__, "servers": args.servers,
-        "batch": args.batch, "steps": args.steps,
-        "pstrain_samples_per_s": round(ps_sps, 1),
-        "pstrain_compute_ms": round(ps_compute, 3),
-        "pstrain_step_ms": round(ps_update, 3),
+        "batch": args.batch, "steps": args.steps}
+    for pipeline, prefix in ((True, "pstrain"), (False, "pstrain_plain")):
+        if pipeline not in measured:
+            continue
+        if prefix == "pstrain_plain" and True not in measured:
+            prefix = "pstrain"
+        sps, compute, update = measured[pipeline]
+        out.update({
+            f"{prefix}_samples_per_s": round(sps, 1),
+            f"{prefix}_compute_ms": round(compute, 3),
+            f"{prefix}_step_ms": round(update, 3),
+            f"ratio_{prefix}_vs_local": round(sps / local_sps, 3)})
+    out.update({
+        "pipelined": True in measured,
         "local_samples_per_s": round(local_sps, 1),
         "local_compute_ms": round(local_compute, 3),
-        "local_update_ms": round(local_update, 3),
-        "ratio_pstrain_vs_local": round(ps_sps / local_sps, 3)}))
+        "local_update_ms": round(local_update, 3)})
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -814,7 +814,7 @@ step_exchange() {
 # a tree laid out as Bazel's runfiles; then torch_cuda_bench.py: the MLP and
 # the CNN with BatchNorm through the servers against one torch process on the
 # same GPU.
-: "${TORCH_CUDA_TESTS=python_bad_input_test torch_sync_equivalence_test torch_optimizers_test torch_faults_test examples_test}"
+: "${TORCH_CUDA_TESTS=python_bad_input_test torch_sync_equivalence_test torch_pipeline_test torch_optimizers_test torch_faults_test examples_test}"
 # TORCH_TEST_DEVICE=cpu runs the same tests on the CPU (no benchmark): how
 # this step is tried on a machine without a GPU.
 : "${TORCH_TEST_DEVICE:=cuda}"
@@ -858,7 +858,8 @@ step_torch_cuda() {
         row "pstrain.torch $model on cuda" FAIL "-" "torch_cuda_bench.py: $(exit_text "$status"); see torch_cuda/bench_$model.txt"
         continue
       fi
-      row "pstrain.torch $model on cuda" INFO "$sps samples/s" "one torch process on the GPU: $local_sps; ps.step $(json_field "$out" pstrain_step_ms) ms, forward+backward queued in $(json_field "$out" pstrain_compute_ms) ms"
+      row "pstrain.torch $model on cuda" INFO "$sps samples/s" "pipelined; one torch process on the GPU: $local_sps; ps.step $(json_field "$out" pstrain_step_ms) ms, forward+backward queued in $(json_field "$out" pstrain_compute_ms) ms"
+      row "pstrain.torch $model on cuda, plain" INFO "$(json_field "$out" pstrain_plain_samples_per_s) samples/s" "pipeline=False; ps.step $(json_field "$out" pstrain_plain_step_ms) ms, forward+backward queued in $(json_field "$out" pstrain_plain_compute_ms) ms"
       local cpp
       cpp=$(figure_of "job gpu1_1worker_fp32")
       cpp=${cpp%% *}

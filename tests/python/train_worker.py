@@ -2,6 +2,8 @@
 synthetic task with pstrain.torch and saves what the test checks.
 
   train_worker.py --model=mlp --steps=N --batch=b --out=DIR
+      [--pipeline=auto|on|off] [--edit=none|accumulate|torch_clip|ps_clip]
+      [--edit_from=STEP]
 
 The model's initial values come from --seed (worker 0's are the job's).
 Writes DIR/worker{k}.pt (the final state_dict) and prints a final JSON line.
@@ -66,20 +68,44 @@ def main():
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--step_delay_ms", type=float, default=0)
     parser.add_argument("--out", default=".")
+    # ParameterServer(pipeline=...), and what the script does to the
+    # gradients between backward() and step() from step --edit_from on:
+    # two backward passes of half batches (accumulation), torch's clip, or
+    # pstrain's.
+    parser.add_argument("--pipeline", choices=["auto", "on", "off"],
+                        default="auto")
+    parser.add_argument("--edit", default="none",
+                        choices=["none", "accumulate", "torch_clip",
+                                 "ps_clip"])
+    parser.add_argument("--edit_from", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = make_model(args.model, args.seed)
-    ps = pstrain.torch.ParameterServer(model)
+    ps = pstrain.torch.ParameterServer(
+        model, pipeline={"auto": "auto", "on": True, "off": False}[
+            args.pipeline])
     batches = pstrain.data.Batches(examples(), args.batch, ps.worker_id,
                                    ps.num_workers, seed=5)
     loss = None
     for step in range(ps.step_count, args.steps):
         x, y = batch(batches, step)
+        edit = args.edit if step >= args.edit_from else "none"
         if args.model == "probe":  # the gradient is 1 everywhere
             loss = model.p.sum()
+            loss.backward()
+        elif edit == "accumulate":
+            half = len(x) // 2
+            for part in (slice(0, half), slice(half, None)):
+                loss = torch.nn.functional.cross_entropy(
+                    model(x[part]), y[part]) / 2
+                loss.backward()
         else:
             loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+            loss.backward()
+        if edit == "torch_clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        elif edit == "ps_clip":
+            ps.clip_grad_norm_(0.5)
         if args.step_delay_ms:
             time.sleep(args.step_delay_ms / 1000)  # a slow worker, on purpose
         ps.step()
@@ -91,6 +117,7 @@ def main():
                         start_step=ps.start_step,
                         steps_run=args.steps - ps.start_step,
                         final_model=how,
+                        pipelined_steps=ps.pipelined_steps,
                         loss=None if loss is None else loss.item())
 
 

@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/cluster_spec.h"
 #include "common/consistency_mode.h"
+#include "common/partition.h"
 #include "common/transport/connection_check.h"
 #include "glog/logging.h"
 #include "google/protobuf/struct.pb.h"
@@ -43,11 +44,27 @@
 #include "worker/idx_data.h"
 #include "worker/unique_ids.h"
 
+struct pstrain_step_stream;
+
 struct pstrain_client {
   std::unique_ptr<pstrain::PsClient> client;
   std::vector<std::string> hosts;
   bool tls = false;
   pstrain::ModelSchema schema;
+  // The pipelined step's shared state, made by the first
+  // pstrain_stream_start (it needs the registered partition); and the
+  // stream running on it, if any (one at a time).
+  std::unique_ptr<pstrain::PsClient::StepStream> step_stream;
+  pstrain_step_stream* running = nullptr;
+};
+
+// One pipelined step: PsClient::PushPullStreamed on a thread of its own.
+struct pstrain_step_stream {
+  pstrain_client* client = nullptr;
+  std::vector<pstrain::PsClient::ConstTensorRef> gradients;
+  std::vector<pstrain::PsClient::TensorRef> values;
+  absl::StatusOr<pstrain::PsClient::PushPullResult> result;
+  std::thread exchange;
 };
 
 namespace pstrain {
@@ -270,6 +287,7 @@ int pstrain_client_create(const char* options_json, pstrain_client** out,
 }
 
 void pstrain_client_destroy(pstrain_client* client) {
+  if (client->running != nullptr) pstrain_stream_cancel(client->running);
   {
     absl::MutexLock lock(&pstrain::live_clients_mu);
     pstrain::live_clients->erase(client);
@@ -425,6 +443,86 @@ int pstrain_client_push_pull(pstrain_client* c, int64_t push_step,
     result[2] = done->pulled_step;
     return absl::OkStatus();
   });
+}
+
+int pstrain_client_some_shard_on_another_host(const pstrain_client* client) {
+  return client->client->SomeShardOnAnotherHost() ? 1 : 0;
+}
+
+int pstrain_stream_start(pstrain_client* c, int64_t push_step,
+                         const float* const* gradients, int64_t pull_step,
+                         float* const* tensors, int num_tensors,
+                         pstrain_step_stream** out, char** error) {
+  return Guard(error, [&]() -> absl::Status {
+    if (absl::Status s = pstrain::CheckTensorCount(*c, num_tensors); !s.ok()) {
+      return s;
+    }
+    if (c->running != nullptr) {
+      return absl::FailedPreconditionError(
+          "a pipelined step is still running on this client "
+          "(pstrain_stream_finish or pstrain_stream_cancel it first)");
+    }
+    for (int t = 0; t < num_tensors; ++t) {
+      if (gradients[t] == nullptr || tensors[t] == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor ", t, ": no memory given"));
+      }
+    }
+    if (c->step_stream == nullptr) c->step_stream = c->client->MakeStepStream();
+    auto stream = std::make_unique<pstrain_step_stream>();
+    stream->client = c;
+    for (int t = 0; t < num_tensors; ++t) {
+      stream->gradients.push_back({pstrain::FLOAT32, gradients[t]});
+      stream->values.push_back({pstrain::FLOAT32, tensors[t]});
+    }
+    c->step_stream->BeginStep();
+    pstrain_step_stream* s = stream.get();
+    s->exchange = std::thread([s, push_step, pull_step] {
+      s->result = s->client->client->PushPullStreamed(push_step, s->gradients,
+                                                      pull_step, s->values,
+                                                      *s->client->step_stream);
+    });
+    c->running = stream.release();
+    *out = c->running;
+    return absl::OkStatus();
+  });
+}
+
+int pstrain_stream_ready(pstrain_step_stream* stream, int tensor, int64_t end) {
+  const pstrain_client& c = *stream->client;
+  if (tensor < 0 || tensor >= c.schema.dense_size()) {
+    return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  }
+  const int64_t size = pstrain::NumElements(c.schema.dense(tensor));
+  if (end < 0 || end > size) {
+    return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  }
+  c.step_stream->SetReady(tensor, end);
+  return 0;
+}
+
+int pstrain_stream_finish(pstrain_step_stream* stream, int64_t result[3],
+                          char** error) {
+  std::unique_ptr<pstrain_step_stream> owned(stream);
+  stream->client->step_stream->StopReading();
+  stream->exchange.join();
+  stream->client->running = nullptr;
+  return Guard(error, [&]() -> absl::Status {
+    if (!owned->result.ok()) return owned->result.status();
+    result[0] = owned->result->pushed.blocks_duplicate;
+    result[1] = owned->result->pushed.blocks_late;
+    result[2] = owned->result->pulled_step;
+    return absl::OkStatus();
+  });
+}
+
+void pstrain_stream_cancel(pstrain_step_stream* stream) {
+  std::unique_ptr<pstrain_step_stream> owned(stream);
+  stream->client->step_stream->Cancel();
+  stream->client->step_stream->StopReading();
+  stream->client->client->Interrupt();
+  stream->exchange.join();
+  stream->client->running = nullptr;
 }
 
 int pstrain_client_assign(pstrain_client* c, const float* const* values,

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature here changes; pstrain/_native.py checks it. */
-#define PSTRAIN_C_API_VERSION 5
+#define PSTRAIN_C_API_VERSION 6
 int pstrain_api_version(void);
 
 void pstrain_free(void* p);
@@ -79,6 +79,37 @@ int pstrain_client_push_pull(pstrain_client* client, int64_t push_step,
                              const float* const* gradients, int64_t pull_step,
                              float* const* tensors, int num_tensors,
                              int64_t result[3], char** error);
+/* 1 when some shard's data-plane link goes to another host, as far as the
+ * links opened so far tell (PsClient::SomeShardOnAnotherHost): where a step
+ * is bound by the link rather than by this host's CPU. */
+int pstrain_client_some_shard_on_another_host(const pstrain_client* client);
+
+/* The pipelined step (PsClient::PushPullStreamed): push_step's gradients
+ * and pull_step's values exchanged as pstrain_client_push_pull does, on a
+ * thread of the library's own, while the caller's backward still makes the
+ * gradients: each group of blocks leaves once pstrain_stream_ready has said
+ * that its elements are final, and its pulled values are written when its
+ * answer comes. The memory is read and written until pstrain_stream_finish
+ * or pstrain_stream_cancel, which free the stream; until then the client
+ * takes no other call but pstrain_client_interrupt. One stream a client at
+ * a time (FAILED_PRECONDITION). Where the step cannot stream (TLS, a clip,
+ * a wire type other than float32, gRPC only) or its first attempt failed,
+ * the plain PushPull runs once every gradient is ready. */
+typedef struct pstrain_step_stream pstrain_step_stream;
+int pstrain_stream_start(pstrain_client* client, int64_t push_step,
+                         const float* const* gradients, int64_t pull_step,
+                         float* const* tensors, int num_tensors,
+                         pstrain_step_stream** out, char** error);
+/* Any thread: elements [0, end) of tensor `tensor`'s gradient are final.
+ * 3 (INVALID_ARGUMENT): no such tensor, or end out of [0, its size]. */
+int pstrain_stream_ready(pstrain_step_stream* stream, int tensor, int64_t end);
+/* Waits for the exchange to end (every tensor must have been made ready, or
+ * the exchange waits out the RPC deadline); result as push_pull's. */
+int pstrain_stream_finish(pstrain_step_stream* stream, int64_t result[3],
+                          char** error);
+/* Gives the step up (backward failed): the exchange stops within about a
+ * second; whatever groups had left stay pushed (exactly once). */
+void pstrain_stream_cancel(pstrain_step_stream* stream);
 int pstrain_client_assign(pstrain_client* client, const float* const* values,
                           int num_tensors, const int* only, int num_only,
                           int64_t result[2], char** error);

@@ -21,7 +21,7 @@ import threading
 
 _LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib",
                          "libpstrain.so")
-_API_VERSION = 5
+_API_VERSION = 6
 
 # absl::StatusCode names, by value.
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
@@ -105,6 +105,12 @@ _declare("pstrain_client_push_pull", _p, _i64, _p, _i64, _p, ctypes.c_int, _p,
          _err)
 _declare("pstrain_client_assign", _p, _p, ctypes.c_int, _p, ctypes.c_int, _p,
          _err)
+_declare("pstrain_stream_start", _p, _i64, _p, _i64, _p, ctypes.c_int,
+         ctypes.POINTER(_p), _err)
+_declare_quick("pstrain_stream_ready", _p, ctypes.c_int, _i64)
+_declare_quick("pstrain_client_some_shard_on_another_host", _p)
+_declare("pstrain_stream_finish", _p, _p, _err)
+_declare("pstrain_stream_cancel", _p, restype=None)
 _declare("pstrain_client_pull_sparse", _p, ctypes.c_int, _i64, _p, _i64, _p,
          _err)
 _declare("pstrain_client_push_sparse", _p, ctypes.c_int, _i64, _p, _i64, _p, _p,
@@ -314,10 +320,16 @@ class Client:
         self._names = []
         self._tables = []  # (name, dim)
         self._executor = None  # made on first use (see _call)
+        self._stream = None  # the StepStream running, if any
 
     def __del__(self):
         handle = getattr(self, "_handle", None)
         if handle:
+            stream = getattr(self, "_stream", None)
+            if stream is not None:
+                # Before the client goes (a collector may take both at once,
+                # in any order): the stream's thread uses it.
+                stream.cancel()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             _lib.pstrain_client_destroy(handle)
@@ -409,6 +421,26 @@ class Client:
         self._call(_lib.pstrain_client_push_pull, push_step, grads, pull_step,
                    values, len(tensors), result)
         return result[0], result[1], result[2]
+
+    def some_shard_on_another_host(self):
+        """Whether a link to some shard leaves this host (as far as the
+        links opened so far tell)."""
+        return bool(
+            _quick_lib.pstrain_client_some_shard_on_another_host(self._handle))
+
+    def start_stream(self, push_step, gradients, pull_step, tensors):
+        """The pipelined step (c_api.h, pstrain_stream_start): push_pull's
+        exchange on a thread of the library's while the gradients are made;
+        each tensor leaves once ``ready`` says its gradient is final. The
+        arrays must stay as they are until the stream's finish() or
+        cancel(); the client takes no other call meanwhile."""
+        grads = self._dense(gradients, False, "push")
+        values = self._dense(tensors, True, "pull")
+        handle = _p()
+        self._call(_lib.pstrain_stream_start, push_step, grads, pull_step,
+                   values, len(tensors), ctypes.byref(handle))
+        self._stream = StepStream(self, handle, (gradients, tensors))
+        return self._stream
 
     def assign(self, values, only=()):
         pointers = self._dense(values, False, "assign", set(only) or None)
@@ -542,6 +574,51 @@ class Client:
 
     def interrupt(self):
         _lib.pstrain_client_interrupt(self._handle)
+
+
+class StepStream:
+    """One pipelined step running (Client.start_stream)."""
+
+    def __init__(self, client, handle, arrays):
+        self._client = client
+        self._handle = handle
+        self._arrays = arrays  # alive while the library reads and writes them
+
+    def ready(self, tensor, end):
+        """Elements [0, end) of tensor `tensor`'s gradient are final (any
+        thread)."""
+        if _quick_lib.pstrain_stream_ready(self._handle, tensor, end) != 0:
+            raise ValueError(f"stream ready: tensor {tensor} end {end} is out "
+                             "of the model")
+
+    def finish(self):
+        """Waits for the exchange (every tensor made ready first); returns
+        push_pull's (blocks_duplicate, blocks_late, pulled_step)."""
+        handle = self._take_handle()
+        if handle is None:
+            raise ValueError("the stream was finished or cancelled already")
+        result = (_i64 * 3)()
+
+        def call(unused_client, result, error):
+            return _lib.pstrain_stream_finish(handle, result, error)
+        self._client._call(call, result)
+        return result[0], result[1], result[2]
+
+    def cancel(self):
+        """Gives the step up: the exchange stops within about a second."""
+        handle = self._take_handle()
+        if handle is not None:
+            _lib.pstrain_stream_cancel(handle)
+
+    def _take_handle(self):
+        handle, self._handle = self._handle, None
+        if self._client._stream is self:
+            self._client._stream = None
+        return handle
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            self.cancel()
 
 
 def _product(shape):

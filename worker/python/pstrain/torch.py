@@ -51,6 +51,12 @@ What the servers hold, by the names ``model.named_parameters()`` and
           loss_fn(model(dense, bags), labels).backward()
           ps.step()
 
+A pipelined step (``pipeline=``) starts the exchange during ``backward()``,
+each gradient leaving as it is made, and ``step()`` waits for the rest. A job
+that changes its gradients after backward (clipping, accumulation over
+several backward passes) is seen on the first step and keeps plain steps;
+see _Pipeline.
+
 Tensors must be float32 (buffers of other types are converted), contiguous,
 on the CPU or on a CUDA device (copied through pinned host memory on a stream
 of their own). Per step, float32 CPU parameters, gradients and buffers are
@@ -110,6 +116,12 @@ class _Tensor:
         self._grad_view = None
         self._zeros = None
         self._grad_host = None
+        # The pipelined step's (_Pipeline): the gradient's memory, fixed for
+        # the whole job (the exchange is set up before backward makes it),
+        # and where pulled values land while backward may still read the
+        # tensor's own.
+        self._stream_grad = None
+        self._landing = None
 
     def spec(self):
         return {"name": self.name, "shape": self.shape,
@@ -170,6 +182,55 @@ class _Tensor:
             self._grad_view = grad.numpy().reshape(-1)
         return self._grad_view
 
+    def stream_gradient(self):
+        """The pipelined step's gradient memory: pinned host memory the
+        gradient is copied into (CUDA), or a tensor of our own installed as
+        the parameter's ``.grad``, into which backward accumulates in place
+        (CPU). Zeros until backward makes the gradient."""
+        if self._stream_grad is None:
+            self._stream_grad = torch.zeros(self.tensor.shape,
+                                            dtype=torch.float32,
+                                            pin_memory=self.cuda)
+        return self._stream_grad
+
+    def stream_landing(self):
+        """Where the pipelined step's pulled values land: the host mirror
+        of a CUDA or non-float32 tensor, else a mirror of a CPU tensor's
+        own memory (backward may still read that while values land)."""
+        if not self.direct:
+            return self.values_view
+        if self._landing is None:
+            self._landing = np.empty(self.numel, dtype=np.float32)
+        return self._landing
+
+    def take_gradient(self):
+        """After backward made the gradient (CPU): it is in the stream's
+        memory (copied there when backward made a tensor of its own)."""
+        grad = self.tensor.grad
+        mine = self.stream_gradient()
+        if grad is not None and grad.data_ptr() != mine.data_ptr():
+            mine.copy_(grad)
+
+    def after_stream(self, stream):
+        """After a pipelined step: the landed values into the tensor, the
+        gradient zeroed and (CPU) our memory the parameter's ``.grad``."""
+        if self.direct:
+            self.tensor.data.copy_(torch.from_numpy(self._landing).view(
+                self.tensor.shape))
+        else:
+            self.after_pull(stream)
+        if self.state:
+            return
+        grad = self.tensor.grad
+        if self.cuda:
+            if grad is not None:
+                grad.zero_()
+            return
+        mine = self.stream_gradient()
+        mine.zero_()
+        if grad is None or grad.data_ptr() != mine.data_ptr():
+            self.tensor.grad = mine
+
     def after_pull(self, stream):
         """Brings pulled host values into a tensor that is not host float32."""
         if self.direct:
@@ -179,6 +240,249 @@ class _Tensor:
                 self.tensor.data.copy_(self.host, non_blocking=True)
         else:
             self.tensor.data.copy_(self.host)
+
+
+class _Pipeline:
+    """The pipelined step (``ParameterServer(pipeline=...)``): the exchange
+    starts during backward. A hook on each parameter's gradient accumulator
+    says when its gradient is final; the first one starts the step's
+    exchange on the library's thread (Client.start_stream), with the
+    buffers' values (final once forward is done) and the rates; each
+    gradient's blocks leave as it is made, the last layers' first, and
+    their new values come back while backward goes on, into mirrors (a
+    parameter's own memory may still be read by backward). ``step()`` then
+    waits for the rest and copies the values in.
+
+    What cannot be pipelined is a gradient changed after backward made it:
+    a clip, a second backward into the same gradients (accumulation), an
+    edit between ``backward()`` and ``step()``. The first step runs plain
+    and watches for these (gradient version counters, backward passes,
+    clip calls); a job that does any of them keeps plain steps. A
+    pipelined step that meets one raises, since its gradients had left."""
+
+    def __init__(self, ps):
+        self._ps = ps
+        # The first step runs plain and is watched (end_step).
+        self.on = False
+        self.learning = True
+        self.steps = 0  # pipelined steps so far
+        self._stream = None
+        self._hook_calls = [0] * len(ps._tensors)
+        self._passes = 0            # backward passes in this step
+        self._callback_queued = False
+        self._backward_open = False
+        self._versions = None       # the gradients' after the last backward
+        self._problem = None
+        self._copy_stream = None
+        self._copier = None
+        self._handles = []
+        for i, t in enumerate(ps._tensors):
+            if t.state or not t.tensor.requires_grad:
+                continue
+            p = t.tensor
+            if hasattr(p, "register_post_accumulate_grad_hook"):  # torch 2.1
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda _, i=i: self._on_gradient(i)))
+            else:
+                # torch 1.13: the accumulator's own hook runs after it has
+                # accumulated (DDP's way); it lives as long as we hold it.
+                with torch.enable_grad():
+                    accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+                self._handles.append((accumulator, accumulator.register_hook(
+                    lambda *_, i=i: self._on_gradient(i))))
+
+    def close(self):
+        for handle in self._handles:
+            (handle[1] if isinstance(handle, tuple) else handle).remove()
+        self._handles = []
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+        self.on = self.learning = False
+
+    # ----- on backward's thread -----
+
+    def _on_gradient(self, i):
+        ps = self._ps
+        if ps._finished:
+            return
+        self._hook_calls[i] += 1
+        try:
+            if not self._callback_queued:
+                self._callback_queued = True
+                self._backward_open = True
+                self._passes += 1
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self._on_backward_end)
+                if self.on and self._stream is None and self._passes == 1:
+                    self._begin()
+            if self._stream is not None and self._hook_calls[i] == 1:
+                self._send(i)
+        except BaseException:
+            # Backward stops here and runs no callback.
+            self._callback_queued = self._backward_open = False
+            raise
+
+    def _begin(self):
+        ps = self._ps
+        for t in ps._tensors:
+            t.check_unchanged()
+        ps._send_rates()
+        ps.client.set_gradient_clip(0.0)
+        grads = [t.stream_gradient().numpy().reshape(-1) if not t.state
+                 else (t.host.numpy().reshape(-1) if not t.direct
+                       else t.values_view)
+                 for t in ps._tensors]
+        landings = [t.stream_landing() for t in ps._tensors]
+        self._stream = ps.client._core.start_stream(
+            ps._step, grads, ps._step + 1, landings)
+        # State is final once forward is done: it leaves first (its groups
+        # lead every link), from the tensor itself or its host mirror.
+        for i, t in enumerate(ps._tensors):
+            if t.state:
+                if t.cuda:
+                    self._copy_out(i, t.tensor.data, t.host)
+                else:
+                    if not t.direct:
+                        t.host.copy_(t.tensor.data)
+                    self._stream.ready(i, t.numel)
+
+    def _send(self, i):
+        t = self._ps._tensors[i]
+        if t.cuda:
+            self._copy_out(i, t.tensor.grad, t.stream_gradient())
+        else:
+            t.take_gradient()
+            self._stream.ready(i, t.numel)
+
+    def _copy_out(self, i, source, host):
+        """Device to pinned host on a stream of its own, after what the
+        current stream queued; ready once the copy is done (the copier
+        thread waits for its event)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=source.device)
+            self._copier = _CudaCopier()
+        made = torch.cuda.Event()
+        made.record()
+        self._copy_stream.wait_event(made)
+        with torch.cuda.stream(self._copy_stream):
+            host.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._copier.submit(done, self._stream, i, host.numel())
+
+    def _on_backward_end(self):
+        self._callback_queued = False
+        self._backward_open = False
+        ps = self._ps
+        if self._stream is not None and self._passes == 1:
+            # Parameters backward did not reach push zeros, as in a plain
+            # step.
+            for i, t in enumerate(ps._tensors):
+                if not t.state and self._hook_calls[i] == 0:
+                    t.stream_gradient().zero_()
+                    self._stream.ready(i, t.numel)
+        self._versions = self._gradient_versions()
+
+    def _gradient_versions(self):
+        return [None if t.state or t.tensor.grad is None
+                else (id(t.tensor.grad), t.tensor.grad._version)
+                for t in self._ps._tensors]
+
+    # ----- on the training thread -----
+
+    def note_clip(self):
+        """ps.clip_grad_norm_ was called: a pipelined step's gradients had
+        left already."""
+        if self._stream is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ after a pipelined backward: this step's "
+                "gradients had already left. The pipeline watches the "
+                "first step for clipping; a job that starts clipping later "
+                "needs ParameterServer(..., pipeline=False)")
+        self._problem = self._problem or "clip_grad_norm_"
+
+    def check_step(self):
+        """At step(): what changed the gradients after backward made them
+        (None: nothing)."""
+        if self._backward_open:
+            return "backward did not finish (it raised, or step() ran inside it)"
+        problem = self._problem
+        if problem is None and self._passes > 1:
+            problem = f"{self._passes} backward passes into one step's gradients"
+        if problem is None and self._versions is not None and (
+                self._versions != self._gradient_versions()):
+            names = [t.name for t, a, b in zip(
+                self._ps._tensors, self._versions, self._gradient_versions())
+                if a != b]
+            problem = ("the gradient of " + ", ".join(names[:3])
+                       + " changed between backward() and step()")
+        return problem
+
+    def running(self):
+        return self._stream is not None
+
+    def finish(self):
+        """Ends a pipelined step: every tensor's exchange done."""
+        stream, self._stream = self._stream, None
+        try:
+            if self._copier is not None:
+                self._copier.drain()
+        except BaseException:
+            stream.cancel()
+            raise
+        result = stream.finish()
+        self.steps += 1
+        return result
+
+    def end_step(self, problem):
+        """After step(): learn from a plain step (auto), reset the counts."""
+        if self.learning and self._passes > 0:
+            self.learning = False
+            self.on = problem is None
+            if not self.on:
+                self.close()
+        self._hook_calls = [0] * len(self._hook_calls)
+        self._passes = 0
+        self._versions = None
+        self._problem = None
+        # A backward that failed ran no callback.
+        self._callback_queued = self._backward_open = False
+
+
+class _CudaCopier:
+    """A thread that says a gradient is ready once its copy to the host is
+    done (waits on the copy's event, with the GIL let go)."""
+
+    def __init__(self):
+        import queue
+        import threading
+        self._queue = queue.Queue()
+        self._error = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                         name="pstrain-copier")
+        self._thread.start()
+
+    def submit(self, event, stream, tensor, end):
+        self._queue.put((event, stream, tensor, end))
+
+    def _run(self):
+        while True:
+            event, stream, tensor, end = self._queue.get()
+            try:
+                if self._error is None:
+                    event.synchronize()
+                    stream.ready(tensor, end)
+            except BaseException as e:  # raised on the training thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def drain(self):
+        self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 # torch.optim's classes the servers run, by their rule's name; and the
@@ -352,12 +656,19 @@ class ParameterServer:
     description in the environment (``pstrain.cluster_spec()``: what
     ``deploy/local/launch.sh --python`` sets). ``client_options`` are
     ``pstrain.Client``'s (timeouts, TLS, token...).
-    """
+
+    ``pipeline``: True starts each step's exchange during backward from
+    the second step on, unless the first step changed its gradients after
+    backward (clip, accumulation); False sends everything in ``step()``;
+    "auto" (the default) is True for a CPU model without tables whose
+    servers are on other hosts (on one host the exchange takes the cores
+    backward needs), else False; a CUDA model pipelines with True only
+    until the pipeline has been measured on a GPU."""
 
     def __init__(self, model, *, optimizer=None, scheduler=None, spec=None,
                  hosts=None, worker_id=None, num_workers=None,
                  block_elements=DEFAULT_BLOCK_ELEMENTS, on_waiting=None,
-                 **client_options):
+                 pipeline="auto", **client_options):
         if spec is None and hosts is None:
             spec = pstrain.cluster_spec()
         if spec is not None:
@@ -367,6 +678,9 @@ class ParameterServer:
             client_options = dict(spec.client_options, **client_options)
         if worker_id is None or num_workers is None:
             raise ValueError("worker_id and num_workers are needed with hosts")
+        if pipeline not in ("auto", True, False):
+            raise ValueError(
+                f"pipeline must be 'auto', True or False, got {pipeline!r}")
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id must be in [0, {num_workers}), "
                              f"got {worker_id}")
@@ -444,18 +758,73 @@ class ParameterServer:
         self._clip_max_norm = 0.0
         self._fast_forward_scheduler()
         self._pull(self._step)
+        # "auto" pipelines where the link binds, as the C++ worker's
+        # --pipeline_step=by_host does: on one host the exchange takes the
+        # cores backward needs (bench/results/pstrain_torch_pipeline.txt).
+        # A CUDA model's first measurement on a GPU is still to come
+        # (pipeline=True asks for it).
+        if pipeline == "auto" and (
+                self._stream is not None or self._tables
+                or not self.client._core.some_shard_on_another_host()):
+            pipeline = False
+        if pipeline is True and self._tables:
+            raise ValueError("pipeline=True: a model with pstrain.torch "
+                             "embedding tables steps plain")
+        self._pipeline = _Pipeline(self) if pipeline else None
 
     @property
     def step_count(self):
         """Steps this worker has completed (the job's step in sync mode)."""
         return self._step
 
+    @property
+    def pipelined_steps(self):
+        """Steps whose exchange started during backward (``pipeline``)."""
+        return 0 if self._pipeline is None else self._pipeline.steps
+
     def step(self):
         """Ends the step: pushes every gradient (and the buffers' values) and
         pulls the model after it into ``model`` in one round trip, then zeroes
-        the gradients. Sync: returns once every worker's step is in."""
+        the gradients. Sync: returns once every worker's step is in. A
+        pipelined step started that exchange during backward and waits here
+        for what is left of it."""
         if self._finished:
             raise RuntimeError("step() after finish()")
+        pipeline = self._pipeline
+        if pipeline is None:
+            return self._plain_step()
+        problem = pipeline.check_step()
+        if not pipeline.running():
+            self._plain_step()
+            pipeline.end_step(problem)
+            return
+        if problem is not None:
+            pipeline.close()
+            self._pipeline = None
+            raise RuntimeError(
+                f"pipelined step {self._step}: {problem}, after the gradients "
+                "had left during backward. The pipeline watches the first "
+                "step for such changes; a job that starts them later needs "
+                "ParameterServer(..., pipeline=False)")
+        step = self._step
+        pipeline.finish()
+        for t in self._tensors:
+            t.after_stream(self._stream)
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+        pipeline.end_step(None)
+        self._step = step + 1
+
+    def _send_rates(self):
+        if self.optimizer is not None:
+            # What the scheduler left in the groups: this step's rates (and
+            # momentums: OneCycleLR cycles them).
+            groups = self.optimizer.param_groups
+            self.client.set_group_rates(
+                [_number(g, "lr") for g in groups],
+                [_momentum(g) for g in groups])
+
+    def _plain_step(self):
         step = self._step
         for t in self._tensors:
             t.check_unchanged()
@@ -476,13 +845,7 @@ class ParameterServer:
             # reads that memory as soon as push_pull is called.
             torch.cuda.current_stream().synchronize()
         values = [t.values_view for t in self._tensors]
-        if self.optimizer is not None:
-            # What the scheduler left in the groups: this step's rates (and
-            # momentums: OneCycleLR cycles them).
-            groups = self.optimizer.param_groups
-            self.client.set_group_rates(
-                [_number(g, "lr") for g in groups],
-                [_momentum(g) for g in groups])
+        self._send_rates()
         # A clip asked for this step (clip_grad_norm_), and none after it.
         self.client.set_gradient_clip(self._clip_max_norm)
         self._clip_max_norm = 0.0
@@ -505,6 +868,8 @@ class ParameterServer:
         is one worker's gradient, so this clips this worker's own, exactly
         torch's call. Returns this worker's gradient norm before clipping
         (what torch's call returns for one process)."""
+        if self._pipeline is not None:
+            self._pipeline.note_clip()
         params = [t.tensor for t in self._tensors
                   if not t.state and t.tensor.grad is not None]
         if self.mode != "sync":
@@ -536,6 +901,8 @@ class ParameterServer:
         if self._finished:
             return self._how
         self._finished = True
+        if self._pipeline is not None:
+            self._pipeline.close()
         # This worker's last rows in (rows pulled ahead for a step never
         # run are dropped).
         pushed_on_lane = self._lane is not None
