@@ -52,6 +52,10 @@ def main():
                         default="script",
                         help="pstrain: hand the servers this script's Adam "
                         "(its rate travels with every step), or run theirs")
+    parser.add_argument("--pipeline", choices=["auto", "on", "off"],
+                        default="auto",
+                        help="pstrain: ParameterServer(pipeline=...): the "
+                        "exchange started during backward (on), or not")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = make_model(args.model)
@@ -59,7 +63,8 @@ def main():
     if args.backend == "pstrain":
         ps = pstrain.torch.ParameterServer(
             model,
-            optimizer=optimizer if args.optimizer_from == "script" else None)
+            optimizer=optimizer if args.optimizer_from == "script" else None,
+            pipeline={"auto": "auto", "on": True, "off": False}[args.pipeline])
         rank, world = ps.worker_id, ps.num_workers
     elif args.backend == "ddp":
         import torch.distributed as dist
@@ -91,7 +96,9 @@ def main():
         compute += computed - began
         update += time.perf_counter() - computed
     wall = time.time() - start
+    pipelined = 0
     if args.backend == "pstrain":
+        pipelined = ps.pipelined_steps
         ps.finish()
     _, accuracy = pstrain.data.evaluate(
         model, pstrain.data.fashion_mnist(train=False), shape=shape)
@@ -100,6 +107,7 @@ def main():
                         num_workers=world, steps=steps, wall_time_s=wall,
                         compute_s=round(compute, 3), update_s=round(update, 3),
                         job_samples_per_sec=steps * args.global_batch / wall,
+                        pipelined_steps=pipelined,
                         test_accuracy=round(accuracy, 4))
     if args.backend == "ddp":
         torch.distributed.destroy_process_group()

@@ -120,6 +120,24 @@ class TorchPipelineTest(unittest.TestCase):
         self.assertGreaterEqual(applied, steps - lost)  # none lost uncounted
         self.assertEqual([int(s["internal_errors"]) for s in stats], [0, 0])
 
+    def test_an_async_pipelined_job_applies_every_update_once(self):
+        # The probe (SGD, rate 1): every element is minus the updates
+        # applied, and async applies each worker's every push.
+        steps = 30
+        flags = ["--optimizer=sgd", "--learning_rate=1"]
+        with cluster.Cluster(num_shards=2, num_workers=2, mode="async",
+                             flags=flags) as c:
+            finals = c.run_workers(WORKER, lambda k: [
+                "--model=probe", f"--steps={steps}", f"--out={c.dir}",
+                "--pipeline=on"])
+            stats = c.stats()
+            model = torch.load(os.path.join(c.dir, "worker0.pt"))
+        self.assertEqual([f["pipelined_steps"] for f in finals],
+                         [steps - 1, steps - 1])
+        self.assertEqual(model["p"].tolist(), [-2.0 * steps] * 1000)
+        self.assertEqual(int(stats[0]["version"]), 2 * steps)
+        self.assertEqual([int(s["internal_errors"]) for s in stats], [0, 0])
+
     def test_a_pipeline_setting_that_is_not_one(self):
         model = torch.nn.Linear(2, 2)
         with self.assertRaisesRegex(ValueError, "pipeline must be 'auto', "
