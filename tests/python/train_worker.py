@@ -2,7 +2,8 @@
 synthetic task with pstrain.torch and saves what the test checks.
 
   train_worker.py --model=mlp --steps=N --batch=b --out=DIR
-      [--pipeline=auto|on|off] [--edit=none|accumulate|torch_clip|ps_clip]
+      [--pipeline=auto|on|off]
+      [--edit=none|accumulate|torch_clip|ps_clip|extra_forward]
       [--edit_from=STEP]
 
 The model's initial values come from --seed (worker 0's are the job's).
@@ -47,6 +48,13 @@ def _make_model(name, seed):
         model = torch.nn.Module()
         model.p = torch.nn.Parameter(torch.zeros(1000))
         return model
+    if name == "mixed":  # a frozen layer, and one forward never calls
+        model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16),
+                                    torch.nn.ReLU(),
+                                    torch.nn.Linear(16, CLASSES))
+        model[0].weight.requires_grad_(False)
+        model.unused = torch.nn.Linear(CLASSES, CLASSES)
+        return model
     if name == "bn":  # with buffers and dropout
         return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16),
                                    torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
@@ -70,14 +78,17 @@ def main():
     parser.add_argument("--out", default=".")
     # ParameterServer(pipeline=...), and what the script does to the
     # gradients between backward() and step() from step --edit_from on:
-    # two backward passes of half batches (accumulation), torch's clip, or
-    # pstrain's.
+    # two backward passes of half batches (accumulation), torch's clip,
+    # pstrain's, or a forward pass (a buffer changed).
     parser.add_argument("--pipeline", choices=["auto", "on", "off"],
                         default="auto")
     parser.add_argument("--edit", default="none",
                         choices=["none", "accumulate", "torch_clip",
-                                 "ps_clip"])
+                                 "ps_clip", "extra_forward"])
     parser.add_argument("--edit_from", type=int, default=0)
+    # model.zero_grad(set_to_none=True) after each step (torch 2's
+    # optimizer.zero_grad() default): backward then makes new tensors.
+    parser.add_argument("--zero_grad_to_none", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = make_model(args.model, args.seed)
@@ -106,9 +117,14 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         elif edit == "ps_clip":
             ps.clip_grad_norm_(0.5)
+        elif edit == "extra_forward":  # BatchNorm's statistics move again
+            with torch.no_grad():
+                model(x)
         if args.step_delay_ms:
             time.sleep(args.step_delay_ms / 1000)  # a slow worker, on purpose
         ps.step()
+        if args.zero_grad_to_none:
+            model.zero_grad(set_to_none=True)
         print(f"step {step + 1}", flush=True)
     how = ps.finish()
     torch.save(model.state_dict(),
@@ -118,6 +134,7 @@ def main():
                         steps_run=args.steps - ps.start_step,
                         final_model=how,
                         pipelined_steps=ps.pipelined_steps,
+                        pipelined_groups_early=ps.pipelined_groups_early,
                         loss=None if loss is None else loss.item())
 
 

@@ -416,6 +416,13 @@ class PsClient {
     // False: the PushPull failed, its values are pulled again, or the
     // deadline passed.
     bool AwaitLanding(int64_t seen, absl::Time deadline);
+    // Groups whose calls have left since BeginStep (streamed, not the
+    // plain PushPull): read before StopReading, those that left while the
+    // gradients were still being made.
+    int64_t groups_sent() const {
+      return groups_sent_.load(std::memory_order_relaxed);
+    }
+    void CountSent() { groups_sent_.fetch_add(1, std::memory_order_relaxed); }
 
     // --trace_steps: what happened when, kept until TakeTrace while
     // SetTracing(true). `what`: r a gradient final up to `end`, s a group's
@@ -443,6 +450,7 @@ class PsClient {
     std::unique_ptr<std::atomic<int64_t>[]> ready_end_;
     int num_tensors_;
     int wake_fd_ = -1;
+    std::atomic<int64_t> groups_sent_{0};
     bool AllReady() const;
 
     absl::Mutex mu_;

@@ -104,8 +104,10 @@ int pstrain_stream_start(pstrain_client* client, int64_t push_step,
  * 3 (INVALID_ARGUMENT): no such tensor, or end out of [0, its size]. */
 int pstrain_stream_ready(pstrain_step_stream* stream, int tensor, int64_t end);
 /* Waits for the exchange to end (every tensor must have been made ready, or
- * the exchange waits out the RPC deadline); result as push_pull's. */
-int pstrain_stream_finish(pstrain_step_stream* stream, int64_t result[3],
+ * the exchange waits out the RPC deadline); result as push_pull's, then
+ * the groups of blocks that had left when this was called (0 where the
+ * step ran as the plain PushPull). */
+int pstrain_stream_finish(pstrain_step_stream* stream, int64_t result[4],
                           char** error);
 /* Gives the step up (backward failed): the exchange stops within about a
  * second; whatever groups had left stay pushed (exactly once). */

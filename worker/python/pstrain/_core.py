@@ -12,12 +12,14 @@ raises KeyboardInterrupt. Where a program already uses the wakeup fd
 costs ~70 us a call.
 """
 
+import atexit
 import concurrent.futures
 import ctypes
 import json
 import os
 import platform
 import threading
+import weakref
 
 _LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib",
                          "libpstrain.so")
@@ -440,6 +442,7 @@ class Client:
         self._call(_lib.pstrain_stream_start, push_step, grads, pull_step,
                    values, len(tensors), ctypes.byref(handle))
         self._stream = StepStream(self, handle, (gradients, tensors))
+        _LIVE_CLIENTS.add(self)
         return self._stream
 
     def assign(self, values, only=()):
@@ -583,26 +586,35 @@ class StepStream:
         self._client = client
         self._handle = handle
         self._arrays = arrays  # alive while the library reads and writes them
+        # ready() may come from another thread (a CUDA copy's waiter) while
+        # the training thread finishes or cancels the stream.
+        self._lock = threading.Lock()
 
     def ready(self, tensor, end):
         """Elements [0, end) of tensor `tensor`'s gradient are final (any
         thread)."""
-        if _quick_lib.pstrain_stream_ready(self._handle, tensor, end) != 0:
+        with self._lock:
+            if self._handle is None:
+                raise RuntimeError("stream ready: the step was finished or "
+                                   "cancelled")
+            code = _quick_lib.pstrain_stream_ready(self._handle, tensor, end)
+        if code != 0:
             raise ValueError(f"stream ready: tensor {tensor} end {end} is out "
                              "of the model")
 
     def finish(self):
         """Waits for the exchange (every tensor made ready first); returns
-        push_pull's (blocks_duplicate, blocks_late, pulled_step)."""
+        push_pull's (blocks_duplicate, blocks_late, pulled_step) and the
+        groups that had left when it was called."""
         handle = self._take_handle()
         if handle is None:
             raise ValueError("the stream was finished or cancelled already")
-        result = (_i64 * 3)()
+        result = (_i64 * 4)()
 
         def call(unused_client, result, error):
             return _lib.pstrain_stream_finish(handle, result, error)
         self._client._call(call, result)
-        return result[0], result[1], result[2]
+        return result[0], result[1], result[2], result[3]
 
     def cancel(self):
         """Gives the step up: the exchange stops within about a second."""
@@ -611,7 +623,8 @@ class StepStream:
             _lib.pstrain_stream_cancel(handle)
 
     def _take_handle(self):
-        handle, self._handle = self._handle, None
+        with self._lock:
+            handle, self._handle = self._handle, None
         if self._client._stream is self:
             self._client._stream = None
         return handle
@@ -619,6 +632,18 @@ class StepStream:
     def __del__(self):
         if getattr(self, "_handle", None):
             self.cancel()
+
+
+def _cancel_running_streams():
+    """At exit: a stream's thread must not outlive the library's statics."""
+    for client in list(_LIVE_CLIENTS):
+        stream = client._stream
+        if stream is not None:
+            stream.cancel()
+
+
+_LIVE_CLIENTS = weakref.WeakSet()
+atexit.register(_cancel_running_streams)
 
 
 def _product(shape):

@@ -203,6 +203,15 @@ class _Tensor:
             self._landing = np.empty(self.numel, dtype=np.float32)
         return self._landing
 
+    def snapshot_state(self):
+        """The pipelined step's copy of a CPU state tensor's values, which
+        it sends (its landing array)."""
+        landing = self.stream_landing()
+        if self.direct:
+            np.copyto(landing, self.values_view)
+        else:
+            self.host.copy_(self.tensor.data)
+
     def take_gradient(self):
         """After backward made the gradient (CPU): it is in the stream's
         memory (copied there when backward made a tensor of its own)."""
@@ -272,7 +281,9 @@ class _Pipeline:
         self._callback_queued = False
         self._backward_open = False
         self._versions = None       # the gradients' after the last backward
+        self._state_versions = None  # the state's at the first hook
         self._problem = None
+        self.groups_early = 0  # groups that left before step() was called
         self._copy_stream = None
         self._copier = None
         self._handles = []
@@ -296,6 +307,9 @@ class _Pipeline:
             (handle[1] if isinstance(handle, tuple) else handle).remove()
         self._handles = []
         if self._stream is not None:
+            # The copies' waiter says nothing more to a stream given up.
+            if self._copier is not None:
+                self._copier.drain(raise_error=False)
             self._stream.cancel()
             self._stream = None
         self.on = self.learning = False
@@ -314,13 +328,18 @@ class _Pipeline:
                 self._passes += 1
                 torch.autograd.Variable._execution_engine.queue_callback(
                     self._on_backward_end)
+                if self._passes == 1:
+                    # A pipelined step sends the state as it is now.
+                    self._state_versions = self._state_version_list()
                 if self.on and self._stream is None and self._passes == 1:
                     self._begin()
             if self._stream is not None and self._hook_calls[i] == 1:
                 self._send(i)
         except BaseException:
-            # Backward stops here and runs no callback.
-            self._callback_queued = self._backward_open = False
+            # Backward stops here and runs no callback: it stays open, so
+            # that step() refuses a pipelined step whose gradients were not
+            # all made.
+            self._callback_queued = False
             raise
 
     def _begin(self):
@@ -329,22 +348,22 @@ class _Pipeline:
             t.check_unchanged()
         ps._send_rates()
         ps.client.set_gradient_clip(0.0)
-        grads = [t.stream_gradient().numpy().reshape(-1) if not t.state
-                 else (t.host.numpy().reshape(-1) if not t.direct
-                       else t.values_view)
-                 for t in ps._tensors]
         landings = [t.stream_landing() for t in ps._tensors]
+        # State leaves from its landing array, a copy taken now (its values
+        # land there after they left, and go into the tensor in step()).
+        grads = [landings[i] if t.state
+                 else t.stream_gradient().numpy().reshape(-1)
+                 for i, t in enumerate(ps._tensors)]
         self._stream = ps.client._core.start_stream(
             ps._step, grads, ps._step + 1, landings)
         # State is final once forward is done: it leaves first (its groups
-        # lead every link), from the tensor itself or its host mirror.
+        # lead every link).
         for i, t in enumerate(ps._tensors):
             if t.state:
                 if t.cuda:
                     self._copy_out(i, t.tensor.data, t.host)
                 else:
-                    if not t.direct:
-                        t.host.copy_(t.tensor.data)
+                    t.snapshot_state()
                     self._stream.ready(i, t.numel)
 
     def _send(self, i):
@@ -384,6 +403,10 @@ class _Pipeline:
                     self._stream.ready(i, t.numel)
         self._versions = self._gradient_versions()
 
+    def _state_version_list(self):
+        return [(t.tensor.data_ptr(), t.tensor._version) if t.state else None
+                for t in self._ps._tensors]
+
     def _gradient_versions(self):
         return [None if t.state or t.tensor.grad is None
                 else (id(t.tensor.grad), t.tensor.grad._version)
@@ -410,6 +433,13 @@ class _Pipeline:
         problem = self._problem
         if problem is None and self._passes > 1:
             problem = f"{self._passes} backward passes into one step's gradients"
+        if problem is None and self._state_versions is not None and (
+                self._state_versions != self._state_version_list()):
+            names = [t.name for t, a, b in zip(
+                self._ps._tensors, self._state_versions,
+                self._state_version_list()) if a != b]
+            problem = ("the buffer " + ", ".join(names[:3]) + " changed "
+                       "between the start of backward and step()")
         if problem is None and self._versions is not None and (
                 self._versions != self._gradient_versions()):
             names = [t.name for t, a, b in zip(
@@ -423,16 +453,21 @@ class _Pipeline:
         return self._stream is not None
 
     def finish(self):
-        """Ends a pipelined step: every tensor's exchange done."""
+        """Ends a pipelined step: every tensor's exchange done. On an error
+        (Ctrl-C, servers gone past the deadlines) the step is given up with
+        the gradients left as backward made them: step() again sends them
+        as a plain step (the blocks that were in count as duplicates)."""
         stream, self._stream = self._stream, None
         try:
             if self._copier is not None:
                 self._copier.drain()
+            result = stream.finish()
         except BaseException:
             stream.cancel()
+            self.end_step(None)
             raise
-        result = stream.finish()
         self.steps += 1
+        self.groups_early += result[3]
         return result
 
     def end_step(self, problem):
@@ -445,6 +480,7 @@ class _Pipeline:
         self._hook_calls = [0] * len(self._hook_calls)
         self._passes = 0
         self._versions = None
+        self._state_versions = None
         self._problem = None
         # A backward that failed ran no callback.
         self._callback_queued = self._backward_open = False
@@ -478,10 +514,10 @@ class _CudaCopier:
             finally:
                 self._queue.task_done()
 
-    def drain(self):
+    def drain(self, raise_error=True):
         self._queue.join()
-        if self._error is not None:
-            error, self._error = self._error, None
+        error, self._error = self._error, None
+        if error is not None and raise_error:
             raise error
 
 
@@ -782,6 +818,13 @@ class ParameterServer:
         """Steps whose exchange started during backward (``pipeline``)."""
         return 0 if self._pipeline is None else self._pipeline.steps
 
+    @property
+    def pipelined_groups_early(self):
+        """Groups of blocks (calls to a shard) of the pipelined steps that
+        had left before ``step()`` was called: 0 where every exchange ran
+        after backward after all (the plain PushPull: TLS, a 16-bit wire)."""
+        return 0 if self._pipeline is None else self._pipeline.groups_early
+
     def step(self):
         """Ends the step: pushes every gradient (and the buffers' values) and
         pulls the model after it into ``model`` in one round trip, then zeroes
@@ -808,6 +851,10 @@ class ParameterServer:
                 "ParameterServer(..., pipeline=False)")
         step = self._step
         pipeline.finish()
+        if self._stream is not None:
+            # Kernels queued after the last gradient may still read the
+            # parameters the copies overwrite.
+            self._stream.wait_stream(torch.cuda.current_stream())
         for t in self._tensors:
             t.after_stream(self._stream)
         if self._stream is not None:
