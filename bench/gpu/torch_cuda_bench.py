@@ -125,9 +125,11 @@ def train(args, examples, hosts, pipeline=False):
     wall = time.perf_counter() - start
     if ps is not None:
         # The first step is watched (plain), every later one pipelined.
-        if pipeline and ps.pipelined_steps != args.warmup + args.steps - 1:
+        if pipeline and (ps.pipelined_steps != args.warmup + args.steps - 1
+                         or ps.pipelined_calls == 0):
             raise RuntimeError(f"{ps.pipelined_steps} steps pipelined of "
-                               f"{args.warmup + args.steps}")
+                               f"{args.warmup + args.steps}, "
+                               f"{ps.pipelined_calls} calls streamed")
         ps.finish()
     return (args.steps * args.batch / wall, 1e3 * compute_s / args.steps,
             1e3 * update_s / args.steps)

@@ -134,7 +134,7 @@ def main():
                         steps_run=args.steps - ps.start_step,
                         final_model=how,
                         pipelined_steps=ps.pipelined_steps,
-                        pipelined_groups_early=ps.pipelined_groups_early,
+                        pipelined_calls=ps.pipelined_calls,
                         loss=None if loss is None else loss.item())
 
 

@@ -416,9 +416,8 @@ class PsClient {
     // False: the PushPull failed, its values are pulled again, or the
     // deadline passed.
     bool AwaitLanding(int64_t seen, absl::Time deadline);
-    // Groups whose calls have left since BeginStep (streamed, not the
-    // plain PushPull): read before StopReading, those that left while the
-    // gradients were still being made.
+    // Groups whose calls have left since BeginStep as their gradients
+    // were made (not those of the plain PushPull).
     int64_t groups_sent() const {
       return groups_sent_.load(std::memory_order_relaxed);
     }

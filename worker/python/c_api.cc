@@ -504,16 +504,16 @@ int pstrain_stream_ready(pstrain_step_stream* stream, int tensor, int64_t end) {
 int pstrain_stream_finish(pstrain_step_stream* stream, int64_t result[4],
                           char** error) {
   std::unique_ptr<pstrain_step_stream> owned(stream);
-  const int64_t sent_early = stream->client->step_stream->groups_sent();
   stream->client->step_stream->StopReading();
   stream->exchange.join();
+  const int64_t streamed = stream->client->step_stream->groups_sent();
   stream->client->running = nullptr;
   return Guard(error, [&]() -> absl::Status {
     if (!owned->result.ok()) return owned->result.status();
     result[0] = owned->result->pushed.blocks_duplicate;
     result[1] = owned->result->pushed.blocks_late;
     result[2] = owned->result->pulled_step;
-    result[3] = sent_early;
+    result[3] = streamed;
     return absl::OkStatus();
   });
 }

@@ -105,8 +105,8 @@ int pstrain_stream_start(pstrain_client* client, int64_t push_step,
 int pstrain_stream_ready(pstrain_step_stream* stream, int tensor, int64_t end);
 /* Waits for the exchange to end (every tensor must have been made ready, or
  * the exchange waits out the RPC deadline); result as push_pull's, then
- * the groups of blocks that had left when this was called (0 where the
- * step ran as the plain PushPull). */
+ * the calls that left as their gradients were made (0 where the step ran
+ * as the plain PushPull). */
 int pstrain_stream_finish(pstrain_step_stream* stream, int64_t result[4],
                           char** error);
 /* Gives the step up (backward failed): the exchange stops within about a

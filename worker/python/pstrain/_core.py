@@ -605,7 +605,8 @@ class StepStream:
     def finish(self):
         """Waits for the exchange (every tensor made ready first); returns
         push_pull's (blocks_duplicate, blocks_late, pulled_step) and the
-        groups that had left when it was called."""
+        calls that left as their gradients were made (0: the plain
+        PushPull ran)."""
         handle = self._take_handle()
         if handle is None:
             raise ValueError("the stream was finished or cancelled already")

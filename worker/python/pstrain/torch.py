@@ -283,7 +283,7 @@ class _Pipeline:
         self._versions = None       # the gradients' after the last backward
         self._state_versions = None  # the state's at the first hook
         self._problem = None
-        self.groups_early = 0  # groups that left before step() was called
+        self.groups_streamed = 0  # calls that left as gradients were made
         self._copy_stream = None
         self._copier = None
         self._handles = []
@@ -467,7 +467,7 @@ class _Pipeline:
             self.end_step(None)
             raise
         self.steps += 1
-        self.groups_early += result[3]
+        self.groups_streamed += result[3]
         return result
 
     def end_step(self, problem):
@@ -819,11 +819,11 @@ class ParameterServer:
         return 0 if self._pipeline is None else self._pipeline.steps
 
     @property
-    def pipelined_groups_early(self):
-        """Groups of blocks (calls to a shard) of the pipelined steps that
-        had left before ``step()`` was called: 0 where every exchange ran
-        after backward after all (the plain PushPull: TLS, a 16-bit wire)."""
-        return 0 if self._pipeline is None else self._pipeline.groups_early
+    def pipelined_calls(self):
+        """Calls to a shard of the pipelined steps that left as their
+        gradients were made: 0 where every exchange fell back to the plain
+        PushPull after backward (TLS, a 16-bit wire, a failed attempt)."""
+        return 0 if self._pipeline is None else self._pipeline.groups_streamed
 
     def step(self):
         """Ends the step: pushes every gradient (and the buffers' values) and
