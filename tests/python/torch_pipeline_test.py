@@ -72,6 +72,18 @@ class TorchPipelineTest(unittest.TestCase):
                 self.assertFalse(torch.equal(initial["2.weight"],
                                              piped_model["2.weight"]))
 
+    def test_a_wire_the_stream_cannot_send_falls_back_to_the_plain_exchange(
+            self):
+        # bf16 gradients are converted by the client from float32 when the
+        # call is made: nothing leaves during backward, and the step is the
+        # plain PushPull once backward is done.
+        args = ["--gradient_wire_type=bf16"]
+        plain, plain_model = run_job(2, "off", args, model="mlp", steps=8)
+        piped, piped_model = run_job(2, "on", args, model="mlp", steps=8)
+        self.assertEqual([f["pipelined_steps"] for f in piped], [7, 7])
+        self.assertEqual([f["pipelined_calls"] for f in piped], [0, 0])
+        self.assertTrue(identical(plain_model, piped_model))
+
     @unittest.skipIf(train_worker.device().type == "cuda",
                      "auto: a CUDA model pipelines with pipeline=True only")
     def test_auto_keeps_a_cpu_job_on_one_host_plain(self):

@@ -89,12 +89,18 @@ def main():
     # model.zero_grad(set_to_none=True) after each step (torch 2's
     # optimizer.zero_grad() default): backward then makes new tensors.
     parser.add_argument("--zero_grad_to_none", action="store_true")
+    # A client option: the gradients' wire type (bf16: converted by the
+    # client, so a pipelined step falls back to the plain PushPull).
+    parser.add_argument("--gradient_wire_type", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = make_model(args.model, args.seed)
+    options = {}
+    if args.gradient_wire_type:
+        options["gradient_wire_type"] = args.gradient_wire_type
     ps = pstrain.torch.ParameterServer(
         model, pipeline={"auto": "auto", "on": True, "off": False}[
-            args.pipeline])
+            args.pipeline], **options)
     batches = pstrain.data.Batches(examples(), args.batch, ps.worker_id,
                                    ps.num_workers, seed=5)
     loss = None
