@@ -66,6 +66,8 @@ class TorchOptimizersTest(unittest.TestCase):
             job = run_job(c, workers, recipe)
             with open(os.path.join(c.dir, "rates0.txt")) as f:
                 job_rates = [float(line) for line in f]
+            for w in c.workers:  # ps.step() is the optimizer's step
+                self.assertNotIn("before `optimizer.step()`", c.errors(w))
         reference, rates = single_process(recipe, workers * BATCH)
         difference = max_difference(job, reference)
         print(f"{recipe}, {workers} workers: max |difference| {difference:.2e}")

@@ -833,6 +833,7 @@ class ParameterServer:
         for what is left of it."""
         if self._finished:
             raise RuntimeError("step() after finish()")
+        self._step_the_optimizer()
         pipeline = self._pipeline
         if pipeline is None:
             return self._plain_step()
@@ -861,6 +862,16 @@ class ParameterServer:
             torch.cuda.current_stream().wait_stream(self._stream)
         pipeline.end_step(None)
         self._step = step + 1
+
+    def _step_the_optimizer(self):
+        """The servers run the optimizer's step: a scheduler checks that
+        one ran before its own step (torch 1.13: the optimizer's step count;
+        2.x: _opt_called) and would warn "lr_scheduler.step() before
+        optimizer.step()" on every job."""
+        if self.optimizer is not None:
+            self.optimizer._step_count = getattr(self.optimizer,
+                                                 "_step_count", 0) + 1
+            self.optimizer._opt_called = True
 
     def _send_rates(self):
         if self.optimizer is not None:
