@@ -91,7 +91,8 @@ class TorchPipelineTest(unittest.TestCase):
         self.assertEqual([f["pipelined_steps"] for f in finals], [0, 0])
 
     def test_jobs_that_change_their_gradients_keep_plain_steps(self):
-        for edit in ("accumulate", "torch_clip", "ps_clip", "extra_forward"):
+        for edit in ("accumulate", "torch_clip", "ps_clip", "extra_forward",
+                     "stats"):
             with self.subTest(edit=edit):
                 args = [f"--edit={edit}"]
                 plain, plain_model = run_job(2, "off", args, steps=8)
@@ -109,6 +110,8 @@ class TorchPipelineTest(unittest.TestCase):
             # bump; num_batches_tracked's add_ shows.
             "extra_forward": ("bn", "1.num_batches_tracked changed between "
                               "the start of backward and step()"),
+            "stats": ("mlp", "a call to the servers while a pipelined "
+                      "step's exchange runs"),
         }
         for edit, (model, message) in cases.items():
             with self.subTest(edit=edit), cluster.Cluster(

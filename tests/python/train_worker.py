@@ -3,7 +3,7 @@ synthetic task with pstrain.torch and saves what the test checks.
 
   train_worker.py --model=mlp --steps=N --batch=b --out=DIR
       [--pipeline=auto|on|off]
-      [--edit=none|accumulate|torch_clip|ps_clip|extra_forward]
+      [--edit=none|accumulate|torch_clip|ps_clip|extra_forward|stats]
       [--edit_from=STEP]
 
 The model's initial values come from --seed (worker 0's are the job's).
@@ -79,12 +79,13 @@ def main():
     # ParameterServer(pipeline=...), and what the script does to the
     # gradients between backward() and step() from step --edit_from on:
     # two backward passes of half batches (accumulation), torch's clip,
-    # pstrain's, or a forward pass (a buffer changed).
+    # pstrain's, or a forward pass (a buffer changed); or a call to the
+    # servers there (stats).
     parser.add_argument("--pipeline", choices=["auto", "on", "off"],
                         default="auto")
     parser.add_argument("--edit", default="none",
                         choices=["none", "accumulate", "torch_clip",
-                                 "ps_clip", "extra_forward"])
+                                 "ps_clip", "extra_forward", "stats"])
     parser.add_argument("--edit_from", type=int, default=0)
     # model.zero_grad(set_to_none=True) after each step (torch 2's
     # optimizer.zero_grad() default): backward then makes new tensors.
@@ -126,6 +127,8 @@ def main():
         elif edit == "extra_forward":  # BatchNorm's statistics move again
             with torch.no_grad():
                 model(x)
+        elif edit == "stats":  # not an edit: a call to the servers
+            ps.stats()
         if args.step_delay_ms:
             time.sleep(args.step_delay_ms / 1000)  # a slow worker, on purpose
         ps.step()

@@ -323,6 +323,7 @@ class Client:
         self._tables = []  # (name, dim)
         self._executor = None  # made on first use (see _call)
         self._stream = None  # the StepStream running, if any
+        self.calls = 0  # blocking calls made (the pipeline watches them)
 
     def __del__(self):
         handle = getattr(self, "_handle", None)
@@ -341,16 +342,27 @@ class Client:
         """fn(handle, *args, error), interruptible by Ctrl-C: directly where
         the library watches the signals (or off the main thread, which
         signals never reach), else through the helper thread."""
+        self._call_on(self._handle, fn, *args)
+
+    def _call_on(self, handle, fn, *args):
+        """_call with another handle than the client's (a stream's)."""
+        if self._stream is not None:
+            # PsClient takes no other call while the exchange runs (a
+            # stream's own finish has taken it off first).
+            raise RuntimeError(
+                "pstrain: a call to the servers while a pipelined step's "
+                "exchange runs (between backward() and step()): make it "
+                "after step(), or pass ParameterServer(..., pipeline=False)")
+        self.calls += 1
         error = ctypes.c_void_p()
         if _SIGNALS_WATCHED or (threading.current_thread()
                                 is not threading.main_thread()):
-            _check(fn(self._handle, *args, ctypes.byref(error)), error)
+            _check(fn(handle, *args, ctypes.byref(error)), error)
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="pstrain-call")
-        future = self._executor.submit(fn, self._handle, *args,
-                                       ctypes.byref(error))
+        future = self._executor.submit(fn, handle, *args, ctypes.byref(error))
         _check(self.await_future(future), error)
 
     def await_future(self, future):
@@ -611,10 +623,7 @@ class StepStream:
         if handle is None:
             raise ValueError("the stream was finished or cancelled already")
         result = (_i64 * 4)()
-
-        def call(unused_client, result, error):
-            return _lib.pstrain_stream_finish(handle, result, error)
-        self._client._call(call, result)
+        self._client._call_on(handle, _lib.pstrain_stream_finish, result)
         return result[0], result[1], result[2], result[3]
 
     def cancel(self):

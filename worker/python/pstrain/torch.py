@@ -264,10 +264,12 @@ class _Pipeline:
 
     What cannot be pipelined is a gradient changed after backward made it:
     a clip, a second backward into the same gradients (accumulation), an
-    edit between ``backward()`` and ``step()``. The first step runs plain
-    and watches for these (gradient version counters, backward passes,
-    clip calls); a job that does any of them keeps plain steps. A
-    pipelined step that meets one raises, since its gradients had left."""
+    edit between ``backward()`` and ``step()``; likewise a buffer changed
+    after backward began, or a call to the servers before ``step()`` (the
+    exchange has the client). The first step runs plain and watches for
+    these (version counters, backward passes, clip and client calls); a job
+    that does any of them keeps plain steps. A pipelined step that meets one
+    raises, since its gradients had left."""
 
     def __init__(self, ps):
         self._ps = ps
@@ -282,6 +284,7 @@ class _Pipeline:
         self._backward_open = False
         self._versions = None       # the gradients' after the last backward
         self._state_versions = None  # the state's at the first hook
+        self._calls_at_backward = None  # the client's calls then
         self._problem = None
         self.groups_streamed = 0  # calls that left as gradients were made
         self._copy_stream = None
@@ -329,10 +332,12 @@ class _Pipeline:
                 torch.autograd.Variable._execution_engine.queue_callback(
                     self._on_backward_end)
                 if self._passes == 1:
-                    # A pipelined step sends the state as it is now.
+                    # A pipelined step sends the state as it is now, and
+                    # its exchange takes the client until step().
                     self._state_versions = self._state_version_list()
-                if self.on and self._stream is None and self._passes == 1:
-                    self._begin()
+                    if self.on and self._stream is None:
+                        self._begin()
+                    self._calls_at_backward = self._ps.client._core.calls
             if self._stream is not None and self._hook_calls[i] == 1:
                 self._send(i)
         except BaseException:
@@ -433,6 +438,9 @@ class _Pipeline:
         problem = self._problem
         if problem is None and self._passes > 1:
             problem = f"{self._passes} backward passes into one step's gradients"
+        if (problem is None and self._calls_at_backward is not None
+                and self._calls_at_backward != self._ps.client._core.calls):
+            problem = "a call to the servers between backward() and step()"
         if problem is None and self._state_versions is not None and (
                 self._state_versions != self._state_version_list()):
             names = [t.name for t, a, b in zip(
@@ -481,6 +489,7 @@ class _Pipeline:
         self._passes = 0
         self._versions = None
         self._state_versions = None
+        self._calls_at_backward = None
         self._problem = None
         # A backward that failed ran no callback.
         self._callback_queued = self._backward_open = False
