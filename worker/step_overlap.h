@@ -22,31 +22,9 @@
 #include "kernels/backend.h"
 #include "worker/client/ps_client.h"
 #include "worker/data.h"
+#include "worker/serial_worker.h"
 
 namespace pstrain {
-
-// One background thread running closures in the order they were scheduled.
-class SerialWorker {
- public:
-  SerialWorker();
-  // Runs what is still queued, then joins the thread.
-  ~SerialWorker();
-  SerialWorker(const SerialWorker&) = delete;
-  SerialWorker& operator=(const SerialWorker&) = delete;
-
-  void Schedule(std::function<void()> work);
-  // Returns once every closure scheduled before the call has run.
-  void Drain();
-
- private:
-  void Loop();
-
-  absl::Mutex mu_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
-  bool running_ ABSL_GUARDED_BY(mu_) = false;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;  // last: starts once the state above exists
-};
 
 // Pushes one step's gradient tensor by tensor from a push thread. PsClient
 // is not thread-safe: between Start and Finish only the push thread may use

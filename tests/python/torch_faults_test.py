@@ -64,9 +64,16 @@ class TorchFaultsTest(unittest.TestCase):
             self.assertLess(elapsed, 1.5)
 
     def test_ctrl_c_interrupts_a_blocked_sync_step(self):
+        self.ctrl_c_a_blocked_step([])
+
+    def test_ctrl_c_interrupts_a_blocked_pipelined_step(self):
+        # The exchange started during backward; step() waits for the rest.
+        self.ctrl_c_a_blocked_step(["--pipeline=on"])
+
+    def ctrl_c_a_blocked_step(self, extra):
         # Worker 1 stops stepping: worker 0's PushPull waits for its step.
         with cluster.Cluster(num_shards=2, num_workers=2) as c:
-            args = [f"--out={c.dir}", "--steps=1000"]
+            args = [f"--out={c.dir}", "--steps=1000"] + extra
             w0 = c.start_worker(WORKER, 0, args)
             w1 = c.start_worker(WORKER, 1, args)
             cluster.wait_for(lambda: "step 5\n" in c.output(w0), 60,

@@ -416,12 +416,6 @@ class PsClient {
     // False: the PushPull failed, its values are pulled again, or the
     // deadline passed.
     bool AwaitLanding(int64_t seen, absl::Time deadline);
-    // Groups whose calls have left since BeginStep as their gradients
-    // were made (not those of the plain PushPull).
-    int64_t groups_sent() const {
-      return groups_sent_.load(std::memory_order_relaxed);
-    }
-    void CountSent() { groups_sent_.fetch_add(1, std::memory_order_relaxed); }
 
     // --trace_steps: what happened when, kept until TakeTrace while
     // SetTracing(true). `what`: r a gradient final up to `end`, s a group's
@@ -449,7 +443,6 @@ class PsClient {
     std::unique_ptr<std::atomic<int64_t>[]> ready_end_;
     int num_tensors_;
     int wake_fd_ = -1;
-    std::atomic<int64_t> groups_sent_{0};
     bool AllReady() const;
 
     absl::Mutex mu_;

@@ -981,7 +981,6 @@ PsClient::StepStream::~StepStream() {
 
 void PsClient::StepStream::BeginStep() {
   for (int t = 0; t < num_tensors_; ++t) ready_end_[t].store(0);
-  groups_sent_.store(0);
   absl::MutexLock lock(&mu_);
   std::fill(pulled_.begin(), pulled_.end(), 0);
   failed_ = absl::OkStatus();
@@ -1207,7 +1206,6 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
     call.can_send = [&stream, group] {
       if (!stream.BlocksReady(group->blocks)) return false;
       stream.TraceGroup('s', group->blocks);
-      stream.CountSent();
       return true;
     };
     call.send_wake_fd = stream.wake_fd();

@@ -42,6 +42,7 @@
 #include "worker/ctr_data.h"
 #include "worker/data.h"
 #include "worker/idx_data.h"
+#include "worker/serial_worker.h"
 #include "worker/unique_ids.h"
 
 struct pstrain_step_stream;
@@ -56,15 +57,20 @@ struct pstrain_client {
   // stream running on it, if any (one at a time).
   std::unique_ptr<pstrain::PsClient::StepStream> step_stream;
   pstrain_step_stream* running = nullptr;
+  // The exchanges' thread, made with step_stream; last: drained first.
+  std::unique_ptr<pstrain::SerialWorker> exchange_thread;
 };
 
-// One pipelined step: PsClient::PushPullStreamed on a thread of its own.
+// One pipelined step: PsClient::PushPullStreamed on the client's exchange
+// thread.
 struct pstrain_step_stream {
   pstrain_client* client = nullptr;
   std::vector<pstrain::PsClient::ConstTensorRef> gradients;
   std::vector<pstrain::PsClient::TensorRef> values;
   absl::StatusOr<pstrain::PsClient::PushPullResult> result;
-  std::thread exchange;
+  // StepStream::landings() when it started: the groups answered as they
+  // were streamed are those since.
+  int64_t landings_before = 0;
 };
 
 namespace pstrain {
@@ -468,7 +474,10 @@ int pstrain_stream_start(pstrain_client* c, int64_t push_step,
             absl::StrCat("tensor ", t, ": no memory given"));
       }
     }
-    if (c->step_stream == nullptr) c->step_stream = c->client->MakeStepStream();
+    if (c->step_stream == nullptr) {
+      c->step_stream = c->client->MakeStepStream();
+      c->exchange_thread = std::make_unique<pstrain::SerialWorker>();
+    }
     auto stream = std::make_unique<pstrain_step_stream>();
     stream->client = c;
     for (int t = 0; t < num_tensors; ++t) {
@@ -476,8 +485,9 @@ int pstrain_stream_start(pstrain_client* c, int64_t push_step,
       stream->values.push_back({pstrain::FLOAT32, tensors[t]});
     }
     c->step_stream->BeginStep();
+    stream->landings_before = c->step_stream->landings();
     pstrain_step_stream* s = stream.get();
-    s->exchange = std::thread([s, push_step, pull_step] {
+    c->exchange_thread->Schedule([s, push_step, pull_step] {
       s->result = s->client->client->PushPullStreamed(push_step, s->gradients,
                                                       pull_step, s->values,
                                                       *s->client->step_stream);
@@ -505,8 +515,9 @@ int pstrain_stream_finish(pstrain_step_stream* stream, int64_t result[4],
                           char** error) {
   std::unique_ptr<pstrain_step_stream> owned(stream);
   stream->client->step_stream->StopReading();
-  stream->exchange.join();
-  const int64_t streamed = stream->client->step_stream->groups_sent();
+  stream->client->exchange_thread->Drain();
+  const int64_t streamed =
+      stream->client->step_stream->landings() - stream->landings_before;
   stream->client->running = nullptr;
   return Guard(error, [&]() -> absl::Status {
     if (!owned->result.ok()) return owned->result.status();
@@ -523,7 +534,7 @@ void pstrain_stream_cancel(pstrain_step_stream* stream) {
   stream->client->step_stream->Cancel();
   stream->client->step_stream->StopReading();
   stream->client->client->Interrupt();
-  stream->exchange.join();
+  stream->client->exchange_thread->Drain();
   stream->client->running = nullptr;
 }
 

@@ -94,7 +94,8 @@ int pstrain_client_some_shard_on_another_host(const pstrain_client* client);
  * takes no other call but pstrain_client_interrupt. One stream a client at
  * a time (FAILED_PRECONDITION). Where the step cannot stream (TLS, a clip,
  * a wire type other than float32, gRPC only) or its first attempt failed,
- * the plain PushPull runs once every gradient is ready. */
+ * the plain PushPull runs once every gradient is ready. The exchange runs
+ * on the client's own thread, made by the first stream. */
 typedef struct pstrain_step_stream pstrain_step_stream;
 int pstrain_stream_start(pstrain_client* client, int64_t push_step,
                          const float* const* gradients, int64_t pull_step,
@@ -105,8 +106,8 @@ int pstrain_stream_start(pstrain_client* client, int64_t push_step,
 int pstrain_stream_ready(pstrain_step_stream* stream, int tensor, int64_t end);
 /* Waits for the exchange to end (every tensor must have been made ready, or
  * the exchange waits out the RPC deadline); result as push_pull's, then
- * the calls that left as their gradients were made (0 where the step ran
- * as the plain PushPull). */
+ * the calls answered as they were streamed (0 where the step ran as the
+ * plain PushPull). */
 int pstrain_stream_finish(pstrain_step_stream* stream, int64_t result[4],
                           char** error);
 /* Gives the step up (backward failed): the exchange stops within about a

@@ -442,18 +442,25 @@ class Client:
         return bool(
             _quick_lib.pstrain_client_some_shard_on_another_host(self._handle))
 
-    def start_stream(self, push_step, gradients, pull_step, tensors):
+    def stream_memory(self, gradients, tensors):
+        """The arrays a pipelined step pushes from and pulls into, checked
+        once: a job's steps stream through the same memory."""
+        return StreamMemory(self._dense(gradients, False, "push"),
+                            self._dense(tensors, True, "pull"),
+                            (gradients, tensors))
+
+    def start_stream(self, push_step, pull_step, memory):
         """The pipelined step (c_api.h, pstrain_stream_start): push_pull's
-        exchange on a thread of the library's while the gradients are made;
-        each tensor leaves once ``ready`` says its gradient is final. The
-        arrays must stay as they are until the stream's finish() or
-        cancel(); the client takes no other call meanwhile."""
-        grads = self._dense(gradients, False, "push")
-        values = self._dense(tensors, True, "pull")
+        exchange on the library's thread while the gradients are made, in
+        `memory` (stream_memory); each tensor leaves once ``ready`` says its
+        gradient is final. The arrays must stay as they are until the
+        stream's finish() or cancel(); the client takes no other call
+        meanwhile."""
         handle = _p()
-        self._call(_lib.pstrain_stream_start, push_step, grads, pull_step,
-                   values, len(tensors), ctypes.byref(handle))
-        self._stream = StepStream(self, handle, (gradients, tensors))
+        self._call(_lib.pstrain_stream_start, push_step, memory.gradients,
+                   pull_step, memory.tensors, len(memory.tensors),
+                   ctypes.byref(handle))
+        self._stream = StepStream(self, handle, memory)
         _LIVE_CLIENTS.add(self)
         return self._stream
 
@@ -591,13 +598,23 @@ class Client:
         _lib.pstrain_client_interrupt(self._handle)
 
 
+class StreamMemory:
+    """Client.stream_memory: the C pointer arrays, and the arrays they
+    point into (kept alive with them)."""
+
+    def __init__(self, gradients, tensors, arrays):
+        self.gradients = gradients
+        self.tensors = tensors
+        self._arrays = arrays
+
+
 class StepStream:
     """One pipelined step running (Client.start_stream)."""
 
-    def __init__(self, client, handle, arrays):
+    def __init__(self, client, handle, memory):
         self._client = client
         self._handle = handle
-        self._arrays = arrays  # alive while the library reads and writes them
+        self._memory = memory  # alive while the library reads and writes it
         # ready() may come from another thread (a CUDA copy's waiter) while
         # the training thread finishes or cancels the stream.
         self._lock = threading.Lock()
@@ -617,8 +634,7 @@ class StepStream:
     def finish(self):
         """Waits for the exchange (every tensor made ready first); returns
         push_pull's (blocks_duplicate, blocks_late, pulled_step) and the
-        calls that left as their gradients were made (0: the plain
-        PushPull ran)."""
+        calls answered as they were streamed (0: the plain PushPull ran)."""
         handle = self._take_handle()
         if handle is None:
             raise ValueError("the stream was finished or cancelled already")

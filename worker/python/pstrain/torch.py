@@ -122,6 +122,7 @@ class _Tensor:
         # tensor's own.
         self._stream_grad = None
         self._landing = None
+        self._landing_tensor = None  # the same memory, as a tensor
 
     def spec(self):
         return {"name": self.name, "shape": self.shape,
@@ -201,6 +202,8 @@ class _Tensor:
             return self.values_view
         if self._landing is None:
             self._landing = np.empty(self.numel, dtype=np.float32)
+            self._landing_tensor = torch.from_numpy(self._landing).view(
+                self.tensor.shape)
         return self._landing
 
     def snapshot_state(self):
@@ -224,8 +227,7 @@ class _Tensor:
         """After a pipelined step: the landed values into the tensor, the
         gradient zeroed and (CPU) our memory the parameter's ``.grad``."""
         if self.direct:
-            self.tensor.data.copy_(torch.from_numpy(self._landing).view(
-                self.tensor.shape))
+            self.tensor.data.copy_(self._landing_tensor)
         else:
             self.after_pull(stream)
         if self.state:
@@ -278,6 +280,7 @@ class _Pipeline:
         self.learning = True
         self.steps = 0  # pipelined steps so far
         self._stream = None
+        self._memory = None  # the stream's arrays (Client.stream_memory)
         self._hook_calls = [0] * len(ps._tensors)
         self._passes = 0            # backward passes in this step
         self._callback_queued = False
@@ -353,14 +356,17 @@ class _Pipeline:
             t.check_unchanged()
         ps._send_rates()
         ps.client.set_gradient_clip(0.0)
-        landings = [t.stream_landing() for t in ps._tensors]
-        # State leaves from its landing array, a copy taken now (its values
-        # land there after they left, and go into the tensor in step()).
-        grads = [landings[i] if t.state
-                 else t.stream_gradient().numpy().reshape(-1)
-                 for i, t in enumerate(ps._tensors)]
-        self._stream = ps.client._core.start_stream(
-            ps._step, grads, ps._step + 1, landings)
+        if self._memory is None:
+            # Our own arrays, the same every step. State leaves from its
+            # landing array, a copy taken now (its values land there after
+            # they left, and go into the tensor in step()).
+            landings = [t.stream_landing() for t in ps._tensors]
+            grads = [landings[i] if t.state
+                     else t.stream_gradient().numpy().reshape(-1)
+                     for i, t in enumerate(ps._tensors)]
+            self._memory = ps.client._core.stream_memory(grads, landings)
+        self._stream = ps.client._core.start_stream(ps._step, ps._step + 1,
+                                                    self._memory)
         # State is final once forward is done: it leaves first (its groups
         # lead every link).
         for i, t in enumerate(ps._tensors):
@@ -829,9 +835,9 @@ class ParameterServer:
 
     @property
     def pipelined_calls(self):
-        """Calls to a shard of the pipelined steps that left as their
-        gradients were made: 0 where every exchange fell back to the plain
-        PushPull after backward (TLS, a 16-bit wire, a failed attempt)."""
+        """Calls to a shard of the pipelined steps answered as they were
+        streamed: 0 where every exchange fell back to the plain PushPull
+        after backward (TLS, a 16-bit wire, a failed attempt)."""
         return 0 if self._pipeline is None else self._pipeline.groups_streamed
 
     def step(self):
