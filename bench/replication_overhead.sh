@@ -40,6 +40,7 @@ common=(--server.optimizer=adam --server.learning_rate=0.001 --cpu_threads=1 --l
 job_args() {
   case "$1" in
     mlp_2x2) echo "--servers=2 --workers=2 -- --data=fashion_mnist --model=mlp --hidden=256,128 --global_batch_size=128 --epochs=1" ;;
+    mlp_1x1) echo "--servers=1 --workers=1 -- --data=fashion_mnist --model=mlp --hidden=256,128 --global_batch_size=128 --epochs=1" ;;
     big_2x4) echo "--servers=2 --workers=4 -- --data=synthetic --num_features=32 --num_classes=4 --model=mlp --hidden=4096,4096 --batch_size=32 --steps=40 --train_examples=4096 --test_examples=256" ;;
     *) echo "replication_overhead.sh: unknown job '$1'" >&2; exit 2 ;;
   esac

@@ -28,6 +28,8 @@ TEST(ShardStatsCollectorTest, AReplicaSaysItsRoleEpochAndCatchUps) {
   stats.set_replica_epoch(2);
   stats.set_replica_takeovers(1);
   stats.set_replica_catchups(3);
+  stats.set_step_record_sends(4);
+  stats.set_step_record_confirm_seconds(0.5);
   const std::vector<prometheus::MetricFamily> families =
       ShardStatsCollector([&stats] { return stats; }).Collect();
   const prometheus::MetricFamily* info = Find(families, "pstrain_replica_info");
@@ -46,6 +48,10 @@ TEST(ShardStatsCollectorTest, AReplicaSaysItsRoleEpochAndCatchUps) {
       Find(families, "pstrain_replica_catchups_total");
   ASSERT_NE(catchups, nullptr);
   EXPECT_EQ(catchups->metric[0].counter.value, 3);
+  const prometheus::MetricFamily* confirm =
+      Find(families, "pstrain_replica_step_record_confirm_seconds_total");
+  ASSERT_NE(confirm, nullptr);
+  EXPECT_EQ(confirm->metric[0].counter.value, 0.5);
 }
 
 TEST(ShardStatsCollectorTest, AnUnreplicatedShardHasNoReplicaFamilies) {

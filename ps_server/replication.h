@@ -20,9 +20,10 @@
 // (the last push, a lease that ran out, a clip's coefficient), the shard
 // records it: the summed gradients, the workers counted, the rate and the
 // coefficient (Shard::TakeStepRecords). The service sends the records to
-// every backup in the order they were made ("steps") before any pull that
-// shows the step is answered, and a backup applies each one as the primary
-// did (Shard::ApplyStepRecords); it completes no dense step by itself.
+// every backup ("steps" messages, two on their way at once, each block's
+// records in step order) before any pull that shows the step is answered,
+// and a backup applies each one as the primary did
+// (Shard::ApplyStepRecords); it completes no dense step by itself.
 // With R = 3 the records go to the backups one after the other, the last
 // in the succession first, so no next primary holds a record that a
 // replica after it lacks.

@@ -192,7 +192,15 @@ StatsResponse ParameterServerService::CurrentStats() const {
   stats.set_grpc_tls_refused(GrpcTlsRefusals());
   stats.set_data_plane_ktls_connections(data_plane_ktls_.load());
   stats.set_data_plane_user_tls_connections(data_plane_user_tls_.load());
-  if (replicas_ != nullptr) replicas_->AddStats(&stats);
+  if (replicas_ != nullptr) {
+    replicas_->AddStats(&stats);
+    stats.set_step_record_sends(step_record_sends_.load());
+    stats.set_step_record_send_seconds(step_record_send_ns_.load() * 1e-9);
+    stats.set_step_record_confirm_seconds(step_record_confirm_ns_.load() *
+                                          1e-9);
+    stats.set_step_record_applies(step_record_applies_.load());
+    stats.set_step_record_apply_seconds(step_record_apply_ns_.load() * 1e-9);
+  }
   return stats;
 }
 
@@ -563,7 +571,7 @@ ParameterServerService::~ParameterServerService() {
     absl::MutexLock lock(&step_records_mu_);
     stop_step_records_ = true;
   }
-  if (step_records_thread_.joinable()) step_records_thread_.join();
+  for (std::thread& sender : step_records_senders_) sender.join();
   {
     absl::MutexLock lock(&step_records_mu_);
     unsent.swap(record_waits_);
@@ -587,7 +595,9 @@ void ParameterServerService::set_replicas(ReplicaSet* replicas) {
     shard_->CompleteStepsNowLeading();
     NudgeStepRecords();
   });
-  step_records_thread_ = std::thread([this] { RunStepRecordsSender(); });
+  for (int i = 0; i < kStepRecordSenders; ++i) {
+    step_records_senders_.emplace_back([this] { RunStepRecordsSender(); });
+  }
 }
 
 void ParameterServerService::NudgeStepRecords() {
@@ -603,26 +613,30 @@ void ParameterServerService::NudgeStepRecords() {
 
 absl::Status ParameterServerService::SendStepRecords() {
   Shard::TakenStepRecords taken = shard_->TakeStepRecords(kStepRecordsBytes);
-  if (taken.records.records_size() > 0) {
-    const std::string header = taken.records.SerializeAsString();
-    char length[data_plane::kLengthPrefixBytes];
-    data_plane::EncodeLengthPrefix(static_cast<uint32_t>(header.size()),
-                                   length);
-    std::vector<absl::string_view> pieces = {
-        absl::string_view(length, sizeof(length)), header};
-    for (const std::vector<float>& sum : taken.sums) {
-      if (sum.empty()) continue;
-      pieces.emplace_back(reinterpret_cast<const char*>(sum.data()),
-                          sum.size() * sizeof(float));
-    }
-    if (absl::Status sent = replicas_->Forward("steps", pieces); !sent.ok()) {
-      shard_->ReturnStepRecords(std::move(taken));
-      return sent;
-    }
+  if (taken.records.records_size() == 0) return absl::OkStatus();
+  const std::string header = taken.records.SerializeAsString();
+  char length[data_plane::kLengthPrefixBytes];
+  data_plane::EncodeLengthPrefix(static_cast<uint32_t>(header.size()), length);
+  std::vector<absl::string_view> pieces = {
+      absl::string_view(length, sizeof(length)), header};
+  for (const std::vector<float>& sum : taken.sums) {
+    if (sum.empty()) continue;
+    pieces.emplace_back(reinterpret_cast<const char*>(sum.data()),
+                        sum.size() * sizeof(float));
   }
-  absl::MutexLock lock(&step_records_mu_);
-  step_records_sent_ = std::max(step_records_sent_, taken.made);
-  shard_->RecycleStepRecords(std::move(taken));
+  const absl::Time start = absl::Now();
+  if (absl::Status sent = replicas_->Forward("steps", pieces); !sent.ok()) {
+    shard_->ReturnStepRecords(std::move(taken));
+    return sent;
+  }
+  const absl::Time confirmed = absl::Now();
+  step_record_sends_.fetch_add(1, std::memory_order_relaxed);
+  step_record_send_ns_.fetch_add(absl::ToInt64Nanoseconds(confirmed - start),
+                                 std::memory_order_relaxed);
+  step_record_confirm_ns_.fetch_add(
+      absl::ToInt64Nanoseconds(confirmed - taken.newest_made),
+      std::memory_order_relaxed);
+  shard_->ConfirmStepRecords(std::move(taken));
   return absl::OkStatus();
 }
 
@@ -635,16 +649,16 @@ void ParameterServerService::EndStepRecordWaits() {
   {
     absl::MutexLock lock(&step_records_mu_);
     const absl::Time now = absl::Now();
+    const int64_t confirmed = shard_->StepRecordsConfirmed();
     auto kept = std::stable_partition(
         record_waits_.begin(), record_waits_.end(),
         [&](const RecordWait& w)
             ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_records_mu_) {
-              return serves.ok() && w.made > step_records_sent_ &&
-                     w.give_up > now;
+              return serves.ok() && w.made > confirmed && w.give_up > now;
             });
     for (auto it = kept; it != record_waits_.end(); ++it) {
       absl::Status why = serves;
-      if (serves.ok() && it->made > step_records_sent_) {
+      if (serves.ok() && it->made > confirmed) {
         why = absl::UnavailableError(
             "the step this pull shows is not on every replica of the shard "
             "yet (a backup did not confirm it); retry");
@@ -686,7 +700,7 @@ void ParameterServerService::AfterStepRecords(
     int64_t made, absl::Time deadline, std::function<void(absl::Status)> then) {
   {
     absl::MutexLock lock(&step_records_mu_);
-    if (made > step_records_sent_) {
+    if (made > shard_->StepRecordsConfirmed()) {
       record_waits_.push_back(
           RecordWait{made, std::min(deadline, absl::Now() + kStepRecordsWait),
                      std::move(then)});
@@ -714,9 +728,10 @@ void ParameterServerService::RunStepRecordsSender() {
       step_records_nudged_ = false;
     }
     // Everything made until the send starts goes in one message: the
-    // records a step's block groups make while one message is on its way
-    // go together in the next. A send that fails leaves them for the next
-    // round (kStepRecordsRetry), with the waits they hold.
+    // records a step's block groups make while messages are on their way
+    // go together in the next (on the other sender, or this one when it is
+    // back). A send that fails leaves them for the next round
+    // (kStepRecordsRetry), with the waits they hold.
     while (shard_->HasStepRecords()) {
       if (!SendStepRecords().ok()) break;
       EndStepRecordWaits();
@@ -1294,7 +1309,15 @@ absl::Status ParameterServerService::ApplyForwarded(
                                   static_cast<int>(parts->head.size()))) {
         return absl::InvalidArgumentError("unreadable step records");
       }
-      return shard_->ApplyStepRecords(records, parts->rest);
+      const absl::Time start = absl::Now();
+      absl::Status applied = shard_->ApplyStepRecords(records, parts->rest);
+      if (applied.ok()) {
+        step_record_applies_.fetch_add(1, std::memory_order_relaxed);
+        step_record_apply_ns_.fetch_add(
+            absl::ToInt64Nanoseconds(absl::Now() - start),
+            std::memory_order_relaxed);
+      }
+      return applied;
     }
     if (method == "FinalState") {
       CheckpointRequest r;

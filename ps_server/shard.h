@@ -60,6 +60,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -343,25 +344,36 @@ class Shard {
   void set_leads_steps(std::function<bool()> leads) {
     leads_steps_ = std::move(leads);
   }
-  // The steps completed since the last take, in the order they completed,
-  // each record's sum beside it (empty when it has none), and how many
-  // records were ever made up to the last of them. At least one record
-  // when there is one, and no more than fit in `max_sum_bytes` of sums
-  // past the first (a message to a backup has a size bound).
+  // The steps completed and not yet taken, in the order they completed,
+  // each record's sum beside it (empty when it has none). At least one
+  // record when a take may have one, and no more than fit in
+  // `max_sum_bytes` of sums past the first (a message to a backup has a
+  // size bound). Several takes may be on their way to the backups at once
+  // (the service's senders): a take stops before a record of a block that
+  // has one on its way, so that each block's records reach a backup in
+  // step order whatever order the messages finish in.
   struct TakenStepRecords {
     StepRecords records;
     std::vector<std::vector<float>> sums;
-    int64_t made = 0;
+    // Each record's place in the order records were made (0, 1, ...).
+    std::vector<int64_t> places;
+    // When the newest of them was made.
+    absl::Time newest_made = absl::InfinitePast();
   };
   TakenStepRecords TakeStepRecords(int64_t max_sum_bytes);
-  // Records that could not be sent: they go first in the next take.
+  // Records that could not be sent: back in the queue, in the order they
+  // were made, before any later record of their blocks.
   void ReturnStepRecords(TakenStepRecords taken);
-  // Records that were sent: their sums' memory serves later steps.
-  void RecycleStepRecords(TakenStepRecords taken);
+  // Records every backup holds: their sums' memory serves later steps.
+  void ConfirmStepRecords(TakenStepRecords taken);
   // Records made so far (a pull answered now may show all of them).
   int64_t StepRecordsMade() const {
     return step_records_made_.load(std::memory_order_acquire);
   }
+  // How many records, counted from the first made, every backup holds (no
+  // record made before that count is queued or on its way).
+  int64_t StepRecordsConfirmed() const;
+  // Whether a take now would return a record.
   bool HasStepRecords() const;
   // A replica that does not lead: applies the leader's records, each
   // exactly as the leader applied it (`sums`: the records' sums, float32,
@@ -858,8 +870,17 @@ class Shard {
   // a block's mu, never the reverse.
   std::function<bool()> leads_steps_;
   mutable absl::Mutex step_records_mu_;
-  std::deque<std::pair<StepRecord, std::vector<float>>> step_records_
-      ABSL_GUARDED_BY(step_records_mu_);
+  struct QueuedStepRecord {
+    StepRecord record;
+    std::vector<float> sum;
+    int64_t place = 0;
+    absl::Time made = absl::InfinitePast();
+  };
+  // Sorted by place.
+  std::deque<QueuedStepRecord> step_records_ ABSL_GUARDED_BY(step_records_mu_);
+  // Taken and not yet confirmed or returned: their places, and their blocks.
+  std::set<int64_t> step_records_on_way_ ABSL_GUARDED_BY(step_records_mu_);
+  absl::flat_hash_set<int> blocks_on_way_ ABSL_GUARDED_BY(step_records_mu_);
   std::vector<std::vector<float>> spare_step_sums_
       ABSL_GUARDED_BY(step_records_mu_);
   std::atomic<int64_t> step_records_made_{0};

@@ -2,6 +2,7 @@
 // primary records each dense step it applies, and its backups apply the
 // record instead of summing every worker's push themselves
 // (ps_server/replication.h, "Sync steps").
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -50,7 +51,9 @@ void Shard::RecordStepLocked(Block& block, float coefficient) {
 
 void Shard::AddStepRecord(StepRecord record, std::vector<float> sum) {
   absl::MutexLock lock(&step_records_mu_);
-  step_records_.emplace_back(std::move(record), std::move(sum));
+  step_records_.push_back(QueuedStepRecord{
+      std::move(record), std::move(sum),
+      step_records_made_.load(std::memory_order_relaxed), absl::Now()});
   step_records_made_.fetch_add(1, std::memory_order_acq_rel);
 }
 
@@ -67,40 +70,73 @@ Shard::TakenStepRecords Shard::TakeStepRecords(int64_t max_sum_bytes) {
   absl::MutexLock lock(&step_records_mu_);
   int64_t bytes = 0;
   while (!step_records_.empty()) {
-    auto& [record, sum] = step_records_.front();
-    const int64_t size = static_cast<int64_t>(sum.size() * sizeof(float));
-    if (taken.records.records_size() > 0 && bytes + size > max_sum_bytes) {
+    QueuedStepRecord& front = step_records_.front();
+    const int block = front.record.local_block();
+    const int64_t size = static_cast<int64_t>(front.sum.size() * sizeof(float));
+    if (blocks_on_way_.contains(block) ||
+        (taken.records.records_size() > 0 && bytes + size > max_sum_bytes)) {
       break;
     }
     bytes += size;
-    *taken.records.add_records() = std::move(record);
-    taken.sums.push_back(std::move(sum));
+    // Two records of one block in a take would be two steps of it: the
+    // later waits for the next take, as one on its way would.
+    blocks_on_way_.insert(block);
+    step_records_on_way_.insert(front.place);
+    taken.places.push_back(front.place);
+    taken.newest_made = std::max(taken.newest_made, front.made);
+    *taken.records.add_records() = std::move(front.record);
+    taken.sums.push_back(std::move(front.sum));
     step_records_.pop_front();
   }
-  // What was made up to the last record taken: the rest are still here.
-  taken.made = step_records_made_.load(std::memory_order_acquire) -
-               static_cast<int64_t>(step_records_.size());
   return taken;
 }
 
 void Shard::ReturnStepRecords(TakenStepRecords taken) {
   absl::MutexLock lock(&step_records_mu_);
   for (int i = taken.records.records_size() - 1; i >= 0; --i) {
-    step_records_.emplace_front(std::move(*taken.records.mutable_records(i)),
-                                std::move(taken.sums[i]));
+    QueuedStepRecord back{std::move(*taken.records.mutable_records(i)),
+                          std::move(taken.sums[i]), taken.places[i],
+                          taken.newest_made};
+    blocks_on_way_.erase(back.record.local_block());
+    step_records_on_way_.erase(back.place);
+    // Another take may have been confirmed or returned meanwhile: the
+    // queue stays in the order the records were made.
+    auto at =
+        std::lower_bound(step_records_.begin(), step_records_.end(), back.place,
+                         [](const QueuedStepRecord& q, int64_t place) {
+                           return q.place < place;
+                         });
+    step_records_.insert(at, std::move(back));
   }
 }
 
-void Shard::RecycleStepRecords(TakenStepRecords taken) {
+void Shard::ConfirmStepRecords(TakenStepRecords taken) {
   absl::MutexLock lock(&step_records_mu_);
+  for (int i = 0; i < taken.records.records_size(); ++i) {
+    blocks_on_way_.erase(taken.records.records(i).local_block());
+    step_records_on_way_.erase(taken.places[i]);
+  }
   for (std::vector<float>& sum : taken.sums) {
     if (sum.capacity() > 0) spare_step_sums_.push_back(std::move(sum));
   }
 }
 
+int64_t Shard::StepRecordsConfirmed() const {
+  absl::MutexLock lock(&step_records_mu_);
+  int64_t confirmed = step_records_made_.load(std::memory_order_acquire);
+  if (!step_records_.empty()) {
+    confirmed = std::min(confirmed, step_records_.front().place);
+  }
+  if (!step_records_on_way_.empty()) {
+    confirmed = std::min(confirmed, *step_records_on_way_.begin());
+  }
+  return confirmed;
+}
+
 bool Shard::HasStepRecords() const {
   absl::MutexLock lock(&step_records_mu_);
-  return !step_records_.empty();
+  return !step_records_.empty() &&
+         !blocks_on_way_.contains(step_records_.front().record.local_block());
 }
 
 absl::Status Shard::ApplyStepRecords(const StepRecords& records,

@@ -1798,14 +1798,19 @@ struct SentRecords {
   std::string sums;
 };
 
-SentRecords Take(Shard& shard) {
-  Shard::TakenStepRecords taken = shard.TakeStepRecords(int64_t{1} << 30);
+SentRecords Serialized(const Shard::TakenStepRecords& taken) {
   SentRecords sent{taken.records, ""};
   for (const std::vector<float>& sum : taken.sums) {
     sent.sums.append(reinterpret_cast<const char*>(sum.data()),
                      sum.size() * sizeof(float));
   }
-  shard.RecycleStepRecords(std::move(taken));
+  return sent;
+}
+
+SentRecords Take(Shard& shard) {
+  Shard::TakenStepRecords taken = shard.TakeStepRecords(int64_t{1} << 30);
+  SentRecords sent = Serialized(taken);
+  shard.ConfirmStepRecords(std::move(taken));
   return sent;
 }
 
@@ -1907,9 +1912,9 @@ TEST(ShardStepRecordsTest, ABackupAnswersAReadOnceItHoldsTheStep) {
   EXPECT_EQ(f.follower->Stats().version(), 1);
 }
 
-// A take holds no more sums than asked (past its first record), and says
-// how many records were made up to its last.
-TEST(ShardStepRecordsTest, ATakeIsBoundedAndCountsWhatItTook) {
+// A take holds no more sums than asked (past its first record); records
+// not sent go back in the order they were made.
+TEST(ShardStepRecordsTest, ATakeIsBoundedAndReturnsKeepTheOrder) {
   LeaderAndFollower f = MakeLeaderAndFollower();
   for (int worker : {0, 1}) {
     ASSERT_TRUE(DoPush(*f.leader, UniformPush(worker, 0, 1)).ok());
@@ -1917,18 +1922,72 @@ TEST(ShardStepRecordsTest, ATakeIsBoundedAndCountsWhatItTook) {
   ASSERT_EQ(f.leader->StepRecordsMade(), 3);  // blocks of 4, 2 and 2 floats
   Shard::TakenStepRecords first = f.leader->TakeStepRecords(/*max=*/1);
   EXPECT_EQ(first.records.records_size(), 1);
-  EXPECT_EQ(first.made, 1);
+  EXPECT_EQ(first.places, std::vector<int64_t>{0});
   Shard::TakenStepRecords rest = f.leader->TakeStepRecords(/*max=*/16);
   EXPECT_EQ(rest.records.records_size(), 2);
-  EXPECT_EQ(rest.made, 3);
-  // Not sent: back in front, in order.
+  EXPECT_EQ(rest.places, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(f.leader->StepRecordsConfirmed(), 0);
+  // Not sent: back in the queue, in order, whichever comes back first.
   f.leader->ReturnStepRecords(std::move(rest));
   f.leader->ReturnStepRecords(std::move(first));
   Shard::TakenStepRecords all = f.leader->TakeStepRecords(int64_t{1} << 20);
   ASSERT_EQ(all.records.records_size(), 3);
-  EXPECT_EQ(all.made, 3);
   for (int i = 0; i < 3; ++i)
     EXPECT_EQ(all.records.records(i).local_block(), i);
+  f.leader->ConfirmStepRecords(std::move(all));
+  EXPECT_EQ(f.leader->StepRecordsConfirmed(), 3);
+}
+
+// Two messages may be on their way at once (the service's two senders): a
+// block's next record waits until its last one is confirmed or back, so a
+// backup gets each block's steps in order; and the records confirmed count
+// only up to the first that is not, whatever order the messages finish in.
+TEST(ShardStepRecordsTest, ABlocksRecordsLeaveOneAtATimeInStepOrder) {
+  LeaderAndFollower f = MakeLeaderAndFollower();
+  // Steps 0 and 1 of every block (plain pushes: the shard does not wait for
+  // the records), made in the order b0s0 b1s0 b2s0 b0s1 b1s1 b2s1.
+  for (int64_t step : {0, 1}) {
+    for (int worker : {0, 1}) {
+      ASSERT_TRUE(
+          DoPush(*f.leader, UniformPush(worker, step, 1.0f + step)).ok());
+    }
+  }
+  ASSERT_EQ(f.leader->StepRecordsMade(), 6);
+  Shard::TakenStepRecords a = f.leader->TakeStepRecords(/*max=*/1);  // b0s0
+  Shard::TakenStepRecords b = f.leader->TakeStepRecords(/*max=*/16);
+  // b1s0 and b2s0; b0s1 waits for b0s0, and the take stops there.
+  ASSERT_EQ(b.places, (std::vector<int64_t>{1, 2}));
+  EXPECT_FALSE(f.leader->HasStepRecords());
+  EXPECT_EQ(f.leader->TakeStepRecords(int64_t{1} << 20).records.records_size(),
+            0);
+  // b confirmed before a: nothing counts past a.
+  const SentRecords b_sent = Serialized(b);
+  f.leader->ConfirmStepRecords(std::move(b));
+  EXPECT_EQ(f.leader->StepRecordsConfirmed(), 0);
+  // a did not reach the backup: back in front of b0s1.
+  f.leader->ReturnStepRecords(std::move(a));
+  EXPECT_EQ(f.leader->StepRecordsConfirmed(), 0);
+  ASSERT_TRUE(f.leader->HasStepRecords());
+  Shard::TakenStepRecords again = f.leader->TakeStepRecords(int64_t{1} << 20);
+  ASSERT_EQ(again.places, std::vector<int64_t>{0});
+  const SentRecords again_sent = Serialized(again);
+  f.leader->ConfirmStepRecords(std::move(again));
+  EXPECT_EQ(f.leader->StepRecordsConfirmed(), 3);
+  Shard::TakenStepRecords step1 = f.leader->TakeStepRecords(int64_t{1} << 20);
+  EXPECT_EQ(step1.places, (std::vector<int64_t>{3, 4, 5}));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(step1.records.records(i).local_block(), i);
+    EXPECT_EQ(step1.records.records(i).step(), 1);
+  }
+  const SentRecords step1_sent = Serialized(step1);
+  f.leader->ConfirmStepRecords(std::move(step1));
+  EXPECT_EQ(f.leader->StepRecordsConfirmed(), 6);
+  // A backup that got the messages in the order they were confirmed holds
+  // the leader's model: blocks apply independently of each other.
+  for (const SentRecords* sent : {&b_sent, &again_sent, &step1_sent}) {
+    ASSERT_TRUE(f.follower->ApplyStepRecords(sent->records, sent->sums).ok());
+  }
+  ExpectSameModel(*f.leader, *f.follower, 2);
 }
 
 // Records reach only a replicated sync shard; others refuse them.
@@ -1947,7 +2006,11 @@ TEST(ShardStepRecordsTest, RecordsThatDoNotFitAreRefusedWhole) {
       ASSERT_TRUE(DoPush(*f.leader, UniformPush(worker, step, 1)).ok());
     }
   }
-  const SentRecords sent = Take(*f.leader);
+  // Both steps in one message (a take holds one step of a block: two).
+  SentRecords sent = Take(*f.leader);
+  const SentRecords step1 = Take(*f.leader);
+  sent.records.MergeFrom(step1.records);
+  sent.sums += step1.sums;
   ASSERT_EQ(sent.records.records_size(), 6);
   // Step 1 without step 0 (a record missed): refused, nothing applied.
   StepRecords ahead;

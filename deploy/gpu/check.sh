@@ -960,6 +960,23 @@ step_replication() {
     "every process of the job, $(nproc) cores here; R=2 spends ${cpu_ratio}x the CPU of R=1"
   goal_row "sync step R=2 vs R=1 (loopback)" "$(median "${ratios[@]}")" at_most 1.15 \
     "median of the per-round ratios; issue 38's goal <= 1.15x"
+  # Where the R=2 step's extra goes: what the servers said of their step
+  # records at exit (ps_server's shard_final line), medians over the rounds'
+  # shards. confirm: from a message's newest record to every backup holding
+  # it (what a step's last pulls wait for); send: the call alone; apply: the
+  # backup's part of the call.
+  local record_path
+  record_path=$(cat "$results"/replication/r2_round*.run/ps*.log 2>/dev/null | grep '^{"event":"shard_final"' | awk '
+    function field(name,   m) { return match($0, "\"" name "\":[0-9.]+") ? substr($0, RSTART + length(name) + 3, RLENGTH - length(name) - 3) : "" }
+    function median(a, n,   i, j, t) {
+      for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j - 1] > a[j]; j--) { t = a[j]; a[j] = a[j - 1]; a[j - 1] = t }
+      return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+    }
+    field("step_record_confirm_ms") != "" { c[++nc] = field("step_record_confirm_ms"); s[nc] = field("step_record_send_ms") }
+    field("step_record_apply_ms") != "" { a[++na] = field("step_record_apply_ms") }
+    END { if (nc && na) printf "confirm %.3f ms, send %.3f ms, backup apply %.3f ms", median(c, nc), median(s, nc), median(a, na) }')
+  row "replication record path (R=2)" INFO "${record_path:-none reported}" \
+    "per step-record message, medians over the primaries and backups of every round"
 }
 
 # --- Run them ------------------------------------------------------------------
