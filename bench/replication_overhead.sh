@@ -7,6 +7,9 @@
 #
 #   mlp_2x2   MLP 784-256-128-10 on Fashion-MNIST, 2 servers x 2 workers,
 #             global batch 128, 1 epoch (the README's job; 0.94 MB model)
+#   mlp_1x1   the same MLP, 1 server x 1 worker: three processes on this
+#             machine's cores, so the replication's round trips show rather
+#             than the backups' CPU (as on a host with cores to spare)
 #   big_2x4   MLP 32-4096-4096-4 (16.8M parameters, 67 MB), synthetic data,
 #             2 servers x 4 workers, batch 32 a worker, 40 steps
 #
@@ -15,7 +18,7 @@
 # backup (gRPC, the request's bytes) and applied there before the answer:
 # on one machine the backups' applies share its cores with everything else.
 #
-#   bench/replication_overhead.sh [--repeats=3] [--jobs=mlp_2x2,big_2x4]
+#   bench/replication_overhead.sh [--repeats=3] [--jobs=mlp_2x2,big_2x4,mlp_1x1]
 #
 # Writes bench/results/replication_overhead.txt (medians over the rounds).
 set -euo pipefail

@@ -399,6 +399,9 @@ class _Pipeline:
             host.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
+        # Memory freed before the copy ran (a .grad set to None) must not
+        # be handed to work on another stream meanwhile.
+        source.record_stream(self._copy_stream)
         self._copier.submit(done, self._stream, i, host.numel())
 
     def _on_backward_end(self):
