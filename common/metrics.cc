@@ -677,15 +677,15 @@ void AddReplicaFamilies(const StatsResponse& s, ShardFamilies& out) {
           "How long the last catch-up took (sent, or received).",
           MetricType::Gauge, s.replica_catchup_seconds());
   out.Add("pstrain_replica_step_record_sends_total",
-          "Step-record messages every backup confirmed, as primary (sync).",
+          "Step-record messages the backups confirmed, as primary (sync).",
           MetricType::Counter, static_cast<double>(s.step_record_sends()));
   out.Add("pstrain_replica_step_record_send_seconds_total",
           "Time the step-record calls to the backups took, as primary.",
           MetricType::Counter, s.step_record_send_seconds());
   out.Add("pstrain_replica_step_record_confirm_seconds_total",
-          "Time from the making of each message's newest step record to its "
-          "confirmation by every backup (what a step's pulls wait for), as "
-          "primary.",
+          "Per step-record message, the time from the making of its newest "
+          "record to its confirmation by every backup (a pull may wait "
+          "longer, for an older message still out), as primary.",
           MetricType::Counter, s.step_record_confirm_seconds());
   out.Add("pstrain_replica_step_record_applies_total",
           "Step-record messages applied, as backup.", MetricType::Counter,

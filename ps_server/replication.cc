@@ -693,7 +693,8 @@ absl::Status ReplicaSet::AwaitedJoinerLocked() {
 
 absl::Status ReplicaSet::Forward(absl::string_view method,
                                  absl::Span<const absl::string_view> request,
-                                 bool wait_for_replicas) {
+                                 bool wait_for_replicas, int* confirmed) {
+  if (confirmed != nullptr) *confirmed = 0;
   if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
   // An update the primary applied while a joiner has not asked for the
   // state yet is not acknowledged (the worker's retry is a duplicate,
@@ -808,7 +809,10 @@ absl::Status ReplicaSet::Forward(absl::string_view method,
   absl::Status failure;
   for (size_t i = 0; i < targets.size(); ++i) {
     const absl::Status& result = results[i];
-    if (result.ok()) continue;
+    if (result.ok()) {
+      if (confirmed != nullptr) ++*confirmed;
+      continue;
+    }
     Peer& peer = *targets[i];
     if (absl::StrContains(result.message(), kFenced)) {
       StepDown(std::string(result.message()));

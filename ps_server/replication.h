@@ -242,10 +242,12 @@ class ReplicaSet {
   // `wait_for_replicas`: wait up to startup_wait for replicas that are not
   // up yet (a registration at the job's start).
   // Pushes travel on the replica's data port (common/transport/data_plane.h,
-  // Method kForward), the rest over gRPC.
+  // Method kForward), the rest over gRPC. `confirmed` (when given): how
+  // many replicas applied it (0 when the set holds no other).
   absl::Status Forward(absl::string_view method,
                        absl::Span<const absl::string_view> request,
-                       bool wait_for_replicas = false);
+                       bool wait_for_replicas = false,
+                       int* confirmed = nullptr);
 
   // The receiving side of Replicate, before the request is applied: OK
   // when a request of `epoch` may be applied here. Refuses one from a

@@ -111,13 +111,6 @@ std::string OpenPortWarning(const std::string& host, int port, int data_port) {
       "--tls_client_ca, clients need a certificate), or a firewall");
 }
 
-// {"event":"shard_final",...}: the step (sync) or update count (async) the
-// shard ends at, and what weakened or lost steps, for a launcher's report
-// of the job whatever its workers print. job_final_version: the version of
-// the final model the workers reported (0: none did); behind: this shard's
-// state is older than that (restored from a checkpoint taken before the
-// job's last steps, after the workers had them), or was rebuilt up to it
-// with losses after a worker had pulled it: those steps are lost.
 // A replicated sync shard's step records, per message: on a primary the
 // mean ms from a message's newest record to its confirmation and the
 // call's own ms; on a backup the mean ms applying one took.
@@ -144,6 +137,13 @@ std::string StepRecordTimesJson(const StatsResponse& stats) {
   return json;
 }
 
+// {"event":"shard_final",...}: the step (sync) or update count (async) the
+// shard ends at, and what weakened or lost steps, for a launcher's report
+// of the job whatever its workers print. job_final_version: the version of
+// the final model the workers reported (0: none did); behind: this shard's
+// state is older than that (restored from a checkpoint taken before the
+// job's last steps, after the workers had them), or was rebuilt up to it
+// with losses after a worker had pulled it: those steps are lost.
 std::string ShardFinalJson(const StatsResponse& stats, int64_t state_version,
                            int64_t skipped_to_step, bool final_rebuilt,
                            absl::string_view final_checkpoint) {

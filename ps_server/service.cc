@@ -625,17 +625,25 @@ absl::Status ParameterServerService::SendStepRecords() {
                         sum.size() * sizeof(float));
   }
   const absl::Time start = absl::Now();
-  if (absl::Status sent = replicas_->Forward("steps", pieces); !sent.ok()) {
+  int backups = 0;
+  if (absl::Status sent =
+          replicas_->Forward("steps", pieces,
+                             /*wait_for_replicas=*/false, &backups);
+      !sent.ok()) {
     shard_->ReturnStepRecords(std::move(taken));
     return sent;
   }
-  const absl::Time confirmed = absl::Now();
-  step_record_sends_.fetch_add(1, std::memory_order_relaxed);
-  step_record_send_ns_.fetch_add(absl::ToInt64Nanoseconds(confirmed - start),
-                                 std::memory_order_relaxed);
-  step_record_confirm_ns_.fetch_add(
-      absl::ToInt64Nanoseconds(confirmed - taken.newest_made),
-      std::memory_order_relaxed);
+  if (backups > 0) {  // not a set left with no backup
+    const absl::Time confirmed = absl::Now();
+    step_record_sends_.fetch_add(1, std::memory_order_relaxed);
+    step_record_send_ns_.fetch_add(absl::ToInt64Nanoseconds(confirmed - start),
+                                   std::memory_order_relaxed);
+    step_record_confirm_ns_.fetch_add(
+        absl::ToInt64Nanoseconds(
+            confirmed -
+            *std::max_element(taken.made.begin(), taken.made.end())),
+        std::memory_order_relaxed);
+  }
   shard_->ConfirmStepRecords(std::move(taken));
   return absl::OkStatus();
 }
@@ -706,8 +714,8 @@ void ParameterServerService::AfterStepRecords(
                      std::move(then)});
       // Records no push nudged for (a restored primary's skip, made by a
       // pull or a heartbeat) go now, not at the sender's next round. Only
-      // records still queued: a pull of every step waits here, and most
-      // find theirs already on the way.
+      // records a take would return: a pull of every step waits here, and
+      // most find theirs already on the way.
       if (shard_->HasStepRecords()) step_records_nudged_ = true;
       return;
     }

@@ -346,19 +346,20 @@ class Shard {
   }
   // The steps completed and not yet taken, in the order they completed,
   // each record's sum beside it (empty when it has none). At least one
-  // record when a take may have one, and no more than fit in
-  // `max_sum_bytes` of sums past the first (a message to a backup has a
-  // size bound). Several takes may be on their way to the backups at once
-  // (the service's senders): a take stops before a record of a block that
-  // has one on its way, so that each block's records reach a backup in
-  // step order whatever order the messages finish in.
+  // record when HasStepRecords(), and no more than fit in `max_sum_bytes`
+  // of sums past the first (a message to a backup has a size bound).
+  // Several takes may be on their way to the backups at once (the
+  // service's senders): a take passes over a record of a block that has
+  // one on its way (it leaves in a later take), so that each block's
+  // records reach a backup in step order whatever order the messages
+  // finish in, and the other blocks' records do not wait for it.
   struct TakenStepRecords {
     StepRecords records;
     std::vector<std::vector<float>> sums;
-    // Each record's place in the order records were made (0, 1, ...).
+    // Each record's place in the order records were made (0, 1, ...), and
+    // when it was made.
     std::vector<int64_t> places;
-    // When the newest of them was made.
-    absl::Time newest_made = absl::InfinitePast();
+    std::vector<absl::Time> made;
   };
   TakenStepRecords TakeStepRecords(int64_t max_sum_bytes);
   // Records that could not be sent: back in the queue, in the order they
@@ -373,7 +374,8 @@ class Shard {
   // How many records, counted from the first made, every backup holds (no
   // record made before that count is queued or on its way).
   int64_t StepRecordsConfirmed() const;
-  // Whether a take now would return a record.
+  // Whether a take now would return a record: one is queued whose block
+  // has none on its way.
   bool HasStepRecords() const;
   // A replica that does not lead: applies the leader's records, each
   // exactly as the leader applied it (`sums`: the records' sums, float32,

@@ -68,25 +68,34 @@ std::vector<float> Shard::SpareStepSum() {
 Shard::TakenStepRecords Shard::TakeStepRecords(int64_t max_sum_bytes) {
   TakenStepRecords taken;
   absl::MutexLock lock(&step_records_mu_);
+  // Records passed over (their block has one on its way, or in this take:
+  // two steps of a block in one take could apply out of order with a
+  // message still out) go back in front, in order.
+  std::vector<QueuedStepRecord> passed;
   int64_t bytes = 0;
   while (!step_records_.empty()) {
     QueuedStepRecord& front = step_records_.front();
     const int block = front.record.local_block();
+    if (blocks_on_way_.contains(block)) {
+      passed.push_back(std::move(front));
+      step_records_.pop_front();
+      continue;
+    }
     const int64_t size = static_cast<int64_t>(front.sum.size() * sizeof(float));
-    if (blocks_on_way_.contains(block) ||
-        (taken.records.records_size() > 0 && bytes + size > max_sum_bytes)) {
+    if (taken.records.records_size() > 0 && bytes + size > max_sum_bytes) {
       break;
     }
     bytes += size;
-    // Two records of one block in a take would be two steps of it: the
-    // later waits for the next take, as one on its way would.
     blocks_on_way_.insert(block);
     step_records_on_way_.insert(front.place);
     taken.places.push_back(front.place);
-    taken.newest_made = std::max(taken.newest_made, front.made);
+    taken.made.push_back(front.made);
     *taken.records.add_records() = std::move(front.record);
     taken.sums.push_back(std::move(front.sum));
     step_records_.pop_front();
+  }
+  for (auto it = passed.rbegin(); it != passed.rend(); ++it) {
+    step_records_.push_front(std::move(*it));
   }
   return taken;
 }
@@ -96,7 +105,7 @@ void Shard::ReturnStepRecords(TakenStepRecords taken) {
   for (int i = taken.records.records_size() - 1; i >= 0; --i) {
     QueuedStepRecord back{std::move(*taken.records.mutable_records(i)),
                           std::move(taken.sums[i]), taken.places[i],
-                          taken.newest_made};
+                          taken.made[i]};
     blocks_on_way_.erase(back.record.local_block());
     step_records_on_way_.erase(back.place);
     // Another take may have been confirmed or returned meanwhile: the
@@ -135,8 +144,12 @@ int64_t Shard::StepRecordsConfirmed() const {
 
 bool Shard::HasStepRecords() const {
   absl::MutexLock lock(&step_records_mu_);
-  return !step_records_.empty() &&
-         !blocks_on_way_.contains(step_records_.front().record.local_block());
+  return std::any_of(
+      step_records_.begin(), step_records_.end(),
+      [this](const QueuedStepRecord& q)
+          ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_records_mu_) {
+            return !blocks_on_way_.contains(q.record.local_block());
+          });
 }
 
 absl::Status Shard::ApplyStepRecords(const StepRecords& records,

@@ -1940,8 +1940,9 @@ TEST(ShardStepRecordsTest, ATakeIsBoundedAndReturnsKeepTheOrder) {
 
 // Two messages may be on their way at once (the service's two senders): a
 // block's next record waits until its last one is confirmed or back, so a
-// backup gets each block's steps in order; and the records confirmed count
-// only up to the first that is not, whatever order the messages finish in.
+// backup gets each block's steps in order, while the other blocks' records
+// go on; and the records confirmed count only up to the first that is not,
+// whatever order the messages finish in.
 TEST(ShardStepRecordsTest, ABlocksRecordsLeaveOneAtATimeInStepOrder) {
   LeaderAndFollower f = MakeLeaderAndFollower();
   // Steps 0 and 1 of every block (plain pushes: the shard does not wait for
@@ -1954,37 +1955,41 @@ TEST(ShardStepRecordsTest, ABlocksRecordsLeaveOneAtATimeInStepOrder) {
   }
   ASSERT_EQ(f.leader->StepRecordsMade(), 6);
   Shard::TakenStepRecords a = f.leader->TakeStepRecords(/*max=*/1);  // b0s0
-  Shard::TakenStepRecords b = f.leader->TakeStepRecords(/*max=*/16);
-  // b1s0 and b2s0; b0s1 waits for b0s0, and the take stops there.
+  // b1s0 and b2s0; each block's step 1 waits for its step 0.
+  Shard::TakenStepRecords b = f.leader->TakeStepRecords(int64_t{1} << 20);
   ASSERT_EQ(b.places, (std::vector<int64_t>{1, 2}));
   EXPECT_FALSE(f.leader->HasStepRecords());
   EXPECT_EQ(f.leader->TakeStepRecords(int64_t{1} << 20).records.records_size(),
             0);
-  // b confirmed before a: nothing counts past a.
+  // b confirmed before a: nothing counts past a, but blocks 1 and 2 go on
+  // (b0s1, queued before them, still waits for a).
   const SentRecords b_sent = Serialized(b);
   f.leader->ConfirmStepRecords(std::move(b));
   EXPECT_EQ(f.leader->StepRecordsConfirmed(), 0);
+  ASSERT_TRUE(f.leader->HasStepRecords());
+  Shard::TakenStepRecords c = f.leader->TakeStepRecords(int64_t{1} << 20);
+  ASSERT_EQ(c.places, (std::vector<int64_t>{4, 5}));
   // a did not reach the backup: back in front of b0s1.
   f.leader->ReturnStepRecords(std::move(a));
   EXPECT_EQ(f.leader->StepRecordsConfirmed(), 0);
-  ASSERT_TRUE(f.leader->HasStepRecords());
   Shard::TakenStepRecords again = f.leader->TakeStepRecords(int64_t{1} << 20);
   ASSERT_EQ(again.places, std::vector<int64_t>{0});
   const SentRecords again_sent = Serialized(again);
   f.leader->ConfirmStepRecords(std::move(again));
+  EXPECT_EQ(f.leader->StepRecordsConfirmed(), 3);  // b0s1 is queued
+  const SentRecords c_sent = Serialized(c);
+  f.leader->ConfirmStepRecords(std::move(c));
   EXPECT_EQ(f.leader->StepRecordsConfirmed(), 3);
-  Shard::TakenStepRecords step1 = f.leader->TakeStepRecords(int64_t{1} << 20);
-  EXPECT_EQ(step1.places, (std::vector<int64_t>{3, 4, 5}));
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(step1.records.records(i).local_block(), i);
-    EXPECT_EQ(step1.records.records(i).step(), 1);
-  }
-  const SentRecords step1_sent = Serialized(step1);
-  f.leader->ConfirmStepRecords(std::move(step1));
+  Shard::TakenStepRecords last = f.leader->TakeStepRecords(int64_t{1} << 20);
+  ASSERT_EQ(last.places, std::vector<int64_t>{3});
+  EXPECT_EQ(last.records.records(0).local_block(), 0);
+  EXPECT_EQ(last.records.records(0).step(), 1);
+  const SentRecords last_sent = Serialized(last);
+  f.leader->ConfirmStepRecords(std::move(last));
   EXPECT_EQ(f.leader->StepRecordsConfirmed(), 6);
   // A backup that got the messages in the order they were confirmed holds
   // the leader's model: blocks apply independently of each other.
-  for (const SentRecords* sent : {&b_sent, &again_sent, &step1_sent}) {
+  for (const SentRecords* sent : {&b_sent, &again_sent, &c_sent, &last_sent}) {
     ASSERT_TRUE(f.follower->ApplyStepRecords(sent->records, sent->sums).ok());
   }
   ExpectSameModel(*f.leader, *f.follower, 2);

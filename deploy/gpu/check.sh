@@ -972,8 +972,8 @@ step_replication() {
       for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j - 1] > a[j]; j--) { t = a[j]; a[j] = a[j - 1]; a[j - 1] = t }
       return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
     }
-    field("step_record_confirm_ms") != "" { c[++nc] = field("step_record_confirm_ms"); s[nc] = field("step_record_send_ms") }
-    field("step_record_apply_ms") != "" { a[++na] = field("step_record_apply_ms") }
+    field("step_record_confirm_ms") != "" { c[++nc] = field("step_record_confirm_ms") + 0; s[nc] = field("step_record_send_ms") + 0 }
+    field("step_record_apply_ms") != "" { a[++na] = field("step_record_apply_ms") + 0 }
     END { if (nc && na) printf "confirm %.3f ms, send %.3f ms, backup apply %.3f ms", median(c, nc), median(s, nc), median(a, na) }')
   row "replication record path (R=2)" INFO "${record_path:-none reported}" \
     "per step-record message, medians over the primaries and backups of every round"
