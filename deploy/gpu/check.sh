@@ -927,20 +927,21 @@ step_replication() {
     grep '^{"event":"final"' "$out" | grep '"worker_id":0[,}]' | tail -n 1 >"$final"
     # The children's user and system time: the second line of `times`.
     awk -v wall="$(json_field "$final" wall_time_s)" -v eval="$(json_field "$final" evaluation_s)" \
-      -v n="$(json_field "$final" steps_run)" '
+      -v n="$(json_field "$final" steps_run)" -v wait="$(json_field "$final" network_wait_s)" '
       function seconds(t) { split(t, p, "m"); return p[1] * 60 + p[2] }
       NR == 2 { cpu = seconds($1) + seconds($2) }
-      END { if (n > 0) printf "%.3f %.3f\n", 1e3 * (wall - eval) / n, 1e3 * cpu / n }' \
+      END { if (n > 0) printf "%.3f %.3f %.3f\n", 1e3 * (wall - eval) / n, 1e3 * cpu / n, 1e3 * wait / n }' \
       "$results/replication/$name.times"
   }
-  local round first second a b one=() two=() ratios=() cpu_one=() cpu_two=()
+  local round first second a b one=() two=() ratios=() cpu_one=() cpu_two=() wait_one=() wait_two=()
+  local a_step a_cpu a_wait b_step b_cpu b_wait
   for ((round = 1; round <= REPLICATION_ROUNDS; round++)); do
     if ((round % 2)); then first=1 second=2; else first=2 second=1; fi
     a=$(replica_job "$first" "$round")
     b=$(replica_job "$second" "$round")
     local r=$first result
     for result in "$a" "$b"; do
-      if [[ ! $result =~ ^[0-9.]+\ [0-9.]+$ ]]; then
+      if [[ ! $result =~ ^[0-9.]+\ [0-9.]+\ [0-9.]+$ ]]; then
         result=${result#FAIL }
         row "replication job R=$r round $round" FAIL "-" "${result:-no step time in its output}"
         return
@@ -948,8 +949,11 @@ step_replication() {
       r=$second
     done
     ((first == 1)) || { local swap=$a; a=$b; b=$swap; }
-    one+=("${a% *}") two+=("${b% *}") cpu_one+=("${a#* }") cpu_two+=("${b#* }")
-    ratios+=("$(ratio "${b% *}" "${a% *}")")
+    read -r a_step a_cpu a_wait <<<"$a"
+    read -r b_step b_cpu b_wait <<<"$b"
+    one+=("$a_step") two+=("$b_step") cpu_one+=("$a_cpu") cpu_two+=("$b_cpu")
+    wait_one+=("$a_wait") wait_two+=("$b_wait")
+    ratios+=("$(ratio "$b_step" "$a_step")")
   done
   median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
   local cpu_ratio
@@ -958,6 +962,8 @@ step_replication() {
     "medians of $REPLICATION_ROUNDS interleaved rounds, $steps steps each; per-round R=2/R=1: ${ratios[*]}"
   row "replication CPU a step, R=1 / R=2" INFO "$(median "${cpu_one[@]}") / $(median "${cpu_two[@]}") ms" \
     "every process of the job, $(nproc) cores here; R=2 spends ${cpu_ratio}x the CPU of R=1"
+  row "replication network wait a step, R=1 / R=2" INFO "$(median "${wait_one[@]}") / $(median "${wait_two[@]}") ms" \
+    "worker 0's wait for the exchange (its network_wait_s), medians"
   goal_row "sync step R=2 vs R=1 (loopback)" "$(median "${ratios[@]}")" at_most 1.15 \
     "median of the per-round ratios; issue 38's goal <= 1.15x"
   # Where the R=2 step's extra goes: what the servers said of their step

@@ -70,6 +70,7 @@ else
   # Replicated shards need no GPU: the jobs run, with their CPU.
   expect '^replication CPU a step, R=1 / R=2 +INFO +[0-9.]+ / [0-9.]+ ms'
   expect '^goal: sync step R=2 vs R=1 \(loopback\) +(MET|MISSED) +[0-9.]+x'
+  expect '^replication network wait a step, R=1 / R=2 +INFO +[0-9.]+ / [0-9.]+ ms'
   expect '^replication record path \(R=2\) +INFO +confirm [0-9.]+ ms, send [0-9.]+ ms, backup apply [0-9.]+ ms'
   expect '^RESULT: PASSED .*dry run: no GPU, GPU steps skipped'
   # A "skip" must never be a test that ran into a GPU and broke.
