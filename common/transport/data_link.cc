@@ -565,6 +565,16 @@ size_t TlsThreads(size_t links) {
   return std::min(links, cores);
 }
 
+// Threads that drive plaintext links at once (the calling thread is one):
+// a socket's bytes are copied by the thread that sends or receives them, so
+// one thread driving every link of a large exchange copied all of it on one
+// core. Half the cores at most (on one host the servers copy the other
+// side), and no more than four (the copies share the memory bus).
+size_t PlaintextThreads(size_t links) {
+  const size_t cores = std::thread::hardware_concurrency();
+  return std::min({links, std::max<size_t>(2, cores / 2), size_t{4}});
+}
+
 }  // namespace
 
 uint64_t WindowBytesForRoundTrip(absl::Duration round_trip) {
@@ -596,7 +606,7 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
     it->Add(&e, i);
   }
   std::vector<DataLinkIo*> live;
-  size_t tls_links = 0;
+  size_t tls_links = 0, heavy_plaintext_links = 0;
   for (DataLinkIo& io : links) {
     if (!io.link()->usable()) {
       io.Fail(absl::UnavailableError(absl::StrCat(
@@ -614,17 +624,33 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
     }
     io.Prepare();
     live.push_back(&io);
-    if (io.link()->tls() != nullptr && io.heavy()) ++tls_links;
+    if (io.heavy() && io.link()->tls() != nullptr) {
+      ++tls_links;
+    } else if (io.heavy()) {
+      ++heavy_plaintext_links;
+    }
   }
   // TLS spends its time in the cipher (encrypting requests, decrypting
   // answers), which one thread does for one link after another: with
   // several TLS links carrying large requests or answers, each group of
   // links gets its own thread so their records are encrypted and decrypted
-  // on every core at once. Small calls, which would pay more for starting
-  // threads (tens of microseconds) than for their records, and the
-  // plaintext path (mostly copies the kernel does) stay on the calling
-  // thread.
-  const size_t threads = tls_links >= 2 ? TlsThreads(live.size()) : 1;
+  // on every core at once. Plaintext spends it in the kernel's copies, made
+  // by the thread that sends or receives: several heavy plaintext links get
+  // a few threads too (a 22 MiB PushPull through 2 servers on 2 cores:
+  // bench/results/plaintext_threads.txt). Small calls, which would pay
+  // more for starting threads (tens of microseconds) than they save, stay
+  // on the calling thread; so do exchanges woken by a stream (one eventfd,
+  // which the thread that polls it reads) and ones that follow another
+  // (whose clock a thread sees at once only for an exchange it drives).
+  size_t threads = 1;
+  if (tls_links >= 2) {
+    threads = TlsThreads(live.size());
+  } else if (heavy_plaintext_links >= 2 && !clocks &&
+             std::none_of(
+                 exchanges.begin(), exchanges.end(),
+                 [](const DataExchange& e) { return e.send_wake_fd >= 0; })) {
+    threads = PlaintextThreads(live.size());
+  }
   if (threads <= 1) {
     for (DataLinkIo* io : live) {
       io->RefreshSendable();

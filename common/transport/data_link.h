@@ -83,8 +83,10 @@ struct DataExchange {
   // The request body's pieces; the memory must stay unchanged until
   // RunExchanges returns.
   std::vector<absl::string_view> body;
-  // Runs on the calling thread with an OK answer's body (valid only during
-  // the call); its status becomes the exchange's.
+  // Runs with an OK answer's body (valid only during the call) on the thread
+  // that drives the link: the calling thread, or one RunExchanges starts
+  // for a large exchange over several links (so exchanges' callbacks may run
+  // at once); its status becomes the exchange's.
   std::function<absl::Status(absl::string_view)> on_response;
   // Optional, for a Pull of large blocks: asks for the payloads apart
   // (common/transport/data_plane.h) and says where they go. Called with an OK

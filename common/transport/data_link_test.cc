@@ -6,9 +6,11 @@
 #include "common/transport/data_link.h"
 
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -257,6 +259,70 @@ TEST(DataLinkTest, AnExchangeAfterAnotherAnsweredWithinItsGraceSucceeds) {
   const auto [status, took] =
       ExchangeAfterAnother(first, second, absl::Seconds(10));
   EXPECT_TRUE(status.ok()) << status;
+}
+
+// One exchange on each of `links` links to servers that answer at once,
+// each request `body_bytes` long; returns the thread each answer's
+// on_response ran on. `streamed`: every exchange waits on a send_wake_fd,
+// as the pipelined step's do.
+std::vector<std::thread::id> AnsweringThreads(int links, size_t body_bytes,
+                                              bool streamed) {
+  std::vector<std::unique_ptr<HeldServer>> servers;
+  std::vector<std::unique_ptr<DataLink>> opened;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  for (int i = 0; i < links; ++i) {
+    servers.push_back(std::make_unique<HeldServer>());
+    servers.back()->AnswerNow();
+    absl::StatusOr<std::unique_ptr<DataLink>> link = DataLink::Open(
+        "127.0.0.1", servers.back()->port(), "", 1 << 20, deadline);
+    EXPECT_TRUE(link.ok()) << link.status();
+    if (!link.ok()) return {};
+    opened.push_back(std::move(*link));
+  }
+  const std::string body(body_bytes, 'g');
+  ScopedFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  std::vector<std::thread::id> threads(links);
+  std::vector<DataExchange> exchanges(links);
+  for (int i = 0; i < links; ++i) {
+    exchanges[i].link = opened[i].get();
+    exchanges[i].body = {body};
+    exchanges[i].on_response = [&threads, i](absl::string_view) {
+      threads[i] = std::this_thread::get_id();
+      return absl::OkStatus();
+    };
+    if (streamed) {
+      exchanges[i].can_send = [] { return true; };
+      exchanges[i].send_wake_fd = wake.get();
+    }
+  }
+  RunExchanges(absl::MakeSpan(exchanges), deadline);
+  for (const DataExchange& e : exchanges)
+    EXPECT_TRUE(e.status.ok()) << e.status;
+  return threads;
+}
+
+// The kernel copies a socket's bytes on the thread that sends or receives
+// them: large requests on several plaintext links are driven by several
+// threads, so one core does not copy them all.
+TEST(DataLinkTest, LargeExchangesOnSeveralLinksRunOnSeveralThreads) {
+  const std::vector<std::thread::id> threads =
+      AnsweringThreads(2, 256 << 10, /*streamed=*/false);
+  ASSERT_EQ(threads.size(), 2u);
+  EXPECT_NE(threads[0], threads[1]);
+}
+
+// Small ones would pay more for a thread than they save; a streamed
+// exchange's wake-up (one eventfd, read by the thread that polls it) would
+// reach one thread of several.
+TEST(DataLinkTest, SmallOrStreamedExchangesStayOnTheCallingThread) {
+  for (const auto& [body_bytes, streamed] :
+       {std::pair<size_t, bool>{1000, false}, {256 << 10, true}}) {
+    for (const std::thread::id& id :
+         AnsweringThreads(2, body_bytes, streamed)) {
+      EXPECT_EQ(id, std::this_thread::get_id())
+          << body_bytes << " bytes, streamed " << streamed;
+    }
+  }
 }
 
 TEST(ConnectsToThisHostTest, LoopbackIsThisHostAndAUnixSocketIsNot) {
