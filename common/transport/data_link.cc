@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -485,36 +486,60 @@ void DataLink::Abort() const {
 namespace {
 
 // Polls `links` and moves each along until all are done or `deadline`.
-void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline) {
+// When a streamed call's links are split over threads, the stream wakes
+// one eventfd, which only the thread that reads it would see: the calling
+// thread reads it and passes each wake-up on to every helper's own
+// eventfd, and keeps doing so (its own links done or not) until every
+// helper has said it is done on `helpers_done`.
+struct WakeRelay {
+  std::vector<int> helpers;  // each helper's eventfd
+  int helpers_done = -1;     // an eventfd each helper adds 1 to as it ends
+};
+
+// Drives `links` until every exchange on them is answered or failed.
+// `wake_fd`: the eventfd that says a streamed exchange may be sendable (-1:
+// the one the links' exchanges name). `relay`: see WakeRelay.
+void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline,
+                int wake_fd = -1, const WakeRelay* relay = nullptr) {
   std::vector<pollfd> waits;
   std::vector<DataLinkIo*> waiting;
+  size_t helpers_left = relay != nullptr ? relay->helpers.size() : 0;
+  if (wake_fd < 0) {
+    for (DataLinkIo* io : links) {
+      if (io->send_wake_fd() >= 0) wake_fd = io->send_wake_fd();
+    }
+  }
   while (true) {
     waits.clear();
     waiting.clear();
-    int wake_fd = -1;
     for (DataLinkIo* io : links) {
       if (io->done()) continue;
       io->RefreshSendable();
-      if (io->send_wake_fd() >= 0) wake_fd = io->send_wake_fd();
       waits.push_back(
           {io->fd(), static_cast<short>(POLLIN | (io->sending() ? POLLOUT : 0)),
            0});
       waiting.push_back(io);
     }
-    if (waits.empty()) return;
+    if (waits.empty() && helpers_left == 0) return;
     const size_t link_waits = waits.size();
+    const size_t wake_wait = waits.size();
     if (wake_fd >= 0) waits.push_back({wake_fd, POLLIN, 0});
+    const size_t done_wait = waits.size();
+    if (helpers_left > 0) waits.push_back({relay->helpers_done, POLLIN, 0});
     const absl::Time now = absl::Now();
     const absl::Duration left = deadline - now;
-    if (left <= absl::ZeroDuration()) {
+    if (left <= absl::ZeroDuration() && !waiting.empty()) {
       for (DataLinkIo* io : waiting) {
         io->Fail(absl::DeadlineExceededError(
             absl::StrCat("no answer from the data plane of ",
                          io->link()->peer(), " by the deadline")));
       }
-      return;
+      continue;  // then only the helpers' ends, which their deadline brings
     }
-    absl::Time wake = deadline;
+    // Left only with the helpers' ends: they come by the deadline.
+    absl::Time wake = waiting.empty()
+                          ? std::max(deadline, now + absl::Milliseconds(10))
+                          : deadline;
     bool failed = false;
     bool waits_to_start = false;
     for (DataLinkIo* io : waiting) {
@@ -540,14 +565,27 @@ void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline) {
       if (errno == EINTR) continue;
       const absl::Status error = SocketError("poll", errno);
       for (DataLinkIo* io : waiting) io->Fail(error);
-      return;
+      if (helpers_left == 0) return;
+      continue;
     }
-    if (waits.size() > link_waits && (waits.back().revents & POLLIN)) {
+    if (wake_fd >= 0 && (waits[wake_wait].revents & POLLIN)) {
       uint64_t count;
       (void)!read(wake_fd, &count, sizeof(count));
+      if (relay != nullptr) {
+        const uint64_t one = 1;
+        for (int helper : relay->helpers) {
+          (void)!write(helper, &one, sizeof(one));
+        }
+      }
       for (DataLinkIo* io : waiting) {
         io->RefreshSendable();
         io->Send();
+      }
+    }
+    if (helpers_left > 0 && (waits[done_wait].revents & POLLIN)) {
+      uint64_t ended = 0;
+      if (read(relay->helpers_done, &ended, sizeof(ended)) == sizeof(ended)) {
+        helpers_left -= std::min<uint64_t>(ended, helpers_left);
       }
     }
     for (size_t i = 0; i < link_waits; ++i) {
@@ -639,17 +677,39 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
   // a few threads too (a 22 MiB PushPull through 2 servers on 2 cores:
   // bench/results/plaintext_threads.txt). Small calls, which would pay
   // more for starting threads (tens of microseconds) than they save, stay
-  // on the calling thread; so do exchanges woken by a stream (one eventfd,
-  // which the thread that polls it reads) and ones that follow another
-  // (whose clock a thread sees at once only for an exchange it drives).
+  // on the calling thread; so do exchanges that follow another (whose
+  // clock a thread sees at once only for an exchange it drives), and
+  // streamed ones woken by more than one eventfd (one is relayed:
+  // WakeRelay).
+  int stream_wake_fd = -1;
+  bool one_wake_fd = true;
+  for (const DataExchange& e : exchanges) {
+    if (e.send_wake_fd < 0) continue;
+    one_wake_fd =
+        one_wake_fd && (stream_wake_fd < 0 || stream_wake_fd == e.send_wake_fd);
+    stream_wake_fd = e.send_wake_fd;
+  }
   size_t threads = 1;
   if (tls_links >= 2) {
     threads = TlsThreads(live.size());
-  } else if (heavy_plaintext_links >= 2 && !clocks &&
-             std::none_of(
-                 exchanges.begin(), exchanges.end(),
-                 [](const DataExchange& e) { return e.send_wake_fd >= 0; })) {
+  } else if (heavy_plaintext_links >= 2 && !clocks) {
     threads = PlaintextThreads(live.size());
+  }
+  // A streamed call's wake-ups reach the helpers through eventfds of their
+  // own (WakeRelay).
+  std::vector<ScopedFd> helper_wakes;
+  ScopedFd helpers_done;
+  WakeRelay relay;
+  if (threads > 1 && stream_wake_fd >= 0) {
+    helpers_done = ScopedFd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    bool made = one_wake_fd && helpers_done.valid();
+    for (size_t t = 1; made && t < threads; ++t) {
+      helper_wakes.emplace_back(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+      made = helper_wakes.back().valid();
+      relay.helpers.push_back(helper_wakes.back().get());
+    }
+    relay.helpers_done = helpers_done.get();
+    if (!made) threads = 1;
   }
   if (threads <= 1) {
     for (DataLinkIo* io : live) {
@@ -663,19 +723,29 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
   for (size_t i = 0; i < live.size(); ++i) {
     shares[i % threads].push_back(live[i]);
   }
-  auto drive = [deadline](const std::vector<DataLinkIo*>& share) {
+  const bool relayed = !relay.helpers.empty();
+  auto drive = [deadline](const std::vector<DataLinkIo*>& share, int wake_fd,
+                          const WakeRelay* relay) {
     for (DataLinkIo* io : share) {
       io->RefreshSendable();
       io->Send();
     }
-    DriveLinks(absl::MakeConstSpan(share), deadline);
+    DriveLinks(absl::MakeConstSpan(share), deadline, wake_fd, relay);
   };
   std::vector<std::thread> helpers;
   helpers.reserve(threads - 1);
   for (size_t t = 1; t < threads; ++t) {
-    helpers.emplace_back(drive, std::cref(shares[t]));
+    const int wake_fd = relayed ? relay.helpers[t - 1] : -1;
+    const int done_fd = relayed ? relay.helpers_done : -1;
+    helpers.emplace_back([&drive, &share = shares[t], wake_fd, done_fd] {
+      drive(share, wake_fd, nullptr);
+      if (done_fd >= 0) {
+        const uint64_t one = 1;
+        (void)!write(done_fd, &one, sizeof(one));
+      }
+    });
   }
-  drive(shares[0]);
+  drive(shares[0], relayed ? stream_wake_fd : -1, relayed ? &relay : nullptr);
   for (std::thread& helper : helpers) helper.join();
 }
 

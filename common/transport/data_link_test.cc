@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -263,8 +264,9 @@ TEST(DataLinkTest, AnExchangeAfterAnotherAnsweredWithinItsGraceSucceeds) {
 
 // One exchange on each of `links` links to servers that answer at once,
 // each request `body_bytes` long; returns the thread each answer's
-// on_response ran on. `streamed`: every exchange waits on a send_wake_fd,
-// as the pipelined step's do.
+// on_response ran on. `streamed`: as the pipelined step's, every request
+// may be sent only once a flag is set, which another thread sets 200 ms
+// into the call, waking the call through one eventfd.
 std::vector<std::thread::id> AnsweringThreads(int links, size_t body_bytes,
                                               bool streamed) {
   std::vector<std::unique_ptr<HeldServer>> servers;
@@ -281,6 +283,7 @@ std::vector<std::thread::id> AnsweringThreads(int links, size_t body_bytes,
   }
   const std::string body(body_bytes, 'g');
   ScopedFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  std::atomic<bool> made{!streamed};
   std::vector<std::thread::id> threads(links);
   std::vector<DataExchange> exchanges(links);
   for (int i = 0; i < links; ++i) {
@@ -291,11 +294,22 @@ std::vector<std::thread::id> AnsweringThreads(int links, size_t body_bytes,
       return absl::OkStatus();
     };
     if (streamed) {
-      exchanges[i].can_send = [] { return true; };
+      exchanges[i].can_send = [&made] { return made.load(); };
       exchanges[i].send_wake_fd = wake.get();
     }
   }
+  std::thread maker([&] {
+    if (!streamed) return;
+    absl::SleepFor(absl::Milliseconds(200));
+    made = true;
+    const uint64_t one = 1;
+    (void)!write(wake.get(), &one, sizeof(one));
+  });
+  const absl::Time start = absl::Now();
   RunExchanges(absl::MakeSpan(exchanges), deadline);
+  // Woken when the bodies were made, not by the deadline.
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  maker.join();
   for (const DataExchange& e : exchanges)
     EXPECT_TRUE(e.status.ok()) << e.status;
   return threads;
@@ -303,24 +317,31 @@ std::vector<std::thread::id> AnsweringThreads(int links, size_t body_bytes,
 
 // The kernel copies a socket's bytes on the thread that sends or receives
 // them: large requests on several plaintext links are driven by several
-// threads, so one core does not copy them all.
+// threads, so one core does not copy them all; the pipelined step's too,
+// each thread woken when a body is made.
 TEST(DataLinkTest, LargeExchangesOnSeveralLinksRunOnSeveralThreads) {
-  const std::vector<std::thread::id> threads =
-      AnsweringThreads(2, 256 << 10, /*streamed=*/false);
-  ASSERT_EQ(threads.size(), 2u);
-  EXPECT_NE(threads[0], threads[1]);
+  for (const bool streamed : {false, true}) {
+    const std::vector<std::thread::id> threads =
+        AnsweringThreads(2, 256 << 10, streamed);
+    ASSERT_EQ(threads.size(), 2u);
+    EXPECT_NE(threads[0], threads[1]) << "streamed " << streamed;
+  }
 }
 
-// Small ones would pay more for a thread than they save; a streamed
-// exchange's wake-up (one eventfd, read by the thread that polls it) would
-// reach one thread of several.
-TEST(DataLinkTest, SmallOrStreamedExchangesStayOnTheCallingThread) {
-  for (const auto& [body_bytes, streamed] :
-       {std::pair<size_t, bool>{1000, false}, {256 << 10, true}}) {
-    for (const std::thread::id& id :
-         AnsweringThreads(2, body_bytes, streamed)) {
-      EXPECT_EQ(id, std::this_thread::get_id())
-          << body_bytes << " bytes, streamed " << streamed;
+// A streamed call on more links than threads: each helper is woken
+// through the calling thread, which goes on relaying after its own links
+// are done.
+TEST(DataLinkTest, AStreamedCallOnManyLinksEndsWhenItsBodiesAreMade) {
+  const std::vector<std::thread::id> threads =
+      AnsweringThreads(6, 128 << 10, /*streamed=*/true);
+  ASSERT_EQ(threads.size(), 6u);
+}
+
+// Small ones would pay more for a thread than they save.
+TEST(DataLinkTest, SmallExchangesStayOnTheCallingThread) {
+  for (const bool streamed : {false, true}) {
+    for (const std::thread::id& id : AnsweringThreads(2, 1000, streamed)) {
+      EXPECT_EQ(id, std::this_thread::get_id()) << "streamed " << streamed;
     }
   }
 }
