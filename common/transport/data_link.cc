@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -12,6 +13,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -490,7 +492,7 @@ namespace {
 // one eventfd, which only the thread that reads it would see: the calling
 // thread reads it and passes each wake-up on to every helper's own
 // eventfd, and keeps doing so (its own links done or not) until every
-// helper has said it is done on `helpers_done`.
+// helper has said it is done on `helpers_done`, or the deadline.
 struct WakeRelay {
   std::vector<int> helpers;  // each helper's eventfd
   int helpers_done = -1;     // an eventfd each helper adds 1 to as it ends
@@ -498,23 +500,20 @@ struct WakeRelay {
 
 // Drives `links` until every exchange on them is answered or failed.
 // `wake_fd`: the eventfd that says a streamed exchange may be sendable (-1:
-// the one the links' exchanges name). `relay`: see WakeRelay.
+// the one a waiting link's exchange names). `relay`: see WakeRelay.
 void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline,
                 int wake_fd = -1, const WakeRelay* relay = nullptr) {
   std::vector<pollfd> waits;
   std::vector<DataLinkIo*> waiting;
   size_t helpers_left = relay != nullptr ? relay->helpers.size() : 0;
-  if (wake_fd < 0) {
-    for (DataLinkIo* io : links) {
-      if (io->send_wake_fd() >= 0) wake_fd = io->send_wake_fd();
-    }
-  }
   while (true) {
     waits.clear();
     waiting.clear();
+    int wake = wake_fd;
     for (DataLinkIo* io : links) {
       if (io->done()) continue;
       io->RefreshSendable();
+      if (wake_fd < 0 && io->send_wake_fd() >= 0) wake = io->send_wake_fd();
       waits.push_back(
           {io->fd(), static_cast<short>(POLLIN | (io->sending() ? POLLOUT : 0)),
            0});
@@ -523,23 +522,21 @@ void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline,
     if (waits.empty() && helpers_left == 0) return;
     const size_t link_waits = waits.size();
     const size_t wake_wait = waits.size();
-    if (wake_fd >= 0) waits.push_back({wake_fd, POLLIN, 0});
+    if (wake >= 0) waits.push_back({wake, POLLIN, 0});
     const size_t done_wait = waits.size();
     if (helpers_left > 0) waits.push_back({relay->helpers_done, POLLIN, 0});
     const absl::Time now = absl::Now();
-    const absl::Duration left = deadline - now;
-    if (left <= absl::ZeroDuration() && !waiting.empty()) {
+    if (deadline <= now) {
       for (DataLinkIo* io : waiting) {
         io->Fail(absl::DeadlineExceededError(
             absl::StrCat("no answer from the data plane of ",
                          io->link()->peer(), " by the deadline")));
       }
-      continue;  // then only the helpers' ends, which their deadline brings
+      // The helpers end by the same deadline (RunExchanges joins them);
+      // nothing is left to relay.
+      return;
     }
-    // Left only with the helpers' ends: they come by the deadline.
-    absl::Time wake = waiting.empty()
-                          ? std::max(deadline, now + absl::Milliseconds(10))
-                          : deadline;
+    absl::Time until = deadline;
     bool failed = false;
     bool waits_to_start = false;
     for (DataLinkIo* io : waiting) {
@@ -550,27 +547,26 @@ void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline,
             " within its grace after the answer it follows")));
         failed = true;
       }
-      wake = std::min(wake, grace_end);
+      until = std::min(until, grace_end);
     }
     if (failed) continue;
     // A clock that has not started is looked at again every few ms (its
     // start is seen at once when the exchange it follows is on this thread).
-    if (waits_to_start) wake = std::min(wake, now + absl::Milliseconds(20));
+    if (waits_to_start) until = std::min(until, now + absl::Milliseconds(20));
     const int timeout_ms = static_cast<int>(
         std::min<int64_t>(absl::ToInt64Milliseconds(
-                              absl::Ceil(wake - now, absl::Milliseconds(1))),
+                              absl::Ceil(until - now, absl::Milliseconds(1))),
                           INT_MAX));
     const int ready = poll(waits.data(), waits.size(), timeout_ms);
     if (ready < 0) {
       if (errno == EINTR) continue;
       const absl::Status error = SocketError("poll", errno);
       for (DataLinkIo* io : waiting) io->Fail(error);
-      if (helpers_left == 0) return;
-      continue;
+      return;  // helpers unrelayed end by the deadline
     }
-    if (wake_fd >= 0 && (waits[wake_wait].revents & POLLIN)) {
+    if (wake >= 0 && (waits[wake_wait].revents & POLLIN)) {
       uint64_t count;
-      (void)!read(wake_fd, &count, sizeof(count));
+      (void)!read(wake, &count, sizeof(count));
       if (relay != nullptr) {
         const uint64_t one = 1;
         for (int helper : relay->helpers) {
@@ -609,7 +605,12 @@ size_t TlsThreads(size_t links) {
 // core. Half the cores at most (on one host the servers copy the other
 // side), and no more than four (the copies share the memory bus).
 size_t PlaintextThreads(size_t links) {
-  const size_t cores = std::thread::hardware_concurrency();
+  // The cores this process may run on (a container's or taskset's), not
+  // the machine's.
+  cpu_set_t allowed;
+  const size_t cores = sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+                           ? static_cast<size_t>(CPU_COUNT(&allowed))
+                           : std::thread::hardware_concurrency();
   return std::min({links, std::max<size_t>(2, cores / 2), size_t{4}});
 }
 
@@ -700,9 +701,10 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
   std::vector<ScopedFd> helper_wakes;
   ScopedFd helpers_done;
   WakeRelay relay;
+  if (threads > 1 && stream_wake_fd >= 0 && !one_wake_fd) threads = 1;
   if (threads > 1 && stream_wake_fd >= 0) {
     helpers_done = ScopedFd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    bool made = one_wake_fd && helpers_done.valid();
+    bool made = helpers_done.valid();
     for (size_t t = 1; made && t < threads; ++t) {
       helper_wakes.emplace_back(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
       made = helper_wakes.back().valid();
@@ -737,13 +739,26 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
   for (size_t t = 1; t < threads; ++t) {
     const int wake_fd = relayed ? relay.helpers[t - 1] : -1;
     const int done_fd = relayed ? relay.helpers_done : -1;
-    helpers.emplace_back([&drive, &share = shares[t], wake_fd, done_fd] {
-      drive(share, wake_fd, nullptr);
-      if (done_fd >= 0) {
-        const uint64_t one = 1;
-        (void)!write(done_fd, &one, sizeof(one));
+    try {
+      helpers.emplace_back([&drive, &share = shares[t], wake_fd, done_fd] {
+        drive(share, wake_fd, nullptr);
+        if (done_fd >= 0) {
+          const uint64_t one = 1;
+          (void)!write(done_fd, &one, sizeof(one));
+        }
+      });
+    } catch (const std::system_error& e) {
+      // No thread to be had (a process or cgroup limit): the calling
+      // thread drives the links no helper took.
+      LOG_FIRST_N(WARNING, 1) << "data plane: no thread for a call's links ("
+                              << e.what() << "); driving them on one";
+      for (size_t rest = t; rest < threads; ++rest) {
+        shares[0].insert(shares[0].end(), shares[rest].begin(),
+                         shares[rest].end());
       }
-    });
+      if (relayed) relay.helpers.resize(t - 1);
+      break;
+    }
   }
   drive(shares[0], relayed ? stream_wake_fd : -1, relayed ? &relay : nullptr);
   for (std::thread& helper : helpers) helper.join();

@@ -1,8 +1,10 @@
 // The client half of the tensor data plane (common/transport/data_plane.h): a
 // DataLink is one TCP connection to a shard's data port, and RunExchanges
-// drives any number of requests over any number of links from the calling
-// thread alone (non-blocking sockets and poll), so a push or pull that
-// spans shards and connections involves no other thread and no hand-off.
+// drives any number of requests over any number of links with non-blocking
+// sockets and poll: a small call from the calling thread alone, with no
+// hand-off; a large one over several links from a few threads at once,
+// each driving its own links (the kernel copies a socket's bytes on the
+// thread that sends or receives them; TLS's cipher runs there too).
 #ifndef PSTRAIN_COMMON_TRANSPORT_DATA_LINK_H_
 #define PSTRAIN_COMMON_TRANSPORT_DATA_LINK_H_
 
@@ -110,7 +112,9 @@ struct DataExchange {
   // Optional: the request is sent only once can_send() is true, checked
   // again whenever `send_wake_fd` (an eventfd) becomes readable; a link's
   // requests go in order, so those behind it wait too. For a request whose
-  // body is still being made (the pipelined step's gradients).
+  // body is still being made (the pipelined step's gradients). Like the
+  // other callbacks here, it runs on the thread that drives its link, at
+  // the same time as other links' callbacks.
   std::function<bool()> can_send;
   int send_wake_fd = -1;
   // Optional: runs once an OK answer is in (after on_response, or once the

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -262,57 +263,108 @@ TEST(DataLinkTest, AnExchangeAfterAnotherAnsweredWithinItsGraceSucceeds) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// A data-plane server on loopback that takes one connection, answers its
+// Hellos and then only reads, until the peer closes.
+class QuietServer {
+ public:
+  QuietServer() {
+    absl::StatusOr<ScopedFd> listener = ListenTcp("127.0.0.1", 0, 0, &port_);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (!listener.ok()) return;
+    listener_ = std::move(*listener);
+    thread_ = std::thread([this] {
+      const int fd = accept(listener_.get(), nullptr, nullptr);
+      ASSERT_GE(fd, 0);
+      AnswerHellos(fd);
+      char sink[4096];
+      while (recv(fd, sink, sizeof(sink), 0) > 0) {
+      }
+      close(fd);
+    });
+  }
+  ~QuietServer() {
+    if (thread_.joinable()) thread_.join();
+  }
+  int port() const { return port_; }
+
+ private:
+  int port_ = 0;
+  ScopedFd listener_;
+  std::thread thread_;
+};
+
+// When the requests of AnsweringThreads may be sent.
+enum class Made {
+  kAtOnce,
+  // As the pipelined step's: each waits for a flag, which another thread
+  // sets 200 ms into the call, waking it through one eventfd.
+  kLater,
+  // The first link's request at once, the others' later: the calling
+  // thread (which drives link 0) is done before the others may send.
+  kFirstAtOnce,
+};
+
+struct Answered {
+  std::vector<std::thread::id> threads;  // where each on_response ran
+  std::vector<absl::Status> statuses;
+  absl::Duration took;
+};
+
 // One exchange on each of `links` links to servers that answer at once,
-// each request `body_bytes` long; returns the thread each answer's
-// on_response ran on. `streamed`: as the pipelined step's, every request
-// may be sent only once a flag is set, which another thread sets 200 ms
-// into the call, waking the call through one eventfd.
-std::vector<std::thread::id> AnsweringThreads(int links, size_t body_bytes,
-                                              bool streamed) {
+// each request `body_bytes` long.
+Answered AnsweringThreads(int links, size_t body_bytes, Made made) {
   std::vector<std::unique_ptr<HeldServer>> servers;
   std::vector<std::unique_ptr<DataLink>> opened;
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  const absl::Time open_by = absl::Now() + absl::Seconds(20);
   for (int i = 0; i < links; ++i) {
     servers.push_back(std::make_unique<HeldServer>());
     servers.back()->AnswerNow();
     absl::StatusOr<std::unique_ptr<DataLink>> link = DataLink::Open(
-        "127.0.0.1", servers.back()->port(), "", 1 << 20, deadline);
+        "127.0.0.1", servers.back()->port(), "", 1 << 20, open_by);
     EXPECT_TRUE(link.ok()) << link.status();
     if (!link.ok()) return {};
     opened.push_back(std::move(*link));
   }
   const std::string body(body_bytes, 'g');
   ScopedFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  std::atomic<bool> made{!streamed};
-  std::vector<std::thread::id> threads(links);
+  std::atomic<bool> sendable{false};
+  Answered answered;
+  answered.threads.resize(links);
   std::vector<DataExchange> exchanges(links);
   for (int i = 0; i < links; ++i) {
     exchanges[i].link = opened[i].get();
     exchanges[i].body = {body};
-    exchanges[i].on_response = [&threads, i](absl::string_view) {
-      threads[i] = std::this_thread::get_id();
+    exchanges[i].on_response = [&answered, i](absl::string_view) {
+      answered.threads[i] = std::this_thread::get_id();
       return absl::OkStatus();
     };
-    if (streamed) {
-      exchanges[i].can_send = [&made] { return made.load(); };
-      exchanges[i].send_wake_fd = wake.get();
+    if (made == Made::kAtOnce || (made == Made::kFirstAtOnce && i == 0)) {
+      continue;
     }
+    exchanges[i].can_send = [&sendable] { return sendable.load(); };
+    exchanges[i].send_wake_fd = wake.get();
   }
   std::thread maker([&] {
-    if (!streamed) return;
+    if (made == Made::kAtOnce) return;
     absl::SleepFor(absl::Milliseconds(200));
-    made = true;
+    sendable = true;
     const uint64_t one = 1;
     (void)!write(wake.get(), &one, sizeof(one));
   });
   const absl::Time start = absl::Now();
-  RunExchanges(absl::MakeSpan(exchanges), deadline);
-  // Woken when the bodies were made, not by the deadline.
-  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  RunExchanges(absl::MakeSpan(exchanges), start + absl::Seconds(20));
+  answered.took = absl::Now() - start;
   maker.join();
-  for (const DataExchange& e : exchanges)
-    EXPECT_TRUE(e.status.ok()) << e.status;
-  return threads;
+  for (const DataExchange& e : exchanges) answered.statuses.push_back(e.status);
+  return answered;
+}
+
+void ExpectAllOkSoon(const Answered& answered) {
+  for (const absl::Status& status : answered.statuses) {
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  // Woken when the bodies were made, not by the 20 s deadline.
+  EXPECT_LT(answered.took, absl::Seconds(10));
 }
 
 // The kernel copies a socket's bytes on the thread that sends or receives
@@ -320,28 +372,67 @@ std::vector<std::thread::id> AnsweringThreads(int links, size_t body_bytes,
 // threads, so one core does not copy them all; the pipelined step's too,
 // each thread woken when a body is made.
 TEST(DataLinkTest, LargeExchangesOnSeveralLinksRunOnSeveralThreads) {
-  for (const bool streamed : {false, true}) {
-    const std::vector<std::thread::id> threads =
-        AnsweringThreads(2, 256 << 10, streamed);
-    ASSERT_EQ(threads.size(), 2u);
-    EXPECT_NE(threads[0], threads[1]) << "streamed " << streamed;
+  for (const Made made : {Made::kAtOnce, Made::kLater}) {
+    const Answered answered = AnsweringThreads(2, 256 << 10, made);
+    ExpectAllOkSoon(answered);
+    ASSERT_EQ(answered.threads.size(), 2u);
+    EXPECT_NE(answered.threads[0], answered.threads[1]);
   }
 }
 
-// A streamed call on more links than threads: each helper is woken
+// A streamed call on more links than threads, and one whose calling
+// thread is done before a helper's link may send: each helper is woken
 // through the calling thread, which goes on relaying after its own links
 // are done.
-TEST(DataLinkTest, AStreamedCallOnManyLinksEndsWhenItsBodiesAreMade) {
-  const std::vector<std::thread::id> threads =
-      AnsweringThreads(6, 128 << 10, /*streamed=*/true);
-  ASSERT_EQ(threads.size(), 6u);
+TEST(DataLinkTest, AStreamedCallEndsWhenItsBodiesAreMade) {
+  const Answered many = AnsweringThreads(6, 128 << 10, Made::kLater);
+  ExpectAllOkSoon(many);
+  EXPECT_GT(std::set<std::thread::id>(many.threads.begin(), many.threads.end())
+                .size(),
+            1u);
+  const Answered first = AnsweringThreads(2, 256 << 10, Made::kFirstAtOnce);
+  ExpectAllOkSoon(first);
+  EXPECT_NE(first.threads[0], first.threads[1]);
+}
+
+// Bodies never made: every thread's links fail at the call's deadline, and
+// the call ends there.
+TEST(DataLinkTest, AStreamedCallOnSeveralThreadsEndsAtItsDeadline) {
+  std::vector<std::unique_ptr<QuietServer>> servers;
+  std::vector<std::unique_ptr<DataLink>> links;
+  std::vector<DataExchange> exchanges(4);
+  const std::string body(256 << 10, 'g');
+  ScopedFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  for (DataExchange& e : exchanges) {
+    servers.push_back(std::make_unique<QuietServer>());
+    absl::StatusOr<std::unique_ptr<DataLink>> link =
+        DataLink::Open("127.0.0.1", servers.back()->port(), "", 1 << 20,
+                       absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(link.ok()) << link.status();
+    links.push_back(std::move(*link));
+    e.link = links.back().get();
+    e.body = {body};
+    e.can_send = [] { return false; };
+    e.send_wake_fd = wake.get();
+  }
+  const absl::Time start = absl::Now();
+  RunExchanges(absl::MakeSpan(exchanges), start + absl::Seconds(1));
+  const absl::Duration took = absl::Now() - start;
+  for (const DataExchange& e : exchanges) {
+    EXPECT_TRUE(absl::IsDeadlineExceeded(e.status)) << e.status;
+  }
+  EXPECT_GE(took, absl::Milliseconds(990));
+  EXPECT_LT(took, absl::Seconds(3));  // no thread left waiting past it
+  links.clear();  // the servers read until their peer closes
 }
 
 // Small ones would pay more for a thread than they save.
 TEST(DataLinkTest, SmallExchangesStayOnTheCallingThread) {
-  for (const bool streamed : {false, true}) {
-    for (const std::thread::id& id : AnsweringThreads(2, 1000, streamed)) {
-      EXPECT_EQ(id, std::this_thread::get_id()) << "streamed " << streamed;
+  for (const Made made : {Made::kAtOnce, Made::kLater}) {
+    const Answered answered = AnsweringThreads(2, 1000, made);
+    ExpectAllOkSoon(answered);
+    for (const std::thread::id& id : answered.threads) {
+      EXPECT_EQ(id, std::this_thread::get_id());
     }
   }
 }
