@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
@@ -166,37 +167,54 @@ TEST(WindowBytesForRoundTripTest, OneRequestInADataCentreMegabytesAcrossAWan) {
       0.039 * kAssumedLinkBytesPerSecond, 1);
 }
 
-// A data-plane server on loopback that takes one connection, reads one
-// request and answers it once `answer` is notified (never, if it is not by
-// the time the test ends it).
-class HeldServer {
+// A data-plane server on loopback that takes one connection, answers its
+// Hellos and then runs `serve` on it (the thread is joined on destruction).
+class OneConnectionServer {
  public:
-  HeldServer() {
+  explicit OneConnectionServer(std::function<void(int fd)> serve) {
     absl::StatusOr<ScopedFd> listener = ListenTcp("127.0.0.1", 0, 0, &port_);
     EXPECT_TRUE(listener.ok()) << listener.status();
     if (!listener.ok()) return;
     listener_ = std::move(*listener);
-    thread_ = std::thread([this] {
+    thread_ = std::thread([this, serve = std::move(serve)] {
       const int fd = accept(listener_.get(), nullptr, nullptr);
       ASSERT_GE(fd, 0);
       AnswerHellos(fd);
-      ReadRequest(fd);
-      request_read_.Notify();
-      if (answer_.WaitForNotificationWithTimeout(absl::Seconds(30)) &&
-          answers_) {
-        Answer(fd, "ok");
-      }
-      done_.WaitForNotificationWithTimeout(absl::Seconds(30));
+      serve(fd);
       close(fd);
     });
   }
+  ~OneConnectionServer() {
+    if (thread_.joinable()) thread_.join();
+  }
+  int port() const { return port_; }
+
+ private:
+  int port_ = 0;
+  ScopedFd listener_;
+  std::thread thread_;
+};
+
+// One that reads one request and answers it once `answer` is notified
+// (never, if it is not by the time the test ends it).
+class HeldServer {
+ public:
+  HeldServer()
+      : server_([this](int fd) {
+          ReadRequest(fd);
+          request_read_.Notify();
+          if (answer_.WaitForNotificationWithTimeout(absl::Seconds(30)) &&
+              answers_) {
+            Answer(fd, "ok");
+          }
+          done_.WaitForNotificationWithTimeout(absl::Seconds(30));
+        }) {}
   ~HeldServer() {
     if (!answer_.HasBeenNotified()) answer_.Notify();
     done_.Notify();
-    if (thread_.joinable()) thread_.join();
   }
 
-  int port() const { return port_; }
+  int port() const { return server_.port(); }
   void WaitForRequest() {
     ASSERT_TRUE(
         request_read_.WaitForNotificationWithTimeout(absl::Seconds(20)));
@@ -206,11 +224,9 @@ class HeldServer {
   void NeverAnswer() { answers_ = false; }
 
  private:
-  int port_ = 0;
-  ScopedFd listener_;
   bool answers_ = true;  // set before the thread may read it: by AnswerNow
   absl::Notification request_read_, answer_, done_;
-  std::thread thread_;
+  OneConnectionServer server_;  // last: its thread uses the members above
 };
 
 // Exchange 0 goes to `first`, exchange 1 (after = 0, `grace`) to `second`;
@@ -262,36 +278,6 @@ TEST(DataLinkTest, AnExchangeAfterAnotherAnsweredWithinItsGraceSucceeds) {
       ExchangeAfterAnother(first, second, absl::Seconds(10));
   EXPECT_TRUE(status.ok()) << status;
 }
-
-// A data-plane server on loopback that takes one connection, answers its
-// Hellos and then only reads, until the peer closes.
-class QuietServer {
- public:
-  QuietServer() {
-    absl::StatusOr<ScopedFd> listener = ListenTcp("127.0.0.1", 0, 0, &port_);
-    EXPECT_TRUE(listener.ok()) << listener.status();
-    if (!listener.ok()) return;
-    listener_ = std::move(*listener);
-    thread_ = std::thread([this] {
-      const int fd = accept(listener_.get(), nullptr, nullptr);
-      ASSERT_GE(fd, 0);
-      AnswerHellos(fd);
-      char sink[4096];
-      while (recv(fd, sink, sizeof(sink), 0) > 0) {
-      }
-      close(fd);
-    });
-  }
-  ~QuietServer() {
-    if (thread_.joinable()) thread_.join();
-  }
-  int port() const { return port_; }
-
- private:
-  int port_ = 0;
-  ScopedFd listener_;
-  std::thread thread_;
-};
 
 // When the requests of AnsweringThreads may be sent.
 enum class Made {
@@ -398,13 +384,18 @@ TEST(DataLinkTest, AStreamedCallEndsWhenItsBodiesAreMade) {
 // Bodies never made: every thread's links fail at the call's deadline, and
 // the call ends there.
 TEST(DataLinkTest, AStreamedCallOnSeveralThreadsEndsAtItsDeadline) {
-  std::vector<std::unique_ptr<QuietServer>> servers;
+  std::vector<std::unique_ptr<OneConnectionServer>> servers;
   std::vector<std::unique_ptr<DataLink>> links;
   std::vector<DataExchange> exchanges(4);
   const std::string body(256 << 10, 'g');
   ScopedFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   for (DataExchange& e : exchanges) {
-    servers.push_back(std::make_unique<QuietServer>());
+    // Reads until its peer closes, answering nothing.
+    servers.push_back(std::make_unique<OneConnectionServer>([](int fd) {
+      char sink[4096];
+      while (recv(fd, sink, sizeof(sink), 0) > 0) {
+      }
+    }));
     absl::StatusOr<std::unique_ptr<DataLink>> link =
         DataLink::Open("127.0.0.1", servers.back()->port(), "", 1 << 20,
                        absl::Now() + absl::Seconds(20));
