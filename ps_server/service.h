@@ -18,7 +18,7 @@
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/data_plane_server.h"
-#include "ps_server/handler_threads.h"
+#include "common/handler_threads.h"
 #include "ps_server/replication.h"
 #include "ps_server/rounded_blocks.h"
 #include "ps_server/shard.h"

@@ -13,11 +13,15 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <system_error>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/mutex.h"
+#include "common/handler_threads.h"
 #include "glog/logging.h"
 
 namespace pstrain {
@@ -87,6 +91,7 @@ class DataLinkIo {
           (request_ends_.empty() ? 0 : request_ends_.back()) +
           kRequestHeaderBytes + body_bytes);
       if (body_bytes >= kHeavyBytes || e.place_payloads) heavy_ = true;
+      bytes_ += body_bytes + e.answer_bytes;
     }
     if (link_->tls_ != nullptr) GatherSmallPieces();
   }
@@ -106,6 +111,9 @@ class DataLinkIo {
   // kHeavyBytes, or payloads read into place) that sealing and opening it
   // costs more than starting a thread for it.
   bool heavy() const { return heavy_; }
+  // The requests' bytes and the answers' as far as known
+  // (DataExchange::answer_bytes).
+  uint64_t bytes() const { return bytes_; }
   static constexpr uint64_t kHeavyBytes = 64 << 10;
 
   bool done() const { return answered_ == queue_.size(); }
@@ -471,6 +479,7 @@ class DataLinkIo {
   std::vector<char> gathered_;      // TLS: small pieces copied together
   bool tls_flush_pending_ = false;  // TLS: records buffered, not yet sent
   bool heavy_ = false;
+  uint64_t bytes_ = 0;
   size_t answered_ = 0;
   // The answer whose payloads are being read into place.
   std::vector<absl::Span<char>> places_;
@@ -593,6 +602,34 @@ void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline,
   }
 }
 
+// Threads that drive a call's links beside the calling thread, kept from
+// call to call: starting a thread for each call cost tens of microseconds,
+// a fifth of a 1 MiB pull through two servers. A call that finds none to
+// be had drives the rest of its links itself.
+constexpr int kMaxExchangeHelpers = 3;  // PlaintextThreads' 4, less one
+
+// This process's. A child made by fork (a PyTorch DataLoader's worker, say)
+// has none of its parent's threads, and maybe a mutex a parent's thread
+// held: it gets helpers of its own.
+HandlerThreads& ExchangeHelpers() {
+  struct Helpers {
+    pid_t pid;
+    HandlerThreads threads;
+  };
+  static std::atomic<Helpers*> helpers{nullptr};
+  Helpers* current = helpers.load(std::memory_order_acquire);
+  if (current != nullptr && current->pid == getpid()) return current->threads;
+  static absl::Mutex making(absl::kConstInit);
+  absl::MutexLock lock(&making);
+  current = helpers.load(std::memory_order_acquire);
+  if (current == nullptr || current->pid != getpid()) {
+    // Never deleted: a call may run while the process exits.
+    current = new Helpers{getpid(), HandlerThreads(kMaxExchangeHelpers)};
+    helpers.store(current, std::memory_order_release);
+  }
+  return current->threads;
+}
+
 // Threads that drive TLS links at once (the calling thread is one).
 size_t TlsThreads(size_t links) {
   const size_t cores = std::max(2u, std::thread::hardware_concurrency());
@@ -646,6 +683,7 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
   }
   std::vector<DataLinkIo*> live;
   size_t tls_links = 0, heavy_plaintext_links = 0;
+  uint64_t heavy_plaintext_bytes = 0;
   for (DataLinkIo& io : links) {
     if (!io.link()->usable()) {
       io.Fail(absl::UnavailableError(absl::StrCat(
@@ -667,6 +705,7 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
       ++tls_links;
     } else if (io.heavy()) {
       ++heavy_plaintext_links;
+      heavy_plaintext_bytes += io.bytes();
     }
   }
   // TLS spends its time in the cipher (encrypting requests, decrypting
@@ -676,11 +715,11 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
   // on every core at once. Plaintext spends it in the kernel's copies, made
   // by the thread that sends or receives: several heavy plaintext links get
   // a few threads too (a 22 MiB PushPull through 2 servers on 2 cores:
-  // bench/results/plaintext_threads.txt). Small calls, which would pay
-  // more for starting threads (tens of microseconds) than they save, stay
-  // on the calling thread; so do exchanges that follow another (whose
-  // clock a thread sees at once only for an exchange it drives), and
-  // streamed ones woken by more than one eventfd (one is relayed:
+  // bench/results/plaintext_threads.txt). Smaller calls
+  // (kPlaintextThreadsFromBytes), which would pay more for waking a helper
+  // than they save, stay on the calling thread; so do exchanges that follow
+  // another (whose clock a thread sees at once only for an exchange it drives),
+  // and streamed ones woken by more than one eventfd (one is relayed:
   // WakeRelay).
   int stream_wake_fd = -1;
   bool one_wake_fd = true;
@@ -693,7 +732,8 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
   size_t threads = 1;
   if (tls_links >= 2) {
     threads = TlsThreads(live.size());
-  } else if (heavy_plaintext_links >= 2 && !clocks) {
+  } else if (heavy_plaintext_links >= 2 && !clocks &&
+             heavy_plaintext_bytes >= kPlaintextThreadsFromBytes) {
     threads = PlaintextThreads(live.size());
   }
   // A streamed call's wake-ups reach the helpers through eventfds of their
@@ -734,34 +774,36 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
     }
     DriveLinks(absl::MakeConstSpan(share), deadline, wake_fd, relay);
   };
-  std::vector<std::thread> helpers;
-  helpers.reserve(threads - 1);
-  for (size_t t = 1; t < threads; ++t) {
-    const int wake_fd = relayed ? relay.helpers[t - 1] : -1;
+  // Counts the helpers given a share; each says when its links are done.
+  absl::BlockingCounter helpers_running(static_cast<int>(threads - 1));
+  size_t given = 1;
+  for (; given < threads; ++given) {
+    const int wake_fd = relayed ? relay.helpers[given - 1] : -1;
     const int done_fd = relayed ? relay.helpers_done : -1;
-    try {
-      helpers.emplace_back([&drive, &share = shares[t], wake_fd, done_fd] {
-        drive(share, wake_fd, nullptr);
-        if (done_fd >= 0) {
-          const uint64_t one = 1;
-          (void)!write(done_fd, &one, sizeof(one));
-        }
-      });
-    } catch (const std::system_error& e) {
-      // No thread to be had (a process or cgroup limit): the calling
-      // thread drives the links no helper took.
-      LOG_FIRST_N(WARNING, 1) << "data plane: no thread for a call's links ("
-                              << e.what() << "); driving them on one";
-      for (size_t rest = t; rest < threads; ++rest) {
-        shares[0].insert(shares[0].end(), shares[rest].begin(),
-                         shares[rest].end());
-      }
-      if (relayed) relay.helpers.resize(t - 1);
-      break;
+    const bool taken = ExchangeHelpers().TryRun(
+        [&drive, &share = shares[given], wake_fd, done_fd, &helpers_running] {
+          drive(share, wake_fd, nullptr);
+          if (done_fd >= 0) {
+            const uint64_t one = 1;
+            (void)!write(done_fd, &one, sizeof(one));
+          }
+          helpers_running.DecrementCount();
+        });
+    if (!taken) break;
+  }
+  if (given < threads) {
+    // No helper to be had for the rest: the calling thread drives the links
+    // none took.
+    for (size_t rest = given; rest < threads; ++rest) {
+      shares[0].insert(shares[0].end(), shares[rest].begin(),
+                       shares[rest].end());
+      helpers_running.DecrementCount();
     }
+    if (relayed) relay.helpers.resize(given - 1);
   }
   drive(shares[0], relayed ? stream_wake_fd : -1, relayed ? &relay : nullptr);
-  for (std::thread& helper : helpers) helper.join();
+  // Each helper's links end by the deadline, as these did.
+  helpers_running.Wait();
 }
 
 absl::StatusOr<std::unique_ptr<DataLink>> DataLink::Open(

@@ -99,6 +99,10 @@ struct DataExchange {
   std::function<absl::StatusOr<std::vector<absl::Span<char>>>(
       absl::string_view meta)>
       place_payloads;
+  // Optional: about how many bytes the answer brings (a pull's values), when
+  // known. RunExchanges counts them with the requests' bytes when it decides
+  // whether a call is large enough for threads of its own.
+  uint64_t answer_bytes = 0;
   // Optional: the index, in RunExchanges' span, of an exchange on another
   // link whose end starts a shorter clock for this one: answered within
   // `grace` of it, or failed DEADLINE_EXCEEDED (its link with it) long
@@ -171,6 +175,17 @@ inline constexpr absl::Duration kShortRoundTrip = absl::Milliseconds(1);
 uint64_t WindowBytesForRoundTrip(absl::Duration round_trip);
 void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
                   size_t requests_in_flight = SIZE_MAX);
+
+// Links of a call that carry large requests or answers are driven by a few
+// threads beside the calling one (kept from call to call), so that the
+// kernel's copies, made by the thread that sends or receives, are not all
+// on one core: TLS links whenever two or more are heavy, plaintext ones
+// when the call also moves at least this much (requests, and answers as
+// far as DataExchange::answer_bytes says): between a 1 MiB pull through
+// two servers, 10% slower on two threads than on one, and the 0.94 MB MLP's
+// PushPull (1.9 MB), whose sync step was 10% faster on them
+// (bench/results/plaintext_threads.txt).
+inline constexpr uint64_t kPlaintextThreadsFromBytes = 3 << 19;  // 1.5 MiB
 
 }  // namespace pstrain
 

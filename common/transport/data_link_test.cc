@@ -6,8 +6,11 @@
 #include "common/transport/data_link.h"
 
 #include <poll.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -292,6 +295,7 @@ enum class Made {
 
 struct Answered {
   std::vector<std::thread::id> threads;  // where each on_response ran
+  std::vector<pid_t> thread_ids;         // the same, as the kernel's ids
   std::vector<absl::Status> statuses;
   absl::Duration took;
 };
@@ -316,12 +320,14 @@ Answered AnsweringThreads(int links, size_t body_bytes, Made made) {
   std::atomic<bool> sendable{false};
   Answered answered;
   answered.threads.resize(links);
+  answered.thread_ids.resize(links);
   std::vector<DataExchange> exchanges(links);
   for (int i = 0; i < links; ++i) {
     exchanges[i].link = opened[i].get();
     exchanges[i].body = {body};
     exchanges[i].on_response = [&answered, i](absl::string_view) {
       answered.threads[i] = std::this_thread::get_id();
+      answered.thread_ids[i] = static_cast<pid_t>(syscall(SYS_gettid));
       return absl::OkStatus();
     };
     if (made == Made::kAtOnce || (made == Made::kFirstAtOnce && i == 0)) {
@@ -359,11 +365,63 @@ void ExpectAllOkSoon(const Answered& answered) {
 // each thread woken when a body is made.
 TEST(DataLinkTest, LargeExchangesOnSeveralLinksRunOnSeveralThreads) {
   for (const Made made : {Made::kAtOnce, Made::kLater}) {
-    const Answered answered = AnsweringThreads(2, 256 << 10, made);
+    const Answered answered =
+        AnsweringThreads(2, kPlaintextThreadsFromBytes / 2, made);
     ExpectAllOkSoon(answered);
     ASSERT_EQ(answered.threads.size(), 2u);
     EXPECT_NE(answered.threads[0], answered.threads[1]);
   }
+}
+
+// The helpers are kept from call to call (starting a thread for each cost
+// a fifth of a 1 MiB pull): calls one after another find the same few. The
+// kernel's thread ids, unlike std::thread::id, are not handed again to the
+// next thread started.
+TEST(DataLinkTest, HelperThreadsAreKeptFromCallToCall) {
+  const pid_t caller = static_cast<pid_t>(syscall(SYS_gettid));
+  std::set<pid_t> helpers;
+  for (int call = 0; call < 8; ++call) {
+    const Answered answered =
+        AnsweringThreads(2, kPlaintextThreadsFromBytes / 2, Made::kAtOnce);
+    ExpectAllOkSoon(answered);
+    for (pid_t id : answered.thread_ids) {
+      if (id != caller) helpers.insert(id);
+    }
+  }
+  EXPECT_GE(helpers.size(), 1u);
+  EXPECT_LE(helpers.size(), 3u);  // RunExchanges' helpers at most
+}
+
+// A child made by fork (a PyTorch DataLoader's worker) has none of its
+// parent's helpers: its large calls get helpers of its own, not a wait
+// for threads that are not there.
+TEST(DataLinkTest, AForkedChildsCallsGetHelpersOfItsOwn) {
+  ExpectAllOkSoon(
+      AnsweringThreads(2, kPlaintextThreadsFromBytes / 2, Made::kAtOnce));
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const Answered answered =
+        AnsweringThreads(2, kPlaintextThreadsFromBytes / 2, Made::kAtOnce);
+    bool ok = answered.statuses.size() == 2 &&
+              answered.threads[0] != answered.threads[1];
+    for (const absl::Status& status : answered.statuses) ok &= status.ok();
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  pid_t ended = 0;
+  while ((ended = waitpid(child, &status, WNOHANG)) == 0 &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));  // polling a child; bounded
+  }
+  if (ended == 0) {
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+    FAIL() << "the forked child's call did not end in 30 s";
+  }
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 // A streamed call on more links than threads, and one whose calling
@@ -371,12 +429,14 @@ TEST(DataLinkTest, LargeExchangesOnSeveralLinksRunOnSeveralThreads) {
 // through the calling thread, which goes on relaying after its own links
 // are done.
 TEST(DataLinkTest, AStreamedCallEndsWhenItsBodiesAreMade) {
-  const Answered many = AnsweringThreads(6, 128 << 10, Made::kLater);
+  const Answered many =
+      AnsweringThreads(6, kPlaintextThreadsFromBytes / 4, Made::kLater);
   ExpectAllOkSoon(many);
   EXPECT_GT(std::set<std::thread::id>(many.threads.begin(), many.threads.end())
                 .size(),
             1u);
-  const Answered first = AnsweringThreads(2, 256 << 10, Made::kFirstAtOnce);
+  const Answered first =
+      AnsweringThreads(2, kPlaintextThreadsFromBytes / 2, Made::kFirstAtOnce);
   ExpectAllOkSoon(first);
   EXPECT_NE(first.threads[0], first.threads[1]);
 }
@@ -387,7 +447,7 @@ TEST(DataLinkTest, AStreamedCallOnSeveralThreadsEndsAtItsDeadline) {
   std::vector<std::unique_ptr<OneConnectionServer>> servers;
   std::vector<std::unique_ptr<DataLink>> links;
   std::vector<DataExchange> exchanges(4);
-  const std::string body(256 << 10, 'g');
+  const std::string body(kPlaintextThreadsFromBytes / 2, 'g');
   ScopedFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   for (DataExchange& e : exchanges) {
     // Reads until its peer closes, answering nothing.
@@ -417,13 +477,18 @@ TEST(DataLinkTest, AStreamedCallOnSeveralThreadsEndsAtItsDeadline) {
   links.clear();  // the servers read until their peer closes
 }
 
-// Small ones would pay more for a thread than they save.
-TEST(DataLinkTest, SmallExchangesStayOnTheCallingThread) {
-  for (const Made made : {Made::kAtOnce, Made::kLater}) {
-    const Answered answered = AnsweringThreads(2, 1000, made);
-    ExpectAllOkSoon(answered);
-    for (const std::thread::id& id : answered.threads) {
-      EXPECT_EQ(id, std::this_thread::get_id());
+// Smaller ones would pay more for waking a thread than they save: tiny
+// requests, and large ones that add up to less than
+// kPlaintextThreadsFromBytes.
+TEST(DataLinkTest, SmallerExchangesStayOnTheCallingThread) {
+  for (const size_t body_bytes :
+       {size_t{1000}, size_t{kPlaintextThreadsFromBytes / 4}}) {
+    for (const Made made : {Made::kAtOnce, Made::kLater}) {
+      const Answered answered = AnsweringThreads(2, body_bytes, made);
+      ExpectAllOkSoon(answered);
+      for (const std::thread::id& id : answered.threads) {
+        EXPECT_EQ(id, std::this_thread::get_id()) << body_bytes << " bytes";
+      }
     }
   }
 }

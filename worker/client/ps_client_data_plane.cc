@@ -333,6 +333,10 @@ std::vector<size_t> PsClient::RunOnDataPlane(const std::string& short_name,
                               : absl::OkStatus();
     };
     exchange.place_payloads = call.place_payloads;
+    if (call.place_payloads && call.group != nullptr) {
+      // At most: values pulled in 16 bits bring half.
+      exchange.answer_bytes = call.group->elements * sizeof(float);
+    }
     exchange.can_send = call.can_send;
     exchange.send_wake_fd = call.send_wake_fd;
     exchange.on_ok = call.on_ok;

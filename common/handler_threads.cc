@@ -1,7 +1,8 @@
-#include "ps_server/handler_threads.h"
+#include "common/handler_threads.h"
 
 #include <algorithm>
 #include <iterator>
+#include <system_error>
 #include <utility>
 
 namespace pstrain {
@@ -35,6 +36,27 @@ void HandlerThreads::Run(std::function<void()> handler) {
   // is in place.
   *self = std::thread([this, self] { Loop(self); });
   peak_ = std::max(peak_, static_cast<int>(running_.size()));
+}
+
+bool HandlerThreads::TryRun(std::function<void()> handler) {
+  JoinEnded();
+  absl::MutexLock lock(&mu_);
+  if (idle_ > static_cast<int>(queue_.size())) {
+    queue_.push_back(std::move(handler));
+    return true;
+  }
+  if (static_cast<int>(running_.size()) >= max_threads_) return false;
+  running_.emplace_back();
+  const Threads::iterator self = std::prev(running_.end());
+  try {
+    *self = std::thread([this, self] { Loop(self); });
+  } catch (const std::system_error&) {  // a process or cgroup limit
+    running_.erase(self);
+    return false;
+  }
+  queue_.push_back(std::move(handler));
+  peak_ = std::max(peak_, static_cast<int>(running_.size()));
+  return true;
 }
 
 void HandlerThreads::Loop(Threads::iterator self) {

@@ -1,4 +1,4 @@
-#include "ps_server/handler_threads.h"
+#include "common/handler_threads.h"
 
 #include <atomic>
 
@@ -57,6 +57,32 @@ TEST(HandlerThreadsTest, PastTheCapHandlersQueueAndAllRun) {
     release.Notify();
   }
   EXPECT_EQ(ran.load(), 12);
+}
+
+// TryRun never queues: with max_threads busy it declines (the caller does
+// the work itself), and once one is idle again it runs there.
+TEST(HandlerThreadsTest, TryRunDeclinesWhenEveryThreadIsBusy) {
+  HandlerThreads threads(/*max_threads=*/2);
+  absl::Notification release;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(threads.TryRun([&] { release.WaitForNotification(); }));
+  }
+  std::atomic<bool> ran_third{false};
+  EXPECT_FALSE(threads.TryRun([&] { ran_third = true; }));
+  EXPECT_EQ(threads.threads(), 2);
+  release.Notify();
+  // The released threads go idle; one of them takes the next at once.
+  absl::Notification ran;
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  bool taken = false;
+  while (!taken && absl::Now() < give_up) {
+    taken = threads.TryRun([&ran] { ran.Notify(); });
+    if (!taken) absl::SleepFor(absl::Milliseconds(1));  // until one is idle
+  }
+  ASSERT_TRUE(taken);
+  EXPECT_TRUE(ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(threads.threads(), 2);  // no third thread
+  EXPECT_FALSE(ran_third.load());
 }
 
 }  // namespace

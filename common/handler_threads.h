@@ -1,5 +1,5 @@
-#ifndef PSTRAIN_PS_SERVER_HANDLER_THREADS_H_
-#define PSTRAIN_PS_SERVER_HANDLER_THREADS_H_
+#ifndef PSTRAIN_COMMON_HANDLER_THREADS_H_
+#define PSTRAIN_COMMON_HANDLER_THREADS_H_
 
 #include <deque>
 #include <functional>
@@ -23,9 +23,9 @@ namespace pstrain {
 // AFrozenBackupHoldsTheJobButDropsNoWorker).
 //
 // A handler starts at once: a thread is started whenever none is idle, up
-// to `max_threads` (past it handlers queue). Every wait a handler makes
-// has a deadline, so the threads in use are bounded by the calls that
-// arrive within one; a thread idle for `idle_exit` ends.
+// to `max_threads` (past it handlers queue, or TryRun declines them). Every
+// wait a handler makes has a deadline, so the threads in use are bounded by the
+// calls that arrive within one; a thread idle for `idle_exit` ends.
 class HandlerThreads {
  public:
   explicit HandlerThreads(int max_threads = 512,
@@ -37,6 +37,10 @@ class HandlerThreads {
   HandlerThreads& operator=(const HandlerThreads&) = delete;
 
   void Run(std::function<void()> handler);
+  // Runs `handler` now, on an idle thread or a new one, or returns false
+  // (and does not run it) when max_threads are busy or no thread can be
+  // started: for work its caller would rather do itself than queue.
+  bool TryRun(std::function<void()> handler);
 
   // Threads running now (busy or idle), and the most there were at once.
   int threads() const;
@@ -61,4 +65,4 @@ class HandlerThreads {
 
 }  // namespace pstrain
 
-#endif  // PSTRAIN_PS_SERVER_HANDLER_THREADS_H_
+#endif  // PSTRAIN_COMMON_HANDLER_THREADS_H_
