@@ -94,19 +94,35 @@ ln -s "$root/deploy/tls/make_certs.sh" "$repo/deploy/tls/make_certs.sh"
 ln -s "$root/ps_server/ps_server" "$repo/bazel-bin/ps_server/ps_server"
 ln -s "$root/worker/worker" "$repo/bazel-bin/worker/worker"
 
+# What a block's launcher left: its stderr, and the end of every log in
+# the run directory it named.
+block_logs() {  # name
+  local run log
+  tail -n 30 "$T/$1.err"
+  run=$(grep -o 'run dir [^;]*' "$T/$1.err" | head -n 1 | cut -d' ' -f3)
+  [[ -n "$run" && -d "$run" ]] || return 0
+  for log in "$run"/*.log; do
+    [[ -f "$log" ]] || continue
+    printf -- '--- %s (last 15 lines)\n' "$log"
+    tail -n 15 "$log"
+  done
+}
+
+# Each block's jobs take seconds; 120 s (then SIGKILL for what is left)
+# keeps the test's own report, with the logs, inside bazel's 300 s.
 run_block() {  # name expected-final-lines grep-pattern-of-each
   local name=$1 finals=$2 pattern=$3 script output count
   script=$(block "$name")
   [[ -n "$script" ]] || fail "no $name block in README.md"
   script=${script//\/tmp\//$T/tmp/}
-  output=$(cd "$repo" && TMPDIR=$T/tmp timeout 240 bash -euo pipefail -c "$script" 2>"$T/$name.err") ||
+  output=$(cd "$repo" && TMPDIR=$T/tmp timeout -k 10 120 bash -euo pipefail -c "$script" 2>"$T/$name.err") ||
     fail "README block $name failed:
 $script
-$(tail -n 30 "$T/$name.err")"
+$(block_logs "$name")"
   count=$(grep -c "$pattern" <<<"$output" || true)
   ((count == finals)) || fail "README block $name: $count final lines matching '$pattern', want $finals:
 $output
-$(tail -n 30 "$T/$name.err")"
+$(block_logs "$name")"
   echo "ok: README block $name ($count workers finished)"
 }
 run_block local-launcher 4 '^{"event":"final","mode":"async",.*"steps":500,'
