@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -604,30 +605,33 @@ void DriveLinks(absl::Span<DataLinkIo* const> links, absl::Time deadline,
 
 // Threads that drive a call's links beside the calling thread, kept from
 // call to call: starting a thread for each call cost tens of microseconds,
-// a fifth of a 1 MiB pull through two servers. A call that finds none to
-// be had drives the rest of its links itself.
-constexpr int kMaxExchangeHelpers = 3;  // PlaintextThreads' 4, less one
+// a fifth of a 1 MiB pull through two servers. As many as TLS calls use
+// (a thread per core) and a few more, for a push and a pull at once; a
+// call that finds none to be had drives the rest of its links itself.
+std::atomic<HandlerThreads*> exchange_helpers{nullptr};
 
-// This process's. A child made by fork (a PyTorch DataLoader's worker, say)
-// has none of its parent's threads, and maybe a mutex a parent's thread
-// held: it gets helpers of its own.
 HandlerThreads& ExchangeHelpers() {
-  struct Helpers {
-    pid_t pid;
-    HandlerThreads threads;
-  };
-  static std::atomic<Helpers*> helpers{nullptr};
-  Helpers* current = helpers.load(std::memory_order_acquire);
-  if (current != nullptr && current->pid == getpid()) return current->threads;
+  HandlerThreads* current = exchange_helpers.load(std::memory_order_acquire);
+  if (current != nullptr) return *current;
   static absl::Mutex making(absl::kConstInit);
   absl::MutexLock lock(&making);
-  current = helpers.load(std::memory_order_acquire);
-  if (current == nullptr || current->pid != getpid()) {
+  current = exchange_helpers.load(std::memory_order_acquire);
+  if (current == nullptr) {
+    const int cores =
+        static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
     // Never deleted: a call may run while the process exits.
-    current = new Helpers{getpid(), HandlerThreads(kMaxExchangeHelpers)};
-    helpers.store(current, std::memory_order_release);
+    current = new HandlerThreads(/*max_threads=*/cores + 2);
+    static const bool forgotten_in_children = [] {
+      // A child made by fork (a PyTorch DataLoader's worker, say) has none
+      // of its parent's threads: it makes helpers of its own.
+      return pthread_atfork(nullptr, nullptr, [] {
+               exchange_helpers.store(nullptr, std::memory_order_relaxed);
+             }) == 0;
+    }();
+    (void)forgotten_in_children;
+    exchange_helpers.store(current, std::memory_order_release);
   }
-  return current->threads;
+  return *current;
 }
 
 // Threads that drive TLS links at once (the calling thread is one).
@@ -774,36 +778,42 @@ void RunExchanges(absl::Span<DataExchange> exchanges, absl::Time deadline,
     }
     DriveLinks(absl::MakeConstSpan(share), deadline, wake_fd, relay);
   };
-  // Counts the helpers given a share; each says when its links are done.
-  absl::BlockingCounter helpers_running(static_cast<int>(threads - 1));
-  size_t given = 1;
-  for (; given < threads; ++given) {
-    const int wake_fd = relayed ? relay.helpers[given - 1] : -1;
-    const int done_fd = relayed ? relay.helpers_done : -1;
-    const bool taken = ExchangeHelpers().TryRun(
-        [&drive, &share = shares[given], wake_fd, done_fd, &helpers_running] {
-          drive(share, wake_fd, nullptr);
-          if (done_fd >= 0) {
-            const uint64_t one = 1;
-            (void)!write(done_fd, &one, sizeof(one));
-          }
-          helpers_running.DecrementCount();
-        });
-    if (!taken) break;
-  }
-  if (given < threads) {
-    // No helper to be had for the rest: the calling thread drives the links
-    // none took.
-    for (size_t rest = given; rest < threads; ++rest) {
-      shares[0].insert(shares[0].end(), shares[rest].begin(),
-                       shares[rest].end());
-      helpers_running.DecrementCount();
+  // From the first share given until every helper is done, the helpers use
+  // this frame (the shares, `drive`, the relay's eventfds): nothing may
+  // unwind it before then, so an exception ends the process here (as a
+  // joinable std::thread's destructor would).
+  [&]() noexcept {
+    // Counts the helpers given a share; each says when its links are done.
+    absl::BlockingCounter helpers_running(static_cast<int>(threads - 1));
+    size_t given = 1;
+    for (; given < threads; ++given) {
+      const int wake_fd = relayed ? relay.helpers[given - 1] : -1;
+      const int done_fd = relayed ? relay.helpers_done : -1;
+      const bool taken = ExchangeHelpers().TryRun(
+          [&drive, &share = shares[given], wake_fd, done_fd, &helpers_running] {
+            drive(share, wake_fd, nullptr);
+            if (done_fd >= 0) {
+              const uint64_t one = 1;
+              (void)!write(done_fd, &one, sizeof(one));
+            }
+            helpers_running.DecrementCount();
+          });
+      if (!taken) break;
     }
-    if (relayed) relay.helpers.resize(given - 1);
-  }
-  drive(shares[0], relayed ? stream_wake_fd : -1, relayed ? &relay : nullptr);
-  // Each helper's links end by the deadline, as these did.
-  helpers_running.Wait();
+    if (given < threads) {
+      // No helper to be had for the rest: the calling thread drives the links
+      // none took.
+      for (size_t rest = given; rest < threads; ++rest) {
+        shares[0].insert(shares[0].end(), shares[rest].begin(),
+                         shares[rest].end());
+        helpers_running.DecrementCount();
+      }
+      if (relayed) relay.helpers.resize(given - 1);
+    }
+    drive(shares[0], relayed ? stream_wake_fd : -1, relayed ? &relay : nullptr);
+    // Each helper's links end by the deadline, as these did.
+    helpers_running.Wait();
+  }();
 }
 
 absl::StatusOr<std::unique_ptr<DataLink>> DataLink::Open(

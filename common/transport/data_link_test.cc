@@ -388,8 +388,11 @@ TEST(DataLinkTest, HelperThreadsAreKeptFromCallToCall) {
       if (id != caller) helpers.insert(id);
     }
   }
+  // Each call needs one, and the last one is idle again well before the
+  // next call (which first starts two servers): one, or a few where a call
+  // came before it was; one per call without the keeping.
   EXPECT_GE(helpers.size(), 1u);
-  EXPECT_LE(helpers.size(), 3u);  // RunExchanges' helpers at most
+  EXPECT_LE(helpers.size(), 4u);
 }
 
 // A child made by fork (a PyTorch DataLoader's worker) has none of its
