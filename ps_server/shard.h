@@ -460,6 +460,8 @@ class Shard {
     double clip_max_norm ABSL_GUARDED_BY(mu) = 0;
     int clip_worker ABSL_GUARDED_BY(mu) = std::numeric_limits<int>::max();
     double clip_sum_of_squares ABSL_GUARDED_BY(mu) = 0;
+    // The norm of the last clipped step applied (ApplyClipRequest.norm).
+    double clip_applied_norm ABSL_GUARDED_BY(mu) = 0;
     // async/ssp: the last step applied per worker (-1: none).
     std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);
     // async/ssp after a restore: the workers not heard from since. A

@@ -2629,6 +2629,7 @@ TEST(ShardClipTest, HoldsTheStepUntilItsCoefficientComesOnce) {
   apply.set_protocol_version(kProtocolVersion);
   apply.set_step(0);
   apply.set_coefficient(0.25);
+  apply.set_norm(std::sqrt(share->sum_of_squares()));
   absl::StatusOr<ApplyClipResponse> applied = f.shard->ApplyClip(apply);
   ASSERT_TRUE(applied.ok()) << applied.status();
   EXPECT_EQ(applied->blocks_applied(), 3);
@@ -2637,6 +2638,19 @@ TEST(ShardClipTest, HoldsTheStepUntilItsCoefficientComesOnce) {
   applied = f.shard->ApplyClip(apply);
   ASSERT_TRUE(applied.ok());
   EXPECT_EQ(applied->blocks_applied(), 0);
+  // A worker that asks after the apply learns the norm the applier
+  // gathered (its ps.last_grad_norm), not nothing.
+  absl::Notification late_answered;
+  absl::StatusOr<ClipNormResponse> late;
+  clip.set_worker_id(1);
+  f.shard->ClipNorm(clip, Soon(), [&](absl::StatusOr<ClipNormResponse> r) {
+    late = std::move(r);
+    late_answered.Notify();
+  });
+  ASSERT_TRUE(late_answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_TRUE(late->applied());
+  EXPECT_DOUBLE_EQ(late->applied_norm(), std::sqrt(8 * 2.0 * 2.0));
   auto pulled = DoPull(*f.shard, PullAt(0, 1), Soon());
   ASSERT_TRUE(pulled->status.ok()) << pulled->status;
   EXPECT_FLOAT_EQ(pulled->FirstWeight(), 1 - 0.5f * 0.25f * 2);

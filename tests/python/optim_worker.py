@@ -4,8 +4,9 @@ script would.
 
   optim_worker.py --recipe=NAME --steps=N --batch=b --out=DIR [--start_at=S]
 
-Writes DIR/worker{k}.pt (the final state_dict) and the rate of each step to
-DIR/rates{k}.txt, and prints a final JSON line.
+Writes DIR/worker{k}.pt (the final state_dict), the rate of each step to
+DIR/rates{k}.txt and, for a clipped recipe, ps.last_grad_norm after each
+step to DIR/norms{k}.txt, and prints a final JSON line.
 """
 
 import argparse
@@ -41,6 +42,7 @@ def main():
     batches = pstrain.data.Batches(train_worker.examples(), args.batch,
                                    ps.worker_id, ps.num_workers, seed=5)
     rates = []
+    norms = []
     end = args.steps if args.stop_after < 0 else args.stop_after
     for step in range(ps.step_count, end):
         x, y = train_worker.batch(batches, step)
@@ -52,6 +54,8 @@ def main():
             ps.clip_grad_norm_(max_norm)
         rates.append(optimizer.param_groups[0]["lr"])
         ps.step()
+        if max_norm is not None:
+            norms.append(ps.last_grad_norm)
         if scheduler is not None:
             scheduler.step()
     how = ps.finish()
@@ -59,6 +63,10 @@ def main():
                os.path.join(args.out, f"worker{ps.worker_id}.pt"))
     with open(os.path.join(args.out, f"rates{ps.worker_id}.txt"), "a") as f:
         f.writelines(f"{r!r}\n" for r in rates)
+    if norms:
+        with open(os.path.join(args.out, f"norms{ps.worker_id}.txt"),
+                  "a") as f:
+            f.writelines(f"{n!r}\n" for n in norms)
     pstrain.print_final(worker_id=ps.worker_id, mode=ps.mode,
                         start_step=ps.start_step, final_model=how,
                         steps_run=end - ps.start_step,

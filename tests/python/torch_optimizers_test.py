@@ -23,7 +23,9 @@ WORKER = os.path.join(cluster.HERE, "optim_worker.py")
 
 
 def single_process(recipe, global_batch, steps=optim_recipes.STEPS,
-                   clip=True):
+                   clip=True, norms=None):
+    """The recipe in one process; `norms`, a list, gets each clipped step's
+    gradient norm (what torch's clip_grad_norm_ returns)."""
     torch.set_num_threads(1)
     model = train_worker.make_model("mlp", seed=3)
     optimizer, scheduler, max_norm = optim_recipes.build(recipe, model, steps)
@@ -34,7 +36,9 @@ def single_process(recipe, global_batch, steps=optim_recipes.STEPS,
         x, y = train_worker.batch(batches, step)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         if max_norm is not None and clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            if norms is not None:
+                norms.append(float(norm))
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         optimizer.zero_grad()
@@ -68,7 +72,15 @@ class TorchOptimizersTest(unittest.TestCase):
                 job_rates = [float(line) for line in f]
             for w in c.workers:  # ps.step() is the optimizer's step
                 self.assertNotIn("before `optimizer.step()`", c.errors(w))
-        reference, rates = single_process(recipe, workers * BATCH)
+            job_norms = []
+            for k in range(workers):
+                path = os.path.join(c.dir, f"norms{k}.txt")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        job_norms.append([float(line) for line in f])
+        reference_norms = []
+        reference, rates = single_process(recipe, workers * BATCH,
+                                          norms=reference_norms)
         difference = max_difference(job, reference)
         print(f"{recipe}, {workers} workers: max |difference| {difference:.2e}")
         self.assertLessEqual(difference, 1e-5, recipe)
@@ -84,6 +96,17 @@ class TorchOptimizersTest(unittest.TestCase):
         if recipe.endswith("_clipped"):  # the clip did clip
             unclipped, _ = single_process(recipe, workers * BATCH, clip=False)
             self.assertGreater(max_difference(reference, unclipped), 1e-4)
+            # Every worker's ps.last_grad_norm is the job's norm of the step,
+            # torch's for the whole batch: the one that gathered it and
+            # the others alike.
+            self.assertEqual(len(job_norms), workers)
+            for k, norms in enumerate(job_norms):
+                self.assertEqual(len(norms), len(reference_norms))
+                for step, (got, want) in enumerate(zip(norms,
+                                                       reference_norms)):
+                    self.assertAlmostEqual(
+                        got, want, delta=1e-4 * want,
+                        msg=f"worker {k}, step {step}")
 
     def test_every_recipe_with_two_workers(self):
         for recipe in optim_recipes.RECIPES:

@@ -502,7 +502,10 @@ absl::Status PsClient::FinishClippedStep(int64_t step) {
   // Summed in shard order, so every worker computes the same coefficient.
   double sum_of_squares = 0, max_norm = 0;
   for (const ClipNormResponse& share : shares) {
-    if (share.applied()) return absl::OkStatus();  // another worker did it
+    if (share.applied()) {  // another worker did it, and says the norm
+      last_clip_norm_ = share.applied_norm();
+      return absl::OkStatus();
+    }
     sum_of_squares += share.sum_of_squares();
     max_norm = std::max(max_norm, share.max_norm());
   }
@@ -514,6 +517,7 @@ absl::Status PsClient::FinishClippedStep(int64_t step) {
   apply.set_worker_id(worker_id_);
   apply.set_step(step);
   apply.set_coefficient(coefficient);
+  apply.set_norm(last_clip_norm_);
   std::vector<Call> applies(num_shards());
   for (int s = 0; s < num_shards(); ++s) {
     applies[s].shard = s;

@@ -810,6 +810,7 @@ class ParameterServer:
         # (Client.secure_final_state); None until then, or when unknown.
         self.final_state = None
         self._clip_max_norm = 0.0
+        self._own_grad_norm = 0.0  # async/ssp: last_grad_norm
         self._fast_forward_scheduler()
         self._pull(self._step)
         # "auto" pipelines where the link binds, as the C++ worker's
@@ -949,7 +950,9 @@ class ParameterServer:
         params = [t.tensor for t in self._tensors
                   if not t.state and t.tensor.grad is not None]
         if self.mode != "sync":
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            self._own_grad_norm = float(norm)
+            return norm
         if float(norm_type) != 2.0:
             raise ValueError(
                 f"norm_type={norm_type}: a sync job clips the 2-norm of its "
@@ -964,8 +967,11 @@ class ParameterServer:
 
     @property
     def last_grad_norm(self):
-        """Sync: the job's gradient norm of the last step clipped with
-        clip_grad_norm_ (before clipping)."""
+        """The gradient norm (before clipping) of the last step clipped with
+        clip_grad_norm_, 0.0 before one: sync, the job's, on every worker;
+        async and ssp, this worker's own."""
+        if self.mode != "sync":
+            return self._own_grad_norm
         return self.client.last_clip_norm()
 
     def finish(self, timeout_s=120.0):
