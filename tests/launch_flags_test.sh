@@ -48,6 +48,17 @@ PSTRAIN_PYTHON="$T/python" launch --python="$T/script.py" >"$T/out" 2>"$T/err" |
 [[ $rc == 2 ]] || fail "--python without pstrain: exit $rc, want 2: $(cat "$T/err")"
 [[ $(wc -l <"$T/err") == 1 ]] || fail "--python without pstrain: want one line, got: $(cat "$T/err")"
 grep -qF "No module named numpy" "$T/err" || fail "--python without pstrain: want its import error in: $(cat "$T/err")"
+# A bare name is looked up on PATH, as a shell would (here the same
+# interpreter, so the same refusal, not "no interpreter at python").
+rc=0
+PATH="$T:$PATH" PSTRAIN_PYTHON=python launch --python="$T/script.py" >"$T/out" 2>"$T/err" || rc=$?
+[[ $rc == 2 ]] || fail "PSTRAIN_PYTHON=python: exit $rc, want 2: $(cat "$T/err")"
+grep -qF "$T/python cannot import pstrain.torch" "$T/err" ||
+  fail "PSTRAIN_PYTHON=python (on PATH): want it found, got: $(cat "$T/err")"
+rc=0
+PSTRAIN_PYTHON=no-such-python-here launch --python="$T/script.py" >"$T/out" 2>"$T/err" || rc=$?
+[[ $rc == 2 ]] && grep -qF "no interpreter at no-such-python-here" "$T/err" ||
+  fail "PSTRAIN_PYTHON naming nothing: exit $rc: $(cat "$T/err")"
 
 # A server flag passes the check and takes effect.
 launch --servers=1 --workers=1 --run_dir="$T/ok" -- --server.optimizer=adam \

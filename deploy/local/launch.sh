@@ -487,11 +487,16 @@ parse_args() {
     [[ -f "$PYTHON_SCRIPT" && -r "$PYTHON_SCRIPT" ]] ||
       usage_error "--python: '$PYTHON_SCRIPT' is not a readable file"
     PYTHON_SCRIPT=$(cd -- "$(dirname -- "$PYTHON_SCRIPT")" && pwd)/$(basename -- "$PYTHON_SCRIPT")
-    [[ -x "$PYTHON" ]] || usage_error "--python: no interpreter at $PYTHON (set PSTRAIN_PYTHON)"
+    # A bare name (PSTRAIN_PYTHON=python3) is looked up on PATH, as a shell
+    # would; the workers get the path it resolved to.
+    if [[ "$PYTHON" != */* ]] && command -v -- "$PYTHON" >/dev/null 2>&1; then
+      PYTHON=$(command -v -- "$PYTHON")
+    fi
+    [[ -x "$PYTHON" && ! -d "$PYTHON" ]] || usage_error "--python: no interpreter at $PYTHON (set PSTRAIN_PYTHON to a path or a name on PATH)"
     local import_error
     if ! import_error=$(cd / && "$PYTHON" -c 'import pstrain.torch' 2>&1); then
       import_error=$(tail -n 1 <<<"$import_error")
-      usage_error "--python: $PYTHON cannot import pstrain.torch (${import_error:-no error text}; an interpreter without torch and numpy, or pstrain not installed in it: worker/python/install.sh)"
+      usage_error "--python: $PYTHON cannot import pstrain.torch (${import_error:-no error text}; an interpreter without torch and numpy, or pstrain not installed in it: README.md, "PyTorch: bring your own model", installs it)"
     fi
     # The worker flags a Python worker's client takes (the rest go to its
     # script): pstrain's own list, so a new client flag needs no change here.
