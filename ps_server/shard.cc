@@ -182,6 +182,40 @@ Shard::MakeTensorOptimizers(const ModelSchema& schema) const {
   return optimizers;
 }
 
+namespace {
+
+// Which update rule the registered model's trained tensors follow, for the
+// log: a model registered with the workers' torch optimizers (pstrain.torch's
+// optimizer=) takes none of --optimizer and --learning_rate, which the
+// server's first lines still show.
+std::string DescribeUpdateRules(const ModelSchema& schema,
+                                const OptimizerConfig& flags) {
+  int trained = 0, own = 0;
+  std::vector<std::string> rules;
+  for (const DenseTensorSpec& tensor : schema.dense()) {
+    if (tensor.role() == DenseTensorSpec::STATE) continue;
+    ++trained;
+    if (!tensor.has_optimizer()) continue;
+    ++own;
+    const std::string rule = absl::StrCat(tensor.optimizer().name(), " lr ",
+                                          tensor.optimizer().lr());
+    if (std::find(rules.begin(), rules.end(), rule) == rules.end()) {
+      rules.push_back(rule);
+    }
+  }
+  const std::string servers = absl::StrCat(
+      "--optimizer=", flags.name, " --learning_rate=", flags.learning_rate);
+  if (own == 0) return absl::StrCat("every trained tensor by ", servers);
+  return absl::StrCat(
+      own, " of ", trained,
+      " trained tensors by the workers' torch optimizer (",
+      absl::StrJoin(rules, ", "), ", then the rates their pushes carry)",
+      own == trained ? absl::StrCat("; ", servers, " applies to none")
+                     : absl::StrCat(", the rest by ", servers));
+}
+
+}  // namespace
+
 int64_t Shard::SharedTableBudget(const ModelSchema& schema) const {
   if (options_.sparse_memory_bytes <= 0) return 0;
   int64_t own = 0, sharing = 0;
@@ -512,6 +546,10 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
         return Reject(s);
       }
       response.set_created(true);
+      LOG(INFO) << "shard " << options_.shard_id
+                << ": model registered by worker " << request.worker_id()
+                << "; its updates: "
+                << DescribeUpdateRules(request.schema(), options_.optimizer);
     }
   }
   const Model* model = model_.load(std::memory_order_acquire);

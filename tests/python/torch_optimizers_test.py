@@ -72,6 +72,14 @@ class TorchOptimizersTest(unittest.TestCase):
                 job_rates = [float(line) for line in f]
             for w in c.workers:  # ps.step() is the optimizer's step
                 self.assertNotIn("before `optimizer.step()`", c.errors(w))
+            # The servers' log says the flags' optimizer is not the one
+            # training (their first lines still name it).
+            for shard in range(2):
+                self.assertRegex(
+                    c.server_log(shard),
+                    r"model registered by worker \d+; its updates: (\d+) of "
+                    r"\1 trained tensors by the workers' torch optimizer "
+                    r".*--learning_rate=\S+ applies to none")
             job_norms = []
             for k in range(workers):
                 path = os.path.join(c.dir, f"norms{k}.txt")
