@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -25,8 +27,9 @@ namespace {
 class ConnectWaitReport {
  public:
   ConnectWaitReport(const std::vector<std::string>& hosts, bool tls,
-                    absl::Duration timeout, StepOutput* output)
-      : thread_([=] { Run(hosts, tls, timeout, output); }) {}
+                    absl::Duration timeout,
+                    std::function<void(const std::string&)> show)
+      : thread_([=] { Run(hosts, tls, timeout, show); }) {}
   ~ConnectWaitReport() {
     done_.Notify();
     thread_.join();
@@ -36,7 +39,8 @@ class ConnectWaitReport {
   static constexpr absl::Duration kEvery = absl::Seconds(3);
 
   void Run(const std::vector<std::string>& hosts, bool tls,
-           absl::Duration timeout, StepOutput* output) {
+           absl::Duration timeout,
+           const std::function<void(const std::string&)>& show) {
     const absl::Time give_up = absl::Now() + timeout;
     while (!done_.WaitForNotificationWithTimeout(kEvery)) {
       const int64_t left =
@@ -68,7 +72,7 @@ class ConnectWaitReport {
       }
       if (done_.HasBeenNotified()) return;
       for (const std::string& line : lines) LOG(INFO) << line;
-      output->ShowWait(lines.front());
+      if (show) show(lines.front());
     }
   }
 
@@ -79,10 +83,11 @@ class ConnectWaitReport {
 }  // namespace
 
 absl::StatusOr<Registration> RegisterShowingWait(
-    PsClient& client, const PsClientOptions& options, StepOutput& output,
-    const ModelSchema& schema, int num_workers, int worker_id) {
+    PsClient& client, const PsClientOptions& options, const ModelSchema& schema,
+    int num_workers, int worker_id,
+    std::function<void(const std::string&)> show) {
   ConnectWaitReport report(options.hosts, options.credentials != nullptr,
-                           options.connect_timeout, &output);
+                           options.connect_timeout, std::move(show));
   return client.Register(schema, num_workers, worker_id);
 }
 

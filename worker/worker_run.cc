@@ -155,8 +155,9 @@ int TrainCtrAndReport(const WorkerConfig& config, ServerConnection& servers,
     wait_display = nullptr;
   };
   ctr.register_model = [&](const ModelSchema& schema) {
-    return RegisterShowingWait(*client, servers.options, output, schema,
-                               num_workers, worker_id);
+    return RegisterShowingWait(
+        *client, servers.options, schema, num_workers, worker_id,
+        [&output](const std::string& line) { output.ShowWait(line); });
   };
   ctr.on_steps_done = [signal_watch] { signal_watch->Quiet(); };
   ctr.stopped_while_waiting = [&](const std::string& waiting_for,
@@ -281,7 +282,8 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
                                waiting_for, status);
   };
   absl::StatusOr<Registration> registration = RegisterShowingWait(
-      client, servers.options, output, schema, num_workers, worker_id);
+      client, servers.options, schema, num_workers, worker_id,
+      [&output](const std::string& line) { output.ShowWait(line); });
   if (!registration.ok() && signal_watch->signal_number() != 0) {
     return interrupted("to reach the servers and register the model",
                        registration.status());

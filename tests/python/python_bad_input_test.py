@@ -4,6 +4,8 @@ servers, whose Stats are compared before and after)."""
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import unittest
@@ -228,6 +230,23 @@ class BadInputTest(unittest.TestCase):
         message = str(raised.exception)
         self.assertIn("shard 0 (127.0.0.1:1)", message)
         self.assertIn("Connection refused", message)
+
+
+    def test_a_wait_for_servers_is_said_while_it_lasts(self):
+        # As the worker binary says it: every 3 s, the shard, its address,
+        # the time left and why, on stderr (the library's log), not 60 s
+        # of silence before the error.
+        code = ("import torch, pstrain.torch\n"
+                "pstrain.torch.ParameterServer(torch.nn.Linear(2, 2), "
+                "hosts='127.0.0.1:1', worker_id=0, num_workers=1, "
+                "connect_timeout_s=4, retry_window_s=0)\n")
+        done = subprocess.run([sys.executable, "-c", code],
+                              capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(done.returncode, 0)
+        self.assertRegex(
+            done.stderr, r"waiting to reach shard 0 \(127\.0\.0\.1:1\) to "
+            r"register, \d+ s left \(--connect_timeout_s\): .*"
+            r"Connection refused")
 
 
 class ClusterSpecClientOptionsTest(unittest.TestCase):

@@ -39,6 +39,7 @@
 #include "worker/client/client_config.h"
 #include "worker/client/client_options.h"
 #include "worker/client/ps_client.h"
+#include "worker/connect_wait.h"
 #include "worker/ctr_data.h"
 #include "worker/data.h"
 #include "worker/idx_data.h"
@@ -49,6 +50,7 @@ struct pstrain_step_stream;
 
 struct pstrain_client {
   std::unique_ptr<pstrain::PsClient> client;
+  pstrain::PsClientOptions options;  // as made (the registration's wait)
   std::vector<std::string> hosts;
   bool tls = false;
   pstrain::ModelSchema schema;
@@ -279,6 +281,7 @@ int pstrain_client_create(const char* options_json, pstrain_client** out,
         pstrain::MakePsClientOptions(*config);
     if (!options.ok()) return options.status();
     auto client = std::make_unique<pstrain_client>();
+    client->options = *options;
     client->hosts = options->hosts;
     client->tls = options->credentials != nullptr;
     absl::StatusOr<std::unique_ptr<pstrain::PsClient>> made =
@@ -345,9 +348,12 @@ int pstrain_client_register(pstrain_client* c, const char* schema_json,
       return absl::InvalidArgumentError(
           absl::StrCat("schema: ", std::string(s.message())));
     }
-    // Register validates the schema (once its block size is resolved).
+    // Register validates the schema (once its block size is resolved). A
+    // wait for servers not up yet is said on stderr every few seconds (the
+    // log), as the worker binary says it.
     absl::StatusOr<pstrain::Registration> registration =
-        c->client->Register(schema, num_workers, worker_id);
+        pstrain::RegisterShowingWait(*c->client, c->options, schema,
+                                     num_workers, worker_id);
     if (absl::IsDeadlineExceeded(registration.status())) {
       // Waiting for servers, gRPC reports any cause as the deadline passing:
       // say what the likely one is, as the worker binary does.
