@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 import unittest
+import warnings
 
 import numpy as np
 import torch
@@ -247,6 +248,38 @@ class BadInputTest(unittest.TestCase):
             done.stderr, r"waiting to reach shard 0 \(127\.0\.0\.1:1\) to "
             r"register, \d+ s left \(--connect_timeout_s\): .*"
             r"Connection refused")
+
+
+class StepWithoutBackwardTest(unittest.TestCase):
+    """torch's optimizer.step() skips parameters without a gradient;
+    ps.step() pushes zeros (a sync step needs every worker's push), and the
+    servers' optimizer still steps: it is said once, as a RuntimeWarning
+    pointing at the caller's line."""
+
+    def test_a_step_no_backward_reached_is_said_once(self):
+        with cluster.Cluster(num_shards=1, num_workers=1) as c:
+            model = mlp()
+            ps = pstrain.torch.ParameterServer(
+                model, hosts=c.hosts, worker_id=0, num_workers=1,
+                optimizer=torch.optim.AdamW(model.parameters(), lr=0.1,
+                                            weight_decay=0.5))
+            x = torch.ones(2, 4)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(2):  # with backward: nothing said
+                    model(x).sum().backward()
+                    ps.step()
+                said = [w for w in caught if "no gradient" in str(w.message)]
+                self.assertEqual(said, [])
+                ps.step()  # no backward since the last step
+                ps.step()
+                said = [w for w in caught if "no gradient" in str(w.message)]
+            ps.finish()
+        self.assertEqual(len(said), 1)
+        self.assertIs(said[0].category, RuntimeWarning)
+        self.assertIn("at step 2 ", str(said[0].message))
+        self.assertEqual(os.path.basename(said[0].filename),
+                         "python_bad_input_test.py")
 
 
 class ClusterSpecClientOptionsTest(unittest.TestCase):

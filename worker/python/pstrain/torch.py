@@ -811,6 +811,10 @@ class ParameterServer:
         self.final_state = None
         self._clip_max_norm = 0.0
         self._own_grad_norm = 0.0  # async/ssp: last_grad_norm
+        # The gradients as the last step left them (_gradient_marks), to
+        # tell a step that no backward reached.
+        self._cleared_gradients = None
+        self._warned_no_gradient = False
         self._fast_forward_scheduler()
         self._pull(self._step)
         # "auto" pipelines where the link binds, as the C++ worker's
@@ -880,6 +884,7 @@ class ParameterServer:
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
         pipeline.end_step(None)
+        self._cleared_gradients = self._gradient_marks()
         self._step = step + 1
 
     def _step_the_optimizer(self):
@@ -901,10 +906,38 @@ class ParameterServer:
                 [_number(g, "lr") for g in groups],
                 [_momentum(g) for g in groups])
 
+    def _gradient_marks(self):
+        """Each trained tensor's gradient: which tensor, at which version
+        (in-place accumulation moves it), or None."""
+        return [None if t.state or t.tensor.grad is None
+                else (id(t.tensor.grad), t.tensor.grad._version)
+                for t in self._tensors]
+
+    def _warn_if_no_gradient(self):
+        """A step that no backward reached pushes zeros, and the servers'
+        optimizer still steps (weight decay, momentum), where torch's
+        optimizer.step() skips parameters without a gradient. Said once:
+        a worker with no batch for a step may mean it (sync needs its
+        push)."""
+        if self._warned_no_gradient:
+            return
+        marks = self._gradient_marks()
+        if any(m is not None for m in marks) and (
+                marks != self._cleared_gradients):
+            return
+        self._warned_no_gradient = True
+        warnings.warn(
+            f"ps.step() at step {self._step} with no gradient since the last "
+            "step (no backward() reached a parameter): zeros are pushed, and "
+            "the servers' optimizer still steps (weight decay, momentum), "
+            "unlike torch's optimizer.step(), which skips parameters "
+            "without a gradient", RuntimeWarning, stacklevel=4)
+
     def _plain_step(self):
         step = self._step
         for t in self._tensors:
             t.check_unchanged()
+        self._warn_if_no_gradient()
         self._await_lane_push()
         if self._tables:  # every table's rows in one round trip
             parts = [table._take_pending() for table in self._tables]
@@ -933,6 +966,7 @@ class ParameterServer:
                 t.tensor.grad.zero_()
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
+        self._cleared_gradients = self._gradient_marks()
         self._step = step + 1
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
