@@ -537,7 +537,8 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
           FirstSchemaDifference(model_owner_->schema, request.schema());
       if (!difference.empty()) {
         return Reject(absl::FailedPreconditionError(absl::StrCat(
-            "a different model is already registered on this shard: ",
+            "a different model is already registered on this shard (the "
+            "registered one's first, then this request's): ",
             difference)));
       }
       response.set_created(false);
