@@ -919,8 +919,10 @@ class ParameterServer:
         optimizer.step() skips parameters without a gradient. Said once:
         a worker with no batch for a step may mean it (sync needs its
         push)."""
-        if self._warned_no_gradient:
-            return
+        if self._warned_no_gradient or all(t.state for t in self._tensors):
+            return  # (a model of tables only: their forwards say it)
+        if any(table._pending for table in self._tables):
+            return  # a table's rows were reached
         marks = self._gradient_marks()
         if any(m is not None for m in marks) and (
                 marks != self._cleared_gradients):
