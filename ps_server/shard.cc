@@ -205,10 +205,11 @@ std::string DescribeUpdateRules(const ModelSchema& schema,
   }
   const std::string servers = absl::StrCat(
       "--optimizer=", flags.name, " --learning_rate=", flags.learning_rate);
-  if (own == 0) return absl::StrCat("every trained tensor by ", servers);
+  if (trained == 0) return "no trained dense tensor";
+  if (own == 0) return absl::StrCat("every trained dense tensor by ", servers);
   return absl::StrCat(
       own, " of ", trained,
-      " trained tensors by the workers' torch optimizer (",
+      " trained dense tensors by the workers' torch optimizer (",
       absl::StrJoin(rules, ", "), ", then the rates their pushes carry)",
       own == trained ? absl::StrCat("; ", servers, " applies to none")
                      : absl::StrCat(", the rest by ", servers));
@@ -490,6 +491,10 @@ absl::Status Shard::InstallModel(const ModelSchema& schema,
   register_mu_.AssertHeld();
   model_owner_ = std::move(model);
   model_.store(model_owner_.get(), std::memory_order_release);
+  // Registered, restored or caught up: the server's first lines name
+  // --optimizer, which a model of the workers' torch optimizers ignores.
+  LOG(INFO) << "shard " << options_.shard_id << ": model installed; "
+            << DescribeUpdateRules(schema, options_.optimizer);
   return absl::OkStatus();
 }
 
@@ -547,10 +552,6 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
         return Reject(s);
       }
       response.set_created(true);
-      LOG(INFO) << "shard " << options_.shard_id
-                << ": model registered by worker " << request.worker_id()
-                << "; its updates: "
-                << DescribeUpdateRules(request.schema(), options_.optimizer);
     }
   }
   const Model* model = model_.load(std::memory_order_acquire);

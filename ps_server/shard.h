@@ -460,7 +460,8 @@ class Shard {
     double clip_max_norm ABSL_GUARDED_BY(mu) = 0;
     int clip_worker ABSL_GUARDED_BY(mu) = std::numeric_limits<int>::max();
     double clip_sum_of_squares ABSL_GUARDED_BY(mu) = 0;
-    // The norm of the last clipped step applied (ApplyClipRequest.norm).
+    // The last clipped step applied, and its norm (ApplyClipRequest.norm).
+    int64_t clip_applied_step ABSL_GUARDED_BY(mu) = -1;
     double clip_applied_norm ABSL_GUARDED_BY(mu) = 0;
     // async/ssp: the last step applied per worker (-1: none).
     std::vector<int64_t> last_step ABSL_GUARDED_BY(mu);

@@ -37,9 +37,12 @@ ClipNormResponse Shard::ClipAnswer(const Model& model, int64_t step,
     const Block& block = *model.blocks[local];
     absl::MutexLock lock(&block.mu);
     if (block.version.load() > step || !block.awaiting_clip.load()) {
-      // A worker that did not gather the norm still learns it.
+      // A worker that did not gather the norm still learns it (a block
+      // already past a later clipped step has none of this one's).
       response.set_applied(true);
-      response.set_applied_norm(block.clip_applied_norm);
+      if (block.clip_applied_step == step) {
+        response.set_applied_norm(block.clip_applied_norm);
+      }
       continue;
     }
     sum_of_squares += block.clip_sum_of_squares;
@@ -123,6 +126,7 @@ absl::StatusOr<ApplyClipResponse> Shard::ApplyClip(
       continue;
     }
     ApplyStepLocked(*block, static_cast<float>(coefficient));
+    block->clip_applied_step = request.step();
     block->clip_applied_norm = request.norm();
     response.set_blocks_applied(response.blocks_applied() + 1);
   }

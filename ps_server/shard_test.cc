@@ -1039,7 +1039,11 @@ TEST(ShardSyncTest, AHeldPushToAFreshShardWaitsForTheOtherWorkers) {
     pushed.Notify();
   });
   EXPECT_FALSE(pushed.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
-  ASSERT_TRUE(DoPush(*f.shard, UniformPush(1, 7, 3)).ok());
+  // Held too: on a loaded machine the first push may not have arrived yet,
+  // and this one then waits for it.
+  ASSERT_TRUE(
+      DoPush(*f.shard, UniformPush(1, 7, 3), absl::Now() + absl::Seconds(30))
+          .ok());
   ASSERT_TRUE(pushed.WaitForNotificationWithTimeout(absl::Seconds(10)));
   pusher.join();
   ASSERT_TRUE(held.ok()) << held.status();

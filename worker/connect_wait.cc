@@ -47,6 +47,9 @@ class ConnectWaitReport {
           std::max<int64_t>(0, absl::ToInt64Seconds(give_up - absl::Now()));
       std::vector<std::string> lines;
       for (size_t s = 0; s < hosts.size(); ++s) {
+        // Each probe may take seconds (an address that drops SYNs): a
+        // registration that ended, or Ctrl-C, does not wait for the rest.
+        if (done_.HasBeenNotified()) return;
         // A replicated shard ("a:1|b:2") is reached when any replica is.
         std::string cause;
         for (absl::string_view replica : absl::StrSplit(hosts[s], '|')) {

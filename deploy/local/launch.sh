@@ -496,7 +496,7 @@ parse_args() {
     local import_error
     if ! import_error=$(cd / && "$PYTHON" -c 'import pstrain.torch' 2>&1); then
       import_error=$(tail -n 1 <<<"$import_error")
-      usage_error "--python: $PYTHON cannot import pstrain.torch (${import_error:-no error text}; an interpreter without torch and numpy, or pstrain not installed in it: README.md, "PyTorch: bring your own model", installs it)"
+      usage_error "--python: $PYTHON cannot import pstrain.torch (${import_error:-no error text}; an interpreter without torch and numpy, or pstrain not installed in it: README.md, 'PyTorch: bring your own model', installs it)"
     fi
     # The worker flags a Python worker's client takes (the rest go to its
     # script): pstrain's own list, so a new client flag needs no change here.

@@ -77,8 +77,8 @@ class TorchOptimizersTest(unittest.TestCase):
             for shard in range(2):
                 self.assertRegex(
                     c.server_log(shard),
-                    r"model registered by worker \d+; its updates: (\d+) of "
-                    r"\1 trained tensors by the workers' torch optimizer "
+                    r"model installed; (\d+) of \1 trained dense tensors "
+                    r"by the workers' torch optimizer "
                     r".*--learning_rate=\S+ applies to none")
             job_norms = []
             for k in range(workers):

@@ -500,12 +500,21 @@ absl::Status PsClient::FinishClippedStep(int64_t step) {
     return st;
   }
   // Summed in shard order, so every worker computes the same coefficient.
+  // Applied already: another worker did it, and the shards that applied it
+  // say the norm (a replica that took over since, or a block past a later
+  // clipped step, says 0).
+  bool applied = false;
+  double applied_norm = 0;
+  for (const ClipNormResponse& share : shares) {
+    applied = applied || share.applied();
+    applied_norm = std::max(applied_norm, share.applied_norm());
+  }
+  if (applied) {
+    last_clip_norm_ = applied_norm;
+    return absl::OkStatus();
+  }
   double sum_of_squares = 0, max_norm = 0;
   for (const ClipNormResponse& share : shares) {
-    if (share.applied()) {  // another worker did it, and says the norm
-      last_clip_norm_ = share.applied_norm();
-      return absl::OkStatus();
-    }
     sum_of_squares += share.sum_of_squares();
     max_norm = std::max(max_norm, share.max_norm());
   }

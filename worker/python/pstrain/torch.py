@@ -921,8 +921,9 @@ class ParameterServer:
         push)."""
         if self._warned_no_gradient or all(t.state for t in self._tensors):
             return  # (a model of tables only: their forwards say it)
-        if any(table._pending for table in self._tables):
-            return  # a table's rows were reached
+        if any(leaf.grad is not None for table in self._tables
+               for _, leaf, _ in table._pending):
+            return  # backward reached a table's rows
         marks = self._gradient_marks()
         if any(m is not None for m in marks) and (
                 marks != self._cleared_gradients):
