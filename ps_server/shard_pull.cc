@@ -138,10 +138,14 @@ void Shard::Pull(const PullRequest& request, absl::Time deadline, PullDone done,
       }
     }
     if (options_.mode == ConsistencyMode::kSync) {
+      // An observer reading a running job (PsClient::FinishObserverRead)
+      // asks for the step after the furthest block it found, two past one
+      // that lagged: it changes nothing, and its wait has a deadline.
+      const int64_t ahead_at_most = worker >= 0 ? 1 : 2;
       for (int local : waiter->locals) {
         const Block& block = *(*model)->blocks[local];
         const int64_t version = block.version.load();
-        if (version + 1 >= step) continue;
+        if (version + ahead_at_most >= step) continue;
         if (recovering_ || ConfirmLostStateLocked(worker, step)) {
           completed = FastForwardLocked(**model, step);
           break;

@@ -3,6 +3,8 @@
 // must be identical), `worker --eval_only` evaluates the file with no
 // servers, and a numpy script that parses the file by hand computes the
 // same logits. Broken or mismatched model files are one line and exit 2.
+#include <signal.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -10,12 +12,14 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/safetensors.h"
@@ -201,6 +205,61 @@ TEST(ExportTest, MlpFromServersAndCheckpointMatchesNumpyLogits) {
 
 // A layer-list model (a small CNN over 4x4 one-channel "images") goes the
 // same way: trained on the servers, exported, evaluated from the file alone.
+// The README's first export, from the servers of a sync job still
+// training: its two shards are a step apart about as often as not when
+// read, and the exporter (an observer, no member to skip with) reads again
+// at the next step, which both shards answer as it completes. Failed every
+// time before (the observer took the workers' skip path).
+TEST(ExportTest, FromTheServersOfARunningSyncJob) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 2;
+  const std::string dir = absl::StrCat(TestDir(), "/running");
+  std::filesystem::create_directories(dir);
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "export_running");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  // Long enough to outlast the exports below; stopped by SIGTERM after.
+  const std::vector<std::string> train = With(MlpFlags(), {"--steps=1000000"});
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int k = 0; k < 2; ++k) {
+    absl::StatusOr<std::unique_ptr<Process>> worker =
+        (*cluster)->StartWorker(k, 2, train);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    workers.push_back(std::move(*worker));
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  int64_t version = 0;
+  while (version < 50 && absl::Now() < give_up) {
+    absl::StatusOr<std::vector<StatsResponse>> stats = (*cluster)->Stats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    version = (*stats)[0].version();
+    absl::SleepFor(absl::Milliseconds(20));  // polling the job; bounded
+  }
+  ASSERT_GE(version, 50) << "the job did not start";
+  const std::string exporter = BinaryPath("worker/pstrain_export");
+  int64_t last_step = 0;
+  for (int i = 0; i < 5; ++i) {
+    const std::string file = absl::StrCat(dir, "/export", i, ".safetensors");
+    ProgramRun exported = RunProgram(
+        {exporter, "--ps_hosts=" + (*cluster)->PsHosts(), "--output=" + file},
+        dir, absl::StrCat("export_running_", i));
+    ASSERT_EQ(exported.code, 0) << exported.err;
+    absl::StatusOr<SafetensorsFile> parsed =
+        ParseSafetensors(ReadBytes(file), file);
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    int64_t step = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(parsed->metadata.at("step"), &step));
+    EXPECT_GT(step, last_step) << "the job trains on between exports";
+    last_step = step;
+  }
+  for (auto& worker : workers) {
+    ASSERT_TRUE(worker->running()) << worker->Stderr();
+    worker->Signal(SIGTERM);
+    EXPECT_TRUE(worker->Wait(absl::Seconds(30)).ok());
+  }
+}
+
 TEST(ExportTest, ALayerModelEvaluatesFromItsFileAsTrained) {
   ClusterOptions options;
   options.num_shards = 2;

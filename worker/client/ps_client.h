@@ -666,6 +666,10 @@ class PsClient {
   // and the read is made again at the later step.
   absl::StatusOr<int64_t> FinishPlainRead(
       int64_t step, const std::vector<TensorRef>& tensors);
+  // An observer's (worker id -1): it reads again at the step after the
+  // furthest one it found (FinishObserverRead in ps_client_tensors.cc).
+  absl::StatusOr<int64_t> FinishObserverRead(
+      int64_t step, const std::vector<TensorRef>& tensors);
   // sync: the blocks of the last read are not all at one step. The
   // pipelined step then goes again as a plain PushPull, which skips.
   bool PulledBlocksDisagree() const;

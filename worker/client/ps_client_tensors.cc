@@ -254,8 +254,44 @@ bool PsClient::PulledBlocksDisagree() const {
   return *lowest != *highest;
 }
 
+absl::StatusOr<int64_t> PsClient::FinishObserverRead(
+    int64_t step, const std::vector<TensorRef>& tensors) {
+  // An observer (pstrain_export, an evaluation) reading a running sync job
+  // finds its shards a step apart about as often as not, and is no member
+  // to skip with: it reads again at the step after the furthest, which
+  // each shard answers as that step completes there, before any of its
+  // blocks can move on (the next step's pushes need this step's values).
+  constexpr int kReadsAtMost = 3;
+  for (int reads = 0; reads < kReadsAtMost && PulledBlocksDisagree(); ++reads) {
+    const auto [lowest, highest] =
+        std::minmax_element(block_versions_.begin(), block_versions_.end());
+    const int64_t from = *lowest, next = *highest + 1;
+    std::vector<Call> pulls = PullCalls(next, tensors);
+    if (absl::Status s =
+            RunAll("Pull", pulls, options_.rpc_timeout, /*retry=*/true);
+        !s.ok()) {
+      if (!absl::IsDeadlineExceeded(s)) return s;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the shards hold steps ", from, " to ", next - 1,
+          " and none reached step ", next, " within ",
+          absl::FormatDuration(options_.rpc_timeout),
+          ": a sync job stopped between two steps (read its checkpoint "
+          "instead); ",
+          s.message()));
+    }
+    step = next;
+  }
+  if (PulledBlocksDisagree()) {
+    return absl::AbortedError(absl::StrCat(
+        "the shards were at different steps in each of ", kReadsAtMost,
+        " reads (a worker's lease ran out meanwhile?); read again"));
+  }
+  return RecordPulledStep(step);
+}
+
 absl::StatusOr<int64_t> PsClient::FinishPlainRead(
     int64_t step, const std::vector<TensorRef>& tensors) {
+  if (worker_id_ < 0) return FinishObserverRead(step, tensors);
   // A skip completes the step on the shards behind, so one more read finds
   // every block at one step unless another lease ran out meanwhile.
   constexpr int kSkipsAtMost = 3;
