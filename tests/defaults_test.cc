@@ -122,6 +122,21 @@ TEST(NotLearningTest, AFlatLossIsSaidOnceAndTrainingGoesOn) {
   const std::string out = (*worker)->Stdout();
   EXPECT_THAT(out, HasSubstr("\"not_learning\":true"));
   EXPECT_THAT(out, HasSubstr("\"steps_run\":60"));
+
+  // The job resumed at step 60 (a worker started again): it starts from a
+  // trained model, whose loss need not fall; only NaN/Inf is watched.
+  absl::StatusOr<std::unique_ptr<testing::Process>> resumed =
+      cluster->StartWorker(0, 1,
+                           {"--model=probe", "--steps=120",
+                            "--loss_check_steps=20", "--log_every=0"});
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  code = (*resumed)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << (*resumed)->Stderr();
+  const std::string resumed_out = (*resumed)->Stdout();
+  EXPECT_THAT(resumed_out, HasSubstr("\"start_step\":60"));
+  EXPECT_THAT(resumed_out, HasSubstr("\"not_learning\":false"));
+  EXPECT_EQ(Count((*resumed)->Stderr(), "has not fallen below"), 0);
 }
 
 }  // namespace

@@ -39,6 +39,14 @@ launch --run_dir="$T/run_csv" -- --metrics_csv="$T/one.csv" --steps=5 >"$T/out" 
 grep -qF -- "use --csv" "$T/err" || fail "--metrics_csv: want 'use --csv' in: $(cat "$T/err")"
 [[ ! -e "$T/run_csv/ps0.log" ]] || fail "--metrics_csv: a server was started"
 
+# One fixed port for every server: refused at once, in one line.
+rc=0
+launch --run_dir="$T/run_port" -- --server.data_port=25021 --steps=5 >"$T/out" 2>"$T/err" || rc=$?
+[[ $rc == 2 ]] || fail "--server.data_port for 2 servers: exit $rc, want 2: $(cat "$T/err")"
+[[ $(wc -l <"$T/err") == 1 ]] || fail "--server.data_port: want one line, got: $(cat "$T/err")"
+grep -qF -- "listen on one port" "$T/err" || fail "--server.data_port: want 'listen on one port' in: $(cat "$T/err")"
+[[ ! -e "$T/run_port/ps0.log" ]] || fail "--server.data_port: a server was started"
+
 # An interpreter that cannot import pstrain.torch: one line, with its error.
 printf '#!/bin/sh\necho "ModuleNotFoundError: No module named numpy" >&2\nexit 1\n' >"$T/python"
 chmod +x "$T/python"

@@ -341,9 +341,12 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
   TrainerOptions options =
       TrainerOptionsFor(config, data, *registration, stopping);
   options.observer = observer->get();
-  LearningWatch learning_watch(config.training.loss_check_steps,
-                               registration->optimizer,
-                               registration->learning_rate);
+  // A worker that starts past step 0 (a resumed job, a late joiner) starts
+  // from a trained model, whose loss need not fall by a tenth any more:
+  // only NaN and Inf are watched (every resumed job said "not learning").
+  LearningWatch learning_watch(
+      registration->start_step > 0 ? 0 : config.training.loss_check_steps,
+      registration->optimizer, registration->learning_rate);
   int64_t last_step = registration->start_step;
   options.on_step = [&](const StepReport& r) {
     last_step = r.step;

@@ -511,6 +511,13 @@ parse_args() {
   check_count workers "$WORKERS"
   check_count timeout_s "$TIMEOUT_S"
   local flag
+  # A fixed port for every server of one host: the second cannot listen.
+  for flag in ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"}; do
+    if [[ $flag =~ ^--(data_port|health_port|metrics_port)=0*[1-9][0-9]*$ ]] &&
+      ((SERVERS * REPLICAS > 1)); then
+      usage_error "extra flag '--server.${flag#--}' would have all $((SERVERS * REPLICAS)) servers listen on one port; leave it out (each server gets a free one; -1 turns it off)"
+    fi
+  done
   for flag in ${WORKER_FLAGS[@]+"${WORKER_FLAGS[@]}"}; do
     if [[ $flag == --metrics_csv=* ]] && ((WORKERS > 1)) && [[ -z "$PYTHON_SCRIPT" ]]; then
       usage_error "extra flag '$flag' would have all $WORKERS workers write one file; use --csv (each worker writes workerK.csv in the run dir)"
