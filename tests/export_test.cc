@@ -15,6 +15,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/random/random.h"
@@ -258,6 +259,65 @@ TEST(ExportTest, FromTheServersOfARunningSyncJob) {
     worker->Signal(SIGTERM);
     EXPECT_TRUE(worker->Wait(absl::Seconds(30)).ok());
   }
+}
+
+// A checkpoint whose shards' newest valid files are of different steps
+// (shard 1's newest truncated here): the export still writes the model,
+// labelled with the oldest step, and says it mixes steps, naming the files.
+TEST(ExportTest, ACheckpointOfShardsAtDifferentStepsIsSaidToMixThem) {
+  ClusterOptions options;
+  options.num_shards = 2;
+  options.num_workers = 1;
+  const std::string dir = absl::StrCat(TestDir(), "/mixed");
+  std::filesystem::create_directories(dir);
+  const std::string ckpt = dir + "/ckpt";
+  // Only the final checkpoints: at step 20, then (restarted) at step 40.
+  options.server_flags = {"--checkpoint_dir=" + ckpt,
+                          "--checkpoint_every_steps=100000"};
+  absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
+      TestCluster::Start(options, "export_mixed");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  for (const char* steps : {"--steps=20", "--steps=40"}) {
+    const std::vector<std::string> train = With(MlpFlags(), {steps});
+    ASSERT_TRUE((*cluster)->RunWorkers({train}, absl::Seconds(120)).ok());
+    ASSERT_TRUE((*cluster)->StopServer(0).ok());
+    ASSERT_TRUE((*cluster)->StopServer(1).ok());
+    if (std::string(steps) == "--steps=20") {
+      ASSERT_TRUE((*cluster)->RestartServer(0).ok());
+      ASSERT_TRUE((*cluster)->RestartServer(1).ok());
+    }
+  }
+  // Every file of shard 1 but its first (the final one of step 20) cut
+  // short: the job's end and the servers' stop each wrote one at step 40.
+  std::vector<std::pair<int64_t, std::string>> files;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(ckpt + "/shard-1-of-2")) {
+    std::string name = entry.path().filename().string();
+    absl::string_view rest = name;
+    int64_t sequence = 0;
+    if (absl::ConsumePrefix(&rest, "ckpt-") &&
+        absl::ConsumeSuffix(&rest, ".pstrain") &&
+        absl::SimpleAtoi(rest, &sequence)) {
+      files.emplace_back(sequence, entry.path().string());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  ASSERT_GE(files.size(), 2u);
+  for (size_t f = 1; f < files.size(); ++f) {
+    std::filesystem::resize_file(files[f].second, 100);
+  }
+  const std::string file = dir + "/mixed.safetensors";
+  ProgramRun exported =
+      RunProgram({BinaryPath("worker/pstrain_export"),
+                  "--checkpoint_dir=" + ckpt, "--output=" + file},
+                 dir, "export_mixed");
+  ASSERT_EQ(exported.code, 0) << exported.err;
+  EXPECT_THAT(exported.err, HasSubstr("the checkpoint's blocks are at steps"));
+  EXPECT_THAT(exported.err, HasSubstr("at steps 20 to 40 (sync"));
+  absl::StatusOr<SafetensorsFile> parsed =
+      ParseSafetensors(ReadBytes(file), file);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->metadata.at("step"), "20");
 }
 
 TEST(ExportTest, ALayerModelEvaluatesFromItsFileAsTrained) {

@@ -130,14 +130,26 @@ absl::StatusOr<ModelSnapshot> SnapshotFromCheckpoint(
   for (int t = 0; t < partition->NumTensors(); ++t) {
     snapshot.dense.emplace_back(partition->TensorElements(t));
   }
-  int64_t step = -1;
+  int64_t step = -1, newest = -1;
   for (const BlockSnapshot& block : restored->blocks) {
     const BlockLocation& where = partition->blocks()[block.global_block];
     std::copy(block.value.begin(), block.value.end(),
               snapshot.dense[where.tensor].begin() + where.offset);
     step = step < 0 ? block.version : std::min(step, block.version);
+    newest = std::max(newest, block.version);
   }
   snapshot.step = std::max<int64_t>(step, 0);
+  if (restored->mode == "sync" && newest > snapshot.step) {
+    // Each shard's newest valid file: one whose newer file was invalid, or
+    // a job stopped between two steps, leaves them apart. The file says the
+    // oldest step; the operator should know it is not one step's model.
+    LOG(WARNING) << "the checkpoint's blocks are at steps " << snapshot.step
+                 << " to " << newest
+                 << " (sync: the shards' newest valid files are of different "
+                    "steps), so the file mixes them; its step says "
+                 << snapshot.step << ". Files used: "
+                 << absl::StrJoin(restored->files_used, ", ");
+  }
   snapshot.sparse.resize(snapshot.schema.sparse_size());
   for (const SparseTableSnapshot& table : restored->sparse) {
     for (int t = 0; t < snapshot.schema.sparse_size(); ++t) {
