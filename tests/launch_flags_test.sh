@@ -39,6 +39,24 @@ launch --run_dir="$T/run_csv" -- --metrics_csv="$T/one.csv" --steps=5 >"$T/out" 
 grep -qF -- "use --csv" "$T/err" || fail "--metrics_csv: want 'use --csv' in: $(cat "$T/err")"
 [[ ! -e "$T/run_csv/ps0.log" ]] || fail "--metrics_csv: a server was started"
 
+# A job stopped early (SIGTERM, as Ctrl-C) still says where the servers
+# left it: the job line a resume continues from.
+"$root/deploy/local/launch.sh" --bin_dir="$T/bin" --servers=1 --workers=1 \
+  --run_dir="$T/run_stopped" -- --steps=1000000 --log_every=0 >"$T/out" 2>"$T/err" &
+launcher=$!
+for ((i = 0; i < 600; i++)); do
+  [[ -s "$T/run_stopped/cluster.json" ]] && break
+  sleep 0.1 # polling the file the launcher writes once the servers are up; bounded
+done
+[[ -s "$T/run_stopped/cluster.json" ]] || fail "the stopped job never started: $(cat "$T/err")"
+kill -TERM "$launcher"
+rc=0
+timeout 60 tail --pid="$launcher" -f /dev/null || fail "the launcher did not end 60 s after SIGTERM"
+wait "$launcher" || rc=$?
+[[ $rc == 143 ]] || fail "a launcher stopped by SIGTERM: exit $rc, want 143: $(tail -n 5 "$T/err")"
+grep -q '^{"event":"job","mode":"sync","shards":1,' "$T/out" ||
+  fail "no job line after SIGTERM: $(cat "$T/out") $(tail -n 5 "$T/err")"
+
 # One fixed port for every server: refused at once, in one line.
 rc=0
 launch --run_dir="$T/run_port" -- --server.data_port=25021 --steps=5 >"$T/out" 2>"$T/err" || rc=$?

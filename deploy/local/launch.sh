@@ -295,6 +295,10 @@ cleanup() {
   fi
   [[ -n "$FIFO" ]] && rm -f "$FIFO"
   if ((rc != 0)) && [[ -n "$RUN" ]]; then
+    # Stopped early (Ctrl-C, a failure): where the servers left the job,
+    # which a resume from their checkpoints continues, with job_report's
+    # warnings (shards at different steps, a failed final checkpoint).
+    ((${#SERVER_PIDS[@]} > 0)) && report_job
     printf 'logs: %s\n' "$RUN" >&2
   fi
   trap - EXIT
