@@ -204,8 +204,6 @@ TEST(ExportTest, MlpFromServersAndCheckpointMatchesNumpyLogits) {
   std::cout << numpy.out;
 }
 
-// A layer-list model (a small CNN over 4x4 one-channel "images") goes the
-// same way: trained on the servers, exported, evaluated from the file alone.
 // The README's first export, from the servers of a sync job still
 // training: its two shards are a step apart about as often as not when
 // read, and the exporter (an observer, no member to skip with) reads again
@@ -320,6 +318,8 @@ TEST(ExportTest, ACheckpointOfShardsAtDifferentStepsIsSaidToMixThem) {
   EXPECT_EQ(parsed->metadata.at("step"), "20");
 }
 
+// A layer-list model (a small CNN over 4x4 one-channel "images") goes the
+// same way: trained on the servers, exported, evaluated from the file alone.
 TEST(ExportTest, ALayerModelEvaluatesFromItsFileAsTrained) {
   ClusterOptions options;
   options.num_shards = 2;

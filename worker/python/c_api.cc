@@ -50,9 +50,8 @@ struct pstrain_step_stream;
 
 struct pstrain_client {
   std::unique_ptr<pstrain::PsClient> client;
-  pstrain::PsClientOptions options;  // as made (the registration's wait)
-  std::vector<std::string> hosts;
-  bool tls = false;
+  // As made: the registration's wait and its diagnosis read the hosts.
+  pstrain::PsClientOptions options;
   pstrain::ModelSchema schema;
   // The pipelined step's shared state, made by the first
   // pstrain_stream_start (it needs the registered partition); and the
@@ -282,8 +281,6 @@ int pstrain_client_create(const char* options_json, pstrain_client** out,
     if (!options.ok()) return options.status();
     auto client = std::make_unique<pstrain_client>();
     client->options = *options;
-    client->hosts = options->hosts;
-    client->tls = options->credentials != nullptr;
     absl::StatusOr<std::unique_ptr<pstrain::PsClient>> made =
         pstrain::PsClient::Create(*options);
     if (!made.ok()) return made.status();
@@ -358,9 +355,9 @@ int pstrain_client_register(pstrain_client* c, const char* schema_json,
       // Waiting for servers, gRPC reports any cause as the deadline passing:
       // say what the likely one is, as the worker binary does.
       std::vector<std::string> causes;
-      for (const std::string& host : c->hosts) {
-        const std::string cause =
-            pstrain::DiagnoseConnection(host, c->tls, absl::Seconds(2));
+      for (const std::string& host : c->options.hosts) {
+        const std::string cause = pstrain::DiagnoseConnection(
+            host, c->options.credentials != nullptr, absl::Seconds(2));
         if (!cause.empty()) causes.push_back(cause);
       }
       if (!causes.empty()) {

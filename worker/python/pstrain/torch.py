@@ -884,7 +884,7 @@ class ParameterServer:
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
         pipeline.end_step(None)
-        self._cleared_gradients = self._gradient_marks()
+        self._note_cleared_gradients()
         self._step = step + 1
 
     def _step_the_optimizer(self):
@@ -912,6 +912,12 @@ class ParameterServer:
         return [None if t.state or t.tensor.grad is None
                 else (id(t.tensor.grad), t.tensor.grad._version)
                 for t in self._tensors]
+
+    def _note_cleared_gradients(self):
+        """At a step's end, until the warning below was given (then no
+        step pays for it)."""
+        if not self._warned_no_gradient:
+            self._cleared_gradients = self._gradient_marks()
 
     def _warn_if_no_gradient(self):
         """A step that no backward reached pushes zeros, and the servers'
@@ -969,7 +975,7 @@ class ParameterServer:
                 t.tensor.grad.zero_()
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
-        self._cleared_gradients = self._gradient_marks()
+        self._note_cleared_gradients()
         self._step = step + 1
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
