@@ -21,9 +21,19 @@
 // records it: the summed gradients, the workers counted, the rate and the
 // coefficient (Shard::TakeStepRecords). The service sends the records to
 // every backup ("steps" messages, two on their way at once, each block's
-// records in step order) before any pull that shows the step is answered,
-// and a backup applies each one as the primary did
+// records in step order), and a backup applies each one as the primary did
 // (Shard::ApplyStepRecords); it completes no dense step by itself.
+// The record window: a pull that shows step s + 1 waits for the records
+// of the steps before s only, so the record of s travels while the
+// workers compute, not in front of their pulls. Each worker keeps its
+// pushes of s until its PushPull of s + 1 is answered
+// (PsClient::RetainPushes) and sends them again, before anything else, to
+// a replica its calls move to (PsClient::ResendIfReplicaMoved): a new
+// primary that lacks step s sums them in worker order as the old one did,
+// and a push of s + 1 waits there for that step (Shard::Push). A backup is
+// so at most one step behind what any worker read. The job's final state
+// (FinalState) and a worker's Leave wait for every record: a worker that
+// has left keeps nothing.
 // With R = 3 the records go to the backups one after the other, the last
 // in the succession first, so no next primary holds a record that a
 // replica after it lacks.
@@ -32,11 +42,11 @@
 // one without to 1.03-1.05x (bench/results/replication_overhead.txt).
 // A push answered before its step is done (a plain Push, a clipped step's)
 // is still forwarded as it came; the step's record then replaces what the
-// backup summed. A primary that dies before a step's record is out never
-// answered a pull of the next step, so the workers resend that step's
-// pushes to the new primary, which sums them in worker order, as the old
-// one would have. Sparse tables, async and ssp forward every change as it
-// came.
+// backup summed. A primary that dies before a step's record is out
+// answered the next step's pulls to some workers at most: those send the
+// kept pushes of the step again, the others the pushes still in flight,
+// and the new primary sums them in worker order, as the old one would
+// have. Sparse tables, async and ssp forward every change as it came.
 //
 // Why primary-backup and not a chain: a sync step is one round of pushes
 // from every worker, and its latency is what a job feels. A forward from
@@ -304,6 +314,8 @@ class ReplicaSet {
   // The replica fields of StatsResponse.
   void AddStats(StatsResponse* stats) const;
   bool is_primary() const { return role_.load() == Role::kPrimary; }
+  // 0 until a replica of the set takes over.
+  int64_t epoch() const { return epoch_.load(); }
   bool is_backup() const { return role_.load() == Role::kBackup; }
   int size() const { return static_cast<int>(options_.addresses.size()); }
   // Each replica's data port by index: its own, and those of the replicas

@@ -81,7 +81,7 @@ void CheckJob(const ServerConfig& c, Problems& checks) {
     }
   }
   checks.push_back(OneOf("inject_crash_at", c.inject_crash_at,
-                         {"", "register", "final_state"}));
+                         {"", "register", "final_state", "record_window"}));
   const double drop = c.inject_drop_push_response_probability;
   if (!(drop >= 0 && drop <= 1)) {
     checks.push_back(absl::InvalidArgumentError(absl::StrCat(

@@ -84,7 +84,10 @@ ABSL_FLAG(std::string, inject_crash_at, Default().inject_crash_at,
           "'register' (a worker's first RegisterModel, before it is "
           "answered) or 'final_state' (a worker's first request for the "
           "job's final state: after the last step, before the final "
-          "checkpoint); empty: never.");
+          "checkpoint) or 'record_window' (a replicated sync primary that "
+          "never took over: it keeps the records of step 5 on, and dies at "
+          "the first push of step 6, which its workers send once they read "
+          "step 5's model, which its backups lack); empty: never.");
 ABSL_FLAG(std::string, optimizer, Default().optimizer,
           "sgd, momentum, adam or adamw (torch.optim.AdamW: decoupled "
           "weight decay), for tensors that do not bring their own "

@@ -291,6 +291,32 @@ void ParameterServerService::PullFromBytes(
                follows_own_push);
 }
 
+namespace {
+
+// A dense pull's answer may go out before the record of the step that made
+// it is on the backups, never before the step's before it: every worker
+// that reads it keeps the push of that step until its next one is answered,
+// and sends it again to a new primary (PsClient), which then makes the step
+// again from the same gradients in the same order. The pull need not wait
+// for the record's round trip; a backup is at most one step behind what
+// any worker read.
+int64_t RecordWindowFrom(const std::vector<PulledBlock>& blocks) {
+  if (blocks.empty()) return std::numeric_limits<int64_t>::max();
+  int64_t newest = 0;
+  for (const PulledBlock& block : blocks) {
+    newest = std::max(newest, block.version);
+  }
+  return newest - 1;
+}
+// Sparse rows' changes travel as they came, not as step records: their
+// pulls wait for every record made.
+template <typename... Result>
+int64_t RecordWindowFrom(const Result&...) {
+  return std::numeric_limits<int64_t>::max();
+}
+
+}  // namespace
+
 template <typename... Result>
 std::function<void(absl::Status, Result...)>
 ParameterServerService::AfterForwards(
@@ -304,14 +330,19 @@ ParameterServerService::AfterForwards(
   return [this, answer = std::move(answer), deadline](absl::Status status,
                                                       Result... result) {
     if (!status.ok()) return answer(std::move(status), std::move(result)...);
+    const int64_t window_from = RecordWindowFrom(result...);
     auto held = std::make_shared<std::tuple<Result...>>(std::move(result)...);
     const int64_t records = shard_->StepRecordsMade();
-    gate_.AfterChangesInFlight([this, answer, held, records, deadline] {
-      AfterStepRecords(records, deadline, [answer, held](absl::Status sent) {
-        std::apply(
-            [&](Result&... r) { answer(std::move(sent), std::move(r)...); },
-            *held);
-      });
+    gate_.AfterChangesInFlight([this, answer, held, records, deadline,
+                                window_from] {
+      AfterStepRecords(
+          records, deadline,
+          [answer, held](absl::Status sent) {
+            std::apply(
+                [&](Result&... r) { answer(std::move(sent), std::move(r)...); },
+                *held);
+          },
+          window_from);
     });
   };
 }
@@ -386,6 +417,9 @@ absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
         absl::StrCat("malformed PushRequest: ", push.status().message()));
   }
   if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+  if (InjectedRecordWindow() && push->step > kInjectedWindowStep) {
+    CrashIfInjectedAt("record_window");
+  }
   absl::StatusOr<ChangeGate::Pass> pass = EnterChange(push->step);
   if (!pass.ok()) return pass.status();
   absl::StatusOr<PushResponse> result = shard_->Push(*push, hold_until);
@@ -612,8 +646,14 @@ void ParameterServerService::NudgeStepRecords() {
 }
 
 absl::Status ParameterServerService::SendStepRecords() {
-  Shard::TakenStepRecords taken = shard_->TakeStepRecords(kStepRecordsBytes);
-  if (taken.records.records_size() == 0) return absl::OkStatus();
+  const bool held = InjectedRecordWindow();
+  Shard::TakenStepRecords taken = shard_->TakeStepRecords(
+      kStepRecordsBytes, held ? kInjectedWindowStep : kNoWindow);
+  if (taken.records.records_size() == 0) {
+    return held ? absl::UnavailableError(
+                      "records held by --inject_crash_at=record_window")
+                : absl::OkStatus();
+  }
   const std::string header = taken.records.SerializeAsString();
   char length[data_plane::kLengthPrefixBytes];
   data_plane::EncodeLengthPrefix(static_cast<uint32_t>(header.size()), length);
@@ -658,15 +698,17 @@ void ParameterServerService::EndStepRecordWaits() {
     absl::MutexLock lock(&step_records_mu_);
     const absl::Time now = absl::Now();
     const int64_t confirmed = shard_->StepRecordsConfirmed();
+    const int64_t oldest = shard_->OldestUnconfirmedStep();
     auto kept = std::stable_partition(
         record_waits_.begin(), record_waits_.end(),
         [&](const RecordWait& w)
             ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_records_mu_) {
-              return serves.ok() && w.made > confirmed && w.give_up > now;
+              return serves.ok() && w.made > confirmed &&
+                     w.window_from > oldest && w.give_up > now;
             });
     for (auto it = kept; it != record_waits_.end(); ++it) {
       absl::Status why = serves;
-      if (serves.ok() && it->made > confirmed) {
+      if (serves.ok() && it->made > confirmed && it->window_from > oldest) {
         why = absl::UnavailableError(
             "the step this pull shows is not on every replica of the shard "
             "yet (a backup did not confirm it); retry");
@@ -705,13 +747,15 @@ absl::Status ParameterServerService::AwaitStepRecords() {
 }
 
 void ParameterServerService::AfterStepRecords(
-    int64_t made, absl::Time deadline, std::function<void(absl::Status)> then) {
+    int64_t made, absl::Time deadline, std::function<void(absl::Status)> then,
+    int64_t window_from) {
   {
     absl::MutexLock lock(&step_records_mu_);
-    if (made > shard_->StepRecordsConfirmed()) {
-      record_waits_.push_back(
-          RecordWait{made, std::min(deadline, absl::Now() + kStepRecordsWait),
-                     std::move(then)});
+    if (made > shard_->StepRecordsConfirmed() &&
+        window_from > shard_->OldestUnconfirmedStep()) {
+      record_waits_.push_back(RecordWait{
+          made, window_from, std::min(deadline, absl::Now() + kStepRecordsWait),
+          std::move(then)});
       // Records no push nudged for (a restored primary's skip, made by a
       // pull or a heartbeat) go now, not at the sender's next round. Only
       // records a take would return: a pull of every step waits here, and
@@ -1082,6 +1126,9 @@ grpc::ServerUnaryReactor* ParameterServerService::Leave(
       shard_, context, request, response,
       [this](const LeaveRequest& r) -> absl::StatusOr<LeaveResponse> {
         if (absl::Status serves = ServesWorkers(); !serves.ok()) return serves;
+        // A worker that leaves no longer keeps its last push for a new
+        // primary: the step it made must be on the backups first.
+        if (absl::Status s = AwaitStepRecords(); !s.ok()) return s;
         absl::StatusOr<ChangeGate::Pass> pass = EnterChange(-1);
         if (!pass.ok()) return pass.status();
         if (absl::Status s = shard_->Leave(r); !s.ok()) return s;
@@ -1149,6 +1196,10 @@ void ParameterServerService::CrashIfInjectedAt(absl::string_view moment) {
 absl::StatusOr<CheckpointResponse> ParameterServerService::FinalState(
     const CheckpointRequest& request) {
   CrashIfInjectedAt("final_state");
+  // The job's last step may be on the backups' way still (the pulls of a
+  // step wait for the record of the step before it only): its state is the
+  // servers' once they hold it.
+  if (absl::Status s = AwaitStepRecords(); !s.ok()) return s;
   absl::StatusOr<ChangeGate::Pass> pass = EnterChange(-1);
   if (!pass.ok()) return pass.status();
   if (absl::Status s = shard_->NoteJobFinalVersion(request.worker_id(),

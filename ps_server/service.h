@@ -15,10 +15,10 @@
 #include "absl/random/random.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/handler_threads.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps_server/checkpointer.h"
 #include "ps_server/data_plane_server.h"
-#include "common/handler_threads.h"
 #include "ps_server/replication.h"
 #include "ps_server/rounded_blocks.h"
 #include "ps_server/shard.h"
@@ -231,10 +231,10 @@ class ParameterServerService final : public ParameterServerRawService,
   // goes on (a connection's thread that waited for the backup would hold
   // the pushes behind it, which complete the next block groups). Two:
   // a step's block groups complete one after another, and the records of
-  // the last group, which the step's last pulls wait for, then leave at
-  // once instead of after the round trip of the group before it (on 2
-  // vCPUs, where cores are free, a message's newest record waited 0.35 ms
-  // from made to confirmed instead of 0.42 ms, medians;
+  // the last group then leave at once instead of after the round trip of
+  // the group before it (on 2 vCPUs, where cores are free, a message's
+  // newest record waited 0.35 ms from made to confirmed instead of
+  // 0.42 ms, medians, when the step's pulls waited for it;
   // bench/results/replication_overhead.txt).
   void NudgeStepRecords();
   // Takes the records a take returns (Shard::TakeStepRecords) and sends
@@ -248,11 +248,14 @@ class ParameterServerService final : public ParameterServerRawService,
   // when they do not confirm them within kStepRecordsWait).
   absl::Status AwaitStepRecords();
   // Runs `then` once the records made up to the `made`-th are on every
-  // backup (now, or on the sender's thread), or with UNAVAILABLE at
-  // `deadline` or once it has waited kStepRecordsWait, or at once when this
-  // replica no longer serves workers.
+  // backup, or sooner once every record still unconfirmed is of step
+  // `window_from` or later (now, or on the sender's thread); with
+  // UNAVAILABLE at `deadline` or once it has waited kStepRecordsWait, or at
+  // once when this replica no longer serves workers.
   void AfterStepRecords(int64_t made, absl::Time deadline,
-                        std::function<void(absl::Status)> then);
+                        std::function<void(absl::Status)> then,
+                        int64_t window_from = kNoWindow);
+  static constexpr int64_t kNoWindow = std::numeric_limits<int64_t>::max();
   // Whether the push need not be forwarded: the pull answered with it waits
   // for a later step of every block it pushed, so for that step's record.
   bool StepRecordCovers(const WirePushRequest& push,
@@ -281,6 +284,15 @@ class ParameterServerService final : public ParameterServerRawService,
       absl::Time deadline);
   // Dies (SIGKILL) when ServiceOptions::crash_at is `moment`.
   void CrashIfInjectedAt(absl::string_view moment);
+  // --inject_crash_at=record_window, on a replicated primary that never
+  // took over: its records of kInjectedWindowStep on stay here, and it dies
+  // at the first push of the step after (its workers read the step's
+  // model, its backups lack the step).
+  bool InjectedRecordWindow() const {
+    return options_.crash_at == "record_window" && replicas_ != nullptr &&
+           replicas_->epoch() == 0;
+  }
+  static constexpr int64_t kInjectedWindowStep = 5;
 
   // Push and Pull from the request's bytes on, whichever transport brought
   // them: the encoded PushResponse / the PullResponse's pieces.
@@ -342,6 +354,9 @@ class ParameterServerService final : public ParameterServerRawService,
   // the sender's wake-up.
   struct RecordWait {
     int64_t made;
+    // Or sooner, once no record of a step before this one is unconfirmed
+    // (AfterStepRecords' `window_from`).
+    int64_t window_from;
     absl::Time give_up;
     std::function<void(absl::Status)> then;
   };

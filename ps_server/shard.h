@@ -58,9 +58,9 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -361,12 +361,19 @@ class Shard {
     std::vector<int64_t> places;
     std::vector<absl::Time> made;
   };
-  TakenStepRecords TakeStepRecords(int64_t max_sum_bytes);
+  // Records of `before_step` on stay queued (a test's fault injection).
+  TakenStepRecords TakeStepRecords(
+      int64_t max_sum_bytes,
+      int64_t before_step = std::numeric_limits<int64_t>::max());
   // Records that could not be sent: back in the queue, in the order they
   // were made, before any later record of their blocks.
   void ReturnStepRecords(TakenStepRecords taken);
   // Records every backup holds: their sums' memory serves later steps.
   void ConfirmStepRecords(TakenStepRecords taken);
+  // The lowest step of a record not yet on every backup (queued or on its
+  // way; a skip's is the step it skips from), or INT64_MAX when there is
+  // none: every step before it is on the backups.
+  int64_t OldestUnconfirmedStep() const;
   // Records made so far (a pull answered now may show all of them).
   int64_t StepRecordsMade() const {
     return step_records_made_.load(std::memory_order_acquire);
@@ -883,8 +890,10 @@ class Shard {
   };
   // Sorted by place.
   std::deque<QueuedStepRecord> step_records_ ABSL_GUARDED_BY(step_records_mu_);
-  // Taken and not yet confirmed or returned: their places, and their blocks.
-  std::set<int64_t> step_records_on_way_ ABSL_GUARDED_BY(step_records_mu_);
+  // Taken and not yet confirmed or returned: their places (with their
+  // steps), and their blocks.
+  std::map<int64_t, int64_t> step_records_on_way_
+      ABSL_GUARDED_BY(step_records_mu_);
   absl::flat_hash_set<int> blocks_on_way_ ABSL_GUARDED_BY(step_records_mu_);
   std::vector<std::vector<float>> spare_step_sums_
       ABSL_GUARDED_BY(step_records_mu_);

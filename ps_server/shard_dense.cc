@@ -362,7 +362,12 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request,
           return Push(request, hold_until);
         }
         absl::Status refused;
-        if (request.step == version + 1 && version <= recovery_horizon_) {
+        // A replicated primary that took over may be a step behind what the
+        // workers read from the one before it: they send that step's
+        // pushes again (PsClient keeps them), and it completes.
+        const bool replicated = options_.record_steps;
+        if (request.step == version + 1 &&
+            (version <= recovery_horizon_ || replicated)) {
           if (MayHold(hold_until)) {
             lock.Release();
             if (completed) ReleaseReadyWaiters();
@@ -371,8 +376,11 @@ absl::StatusOr<PushResponse> Shard::Push(const WirePushRequest& request,
           }
           absl::MutexLock block_lock(&block.mu);
           refused = absl::UnavailableError(absl::StrCat(
-              "push for step ", request.step, " waits on this restored shard: ",
-              DescribeBlockWaitLocked(block, *membership_), "; retry"));
+              "push for step ", request.step, " waits on this ",
+              version <= recovery_horizon_ ? "restored shard"
+                                           : "shard, a step behind its "
+                                             "previous primary",
+              ": ", DescribeBlockWaitLocked(block, *membership_), "; retry"));
         } else {
           refused = absl::FailedPreconditionError(
               absl::StrCat("push for step ", request.step, " but tensor ",

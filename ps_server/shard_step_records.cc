@@ -65,18 +65,23 @@ std::vector<float> Shard::SpareStepSum() {
   return sum;
 }
 
-Shard::TakenStepRecords Shard::TakeStepRecords(int64_t max_sum_bytes) {
+Shard::TakenStepRecords Shard::TakeStepRecords(int64_t max_sum_bytes,
+                                               int64_t before_step) {
   TakenStepRecords taken;
   absl::MutexLock lock(&step_records_mu_);
   // Records passed over (their block has one on its way, or in this take:
   // two steps of a block in one take could apply out of order with a
-  // message still out) go back in front, in order.
+  // message still out; or one of `before_step` on, and every later one of
+  // its block) go back in front, in order.
   std::vector<QueuedStepRecord> passed;
+  absl::flat_hash_set<int> held_blocks;
   int64_t bytes = 0;
   while (!step_records_.empty()) {
     QueuedStepRecord& front = step_records_.front();
     const int block = front.record.local_block();
-    if (blocks_on_way_.contains(block)) {
+    if (blocks_on_way_.contains(block) || held_blocks.contains(block) ||
+        front.record.step() >= before_step) {
+      held_blocks.insert(block);
       passed.push_back(std::move(front));
       step_records_.pop_front();
       continue;
@@ -87,7 +92,7 @@ Shard::TakenStepRecords Shard::TakeStepRecords(int64_t max_sum_bytes) {
     }
     bytes += size;
     blocks_on_way_.insert(block);
-    step_records_on_way_.insert(front.place);
+    step_records_on_way_.emplace(front.place, front.record.step());
     taken.places.push_back(front.place);
     taken.made.push_back(front.made);
     *taken.records.add_records() = std::move(front.record);
@@ -137,9 +142,23 @@ int64_t Shard::StepRecordsConfirmed() const {
     confirmed = std::min(confirmed, step_records_.front().place);
   }
   if (!step_records_on_way_.empty()) {
-    confirmed = std::min(confirmed, *step_records_on_way_.begin());
+    confirmed = std::min(confirmed, step_records_on_way_.begin()->first);
   }
   return confirmed;
+}
+
+int64_t Shard::OldestUnconfirmedStep() const {
+  absl::MutexLock lock(&step_records_mu_);
+  // A few steps' records at most: the pulls of a step wait for the ones
+  // before it.
+  int64_t oldest = std::numeric_limits<int64_t>::max();
+  for (const QueuedStepRecord& queued : step_records_) {
+    oldest = std::min(oldest, queued.record.step());
+  }
+  for (const auto& [place, step] : step_records_on_way_) {
+    oldest = std::min(oldest, step);
+  }
+  return oldest;
 }
 
 bool Shard::HasStepRecords() const {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -1997,6 +1998,37 @@ TEST(ShardStepRecordsTest, ABlocksRecordsLeaveOneAtATimeInStepOrder) {
     ASSERT_TRUE(f.follower->ApplyStepRecords(sent->records, sent->sums).ok());
   }
   ExpectSameModel(*f.leader, *f.follower, 2);
+}
+
+// What a pull of the record window waits for (the service's pulls showing
+// step s + 1 wait until it is s or later): the lowest step of a record
+// queued or on its way, whatever order messages are confirmed in.
+TEST(ShardStepRecordsTest,
+     TheOldestUnconfirmedStepIsOfRecordsQueuedOrOnTheirWay) {
+  LeaderAndFollower f = MakeLeaderAndFollower();
+  EXPECT_EQ(f.leader->OldestUnconfirmedStep(),
+            std::numeric_limits<int64_t>::max());
+  for (int64_t step : {0, 1}) {
+    for (int worker : {0, 1}) {
+      ASSERT_TRUE(
+          DoPush(*f.leader, UniformPush(worker, step, 1.0f + step)).ok());
+    }
+  }
+  EXPECT_EQ(f.leader->OldestUnconfirmedStep(), 0);
+  Shard::TakenStepRecords a = f.leader->TakeStepRecords(/*max=*/1);  // b0s0
+  Shard::TakenStepRecords b = f.leader->TakeStepRecords(int64_t{1} << 20);
+  // Every step-0 record is on its way, b0s0 in a.
+  EXPECT_EQ(f.leader->OldestUnconfirmedStep(), 0);
+  f.leader->ConfirmStepRecords(std::move(b));
+  EXPECT_EQ(f.leader->OldestUnconfirmedStep(), 0);  // a is still out
+  Shard::TakenStepRecords c = f.leader->TakeStepRecords(int64_t{1} << 20);
+  f.leader->ConfirmStepRecords(std::move(a));
+  EXPECT_EQ(f.leader->OldestUnconfirmedStep(), 1);  // b0s1 queued, c out
+  f.leader->ConfirmStepRecords(std::move(c));
+  EXPECT_EQ(f.leader->OldestUnconfirmedStep(), 1);  // b0s1 queued
+  f.leader->ConfirmStepRecords(f.leader->TakeStepRecords(int64_t{1} << 20));
+  EXPECT_EQ(f.leader->OldestUnconfirmedStep(),
+            std::numeric_limits<int64_t>::max());
 }
 
 // Records reach only a replicated sync shard; others refuse them.

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -504,14 +505,17 @@ TEST(ReplicationTest, APrimaryKilledBeforeItsLateBackupCaughtUpLosesNothing) {
 // (after `kill_after_step` steps; 0: never), which is restarted, catches up,
 // and takes over when the other is killed after twice as many steps;
 // worker 0's final JSON line.
-std::string RunSyncJob(const std::string& name,
-                       const std::vector<std::string>& flags,
-                       int64_t kill_after_step) {
+std::string RunSyncJob(
+    const std::string& name, const std::vector<std::string>& flags,
+    int64_t kill_after_step, const std::vector<std::string>& server_flags = {},
+    const std::function<void(TestCluster&)>& after_job = nullptr) {
   ClusterOptions options;
   options.num_shards = kShards;
   options.num_workers = kWorkers;
   options.replicas = 2;
   options.server_flags = {"--worker_lease_s=5"};
+  options.server_flags.insert(options.server_flags.end(), server_flags.begin(),
+                              server_flags.end());
   absl::StatusOr<std::unique_ptr<TestCluster>> started =
       TestCluster::Start(options, name);
   EXPECT_TRUE(started.ok()) << started.status();
@@ -562,6 +566,7 @@ std::string RunSyncJob(const std::string& name,
       EXPECT_EQ(survivor->replica_epoch(), 2);
     }
   }
+  if (after_job) after_job(cluster);
   return out;
 }
 
@@ -605,6 +610,53 @@ TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
                                     << killed;
       EXPECT_EQ(*a, *b) << model << " " << key;
     }
+  }
+}
+
+// A primary answers a step's pulls before its backup holds the step (the
+// pulls wait for the step before it only): here every shard's primary keeps
+// step 5's records and dies at the first push of step 6, so each backup
+// takes over a step behind what the workers read. The workers send their
+// step-5 pushes again (PsClient keeps the last one), the new primaries make
+// step 5 from them as the old ones did, and the job ends as an undisturbed
+// one does, to the last digit printed.
+TEST(ReplicatedSyncTest, ABackupAStepBehindTheWorkersTakesOverWithNothingLost) {
+  const std::vector<std::string> flags = {"--model=mlp",
+                                          "--hidden=16",
+                                          "--num_features=12",
+                                          "--num_classes=3",
+                                          "--train_examples=4096",
+                                          "--test_examples=512",
+                                          "--batch_size=16",
+                                          "--block_elements=64",
+                                          "--steps=40",
+                                          "--log_every=0",
+                                          "--device=cpu",
+                                          "--heartbeat_interval_s=0.2",
+                                          "--retry_window_s=60",
+                                          "--rpc_timeout_s=30"};
+  const std::string calm = RunSyncJob("calm_window", flags, /*kill_after=*/0);
+  const std::string killed =
+      RunSyncJob("killed_window", flags, /*kill_after=*/0,
+                 {"--inject_crash_at=record_window"}, [](TestCluster& cluster) {
+                   for (int shard = 0; shard < kShards; ++shard) {
+                     absl::StatusOr<StatsResponse> survivor =
+                         cluster.ReplicaStats(shard, 1);
+                     ASSERT_TRUE(survivor.ok()) << survivor.status();
+                     EXPECT_EQ(survivor->replica_role(), "primary") << shard;
+                     EXPECT_EQ(survivor->replica_takeovers(), 1) << shard;
+                     EXPECT_EQ(survivor->version(), 40) << shard;
+                     EXPECT_NE(cluster.replica(shard, 0).Stderr().find(
+                                   "--inject_crash_at=record_window"),
+                               std::string::npos)
+                         << shard;
+                   }
+                 });
+  for (const char* key : {"final_loss", "test_loss", "test_accuracy"}) {
+    absl::StatusOr<double> a = testing::FinalJsonNumber(calm, key);
+    absl::StatusOr<double> b = testing::FinalJsonNumber(killed, key);
+    ASSERT_TRUE(a.ok() && b.ok()) << key << "\n" << calm << "\n" << killed;
+    EXPECT_EQ(*a, *b) << key;
   }
 }
 

@@ -698,6 +698,23 @@ class PsClient {
   // failure left, naming the shard.
   absl::Status RunAll(const char* method, std::vector<Call>& calls,
                       absl::Duration timeout, bool retry = false);
+  // Sync, with replicas: keeps the pushes of a PushPull that was answered
+  // (`calls`, their requests copied) in the place of the ones before. A
+  // replicated primary answers the pulls of step s once its backups hold
+  // step s - 2, before they hold s - 1 (ParameterServerService's record
+  // window): a backup that takes over may lack step s - 1, and these
+  // pushes, sent again, make it there as they made it on the primary.
+  void RetainPushes(const std::vector<Call>& calls);
+  // Sends the kept pushes of `shards` again, moving through their replicas
+  // as RunAll does, until each shard's current replica took them (as new
+  // or as duplicates), for at most kResendWindow or until `give_up`.
+  void ResendRetainedPushes(const std::vector<int>& shards, absl::Time give_up);
+  // ResendRetainedPushes for the shards whose calls moved to another
+  // replica (on any thread) since it took the kept pushes: RunAll calls it
+  // before each round of a step's or the job end's calls, so that a new
+  // primary has this worker's last step before its next push.
+  void ResendIfReplicaMoved(absl::Time give_up);
+  static constexpr absl::Duration kResendWindow = absl::Seconds(10);
   // One round of RunAll over calls[i] for i in `which`.
   void StartAndWait(const std::string& method, std::vector<Call>& calls,
                     const std::vector<size_t>& which, absl::Duration timeout);
@@ -859,6 +876,18 @@ class PsClient {
   // TOPK_FLOAT32: per global block, the gradient not sent yet.
   std::vector<std::vector<float>> topk_residual_;
   int64_t injected_duplicates_ = 0;
+  // RetainPushes: a shard's connection and a push request, flat.
+  struct RetainedPush {
+    int shard = 0;
+    int connection = 0;
+    std::string request;
+  };
+  absl::Mutex retained_mu_;
+  std::vector<RetainedPush> retained_pushes_ ABSL_GUARDED_BY(retained_mu_);
+  // The ones before, their memory reused by the next RetainPushes.
+  std::vector<RetainedPush> retained_spare_ ABSL_GUARDED_BY(retained_mu_);
+  // Per shard, the replica that took the kept pushes; -1: none kept.
+  std::vector<int> retained_replica_ ABSL_GUARDED_BY(retained_mu_);
   std::unique_ptr<SparseRowCache> row_cache_;  // null: off
   absl::BitGen random_;
   std::vector<double> group_rates_, group_momentums_;  // SetGroupRates

@@ -215,6 +215,117 @@ void PsClient::NextReplica(int shard, int from) {
   data_ports_[shard] = 0;
 }
 
+void PsClient::RetainPushes(const std::vector<Call>& calls) {
+  if (replicas_ < 2 || mode_ != ConsistencyMode::kSync) return;
+  std::vector<RetainedPush> kept;
+  {
+    absl::MutexLock lock(&retained_mu_);
+    kept.swap(retained_spare_);
+  }
+  size_t n = 0;
+  for (const Call& call : calls) {
+    if (call.message.num_pieces() == 0) continue;  // a read, no push
+    if (n == kept.size()) kept.emplace_back();
+    RetainedPush& push = kept[n++];
+    push.shard = call.shard;
+    push.connection = call.connection;
+    push.request.clear();
+    push.request.reserve(call.message.ByteSize());
+    for (absl::string_view piece : call.message.Pieces()) {
+      push.request.append(piece.data(), piece.size());
+    }
+  }
+  kept.resize(n);
+  absl::MutexLock lock(&retained_mu_);
+  retained_pushes_.swap(kept);
+  retained_spare_ = std::move(kept);
+  retained_replica_.assign(num_shards(), -1);
+  for (const RetainedPush& push : retained_pushes_) {
+    retained_replica_[push.shard] = current_replica_[push.shard];
+  }
+}
+
+void PsClient::ResendIfReplicaMoved(absl::Time give_up) {
+  std::vector<int> moved;
+  {
+    absl::MutexLock lock(&retained_mu_);
+    for (size_t s = 0; s < retained_replica_.size(); ++s) {
+      if (retained_replica_[s] >= 0 &&
+          retained_replica_[s] != current_replica_[s]) {
+        moved.push_back(static_cast<int>(s));
+      }
+    }
+  }
+  if (!moved.empty()) ResendRetainedPushes(moved, give_up);
+}
+
+void PsClient::ResendRetainedPushes(const std::vector<int>& shards,
+                                    absl::Time give_up) {
+  std::vector<Call> calls;
+  {
+    absl::MutexLock lock(&retained_mu_);
+    for (const RetainedPush& push : retained_pushes_) {
+      if (std::find(shards.begin(), shards.end(), push.shard) == shards.end()) {
+        continue;
+      }
+      Call& call = calls.emplace_back();
+      call.shard = push.shard;
+      call.connection = push.connection;
+      call.flat = push.request;
+    }
+  }
+  if (calls.empty()) return;
+  const std::string method = absl::StrCat(kServicePath, "Push");
+  const absl::Time until = std::min(give_up, absl::Now() + kResendWindow);
+  const uint64_t epoch = interrupts();
+  std::vector<size_t> which(calls.size());
+  for (size_t i = 0; i < which.size(); ++i) which[i] = i;
+  while (true) {
+    absl::InlinedVector<int, 16> tried(num_shards());
+    for (int s = 0; s < num_shards(); ++s) tried[s] = current_replica_[s];
+    for (size_t i : which) calls[i].epoch = epoch;
+    StartAndWait(method, calls, which,
+                 std::max(absl::Milliseconds(100),
+                          std::min(options_.rpc_timeout, until - absl::Now())));
+    std::vector<size_t> again;
+    for (size_t i : which) {
+      const absl::Status& status = calls[i].status;
+      if (status.ok()) {
+        // Held by the replica that took it: sent again only if the shard
+        // moves on from it.
+        absl::MutexLock lock(&retained_mu_);
+        retained_replica_[calls[i].shard] = tried[calls[i].shard];
+        continue;
+      }
+      switch (status.code()) {
+        case absl::StatusCode::kUnavailable:
+        case absl::StatusCode::kDeadlineExceeded:
+        case absl::StatusCode::kCancelled:
+          NextReplica(calls[i].shard, tried[calls[i].shard]);
+          again.push_back(i);
+          break;
+        default: {
+          LOG(WARNING) << "shard " << calls[i].shard
+                       << " refused this worker's last step's push, sent "
+                          "again after it moved to another replica: "
+                       << status;
+          absl::MutexLock lock(&retained_mu_);
+          retained_replica_[calls[i].shard] = -1;
+        }
+      }
+    }
+    if (again.empty()) return;
+    if (interrupts() != epoch || absl::Now() + absl::Milliseconds(50) > until ||
+        !SleepUnlessInterrupted(absl::Milliseconds(50), epoch)) {
+      LOG(WARNING) << "shard " << calls[again.front()].shard
+                   << " did not take this worker's last step's push again: "
+                   << calls[again.front()].status;
+      return;
+    }
+    which = std::move(again);
+  }
+}
+
 absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
                               absl::Duration timeout, bool retry) {
   const std::string full_method = absl::StrCat(kServicePath, method);
@@ -238,7 +349,15 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
         absl::StrCat(method, " interrupted while ", waiting_for,
                      " (Interrupt: a signal, or Ctrl-C in Python)"));
   };
+  // The calls of a step and of the job's end; not the heartbeat thread's,
+  // which must keep the leases while a resend waits.
+  const bool resends = absl::string_view(method) == "PushPull" ||
+                       absl::string_view(method) == "Push" ||
+                       absl::string_view(method) == "Pull" ||
+                       absl::string_view(method) == "Checkpoint" ||
+                       absl::string_view(method) == "Leave";
   while (true) {
+    if (resends) ResendIfReplicaMoved(give_up);
     for (int s = 0; s < num_shards(); ++s) {
       replica_tried[s] = current_replica_[s].load();
     }

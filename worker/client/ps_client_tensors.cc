@@ -608,6 +608,8 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
     return PushPullResult{*pushed, *pulled};
   }
   InjectPushJitter();
+  // Backup reads go outside RunAll, which would send the kept pushes first.
+  ResendIfReplicaMoved(absl::Now() + options_.retry_window);
   std::vector<int> read_from(num_shards(), -1);
   bool backup_reads = false;
   for (int s = 0; s < num_shards() && options_.pulls_from_backups !=
@@ -653,6 +655,7 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
       !s.ok()) {
     return s;
   }
+  RetainPushes(*calls);
   PushPullResult result;
   result.pushed = SumPushResponses(responses);
   if (absl::Status s = InjectDuplicatePushes(*calls); !s.ok()) return s;
@@ -769,6 +772,7 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
       if (read_from[s] >= 0) backup_read_failures_[s] = 0;
     }
   }
+  RetainPushes(calls);
   PushPullResult result;
   result.pushed = SumPushResponses(responses);
   absl::StatusOr<int64_t> pulled = FinishPlainRead(pull_step, tensors);
@@ -1240,6 +1244,8 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
   }
   if (!streams) return plain();
   InjectPushJitter();
+  // Outside RunAll, which would send the kept pushes first.
+  ResendIfReplicaMoved(absl::Now() + options_.retry_window);
   // Every block referenced where it lies, none copied into the request
   // now: the gradients are made after the calls are.
   std::vector<PushResponse> responses;
@@ -1310,6 +1316,9 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
     if (absl::Status d = InjectDuplicatePushes(*calls); !d.ok()) {
       return finish(d);
     }
+    // Before the compute thread may write the next step's gradients where
+    // these pushes read them.
+    RetainPushes(*calls);
     finish(absl::OkStatus());
     PushPullResult result;
     result.pushed = SumPushResponses(responses);
