@@ -777,6 +777,18 @@ void ParameterServerService::RunStepRecordsSender() {
       step_records_mu_.AwaitWithTimeout(absl::Condition(&woken),
                                         kStepRecordsRetry);
       if (stop_step_records_) return;
+      if (step_records_nudged_) {
+        // The pulls of the step the records are of do not wait for them
+        // (the record window), the next step's do: until one of those
+        // waits, or kStepRecordsLinger passed, the records stay, off the
+        // cores that answer the step's other pulls.
+        auto needed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_records_mu_) {
+          return !record_waits_.empty() || stop_step_records_;
+        };
+        step_records_mu_.AwaitWithTimeout(absl::Condition(&needed),
+                                          kStepRecordsLinger);
+        if (stop_step_records_) return;
+      }
       step_records_nudged_ = false;
     }
     // Everything made until the send starts goes in one message: the
