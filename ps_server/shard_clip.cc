@@ -6,6 +6,7 @@
 // sends them all the coefficient (ApplyClip). Any worker may do it; the
 // first ApplyClip of a step applies it. One extra round trip per step, only
 // for clipped steps.
+#include <cmath>
 #include <limits>
 #include <memory>
 
@@ -113,6 +114,12 @@ absl::StatusOr<ApplyClipResponse> Shard::ApplyClip(
         "a clip coefficient is in (0, 1] (max_norm / (norm + 1e-6), at most "
         "1), got ",
         coefficient)));
+  }
+  // What every worker's ps.last_grad_norm reads (ClipNormResponse
+  // .applied_norm); 0 from a client that does not send it.
+  if (!(std::isfinite(request.norm()) && request.norm() >= 0)) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+        "a clipped step's norm is finite and >= 0, got ", request.norm())));
   }
   {
     absl::MutexLock lock(&mu_);

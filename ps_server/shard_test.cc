@@ -2702,6 +2702,14 @@ TEST(ShardClipTest, RefusesBadCoefficientsAndAsyncJobs) {
               absl::StatusCode::kInvalidArgument)
         << bad;
   }
+  apply.set_coefficient(0.5);
+  for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+    apply.set_norm(bad);
+    EXPECT_EQ(f.shard->ApplyClip(apply).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  apply.set_norm(0);
   Fixture async = MakeShard(ConsistencyMode::kAsync, 1);
   PushRequest push = UniformPush(0, 0, 1);
   push.set_clip_max_norm(1.0);
