@@ -31,9 +31,13 @@
 // a replica its calls move to (PsClient::ResendIfReplicaMoved): a new
 // primary that lacks step s sums them in worker order as the old one did,
 // and a push of s + 1 waits there for that step (Shard::Push). A backup is
-// so at most one step behind what any worker read. The job's final state
-// (FinalState) and a worker's Leave wait for every record: a worker that
-// has left keeps nothing.
+// so at most one step behind what any worker read. A step the kept pushes
+// would not make again exactly (it ran short: a lease ran out, a worker
+// left, --replicas_to_aggregate; or --sync_sum_order=arrival) has its
+// pulls wait for its record, as every step's did before
+// (Shard::StepRebuildsFromPushes). The job's final state (FinalState) and
+// a worker's Leave wait for every record: a worker that has left keeps
+// nothing.
 // With R = 3 the records go to the backups one after the other, the last
 // in the succession first, so no next primary holds a record that a
 // replica after it lacks.

@@ -239,6 +239,9 @@ void ParameterServerService::PullFromBytes(
                      ": the servers answer FLOAT32, BFLOAT16 or FLOAT16")));
   }
   const bool values_elsewhere = pull.values_elsewhere();
+  // The workers read from the backups, which answer once they applied the
+  // step's record: it is needed at once (RunStepRecordsSender).
+  if (values_elsewhere) backup_reads_seen_.store(true);
   Shard::PullDone answer = [this, done = std::move(done), payloads_apart, dtype,
                             values_elsewhere](absl::Status status,
                                               std::vector<PulledBlock> blocks) {
@@ -326,11 +329,16 @@ ParameterServerService::AfterForwards(
   }
   // What the pull shows goes out once the backups have it too: the
   // changes forwarded as they came, and the records of the steps completed
-  // so far.
+  // so far but the last one's where its workers' kept pushes make it again
+  // (RecordWindowFrom).
   return [this, answer = std::move(answer), deadline](absl::Status status,
                                                       Result... result) {
     if (!status.ok()) return answer(std::move(status), std::move(result)...);
-    const int64_t window_from = RecordWindowFrom(result...);
+    int64_t window_from = RecordWindowFrom(result...);
+    if (window_from != kNoWindow &&
+        !shard_->StepRebuildsFromPushes(window_from)) {
+      window_from = kNoWindow;
+    }
     auto held = std::make_shared<std::tuple<Result...>>(std::move(result)...);
     const int64_t records = shard_->StepRecordsMade();
     gate_.AfterChangesInFlight([this, answer, held, records, deadline,
@@ -426,8 +434,9 @@ absl::StatusOr<std::string> ParameterServerService::PushFromBytes(
   if (!result.ok()) return result.status();
   if (replicas_ != nullptr) {
     if (StepRecordCovers(*push, pull_after)) {
-      // Answered with the pull of a later step, which waits for this
-      // step's record on the backups: the push itself need not go there.
+      // Answered with the pull of a later step: the step's record goes to
+      // the backups, and until the next step's pulls are answered the
+      // worker keeps this push for a new primary (the record window).
       NudgeStepRecords();
     } else if (absl::Status forwarded = Forward("Push", request);
                !forwarded.ok()) {
@@ -777,7 +786,7 @@ void ParameterServerService::RunStepRecordsSender() {
       step_records_mu_.AwaitWithTimeout(absl::Condition(&woken),
                                         kStepRecordsRetry);
       if (stop_step_records_) return;
-      if (step_records_nudged_) {
+      if (step_records_nudged_ && !backup_reads_seen_.load()) {
         // The pulls of the step the records are of do not wait for them
         // (the record window), the next step's do: until one of those
         // waits, or kStepRecordsLinger passed, the records stay, off the

@@ -256,8 +256,9 @@ class ParameterServerService final : public ParameterServerRawService,
                         std::function<void(absl::Status)> then,
                         int64_t window_from = kNoWindow);
   static constexpr int64_t kNoWindow = std::numeric_limits<int64_t>::max();
-  // Whether the push need not be forwarded: the pull answered with it waits
-  // for a later step of every block it pushed, so for that step's record.
+  // Whether the push need not be forwarded: the pull answered with it is of
+  // a later step of every block it pushed, so the step's record carries it
+  // (and its worker keeps it until the backups have that record).
   bool StepRecordCovers(const WirePushRequest& push,
                         absl::string_view pull_after);
   // A step_records_senders_ thread: sends the records when woken, and every
@@ -372,6 +373,9 @@ class ParameterServerService final : public ParameterServerRawService,
   std::vector<std::thread> step_records_senders_;
   // What the critical path of a replicated sync step spends on the
   // records (StatsResponse.step_record_*).
+  // A pull came with values_elsewhere: workers read from the backups, so
+  // records are not held (kStepRecordsLinger).
+  std::atomic<bool> backup_reads_seen_{false};
   std::atomic<int64_t> step_record_sends_{0};
   std::atomic<int64_t> step_record_send_ns_{0};
   std::atomic<int64_t> step_record_confirm_ns_{0};

@@ -61,6 +61,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -374,6 +375,14 @@ class Shard {
   // way; a skip's is the step it skips from), or INT64_MAX when there is
   // none: every step before it is on the backups.
   int64_t OldestUnconfirmedStep() const;
+  // Whether the pushes of `step` that its workers keep (PsClient) make the
+  // same step again on a new primary: in worker order, and every worker's
+  // gradient in it. Not when it ran short (a lease ran out, a worker left,
+  // --replicas_to_aggregate) or the sum is in arrival order: the pulls that
+  // show such a step wait for its record (the service's record window).
+  bool StepRebuildsFromPushes(int64_t step) const {
+    return !options_.sum_in_arrival_order && last_short_step_.load() < step;
+  }
   // Records made so far (a pull answered now may show all of them).
   int64_t StepRecordsMade() const {
     return step_records_made_.load(std::memory_order_acquire);
@@ -890,11 +899,12 @@ class Shard {
   };
   // Sorted by place.
   std::deque<QueuedStepRecord> step_records_ ABSL_GUARDED_BY(step_records_mu_);
-  // Taken and not yet confirmed or returned: their places (with their
-  // steps), and their blocks.
-  std::map<int64_t, int64_t> step_records_on_way_
-      ABSL_GUARDED_BY(step_records_mu_);
+  // Taken and not yet confirmed or returned: their places, and their blocks.
+  std::set<int64_t> step_records_on_way_ ABSL_GUARDED_BY(step_records_mu_);
   absl::flat_hash_set<int> blocks_on_way_ ABSL_GUARDED_BY(step_records_mu_);
+  // How many records of each step are made and not confirmed.
+  std::map<int64_t, int64_t> unconfirmed_steps_
+      ABSL_GUARDED_BY(step_records_mu_);
   std::vector<std::vector<float>> spare_step_sums_
       ABSL_GUARDED_BY(step_records_mu_);
   std::atomic<int64_t> step_records_made_{0};

@@ -51,6 +51,7 @@ void Shard::RecordStepLocked(Block& block, float coefficient) {
 
 void Shard::AddStepRecord(StepRecord record, std::vector<float> sum) {
   absl::MutexLock lock(&step_records_mu_);
+  ++unconfirmed_steps_[record.step()];
   step_records_.push_back(QueuedStepRecord{
       std::move(record), std::move(sum),
       step_records_made_.load(std::memory_order_relaxed), absl::Now()});
@@ -92,7 +93,7 @@ Shard::TakenStepRecords Shard::TakeStepRecords(int64_t max_sum_bytes,
     }
     bytes += size;
     blocks_on_way_.insert(block);
-    step_records_on_way_.emplace(front.place, front.record.step());
+    step_records_on_way_.insert(front.place);
     taken.places.push_back(front.place);
     taken.made.push_back(front.made);
     *taken.records.add_records() = std::move(front.record);
@@ -129,6 +130,10 @@ void Shard::ConfirmStepRecords(TakenStepRecords taken) {
   for (int i = 0; i < taken.records.records_size(); ++i) {
     blocks_on_way_.erase(taken.records.records(i).local_block());
     step_records_on_way_.erase(taken.places[i]);
+    auto step = unconfirmed_steps_.find(taken.records.records(i).step());
+    if (step != unconfirmed_steps_.end() && --step->second == 0) {
+      unconfirmed_steps_.erase(step);
+    }
   }
   for (std::vector<float>& sum : taken.sums) {
     if (sum.capacity() > 0) spare_step_sums_.push_back(std::move(sum));
@@ -142,23 +147,15 @@ int64_t Shard::StepRecordsConfirmed() const {
     confirmed = std::min(confirmed, step_records_.front().place);
   }
   if (!step_records_on_way_.empty()) {
-    confirmed = std::min(confirmed, step_records_on_way_.begin()->first);
+    confirmed = std::min(confirmed, *step_records_on_way_.begin());
   }
   return confirmed;
 }
 
 int64_t Shard::OldestUnconfirmedStep() const {
   absl::MutexLock lock(&step_records_mu_);
-  // A few steps' records at most: the pulls of a step wait for the ones
-  // before it.
-  int64_t oldest = std::numeric_limits<int64_t>::max();
-  for (const QueuedStepRecord& queued : step_records_) {
-    oldest = std::min(oldest, queued.record.step());
-  }
-  for (const auto& [place, step] : step_records_on_way_) {
-    oldest = std::min(oldest, step);
-  }
-  return oldest;
+  return unconfirmed_steps_.empty() ? std::numeric_limits<int64_t>::max()
+                                    : unconfirmed_steps_.begin()->first;
 }
 
 bool Shard::HasStepRecords() const {

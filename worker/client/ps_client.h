@@ -704,7 +704,10 @@ class PsClient {
   // step s - 2, before they hold s - 1 (ParameterServerService's record
   // window): a backup that takes over may lack step s - 1, and these
   // pushes, sent again, make it there as they made it on the primary.
-  void RetainPushes(const std::vector<Call>& calls);
+  // `answered`: the PushPull of `step` succeeded, and these replace what
+  // was kept; otherwise they are kept beside the last answered step's.
+  void RetainPushes(const std::vector<Call>& calls, int64_t step,
+                    bool answered);
   // Sends the kept pushes of `shards` again, moving through their replicas
   // as RunAll does, until each shard's current replica took them (as new
   // or as duplicates), for at most kResendWindow or until `give_up`.
@@ -880,13 +883,16 @@ class PsClient {
   struct RetainedPush {
     int shard = 0;
     int connection = 0;
+    int64_t step = 0;
+    int replica = 0;  // the one it went to
     std::string request;
   };
   absl::Mutex retained_mu_;
   std::vector<RetainedPush> retained_pushes_ ABSL_GUARDED_BY(retained_mu_);
   // The ones before, their memory reused by the next RetainPushes.
   std::vector<RetainedPush> retained_spare_ ABSL_GUARDED_BY(retained_mu_);
-  // Per shard, the replica that took the kept pushes; -1: none kept.
+  // Per shard, the replica that took the kept pushes; -1: none kept; -2:
+  // several (sent again wherever the shard's calls go).
   std::vector<int> retained_replica_ ABSL_GUARDED_BY(retained_mu_);
   std::unique_ptr<SparseRowCache> row_cache_;  // null: off
   absl::BitGen random_;

@@ -145,6 +145,7 @@ void PsClient::StartAndWait(const std::string& method, std::vector<Call>& calls,
                             const std::vector<size_t>& all,
                             absl::Duration timeout) {
   if (all.empty()) return;
+  for (size_t i : all) calls[i].replica = current_replica_[calls[i].shard];
   const std::string short_name = method.substr(method.rfind('/') + 1);
   std::vector<size_t> which = RunOnDataPlane(short_name, calls, all, timeout);
   // A call whose request may not be made yet (can_send: the pipelined
@@ -215,20 +216,38 @@ void PsClient::NextReplica(int shard, int from) {
   data_ports_[shard] = 0;
 }
 
-void PsClient::RetainPushes(const std::vector<Call>& calls) {
+void PsClient::RetainPushes(const std::vector<Call>& calls, int64_t step,
+                            bool answered) {
   if (replicas_ < 2 || mode_ != ConsistencyMode::kSync) return;
   std::vector<RetainedPush> kept;
   {
     absl::MutexLock lock(&retained_mu_);
-    kept.swap(retained_spare_);
+    if (answered) {
+      kept.swap(retained_spare_);
+    } else {
+      // A step that failed (or was interrupted) after some shards took it:
+      // kept beside the answered step before it, in the place of an
+      // earlier attempt of its own.
+      kept = std::move(retained_pushes_);
+      kept.erase(std::remove_if(kept.begin(), kept.end(),
+                                [step](const RetainedPush& push) {
+                                  return push.step == step;
+                                }),
+                 kept.end());
+    }
   }
-  size_t n = 0;
+  size_t n = answered ? 0 : kept.size();
   for (const Call& call : calls) {
     if (call.message.num_pieces() == 0) continue;  // a read, no push
     if (n == kept.size()) kept.emplace_back();
     RetainedPush& push = kept[n++];
     push.shard = call.shard;
     push.connection = call.connection;
+    push.step = step;
+    // The replica it went to: the heartbeat thread may have moved the
+    // shard's calls on since (and then this worker has not sent it there).
+    push.replica =
+        call.replica >= 0 ? call.replica : current_replica_[call.shard].load();
     push.request.clear();
     push.request.reserve(call.message.ByteSize());
     for (absl::string_view piece : call.message.Pieces()) {
@@ -238,10 +257,13 @@ void PsClient::RetainPushes(const std::vector<Call>& calls) {
   kept.resize(n);
   absl::MutexLock lock(&retained_mu_);
   retained_pushes_.swap(kept);
-  retained_spare_ = std::move(kept);
+  if (answered) retained_spare_ = std::move(kept);
   retained_replica_.assign(num_shards(), -1);
   for (const RetainedPush& push : retained_pushes_) {
-    retained_replica_[push.shard] = current_replica_[push.shard];
+    int& replica = retained_replica_[push.shard];
+    // Pushes of one shard that went to different replicas: sent again
+    // wherever the shard's calls go next.
+    replica = replica == -1 || replica == push.replica ? push.replica : -2;
   }
 }
 
@@ -250,7 +272,7 @@ void PsClient::ResendIfReplicaMoved(absl::Time give_up) {
   {
     absl::MutexLock lock(&retained_mu_);
     for (size_t s = 0; s < retained_replica_.size(); ++s) {
-      if (retained_replica_[s] >= 0 &&
+      if (retained_replica_[s] != -1 &&
           retained_replica_[s] != current_replica_[s]) {
         moved.push_back(static_cast<int>(s));
       }

@@ -75,6 +75,8 @@ struct PsClient::Call {
   // A pull from this replica of the shard, a backup (pulls_from_backups);
   // -1: from the shard's current replica.
   int read_replica = -1;
+  // The replica of the shard its last attempt went to (StartAndWait).
+  int replica = -1;
   // On the data plane: the index (in the same RunOnDataPlane) of a call
   // whose end starts this one's shorter deadline, `grace` later
   // (DataExchange::after); -1: none.

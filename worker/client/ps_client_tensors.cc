@@ -653,9 +653,11 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullTensors(
   if (absl::Status s =
           RunAll("PushPull", *calls, options_.rpc_timeout, /*retry=*/true);
       !s.ok()) {
+    // Some shards may have taken the step and answered its pull.
+    RetainPushes(*calls, push_step, /*answered=*/false);
     return s;
   }
-  RetainPushes(*calls);
+  RetainPushes(*calls, push_step, /*answered=*/true);
   PushPullResult result;
   result.pushed = SumPushResponses(responses);
   if (absl::Status s = InjectDuplicatePushes(*calls); !s.ok()) return s;
@@ -714,14 +716,15 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
     Call& sent = calls.emplace_back(std::move(push_pull));
     if (backup < 0) continue;
     const int sent_index = static_cast<int>(calls.size()) - 1;
-    // The primary answers once the step is in and on every replica, without
-    // the values; the backup, once it applied the step, with them.
+    // The primary answers once the step is in, without the values; the
+    // backup, once it applied the step's record, with them.
     Call& read = calls.emplace_back();
     read.shard = sent.shard;
     read.connection = sent.connection;
     read.group = sent.group;
-    // The primary answers only once the backup applied the step, so from
-    // then on the backup's answer is its transfer alone: a backup that went
+    // The primary answers once the step is in, and the record is on its
+    // way to the backup then, so from then on the backup's answer is the
+    // record's apply and its transfer: a backup that went
     // silent, or that the worker cannot reach, then costs the step
     // kBackupReadGrace and the values' time at kBackupReadSlowestRate, not
     // the call's deadline, before it goes again without backup reads.
@@ -772,7 +775,7 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
       if (read_from[s] >= 0) backup_read_failures_[s] = 0;
     }
   }
-  RetainPushes(calls);
+  RetainPushes(calls, push_step, /*answered=*/true);
   PushPullResult result;
   result.pushed = SumPushResponses(responses);
   absl::StatusOr<int64_t> pulled = FinishPlainRead(pull_step, tensors);
@@ -1318,14 +1321,18 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullStreamed(
     }
     // Before the compute thread may write the next step's gradients where
     // these pushes read them.
-    RetainPushes(*calls);
+    RetainPushes(*calls, push_step, /*answered=*/true);
     finish(absl::OkStatus());
     PushPullResult result;
     result.pushed = SumPushResponses(responses);
     result.pulled_step = RecordPulledStep(pull_step);
     return result;
   }
-  if (interrupts() != epoch) return finish(s);
+  if (interrupts() != epoch) {
+    // Some shards may have taken the step and answered its pull.
+    RetainPushes(*calls, push_step, /*answered=*/false);
+    return finish(s);
+  }
   LOG(WARNING) << "pipelined step " << push_step
                << " goes again as a plain PushPull: " << s;
   return plain();
