@@ -750,6 +750,7 @@ absl::StatusOr<PsClient::PushPullResult> PsClient::PushPullReadingBackups(
   for (size_t i = 0; i < calls.size(); ++i) {
     all[i] = i;
     calls[i].epoch = epoch;
+    calls[i].replica = current_replica_[calls[i].shard];  // RetainPushes
   }
   const std::vector<size_t> not_sent =
       RunOnDataPlane("PushPull", calls, all, options_.rpc_timeout);
