@@ -884,16 +884,15 @@ class PsClient {
     int shard = 0;
     int connection = 0;
     int64_t step = 0;
-    int replica = 0;  // the one it went to
+    // The replica that has it (or refused it for good): sent again when the
+    // shard's calls go to another.
+    int replica = 0;
     std::string request;
   };
   absl::Mutex retained_mu_;
   std::vector<RetainedPush> retained_pushes_ ABSL_GUARDED_BY(retained_mu_);
   // The ones before, their memory reused by the next RetainPushes.
   std::vector<RetainedPush> retained_spare_ ABSL_GUARDED_BY(retained_mu_);
-  // Per shard, the replica that took the kept pushes; -1: none kept; -2:
-  // several (sent again wherever the shard's calls go).
-  std::vector<int> retained_replica_ ABSL_GUARDED_BY(retained_mu_);
   std::unique_ptr<SparseRowCache> row_cache_;  // null: off
   absl::BitGen random_;
   std::vector<double> group_rates_, group_momentums_;  // SetGroupRates

@@ -258,23 +258,16 @@ void PsClient::RetainPushes(const std::vector<Call>& calls, int64_t step,
   absl::MutexLock lock(&retained_mu_);
   retained_pushes_.swap(kept);
   if (answered) retained_spare_ = std::move(kept);
-  retained_replica_.assign(num_shards(), -1);
-  for (const RetainedPush& push : retained_pushes_) {
-    int& replica = retained_replica_[push.shard];
-    // Pushes of one shard that went to different replicas: sent again
-    // wherever the shard's calls go next.
-    replica = replica == -1 || replica == push.replica ? push.replica : -2;
-  }
 }
 
 void PsClient::ResendIfReplicaMoved(absl::Time give_up) {
   std::vector<int> moved;
   {
     absl::MutexLock lock(&retained_mu_);
-    for (size_t s = 0; s < retained_replica_.size(); ++s) {
-      if (retained_replica_[s] != -1 &&
-          retained_replica_[s] != current_replica_[s]) {
-        moved.push_back(static_cast<int>(s));
+    for (const RetainedPush& push : retained_pushes_) {
+      if (push.replica != current_replica_[push.shard] &&
+          std::find(moved.begin(), moved.end(), push.shard) == moved.end()) {
+        moved.push_back(push.shard);
       }
     }
   }
@@ -284,6 +277,9 @@ void PsClient::ResendIfReplicaMoved(absl::Time give_up) {
 void PsClient::ResendRetainedPushes(const std::vector<int>& shards,
                                     absl::Time give_up) {
   std::vector<Call> calls;
+  // Each call's kept push's step: one that a replica took (or refused for
+  // good) is not sent again until its shard's calls move on.
+  std::vector<int64_t> steps;
   {
     absl::MutexLock lock(&retained_mu_);
     for (const RetainedPush& push : retained_pushes_) {
@@ -294,8 +290,18 @@ void PsClient::ResendRetainedPushes(const std::vector<int>& shards,
       call.shard = push.shard;
       call.connection = push.connection;
       call.flat = push.request;
+      steps.push_back(push.step);
     }
   }
+  auto held_by = [this, &steps, &calls](size_t i, int replica) {
+    absl::MutexLock lock(&retained_mu_);
+    for (RetainedPush& push : retained_pushes_) {
+      if (push.shard == calls[i].shard &&
+          push.connection == calls[i].connection && push.step == steps[i]) {
+        push.replica = replica;
+      }
+    }
+  };
   if (calls.empty()) return;
   const std::string method = absl::StrCat(kServicePath, "Push");
   const absl::Time until = std::min(give_up, absl::Now() + kResendWindow);
@@ -303,8 +309,6 @@ void PsClient::ResendRetainedPushes(const std::vector<int>& shards,
   std::vector<size_t> which(calls.size());
   for (size_t i = 0; i < which.size(); ++i) which[i] = i;
   while (true) {
-    absl::InlinedVector<int, 16> tried(num_shards());
-    for (int s = 0; s < num_shards(); ++s) tried[s] = current_replica_[s];
     for (size_t i : which) calls[i].epoch = epoch;
     StartAndWait(method, calls, which,
                  std::max(absl::Milliseconds(100),
@@ -313,17 +317,14 @@ void PsClient::ResendRetainedPushes(const std::vector<int>& shards,
     for (size_t i : which) {
       const absl::Status& status = calls[i].status;
       if (status.ok()) {
-        // Held by the replica that took it: sent again only if the shard
-        // moves on from it.
-        absl::MutexLock lock(&retained_mu_);
-        retained_replica_[calls[i].shard] = tried[calls[i].shard];
+        held_by(i, calls[i].replica);
         continue;
       }
       switch (status.code()) {
         case absl::StatusCode::kUnavailable:
         case absl::StatusCode::kDeadlineExceeded:
         case absl::StatusCode::kCancelled:
-          NextReplica(calls[i].shard, tried[calls[i].shard]);
+          NextReplica(calls[i].shard, calls[i].replica);
           again.push_back(i);
           break;
         default: {
@@ -331,8 +332,7 @@ void PsClient::ResendRetainedPushes(const std::vector<int>& shards,
                        << " refused this worker's last step's push, sent "
                           "again after it moved to another replica: "
                        << status;
-          absl::MutexLock lock(&retained_mu_);
-          retained_replica_[calls[i].shard] = -1;
+          held_by(i, calls[i].replica);
         }
       }
     }
