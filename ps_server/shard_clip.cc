@@ -132,9 +132,10 @@ absl::StatusOr<ApplyClipResponse> Shard::ApplyClip(
         !block->awaiting_clip.load()) {
       continue;
     }
-    ApplyStepLocked(*block, static_cast<float>(coefficient));
+    // Before the apply: the step's record carries the norm.
     block->clip_applied_step = request.step();
     block->clip_applied_norm = request.norm();
+    ApplyStepLocked(*block, static_cast<float>(coefficient));
     response.set_blocks_applied(response.blocks_applied() + 1);
   }
   if (response.blocks_applied() > 0) ReleaseReadyWaiters();

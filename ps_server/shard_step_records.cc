@@ -38,6 +38,10 @@ void Shard::RecordStepLocked(Block& block, float coefficient) {
     }
   }
   record.set_coefficient(coefficient);
+  if (block.awaiting_clip.load() && block.clip_applied_step == version) {
+    record.set_clipped(true);
+    record.set_clip_norm(block.clip_applied_norm);
+  }
   std::vector<float> sum;
   if (block.finite_contributors > 0) {
     record.set_has_sum(true);
@@ -199,9 +203,11 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
         r.finite_contributors() > r.contributors() ||
         r.has_sum() != (r.finite_contributors() > 0) ||
         !(r.coefficient() >= 0 && r.coefficient() <= 1) ||
+        (r.clipped() &&
+         !(std::isfinite(r.clip_norm()) && r.clip_norm() >= 0)) ||
         (r.skip_to() != 0 && (r.skip_to() <= r.step() || r.has_sum()))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": inconsistent counts or coefficient"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": inconsistent counts, coefficient or clip norm"));
     }
     for (int w : r.workers()) {
       if (w < 0 || w >= options_.max_workers) {
@@ -276,6 +282,10 @@ absl::Status Shard::ApplyStepRecords(const StepRecords& records,
       block.step_hyper_worker = 0;
     } else {
       block.step_hyper_worker = std::numeric_limits<int>::max();
+    }
+    if (r.clipped()) {
+      block.clip_applied_step = r.step();
+      block.clip_applied_norm = r.clip_norm();
     }
     ApplyStepLocked(block, r.coefficient());
     applied = true;

@@ -2082,6 +2082,56 @@ TEST(ShardStepRecordsTest, RecordsThatDoNotFitAreRefusedWhole) {
 // the skip: its follower, restored from the same step, skips with it, and
 // the next step's records then follow on (before, they were refused as
 // "a record before it is missing", and the follower dropped).
+// A clipped step's record carries the norm the applier gathered: a worker
+// that asks ClipNorm after the step, of a backup that took over since,
+// reads it there as it would have on the primary (ps.last_grad_norm).
+TEST(ShardStepRecordsTest, AClippedStepsNormTravelsWithItsRecord) {
+  LeaderAndFollower f = MakeLeaderAndFollower();
+  for (int worker = 0; worker < 2; ++worker) {
+    PushRequest push = UniformPush(worker, 0, worker == 0 ? 1 : 3);
+    push.set_clip_max_norm(0.5);
+    ASSERT_TRUE(DoPush(*f.leader, push).ok());
+  }
+  ApplyClipRequest apply;
+  apply.set_protocol_version(kProtocolVersion);
+  apply.set_step(0);
+  apply.set_coefficient(0.25);
+  apply.set_norm(5.5);
+  ASSERT_TRUE(f.leader->ApplyClip(apply).ok());
+  SentRecords sent = Take(*f.leader);
+  ASSERT_EQ(sent.records.records_size(), 3);
+  for (const StepRecord& r : sent.records.records()) {
+    EXPECT_TRUE(r.clipped());
+    EXPECT_DOUBLE_EQ(r.clip_norm(), 5.5);
+  }
+  ASSERT_TRUE(f.follower->ApplyStepRecords(sent.records, sent.sums).ok());
+  ExpectSameModel(*f.leader, *f.follower, 1);
+
+  f.follower->set_leads_steps([] { return true; });
+  ClipNormRequest clip;
+  clip.set_protocol_version(kProtocolVersion);
+  clip.set_worker_id(1);
+  clip.set_step(0);
+  absl::Notification answered;
+  absl::StatusOr<ClipNormResponse> late;
+  f.follower->ClipNorm(clip, Soon(), [&](absl::StatusOr<ClipNormResponse> r) {
+    late = std::move(r);
+    answered.Notify();
+  });
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_TRUE(late->applied());
+  EXPECT_DOUBLE_EQ(late->applied_norm(), 5.5);
+
+  // A norm that is no norm is refused with the record, before any change.
+  StepRecords bad = sent.records;
+  bad.mutable_records(0)->set_step(1);
+  bad.mutable_records(0)->set_clip_norm(-1);
+  absl::Status refused = f.follower->ApplyStepRecords(bad, sent.sums);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_EQ(f.follower->Stats().version(), 1);
+}
+
 TEST(ShardStepRecordsTest, ARestoredLeadersSkipIsRecordedAndFollowed) {
   LeaderAndFollower before = MakeLeaderAndFollower();
   for (int worker : {0, 1}) {

@@ -537,8 +537,8 @@ absl::Status PsClient::FinishClippedStep(int64_t step) {
   }
   // Summed in shard order, so every worker computes the same coefficient.
   // Applied already: another worker did it, and the shards that applied it
-  // say the norm (a replica that took over since, or a block past a later
-  // clipped step, says 0).
+  // say the norm (a replica that took over since has it from the step's
+  // record; a block past a later clipped step says 0).
   bool applied = false;
   double applied_norm = 0;
   for (const ClipNormResponse& share : shares) {
