@@ -45,11 +45,13 @@
 #define PSTRAIN_PS_SERVER_CHECKPOINT_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "proto/ps.pb.h"
 
 namespace pstrain {
@@ -199,6 +201,30 @@ class CheckpointStore {
 // ...), so a server can refuse to start instead of failing every checkpoint of
 // the job.
 absl::Status ProbeCheckpointDir(const std::string& dir);
+
+// This process's hold on shard `shard_id`'s checkpoints in a directory: an
+// exclusive flock on <dir>/shard-<shard_id>.lock, which says who holds it
+// (pid, host, since when). The kernel drops it when the process ends, however
+// it ends (kill -9 included), so only a live process holds it. Two jobs
+// pointed at one directory, or two servers given the same shard, would
+// interleave their files and the next restore would pick the other's
+// newest: the second is refused at start instead.
+class CheckpointDirLock {
+ public:
+  // Takes the lock, waiting up to `wait` for a holder to let go (a server
+  // of the shard that is still writing its last checkpoint on SIGTERM while
+  // its replacement starts). FailedPrecondition naming the holder when it
+  // still holds it then.
+  static absl::StatusOr<std::unique_ptr<CheckpointDirLock>> Acquire(
+      const std::string& dir, int shard_id, absl::Duration wait);
+  ~CheckpointDirLock();
+  CheckpointDirLock(const CheckpointDirLock&) = delete;
+  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
+
+ private:
+  explicit CheckpointDirLock(int fd) : fd_(fd) {}
+  const int fd_;
+};
 
 // Free bytes for an unprivileged writer on the filesystem holding `dir`.
 absl::StatusOr<int64_t> CheckpointFreeBytes(const std::string& dir);

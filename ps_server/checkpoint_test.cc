@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <string>
@@ -21,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/time.h"
 #include "common/partition.h"
 #include "glog/logging.h"
 #include "gmock/gmock.h"
@@ -473,6 +476,34 @@ TEST(CheckpointTest, ProbeCreatesTheDirectoryAndLeavesNothing) {
   EXPECT_FALSE(s.ok());
   EXPECT_THAT(s.message(), HasSubstr("--checkpoint_dir=" + file + "/sub"));
   EXPECT_THAT(s.message(), HasSubstr("Not a directory"));
+}
+
+// flock locks belong to an open file description: a second Acquire in this
+// process conflicts with the first as another process's would.
+TEST(CheckpointTest, AShardsCheckpointsHaveOneHolderAtATime) {
+  const std::string dir = TestDir() + "/locked";
+  ASSERT_TRUE(ProbeCheckpointDir(dir).ok());
+  absl::StatusOr<std::unique_ptr<CheckpointDirLock>> held =
+      CheckpointDirLock::Acquire(dir, 0, absl::ZeroDuration());
+  ASSERT_TRUE(held.ok()) << held.status();
+
+  absl::StatusOr<std::unique_ptr<CheckpointDirLock>> second =
+      CheckpointDirLock::Acquire(dir, 0, absl::Milliseconds(120));
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition)
+      << second.status();
+  EXPECT_THAT(second.status().message(),
+              HasSubstr("--checkpoint_dir=" + dir + ": shard 0's"));
+  EXPECT_THAT(second.status().message(),
+              HasSubstr(absl::StrCat("held by another ps_server (pid ",
+                                     ::getpid(), " on ")));
+  // Another shard's are another lock.
+  absl::StatusOr<std::unique_ptr<CheckpointDirLock>> other =
+      CheckpointDirLock::Acquire(dir, 1, absl::ZeroDuration());
+  EXPECT_TRUE(other.ok()) << other.status();
+
+  held->reset();
+  second = CheckpointDirLock::Acquire(dir, 0, absl::ZeroDuration());
+  EXPECT_TRUE(second.ok()) << second.status();
 }
 
 struct Corruption {

@@ -2,6 +2,7 @@
 // through a temporary one, verified, renamed into place and the old ones
 // pruned (CheckpointStore::Write); the directory probe at start.
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/types.h>
@@ -26,6 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "common/partition.h"
 #include "common/status_text.h"
 #include "glog/logging.h"
@@ -554,6 +556,71 @@ absl::Status ProbeCheckpointDir(const std::string& dir) {
   }
   return status.ok() ? status : unusable(status);
 }
+
+absl::StatusOr<std::unique_ptr<CheckpointDirLock>> CheckpointDirLock::Acquire(
+    const std::string& dir, int shard_id, absl::Duration wait) {
+  const std::string path =
+      JoinPath(dir, absl::StrCat("shard-", shard_id, ".lock"));
+  // Read-only: a file held open for writing would keep the filesystem from
+  // being remounted read-only (EBUSY) for the whole job.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoError(errno, "cannot open", path);
+  auto holder = [fd] {
+    char text[256] = {};
+    const ssize_t n = ::pread(fd, text, sizeof(text) - 1, 0);
+    std::string said(text, n > 0 ? n : 0);
+    while (!said.empty() && said.back() == '\n') said.pop_back();
+    return said.empty() ? std::string("a process that has not said who") : said;
+  };
+  const absl::Time deadline = absl::Now() + wait;
+  bool said_waiting = false;
+  while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    if (error == EINTR) continue;
+    if (error != EWOULDBLOCK) {
+      ::close(fd);
+      return ErrnoError(error, "cannot lock", path);
+    }
+    if (absl::Now() >= deadline) {
+      const std::string held_by = holder();
+      ::close(fd);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--checkpoint_dir=", dir, ": shard ", shard_id,
+          "'s checkpoints there are held by another ps_server (", held_by, "; ",
+          path, ", waited ", absl::FormatDuration(wait),
+          "): two jobs, or two servers of one shard, cannot share a "
+          "checkpoint directory"));
+    }
+    if (!said_waiting) {
+      said_waiting = true;
+      LOG(WARNING) << "waiting up to " << absl::FormatDuration(wait)
+                   << " for shard " << shard_id << "'s checkpoints in " << dir
+                   << ", held by " << holder();
+    }
+    // A poll, with a deadline: flock has no timed wait.
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const std::string me =
+      absl::StrCat("pid ", ::getpid(), " on ", host, " since ",
+                   absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", absl::Now(),
+                                    absl::UTCTimeZone()),
+                   "\n");
+  // Who holds it, for the message of whoever is refused; the lock itself
+  // does not depend on it (closing another descriptor of the file keeps a
+  // flock).
+  const int writer = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  if (writer < 0 || ::write(writer, me.data(), me.size()) !=
+                        static_cast<ssize_t>(me.size())) {
+    LOG(WARNING) << "cannot say who holds " << path << ": "
+                 << std::strerror(errno);
+  }
+  if (writer >= 0) ::close(writer);
+  return std::unique_ptr<CheckpointDirLock>(new CheckpointDirLock(fd));
+}
+
+CheckpointDirLock::~CheckpointDirLock() { ::close(fd_); }
 
 absl::StatusOr<int64_t> CheckpointFreeBytes(const std::string& dir) {
   return FreeBytesAt(dir);

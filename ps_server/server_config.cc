@@ -172,6 +172,11 @@ void CheckCheckpoints(const ServerConfig& c, Problems& checks) {
         "--checkpoint_every_steps and --checkpoint_every_s must be >= 0 and "
         "--keep_checkpoints >= 1"));
   }
+  if (!(c.checkpoint_dir_wait_s >= 0 && c.checkpoint_dir_wait_s <= 3600)) {
+    checks.push_back(absl::InvalidArgumentError(absl::StrCat(
+        "--checkpoint_dir_wait_s must be in [0, 3600] seconds, got ",
+        c.checkpoint_dir_wait_s)));
+  }
   if (c.checkpoint_dir.empty() &&
       (c.checkpoint_every_steps > 0 || c.checkpoint_every_s > 0)) {
     checks.push_back(absl::InvalidArgumentError(

@@ -90,6 +90,9 @@ struct ServerConfig {
   int64_t checkpoint_every_steps = 0;
   double checkpoint_every_s = 0;
   int keep_checkpoints = 3;
+  // How long a server waits for another process holding its shard's
+  // checkpoints in checkpoint_dir (CheckpointDirLock) before it exits.
+  double checkpoint_dir_wait_s = 30;
   ServerNetworkConfig network;
   ServerTlsConfig tls;
   // Fault injection: answer UNAVAILABLE after applying a push.

@@ -164,6 +164,11 @@ ABSL_FLAG(double, max_shard_memory_gb, Default().max_shard_memory_gb,
           "optimizer state would take more memory than this on one shard.");
 ABSL_FLAG(int, keep_checkpoints, Default().keep_checkpoints,
           "Checkpoints kept per shard.");
+ABSL_FLAG(double, checkpoint_dir_wait_s, Default().checkpoint_dir_wait_s,
+          "A live process that holds this shard's checkpoints in "
+          "--checkpoint_dir (another job's server, or this shard's previous "
+          "one still writing its last checkpoint) is waited for this long, "
+          "in seconds; then the server exits 2 naming it.");
 ABSL_FLAG(double, shutdown_grace_s, Default().network.shutdown_grace_s,
           "On SIGTERM, how long in-flight calls may take to finish.");
 ABSL_FLAG(int, metrics_port, Default().network.metrics_port,
@@ -244,6 +249,7 @@ ServerConfig ServerConfigFromFlags(std::vector<absl::Status>* problems) {
   c.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
   c.checkpoint_every_s = absl::GetFlag(FLAGS_checkpoint_every_s);
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  c.checkpoint_dir_wait_s = absl::GetFlag(FLAGS_checkpoint_dir_wait_s);
   c.inject_drop_push_response_probability =
       absl::GetFlag(FLAGS_inject_drop_push_response_probability);
   c.inject_crash_at = absl::GetFlag(FLAGS_inject_crash_at);

@@ -228,6 +228,12 @@ class ServerRun {
       // A directory that cannot take a checkpoint ends the server now (exit
       // 2), not after a job's worth of failed checkpoints.
       ExitOnFlagErrors({ProbeCheckpointDir(dir)});
+      absl::StatusOr<std::unique_ptr<CheckpointDirLock>> lock =
+          CheckpointDirLock::Acquire(
+              dir, options.shard_id,
+              absl::Seconds(config_.checkpoint_dir_wait_s));
+      ExitOnFlagErrors({lock.status()});
+      checkpoint_dir_lock_ = std::move(*lock);
       checkpointer_ = std::make_unique<Checkpointer>(
           shard_.get(), options.shard_id, options.num_shards,
           CheckpointerOptionsOf(config_));
@@ -555,6 +561,9 @@ class ServerRun {
 
   const ServerConfig& config_;
   std::unique_ptr<Shard> shard_;
+  // Held while the checkpointer may write (declared before it: let go
+  // after it stopped).
+  std::unique_ptr<CheckpointDirLock> checkpoint_dir_lock_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<ReplicaSet> replicas_;
   std::unique_ptr<ParameterServerService> service_;

@@ -1,5 +1,6 @@
 // Checkpoints on bad storage, with real processes: a --checkpoint_dir that
-// cannot be written ends the server at start (exit 2); a full disk (a small
+// cannot be written, or that a live server of the same shard holds, ends the
+// server at start (exit 2); a full disk (a small
 // tmpfs) gets a bounded number of tries and log lines, leaves no temporary
 // file, recovers as soon as there is room, and is visible in Stats and on
 // /metrics; a directory removed mid-job is recreated. The mount tests need
@@ -195,6 +196,66 @@ TEST(CheckpointStorageTest, ReadOnlyDirectoryExitsAtStart) {
     EXPECT_TRUE(absl::StrContains(stderr_text, "Read-only file system"))
         << stderr_text;
   }
+}
+
+// Two jobs pointed at one directory would interleave their files, and the
+// next restore would take the other job's newest: a server whose shard's
+// checkpoints a live process holds waits --checkpoint_dir_wait_s for it
+// (the shard's previous server may be writing its last checkpoint), then
+// exits 2 naming the holder. A killed holder holds nothing.
+TEST(CheckpointStorageTest, ALiveServersCheckpointDirectoryIsNotShared) {
+  const std::string dir = TestDir() + "/shared";
+  const std::string checkpoint_dir = dir + "/checkpoints";
+  std::filesystem::create_directories(dir);
+  ClusterOptions options;
+  options.server_flags = {"--checkpoint_dir=" + checkpoint_dir};
+  absl::StatusOr<std::unique_ptr<TestCluster>> started =
+      TestCluster::Start(options, "first_job");
+  ASSERT_TRUE(started.ok()) << started.status();
+  TestCluster& cluster = **started;
+
+  auto [code, stderr_text] = RunServerExpectingExit(
+      dir, "second_job",
+      {"--checkpoint_dir=" + checkpoint_dir, "--checkpoint_dir_wait_s=0.3"});
+  EXPECT_EQ(code, 2) << stderr_text;
+  EXPECT_EQ(CountLines(stderr_text, "--checkpoint_dir=" + checkpoint_dir), 1)
+      << stderr_text;
+  EXPECT_TRUE(absl::StrContains(stderr_text,
+                                absl::StrCat("held by another ps_server (pid ",
+                                             cluster.server(0).pid(), " on ")))
+      << stderr_text;
+
+  // kill -9: the restart takes the shard's checkpoints at once.
+  cluster.KillServer(0);
+  ASSERT_TRUE(cluster.RestartServer(0, {"--checkpoint_dir_wait_s=0"}).ok());
+
+  // A server that waits gets them once the holder has stopped (SIGTERM).
+  const std::string port_file = dir + "/waiting.port";
+  absl::StatusOr<std::unique_ptr<Process>> waiting = Process::Start(
+      {BinaryPath("ps_server/ps_server"), "--host=127.0.0.1", "--port=0",
+       "--shard_id=0", "--num_shards=1", "--num_workers=1",
+       "--port_file=" + port_file, "--checkpoint_dir=" + checkpoint_dir,
+       "--checkpoint_dir_wait_s=60"},
+      dir, "waiting");
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (!absl::StrContains((*waiting)->Stderr(), "waiting up to") &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(absl::StrContains((*waiting)->Stderr(), "waiting up to"))
+      << (*waiting)->Stderr();
+  EXPECT_FALSE(std::filesystem::exists(port_file));
+  ASSERT_TRUE(cluster.StopServer(0).ok());
+  while (!std::filesystem::exists(port_file) && (*waiting)->running() &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(std::filesystem::exists(port_file)) << (*waiting)->Stderr();
+  (*waiting)->Signal(SIGTERM);
+  absl::StatusOr<int> ended = (*waiting)->Wait(absl::Seconds(30));
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(*ended, 0) << (*waiting)->Stderr();
 }
 
 TEST(CheckpointStorageTest, FullDiskBacksOffAndRecoversWhenThereIsRoom) {
