@@ -114,7 +114,11 @@ struct Shard::WorkerState {
   int64_t joined_at = shard_internal::kNever;
   uint64_t incarnation = 0;  // 0: not yet registered
   bool seen = false;         // any contact, ever: its lease has started
-  absl::Time last_seen;      // on the lease clock (Shard::LeaseNow)
+  // Left while stopping (LeaveRequest.stopping): still a member, so that the
+  // step under way is not completed without it while every member is
+  // stopping; its lease runs out kStoppingHold after the leave.
+  bool stopping = false;
+  absl::Time last_seen;  // on the lease clock (Shard::LeaseNow)
   // One past the last step pushed here: the ssp clock, and where a
   // restarted async/ssp worker resumes so its pushes are not repeats.
   int64_t next_step = 0;

@@ -19,6 +19,13 @@ namespace {
 // and the longest an AwaitJobStart call is held.
 constexpr absl::Duration kStartLogInterval = absl::Seconds(5);
 constexpr absl::Duration kMaxStartWait = absl::Seconds(10);
+// How long a sync worker that left stopping (LeaveRequest.stopping) stays a
+// member while another still trains: the others' step waits this long for
+// it, then completes without it. Long enough for every worker of a stopping
+// job to hear its signal (the launcher, scancel and Kubernetes signal them
+// within a moment of each other); what one SIGTERMed worker in a running job
+// costs the others.
+constexpr absl::Duration kStoppingHold = absl::Seconds(2);
 
 }  // namespace
 
@@ -73,6 +80,9 @@ bool Shard::TouchLocked(int worker) {
   }
   WorkerState& state = workers_[worker];
   state.last_seen = LeaseNow();
+  // Back after it stopped (a resumed job, with the servers kept): a member
+  // like any other.
+  state.stopping = false;
   // Back after its lease expired (or a new id): it rejoins at its next pull.
   if (!state.member) state.pending = true;
   if (state.seen) return false;
@@ -119,14 +129,22 @@ bool Shard::ExpireLeases() {
   absl::MutexLock lock(&mu_);
   if (leases_wait_for_a_worker_) return false;
   const absl::Time expired_before = LeaseNow() - options_.worker_lease;
+  // Members that stopped (LeaveRequest.stopping) are held while nobody
+  // trains: the job is stopping, and its step under way waits for a resume.
+  bool any_training = false;
+  for (const WorkerState& state : workers_) {
+    any_training |= state.member && !state.stopping;
+  }
   bool dropped = false;
   for (WorkerState& state : workers_) {
     // Before the job starts, a worker never heard from is missing, not
     // lapsed: the job waits for it (CheckJobStart bounds the wait).
     if (!started_ && !state.seen) continue;
+    if (state.stopping && !any_training) continue;
     if ((state.member || state.pending) && state.last_seen < expired_before) {
       dropped |= state.member;
       state.member = false;
+      state.stopping = false;
       state.pending = false;
       state.joined_at = kNever;
     }
@@ -197,7 +215,17 @@ absl::Status Shard::Leave(const LeaveRequest& request) {
   {
     absl::MutexLock lock(&mu_);
     WorkerState& state = workers_[request.worker_id()];
+    if (request.stopping() && options_.mode == ConsistencyMode::kSync &&
+        started_ && state.member) {
+      // Held, not dropped (LeaveRequest.stopping): ExpireLeases drops it
+      // once the hold is over and some other member still trains.
+      state.stopping = true;
+      state.last_seen = LeaseNow() - options_.worker_lease +
+                        std::min(kStoppingHold, options_.worker_lease);
+      return absl::OkStatus();
+    }
     state.member = false;
+    state.stopping = false;
     state.pending = false;
     state.joined_at = kNever;
     // One that leaves before the job starts is waited for again, as if it

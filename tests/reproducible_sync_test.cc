@@ -575,6 +575,64 @@ TEST(ReproducibleSyncTest, AJobResumedFromItsCheckpointChangesNothing) {
                     "stopped after step 12 and resumed from the checkpoint");
 }
 
+// The whole job stopped by signals that reach its workers at different
+// moments of a step, as a launcher's SIGTERMs, scancel or a deleted
+// Kubernetes job deliver them: worker 0 stops after step 9, never pushing
+// step 10, while workers 1 and 2 have pushed step 10 and wait for it. A
+// worker that leaves stopping holds the step instead of having it
+// completed short without it (LeaveRequest.stopping), so every shard stops
+// at step 10 with no short step, and the job resumed from the servers'
+// checkpoints computes step 10 whole: the undisturbed job's model. Before,
+// step 10 completed without worker 0 the moment it left.
+TEST(ReproducibleSyncTest, AJobStoppedBySignalsAndResumedChangesNothing) {
+  const Job job = {3, 2};
+  const Outcome reference = RunJob(job, "undisturbed_for_signals");
+  const Outcome resumed = RunJob(
+      job, "stopped_by_signals",
+      [](TestCluster& cluster, const std::vector<std::string>& flags)
+          -> absl::StatusOr<std::vector<std::string>> {
+        std::vector<std::unique_ptr<Process>> running;
+        for (int w = 0; w < 3; ++w) {
+          std::vector<std::string> own = flags;
+          if (w == 0) own.push_back("--inject_sigterm_after_step=9");
+          absl::StatusOr<std::unique_ptr<Process>> started =
+              cluster.StartWorker(w, 3, own);
+          if (!started.ok()) return started.status();
+          running.push_back(std::move(*started));
+        }
+        absl::StatusOr<int> first = running[0]->Wait(absl::Seconds(120));
+        if (!first.ok()) return first.status();
+        for (int w = 1; w < 3; ++w) running[w]->Signal(SIGTERM);
+        for (auto& worker : running) {
+          absl::StatusOr<int> code = worker->Wait(absl::Seconds(60));
+          if (!code.ok()) return code.status();
+        }
+        absl::StatusOr<std::vector<StatsResponse>> stats = cluster.Stats();
+        if (!stats.ok()) return stats.status();
+        for (const StatsResponse& shard : *stats) {
+          if (shard.version() != 10 || shard.steps_short() != 0) {
+            return absl::InternalError(absl::StrCat(
+                "a shard stopped at step ", shard.version(), " with ",
+                shard.steps_short(),
+                " short steps; every shard should stop at step 10 with "
+                "none:\n",
+                running[0]->Stderr()));
+          }
+        }
+        for (int shard = 0; shard < 2; ++shard) {
+          if (absl::Status s = cluster.StopServer(shard); !s.ok()) return s;
+        }
+        for (int shard = 0; shard < 2; ++shard) {
+          if (absl::Status s = cluster.RestartServer(shard); !s.ok()) {
+            return s;
+          }
+        }
+        return RunUndisturbed(3, cluster, flags);
+      });
+  ExpectSameOutcome(reference, resumed,
+                    "stopped by signals at step 10 and resumed");
+}
+
 // Sparse rows: a row's gradients from several workers are summed in worker
 // order too.
 TEST(ReproducibleSyncTest, SparseTablesThreeWorkers) {

@@ -15,7 +15,7 @@ namespace {
 void LeaveWithin(PsClient& client, absl::Duration within) {
   absl::Notification done;
   std::thread leaver([&] {
-    absl::Status left = client.Leave();
+    absl::Status left = client.Leave(/*stopping=*/true);
     if (!left.ok()) LOG(WARNING) << "leaving the job: " << left;
     done.Notify();
   });

@@ -885,9 +885,9 @@ absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
     if (!steps_short.ok()) return steps_short.status();
     result.steps_short = *steps_short;
-    return client.Leave();
+    return client.Leave(result.stopped_early);
   }
-  if (absl::Status s = client.Leave(); !s.ok()) return s;
+  if (absl::Status s = client.Leave(result.stopped_early); !s.ok()) return s;
   PsClient& reader = options.observer != nullptr ? *options.observer : client;
   result.final_model = reader.AwaitFinalModel(
       options.num_workers * options.steps, options.final_model_timeout);
@@ -1090,6 +1090,16 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       // The pipelined step's exchange ends first, as the plain one's has.
       if (absl::Status s = runner.Settle(); !s.ok()) return s;
       CrashNow("after its exchange", step);
+    }
+    if (step == options.sigterm_after_step && options.stop != nullptr) {
+      LOG(WARNING) << "fault injection: SIGTERM after step " << step;
+      kill(getpid(), SIGTERM);
+      // The signal reaches `stop` through the signal watch's thread: the
+      // next step must not start before it has.
+      const absl::Time deadline = absl::Now() + absl::Seconds(10);
+      while (!options.stop->load() && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
     }
     ++step;
     Tally(*exchange, pull_time, step, window, result);

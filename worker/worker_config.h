@@ -97,6 +97,9 @@ struct TrainingConfig {
   // returned. -1: never.
   int64_t inject_crash_before_push_step = -1;
   int64_t inject_crash_after_step = -1;
+  // Fault injection: the process sends itself SIGTERM once this step's
+  // exchange has returned, and stops as a signalled worker does. -1: never.
+  int64_t inject_sigterm_after_step = -1;
 };
 
 // Held-out evaluation: during training (worker 0), or of a model file with

@@ -726,12 +726,13 @@ void PsClient::DropSparseRowCache() {
   if (row_cache_ != nullptr) row_cache_->Clear();
 }
 
-absl::Status PsClient::Leave() {
+absl::Status PsClient::Leave(bool stopping) {
   StopHeartbeats();
   DropSparseRowCache();
   if (worker_id_ < 0) return absl::OkStatus();
   LeaveRequest request;
   request.set_worker_id(worker_id_);
+  request.set_stopping(stopping);
   std::vector<Call> calls(num_shards());
   for (int s = 0; s < num_shards(); ++s) {
     calls[s].shard = s;

@@ -526,7 +526,11 @@ class PsClient {
   // Tells every shard this worker is done; later steps stop waiting for it.
   // Stops the heartbeats, and drops the sparse row cache: what a worker
   // reads after training (its final evaluation) is the servers' model.
-  absl::Status Leave();
+  // `stopping` (sync): it stops because it was told to (a signal), not
+  // because its steps are done: the step under way waits for it while no
+  // other worker trains, so that a whole job stopped at once completes no
+  // step short (LeaveRequest.stopping).
+  absl::Status Leave(bool stopping = false);
   // The sparse row cache's counts (all 0 when it is off), read on the
   // thread that makes the sparse calls.
   SparseRowCacheStats sparse_row_cache_stats() const;
