@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -135,6 +136,9 @@ struct CheckpointFile {
 struct LoadedFile {
   CheckpointFile file;
   CheckpointHeader header;  // without the per-block entries
+  // The lowest version of any of its blocks and tables: in sync, the step
+  // the file holds (-1: no block or table).
+  int64_t step = -1;
   // Only the blocks the new shard owns.
   std::vector<BlockSnapshot> blocks;
   // Per table in header order, only the rows the new shard owns.
@@ -435,6 +439,14 @@ absl::StatusOr<LoadedFile> ReadCheckpointFile(const CheckpointFile& file,
       !s.ok()) {
     return s;
   }
+  for (const CheckpointBlock& block : loaded.header.blocks()) {
+    loaded.step = loaded.step < 0 ? block.version()
+                                  : std::min(loaded.step, block.version());
+  }
+  for (const CheckpointSparseTable& table : loaded.header.sparse()) {
+    loaded.step = loaded.step < 0 ? table.version()
+                                  : std::min(loaded.step, table.version());
+  }
   loaded.header.clear_blocks();
   return loaded;
 }
@@ -457,6 +469,58 @@ struct LayoutScan {
   int missing_skipped = 0;  // files of missing_shard found invalid
   std::vector<LoadedFile> files;
 };
+
+// Resharding (a new shard count, or the exporter's one shard): every new
+// shard takes blocks of every old one, so a sync model is one step's only
+// if every old shard's file is of that step. A newest file that was invalid
+// (a disk error, a truncated copy) leaves one shard's newest valid file
+// older than the others': their older files of that step, when they are
+// still there, make the model one step's instead of a mix. Every new shard
+// scans the same files, so all choose alike. When some shard has no file of
+// that step the newest valid files stay, and the caller says they mix
+// steps (pstrain_export does).
+void MatchSyncSteps(const Layout& layout, int new_shard_id, int new_num_shards,
+                    LayoutScan& scan) {
+  if (scan.files.empty() || scan.files.front().header.mode() != "sync") {
+    return;
+  }
+  int64_t target = -1;  // files without blocks or tables have no step
+  for (const LoadedFile& file : scan.files) {
+    if (file.step >= 0) {
+      target = target < 0 ? file.step : std::min(target, file.step);
+    }
+  }
+  // Nothing is changed until every shard has a file of `target`.
+  std::vector<std::optional<LoadedFile>> older_files(scan.files.size());
+  for (size_t f = 0; f < scan.files.size(); ++f) {
+    const LoadedFile& file = scan.files[f];
+    if (file.step == target || file.step < 0) continue;
+    const int old_shard = file.header.shard_id();
+    for (const CheckpointFile& older : layout.shards.at(old_shard)) {
+      if (older.sequence >= file.file.sequence) continue;
+      absl::StatusOr<LoadedFile> loaded = ReadCheckpointFile(
+          older, old_shard, layout.num_shards, new_shard_id, new_num_shards);
+      if (!loaded.ok() || loaded->step > target) continue;
+      if (loaded->step == target) older_files[f] = *std::move(loaded);
+      break;  // older files hold older steps
+    }
+    if (!older_files[f].has_value()) return;
+  }
+  std::vector<std::string> replaced;
+  for (size_t f = 0; f < scan.files.size(); ++f) {
+    if (!older_files[f].has_value()) continue;
+    replaced.push_back(absl::StrCat(scan.files[f].file.path, " (step ",
+                                    scan.files[f].step, ") by ",
+                                    older_files[f]->file.path));
+    scan.files[f] = *std::move(older_files[f]);
+  }
+  if (!replaced.empty()) {
+    LOG(WARNING) << "the shards' newest valid checkpoint files are of "
+                    "different steps: every shard's file of step "
+                 << target << " is restored instead, replacing "
+                 << absl::StrJoin(replaced, "; ");
+  }
+}
 
 LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
                       int new_num_shards,
@@ -498,6 +562,7 @@ LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
     }
   }
   scan.complete = true;
+  if (!own_layout) MatchSyncSteps(layout, new_shard_id, new_num_shards, scan);
   return scan;
 }
 

@@ -35,6 +35,7 @@ using testing::BinaryPath;
 using testing::ClusterOptions;
 using testing::FinalJsonNumber;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Process;
 using testing::TestCluster;
 using testing::TestDir;
@@ -260,9 +261,12 @@ TEST(ExportTest, FromTheServersOfARunningSyncJob) {
 }
 
 // A checkpoint whose shards' newest valid files are of different steps
-// (shard 1's newest truncated here): the export still writes the model,
-// labelled with the oldest step, and says it mixes steps, naming the files.
-TEST(ExportTest, ACheckpointOfShardsAtDifferentStepsIsSaidToMixThem) {
+// (shard 1's newest truncated here). While shard 0 still has a file of
+// shard 1's step, the export takes it: the model of step 20, as exported
+// when the job had just reached it. Once shard 0 has none, the export still
+// writes the model, labelled with the oldest step, and says it mixes steps,
+// naming the files.
+TEST(ExportTest, ACheckpointOfShardsAtDifferentStepsIsOneStepsModelIfItCanBe) {
   ClusterOptions options;
   options.num_shards = 2;
   options.num_workers = 1;
@@ -275,45 +279,79 @@ TEST(ExportTest, ACheckpointOfShardsAtDifferentStepsIsSaidToMixThem) {
   absl::StatusOr<std::unique_ptr<TestCluster>> cluster =
       TestCluster::Start(options, "export_mixed");
   ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto export_checkpoint = [&](const std::string& name) {
+    const std::string file = absl::StrCat(dir, "/", name, ".safetensors");
+    ProgramRun run =
+        RunProgram({BinaryPath("worker/pstrain_export"),
+                    "--checkpoint_dir=" + ckpt, "--output=" + file},
+                   dir, name);
+    return std::make_pair(run, ParseSafetensors(ReadBytes(file), file));
+  };
+  absl::StatusOr<SafetensorsFile> at_step_20;
   for (const char* steps : {"--steps=20", "--steps=40"}) {
     const std::vector<std::string> train = With(MlpFlags(), {steps});
     ASSERT_TRUE((*cluster)->RunWorkers({train}, absl::Seconds(120)).ok());
     ASSERT_TRUE((*cluster)->StopServer(0).ok());
     ASSERT_TRUE((*cluster)->StopServer(1).ok());
     if (std::string(steps) == "--steps=20") {
+      auto [run, parsed] = export_checkpoint("at_step_20");
+      ASSERT_EQ(run.code, 0) << run.err;
+      at_step_20 = std::move(parsed);
+      ASSERT_TRUE(at_step_20.ok()) << at_step_20.status();
       ASSERT_TRUE((*cluster)->RestartServer(0).ok());
       ASSERT_TRUE((*cluster)->RestartServer(1).ok());
     }
   }
+  // A shard's checkpoint files, oldest first.
+  auto files_of = [&](int shard) {
+    std::vector<std::pair<int64_t, std::string>> files;
+    for (const auto& entry : std::filesystem::directory_iterator(
+             absl::StrCat(ckpt, "/shard-", shard, "-of-2"))) {
+      std::string name = entry.path().filename().string();
+      absl::string_view rest = name;
+      int64_t sequence = 0;
+      if (absl::ConsumePrefix(&rest, "ckpt-") &&
+          absl::ConsumeSuffix(&rest, ".pstrain") &&
+          absl::SimpleAtoi(rest, &sequence)) {
+        files.emplace_back(sequence, entry.path().string());
+      }
+    }
+    std::sort(files.begin(), files.end());
+    return files;
+  };
   // Every file of shard 1 but its first (the final one of step 20) cut
   // short: the job's end and the servers' stop each wrote one at step 40.
-  std::vector<std::pair<int64_t, std::string>> files;
-  for (const auto& entry :
-       std::filesystem::directory_iterator(ckpt + "/shard-1-of-2")) {
-    std::string name = entry.path().filename().string();
-    absl::string_view rest = name;
-    int64_t sequence = 0;
-    if (absl::ConsumePrefix(&rest, "ckpt-") &&
-        absl::ConsumeSuffix(&rest, ".pstrain") &&
-        absl::SimpleAtoi(rest, &sequence)) {
-      files.emplace_back(sequence, entry.path().string());
+  const auto shard_1 = files_of(1);
+  ASSERT_GE(shard_1.size(), 2u);
+  for (size_t f = 1; f < shard_1.size(); ++f) {
+    std::filesystem::resize_file(shard_1[f].second, 100);
+  }
+  {
+    auto [run, parsed] = export_checkpoint("matched");
+    ASSERT_EQ(run.code, 0) << run.err;
+    EXPECT_THAT(run.err, HasSubstr("every shard's file of step 20 is restored "
+                                   "instead"));
+    EXPECT_THAT(run.err,
+                Not(HasSubstr("the checkpoint's blocks are at steps")));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(parsed->metadata.at("step"), "20");
+    ASSERT_EQ(parsed->tensors.size(), at_step_20->tensors.size());
+    for (size_t t = 0; t < parsed->tensors.size(); ++t) {
+      EXPECT_EQ(parsed->tensors[t].name, at_step_20->tensors[t].name);
+      EXPECT_TRUE(parsed->tensors[t].data == at_step_20->tensors[t].data)
+          << parsed->tensors[t].name << " differs from step 20's";
     }
   }
-  std::sort(files.begin(), files.end());
-  ASSERT_GE(files.size(), 2u);
-  for (size_t f = 1; f < files.size(); ++f) {
-    std::filesystem::resize_file(files[f].second, 100);
+  // Shard 0's files of step 20 gone: only a mix is left.
+  const auto shard_0 = files_of(0);
+  ASSERT_GE(shard_0.size(), 2u);
+  for (size_t f = 0; f + 1 < shard_0.size(); ++f) {
+    std::filesystem::remove(shard_0[f].second);
   }
-  const std::string file = dir + "/mixed.safetensors";
-  ProgramRun exported =
-      RunProgram({BinaryPath("worker/pstrain_export"),
-                  "--checkpoint_dir=" + ckpt, "--output=" + file},
-                 dir, "export_mixed");
-  ASSERT_EQ(exported.code, 0) << exported.err;
-  EXPECT_THAT(exported.err, HasSubstr("the checkpoint's blocks are at steps"));
-  EXPECT_THAT(exported.err, HasSubstr("at steps 20 to 40 (sync"));
-  absl::StatusOr<SafetensorsFile> parsed =
-      ParseSafetensors(ReadBytes(file), file);
+  auto [run, parsed] = export_checkpoint("mixed");
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_THAT(run.err, HasSubstr("the checkpoint's blocks are at steps"));
+  EXPECT_THAT(run.err, HasSubstr("at steps 20 to 40 (sync"));
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(parsed->metadata.at("step"), "20");
 }
