@@ -5,6 +5,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -1819,6 +1820,29 @@ SentRecords Take(Shard& shard) {
   return sent;
 }
 
+// A worker's ClipNorm of `step`, answered within 10 s.
+absl::StatusOr<ClipNormResponse> AskClipNorm(Shard& shard, int worker,
+                                             int64_t step) {
+  ClipNormRequest clip;
+  clip.set_protocol_version(kProtocolVersion);
+  clip.set_worker_id(worker);
+  clip.set_step(step);
+  // Shared with the callback, which may still come after a timeout.
+  struct Answer {
+    absl::Notification done;
+    absl::StatusOr<ClipNormResponse> value;
+  };
+  auto answer = std::make_shared<Answer>();
+  shard.ClipNorm(clip, Soon(), [answer](absl::StatusOr<ClipNormResponse> r) {
+    answer->value = std::move(r);
+    answer->done.Notify();
+  });
+  if (!answer->done.WaitForNotificationWithTimeout(absl::Seconds(10))) {
+    return absl::DeadlineExceededError("no ClipNorm answer within 10 s");
+  }
+  return answer->value;
+}
+
 void ExpectSameModel(Shard& a, Shard& b, int64_t step) {
   auto x = DoPull(a, PullAt(-1, step), Soon());
   auto y = DoPull(b, PullAt(-1, step), Soon());
@@ -2108,17 +2132,7 @@ TEST(ShardStepRecordsTest, AClippedStepsNormTravelsWithItsRecord) {
   ExpectSameModel(*f.leader, *f.follower, 1);
 
   f.follower->set_leads_steps([] { return true; });
-  ClipNormRequest clip;
-  clip.set_protocol_version(kProtocolVersion);
-  clip.set_worker_id(1);
-  clip.set_step(0);
-  absl::Notification answered;
-  absl::StatusOr<ClipNormResponse> late;
-  f.follower->ClipNorm(clip, Soon(), [&](absl::StatusOr<ClipNormResponse> r) {
-    late = std::move(r);
-    answered.Notify();
-  });
-  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  absl::StatusOr<ClipNormResponse> late = AskClipNorm(*f.follower, 1, 0);
   ASSERT_TRUE(late.ok()) << late.status();
   EXPECT_TRUE(late->applied());
   EXPECT_DOUBLE_EQ(late->applied_norm(), 5.5);
@@ -2695,16 +2709,7 @@ TEST(ShardClipTest, HoldsTheStepUntilItsCoefficientComesOnce) {
   }
   EXPECT_EQ(f.shard->Stats().version(), 0);  // held: no coefficient yet
   EXPECT_EQ(f.shard->PendingClipStep(), std::optional<int64_t>(0));
-  ClipNormRequest clip;
-  clip.set_protocol_version(kProtocolVersion);
-  clip.set_step(0);
-  absl::Notification answered;
-  absl::StatusOr<ClipNormResponse> share;
-  f.shard->ClipNorm(clip, Soon(), [&](absl::StatusOr<ClipNormResponse> r) {
-    share = std::move(r);
-    answered.Notify();
-  });
-  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  absl::StatusOr<ClipNormResponse> share = AskClipNorm(*f.shard, 0, 0);
   ASSERT_TRUE(share.ok()) << share.status();
   // The mean gradient is 2 in each of the model's 8 elements.
   EXPECT_DOUBLE_EQ(share->sum_of_squares(), 8 * 2.0 * 2.0);
@@ -2726,14 +2731,7 @@ TEST(ShardClipTest, HoldsTheStepUntilItsCoefficientComesOnce) {
   EXPECT_EQ(applied->blocks_applied(), 0);
   // A worker that asks after the apply learns the norm the applier
   // gathered (its ps.last_grad_norm), not nothing.
-  absl::Notification late_answered;
-  absl::StatusOr<ClipNormResponse> late;
-  clip.set_worker_id(1);
-  f.shard->ClipNorm(clip, Soon(), [&](absl::StatusOr<ClipNormResponse> r) {
-    late = std::move(r);
-    late_answered.Notify();
-  });
-  ASSERT_TRUE(late_answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  absl::StatusOr<ClipNormResponse> late = AskClipNorm(*f.shard, 1, 0);
   ASSERT_TRUE(late.ok()) << late.status();
   EXPECT_TRUE(late->applied());
   EXPECT_DOUBLE_EQ(late->applied_norm(), std::sqrt(8 * 2.0 * 2.0));

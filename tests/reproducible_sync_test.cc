@@ -540,6 +540,23 @@ TEST(ReproducibleSyncTest, AWorkerThatDiedMidPushRejoinsAtTheNextStep) {
   EXPECT_EQ((*stats)[1].steps_short(), 1);
 }
 
+// Stops every shard (each writes its final checkpoint) and starts it again
+// from that checkpoint, as a job resumed later would be.
+absl::Status RestartFromCheckpoints(TestCluster& cluster, int shards) {
+  for (int shard = 0; shard < shards; ++shard) {
+    if (absl::Status s = cluster.StopServer(shard); !s.ok()) return s;
+  }
+  for (int shard = 0; shard < shards; ++shard) {
+    if (absl::Status s = cluster.RestartServer(shard); !s.ok()) return s;
+    if (!absl::StrContains(cluster.server(shard).Stderr(), "restored")) {
+      return absl::InternalError(
+          absl::StrCat("shard ", shard, " did not restore its checkpoint:\n",
+                       cluster.server(shard).Stderr()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The whole job stopped (servers with SIGTERM write a final checkpoint) and
 // started again from the checkpoint: the model is the undisturbed one's.
 TEST(ReproducibleSyncTest, AJobResumedFromItsCheckpointChangesNothing) {
@@ -556,18 +573,8 @@ TEST(ReproducibleSyncTest, AJobResumedFromItsCheckpointChangesNothing) {
         absl::StatusOr<std::vector<std::string>> first =
             RunUndisturbed(3, cluster, first_part);
         if (!first.ok()) return first.status();
-        for (int shard = 0; shard < 2; ++shard) {
-          if (absl::Status s = cluster.StopServer(shard); !s.ok()) return s;
-        }
-        for (int shard = 0; shard < 2; ++shard) {
-          if (absl::Status s = cluster.RestartServer(shard); !s.ok()) {
-            return s;
-          }
-          if (!absl::StrContains(cluster.server(shard).Stderr(), "restored")) {
-            return absl::InternalError(absl::StrCat(
-                "shard ", shard, " did not restore its checkpoint:\n",
-                cluster.server(shard).Stderr()));
-          }
+        if (absl::Status s = RestartFromCheckpoints(cluster, 2); !s.ok()) {
+          return s;
         }
         return RunUndisturbed(3, cluster, flags);
       });
@@ -619,13 +626,8 @@ TEST(ReproducibleSyncTest, AJobStoppedBySignalsAndResumedChangesNothing) {
                 running[0]->Stderr()));
           }
         }
-        for (int shard = 0; shard < 2; ++shard) {
-          if (absl::Status s = cluster.StopServer(shard); !s.ok()) return s;
-        }
-        for (int shard = 0; shard < 2; ++shard) {
-          if (absl::Status s = cluster.RestartServer(shard); !s.ok()) {
-            return s;
-          }
+        if (absl::Status s = RestartFromCheckpoints(cluster, 2); !s.ok()) {
+          return s;
         }
         return RunUndisturbed(3, cluster, flags);
       });
