@@ -615,22 +615,24 @@ std::map<int, Layout> ListLayouts(const std::string& dir,
   return layouts;
 }
 
-// The order to try layouts in: the one matching `num_shards` first, then
-// the others, newest first.
+// The order to try layouts in: newest first, by the highest sequence number
+// of their files (one counter for the whole directory, so a layout's files
+// are newer than another's exactly when the job wrote them later), then by
+// the files' times, the one matching `num_shards` first among equals. Going
+// back to an earlier shard count (2 -> 3 -> 2) so restores the 3-shard
+// files, which hold the job's latest state, not the older 2-shard ones.
 std::vector<const Layout*> LayoutsToTry(const std::map<int, Layout>& layouts,
                                         int num_shards) {
   std::vector<const Layout*> order;
-  for (const auto& [n, layout] : layouts) {
-    if (n != num_shards) order.push_back(&layout);
-  }
-  std::sort(order.begin(), order.end(), [](const Layout* a, const Layout* b) {
-    return std::make_tuple(a->newest_mtime_ns, a->max_sequence, a->num_shards) >
-           std::make_tuple(b->newest_mtime_ns, b->max_sequence, b->num_shards);
-  });
-  if (const auto it = layouts.find(num_shards); it != layouts.end()) {
-    order.insert(order.begin(), &it->second);
-  }
-
+  for (const auto& [n, layout] : layouts) order.push_back(&layout);
+  std::sort(
+      order.begin(), order.end(),
+      [num_shards](const Layout* a, const Layout* b) {
+        return std::make_tuple(a->max_sequence, a->newest_mtime_ns,
+                               a->num_shards == num_shards, a->num_shards) >
+               std::make_tuple(b->max_sequence, b->newest_mtime_ns,
+                               b->num_shards == num_shards, b->num_shards);
+      });
   return order;
 }
 
@@ -820,14 +822,10 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
     LOG(WARNING) << "restoring from " << chosen->Name() << " in " << dir_
                  << " because " << absl::StrJoin(incomplete, "; ");
   }
-  if (chosen->num_shards == num_shards) {
-    for (const auto& [n, layout] : layouts) {
-      if (n != num_shards && layout.newest_mtime_ns > chosen->newest_mtime_ns) {
-        LOG(WARNING) << "restoring from the matching layout " << chosen->Name()
-                     << " although " << layout.Name() << " in " << dir_
-                     << " has newer files";
-      }
-    }
+  if (chosen->num_shards != num_shards) {
+    LOG(INFO) << "restoring from " << chosen->Name() << " in " << dir_
+              << ", the newest complete layout, into " << num_shards
+              << " shards";
   }
 
   if (absl::Status s = CheckFilesAgree(scan.files); !s.ok()) return s;

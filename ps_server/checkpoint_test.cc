@@ -916,36 +916,33 @@ void SetMtime(const std::string& path, int64_t seconds) {
   ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), times, 0), 0) << path;
 }
 
-TEST(CheckpointTest, PrefersTheMatchingLayoutElseTheNewestComplete) {
+// A job that went 3 -> 2 shards and then back to 3 (or on to 4) continues
+// from the newest files, those of 2 shards, not from its own layout's
+// older ones: restoring those would go back to an earlier step unnoticed.
+TEST(CheckpointTest, RestoresTheNewestCompleteLayoutMatchingOrNot) {
   const std::string dir = TestDir();
   CheckpointStore store(dir, 3);
   const ModelSchema schema = TestSchema();
   WriteLayout(store, schema, 3, 1, 3);  // an older job on 3 shards
   WriteLayout(store, schema, 2, 2, 2);  // resumed on 2
-  for (int i = 0; i < 3; ++i) SetMtime(FilePath(dir, i, 3, 1), 1000);
-  for (int i = 0; i < 2; ++i) SetMtime(FilePath(dir, i, 2, 2), 2000);
+  // File times say otherwise (a copied directory): the sequence decides.
+  for (int i = 0; i < 3; ++i) SetMtime(FilePath(dir, i, 3, 1), 2000);
+  for (int i = 0; i < 2; ++i) SetMtime(FilePath(dir, i, 2, 2), 1000);
 
-  // Matching layouts win even when another layout is newer.
-  absl::StatusOr<RestoredShard> on3 = store.LoadForShard(1, 3);
-  ASSERT_TRUE(on3.ok()) << on3.status();
-  EXPECT_EQ(on3->old_num_shards, 3);
-  ExpectShardFromSalt(*on3, schema, 1, 3, 3);
-  absl::StatusOr<RestoredShard> on2 = store.LoadForShard(1, 2);
-  ASSERT_TRUE(on2.ok()) << on2.status();
-  EXPECT_EQ(on2->old_num_shards, 2);
-  ExpectShardFromSalt(*on2, schema, 1, 2, 2);
-  // No matching layout: the newest complete one.
-  absl::StatusOr<RestoredShard> on4 = store.LoadForShard(3, 4);
-  ASSERT_TRUE(on4.ok()) << on4.status();
-  EXPECT_EQ(on4->old_num_shards, 2);
-  ExpectShardFromSalt(*on4, schema, 3, 4, 2);
-  EXPECT_EQ(on4->next_sequence, 3);
+  for (int shards : {3, 2, 4}) {
+    absl::StatusOr<RestoredShard> restored =
+        store.LoadForShard(shards - 1, shards);
+    ASSERT_TRUE(restored.ok()) << restored.status();
+    EXPECT_EQ(restored->old_num_shards, 2) << "into " << shards;
+    ExpectShardFromSalt(*restored, schema, shards - 1, shards, 2);
+    EXPECT_EQ(restored->next_sequence, 3);
+  }
 
   // The newest layout incomplete: the older complete one.
   const std::string bad = FilePath(dir, 0, 2, 2);
   WriteBytes(bad, "not a checkpoint");
   SetMtime(bad, 3000);
-  for (int shards : {2, 4}) {
+  for (int shards : {2, 3, 4}) {
     absl::StatusOr<RestoredShard> fallback = store.LoadForShard(0, shards);
     ASSERT_TRUE(fallback.ok()) << fallback.status();
     EXPECT_EQ(fallback->old_num_shards, 3);
@@ -1082,6 +1079,9 @@ TEST(CheckpointTest, NextSequenceIsAboveEveryLayout) {
   const ModelSchema schema = TestSchema();
   WriteLayout(store, schema, 2, 40, 1);
   WriteLayout(store, schema, 3, 7, 1);
+  // The 2-shard layout's (newer) file of shard 0 cut short: the 3-shard
+  // layout is restored, and the next file is still above the other's 40.
+  WriteBytes(FilePath(dir, 0, 2, 40), "cut");
   absl::StatusOr<RestoredShard> restored = store.LoadForShard(0, 3);
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_EQ(restored->old_num_shards, 3);

@@ -1002,7 +1002,7 @@ TEST(CheckpointRecoveryTest, CorruptNewestCheckpointFallsBackToThePrevious) {
       << log;
 }
 
-TEST(CheckpointRecoveryTest, ThreeShardsRestoreOntoTwo) {
+TEST(CheckpointRecoveryTest, ThreeShardsRestoreOntoTwoAndTwoBackOntoThree) {
   const std::string dir = absl::StrCat(testing::TestDir(), "/ckpt_reshard");
   ClusterOptions options;
   options.num_shards = 3;
@@ -1037,6 +1037,35 @@ TEST(CheckpointRecoveryTest, ThreeShardsRestoreOntoTwo) {
   }
   EXPECT_NE(two->server(0).Stderr().find("resharded from 3 shards"),
             std::string::npos);
+
+  // On to step 45 on two, then back to three: the newest files, those of
+  // two shards, not the older three-shard ones of step 30.
+  constexpr int kMoreSteps = 45;
+  ASSERT_TRUE(
+      two->RunWorkers({WorkerFlags(kMoreSteps), WorkerFlags(kMoreSteps)},
+                      absl::Seconds(60))
+          .ok());
+  const auto on_two = PullModel(*two, kMoreSteps);
+  for (int s = 0; s < 2; ++s) {
+    const absl::Status stopped = two->StopServer(s);
+    ASSERT_TRUE(stopped.ok()) << stopped;
+  }
+  options.num_shards = 3;
+  auto three_again = StartCluster(options, "reshard3_again");
+  ASSERT_NE(three_again, nullptr);
+  const auto back = PullModel(*three_again, kMoreSteps);
+  ASSERT_EQ(on_two.size(), back.size());
+  for (size_t t = 0; t < on_two.size(); ++t) {
+    EXPECT_EQ(on_two[t], back[t]) << "tensor " << t;
+  }
+  stats = three_again->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  for (const StatsResponse& shard : *stats) {
+    EXPECT_EQ(shard.version(), kMoreSteps);
+  }
+  EXPECT_NE(three_again->server(0).Stderr().find("resharded from 2 shards"),
+            std::string::npos)
+      << three_again->server(0).Stderr();
 }
 
 }  // namespace
