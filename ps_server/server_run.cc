@@ -29,6 +29,7 @@
 #include "common/cli.h"
 #include "common/learning_rates.h"
 #include "common/metrics.h"
+#include "common/transport/socket.h"
 #include "common/transport/tls.h"
 #include "common/transport/tls_stream.h"
 #include "glog/logging.h"
@@ -180,6 +181,7 @@ class ServerRun {
   explicit ServerRun(const ServerConfig& config) : config_(config) {}
 
   int Run() {
+    ExitIfCannotListen();
     if (!StartShard() || !StartMetrics() || !StartDataPlane() || !StartGrpc() ||
         !StartHealth() || !StartReplicas() || !Announce()) {
       if (server_ != nullptr) server_->Shutdown();
@@ -216,6 +218,22 @@ class ServerRun {
 
  private:
   bool tls() const { return !config_.tls.cert.empty(); }
+
+  // A --host/--port that cannot be listened on (a port in use, an address
+  // not of this machine) ends the server at once, in one line, before a
+  // restore and before gRPC's own multi-line dump. The probe is closed
+  // before anything binds.
+  void ExitIfCannotListen() {
+    const ServerNetworkConfig& n = config_.network;
+    int bound = 0;
+    absl::StatusOr<ScopedFd> probe =
+        ListenTcp(n.host, n.port, /*buffer_bytes=*/0, &bound);
+    if (!probe.ok()) {
+      ExitOnFlagErrors({absl::InvalidArgumentError(
+          absl::StrCat("--host=", n.host, " --port=", n.port,
+                       ": cannot listen there: ", probe.status().message()))});
+    }
+  }
 
   bool StartShard() {
     const ShardOptions options = ShardOptionsOf(config_);

@@ -1,6 +1,12 @@
 // A bad flag makes either binary exit non-zero with one line saying what
 // and why, before it does anything else.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_split.h"
@@ -38,6 +44,48 @@ TEST_P(FlagsTest, ExitsWithOneClearLine) {
       absl::StrSplit(err, '\n', absl::SkipEmpty());
   EXPECT_EQ(lines.size(), 1u) << err;
   EXPECT_NE(err.find(c.expected), std::string::npos) << err;
+}
+
+// A port another process listens on, or a host that is not this machine's:
+// one line naming it, before gRPC's own multi-line dump could.
+TEST(FlagsTest, AnAddressThatCannotBeListenedOnIsOneLine) {
+  const int in_use = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(in_use, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(
+      ::bind(in_use, reinterpret_cast<sockaddr*>(&address), sizeof(address)),
+      0);
+  ASSERT_EQ(::listen(in_use, 1), 0);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(
+      ::getsockname(in_use, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const std::string port = std::to_string(ntohs(address.sin_port));
+  for (const auto& [host, expected] :
+       {std::pair<std::string, std::string>{"127.0.0.1",
+                                            "Address already in use"},
+        // TEST-NET-1 (RFC 5737): no machine's own address.
+        std::pair<std::string, std::string>{"192.0.2.1", "cannot listen"}}) {
+    absl::StatusOr<std::unique_ptr<testing::Process>> process =
+        testing::Process::Start(
+            {testing::BinaryPath("ps_server/ps_server"), "--host=" + host,
+             "--port=" + port, "--shard_id=0", "--num_shards=1",
+             "--num_workers=1"},
+            testing::TestDir(), "port_in_use");
+    ASSERT_TRUE(process.ok()) << process.status();
+    absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(20));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 2) << host;
+    const std::string err = (*process)->Stderr();
+    const std::vector<std::string> lines =
+        absl::StrSplit(err, '\n', absl::SkipEmpty());
+    EXPECT_EQ(lines.size(), 1u) << err;
+    EXPECT_NE(err.find("--host=" + host + " --port=" + port), std::string::npos)
+        << err;
+    EXPECT_NE(err.find(expected), std::string::npos) << err;
+  }
+  ::close(in_use);
 }
 
 // Asking for help is no error: exit 0, the usage once, this project's
