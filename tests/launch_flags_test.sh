@@ -57,6 +57,19 @@ wait "$launcher" || rc=$?
 grep -q '^{"event":"job","mode":"sync","shards":1,' "$T/out" ||
   fail "no job line after SIGTERM: $(cat "$T/out") $(tail -n 5 "$T/err")"
 
+# With --server.checkpoint_dir the launcher says whether the job resumed (at
+# which step) or found nothing there: a mistyped directory shows at once.
+for steps in 5 8; do
+  launch --servers=2 --workers=1 --run_dir="$T/run_ckpt$steps" -- \
+    --server.checkpoint_dir="$T/ckpt" --steps=$steps --log_every=0 \
+    >"$T/out" 2>"$T/err_ckpt$steps" ||
+    fail "a job with --server.checkpoint_dir failed: $(tail -n 5 "$T/err_ckpt$steps")"
+done
+grep -qF "no checkpoint in $T/ckpt yet: the job starts at step 0" "$T/err_ckpt5" ||
+  fail "no 'starts at step 0' line for the first job: $(cat "$T/err_ckpt5")"
+grep -qF "resuming from the checkpoints in $T/ckpt: shards at step 5, 5" "$T/err_ckpt8" ||
+  fail "no 'resuming' line for the second job: $(cat "$T/err_ckpt8")"
+
 # One fixed port for every server: refused at once, in one line.
 rc=0
 launch --run_dir="$T/run_port" -- --server.data_port=25021 --steps=5 >"$T/out" 2>"$T/err" || rc=$?

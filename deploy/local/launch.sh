@@ -213,6 +213,33 @@ show_log_tail() {
   fi
 }
 
+# With --server.checkpoint_dir: says whether the servers resumed from it (and
+# at which step) or found nothing there, so that a mistyped directory is
+# seen before a fresh job trains in place of the resumed one. Read from each
+# server's log line (ps_server restores before it serves); replicas say so
+# only once their set has settled, and are left out.
+say_checkpoint_start() {
+  local flag dir=""
+  for flag in ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"}; do
+    [[ $flag == --checkpoint_dir=* ]] && dir=${flag#--checkpoint_dir=}
+  done
+  [[ -n "$dir" ]] && ((REPLICAS == 1)) || return 0
+  local i line steps="" fresh=0
+  for ((i = 0; i < SERVERS; i++)); do
+    line=$(grep -o -m1 -E 'restored [0-9]+ blocks at step [0-9.]+' -- "$RUN/ps$i.log" 2>/dev/null) || line=""
+    if [[ -n "$line" ]]; then
+      steps+="${steps:+, }${line##* }"
+    elif grep -q -m1 'no checkpoint in ' -- "$RUN/ps$i.log" 2>/dev/null; then
+      fresh=$((fresh + 1))
+    fi
+  done
+  if ((fresh == SERVERS)); then
+    info "no checkpoint in $dir yet: the job starts at step 0 (to resume a job, give the directory it checkpointed to)"
+  elif [[ -n "$steps" ]]; then
+    info "resuming from the checkpoints in $dir: shards at step $steps$( ((fresh == 0)) || echo "; $fresh shard(s) found none of their own")"
+  fi
+}
+
 # Sends SIGTERM to the given pids, waits up to STOP_GRACE_S seconds for them to
 # exit (SIGKILL after that, or at once on a second Ctrl-C), and reaps them all.
 # Appends to STOP_KILLED the labels of processes that needed SIGKILL, and to
@@ -683,6 +710,7 @@ wait_for_ports() {
   printf '{"ps": [%s], "workers": %d, "mode": "%s"}\n' "$json" "$WORKERS" "$MODE" \
     >"$RUN/cluster.json.tmp" && mv -f -- "$RUN/cluster.json.tmp" "$RUN/cluster.json"
   info "$SERVERS ps_server(s) serving ($MODE): $PS_HOSTS"
+  say_checkpoint_start
   ((REPLICAS == 1)) ||
     info "each shard has $REPLICAS replicas, all on this machine (127.0.0.1): one host cannot keep them apart (on a cluster, give each replica of a shard its own host: deploy/slurm/pstrain.sbatch with REPLICAS does; so does deploy/k8s/replicas/, made by deploy/k8s/make_replicas.js)"
   if ((METRICS)); then
