@@ -133,12 +133,21 @@ run_job() {
         >"$dir/ps$h.out" 2>"$dir/ps$h.log" &
     done
   done
+  # The lab's hosts share this machine's cores: each worker gets its share
+  # of them for its BLAS threads, as launch.sh gives workers that share a
+  # machine (a worker on a host of its own has that host's cores). Without
+  # it 2 workers x every core kept both cores 98-100% busy and the links
+  # idle while the kernel's network work waited (README, "The link speed").
+  local share=()
+  if [[ " ${extra[*]} " != *" --cpu_threads="* ]]; then
+    share=(--cpu_threads=$(($(nproc) / W > 0 ? $(nproc) / W : 1)))
+  fi
   for ((w = 0; w < W; ++w)); do
     # shellcheck disable=SC2046
     lab_exec $((servers + w)) timeout 300 "$run/bin/worker" --ps_hosts="$hosts" \
       --worker_id=$w --num_workers=$W $(model_flags "$model") \
       --data=fashion_mnist --global_batch_size=128 --steps="$steps" \
-      --eval_every_epochs=0 --log_every=0 --device=cpu "${extra[@]}" \
+      --eval_every_epochs=0 --log_every=0 --device=cpu "${share[@]}" "${extra[@]}" \
       >"$dir/worker$w.out" 2>"$dir/worker$w.log" &
     pids+=($!)
   done
