@@ -136,8 +136,8 @@ struct CheckpointFile {
 struct LoadedFile {
   CheckpointFile file;
   CheckpointHeader header;  // without the per-block entries
-  // The lowest version of any of its blocks and tables: in sync, the step
-  // the file holds (-1: no block or table).
+  // The lowest version of its dense blocks (of its tables when it has no
+  // block): in sync, the step the file holds (-1: neither).
   int64_t step = -1;
   // Only the blocks the new shard owns.
   std::vector<BlockSnapshot> blocks;
@@ -443,7 +443,10 @@ absl::StatusOr<LoadedFile> ReadCheckpointFile(const CheckpointFile& file,
     loaded.step = loaded.step < 0 ? block.version()
                                   : std::min(loaded.step, block.version());
   }
+  // Tables only where there is no block: an embedding table may run its
+  // own (async) steps beside a sync job's dense blocks.
   for (const CheckpointSparseTable& table : loaded.header.sparse()) {
+    if (loaded.header.blocks_size() > 0) break;
     loaded.step = loaded.step < 0 ? table.version()
                                   : std::min(loaded.step, table.version());
   }
@@ -522,8 +525,14 @@ void MatchSyncSteps(const Layout& layout, int new_shard_id, int new_num_shards,
   }
 }
 
+// `newer_elsewhere`: the newest sequence of any other layout. A file of
+// this shard in its own layout older than that predates the job's moving
+// to that layout and back (2 -> 3 -> 2 shards, this shard restarted before
+// its first file since): restoring it would go back past the other
+// layout's state, so it is passed over, and the layout, lacking this
+// shard, gives way to the newer one.
 LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
-                      int new_num_shards,
+                      int new_num_shards, int64_t newer_elsewhere,
                       std::vector<std::string>* files_skipped) {
   LayoutScan scan;
   // In its own layout a shard's blocks and rows are all in its own files;
@@ -540,6 +549,13 @@ LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
     bool found = false;
     if (it != layout.shards.end()) {
       for (const CheckpointFile& file : it->second) {
+        if (own_layout && i == new_shard_id &&
+            file.sequence < newer_elsewhere) {
+          LOG(WARNING) << "passing over " << file.path
+                       << ": the job wrote another layout's files after it";
+          ++skipped;
+          continue;
+        }
         absl::StatusOr<LoadedFile> loaded = ReadCheckpointFile(
             file, i, layout.num_shards, new_shard_id, new_num_shards);
         if (loaded.ok()) {
@@ -785,20 +801,36 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
   std::vector<std::string> incomplete;
   // The matching layout lacks this shard's own files, valid or not.
   bool own_never_written = false;
-  for (const Layout* layout : order) {
-    scan = ScanLayout(*layout, shard_id, num_shards, &restored.files_skipped);
-    if (scan.complete) {
-      chosen = layout;
-      break;
+  // First passing over this shard's own files that another layout's
+  // postdate (ScanLayout); if no layout is whole that way, they are what
+  // there is.
+  for (const bool pass_over_older : {true, false}) {
+    restored.files_skipped.clear();
+    incomplete.clear();
+    own_never_written = false;
+    for (const Layout* layout : order) {
+      int64_t newer_elsewhere = -1;
+      for (const auto& [n, other] : layouts) {
+        if (pass_over_older && n != layout->num_shards) {
+          newer_elsewhere = std::max(newer_elsewhere, other.max_sequence);
+        }
+      }
+      scan = ScanLayout(*layout, shard_id, num_shards, newer_elsewhere,
+                        &restored.files_skipped);
+      if (scan.complete) {
+        chosen = layout;
+        break;
+      }
+      if (layout->num_shards == num_shards &&
+          layout->shards.find(shard_id) == layout->shards.end()) {
+        own_never_written = true;
+      }
+      incomplete.push_back(
+          absl::StrCat(ShardDirName(scan.missing_shard, layout->num_shards),
+                       " has no valid checkpoint file (", scan.missing_skipped,
+                       " invalid ones skipped)"));
     }
-    if (layout->num_shards == num_shards &&
-        layout->shards.find(shard_id) == layout->shards.end()) {
-      own_never_written = true;
-    }
-    incomplete.push_back(
-        absl::StrCat(ShardDirName(scan.missing_shard, layout->num_shards),
-                     " has no valid checkpoint file (", scan.missing_skipped,
-                     " invalid ones skipped)"));
+    if (chosen != nullptr) break;
   }
   if (chosen == nullptr && own_never_written) {
     // This shard died before its first checkpoint completed (a temporary

@@ -1073,6 +1073,28 @@ TEST(CheckpointTest, LoadRefusesABadShard) {
   }
 }
 
+// 2 -> 3 -> 2 shards, shard 1 killed before its first file since: its own
+// layout's file predates the 3-shard files, so it restores from those (the
+// job's later state) instead of going back to before them; shard 0, whose
+// file is the newest, keeps its own.
+TEST(CheckpointTest, AFileOlderThanAnotherLayoutsIsPassedOver) {
+  const std::string dir = TestDir();
+  CheckpointStore store(dir, 3);
+  const ModelSchema schema = TestSchema();
+  WriteLayout(store, schema, 2, 1, 1);
+  WriteLayout(store, schema, 3, 2, 2);
+  ASSERT_TRUE(store.Write(MakeSnapshot(schema, 0, 2, 3, 3)).ok());
+
+  absl::StatusOr<RestoredShard> behind = store.LoadForShard(1, 2);
+  ASSERT_TRUE(behind.ok()) << behind.status();
+  EXPECT_EQ(behind->old_num_shards, 3);
+  ExpectShardFromSalt(*behind, schema, 1, 2, 2);
+  absl::StatusOr<RestoredShard> ahead = store.LoadForShard(0, 2);
+  ASSERT_TRUE(ahead.ok()) << ahead.status();
+  EXPECT_EQ(ahead->old_num_shards, 2);
+  ExpectShardFromSalt(*ahead, schema, 0, 2, 3);
+}
+
 TEST(CheckpointTest, NextSequenceIsAboveEveryLayout) {
   const std::string dir = TestDir();
   CheckpointStore store(dir, 3);

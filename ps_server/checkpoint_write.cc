@@ -563,9 +563,10 @@ absl::StatusOr<std::unique_ptr<CheckpointDirLock>> CheckpointDirLock::Acquire(
       JoinPath(dir, absl::StrCat("shard-", shard_id, ".lock"));
   // Read-only: a file held open for writing would keep the filesystem from
   // being remounted read-only (EBUSY) for the whole job.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoError(errno, "cannot open", path);
-  auto holder = [fd] {
+  bool opened_for_writing = false;
+  auto holder = [&fd] {
     char text[256] = {};
     const ssize_t n = ::pread(fd, text, sizeof(text) - 1, 0);
     std::string said(text, n > 0 ? n : 0);
@@ -577,6 +578,27 @@ absl::StatusOr<std::unique_ptr<CheckpointDirLock>> CheckpointDirLock::Acquire(
   while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
     if (error == EINTR) continue;
+    if (error == EBADF && !opened_for_writing) {
+      // NFS makes flock a byte-range lock, whose exclusive kind needs the
+      // file open for writing.
+      const int writable = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+      if (writable >= 0) {
+        ::close(fd);
+        fd = writable;
+        opened_for_writing = true;
+        continue;
+      }
+    }
+    if (error == ENOLCK || error == ENOSYS || error == EOPNOTSUPP ||
+        error == EBADF) {
+      // A filesystem that keeps no locks (Lustre without -o flock, an NFS
+      // mount with nolock ...) must not stop the job: it runs unguarded.
+      LOG(WARNING) << "cannot lock " << path << " (" << std::strerror(error)
+                   << "): this filesystem keeps no locks, so nothing stops a "
+                      "second job from sharing "
+                   << dir;
+      return std::unique_ptr<CheckpointDirLock>(new CheckpointDirLock(fd));
+    }
     if (error != EWOULDBLOCK) {
       ::close(fd);
       return ErrnoError(error, "cannot lock", path);

@@ -577,6 +577,7 @@ absl::StatusOr<RegisterModelResponse> Shard::Register(
     bool started = false;
     {
       absl::MutexLock lock(&mu_);
+      ResumeStoppedLocked(worker);
       WorkerState& state = workers_[worker];
       const bool restarted =
           state.incarnation != 0 && state.incarnation != request.incarnation();

@@ -693,6 +693,13 @@ class Shard {
   // may start the job: true when it did (the caller then answers the
   // start's waiters once mu_ is released).
   bool TouchLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker that left stopping registers again (LeaveRequest.stopping):
+  // a member like any other, and the others that stopped get a lease.
+  void ResumeStoppedLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The lease start that makes a stopping member lapse kStoppingHold from
+  // now.
+  absl::Time StoppingLeaseStartLocked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void JoinIfPendingLocked(int worker, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // sync: the step a member's predecessor (a worker process that died) was

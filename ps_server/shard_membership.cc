@@ -73,16 +73,27 @@ std::shared_ptr<const Shard::Membership> Shard::membership() const {
   return membership_;
 }
 
+absl::Time Shard::StoppingLeaseStartLocked() const {
+  return LeaseNow() - options_.worker_lease +
+         std::min(kStoppingHold, options_.worker_lease);
+}
+
 bool Shard::TouchLocked(int worker) {
   if (leases_wait_for_a_worker_) {
     leases_wait_for_a_worker_ = false;
-    for (WorkerState& other : workers_) other.last_seen = LeaseNow();
+    // A member that left stopping gets its hold again, not a whole lease:
+    // a new primary must not wait a lease for a worker long gone.
+    for (WorkerState& other : workers_) {
+      other.last_seen =
+          other.stopping ? StoppingLeaseStartLocked() : LeaseNow();
+    }
   }
   WorkerState& state = workers_[worker];
+  // A request of a worker that left stopping, still on its way, neither
+  // brings it back nor lengthens its hold: only registering again does
+  // (ResumeStoppedLocked).
+  if (state.stopping) return false;
   state.last_seen = LeaseNow();
-  // Back after it stopped (a resumed job, with the servers kept): a member
-  // like any other.
-  state.stopping = false;
   // Back after its lease expired (or a new id): it rejoins at its next pull.
   if (!state.member) state.pending = true;
   if (state.seen) return false;
@@ -96,6 +107,18 @@ bool Shard::TouchLocked(int worker) {
             << absl::StrFormat("%.3f s", absl::ToDoubleSeconds(started_at_ -
                                                                waiting_since_));
   return true;
+}
+
+void Shard::ResumeStoppedLocked(int worker) {
+  if (!workers_[worker].stopping) return;
+  // The job resumed with its servers kept: the others that stopped with it
+  // get a whole lease from now to come back and take their places (a
+  // restarted worker resumes in place), rather than lapsing at once
+  // because this one trains again.
+  for (WorkerState& other : workers_) {
+    if (other.stopping) other.last_seen = LeaseNow();
+  }
+  workers_[worker].stopping = false;
 }
 
 void Shard::JoinIfPendingLocked(int worker, int64_t step) {
@@ -220,8 +243,7 @@ absl::Status Shard::Leave(const LeaveRequest& request) {
       // Held, not dropped (LeaveRequest.stopping): ExpireLeases drops it
       // once the hold is over and some other member still trains.
       state.stopping = true;
-      state.last_seen = LeaseNow() - options_.worker_lease +
-                        std::min(kStoppingHold, options_.worker_lease);
+      state.last_seen = StoppingLeaseStartLocked();
       return absl::OkStatus();
     }
     state.member = false;

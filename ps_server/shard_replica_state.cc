@@ -114,6 +114,7 @@ absl::StatusOr<ReplicaStateExport> Shard::ExportReplicaState(
       out.set_seen(w.seen);
       out.set_next_step(w.next_step);
       out.set_pulled_in_this_life(w.pulled_in_this_life);
+      out.set_stopping(w.stopping);
     }
     meta.set_started(started_);
     meta.set_expected_seen(expected_seen_);
@@ -259,6 +260,7 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
       out.last_seen = LeaseNow();
       out.next_step = in.next_step();
       out.pulled_in_this_life = in.pulled_in_this_life();
+      out.stopping = in.stopping();
     }
     started_ = meta.started();
     if (started_) started_at_ = absl::Now();

@@ -543,6 +543,67 @@ TEST(ShardLeaseTest, ALapsedWorkersGradientDoesNotReplaceAMembers) {
   EXPECT_FLOAT_EQ(pulled->FirstWeight(), 0.0f);  // 1 - 0.5 * mean(1, 1, 4)
 }
 
+absl::StatusOr<RegisterModelResponse> RegisterWorker(Shard& shard,
+                                                     int num_workers,
+                                                     int worker);
+
+// A worker that stops on a signal leaves "stopping" (LeaveRequest.stopping).
+void LeaveStopping(Shard& shard, int worker) {
+  LeaveRequest leave;
+  leave.set_worker_id(worker);
+  leave.set_stopping(true);
+  ASSERT_TRUE(shard.Leave(leave).ok());
+}
+
+// The whole job stopping: worker 1 pushed step 1, worker 0 stopped before
+// pushing it. Neither's leave completes step 1 short, however long the
+// servers stay up, and a late request of worker 0 (its data plane's, still
+// on its way) does not bring it back. Resumed with the servers kept, worker
+// 0 registers again and pushes step 1: the step completes whole.
+TEST(ShardLeaseTest, WorkersThatLeaveStoppingHoldTheirStep) {
+  Fixture f = MakeLeasedShard(2, absl::Milliseconds(300));
+  for (int worker : {0, 1}) {
+    ASSERT_TRUE(DoPush(*f.shard, UniformPush(worker, 0, 1)).ok());
+  }
+  ASSERT_TRUE(
+      DoPush(*f.shard, UniformPush(1, 1, 1, /*pulled_version=*/1)).ok());
+  LeaveStopping(*f.shard, 0);
+  EXPECT_EQ(f.shard->Stats().version(), 1);  // a plain leave completes it
+  LeaveStopping(*f.shard, 1);
+  HeartbeatRequest late;
+  late.set_worker_id(0);
+  ASSERT_TRUE(f.shard->Heartbeat(late).ok());
+  // Several holds and leases go by (the behaviour under test is that
+  // nothing happens in them).
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_EQ(f.shard->Stats().version(), 1);
+  EXPECT_EQ(f.shard->Stats().steps_short(), 0);
+  EXPECT_EQ(f.shard->Stats().members(), 2);
+
+  ASSERT_TRUE(RegisterWorker(*f.shard, 2, 0).ok());
+  ASSERT_TRUE(
+      DoPush(*f.shard, UniformPush(0, 1, 1, /*pulled_version=*/1)).ok());
+  EXPECT_EQ(f.shard->Stats().version(), 2);
+  EXPECT_EQ(f.shard->Stats().steps_short(), 0);
+}
+
+// One worker stopped (a scale-down by SIGTERM) while the other trains: the
+// step waits for it only its hold, then completes without it.
+TEST(ShardLeaseTest, AStoppingWorkerLapsesAfterItsHoldWhileAnotherTrains) {
+  Fixture f = MakeLeasedShard(2, absl::Milliseconds(300));
+  for (int worker : {0, 1}) {
+    ASSERT_TRUE(DoPush(*f.shard, UniformPush(worker, 0, 1)).ok());
+  }
+  ASSERT_TRUE(
+      DoPush(*f.shard, UniformPush(1, 1, 1, /*pulled_version=*/1)).ok());
+  LeaveStopping(*f.shard, 0);
+  EXPECT_EQ(f.shard->Stats().version(), 1);
+  auto pulled = DoPull(*f.shard, PullAt(1, 2), Soon());
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_EQ(pulled->blocks[0].version, 2);
+  EXPECT_EQ(f.shard->Stats().steps_short(), 1);
+}
+
 // ---------------------------------------------------------------------------
 // The job's start (issue 27): sync and ssp steps wait for every expected
 // worker; a worker never heard from is missing, not lapsed.

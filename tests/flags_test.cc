@@ -174,6 +174,10 @@ INSTANTIATE_TEST_SUITE_P(
                  {"--ps_hosts=localhost:1", "--inject_crash_after_step=-2"},
                  "--inject_crash_after_step must be"},
         FlagCase{"worker/worker",
+                 {"--ps_hosts=localhost:1", "--model=ctr",
+                  "--inject_crash_after_step=3"},
+                 "--model=ctr does not run them"},
+        FlagCase{"worker/worker",
                  {"--ps_hosts=localhost:1", "--pulls_from_backups=true"},
                  "--pulls_from_backups must be by_host, always or never, got "
                  "'true'"},

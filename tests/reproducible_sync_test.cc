@@ -591,48 +591,62 @@ TEST(ReproducibleSyncTest, AJobResumedFromItsCheckpointChangesNothing) {
 // at step 10 with no short step, and the job resumed from the servers'
 // checkpoints computes step 10 whole: the undisturbed job's model. Before,
 // step 10 completed without worker 0 the moment it left.
+// Runs 3 workers of which worker 0 SIGTERMs itself after step 9 and the
+// others are SIGTERMed once it has gone (they pushed step 10 and wait);
+// checks that every shard, dense blocks and embedding tables alike, stopped
+// at step 10 with no short step; then stops the servers, restarts them from
+// their checkpoints and runs the job to its end.
+absl::StatusOr<std::vector<std::string>> StopBySignalsThenResume(
+    TestCluster& cluster, const std::vector<std::string>& flags) {
+  std::vector<std::unique_ptr<Process>> running;
+  for (int w = 0; w < 3; ++w) {
+    std::vector<std::string> own = flags;
+    if (w == 0) own.push_back("--inject_sigterm_after_step=9");
+    absl::StatusOr<std::unique_ptr<Process>> started =
+        cluster.StartWorker(w, 3, own);
+    if (!started.ok()) return started.status();
+    running.push_back(std::move(*started));
+  }
+  absl::StatusOr<int> first = running[0]->Wait(absl::Seconds(120));
+  if (!first.ok()) return first.status();
+  for (int w = 1; w < 3; ++w) running[w]->Signal(SIGTERM);
+  for (auto& worker : running) {
+    absl::StatusOr<int> code = worker->Wait(absl::Seconds(60));
+    if (!code.ok()) return code.status();
+  }
+  absl::StatusOr<std::vector<StatsResponse>> stats = cluster.Stats();
+  if (!stats.ok()) return stats.status();
+  for (const StatsResponse& shard : *stats) {
+    bool at_10 = shard.version() == 10;
+    for (const auto& table : shard.sparse()) at_10 &= table.version() == 10;
+    if (!at_10 || shard.steps_short() != 0) {
+      return absl::InternalError(absl::StrCat(
+          "a shard stopped at step ", shard.version(), " with ",
+          shard.steps_short(),
+          " short steps; every shard, and each of its tables, should stop at "
+          "step 10 with none:\n",
+          shard.ShortDebugString(), "\n", running[0]->Stderr()));
+    }
+  }
+  if (absl::Status s = RestartFromCheckpoints(cluster, 2); !s.ok()) return s;
+  return RunUndisturbed(3, cluster, flags);
+}
+
 TEST(ReproducibleSyncTest, AJobStoppedBySignalsAndResumedChangesNothing) {
   const Job job = {3, 2};
-  const Outcome reference = RunJob(job, "undisturbed_for_signals");
-  const Outcome resumed = RunJob(
-      job, "stopped_by_signals",
-      [](TestCluster& cluster, const std::vector<std::string>& flags)
-          -> absl::StatusOr<std::vector<std::string>> {
-        std::vector<std::unique_ptr<Process>> running;
-        for (int w = 0; w < 3; ++w) {
-          std::vector<std::string> own = flags;
-          if (w == 0) own.push_back("--inject_sigterm_after_step=9");
-          absl::StatusOr<std::unique_ptr<Process>> started =
-              cluster.StartWorker(w, 3, own);
-          if (!started.ok()) return started.status();
-          running.push_back(std::move(*started));
-        }
-        absl::StatusOr<int> first = running[0]->Wait(absl::Seconds(120));
-        if (!first.ok()) return first.status();
-        for (int w = 1; w < 3; ++w) running[w]->Signal(SIGTERM);
-        for (auto& worker : running) {
-          absl::StatusOr<int> code = worker->Wait(absl::Seconds(60));
-          if (!code.ok()) return code.status();
-        }
-        absl::StatusOr<std::vector<StatsResponse>> stats = cluster.Stats();
-        if (!stats.ok()) return stats.status();
-        for (const StatsResponse& shard : *stats) {
-          if (shard.version() != 10 || shard.steps_short() != 0) {
-            return absl::InternalError(absl::StrCat(
-                "a shard stopped at step ", shard.version(), " with ",
-                shard.steps_short(),
-                " short steps; every shard should stop at step 10 with "
-                "none:\n",
-                running[0]->Stderr()));
-          }
-        }
-        if (absl::Status s = RestartFromCheckpoints(cluster, 2); !s.ok()) {
-          return s;
-        }
-        return RunUndisturbed(3, cluster, flags);
-      });
-  ExpectSameOutcome(reference, resumed,
+  ExpectSameOutcome(RunJob(job, "signals_undisturbed"),
+                    RunJob(job, "signals_stopped", StopBySignalsThenResume),
                     "stopped by signals at step 10 and resumed");
+}
+
+// The same stop with embedding tables: their sync steps are held alike, and
+// the job resumes to its end. (A CTR job resumed from its checkpoints does
+// not export the undisturbed job's bytes even when stopped cleanly, as
+// AJobResumedFromItsCheckpointChangesNothing checks for the MLP: left open.)
+TEST(ReproducibleSyncTest, ACtrJobStoppedBySignalsStopsEveryTableAtOneStep) {
+  const Outcome resumed =
+      RunJob({3, 2, /*ctr=*/true}, "ctr_signals", StopBySignalsThenResume);
+  EXPECT_EQ(resumed.outputs.size(), 3u);
 }
 
 // Sparse rows: a row's gradients from several workers are summed in worker

@@ -621,6 +621,13 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       step = *at;
       continue;
     }
+    // Stopped while the pull waited: another worker may have stopped before
+    // pushing this step, so this one does not push it either, and every
+    // shard stops at the same step with none short (LeaveRequest.stopping).
+    if (options.stop != nullptr && options.stop->load()) {
+      result.stopped_early = true;
+      break;
+    }
     if (!rows_from_lane) {
       // One sparse call at a time: the lane's pushes land first.
       if (table_lane) {
@@ -674,6 +681,9 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       }
       if (absl::Status s = n.Push(client, step, rows); !s.ok()) return s;
     }
+    if (step == options.sigterm_after_step) {
+      InjectSigterm(options.stop, step);
+    }
     ++result.steps_run;
     ++step;
     window.Add(step,
@@ -693,7 +703,12 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
   if (absl::Status s = lane.Drain(); !s.ok()) return s;
   result.table_lane_seconds = absl::ToDoubleSeconds(lane.busy());
   result.table_lane_wait_seconds = absl::ToDoubleSeconds(lane.waited());
-  if (options.on_steps_done) options.on_steps_done();
+  // A sync worker stopped by a signal waits for the step it reached (below)
+  // with its waits still cut short, as the dense trainer's does
+  // (PullFinalModel): another may have stopped before pushing that step.
+  const bool quiet_once_pulled =
+      result.stopped_early && mode == ConsistencyMode::kSync;
+  if (options.on_steps_done && !quiet_once_pulled) options.on_steps_done();
   const SparseRowCacheStats cache = client.sparse_row_cache_stats();
   result.cache_hits = cache.hits;
   result.cache_bytes_saved = cache.bytes_saved;
@@ -715,6 +730,11 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
   PsClient* reader = &client;
   if (mode == ConsistencyMode::kSync) {
     result.final_model = "sync_step";
+    if (quiet_once_pulled) {
+      absl::StatusOr<int64_t> at = n.PullDense(client, eval_step);
+      if (!at.ok()) return at.status();
+      if (options.on_steps_done) options.on_steps_done();
+    }
   } else {
     if (absl::Status s = client.Leave(); !s.ok()) return s;
     if (options.observer != nullptr) reader = options.observer;

@@ -53,12 +53,15 @@ struct CtrTrainerOptions {
   int64_t batch_size = 128;
   std::function<void(const StepReport&)> on_step;
   const std::atomic<bool>* stop = nullptr;
+  // Fault injection: SIGTERM once this step is pushed (InjectSigterm).
+  int64_t sigterm_after_step = -1;
   // async/ssp: a client registered as an observer (worker id -1) that reads
   // the final model once every worker has finished, waiting up to
   // final_model_timeout; null: `client` reads it, after leaving.
   PsClient* observer = nullptr;
   absl::Duration final_model_timeout = absl::Seconds(120);
-  // Called once the steps are over, before the final evaluation.
+  // Called once the steps are over, before the final evaluation (a sync
+  // worker stopped by a signal: once it has the step it reached).
   std::function<void()> on_steps_done;
   // The servers' rate for the dense layers at each step (--lr_schedule),
   // carried by the step's pushes; null: their own. The tables keep their

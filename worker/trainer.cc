@@ -293,6 +293,22 @@ absl::StatusOr<BatchResult> Evaluate(Model& model, kernels::Backend& backend,
   std::abort();  // not reached
 }
 
+}  // namespace
+
+void InjectSigterm(const std::atomic<bool>* stop, int64_t step) {
+  if (stop == nullptr) return;
+  LOG(WARNING) << "fault injection: SIGTERM after step " << step;
+  kill(getpid(), SIGTERM);
+  // The signal reaches `stop` through the signal watch's thread: the next
+  // step must not start before it has.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!stop->load() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
+namespace {
+
 // The first steps' warm-up (the first pulls, a device's first kernels):
 // the steps --trace_steps and TrainResult::steady_steps leave out.
 constexpr int64_t kWarmUpSteps = 10;
@@ -874,6 +890,7 @@ absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
     absl::StatusOr<int64_t> pulled =
         buffers.PullToDevice(client, final_step, backend);
     if (!pulled.ok()) return pulled.status();
+    if (result.stopped_early && options.on_steps_done) options.on_steps_done();
     result.final_model = "sync_step";
     // First, as it waits out a shard restarting after the last step.
     if (final_step > 0) {
@@ -1047,6 +1064,13 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       step = *at;
       if (step >= options.steps) break;
     }
+    // Stopped while the pull waited: another worker may have stopped before
+    // pushing this step, so this one does not push it either, and every
+    // shard stops at the same step with none short (LeaveRequest.stopping).
+    if (options.stop != nullptr && options.stop->load()) {
+      result.stopped_early = true;
+      break;
+    }
     if (step == options.crash_before_push_step) {
       CrashNow("before its push", step);
     }
@@ -1091,15 +1115,8 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       if (absl::Status s = runner.Settle(); !s.ok()) return s;
       CrashNow("after its exchange", step);
     }
-    if (step == options.sigterm_after_step && options.stop != nullptr) {
-      LOG(WARNING) << "fault injection: SIGTERM after step " << step;
-      kill(getpid(), SIGTERM);
-      // The signal reaches `stop` through the signal watch's thread: the
-      // next step must not start before it has.
-      const absl::Time deadline = absl::Now() + absl::Seconds(10);
-      while (!options.stop->load() && absl::Now() < deadline) {
-        absl::SleepFor(absl::Milliseconds(1));
-      }
+    if (step == options.sigterm_after_step) {
+      InjectSigterm(options.stop, step);
     }
     ++step;
     Tally(*exchange, pull_time, step, window, result);
@@ -1127,7 +1144,15 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
   const PsClient::PushResult settled = runner.TakeSettled();
   result.duplicate_blocks += settled.blocks_duplicate;
   result.late_blocks += settled.blocks_late;
-  if (options.on_steps_done) options.on_steps_done();
+  // A sync worker stopped by a signal waits next for the step it reached,
+  // which a worker that stopped before pushing it never completes (its
+  // Leave holds it: LeaveRequest.stopping): that wait is still cut short,
+  // so that this worker leaves stopping too instead of counting as one that
+  // trains (PullFinalModel goes quiet once it has the step).
+  if (options.on_steps_done &&
+      !(result.stopped_early && mode == ConsistencyMode::kSync)) {
+    options.on_steps_done();
+  }
   Summarize(options, step, steps_per_epoch, window, absl::Now() - start,
             evaluator.time(), result);
   result.injected_duplicate_pushes = client.injected_duplicate_pushes();

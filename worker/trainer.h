@@ -117,7 +117,8 @@ struct TrainerOptions {
   std::function<absl::Status()> await_job_start;
   // Called once the steps are over (done, or stopped), before the final
   // model is pulled and evaluated: a signal then no longer cuts calls
-  // short (see worker/signal_watch.h).
+  // short (see worker/signal_watch.h). A sync worker stopped by a signal:
+  // once it has the step it reached, which may never complete.
   std::function<void()> on_steps_done;
 };
 
@@ -178,6 +179,11 @@ struct TrainResult {
   // became NaN/Inf (set by the caller, which feeds the watch).
   bool not_learning = false;
 };
+
+// Fault injection (--inject_sigterm_after_step): sends this process SIGTERM
+// after `step`, and waits (up to 10 s) until the signal watch has set
+// `stop`, so that the loop stops before its next step as for a real signal.
+void InjectSigterm(const std::atomic<bool>* stop, int64_t step);
 
 // Trains `model` against the servers behind `client` (already registered as
 // this worker, in mode `mode`) on this worker's slices of `train`'s global

@@ -186,6 +186,14 @@ void CheckOutput(const OutputConfig& output, Problems& checks) {
 // worth one clear line before any work.
 void CheckCtr(const WorkerConfig& config, Problems& checks) {
   const CtrConfig& ctr = config.ctr;
+  const TrainingConfig& training = config.training;
+  if (training.inject_crash_before_push_step >= 0 ||
+      training.inject_crash_after_step >= 0) {
+    checks.push_back(absl::InvalidArgumentError(
+        "--inject_crash_before_push_step and --inject_crash_after_step are "
+        "for the dense models' training loop; --model=ctr does not run "
+        "them"));
+  }
   if (ctr.data != "synthetic" && ctr.data != "criteo" && ctr.data != "libsvm") {
     checks.push_back(absl::InvalidArgumentError(
         absl::StrCat("--ctr_data must be synthetic, criteo or libsvm, got '",
