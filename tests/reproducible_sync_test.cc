@@ -559,27 +559,33 @@ absl::Status RestartFromCheckpoints(TestCluster& cluster, int shards) {
 
 // The whole job stopped (servers with SIGTERM write a final checkpoint) and
 // started again from the checkpoint: the model is the undisturbed one's.
+// The CTR job too: a worker that starts at step 12 reads step 12's batch of
+// its data (CtrBatchCursor::Seek), not its first batch again.
 TEST(ReproducibleSyncTest, AJobResumedFromItsCheckpointChangesNothing) {
-  const Job job = {3, 2};
-  const Outcome reference = RunJob(job, "undisturbed_for_resume");
-  const Outcome resumed = RunJob(
-      job, "resumed",
-      [](TestCluster& cluster, const std::vector<std::string>& flags)
-          -> absl::StatusOr<std::vector<std::string>> {
-        // The first 12 steps; the flags' --steps=30 comes first and the
-        // last --steps wins.
-        std::vector<std::string> first_part = flags;
-        first_part.push_back("--steps=12");
-        absl::StatusOr<std::vector<std::string>> first =
-            RunUndisturbed(3, cluster, first_part);
-        if (!first.ok()) return first.status();
-        if (absl::Status s = RestartFromCheckpoints(cluster, 2); !s.ok()) {
-          return s;
-        }
-        return RunUndisturbed(3, cluster, flags);
-      });
-  ExpectSameOutcome(reference, resumed,
-                    "stopped after step 12 and resumed from the checkpoint");
+  for (const bool ctr : {false, true}) {
+    const Job job = {3, 2, ctr};
+    const std::string name = ctr ? "ctr_" : "";
+    const Outcome reference = RunJob(job, name + "undisturbed_for_resume");
+    const Outcome resumed = RunJob(
+        job, name + "resumed",
+        [](TestCluster& cluster, const std::vector<std::string>& flags)
+            -> absl::StatusOr<std::vector<std::string>> {
+          // The first 12 steps; the flags' --steps=30 comes first and the
+          // last --steps wins.
+          std::vector<std::string> first_part = flags;
+          first_part.push_back("--steps=12");
+          absl::StatusOr<std::vector<std::string>> first =
+              RunUndisturbed(3, cluster, first_part);
+          if (!first.ok()) return first.status();
+          if (absl::Status s = RestartFromCheckpoints(cluster, 2); !s.ok()) {
+            return s;
+          }
+          return RunUndisturbed(3, cluster, flags);
+        });
+    ExpectSameOutcome(
+        reference, resumed,
+        name + "stopped after step 12 and resumed from the checkpoint");
+  }
 }
 
 // The whole job stopped by signals that reach its workers at different
@@ -639,14 +645,12 @@ TEST(ReproducibleSyncTest, AJobStoppedBySignalsAndResumedChangesNothing) {
                     "stopped by signals at step 10 and resumed");
 }
 
-// The same stop with embedding tables: their sync steps are held alike, and
-// the job resumes to its end. (A CTR job resumed from its checkpoints does
-// not export the undisturbed job's bytes even when stopped cleanly, as
-// AJobResumedFromItsCheckpointChangesNothing checks for the MLP: left open.)
-TEST(ReproducibleSyncTest, ACtrJobStoppedBySignalsStopsEveryTableAtOneStep) {
-  const Outcome resumed =
-      RunJob({3, 2, /*ctr=*/true}, "ctr_signals", StopBySignalsThenResume);
-  EXPECT_EQ(resumed.outputs.size(), 3u);
+// The same with embedding tables: their sync steps are held alike.
+TEST(ReproducibleSyncTest, ACtrJobStoppedBySignalsAndResumedChangesNothing) {
+  const Job job = {3, 2, /*ctr=*/true};
+  ExpectSameOutcome(RunJob(job, "ctr_signals_undisturbed"),
+                    RunJob(job, "ctr_signals_stopped", StopBySignalsThenResume),
+                    "a CTR job stopped by signals at step 10 and resumed");
 }
 
 // Sparse rows: a row's gradients from several workers are summed in worker

@@ -691,6 +691,11 @@ absl::StatusOr<CtrDataset> ReadLibsvmCtr(const std::string& path,
   return data;
 }
 
+void CtrBatchCursor::Seek(int64_t example) {
+  const int64_t size = data_->size();
+  position_ = size > 0 ? example % size : 0;
+}
+
 void CtrBatchCursor::Next(int64_t rows, CtrDataset* batch) {
   batch->num_dense = data_->num_dense;
   batch->num_fields = data_->num_fields;

@@ -175,6 +175,11 @@ class CtrBatchCursor {
   // rebased to start at 0. batch's vectors keep their capacity, so a batch
   // reused across steps stops allocating once it has seen its largest size.
   void Next(int64_t rows, CtrDataset* batch);
+  // Moves to example `example` (wrapping): step s's batch of `rows`
+  // examples begins at s * rows, so a worker that starts past step 0 (a
+  // resumed job, a rejoin) or skips steps reads what one that ran from
+  // step 0 would have read at that step.
+  void Seek(int64_t example);
 
  private:
   const CtrDataset* data_;

@@ -615,6 +615,28 @@ TEST(LibsvmCtrTest, ErrorsNameFileAndLine) {
   }
 }
 
+// A worker that starts at step s (a resumed job, a rejoin) seeks to s's
+// batch and reads what one that ran every step from 0 reads at step s.
+TEST(CtrBatchCursorTest, SeekingToAStepsBatchReadsWhatRunningThereReads) {
+  SyntheticCtrOptions options;
+  options.num_fields = 2;
+  const CtrDataset data = MustSynthetic(options, 0, 7);
+  constexpr int64_t kRows = 3;
+  CtrBatchCursor from_zero(&data);
+  CtrDataset ran, sought;
+  for (int64_t step = 0; step < 6; ++step) {
+    from_zero.Next(kRows, &ran);
+    CtrBatchCursor resumed(&data);
+    resumed.Seek(step * kRows);
+    resumed.Next(kRows, &sought);
+    ASSERT_EQ(ran.size(), sought.size());
+    for (int64_t r = 0; r < kRows; ++r) {
+      EXPECT_TRUE(GetExample(ran, r) == GetExample(sought, r))
+          << "step " << step << " row " << r;
+    }
+  }
+}
+
 TEST(CtrBatchCursorTest, WrapsAndRebasesOffsets) {
   SyntheticCtrOptions options;
   options.num_fields = 3;

@@ -581,6 +581,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
   result.mode = mode;
   result.steps = options.steps;
   CtrBatchCursor cursor(&train);
+  cursor.Seek(options.start_step * options.batch_size);
   // Two batches and their rows: with the table lane, the next one's rows
   // are pulled while this one trains.
   std::array<CtrDataset, 2> batches;
@@ -619,6 +620,7 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     if (!at.ok()) return at.status();
     if (*at > step) {  // the job went on without this worker: catch up
       step = *at;
+      cursor.Seek(step * options.batch_size);
       continue;
     }
     // Stopped while the pull waited: another worker may have stopped before
