@@ -597,60 +597,78 @@ TEST(ReproducibleSyncTest, AJobResumedFromItsCheckpointChangesNothing) {
 // at step 10 with no short step, and the job resumed from the servers'
 // checkpoints computes step 10 whole: the undisturbed job's model. Before,
 // step 10 completed without worker 0 the moment it left.
-// Runs 3 workers of which worker 0 SIGTERMs itself after step 9 and the
-// others are SIGTERMed once it has gone (they pushed step 10 and wait);
-// checks that every shard, dense blocks and embedding tables alike, stopped
-// at step 10 with no short step; then stops the servers, restarts them from
-// their checkpoints and runs the job to its end.
-absl::StatusOr<std::vector<std::string>> StopBySignalsThenResume(
-    TestCluster& cluster, const std::vector<std::string>& flags) {
-  std::vector<std::unique_ptr<Process>> running;
-  for (int w = 0; w < 3; ++w) {
-    std::vector<std::string> own = flags;
-    if (w == 0) own.push_back("--inject_sigterm_after_step=9");
-    absl::StatusOr<std::unique_ptr<Process>> started =
-        cluster.StartWorker(w, 3, own);
-    if (!started.ok()) return started.status();
-    running.push_back(std::move(*started));
-  }
-  absl::StatusOr<int> first = running[0]->Wait(absl::Seconds(120));
-  if (!first.ok()) return first.status();
-  for (int w = 1; w < 3; ++w) running[w]->Signal(SIGTERM);
-  for (auto& worker : running) {
-    absl::StatusOr<int> code = worker->Wait(absl::Seconds(60));
-    if (!code.ok()) return code.status();
-  }
-  absl::StatusOr<std::vector<StatsResponse>> stats = cluster.Stats();
-  if (!stats.ok()) return stats.status();
-  for (const StatsResponse& shard : *stats) {
-    bool at_10 = shard.version() == 10;
-    for (const auto& table : shard.sparse()) at_10 &= table.version() == 10;
-    if (!at_10 || shard.steps_short() != 0) {
-      return absl::InternalError(absl::StrCat(
-          "a shard stopped at step ", shard.version(), " with ",
-          shard.steps_short(),
-          " short steps; every shard, and each of its tables, should stop at "
-          "step 10 with none:\n",
-          shard.ShortDebugString(), "\n", running[0]->Stderr()));
+//
+// Runs 3 workers of which worker 0 SIGTERMs itself after step 9 (it never
+// pushes step 10). Workers 1 and 2 stop by `others_flag` or, without one,
+// by the test's SIGTERM once worker 0 has gone (they pushed step 10 and wait
+// for it). Checks that every shard, dense blocks and embedding tables alike,
+// stopped at step 10 with no short step; then stops the servers, restarts
+// them from their checkpoints and runs the job to its end.
+WorkerRunner StopBySignalsThenResume(const std::string& others_flag) {
+  return [others_flag](TestCluster& cluster,
+                       const std::vector<std::string>& flags)
+             -> absl::StatusOr<std::vector<std::string>> {
+    std::vector<std::unique_ptr<Process>> running;
+    for (int w = 0; w < 3; ++w) {
+      std::vector<std::string> own = flags;
+      if (w == 0) own.push_back("--inject_sigterm_after_step=9");
+      if (w > 0 && !others_flag.empty()) own.push_back(others_flag);
+      absl::StatusOr<std::unique_ptr<Process>> started =
+          cluster.StartWorker(w, 3, own);
+      if (!started.ok()) return started.status();
+      running.push_back(std::move(*started));
     }
-  }
-  if (absl::Status s = RestartFromCheckpoints(cluster, 2); !s.ok()) return s;
-  return RunUndisturbed(3, cluster, flags);
+    absl::StatusOr<int> first = running[0]->Wait(absl::Seconds(120));
+    if (!first.ok()) return first.status();
+    if (others_flag.empty()) {
+      for (int w = 1; w < 3; ++w) running[w]->Signal(SIGTERM);
+    }
+    for (auto& worker : running) {
+      absl::StatusOr<int> code = worker->Wait(absl::Seconds(60));
+      if (!code.ok()) return code.status();
+    }
+    absl::StatusOr<std::vector<StatsResponse>> stats = cluster.Stats();
+    if (!stats.ok()) return stats.status();
+    for (const StatsResponse& shard : *stats) {
+      bool at_10 = shard.version() == 10;
+      for (const auto& table : shard.sparse()) at_10 &= table.version() == 10;
+      if (!at_10 || shard.steps_short() != 0) {
+        return absl::InternalError(absl::StrCat(
+            "a shard stopped at step ", shard.version(), " with ",
+            shard.steps_short(),
+            " short steps; every shard, and each of its tables, should stop "
+            "at step 10 with none:\n",
+            shard.ShortDebugString(), "\n", running[0]->Stderr()));
+      }
+    }
+    if (absl::Status s = RestartFromCheckpoints(cluster, 2); !s.ok()) return s;
+    return RunUndisturbed(3, cluster, flags);
+  };
+}
+
+// Signalled while they wait for step 10 (they pushed it), or between
+// pulling step 10 and pushing it (a worker that sees its stop then does not
+// push: worker 0 never will); the model is the undisturbed job's either way.
+void ExpectStopsBySignalsChangeNothing(const Job& job,
+                                       const std::string& name) {
+  const Outcome reference = RunJob(job, name + "_undisturbed");
+  ExpectSameOutcome(reference,
+                    RunJob(job, name + "_waiting", StopBySignalsThenResume("")),
+                    name + ": stopped by signals while waiting, resumed");
+  ExpectSameOutcome(
+      reference,
+      RunJob(job, name + "_before_push",
+             StopBySignalsThenResume("--inject_sigterm_before_push_step=10")),
+      name + ": stopped by signals before pushing step 10, resumed");
 }
 
 TEST(ReproducibleSyncTest, AJobStoppedBySignalsAndResumedChangesNothing) {
-  const Job job = {3, 2};
-  ExpectSameOutcome(RunJob(job, "signals_undisturbed"),
-                    RunJob(job, "signals_stopped", StopBySignalsThenResume),
-                    "stopped by signals at step 10 and resumed");
+  ExpectStopsBySignalsChangeNothing({3, 2}, "signals");
 }
 
 // The same with embedding tables: their sync steps are held alike.
 TEST(ReproducibleSyncTest, ACtrJobStoppedBySignalsAndResumedChangesNothing) {
-  const Job job = {3, 2, /*ctr=*/true};
-  ExpectSameOutcome(RunJob(job, "ctr_signals_undisturbed"),
-                    RunJob(job, "ctr_signals_stopped", StopBySignalsThenResume),
-                    "a CTR job stopped by signals at step 10 and resumed");
+  ExpectStopsBySignalsChangeNothing({3, 2, /*ctr=*/true}, "ctr_signals");
 }
 
 // Sparse rows: a row's gradients from several workers are summed in worker

@@ -176,6 +176,8 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   options.table_lane = ctr.embedding_prefetch;
   options.step_delay = absl::Milliseconds(config.training.inject_step_delay_ms);
   options.sigterm_after_step = config.training.inject_sigterm_after_step;
+  options.sigterm_before_push_step =
+      config.training.inject_sigterm_before_push_step;
   std::vector<absl::Status> problems;
   options.learning_rate_at =
       ScheduledRate(config.training.lr_schedule, config.training.steps,

@@ -623,6 +623,9 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       cursor.Seek(step * options.batch_size);
       continue;
     }
+    if (step == options.sigterm_before_push_step) {
+      InjectSigterm(options.stop, step);
+    }
     // Stopped while the pull waited: another worker may have stopped before
     // pushing this step, so this one does not push it either, and every
     // shard stops at the same step with none short (LeaveRequest.stopping).

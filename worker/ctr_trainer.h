@@ -55,6 +55,8 @@ struct CtrTrainerOptions {
   const std::atomic<bool>* stop = nullptr;
   // Fault injection: SIGTERM once this step is pushed (InjectSigterm).
   int64_t sigterm_after_step = -1;
+  // ... once this step's model is pulled, before any of it is pushed.
+  int64_t sigterm_before_push_step = -1;
   // async/ssp: a client registered as an observer (worker id -1) that reads
   // the final model once every worker has finished, waiting up to
   // final_model_timeout; null: `client` reads it, after leaving.

@@ -1064,6 +1064,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
       step = *at;
       if (step >= options.steps) break;
     }
+    if (step == options.sigterm_before_push_step) {
+      InjectSigterm(options.stop, step);
+    }
     // Stopped while the pull waited: another worker may have stopped before
     // pushing this step, so this one does not push it either, and every
     // shard stops at the same step with none short (LeaveRequest.stopping).

@@ -106,6 +106,8 @@ struct TrainerOptions {
   // Fault injection: SIGTERM to this process once this step's exchange
   // returned; the loop then stops as for a signal (needs `stop`). -1: never.
   int64_t sigterm_after_step = -1;
+  // ... once this step's model is pulled, before any of it is pushed.
+  int64_t sigterm_before_push_step = -1;
   // Set (e.g. by SIGTERM) to stop after the current step and leave the job.
   const std::atomic<bool>* stop = nullptr;
   // sync: waits until every expected worker has registered

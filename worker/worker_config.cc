@@ -147,6 +147,8 @@ void CheckTraining(const WorkerConfig& config, Problems& checks) {
                                 training.inject_crash_after_step, -1));
   checks.push_back(CheckAtLeast("inject_sigterm_after_step",
                                 training.inject_sigterm_after_step, -1));
+  checks.push_back(CheckAtLeast("inject_sigterm_before_push_step",
+                                training.inject_sigterm_before_push_step, -1));
 }
 
 void CheckEval(const WorkerConfig& config, Problems& checks) {

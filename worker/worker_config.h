@@ -100,6 +100,8 @@ struct TrainingConfig {
   // Fault injection: the process sends itself SIGTERM once this step's
   // exchange has returned, and stops as a signalled worker does. -1: never.
   int64_t inject_sigterm_after_step = -1;
+  // ... once this step's model is pulled, before any of it is pushed.
+  int64_t inject_sigterm_before_push_step = -1;
 };
 
 // Held-out evaluation: during training (worker 0), or of a model file with

@@ -211,6 +211,11 @@ ABSL_FLAG(int64_t, inject_sigterm_after_step,
           "Fault injection: once this step's exchange has returned, the "
           "worker sends itself SIGTERM (as a stopping launcher would) and "
           "stops before its next step. -1: never.");
+ABSL_FLAG(int64_t, inject_sigterm_before_push_step,
+          Default().training.inject_sigterm_before_push_step,
+          "Fault injection: once this step's model is pulled, before any of "
+          "its gradient is pushed, the worker sends itself SIGTERM and stops "
+          "without pushing it. -1: never.");
 
 // Evaluation (EvalConfig).
 ABSL_FLAG(int64_t, eval_every_steps, Default().eval.eval_every_steps,
@@ -394,6 +399,8 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
       absl::GetFlag(FLAGS_inject_crash_after_step);
   training.inject_sigterm_after_step =
       absl::GetFlag(FLAGS_inject_sigterm_after_step);
+  training.inject_sigterm_before_push_step =
+      absl::GetFlag(FLAGS_inject_sigterm_before_push_step);
 
   EvalConfig& eval = c.eval;
   eval.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);

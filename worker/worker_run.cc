@@ -248,6 +248,8 @@ TrainerOptions TrainerOptionsFor(const WorkerConfig& config,
       config.training.inject_crash_before_push_step;
   options.crash_after_step = config.training.inject_crash_after_step;
   options.sigterm_after_step = config.training.inject_sigterm_after_step;
+  options.sigterm_before_push_step =
+      config.training.inject_sigterm_before_push_step;
   std::vector<absl::Status> problems;
   options.learning_rate_at =
       ScheduledRate(config.training.lr_schedule, data.steps,
