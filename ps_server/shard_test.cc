@@ -555,6 +555,17 @@ void LeaveStopping(Shard& shard, int worker) {
   ASSERT_TRUE(shard.Leave(leave).ok());
 }
 
+// Two workers past step 0; worker 1 pushed step 1, worker 0 stopped before
+// pushing it (left stopping).
+void StopOneWorkerInStepOne(Shard& shard) {
+  for (int worker : {0, 1}) {
+    ASSERT_TRUE(DoPush(shard, UniformPush(worker, 0, 1)).ok());
+  }
+  ASSERT_TRUE(DoPush(shard, UniformPush(1, 1, 1, /*pulled_version=*/1)).ok());
+  LeaveStopping(shard, 0);
+  EXPECT_EQ(shard.Stats().version(), 1);  // a plain leave completes it
+}
+
 // The whole job stopping: worker 1 pushed step 1, worker 0 stopped before
 // pushing it. Neither's leave completes step 1 short, however long the
 // servers stay up, and a late request of worker 0 (its data plane's, still
@@ -562,13 +573,7 @@ void LeaveStopping(Shard& shard, int worker) {
 // 0 registers again and pushes step 1: the step completes whole.
 TEST(ShardLeaseTest, WorkersThatLeaveStoppingHoldTheirStep) {
   Fixture f = MakeLeasedShard(2, absl::Milliseconds(300));
-  for (int worker : {0, 1}) {
-    ASSERT_TRUE(DoPush(*f.shard, UniformPush(worker, 0, 1)).ok());
-  }
-  ASSERT_TRUE(
-      DoPush(*f.shard, UniformPush(1, 1, 1, /*pulled_version=*/1)).ok());
-  LeaveStopping(*f.shard, 0);
-  EXPECT_EQ(f.shard->Stats().version(), 1);  // a plain leave completes it
+  ASSERT_NO_FATAL_FAILURE(StopOneWorkerInStepOne(*f.shard));
   LeaveStopping(*f.shard, 1);
   HeartbeatRequest late;
   late.set_worker_id(0);
@@ -591,13 +596,7 @@ TEST(ShardLeaseTest, WorkersThatLeaveStoppingHoldTheirStep) {
 // step waits for it only its hold, then completes without it.
 TEST(ShardLeaseTest, AStoppingWorkerLapsesAfterItsHoldWhileAnotherTrains) {
   Fixture f = MakeLeasedShard(2, absl::Milliseconds(300));
-  for (int worker : {0, 1}) {
-    ASSERT_TRUE(DoPush(*f.shard, UniformPush(worker, 0, 1)).ok());
-  }
-  ASSERT_TRUE(
-      DoPush(*f.shard, UniformPush(1, 1, 1, /*pulled_version=*/1)).ok());
-  LeaveStopping(*f.shard, 0);
-  EXPECT_EQ(f.shard->Stats().version(), 1);
+  ASSERT_NO_FATAL_FAILURE(StopOneWorkerInStepOne(*f.shard));
   auto pulled = DoPull(*f.shard, PullAt(1, 2), Soon());
   ASSERT_TRUE(pulled->status.ok()) << pulled->status;
   EXPECT_EQ(pulled->blocks[0].version, 2);
