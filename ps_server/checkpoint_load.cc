@@ -468,6 +468,10 @@ struct Layout {
 // shard that has none.
 struct LayoutScan {
   bool complete = false;
+  // Complete, but the new shard's own file predates another layout's files
+  // (ScanLayout's `newer_elsewhere`): restored only when no layout is
+  // complete without that.
+  bool stale = false;
   int missing_shard = -1;
   int missing_skipped = 0;  // files of missing_shard found invalid
   std::vector<LoadedFile> files;
@@ -529,8 +533,7 @@ void MatchSyncSteps(const Layout& layout, int new_shard_id, int new_num_shards,
 // this shard in its own layout older than that predates the job's moving
 // to that layout and back (2 -> 3 -> 2 shards, this shard restarted before
 // its first file since): restoring it would go back past the other
-// layout's state, so it is passed over, and the layout, lacking this
-// shard, gives way to the newer one.
+// layout's state, so the scan says it is stale.
 LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
                       int new_num_shards, int64_t newer_elsewhere,
                       std::vector<std::string>* files_skipped) {
@@ -549,16 +552,11 @@ LayoutScan ScanLayout(const Layout& layout, int new_shard_id,
     bool found = false;
     if (it != layout.shards.end()) {
       for (const CheckpointFile& file : it->second) {
-        if (own_layout && i == new_shard_id &&
-            file.sequence < newer_elsewhere) {
-          LOG(WARNING) << "passing over " << file.path
-                       << ": the job wrote another layout's files after it";
-          ++skipped;
-          continue;
-        }
         absl::StatusOr<LoadedFile> loaded = ReadCheckpointFile(
             file, i, layout.num_shards, new_shard_id, new_num_shards);
         if (loaded.ok()) {
+          scan.stale |= own_layout && i == new_shard_id &&
+                        file.sequence < newer_elsewhere;
           scan.files.push_back(*std::move(loaded));
           found = true;
           break;
@@ -801,36 +799,45 @@ absl::StatusOr<RestoredShard> CheckpointStore::LoadForShard(
   std::vector<std::string> incomplete;
   // The matching layout lacks this shard's own files, valid or not.
   bool own_never_written = false;
-  // First passing over this shard's own files that another layout's
-  // postdate (ScanLayout); if no layout is whole that way, they are what
-  // there is.
-  for (const bool pass_over_older : {true, false}) {
-    restored.files_skipped.clear();
-    incomplete.clear();
-    own_never_written = false;
-    for (const Layout* layout : order) {
-      int64_t newer_elsewhere = -1;
-      for (const auto& [n, other] : layouts) {
-        if (pass_over_older && n != layout->num_shards) {
-          newer_elsewhere = std::max(newer_elsewhere, other.max_sequence);
-        }
+  // A layout whose file of this shard predates another layout's files is
+  // the fallback: a later complete layout holds the job's newer state.
+  const Layout* stale = nullptr;
+  LayoutScan stale_scan;
+  for (const Layout* layout : order) {
+    int64_t newer_elsewhere = -1;
+    for (const auto& [n, other] : layouts) {
+      if (n != layout->num_shards) {
+        newer_elsewhere = std::max(newer_elsewhere, other.max_sequence);
       }
-      scan = ScanLayout(*layout, shard_id, num_shards, newer_elsewhere,
-                        &restored.files_skipped);
-      if (scan.complete) {
-        chosen = layout;
-        break;
-      }
-      if (layout->num_shards == num_shards &&
-          layout->shards.find(shard_id) == layout->shards.end()) {
-        own_never_written = true;
-      }
-      incomplete.push_back(
-          absl::StrCat(ShardDirName(scan.missing_shard, layout->num_shards),
-                       " has no valid checkpoint file (", scan.missing_skipped,
-                       " invalid ones skipped)"));
     }
-    if (chosen != nullptr) break;
+    scan = ScanLayout(*layout, shard_id, num_shards, newer_elsewhere,
+                      &restored.files_skipped);
+    if (scan.complete && !scan.stale) {
+      chosen = layout;
+      break;
+    }
+    if (scan.complete) {
+      if (stale == nullptr) {
+        stale = layout;
+        stale_scan = std::move(scan);
+      }
+      incomplete.push_back(absl::StrCat(
+          ShardDirName(shard_id, layout->num_shards),
+          "'s newest valid file is older than another layout's files"));
+      continue;
+    }
+    if (layout->num_shards == num_shards &&
+        layout->shards.find(shard_id) == layout->shards.end()) {
+      own_never_written = true;
+    }
+    incomplete.push_back(
+        absl::StrCat(ShardDirName(scan.missing_shard, layout->num_shards),
+                     " has no valid checkpoint file (", scan.missing_skipped,
+                     " invalid ones skipped)"));
+  }
+  if (chosen == nullptr && stale != nullptr) {
+    chosen = stale;
+    scan = std::move(stale_scan);
   }
   if (chosen == nullptr && own_never_written) {
     // This shard died before its first checkpoint completed (a temporary
