@@ -225,12 +225,9 @@ class ServerRun {
   // before anything binds.
   void ExitIfCannotListen() {
     const ServerNetworkConfig& n = config_.network;
-    // gRPC takes an IPv6 address in brackets ("[::]"); getaddrinfo not.
-    absl::string_view host = n.host;
-    if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");
     int bound = 0;
     absl::StatusOr<ScopedFd> probe =
-        ListenTcp(std::string(host), n.port, /*buffer_bytes=*/0, &bound);
+        ListenTcp(n.host, n.port, /*buffer_bytes=*/0, &bound);
     if (!probe.ok()) {
       ExitOnFlagErrors({absl::InvalidArgumentError(
           absl::StrCat("--host=", n.host, " --port=", n.port,

@@ -181,7 +181,12 @@ absl::StatusOr<std::vector<Address>> Resolve(const std::string& host, int port,
   hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
   addrinfo* found = nullptr;
   const std::string service = absl::StrCat(port);
-  const int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(),
+  // An IPv6 address as gRPC writes it ("[::1]"): getaddrinfo takes it bare.
+  std::string name = host;
+  if (name.size() >= 2 && name.front() == '[' && name.back() == ']') {
+    name = name.substr(1, name.size() - 2);
+  }
+  const int rc = getaddrinfo(name.empty() ? nullptr : name.c_str(),
                              service.c_str(), &hints, &found);
   if (rc != 0) {
     return absl::UnavailableError(
