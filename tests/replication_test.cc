@@ -570,21 +570,47 @@ std::string RunSyncJob(
   return out;
 }
 
+// The small MLP of the sync jobs here, `steps` long.
+std::vector<std::string> SmallMlpFlags(int steps) {
+  return {"--model=mlp",
+          "--hidden=16",
+          "--num_features=12",
+          "--num_classes=3",
+          "--train_examples=4096",
+          "--test_examples=512",
+          "--batch_size=16",
+          "--block_elements=64",
+          absl::StrCat("--steps=", steps)};
+}
+
+// The figures both jobs' worker 0 printed are the same, to the last digit.
+void ExpectSameFinal(const std::string& calm, const std::string& killed,
+                     const std::vector<const char*>& keys,
+                     const std::string& what) {
+  for (const char* key : keys) {
+    absl::StatusOr<double> a = testing::FinalJsonNumber(calm, key);
+    absl::StatusOr<double> b = testing::FinalJsonNumber(killed, key);
+    ASSERT_TRUE(a.ok() && b.ok()) << what << " " << key << "\n"
+                                  << calm << "\n"
+                                  << killed;
+    EXPECT_EQ(*a, *b) << what << " " << key;
+  }
+}
+
 // In sync mode the new primary holds exactly the model the old one did, and
 // a replica that caught up holds exactly the primary's, so the job ends as an
 // undisturbed one does, to the last digit printed.
 TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
   const std::vector<std::pair<std::string, std::vector<std::string>>> models = {
-      {"mlp",
-       {"--model=mlp", "--hidden=16", "--num_features=12", "--num_classes=3",
-        "--train_examples=4096", "--test_examples=512", "--batch_size=16",
-        "--block_elements=64", "--steps=240"}},
+      {"mlp", SmallMlpFlags(240)},
       // The pipelined step: a PushPull that fails at the kill goes again
       // as a plain one, and the next forward starts over on its values.
       {"mlp_pipelined",
-       {"--model=mlp", "--hidden=16", "--num_features=12", "--num_classes=3",
-        "--train_examples=4096", "--test_examples=512", "--batch_size=16",
-        "--block_elements=64", "--steps=240", "--pipeline_step=always"}},
+       [] {
+         std::vector<std::string> flags = SmallMlpFlags(240);
+         flags.push_back("--pipeline_step=always");
+         return flags;
+       }()},
       {"ctr",
        {"--model=ctr", "--ctr_fields=4", "--ctr_dense=2", "--ctr_vocab=2000",
         "--batch_size=128", "--steps=240"}}};
@@ -598,18 +624,13 @@ TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
         RunSyncJob(absl::StrCat("calm_", model), flags, /*kill_after=*/0);
     const std::string killed =
         RunSyncJob(absl::StrCat("killed_", model), flags, /*kill_after=*/80);
-    for (const char* key :
-         model != "ctr"
-             ? std::vector<const char*>{"final_loss", "test_loss",
-                                        "test_accuracy"}
-             : std::vector<const char*>{"final_loss", "auc", "logloss"}) {
-      absl::StatusOr<double> a = testing::FinalJsonNumber(calm, key);
-      absl::StatusOr<double> b = testing::FinalJsonNumber(killed, key);
-      ASSERT_TRUE(a.ok() && b.ok()) << model << " " << key << "\n"
-                                    << calm << "\n"
-                                    << killed;
-      EXPECT_EQ(*a, *b) << model << " " << key;
-    }
+    ExpectSameFinal(
+        calm, killed,
+        model != "ctr"
+            ? std::vector<const char*>{"final_loss", "test_loss",
+                                       "test_accuracy"}
+            : std::vector<const char*>{"final_loss", "auc", "logloss"},
+        model);
   }
 }
 
@@ -621,20 +642,10 @@ TEST(ReplicatedSyncTest, AJobThatLostAPrimaryEndsAsAnUndisturbedOne) {
 // step 5 from them as the old ones did, and the job ends as an undisturbed
 // one does, to the last digit printed.
 TEST(ReplicatedSyncTest, ABackupAStepBehindTheWorkersTakesOverWithNothingLost) {
-  const std::vector<std::string> flags = {"--model=mlp",
-                                          "--hidden=16",
-                                          "--num_features=12",
-                                          "--num_classes=3",
-                                          "--train_examples=4096",
-                                          "--test_examples=512",
-                                          "--batch_size=16",
-                                          "--block_elements=64",
-                                          "--steps=40",
-                                          "--log_every=0",
-                                          "--device=cpu",
-                                          "--heartbeat_interval_s=0.2",
-                                          "--retry_window_s=60",
-                                          "--rpc_timeout_s=30"};
+  std::vector<std::string> flags = SmallMlpFlags(40);
+  flags.insert(flags.end(),
+               {"--log_every=0", "--device=cpu", "--heartbeat_interval_s=0.2",
+                "--retry_window_s=60", "--rpc_timeout_s=30"});
   const std::string calm = RunSyncJob("calm_window", flags, /*kill_after=*/0);
   const std::string killed =
       RunSyncJob("killed_window", flags, /*kill_after=*/0,
@@ -652,12 +663,8 @@ TEST(ReplicatedSyncTest, ABackupAStepBehindTheWorkersTakesOverWithNothingLost) {
                          << shard;
                    }
                  });
-  for (const char* key : {"final_loss", "test_loss", "test_accuracy"}) {
-    absl::StatusOr<double> a = testing::FinalJsonNumber(calm, key);
-    absl::StatusOr<double> b = testing::FinalJsonNumber(killed, key);
-    ASSERT_TRUE(a.ok() && b.ok()) << key << "\n" << calm << "\n" << killed;
-    EXPECT_EQ(*a, *b) << key;
-  }
+  ExpectSameFinal(calm, killed, {"final_loss", "test_loss", "test_accuracy"},
+                  "mlp");
 }
 
 // A primary that stops answering without dying (SIGSTOP: a host cut off, or
