@@ -297,7 +297,7 @@ absl::StatusOr<BatchResult> Evaluate(Model& model, kernels::Backend& backend,
 
 void InjectSigterm(const std::atomic<bool>* stop, int64_t step) {
   if (stop == nullptr) return;
-  LOG(WARNING) << "fault injection: SIGTERM after step " << step;
+  LOG(WARNING) << "fault injection: SIGTERM at step " << step;
   kill(getpid(), SIGTERM);
   // The signal reaches `stop` through the signal watch's thread: the next
   // step must not start before it has.

@@ -182,9 +182,10 @@ struct TrainResult {
   bool not_learning = false;
 };
 
-// Fault injection (--inject_sigterm_after_step): sends this process SIGTERM
-// after `step`, and waits (up to 10 s) until the signal watch has set
-// `stop`, so that the loop stops before its next step as for a real signal.
+// Fault injection (--inject_sigterm_after_step, _before_push_step): sends
+// this process SIGTERM at `step`, and waits (up to 10 s) until the signal
+// watch has set `stop`, so that the loop stops at its next check as for a
+// real signal.
 void InjectSigterm(const std::atomic<bool>* stop, int64_t step);
 
 // Trains `model` against the servers behind `client` (already registered as
