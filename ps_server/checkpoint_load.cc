@@ -19,6 +19,7 @@
 #include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -211,7 +212,8 @@ absl::Status CheckHeaderContents(const CheckpointHeader& header, int shard_id,
   }
   const BlockGeometry geometry(header.schema());
   absl::flat_hash_set<int64_t> seen;
-  int64_t state_per_element = -1;
+  // Per tensor: each may have its own optimizer (STATE tensors none).
+  std::vector<int64_t> state_per_element(header.schema().dense_size(), -1);
   for (const CheckpointBlock& b : header.blocks()) {
     const int64_t g = b.global_block();
     if (g < 0 || g >= geometry.num_blocks()) {
@@ -229,15 +231,15 @@ absl::Status CheckHeaderContents(const CheckpointHeader& header, int shard_id,
           absl::StrCat(geometry.Describe(g), " is listed twice"));
     }
     const int64_t length = geometry.Length(g);
+    int64_t& tensor_state = state_per_element[geometry.TensorOf(g)];
     if (b.value_count() != length || b.state_count() % length != 0 ||
-        (state_per_element >= 0 &&
-         b.state_count() / length != state_per_element)) {
+        (tensor_state >= 0 && b.state_count() / length != tensor_state)) {
       return absl::DataLossError(
           absl::StrCat(geometry.Describe(g), " has ", b.value_count(),
                        " values and ", b.state_count(),
                        " state floats for a block of ", length, " elements"));
     }
-    state_per_element = b.state_count() / length;
+    tensor_state = b.state_count() / length;
   }
   if (header.sparse_size() != 0 &&
       header.sparse_size() != header.schema().sparse_size()) {
@@ -692,7 +694,9 @@ absl::Status GatherBlocks(std::vector<LoadedFile>& files, int old_num_shards,
   const int64_t owned =
       BlocksOnShard(geometry.num_blocks(), shard_id, num_shards);
   (*blocks).reserve(std::min<int64_t>(owned, found.size()));
-  int64_t state_per_element = -1;
+  // Per tensor: each may have its own optimizer (STATE tensors none).
+  std::vector<int64_t> state_per_element(first.header.schema().dense_size(),
+                                         -1);
   for (int64_t g = shard_id; g < geometry.num_blocks(); g += num_shards) {
     const auto it = found.find(g);
     const int old_shard = static_cast<int>(g % old_num_shards);
@@ -706,13 +710,14 @@ absl::Status GatherBlocks(std::vector<LoadedFile>& files, int old_num_shards,
     const int64_t per_element =
         static_cast<int64_t>(block.optimizer_state.size()) /
         static_cast<int64_t>(block.value.size());
-    if (state_per_element >= 0 && per_element != state_per_element) {
+    int64_t& tensor_state = state_per_element[geometry.TensorOf(g)];
+    if (tensor_state >= 0 && per_element != tensor_state) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoints disagree on optimizer state per element: ",
           geometry.Describe(g), " in ", files[old_shard].file.path, " has ",
-          per_element, ", earlier blocks ", state_per_element));
+          per_element, ", earlier blocks of its tensor ", tensor_state));
     }
-    state_per_element = per_element;
+    tensor_state = per_element;
     (*blocks).push_back(std::move(block));
   }
 

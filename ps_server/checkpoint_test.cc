@@ -775,6 +775,46 @@ void ExpectReshard(int new_shards) {
   for (const auto& [g, count] : seen) EXPECT_EQ(count, 1) << g;
 }
 
+// `s` as a shard holds it when each tensor has its own optimizer: w's blocks
+// with two state floats per element (Adam), b's with none (a STATE tensor
+// such as BatchNorm's running mean), emb's with one.
+ShardSnapshot WithStatePerTensor(ShardSnapshot s) {
+  constexpr int kStateOfTensor[] = {2, 0, 1};
+  absl::StatusOr<Partition> partition = Partition::Create(s.schema, 1);
+  EXPECT_TRUE(partition.ok()) << partition.status();
+  for (BlockSnapshot& b : s.blocks) {
+    const int tensor = partition->blocks()[b.global_block].tensor;
+    b.optimizer_state.resize(kStateOfTensor[tensor] * b.value.size());
+  }
+  return s;
+}
+
+TEST(CheckpointTest, TensorsWithTheirOwnOptimizerStateRestoreIntoAnyCount) {
+  const std::string dir = TestDir();
+  CheckpointStore store(dir, 3);
+  const ModelSchema schema = TestSchema();
+  for (int shard = 0; shard < 2; ++shard) {
+    const absl::Status written =
+        store.Write(WithStatePerTensor(MakeSnapshot(schema, shard, 2, 1, 1)));
+    ASSERT_TRUE(written.ok()) << written;
+  }
+  for (int new_shards : {2, 3, 1}) {
+    for (int shard = 0; shard < new_shards; ++shard) {
+      SCOPED_TRACE(absl::StrCat("shard ", shard, " of ", new_shards));
+      absl::StatusOr<RestoredShard> restored =
+          store.LoadForShard(shard, new_shards);
+      ASSERT_TRUE(restored.ok()) << restored.status();
+      EXPECT_TRUE(restored->files_skipped.empty());
+      const ShardSnapshot expected =
+          WithStatePerTensor(MakeSnapshot(schema, shard, new_shards, 0, 1));
+      ASSERT_EQ(restored->blocks.size(), expected.blocks.size());
+      for (size_t k = 0; k < expected.blocks.size(); ++k) {
+        ExpectBlockEq(restored->blocks[k], expected.blocks[k]);
+      }
+    }
+  }
+}
+
 TEST(CheckpointTest, RestoresIntoFewerShards) {
   ExpectReshard(2);
   ExpectReshard(1);

@@ -18,6 +18,7 @@
 #include <memory>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -165,7 +166,7 @@ absl::Status ValidateSnapshot(const ShardSnapshot& s) {
     return absl::InvalidArgumentError(absl::StrCat(
         who, ": has ", s.blocks.size(), " blocks, the shard owns ", owned));
   }
-  int64_t state_per_element = -1;
+  std::vector<int64_t> state_per_element(s.schema.dense_size(), -1);
   for (size_t k = 0; k < s.blocks.size(); ++k) {
     const BlockSnapshot& b = s.blocks[k];
     const int64_t expected =
@@ -187,14 +188,18 @@ absl::Status ValidateSnapshot(const ShardSnapshot& s) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": ", b.value.size(), " values, the block has ", length));
     }
+    // One optimizer per tensor, not per shard: tensors may have their own,
+    // and BatchNorm's statistics (role STATE) have none.
     const int64_t state = static_cast<int64_t>(b.optimizer_state.size());
+    int64_t& tensor_state = state_per_element[geometry.TensorOf(expected)];
     if (state % length != 0 ||
-        (state_per_element >= 0 && state / length != state_per_element)) {
+        (tensor_state >= 0 && state / length != tensor_state)) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": ", state, " optimizer state floats for ", length,
-          " elements (must be the same multiple for every block)"));
+          " elements (must be the same multiple for every block of a "
+          "tensor)"));
     }
-    state_per_element = state / length;
+    tensor_state = state / length;
   }
   if (!s.sparse.empty() &&
       static_cast<int>(s.sparse.size()) != s.schema.sparse_size()) {

@@ -45,6 +45,9 @@ def main():
     norms = []
     end = args.steps if args.stop_after < 0 else args.stop_after
     for step in range(ps.step_count, end):
+        # Dropout's masks a function of the step, so that a resumed job
+        # draws what the uninterrupted one drew.
+        torch.manual_seed(args.seed * 100003 + step)
         x, y = train_worker.batch(batches, step)
         if args.model == "probe":  # the gradient is 1 everywhere
             model.p.sum().backward()

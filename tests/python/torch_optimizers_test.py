@@ -148,19 +148,42 @@ class TorchOptimizersTest(unittest.TestCase):
         # restarted from the checkpoint: the workers' schedulers continue at
         # step 12, and the model is the uninterrupted job's.
         recipe, workers = "adamw", 2
-        with cluster.Cluster(num_shards=2, num_workers=workers) as c:
-            uninterrupted = run_job(c, workers, recipe)
-        with cluster.Cluster(num_shards=2, num_workers=workers,
-                             checkpoint=True) as c:
-            run_job(c, workers, recipe, ["--stop_after=12"],
-                    final_state="durable")
-            c.restart_all_servers()
-            resumed = run_job(c, workers, recipe, final_state="durable")
-            with open(os.path.join(c.dir, "rates0.txt")) as f:
-                rates = [float(line) for line in f]
+        uninterrupted, resumed, rates = self.stop_and_resume(recipe, workers)
         _, reference_rates = single_process(recipe, workers * BATCH)
         self.assertEqual(rates, reference_rates)  # 12 before, 18 after
         self.assertLessEqual(max_difference(resumed, uninterrupted), 1e-6)
+
+    def test_a_model_with_buffers_resumes_from_its_checkpoint(self):
+        # BatchNorm's statistics (servers' STATE tensors, no optimizer
+        # state) beside Adam's parameters (two state floats each): the
+        # shards' checkpoints hold both, and the resumed job is the
+        # uninterrupted one, statistics included.
+        uninterrupted, resumed, _ = self.stop_and_resume("adam", 3,
+                                                         ["--model=bn"])
+        self.assertIn("1.running_mean", resumed)
+        self.assertLessEqual(max_difference(resumed, uninterrupted), 1e-6)
+        initial = train_worker.make_model("bn", seed=3).state_dict()
+        self.assertGreater(
+            max_difference({"m": resumed["1.running_mean"]},
+                           {"m": initial["1.running_mean"]}), 1e-2)
+
+    def stop_and_resume(self, recipe, workers, extra=()):
+        """The model of an uninterrupted job, that of the same job stopped
+        after 12 steps and resumed from its checkpoints, and the rates
+        worker 0 used in the two parts."""
+        extra = list(extra)
+        with cluster.Cluster(num_shards=2, num_workers=workers) as c:
+            uninterrupted = run_job(c, workers, recipe, extra)
+        with cluster.Cluster(num_shards=2, num_workers=workers,
+                             checkpoint=True) as c:
+            run_job(c, workers, recipe, extra + ["--stop_after=12"],
+                    final_state="durable")
+            c.restart_all_servers()
+            resumed = run_job(c, workers, recipe, extra,
+                              final_state="durable")
+            with open(os.path.join(c.dir, "rates0.txt")) as f:
+                rates = [float(line) for line in f]
+        return uninterrupted, resumed, rates
 
 
 if __name__ == "__main__":
