@@ -91,6 +91,11 @@ def main():
     model.train()
     start = time.time()
     for step in range(start_step, steps):
+        # Dropout's masks a function of (worker, step): a job resumed from
+        # the servers' checkpoints, or a worker restarted, draws what the
+        # uninterrupted job drew.
+        torch.manual_seed((args.seed * 1000003 + step) * num_workers
+                          + worker_id)
         x, y = batches.batch(step)
         loss = label_smoothed_loss(model(x.to(device)), y.to(device))
         loss.backward()
