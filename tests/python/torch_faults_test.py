@@ -1,6 +1,7 @@
 """Faults from PyTorch: a Python worker killed with SIGKILL and restarted
 with the same id rejoins the job at its step, and nothing is applied twice;
-Ctrl-C interrupts a worker blocked in a call within about a second."""
+a job stopped by SIGTERM mid-step resumes as if undisturbed; Ctrl-C
+interrupts a worker blocked in a call within about a second."""
 
 import os
 import signal
@@ -47,6 +48,56 @@ class TorchFaultsTest(unittest.TestCase):
         # 64-bit integers as strings).
         self.assertEqual(int(stats[0]["version"]), steps)
         self.assertEqual([int(s["internal_errors"]) for s in stats], [0, 0])
+
+    def test_a_job_stopped_by_signals_resumes_as_if_undisturbed(self):
+        # SIGTERM reaches the workers mid-step (after backward of step 9):
+        # each pushes that step whole, leaves as stopping and exits 143;
+        # every shard ends at step 10, and the job resumed from the
+        # servers' checkpoints ends with the undisturbed job's model, bit
+        # for bit. "staggered": workers 1 and 2 train on, push step 10 and
+        # wait for worker 0, which holds it; they are SIGTERMed there.
+        flags = ["--optimizer=adam", "--learning_rate=0.01"]
+        common = ["--model=bn", "--steps=20"]
+        with cluster.Cluster(num_shards=2, num_workers=3, flags=flags) as c:
+            c.run_workers(WORKER, lambda k: common + [f"--out={c.dir}"])
+            undisturbed = torch.load(os.path.join(c.dir, "worker0.pt"))
+        for case, pipeline in (("together", "off"), ("together", "on"),
+                               ("staggered", "off")):
+            with self.subTest(case=case, pipeline=pipeline):
+                resumed = self.stop_by_signals_and_resume(
+                    flags, common + [f"--pipeline={pipeline}"], case)
+                for name, value in undisturbed.items():
+                    self.assertTrue(torch.equal(resumed[name], value), name)
+
+    def stop_by_signals_and_resume(self, flags, common, case):
+        with cluster.Cluster(num_shards=2, num_workers=3, flags=flags,
+                             checkpoint=True) as c:
+            args = common + [f"--out={c.dir}"]
+            w0 = c.start_worker(WORKER, 0, args + ["--sigterm_at_step=9"])
+            others = [c.start_worker(WORKER, k, args + (
+                ["--sigterm_at_step=9"] if case == "together" else []))
+                for k in (1, 2)]
+            self.assertEqual(c.wait(w0), 128 + signal.SIGTERM,
+                             c.errors(w0)[-3000:])
+            if case == "staggered":
+                for w in others:
+                    w.send_signal(signal.SIGTERM)
+            for w in [w0] + others:
+                self.assertEqual(c.wait(w), 128 + signal.SIGTERM,
+                                 c.errors(w)[-3000:])
+                self.assertIn("stopped by SIGTERM at step 10", c.errors(w))
+            # No step short, none half done: every shard at step 10.
+            stats = c.stats()
+            self.assertEqual([int(s["version"]) for s in stats], [10, 10])
+            self.assertEqual([int(s.get("steps_short", 0)) for s in stats],
+                             [0, 0])
+            c.restart_all_servers()
+            finals = c.run_workers(WORKER, lambda k: args)
+            self.assertEqual([f["start_step"] for f in finals], [10] * 3)
+            stats = c.stats()
+            self.assertEqual([int(s.get("steps_lost", 0)) for s in stats],
+                             [0, 0])
+            return torch.load(os.path.join(c.dir, "worker0.pt"))
 
     def test_ctrl_c_interrupts_a_waiting_worker_within_a_second(self):
         # Worker 1 never comes: worker 0 waits for the job's start.

@@ -12,6 +12,7 @@ Writes DIR/worker{k}.pt (the final state_dict) and prints a final JSON line.
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -93,6 +94,9 @@ def main():
     # A client option: the gradients' wire type (bf16: converted by the
     # client, so a pipelined step falls back to the plain PushPull).
     parser.add_argument("--gradient_wire_type", default="")
+    # Sends itself SIGTERM after backward of this step (as a launcher's
+    # stop would reach it mid-step).
+    parser.add_argument("--sigterm_at_step", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = make_model(args.model, args.seed)
@@ -106,6 +110,9 @@ def main():
                                    ps.num_workers, seed=5)
     loss = None
     for step in range(ps.step_count, args.steps):
+        # Dropout's masks a function of the step: a resumed job draws what
+        # the undisturbed one drew.
+        torch.manual_seed(args.seed * 100003 + step)
         x, y = batch(batches, step)
         edit = args.edit if step >= args.edit_from else "none"
         if args.model == "probe":  # the gradient is 1 everywhere
@@ -129,6 +136,8 @@ def main():
                 model(x)
         elif edit == "stats":  # not an edit: a call to the servers
             ps.stats()
+        if step == args.sigterm_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
         if args.step_delay_ms:
             time.sleep(args.step_delay_ms / 1000)  # a slow worker, on purpose
         ps.step()

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -27,6 +28,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/cluster_spec.h"
 #include "common/consistency_mode.h"
 #include "common/partition.h"
@@ -81,6 +84,53 @@ namespace {
 absl::Mutex live_clients_mu;
 std::set<pstrain_client*>* live_clients ABSL_GUARDED_BY(live_clients_mu) =
     new std::set<pstrain_client*>;
+
+void InterruptLiveClients() {
+  absl::MutexLock lock(&live_clients_mu);
+  for (pstrain_client* client : *live_clients) client->client->Interrupt();
+}
+
+// pstrain_stop_gracefully's state: the signals (a bit per number) whose
+// first arrival lets the step in hand finish, the grace it gets, the first
+// such signal (0: none yet), and whether the caller went quiet (leaving).
+std::atomic<uint64_t> graceful_signals{0};
+std::atomic<int64_t> stop_grace_ms{400};
+std::atomic<int> stop_signal{0};
+absl::Mutex stop_mu;
+bool stop_quiet ABSL_GUARDED_BY(stop_mu) = false;
+
+// After a graceful signal: the step in hand has the grace to end by itself
+// (its push must not be cut halfway: the blocks it reached would complete
+// the step without the others); a call still going then is a wait that
+// may never end (the other workers stopped), so it is interrupted, again
+// every 100 ms, until the caller goes quiet to leave.
+void InterruptAfterGrace() {
+  absl::MutexLock lock(&stop_mu);
+  stop_mu.AwaitWithTimeout(absl::Condition(&stop_quiet),
+                           absl::Milliseconds(stop_grace_ms.load()));
+  while (!stop_quiet) {
+    stop_mu.Unlock();
+    InterruptLiveClients();
+    stop_mu.Lock();
+    stop_mu.AwaitWithTimeout(absl::Condition(&stop_quiet),
+                             absl::Milliseconds(100));
+  }
+}
+
+// One SIGINT or SIGTERM read from the wakeup fd.
+void OnTerminationSignal(int number) {
+  if ((graceful_signals.load() >> number & 1) == 0) {
+    InterruptLiveClients();
+    return;
+  }
+  int none = 0;
+  if (stop_signal.compare_exchange_strong(none, number)) {
+    std::thread(InterruptAfterGrace).detach();
+  } else if (number == SIGINT) {
+    InterruptLiveClients();  // Ctrl-C again: stop now
+  }
+  // A second SIGTERM changes nothing: its sender escalates to SIGKILL.
+}
 
 }  // namespace
 }  // namespace pstrain
@@ -311,14 +361,10 @@ void pstrain_watch_signals(int fd) {
         const ssize_t n = read(fd, signals, sizeof(signals));
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) return;  // the pipe closed
-        bool stop = false;
         for (ssize_t i = 0; i < n; ++i) {
-          stop |= signals[i] == SIGINT || signals[i] == SIGTERM;
-        }
-        if (!stop) continue;
-        absl::MutexLock lock(&pstrain::live_clients_mu);
-        for (pstrain_client* client : *pstrain::live_clients) {
-          client->client->Interrupt();
+          if (signals[i] == SIGINT || signals[i] == SIGTERM) {
+            pstrain::OnTerminationSignal(signals[i]);
+          }
         }
       }
     }).detach();
@@ -327,6 +373,26 @@ void pstrain_watch_signals(int fd) {
 
 void pstrain_client_interrupt(pstrain_client* client) {
   client->client->Interrupt();
+}
+
+void pstrain_stop_gracefully(uint64_t signals, int64_t grace_ms) {
+  pstrain::stop_grace_ms.store(std::max<int64_t>(grace_ms, 0));
+  pstrain::graceful_signals.store(signals);
+  absl::MutexLock lock(&pstrain::stop_mu);
+  // Quiet while none is watched; a new watch before any signal came starts
+  // loud (a process may train one job after another).
+  if (signals == 0) {
+    pstrain::stop_quiet = true;
+  } else if (pstrain::stop_signal.load() == 0) {
+    pstrain::stop_quiet = false;
+  }
+}
+
+int pstrain_stop_requested(void) { return pstrain::stop_signal.load(); }
+
+void pstrain_stop_quiet(void) {
+  absl::MutexLock lock(&pstrain::stop_mu);
+  pstrain::stop_quiet = true;
 }
 
 int pstrain_client_num_shards(const pstrain_client* client) {
@@ -645,6 +711,24 @@ double pstrain_client_last_clip_norm(const pstrain_client* c) {
 
 int pstrain_client_leave(pstrain_client* c, char** error) {
   return Guard(error, [&] { return c->client->Leave(); });
+}
+
+int pstrain_client_leave_stopping(pstrain_client* c, double timeout_s,
+                                  char** error) {
+  return Guard(error, [&] {
+    // A shard that cannot be reached must not hold a stopping worker.
+    absl::Status left;
+    absl::Notification done;
+    std::thread leaver([&] {
+      left = c->client->Leave(/*stopping=*/true);
+      done.Notify();
+    });
+    if (!done.WaitForNotificationWithTimeout(absl::Seconds(timeout_s))) {
+      c->client->Interrupt();
+    }
+    leaver.join();
+    return left;
+  });
 }
 
 int pstrain_client_stats(pstrain_client* c, char** stats_json, char** error) {

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature here changes; pstrain/_native.py checks it. */
-#define PSTRAIN_C_API_VERSION 6
+#define PSTRAIN_C_API_VERSION 7
 int pstrain_api_version(void);
 
 void pstrain_free(void* p);
@@ -150,6 +150,11 @@ void pstrain_client_set_group_rates(pstrain_client* client, const double* rates,
 void pstrain_client_set_gradient_clip(pstrain_client* client, double max_norm);
 double pstrain_client_last_clip_norm(const pstrain_client* client);
 int pstrain_client_leave(pstrain_client* client, char** error);
+/* Leaves as a worker stopped by a signal (LeaveRequest.stopping: a sync
+ * job holds its step while no other worker trains), giving up after
+ * timeout_s. */
+int pstrain_client_leave_stopping(pstrain_client* client, double timeout_s,
+                                  char** error);
 /* *stats_json: a JSON array of every shard's StatsResponse (proto names). */
 int pstrain_client_stats(pstrain_client* client, char** stats_json,
                          char** error);
@@ -184,6 +189,16 @@ int pstrain_client_option_names(char** names_json, char** error);
  * of Ctrl-C, and Python raises KeyboardInterrupt, with no thread hop per
  * call. Starts one watcher thread, once; later calls are ignored. */
 void pstrain_watch_signals(int fd);
+
+/* For the signals in `signals` (bit n: signal number n; 0: none, as
+ * before), the first one read from the watched fd no longer interrupts at
+ * once: pstrain_stop_requested() returns its number, and the calls in
+ * progress grace_ms later are interrupted, and again every 100 ms, until
+ * pstrain_stop_quiet() (the caller finished its step and leaves). A
+ * second SIGINT interrupts at once; a second SIGTERM changes nothing. */
+void pstrain_stop_gracefully(uint64_t signals, int64_t grace_ms);
+int pstrain_stop_requested(void);
+void pstrain_stop_quiet(void);
 
 /* ----- Data: the C++ worker's readers, in its order ----- */
 

@@ -18,12 +18,13 @@ import ctypes
 import json
 import os
 import platform
+import sys
 import threading
 import weakref
 
 _LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib",
                          "libpstrain.so")
-_API_VERSION = 6
+_API_VERSION = 7
 
 # absl::StatusCode names, by value.
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
@@ -122,6 +123,11 @@ _declare("pstrain_client_pull_sparse_tables", _p, _i64, ctypes.c_int, _p, _p,
 _declare("pstrain_client_push_sparse_tables", _p, _i64, ctypes.c_int, _p, _p,
          _p, _p, _p, _err)
 _declare("pstrain_client_leave", _p, _err)
+_declare("pstrain_client_leave_stopping", _p, ctypes.c_double, _err)
+_declare_quick("pstrain_stop_gracefully", ctypes.c_uint64, _i64,
+               restype=None)
+_declare_quick("pstrain_stop_requested")
+_declare_quick("pstrain_stop_quiet", restype=None)
 _declare_quick("pstrain_client_set_gradient_clip", _p, ctypes.c_double,
                restype=None)
 _declare_quick("pstrain_client_last_clip_norm", _p, restype=ctypes.c_double)
@@ -186,6 +192,91 @@ def _watch_signals():
 
 
 _SIGNALS_WATCHED = _watch_signals()
+
+
+class _GracefulStop:
+    """SIGTERM (a launcher's stop, scancel, a deleted pod) or a first
+    Ctrl-C while a worker trains: the step in hand finishes, its push
+    whole, and the worker then leaves as stopping, as the C++ worker does
+    (README, "Stopping"). A process dying mid-push would leave the blocks
+    its gradient reached a step ahead of the others, and that step would be
+    lost on resume. Where the program has handlers of its own, or the
+    library cannot watch the signals (see the module's docstring), nothing
+    changes. A second Ctrl-C stops at once."""
+
+    _SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self):
+        self._owners = weakref.WeakSet()
+        self._ours = {}  # signal number -> the handler it replaced
+        self._pid = None
+        self.grace_s = 0.4
+
+    def activate(self, owner):
+        """`owner` trains from now until deactivate()."""
+        import signal
+        if not _SIGNALS_WATCHED or (threading.current_thread()
+                                    is not threading.main_thread()):
+            return
+        self._owners.add(owner)
+        if self._ours:
+            return
+        defaults = {signal.SIGINT: signal.default_int_handler,
+                    signal.SIGTERM: signal.SIG_DFL}
+        for number, default in defaults.items():
+            if signal.getsignal(number) is default:
+                self._ours[number] = signal.signal(number, self._on_signal)
+        self._pid = os.getpid()
+        self._tell_library()
+
+    def deactivate(self, owner):
+        import signal
+        self._owners.discard(owner)
+        if self._owners or not self._ours:
+            return
+        if threading.current_thread() is threading.main_thread():
+            for number, previous in self._ours.items():
+                if signal.getsignal(number) == self._on_signal:
+                    signal.signal(number, previous)
+            self._ours = {}
+        _lib.pstrain_stop_gracefully(0, 0)
+
+    def set_grace(self, seconds):
+        """The time a step in hand may take to end by itself."""
+        self.grace_s = min(max(seconds, 0.4), 10.0)
+        if self._ours:
+            self._tell_library()
+
+    def _tell_library(self):
+        mask = sum(1 << int(number) for number in self._ours)
+        _lib.pstrain_stop_gracefully(mask, int(self.grace_s * 1000))
+
+    @staticmethod
+    def requested():
+        """The number of the signal that asked the workers to stop, or 0."""
+        return _lib.pstrain_stop_requested()
+
+    def _on_signal(self, number, frame):
+        import signal
+        if os.getpid() != self._pid or not self._owners:
+            # A forked child (a DataLoader's worker), or none training.
+            if number == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + number)
+        seen_before, self._seen = self._seen, True
+        if seen_before:
+            if number == signal.SIGINT:
+                raise KeyboardInterrupt  # Ctrl-C again: now
+            return
+        name = signal.Signals(number).name
+        print(f"pstrain: {name}: finishing the step in hand, then leaving "
+              "the job (Ctrl-C again stops at once)", file=sys.stderr,
+              flush=True)
+
+    _seen = False  # a graceful signal came
+
+
+graceful_stop = _GracefulStop()
 
 
 def _check(code, error):
@@ -570,6 +661,11 @@ class Client:
 
     def leave(self):
         self._call(_lib.pstrain_client_leave)
+
+    def leave_stopping(self, timeout_s):
+        """Leaves as a worker stopped by a signal (a sync job holds its step
+        while no other worker trains), giving up after timeout_s."""
+        self._call(_lib.pstrain_client_leave_stopping, float(timeout_s))
 
     def stats(self):
         """Every shard's StatsResponse, as dicts (proto field names)."""

@@ -64,6 +64,7 @@ read and written in place: no copy in Python, none in the binding.
 """
 
 import concurrent.futures
+import sys
 import time
 import warnings
 
@@ -830,6 +831,10 @@ class ParameterServer:
             raise ValueError("pipeline=True: a model with pstrain.torch "
                              "embedding tables steps plain")
         self._pipeline = _Pipeline(self) if pipeline else None
+        # From here a SIGTERM or a first Ctrl-C ends the step in hand first
+        # (_core._GracefulStop); step() then leaves and raises.
+        self._step_began = None
+        _core.graceful_stop.activate(self)
 
     @property
     def step_count(self):
@@ -853,9 +858,65 @@ class ParameterServer:
         pulls the model after it into ``model`` in one round trip, then zeroes
         the gradients. Sync: returns once every worker's step is in. A
         pipelined step started that exchange during backward and waits here
-        for what is left of it."""
+        for what is left of it.
+
+        After SIGTERM, or a first Ctrl-C, the step still goes in whole; the
+        worker then leaves the job as stopped and this raises SystemExit
+        (128 + 15) or KeyboardInterrupt. A sync job so stopped keeps its
+        step on every shard, and resumed from the servers' checkpoints it
+        trains as the undisturbed job would."""
         if self._finished:
             raise RuntimeError("step() after finish()")
+        try:
+            self._exchange()
+        except BaseException as e:
+            if (_core.graceful_stop.requested() and
+                    isinstance(e, pstrain.Error)):
+                # Interrupted once the grace was over: a wait for workers
+                # that stopped (CANCELLED, or UNAVAILABLE from a data link
+                # the interrupt closed).
+                self._stop_on_signal()
+            raise
+        now = time.monotonic()
+        if self._step_began is not None:
+            # A step in hand, compute included, ends well within twice the
+            # last one.
+            _core.graceful_stop.set_grace(2 * (now - self._step_began))
+        self._step_began = now
+        if _core.graceful_stop.requested():
+            self._stop_on_signal()
+
+    def _stop_on_signal(self):
+        """Leaves as stopped after a graceful signal, and raises."""
+        import signal
+        number = _core.graceful_stop.requested()
+        _core._lib.pstrain_stop_quiet()
+        self._finished = True
+        self._how = "stopped"
+        try:
+            if self._pipeline is not None:
+                self._pipeline.close()
+            try:
+                self._await_lane_push()
+            finally:
+                self._close_lane()
+        except Exception:  # an interrupted push: the servers count it
+            pass
+        try:
+            self.client.leave_stopping(0.3)
+        except pstrain.Error as e:
+            print(f"pstrain: leaving the job: {e}", file=sys.stderr)
+        _core.graceful_stop.deactivate(self)
+        name = signal.Signals(number).name
+        message = (f"pstrain: worker {self.worker_id} stopped by {name} at "
+                   f"step {self._step} and left the job; the servers hold "
+                   "that step for a resume")
+        print(message, file=sys.stderr, flush=True)
+        if number == signal.SIGINT:
+            raise KeyboardInterrupt(message)
+        raise SystemExit(128 + number)
+
+    def _exchange(self):
         self._step_the_optimizer()
         pipeline = self._pipeline
         if pipeline is None:
@@ -940,7 +1001,7 @@ class ParameterServer:
             "step (no backward() reached a parameter): zeros are pushed, and "
             "the servers' optimizer still steps (weight decay, momentum), "
             "unlike torch's optimizer.step(), which skips parameters "
-            "without a gradient", RuntimeWarning, stacklevel=4)
+            "without a gradient", RuntimeWarning, stacklevel=5)
 
     def _plain_step(self):
         step = self._step
@@ -1026,6 +1087,7 @@ class ParameterServer:
         if self._finished:
             return self._how
         self._finished = True
+        _core.graceful_stop.deactivate(self)
         if self._pipeline is not None:
             self._pipeline.close()
         # This worker's last rows in (rows pulled ahead for a step never
