@@ -178,7 +178,11 @@ void CatchTerminationSignals() {
   action.sa_handler = OnTerminationSignal;
   action.sa_flags = SA_RESTART;  // other threads' system calls go on
   sigemptyset(&action.sa_mask);
-  PCHECK(sigaction(SIGINT, &action, nullptr) == 0);
+  struct sigaction interrupt = {};
+  PCHECK(sigaction(SIGINT, nullptr, &interrupt) == 0);
+  if (interrupt.sa_handler != SIG_IGN) {
+    PCHECK(sigaction(SIGINT, &action, nullptr) == 0);
+  }
   PCHECK(sigaction(SIGTERM, &action, nullptr) == 0);
 }
 

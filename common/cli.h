@@ -56,6 +56,11 @@ absl::Status WriteFileAtomically(const std::string& path,
 // caught, in order (blocking). A handler, not a signal mask: libraries
 // start threads before main (OpenBLAS's pool), and a mask set in main
 // cannot cover them, so a signal landing there would kill the process.
+// A process started with SIGINT ignored (a background job of a script:
+// deploy/local/launch.sh's servers and workers) keeps ignoring it, as
+// shells and Python do: a terminal's Ctrl-C reaches the script's whole
+// process group at once, and the script stops its children in order
+// (workers, then servers) with SIGTERM.
 void CatchTerminationSignals();
 int WaitForTerminationSignal();
 // Makes WaitForTerminationSignal return `reason` as if a signal of that

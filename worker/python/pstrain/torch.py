@@ -909,8 +909,9 @@ class ParameterServer:
         _core.graceful_stop.deactivate(self)
         name = signal.Signals(number).name
         message = (f"pstrain: worker {self.worker_id} stopped by {name} at "
-                   f"step {self._step} and left the job; the servers hold "
-                   "that step for a resume")
+                   f"step {self._step} and left the job")
+        if self.mode == "sync":
+            message += "; the servers hold that step for a resume"
         print(message, file=sys.stderr, flush=True)
         if number == signal.SIGINT:
             raise KeyboardInterrupt(message)
