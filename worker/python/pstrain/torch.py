@@ -869,14 +869,18 @@ class ParameterServer:
             raise RuntimeError("step() after finish()")
         try:
             self._exchange()
-        except BaseException as e:
-            if (_core.graceful_stop.requested() and
-                    isinstance(e, pstrain.Error)):
-                # Interrupted once the grace was over: a wait for workers
-                # that stopped (CANCELLED, or UNAVAILABLE from a data link
-                # the interrupt closed).
-                self._stop_on_signal()
-            raise
+        except pstrain.Error:
+            if not _core.graceful_stop.requested():
+                raise
+            # Interrupted once the grace was over: a wait for workers that
+            # stopped (CANCELLED, or UNAVAILABLE from a data link the
+            # interrupt closed). Raised outside this block, so that Ctrl-C
+            # shows one traceback, not the interrupted call's too.
+            interrupted = True
+        else:
+            interrupted = False
+        if interrupted:
+            self._stop_on_signal()
         now = time.monotonic()
         if self._step_began is not None:
             # A step in hand, compute included, ends well within twice the
