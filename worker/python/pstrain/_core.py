@@ -242,8 +242,9 @@ class _GracefulStop:
         _lib.pstrain_stop_gracefully(0, 0)
 
     def set_grace(self, seconds):
-        """The time a step in hand may take to end by itself."""
-        self.grace_s = min(max(seconds, 0.4), 10.0)
+        """The time a step in hand may take to end by itself: at least
+        0.4 s, at most 5 s (a launcher SIGKILLs 10 s after its SIGTERM)."""
+        self.grace_s = min(max(seconds, 0.4), 5.0)
         if self._ours:
             self._tell_library()
 

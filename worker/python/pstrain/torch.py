@@ -833,7 +833,7 @@ class ParameterServer:
         self._pipeline = _Pipeline(self) if pipeline else None
         # From here a SIGTERM or a first Ctrl-C ends the step in hand first
         # (_core._GracefulStop); step() then leaves and raises.
-        self._step_began = None
+        self._step_ended = time.monotonic()
         _core.graceful_stop.activate(self)
 
     @property
@@ -867,6 +867,11 @@ class ParameterServer:
         trains as the undisturbed job would."""
         if self._finished:
             raise RuntimeError("step() after finish()")
+        # The step in hand gets twice the time this one took outside step()
+        # (data, forward, backward; a pipelined push) to end before its
+        # waits are cut; a wait for a slow peer is not work.
+        outside = time.monotonic() - self._step_ended
+        _core.graceful_stop.set_grace(2 * outside)
         try:
             self._exchange()
         except pstrain.Error:
@@ -881,12 +886,7 @@ class ParameterServer:
             interrupted = False
         if interrupted:
             self._stop_on_signal()
-        now = time.monotonic()
-        if self._step_began is not None:
-            # A step in hand, compute included, ends well within twice the
-            # last one.
-            _core.graceful_stop.set_grace(2 * (now - self._step_began))
-        self._step_began = now
+        self._step_ended = time.monotonic()
         if _core.graceful_stop.requested():
             self._stop_on_signal()
 
