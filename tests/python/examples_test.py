@@ -57,6 +57,26 @@ class ExamplesTest(unittest.TestCase):
     def test_cnn_async(self):
         self.check_cnn("async")
 
+    def test_a_finished_job_run_again_reports_its_model(self):
+        # The same command again after the job's last step (an operator's
+        # resume that came too late, a rerun): every worker starts at the
+        # last step, runs none, and reports the model the job ended with.
+        for script, args in (
+                ("fashion_mnist_cnn.py", ["--epochs=0.05",
+                                          "--test_examples=500"]),
+                ("ctr.py", ["--steps=50", "--test_examples=2000"])):
+            with self.subTest(script=script):
+                checkpoints = os.path.join(os.environ["TEST_TMPDIR"],
+                                           f"ckpt_{script}")
+                args = args + [f"--server.checkpoint_dir={checkpoints}"]
+                first, _ = launch("sync", script, args)
+                again, _ = launch("sync", script, args)
+                self.assertGreater(first[0]["steps_run"], 0)
+                self.assertEqual([f["steps_run"] for f in again], [0, 0])
+                figure = "test_loss" if "test_loss" in first[0] else "auc"
+                self.assertEqual({f[figure] for f in again},
+                                 {first[0][figure]})
+
     def test_ctr_sync_matches_one_torch_process(self):
         # The script as a user wrote it (nn.EmbeddingBag(sparse=True),
         # torch.optim.Adagrad and Adam), run as one process, against its

@@ -213,6 +213,7 @@ def main():
         (args.table_consistency or mode) == "async")
     start = time.time()
     batch = load(start_step) if start_step < args.steps else None
+    loss = None  # a job resumed after its last step runs none
     for step in range(start_step, args.steps):
         dense, labels, bags = batch
         if step + 1 < args.steps:
@@ -247,7 +248,8 @@ def main():
         auc=round(pstrain.data.auc(test.labels, scores), 4),
         true_auc=round(pstrain.data.auc(test.labels,
                                         test.true_probabilities), 4),
-        final_loss=round(loss.item(), 6), test_examples=test.size,
+        final_loss=None if loss is None else round(loss.item(), 6),
+        test_examples=test.size,
         samples_per_sec=round((args.steps - start_step) * batch_size
                               / max(wall, 1e-9), 1),
         table_lane_s=round(lane_s, 3), table_lane_wait_s=round(lane_wait_s, 3),

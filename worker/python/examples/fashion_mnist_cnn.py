@@ -90,6 +90,7 @@ def main():
     steps = int(args.epochs * batches.steps_per_epoch)
     model.train()
     start = time.time()
+    loss = None  # a job resumed after its last step runs none
     for step in range(start_step, steps):
         # Dropout's masks a function of (worker, step): a job resumed from
         # the servers' checkpoints, or a worker restarted, draws what the
@@ -114,7 +115,8 @@ def main():
         model="cnn", device=str(device), mode=mode, worker_id=worker_id, num_workers=num_workers,
         steps=steps, steps_run=steps - start_step, start_step=start_step,
         epochs=round(steps / batches.steps_per_epoch, 3),
-        final_loss=round(loss.item(), 6), test_loss=round(test_loss, 6),
+        final_loss=None if loss is None else round(loss.item(), 6),
+        test_loss=round(test_loss, 6),
         test_accuracy=round(test_accuracy, 4),
         test_examples=min(args.test_examples, 10000),
         final_model=final_model,
