@@ -210,17 +210,21 @@ void ExpectBlockEq(const BlockSnapshot& actual, const BlockSnapshot& expected) {
   EXPECT_EQ(actual.last_step, expected.last_step) << actual.global_block;
 }
 
+// Checks that `restored` holds exactly `expected`'s blocks, bit for bit.
+void ExpectBlocksOf(const RestoredShard& restored,
+                    const ShardSnapshot& expected) {
+  ASSERT_EQ(restored.blocks.size(), expected.blocks.size());
+  for (size_t k = 0; k < expected.blocks.size(); ++k) {
+    ExpectBlockEq(restored.blocks[k], expected.blocks[k]);
+  }
+}
+
 // Checks that `restored` holds exactly the blocks shard `shard_id` of
 // `num_shards` owns, with the values written with `salt`.
 void ExpectShardFromSalt(const RestoredShard& restored,
                          const ModelSchema& schema, int shard_id,
                          int num_shards, int salt) {
-  const ShardSnapshot expected =
-      MakeSnapshot(schema, shard_id, num_shards, 0, salt);
-  ASSERT_EQ(restored.blocks.size(), expected.blocks.size());
-  for (size_t k = 0; k < expected.blocks.size(); ++k) {
-    ExpectBlockEq(restored.blocks[k], expected.blocks[k]);
-  }
+  ExpectBlocksOf(restored, MakeSnapshot(schema, shard_id, num_shards, 0, salt));
 }
 
 TEST(CheckpointTest, RoundTripIsExact) {
@@ -805,12 +809,8 @@ TEST(CheckpointTest, TensorsWithTheirOwnOptimizerStateRestoreIntoAnyCount) {
           store.LoadForShard(shard, new_shards);
       ASSERT_TRUE(restored.ok()) << restored.status();
       EXPECT_TRUE(restored->files_skipped.empty());
-      const ShardSnapshot expected =
-          WithStatePerTensor(MakeSnapshot(schema, shard, new_shards, 0, 1));
-      ASSERT_EQ(restored->blocks.size(), expected.blocks.size());
-      for (size_t k = 0; k < expected.blocks.size(); ++k) {
-        ExpectBlockEq(restored->blocks[k], expected.blocks[k]);
-      }
+      ExpectBlocksOf(*restored, WithStatePerTensor(MakeSnapshot(
+                                    schema, shard, new_shards, 0, 1)));
     }
   }
 }

@@ -3,25 +3,11 @@
 #include <csignal>
 #include <thread>
 
-#include "absl/synchronization/notification.h"
 #include "common/cli.h"
 #include "glog/logging.h"
 
 namespace pstrain {
 namespace {
-
-// Leaves the job on every shard, giving up after `within` (a shard that
-// cannot be reached must not hold a stopping worker).
-void LeaveWithin(PsClient& client, absl::Duration within) {
-  absl::Notification done;
-  std::thread leaver([&] {
-    absl::Status left = client.Leave(/*stopping=*/true);
-    if (!left.ok()) LOG(WARNING) << "leaving the job: " << left;
-    done.Notify();
-  });
-  if (!done.WaitForNotificationWithTimeout(within)) client.Interrupt();
-  leaver.join();
-}
 
 const char* SignalName(int signal_number) {
   if (signal_number == SIGINT) return "SIGINT";
@@ -73,7 +59,12 @@ int StoppedWhileWaiting(SignalWatch& watch, StepOutput& output,
                         const absl::Status& status) {
   watch.Quiet();
   output.Finish();
-  LeaveWithin(client, absl::Milliseconds(300));
+  // A shard that cannot be reached must not hold a stopping worker.
+  if (absl::Status left =
+          client.LeaveWithin(/*stopping=*/true, absl::Milliseconds(300));
+      !left.ok()) {
+    LOG(WARNING) << "leaving the job: " << left;
+  }
   const int signal_number = watch.signal_number();
   LOG(ERROR) << "worker " << worker_id << ": stopped by "
              << SignalName(signal_number) << " while waiting " << waiting_for

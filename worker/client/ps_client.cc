@@ -8,6 +8,7 @@
 #include <limits>
 #include <optional>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/random/distributions.h"
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/consistency_mode.h"
 #include "common/protocol.h"
 #include "common/status_text.h"
@@ -739,6 +741,18 @@ absl::Status PsClient::Leave(bool stopping) {
     calls[s].flat = request.SerializeAsString();
   }
   return RunAll("Leave", calls, options_.rpc_timeout);
+}
+
+absl::Status PsClient::LeaveWithin(bool stopping, absl::Duration within) {
+  absl::Status left;
+  absl::Notification done;
+  std::thread leaver([&] {
+    left = Leave(stopping);
+    done.Notify();
+  });
+  if (!done.WaitForNotificationWithTimeout(within)) Interrupt();
+  leaver.join();
+  return left;
 }
 
 // async/ssp: the servers' model is final once no worker is a member any

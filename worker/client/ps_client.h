@@ -531,6 +531,10 @@ class PsClient {
   // other worker trains, so that a whole job stopped at once completes no
   // step short (LeaveRequest.stopping).
   absl::Status Leave(bool stopping = false);
+  // Leave, given up after `within` (Interrupt, from another thread): a
+  // worker stopping on a signal must not be held by a shard it cannot
+  // reach.
+  absl::Status LeaveWithin(bool stopping, absl::Duration within);
   // The sparse row cache's counts (all 0 when it is off), read on the
   // thread that makes the sparse calls.
   SparseRowCacheStats sparse_row_cache_stats() const;

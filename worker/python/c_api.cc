@@ -28,7 +28,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/cluster_spec.h"
 #include "common/consistency_mode.h"
@@ -716,18 +715,7 @@ int pstrain_client_leave(pstrain_client* c, char** error) {
 int pstrain_client_leave_stopping(pstrain_client* c, double timeout_s,
                                   char** error) {
   return Guard(error, [&] {
-    // A shard that cannot be reached must not hold a stopping worker.
-    absl::Status left;
-    absl::Notification done;
-    std::thread leaver([&] {
-      left = c->client->Leave(/*stopping=*/true);
-      done.Notify();
-    });
-    if (!done.WaitForNotificationWithTimeout(absl::Seconds(timeout_s))) {
-      c->client->Interrupt();
-    }
-    leaver.join();
-    return left;
+    return c->client->LeaveWithin(/*stopping=*/true, absl::Seconds(timeout_s));
   });
 }
 

@@ -204,8 +204,6 @@ class _GracefulStop:
     library cannot watch the signals (see the module's docstring), nothing
     changes. A second Ctrl-C stops at once."""
 
-    _SIGNALS = ("SIGINT", "SIGTERM")
-
     def __init__(self):
         self._owners = weakref.WeakSet()
         self._ours = {}  # signal number -> the handler it replaced

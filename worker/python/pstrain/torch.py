@@ -875,17 +875,12 @@ class ParameterServer:
         try:
             self._exchange()
         except pstrain.Error:
-            if not _core.graceful_stop.requested():
-                raise
             # Interrupted once the grace was over: a wait for workers that
             # stopped (CANCELLED, or UNAVAILABLE from a data link the
-            # interrupt closed). Raised outside this block, so that Ctrl-C
-            # shows one traceback, not the interrupted call's too.
-            interrupted = True
-        else:
-            interrupted = False
-        if interrupted:
-            self._stop_on_signal()
+            # interrupt closed). The stop below raises outside this block,
+            # so that Ctrl-C shows one traceback, not the call's too.
+            if not _core.graceful_stop.requested():
+                raise
         self._step_ended = time.monotonic()
         if _core.graceful_stop.requested():
             self._stop_on_signal()
