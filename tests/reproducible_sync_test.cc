@@ -598,21 +598,35 @@ TEST(ReproducibleSyncTest, AJobResumedFromItsCheckpointChangesNothing) {
 // checkpoints computes step 10 whole: the undisturbed job's model. Before,
 // step 10 completed without worker 0 the moment it left.
 //
-// Runs 3 workers of which worker 0 SIGTERMs itself after step 9 (it never
-// pushes step 10). Workers 1 and 2 stop by `others_flag` or, without one,
-// by the test's SIGTERM once worker 0 has gone (they pushed step 10 and wait
-// for it). Checks that every shard, dense blocks and embedding tables alike,
-// stopped at step 10 with no short step; then stops the servers, restarts
-// them from their checkpoints and runs the job to its end.
-WorkerRunner StopBySignalsThenResume(const std::string& others_flag) {
-  return [others_flag](TestCluster& cluster,
-                       const std::vector<std::string>& flags)
+// How the workers of StopBySignalsThenResume are stopped.
+struct SignalledStop {
+  // Worker 0's own flags: how it SIGTERMs itself.
+  std::vector<std::string> first = {"--inject_sigterm_after_step=9"};
+  // Workers 1 and 2's own flags.
+  std::vector<std::string> others;
+  // Workers 1 and 2 SIGTERM themselves (by `others`); else the test sends
+  // them SIGTERM once worker 0 has gone (they wait for a step it holds).
+  bool others_stop_themselves = false;
+  // Every flag of the stopped part (the resumed part runs without).
+  std::vector<std::string> all;
+  // The step every shard must stop at.
+  int64_t at_step = 10;
+};
+
+// Runs 3 workers of which worker 0 SIGTERMs itself (by default after step
+// 9: it never pushes step 10), stopped as `stop` says. Checks that every
+// shard, dense blocks and embedding tables alike, stopped at
+// `stop.at_step` with no short step; then stops the servers, restarts them
+// from their checkpoints and runs the job to its end.
+WorkerRunner StopBySignalsThenResume(const SignalledStop& stop) {
+  return [stop](TestCluster& cluster, const std::vector<std::string>& flags)
              -> absl::StatusOr<std::vector<std::string>> {
     std::vector<std::unique_ptr<Process>> running;
     for (int w = 0; w < 3; ++w) {
       std::vector<std::string> own = flags;
-      if (w == 0) own.push_back("--inject_sigterm_after_step=9");
-      if (w > 0 && !others_flag.empty()) own.push_back(others_flag);
+      own.insert(own.end(), stop.all.begin(), stop.all.end());
+      const std::vector<std::string>& extra = w == 0 ? stop.first : stop.others;
+      own.insert(own.end(), extra.begin(), extra.end());
       absl::StatusOr<std::unique_ptr<Process>> started =
           cluster.StartWorker(w, 3, own);
       if (!started.ok()) return started.status();
@@ -620,7 +634,7 @@ WorkerRunner StopBySignalsThenResume(const std::string& others_flag) {
     }
     absl::StatusOr<int> first = running[0]->Wait(absl::Seconds(120));
     if (!first.ok()) return first.status();
-    if (others_flag.empty()) {
+    if (!stop.others_stop_themselves) {
       for (int w = 1; w < 3; ++w) running[w]->Signal(SIGTERM);
     }
     for (auto& worker : running) {
@@ -630,15 +644,18 @@ WorkerRunner StopBySignalsThenResume(const std::string& others_flag) {
     absl::StatusOr<std::vector<StatsResponse>> stats = cluster.Stats();
     if (!stats.ok()) return stats.status();
     for (const StatsResponse& shard : *stats) {
-      bool at_10 = shard.version() == 10;
-      for (const auto& table : shard.sparse()) at_10 &= table.version() == 10;
-      if (!at_10 || shard.steps_short() != 0) {
+      bool at_step = shard.version() == stop.at_step;
+      for (const auto& table : shard.sparse()) {
+        at_step &= table.version() == stop.at_step;
+      }
+      if (!at_step || shard.steps_short() != 0) {
         return absl::InternalError(absl::StrCat(
             "a shard stopped at step ", shard.version(), " with ",
             shard.steps_short(),
             " short steps; every shard, and each of its tables, should stop "
-            "at step 10 with none:\n",
-            shard.ShortDebugString(), "\n", running[0]->Stderr()));
+            "at step ",
+            stop.at_step, " with none:\n", shard.ShortDebugString(), "\n",
+            running[0]->Stderr()));
       }
     }
     if (absl::Status s = RestartFromCheckpoints(cluster, 2); !s.ok()) return s;
@@ -653,12 +670,14 @@ void ExpectStopsBySignalsChangeNothing(const Job& job,
                                        const std::string& name) {
   const Outcome reference = RunJob(job, name + "_undisturbed");
   ExpectSameOutcome(reference,
-                    RunJob(job, name + "_waiting", StopBySignalsThenResume("")),
+                    RunJob(job, name + "_waiting", StopBySignalsThenResume({})),
                     name + ": stopped by signals while waiting, resumed");
+  SignalledStop before_push;
+  before_push.others = {"--inject_sigterm_before_push_step=10"};
+  before_push.others_stop_themselves = true;
   ExpectSameOutcome(
       reference,
-      RunJob(job, name + "_before_push",
-             StopBySignalsThenResume("--inject_sigterm_before_push_step=10")),
+      RunJob(job, name + "_before_push", StopBySignalsThenResume(before_push)),
       name + ": stopped by signals before pushing step 10, resumed");
 }
 
@@ -669,6 +688,28 @@ TEST(ReproducibleSyncTest, AJobStoppedBySignalsAndResumedChangesNothing) {
 // The same with embedding tables: their sync steps are held alike.
 TEST(ReproducibleSyncTest, ACtrJobStoppedBySignalsAndResumedChangesNothing) {
   ExpectStopsBySignalsChangeNothing({3, 2, /*ctr=*/true}, "ctr_signals");
+}
+
+// A signal that comes during backward lets the step in hand go in whole,
+// however long backward takes: the stop's grace is twice the steps' own
+// work. Each step's backward pauses 600 ms once its last layer's gradients
+// have left (the pipelined step sends them during backward), and worker 0
+// SIGTERMs itself at that moment of step 10: it pushes step 10 whole and
+// stops; workers 1 and 2 push step 11 and wait for it. Every shard stops at
+// step 11 with none short, and the job resumed is the undisturbed one.
+// With a fixed 400 ms grace the interrupts cut worker 0's PushPull halfway
+// and the shards stop at different steps.
+TEST(ReproducibleSyncTest, ASignalDuringALongBackwardLetsTheStepGoInWhole) {
+  const Job job = {3, 2, false, false, 64, {"--pipeline_step=always"}};
+  const Outcome reference = RunJob(job, "long_backward_undisturbed");
+  SignalledStop in_backward;
+  in_backward.first = {"--inject_sigterm_in_backward_step=10"};
+  in_backward.all = {"--inject_backward_pause_ms=600"};
+  in_backward.at_step = 11;
+  ExpectSameOutcome(reference,
+                    RunJob(job, "long_backward_stopped",
+                           StopBySignalsThenResume(in_backward)),
+                    "stopped by a signal during a long backward, resumed");
 }
 
 // Sparse rows: a row's gradients from several workers are summed in worker

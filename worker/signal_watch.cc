@@ -21,15 +21,13 @@ void SignalWatch::Start() {
   std::thread([this] { Run(); }).detach();
 }
 
-void SignalWatch::Add(PsClient* client) {
-  absl::MutexLock lock(&mu_);
-  clients_.push_back(client);
+void SignalWatch::Add(PsClient* client) { graceful_.Add(client); }
+
+void SignalWatch::SetStepWork(absl::Duration step_work) {
+  graceful_.SetStepWork(step_work);
 }
 
-void SignalWatch::Quiet() {
-  absl::MutexLock lock(&mu_);
-  quiet_ = true;
-}
+void SignalWatch::Quiet() { graceful_.Quiet(); }
 
 int SignalWatch::signal_number() const {
   absl::MutexLock lock(&mu_);
@@ -43,14 +41,11 @@ void SignalWatch::Run() {
     signal_ = signal_number;
   }
   LOG(INFO) << "signal " << signal_number
-            << ": stopping after this step and leaving the job";
+            << ": stopping after this step and leaving the job (a wait still "
+               "going in "
+            << graceful_.grace() << " is cut short)";
   stop_->store(true);
-  absl::MutexLock lock(&mu_);
-  mu_.AwaitWithTimeout(absl::Condition(&quiet_), kGrace);
-  while (!quiet_) {
-    for (PsClient* client : clients_) client->Interrupt();
-    mu_.AwaitWithTimeout(absl::Condition(&quiet_), absl::Milliseconds(100));
-  }
+  graceful_.InterruptAfterGrace();
 }
 
 int StoppedWhileWaiting(SignalWatch& watch, StepOutput& output,

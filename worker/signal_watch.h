@@ -7,24 +7,23 @@
 
 #include <atomic>
 #include <string>
-#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "worker/client/graceful_stop.h"
 #include "worker/client/ps_client.h"
 #include "worker/step_output.h"
 
 namespace pstrain {
 
 // SIGINT/SIGTERM: training stops after the step in hand and leaves the job
-// (`stop`). A wait (to reach a server, a retry, a sync pull held for a slow
-// peer) does not end by itself, so one still going kGrace after the
-// signal is cut short: every client's calls in progress are interrupted
-// (PsClient::Interrupt), again every 100 ms so that a wait begun since is
-// cut too, until the worker is past its waits (Quiet). The signal handler
-// only writes to a pipe (common/cli.h); all of this runs on a thread.
+// (`stop`). The step in hand has a grace to end by itself, twice the last
+// step's own work; a call still going after it is a wait that would not
+// end by itself (to reach a server, a retry, a sync pull held for a peer
+// that stopped), and is cut short (GracefulStop). The signal handler only
+// writes to a pipe (common/cli.h); all of this runs on a thread.
 class SignalWatch {
  public:
   explicit SignalWatch(std::atomic<bool>* stop) : stop_(stop) {}
@@ -32,22 +31,20 @@ class SignalWatch {
   // Never returns its thread: the object must live for the process.
   void Start();
   void Add(PsClient* client);
+  // Each step's batch, forward and backward time (StepReport's
+  // compute_seconds): the grace of a signal that comes later.
+  void SetStepWork(absl::Duration step_work);
   // No more interrupts: the worker is finishing (final model, leaving) or
   // about to destroy its clients.
   void Quiet();
   int signal_number() const;
 
  private:
-  // Long enough for a step in hand to end and the worker to leave on its
-  // own (and print its final JSON), short enough to stop within a second.
-  static constexpr absl::Duration kGrace = absl::Milliseconds(400);
-
   void Run();
 
   std::atomic<bool>* const stop_;
+  GracefulStop graceful_;
   mutable absl::Mutex mu_;
-  std::vector<PsClient*> clients_ ABSL_GUARDED_BY(mu_);
-  bool quiet_ ABSL_GUARDED_BY(mu_) = false;
   int signal_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

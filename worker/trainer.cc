@@ -12,8 +12,10 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -530,12 +532,20 @@ class StepRunner {
       if (absl::IsAborted(s) && !stream_->failed()) start_over = true;
       return s;
     };
+    bool first_gradient_seen = false;
     hooks.gradient_ready = [&](int param, int64_t end) {
       if (!first_ready_seen && last_value_in != absl::InfinitePast()) {
         first_ready_seen = true;
         out.fill_gap = absl::Now() - last_value_in;
       }
       stream_->Trace('g', param, end);
+      // After this call's groups are free to leave: they are in flight
+      // during the pause.
+      absl::Cleanup injected = [&] {
+        if (!std::exchange(first_gradient_seen, true)) {
+          InjectInBackwardIfAsked(step);
+        }
+      };
       if (!buffers_.staged) {
         stream_->SetReady(param, end);
         return;
@@ -640,9 +650,13 @@ class StepRunner {
     // The first error stops the reports (the step fails below).
     absl::Status ready_status;
     overlapped_push_->Start(step);
+    bool first_gradient_seen = false;
     absl::StatusOr<BatchResult> computed =
         model_.ComputeGradients(params_, batch, grads_, [&](int tensor) {
           if (ready_status.ok()) ready_status = overlapped_push_->Ready(tensor);
+          if (!std::exchange(first_gradient_seen, true)) {
+            InjectInBackwardIfAsked(step);
+          }
         });
     DelayIfAsked();
     StepExchange out;
@@ -663,8 +677,13 @@ class StepRunner {
                                            const DeviceBatch& batch,
                                            absl::Time staged_at,
                                            bool may_pull_ahead) {
+    bool first_gradient_seen = false;
     absl::StatusOr<BatchResult> computed =
-        model_.ComputeGradients(params_, batch, grads_);
+        model_.ComputeGradients(params_, batch, grads_, [&](int) {
+          if (!std::exchange(first_gradient_seen, true)) {
+            InjectInBackwardIfAsked(step);
+          }
+        });
     if (!computed.ok()) return computed.status();
     if (absl::Status s = buffers_.GradsToHost(backend_); !s.ok()) return s;
     DelayIfAsked();
@@ -728,6 +747,17 @@ class StepRunner {
   void DelayIfAsked() const {
     if (options_.step_delay > absl::ZeroDuration()) {
       absl::SleepFor(options_.step_delay);
+    }
+  }
+
+  // --inject_sigterm_in_backward_step, --inject_backward_pause_ms: once a
+  // step, when its first gradients are ready.
+  void InjectInBackwardIfAsked(int64_t step) const {
+    if (step == options_.sigterm_in_backward_step) {
+      InjectSigterm(options_.stop, step);
+    }
+    if (options_.backward_pause > absl::ZeroDuration()) {
+      absl::SleepFor(options_.backward_pause);
     }
   }
 
@@ -984,9 +1014,12 @@ StepReport ReportOf(int64_t step, const TrainerOptions& options,
   report.step_seconds = absl::ToDoubleSeconds(step_time);
   report.pull_seconds = absl::ToDoubleSeconds(pull_time);
   report.push_seconds = absl::ToDoubleSeconds(exchange.push_time);
-  report.compute_seconds = absl::ToDoubleSeconds(exchange.compute_time);
-  report.network_wait_seconds =
-      absl::ToDoubleSeconds(pull_time + exchange.push_wait);
+  // As Tally counts them: the pipelined forward's wait for its values is
+  // the network's, not compute.
+  report.compute_seconds =
+      absl::ToDoubleSeconds(exchange.compute_time - exchange.values_wait);
+  report.network_wait_seconds = absl::ToDoubleSeconds(
+      pull_time + exchange.push_wait + exchange.values_wait);
   report.epoch = step / steps_per_epoch;
   return report;
 }

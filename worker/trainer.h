@@ -34,8 +34,9 @@ struct StepReport {
   // includes the next step's pull (whose pull_seconds is then 0).
   double push_seconds = 0;
   double compute_seconds = 0;  // batch, forward and backward
-  // The step's time blocked on the network: the pull, and the pushes still
-  // in flight once backward was done.
+  // The step's time blocked on the network: the pull, the pushes still in
+  // flight once backward was done, and the pipelined forward's wait for
+  // its values.
   double network_wait_seconds = 0;
   // Set when the model after this step was evaluated on the held-out set.
   bool evaluated = false;
@@ -108,6 +109,12 @@ struct TrainerOptions {
   int64_t sigterm_after_step = -1;
   // ... once this step's model is pulled, before any of it is pushed.
   int64_t sigterm_before_push_step = -1;
+  // ... once this step's first gradients are ready; the step goes on and
+  // pushes whole.
+  int64_t sigterm_in_backward_step = -1;
+  // Fault injection: every step's backward pauses this long once its first
+  // gradients are ready (with the pipelined step they have left).
+  absl::Duration backward_pause = absl::ZeroDuration();
   // Set (e.g. by SIGTERM) to stop after the current step and leave the job.
   const std::atomic<bool>* stop = nullptr;
   // sync: waits until every expected worker has registered

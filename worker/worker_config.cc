@@ -149,6 +149,10 @@ void CheckTraining(const WorkerConfig& config, Problems& checks) {
                                 training.inject_sigterm_after_step, -1));
   checks.push_back(CheckAtLeast("inject_sigterm_before_push_step",
                                 training.inject_sigterm_before_push_step, -1));
+  checks.push_back(CheckAtLeast("inject_sigterm_in_backward_step",
+                                training.inject_sigterm_in_backward_step, -1));
+  checks.push_back(CheckAtLeast("inject_backward_pause_ms",
+                                training.inject_backward_pause_ms, 0));
 }
 
 void CheckEval(const WorkerConfig& config, Problems& checks) {
@@ -190,10 +194,13 @@ void CheckCtr(const WorkerConfig& config, Problems& checks) {
   const CtrConfig& ctr = config.ctr;
   const TrainingConfig& training = config.training;
   if (training.inject_crash_before_push_step >= 0 ||
-      training.inject_crash_after_step >= 0) {
+      training.inject_crash_after_step >= 0 ||
+      training.inject_sigterm_in_backward_step >= 0 ||
+      training.inject_backward_pause_ms > 0) {
     checks.push_back(absl::InvalidArgumentError(
-        "--inject_crash_before_push_step and --inject_crash_after_step are "
-        "for the dense models' training loop; --model=ctr does not run "
+        "--inject_crash_before_push_step, --inject_crash_after_step, "
+        "--inject_sigterm_in_backward_step and --inject_backward_pause_ms "
+        "are for the dense models' training loop; --model=ctr does not run "
         "them"));
   }
   if (ctr.data != "synthetic" && ctr.data != "criteo" && ctr.data != "libsvm") {

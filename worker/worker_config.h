@@ -102,6 +102,12 @@ struct TrainingConfig {
   int64_t inject_sigterm_after_step = -1;
   // ... once this step's model is pulled, before any of it is pushed.
   int64_t inject_sigterm_before_push_step = -1;
+  // ... once this step's first gradients are ready: it goes on to push the
+  // step whole.
+  int64_t inject_sigterm_in_backward_step = -1;
+  // Fault injection: every step's backward pauses this long once its first
+  // gradients are ready (a big model's backward, on the clock).
+  int64_t inject_backward_pause_ms = 0;
 };
 
 // Held-out evaluation: during training (worker 0), or of a model file with

@@ -216,6 +216,16 @@ ABSL_FLAG(int64_t, inject_sigterm_before_push_step,
           "Fault injection: once this step's model is pulled, before any of "
           "its gradient is pushed, the worker sends itself SIGTERM and stops "
           "without pushing it. -1: never.");
+ABSL_FLAG(int64_t, inject_sigterm_in_backward_step,
+          Default().training.inject_sigterm_in_backward_step,
+          "Fault injection: once this step's first gradients are ready, the "
+          "worker sends itself SIGTERM; it pushes the step whole, then "
+          "stops. -1: never.");
+ABSL_FLAG(int64_t, inject_backward_pause_ms,
+          Default().training.inject_backward_pause_ms,
+          "Fault injection: every step's backward pauses this long once its "
+          "first gradients are ready (with the pipelined step they have "
+          "left), as a big model's backward would take.");
 
 // Evaluation (EvalConfig).
 ABSL_FLAG(int64_t, eval_every_steps, Default().eval.eval_every_steps,
@@ -401,6 +411,10 @@ absl::StatusOr<WorkerConfig> WorkerConfigFromFlags(int argc, char** argv) {
       absl::GetFlag(FLAGS_inject_sigterm_after_step);
   training.inject_sigterm_before_push_step =
       absl::GetFlag(FLAGS_inject_sigterm_before_push_step);
+  training.inject_sigterm_in_backward_step =
+      absl::GetFlag(FLAGS_inject_sigterm_in_backward_step);
+  training.inject_backward_pause_ms =
+      absl::GetFlag(FLAGS_inject_backward_pause_ms);
 
   EvalConfig& eval = c.eval;
   eval.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);

@@ -142,7 +142,10 @@ int TrainCtrAndReport(const WorkerConfig& config, ServerConnection& servers,
   ctr.client = client;
   ctr.client_options = &servers.options;
   ctr.backend = &backend;
-  ctr.on_step = [&output](const StepReport& r) { output.OnStep(r); };
+  ctr.on_step = [&output, signal_watch](const StepReport& r) {
+    signal_watch->SetStepWork(absl::Seconds(r.compute_seconds));
+    output.OnStep(r);
+  };
   ctr.on_waiting = [&output](const JobStart& waiting) {
     output.OnWaitingForWorkers(waiting);
   };
@@ -250,6 +253,10 @@ TrainerOptions TrainerOptionsFor(const WorkerConfig& config,
   options.sigterm_after_step = config.training.inject_sigterm_after_step;
   options.sigterm_before_push_step =
       config.training.inject_sigterm_before_push_step;
+  options.sigterm_in_backward_step =
+      config.training.inject_sigterm_in_backward_step;
+  options.backward_pause =
+      absl::Milliseconds(config.training.inject_backward_pause_ms);
   std::vector<absl::Status> problems;
   options.learning_rate_at =
       ScheduledRate(config.training.lr_schedule, data.steps,
@@ -353,6 +360,7 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
   int64_t last_step = registration->start_step;
   options.on_step = [&](const StepReport& r) {
     last_step = r.step;
+    signal_watch->SetStepWork(absl::Seconds(r.compute_seconds));
     const std::string warning = learning_watch.OnStep(r.step, r.loss);
     if (!warning.empty()) {
       output.Finish();  // the warning gets a line of its own

@@ -40,6 +40,7 @@
 #include "proto/ps.pb.h"
 #include "worker/client/client_config.h"
 #include "worker/client/client_options.h"
+#include "worker/client/graceful_stop.h"
 #include "worker/client/ps_client.h"
 #include "worker/connect_wait.h"
 #include "worker/ctr_data.h"
@@ -79,54 +80,28 @@ struct pstrain_step_stream {
 namespace pstrain {
 namespace {
 
-// The clients pstrain_watch_signals interrupts.
-absl::Mutex live_clients_mu;
-std::set<pstrain_client*>* live_clients ABSL_GUARDED_BY(live_clients_mu) =
-    new std::set<pstrain_client*>;
-
-void InterruptLiveClients() {
-  absl::MutexLock lock(&live_clients_mu);
-  for (pstrain_client* client : *live_clients) client->client->Interrupt();
-}
+// The clients a signal interrupts, and the grace of a graceful stop
+// (pstrain_stop_gracefully). Never destroyed: the watcher thread outlives
+// main.
+GracefulStop* const graceful_stop = new GracefulStop;
 
 // pstrain_stop_gracefully's state: the signals (a bit per number) whose
-// first arrival lets the step in hand finish, the grace it gets, the first
-// such signal (0: none yet), and whether the caller went quiet (leaving).
+// first arrival lets the step in hand finish, and the first such signal
+// (0: none yet).
 std::atomic<uint64_t> graceful_signals{0};
-std::atomic<int64_t> stop_grace_ms{400};
 std::atomic<int> stop_signal{0};
-absl::Mutex stop_mu;
-bool stop_quiet ABSL_GUARDED_BY(stop_mu) = false;
-
-// After a graceful signal: the step in hand has the grace to end by itself
-// (its push must not be cut halfway: the blocks it reached would complete
-// the step without the others); a call still going then is a wait that
-// may never end (the other workers stopped), so it is interrupted, again
-// every 100 ms, until the caller goes quiet to leave.
-void InterruptAfterGrace() {
-  absl::MutexLock lock(&stop_mu);
-  stop_mu.AwaitWithTimeout(absl::Condition(&stop_quiet),
-                           absl::Milliseconds(stop_grace_ms.load()));
-  while (!stop_quiet) {
-    stop_mu.Unlock();
-    InterruptLiveClients();
-    stop_mu.Lock();
-    stop_mu.AwaitWithTimeout(absl::Condition(&stop_quiet),
-                             absl::Milliseconds(100));
-  }
-}
 
 // One SIGINT or SIGTERM read from the wakeup fd.
 void OnTerminationSignal(int number) {
   if ((graceful_signals.load() >> number & 1) == 0) {
-    InterruptLiveClients();
+    graceful_stop->InterruptAll();
     return;
   }
   int none = 0;
   if (stop_signal.compare_exchange_strong(none, number)) {
-    std::thread(InterruptAfterGrace).detach();
+    std::thread([] { graceful_stop->InterruptAfterGrace(); }).detach();
   } else if (number == SIGINT) {
-    InterruptLiveClients();  // Ctrl-C again: stop now
+    graceful_stop->InterruptAll();  // Ctrl-C again: stop now
   }
   // A second SIGTERM changes nothing: its sender escalates to SIGKILL.
 }
@@ -335,18 +310,14 @@ int pstrain_client_create(const char* options_json, pstrain_client** out,
     if (!made.ok()) return made.status();
     client->client = std::move(*made);
     *out = client.release();
-    absl::MutexLock lock(&pstrain::live_clients_mu);
-    pstrain::live_clients->insert(*out);
+    pstrain::graceful_stop->Add((*out)->client.get());
     return absl::OkStatus();
   });
 }
 
 void pstrain_client_destroy(pstrain_client* client) {
   if (client->running != nullptr) pstrain_stream_cancel(client->running);
-  {
-    absl::MutexLock lock(&pstrain::live_clients_mu);
-    pstrain::live_clients->erase(client);
-  }
+  pstrain::graceful_stop->Remove(client->client.get());
   delete client;
 }
 
@@ -374,25 +345,21 @@ void pstrain_client_interrupt(pstrain_client* client) {
   client->client->Interrupt();
 }
 
-void pstrain_stop_gracefully(uint64_t signals, int64_t grace_ms) {
-  pstrain::stop_grace_ms.store(std::max<int64_t>(grace_ms, 0));
+void pstrain_stop_gracefully(uint64_t signals, int64_t step_work_ms) {
+  pstrain::graceful_stop->SetStepWork(absl::Milliseconds(step_work_ms));
   pstrain::graceful_signals.store(signals);
-  absl::MutexLock lock(&pstrain::stop_mu);
   // Quiet while none is watched; a new watch before any signal came starts
   // loud (a process may train one job after another).
   if (signals == 0) {
-    pstrain::stop_quiet = true;
+    pstrain::graceful_stop->Quiet();
   } else if (pstrain::stop_signal.load() == 0) {
-    pstrain::stop_quiet = false;
+    pstrain::graceful_stop->Arm();
   }
 }
 
 int pstrain_stop_requested(void) { return pstrain::stop_signal.load(); }
 
-void pstrain_stop_quiet(void) {
-  absl::MutexLock lock(&pstrain::stop_mu);
-  pstrain::stop_quiet = true;
-}
+void pstrain_stop_quiet(void) { pstrain::graceful_stop->Quiet(); }
 
 int pstrain_client_num_shards(const pstrain_client* client) {
   return client->client->num_shards();

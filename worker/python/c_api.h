@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature here changes; pstrain/_native.py checks it. */
-#define PSTRAIN_C_API_VERSION 7
+#define PSTRAIN_C_API_VERSION 8
 int pstrain_api_version(void);
 
 void pstrain_free(void* p);
@@ -192,11 +192,14 @@ void pstrain_watch_signals(int fd);
 
 /* For the signals in `signals` (bit n: signal number n; 0: none, as
  * before), the first one read from the watched fd no longer interrupts at
- * once: pstrain_stop_requested() returns its number, and the calls in
- * progress grace_ms later are interrupted, and again every 100 ms, until
- * pstrain_stop_quiet() (the caller finished its step and leaves). A
- * second SIGINT interrupts at once; a second SIGTERM changes nothing. */
-void pstrain_stop_gracefully(uint64_t signals, int64_t grace_ms);
+ * once: pstrain_stop_requested() returns its number, and the calls still
+ * in progress after a grace are interrupted, and again every 100 ms, until
+ * pstrain_stop_quiet() (the caller finished its step and leaves). The
+ * grace is twice `step_work_ms`, the time the caller's last step spent
+ * outside the exchange (data, forward, backward), 0.4 s to 5 s: the C++
+ * worker's rule (worker/client/graceful_stop.h). A second SIGINT
+ * interrupts at once; a second SIGTERM changes nothing. */
+void pstrain_stop_gracefully(uint64_t signals, int64_t step_work_ms);
 int pstrain_stop_requested(void);
 void pstrain_stop_quiet(void);
 

@@ -24,7 +24,7 @@ import weakref
 
 _LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib",
                          "libpstrain.so")
-_API_VERSION = 7
+_API_VERSION = 8
 
 # absl::StatusCode names, by value.
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
@@ -208,7 +208,7 @@ class _GracefulStop:
         self._owners = weakref.WeakSet()
         self._ours = {}  # signal number -> the handler it replaced
         self._pid = None
-        self.grace_s = 0.4
+        self._step_work_s = 0.0
 
     def activate(self, owner):
         """`owner` trains from now until deactivate()."""
@@ -239,16 +239,18 @@ class _GracefulStop:
             self._ours = {}
         _lib.pstrain_stop_gracefully(0, 0)
 
-    def set_grace(self, seconds):
-        """The time a step in hand may take to end by itself: at least
-        0.4 s, at most 5 s (a launcher SIGKILLs 10 s after its SIGTERM)."""
-        self.grace_s = min(max(seconds, 0.4), 5.0)
+    def set_step_work(self, seconds):
+        """The time the last step spent outside the exchange (data,
+        forward, backward). The step in hand may take twice that to end by
+        itself before its waits are cut, 0.4 s to 5 s (the library's rule,
+        the C++ worker's too; a launcher SIGKILLs 10 s after SIGTERM)."""
+        self._step_work_s = seconds
         if self._ours:
             self._tell_library()
 
     def _tell_library(self):
         mask = sum(1 << int(number) for number in self._ours)
-        _lib.pstrain_stop_gracefully(mask, int(self.grace_s * 1000))
+        _lib.pstrain_stop_gracefully(mask, int(self._step_work_s * 1000))
 
     @staticmethod
     def requested():

@@ -867,11 +867,10 @@ class ParameterServer:
         trains as the undisturbed job would."""
         if self._finished:
             raise RuntimeError("step() after finish()")
-        # The step in hand gets twice the time this one took outside step()
+        # A step in hand gets twice the time this one took outside step()
         # (data, forward, backward; a pipelined push) to end before its
         # waits are cut; a wait for a slow peer is not work.
-        outside = time.monotonic() - self._step_ended
-        _core.graceful_stop.set_grace(2 * outside)
+        _core.graceful_stop.set_step_work(time.monotonic() - self._step_ended)
         try:
             self._exchange()
         except pstrain.Error:

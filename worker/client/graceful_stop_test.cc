@@ -1,0 +1,31 @@
+#include "worker/client/graceful_stop.h"
+
+#include "gtest/gtest.h"
+
+namespace pstrain {
+namespace {
+
+TEST(GracefulStopTest, TheGraceIsTwiceTheStepsWorkWithinBounds) {
+  EXPECT_EQ(GracefulStop::GraceAfter(absl::ZeroDuration()),
+            absl::Milliseconds(400));
+  EXPECT_EQ(GracefulStop::GraceAfter(absl::Milliseconds(150)),
+            absl::Milliseconds(400));
+  EXPECT_EQ(GracefulStop::GraceAfter(absl::Milliseconds(700)),
+            absl::Milliseconds(1400));
+  EXPECT_EQ(GracefulStop::GraceAfter(absl::Minutes(2)), absl::Seconds(5));
+  // A clock that went backwards counts as no work.
+  EXPECT_EQ(GracefulStop::GraceAfter(absl::Seconds(-3)),
+            absl::Milliseconds(400));
+}
+
+TEST(GracefulStopTest, EachStepSetsTheGraceOfALaterStop) {
+  GracefulStop stop;
+  EXPECT_EQ(stop.grace(), absl::Milliseconds(400));
+  stop.SetStepWork(absl::Seconds(1));
+  EXPECT_EQ(stop.grace(), absl::Seconds(2));
+  stop.SetStepWork(absl::Milliseconds(10));
+  EXPECT_EQ(stop.grace(), absl::Milliseconds(400));
+}
+
+}  // namespace
+}  // namespace pstrain
