@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# pstrain.torch jobs stopped and broken the way an operator does it, run as
-# a user runs them: deploy/local/launch.sh --python, 2 servers, 3 Python
-# workers, sync. Each trial picks a random moment between 30% and 90% of the
+# pstrain.torch jobs (and one C++ worker job) stopped and broken the way an
+# operator does it, run as a user runs them: deploy/local/launch.sh
+# (--python for the torch ones), 2 servers, sync. Each trial picks a random moment between 30% and 90% of the
 # job (timed by an undisturbed run of the same job, run first) and does, by
 # --kinds (taken in turn):
 #
@@ -21,10 +21,17 @@
 #   cnn  worker/python/examples/fashion_mnist_cnn.py (BatchNorm, Dropout,
 #        Adam on the servers), half an epoch of 96-image global batches;
 #   ctr  worker/python/examples/ctr.py (dense layers and 4 sparse tables,
-#        Adagrad rows), 4000 steps.
+#        Adagrad rows), 4000 steps;
+#   mlp  the C++ worker: MLP 784-2048-2048-10 on Fashion-MNIST, 2 workers of
+#        2048 images, 40 steps, pipelined (--pipeline_step=always, the
+#        default where the servers are on other hosts: the push leaves during
+#        backward): a step whose compute (about 0.7 s on 2 vCPUs) outlasts a
+#        fixed 0.4 s stop grace.
+#
+# The torch models run with 3 workers.
 #
 #   bench/torch_job_trials.sh [--trials=6] [--kinds=stop,failover]
-#       [--models=cnn,ctr] [--seed=N] [--record] [--keep]
+#       [--models=cnn,ctr,mlp] [--seed=N] [--record] [--keep]
 #
 # Prints a line per trial and a summary; --record appends them (command,
 # machine, date) to bench/results/torch_job_trials.txt. Exit status: 0 when
@@ -57,8 +64,8 @@ for kind in "${kind_list[@]}"; do
     { echo "torch_job_trials.sh: --kinds takes stop and failover, got '$kind'" >&2; exit 2; }
 done
 for model in "${model_list[@]}"; do
-  [[ $model == cnn || $model == ctr ]] ||
-    { echo "torch_job_trials.sh: --models takes cnn and ctr, got '$model'" >&2; exit 2; }
+  [[ $model == cnn || $model == ctr || $model == mlp ]] ||
+    { echo "torch_job_trials.sh: --models takes cnn, ctr and mlp, got '$model'" >&2; exit 2; }
 done
 
 bazel build //ps_server:ps_server //worker:worker //worker:pstrain_export >/dev/null
@@ -74,10 +81,15 @@ job_args() {
     echo "--servers=2 --workers=3 --mode=sync ${extra[*]} --python=worker/python/examples/fashion_mnist_cnn.py --" \
       "--server.optimizer=adam --server.learning_rate=0.001 --server.checkpoint_dir=$dir" \
       "--epochs=0.5 --global_batch_size=96 --test_examples=1000"
-  else
+  elif [[ $model == ctr ]]; then
     echo "--servers=2 --workers=3 --mode=sync ${extra[*]} --python=worker/python/examples/ctr.py --" \
       "--server.optimizer=adam --server.learning_rate=0.001 --server.checkpoint_dir=$dir" \
       "--steps=4000 --test_examples=2000"
+  else
+    echo "--servers=2 --workers=2 --mode=sync ${extra[*]} --" \
+      "--server.optimizer=adam --server.learning_rate=0.001 --server.checkpoint_dir=$dir" \
+      "--data=fashion_mnist --model=mlp --hidden=2048,2048 --global_batch_size=4096 --steps=40" \
+      "--pipeline_step=always"
   fi
 }
 # Every worker's last training loss and held-out figures, from launch.sh's
