@@ -172,6 +172,7 @@ int RunCtrWorker(const CtrWorkerContext& context) {
   options.steps = config.training.steps;
   options.batch_size = config.training.batch_size;
   options.stop = context.stop;
+  options.graceful_stop = context.graceful_stop;
   options.on_steps_done = context.on_steps_done;
   options.table_lane = ctr.embedding_prefetch;
   options.step_delay = absl::Milliseconds(config.training.inject_step_delay_ms);

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/backend.h"
+#include "worker/client/graceful_stop.h"
 #include "worker/client/ps_client.h"
 #include "worker/trainer.h"
 #include "worker/worker_config.h"
@@ -33,6 +34,8 @@ struct CtrWorkerContext {
   // While the job waits for its workers (PsClient::AwaitJobStart).
   PsClient::StartWaitReport on_waiting;
   const std::atomic<bool>* stop = nullptr;
+  // Optional (TrainerOptions has the same).
+  GracefulStop* graceful_stop = nullptr;
   // Optional. Registers (instead of client->Register), showing the wait.
   std::function<absl::StatusOr<Registration>(const ModelSchema&)>
       register_model;

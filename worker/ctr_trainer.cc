@@ -655,6 +655,9 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
         return n.PullRows(client, step + 1, tables[next]);
       });
     }
+    if (options.graceful_stop != nullptr) {
+      options.graceful_stop->StepWorkBegins();
+    }
     if (absl::Status s = n.Forward(batch.size()); !s.ok()) return s;
     step_scores.clear();
     if (options.on_step) {  // before Backward overwrites the logits
@@ -685,6 +688,9 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
         if (absl::Status s = lane.Drain(); !s.ok()) return s;
       }
       if (absl::Status s = n.Push(client, step, rows); !s.ok()) return s;
+    }
+    if (options.graceful_stop != nullptr) {
+      options.graceful_stop->StepWorkDone(absl::Now() - pulled);
     }
     if (step == options.sigterm_after_step) {
       InjectSigterm(options.stop, step);

@@ -22,6 +22,7 @@
 #include "common/consistency_mode.h"
 #include "kernels/backend.h"
 #include "proto/ps.pb.h"
+#include "worker/client/graceful_stop.h"
 #include "worker/client/ps_client.h"
 #include "worker/ctr_data.h"
 #include "worker/trainer.h"
@@ -53,6 +54,8 @@ struct CtrTrainerOptions {
   int64_t batch_size = 128;
   std::function<void(const StepReport&)> on_step;
   const std::atomic<bool>* stop = nullptr;
+  // Optional (TrainerOptions has the same).
+  GracefulStop* graceful_stop = nullptr;
   // Fault injection: SIGTERM once this step is pushed (InjectSigterm).
   int64_t sigterm_after_step = -1;
   // ... once this step's model is pulled, before any of it is pushed.

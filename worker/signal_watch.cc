@@ -23,10 +23,6 @@ void SignalWatch::Start() {
 
 void SignalWatch::Add(PsClient* client) { graceful_.Add(client); }
 
-void SignalWatch::SetStepWork(absl::Duration step_work) {
-  graceful_.SetStepWork(step_work);
-}
-
 void SignalWatch::Quiet() { graceful_.Quiet(); }
 
 int SignalWatch::signal_number() const {

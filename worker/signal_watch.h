@@ -19,9 +19,9 @@
 namespace pstrain {
 
 // SIGINT/SIGTERM: training stops after the step in hand and leaves the job
-// (`stop`). The step in hand has a grace to end by itself, twice the last
-// step's own work; a call still going after it is a wait that would not
-// end by itself (to reach a server, a retry, a sync pull held for a peer
+// (`stop`). The step in hand has a grace to end by itself (GracefulStop:
+// twice the step's own work); a call still going after it is a wait that would
+// not end by itself (to reach a server, a retry, a sync pull held for a peer
 // that stopped), and is cut short (GracefulStop). The signal handler only
 // writes to a pipe (common/cli.h); all of this runs on a thread.
 class SignalWatch {
@@ -31,9 +31,9 @@ class SignalWatch {
   // Never returns its thread: the object must live for the process.
   void Start();
   void Add(PsClient* client);
-  // Each step's batch, forward and backward time (StepReport's
-  // compute_seconds): the grace of a signal that comes later.
-  void SetStepWork(absl::Duration step_work);
+  // The trainer tells it when each step's own work begins and ends: the
+  // grace.
+  GracefulStop* graceful() { return &graceful_; }
   // No more interrupts: the worker is finishing (final model, leaving) or
   // about to destroy its clients.
   void Quiet();

@@ -1110,6 +1110,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     if (step == options.crash_before_push_step) {
       CrashNow("before its push", step);
     }
+    if (options.graceful_stop != nullptr) {
+      options.graceful_stop->StepWorkBegins();  // it will push
+    }
     if (options.learning_rate_at) {
       // The client is not thread-safe: the pipelined step's PushPull in
       // flight must end first (the prototype loses its overlap here).
@@ -1132,6 +1135,12 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
         step, *device_batch, staged_at,
         /*may_pull_ahead=*/step + 1 < options.steps && !await_start_after_push);
     if (!exchange.ok()) return exchange.status();
+    if (options.graceful_stop != nullptr) {
+      // Pushed (before the first step's wait for the job to start): what
+      // the step took of its own, its waits for values aside.
+      options.graceful_stop->StepWorkDone(
+          exchange->compute_time - exchange->values_wait + exchange->push_time);
+    }
     pulled_ahead = exchange->pulled_ahead;
     if (exchange->skipped) {
       // Caught up at the top of the loop, as a plain step's pull would.

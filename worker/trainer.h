@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "common/consistency_mode.h"
 #include "kernels/backend.h"
+#include "worker/client/graceful_stop.h"
 #include "worker/client/ps_client.h"
 #include "worker/data.h"
 #include "worker/model.h"
@@ -117,6 +118,9 @@ struct TrainerOptions {
   absl::Duration backward_pause = absl::ZeroDuration();
   // Set (e.g. by SIGTERM) to stop after the current step and leave the job.
   const std::atomic<bool>* stop = nullptr;
+  // Told when each step's batch, forward and backward begin and end (before
+  // the rest of its push leaves): a signal's grace. Null: none.
+  GracefulStop* graceful_stop = nullptr;
   // sync: waits until every expected worker has registered
   // (PsClient::AwaitJobStart), called once, after this worker's first push
   // and before its next pull. The servers hold that step until every member

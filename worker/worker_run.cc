@@ -142,10 +142,8 @@ int TrainCtrAndReport(const WorkerConfig& config, ServerConnection& servers,
   ctr.client = client;
   ctr.client_options = &servers.options;
   ctr.backend = &backend;
-  ctr.on_step = [&output, signal_watch](const StepReport& r) {
-    signal_watch->SetStepWork(absl::Seconds(r.compute_seconds));
-    output.OnStep(r);
-  };
+  ctr.on_step = [&output](const StepReport& r) { output.OnStep(r); };
+  ctr.graceful_stop = signal_watch->graceful();
   ctr.on_waiting = [&output](const JobStart& waiting) {
     output.OnWaitingForWorkers(waiting);
   };
@@ -245,6 +243,7 @@ TrainerOptions TrainerOptionsFor(const WorkerConfig& config,
   options.final_model_timeout = absl::Seconds(config.client.rpc_timeout_s);
   options.start_step = registration.start_step;
   options.stop = stopping.requested;
+  options.graceful_stop = stopping.watch->graceful();
   options.trace_steps = config.training.trace_steps;
   options.step_delay = absl::Milliseconds(config.training.inject_step_delay_ms);
   options.crash_before_push_step =
@@ -360,7 +359,6 @@ int TrainAndReport(const WorkerConfig& config, const TrainingData& data,
   int64_t last_step = registration->start_step;
   options.on_step = [&](const StepReport& r) {
     last_step = r.step;
-    signal_watch->SetStepWork(absl::Seconds(r.compute_seconds));
     const std::string warning = learning_watch.OnStep(r.step, r.loss);
     if (!warning.empty()) {
       output.Finish();  // the warning gets a line of its own

@@ -8,9 +8,18 @@ absl::Duration GracefulStop::GraceAfter(absl::Duration step_work) {
   return std::clamp(2 * step_work, absl::Milliseconds(400), absl::Seconds(5));
 }
 
-void GracefulStop::SetStepWork(absl::Duration step_work) {
+void GracefulStop::StepWorkBegins() {
   absl::MutexLock lock(&mu_);
+  if (work_measured_) return;
+  grace_ = GraceAfter(absl::InfiniteDuration());
+  ++grace_changes_;
+}
+
+void GracefulStop::StepWorkDone(absl::Duration step_work) {
+  absl::MutexLock lock(&mu_);
+  work_measured_ = true;
   grace_ = GraceAfter(step_work);
+  ++grace_changes_;
 }
 
 absl::Duration GracefulStop::grace() const {
@@ -36,7 +45,19 @@ void GracefulStop::InterruptAll() {
 
 void GracefulStop::InterruptAfterGrace() {
   absl::MutexLock lock(&mu_);
-  mu_.AwaitWithTimeout(absl::Condition(&quiet_), grace_);
+  const absl::Time signalled = absl::Now();
+  for (;;) {
+    const int64_t seen = grace_changes_;
+    auto quiet_or_changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return quiet_ || grace_changes_ != seen;
+    };
+    if (mu_.AwaitWithDeadline(absl::Condition(&quiet_or_changed),
+                              signalled + grace_) &&
+        !quiet_) {
+      continue;  // the step in hand told its work: a new deadline
+    }
+    break;
+  }
   while (!quiet_) {
     for (PsClient* client : clients_) client->Interrupt();
     mu_.AwaitWithTimeout(absl::Condition(&quiet_), absl::Milliseconds(100));

@@ -4,6 +4,7 @@
 #ifndef PSTRAIN_WORKER_CLIENT_GRACEFUL_STOP_H_
 #define PSTRAIN_WORKER_CLIENT_GRACEFUL_STOP_H_
 
+#include <cstdint>
 #include <set>
 
 #include "absl/base/thread_annotations.h"
@@ -23,18 +24,26 @@ namespace pstrain {
 // (PsClient::Interrupt), again every 100 ms so that a wait begun since is
 // cut too, until the worker goes quiet to leave.
 //
-// The grace follows the worker's steps: twice the last step's own work
-// (batch, forward, backward: what the step in hand may still have ahead of
-// its push when the signal comes), so a model whose backward takes seconds
-// is not cut where a small one would be. Thread-safe.
+// The grace follows the worker's steps: twice the last step's own time
+// (batch, forward, backward and push: what the step in hand may still have
+// ahead when the signal comes), so a big model, or a push on a slow link,
+// is not cut where a small one would be. The first step's time is not
+// known until it has pushed (and a first step is often the slowest:
+// warm-up), so until then the grace is the longest; before any step
+// (reaching the servers, registering) nothing is pushed, and a wait is cut
+// after the shortest. A step that tells its time while the grace runs
+// moves the deadline (signal + the new grace). Thread-safe.
 class GracefulStop {
  public:
   // Twice `step_work`, at least 0.4 s (time for a step's end and the
   // Leave) and at most 5 s (launchers SIGKILL 10 s after their SIGTERM).
   static absl::Duration GraceAfter(absl::Duration step_work);
 
-  // The last step's own work: sets the grace of a stop that comes later.
-  void SetStepWork(absl::Duration step_work);
+  // A step that will push begins its work / has pushed, having taken
+  // `step_work` of its own (told by the trainer before any wait that
+  // follows the push, such as the first step's wait for the job to start).
+  void StepWorkBegins();
+  void StepWorkDone(absl::Duration step_work);
   absl::Duration grace() const;
 
   // The clients whose calls InterruptAll and InterruptAfterGrace cut; a
@@ -58,6 +67,8 @@ class GracefulStop {
   mutable absl::Mutex mu_;
   std::set<PsClient*> clients_ ABSL_GUARDED_BY(mu_);
   absl::Duration grace_ ABSL_GUARDED_BY(mu_) = GraceAfter(absl::ZeroDuration());
+  bool work_measured_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t grace_changes_ ABSL_GUARDED_BY(mu_) = 0;
   bool quiet_ ABSL_GUARDED_BY(mu_) = false;
 };
 

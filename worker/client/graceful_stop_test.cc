@@ -20,10 +20,17 @@ TEST(GracefulStopTest, TheGraceIsTwiceTheStepsWorkWithinBounds) {
 
 TEST(GracefulStopTest, EachStepSetsTheGraceOfALaterStop) {
   GracefulStop stop;
+  // Before any step: nothing is pushed, a wait is cut soon.
   EXPECT_EQ(stop.grace(), absl::Milliseconds(400));
-  stop.SetStepWork(absl::Seconds(1));
+  // The first step's length is not known while it runs.
+  stop.StepWorkBegins();
+  EXPECT_EQ(stop.grace(), absl::Seconds(5));
+  stop.StepWorkDone(absl::Seconds(1));
   EXPECT_EQ(stop.grace(), absl::Seconds(2));
-  stop.SetStepWork(absl::Milliseconds(10));
+  // Later steps keep the last one's measure until they tell theirs.
+  stop.StepWorkBegins();
+  EXPECT_EQ(stop.grace(), absl::Seconds(2));
+  stop.StepWorkDone(absl::Milliseconds(10));
   EXPECT_EQ(stop.grace(), absl::Milliseconds(400));
 }
 

@@ -346,7 +346,11 @@ void pstrain_client_interrupt(pstrain_client* client) {
 }
 
 void pstrain_stop_gracefully(uint64_t signals, int64_t step_work_ms) {
-  pstrain::graceful_stop->SetStepWork(absl::Milliseconds(step_work_ms));
+  if (signals != 0 && step_work_ms < 0) {
+    pstrain::graceful_stop->StepWorkBegins();
+  } else if (signals != 0) {
+    pstrain::graceful_stop->StepWorkDone(absl::Milliseconds(step_work_ms));
+  }
   pstrain::graceful_signals.store(signals);
   // Quiet while none is watched; a new watch before any signal came starts
   // loud (a process may train one job after another).

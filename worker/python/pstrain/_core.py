@@ -208,7 +208,7 @@ class _GracefulStop:
         self._owners = weakref.WeakSet()
         self._ours = {}  # signal number -> the handler it replaced
         self._pid = None
-        self._step_work_s = 0.0
+        self._step_work_s = None  # the first step's is not known yet
 
     def activate(self, owner):
         """`owner` trains from now until deactivate()."""
@@ -240,17 +240,20 @@ class _GracefulStop:
         _lib.pstrain_stop_gracefully(0, 0)
 
     def set_step_work(self, seconds):
-        """The time the last step spent outside the exchange (data,
-        forward, backward). The step in hand may take twice that to end by
-        itself before its waits are cut, 0.4 s to 5 s (the library's rule,
-        the C++ worker's too; a launcher SIGKILLs 10 s after SIGTERM)."""
+        """The time the last step took (data, forward, backward, exchange),
+        told once it is done. The step in hand may take twice that to end by
+        itself before its waits are cut, 0.4 s to 5 s, and 5 s until the
+        first step has told it (the library's rule, the C++ worker's too; a
+        launcher SIGKILLs 10 s after SIGTERM)."""
         self._step_work_s = seconds
         if self._ours:
             self._tell_library()
 
     def _tell_library(self):
         mask = sum(1 << int(number) for number in self._ours)
-        _lib.pstrain_stop_gracefully(mask, int(self._step_work_s * 1000))
+        work_ms = (-1 if self._step_work_s is None
+                   else int(self._step_work_s * 1000))
+        _lib.pstrain_stop_gracefully(mask, work_ms)
 
     @staticmethod
     def requested():

@@ -867,10 +867,6 @@ class ParameterServer:
         trains as the undisturbed job would."""
         if self._finished:
             raise RuntimeError("step() after finish()")
-        # A step in hand gets twice the time this one took outside step()
-        # (data, forward, backward; a pipelined push) to end before its
-        # waits are cut; a wait for a slow peer is not work.
-        _core.graceful_stop.set_step_work(time.monotonic() - self._step_ended)
         try:
             self._exchange()
         except pstrain.Error:
@@ -880,7 +876,11 @@ class ParameterServer:
             # so that Ctrl-C shows one traceback, not the call's too.
             if not _core.graceful_stop.requested():
                 raise
-        self._step_ended = time.monotonic()
+        # The next step in hand gets twice this one's time (data, forward,
+        # backward, exchange) to end by itself before its waits are cut.
+        now = time.monotonic()
+        _core.graceful_stop.set_step_work(now - self._step_ended)
+        self._step_ended = now
         if _core.graceful_stop.requested():
             self._stop_on_signal()
 
