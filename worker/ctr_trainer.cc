@@ -689,7 +689,10 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
       }
       if (absl::Status s = n.Push(client, step, rows); !s.ok()) return s;
     }
-    if (options.graceful_stop != nullptr) {
+    // Not once stopping: the lane's rows of this step may still be on
+    // their way, under the grace they had.
+    if (options.graceful_stop != nullptr &&
+        !(options.stop != nullptr && options.stop->load())) {
       options.graceful_stop->StepWorkDone(absl::Now() - pulled);
     }
     if (step == options.sigterm_after_step) {

@@ -37,9 +37,9 @@ void SignalWatch::Run() {
     signal_ = signal_number;
   }
   LOG(INFO) << "signal " << signal_number
-            << ": stopping after this step and leaving the job (a wait still "
-               "going in "
-            << graceful_.grace() << " is cut short)";
+            << ": stopping after this step and leaving the job (a wait is cut "
+               "after the step's grace, now "
+            << graceful_.grace() << ")";
   stop_->store(true);
   graceful_.InterruptAfterGrace();
 }

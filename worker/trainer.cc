@@ -1137,7 +1137,9 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
     if (!exchange.ok()) return exchange.status();
     if (options.graceful_stop != nullptr) {
       // Pushed (before the first step's wait for the job to start): what
-      // the step took of its own, its waits for values aside.
+      // the step took of its own, the forward's waits for values aside (a
+      // PushPull's time holds its wait for the step's peers too; a
+      // pipelined step's push is still in flight and not counted).
       options.graceful_stop->StepWorkDone(
           exchange->compute_time - exchange->values_wait + exchange->push_time);
     }

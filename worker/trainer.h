@@ -118,8 +118,8 @@ struct TrainerOptions {
   absl::Duration backward_pause = absl::ZeroDuration();
   // Set (e.g. by SIGTERM) to stop after the current step and leave the job.
   const std::atomic<bool>* stop = nullptr;
-  // Told when each step's batch, forward and backward begin and end (before
-  // the rest of its push leaves): a signal's grace. Null: none.
+  // Told when a step that will push begins, and once it has pushed, its
+  // own time (GracefulStop): a signal's grace. Null: none.
   GracefulStop* graceful_stop = nullptr;
   // sync: waits until every expected worker has registered
   // (PsClient::AwaitJobStart), called once, after this worker's first push

@@ -27,7 +27,7 @@ namespace pstrain {
 namespace {
 
 // SIGTERM/SIGINT: training finishes the step in hand, leaves the job and
-// reports; a wait ends within a second (SignalWatch).
+// reports; a wait is cut after the step's grace (SignalWatch).
 std::atomic<bool> stop_requested{false};
 // Where a retry shows itself on the progress bar, once there is one.
 std::atomic<StepOutput*> wait_display{nullptr};

@@ -8,6 +8,13 @@ absl::Duration GracefulStop::GraceAfter(absl::Duration step_work) {
   return std::clamp(2 * step_work, absl::Milliseconds(400), absl::Seconds(5));
 }
 
+void GracefulStop::NewJob() {
+  absl::MutexLock lock(&mu_);
+  work_measured_ = false;
+  grace_ = GraceAfter(absl::ZeroDuration());
+  ++grace_changes_;
+}
+
 void GracefulStop::StepWorkBegins() {
   absl::MutexLock lock(&mu_);
   if (work_measured_) return;
@@ -46,17 +53,21 @@ void GracefulStop::InterruptAll() {
 void GracefulStop::InterruptAfterGrace() {
   absl::MutexLock lock(&mu_);
   const absl::Time signalled = absl::Now();
+  absl::Time deadline = signalled + grace_;
   for (;;) {
     const int64_t seen = grace_changes_;
     auto quiet_or_changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return quiet_ || grace_changes_ != seen;
     };
-    if (mu_.AwaitWithDeadline(absl::Condition(&quiet_or_changed),
-                              signalled + grace_) &&
-        !quiet_) {
-      continue;  // the step in hand told its work: a new deadline
+    if (!mu_.AwaitWithDeadline(absl::Condition(&quiet_or_changed), deadline) ||
+        quiet_) {
+      break;
     }
-    break;
+    // The step in hand told its time: the first step has pushed, and the
+    // waits after it (for peers that stopped) are cut after its measured
+    // grace, not the first step's longest one (the servers hold a stopped
+    // step for the others' stop only 2 s).
+    deadline = signalled + grace_;
   }
   while (!quiet_) {
     for (PsClient* client : clients_) client->Interrupt();

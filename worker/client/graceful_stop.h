@@ -44,6 +44,8 @@ class GracefulStop {
   // follows the push, such as the first step's wait for the job to start).
   void StepWorkBegins();
   void StepWorkDone(absl::Duration step_work);
+  // A new job in this process: its first step's time is not known.
+  void NewJob();
   absl::Duration grace() const;
 
   // The clients whose calls InterruptAll and InterruptAfterGrace cut; a

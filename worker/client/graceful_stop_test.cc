@@ -32,6 +32,11 @@ TEST(GracefulStopTest, EachStepSetsTheGraceOfALaterStop) {
   EXPECT_EQ(stop.grace(), absl::Seconds(2));
   stop.StepWorkDone(absl::Milliseconds(10));
   EXPECT_EQ(stop.grace(), absl::Milliseconds(400));
+  // A new job in the process: its first step is not known either.
+  stop.NewJob();
+  EXPECT_EQ(stop.grace(), absl::Milliseconds(400));
+  stop.StepWorkBegins();
+  EXPECT_EQ(stop.grace(), absl::Seconds(5));
 }
 
 }  // namespace

@@ -347,6 +347,7 @@ void pstrain_client_interrupt(pstrain_client* client) {
 
 void pstrain_stop_gracefully(uint64_t signals, int64_t step_work_ms) {
   if (signals != 0 && step_work_ms < 0) {
+    pstrain::graceful_stop->NewJob();
     pstrain::graceful_stop->StepWorkBegins();
   } else if (signals != 0) {
     pstrain::graceful_stop->StepWorkDone(absl::Milliseconds(step_work_ms));

@@ -225,6 +225,7 @@ class _GracefulStop:
             if signal.getsignal(number) is default:
                 self._ours[number] = signal.signal(number, self._on_signal)
         self._pid = os.getpid()
+        self._step_work_s = None  # a new job: its first step's is not known
         self._tell_library()
 
     def deactivate(self, owner):

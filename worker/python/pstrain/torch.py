@@ -877,9 +877,12 @@ class ParameterServer:
             if not _core.graceful_stop.requested():
                 raise
         # The next step in hand gets twice this one's time (data, forward,
-        # backward, exchange) to end by itself before its waits are cut.
+        # backward, exchange) to end by itself before its waits are cut. Not
+        # once stopping: what this step still sends (a lane's rows) keeps
+        # the grace it had.
         now = time.monotonic()
-        _core.graceful_stop.set_step_work(now - self._step_ended)
+        if not _core.graceful_stop.requested():
+            _core.graceful_stop.set_step_work(now - self._step_ended)
         self._step_ended = now
         if _core.graceful_stop.requested():
             self._stop_on_signal()
