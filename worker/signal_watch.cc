@@ -25,17 +25,11 @@ void SignalWatch::Add(PsClient* client) { graceful_.Add(client); }
 
 void SignalWatch::Quiet() { graceful_.Quiet(); }
 
-int SignalWatch::signal_number() const {
-  absl::MutexLock lock(&mu_);
-  return signal_;
-}
+int SignalWatch::signal_number() const { return signal_.load(); }
 
 void SignalWatch::Run() {
   const int signal_number = WaitForTerminationSignal();
-  {
-    absl::MutexLock lock(&mu_);
-    signal_ = signal_number;
-  }
+  signal_.store(signal_number);
   LOG(INFO) << "signal " << signal_number
             << ": stopping after this step and leaving the job (a wait is cut "
                "after the step's grace, now "

@@ -8,10 +8,7 @@
 #include <atomic>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "worker/client/graceful_stop.h"
 #include "worker/client/ps_client.h"
 #include "worker/step_output.h"
@@ -44,8 +41,7 @@ class SignalWatch {
 
   std::atomic<bool>* const stop_;
   GracefulStop graceful_;
-  mutable absl::Mutex mu_;
-  int signal_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int> signal_{0};
 };
 
 // After a signal cut a wait short: leaves the job (this worker may have

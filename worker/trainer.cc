@@ -398,6 +398,7 @@ class StepRunner {
   // (not on the last step, nor before the job-start wait).
   absl::StatusOr<StepExchange> Run(int64_t step, const DeviceBatch& batch,
                                    absl::Time staged_at, bool may_pull_ahead) {
+    injected_in_backward_ = false;
     if (!pipelined_.has_value()) {
       // Decided once: the first step's pull has opened the data plane's
       // links, which tell where the shards are. By host, only a sync step
@@ -532,7 +533,6 @@ class StepRunner {
       if (absl::IsAborted(s) && !stream_->failed()) start_over = true;
       return s;
     };
-    bool first_gradient_seen = false;
     hooks.gradient_ready = [&](int param, int64_t end) {
       if (!first_ready_seen && last_value_in != absl::InfinitePast()) {
         first_ready_seen = true;
@@ -541,11 +541,7 @@ class StepRunner {
       stream_->Trace('g', param, end);
       // After this call's groups are free to leave: they are in flight
       // during the pause.
-      absl::Cleanup injected = [&] {
-        if (!std::exchange(first_gradient_seen, true)) {
-          InjectInBackwardIfAsked(step);
-        }
-      };
+      absl::Cleanup injected = [&] { InjectInBackwardIfAsked(step); };
       if (!buffers_.staged) {
         stream_->SetReady(param, end);
         return;
@@ -650,13 +646,10 @@ class StepRunner {
     // The first error stops the reports (the step fails below).
     absl::Status ready_status;
     overlapped_push_->Start(step);
-    bool first_gradient_seen = false;
     absl::StatusOr<BatchResult> computed =
         model_.ComputeGradients(params_, batch, grads_, [&](int tensor) {
           if (ready_status.ok()) ready_status = overlapped_push_->Ready(tensor);
-          if (!std::exchange(first_gradient_seen, true)) {
-            InjectInBackwardIfAsked(step);
-          }
+          InjectInBackwardIfAsked(step);
         });
     DelayIfAsked();
     StepExchange out;
@@ -677,13 +670,15 @@ class StepRunner {
                                            const DeviceBatch& batch,
                                            absl::Time staged_at,
                                            bool may_pull_ahead) {
-    bool first_gradient_seen = false;
-    absl::StatusOr<BatchResult> computed =
-        model_.ComputeGradients(params_, batch, grads_, [&](int) {
-          if (!std::exchange(first_gradient_seen, true)) {
-            InjectInBackwardIfAsked(step);
-          }
-        });
+    // Told of each gradient only for a fault injection (the model keeps a
+    // report per parameter for a callback).
+    const bool inject = options_.sigterm_in_backward_step == step ||
+                        options_.backward_pause > absl::ZeroDuration();
+    absl::StatusOr<BatchResult> computed = model_.ComputeGradients(
+        params_, batch, grads_,
+        inject
+            ? GradientReadyCallback([&](int) { InjectInBackwardIfAsked(step); })
+            : nullptr);
     if (!computed.ok()) return computed.status();
     if (absl::Status s = buffers_.GradsToHost(backend_); !s.ok()) return s;
     DelayIfAsked();
@@ -751,8 +746,9 @@ class StepRunner {
   }
 
   // --inject_sigterm_in_backward_step, --inject_backward_pause_ms: once a
-  // step, when its first gradients are ready.
-  void InjectInBackwardIfAsked(int64_t step) const {
+  // step, when its first gradients are ready (told of every gradient).
+  void InjectInBackwardIfAsked(int64_t step) {
+    if (std::exchange(injected_in_backward_, true)) return;
     if (step == options_.sigterm_in_backward_step) {
       InjectSigterm(options_.stop, step);
     }
@@ -779,6 +775,8 @@ class StepRunner {
   // in the host arrays for the wire.
   std::vector<int64_t> on_device_end_, grads_on_host_end_;
   bool in_flight_ = false;
+  // This step's InjectInBackwardIfAsked ran.
+  bool injected_in_backward_ = false;
   absl::StatusOr<PsClient::PushPullResult> in_flight_result_;
   int64_t model_at_ = 0;
   std::optional<PsClient::PushResult> settled_;

@@ -12,21 +12,18 @@ void GracefulStop::NewJob() {
   absl::MutexLock lock(&mu_);
   work_measured_ = false;
   grace_ = GraceAfter(absl::ZeroDuration());
-  ++grace_changes_;
 }
 
 void GracefulStop::StepWorkBegins() {
   absl::MutexLock lock(&mu_);
   if (work_measured_) return;
   grace_ = GraceAfter(absl::InfiniteDuration());
-  ++grace_changes_;
 }
 
 void GracefulStop::StepWorkDone(absl::Duration step_work) {
   absl::MutexLock lock(&mu_);
   work_measured_ = true;
   grace_ = GraceAfter(step_work);
-  ++grace_changes_;
 }
 
 absl::Duration GracefulStop::grace() const {
@@ -55,9 +52,9 @@ void GracefulStop::InterruptAfterGrace() {
   const absl::Time signalled = absl::Now();
   absl::Time deadline = signalled + grace_;
   for (;;) {
-    const int64_t seen = grace_changes_;
+    const absl::Duration seen = grace_;
     auto quiet_or_changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return quiet_ || grace_changes_ != seen;
+      return quiet_ || grace_ != seen;
     };
     if (!mu_.AwaitWithDeadline(absl::Condition(&quiet_or_changed), deadline) ||
         quiet_) {

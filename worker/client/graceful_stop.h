@@ -4,7 +4,6 @@
 #ifndef PSTRAIN_WORKER_CLIENT_GRACEFUL_STOP_H_
 #define PSTRAIN_WORKER_CLIENT_GRACEFUL_STOP_H_
 
-#include <cstdint>
 #include <set>
 
 #include "absl/base/thread_annotations.h"
@@ -70,7 +69,6 @@ class GracefulStop {
   std::set<PsClient*> clients_ ABSL_GUARDED_BY(mu_);
   absl::Duration grace_ ABSL_GUARDED_BY(mu_) = GraceAfter(absl::ZeroDuration());
   bool work_measured_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t grace_changes_ ABSL_GUARDED_BY(mu_) = 0;
   bool quiet_ ABSL_GUARDED_BY(mu_) = false;
 };
 
