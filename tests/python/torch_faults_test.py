@@ -99,6 +99,37 @@ class TorchFaultsTest(unittest.TestCase):
                              [0, 0])
             return torch.load(os.path.join(c.dir, "worker0.pt"))
 
+    def test_after_a_caught_ctrl_c_the_same_process_trains_on(self):
+        # A notebook's Ctrl-C: the step in hand goes in whole and
+        # KeyboardInterrupt reaches the script, which catches it and trains
+        # on with a new ParameterServer against the same servers, twice.
+        # Each new job's steps run (not stopped by the old Ctrl-C), the
+        # later Ctrl-C is graceful again (not an interrupt mid-push), and
+        # the job ends as the undisturbed one, bit for bit.
+        flags = ["--optimizer=adam", "--learning_rate=0.01"]
+        common = ["--model=bn", "--steps=20"]
+        with cluster.Cluster(num_shards=2, num_workers=2, flags=flags) as c:
+            c.run_workers(WORKER, lambda k: common + [f"--out={c.dir}"])
+            undisturbed = torch.load(os.path.join(c.dir, "worker0.pt"))
+        with cluster.Cluster(num_shards=2, num_workers=2, flags=flags) as c:
+            finals = c.run_workers(WORKER, lambda k: common + [
+                f"--out={c.dir}", "--sigint_and_go_on_at_steps=9,14"])
+            for final, w in zip(finals, c.workers):
+                self.assertEqual(final["start_step"], 15, final)
+                # Each Ctrl-C stopped the job once, after its step.
+                self.assertEqual(
+                    c.output(w).count("interrupted; training on"), 2)
+                for step in (10, 15):
+                    self.assertEqual(c.errors(w).count(
+                        f"stopped by SIGINT at step {step} and left"), 1)
+                self.assertEqual(final["final_model"], "sync_step", final)
+            resumed = torch.load(os.path.join(c.dir, "worker0.pt"))
+            stats = c.stats()
+        for name, value in undisturbed.items():
+            self.assertTrue(torch.equal(resumed[name], value), name)
+        self.assertEqual([int(s.get("steps_short", 0)) for s in stats],
+                         [0, 0])
+
     def test_ctrl_c_interrupts_a_waiting_worker_within_a_second(self):
         # Worker 1 never comes: worker 0 waits for the job's start.
         with cluster.Cluster(num_shards=1, num_workers=2) as c:

@@ -4,7 +4,8 @@ synthetic task with pstrain.torch and saves what the test checks.
   train_worker.py --model=mlp --steps=N --batch=b --out=DIR
       [--pipeline=auto|on|off]
       [--edit=none|accumulate|torch_clip|ps_clip|extra_forward|stats]
-      [--edit_from=STEP]
+      [--edit_from=STEP] [--sigterm_at_step=STEP]
+      [--sigint_and_go_on_at_steps=STEP,...]
 
 The model's initial values come from --seed (worker 0's are the job's).
 Writes DIR/worker{k}.pt (the final state_dict) and prints a final JSON line.
@@ -97,17 +98,48 @@ def main():
     # Sends itself SIGTERM after backward of this step (as a launcher's
     # stop would reach it mid-step).
     parser.add_argument("--sigterm_at_step", type=int, default=-1)
+    # Sends itself SIGINT (Ctrl-C) after backward of each of these steps,
+    # catches the KeyboardInterrupt the stop raises, and trains on in the
+    # same process with a new ParameterServer (a notebook's cell run again).
+    parser.add_argument("--sigint_and_go_on_at_steps", default="",
+                        help="comma-separated steps")
     args = parser.parse_args()
+    args.sigint_steps = {int(s) for s in
+                         args.sigint_and_go_on_at_steps.split(",") if s}
     torch.set_num_threads(1)
     model = make_model(args.model, args.seed)
     options = {}
     if args.gradient_wire_type:
         options["gradient_wire_type"] = args.gradient_wire_type
-    ps = pstrain.torch.ParameterServer(
-        model, pipeline={"auto": "auto", "on": True, "off": False}[
-            args.pipeline], **options)
+    pipeline = {"auto": "auto", "on": True, "off": False}[args.pipeline]
+    ps = pstrain.torch.ParameterServer(model, pipeline=pipeline, **options)
     batches = pstrain.data.Batches(examples(), args.batch, ps.worker_id,
                                    ps.num_workers, seed=5)
+    while True:
+        try:
+            loss = train(args, model, ps, batches)
+            break
+        except KeyboardInterrupt:
+            if not args.sigint_and_go_on_at_steps:
+                raise
+            print("interrupted; training on", flush=True)
+            model.zero_grad()
+            ps = pstrain.torch.ParameterServer(model, pipeline=pipeline,
+                                               **options)
+    how = ps.finish()
+    torch.save(model.state_dict(),
+               os.path.join(args.out, f"worker{ps.worker_id}.pt"))
+    pstrain.print_final(worker_id=ps.worker_id, mode=ps.mode,
+                        start_step=ps.start_step,
+                        steps_run=args.steps - ps.start_step,
+                        final_model=how,
+                        pipelined_steps=ps.pipelined_steps,
+                        pipelined_calls=ps.pipelined_calls,
+                        loss=None if loss is None else loss.item())
+
+
+def train(args, model, ps, batches):
+    """Trains from the job's step to --steps; returns the last loss."""
     loss = None
     for step in range(ps.step_count, args.steps):
         # Dropout's masks a function of the step: a resumed job draws what
@@ -138,22 +170,16 @@ def main():
             ps.stats()
         if step == args.sigterm_at_step:
             os.kill(os.getpid(), signal.SIGTERM)
+        if step in args.sigint_steps:
+            args.sigint_steps.remove(step)  # once
+            os.kill(os.getpid(), signal.SIGINT)
         if args.step_delay_ms:
             time.sleep(args.step_delay_ms / 1000)  # a slow worker, on purpose
         ps.step()
         if args.zero_grad_to_none:
             model.zero_grad(set_to_none=True)
         print(f"step {step + 1}", flush=True)
-    how = ps.finish()
-    torch.save(model.state_dict(),
-               os.path.join(args.out, f"worker{ps.worker_id}.pt"))
-    pstrain.print_final(worker_id=ps.worker_id, mode=ps.mode,
-                        start_step=ps.start_step,
-                        steps_run=args.steps - ps.start_step,
-                        final_model=how,
-                        pipelined_steps=ps.pipelined_steps,
-                        pipelined_calls=ps.pipelined_calls,
-                        loss=None if loss is None else loss.item())
+    return loss
 
 
 if __name__ == "__main__":

@@ -347,6 +347,9 @@ void pstrain_client_interrupt(pstrain_client* client) {
 
 void pstrain_stop_gracefully(uint64_t signals, int64_t step_work_ms) {
   if (signals != 0 && step_work_ms < 0) {
+    // A new job: an earlier job's stop was handled by its caller (a
+    // notebook's Ctrl-C, caught), and must not stop this one.
+    pstrain::stop_signal.store(0);
     pstrain::graceful_stop->NewJob();
     pstrain::graceful_stop->StepWorkBegins();
   } else if (signals != 0) {

@@ -225,7 +225,10 @@ class _GracefulStop:
             if signal.getsignal(number) is default:
                 self._ours[number] = signal.signal(number, self._on_signal)
         self._pid = os.getpid()
-        self._step_work_s = None  # a new job: its first step's is not known
+        # A new job: its first step's time is not known, and an earlier
+        # job's stop (a caught KeyboardInterrupt) does not stop it.
+        self._step_work_s = None
+        self._seen = False
         self._tell_library()
 
     def deactivate(self, owner):
