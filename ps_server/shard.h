@@ -696,9 +696,8 @@ class Shard {
   // A worker that left stopping registers again (LeaveRequest.stopping):
   // a member like any other, and the others that stopped get a lease.
   void ResumeStoppedLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The lease start that makes a stopping member lapse kStoppingHold from
-  // now.
-  absl::Time StoppingLeaseStartLocked() const
+  // The lease start that makes a stopping member lapse `hold` from now.
+  absl::Time StoppingLeaseStartLocked(absl::Duration hold) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void JoinIfPendingLocked(int worker, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -116,8 +116,9 @@ struct Shard::WorkerState {
   bool seen = false;         // any contact, ever: its lease has started
   // Left while stopping (LeaveRequest.stopping): still a member, so that the
   // step under way is not completed without it while every member is
-  // stopping; its lease runs out kStoppingHold after the leave.
+  // stopping; its lease runs out stopping_hold after the leave.
   bool stopping = false;
+  absl::Duration stopping_hold;
   absl::Time last_seen;  // on the lease clock (Shard::LeaseNow)
   // One past the last step pushed here: the ssp clock, and where a
   // restarted async/ssp worker resumes so its pushes are not repeats.

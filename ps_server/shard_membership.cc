@@ -20,11 +20,13 @@ namespace {
 constexpr absl::Duration kStartLogInterval = absl::Seconds(5);
 constexpr absl::Duration kMaxStartWait = absl::Seconds(10);
 // How long a sync worker that left stopping (LeaveRequest.stopping) stays a
-// member while another still trains: the others' step waits this long for
-// it, then completes without it. Long enough for every worker of a stopping
-// job to hear its signal (the launcher, scancel and Kubernetes signal them
-// within a moment of each other); what one SIGTERMed worker in a running job
-// costs the others.
+// member while another still trains, beyond the grace its stop gave its
+// step (LeaveRequest.stopping_grace_s, the others' grace too): the others'
+// step waits this long for it, then completes without it. Long enough for
+// every worker of a stopping job to hear its signal (the launcher, scancel
+// and Kubernetes signal them within a moment of each other) and leave once
+// its grace is over; what one SIGTERMed worker in a running job costs the
+// others.
 constexpr absl::Duration kStoppingHold = absl::Seconds(2);
 
 }  // namespace
@@ -73,9 +75,9 @@ std::shared_ptr<const Shard::Membership> Shard::membership() const {
   return membership_;
 }
 
-absl::Time Shard::StoppingLeaseStartLocked() const {
+absl::Time Shard::StoppingLeaseStartLocked(absl::Duration hold) const {
   return LeaseNow() - options_.worker_lease +
-         std::min(kStoppingHold, options_.worker_lease);
+         std::min(hold, options_.worker_lease);
 }
 
 bool Shard::TouchLocked(int worker) {
@@ -84,8 +86,9 @@ bool Shard::TouchLocked(int worker) {
     // A member that left stopping gets its hold again, not a whole lease:
     // a new primary must not wait a lease for a worker long gone.
     for (WorkerState& other : workers_) {
-      other.last_seen =
-          other.stopping ? StoppingLeaseStartLocked() : LeaseNow();
+      other.last_seen = other.stopping
+                            ? StoppingLeaseStartLocked(other.stopping_hold)
+                            : LeaseNow();
     }
   }
   WorkerState& state = workers_[worker];
@@ -235,6 +238,12 @@ absl::Status Shard::Leave(const LeaveRequest& request) {
         absl::StrCat("worker_id must be in [0, ", options_.max_workers,
                      "), got ", request.worker_id())));
   }
+  // NaN fails both comparisons' negation: refused too.
+  if (!(request.stopping_grace_s() >= 0 && request.stopping_grace_s() <= 1e6)) {
+    return Reject(absl::InvalidArgumentError(
+        absl::StrCat("stopping_grace_s must be in [0, 1e6] seconds, got ",
+                     request.stopping_grace_s())));
+  }
   {
     absl::MutexLock lock(&mu_);
     WorkerState& state = workers_[request.worker_id()];
@@ -243,7 +252,9 @@ absl::Status Shard::Leave(const LeaveRequest& request) {
       // Held, not dropped (LeaveRequest.stopping): ExpireLeases drops it
       // once the hold is over and some other member still trains.
       state.stopping = true;
-      state.last_seen = StoppingLeaseStartLocked();
+      state.stopping_hold =
+          kStoppingHold + absl::Seconds(request.stopping_grace_s());
+      state.last_seen = StoppingLeaseStartLocked(state.stopping_hold);
       return absl::OkStatus();
     }
     state.member = false;

@@ -547,22 +547,26 @@ absl::StatusOr<RegisterModelResponse> RegisterWorker(Shard& shard,
                                                      int num_workers,
                                                      int worker);
 
-// A worker that stops on a signal leaves "stopping" (LeaveRequest.stopping).
-void LeaveStopping(Shard& shard, int worker) {
+// A worker that stops on a signal leaves "stopping" (LeaveRequest.stopping),
+// telling the grace its stop gave its step.
+void LeaveStopping(Shard& shard, int worker,
+                   absl::Duration grace = absl::ZeroDuration()) {
   LeaveRequest leave;
   leave.set_worker_id(worker);
   leave.set_stopping(true);
+  leave.set_stopping_grace_s(absl::ToDoubleSeconds(grace));
   ASSERT_TRUE(shard.Leave(leave).ok());
 }
 
 // Two workers past step 0; worker 1 pushed step 1, worker 0 stopped before
 // pushing it (left stopping).
-void StopOneWorkerInStepOne(Shard& shard) {
+void StopOneWorkerInStepOne(Shard& shard,
+                            absl::Duration grace = absl::ZeroDuration()) {
   for (int worker : {0, 1}) {
     ASSERT_TRUE(DoPush(shard, UniformPush(worker, 0, 1)).ok());
   }
   ASSERT_TRUE(DoPush(shard, UniformPush(1, 1, 1, /*pulled_version=*/1)).ok());
-  LeaveStopping(shard, 0);
+  LeaveStopping(shard, 0, grace);
   EXPECT_EQ(shard.Stats().version(), 1);  // a plain leave completes it
 }
 
@@ -601,6 +605,34 @@ TEST(ShardLeaseTest, AStoppingWorkerLapsesAfterItsHoldWhileAnotherTrains) {
   ASSERT_TRUE(pulled->status.ok()) << pulled->status;
   EXPECT_EQ(pulled->blocks[0].version, 2);
   EXPECT_EQ(f.shard->Stats().steps_short(), 1);
+}
+
+// The hold is 2 s beyond the grace the stopping worker's step had: the
+// others, signalled with it, may take that long to end their steps (and
+// then leave stopping too, holding the step for a resume).
+TEST(ShardLeaseTest, AStoppingWorkersHoldFollowsItsGrace) {
+  Fixture f = MakeLeasedShard(2, absl::Seconds(20));
+  const absl::Time left = absl::Now();
+  ASSERT_NO_FATAL_FAILURE(StopOneWorkerInStepOne(*f.shard, absl::Seconds(1)));
+  auto pulled = DoPull(*f.shard, PullAt(1, 2), absl::Now() + absl::Seconds(8));
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_GE(absl::Now() - left, absl::Seconds(3));
+  EXPECT_EQ(pulled->blocks[0].version, 2);
+  EXPECT_EQ(f.shard->Stats().steps_short(), 1);
+}
+
+TEST(ShardLeaseTest, AStoppingLeaveWithABadGraceIsRefused) {
+  Fixture f = MakeLeasedShard(2, absl::Seconds(20));
+  for (const double grace_s : {-1.0, std::nan(""), 1e9}) {
+    LeaveRequest leave;
+    leave.set_worker_id(0);
+    leave.set_stopping(true);
+    leave.set_stopping_grace_s(grace_s);
+    const absl::Status left = f.shard->Leave(leave);
+    EXPECT_TRUE(absl::IsInvalidArgument(left)) << grace_s << ": " << left;
+    EXPECT_TRUE(absl::StrContains(left.message(), "stopping_grace_s")) << left;
+  }
+  EXPECT_EQ(f.shard->Stats().members(), 2);  // nothing changed
 }
 
 // ---------------------------------------------------------------------------

@@ -698,18 +698,26 @@ TEST(ReproducibleSyncTest, ACtrJobStoppedBySignalsAndResumedChangesNothing) {
 // stops; workers 1 and 2 push step 11 and wait for it. Every shard stops at
 // step 11 with none short, and the job resumed is the undisturbed one.
 // With a fixed 400 ms grace the interrupts cut worker 0's PushPull halfway
-// and the shards stop at different steps.
+// and the shards stop at different steps. With 1500 ms the steps' grace
+// (over 3 s) outlasts the servers' 2 s hold of a stopped worker's step:
+// the hold follows the grace the stopping worker sends with its leave
+// (LeaveRequest.stopping_grace_s); with 2 s, step 11 completed without
+// worker 0 while the others still ended theirs (a short step).
 TEST(ReproducibleSyncTest, ASignalDuringALongBackwardLetsTheStepGoInWhole) {
   const Job job = {3, 2, false, false, 64, {"--pipeline_step=always"}};
   const Outcome reference = RunJob(job, "long_backward_undisturbed");
-  SignalledStop in_backward;
-  in_backward.first = {"--inject_sigterm_in_backward_step=10"};
-  in_backward.all = {"--inject_backward_pause_ms=600"};
-  in_backward.at_step = 11;
-  ExpectSameOutcome(reference,
-                    RunJob(job, "long_backward_stopped",
-                           StopBySignalsThenResume(in_backward)),
-                    "stopped by a signal during a long backward, resumed");
+  for (const int pause_ms : {600, 1500}) {
+    SignalledStop in_backward;
+    in_backward.first = {"--inject_sigterm_in_backward_step=10"};
+    in_backward.all = {absl::StrCat("--inject_backward_pause_ms=", pause_ms)};
+    in_backward.at_step = 11;
+    ExpectSameOutcome(
+        reference,
+        RunJob(job, absl::StrCat("long_backward_stopped_", pause_ms),
+               StopBySignalsThenResume(in_backward)),
+        absl::StrCat("stopped by a signal during a backward of ", pause_ms,
+                     " ms, resumed"));
+  }
 }
 
 // Sparse rows: a row's gradients from several workers are summed in worker

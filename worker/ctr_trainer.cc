@@ -774,7 +774,11 @@ absl::StatusOr<CtrResult> TrainCtr(const CtrModelOptions& model,
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
     if (!steps_short.ok()) return steps_short.status();
     result.steps_short = *steps_short;
-    if (absl::Status s = client.Leave(result.stopped_early); !s.ok()) return s;
+    if (absl::Status s =
+            client.Leave(result.stopped_early, GraceOf(options.graceful_stop));
+        !s.ok()) {
+      return s;
+    }
   }
   result.rows_pulled = (*net)->rows_pulled();
   result.rows_pushed = (*net)->rows_pushed();

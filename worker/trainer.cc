@@ -930,7 +930,7 @@ absl::Status PullFinalModel(const TrainerOptions& options, ConsistencyMode mode,
     absl::StatusOr<int64_t> steps_short = client.StepsShort();
     if (!steps_short.ok()) return steps_short.status();
     result.steps_short = *steps_short;
-    return client.Leave(result.stopped_early);
+    return client.Leave(result.stopped_early, GraceOf(options.graceful_stop));
   }
   if (absl::Status s = client.Leave(result.stopped_early); !s.ok()) return s;
   PsClient& reader = options.observer != nullptr ? *options.observer : client;

@@ -82,4 +82,8 @@ void GracefulStop::Arm() {
   quiet_ = false;
 }
 
+absl::Duration GraceOf(const GracefulStop* stop) {
+  return stop != nullptr ? stop->grace() : absl::ZeroDuration();
+}
+
 }  // namespace pstrain

@@ -72,6 +72,11 @@ class GracefulStop {
   bool quiet_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// The grace `stop` gives a step now; zero without one (a worker that does
+// not stop on signals). What a stopping leave tells the servers
+// (PsClient::Leave).
+absl::Duration GraceOf(const GracefulStop* stop);
+
 }  // namespace pstrain
 
 #endif  // PSTRAIN_WORKER_CLIENT_GRACEFUL_STOP_H_

@@ -728,13 +728,17 @@ void PsClient::DropSparseRowCache() {
   if (row_cache_ != nullptr) row_cache_->Clear();
 }
 
-absl::Status PsClient::Leave(bool stopping) {
+absl::Status PsClient::Leave(bool stopping, absl::Duration stopping_grace) {
   StopHeartbeats();
   DropSparseRowCache();
   if (worker_id_ < 0) return absl::OkStatus();
   LeaveRequest request;
   request.set_worker_id(worker_id_);
   request.set_stopping(stopping);
+  if (stopping) {
+    request.set_stopping_grace_s(
+        absl::ToDoubleSeconds(std::max(stopping_grace, absl::ZeroDuration())));
+  }
   std::vector<Call> calls(num_shards());
   for (int s = 0; s < num_shards(); ++s) {
     calls[s].shard = s;
@@ -743,11 +747,12 @@ absl::Status PsClient::Leave(bool stopping) {
   return RunAll("Leave", calls, options_.rpc_timeout);
 }
 
-absl::Status PsClient::LeaveWithin(bool stopping, absl::Duration within) {
+absl::Status PsClient::LeaveWithin(bool stopping, absl::Duration stopping_grace,
+                                   absl::Duration within) {
   absl::Status left;
   absl::Notification done;
   std::thread leaver([&] {
-    left = Leave(stopping);
+    left = Leave(stopping, stopping_grace);
     done.Notify();
   });
   if (!done.WaitForNotificationWithTimeout(within)) Interrupt();

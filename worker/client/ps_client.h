@@ -529,12 +529,16 @@ class PsClient {
   // `stopping` (sync): it stops because it was told to (a signal), not
   // because its steps are done: the step under way waits for it while no
   // other worker trains, so that a whole job stopped at once completes no
-  // step short (LeaveRequest.stopping).
-  absl::Status Leave(bool stopping = false);
+  // step short (LeaveRequest.stopping); `stopping_grace`, the grace the
+  // stop gave this worker's step (GracefulStop::grace()), lengthens that
+  // hold, as the others' steps may take as long to end.
+  absl::Status Leave(bool stopping = false,
+                     absl::Duration stopping_grace = absl::ZeroDuration());
   // Leave, given up after `within` (Interrupt, from another thread): a
   // worker stopping on a signal must not be held by a shard it cannot
   // reach.
-  absl::Status LeaveWithin(bool stopping, absl::Duration within);
+  absl::Status LeaveWithin(bool stopping, absl::Duration stopping_grace,
+                           absl::Duration within);
   // The sparse row cache's counts (all 0 when it is off), read on the
   // thread that makes the sparse calls.
   SparseRowCacheStats sparse_row_cache_stats() const;
