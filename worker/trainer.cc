@@ -1134,12 +1134,15 @@ absl::StatusOr<TrainResult> Train(const TrainerOptions& options,
         /*may_pull_ahead=*/step + 1 < options.steps && !await_start_after_push);
     if (!exchange.ok()) return exchange.status();
     if (options.graceful_stop != nullptr) {
-      // Pushed (before the first step's wait for the job to start): what
-      // the step took of its own, the forward's waits for values aside (a
-      // PushPull's time holds its wait for the step's peers too; a
-      // pipelined step's push is still in flight and not counted).
-      options.graceful_stop->StepWorkDone(
-          exchange->compute_time - exchange->values_wait + exchange->push_time);
+      // Pushed (before the first step's wait for the job to start): the
+      // step's time with its push. A pipelined step's push is still in
+      // flight; its forward's wait for the last step's values (inside
+      // compute_time) is the part of that exchange that outlasted compute,
+      // so a push on a slow link gets its time in the grace too. Both hold
+      // waits for the step's peers: the servers hold a stopped worker's
+      // step that much longer (LeaveRequest.stopping_grace_s).
+      options.graceful_stop->StepWorkDone(exchange->compute_time +
+                                          exchange->push_time);
     }
     pulled_ahead = exchange->pulled_ahead;
     if (exchange->skipped) {

@@ -48,6 +48,15 @@
 #   data_port_dropped  every shard drops packets to its data port (gRPC
 #                    passes) for the whole job: the workers must fall back
 #                    to gRPC within the data plane's 5 s connect bound
+#   sigterm_slow_link  links of 2 Mbit/s (a push takes about a second, 50
+#                    times the step's compute), and every worker SIGTERMed
+#                    at once: each must end its step in hand, its push
+#                    whole, and exit 0 (143: cut in a wait after its step);
+#                    in sync mode every shard must stop
+#                    at the same step with none short (README, "Stopping").
+#                    Not a fault of the network: its own checks replace the
+#                    accounting (a stopped job's held step is neither
+#                    applied nor lost), and no recovery is timed
 # With --replicas=2 every shard is held by two servers on hosts of their own
 # (ps_server --replicas; takeover after 2 s of silence), and these faults
 # hit shard 1's replicas for 4 s:
@@ -177,6 +186,16 @@ min_version() {
 apply_fault() {  # apply_fault NAME: starts the fault; sets hold (s)
   case $1 in
     none | delay20 | reorder | data_port_dropped) hold=0 ;;  # whole job, or none
+    sigterm_slow_link)
+      # ip netns exec runs the worker under lab_exec's subshell: signal the
+      # worker itself, found in its host's namespace.
+      local w pid
+      for ((w = 0; w < kWorkers; ++w)); do
+        for pid in $(ip netns pids "$(lab_ns "$(worker_host $w)")"); do
+          [[ $(cat "/proc/$pid/comm" 2>/dev/null) == worker ]] && kill -TERM "$pid"
+        done
+      done
+      hold=0 ;;
     loss1 | loss5)
       local w
       for ((w = 0; w < kWorkers; ++w)); do lab_loss "$(worker_host $w)" "${1#loss}"; done
@@ -215,7 +234,9 @@ trial() {
   local dir="$run/$fault-$mode-$plane"
   mkdir -p "$dir"
   LAB_PREFIX="pstlab$$-t$trial_count"
-  lab_create $((kShards * replicas + kWorkers)) 1gbit
+  local rate=1gbit
+  [[ $fault == sigterm_slow_link ]] && rate=2mbit
+  lab_create $((kShards * replicas + kWorkers)) $rate
   local s r w server_pids=() worker_pids=()
   local proxy_delay="" proxy_jitter=""
   case $fault in
@@ -305,7 +326,11 @@ trial() {
     fi
     wait "${worker_pids[$w]}" || code=$?
     codes+="${codes:+/}$code"
-    [[ $code != 0 && $result == ok ]] && result="failed"
+    # A stopped worker exits 0 once its step is in (143: cut in a wait
+    # after it); 1 when its push was cut.
+    local clean_exit=0
+    [[ $fault == sigterm_slow_link && $code == 143 ]] && clean_exit=143
+    [[ $code != "$clean_exit" && $result == ok ]] && result="failed"
   done
   local wall=$((SECONDS - started))
 
@@ -324,6 +349,10 @@ trial() {
     late_blocks=$(json_field late_blocks "$final")
     late=$((late + ${late_blocks:-0}))
     ((w == 0)) && piped=$(json_field pipelined "$final" | sed -e 's/^true$/y/' -e 's/^false$/n/' -e 's/^$/-/')
+    # A worker stopped while it waited prints no final line: its log says.
+    if ((w == 0)) && [[ -z $piped || $piped == - ]] && grep -q 'steps run as a pipeline' "$dir/worker0.log"; then
+      piped=y
+    fi
   done
   applied=$(sum_field blocks_applied "$stats")
   lost=$(sum_field gradients_lost "$stats")
@@ -331,7 +360,13 @@ trial() {
   dup=$(sum_field blocks_duplicate "$stats")
   local uncounted=$((pushed - applied - late - lost))
   [[ $mismatches != 0 && $result == ok ]] && result="double-applied"
-  if ((replicas == 1)); then
+  if [[ $fault == sigterm_slow_link ]]; then
+    uncounted="-"
+    if [[ $mode == sync && $result == ok &&
+          ($(version_of 0 "$stats") != "$(version_of 1 "$stats")" || $short != 0) ]]; then
+      result="stopped-apart"
+    fi
+  elif ((replicas == 1)); then
     [[ $uncounted != 0 && $result == ok ]] && result="uncounted"
   else
     uncounted="-"

@@ -31,7 +31,10 @@ namespace pstrain {
 // warm-up), so until then the grace is the longest; before any step
 // (reaching the servers, registering) nothing is pushed, and a wait is cut
 // after the shortest. A step that tells its time while the grace runs
-// moves the deadline (signal + the new grace). Thread-safe.
+// moves the deadline (signal + the new grace). A step's time holds its
+// waits for its peers too, so a worker that leaves stopping tells the
+// servers its grace, and they hold its step for the others that long
+// (LeaveRequest.stopping_grace_s). Thread-safe.
 class GracefulStop {
  public:
   // Twice `step_work`, at least 0.4 s (time for a step's end and the
