@@ -238,8 +238,17 @@ class DataLinkIo {
   // Ends every exchange not yet answered with `status`; the link is left
   // out of step, so it is not used again.
   void Fail(const absl::Status& status) {
+    // An Abort ends the connection: what the exchange then sees (the peer
+    // closed, a reset) is not the server's doing.
+    const absl::Status failed =
+        link_->aborted_.load()
+            ? absl::CancelledError(absl::StrCat(
+                  "data-plane exchange with ", link_->peer_,
+                  " interrupted (PsClient::Interrupt: a signal, or Ctrl-C in "
+                  "Python)"))
+            : status;
     for (; answered_ < queue_.size(); ++answered_) {
-      queue_[answered_]->status = status;
+      queue_[answered_]->status = failed;
       MarkEnded(answered_);
     }
     link_->usable_ = false;
@@ -490,6 +499,7 @@ class DataLinkIo {
 };
 
 void DataLink::Abort() const {
+  aborted_.store(true);
   // shutdown, not close: the descriptor stays this link's until it is
   // destroyed, and a poll or recv on it returns at once.
   ::shutdown(fd_.get(), SHUT_RDWR);

@@ -8,6 +8,7 @@
 #ifndef PSTRAIN_COMMON_TRANSPORT_DATA_LINK_H_
 #define PSTRAIN_COMMON_TRANSPORT_DATA_LINK_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -46,8 +47,8 @@ class DataLink {
   // link instead.
   bool usable() const { return usable_; }
   // From any thread: ends the connection under an exchange in progress,
-  // which then fails at once (PsClient::Interrupt). The link is unusable
-  // afterwards.
+  // which then fails at once, CANCELLED (PsClient::Interrupt). The link is
+  // unusable afterwards.
   void Abort() const;
   const std::string& peer() const { return peer_; }
   // The server runs on this host (ConnectsToThisHost).
@@ -74,6 +75,9 @@ class DataLink {
   bool same_host_ = false;
   absl::Duration hello_round_trip_;
   bool usable_ = true;
+  // Abort was called: the connection's end is this process's doing, not
+  // the server's.
+  mutable std::atomic<bool> aborted_{false};
   // Answers as they arrive; kept from one call to the next.
   ReceiveBuffer received_;
 };

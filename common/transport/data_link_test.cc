@@ -282,6 +282,31 @@ TEST(DataLinkTest, AnExchangeAfterAnotherAnsweredWithinItsGraceSucceeds) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// An exchange whose link is aborted under it (PsClient::Interrupt) fails
+// as interrupted, not as a server that closed the connection.
+TEST(DataLinkTest, AnAbortedExchangeFailsAsInterrupted) {
+  HeldServer server;
+  server.NeverAnswer();
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  absl::StatusOr<std::unique_ptr<DataLink>> link =
+      DataLink::Open("127.0.0.1", server.port(), "", 1 << 20, deadline);
+  ASSERT_TRUE(link.ok()) << link.status();
+  std::vector<DataExchange> exchanges(1);
+  exchanges[0].link = link->get();
+  exchanges[0].body = {"req"};
+  std::thread interrupter([&] {
+    server.WaitForRequest();
+    (*link)->Abort();
+  });
+  RunExchanges(absl::MakeSpan(exchanges), deadline);
+  interrupter.join();
+  EXPECT_TRUE(absl::IsCancelled(exchanges[0].status)) << exchanges[0].status;
+  EXPECT_NE(exchanges[0].status.message().find("interrupted"),
+            absl::string_view::npos)
+      << exchanges[0].status;
+  EXPECT_FALSE((*link)->usable());
+}
+
 // When the requests of AnsweringThreads may be sent.
 enum class Made {
   kAtOnce,

@@ -870,10 +870,9 @@ class ParameterServer:
         try:
             self._exchange()
         except pstrain.Error:
-            # Interrupted once the grace was over: a wait for workers that
-            # stopped (CANCELLED, or UNAVAILABLE from a data link the
-            # interrupt closed). The stop below raises outside this block,
-            # so that Ctrl-C shows one traceback, not the call's too.
+            # Interrupted once the grace was over (CANCELLED): a wait for
+            # workers that stopped. The stop below raises outside this
+            # block, so that Ctrl-C shows one traceback, not the call's too.
             if not _core.graceful_stop.requested():
                 raise
         # The next step in hand gets twice this one's time (data, forward,
