@@ -28,6 +28,16 @@ namespace shard_internal {
 
 inline constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 
+// How long a sync worker that left stopping (LeaveRequest.stopping) stays a
+// member while another still trains, beyond the grace its stop gave its
+// step (LeaveRequest.stopping_grace_s, the others' grace too): the others'
+// step waits this long for it, then completes without it. Long enough for
+// every worker of a stopping job to hear its signal (the launcher, scancel
+// and Kubernetes signal them within a moment of each other) and leave once
+// its grace is over; what one SIGTERMed worker in a running job costs the
+// others.
+inline constexpr absl::Duration kStoppingHold = absl::Seconds(2);
+
 // Raises `target` to `value` if it is larger (a peak gauge).
 inline void AtomicMax(std::atomic<int64_t>& target, int64_t value) {
   int64_t current = target.load();
@@ -116,9 +126,12 @@ struct Shard::WorkerState {
   bool seen = false;         // any contact, ever: its lease has started
   // Left while stopping (LeaveRequest.stopping): still a member, so that the
   // step under way is not completed without it while every member is
-  // stopping; its lease runs out stopping_hold after the leave.
+  // stopping; its lease runs out StoppingHold() after the leave.
   bool stopping = false;
-  absl::Duration stopping_hold;
+  absl::Duration stopping_grace;  // LeaveRequest.stopping_grace_s
+  absl::Duration StoppingHold() const {
+    return shard_internal::kStoppingHold + stopping_grace;
+  }
   absl::Time last_seen;  // on the lease clock (Shard::LeaseNow)
   // One past the last step pushed here: the ssp clock, and where a
   // restarted async/ssp worker resumes so its pushes are not repeats.

@@ -19,15 +19,6 @@ namespace {
 // and the longest an AwaitJobStart call is held.
 constexpr absl::Duration kStartLogInterval = absl::Seconds(5);
 constexpr absl::Duration kMaxStartWait = absl::Seconds(10);
-// How long a sync worker that left stopping (LeaveRequest.stopping) stays a
-// member while another still trains, beyond the grace its stop gave its
-// step (LeaveRequest.stopping_grace_s, the others' grace too): the others'
-// step waits this long for it, then completes without it. Long enough for
-// every worker of a stopping job to hear its signal (the launcher, scancel
-// and Kubernetes signal them within a moment of each other) and leave once
-// its grace is over; what one SIGTERMed worker in a running job costs the
-// others.
-constexpr absl::Duration kStoppingHold = absl::Seconds(2);
 
 }  // namespace
 
@@ -87,7 +78,7 @@ bool Shard::TouchLocked(int worker) {
     // a new primary must not wait a lease for a worker long gone.
     for (WorkerState& other : workers_) {
       other.last_seen = other.stopping
-                            ? StoppingLeaseStartLocked(other.stopping_hold)
+                            ? StoppingLeaseStartLocked(other.StoppingHold())
                             : LeaseNow();
     }
   }
@@ -252,9 +243,8 @@ absl::Status Shard::Leave(const LeaveRequest& request) {
       // Held, not dropped (LeaveRequest.stopping): ExpireLeases drops it
       // once the hold is over and some other member still trains.
       state.stopping = true;
-      state.stopping_hold =
-          kStoppingHold + absl::Seconds(request.stopping_grace_s());
-      state.last_seen = StoppingLeaseStartLocked(state.stopping_hold);
+      state.stopping_grace = absl::Seconds(request.stopping_grace_s());
+      state.last_seen = StoppingLeaseStartLocked(state.StoppingHold());
       return absl::OkStatus();
     }
     state.member = false;

@@ -115,7 +115,7 @@ absl::StatusOr<ReplicaStateExport> Shard::ExportReplicaState(
       out.set_next_step(w.next_step);
       out.set_pulled_in_this_life(w.pulled_in_this_life);
       out.set_stopping(w.stopping);
-      out.set_stopping_hold_s(absl::ToDoubleSeconds(w.stopping_hold));
+      out.set_stopping_grace_s(absl::ToDoubleSeconds(w.stopping_grace));
     }
     meta.set_started(started_);
     meta.set_expected_seen(expected_seen_);
@@ -262,9 +262,11 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
       out.next_step = in.next_step();
       out.pulled_in_this_life = in.pulled_in_this_life();
       out.stopping = in.stopping();
-      const double hold_s = in.stopping_hold_s();
-      out.stopping_hold =
-          hold_s >= 0 ? absl::Seconds(hold_s) : absl::ZeroDuration();
+      // As Leave takes it; 0 (a replica that predates it) is no grace.
+      const double grace_s = in.stopping_grace_s();
+      out.stopping_grace = grace_s >= 0 && grace_s <= 1e6
+                               ? absl::Seconds(grace_s)
+                               : absl::ZeroDuration();
     }
     started_ = meta.started();
     if (started_) started_at_ = absl::Now();

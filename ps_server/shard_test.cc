@@ -621,6 +621,37 @@ TEST(ShardLeaseTest, AStoppingWorkersHoldFollowsItsGrace) {
   EXPECT_EQ(f.shard->Stats().steps_short(), 1);
 }
 
+// The grace travels with the shard's state: a replica that caught up from
+// it (between steps: worker 0 stopped after step 0) and then took over
+// holds the stopped worker as long when worker 1 pushes step 1.
+TEST(ShardLeaseTest, AStoppingWorkersGraceTravelsToAReplica) {
+  Fixture f = MakeLeasedShard(2, absl::Seconds(20));
+  for (int worker : {0, 1}) {
+    ASSERT_TRUE(DoPush(*f.shard, UniformPush(worker, 0, 1)).ok());
+  }
+  LeaveStopping(*f.shard, 0, absl::Seconds(1));
+  absl::StatusOr<ReplicaStateExport> state =
+      f.shard->ExportReplicaState(/*chunk_bytes=*/24);
+  ASSERT_TRUE(state.ok()) << state.status();
+  absl::StatusOr<std::unique_ptr<Shard>> replica = Shard::Create(f.options);
+  ASSERT_TRUE(replica.ok()) << replica.status();
+  for (size_t c = 0; c < state->chunks.size(); ++c) {
+    ASSERT_TRUE((*replica)
+                    ->ImportReplicaChunk(state->chunks[c],
+                                         absl::StrJoin(state->floats[c], ""))
+                    .ok());
+  }
+  (*replica)->set_leads_steps([] { return true; });
+  const absl::Time took_over = absl::Now();
+  (*replica)->CompleteStepsNowLeading();
+  ASSERT_TRUE(
+      DoPush(**replica, UniformPush(1, 1, 1, /*pulled_version=*/1)).ok());
+  auto pulled = DoPull(**replica, PullAt(1, 2), absl::Now() + absl::Seconds(8));
+  ASSERT_TRUE(pulled->status.ok()) << pulled->status;
+  EXPECT_GE(absl::Now() - took_over, absl::Seconds(3));
+  EXPECT_EQ((*replica)->Stats().steps_short(), 1);
+}
+
 TEST(ShardLeaseTest, AStoppingLeaveWithABadGraceIsRefused) {
   Fixture f = MakeLeasedShard(2, absl::Seconds(20));
   for (const double grace_s : {-1.0, std::nan(""), 1e9}) {

@@ -51,8 +51,9 @@
 #   sigterm_slow_link  links of 2 Mbit/s (a push takes about a second, 50
 #                    times the step's compute), and every worker SIGTERMed
 #                    at once: each must end its step in hand, its push
-#                    whole, and exit 0 (143: cut in a wait after its step);
-#                    in sync mode every shard must stop
+#                    whole, and exit 0 or 143 (cut in a wait); the job must
+#                    stop before its end, and in sync mode every shard must
+#                    stop
 #                    at the same step with none short (README, "Stopping").
 #                    Not a fault of the network: its own checks replace the
 #                    accounting (a stopped job's held step is neither
@@ -326,8 +327,8 @@ trial() {
     fi
     wait "${worker_pids[$w]}" || code=$?
     codes+="${codes:+/}$code"
-    # A stopped worker exits 0 once its step is in (143: cut in a wait
-    # after it); 1 when its push was cut.
+    # A stopped worker exits 0 once its step is in, 143 when cut in a wait
+    # (after its step, or in its push: the shards' steps tell which).
     local clean_exit=0
     [[ $fault == sigterm_slow_link && $code == 143 ]] && clean_exit=143
     [[ $code != "$clean_exit" && $result == ok ]] && result="failed"
@@ -362,6 +363,10 @@ trial() {
   [[ $mismatches != 0 && $result == ok ]] && result="double-applied"
   if [[ $fault == sigterm_slow_link ]]; then
     uncounted="-"
+    # The signals came: the job stopped before its end.
+    if [[ $result == ok && $(version_of 0 "$stats") -ge $steps ]]; then
+      result="not-stopped"
+    fi
     if [[ $mode == sync && $result == ok &&
           ($(version_of 0 "$stats") != "$(version_of 1 "$stats")" || $short != 0) ]]; then
       result="stopped-apart"

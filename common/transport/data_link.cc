@@ -241,12 +241,10 @@ class DataLinkIo {
     // An Abort ends the connection: what the exchange then sees (the peer
     // closed, a reset) is not the server's doing.
     const absl::Status failed =
-        link_->aborted_.load()
-            ? absl::CancelledError(absl::StrCat(
-                  "data-plane exchange with ", link_->peer_,
-                  " interrupted (PsClient::Interrupt: a signal, or Ctrl-C in "
-                  "Python)"))
-            : status;
+        link_->aborted_.load() ? absl::CancelledError(absl::StrCat(
+                                     "data-plane exchange with ", link_->peer_,
+                                     " interrupted by this process"))
+                               : status;
     for (; answered_ < queue_.size(); ++answered_) {
       queue_[answered_]->status = failed;
       MarkEnded(answered_);

@@ -45,10 +45,11 @@ class DataLink {
   // False once an exchange on it failed in a way that leaves the byte
   // stream out of step (lost connection, deadline, bad framing): open a new
   // link instead.
-  bool usable() const { return usable_; }
+  bool usable() const { return usable_ && !aborted_.load(); }
   // From any thread: ends the connection under an exchange in progress,
-  // which then fails at once, CANCELLED (PsClient::Interrupt). The link is
-  // unusable afterwards.
+  // which then fails at once, CANCELLED (PsClient::Interrupt, a replica set
+  // ending its calls). The link is unusable afterwards, even when no
+  // exchange was in progress.
   void Abort() const;
   const std::string& peer() const { return peer_; }
   // The server runs on this host (ConnectsToThisHost).

@@ -63,7 +63,7 @@ void GracefulStop::InterruptAfterGrace() {
     // The step in hand told its time: the first step has pushed, and the
     // waits after it (for peers that stopped) are cut after its measured
     // grace, not the first step's longest one (the servers hold a stopped
-    // step for the others' stop only 2 s).
+    // step for the others' stop 2 s beyond the grace its worker left with).
     deadline = signalled + grace_;
   }
   while (!quiet_) {

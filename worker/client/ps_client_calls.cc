@@ -411,8 +411,8 @@ absl::Status PsClient::RunAll(const char* method, std::vector<Call>& calls,
       switch (calls[i].status.code()) {
         case absl::StatusCode::kUnavailable:       // down or restarting
         case absl::StatusCode::kDeadlineExceeded:  // peers slow or dead
-        case absl::StatusCode::kCancelled:  // by a server shutting down: this
-                                            // client never cancels a call
+        case absl::StatusCode::kCancelled:  // by a server shutting down (an
+                                            // Interrupt returned above)
           // A replicated shard: gone, or not the primary (a backup says
           // so as UNAVAILABLE): the next replica may be.
           if (replicas_ > 1) {

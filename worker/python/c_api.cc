@@ -352,6 +352,9 @@ void pstrain_stop_gracefully(uint64_t signals, int64_t step_work_ms) {
     pstrain::stop_signal.store(0);
     pstrain::graceful_stop->NewJob();
     pstrain::graceful_stop->StepWorkBegins();
+    // Before the signals are watched: a stop that comes at once must find
+    // the interrupts armed (the last job left them quiet).
+    pstrain::graceful_stop->Arm();
   } else if (signals != 0) {
     pstrain::graceful_stop->StepWorkDone(absl::Milliseconds(step_work_ms));
   }

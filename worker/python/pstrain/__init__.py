@@ -175,9 +175,10 @@ class Client:
 
     def leave_stopping(self, timeout_s=0.3):
         """Leaves as a worker stopped by a signal: a sync job holds the step
-        it stopped at while no other worker trains (after 2 s of one
-        training it completes without this worker), so that a job stopped
-        whole resumes at that step with nothing short."""
+        it stopped at while no other worker trains (once one has trained 2 s
+        beyond this worker's stop grace, it completes without this worker),
+        so that a job stopped whole resumes at that step with nothing
+        short."""
         self._core.leave_stopping(timeout_s)
 
     def stats(self):

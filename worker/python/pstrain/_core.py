@@ -221,15 +221,18 @@ class _GracefulStop:
             return
         defaults = {signal.SIGINT: signal.default_int_handler,
                     signal.SIGTERM: signal.SIG_DFL}
-        for number, default in defaults.items():
-            if signal.getsignal(number) is default:
-                self._ours[number] = signal.signal(number, self._on_signal)
+        numbers = [number for number, default in defaults.items()
+                   if signal.getsignal(number) is default]
+        # All set before a handler can run: a new job, whose first step's
+        # time is not known, and which an earlier job's stop (a caught
+        # KeyboardInterrupt) does not stop; the library watches before
+        # the handlers say a stop is graceful.
         self._pid = os.getpid()
-        # A new job: its first step's time is not known, and an earlier
-        # job's stop (a caught KeyboardInterrupt) does not stop it.
         self._step_work_s = None
         self._seen = False
-        self._tell_library()
+        self._tell_library(numbers)
+        for number in numbers:
+            self._ours[number] = signal.signal(number, self._on_signal)
 
     def deactivate(self, owner):
         import signal
@@ -251,10 +254,10 @@ class _GracefulStop:
         launcher SIGKILLs 10 s after SIGTERM)."""
         self._step_work_s = seconds
         if self._ours:
-            self._tell_library()
+            self._tell_library(self._ours)
 
-    def _tell_library(self):
-        mask = sum(1 << int(number) for number in self._ours)
+    def _tell_library(self, numbers):
+        mask = sum(1 << int(number) for number in numbers)
         work_ms = (-1 if self._step_work_s is None
                    else int(self._step_work_s * 1000))
         _lib.pstrain_stop_gracefully(mask, work_ms)
