@@ -118,6 +118,14 @@ class DataLinkIo {
   static constexpr uint64_t kHeavyBytes = 64 << 10;
 
   bool done() const { return answered_ == queue_.size(); }
+  // The requests' bytes not yet handed to the socket.
+  uint64_t UnsentBytes() const {
+    uint64_t unsent = 0;
+    for (size_t i = iov_first_; i < iov_.size(); ++i) {
+      unsent += iov_[i].iov_len;
+    }
+    return unsent;
+  }
   bool sending() const {
     return (iov_first_ < iov_.size() && sent_bytes_ < SendLimit()) ||
            tls_flush_pending_;
@@ -239,12 +247,20 @@ class DataLinkIo {
   // out of step, so it is not used again.
   void Fail(const absl::Status& status) {
     // An Abort ends the connection: what the exchange then sees (the peer
-    // closed, a reset) is not the server's doing.
-    const absl::Status failed =
-        link_->aborted_.load() ? absl::CancelledError(absl::StrCat(
-                                     "data-plane exchange with ", link_->peer_,
-                                     " interrupted by this process"))
-                               : status;
+    // closed, a reset) is not the server's doing. Whether its requests had
+    // all left tells a stopped worker whether its push went in whole.
+    absl::Status failed = status;
+    if (link_->aborted_.load()) {
+      const uint64_t unsent = UnsentBytes();
+      failed = absl::CancelledError(absl::StrCat(
+          "data-plane exchange with ", link_->peer_,
+          " interrupted by this process ",
+          unsent > 0 || tls_flush_pending_
+              ? absl::StrCat("with ", unsent,
+                             " bytes of its requests unsent (a push among "
+                             "them did not go in whole)")
+              : std::string("while waiting for its answer")));
+    }
     for (; answered_ < queue_.size(); ++answered_) {
       queue_[answered_]->status = failed;
       MarkEnded(answered_);

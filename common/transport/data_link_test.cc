@@ -301,10 +301,37 @@ TEST(DataLinkTest, AnAbortedExchangeFailsAsInterrupted) {
   RunExchanges(absl::MakeSpan(exchanges), deadline);
   interrupter.join();
   EXPECT_TRUE(absl::IsCancelled(exchanges[0].status)) << exchanges[0].status;
-  EXPECT_NE(exchanges[0].status.message().find("interrupted"),
+  EXPECT_NE(exchanges[0].status.message().find(
+                "interrupted by this process while waiting for its answer"),
             absl::string_view::npos)
       << exchanges[0].status;
   EXPECT_FALSE((*link)->usable());
+}
+
+// One aborted before its request has all left says so: a push cut there
+// did not go in whole. The server never reads past the Hellos, so 64 MiB
+// cannot all leave, whenever the abort comes.
+TEST(DataLinkTest, AnExchangeAbortedWhileSendingSaysItsRequestDidNotAllLeave) {
+  absl::Notification end;
+  OneConnectionServer server(
+      [&](int fd) { end.WaitForNotificationWithTimeout(absl::Seconds(30)); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  absl::StatusOr<std::unique_ptr<DataLink>> link =
+      DataLink::Open("127.0.0.1", server.port(), "", 1 << 20, deadline);
+  ASSERT_TRUE(link.ok()) << link.status();
+  const std::string body(64 << 20, 'g');
+  std::vector<DataExchange> exchanges(1);
+  exchanges[0].link = link->get();
+  exchanges[0].method = data_plane::Method::kPush;
+  exchanges[0].body = {body};
+  std::thread interrupter([&] { (*link)->Abort(); });
+  RunExchanges(absl::MakeSpan(exchanges), deadline);
+  interrupter.join();
+  end.Notify();
+  EXPECT_TRUE(absl::IsCancelled(exchanges[0].status)) << exchanges[0].status;
+  EXPECT_NE(exchanges[0].status.message().find("did not go in whole"),
+            absl::string_view::npos)
+      << exchanges[0].status;
 }
 
 // When the requests of AnsweringThreads may be sent.
