@@ -11,6 +11,7 @@ absl::Duration GracefulStop::GraceAfter(absl::Duration step_work) {
 void GracefulStop::NewJob() {
   absl::MutexLock lock(&mu_);
   work_measured_ = false;
+  last_step_work_ = absl::ZeroDuration();
   grace_ = GraceAfter(absl::ZeroDuration());
 }
 
@@ -23,7 +24,8 @@ void GracefulStop::StepWorkBegins() {
 void GracefulStop::StepWorkDone(absl::Duration step_work) {
   absl::MutexLock lock(&mu_);
   work_measured_ = true;
-  grace_ = GraceAfter(step_work);
+  grace_ = GraceAfter(std::max(step_work, last_step_work_));
+  last_step_work_ = step_work;
 }
 
 absl::Duration GracefulStop::grace() const {

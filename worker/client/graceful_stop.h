@@ -23,13 +23,16 @@ namespace pstrain {
 // (PsClient::Interrupt), again every 100 ms so that a wait begun since is
 // cut too, until the worker goes quiet to leave.
 //
-// The grace follows the worker's steps: twice the last step's own time
-// (batch, forward, backward and push: what the step in hand may still have
-// ahead when the signal comes), so a big model, or a push on a slow link,
-// is not cut where a small one would be. The first step's time is not
-// known until it has pushed (and a first step is often the slowest:
-// warm-up), so until then the grace is the longest; before any step
-// (reaching the servers, registering) nothing is pushed, and a wait is cut
+// The grace follows the worker's steps: twice the longer of the last two
+// steps' times (batch, forward, backward and push: what the step in hand
+// may still have ahead when the signal comes), so a big model, or a push on
+// a slow link, is not cut where a small one would be. Two, because a
+// pipelined step's push is still in flight when it tells its time, and
+// counts in the next step's (whose forward waits for its values): the first
+// pipelined step after a plain one tells a time with no exchange in it. The
+// first step's time is not known until it has pushed (and a first step is often
+// the slowest: warm-up), so until then the grace is the longest; before any
+// step (reaching the servers, registering) nothing is pushed, and a wait is cut
 // after the shortest. A step that tells its time while the grace runs
 // moves the deadline (signal + the new grace). A step's time holds its
 // waits for its peers too, so a worker that leaves stopping tells the
@@ -72,6 +75,7 @@ class GracefulStop {
   std::set<PsClient*> clients_ ABSL_GUARDED_BY(mu_);
   absl::Duration grace_ ABSL_GUARDED_BY(mu_) = GraceAfter(absl::ZeroDuration());
   bool work_measured_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Duration last_step_work_ ABSL_GUARDED_BY(mu_);
   bool quiet_ ABSL_GUARDED_BY(mu_) = false;
 };
 

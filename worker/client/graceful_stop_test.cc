@@ -27,11 +27,17 @@ TEST(GracefulStopTest, EachStepSetsTheGraceOfALaterStop) {
   EXPECT_EQ(stop.grace(), absl::Seconds(5));
   stop.StepWorkDone(absl::Seconds(1));
   EXPECT_EQ(stop.grace(), absl::Seconds(2));
-  // Later steps keep the last one's measure until they tell theirs.
+  // Later steps keep the last one's measure until they tell theirs, and
+  // the longer of the last two counts (a pipelined step's push is told by
+  // the step after it).
   stop.StepWorkBegins();
   EXPECT_EQ(stop.grace(), absl::Seconds(2));
   stop.StepWorkDone(absl::Milliseconds(10));
+  EXPECT_EQ(stop.grace(), absl::Seconds(2));
+  stop.StepWorkDone(absl::Milliseconds(10));
   EXPECT_EQ(stop.grace(), absl::Milliseconds(400));
+  stop.StepWorkDone(absl::Milliseconds(1500));
+  EXPECT_EQ(stop.grace(), absl::Seconds(3));
   // A new job in the process: its first step is not known either.
   stop.NewJob();
   EXPECT_EQ(stop.grace(), absl::Milliseconds(400));
