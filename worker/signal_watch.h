@@ -17,7 +17,7 @@ namespace pstrain {
 
 // SIGINT/SIGTERM: training stops after the step in hand and leaves the job
 // (`stop`). The step in hand has a grace to end by itself (GracefulStop:
-// twice the step's own work); a call still going after it is a wait that would
+// twice the steps' own work); a call still going after it is a wait that would
 // not end by itself (to reach a server, a retry, a sync pull held for a peer
 // that stopped), and is cut short (GracefulStop). The signal handler only
 // writes to a pipe (common/cli.h); all of this runs on a thread.

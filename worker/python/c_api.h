@@ -195,8 +195,9 @@ void pstrain_watch_signals(int fd);
  * once: pstrain_stop_requested() returns its number, and the calls still
  * in progress after a grace are interrupted, and again every 100 ms, until
  * pstrain_stop_quiet() (the caller finished its step and leaves). The
- * grace is twice `step_work_ms`, the time the caller's last step took
- * (data, forward, backward, exchange), 0.4 s to 5 s; negative: a new job's
+ * grace is twice the longer of the last two `step_work_ms` told, each the
+ * time the caller's last step took (data, forward, backward, exchange),
+ * 0.4 s to 5 s; negative: a new job's
  * first step is under way, its time unknown (5 s until told), and an
  * earlier job's stop is forgotten (its caller handled it). A step that
  * tells its time while the grace runs moves the deadline. The C++
