@@ -37,6 +37,12 @@ inline constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 // its grace is over; what one SIGTERMed worker in a running job costs the
 // others.
 inline constexpr absl::Duration kStoppingHold = absl::Seconds(2);
+// The stopping grace a worker may tell (LeaveRequest.stopping_grace_s), in
+// seconds: a number, at least 0 and at most this (NaN is not).
+inline constexpr double kMaxStoppingGraceS = 1e6;
+inline bool ValidStoppingGrace(double seconds) {
+  return seconds >= 0 && seconds <= kMaxStoppingGraceS;
+}
 
 // Raises `target` to `value` if it is larger (a peak gauge).
 inline void AtomicMax(std::atomic<int64_t>& target, int64_t value) {

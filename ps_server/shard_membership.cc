@@ -229,11 +229,10 @@ absl::Status Shard::Leave(const LeaveRequest& request) {
         absl::StrCat("worker_id must be in [0, ", options_.max_workers,
                      "), got ", request.worker_id())));
   }
-  // NaN fails both comparisons' negation: refused too.
-  if (!(request.stopping_grace_s() >= 0 && request.stopping_grace_s() <= 1e6)) {
-    return Reject(absl::InvalidArgumentError(
-        absl::StrCat("stopping_grace_s must be in [0, 1e6] seconds, got ",
-                     request.stopping_grace_s())));
+  if (!shard_internal::ValidStoppingGrace(request.stopping_grace_s())) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+        "stopping_grace_s must be in [0, ", shard_internal::kMaxStoppingGraceS,
+        "] seconds, got ", request.stopping_grace_s())));
   }
   {
     absl::MutexLock lock(&mu_);

@@ -263,10 +263,10 @@ absl::Status Shard::ImportReplicaChunk(const ReplicaStateChunk& chunk,
       out.pulled_in_this_life = in.pulled_in_this_life();
       out.stopping = in.stopping();
       // As Leave takes it; 0 (a replica that predates it) is no grace.
-      const double grace_s = in.stopping_grace_s();
-      out.stopping_grace = grace_s >= 0 && grace_s <= 1e6
-                               ? absl::Seconds(grace_s)
-                               : absl::ZeroDuration();
+      out.stopping_grace =
+          shard_internal::ValidStoppingGrace(in.stopping_grace_s())
+              ? absl::Seconds(in.stopping_grace_s())
+              : absl::ZeroDuration();
     }
     started_ = meta.started();
     if (started_) started_at_ = absl::Now();

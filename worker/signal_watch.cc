@@ -45,9 +45,8 @@ int StoppedWhileWaiting(SignalWatch& watch, StepOutput& output,
   watch.Quiet();
   output.Finish();
   // A shard that cannot be reached must not hold a stopping worker.
-  if (absl::Status left =
-          client.LeaveWithin(/*stopping=*/true, watch.graceful()->grace(),
-                             absl::Milliseconds(300));
+  if (absl::Status left = client.LeaveStoppingWithin(watch.graceful()->grace(),
+                                                     absl::Milliseconds(300));
       !left.ok()) {
     LOG(WARNING) << "leaving the job: " << left;
   }

@@ -13,6 +13,9 @@ import torch
 from tests.python import cluster
 
 WORKER = os.path.join(cluster.HERE, "train_worker.py")
+# The stopped-and-resumed jobs: BatchNorm, Adam on the servers.
+STOP_FLAGS = ["--optimizer=adam", "--learning_rate=0.01"]
+STOP_JOB = ["--model=bn", "--steps=20"]
 
 
 class TorchFaultsTest(unittest.TestCase):
@@ -56,18 +59,24 @@ class TorchFaultsTest(unittest.TestCase):
         # servers' checkpoints ends with the undisturbed job's model, bit
         # for bit. "staggered": workers 1 and 2 train on, push step 10 and
         # wait for worker 0, which holds it; they are SIGTERMed there.
-        flags = ["--optimizer=adam", "--learning_rate=0.01"]
-        common = ["--model=bn", "--steps=20"]
-        with cluster.Cluster(num_shards=2, num_workers=3, flags=flags) as c:
-            c.run_workers(WORKER, lambda k: common + [f"--out={c.dir}"])
-            undisturbed = torch.load(os.path.join(c.dir, "worker0.pt"))
+        undisturbed = self.undisturbed_model(num_workers=3)
         for case, pipeline in (("together", "off"), ("together", "on"),
                                ("staggered", "off")):
             with self.subTest(case=case, pipeline=pipeline):
                 resumed = self.stop_by_signals_and_resume(
-                    flags, common + [f"--pipeline={pipeline}"], case)
-                for name, value in undisturbed.items():
-                    self.assertTrue(torch.equal(resumed[name], value), name)
+                    STOP_FLAGS, STOP_JOB + [f"--pipeline={pipeline}"], case)
+                self.assert_same_model(resumed, undisturbed)
+
+    def undisturbed_model(self, num_workers):
+        """Worker 0's final state_dict of the stop tests' job, undisturbed."""
+        with cluster.Cluster(num_shards=2, num_workers=num_workers,
+                             flags=STOP_FLAGS) as c:
+            c.run_workers(WORKER, lambda k: STOP_JOB + [f"--out={c.dir}"])
+            return torch.load(os.path.join(c.dir, "worker0.pt"))
+
+    def assert_same_model(self, model, reference):
+        for name, value in reference.items():
+            self.assertTrue(torch.equal(model[name], value), name)
 
     def stop_by_signals_and_resume(self, flags, common, case):
         with cluster.Cluster(num_shards=2, num_workers=3, flags=flags,
@@ -106,13 +115,10 @@ class TorchFaultsTest(unittest.TestCase):
         # Each new job's steps run (not stopped by the old Ctrl-C), the
         # later Ctrl-C is graceful again (not an interrupt mid-push), and
         # the job ends as the undisturbed one, bit for bit.
-        flags = ["--optimizer=adam", "--learning_rate=0.01"]
-        common = ["--model=bn", "--steps=20"]
-        with cluster.Cluster(num_shards=2, num_workers=2, flags=flags) as c:
-            c.run_workers(WORKER, lambda k: common + [f"--out={c.dir}"])
-            undisturbed = torch.load(os.path.join(c.dir, "worker0.pt"))
-        with cluster.Cluster(num_shards=2, num_workers=2, flags=flags) as c:
-            finals = c.run_workers(WORKER, lambda k: common + [
+        undisturbed = self.undisturbed_model(num_workers=2)
+        with cluster.Cluster(num_shards=2, num_workers=2,
+                             flags=STOP_FLAGS) as c:
+            finals = c.run_workers(WORKER, lambda k: STOP_JOB + [
                 f"--out={c.dir}", "--sigint_and_go_on_at_steps=9,14"])
             for final, w in zip(finals, c.workers):
                 self.assertEqual(final["start_step"], 15, final)
@@ -125,8 +131,7 @@ class TorchFaultsTest(unittest.TestCase):
                 self.assertEqual(final["final_model"], "sync_step", final)
             resumed = torch.load(os.path.join(c.dir, "worker0.pt"))
             stats = c.stats()
-        for name, value in undisturbed.items():
-            self.assertTrue(torch.equal(resumed[name], value), name)
+        self.assert_same_model(resumed, undisturbed)
         self.assertEqual([int(s.get("steps_short", 0)) for s in stats],
                          [0, 0])
 

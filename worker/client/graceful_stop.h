@@ -30,12 +30,12 @@ namespace pstrain {
 // pipelined step's push is still in flight when it tells its time, and
 // counts in the next step's (whose forward waits for its values): the first
 // pipelined step after a plain one tells a time with no exchange in it. The
-// first step's time is not known until it has pushed (and a first step is often
-// the slowest: warm-up), so until then the grace is the longest; before any
-// step (reaching the servers, registering) nothing is pushed, and a wait is cut
-// after the shortest. A step that tells its time while the grace runs
-// moves the deadline (signal + the new grace). A step's time holds its
-// waits for its peers too, so a worker that leaves stopping tells the
+// first step's time is not known until it has pushed (and a first step is
+// often the slowest: warm-up), so until then the grace is the longest;
+// before any step (reaching the servers, registering) nothing is pushed,
+// and a wait is cut after the shortest. A step that tells its time while the
+// grace runs moves the deadline (signal + the new grace). A step's time holds
+// its waits for its peers too, so a worker that leaves stopping tells the
 // servers its grace, and they hold its step for the others that long
 // (LeaveRequest.stopping_grace_s). Thread-safe.
 class GracefulStop {

@@ -747,12 +747,12 @@ absl::Status PsClient::Leave(bool stopping, absl::Duration stopping_grace) {
   return RunAll("Leave", calls, options_.rpc_timeout);
 }
 
-absl::Status PsClient::LeaveWithin(bool stopping, absl::Duration stopping_grace,
-                                   absl::Duration within) {
+absl::Status PsClient::LeaveStoppingWithin(absl::Duration stopping_grace,
+                                           absl::Duration within) {
   absl::Status left;
   absl::Notification done;
   std::thread leaver([&] {
-    left = Leave(stopping, stopping_grace);
+    left = Leave(/*stopping=*/true, stopping_grace);
     done.Notify();
   });
   if (!done.WaitForNotificationWithTimeout(within)) Interrupt();

@@ -534,11 +534,11 @@ class PsClient {
   // hold, as the others' steps may take as long to end.
   absl::Status Leave(bool stopping = false,
                      absl::Duration stopping_grace = absl::ZeroDuration());
-  // Leave, given up after `within` (Interrupt, from another thread): a
-  // worker stopping on a signal must not be held by a shard it cannot
-  // reach.
-  absl::Status LeaveWithin(bool stopping, absl::Duration stopping_grace,
-                           absl::Duration within);
+  // A stopping Leave, given up after `within` (Interrupt, from another
+  // thread): a worker stopping on a signal must not be held by a shard it
+  // cannot reach.
+  absl::Status LeaveStoppingWithin(absl::Duration stopping_grace,
+                                   absl::Duration within);
   // The sparse row cache's counts (all 0 when it is off), read on the
   // thread that makes the sparse calls.
   SparseRowCacheStats sparse_row_cache_stats() const;

@@ -693,9 +693,8 @@ int pstrain_client_leave(pstrain_client* c, char** error) {
 int pstrain_client_leave_stopping(pstrain_client* c, double timeout_s,
                                   char** error) {
   return Guard(error, [&] {
-    return c->client->LeaveWithin(/*stopping=*/true,
-                                  pstrain::graceful_stop->grace(),
-                                  absl::Seconds(timeout_s));
+    return c->client->LeaveStoppingWithin(pstrain::graceful_stop->grace(),
+                                          absl::Seconds(timeout_s));
   });
 }
 

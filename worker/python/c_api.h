@@ -197,12 +197,11 @@ void pstrain_watch_signals(int fd);
  * pstrain_stop_quiet() (the caller finished its step and leaves). The
  * grace is twice the longer of the last two `step_work_ms` told, each the
  * time the caller's last step took (data, forward, backward, exchange),
- * 0.4 s to 5 s; negative: a new job's
- * first step is under way, its time unknown (5 s until told), and an
- * earlier job's stop is forgotten (its caller handled it). A step that
- * tells its time while the grace runs moves the deadline. The C++
- * worker's rule (worker/client/graceful_stop.h). A second SIGINT
- * interrupts at once; a second SIGTERM changes nothing. */
+ * 0.4 s to 5 s; negative: a new job's first step is under way, its time
+ * unknown (5 s until told), and an earlier job's stop is forgotten (its
+ * caller handled it). A step that tells its time while the grace runs
+ * moves the deadline. The C++ worker's rule (worker/client/graceful_stop.h).
+ * A second SIGINT interrupts at once; a second SIGTERM changes nothing. */
 void pstrain_stop_gracefully(uint64_t signals, int64_t step_work_ms);
 int pstrain_stop_requested(void);
 void pstrain_stop_quiet(void);
