@@ -10,6 +10,9 @@
 #   mlp_1x1   the same MLP, 1 server x 1 worker: three processes on this
 #             machine's cores, so the replication's round trips show rather
 #             than the backups' CPU (as on a host with cores to spare)
+#   mlp_2x2_offcpu  mlp_2x2 with 2 ms of each worker's step spent off the
+#             cores (--inject_step_delay_ms=2), as a GPU worker's compute
+#             is: the replication's cost where the job leaves cores idle
 #   big_2x4   MLP 32-4096-4096-4 (16.8M parameters, 67 MB), synthetic data,
 #             2 servers x 4 workers, batch 32 a worker, 40 steps
 #
@@ -18,7 +21,8 @@
 # backup (gRPC, the request's bytes) and applied there before the answer:
 # on one machine the backups' applies share its cores with everything else.
 #
-#   bench/replication_overhead.sh [--repeats=3] [--jobs=mlp_2x2,big_2x4,mlp_1x1]
+#   bench/replication_overhead.sh [--repeats=3]
+#       [--jobs=mlp_2x2,big_2x4,mlp_1x1,mlp_2x2_offcpu]
 #
 # Writes bench/results/replication_overhead.txt (medians over the rounds).
 set -euo pipefail
@@ -43,6 +47,7 @@ common=(--server.optimizer=adam --server.learning_rate=0.001 --cpu_threads=1 --l
 job_args() {
   case "$1" in
     mlp_2x2) echo "--servers=2 --workers=2 -- --data=fashion_mnist --model=mlp --hidden=256,128 --global_batch_size=128 --epochs=1" ;;
+    mlp_2x2_offcpu) echo "--servers=2 --workers=2 -- --data=fashion_mnist --model=mlp --hidden=256,128 --global_batch_size=128 --epochs=1 --inject_step_delay_ms=2" ;;
     mlp_1x1) echo "--servers=1 --workers=1 -- --data=fashion_mnist --model=mlp --hidden=256,128 --global_batch_size=128 --epochs=1" ;;
     big_2x4) echo "--servers=2 --workers=4 -- --data=synthetic --num_features=32 --num_classes=4 --model=mlp --hidden=4096,4096 --batch_size=32 --steps=40 --train_examples=4096 --test_examples=256" ;;
     *) echo "replication_overhead.sh: unknown job '$1'" >&2; exit 2 ;;
@@ -76,7 +81,7 @@ out=bench/results/replication_overhead.txt
   echo "command: bench/replication_overhead.sh --repeats=$repeats --jobs=$jobs"
   echo "commit: $BENCH_COMMIT; machine: $BENCH_MACHINE"
   echo
-  printf '%-9s %10s %10s %9s %s\n' job "R=1 ms" "R=2 ms" ratio "per-round ratios"
+  printf '%-14s %10s %10s %9s %s\n' job "R=1 ms" "R=2 ms" ratio "per-round ratios"
 } >"$out.tmp"
 for job in ${jobs//,/ }; do
   one=() two=() ratios=()
@@ -89,7 +94,7 @@ for job in ${jobs//,/ }; do
     ratios+=("$(awk -v o="$o" -v t="$t" 'BEGIN {printf "%.3f", t / o}')")
     echo "$job round $r: R=1 $o ms, R=2 $t ms (x${ratios[-1]})" >&2
   done
-  printf '%-9s %10.3f %10.3f %9.3f %s\n' "$job" "$(printf '%s\n' "${one[@]}" | median)" \
+  printf '%-14s %10.3f %10.3f %9.3f %s\n' "$job" "$(printf '%s\n' "${one[@]}" | median)" \
     "$(printf '%s\n' "${two[@]}" | median)" "$(printf '%s\n' "${ratios[@]}" | median)" "${ratios[*]}" >>"$out.tmp"
 done
 {

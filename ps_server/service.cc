@@ -1,5 +1,6 @@
 #include "ps_server/service.h"
 
+#include <algorithm>
 #include <csignal>
 #include <memory>
 #include <string>
@@ -654,6 +655,11 @@ void ParameterServerService::NudgeStepRecords() {
   step_records_nudged_ = true;
 }
 
+absl::Duration ParameterServerService::StepRecordsLinger() const {
+  return std::clamp(step_intervals_.Median() / 2, kStepRecordsMinLinger,
+                    kStepRecordsMaxLinger);
+}
+
 absl::Status ParameterServerService::SendStepRecords() {
   const bool held = InjectedRecordWindow();
   Shard::TakenStepRecords taken = shard_->TakeStepRecords(
@@ -663,6 +669,16 @@ absl::Status ParameterServerService::SendStepRecords() {
                       "records held by --inject_crash_at=record_window")
                 : absl::OkStatus();
   }
+  // The job's step, from when the newest step a send takes was made.
+  int64_t newest = -1;
+  absl::Time made;
+  for (int i = 0; i < taken.records.records_size(); ++i) {
+    if (taken.records.records(i).step() > newest) {
+      newest = taken.records.records(i).step();
+      made = taken.made[i];
+    }
+  }
+  step_intervals_.Saw(newest, made);
   const std::string header = taken.records.SerializeAsString();
   char length[data_plane::kLengthPrefixBytes];
   data_plane::EncodeLengthPrefix(static_cast<uint32_t>(header.size()), length);
@@ -789,13 +805,13 @@ void ParameterServerService::RunStepRecordsSender() {
       if (step_records_nudged_ && !backup_reads_seen_.load()) {
         // The pulls of the step the records are of do not wait for them
         // (the record window), the next step's do: until one of those
-        // waits, or kStepRecordsLinger passed, the records stay, off the
-        // cores that answer the step's other pulls.
+        // waits, or the linger passed, the records stay, off the cores that
+        // answer the step's other pulls.
         auto needed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_records_mu_) {
           return !record_waits_.empty() || stop_step_records_;
         };
         step_records_mu_.AwaitWithTimeout(absl::Condition(&needed),
-                                          kStepRecordsLinger);
+                                          StepRecordsLinger());
         if (stop_step_records_) return;
       }
       step_records_nudged_ = false;

@@ -22,6 +22,7 @@
 #include "ps_server/replication.h"
 #include "ps_server/rounded_blocks.h"
 #include "ps_server/shard.h"
+#include "ps_server/step_intervals.h"
 
 namespace pstrain {
 
@@ -272,10 +273,17 @@ class ParameterServerService final : public ParameterServerRawService,
   static constexpr int64_t kStepRecordsBytes = int64_t{64} << 20;
   static constexpr int kStepRecordSenders = 2;
   // How long a sender holds records no pull waits for (RunStepRecordsSender):
-  // a Fashion-MNIST MLP step on 1 server x 1 worker with --replicas=2 took
-  // 1.34x one without when records left at once, 1.18x with 0.5 ms
-  // (bench/results/replication_overhead.txt).
-  static constexpr absl::Duration kStepRecordsLinger = absl::Microseconds(500);
+  // half the job's step, so that they travel and are applied while the
+  // workers compute rather than beside the step's exchange, and are on the
+  // backups before the next step's pulls wait for them. Within these
+  // bounds: records sent at once cost a Fashion-MNIST MLP step on 1 server
+  // x 1 worker 1.34x one without replicas, 0.5 ms after 1.25x, half its
+  // step after 1.19x (bench/results/replication_overhead.txt).
+  absl::Duration StepRecordsLinger() const;
+  static constexpr absl::Duration kStepRecordsMinLinger =
+      absl::Microseconds(500);
+  static constexpr absl::Duration kStepRecordsMaxLinger =
+      absl::Milliseconds(10);
 
   // The primary, asked by replica `joiner` to join: starts sending it the
   // shard's state (CatchUp, on catch_up_thread_), or says why it cannot.
@@ -371,10 +379,12 @@ class ParameterServerService final : public ParameterServerRawService,
   bool step_records_nudged_ ABSL_GUARDED_BY(step_records_mu_) = false;
   bool stop_step_records_ ABSL_GUARDED_BY(step_records_mu_) = false;
   std::vector<std::thread> step_records_senders_;
+  // The job's step, learnt from the records each send takes.
+  StepIntervals step_intervals_;
   // What the critical path of a replicated sync step spends on the
   // records (StatsResponse.step_record_*).
   // A pull came with values_elsewhere: workers read from the backups, so
-  // records are not held (kStepRecordsLinger).
+  // records are not held (StepRecordsLinger).
   std::atomic<bool> backup_reads_seen_{false};
   std::atomic<int64_t> step_record_sends_{0};
   std::atomic<int64_t> step_record_send_ns_{0};
