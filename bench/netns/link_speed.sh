@@ -6,12 +6,16 @@
 #   bazel build //ps_server //worker //bench/soak:observer
 #   bench/netns/link_speed.sh [--rate=1gbit] [--repeats=3] [--steps=150]
 #       [--models=mlp,cnn,probe] [--workers=2,4] [--shards=1,2,4]
-#       [--replicas=1] [--report=FILE] [--any_rate] [-- extra worker flags]
+#       [--replicas=1] [--report=FILE] [--any_rate] [--bin_dir=DIR]
+#       [-- extra worker flags]
 #
 # probe: the MLP's size (235,146 floats) with no compute, the network part
 # alone. --any_rate measures even where the shaping misses its rate (e.g.
 # --rate=10gbit, above what veth pairs carry on this machine: the CPU floor
 # of the exchange; the ratio to the ideal is then meaningless).
+#
+# --bin_dir: where ps_server/ps_server, worker/worker and
+# bench/soak/observer are (default bazel-bin; another build's, to compare).
 #
 # --replicas=R: each shard held by R servers (ps_server --replicas), each on
 # a host of its own; the primary is replica 0.
@@ -40,6 +44,7 @@ command_line="$*"
 rate=1gbit repeats=3 steps=150 models=mlp,cnn workers_list=2,4 shards_list=1,2,4
 replicas=1
 report=""
+bin=$repo/bazel-bin
 any_rate=0
 extra=()
 while (($#)); do
@@ -53,6 +58,7 @@ while (($#)); do
     --replicas=*) replicas=${1#*=} ;;
     --report=*) report=${1#*=} ;;
     --any_rate) any_rate=1 ;;
+    --bin_dir=*) bin=${1#*=} ;;
     --) shift; extra=("$@"); break ;;
     *) echo "link_speed.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
@@ -62,7 +68,6 @@ done
 [[ $replicas =~ ^[1-9]$ ]] || { echo "link_speed.sh: --replicas must be 1-9, got '$replicas'" >&2; exit 2; }
 lab_require || exit 0
 command -v iperf3 >/dev/null || { echo "link_speed.sh: needs iperf3 (deploy/setup.sh installs it)" >&2; exit 2; }
-bin=$repo/bazel-bin
 for b in ps_server/ps_server worker/worker bench/soak/observer; do
   [[ -x $bin/$b ]] || { echo "link_speed.sh: missing $bin/$b; bazel build //ps_server //worker //bench/soak:observer" >&2; exit 2; }
 done
