@@ -656,8 +656,7 @@ void ParameterServerService::NudgeStepRecords() {
 }
 
 absl::Duration ParameterServerService::StepRecordsLinger() const {
-  return std::clamp(step_intervals_.Median() / 2, kStepRecordsMinLinger,
-                    kStepRecordsMaxLinger);
+  return step_intervals_.HalfStep(kStepRecordsMinLinger, kStepRecordsMaxLinger);
 }
 
 absl::Status ParameterServerService::SendStepRecords() {
@@ -669,16 +668,16 @@ absl::Status ParameterServerService::SendStepRecords() {
                       "records held by --inject_crash_at=record_window")
                 : absl::OkStatus();
   }
-  // The job's step, from when the newest step a send takes was made.
-  int64_t newest = -1;
-  absl::Time made;
+  // The job's step, from when the steps a send takes were made; not from a
+  // skip (a restored primary's jump to its workers' step, made at once).
+  std::vector<int64_t> steps;
+  std::vector<absl::Time> made;
   for (int i = 0; i < taken.records.records_size(); ++i) {
-    if (taken.records.records(i).step() > newest) {
-      newest = taken.records.records(i).step();
-      made = taken.made[i];
-    }
+    if (taken.records.records(i).skip_to() != 0) continue;
+    steps.push_back(taken.records.records(i).step());
+    made.push_back(taken.made[i]);
   }
-  step_intervals_.Saw(newest, made);
+  step_intervals_.Saw(steps, made);
   const std::string header = taken.records.SerializeAsString();
   char length[data_plane::kLengthPrefixBytes];
   data_plane::EncodeLengthPrefix(static_cast<uint32_t>(header.size()), length);

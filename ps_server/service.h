@@ -278,7 +278,7 @@ class ParameterServerService final : public ParameterServerRawService,
   // backups before the next step's pulls wait for them. Within these
   // bounds: records sent at once cost a Fashion-MNIST MLP step on 1 server
   // x 1 worker 1.34x one without replicas, 0.5 ms after 1.25x, half its
-  // step after 1.19x (bench/results/replication_overhead.txt).
+  // step after 1.20x (bench/results/replication_overhead.txt).
   absl::Duration StepRecordsLinger() const;
   static constexpr absl::Duration kStepRecordsMinLinger =
       absl::Microseconds(500);

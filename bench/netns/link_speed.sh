@@ -15,7 +15,8 @@
 # of the exchange; the ratio to the ideal is then meaningless).
 #
 # --bin_dir: where ps_server/ps_server, worker/worker and
-# bench/soak/observer are (default bazel-bin; another build's, to compare).
+# bench/soak/observer are (default bazel-bin; another build's, to compare;
+# a relative path is from the repository's root).
 #
 # --replicas=R: each shard held by R servers (ps_server --replicas), each on
 # a host of its own; the primary is replica 0.
