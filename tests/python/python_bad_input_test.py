@@ -281,6 +281,33 @@ class StepWithoutBackwardTest(unittest.TestCase):
         self.assertEqual(os.path.basename(said[0].filename),
                          "python_bad_input_test.py")
 
+    def test_gradients_zeroed_in_place_and_no_backward_are_said(self):
+        # zero_grad() without set_to_none (torch 1.x's default) moves every
+        # gradient as a backward would; only a backward leaves values.
+        with cluster.Cluster(num_shards=1, num_workers=1) as c:
+            model = mlp()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1,
+                                        momentum=0.9)
+            ps = pstrain.torch.ParameterServer(
+                model, hosts=c.hosts, worker_id=0, num_workers=1,
+                optimizer=optimizer)
+            x = torch.ones(2, 4)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for zeroed in (True, False, True):  # with backward
+                    if zeroed:
+                        optimizer.zero_grad(set_to_none=False)
+                    model(x).sum().backward()
+                    ps.step()
+                said = [w for w in caught if "no gradient" in str(w.message)]
+                self.assertEqual(said, [])
+                optimizer.zero_grad(set_to_none=False)
+                ps.step()  # zeroed, and no backward since
+                said = [w for w in caught if "no gradient" in str(w.message)]
+            ps.finish()
+        self.assertEqual(len(said), 1)
+        self.assertIn("at step 3 ", str(said[0].message))
+
 
 class ClusterSpecClientOptionsTest(unittest.TestCase):
     """A cluster description's worker_flags reach a Python worker's client

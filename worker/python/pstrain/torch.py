@@ -981,6 +981,23 @@ class ParameterServer:
         if not self._warned_no_gradient:
             self._cleared_gradients = self._gradient_marks()
 
+    def _only_zeroed_since_cleared(self, marks):
+        """Whether every gradient that moved since the last step moved by
+        one in-place change and holds zeros: optimizer.zero_grad() without
+        set_to_none (torch 1.x's default) and no backward. A backward into
+        a zeroed gradient moves it twice; one into the gradient the last
+        step left (zeros, no zero_grad) once, and leaves values."""
+        cleared = self._cleared_gradients or [None] * len(marks)
+        moved = []
+        for t, mark, before in zip(self._tensors, marks, cleared):
+            if mark == before or mark is None:
+                continue
+            if (before is None or mark[0] != before[0]
+                    or mark[1] != before[1] + 1):
+                return False  # a gradient backward made or added to
+            moved.append(t.tensor.grad)
+        return not any(bool(grad.any()) for grad in moved)
+
     def _warn_if_no_gradient(self):
         """A step that no backward reached pushes zeros, and the servers'
         optimizer still steps (weight decay, momentum), where torch's
@@ -994,7 +1011,8 @@ class ParameterServer:
             return  # backward reached a table's rows
         marks = self._gradient_marks()
         if any(m is not None for m in marks) and (
-                marks != self._cleared_gradients):
+                marks != self._cleared_gradients) and (
+                not self._only_zeroed_since_cleared(marks)):
             return
         self._warned_no_gradient = True
         warnings.warn(
