@@ -7,6 +7,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -670,8 +671,8 @@ absl::Status ParameterServerService::SendStepRecords() {
   }
   // The job's step, from when the steps a send takes were made; not from a
   // skip (a restored primary's jump to its workers' step, made at once).
-  std::vector<int64_t> steps;
-  std::vector<absl::Time> made;
+  absl::InlinedVector<int64_t, 32> steps;
+  absl::InlinedVector<absl::Time, 32> made;
   for (int i = 0; i < taken.records.records_size(); ++i) {
     if (taken.records.records(i).skip_to() != 0) continue;
     steps.push_back(taken.records.records(i).step());

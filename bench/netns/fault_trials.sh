@@ -53,8 +53,8 @@
 #                    at once: each must end its step in hand, its push
 #                    whole, and exit 0 or 143 (cut in a wait); the job must
 #                    stop before its end, and in sync mode every shard must
-#                    stop
-#                    at the same step with none short (README, "Stopping").
+#                    stop at the same step with none short (README,
+#                    "Stopping").
 #                    Not a fault of the network: its own checks replace the
 #                    accounting (a stopped job's held step is neither
 #                    applied nor lost), and no recovery is timed

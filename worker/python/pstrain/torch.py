@@ -988,15 +988,13 @@ class ParameterServer:
         a zeroed gradient moves it twice; one into the gradient the last
         step left (zeros, no zero_grad) once, and leaves values."""
         cleared = self._cleared_gradients or [None] * len(marks)
-        moved = []
         for t, mark, before in zip(self._tensors, marks, cleared):
             if mark == before or mark is None:
                 continue
             if (before is None or mark[0] != before[0]
-                    or mark[1] != before[1] + 1):
+                    or mark[1] != before[1] + 1 or bool(t.tensor.grad.any())):
                 return False  # a gradient backward made or added to
-            moved.append(t.tensor.grad)
-        return not any(bool(grad.any()) for grad in moved)
+        return True
 
     def _warn_if_no_gradient(self):
         """A step that no backward reached pushes zeros, and the servers'
